@@ -1,0 +1,1 @@
+"""Domain types, state machines, invariants and errors. Standard library only."""

@@ -1,0 +1,175 @@
+"""Invariants 1-4 of ARCHITECTURE.md as one pure checker.
+
+``gpufleet admin check``, the tests and the simulator all build an :class:`InvariantView` (from
+the database or from an in-memory fleet) and call :func:`check_invariants`. A violation is a bug
+to surface, never a number to patch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from gpufleet.domain.states import (
+    JOB_TERMINAL,
+    RESERVATION_ACTIVE,
+    RUN_ACTIVE,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """Capacity of one node. ``gpu_holders`` maps GPU index -> holding run_id (None if free)."""
+
+    node_id: str
+    total_gpus: int
+    available_gpus: int
+    gpu_holders: Mapping[int, str | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ReservationView:
+    reservation_id: str
+    run_id: str
+    job_id: str
+    node_id: str
+    gpu_ids: tuple[int, ...]
+    status: str
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    job_id: str
+    status: str
+    current_run_id: str | None
+    fencing_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunView:
+    run_id: str
+    job_id: str
+    status: str
+    token: int
+    completion_accepted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class InvariantView:
+    nodes: tuple[NodeView, ...]
+    reservations: tuple[ReservationView, ...]
+    jobs: tuple[JobView, ...]
+    runs: tuple[RunView, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken invariant: ``invariant`` is 1-4 (ARCHITECTURE.md), ``subject`` the id involved."""
+
+    invariant: int
+    subject: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"invariant {self.invariant} [{self.subject}]: {self.message}"
+
+
+def check_invariants(view: InvariantView) -> list[Violation]:
+    """Return every violation of invariants 1-4 in ``view`` (empty list when all hold).
+
+    1. Per node: GPUs of active reservations + available == total, and active reservations'
+       gpu_ids are disjoint and match the per-GPU holder records.
+    2. A GPU id is held by at most one active reservation (cluster-wide).
+    3. A job has at most one authoritative attempt; a terminal job holds no active reservation.
+    4. At most one accepted completion per job.
+    """
+    out: list[Violation] = []
+    active = [r for r in view.reservations if r.status in RESERVATION_ACTIVE]
+    out.extend(_capacity_adds_up(view.nodes, active))
+    out.extend(_gpus_held_once(view.nodes, active))
+    out.extend(_one_authoritative_attempt(view.jobs, view.runs, active))
+    out.extend(_one_accepted_completion(view.runs))
+    return out
+
+
+def _capacity_adds_up(
+    nodes: Iterable[NodeView], active: list[ReservationView]
+) -> Iterable[Violation]:
+    reserved: dict[str, int] = defaultdict(int)
+    for r in active:
+        reserved[r.node_id] += len(r.gpu_ids)
+    for n in nodes:
+        if reserved[n.node_id] + n.available_gpus != n.total_gpus:
+            yield Violation(
+                1,
+                n.node_id,
+                f"reserved {reserved[n.node_id]} + available {n.available_gpus}"
+                f" != total {n.total_gpus}",
+            )
+        if n.available_gpus < 0:
+            yield Violation(1, n.node_id, f"available is negative ({n.available_gpus})")
+        held = sum(1 for h in n.gpu_holders.values() if h is not None)
+        if n.gpu_holders and held != reserved[n.node_id]:
+            yield Violation(
+                1,
+                n.node_id,
+                f"{held} GPUs marked held but active reservations hold {reserved[n.node_id]}",
+            )
+
+
+def _gpus_held_once(
+    nodes: Iterable[NodeView], active: list[ReservationView]
+) -> Iterable[Violation]:
+    holders: dict[tuple[str, int], list[str]] = defaultdict(list)
+    for r in active:
+        for g in r.gpu_ids:
+            holders[(r.node_id, g)].append(r.run_id)
+    for (node_id, gpu), runs in sorted(holders.items()):
+        if len(runs) > 1:
+            yield Violation(2, f"{node_id}/gpu{gpu}", f"held by {len(runs)} runs: {sorted(runs)}")
+    node_by_id = {n.node_id: n for n in nodes}
+    for (node_id, gpu), runs in sorted(holders.items()):
+        node = node_by_id.get(node_id)
+        if node is None:
+            yield Violation(2, node_id, "active reservation on an unknown node")
+            continue
+        if node.gpu_holders and node.gpu_holders.get(gpu) not in runs:
+            yield Violation(
+                2,
+                f"{node_id}/gpu{gpu}",
+                f"reserved by {runs} but the GPU record says {node.gpu_holders.get(gpu)!r}",
+            )
+
+
+def _one_authoritative_attempt(
+    jobs: Iterable[JobView], runs: Iterable[RunView], active: list[ReservationView]
+) -> Iterable[Violation]:
+    active_runs_by_job: dict[str, list[RunView]] = defaultdict(list)
+    for run in runs:
+        if run.status in RUN_ACTIVE:
+            active_runs_by_job[run.job_id].append(run)
+    active_res_by_job: dict[str, list[ReservationView]] = defaultdict(list)
+    for r in active:
+        active_res_by_job[r.job_id].append(r)
+    for job in jobs:
+        live = active_runs_by_job.get(job.job_id, [])
+        if len(live) > 1:
+            yield Violation(3, job.job_id, f"{len(live)} active attempts: {[r.run_id for r in live]}")
+        for run in live:
+            if run.run_id != job.current_run_id:
+                yield Violation(3, job.job_id, f"active attempt {run.run_id} is not current")
+        if job.status in JOB_TERMINAL and active_res_by_job.get(job.job_id):
+            yield Violation(3, job.job_id, f"terminal ({job.status}) but holds a reservation")
+        if len(active_res_by_job.get(job.job_id, [])) > 1:
+            yield Violation(3, job.job_id, "more than one active reservation")
+
+
+def _one_accepted_completion(runs: Iterable[RunView]) -> Iterable[Violation]:
+    accepted: dict[str, int] = defaultdict(int)
+    for run in runs:
+        if run.completion_accepted:
+            accepted[run.job_id] += 1
+    for job_id, count in sorted(accepted.items()):
+        if count > 1:
+            yield Violation(4, job_id, f"{count} accepted completions")

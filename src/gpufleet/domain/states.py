@@ -1,0 +1,172 @@
+"""The state machines: one table per machine mapping ``(from, to)`` to a named trigger.
+
+This module is the single definition of what may change into what. ``store/transitions.py``
+is the single writer of ``status`` columns and calls :func:`check_transition` before every
+guarded UPDATE; the simulator calls it too. Terminal states are derived: states with no
+outgoing edge.
+
+No edge frees capacity on a timer: every path of a reservation to RELEASED or EXPIRED is
+taken on the agent's word (stopped, never started, completed) or an operator's fence.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final, TypeVar
+
+from gpufleet.domain.errors import IllegalTransition
+
+
+class JobStatus(enum.StrEnum):
+    PENDING = "PENDING"
+    SCHEDULED = "SCHEDULED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    EXPIRED = "EXPIRED"
+
+
+class RunStatus(enum.StrEnum):
+    ASSIGNED = "ASSIGNED"
+    RUNNING = "RUNNING"
+    PREEMPTING = "PREEMPTING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    PREEMPTED = "PREEMPTED"
+    CANCELLED = "CANCELLED"
+
+
+class ReservationStatus(enum.StrEnum):
+    RESERVED = "RESERVED"
+    CONFIRMED = "CONFIRMED"
+    RELEASED = "RELEASED"
+    EXPIRED = "EXPIRED"
+
+
+class NodeStatus(enum.StrEnum):
+    HEALTHY = "HEALTHY"
+    SUSPECT = "SUSPECT"
+    QUARANTINED = "QUARANTINED"
+    CORDONED = "CORDONED"
+    DRAINING = "DRAINING"
+    FENCED = "FENCED"
+
+
+class Machine(enum.StrEnum):
+    JOB = "job"
+    RUN = "run"
+    RESERVATION = "reservation"
+    NODE = "node"
+
+
+J, R, V, N = JobStatus, RunStatus, ReservationStatus, NodeStatus
+
+JOB_TRANSITIONS: Final[Mapping[tuple[JobStatus, JobStatus], str]] = MappingProxyType(
+    {
+        (J.PENDING, J.SCHEDULED): "RESERVED",
+        (J.PENDING, J.CANCELLED): "CANCELLED_WHILE_PENDING",
+        (J.PENDING, J.EXPIRED): "EXPIRED_IN_QUEUE",
+        (J.SCHEDULED, J.RUNNING): "AGENT_CONFIRMED",
+        (J.SCHEDULED, J.PENDING): "REQUEUED",
+        (J.SCHEDULED, J.SUCCEEDED): "COMPLETED",
+        (J.SCHEDULED, J.FAILED): "FAILED_NO_RETRIES_LEFT",
+        (J.SCHEDULED, J.CANCELLED): "CANCELLED",
+        (J.RUNNING, J.SUCCEEDED): "COMPLETED",
+        (J.RUNNING, J.FAILED): "FAILED_NO_RETRIES_LEFT",
+        (J.RUNNING, J.CANCELLED): "CANCELLED",
+        (J.RUNNING, J.PENDING): "REQUEUED",
+    }
+)
+
+RUN_TRANSITIONS: Final[Mapping[tuple[RunStatus, RunStatus], str]] = MappingProxyType(
+    {
+        (R.ASSIGNED, R.RUNNING): "AGENT_CONFIRMED",
+        (R.ASSIGNED, R.SUCCEEDED): "COMPLETED",  # the confirm was lost, the manifest proves it ran
+        (R.ASSIGNED, R.FAILED): "NEVER_STARTED_OR_EXITED",
+        (R.ASSIGNED, R.PREEMPTING): "STOP_REQUESTED",
+        (R.RUNNING, R.SUCCEEDED): "COMPLETED",
+        (R.RUNNING, R.FAILED): "EXITED_NONZERO",
+        (R.RUNNING, R.PREEMPTING): "STOP_REQUESTED",
+        (R.PREEMPTING, R.PREEMPTED): "STOPPED_FOR_PREEMPTION",
+        (R.PREEMPTING, R.CANCELLED): "STOPPED_FOR_CANCEL",
+        (R.PREEMPTING, R.FAILED): "STOPPED_FOR_TIMEOUT",
+        (R.PREEMPTING, R.SUCCEEDED): "COMPLETED_BEFORE_STOP",
+    }
+)
+
+RESERVATION_TRANSITIONS: Final[Mapping[tuple[ReservationStatus, ReservationStatus], str]] = (
+    MappingProxyType(
+        {
+            (V.RESERVED, V.CONFIRMED): "AGENT_CONFIRMED",
+            (V.RESERVED, V.RELEASED): "RELEASED_ON_AGENT_WORD",
+            (V.CONFIRMED, V.RELEASED): "RELEASED_ON_AGENT_WORD",
+            (V.RESERVED, V.EXPIRED): "EXPIRED_AFTER_RECONCILE",
+            (V.CONFIRMED, V.EXPIRED): "EXPIRED_AFTER_RECONCILE",
+        }
+    )
+)
+
+NODE_TRANSITIONS: Final[Mapping[tuple[NodeStatus, NodeStatus], str]] = MappingProxyType(
+    {
+        (N.HEALTHY, N.SUSPECT): "HEARTBEATS_MISSED",
+        (N.SUSPECT, N.HEALTHY): "HEARTBEAT_RESUMED",
+        (N.SUSPECT, N.QUARANTINED): "UNREACHABLE",
+        (N.QUARANTINED, N.HEALTHY): "OPERATOR_UNQUARANTINE",
+        (N.HEALTHY, N.CORDONED): "OPERATOR_CORDON",
+        (N.SUSPECT, N.CORDONED): "OPERATOR_CORDON",
+        (N.CORDONED, N.HEALTHY): "OPERATOR_UNCORDON",
+        (N.HEALTHY, N.DRAINING): "OPERATOR_DRAIN",
+        (N.CORDONED, N.DRAINING): "OPERATOR_DRAIN",
+        (N.DRAINING, N.CORDONED): "DRAINED",
+        (N.DRAINING, N.HEALTHY): "OPERATOR_UNCORDON",
+        (N.HEALTHY, N.FENCED): "OPERATOR_FENCE",
+        (N.SUSPECT, N.FENCED): "OPERATOR_FENCE",
+        (N.QUARANTINED, N.FENCED): "OPERATOR_FENCE",
+        (N.CORDONED, N.FENCED): "OPERATOR_FENCE",
+        (N.DRAINING, N.FENCED): "OPERATOR_FENCE",
+        (N.FENCED, N.HEALTHY): "OPERATOR_UNFENCE",
+    }
+)
+
+TABLES: Final[Mapping[Machine, Mapping[tuple[str, str], str]]] = MappingProxyType(
+    {
+        Machine.JOB: JOB_TRANSITIONS,  # type: ignore[dict-item]
+        Machine.RUN: RUN_TRANSITIONS,  # type: ignore[dict-item]
+        Machine.RESERVATION: RESERVATION_TRANSITIONS,  # type: ignore[dict-item]
+        Machine.NODE: NODE_TRANSITIONS,  # type: ignore[dict-item]
+    }
+)
+
+S = TypeVar("S", bound=enum.StrEnum)
+
+
+def _terminal(states: type[S], table: Mapping[tuple[S, S], str]) -> frozenset[S]:
+    has_exit = {frm for frm, _ in table}
+    return frozenset(s for s in states if s not in has_exit)
+
+
+JOB_TERMINAL: Final = _terminal(JobStatus, JOB_TRANSITIONS)
+RUN_TERMINAL: Final = _terminal(RunStatus, RUN_TRANSITIONS)
+RESERVATION_TERMINAL: Final = _terminal(ReservationStatus, RESERVATION_TRANSITIONS)
+RUN_ACTIVE: Final = frozenset(set(RunStatus) - RUN_TERMINAL)
+RESERVATION_ACTIVE: Final = frozenset(set(ReservationStatus) - RESERVATION_TERMINAL)
+
+
+def check_transition(machine: Machine, frm: str, to: str) -> str:
+    """Return the trigger name of the edge ``frm -> to`` of ``machine``.
+
+    Raises:
+        IllegalTransition: the table has no such edge.
+    """
+    trigger = TABLES[machine].get((frm, to))
+    if trigger is None:
+        raise IllegalTransition(f"{machine.value}: {frm} -> {to} is not a legal transition")
+    return trigger
+
+
+def sources_of(machine: Machine, to: str) -> frozenset[str]:
+    """All states from which ``to`` may be reached (for guarded ``UPDATE ... WHERE status IN``)."""
+    return frozenset(frm for frm, dst in TABLES[machine] if dst == to)

@@ -1,0 +1,105 @@
+"""The object store: logs, checkpoints, artifacts and manifests of attempts.
+
+One interface over fsspec: a local directory by default (``file:///...``), any fsspec URL
+(e.g. ``s3://bucket/prefix`` with s3fs installed) in production. Objects of an attempt live
+under ``jobs/{job_id}/attempts/{run_id}/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+
+
+def attempt_prefix(job_id: str, run_id: str) -> str:
+    """Key prefix of one attempt, e.g. ``jobs/j-1/attempts/r-1``."""
+    return f"jobs/{job_id}/attempts/{run_id}"
+
+
+class ObjectStore:
+    """Put and get objects by key under a base URL.
+
+    Args:
+        base_url: ``file:///abs/dir`` or a bare path (local), or any fsspec URL.
+    """
+
+    def __init__(self, base_url: str) -> None:
+        if "://" not in base_url:
+            base_url = "file://" + str(Path(base_url).expanduser().resolve())
+        self.base_url = base_url.rstrip("/")
+        self.fs, self._root = fsspec.core.url_to_fs(self.base_url)
+        self._protocol = self.base_url.split("://", 1)[0]
+        if self._protocol == "file":
+            Path(self._root).mkdir(parents=True, exist_ok=True)
+
+    def uri(self, key: str) -> str:
+        """Full URI of ``key`` (what manifests and the API show)."""
+        return f"{self.base_url}/{key.lstrip('/')}"
+
+    def key_of(self, uri: str) -> str:
+        """Inverse of :meth:`uri`. Raises ValueError for a URI outside this store."""
+        if not uri.startswith(self.base_url + "/"):
+            raise ValueError(f"{uri!r} is not in object store {self.base_url!r}")
+        return uri[len(self.base_url) + 1 :]
+
+    def _path(self, key: str) -> str:
+        return f"{self._root}/{key.lstrip('/')}"
+
+    def put_file(self, local_path: str | Path, key: str) -> str:
+        """Upload a local file; returns its URI. Writes to a temporary name then renames where
+        the backend allows, so readers never see half a file."""
+        path = self._path(key)
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        if self._protocol == "file":
+            tmp = path + ".part"
+            self.fs.put_file(str(local_path), tmp)
+            self.fs.mv(tmp, path)
+        else:
+            self.fs.put_file(str(local_path), path)
+        return self.uri(key)
+
+    def put_bytes(self, key: str, data: bytes) -> str:
+        path = self._path(key)
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        tmp = path + ".part" if self._protocol == "file" else path
+        with self.fs.open(tmp, "wb") as f:
+            f.write(data)
+        if tmp != path:
+            self.fs.mv(tmp, path)
+        return self.uri(key)
+
+    def get_bytes(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """Read ``key`` (bytes ``[start, end)``). Raises FileNotFoundError if absent."""
+        with self.fs.open(self._path(key), "rb") as f:
+            f.seek(start)
+            return bytes(f.read() if end is None else f.read(max(0, end - start)))
+
+    def get_file(self, key: str, local_path: str | Path) -> None:
+        Path(local_path).parent.mkdir(parents=True, exist_ok=True)
+        self.fs.get_file(self._path(key), str(local_path))
+
+    def exists(self, key: str) -> bool:
+        return bool(self.fs.exists(self._path(key)))
+
+    def size(self, key: str) -> int:
+        return int(self.fs.size(self._path(key)))
+
+    def sha256(self, key: str) -> str:
+        """Hex sha256 of the stored object, streamed."""
+        h = hashlib.sha256()
+        with self.fs.open(self._path(key), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Keys under ``prefix`` (recursive), sorted."""
+        root = self._path(prefix)
+        if not self.fs.exists(root):
+            return iter(())
+        found = self.fs.find(root)
+        base = self._root.rstrip("/") + "/"
+        return iter(sorted(p[len(base) :] for p in found if not p.endswith(".part")))

@@ -1,0 +1,70 @@
+"""What the policy returns: decisions to apply, and a reason for every job left waiting."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Reserve ``gpu_count`` GPUs of ``node_id`` for ``job_id`` (one atomic reservation)."""
+
+    job_id: str
+    node_id: str
+    gpu_count: int
+    backfilled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Preempt:
+    """Stop ``victim_run_ids`` on ``node_id`` (through the cancel path) so that ``for_job_id``
+    can be placed there; the freed GPUs are held for it."""
+
+    for_job_id: str
+    node_id: str
+    victim_run_ids: tuple[str, ...]
+    reason: str  # "reclaim" (a team takes back its guarantee) or "priority"
+
+
+@dataclass(frozen=True, slots=True)
+class HoldForBackfill:
+    """GPUs of ``node_id`` are held for ``job_id`` from ``start_at_s``; later jobs may only use
+    them if they end before that."""
+
+    job_id: str
+    node_id: str
+    gpu_count: int
+    start_at_s: float
+
+
+Decision = Place | Preempt | HoldForBackfill
+
+
+@dataclass(frozen=True, slots=True)
+class WaitReason:
+    """Why a job still waits.
+
+    Attributes:
+        code: stable machine-readable code (e.g. ``no_node_fits_now``, ``never_fits``,
+            ``team_over_share``, ``held_for_backfill``, ``waiting_for_preemption``).
+        message: one sentence a user understands.
+        details: structured facts (largest free block vs needed, team served instead, ...).
+        position: 1-based position in its team's queue, if known.
+        estimated_start_s: when backfill computes one (snapshot clock), else None.
+    """
+
+    code: str
+    message: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+    position: int | None = None
+    estimated_start_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CycleResult:
+    decisions: tuple[Decision, ...]
+    waiting: Mapping[str, WaitReason] = field(default_factory=dict)

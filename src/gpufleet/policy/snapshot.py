@@ -1,0 +1,109 @@
+"""What the policy sees: an immutable snapshot of teams, nodes, running and pending work.
+
+Built by ``store.queries.load_snapshot`` in the live system and by ``sim`` from its in-memory
+fleet. All times are seconds (float) on the snapshot's own clock (``now_s``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gpufleet.domain.types import PriorityClass, Resources
+
+
+
+@dataclass(frozen=True, slots=True)
+class TeamState:
+    """One team's entitlement and usage.
+
+    Attributes:
+        team_id: the team.
+        weight: relative share for weighted DRF, float > 0.
+        guaranteed_gpus: GPUs guaranteed per GPU type (``{"H100": 16}``).
+        borrow_limit_gpus: how many GPUs above its guarantee the team may borrow from idle
+            capacity; None means unlimited.
+        lending_limit_gpus: per GPU type, the part of the guarantee never lent to others;
+            empty means all of it may be lent.
+        usage_gpu_s: charged usage in GPU-seconds (decayed), float.
+    """
+
+    team_id: str
+    weight: float = 1.0
+    guaranteed_gpus: Mapping[str, int] = field(default_factory=dict)
+    borrow_limit_gpus: int | None = None
+    lending_limit_gpus: Mapping[str, int] = field(default_factory=dict)
+    usage_gpu_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    """Free capacity of one node.
+
+    Attributes:
+        schedulable: HEALTHY and not cordoned/draining/fenced; unschedulable nodes still
+            count for "could this job ever fit" but receive no placements.
+    """
+
+    node_id: str
+    gpu_type: str
+    gpu_memory_mb: int
+    total_gpus: int
+    free_gpus: int
+    cpu_total: float = 0.0
+    cpu_free: float = 0.0
+    memory_total_mb: int = 0
+    memory_free_mb: int = 0
+    labels: Mapping[str, str] = field(default_factory=dict)
+    schedulable: bool = True
+    status: str = "HEALTHY"
+
+
+@dataclass(frozen=True, slots=True)
+class PendingJob:
+    """A job waiting for placement (status PENDING, no cancel requested)."""
+
+    job_id: str
+    team_id: str
+    priority: PriorityClass
+    submitted_at_s: float
+    resources: Resources
+    expected_duration_s: float | None = None
+    max_runtime_s: float | None = None
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    preemptible: bool = True
+    attempt: int = 0
+    """How many attempts this job already had (0 for a fresh job)."""
+    queued_at_s: float | None = None
+    """When the job (re-)entered the queue; None means ``submitted_at_s``."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunningJob:
+    """An attempt holding GPUs (reservation RESERVED or CONFIRMED)."""
+
+    run_id: str
+    job_id: str
+    team_id: str
+    node_id: str
+    priority: PriorityClass
+    gpu_count: int
+    gpu_type: str
+    started_at_s: float
+    cpu: float = 0.0
+    memory_mb: int = 0
+    expected_duration_s: float | None = None
+    max_runtime_s: float | None = None
+    preemptible: bool = True
+    last_checkpoint_s: float | None = None
+    stopping: bool = False
+    """True while PREEMPTING: its GPUs free up soon, but are not free yet."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    now_s: float
+    nodes: tuple[NodeState, ...]
+    pending: tuple[PendingJob, ...]
+    running: tuple[RunningJob, ...] = ()
+    teams: Mapping[str, TeamState] = field(default_factory=dict)

@@ -1,0 +1,51 @@
+"""One typed configuration object, read from ``GPUFLEET_*`` environment variables.
+
+Built once in each entrypoint (CLI command) and passed down; nothing else reads the
+environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPUFLEET_", extra="ignore")
+
+    data_dir: Path = Field(default=Path("~/.gpufleet"), description="Embedded state lives here.")
+    database_url: SecretStr | None = Field(
+        default=None,
+        description="SQLAlchemy URL; default sqlite:///{data_dir}/gpufleet.db. "
+        "PostgreSQL: postgresql+psycopg://user@host:5432/db",
+    )
+    redis_url: str | None = Field(default=None, description="redis://host:6379/0; None = in-process wake-ups.")
+    object_store_url: str | None = Field(default=None, description="default file://{data_dir}/objects")
+
+    server_host: str = "127.0.0.1"
+    server_port: int = 8420
+    controller_address: str = Field(default="127.0.0.1:8421", description="gRPC host:port of the controller.")
+
+    heartbeat_interval_s: float = 10.0
+    suspect_after_missed: int = Field(default=3, description="Missed heartbeats before SUSPECT.")
+    confirm_timeout_s: float = Field(default=30.0, description="RESERVED this long -> reconcile.")
+    scheduler_tick_s: float = Field(default=1.0, description="Scheduler pass period without wake-ups.")
+    default_grace_s: float = Field(default=30.0, description="SIGTERM -> SIGKILL grace for stops.")
+    leader_lease_s: float = 15.0
+    reservation_lease_s: float = 60.0
+
+    max_env_bytes: int = Field(default=64 * 1024, description="Total size of a job's env, bytes.")
+    max_gpus_per_node: int = Field(default=8, description="gpu_count bound while no node is registered.")
+
+    def resolved_data_dir(self) -> Path:
+        return self.data_dir.expanduser().resolve()
+
+    def resolved_database_url(self) -> str:
+        if self.database_url is not None:
+            return self.database_url.get_secret_value()
+        return f"sqlite:///{self.resolved_data_dir() / 'gpufleet.db'}"
+
+    def resolved_object_store_url(self) -> str:
+        return self.object_store_url or f"file://{self.resolved_data_dir() / 'objects'}"
