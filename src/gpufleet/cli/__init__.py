@@ -1,0 +1,1 @@
+"""Command-line entry points: the root app (main.py) and the user-facing client commands."""

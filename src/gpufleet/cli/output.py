@@ -1,0 +1,215 @@
+"""Rendering for the client CLI: Rich tables on stdout, red errors on stderr, plain JSON.
+
+Consoles are built per call so they write to whatever ``sys.stdout``/``sys.stderr`` are at
+that moment (``CliRunner`` swaps them). Every column folds rather than truncates: ids must
+stay copyable.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+STATUS_STYLES = {
+    "PENDING": "yellow",
+    "SCHEDULED": "blue",
+    "RUNNING": "cyan",
+    "ASSIGNED": "blue",
+    "PREEMPTING": "magenta",
+    "SUCCEEDED": "green",
+    "FAILED": "red",
+    "PREEMPTED": "magenta",
+    "CANCELLED": "dim",
+    "EXPIRED": "dim",
+    "READY": "green",
+    "SUSPECT": "yellow",
+    "DRAINING": "magenta",
+    "DOWN": "red",
+}
+
+
+def console() -> Console:
+    return Console(highlight=False)
+
+
+def print_error(message: str, field: str | None = None) -> None:
+    """Print ``error: <message> (field: <field>)`` in red on stderr."""
+    text = f"error: {message}" + (f" (field: {field})" if field else "")
+    Console(stderr=True, highlight=False, soft_wrap=True).print(text, style="red", markup=False)
+
+
+def print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+def status_text(status: str | None) -> Text:
+    return Text(status or "-", style=STATUS_STYLES.get(status or "", ""))
+
+
+def fmt(value: Any) -> str:
+    """A cell: ``-`` for None/empty, comma-joined lists, ``k=v`` mappings."""
+    if value is None or value == "" or value == [] or value == {}:
+        return "-"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def fmt_time(iso: str | None, now: datetime | None = None, relative: bool = False) -> str:
+    """``2024-05-01 12:00:03Z`` from ISO-8601; ``relative`` appends ``(in 4m)`` or ``(4m ago)``."""
+    if not iso:
+        return "-"
+    try:
+        at = datetime.fromisoformat(iso)
+    except ValueError:
+        return iso
+    if at.tzinfo is None:  # the API speaks UTC; a naive timestamp is UTC too
+        at = at.replace(tzinfo=UTC)
+    at = at.astimezone(UTC)
+    text = at.strftime("%Y-%m-%d %H:%M:%SZ")
+    if relative:
+        delta = (at - (now or datetime.now(UTC))).total_seconds()
+        span = _span(abs(delta))
+        text += f" (in {span})" if delta >= 0 else f" ({span} ago)"
+    return text
+
+
+def _span(seconds: float) -> str:
+    if seconds < 90:
+        return f"{int(seconds)}s"
+    if seconds < 5400:
+        return f"{int(seconds // 60)}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def _table(*columns: str, title: str | None = None) -> Table:
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for name in columns:
+        table.add_column(name, overflow="fold")
+    return table
+
+
+def jobs_table(jobs: list[dict[str, Any]]) -> Table:
+    table = _table("JOB", "NAME", "STATUS", "PRIORITY", "GPUS", "GPU TYPES", "CREATED")
+    for job in jobs:
+        table.add_row(
+            fmt(job.get("job_id")),
+            fmt(job.get("name")),
+            status_text(job.get("status")),
+            fmt(job.get("priority")),
+            fmt(job.get("gpu_count")),
+            fmt(job.get("gpu_types")),
+            fmt_time(job.get("created_at")),
+        )
+    return table
+
+
+def nodes_table(nodes: list[dict[str, Any]]) -> Table:
+    table = _table(
+        "NODE",
+        "STATUS",
+        "GPU TYPE",
+        "GPU MEM MB",
+        "GPUS FREE/TOTAL",
+        "LABELS",
+        "ADDRESS",
+        "LAST HEARTBEAT",
+    )
+    for node in nodes:
+        table.add_row(
+            fmt(node.get("node_id")),
+            status_text(node.get("status")),
+            fmt(node.get("gpu_type")),
+            fmt(node.get("gpu_memory_mb")),
+            f"{fmt(node.get('available_gpus'))}/{fmt(node.get('total_gpus'))}",
+            fmt(node.get("labels")),
+            fmt(node.get("address")),
+            fmt_time(node.get("last_heartbeat_at"), relative=True),
+        )
+    return table
+
+
+def attempts_table(attempts: list[dict[str, Any]]) -> Table:
+    table = _table(
+        "RUN",
+        "ATTEMPT",
+        "STATUS",
+        "NODE",
+        "GPUS",
+        "TOKEN",
+        "EXIT",
+        "STARTED",
+        "FINISHED",
+        "MESSAGE",
+        title="Attempts",
+    )
+    for run in attempts:
+        table.add_row(
+            fmt(run.get("run_id")),
+            fmt(run.get("attempt")),
+            status_text(run.get("status")),
+            fmt(run.get("node_id")),
+            fmt(run.get("gpu_ids")),
+            fmt(run.get("token")),
+            fmt(run.get("exit_code")),
+            fmt_time(run.get("started_at")),
+            fmt_time(run.get("finished_at")),
+            fmt(run.get("message")),
+        )
+    return table
+
+
+def pending_lines(reason: dict[str, Any]) -> list[str]:
+    """The pending reason as lines: sentence, code, details, queue position, estimated start."""
+    lines = [str(reason.get("message") or reason.get("code") or "pending")]
+    lines.append(f"  code:            {fmt(reason.get('code'))}")
+    for key, value in (reason.get("details") or {}).items():
+        lines.append(f"  {key + ':':<16} {fmt(value)}")
+    lines.append(f"  queue position:  {fmt(reason.get('position'))}")
+    start = reason.get("estimated_start_at")
+    lines.append(f"  estimated start: {fmt_time(start, relative=True) if start else 'unknown'}")
+    return lines
+
+
+def print_job(job: dict[str, Any]) -> None:
+    """The ``status`` view: fields, attempts, and why the job is pending (if it is)."""
+    out = console()
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    rows: list[tuple[str, str | Text]] = [
+        ("job", fmt(job.get("job_id"))),
+        ("name", fmt(job.get("name"))),
+        ("team", fmt(job.get("team"))),
+        ("status", status_text(job.get("status"))),
+        ("priority", fmt(job.get("priority"))),
+        ("gpus", f"{fmt(job.get('gpu_count'))} x {fmt(job.get('gpu_types') or 'any')}"),
+        ("command", " ".join(job.get("command") or []) or "-"),
+        ("created", fmt_time(job.get("created_at"))),
+        ("scheduled", fmt_time(job.get("scheduled_at"))),
+        ("started", fmt_time(job.get("started_at"))),
+        ("finished", fmt_time(job.get("finished_at"))),
+        ("result", fmt(job.get("result_uri"))),
+    ]
+    if job.get("cancel_requested"):
+        rows.append(("cancel", "requested"))
+    if job.get("failure_reason"):
+        rows.append(("failure", fmt(job.get("failure_reason"))))
+    for key, value in rows:
+        grid.add_row(key, value)
+    out.print(grid)
+    if job.get("attempts"):
+        out.print(attempts_table(job["attempts"]))
+    if job.get("pending_reason"):
+        out.print(Text("Pending: ", style="bold yellow"), end="")
+        out.print("\n".join(pending_lines(job["pending_reason"])), markup=False)

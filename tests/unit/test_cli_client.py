@@ -1,0 +1,525 @@
+"""The client CLI against an in-test fake of the REST API (``httpx.MockTransport``).
+
+A unit test of the CLI layer only: argument parsing, job-file merging, pagination, output
+and error mapping. The real server is exercised by tests/e2e.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from gpufleet.cli import client
+from gpufleet.cli.client import ClientError, build_job_body, register_client_commands
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def job(job_id: str = "job_1", status: str = "RUNNING", **extra: Any) -> dict[str, Any]:
+    return {
+        "job_id": job_id,
+        "name": "train",
+        "team": "ml",
+        "status": status,
+        "priority": "NORMAL",
+        "gpu_count": 2,
+        "gpu_types": ["H100"],
+        "command": ["python", "train.py"],
+        "created_at": "2024-05-01T12:00:00+00:00",
+        "scheduled_at": None,
+        "started_at": None,
+        "finished_at": None,
+        "cancel_requested": False,
+        "result_uri": None,
+        "failure_reason": None,
+        "attempts": [],
+        "pending_reason": None,
+        **extra,
+    }
+
+
+def attempt(run_id: str, status: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "attempt": 1,
+        "status": status,
+        "node_id": "node-a",
+        "gpu_ids": [0, 1],
+        "token": 7,
+        "exit_code": None,
+        "created_at": None,
+        "started_at": None,
+        "finished_at": None,
+        "manifest_uri": None,
+        "message": None,
+        **extra,
+    }
+
+
+PENDING_REASON = {
+    "code": "INSUFFICIENT_GPUS",
+    "message": "Waiting for 2 free H100 GPUs; the largest free block is 1.",
+    "details": {"free_gpus": 1},
+    "position": 3,
+    "estimated_start_at": "2999-01-01T00:00:00+00:00",
+}
+
+
+class FakeApi:
+    """Records requests; routes are ``(METHOD, path) -> handler`` or a queue of responses."""
+
+    def __init__(self) -> None:
+        self.requests: list[httpx.Request] = []
+        self.routes: dict[tuple[str, str], list[httpx.Response] | Handler] = {}
+
+    def on(self, method: str, path: str, *responses: httpx.Response | Handler) -> None:
+        if len(responses) == 1 and callable(responses[0]):
+            self.routes[(method, path)] = responses[0]
+        else:
+            self.routes[(method, path)] = list(responses)  # type: ignore[arg-type]
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        route = self.routes.get((request.method, request.url.path))
+        if route is None:
+            return httpx.Response(404, json={"error": "not_found", "message": "no such thing"})
+        if callable(route):
+            return route(request)
+        return route.pop(0) if len(route) > 1 else route[0]
+
+    def bodies(self) -> list[Any]:
+        return [json.loads(r.content) for r in self.requests if r.content]
+
+
+@pytest.fixture
+def api(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeApi:
+    fake = FakeApi()
+    real = client.make_http_client
+    monkeypatch.setattr(
+        client, "make_http_client", lambda cfg: real(cfg, transport=httpx.MockTransport(fake))
+    )
+    monkeypatch.setattr(client, "_sleep", lambda _s: None)
+    monkeypatch.setenv("GPUFLEET_CONFIG", str(tmp_path / "absent.yaml"))
+    monkeypatch.setenv("GPUFLEET_TOKEN", "t0ken")
+    monkeypatch.delenv("GPUFLEET_URL", raising=False)
+    monkeypatch.setenv("COLUMNS", "250")  # Rich folds long cells at 80 columns
+    return fake
+
+
+def cli(*args: str) -> Any:
+    app = typer.Typer()
+    register_client_commands(app)
+    result = CliRunner().invoke(app, list(args))
+    assert "Traceback" not in result.output + result.stderr
+    assert not isinstance(result.exception, Exception) or isinstance(
+        result.exception, SystemExit
+    ), result.exception
+    return result
+
+
+class TestBuildJobBody:
+    @pytest.mark.parametrize(
+        ("base", "flags", "env", "command", "want"),
+        [
+            pytest.param(
+                {},
+                {},
+                {},
+                ["echo", "hi"],
+                {"command": ["echo", "hi"], "gpu_count": 1, "priority": "NORMAL"},
+                id="defaults: one gpu, NORMAL",
+            ),
+            pytest.param(
+                {"command": ["old"], "gpu_count": 4, "priority": "low", "name": "a"},
+                {"gpu_count": 2, "name": None},
+                {},
+                ["new", "cmd"],
+                {"command": ["new", "cmd"], "gpu_count": 2, "priority": "LOW", "name": "a"},
+                id="flags and -- command override the file; unset flags do not",
+            ),
+            pytest.param(
+                {"command": "python train.py --lr '1e-3'", "env": {"A": "1", "B": "2"}},
+                {},
+                {"B": "3"},
+                [],
+                {
+                    "command": ["python", "train.py", "--lr", "1e-3"],
+                    "env": {"A": "1", "B": "3"},
+                    "gpu_count": 1,
+                    "priority": "NORMAL",
+                },
+                id="file command string is split; env merges key by key",
+            ),
+            pytest.param(
+                {"gpu_type": ["H100", "A100"]},
+                {"gpu_type": ["L4"]},
+                {},
+                ["x"],
+                {"command": ["x"], "gpu_type": "L4", "gpu_count": 1, "priority": "NORMAL"},
+                id="one gpu type goes as a string; flags replace the file's list",
+            ),
+            pytest.param(
+                {"gpu_type": ["H100", "A100"]},
+                {"gpu_type": []},
+                {},
+                ["x"],
+                {
+                    "command": ["x"],
+                    "gpu_type": ["H100", "A100"],
+                    "gpu_count": 1,
+                    "priority": "NORMAL",
+                },
+                id="preference list kept in order",
+            ),
+        ],
+    )
+    def test_merge(
+        self,
+        base: dict[str, Any],
+        flags: dict[str, Any],
+        env: dict[str, str],
+        command: list[str],
+        want: dict[str, Any],
+    ) -> None:
+        assert build_job_body(base, flags, env, {}, command) == want
+
+    def test_no_command_names_the_field(self) -> None:
+        with pytest.raises(ClientError) as info:
+            build_job_body({"gpu_count": 1}, {}, {}, {}, [])
+        assert info.value.field == "command"
+
+
+class TestSubmit:
+    def test_flags_and_command_after_dashes(self, api: FakeApi) -> None:
+        api.on("POST", "/v1/jobs", httpx.Response(201, json={"job_id": "job_1", "status": "P"}))
+        result = cli(
+            "submit",
+            "--gpus",
+            "2",
+            "--gpu-type",
+            "H100",
+            "--gpu-type",
+            "A100",
+            "--env",
+            "A=1=2",
+            "--selector",
+            "zone=a",
+            "--priority",
+            "high",
+            "--cpu",
+            "4",
+            "--",
+            "python",
+            "train.py",
+            "--gpus",
+            "8",
+        )
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout == "job_1\n"
+        request = api.requests[0]
+        assert request.headers["Authorization"] == "Bearer t0ken"
+        key = request.headers["Idempotency-Key"]
+        assert key in result.stderr  # printed so a retry can reuse it
+        assert json.loads(request.content) == {
+            "command": ["python", "train.py", "--gpus", "8"],
+            "gpu_count": 2,
+            "gpu_type": ["H100", "A100"],
+            "cpu": 4.0,
+            "priority": "HIGH",
+            "env": {"A": "1=2"},
+            "node_selector": {"zone": "a"},
+        }
+
+    def test_jobfile_defaults_flags_override(self, api: FakeApi, tmp_path: Path) -> None:
+        api.on("POST", "/v1/jobs", httpx.Response(201, json={"job_id": "job_2", "status": "P"}))
+        jobfile = tmp_path / "job.yaml"
+        jobfile.write_text(
+            "name: from-file\ncommand: [echo, file]\ngpu_count: 4\nmax_retries: 2\nenv: {A: '1'}\n"
+        )
+        result = cli("submit", str(jobfile), "--gpus", "1", "--env", "B=2")
+        assert result.exit_code == 0, result.stderr
+        assert api.bodies()[0] == {
+            "name": "from-file",
+            "command": ["echo", "file"],
+            "gpu_count": 1,
+            "max_retries": 2,
+            "env": {"A": "1", "B": "2"},
+            "priority": "NORMAL",
+        }
+
+    def test_json_jobfile_and_reused_key_replay(self, api: FakeApi, tmp_path: Path) -> None:
+        api.on("POST", "/v1/jobs", httpx.Response(200, json={"job_id": "job_3", "status": "P"}))
+        jobfile = tmp_path / "job.json"
+        jobfile.write_text(json.dumps({"command": ["a"], "gpu_count": 1}))
+        result = cli("submit", str(jobfile), "--idempotency-key", "k-1", "-o", "json")
+        assert result.exit_code == 0, result.stderr
+        assert api.requests[0].headers["Idempotency-Key"] == "k-1"
+        assert json.loads(result.stdout) == {"job_id": "job_3", "status": "P"}
+        assert "replay" in result.stderr
+
+    @pytest.mark.parametrize(
+        ("final", "want_exit"),
+        [
+            pytest.param("SUCCEEDED", 0, id="succeeded: 0"),
+            pytest.param("FAILED", 1, id="failed: 1"),
+        ],
+    )
+    def test_wait(self, api: FakeApi, final: str, want_exit: int) -> None:
+        api.on("POST", "/v1/jobs", httpx.Response(201, json={"job_id": "job_1", "status": "P"}))
+        api.on(
+            "GET",
+            "/v1/jobs/job_1",
+            httpx.Response(200, json=job(status="PENDING", pending_reason=PENDING_REASON)),
+            httpx.Response(200, json=job(status="RUNNING")),
+            httpx.Response(
+                200,
+                json=job(
+                    status=final, failure_reason="exit code 3" if final == "FAILED" else None
+                ),
+            ),
+        )
+        result = cli("submit", "--wait", "--", "true")
+        assert result.exit_code == want_exit
+        assert "Waiting for 2 free H100 GPUs" in result.stderr
+        assert f"job_1: {final}" in result.stderr
+
+    def test_follow_streams_each_started_attempt_then_waits(self, api: FakeApi) -> None:
+        api.on("POST", "/v1/jobs", httpx.Response(201, json={"job_id": "job_1", "status": "P"}))
+        api.on(
+            "GET",
+            "/v1/jobs/job_1",
+            httpx.Response(
+                200, json=job(status="SCHEDULED", attempts=[attempt("r1", "ASSIGNED")])
+            ),
+            httpx.Response(200, json=job(status="RUNNING", attempts=[attempt("r1", "RUNNING")])),
+            httpx.Response(
+                200, json=job(status="SUCCEEDED", attempts=[attempt("r1", "SUCCEEDED")])
+            ),
+        )
+        api.on(
+            "GET",
+            "/v1/jobs/job_1/logs",
+            lambda _r: httpx.Response(200, content=iter([b"epoch 1\n", b"epoch 2\n"])),
+        )
+        result = cli("submit", "--follow", "--", "train")
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout == "job_1\nepoch 1\nepoch 2\n"
+        logs = [r for r in api.requests if r.url.path.endswith("/logs")]
+        assert [dict(r.url.params) for r in logs] == [{"follow": "true", "run_id": "r1"}]
+
+    @pytest.mark.parametrize(
+        ("args", "want_error"),
+        [
+            pytest.param(["--env", "NOEQUALS", "--", "x"], "(field: env)", id="bad --env"),
+            pytest.param([], "(field: command)", id="no command"),
+            pytest.param(["missing.yaml"], "put the job's command after `--`", id="no such file"),
+        ],
+    )
+    def test_input_errors_exit_2(self, api: FakeApi, args: list[str], want_error: str) -> None:
+        result = cli("submit", *args)
+        assert result.exit_code == 2
+        assert want_error in result.stderr
+        assert api.requests == []
+
+
+class TestErrors:
+    @pytest.mark.parametrize(
+        ("response", "want_exit", "want_stderr"),
+        [
+            pytest.param(
+                httpx.Response(
+                    422,
+                    json={
+                        "error": "invalid",
+                        "message": "gpu_count must be at most 8",
+                        "field": "gpu_count",
+                    },
+                ),
+                2,
+                "error: gpu_count must be at most 8 (field: gpu_count)",
+                id="4xx with field",
+            ),
+            pytest.param(
+                httpx.Response(
+                    401, json={"error": "unauthenticated", "message": "bad token", "field": None}
+                ),
+                2,
+                "bad token (check --token",
+                id="401 hints at the token",
+            ),
+            pytest.param(
+                httpx.Response(503, text="upstream down"),
+                1,
+                "HTTP 503 from server: upstream down",
+                id="5xx without JSON: exit 1",
+            ),
+        ],
+    )
+    def test_http_errors(
+        self, api: FakeApi, response: httpx.Response, want_exit: int, want_stderr: str
+    ) -> None:
+        api.on("POST", "/v1/jobs", response)
+        result = cli("submit", "--", "x")
+        assert result.exit_code == want_exit
+        assert want_stderr in result.stderr
+
+    def test_unreachable_server(self, api: FakeApi) -> None:
+        def refuse(request: httpx.Request) -> httpx.Response:
+            raise httpx.ConnectError("connection refused", request=request)
+
+        api.on("GET", "/v1/nodes", refuse)
+        result = cli("nodes", "--url", "http://10.0.0.9:8420")
+        assert result.exit_code == 1
+        assert (
+            "cannot reach gpufleet at http://10.0.0.9:8420: is the server running? (gpufleet up)"
+            in result.stderr
+        )
+
+    def test_missing_token(self, api: FakeApi, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.delenv("GPUFLEET_TOKEN")
+        result = cli("status", "job_1")
+        assert result.exit_code == 2
+        assert "gpufleet up" in result.stderr
+        assert "GPUFLEET_TOKEN" in result.stderr
+        assert api.requests == []
+
+
+class TestReads:
+    def test_list_follows_cursor_with_all(self, api: FakeApi) -> None:
+        pages = {
+            None: {"items": [job("j1")], "next_cursor": "c1"},
+            "c1": {"items": [job("j2")], "next_cursor": "c2"},
+            "c2": {"items": [job("j3")], "next_cursor": None},
+        }
+        api.on(
+            "GET",
+            "/v1/jobs",
+            lambda r: httpx.Response(200, json=pages[r.url.params.get("cursor")]),
+        )
+        result = cli("list", "--all", "--status", "running", "--limit", "1", "-o", "json")
+        assert result.exit_code == 0, result.stderr
+        assert [j["job_id"] for j in json.loads(result.stdout)["items"]] == ["j1", "j2", "j3"]
+        assert all(r.url.params["status"] == "RUNNING" for r in api.requests)
+        assert [r.url.params["limit"] for r in api.requests] == ["1", "1", "1"]
+
+    def test_list_one_page_by_default(self, api: FakeApi) -> None:
+        api.on(
+            "GET",
+            "/v1/jobs",
+            httpx.Response(200, json={"items": [job("j1")], "next_cursor": "c1"}),
+        )
+        result = cli("list")
+        assert result.exit_code == 0, result.stderr
+        assert "j1" in result.stdout
+        assert "RUNNING" in result.stdout
+        assert "--all" in result.stderr
+        assert len(api.requests) == 1
+
+    def test_status_table(self, api: FakeApi) -> None:
+        data = job(
+            status="PENDING",
+            attempts=[attempt("run_9", "PREEMPTED", exit_code=143, message="preempted")],
+            pending_reason=PENDING_REASON,
+            result_uri="file:///r/job_1",
+        )
+        api.on("GET", "/v1/jobs/job_1", httpx.Response(200, json=data))
+        result = cli("status", "job_1")
+        assert result.exit_code == 0, result.stderr
+        for want in (
+            "run_9",
+            "PREEMPTED",
+            "143",
+            "0,1",
+            "node-a",
+            "file:///r/job_1",
+            "INSUFFICIENT_GPUS",
+            "Waiting for 2 free H100 GPUs",
+            "free_gpus",
+        ):
+            assert want in result.stdout
+
+    def test_status_json_is_the_response(self, api: FakeApi) -> None:
+        api.on("GET", "/v1/jobs/job_1", httpx.Response(200, json=job()))
+        result = cli("status", "job_1", "--output", "json")
+        assert json.loads(result.stdout) == job()
+
+    @pytest.mark.parametrize(
+        ("data", "want_lines"),
+        [
+            pytest.param(
+                job(status="PENDING", pending_reason=PENDING_REASON),
+                [
+                    "Waiting for 2 free H100 GPUs",
+                    "INSUFFICIENT_GPUS",
+                    "free_gpus:",
+                    "3",
+                    "2999-01-01 00:00:00Z (in ",
+                ],
+                id="pending: sentence, code, details, position, estimate",
+            ),
+            pytest.param(
+                job(status="FAILED", failure_reason="exit code 3"),
+                ["is not pending: it is FAILED: exit code 3"],
+                id="terminal: says its status",
+            ),
+        ],
+    )
+    def test_why(self, api: FakeApi, data: dict[str, Any], want_lines: list[str]) -> None:
+        api.on("GET", "/v1/jobs/job_1", httpx.Response(200, json=data))
+        result = cli("why", "job_1")
+        assert result.exit_code == 0, result.stderr
+        for want in want_lines:
+            assert want in result.stdout
+
+    def test_logs_streams_with_attempt(self, api: FakeApi) -> None:
+        api.on(
+            "GET",
+            "/v1/jobs/job_1/logs",
+            lambda _r: httpx.Response(200, content=iter([b"a\n", b"b"])),
+        )
+        result = cli("logs", "job_1", "-f", "--attempt", "run_2")
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout == "a\nb"
+        assert dict(api.requests[0].url.params) == {"follow": "true", "run_id": "run_2"}
+
+    def test_cancel(self, api: FakeApi) -> None:
+        api.on(
+            "DELETE",
+            "/v1/jobs/job_1",
+            httpx.Response(
+                202, json={"job_id": "job_1", "status": "RUNNING", "cancel_requested": True}
+            ),
+        )
+        result = cli("cancel", "job_1")
+        assert result.exit_code == 0, result.stderr
+        assert "cancel requested: job_1" in result.stdout
+
+    def test_unknown_job_is_a_4xx(self, api: FakeApi) -> None:
+        result = cli("cancel", "nope")
+        assert result.exit_code == 2
+        assert "error: no such thing" in result.stderr
+
+    def test_nodes(self, api: FakeApi) -> None:
+        node = {
+            "node_id": "node-a",
+            "status": "READY",
+            "gpu_type": "H100",
+            "gpu_memory_mb": 81920,
+            "total_gpus": 8,
+            "available_gpus": 3,
+            "labels": {"zone": "a"},
+            "address": "10.0.0.1:8422",
+            "last_heartbeat_at": "2024-05-01T12:00:00Z",
+        }
+        api.on("GET", "/v1/nodes", httpx.Response(200, json={"items": [node]}))
+        result = cli("nodes")
+        assert result.exit_code == 0, result.stderr
+        for want in ("node-a", "READY", "3/8", "zone=a", "81920"):
+            assert want in result.stdout
