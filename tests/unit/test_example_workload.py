@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpufleet.cli.client import build_job_body, load_jobfile
+
 np = pytest.importorskip("numpy", reason="the examples extra (numpy, scikit-learn) is missing")
 pytest.importorskip("sklearn", reason="the examples extra (numpy, scikit-learn) is missing")
 
@@ -160,7 +162,8 @@ class TestTrainDigits:
 class TestJobFiles:
     @pytest.mark.parametrize("name", ["digits.yaml", "digits-4gpu.yaml"])
     def test_job_file_is_a_post_jobs_body(self, name: str) -> None:
-        body = yaml.safe_load((REPO / "examples" / "jobs" / name).read_text())
+        path = REPO / "examples" / "jobs" / name
+        body = yaml.safe_load(path.read_text())
 
         assert set(body) <= JOB_FIELDS
         assert body["priority"] in {"CRITICAL", "HIGH", "NORMAL", "LOW"}
@@ -169,3 +172,4 @@ class TestJobFiles:
         assert all(isinstance(part, str) for part in body["command"])
         assert (REPO / body["command"][1]).is_file()
         assert all(isinstance(v, str) for v in body.get("env", {}).values())
+        assert build_job_body(load_jobfile(path), {}, {}, {}, []) == body  # the CLI sends it as is
