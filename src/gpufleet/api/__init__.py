@@ -1,0 +1,1 @@
+"""REST API v1 (FastAPI): thin routers over ``services``."""

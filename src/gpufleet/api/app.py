@@ -1,0 +1,242 @@
+"""The FastAPI application: routes, auth dependency and the one error handler."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from sqlalchemy import select
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gpufleet.api.schemas import (
+    AttemptOut, JobCreate, JobCreated, JobList, JobOut, NodeList, NodeOut, PendingReasonOut,
+    TeamCreate, TokenCreate,
+)
+from gpufleet.domain.errors import Forbidden, GpufleetError, NotFound, ValidationFailed
+from gpufleet.domain.states import RUN_TERMINAL
+from gpufleet.objectstore import ObjectStore, attempt_prefix
+from gpufleet.queue import Waker
+from gpufleet.services import auth, jobs
+from gpufleet.settings import Settings
+from gpufleet.store.db import Database
+from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow
+
+log = logging.getLogger("gpufleet.api")
+MAX_BODY_BYTES = 2 * 1024 * 1024
+
+SUBMITS = Counter("gpufleet_api_submits_total", "Job submissions", ["outcome"])
+SUBMIT_SECONDS = Histogram("gpufleet_api_submit_seconds", "POST /v1/jobs latency (s)")
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    db: Database
+    waker: Waker
+    store: ObjectStore
+
+
+def log_key(job_id: str, run_id: str) -> str:
+    """Object-store key of an attempt's combined stdout/stderr."""
+    return f"{attempt_prefix(job_id, run_id)}/logs/output.log"
+
+
+def create_app(state: AppState) -> FastAPI:
+    app = FastAPI(title="gpufleet", version="1", docs_url="/docs")
+    app.state.gf = state
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Response:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return _error(413, "payload_too_large", f"request body over {MAX_BODY_BYTES} bytes", "body")
+        resp: Response = await call_next(request)
+        return resp
+
+    @app.exception_handler(GpufleetError)
+    async def on_error(_: Request, exc: GpufleetError) -> JSONResponse:
+        return _error(exc.http_status, exc.code, exc.message, exc.field)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+        field = ".".join(loc) if loc else "body"
+        if first.get("type") == "json_invalid":
+            return _error(400, "malformed_json", f"the body is not valid JSON: {first.get('msg')}", "body")
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        return _error(422, "validation_error", f"{field}: {msg}", field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, "http_error", str(exc.detail), None)
+
+    @app.exception_handler(Exception)
+    async def on_crash(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return _error(500, "internal_error", "internal error; see the server log", None)
+
+    def principal(authorization: Annotated[str | None, Header()] = None) -> auth.Principal:
+        raw = None
+        if authorization and authorization.lower().startswith("bearer "):
+            raw = authorization[7:].strip()
+        with state.db.read() as s:
+            return auth.authenticate(s, raw)
+
+    def admin(p: Annotated[auth.Principal, Depends(principal)]) -> auth.Principal:
+        if not p.is_admin:
+            raise Forbidden("this needs an admin token")
+        return p
+
+    Who = Annotated[auth.Principal, Depends(principal)]
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/jobs", status_code=201, response_model=JobCreated)
+    def submit(body: JobCreate, who: Who, response: Response,
+               idempotency_key: Annotated[str | None, Header()] = None) -> JobCreated:
+        with SUBMIT_SECONDS.time():
+            if not idempotency_key or len(idempotency_key) > 256:
+                SUBMITS.labels("invalid").inc()
+                raise ValidationFailed("the Idempotency-Key header is required (1-256 characters)",
+                                       field="Idempotency-Key")
+            out = jobs.submit_job(state.db, team_id=who.team_id, idempotency_key=idempotency_key,
+                                  spec=body.to_spec(), fallback_max_gpus=state.settings.max_gpus_per_node)
+            if out.created:
+                state.waker.wake()
+            else:
+                response.status_code = 200
+                response.headers["Idempotent-Replayed"] = "true"
+            SUBMITS.labels("created" if out.created else "replayed").inc()
+            return JobCreated(job_id=out.job_id, status=out.status)
+
+    @app.get("/v1/jobs/{job_id}", response_model=JobOut)
+    def get(job_id: str, who: Who) -> JobOut:
+        with state.db.read() as s:
+            job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
+            return _job_out(job, runs)
+
+    @app.get("/v1/jobs", response_model=JobList)
+    def list_(who: Who, status: str | None = None, limit: Annotated[int, Query(ge=1, le=500)] = 50,
+              cursor: str | None = None) -> JobList:
+        with state.db.read() as s:
+            rows, nxt = jobs.list_jobs(s, None if who.is_admin else who.team_id, status=status,
+                                       limit=limit, cursor=cursor)
+            runs: dict[str, list[JobRunRow]] = {}
+            if rows:
+                for r in s.scalars(select(JobRunRow).where(JobRunRow.job_id.in_([j.id for j in rows]))
+                                   .order_by(JobRunRow.attempt)):
+                    runs.setdefault(r.job_id, []).append(r)
+            return JobList(items=[_job_out(j, runs.get(j.id, [])) for j in rows], next_cursor=nxt)
+
+    @app.delete("/v1/jobs/{job_id}", status_code=202)
+    def cancel(job_id: str, who: Who) -> dict[str, Any]:
+        status = jobs.cancel_job(state.db, None if who.is_admin else who.team_id, job_id)
+        state.waker.wake()
+        return {"job_id": job_id, "status": status, "cancel_requested": True}
+
+    @app.get("/v1/jobs/{job_id}/logs")
+    async def logs(job_id: str, who: Who, follow: bool = False, run_id: str | None = None) -> Response:
+        def pick() -> tuple[str, bool]:
+            with state.db.read() as s:
+                job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
+                chosen = [r for r in runs if r.id == run_id] if run_id else runs[-1:]
+                if not chosen:
+                    raise NotFound(f"job {job_id} has no attempt{' ' + run_id if run_id else ' yet'}",
+                                   field="run_id" if run_id else "job_id")
+                return chosen[0].id, chosen[0].status in RUN_TERMINAL
+
+        rid, done = await asyncio.to_thread(pick)
+        key = log_key(job_id, rid)
+        if not follow or done:
+            data = await asyncio.to_thread(_read_log, state.store, key, 0)
+            return PlainTextResponse(data)
+
+        async def stream() -> AsyncIterator[bytes]:
+            offset = 0
+            while True:
+                finished = await asyncio.to_thread(_run_finished, state.db, rid)
+                chunk = await asyncio.to_thread(_read_log, state.store, key, offset)
+                if chunk:
+                    offset += len(chunk)
+                    yield chunk
+                elif finished:
+                    return
+                await asyncio.sleep(0.5)
+
+        return StreamingResponse(stream(), media_type="text/plain")
+
+    @app.get("/v1/nodes", response_model=NodeList)
+    def nodes(_: Who) -> NodeList:
+        with state.db.read() as s:
+            rows = s.execute(select(NodeRow, NodeCapacityRow).join(
+                NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id).order_by(NodeRow.id)).all()
+            return NodeList(items=[NodeOut(
+                node_id=n.id, status=n.status, gpu_type=n.gpu_type, gpu_memory_mb=n.gpu_memory_mb,
+                total_gpus=c.total_gpus, available_gpus=c.available_gpus, labels=n.labels or {},
+                address=n.address, last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
+                agent_epoch=n.agent_epoch) for n, c in rows])
+
+    @app.post("/v1/admin/teams", status_code=201)
+    def create_team(body: TeamCreate, _: Annotated[auth.Principal, Depends(admin)]) -> dict[str, str]:
+        name = state.db.run_write(lambda s: auth.create_team(s, body.name, weight=body.weight))
+        return {"team": name}
+
+    @app.post("/v1/admin/tokens", status_code=201)
+    def create_token(body: TokenCreate, _: Annotated[auth.Principal, Depends(admin)]) -> dict[str, str]:
+        raw = state.db.run_write(lambda s: auth.create_token(s, body.team, name=body.name, is_admin=body.admin))
+        return {"team": body.team, "token": raw}
+
+    return app
+
+
+def _error(status: int, code: str, message: str, field: str | None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": code, "message": message, "field": field})
+
+
+def _read_log(store: ObjectStore, key: str, offset: int) -> bytes:
+    try:
+        return store.get_bytes(key, start=offset)
+    except (FileNotFoundError, OSError):
+        return b""
+
+
+def _run_finished(db: Database, run_id: str) -> bool:
+    with db.read() as s:
+        status = s.execute(select(JobRunRow.status).where(JobRunRow.id == run_id)).scalar_one_or_none()
+    return status is None or status in RUN_TERMINAL
+
+
+def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
+    spec = job.spec
+    reason = job.pending_reason if job.status == "PENDING" else None
+    return JobOut(
+        job_id=job.id, name=job.name, team=job.team_id, status=job.status, priority=job.priority,
+        gpu_count=job.gpu_count, gpu_types=list(spec["resources"].get("gpu_types") or []),
+        command=list(spec["command"]), max_retries=int(spec.get("max_retries") or 0),
+        created_at=jobs.iso(job.created_at), scheduled_at=jobs.iso(job.scheduled_at),
+        started_at=jobs.iso(job.started_at), finished_at=jobs.iso(job.finished_at),
+        cancel_requested=job.cancel_requested, result_uri=job.result_uri,
+        failure_reason=job.failure_reason,
+        attempts=[AttemptOut(
+            run_id=r.id, attempt=r.attempt, status=r.status, node_id=r.node_id, gpu_ids=list(r.gpu_ids),
+            token=r.token, exit_code=r.exit_code, created_at=jobs.iso(r.created_at),
+            started_at=jobs.iso(r.started_at), finished_at=jobs.iso(r.finished_at),
+            manifest_uri=r.manifest_uri, message=r.message, stop_reason=r.stop_reason) for r in runs],
+        pending_reason=PendingReasonOut(**reason) if reason else (
+            PendingReasonOut(code="queued", message="Queued; the scheduler has not looked at it yet.")
+            if job.status == "PENDING" else None),
+    )

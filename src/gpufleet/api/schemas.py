@@ -1,0 +1,179 @@
+"""Request and response bodies of REST API v1 (``JobCreate`` in, ``JobOut`` out)."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gpufleet.domain.types import JobSpec, PriorityClass, Resources
+
+MAX_ENV_BYTES = 64 * 1024
+Name = Annotated[str, Field(max_length=256)]
+
+
+class JobCreate(BaseModel):
+    """POST /v1/jobs body. Unknown fields are rejected (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name = ""
+    command: list[Annotated[str, Field(max_length=16384)]] = Field(min_length=1, max_length=1024)
+    image: str | None = Field(default=None, max_length=512)
+    gpu_count: int = Field(default=1, ge=1, le=1024)
+    gpu_type: str | list[str] | None = None
+    gpu_memory_mb: int = Field(default=0, ge=0, le=10_000_000)
+    cpu: float = Field(default=0.0, ge=0, le=100_000)
+    memory_mb: int = Field(default=0, ge=0, le=100_000_000)
+    priority: Literal["CRITICAL", "HIGH", "NORMAL", "LOW"] = "NORMAL"
+    max_retries: int = Field(default=0, ge=0, le=100)
+    expected_duration_s: float | None = Field(default=None, gt=0)
+    max_runtime_s: float | None = Field(default=None, gt=0)
+    env: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    preemptible: bool = True
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split_string_command(cls, v: Any) -> Any:
+        return shlex.split(v) if isinstance(v, str) else v
+
+    @field_validator("command")
+    @classmethod
+    def _nonempty_program(cls, v: list[str]) -> list[str]:
+        if not v[0].strip():
+            raise ValueError("the first element (the program) must not be empty")
+        return v
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _types(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(not t.strip() or len(t) > 64 for t in items) or len(items) > 16:
+            raise ValueError("GPU types must be 1-64 characters, at most 16 of them")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_size(cls, v: dict[str, str]) -> dict[str, str]:
+        size = sum(len(k.encode()) + len(val.encode()) for k, val in v.items())
+        if size > MAX_ENV_BYTES:
+            raise ValueError(f"env is {size} bytes; the limit is {MAX_ENV_BYTES}")
+        bad = [k for k in v if not k or "=" in k or "\0" in k or k.startswith("GPUFLEET_")]
+        if bad:
+            raise ValueError(f"invalid or reserved env names: {bad[:5]}")
+        return v
+
+    @model_validator(mode="after")
+    def _runtime_bounds(self) -> JobCreate:
+        if self.expected_duration_s and self.max_runtime_s and self.expected_duration_s > self.max_runtime_s:
+            raise ValueError("expected_duration_s must not exceed max_runtime_s")
+        return self
+
+    def to_spec(self) -> JobSpec:
+        types = [self.gpu_type] if isinstance(self.gpu_type, str) else list(self.gpu_type or [])
+        return JobSpec(
+            command=tuple(self.command),
+            resources=Resources(self.gpu_count, tuple(types), self.gpu_memory_mb, self.cpu, self.memory_mb),
+            priority=PriorityClass(self.priority),
+            name=self.name,
+            image=self.image,
+            env=dict(sorted(self.env.items())),
+            max_retries=self.max_retries,
+            expected_duration_s=self.expected_duration_s,
+            max_runtime_s=self.max_runtime_s,
+            preemptible=self.preemptible,
+            node_selector=dict(sorted(self.node_selector.items())),
+        )
+
+
+class JobCreated(BaseModel):
+    job_id: str
+    status: str
+
+
+class AttemptOut(BaseModel):
+    run_id: str
+    attempt: int
+    status: str
+    node_id: str
+    gpu_ids: list[int]
+    token: int
+    exit_code: int | None
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    manifest_uri: str | None
+    message: str | None
+    stop_reason: str | None
+
+
+class PendingReasonOut(BaseModel):
+    code: str
+    message: str
+    details: dict[str, Any] = {}
+    position: int | None = None
+    estimated_start_at: str | None = None
+
+
+class JobOut(BaseModel):
+    job_id: str
+    name: str
+    team: str
+    status: str
+    priority: str
+    gpu_count: int
+    gpu_types: list[str]
+    command: list[str]
+    max_retries: int
+    created_at: str | None
+    scheduled_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    cancel_requested: bool
+    result_uri: str | None
+    failure_reason: str | None
+    attempts: list[AttemptOut]
+    pending_reason: PendingReasonOut | None
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    next_cursor: str | None
+
+
+class NodeOut(BaseModel):
+    node_id: str
+    status: str
+    gpu_type: str
+    gpu_memory_mb: int
+    total_gpus: int
+    available_gpus: int
+    labels: dict[str, Any]
+    address: str
+    last_heartbeat_at: str | None
+    agent_epoch: int
+
+
+class NodeList(BaseModel):
+    items: list[NodeOut]
+
+
+class TeamCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    weight: float = Field(default=1.0, gt=0)
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    team: str = Field(min_length=1, max_length=64)
+    name: str = ""
+    admin: bool = False
+
+
+class ErrorOut(BaseModel):
+    error: str
+    message: str
+    field: str | None = None

@@ -1,0 +1,168 @@
+"""``gpufleet demo``: the platform on the embedded defaults, running the example training
+workload for two teams to SUCCEEDED, as a user would see it (over the REST API)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from gpufleet.domain.invariants import check_invariants
+from gpufleet.domain.manifest import Manifest
+from gpufleet.objectstore import ObjectStore
+from gpufleet.settings import Settings
+from gpufleet.store.queries import load_invariant_view
+
+console = Console()
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"}
+# (team, name, GPUs, steps)
+WORKLOAD = [
+    ("vision", "digits-1gpu", 1, 300),
+    ("nlp", "digits-8gpu", 8, 200),
+    ("vision", "digits-4gpu", 4, 250),
+    ("nlp", "digits-2gpu", 2, 300),
+    ("vision", "digits-2gpu", 2, 200),
+    ("nlp", "digits-1gpu", 1, 250),
+]
+
+
+def example_script() -> Path:
+    """examples/train_digits.py of the source tree (the demo runs from a clone)."""
+    for base in (Path.cwd(), *Path(__file__).resolve().parents):
+        candidate = base / "examples" / "train_digits.py"
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError("examples/train_digits.py not found; run the demo from the repository")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
+    """Returns the exit code: 0 when every job SUCCEEDED with a verified manifest and the
+    invariant checker found nothing at any sample."""
+    from gpufleet.processes import LocalPlatform, ensure_admin_token
+    from gpufleet.services import auth
+
+    data_dir = settings.resolved_data_dir() / "demo"
+    shutil.rmtree(data_dir, ignore_errors=True)
+    overrides: dict[str, Any] = {"data_dir": data_dir, "heartbeat_interval_s": 2.0}
+    if "server_port" not in settings.model_fields_set:
+        overrides["server_port"] = free_port()
+    overrides["controller_address"] = f"127.0.0.1:{free_port()}"
+    settings = settings.model_copy(update=overrides)
+    script = example_script()
+    console.print(f"[bold]gpufleet demo[/]: embedded platform in {data_dir}")
+    platform = LocalPlatform(settings, gpus="8xH100-80GB")
+    ensure_admin_token(platform.db)
+    tokens = {team: platform.db.run_write(
+        lambda s, t=team: (auth.create_team(s, t, exist_ok=True), auth.create_token(s, t))[1])
+        for team in ("vision", "nlp")}
+    platform.start()
+    try:
+        if not platform.wait_for_node():
+            console.print(f"[red]the local agent did not register; see {data_dir / 'agent.log'}[/]")
+            return 1
+        console.print(f"API {platform.api.url}; one agent with 8 declared H100 GPUs "
+                      "(no NVML on this machine: the GPUs are declared, CUDA_VISIBLE_DEVICES is pinned)")
+        return _drive(platform, settings, tokens, script)
+    finally:
+        if keep_running:
+            console.print(f"platform left running at {platform.api.url}; Ctrl-C to stop")
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                pass
+        platform.stop()
+
+
+def _drive(platform: Any, settings: Settings, tokens: dict[str, str], script: Path) -> int:
+    url = platform.api.url
+    jobs: list[tuple[str, str, str]] = []  # (team, name, job_id)
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for team, name, gpus, steps in WORKLOAD:
+            body = {"name": name, "gpu_count": gpus, "priority": "NORMAL", "max_retries": 1,
+                    "command": [sys.executable, str(script), "--steps", str(steps), "--step-sleep", "0.01"],
+                    "env": {"PYTHONUNBUFFERED": "1"}, "expected_duration_s": 10}
+            r = http.post("/v1/jobs", json=body, headers={
+                "Authorization": f"Bearer {tokens[team]}", "Idempotency-Key": str(uuid.uuid4())})
+            r.raise_for_status()
+            jobs.append((team, name, r.json()["job_id"]))
+        violations: list[str] = []
+        samples = 0
+        states: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + 300
+        with Live(_table(jobs, states), console=console, refresh_per_second=4) as live:
+            while time.monotonic() < deadline:
+                for team, _, job_id in jobs:
+                    states[job_id] = http.get(f"/v1/jobs/{job_id}",
+                                              headers={"Authorization": f"Bearer {tokens[team]}"}).json()
+                    if states[job_id]["status"] not in TERMINAL:
+                        tail = http.get(f"/v1/jobs/{job_id}/logs",
+                                        headers={"Authorization": f"Bearer {tokens[team]}"})
+                        lines = tail.text.strip().splitlines() if tail.status_code == 200 else []
+                        states[job_id]["_last"] = lines[-1] if lines else ""
+                with platform.db.read() as s:
+                    violations += [str(v) for v in check_invariants(load_invariant_view(s))]
+                samples += 1
+                live.update(_table(jobs, states))
+                if all(st.get("status") in TERMINAL for st in states.values()):
+                    break
+                time.sleep(0.5)
+        store = ObjectStore(settings.resolved_object_store_url())
+        ok = True
+        for team, name, job_id in jobs:
+            st = states[job_id]
+            verdict = _verify(store, st.get("result_uri")) if st["status"] == "SUCCEEDED" else "—"
+            ok &= st["status"] == "SUCCEEDED" and verdict.startswith("ok")
+            console.print(f"{team:7} {name:12} {job_id}  {st['status']:9}  manifest: {verdict}")
+        team, name, job_id = jobs[0]
+        log = http.get(f"/v1/jobs/{job_id}/logs", headers={"Authorization": f"Bearer {tokens[team]}"}).text
+        console.print(f"\n[bold]gpufleet logs {job_id}[/] (last lines):")
+        for line in log.strip().splitlines()[-4:]:
+            console.print(f"  {line}")
+    console.print(f"\ninvariant checks: {samples} samples, {len(violations)} violations")
+    for v in violations[:10]:
+        console.print(f"[red]{v}[/]")
+    ok &= not violations
+    console.print("[green]demo passed[/]" if ok else "[red]demo failed[/]")
+    return 0 if ok else 1
+
+
+def _verify(store: ObjectStore, result_uri: str | None) -> str:
+    """Re-check the accepted manifest: every file's sha256 matches the stored object."""
+    if not result_uri:
+        return "missing result_uri"
+    manifest = Manifest.from_json(store.get_bytes(store.key_of(result_uri)))
+    for f in manifest.files:
+        if store.sha256(f.key) != f.sha256:
+            return f"checksum mismatch on {f.path}"
+    kinds = sorted({f.kind for f in manifest.files})
+    return f"ok ({len(manifest.files)} files: {', '.join(kinds)}; sha256 verified)"
+
+
+def _table(jobs: list[tuple[str, str, str]], states: dict[str, dict[str, Any]]) -> Table:
+    t = Table(title="jobs")
+    for col in ("team", "name", "GPUs", "status", "attempt", "node/gpus", "progress"):
+        t.add_column(col)
+    for team, name, job_id in jobs:
+        st = states.get(job_id, {})
+        att = (st.get("attempts") or [{}])[-1]
+        t.add_row(team, name, str(st.get("gpu_count", "")), st.get("status", "…"),
+                  str(att.get("attempt", "")),
+                  f"{att.get('node_id', '')} {att.get('gpu_ids', '')}" if att else "",
+                  (st.get("_last") or (st.get("pending_reason") or {}).get("message", ""))[:60])
+    return t

@@ -1,0 +1,274 @@
+"""Leader-only loops: the scheduler pass, the stop driver and the reconciler.
+
+Each loop reads a short snapshot, decides outside any transaction, and applies each decision
+in its own short transaction guarded by the leader epoch and the attempt's token. RPCs to
+agents happen only after commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import grpc
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.errors import CapacityConflict, NotLeader, StaleState
+from gpufleet.domain.states import JobStatus, NodeStatus, RunStatus
+from gpufleet.objectstore import ObjectStore
+from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.cycle import schedule
+from gpufleet.policy.decisions import Place, WaitReason
+from gpufleet.rpc.protos import fleet_pb2 as pb
+from gpufleet.services import nodes, runs
+from gpufleet.settings import Settings
+from gpufleet.controller.agents import AgentClients
+from gpufleet.store import allocate
+from gpufleet.store.db import Database
+from gpufleet.store.dialect import db_now
+from gpufleet.store.queries import load_snapshot
+from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
+from gpufleet.store.transitions import record_event
+
+log = logging.getLogger("gpufleet.controller")
+
+
+@dataclass
+class Leadership:
+    """This controller's view of its lease (re-checked inside every write anyway)."""
+
+    holder: str
+    epoch: int = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.epoch > 0
+
+
+@dataclass
+class PassStats:
+    pending: int = 0
+    placed: int = 0
+    conflicts: int = 0
+    seconds: float = 0.0
+    placed_runs: list[str] = field(default_factory=list)
+
+
+def reason_json(reason: WaitReason, now_s: float) -> dict[str, object]:
+    from datetime import UTC, datetime
+
+    est = reason.estimated_start_s
+    return {
+        "code": reason.code,
+        "message": reason.message,
+        "details": dict(reason.details),
+        "position": reason.position,
+        "estimated_start_at": datetime.fromtimestamp(est, UTC).isoformat().replace("+00:00", "Z")
+        if est is not None and est >= now_s else None,
+    }
+
+
+class Scheduler:
+    """One pass: snapshot -> ``policy.schedule`` -> reserve each Place -> AssignJob after commit."""
+
+    def __init__(self, db: Database, store: ObjectStore, settings: Settings, leadership: Leadership,
+                 agents: AgentClients, policy: PolicyConfig | None = None) -> None:
+        self.db, self.store, self.settings = db, store, settings
+        self.leadership, self.agents = leadership, agents
+        self.policy = policy or PolicyConfig()
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="assign")
+
+    def run_pass(self) -> PassStats:
+        t0 = time.perf_counter()
+        stats = PassStats()
+        if not self.leadership.is_leader:
+            return stats
+        with self.db.read() as s:
+            now = db_now(s)
+            snap = load_snapshot(s, now)
+            stored = dict(s.execute(select(JobRow.id, JobRow.pending_reason).where(
+                JobRow.status == JobStatus.PENDING)).tuples())
+        stats.pending = len(snap.pending)
+        result = schedule(snap, self.policy)
+        pending = {p.job_id: p for p in snap.pending}
+        for decision in result.decisions:
+            if not isinstance(decision, Place):
+                continue  # preemption/backfill holds are applied by later mechanisms
+            job = pending[decision.job_id]
+            try:
+                reserved = self.db.run_write(lambda s, d=decision, j=job: allocate.reserve(
+                    s, job_id=d.job_id, node_id=d.node_id, gpu_count=d.gpu_count,
+                    seen_fencing_epoch=j.attempt, leader_holder=self.leadership.holder,
+                    leader_epoch=self.leadership.epoch, lease_s=self.settings.reservation_lease_s,
+                    now=db_now(s)))
+            except NotLeader:
+                log.warning("lost leadership during a pass; stopping it")
+                self.leadership.epoch = 0
+                break
+            except (CapacityConflict, StaleState) as exc:
+                stats.conflicts += 1  # the world moved; the next pass sees it (assume/forget)
+                log.debug("skip %s: %s", decision.job_id, exc)
+                continue
+            stats.placed += 1
+            stats.placed_runs.append(reserved.run_id)
+            self._pool.submit(self.dispatch, reserved.run_id)
+        self._store_reasons(result.waiting, stored, snap.now_s)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _store_reasons(self, waiting: dict[str, WaitReason] | object, stored: dict[str, object],
+                       now_s: float) -> None:
+        assert isinstance(waiting, dict)
+        changed = {}
+        for job_id, reason in waiting.items():
+            new = reason_json(reason, now_s)
+            if stored.get(job_id) != new:
+                changed[job_id] = new
+        if not changed:
+            return
+
+        def tx(s: Session) -> None:
+            for job_id, new in changed.items():
+                s.execute(update(JobRow).where(JobRow.id == job_id, JobRow.status == JobStatus.PENDING)
+                          .values(pending_reason=new))
+        self.db.run_write(tx)
+
+    def dispatch(self, run_id: str) -> None:
+        """Send AssignJob for ``run_id`` (idempotent at the agent); record delivery."""
+        try:
+            with self.db.read() as s:
+                found = s.execute(select(JobRunRow, JobRow, NodeRow)
+                                  .join(JobRow, JobRow.id == JobRunRow.job_id)
+                                  .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+                                  .where(JobRunRow.id == run_id)).first()
+                if found is None:
+                    return
+                run, job, node = found
+                if run.status != RunStatus.ASSIGNED:
+                    return
+                prior = s.execute(select(JobRunRow.checkpoint_prefix).where(
+                    JobRunRow.job_id == job.id, JobRunRow.checkpoint_prefix.is_not(None),
+                    JobRunRow.attempt < run.attempt).order_by(JobRunRow.attempt.desc()).limit(1)
+                ).scalar_one_or_none()
+                res_id = s.execute(select(allocate.ReservationRow.id).where(
+                    allocate.ReservationRow.run_id == run_id)).scalar_one()
+            spec = job.spec
+            req = pb.AssignJobRequest(
+                run_id=run.id, job_id=job.id, reservation_id=res_id, token=run.token,
+                leader_epoch=self.leadership.epoch, gpu_ids=run.gpu_ids,
+                command=spec["command"], env=spec.get("env") or {}, image=spec.get("image") or "",
+                resume_from_uri=self.store.uri(prior) if prior else "",
+                max_runtime_s=float(spec.get("max_runtime_s") or 0), attempt=run.attempt,
+            )
+            resp = self.agents.assign(node.address, req)
+        except grpc.RpcError as exc:
+            log.warning("AssignJob %s to %s failed: %s (the reconciler retries)", run_id,
+                        locals().get("node") and node.id, exc.code())
+            return
+        except Exception:
+            log.exception("dispatch of %s failed", run_id)
+            return
+        if resp.result == pb.AssignJobResponse.REJECTED_STALE:
+            log.warning("agent rejected %s as stale: %s", run_id, resp.message)
+            runs.complete_run(self.db, self.store, runs.Report(
+                node_id=node.id, run_id=run_id, token=run.token, outcome=runs.Outcome.NEVER_STARTED,
+                exit_code=0, manifest_uri="", message=f"agent refused it: {resp.message}"))
+            return
+        self.db.run_write(lambda s: s.execute(update(JobRunRow).where(JobRunRow.id == run_id)
+                                              .values(assigned_at=db_now(s))))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StopDriver:
+    """Turns cancel requests and max_runtime overruns into durable PREEMPTING + StopRun, and
+    re-sends StopRun for stops that have not been confirmed (idempotent at the agent)."""
+
+    def __init__(self, db: Database, settings: Settings, leadership: Leadership,
+                 agents: AgentClients) -> None:
+        self.db, self.settings, self.leadership, self.agents = db, settings, leadership, agents
+
+    def run_pass(self) -> int:
+        if not self.leadership.is_leader:
+            return 0
+        with self.db.read() as s:
+            now = db_now(s)
+            active = s.execute(
+                select(JobRunRow, JobRow.cancel_requested, JobRow.spec, NodeRow.address)
+                .join(JobRow, JobRow.id == JobRunRow.job_id)
+                .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+                .where(JobRunRow.status.in_([RunStatus.ASSIGNED, RunStatus.RUNNING, RunStatus.PREEMPTING]))
+            ).all()
+        sent = 0
+        for run, cancel, spec, address in active:
+            reason = None
+            if run.status == RunStatus.PREEMPTING:
+                resend_after = self.settings.default_grace_s + 10.0
+                if run.stop_requested_at and (now - run.stop_requested_at).total_seconds() > resend_after:
+                    reason = run.stop_reason
+                    self.db.run_write(lambda s, r=run: s.execute(update(JobRunRow).where(
+                        JobRunRow.id == r.id).values(stop_requested_at=db_now(s))))
+                else:
+                    continue
+            elif cancel:
+                reason = "cancel"
+            elif run.status == RunStatus.RUNNING and run.started_at and spec.get("max_runtime_s") and \
+                    (now - run.started_at).total_seconds() > float(spec["max_runtime_s"]):
+                reason = "timeout"
+            if reason is None:
+                continue
+            if run.status != RunStatus.PREEMPTING:
+                try:
+                    ok = self.db.run_write(lambda s, r=run, why=reason: runs.request_stop(
+                        s, r.id, r.token, why, message=f"stop requested ({why})"))
+                except StaleState:
+                    continue
+                if not ok:
+                    continue
+            sent += 1
+            self._send_stop(address, run.id, run.token, reason)
+        return sent
+
+    def _send_stop(self, address: str, run_id: str, token: int, reason: str) -> None:
+        try:
+            resp = self.agents.stop(address, pb.StopRunRequest(
+                run_id=run_id, token=token, leader_epoch=self.leadership.epoch,
+                grace_s=self.settings.default_grace_s, reason=reason))
+            log.info("StopRun %s (%s): %s", run_id, reason, pb.StopRunResponse.Result.Name(resp.result))
+        except grpc.RpcError as exc:
+            log.warning("StopRun %s failed: %s (re-sent later)", run_id, exc.code())
+
+
+class Reconciler:
+    """Silence -> SUSPECT (never a release); undelivered or unconfirmed assignments -> AssignJob
+    again (idempotent per run_id, seed DD2)."""
+
+    def __init__(self, db: Database, settings: Settings, leadership: Leadership,
+                 dispatch: Callable[[str], None]) -> None:
+        self.db, self.settings, self.leadership, self.dispatch = db, settings, leadership, dispatch
+
+    def run_pass(self) -> None:
+        if not self.leadership.is_leader:
+            return
+        silent_s = self.settings.heartbeat_interval_s * self.settings.suspect_after_missed
+        suspects = self.db.run_write(lambda s: nodes.mark_silent_nodes_suspect(s, silent_s))
+        for node_id in suspects:
+            log.warning("node %s is SUSPECT: no heartbeat for %.0f s", node_id, silent_s)
+        with self.db.read() as s:
+            now = db_now(s)
+            cutoff = now - timedelta(seconds=self.settings.confirm_timeout_s)
+            stuck = list(s.scalars(
+                select(JobRunRow.id).join(NodeRow, NodeRow.id == JobRunRow.node_id).where(
+                    JobRunRow.status == RunStatus.ASSIGNED, NodeRow.status == NodeStatus.HEALTHY,
+                    (JobRunRow.assigned_at.is_(None) & (JobRunRow.created_at < now - timedelta(seconds=2)))
+                    | (JobRunRow.assigned_at < cutoff))))
+        for run_id in stuck:
+            self.db.run_write(lambda s, r=run_id: record_event(
+                s, "reconcile", now=db_now(s), run_id=r, message="assignment not confirmed; re-sending"))
+            self.dispatch(run_id)

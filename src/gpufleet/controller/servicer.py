@@ -1,0 +1,102 @@
+"""The Controller gRPC service: a thin adapter from protobuf to ``services``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from gpufleet.domain.errors import GpufleetError
+from gpufleet.domain.types import GpuDevice
+from gpufleet.objectstore import ObjectStore
+from gpufleet.rpc.protos import fleet_pb2 as pb
+from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
+from gpufleet.services import nodes, runs
+from gpufleet.store.db import Database
+
+log = logging.getLogger("gpufleet.controller")
+T = TypeVar("T")
+
+_COMPLETION = {
+    runs.CompletionResult.ACCEPTED: pb.ReportCompletionResponse.ACCEPTED,
+    runs.CompletionResult.STALE: pb.ReportCompletionResponse.STALE,
+    runs.CompletionResult.REJECTED: pb.ReportCompletionResponse.REJECTED,
+}
+_OUTCOME = {
+    pb.ReportCompletionRequest.EXITED: runs.Outcome.EXITED,
+    pb.ReportCompletionRequest.STOPPED: runs.Outcome.STOPPED,
+    pb.ReportCompletionRequest.NEVER_STARTED: runs.Outcome.NEVER_STARTED,
+}
+
+
+class ControllerServicer(pb_grpc.ControllerServicer):
+    """Args:
+    leader_epoch: returns the epoch this controller leads at (0 when not leader).
+    on_change: called after commits that free capacity or need the loops (wake-up hint).
+    """
+
+    def __init__(self, db: Database, store: ObjectStore, *, heartbeat_interval_s: float,
+                 leader_epoch: Callable[[], int], on_change: Callable[[], None]) -> None:
+        self.db, self.store = db, store
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.leader_epoch = leader_epoch
+        self.on_change = on_change
+
+    def RegisterNode(self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext) -> pb.RegisterNodeResponse:  # noqa: N802
+        inv = nodes.NodeInventory(
+            node_id=request.node_id, address=request.address, agent_epoch=request.agent_epoch,
+            gpus=tuple(GpuDevice(g.index, g.uuid, g.gpu_type, g.memory_mb) for g in request.gpus),
+            cpu=request.cpu, memory_mb=request.memory_mb, labels=dict(request.labels),
+            inventory_source=request.inventory_source or "declared",
+        )
+        _guard(context, lambda: self.db.run_write(lambda s: nodes.register_node(s, inv)))
+        self.on_change()
+        return pb.RegisterNodeResponse(leader_epoch=self.leader_epoch(),
+                                       heartbeat_interval_s=self.heartbeat_interval_s)
+
+    def ConfirmAssignment(self, request: pb.ConfirmAssignmentRequest, context: grpc.ServicerContext) -> pb.ConfirmAssignmentResponse:  # noqa: N802
+        result = _guard(context, lambda: self.db.run_write(
+            lambda s: runs.confirm_assignment(s, request.run_id, request.token, request.pid or None)))
+        ok = result == runs.Confirm.CONFIRMED
+        return pb.ConfirmAssignmentResponse(
+            result=pb.ConfirmAssignmentResponse.CONFIRMED if ok else pb.ConfirmAssignmentResponse.REJECTED,
+            message="" if ok else "not the current attempt (stale token or finished)")
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:  # noqa: N802
+        running = [nodes.HeartbeatRun(r.run_id, r.job_id, r.token, r.state) for r in request.running]
+        verdict = _guard(context, lambda: self.db.run_write(
+            lambda s: nodes.heartbeat(s, request.node_id, request.agent_epoch, running)))
+        for h in verdict.confirm:
+            self.db.run_write(lambda s, h=h: runs.confirm_assignment(s, h.run_id, h.token))
+            log.info("repaired lost confirm of %s from a heartbeat", h.run_id)
+        epoch = self.leader_epoch()
+        return pb.HeartbeatResponse(
+            leader_epoch=epoch,
+            reregister=not verdict.known,
+            stop=[pb.StopRunRequest(run_id=h.run_id, token=h.token, leader_epoch=epoch,
+                                    grace_s=0.0, reason="stale") for h in verdict.stop],
+        )
+
+    def ReportCompletion(self, request: pb.ReportCompletionRequest, context: grpc.ServicerContext) -> pb.ReportCompletionResponse:  # noqa: N802
+        report = runs.Report(
+            node_id=request.node_id, run_id=request.run_id, token=request.token,
+            outcome=_OUTCOME.get(request.outcome, runs.Outcome.EXITED), exit_code=request.exit_code,
+            manifest_uri=request.manifest_uri, message=request.message,
+        )
+        result, message = _guard(context, lambda: runs.complete_run(self.db, self.store, report))
+        log.info("completion of %s (token %d, %s, exit %d): %s %s", report.run_id, report.token,
+                 report.outcome, report.exit_code, result, message)
+        self.on_change()
+        return pb.ReportCompletionResponse(result=_COMPLETION[result], message=message)
+
+
+def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    """Map GpufleetError to a gRPC status in one place (no traceback crosses the wire)."""
+    try:
+        return fn()
+    except GpufleetError as exc:
+        code = grpc.StatusCode.FAILED_PRECONDITION if exc.http_status == 409 else grpc.StatusCode.INVALID_ARGUMENT
+        context.abort(code, f"{exc.code}: {exc.message}")
+        raise  # unreachable: abort raises

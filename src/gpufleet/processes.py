@@ -1,0 +1,130 @@
+"""Process wiring shared by the CLI entry points: open the stores, run migrations, build the
+API app, the controller and the all-in-one platform (``gpufleet up``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from gpufleet.api.app import AppState, create_app
+from gpufleet.controller.main import Controller
+from gpufleet.objectstore import ObjectStore
+from gpufleet.queue import Waker, make_waker
+from gpufleet.services import auth
+from gpufleet.settings import Settings
+from gpufleet.store.db import Database
+from gpufleet.store.migrate import migrate
+
+log = logging.getLogger("gpufleet")
+
+
+def open_database(settings: Settings) -> Database:
+    db = Database(settings.resolved_database_url())
+    migrate(db)
+    return db
+
+
+def ensure_admin_token(db: Database, team: str = "default") -> str:
+    """Create ``team`` if needed and a new admin token for it; returns the raw token."""
+
+    def tx(s):  # type: ignore[no-untyped-def]
+        auth.create_team(s, team, exist_ok=True)
+        return auth.create_token(s, team, name="gpufleet-up", is_admin=True)
+
+    return db.run_write(tx)
+
+
+class ApiServer:
+    """uvicorn in a thread (``gpufleet up``) or in the foreground (``gpufleet server``)."""
+
+    def __init__(self, settings: Settings, db: Database, waker: Waker, port: int | None = None) -> None:
+        state = AppState(settings, db, waker, ObjectStore(settings.resolved_object_store_url()))
+        self.port = port if port is not None else settings.server_port
+        config = uvicorn.Config(create_app(state), host=settings.server_host, port=self.port,
+                                log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.url = f"http://{settings.server_host}:{self.port}"
+        self._thread: threading.Thread | None = None
+
+    def start_in_thread(self) -> None:
+        self.server.config.install_signal_handlers = False  # type: ignore[attr-defined]
+        self._thread = threading.Thread(target=self.server.run, name="api", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 15
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"API server did not start on {self.url}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+class LocalPlatform:
+    """Server + controller in this process, one agent as a child process (embedded default)."""
+
+    def __init__(self, settings: Settings, *, gpus: str | None, node_id: str = "local-0",
+                 agent_port: int = 0) -> None:
+        self.settings = settings
+        self.db = open_database(settings)
+        self.waker = make_waker(settings.redis_url, listen=True)
+        self.controller = Controller(settings, self.db, self.waker)
+        self.api = ApiServer(settings, self.db, self.waker)
+        self.gpus, self.node_id, self.agent_port = gpus, node_id, agent_port
+        self.agent: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.controller.start()
+        self.api.start_in_thread()
+        data_dir = self.settings.resolved_data_dir()
+        cmd = [sys.executable, "-m", "gpufleet.cli.main", "agent", "--node-id", self.node_id,
+               "--state-dir", str(data_dir / "agents" / self.node_id), "--port", str(self.agent_port)]
+        if self.gpus:
+            cmd += ["--gpus", self.gpus]
+        env = dict(os.environ, GPUFLEET_DATA_DIR=str(data_dir),
+                   GPUFLEET_CONTROLLER_ADDRESS=self.settings.controller_address,
+                   GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
+                   GPUFLEET_HEARTBEAT_INTERVAL_S=str(self.settings.heartbeat_interval_s))
+        log_path = data_dir / "agent.log"
+        self.agent = subprocess.Popen(cmd, env=env, stdout=open(log_path, "ab"),  # noqa: SIM115
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_for_node(self, timeout_s: float = 20.0) -> bool:
+        from sqlalchemy import select
+
+        from gpufleet.store.tables import NodeRow
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.db.read() as s:
+                if s.execute(select(NodeRow.id).where(NodeRow.id == self.node_id)).first():
+                    return True
+            if self.agent is not None and self.agent.poll() is not None:
+                return False
+            time.sleep(0.1)
+        return False
+
+    def stop(self) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.send_signal(signal.SIGTERM)
+            try:
+                self.agent.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+        self.api.stop()
+        self.controller.stop()
+        self.db.dispose()
+
+
+def data_dir_from(path: Path | None) -> dict[str, object]:
+    return {"data_dir": path} if path is not None else {}

@@ -1,0 +1,82 @@
+"""Teams and API tokens. Tokens are random, shown once, stored as sha256."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.errors import Conflict, Unauthenticated, ValidationFailed
+from gpufleet.domain.ids import new_id
+from gpufleet.store.dialect import db_now
+from gpufleet.store.tables import ApiTokenRow, TeamRow
+
+TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: the team from the token, and whether it is an admin token."""
+
+    team_id: str
+    is_admin: bool
+    token_id: str
+
+
+def _hash(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def create_team(session: Session, name: str, *, weight: float = 1.0, exist_ok: bool = False) -> str:
+    """Create team ``name``. Raises ValidationFailed for a bad name, Conflict if it exists
+    (unless ``exist_ok``)."""
+    if not TEAM_NAME.match(name):
+        raise ValidationFailed(
+            f"team name {name!r}: use 1-64 of a-z 0-9 _ . - (starting with a letter or digit)",
+            field="name",
+        )
+    if weight <= 0:
+        raise ValidationFailed("weight must be > 0", field="weight")
+    if session.get(TeamRow, name) is not None:
+        if exist_ok:
+            return name
+        raise Conflict(f"team {name!r} already exists", field="name")
+    session.add(TeamRow(id=name, weight=weight, guaranteed_gpus={}, lending_limit_gpus={},
+                        created_at=db_now(session)))
+    session.flush()
+    return name
+
+
+def create_token(session: Session, team_id: str, *, name: str = "", is_admin: bool = False) -> str:
+    """Create an API token for ``team_id``; returns the raw token (shown once)."""
+    if session.get(TeamRow, team_id) is None:
+        raise ValidationFailed(f"no team {team_id!r}; create it first", field="team")
+    raw = "gft_" + secrets.token_urlsafe(32)
+    session.add(
+        ApiTokenRow(
+            id=new_id("tok"),
+            team_id=team_id,
+            token_sha256=_hash(raw),
+            name=name,
+            is_admin=is_admin,
+            created_at=db_now(session),
+        )
+    )
+    session.flush()
+    return raw
+
+
+def authenticate(session: Session, raw: str | None) -> Principal:
+    """The principal of a raw bearer token. Raises Unauthenticated."""
+    if not raw:
+        raise Unauthenticated("missing bearer token (Authorization: Bearer <token>)")
+    row = session.execute(
+        select(ApiTokenRow).where(ApiTokenRow.token_sha256 == _hash(raw))
+    ).scalar_one_or_none()
+    if row is None or row.revoked_at is not None:
+        raise Unauthenticated("invalid or revoked token")
+    return Principal(team_id=row.team_id, is_admin=row.is_admin, token_id=row.id)

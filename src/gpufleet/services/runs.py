@@ -1,0 +1,243 @@
+"""Attempt lifecycle on the control plane: confirm, stop request, and completion (seed DD2,
+DD5, DD8). Every write is guarded by ``run_id + token``; a stale token changes nothing about
+the job, and capacity is returned only on the agent's word that the processes are gone.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.manifest import MANIFEST_NAME, Manifest
+from gpufleet.domain.states import (
+    RUN_TERMINAL,
+    JobStatus,
+    Machine,
+    ReservationStatus,
+    RunStatus,
+)
+from gpufleet.objectstore import ObjectStore, attempt_prefix
+from gpufleet.store import allocate
+from gpufleet.store.db import Database
+from gpufleet.store.dialect import db_now
+from gpufleet.store.tables import JobRow, JobRunRow, ReservationRow, TeamRow
+from gpufleet.store.transitions import transition
+
+
+class Confirm(enum.StrEnum):
+    CONFIRMED = "CONFIRMED"
+    REJECTED = "REJECTED"
+
+
+def confirm_assignment(session: Session, run_id: str, token: int, pid: int | None = None) -> Confirm:
+    """The agent started ``run_id``: RESERVED -> CONFIRMED, ASSIGNED -> RUNNING, job -> RUNNING.
+    Idempotent; a stale or unknown attempt is REJECTED (the agent then stops it)."""
+    run = session.get(JobRunRow, run_id, with_for_update=True)
+    job = session.get(JobRow, run.job_id) if run else None
+    if run is None or job is None or run.token != token or job.current_run_id != run_id \
+            or job.fencing_epoch != token or run.status in RUN_TERMINAL:
+        return Confirm.REJECTED
+    now = db_now(session)
+    if pid:
+        run.pid = pid
+    if run.status == RunStatus.ASSIGNED:
+        transition(session, Machine.RUN, run_id, RunStatus.RUNNING, now=now, frm=[RunStatus.ASSIGNED],
+                   guard={"token": token}, values={"started_at": now}, job_id=job.id, run_id=run_id,
+                   node_id=run.node_id, message="agent confirmed the start")
+    res = session.execute(select(ReservationRow).where(ReservationRow.run_id == run_id)).scalar_one()
+    if res.status == ReservationStatus.RESERVED:
+        transition(session, Machine.RESERVATION, res.id, ReservationStatus.CONFIRMED, now=now,
+                   frm=[ReservationStatus.RESERVED], guard={"token": token}, job_id=job.id,
+                   run_id=run_id, node_id=run.node_id)
+    if job.status == JobStatus.SCHEDULED:
+        transition(session, Machine.JOB, job.id, JobStatus.RUNNING, now=now, frm=[JobStatus.SCHEDULED],
+                   guard={"fencing_epoch": token}, values={"started_at": now}, job_id=job.id,
+                   run_id=run_id)
+    return Confirm.CONFIRMED
+
+
+def request_stop(session: Session, run_id: str, token: int, reason: str, *, message: str) -> bool:
+    """Durably mark an active attempt PREEMPTING (reason: cancel | preempt | timeout). GPUs stay
+    reserved until the agent reports the processes gone. Returns False if already stopping or
+    no longer active."""
+    run = session.get(JobRunRow, run_id)
+    if run is None or run.status not in (RunStatus.ASSIGNED, RunStatus.RUNNING):
+        return False
+    transition(session, Machine.RUN, run_id, RunStatus.PREEMPTING, now=db_now(session),
+               frm=[run.status], guard={"token": token},
+               values={"stop_reason": reason, "stop_requested_at": db_now(session)},
+               job_id=run.job_id, run_id=run_id, node_id=run.node_id, message=message)
+    return True
+
+
+class Outcome(enum.StrEnum):
+    EXITED = "EXITED"
+    STOPPED = "STOPPED"
+    NEVER_STARTED = "NEVER_STARTED"
+
+
+class CompletionResult(enum.StrEnum):
+    ACCEPTED = "ACCEPTED"
+    STALE = "STALE"
+    REJECTED = "REJECTED"
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    node_id: str
+    run_id: str
+    token: int
+    outcome: Outcome
+    exit_code: int
+    manifest_uri: str
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    ok: bool
+    problem: str = ""
+    manifest: Manifest | None = None
+
+
+def verify_manifest(store: ObjectStore, job_id: str, report: Report) -> Verified:
+    """Every listed object exists with its size and sha256, the manifest is where the attempt's
+    manifest must be, and it carries the reported token (seed DD8). Object-store I/O: call
+    outside any transaction."""
+    if not report.manifest_uri:
+        return Verified(False, "no manifest")
+    expected_key = f"{attempt_prefix(job_id, report.run_id)}/{MANIFEST_NAME}"
+    try:
+        key = store.key_of(report.manifest_uri)
+        if key != expected_key:
+            return Verified(False, f"manifest at {key}, expected {expected_key}")
+        manifest = Manifest.from_json(store.get_bytes(key))
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        return Verified(False, f"manifest unreadable: {exc}")
+    if manifest.run_id != report.run_id or manifest.token != report.token:
+        return Verified(False, "manifest run_id/token differ from the report")
+    for f in manifest.files:
+        if not f.key.startswith(attempt_prefix(job_id, report.run_id) + "/"):
+            return Verified(False, f"{f.key} is outside the attempt's prefix")
+        try:
+            if store.size(f.key) != f.size or store.sha256(f.key) != f.sha256:
+                return Verified(False, f"{f.key}: size or sha256 mismatch")
+        except (FileNotFoundError, OSError):
+            return Verified(False, f"{f.key} is missing")
+    return Verified(True, manifest=manifest)
+
+
+def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[CompletionResult, str]:
+    """Commit one attempt's end, once. Returns (result, message).
+
+    - current attempt: run terminal, job terminal or back to PENDING (retry / preemption),
+      reservation released, team charged the GPU-time really used, all in one transaction;
+    - a repeated report of an already-committed run: ACCEPTED again, nothing changes;
+    - a stale attempt (not the job's current one): STALE, the job is untouched; its own
+      reservation is still released, because the agent says its processes are gone.
+    """
+    with db.read() as session:
+        run = session.get(JobRunRow, report.run_id)
+        if run is None:
+            return CompletionResult.STALE, "unknown run"
+        job_id = run.job_id
+        if run.status in RUN_TERMINAL:
+            return CompletionResult.ACCEPTED, f"already committed as {run.status}"
+    verified = Verified(True)
+    if report.outcome != Outcome.NEVER_STARTED:
+        verified = verify_manifest(store, job_id, report)
+
+    def tx(session: Session) -> tuple[CompletionResult, str]:
+        now = db_now(session)
+        run = session.get(JobRunRow, report.run_id, with_for_update=True)
+        job = session.get(JobRow, job_id, with_for_update=True)
+        assert run is not None and job is not None
+        if run.status in RUN_TERMINAL:
+            return CompletionResult.ACCEPTED, f"already committed as {run.status}"
+        if run.token != report.token:
+            return CompletionResult.STALE, f"token {report.token} is not this run's ({run.token})"
+        current = job.current_run_id == run.id and job.fencing_epoch == run.token
+        run_to, job_to, why = _decide(session, run, job, report, verified, current)
+        values = {
+            "finished_at": now,
+            "exit_code": report.exit_code if report.outcome != Outcome.NEVER_STARTED else None,
+            "manifest_uri": report.manifest_uri or None,
+            "message": why,
+        }
+        if verified.manifest is not None:
+            values["checkpoint_prefix"] = verified.manifest.checkpoint_prefix()
+        transition(session, Machine.RUN, run.id, run_to, now=now, frm=[run.status],
+                   guard={"token": report.token}, values=values, job_id=job.id, run_id=run.id,
+                   node_id=run.node_id, message=why)
+        gpus = allocate.release(session, run_id=run.id, now=now,
+                                message=f"agent reported {report.outcome.lower()}")
+        _charge(session, job.team_id, gpus, run.started_at or run.created_at, now)
+        if not current:
+            return CompletionResult.STALE, "not the job's current attempt; job unchanged"
+        if job_to is not None:
+            job_values: dict[str, object] = {}
+            if job_to == JobStatus.PENDING:
+                job_values = {"queued_at": now, "pending_reason": None}
+            else:
+                job_values = {"finished_at": now, "failure_reason": None if job_to == JobStatus.SUCCEEDED else why}
+                if job_to == JobStatus.SUCCEEDED:
+                    job_values["result_uri"] = report.manifest_uri
+            transition(session, Machine.JOB, job.id, job_to, now=now, frm=[job.status],
+                       guard={"fencing_epoch": report.token}, values=job_values, job_id=job.id,
+                       run_id=run.id, message=why)
+        if not verified.ok and report.outcome == Outcome.EXITED and report.exit_code == 0:
+            return CompletionResult.REJECTED, why
+        return CompletionResult.ACCEPTED, why
+
+    return db.run_write(tx)
+
+
+def _decide(session: Session, run: JobRunRow, job: JobRow, report: Report, verified: Verified,
+            current: bool) -> tuple[RunStatus, JobStatus | None, str]:
+    """(run's terminal status, job's next status or None, a sentence)."""
+    stopping = run.status == RunStatus.PREEMPTING
+    if report.outcome == Outcome.EXITED and report.exit_code == 0:
+        if verified.ok:
+            return RunStatus.SUCCEEDED, JobStatus.SUCCEEDED, "exited 0; manifest verified"
+        why = f"exited 0 but the manifest failed verification: {verified.problem}"
+        return RunStatus.FAILED, _failed_next(session, job, current), why
+    if stopping and run.stop_reason == "cancel":
+        return RunStatus.CANCELLED, JobStatus.CANCELLED, "cancelled by user; processes verified gone"
+    if stopping and run.stop_reason == "preempt":
+        return RunStatus.PREEMPTED, JobStatus.PENDING, "preempted; requeued as a new attempt"
+    if stopping and run.stop_reason == "timeout":
+        return RunStatus.FAILED, JobStatus.FAILED, "TIMEOUT: ran past max_runtime_s"
+    if report.outcome == Outcome.NEVER_STARTED:
+        why = f"never started: {report.message or 'the agent has no record of it'}"
+    elif report.outcome == Outcome.STOPPED:
+        why = f"stopped by the agent: {report.message or 'no longer authoritative'}"
+    else:
+        why = f"exited with code {report.exit_code}"
+    return RunStatus.FAILED, _failed_next(session, job, current), why
+
+
+def _failed_next(session: Session, job: JobRow, current: bool) -> JobStatus | None:
+    """A failed attempt: back to PENDING if retries are left (and no cancel), else FAILED."""
+    if not current:
+        return None
+    if job.cancel_requested:
+        return JobStatus.CANCELLED
+    failed_before = session.execute(
+        select(func.count()).select_from(JobRunRow).where(
+            JobRunRow.job_id == job.id, JobRunRow.status == RunStatus.FAILED)
+    ).scalar_one()
+    max_retries = int(job.spec.get("max_retries") or 0)
+    return JobStatus.PENDING if failed_before < max_retries else JobStatus.FAILED
+
+
+def _charge(session: Session, team_id: str, gpus: int, since: datetime, now: datetime) -> None:
+    """Charge the GPU-seconds an attempt really held (every attempt, whatever its outcome)."""
+    if gpus <= 0:
+        return
+    used = gpus * max(0.0, (now - since).total_seconds())
+    session.execute(update(TeamRow).where(TeamRow.id == team_id)
+                    .values(usage_gpu_s=TeamRow.usage_gpu_s + used))

@@ -1,0 +1,216 @@
+"""THE allocation transaction (seed DD1) and its inverse. No dialect branches here.
+
+reserve(): in the caller's write transaction, in this order (lock order: capacity row, GPU
+rows, job row), any 0-row step raising so that the whole transaction rolls back:
+  1. leader check: (holder, epoch) must hold an unexpired lease;
+  2. ``UPDATE node_capacity SET available = available - n, version = version + 1
+     WHERE node_id = :id AND available >= n AND <node HEALTHY>``  (0 rows: CapacityConflict);
+  3. claim GPU ids: ``UPDATE node_gpus SET holder_run_id = :run WHERE ... AND holder IS NULL``,
+     rowcount must equal n;
+  4. the job PENDING -> SCHEDULED with ``fencing_epoch = fencing_epoch + 1`` (the new token),
+     guarded by the epoch the caller saw and ``cancel_requested = false``;
+  5. insert the JobRun (ASSIGNED) and the Reservation (RESERVED, lease, token, leader epoch).
+
+release(): capacity comes back only here, only for an active reservation, and only when the
+caller has the agent's word that the processes are gone (or an operator's fence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import exists, select, update
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.errors import CapacityConflict, StaleState
+from gpufleet.domain.ids import new_reservation_id, new_run_id
+from gpufleet.domain.states import JobStatus, Machine, NodeStatus, ReservationStatus, RunStatus
+from gpufleet.store import leader
+from gpufleet.store.tables import (
+    JobRow,
+    JobRunRow,
+    NodeCapacityRow,
+    NodeGpuRow,
+    NodeRow,
+    ReservationRow,
+)
+from gpufleet.store.transitions import transition
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """The outcome of one successful reserve(): ids, the new fencing token and the GPU ids."""
+
+    job_id: str
+    run_id: str
+    reservation_id: str
+    node_id: str
+    token: int
+    attempt: int
+    gpu_ids: tuple[int, ...]
+
+
+def reserve(
+    session: Session,
+    *,
+    job_id: str,
+    node_id: str,
+    gpu_count: int,
+    seen_fencing_epoch: int,
+    leader_holder: str,
+    leader_epoch: int,
+    lease_s: float,
+    now: datetime,
+) -> Reserved:
+    """Reserve ``gpu_count`` GPUs of ``node_id`` for a new attempt of ``job_id``.
+
+    Raises:
+        NotLeader: the caller's (holder, epoch) no longer holds the lease.
+        CapacityConflict: the node lacks the free GPUs now, or is not HEALTHY.
+        StaleState: the job is no longer PENDING at ``seen_fencing_epoch`` (or was cancelled).
+    """
+    leader.assert_leader(session, leader_holder, leader_epoch)
+    cap = NodeCapacityRow.__table__.c
+    took = session.execute(
+        update(NodeCapacityRow)
+        .where(
+            cap.node_id == node_id,
+            cap.available_gpus >= gpu_count,
+            exists().where(NodeRow.id == node_id, NodeRow.status == NodeStatus.HEALTHY),
+        )
+        .values(available_gpus=cap.available_gpus - gpu_count, version=cap.version + 1)
+        .execution_options(synchronize_session=False)
+    )
+    if took.rowcount != 1:  # type: ignore[attr-defined]
+        raise CapacityConflict(f"node {node_id}: fewer than {gpu_count} free GPUs or not HEALTHY")
+
+    run_id = new_run_id()
+    free = session.scalars(
+        select(NodeGpuRow.gpu_index)
+        .where(NodeGpuRow.node_id == node_id, NodeGpuRow.holder_run_id.is_(None))
+        .order_by(NodeGpuRow.gpu_index)
+        .limit(gpu_count)
+    ).all()
+    claimed = session.execute(
+        update(NodeGpuRow)
+        .where(
+            NodeGpuRow.node_id == node_id,
+            NodeGpuRow.gpu_index.in_(free),
+            NodeGpuRow.holder_run_id.is_(None),
+        )
+        .values(holder_run_id=run_id)
+        .execution_options(synchronize_session=False)
+    )
+    if len(free) != gpu_count or claimed.rowcount != gpu_count:  # type: ignore[attr-defined]
+        # available said yes but the GPU rows disagree: an invariant is broken; never patch it.
+        raise CapacityConflict(f"node {node_id}: capacity row and GPU rows disagree")
+
+    token = seen_fencing_epoch + 1
+    attempt = session.execute(select(JobRow.attempts).where(JobRow.id == job_id)).scalar_one() + 1
+    transition(
+        session,
+        Machine.JOB,
+        job_id,
+        JobStatus.SCHEDULED,
+        now=now,
+        frm=[JobStatus.PENDING],
+        guard={"fencing_epoch": seen_fencing_epoch, "cancel_requested": False},
+        values={
+            "fencing_epoch": token,
+            "current_run_id": run_id,
+            "attempts": attempt,
+            "scheduled_at": now,
+            "pending_reason": None,
+        },
+        message=f"reserved {gpu_count} GPU(s) {list(free)} on {node_id}, token {token}",
+        job_id=job_id,
+        run_id=run_id,
+        node_id=node_id,
+    )
+    reservation_id = new_reservation_id()
+    gpu_ids = [int(g) for g in free]
+    session.add(
+        JobRunRow(
+            id=run_id,
+            job_id=job_id,
+            attempt=attempt,
+            node_id=node_id,
+            status=RunStatus.ASSIGNED,
+            token=token,
+            gpu_ids=gpu_ids,
+            created_at=now,
+        )
+    )
+    session.add(
+        ReservationRow(
+            id=reservation_id,
+            run_id=run_id,
+            job_id=job_id,
+            node_id=node_id,
+            gpu_ids=gpu_ids,
+            gpu_count=gpu_count,
+            status=ReservationStatus.RESERVED,
+            token=token,
+            leader_epoch=leader_epoch,
+            lease_expires_at=now + timedelta(seconds=lease_s),
+            created_at=now,
+        )
+    )
+    session.flush()
+    return Reserved(job_id, run_id, reservation_id, node_id, token, attempt, tuple(gpu_ids))
+
+
+def release(
+    session: Session,
+    *,
+    run_id: str,
+    now: datetime,
+    to: ReservationStatus = ReservationStatus.RELEASED,
+    message: str,
+) -> int:
+    """Release the active reservation of ``run_id``: reservation -> RELEASED (or EXPIRED),
+    GPU rows freed, capacity returned. Returns the number of GPUs returned (0 if the run held
+    no active reservation: releasing twice is a no-op, not an error).
+
+    Call only with the agent's word that the attempt's processes are gone, or on a fence.
+    """
+    res = session.execute(
+        select(ReservationRow)
+        .where(
+            ReservationRow.run_id == run_id,
+            ReservationRow.status.in_([ReservationStatus.RESERVED, ReservationStatus.CONFIRMED]),
+        )
+        .with_for_update()
+    ).scalar_one_or_none()
+    if res is None:
+        return 0
+    cap = NodeCapacityRow.__table__.c
+    back = session.execute(
+        update(NodeCapacityRow)
+        .where(cap.node_id == res.node_id, cap.available_gpus + res.gpu_count <= cap.total_gpus)
+        .values(available_gpus=cap.available_gpus + res.gpu_count, version=cap.version + 1)
+        .execution_options(synchronize_session=False)
+    )
+    if back.rowcount != 1:  # type: ignore[attr-defined]
+        raise StaleState(f"node {res.node_id}: returning {res.gpu_count} GPUs would exceed total")
+    session.execute(
+        update(NodeGpuRow)
+        .where(NodeGpuRow.node_id == res.node_id, NodeGpuRow.holder_run_id == run_id)
+        .values(holder_run_id=None)
+        .execution_options(synchronize_session=False)
+    )
+    transition(
+        session,
+        Machine.RESERVATION,
+        res.id,
+        to,
+        now=now,
+        frm=[res.status],
+        values={"released_at": now},
+        message=message,
+        job_id=res.job_id,
+        run_id=run_id,
+        node_id=res.node_id,
+    )
+    return res.gpu_count

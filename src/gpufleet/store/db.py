@@ -1,0 +1,85 @@
+"""Engines, sessions and transactions.
+
+``Database.write_tx()`` is the one way to write: a short transaction that commits on success and
+rolls back on any exception. Never call an agent, Redis or the object store inside it; do that
+after commit and guard later writes by ``run_id + token`` (load -> process -> apply).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from gpufleet.store import dialect
+
+T = TypeVar("T")
+
+
+class Database:
+    """Owns the engine and session factories for one database URL.
+
+    Args:
+        url: SQLAlchemy URL, ``sqlite:///path`` or ``postgresql+psycopg://...``.
+    """
+
+    def __init__(self, url: str) -> None:
+        if url.startswith("sqlite:///"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        if url.startswith("postgresql://"):
+            url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
+        self.url = url
+        self.engine: Engine = create_engine(url, **dialect.engine_options(url))
+        dialect.install_sqlite_hooks(self.engine)
+        self._read = sessionmaker(self.engine, expire_on_commit=False, autoflush=False)
+        self._write = sessionmaker(
+            dialect.write_engine(self.engine), expire_on_commit=False, autoflush=False
+        )
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Session]:
+        """A read-only session (its transaction is rolled back at the end)."""
+        with self._read() as session:
+            try:
+                yield session
+            finally:
+                session.rollback()
+
+    @contextlib.contextmanager
+    def write_tx(self) -> Iterator[Session]:
+        """A write transaction: commit on success, roll back on exception."""
+        with self._write() as session, session.begin():
+            yield session
+
+    def run_write(self, fn: Callable[[Session], T], *, attempts: int = 5) -> T:
+        """Run ``fn`` in a write transaction, retrying serialization failures and deadlocks
+        (PostgreSQL 40001/40P01, SQLite 'database is locked') with a short backoff."""
+        for i in range(attempts):
+            try:
+                with self.write_tx() as session:
+                    return fn(session)
+            except (OperationalError, DBAPIError) as exc:
+                if i == attempts - 1 or not _is_retryable(exc):
+                    raise
+                time.sleep(0.01 * (2**i))
+        raise AssertionError("unreachable")
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def _is_retryable(exc: DBAPIError) -> bool:
+    code = getattr(exc.orig, "sqlstate", None)
+    if code in ("40001", "40P01"):
+        return True
+    return "database is locked" in str(exc.orig)

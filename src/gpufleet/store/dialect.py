@@ -1,0 +1,71 @@
+"""The only place where SQLite and PostgreSQL differ: engine options, BEGIN mode, the database
+clock, and the migration lock."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Connection, Engine, event, text
+from sqlalchemy.orm import Session
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def engine_options(url: str) -> dict[str, Any]:
+    """Keyword arguments for ``create_engine`` for this database."""
+    if url.startswith("sqlite"):
+        return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}}
+    return {"pool_size": 10, "max_overflow": 20, "pool_pre_ping": True}
+
+
+def install_sqlite_hooks(engine: Engine) -> None:
+    """WAL, foreign keys, busy timeout; and explicit BEGIN so that write transactions take
+    the write lock at their start (``BEGIN IMMEDIATE``) instead of failing on upgrade."""
+    if engine.dialect.name != "sqlite":
+        return
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # let SQLAlchemy's BEGIN below control transactions
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        mode = conn.get_execution_options().get("sqlite_begin", "DEFERRED")
+        conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+def write_engine(engine: Engine) -> Engine:
+    """The same pool, but transactions begin as writers (SQLite ``BEGIN IMMEDIATE``;
+    PostgreSQL READ COMMITTED, row locks taken by the conditional UPDATEs themselves)."""
+    return engine.execution_options(sqlite_begin="IMMEDIATE")
+
+
+def db_now(session: Session) -> datetime:
+    """The database's clock, UTC-aware. Leases and timeouts compare against this only."""
+    if session.get_bind().dialect.name == "sqlite":
+        raw = session.execute(text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")).scalar_one()
+        return datetime.fromisoformat(raw).replace(tzinfo=UTC)
+    value: datetime = session.execute(text("SELECT clock_timestamp()")).scalar_one()
+    return value.astimezone(UTC)
+
+
+@contextlib.contextmanager
+def migration_lock(conn: Connection) -> Iterator[None]:
+    """Serialize concurrent migrations (PostgreSQL advisory lock; SQLite's write lock suffices)."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_lock(7244501)"))
+        try:
+            yield
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(7244501)"))
+    else:
+        yield

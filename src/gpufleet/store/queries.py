@@ -1,0 +1,160 @@
+"""Reads: rows -> the policy's snapshot, and rows -> the invariant checker's view."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.invariants import (
+    InvariantView,
+    JobView,
+    NodeView,
+    ReservationView,
+    RunView,
+)
+from gpufleet.domain.states import JobStatus, NodeStatus, ReservationStatus, RunStatus
+from gpufleet.domain.types import PriorityClass, Resources
+from gpufleet.policy.snapshot import ClusterSnapshot, NodeState, PendingJob, RunningJob, TeamState
+from gpufleet.store.tables import (
+    JobRow,
+    JobRunRow,
+    NodeCapacityRow,
+    NodeGpuRow,
+    NodeRow,
+    ReservationRow,
+    TeamRow,
+)
+
+
+def resources_of(spec: dict[str, object]) -> Resources:
+    """The Resources of a stored job spec (see services.jobs.normalize_spec)."""
+    r = spec["resources"]
+    assert isinstance(r, dict)
+    return Resources(
+        gpu_count=int(r["gpu_count"]),
+        gpu_types=tuple(r.get("gpu_types") or ()),
+        gpu_memory_mb=int(r.get("gpu_memory_mb") or 0),
+        cpu=float(r.get("cpu") or 0.0),
+        memory_mb=int(r.get("memory_mb") or 0),
+    )
+
+
+def load_snapshot(session: Session, now: datetime) -> ClusterSnapshot:
+    """Everything one scheduling pass needs, in a handful of indexed queries."""
+    now_s = now.timestamp()
+    teams = {
+        t.id: TeamState(
+            team_id=t.id,
+            weight=t.weight,
+            guaranteed_gpus=dict(t.guaranteed_gpus or {}),
+            borrow_limit_gpus=t.borrow_limit_gpus,
+            lending_limit_gpus=dict(t.lending_limit_gpus or {}),
+            usage_gpu_s=t.usage_gpu_s,
+        )
+        for t in session.scalars(select(TeamRow))
+    }
+    nodes = []
+    rows = session.execute(
+        select(NodeRow, NodeCapacityRow).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
+    ).all()
+    for node, cap in rows:
+        nodes.append(
+            NodeState(
+                node_id=node.id,
+                gpu_type=node.gpu_type,
+                gpu_memory_mb=node.gpu_memory_mb,
+                total_gpus=cap.total_gpus,
+                free_gpus=cap.available_gpus,
+                cpu_total=node.cpu,
+                cpu_free=node.cpu,
+                memory_total_mb=node.memory_mb,
+                memory_free_mb=node.memory_mb,
+                labels=dict(node.labels or {}),
+                schedulable=node.status == NodeStatus.HEALTHY,
+                status=node.status,
+            )
+        )
+    pending = []
+    for job in session.scalars(
+        select(JobRow).where(JobRow.status == JobStatus.PENDING, JobRow.cancel_requested.is_(False))
+    ):
+        spec = job.spec
+        pending.append(
+            PendingJob(
+                job_id=job.id,
+                team_id=job.team_id,
+                priority=PriorityClass(job.priority),
+                submitted_at_s=job.created_at.timestamp(),
+                resources=resources_of(spec),
+                expected_duration_s=spec.get("expected_duration_s"),
+                max_runtime_s=spec.get("max_runtime_s"),
+                node_selector=dict(spec.get("node_selector") or {}),
+                preemptible=bool(spec.get("preemptible", True)),
+                attempt=job.attempts,
+                queued_at_s=job.queued_at.timestamp(),
+            )
+        )
+    gpu_type_of = {n.node_id: n.gpu_type for n in nodes}
+    running = []
+    for run, job in session.execute(
+        select(JobRunRow, JobRow)
+        .join(JobRow, JobRow.id == JobRunRow.job_id)
+        .where(JobRunRow.status.in_([RunStatus.ASSIGNED, RunStatus.RUNNING, RunStatus.PREEMPTING]))
+    ):
+        spec = job.spec
+        res = resources_of(spec)
+        running.append(
+            RunningJob(
+                run_id=run.id,
+                job_id=job.id,
+                team_id=job.team_id,
+                node_id=run.node_id,
+                priority=PriorityClass(job.priority),
+                gpu_count=len(run.gpu_ids),
+                gpu_type=gpu_type_of.get(run.node_id, ""),
+                started_at_s=(run.started_at or run.created_at).timestamp(),
+                cpu=res.cpu,
+                memory_mb=res.memory_mb,
+                expected_duration_s=spec.get("expected_duration_s"),
+                max_runtime_s=spec.get("max_runtime_s"),
+                preemptible=bool(spec.get("preemptible", True)),
+                stopping=run.status == RunStatus.PREEMPTING,
+            )
+        )
+    return ClusterSnapshot(
+        now_s=now_s,
+        nodes=tuple(nodes),
+        pending=tuple(pending),
+        running=tuple(running),
+        teams=teams,
+    )
+
+
+def load_invariant_view(session: Session) -> InvariantView:
+    """The whole allocation state, read in one transaction, for ``check_invariants``."""
+    holders: dict[str, dict[int, str | None]] = {}
+    for g in session.scalars(select(NodeGpuRow)):
+        holders.setdefault(g.node_id, {})[g.gpu_index] = g.holder_run_id
+    nodes = tuple(
+        NodeView(c.node_id, c.total_gpus, c.available_gpus, holders.get(c.node_id, {}))
+        for c in session.scalars(select(NodeCapacityRow))
+    )
+    reservations = tuple(
+        ReservationView(r.id, r.run_id, r.job_id, r.node_id, tuple(r.gpu_ids), r.status)
+        for r in session.scalars(
+            select(ReservationRow).where(
+                ReservationRow.status.in_([ReservationStatus.RESERVED, ReservationStatus.CONFIRMED])
+            )
+        )
+    )
+    jobs = tuple(
+        JobView(j.id, j.status, j.current_run_id, j.fencing_epoch)
+        for j in session.scalars(select(JobRow))
+    )
+    runs = tuple(
+        RunView(r.id, r.job_id, r.status, r.token, r.status == RunStatus.SUCCEEDED)
+        for r in session.scalars(select(JobRunRow))
+    )
+    return InvariantView(nodes, reservations, jobs, runs)

@@ -1,0 +1,265 @@
+"""ORM tables (SQLAlchemy 2). One schema for SQLite and PostgreSQL; one Alembic chain.
+
+Statuses are stored as strings and written only by ``store/transitions.py``. Times are UTC
+(``*_at``), taken from the database clock (``dialect.db_now``).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes on both databases (SQLite stores naive UTC text)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime: gpufleet stores UTC-aware datetimes only")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON, list[int]: JSON}
+
+
+ACTIVE_RUN_SQL = "status IN ('ASSIGNED', 'RUNNING', 'PREEMPTING')"
+ACTIVE_RESERVATION_SQL = "status IN ('RESERVED', 'CONFIRMED')"
+
+
+class TeamRow(Base):
+    __tablename__ = "teams"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    """The team name, as used in tokens and the API."""
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    guaranteed_gpus: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    """GPU type -> guaranteed GPUs."""
+    borrow_limit_gpus: Mapped[int | None] = mapped_column(Integer, default=None)
+    lending_limit_gpus: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    max_outstanding_jobs: Mapped[int | None] = mapped_column(Integer, default=None)
+    usage_gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    """Charged GPU-seconds of finished attempts (every attempt, whatever its outcome)."""
+    created_at: Mapped[datetime]
+
+
+class ApiTokenRow(Base):
+    __tablename__ = "api_tokens"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id"), index=True)
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("team_id", "idempotency_key"),
+        Index("ix_jobs_status_queue", "status", "priority_rank", "queued_at"),
+        Index("ix_jobs_team_id_created", "team_id", "id"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id"))
+    name: Mapped[str] = mapped_column(String(256), default="")
+    idempotency_key: Mapped[str] = mapped_column(String(256))
+    payload_sha256: Mapped[str] = mapped_column(String(64))
+    spec: Mapped[dict[str, Any]]
+    """The normalized, immutable JobSpec (JSON)."""
+    priority: Mapped[str] = mapped_column(String(16))
+    priority_rank: Mapped[int] = mapped_column(Integer)
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    current_run_id: Mapped[str | None] = mapped_column(String(40))
+    fencing_epoch: Mapped[int] = mapped_column(Integer, default=0)
+    """Token of the current attempt; one higher for every new attempt (never reused)."""
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    result_uri: Mapped[str | None] = mapped_column(Text)
+    failure_reason: Mapped[str | None] = mapped_column(Text)
+    pending_reason: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+    queued_at: Mapped[datetime]
+    scheduled_at: Mapped[datetime | None]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+
+class JobRunRow(Base):
+    """One attempt: one node, one reservation, one fencing token. Never reused."""
+
+    __tablename__ = "job_runs"
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt"),
+        # Invariant 3 backstop: at most one active attempt per job.
+        Index(
+            "uq_job_runs_one_active_per_job",
+            "job_id",
+            unique=True,
+            sqlite_where=text(ACTIVE_RUN_SQL),
+            postgresql_where=text(ACTIVE_RUN_SQL),
+        ),
+        Index("ix_job_runs_node_status", "node_id", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
+    status: Mapped[str] = mapped_column(String(16))
+    token: Mapped[int] = mapped_column(Integer)
+    gpu_ids: Mapped[list[int]]
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    manifest_uri: Mapped[str | None] = mapped_column(Text)
+    checkpoint_prefix: Mapped[str | None] = mapped_column(Text)
+    """Object-store key prefix of the checkpoints this attempt stored (resume source)."""
+    message: Mapped[str | None] = mapped_column(Text)
+    stop_reason: Mapped[str | None] = mapped_column(String(16))
+    """cancel | preempt | timeout | stale, while PREEMPTING and after."""
+    stop_requested_at: Mapped[datetime | None]
+    assigned_at: Mapped[datetime | None]
+    """When AssignJob was last answered by the agent (None: not yet delivered)."""
+    created_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+
+class ReservationRow(Base):
+    """Which attempt owns which GPUs of which node, under which token and leader epoch."""
+
+    __tablename__ = "reservations"
+    __table_args__ = (Index("ix_reservations_node_status", "node_id", "status"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("job_runs.id"), unique=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
+    gpu_ids: Mapped[list[int]]
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    token: Mapped[int] = mapped_column(Integer)
+    leader_epoch: Mapped[int] = mapped_column(Integer)
+    lease_expires_at: Mapped[datetime]
+    created_at: Mapped[datetime]
+    released_at: Mapped[datetime | None]
+
+
+class NodeRow(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    address: Mapped[str] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16))
+    gpu_type: Mapped[str] = mapped_column(String(64))
+    gpu_memory_mb: Mapped[int] = mapped_column(Integer)
+    cpu: Mapped[float] = mapped_column(Float, default=0.0)
+    memory_mb: Mapped[int] = mapped_column(Integer, default=0)
+    labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    agent_epoch: Mapped[int] = mapped_column(Integer, default=0)
+    inventory_source: Mapped[str] = mapped_column(String(16), default="declared")
+    registered_at: Mapped[datetime]
+    last_heartbeat_at: Mapped[datetime | None]
+
+
+class NodeCapacityRow(Base):
+    """``reserved + available = total`` is checked by the invariant checker, never patched."""
+
+    __tablename__ = "node_capacity"
+    __table_args__ = (
+        CheckConstraint("available_gpus >= 0", name="available_nonnegative"),
+        CheckConstraint("available_gpus <= total_gpus", name="available_le_total"),
+    )
+
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), primary_key=True)
+    total_gpus: Mapped[int] = mapped_column(Integer)
+    available_gpus: Mapped[int] = mapped_column(Integer)
+    version: Mapped[int] = mapped_column(Integer, default=0)
+    """Bumped by every reserve and release (a compare-and-swap handle and a change counter)."""
+
+
+class NodeGpuRow(Base):
+    """One GPU of a node and the run holding it (one column: two holders cannot exist)."""
+
+    __tablename__ = "node_gpus"
+
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), primary_key=True)
+    gpu_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uuid: Mapped[str] = mapped_column(String(128))
+    gpu_type: Mapped[str] = mapped_column(String(64))
+    memory_mb: Mapped[int] = mapped_column(Integer)
+    holder_run_id: Mapped[str | None] = mapped_column(String(40))
+
+
+class LeaderLeaseRow(Base):
+    __tablename__ = "leader_lease"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    epoch: Mapped[int] = mapped_column(Integer)
+    expires_at: Mapped[datetime]
+
+
+class SchedulingEventRow(Base):
+    """Append-only audit: every state transition and scheduling decision, with its reason."""
+
+    __tablename__ = "scheduling_events"
+    __table_args__ = (Index("ix_scheduling_events_job", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime]
+    kind: Mapped[str] = mapped_column(String(32))
+    """transition | placed | skipped | preempt | reconcile | ..."""
+    machine: Mapped[str | None] = mapped_column(String(16))
+    entity_id: Mapped[str | None] = mapped_column(String(128))
+    from_status: Mapped[str | None] = mapped_column(String(16))
+    to_status: Mapped[str | None] = mapped_column(String(16))
+    trigger: Mapped[str | None] = mapped_column(String(64))
+    job_id: Mapped[str | None] = mapped_column(String(40))
+    run_id: Mapped[str | None] = mapped_column(String(40))
+    node_id: Mapped[str | None] = mapped_column(String(128))
+    message: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[dict[str, Any] | None] = mapped_column(JSON)

@@ -1,0 +1,131 @@
+"""The only writer of ``status`` columns.
+
+Each change: check the edge against the domain's transition table, run a guarded
+``UPDATE ... WHERE id = :id AND status IN (:allowed_from) [AND guard columns]``, and append a
+SchedulingEvent row in the same transaction. 0 rows matched raises StaleState: the row moved
+on (another status, token or epoch) and the caller's view was stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.errors import StaleState
+from gpufleet.domain.states import Machine, check_transition
+from gpufleet.store.tables import (
+    Base,
+    JobRow,
+    JobRunRow,
+    NodeRow,
+    ReservationRow,
+    SchedulingEventRow,
+)
+
+_TABLES: Mapping[Machine, type[Base]] = {
+    Machine.JOB: JobRow,
+    Machine.RUN: JobRunRow,
+    Machine.RESERVATION: ReservationRow,
+    Machine.NODE: NodeRow,
+}
+
+
+def transition(
+    session: Session,
+    machine: Machine,
+    entity_id: str,
+    to: str,
+    *,
+    now: datetime,
+    frm: Iterable[str],
+    guard: Mapping[str, Any] | None = None,
+    values: Mapping[str, Any] | None = None,
+    message: str | None = None,
+    details: Mapping[str, Any] | None = None,
+    job_id: str | None = None,
+    run_id: str | None = None,
+    node_id: str | None = None,
+) -> str:
+    """Move ``entity_id`` of ``machine`` to ``to`` from one of ``frm``; returns the old status.
+
+    Args:
+        frm: states the caller believes the row may be in; each ``frm -> to`` edge must be in
+            the table (IllegalTransition otherwise), whatever the row's real state.
+        guard: extra equality conditions (e.g. ``{"token": 7}``, ``{"fencing_epoch": 3}``).
+        values: other columns to set in the same UPDATE.
+
+    Raises:
+        IllegalTransition: an edge ``frm -> to`` is not in the table.
+        StaleState: no row matched (status, guard or id).
+    """
+    sources = sorted(set(frm))
+    triggers = {s: check_transition(machine, s, to) for s in sources}
+    table = _TABLES[machine]
+    cols = table.__table__.c
+    conds = [cols.id == entity_id, cols.status.in_(sources)]
+    conds += [cols[k] == v for k, v in (guard or {}).items()]
+    # Lock the row and learn its current status (PostgreSQL FOR UPDATE; SQLite holds the
+    # database write lock since BEGIN IMMEDIATE), then update under the same conditions.
+    old = session.execute(
+        table.__table__.select().with_only_columns(cols.status).where(*conds).with_for_update()
+    ).scalar_one_or_none()
+    result = None
+    if old is not None:
+        result = session.execute(
+            update(table)
+            .where(*conds)
+            .values(status=to, **dict(values or {}))
+            .execution_options(synchronize_session=False)
+        )
+    if old is None or result is None or result.rowcount != 1:  # type: ignore[attr-defined]
+        raise StaleState(
+            f"{machine.value} {entity_id}: not in {sources}"
+            + (f" with {dict(guard)}" if guard else "")
+            + f" (wanted -> {to})"
+        )
+    session.add(
+        SchedulingEventRow(
+            at=now,
+            kind="transition",
+            machine=machine.value,
+            entity_id=entity_id,
+            from_status=old,
+            to_status=to,
+            trigger=triggers[old],
+            job_id=job_id,
+            run_id=run_id,
+            node_id=node_id,
+            message=message,
+            details=dict(details) if details else None,
+        )
+    )
+    return str(old)
+
+
+def record_event(
+    session: Session,
+    kind: str,
+    *,
+    now: datetime,
+    message: str,
+    job_id: str | None = None,
+    run_id: str | None = None,
+    node_id: str | None = None,
+    details: Mapping[str, Any] | None = None,
+) -> None:
+    """Append a non-transition audit event (a placement decision, a reconcile finding...)."""
+    session.add(
+        SchedulingEventRow(
+            at=now,
+            kind=kind,
+            job_id=job_id,
+            run_id=run_id,
+            node_id=node_id,
+            message=message,
+            details=dict(details) if details else None,
+        )
+    )

@@ -1,0 +1,72 @@
+"""Shared fixtures. PostgreSQL and Redis are real servers; when configured but down, the tests
+that need them ERROR (they are never skipped).
+
+- ``GPUFLEET_TEST_POSTGRES_URL`` (default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``):
+  each xdist worker gets its own database ``gpufleet_test_<worker>``, migrated once and emptied
+  between tests.
+- ``GPUFLEET_TEST_REDIS_URL`` (default ``redis://127.0.0.1:6379/15``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import text
+
+from gpufleet.store.db import Database
+from gpufleet.store.migrate import migrate
+from gpufleet.store.tables import Base
+
+PG_ADMIN_URL = os.environ.get(
+    "GPUFLEET_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("GPUFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def _pg_database_url(worker: str) -> str:
+    name = f"gpufleet_test_{worker}"
+    conninfo = PG_ADMIN_URL.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+
+
+@pytest.fixture(scope="session")
+def pg_url(worker_id: str) -> str:
+    """URL of this worker's migrated PostgreSQL test database (errors if PostgreSQL is down)."""
+    url = _pg_database_url(worker_id)
+    db = Database(url)
+    with db.engine.begin() as conn:  # start from scratch each session: schema from migrations
+        conn.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+    migrate(db)
+    db.dispose()
+    return url
+
+
+def _empty(db: Database) -> None:
+    names = [t.name for t in reversed(Base.metadata.sorted_tables)]
+    with db.engine.begin() as conn:
+        if db.is_sqlite:
+            for n in names:
+                conn.execute(text(f"DELETE FROM {n}"))
+        else:
+            conn.execute(text(f"TRUNCATE {', '.join(names)} RESTART IDENTITY CASCADE"))
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """A migrated, empty database: SQLite file and real PostgreSQL (parametrized)."""
+    if request.param == "sqlite":
+        database = Database(f"sqlite:///{tmp_path / 'gpufleet.db'}")
+        migrate(database)
+    else:
+        database = Database(request.getfixturevalue("pg_url"))
+        _empty(database)
+    yield database
+    database.dispose()

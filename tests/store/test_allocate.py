@@ -1,0 +1,136 @@
+"""The reserve transaction and its inverse, on SQLite and real PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from gpufleet.domain.errors import CapacityConflict, NotLeader, StaleState
+from gpufleet.domain.invariants import check_invariants
+from gpufleet.domain.states import JobStatus, NodeStatus
+from gpufleet.services.nodes import set_node_status
+from gpufleet.store import allocate
+from gpufleet.store.db import Database
+from gpufleet.store.dialect import db_now
+from gpufleet.store.queries import load_invariant_view
+from gpufleet.store.tables import JobRow, NodeCapacityRow
+from tests.factories import become_leader, create_node, create_team, submit
+
+
+def reserve(db: Database, job_id: str, node_id: str, n: int, *, epoch: int, seen: int = 0,
+            holder: str = "test-leader") -> allocate.Reserved:
+    return db.run_write(lambda s: allocate.reserve(
+        s, job_id=job_id, node_id=node_id, gpu_count=n, seen_fencing_epoch=seen,
+        leader_holder=holder, leader_epoch=epoch, lease_s=60, now=db_now(s)))
+
+
+def violations(db: Database) -> list[str]:
+    with db.read() as s:
+        return [str(v) for v in check_invariants(load_invariant_view(s))]
+
+
+class TestReserve:
+    def test_reserves_gpu_ids_and_moves_the_job(self, db: Database) -> None:
+        create_team(db)
+        create_node(db, "n1", gpus=8)
+        epoch = become_leader(db)
+        job = submit(db, gpus=3)
+        got = reserve(db, job.job_id, "n1", 3, epoch=epoch)
+        assert got.gpu_ids == (0, 1, 2)
+        assert got.token == 1 and got.attempt == 1
+        with db.read() as s:
+            assert s.get(NodeCapacityRow, "n1").available_gpus == 5
+            row = s.get(JobRow, job.job_id)
+            assert (row.status, row.current_run_id, row.fencing_epoch) == ("SCHEDULED", got.run_id, 1)
+        assert violations(db) == []
+
+    def test_second_job_gets_disjoint_gpus(self, db: Database) -> None:
+        create_team(db)
+        create_node(db, "n1", gpus=8)
+        epoch = become_leader(db)
+        a = reserve(db, submit(db, gpus=4).job_id, "n1", 4, epoch=epoch)
+        b = reserve(db, submit(db, gpus=4).job_id, "n1", 4, epoch=epoch)
+        assert set(a.gpu_ids).isdisjoint(b.gpu_ids)
+        with pytest.raises(CapacityConflict):
+            reserve(db, submit(db, gpus=1).job_id, "n1", 1, epoch=epoch)
+        assert violations(db) == []
+
+    def test_conflict_rolls_back_everything(self, db: Database) -> None:
+        create_team(db)
+        job = submit(db, gpus=4)  # accepted while no node is registered (bound: 8)
+        create_node(db, "n1", gpus=2)
+        epoch = become_leader(db)
+        with pytest.raises(CapacityConflict):
+            reserve(db, job.job_id, "n1", 4, epoch=epoch)
+        with db.read() as s:
+            assert s.get(NodeCapacityRow, "n1").available_gpus == 2
+            assert s.get(JobRow, job.job_id).status == JobStatus.PENDING
+
+    def test_stale_leader_epoch_is_rejected_inside_the_transaction(self, db: Database) -> None:
+        create_team(db)
+        create_node(db, "n1")
+        epoch = become_leader(db)
+        job = submit(db)
+        with pytest.raises(NotLeader):
+            reserve(db, job.job_id, "n1", 1, epoch=epoch + 1)
+        with pytest.raises(NotLeader):
+            reserve(db, job.job_id, "n1", 1, epoch=epoch, holder="someone-else")
+        with db.read() as s:
+            assert s.get(NodeCapacityRow, "n1").available_gpus == 8
+
+    def test_stale_job_epoch_is_rejected(self, db: Database) -> None:
+        create_team(db)
+        create_node(db, "n1")
+        epoch = become_leader(db)
+        job = submit(db)
+        with pytest.raises(StaleState):
+            reserve(db, job.job_id, "n1", 1, epoch=epoch, seen=5)
+
+    def test_unhealthy_node_gets_no_reservation(self, db: Database) -> None:
+        create_team(db)
+        create_node(db, "n1")
+        epoch = become_leader(db)
+        db.run_write(lambda s: set_node_status(s, "n1", NodeStatus.CORDONED, message="test"))
+        with pytest.raises(CapacityConflict):
+            reserve(db, submit(db).job_id, "n1", 1, epoch=epoch)
+
+    def test_release_returns_capacity_once(self, db: Database) -> None:
+        create_team(db)
+        create_node(db, "n1", gpus=8)
+        epoch = become_leader(db)
+        got = reserve(db, submit(db, gpus=8).job_id, "n1", 8, epoch=epoch)
+        returned = db.run_write(lambda s: allocate.release(s, run_id=got.run_id, now=db_now(s), message="t"))
+        again = db.run_write(lambda s: allocate.release(s, run_id=got.run_id, now=db_now(s), message="t"))
+        assert (returned, again) == (8, 0)
+        with db.read() as s:
+            assert s.get(NodeCapacityRow, "n1").available_gpus == 8
+
+
+def test_racing_reservers_exactly_the_right_number_win(db: Database) -> None:
+    """16 threads (each its own connection) race for 1-GPU... 3-GPU slices of one 8-GPU node:
+    exactly floor(8/3) = 2 win, and no GPU is held twice."""
+    create_team(db)
+    create_node(db, "n1", gpus=8)
+    epoch = become_leader(db)
+    jobs = [submit(db, gpus=3).job_id for _ in range(16)]
+    barrier = threading.Barrier(len(jobs))
+    won: list[allocate.Reserved] = []
+    lost: list[Exception] = []
+
+    def go(job_id: str) -> None:
+        barrier.wait()
+        try:
+            won.append(reserve(db, job_id, "n1", 3, epoch=epoch))
+        except CapacityConflict as exc:
+            lost.append(exc)
+
+    threads = [threading.Thread(target=go, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 2 and len(lost) == 14
+    held = [g for r in won for g in r.gpu_ids]
+    assert len(held) == len(set(held)) == 6
+    assert violations(db) == []
