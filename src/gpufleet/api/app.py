@@ -48,6 +48,26 @@ def log_key(job_id: str, run_id: str) -> str:
     return f"{attempt_prefix(job_id, run_id)}/logs/output.log"
 
 
+def principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> auth.Principal:
+    """The caller, from ``Authorization: Bearer <token>``; the team comes from the token."""
+    raw = None
+    if authorization and authorization.lower().startswith("bearer "):
+        raw = authorization[7:].strip()
+    state: AppState = request.app.state.gf
+    with state.db.read() as s:
+        return auth.authenticate(s, raw)
+
+
+def admin(p: Annotated[auth.Principal, Depends(principal)]) -> auth.Principal:
+    if not p.is_admin:
+        raise Forbidden("this needs an admin token")
+    return p
+
+
+Who = Annotated[auth.Principal, Depends(principal)]
+Admin = Annotated[auth.Principal, Depends(admin)]
+
+
 def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="gpufleet", version="1", docs_url="/docs")
     app.state.gf = state
@@ -82,20 +102,6 @@ def create_app(state: AppState) -> FastAPI:
     async def on_crash(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return _error(500, "internal_error", "internal error; see the server log", None)
-
-    def principal(authorization: Annotated[str | None, Header()] = None) -> auth.Principal:
-        raw = None
-        if authorization and authorization.lower().startswith("bearer "):
-            raw = authorization[7:].strip()
-        with state.db.read() as s:
-            return auth.authenticate(s, raw)
-
-    def admin(p: Annotated[auth.Principal, Depends(principal)]) -> auth.Principal:
-        if not p.is_admin:
-            raise Forbidden("this needs an admin token")
-        return p
-
-    Who = Annotated[auth.Principal, Depends(principal)]
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
@@ -191,12 +197,12 @@ def create_app(state: AppState) -> FastAPI:
                 agent_epoch=n.agent_epoch) for n, c in rows])
 
     @app.post("/v1/admin/teams", status_code=201)
-    def create_team(body: TeamCreate, _: Annotated[auth.Principal, Depends(admin)]) -> dict[str, str]:
+    def create_team(body: TeamCreate, _: Admin) -> dict[str, str]:
         name = state.db.run_write(lambda s: auth.create_team(s, body.name, weight=body.weight))
         return {"team": name}
 
     @app.post("/v1/admin/tokens", status_code=201)
-    def create_token(body: TokenCreate, _: Annotated[auth.Principal, Depends(admin)]) -> dict[str, str]:
+    def create_token(body: TokenCreate, _: Admin) -> dict[str, str]:
         raw = state.db.run_write(lambda s: auth.create_token(s, body.team, name=body.name, is_admin=body.admin))
         return {"team": body.team, "token": raw}
 

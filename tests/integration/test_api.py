@@ -1,0 +1,187 @@
+"""REST API v1 over ASGI on both databases: auth, validation (4xx naming the field, never 500),
+idempotent submit (also under concurrent retries), team isolation, pagination, cancel."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gpufleet.api.app import AppState, create_app
+from gpufleet.objectstore import ObjectStore
+from gpufleet.queue import InProcWaker
+from gpufleet.services import auth
+from gpufleet.settings import Settings
+from gpufleet.store.db import Database
+from tests.factories import create_node
+
+
+@pytest.fixture
+def api(db: Database, tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, str]]]:
+    settings = Settings(data_dir=tmp_path)
+    app = create_app(AppState(settings, db, InProcWaker(), ObjectStore(str(tmp_path / "objects"))))
+    tokens = {}
+    for team in ("vision", "nlp"):
+        tokens[team] = db.run_write(
+            lambda s, t=team: (auth.create_team(s, t), auth.create_token(s, t))[1])
+    create_node(db, "n1", gpus=8)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, tokens
+
+
+def hdr(token: str, key: str | None = "k1") -> dict[str, str]:
+    h = {"Authorization": f"Bearer {token}"}
+    if key is not None:
+        h["Idempotency-Key"] = key
+    return h
+
+
+JOB = {"command": ["python3", "train.py"], "gpu_count": 2}
+
+
+class TestSubmit:
+    def test_creates_a_pending_job(self, api) -> None:
+        client, tokens = api
+        r = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"]))
+        assert r.status_code == 201
+        body = r.json()
+        assert body["status"] == "PENDING" and body["job_id"].startswith("j-")
+        got = client.get(f"/v1/jobs/{body['job_id']}", headers=hdr(tokens["vision"])).json()
+        assert got["team"] == "vision" and got["gpu_count"] == 2 and got["attempts"] == []
+        assert got["pending_reason"]["code"]
+
+    def test_same_key_same_payload_returns_the_same_job(self, api) -> None:
+        client, tokens = api
+        a = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], "same"))
+        b = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], "same"))
+        assert (a.status_code, b.status_code) == (201, 200)
+        assert a.json()["job_id"] == b.json()["job_id"]
+
+    def test_same_key_other_payload_is_409(self, api) -> None:
+        client, tokens = api
+        client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], "k"))
+        r = client.post("/v1/jobs", json={**JOB, "gpu_count": 4}, headers=hdr(tokens["vision"], "k"))
+        assert r.status_code == 409
+        assert r.json()["error"] == "idempotency_key_reused_with_different_payload"
+
+    def test_keys_are_scoped_to_the_team(self, api) -> None:
+        client, tokens = api
+        a = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], "k")).json()
+        b = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["nlp"], "k")).json()
+        assert a["job_id"] != b["job_id"]
+
+    def test_concurrent_retries_create_one_job(self, api) -> None:
+        client, tokens = api
+        ids: list[str] = []
+        codes: list[int] = []
+        barrier = threading.Barrier(8)
+
+        def go() -> None:
+            barrier.wait()
+            r = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], "race"))
+            codes.append(r.status_code)
+            ids.append(r.json().get("job_id"))
+
+        threads = [threading.Thread(target=go) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(set(ids)) == 1 and None not in ids
+        assert sorted(codes).count(201) == 1 and all(c in (200, 201) for c in codes)
+        listed = client.get("/v1/jobs", headers=hdr(tokens["vision"])).json()["items"]
+        assert len(listed) == 1
+
+
+BAD = [
+    pytest.param({**JOB, "gpu_count": 0}, "gpu_count", id="zero GPUs"),
+    pytest.param({**JOB, "gpu_count": -1}, "gpu_count", id="negative GPUs"),
+    pytest.param({**JOB, "gpu_count": 9}, "gpu_count", id="more GPUs than any node holds"),
+    pytest.param({**JOB, "gpu_count": "many"}, "gpu_count", id="GPUs not a number"),
+    pytest.param({**JOB, "priority": "URGENT"}, "priority", id="unknown priority"),
+    pytest.param({"gpu_count": 1}, "command", id="missing command"),
+    pytest.param({**JOB, "command": []}, "command", id="empty command"),
+    pytest.param({**JOB, "env": {"X": "y" * 1_000_000}}, "env", id="1 MB env"),
+    pytest.param({**JOB, "gpu_type": "TPUv9"}, "gpu_type", id="GPU type no node has"),
+    pytest.param({**JOB, "bogus": 1}, "bogus", id="unknown field"),
+    pytest.param({**JOB, "max_retries": -2}, "max_retries", id="negative retries"),
+]
+
+
+class TestValidation:
+    @pytest.mark.parametrize(("body", "want_field"), BAD)
+    def test_bad_input_is_4xx_naming_the_field(self, api, body, want_field) -> None:
+        client, tokens = api
+        r = client.post("/v1/jobs", json=body, headers=hdr(tokens["vision"]))
+        assert 400 <= r.status_code < 500, r.text
+        assert r.json()["field"] == want_field, r.json()
+        assert want_field in r.json()["message"] or r.json()["field"] == want_field
+
+    def test_malformed_json_is_400(self, api) -> None:
+        client, tokens = api
+        r = client.post("/v1/jobs", content=b'{"command": [', headers={
+            **hdr(tokens["vision"]), "Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"] == "malformed_json"
+
+    def test_huge_body_is_413(self, api) -> None:
+        client, tokens = api
+        body = json.dumps({**JOB, "env": {"X": "y" * 3_000_000}})
+        r = client.post("/v1/jobs", content=body, headers={
+            **hdr(tokens["vision"]), "Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["field"] == "body"
+
+    def test_missing_idempotency_key_is_422(self, api) -> None:
+        client, tokens = api
+        r = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], key=None))
+        assert r.status_code == 422 and r.json()["field"] == "Idempotency-Key"
+
+    @pytest.mark.parametrize("authz", [None, "Bearer nope", "Basic abc"])
+    def test_bad_token_is_401(self, api, authz) -> None:
+        client, _ = api
+        headers = {"Idempotency-Key": "k"} | ({"Authorization": authz} if authz else {})
+        assert client.post("/v1/jobs", json=JOB, headers=headers).status_code == 401
+
+    def test_unknown_list_status_is_422(self, api) -> None:
+        client, tokens = api
+        r = client.get("/v1/jobs?status=NOPE", headers=hdr(tokens["vision"]))
+        assert r.status_code == 422 and r.json()["field"] == "status"
+
+
+class TestReads:
+    def test_another_teams_job_is_404(self, api) -> None:
+        client, tokens = api
+        job = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"])).json()
+        for path in (f"/v1/jobs/{job['job_id']}", f"/v1/jobs/{job['job_id']}/logs"):
+            assert client.get(path, headers=hdr(tokens["nlp"])).status_code == 404
+        assert client.delete(f"/v1/jobs/{job['job_id']}", headers=hdr(tokens["nlp"])).status_code == 404
+
+    def test_list_paginates_with_a_cursor(self, api) -> None:
+        client, tokens = api
+        made = [client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], f"k{i}")).json()["job_id"]
+                for i in range(5)]
+        seen, cursor = [], None
+        while True:
+            q = "/v1/jobs?limit=2" + (f"&cursor={cursor}" if cursor else "")
+            page = client.get(q, headers=hdr(tokens["vision"])).json()
+            seen += [j["job_id"] for j in page["items"]]
+            cursor = page["next_cursor"]
+            if not cursor:
+                break
+        assert seen == list(reversed(made))
+
+    def test_cancel_pending_job_is_immediate(self, api) -> None:
+        client, tokens = api
+        job = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"])).json()
+        r = client.delete(f"/v1/jobs/{job['job_id']}", headers=hdr(tokens["vision"]))
+        assert r.status_code == 202 and r.json()["status"] == "CANCELLED"
+        got = client.get(f"/v1/jobs/{job['job_id']}", headers=hdr(tokens["vision"])).json()
+        assert got["status"] == "CANCELLED" and got["cancel_requested"] is True
+
+    def test_nodes_lists_capacity(self, api) -> None:
+        client, tokens = api
+        items = client.get("/v1/nodes", headers=hdr(tokens["vision"])).json()["items"]
+        assert [(n["node_id"], n["total_gpus"], n["available_gpus"]) for n in items] == [("n1", 8, 8)]
