@@ -1,71 +1,314 @@
 """One scheduling pass: ``schedule(snapshot, config) -> CycleResult``.
 
-Phases:
-  1. order pending jobs: priority class (CRITICAL first), then queue time, then job id;
-  2. for each job: filter nodes and place by best fit on the cycle's free-capacity index;
-  3. every job left waiting gets a WaitReason (never fits the fleet / no node fits now).
+Phases (numbered as in docs/design/scheduling-policy.md):
+  0. index the snapshot: free capacity by GPU type (``placement``), allocation per team
+     (``quota``), queues sorted by priority + aging (``priority``); drop dead holds;
+  1. holds: preemptors whose victims are gone are placed on the GPUs held for them;
+  2. the team heap (``fairshare``): pop the most under-served team, take its next job;
+  3. quota: is the job admissible on one of its GPU types (guarantee / borrow / lend)?
+  4. placement: best fit on that type's free index, respecting holds and backfill shadows;
+  5. the first blocked job of each team: reclaim or priority preemption (``preemption``),
+     else a backfill reservation (``backfill``); with backfill OFF it blocks its queue;
+  6. reasons for every job left waiting (``explain``, computed lazily).
+
+Pure: no I/O, no clock (time is ``snapshot.now_s``), no randomness; ties are broken by ids, so
+the same snapshot and config give the same result.
 """
 
 from __future__ import annotations
 
-from gpufleet.policy.config import PolicyConfig
-from gpufleet.policy.decisions import CycleResult, Decision, Place, WaitReason
-from gpufleet.policy.placement import FreeIndex
-from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob
+import heapq
+from collections.abc import Mapping, Sequence
+
+from gpufleet.policy.backfill import find_reservation
+from gpufleet.policy.config import Backfill, Placement, PolicyConfig
+from gpufleet.policy.decisions import CycleResult, Decision, HoldForBackfill, Place
+from gpufleet.policy.explain import Cause, WaitingReasons
+from gpufleet.policy.fairshare import TeamKey, TeamOrder
+from gpufleet.policy.placement import FreeIndex, selector_key
+from gpufleet.policy.preemption import VictimSearch
+from gpufleet.policy.priority import queue_key, queued_at
+from gpufleet.policy.quota import TeamBook
+from gpufleet.policy.runtime import RunningIndex
+from gpufleet.policy.snapshot import ClusterSnapshot, GpuHold, PendingJob
+
+__all__ = ["queue_order_key", "schedule", "sorted_queues"]
 
 
 def queue_order_key(job: PendingJob) -> tuple[int, float, str]:
-    """Priority class first, then the time the job (re-)entered the queue, then id."""
-    queued = job.queued_at_s if job.queued_at_s is not None else job.submitted_at_s
-    return (-job.priority.rank, queued, job.job_id)
+    """Priority class first, then the time the job (re-)entered the queue, then id (the
+    strict-priority order; kept for callers of the first version)."""
+    return (-job.priority.rank, queued_at(job), job.job_id)
+
+
+def sorted_queues(
+    pending: Sequence[PendingJob], config: PolicyConfig
+) -> dict[str, list[PendingJob]]:
+    """Group ``pending`` by team and sort each queue by ``priority.queue_key(config)``."""
+    queues: dict[str, list[PendingJob]] = {}
+    for j in pending:
+        queues.setdefault(j.team_id, []).append(j)
+    key = queue_key(config)
+    for q in queues.values():
+        q.sort(key=key)
+    return queues
+
+
+def _live_holds(
+    snapshot: ClusterSnapshot, queues: Mapping[str, Sequence[PendingJob]], cfg: PolicyConfig
+) -> tuple[list[tuple[GpuHold, PendingJob]], list[str]]:
+    if not snapshot.holds:
+        return [], []
+    want = {h.job_id for h in snapshot.holds}
+    jobs = {j.job_id: j for q in queues.values() for j in q if j.job_id in want}
+    nodes = {n.node_id: n for n in snapshot.nodes}
+    live: list[tuple[GpuHold, PendingJob]] = []
+    released: list[str] = []
+    seen: set[str] = set()
+    for h in sorted(snapshot.holds, key=lambda h: (h.since_s, h.job_id)):
+        job = jobs.get(h.job_id)
+        node = nodes.get(h.node_id)
+        dead = (
+            job is None
+            or node is None
+            or not node.schedulable
+            or snapshot.now_s - h.since_s > cfg.hold_timeout_s
+            or h.node_id in seen
+        )
+        if dead or job is None:
+            released.append(h.job_id)
+            continue
+        seen.add(h.node_id)
+        live.append((h, job))
+    return live, sorted(set(released))
+
+
+class _Pass:
+    """Mutable state of one pass (the snapshot stays frozen)."""
+
+    def __init__(self, snapshot: ClusterSnapshot, cfg: PolicyConfig) -> None:
+        self.snap = snapshot
+        self.cfg = cfg
+        self.now = snapshot.now_s
+        self.queues: Mapping[str, Sequence[PendingJob]] = (
+            snapshot.queues
+            if snapshot.queues is not None
+            else sorted_queues(snapshot.pending, cfg)
+        )
+        self.holds, self.released = _live_holds(snapshot, self.queues, cfg)
+        self.index = FreeIndex(snapshot.nodes, (h for h, _ in self.holds))
+        self.book = TeamBook(
+            snapshot.teams,
+            snapshot.running,
+            self.index.capacity_gpus,
+            self.index.capacity_cpu,
+            self.index.capacity_memory_mb,
+            cfg,
+        )
+        self.held_jobs = {h.job_id: h for h, _ in self.holds}
+        self.decisions: list[Decision] = []
+        self.placed: set[str] = set()
+        self.causes: dict[str, Cause] = {}
+        self.default_cause: dict[str, Cause] = {}
+        self.served: dict[str, int] = {}
+        self.head_done: set[str] = set()
+        self.n_places = 0
+        self.n_preempts = 0
+        self.n_reservations = 0
+        self._running: RunningIndex | None = None
+        self._victims: VictimSearch | None = None
+        # Smallest GPU count known not to fit now, per job shape (free only shrinks).
+        self.fail_memo: dict[tuple[object, ...], int] = {}
+
+    @property
+    def running(self) -> RunningIndex:
+        if self._running is None:
+            self._running = RunningIndex(self.snap.running, self.now, self.cfg)
+        return self._running
+
+    @property
+    def victims(self) -> VictimSearch:
+        if self._victims is None:
+            self._victims = VictimSearch(self.running, self.book, self.now)
+        return self._victims
+
+    # -- phase 1 ------------------------------------------------------------------------
+    def place_holders(self) -> None:
+        for h, job in self.holds:
+            fn = self.index.held_node_for(job.job_id, h.node_id)
+            res = job.resources
+            if fn is not None and fn.free_gpus >= res.gpu_count:
+                self._place(job, h.node_id, fn.node.gpu_type, backfilled=False)
+            else:
+                self.causes[job.job_id] = ("waiting_for_preemption", h.node_id, (), h.reason)
+                self.head_done.add(job.team_id)
+
+    # -- phases 3 and 4 -----------------------------------------------------------------
+    def _place(self, job: PendingJob, node_id: str, gpu_type: str, backfilled: bool) -> None:
+        res = job.resources
+        hard_end = self.now + job.max_runtime_s if job.max_runtime_s is not None else None
+        self.index.take(node_id, res, job.job_id, hard_end)
+        self.book.charge(job.team_id, gpu_type, res.gpu_count, res.cpu, res.memory_mb)
+        self.decisions.append(Place(job.job_id, node_id, res.gpu_count, backfilled))
+        self.placed.add(job.job_id)
+        self.served[job.team_id] = self.served.get(job.team_id, 0) + res.gpu_count
+        self.n_places += 1
+
+    def try_place(self, job: PendingJob) -> Cause | None:
+        """Place ``job`` now if quota and placement allow; else the cause it waits."""
+        res = job.resources
+        memo_key: tuple[object, ...] | None = None
+        if job.max_runtime_s is None or not self.index.shadows:
+            memo_key = (
+                res.gpu_types,
+                res.gpu_memory_mb,
+                res.cpu,
+                res.memory_mb,
+                selector_key(job.node_selector),
+                job.team_id,
+            )
+            failed_at = self.fail_memo.get(memo_key)
+            if failed_at is not None and res.gpu_count >= failed_at:
+                return ("no_node_fits_now",)
+        hard_end = self.now + job.max_runtime_s if job.max_runtime_s is not None else None
+        types = res.gpu_types or self.index.gpu_types
+        refusal: Cause | None = None
+        best: tuple[int, str, str] | None = None
+        for t in types:
+            code = self.book.admit(
+                job.team_id, t, res.gpu_count, self.index.free_by_type.get(t, 0)
+            )
+            if code is not None:
+                refusal = refusal or (code, t)
+                continue
+            found = self.index.find(res, job.node_selector, self.cfg.placement, t, hard_end)
+            if found is None:
+                continue
+            if res.gpu_types:
+                best = (found[0], found[1], t)
+                break
+            better = best is None or (
+                found[0] < best[0]
+                if self.cfg.placement is Placement.BEST_FIT
+                else found[0] > best[0]
+            )
+            if better:
+                best = (found[0], found[1], t)
+        if best is not None:
+            self._place(job, best[1], best[2], backfilled=self.n_reservations > 0)
+            return None
+        if refusal is not None and len(types) == 1:
+            return refusal
+        if memo_key is not None and refusal is None:
+            self.fail_memo[memo_key] = min(
+                self.fail_memo.get(memo_key, res.gpu_count), res.gpu_count
+            )
+        return refusal or ("no_node_fits_now",)
+
+    # -- phase 5 ------------------------------------------------------------------------
+    def handle_head(self, job: PendingJob, cause: Cause) -> Cause:
+        """The first blocked job of its team: preempt for it, or reserve for it."""
+        res = job.resources
+        if not self.index.ever_fits(res, job.node_selector) or not self.index.fits_schedulable(
+            res, job.node_selector
+        ):
+            return ("never_fits",)
+        self.head_done.add(job.team_id)
+        types = res.gpu_types or self.index.gpu_types
+        cfg = self.cfg
+        if cfg.preemption and self.n_preempts < cfg.max_preemptions_per_cycle:
+            found = None
+            for t in types:
+                if self.book.fits_in_guarantee(job.team_id, t, res.gpu_count):
+                    found = self.victims.find(job, self.index, t, "reclaim")
+                if found is None and job.priority.rank > 0:
+                    found = self.victims.find(job, self.index, t, "priority")
+                if found is not None:
+                    break
+            if found is not None:
+                pre, _ = found
+                self.decisions.append(pre)
+                self.index.hold(pre.node_id, job.job_id, res.gpu_count)
+                self.n_preempts += 1
+                return ("waiting_for_preemption", pre.node_id, pre.victim_run_ids, pre.reason)
+        if cause[0] != "no_node_fits_now":
+            return cause  # quota-blocked: a reservation would not make it admissible
+        if cfg.backfill is Backfill.EASY and self.n_reservations < cfg.max_reservations:
+            found_r = find_reservation(job, self.index, self.running, self.now)
+            if found_r is not None:
+                node_id, shadow = found_r
+                self.index.add_shadow(node_id, shadow)
+                self.n_reservations += 1
+                self.decisions.append(
+                    HoldForBackfill(job.job_id, node_id, res.gpu_count, shadow.start_at_s)
+                )
+                return ("waiting_with_reservation", node_id, shadow.start_at_s, shadow.extra)
+        return cause
+
+    # -- phase 2 ------------------------------------------------------------------------
+    def run(self) -> CycleResult:
+        cfg = self.cfg
+        self.place_holders()
+        order = TeamOrder(self.book, cfg, self.index.gpu_types)
+        queues = self.queues
+        ptr = dict.fromkeys(queues, 0)
+        heap: list[tuple[TeamKey, str]] = []
+        for tid, q in queues.items():
+            if q:
+                heap.append((order.key(tid, q[0]), tid))
+        heapq.heapify(heap)
+        # With backfill OFF the first blocked job blocks the global queue, unless teams are
+        # confined to their own capacity (no borrowing), where it blocks its team only.
+        block_global = cfg.backfill is Backfill.OFF and cfg.borrowing
+        while heap:
+            _, tid = heapq.heappop(heap)
+            q = queues[tid]
+            i = ptr[tid]
+            job = q[i]
+            ptr[tid] = i + 1
+            stop_team = False
+            if job.job_id in self.placed or job.job_id in self.causes:
+                pass
+            elif self.n_places >= cfg.max_decisions_per_cycle:
+                self.default_cause = dict.fromkeys(queues, ("not_reached",))
+                break
+            else:
+                cause = self.try_place(job)
+                if cause is not None:
+                    if tid not in self.head_done:
+                        cause = self.handle_head(job, cause)
+                    self.causes[job.job_id] = cause
+                    if cfg.backfill is Backfill.OFF and cause[0] != "never_fits":
+                        blocker: Cause = ("behind_blocked_job", job.job_id)
+                        if block_global:
+                            self.default_cause = dict.fromkeys(queues, blocker)
+                            break
+                        self.default_cause[tid] = blocker
+                        stop_team = True
+            if (
+                not stop_team
+                and tid in self.head_done
+                and not any(self.index.free_by_type.values())
+            ):
+                stop_team = True  # fleet full: nothing behind a handled head can start
+            if not stop_team and ptr[tid] < len(q):
+                heapq.heappush(heap, (order.key(tid, q[ptr[tid]]), tid))
+        waiting = WaitingReasons(
+            queues,
+            self.placed,
+            self.causes,
+            self.default_cause,
+            self.index,
+            self.book,
+            self.served,
+        )
+        return CycleResult(tuple(self.decisions), waiting, tuple(self.released))
 
 
 def schedule(snapshot: ClusterSnapshot, config: PolicyConfig | None = None) -> CycleResult:
-    """Decide placements for the pending jobs of ``snapshot``.
+    """Decide placements, preemptions and reservations for ``snapshot``.
 
     Returns decisions in the order they should be applied and a WaitReason for every pending
     job not placed. Deterministic: ties are broken by ids.
     """
-    cfg = config or PolicyConfig()
-    index = FreeIndex(snapshot.nodes)
-    decisions: list[Decision] = []
-    waiting: dict[str, WaitReason] = {}
-    positions: dict[str, int] = {}
-    for job in sorted(snapshot.pending, key=queue_order_key):
-        positions[job.team_id] = positions.get(job.team_id, 0) + 1
-        res = job.resources
-        node_id = None
-        if len(decisions) < cfg.max_decisions_per_cycle:
-            node_id = index.find(res, job.node_selector, cfg.placement)
-        if node_id is not None:
-            index.take(node_id, res)
-            decisions.append(Place(job.job_id, node_id, res.gpu_count))
-            positions[job.team_id] -= 1
-            continue
-        waiting[job.job_id] = _why_waiting(job, index, positions[job.team_id])
-    return CycleResult(tuple(decisions), waiting)
-
-
-def _why_waiting(job: PendingJob, index: FreeIndex, position: int) -> WaitReason:
-    res = job.resources
-    if not index.ever_fits(res, job.node_selector):
-        return WaitReason(
-            code="never_fits",
-            message=(
-                f"No node in the fleet can ever hold this job ({res.gpu_count} GPU(s)"
-                f"{' of type ' + '/'.join(res.gpu_types) if res.gpu_types else ''}"
-                f"{', ' + str(res.gpu_memory_mb) + ' MiB each' if res.gpu_memory_mb else ''})."
-            ),
-            details={"gpu_count": res.gpu_count, "gpu_types": list(res.gpu_types)},
-            position=position,
-        )
-    largest = index.largest_free_block(res)
-    return WaitReason(
-        code="no_node_fits_now",
-        message=(
-            f"Waiting for {res.gpu_count} free GPU(s) on one node; the largest free block"
-            f" that matches is {largest}."
-        ),
-        details={"needed_gpus": res.gpu_count, "largest_free_block": largest},
-        position=position,
-    )
+    return _Pass(snapshot, config or PolicyConfig()).run()

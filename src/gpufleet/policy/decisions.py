@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class Place:
     """Reserve ``gpu_count`` GPUs of ``node_id`` for ``job_id`` (one atomic reservation)."""
@@ -28,6 +26,8 @@ class Preempt:
     node_id: str
     victim_run_ids: tuple[str, ...]
     reason: str  # "reclaim" (a team takes back its guarantee) or "priority"
+    gpu_count: int = 0
+    """GPUs to hold on ``node_id`` for ``for_job_id`` once the victims are gone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,5 +66,15 @@ class WaitReason:
 
 @dataclass(frozen=True, slots=True)
 class CycleResult:
+    """Output of one pass.
+
+    Attributes:
+        decisions: in the order to apply them.
+        waiting: a reason for every pending job not placed (may be computed lazily on access).
+        released_holds: job ids whose ``GpuHold`` the driver should delete (timed out, or
+            the node can no longer take the job).
+    """
+
     decisions: tuple[Decision, ...]
     waiting: Mapping[str, WaitReason] = field(default_factory=dict)
+    released_holds: tuple[str, ...] = ()

@@ -1,7 +1,17 @@
 """Placement: filter nodes that can hold a job, then pick one (best fit by default).
 
-The index groups schedulable nodes by GPU type and keeps each group sorted by free GPU count,
-so finding the best-fit node is a bisect plus a short walk instead of a scan of every node.
+The index groups schedulable nodes with free GPUs by GPU type and keeps each group sorted by
+visible free count, so the best-fit node is a bisect plus a short walk, not a scan of every
+node. Jobs with a node selector (rack, zone, a team's partition) get a sub-index per distinct
+selector, built lazily from the nodes that currently have free GPUs and kept in step by
+``take``. Static "could this ever fit" questions are answered from the set of distinct node
+shapes, not from every node.
+
+Two kinds of promises narrow what a job may use on a node:
+  * a hold (``GpuHold``): GPUs freed by a preemption, visible only to the preemptor;
+  * a backfill shadow: the node is reserved for a blocked job from ``start_at_s``; a later job
+    may use the node's *extra* GPUs (those the reserved job will not need), or any GPU if its
+    hard runtime bound ends before ``start_at_s``.
 """
 
 from __future__ import annotations
@@ -12,21 +22,44 @@ from dataclasses import dataclass
 
 from gpufleet.domain.types import Resources
 from gpufleet.policy.config import Placement
-from gpufleet.policy.snapshot import NodeState
+from gpufleet.policy.snapshot import GpuHold, NodeState
+
+SelectorKey = tuple[tuple[str, str], ...]
 
 
 @dataclass(slots=True)
 class _FreeNode:
-    """Mutable free capacity of one node during a cycle (the snapshot itself stays frozen)."""
+    """Mutable free capacity of one node during a pass (the snapshot itself stays frozen)."""
 
     node: NodeState
-    free_gpus: int
+    free_gpus: int  # real free GPUs not yet given away in this pass
+    held: int  # of which promised to ``holder`` (a preemptor)
+    holder: str | None
     cpu_free: float
     memory_free_mb: int
 
+    @property
+    def visible(self) -> int:
+        return self.free_gpus - self.held
 
-def _node_accepts(node: NodeState, res: Resources, selector: Mapping[str, str]) -> bool:
-    """Static filter: type, per-GPU memory, total size and labels (ignores current free)."""
+
+@dataclass(slots=True)
+class Shadow:
+    """A backfill reservation on one node: ``job_id`` starts at ``start_at_s``; ``extra``
+    GPUs of the node are not needed by it and may be used by anyone."""
+
+    job_id: str
+    start_at_s: float
+    gpu_count: int
+    extra: int
+
+
+def selector_key(selector: Mapping[str, str]) -> SelectorKey:
+    return tuple(sorted(selector.items())) if selector else ()
+
+
+def node_accepts(node: NodeState, res: Resources, selector: Mapping[str, str]) -> bool:
+    """Static filter: type, per-GPU memory, size, CPU, memory and labels (ignores free)."""
     if res.gpu_types and node.gpu_type not in res.gpu_types:
         return False
     if node.gpu_memory_mb < res.gpu_memory_mb or node.total_gpus < res.gpu_count:
@@ -39,63 +72,213 @@ def _node_accepts(node: NodeState, res: Resources, selector: Mapping[str, str]) 
 
 
 class FreeIndex:
-    """Free capacity of schedulable nodes, by GPU type, sorted by (free GPUs, node_id).
+    """Free capacity of schedulable nodes during one pass, by GPU type and selector.
 
-    ``take`` updates the index as the cycle places jobs, so later placements in the same cycle
+    ``take`` updates the index as the pass places jobs, so later placements in the same pass
     see the GPUs already given away.
     """
 
-    def __init__(self, nodes: Iterable[NodeState]) -> None:
-        self._by_type: dict[str, list[tuple[int, str]]] = {}
+    def __init__(self, nodes: Iterable[NodeState], holds: Iterable[GpuHold] = ()) -> None:
         self._free: dict[str, _FreeNode] = {}
-        self._all: list[NodeState] = []
+        self._shapes: dict[tuple[object, ...], NodeState] = {}
+        self.capacity_gpus: dict[str, int] = {}
+        self.capacity_cpu = 0.0
+        self.capacity_memory_mb = 0
+        self.free_by_type: dict[str, int] = {}
+        self.nodes: dict[str, NodeState] = {}
+        by_type: dict[str, list[tuple[int, str]]] = {}
         for n in nodes:
-            self._all.append(n)
-            if not n.schedulable or n.free_gpus <= 0:
+            self.nodes[n.node_id] = n
+            shape = (
+                n.gpu_type,
+                n.total_gpus,
+                n.gpu_memory_mb,
+                n.cpu_total,
+                n.memory_total_mb,
+                tuple(sorted(n.labels.items())),
+            )
+            self._shapes.setdefault(shape, n)
+            if not n.schedulable:
                 continue
-            self._free[n.node_id] = _FreeNode(n, n.free_gpus, n.cpu_free, n.memory_free_mb)
-            self._by_type.setdefault(n.gpu_type, []).append((n.free_gpus, n.node_id))
-        for keys in self._by_type.values():
+            self.capacity_gpus[n.gpu_type] = self.capacity_gpus.get(n.gpu_type, 0) + n.total_gpus
+            self.capacity_cpu += n.cpu_total
+            self.capacity_memory_mb += n.memory_total_mb
+            if n.free_gpus <= 0:
+                continue
+            self._free[n.node_id] = _FreeNode(
+                n, n.free_gpus, 0, None, n.cpu_free, n.memory_free_mb
+            )
+        for h in holds:
+            fn = self._free.get(h.node_id)
+            if fn is not None and fn.holder is None:
+                fn.held = min(fn.free_gpus, h.gpu_count)
+                fn.holder = h.job_id
+        for fn in self._free.values():
+            t = fn.node.gpu_type
+            self.free_by_type[t] = self.free_by_type.get(t, 0) + fn.visible
+            if fn.visible > 0:
+                by_type.setdefault(t, []).append((fn.visible, fn.node.node_id))
+        for keys in by_type.values():
             keys.sort()
+        self._lists: dict[tuple[str, SelectorKey], list[tuple[int, str]]] = {
+            (t, ()): keys for t, keys in by_type.items()
+        }
+        self._member: dict[str, list[tuple[str, SelectorKey]]] = {}
+        for (t, sk), keys in self._lists.items():
+            for _, node_id in keys:
+                self._member.setdefault(node_id, []).append((t, sk))
+        self.shadows: dict[str, Shadow] = {}
+        self.gpu_types: tuple[str, ...] = tuple(sorted(self.capacity_gpus))
 
+    # -- static questions ---------------------------------------------------------------
     def ever_fits(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether any node of the fleet (schedulable or not, busy or idle) could hold it."""
-        return any(_node_accepts(n, res, selector) for n in self._all)
+        return any(node_accepts(n, res, selector) for n in self._shapes.values())
 
-    def largest_free_block(self, res: Resources) -> int:
-        types = res.gpu_types or tuple(self._by_type)
-        return max((self._by_type[t][-1][0] for t in types if self._by_type.get(t)), default=0)
+    def fits_schedulable(self, res: Resources, selector: Mapping[str, str]) -> bool:
+        """Whether a schedulable node (ignoring what is free) could hold it."""
+        return any(n.schedulable and node_accepts(n, res, selector) for n in self.nodes.values())
 
-    def find(self, res: Resources, selector: Mapping[str, str], how: Placement) -> str | None:
-        """Return the node to place ``res`` on, or None. Tries acceptable GPU types in order of
-        preference; within a type, best fit = fewest free GPUs that still fit, ties by node_id;
-        spread = most free GPUs first."""
-        types = res.gpu_types or tuple(sorted(self._by_type))
-        for gpu_type in types:
-            keys = self._by_type.get(gpu_type)
-            if not keys:
+    # -- dynamic questions --------------------------------------------------------------
+    def _list(self, gpu_type: str, sk: SelectorKey) -> list[tuple[int, str]]:
+        keys = self._lists.get((gpu_type, sk))
+        if keys is None:
+            base = self._lists.get((gpu_type, ()), [])
+            want = dict(sk)
+            keys = [
+                (f, nid)
+                for f, nid in base
+                if all(self._free[nid].node.labels.get(k) == v for k, v in want.items())
+            ]
+            self._lists[(gpu_type, sk)] = keys
+            for _, nid in keys:
+                self._member.setdefault(nid, []).append((gpu_type, sk))
+        return keys
+
+    def largest_free_block(self, res: Resources, selector: Mapping[str, str]) -> int:
+        sk = selector_key(selector)
+        types = res.gpu_types or self.gpu_types
+        best = 0
+        for t in types:
+            keys = self._list(t, sk)
+            if keys:
+                best = max(best, keys[-1][0])
+        return best
+
+    def find(
+        self,
+        res: Resources,
+        selector: Mapping[str, str],
+        how: Placement,
+        gpu_type: str,
+        hard_end_s: float | None,
+    ) -> tuple[int, str] | None:
+        """The node of type ``gpu_type`` to place ``res`` on, as ``(visible_free, node_id)``,
+        or None. Best fit = fewest free GPUs that still fit; spread = most free first; ties
+        by node_id. Skips nodes whose backfill shadow the job would delay."""
+        keys = self._list(gpu_type, selector_key(selector))
+        if not keys or keys[-1][0] < res.gpu_count:
+            return None
+        start = bisect.bisect_left(keys, (res.gpu_count, ""))
+        rng = (
+            range(start, len(keys))
+            if how is Placement.BEST_FIT
+            else range(len(keys) - 1, start - 1, -1)
+        )
+        for i in rng:
+            free, node_id = keys[i]
+            fn = self._free[node_id]
+            if fn.node.cpu_total and fn.cpu_free < res.cpu:
                 continue
-            start = bisect.bisect_left(keys, (res.gpu_count, ""))
-            candidates = keys[start:] if how is Placement.BEST_FIT else reversed(keys[start:])
-            for _, node_id in candidates:
-                fn = self._free[node_id]
-                if fn.cpu_free < res.cpu and fn.node.cpu_total:
-                    continue
-                if fn.memory_free_mb < res.memory_mb and fn.node.memory_total_mb:
-                    continue
-                if _node_accepts(fn.node, res, selector):
-                    return node_id
+            if fn.node.memory_total_mb and fn.memory_free_mb < res.memory_mb:
+                continue
+            if fn.node.gpu_memory_mb < res.gpu_memory_mb:
+                continue
+            sh = self.shadows.get(node_id)
+            if (
+                sh is not None
+                and res.gpu_count > sh.extra
+                and (hard_end_s is None or hard_end_s > sh.start_at_s)
+            ):
+                continue
+            return free, node_id
         return None
 
-    def take(self, node_id: str, res: Resources) -> None:
-        """Mark ``res`` as used on ``node_id`` (within this cycle)."""
+    def held_node_for(self, job_id: str, node_id: str) -> _FreeNode | None:
+        fn = self._free.get(node_id)
+        return fn if fn is not None and fn.holder == job_id else None
+
+    def real_free(self, node_id: str) -> int:
+        fn = self._free.get(node_id)
+        return fn.free_gpus if fn is not None else 0
+
+    def visible_free(self, node_id: str) -> int:
+        fn = self._free.get(node_id)
+        return fn.visible if fn is not None else 0
+
+    # -- updates ------------------------------------------------------------------------
+    def _reindex(self, fn: _FreeNode, old_visible: int) -> None:
+        node_id = fn.node.node_id
+        if node_id not in self._member and fn.visible > 0:
+            # A held node whose holder just took its share: the rest becomes visible.
+            t = fn.node.gpu_type
+            for (lt, sk), keys in self._lists.items():
+                if lt == t and all(fn.node.labels.get(k) == v for k, v in sk):
+                    bisect.insort(keys, (fn.visible, node_id))
+                    self._member.setdefault(node_id, []).append((lt, sk))
+            if (t, ()) not in self._lists:
+                self._lists[(t, ())] = [(fn.visible, node_id)]
+                self._member.setdefault(node_id, []).append((t, ()))
+            self.free_by_type[t] = self.free_by_type.get(t, 0) - old_visible + fn.visible
+            return
+        members = self._member.get(node_id, [])
+        for key in members:
+            keys = self._lists[key]
+            i = bisect.bisect_left(keys, (old_visible, node_id))
+            if i < len(keys) and keys[i] == (old_visible, node_id):
+                keys.pop(i)
+        t = fn.node.gpu_type
+        self.free_by_type[t] = self.free_by_type.get(t, 0) - old_visible + fn.visible
+        if fn.visible > 0:
+            for key in members:
+                bisect.insort(self._lists[key], (fn.visible, node_id))
+        else:
+            self._member.pop(node_id, None)
+
+    def take(
+        self,
+        node_id: str,
+        res: Resources,
+        job_id: str | None = None,
+        hard_end_s: float | None = None,
+    ) -> None:
+        """Give ``res`` on ``node_id`` to a job in this pass (using its hold if it has one).
+        A job whose hard end falls before a shadow's start does not use up its extra GPUs."""
         fn = self._free[node_id]
-        keys = self._by_type[fn.node.gpu_type]
-        keys.pop(bisect.bisect_left(keys, (fn.free_gpus, node_id)))
+        old = fn.visible
+        if job_id is not None and fn.holder == job_id:
+            fn.held = 0
+            fn.holder = None
         fn.free_gpus -= res.gpu_count
+        fn.held = min(fn.held, fn.free_gpus)
         fn.cpu_free -= res.cpu
         fn.memory_free_mb -= res.memory_mb
-        if fn.free_gpus > 0:
-            bisect.insort(keys, (fn.free_gpus, node_id))
-        else:
-            del self._free[node_id]
+        sh = self.shadows.get(node_id)
+        if sh is not None and (hard_end_s is None or hard_end_s > sh.start_at_s):
+            sh.extra = max(0, sh.extra - res.gpu_count)
+        self._reindex(fn, old)
+
+    def hold(self, node_id: str, job_id: str, gpus: int) -> int:
+        """Hide up to ``gpus`` free GPUs of ``node_id`` from everyone but ``job_id`` for the
+        rest of the pass (a preemption was just decided for it). Returns GPUs hidden."""
+        fn = self._free.get(node_id)
+        if fn is None or fn.holder not in (None, job_id):
+            return 0
+        old = fn.visible
+        fn.holder = job_id
+        fn.held = min(fn.free_gpus, max(fn.held, gpus))
+        self._reindex(fn, old)
+        return fn.held
+
+    def add_shadow(self, node_id: str, shadow: Shadow) -> None:
+        self.shadows[node_id] = shadow

@@ -6,11 +6,10 @@ fleet. All times are seconds (float) on the snapshot's own clock (``now_s``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpufleet.domain.types import PriorityClass, Resources
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +24,9 @@ class TeamState:
             capacity; None means unlimited.
         lending_limit_gpus: per GPU type, the part of the guarantee never lent to others;
             empty means all of it may be lent.
-        usage_gpu_s: charged usage in GPU-seconds (decayed), float.
+        usage_gpu_s: charged usage in GPU-seconds, decayed with ``policy.usage`` (closed
+            attempts plus the elapsed part of running ones); used to break ties between teams
+            whose current dominant shares are equal (see docs/design/scheduling-policy.md).
     """
 
     team_id: str
@@ -98,6 +99,24 @@ class RunningJob:
     last_checkpoint_s: float | None = None
     stopping: bool = False
     """True while PREEMPTING: its GPUs free up soon, but are not free yet."""
+    stopping_for_job_id: str | None = None
+    """The preemptor this attempt is being stopped for, if any."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuHold:
+    """GPUs of one node promised to one pending job after a ``Preempt`` decision.
+
+    The driver records a hold when it applies a Preempt and deletes it when the job is placed,
+    leaves the queue, or the policy lists it in ``CycleResult.released_holds``. While a hold
+    lives, up to ``gpu_count`` free GPUs of ``node_id`` are visible to ``job_id`` only.
+    """
+
+    job_id: str
+    node_id: str
+    gpu_count: int
+    since_s: float
+    reason: str = "reclaim"
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,3 +126,9 @@ class ClusterSnapshot:
     pending: tuple[PendingJob, ...]
     running: tuple[RunningJob, ...] = ()
     teams: Mapping[str, TeamState] = field(default_factory=dict)
+    holds: tuple[GpuHold, ...] = ()
+    queues: Mapping[str, Sequence[PendingJob]] | None = None
+    """Optional fast path for drivers that keep their queues sorted: pending jobs grouped by
+    team, each sequence already sorted by ``policy.priority.queue_key(config)``. When set, it
+    replaces ``pending`` (which is then ignored) and the pass does not sort; jobs the pass
+    never reaches cost nothing."""

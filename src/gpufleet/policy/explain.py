@@ -1,0 +1,213 @@
+"""Reasons for jobs left waiting: a stable code, a sentence, structured details.
+
+The pass records a small *cause* per job it visited (and one default for jobs it never
+reached, e.g. because the fleet was full); ``WaitingReasons`` turns causes into
+``WaitReason`` objects only when they are read, so a pass over 10,000 pending jobs does not
+format 10,000 sentences that nobody asks for. Positions in a team's queue are computed per team
+on first use.
+
+Codes (stable, documented in docs/design/scheduling-policy.md):
+``never_fits``, ``no_schedulable_node``, ``team_at_guarantee``, ``over_borrow_limit``,
+``guarantee_protected``, ``waiting_with_reservation``, ``waiting_for_preemption``,
+``blocked_by_reservation``, ``no_node_fits_now``, ``behind_blocked_job``, ``not_reached``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from gpufleet.policy.decisions import WaitReason
+from gpufleet.policy.placement import FreeIndex
+from gpufleet.policy.quota import TeamBook
+from gpufleet.policy.snapshot import PendingJob
+
+Cause = tuple[Any, ...]
+
+
+def _shape(job: PendingJob) -> str:
+    r = job.resources
+    s = f"{r.gpu_count} GPU(s)"
+    if r.gpu_types:
+        s += " of type " + "/".join(r.gpu_types)
+    if r.gpu_memory_mb:
+        s += f" with {r.gpu_memory_mb} MiB each"
+    if job.node_selector:
+        s += " on nodes " + ",".join(f"{k}={v}" for k, v in sorted(job.node_selector.items()))
+    return s
+
+
+class WaitingReasons(Mapping[str, WaitReason]):
+    """Lazy ``job_id -> WaitReason`` for every pending job the pass did not place."""
+
+    def __init__(
+        self,
+        queues: Mapping[str, Sequence[PendingJob]],
+        placed: set[str],
+        causes: dict[str, Cause],
+        default_cause: Mapping[str, Cause],
+        index: FreeIndex,
+        book: TeamBook,
+        served: Mapping[str, int],
+    ) -> None:
+        self._queues = queues
+        self._placed = placed
+        self._causes = causes
+        self._default = default_cause
+        self._index = index
+        self._book = book
+        self._served = served
+        self._jobs: dict[str, PendingJob] | None = None
+        self._positions: dict[str, dict[str, int]] = {}
+        self._cache: dict[str, WaitReason] = {}
+
+    def _all(self) -> dict[str, PendingJob]:
+        if self._jobs is None:
+            self._jobs = {
+                j.job_id: j
+                for q in self._queues.values()
+                for j in q
+                if j.job_id not in self._placed
+            }
+        return self._jobs
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __contains__(self, job_id: object) -> bool:
+        return isinstance(job_id, str) and job_id in self._all()
+
+    def __getitem__(self, job_id: str) -> WaitReason:
+        hit = self._cache.get(job_id)
+        if hit is not None:
+            return hit
+        job = self._all()[job_id]
+        cause = self._causes.get(job_id) or self._default.get(job.team_id) or ("no_node_fits_now",)
+        reason = self._build(job, cause, self._position(job))
+        self._cache[job_id] = reason
+        return reason
+
+    def _position(self, job: PendingJob) -> int:
+        pos = self._positions.get(job.team_id)
+        if pos is None:
+            pos = {}
+            n = 0
+            for j in self._queues.get(job.team_id, ()):
+                if j.job_id not in self._placed:
+                    n += 1
+                    pos[j.job_id] = n
+            self._positions[job.team_id] = pos
+        return pos.get(job.job_id, 0)
+
+    def _served_instead(self, team_id: str) -> list[str]:
+        return sorted(
+            (t for t in self._served if t != team_id), key=lambda t: (-self._served[t], t)
+        )
+
+    def _build(self, job: PendingJob, cause: Cause, position: int) -> WaitReason:
+        code = str(cause[0])
+        res = job.resources
+        idx = self._index
+        book = self._book
+        d: dict[str, Any] = {"needed_gpus": res.gpu_count, "team": job.team_id}
+        est: float | None = None
+        if code == "never_fits":
+            if idx.ever_fits(res, job.node_selector) and not idx.fits_schedulable(
+                res, job.node_selector
+            ):
+                code = "no_schedulable_node"
+                msg = (
+                    f"Only nodes that are unhealthy, cordoned or draining could hold "
+                    f"{_shape(job)}; it waits until one is schedulable again."
+                )
+            else:
+                msg = (
+                    f"No node in the fleet can ever hold {_shape(job)}; "
+                    f"resubmit with a smaller or different request."
+                )
+            d["gpu_types"] = list(res.gpu_types)
+            d["gpu_memory_mb"] = res.gpu_memory_mb
+        elif code in ("team_at_guarantee", "over_borrow_limit", "guarantee_protected"):
+            gpu_type = str(cause[1])
+            ts = book.team(job.team_id)
+            d.update(
+                gpu_type=gpu_type,
+                allocated=book.allocated(job.team_id, gpu_type),
+                guaranteed=book.guarantee(job.team_id, gpu_type),
+                borrowed=book.borrowed_total(job.team_id),
+                borrow_limit=ts.borrow_limit_gpus,
+            )
+            if code == "team_at_guarantee":
+                msg = (
+                    f"Team {job.team_id} uses its whole guarantee of "
+                    f"{d['guaranteed']} {gpu_type} GPU(s) and borrowing is off."
+                )
+            elif code == "over_borrow_limit":
+                msg = (
+                    f"Team {job.team_id} already borrows {d['borrowed']} GPU(s) above its "
+                    f"guarantee, the most its borrow limit ({ts.borrow_limit_gpus}) allows."
+                )
+            else:
+                msg = (
+                    f"The idle {gpu_type} GPUs are other teams' unused guarantee that they "
+                    f"do not lend; team {job.team_id} is above its own guarantee."
+                )
+        elif code == "waiting_with_reservation":
+            _, node_id, start_s, extra = cause
+            est = float(start_s)
+            d.update(node=node_id, reserved_from_s=est, extra_gpus=extra)
+            msg = (
+                f"Next in line: {res.gpu_count} GPU(s) on {node_id} are held for this job "
+                f"from t={est:.0f}s, when running work there is expected to end; smaller "
+                f"jobs may use them only if they finish before then."
+            )
+        elif code == "waiting_for_preemption":
+            _, node_id, victims, why = cause
+            d.update(node=node_id, victims=list(victims), ground=why)
+            whose = "borrowed by other teams" if why == "reclaim" else "of lower priority"
+            msg = (
+                f"{len(victims)} running attempt(s) {whose} are being stopped on {node_id}; "
+                f"the GPUs they free are held for this job."
+            )
+        elif code == "behind_blocked_job":
+            d["blocked_job"] = cause[1]
+            msg = (
+                f"Strict queue order: job {cause[1]} ahead of this one cannot start yet, "
+                f"and nothing may pass it."
+            )
+        elif code == "not_reached":
+            msg = "The pass reached its decision limit before this job; it is tried next pass."
+        else:
+            largest = idx.largest_free_block(res, job.node_selector)
+            d["largest_free_block"] = largest
+            d["served_instead"] = self._served_instead(job.team_id)[:5]
+            shadow = next(
+                (
+                    (nid, sh)
+                    for nid, sh in sorted(idx.shadows.items())
+                    if idx.visible_free(nid) >= res.gpu_count and sh.job_id != job.job_id
+                ),
+                None,
+            )
+            if largest >= res.gpu_count and shadow is not None:
+                nid, sh = shadow
+                code = "blocked_by_reservation"
+                d.update(held_for_job=sh.job_id, node=nid, held_until_s=sh.start_at_s)
+                msg = (
+                    f"The free GPUs on {nid} are held for job {sh.job_id} from "
+                    f"t={sh.start_at_s:.0f}s, and this job has no runtime bound that "
+                    f"ends before then."
+                )
+            else:
+                code = "no_node_fits_now"
+                msg = (
+                    f"Waiting for {_shape(job)} on one node; the largest free block that "
+                    f"matches is {largest}."
+                )
+                if d["served_instead"]:
+                    teams = ", ".join(d["served_instead"])
+                    msg += f" GPUs freed this pass went to team(s) {teams}."
+        return WaitReason(code, msg, d, position, est)

@@ -1,0 +1,45 @@
+"""Order within a queue: priority class plus aging credits.
+
+Aging is linear and per tier: a job's score is ``head_start_s[tier] + seconds waited``, and the
+queue is served by descending score. Because every job earns credit at the same rate, the
+order between two jobs never changes while they wait, so the score reduces to a static sort
+key, ``queued_at_s - head_start_s[tier]`` (its "virtual queue time"): queues can be kept
+sorted by the driver and need no re-sorting as the clock moves.
+
+Starvation bound (within a team): a job of tier t queued at ``q`` is ahead of every job of its
+team queued after ``q + head_start_s[CRITICAL] - head_start_s[t]``. So only a finite set of
+jobs can ever be ordered ahead of it; once those have run, it is the head of its team's queue.
+Teams are served by guarantee and DRF (``fairshare``), and the head of each team holds a
+backfill reservation when it cannot be placed (``backfill``), so the job then starts by the
+reservation time. See docs/design/scheduling-policy.md for the full argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gpufleet.policy.config import Ordering, PolicyConfig
+from gpufleet.policy.snapshot import PendingJob
+
+QueueKey = tuple[float, float, str]
+
+
+def queued_at(job: PendingJob) -> float:
+    """When the job (re-)entered the queue (a retried or preempted job keeps its original
+    submit time unless the driver sets ``queued_at_s``)."""
+    return job.queued_at_s if job.queued_at_s is not None else job.submitted_at_s
+
+
+def aging_credit_s(job: PendingJob, now_s: float, config: PolicyConfig) -> float:
+    """The job's score: tier head start plus seconds waited (larger is served first)."""
+    return config.head_start_s.get(job.priority, 0.0) + max(0.0, now_s - queued_at(job))
+
+
+def queue_key(config: PolicyConfig) -> Callable[[PendingJob], QueueKey]:
+    """The sort key of jobs inside one queue (smaller first) for ``config.ordering``."""
+    if config.ordering is Ordering.FIFO:
+        return lambda j: (queued_at(j), 0.0, j.job_id)
+    if config.ordering is Ordering.STRICT_PRIORITY:
+        return lambda j: (float(-j.priority.rank), queued_at(j), j.job_id)
+    head = config.head_start_s
+    return lambda j: (queued_at(j) - head.get(j.priority, 0.0), float(-j.priority.rank), j.job_id)

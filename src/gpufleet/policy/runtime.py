@@ -1,0 +1,53 @@
+"""When running work is expected to end: the shared input of backfill and preemption.
+
+Per node, the running attempts with their estimated end, built once per pass and only when a
+reservation or a victim search needs it.
+
+End estimate of a running attempt (``estimated_end_s``):
+  * ``expected_duration_s`` is the estimate, capped by ``max_runtime_s`` (the hard bound the
+    agent enforces);
+  * only a hard bound: the hard bound;
+  * neither: ``PolicyConfig.default_runtime_estimate_s`` if set, else +inf (never ends: its
+    GPUs are never counted on by a reservation);
+  * an estimate already passed: the hard bound if there is one, else ``now_s`` (it should end
+    any moment; the reservation is recomputed on every pass, so the error heals itself).
+  * a stopping (PREEMPTING) attempt: ``now_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.snapshot import RunningJob
+
+
+def estimated_end_s(run: RunningJob, now_s: float, config: PolicyConfig) -> float:
+    if run.stopping:
+        return now_s
+    hard = run.started_at_s + run.max_runtime_s if run.max_runtime_s is not None else None
+    if run.expected_duration_s is not None:
+        est = run.started_at_s + run.expected_duration_s
+        if hard is not None:
+            est = min(est, hard)
+    elif hard is not None:
+        est = hard
+    elif config.default_runtime_estimate_s is not None:
+        est = run.started_at_s + config.default_runtime_estimate_s
+    else:
+        return math.inf
+    if est < now_s:
+        return max(now_s, hard) if hard is not None else now_s
+    return est
+
+
+class RunningIndex:
+    """Running attempts grouped by node, each group sorted by estimated end."""
+
+    def __init__(self, running: Iterable[RunningJob], now_s: float, config: PolicyConfig):
+        self.by_node: dict[str, list[tuple[float, RunningJob]]] = {}
+        for r in running:
+            self.by_node.setdefault(r.node_id, []).append((estimated_end_s(r, now_s, config), r))
+        for runs in self.by_node.values():
+            runs.sort(key=lambda e: (e[0], e[1].run_id))
