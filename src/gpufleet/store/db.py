@@ -48,12 +48,10 @@ class Database:
 
     @contextlib.contextmanager
     def read(self) -> Iterator[Session]:
-        """A read-only session (its transaction is rolled back at the end)."""
+        """A session for reads. Closing it ends its transaction; loaded objects stay usable
+        (detached, not expired)."""
         with self._read() as session:
-            try:
-                yield session
-            finally:
-                session.rollback()
+            yield session
 
     @contextlib.contextmanager
     def write_tx(self) -> Iterator[Session]:

@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - install, start the platform on the embedded defaults, run the example workload
+#   make test   - install, make sure PostgreSQL and Redis run, run the whole test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+$(BIN)/gpufleet: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[examples,sim,dev]'
+	touch $@
+
+install: $(BIN)/gpufleet
+
+demo: install
+	$(BIN)/gpufleet demo
+
+services:
+	scripts/ensure-services.sh
+
+test: install services
+	$(BIN)/pytest -q -n 2 --timeout 300
+
+lint: install
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy src
+	$(BIN)/lint-imports
+
+.PHONY: install demo services test lint

@@ -1,0 +1,131 @@
+"""Confirm and completion on both databases: committed once, fenced by the token, retries
+as new attempts with higher tokens, usage charged for the GPU-time really held."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.domain.invariants import check_invariants
+from gpufleet.domain.manifest import Manifest, ManifestFile
+from gpufleet.objectstore import ObjectStore, attempt_prefix
+from gpufleet.services import runs
+from gpufleet.store.db import Database
+from gpufleet.store.queries import load_invariant_view
+from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, ReservationRow, TeamRow
+from tests.factories import become_leader, create_node, create_team, submit
+from tests.store.test_allocate import reserve
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ObjectStore:
+    return ObjectStore(str(tmp_path / "objects"))
+
+
+def write_manifest(store: ObjectStore, job_id: str, run_id: str, token: int, exit_code: int = 0,
+                   tamper: bool = False) -> str:
+    prefix = attempt_prefix(job_id, run_id)
+    data = b"weights"
+    key = f"{prefix}/artifacts/model.bin"
+    store.put_bytes(key, data)
+    digest = hashlib.sha256(data + (b"x" if tamper else b"")).hexdigest()
+    m = Manifest(job_id=job_id, run_id=run_id, token=token, outcome="EXITED", exit_code=exit_code,
+                 started_at_s=time.time(), finished_at_s=time.time(),
+                 files=(ManifestFile("artifact", "model.bin", key, store.uri(key), digest, len(data)),))
+    return store.put_bytes(f"{prefix}/MANIFEST.json", m.to_json())
+
+
+def report(store: ObjectStore, job_id: str, r, exit_code: int = 0, **kw) -> runs.Report:
+    uri = write_manifest(store, job_id, r.run_id, r.token, exit_code, **kw)
+    return runs.Report(node_id="n1", run_id=r.run_id, token=r.token, outcome=runs.Outcome.EXITED,
+                       exit_code=exit_code, manifest_uri=uri)
+
+
+def setup(db: Database, gpus: int = 2, max_retries: int = 0):
+    create_team(db)
+    create_node(db, "n1", gpus=8)
+    epoch = become_leader(db)
+    job = submit(db, gpus=gpus, max_retries=max_retries)
+    return job.job_id, epoch
+
+
+def state(db: Database, job_id: str):
+    with db.read() as s:
+        job = s.get(JobRow, job_id)
+        runs_ = s.query(JobRunRow).filter_by(job_id=job_id).order_by(JobRunRow.attempt).all()
+        free = s.get(NodeCapacityRow, "n1").available_gpus
+        assert check_invariants(load_invariant_view(s)) == []
+        return job, runs_, free
+
+
+class TestCompletion:
+    def test_success_commits_once_and_releases(self, db: Database, store: ObjectStore) -> None:
+        job_id, epoch = setup(db)
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        assert db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token)) == runs.Confirm.CONFIRMED
+        rep = report(store, job_id, r)
+        assert runs.complete_run(db, store, rep)[0] == runs.CompletionResult.ACCEPTED
+        job, (run,), free = state(db, job_id)
+        assert (job.status, run.status, free) == ("SUCCEEDED", "SUCCEEDED", 8)
+        assert job.result_uri == rep.manifest_uri
+        # a repeated report (lost ack) is answered ACCEPTED and changes nothing
+        assert runs.complete_run(db, store, rep)[0] == runs.CompletionResult.ACCEPTED
+        assert state(db, job_id)[2] == 8
+
+    def test_failure_with_a_retry_gets_a_new_attempt_and_a_higher_token(self, db, store) -> None:
+        job_id, epoch = setup(db, max_retries=1)
+        first = reserve(db, job_id, "n1", 2, epoch=epoch)
+        runs.complete_run(db, store, report(store, job_id, first, exit_code=3))
+        job, _, free = state(db, job_id)
+        assert (job.status, free) == ("PENDING", 8)
+        second = reserve(db, job_id, "n1", 2, epoch=epoch, seen=job.fencing_epoch)
+        assert second.run_id != first.run_id and second.token > first.token and second.attempt == 2
+        runs.complete_run(db, store, report(store, job_id, second, exit_code=3))
+        job, attempts, free = state(db, job_id)
+        assert job.status == "FAILED" and "exit" in job.failure_reason and "3" in job.failure_reason
+        assert [(a.status, a.exit_code) for a in attempts] == [("FAILED", 3), ("FAILED", 3)]
+
+    def test_stale_attempt_cannot_publish(self, db, store) -> None:
+        job_id, epoch = setup(db, max_retries=1)
+        first = reserve(db, job_id, "n1", 2, epoch=epoch)
+        old = report(store, job_id, first, exit_code=0)
+        # pretend the first attempt was written off: forged newer token on the report
+        forged = dataclasses.replace(old, token=first.token + 5)
+        assert runs.complete_run(db, store, forged)[0] == runs.CompletionResult.STALE
+        job, (run,), free = state(db, job_id)
+        assert (job.status, run.status, free) == ("SCHEDULED", "ASSIGNED", 6)
+
+    def test_tampered_manifest_is_rejected(self, db, store) -> None:
+        job_id, epoch = setup(db)
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        result, why = runs.complete_run(db, store, report(store, job_id, r, tamper=True))
+        assert result == runs.CompletionResult.REJECTED and "sha256" in why
+        job, (run,), free = state(db, job_id)
+        assert (job.status, run.status, free) == ("FAILED", "FAILED", 8)
+
+    def test_stale_confirm_is_rejected(self, db, store) -> None:
+        job_id, epoch = setup(db)
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        assert db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token + 1)) == runs.Confirm.REJECTED
+        with db.read() as s:
+            assert s.query(ReservationRow).filter_by(run_id=r.run_id).one().status == "RESERVED"
+
+    def test_retries_charge_only_the_gpu_time_really_held(self, db, store) -> None:
+        job_id, epoch = setup(db, gpus=2, max_retries=1)
+        first = reserve(db, job_id, "n1", 2, epoch=epoch)
+        db.run_write(lambda s: runs.confirm_assignment(s, first.run_id, first.token))
+        time.sleep(0.2)
+        runs.complete_run(db, store, report(store, job_id, first, exit_code=1))
+        with db.read() as s:
+            run = s.get(JobRunRow, first.run_id)
+            held = 2 * (run.finished_at - run.started_at).total_seconds()
+            usage = s.get(TeamRow, "team-a").usage_gpu_s
+        assert usage == pytest.approx(held, rel=1e-6) and usage >= 0.4
+        # the repeated report charges nothing more
+        runs.complete_run(db, store, report(store, job_id, first, exit_code=1))
+        with db.read() as s:
+            assert s.get(TeamRow, "team-a").usage_gpu_s == pytest.approx(usage)
