@@ -1,0 +1,309 @@
+"""The agent's durable memory: an append-only JSON-lines log of assignments and their lifecycle.
+
+Every fact is appended (and fsynced) *before* the agent acts on it, so a restarted agent can
+replay the log and know exactly which attempts it accepted, started, saw exit and reported —
+and never start a logged run_id a second time (seed DD2: accept, start and confirm are three
+separate durable facts).
+
+Events, one JSON object per line, ``"e"`` naming the kind::
+
+    assigned        the AssignJob request (run_id, job_id, token, gpu_ids, command, env, ...)
+    started         pid (the command), shim_pid == pgid, shim_start_ticks, started_at_s
+    start_failed    message (the attempt is reported NEVER_STARTED)
+    confirmed       result of ConfirmAssignment (CONFIRMED or REJECTED)
+    stop_requested  reason, grace_s (survives a restart: the stop resumes)
+    exited          exit_code, outcome (EXITED or STOPPED), finished_at_s, message
+    uploaded        manifest_uri
+    reported        result of ReportCompletion (ACCEPTED, STALE or REJECTED)
+    tombstone       StopRun for a run never assigned here: a late AssignJob must not start it
+    leader_epoch    the highest leader epoch heard from a controller
+    run / job_token snapshot lines written by :meth:`AssignmentLog.compact`
+
+Also here: the agent epoch (a counter file, one higher on every agent start) and, per job, the
+highest fencing token seen (derived from ``assigned`` lines) used to reject stale tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from gpufleet.agent.fsutil import fsync_dir, write_json_atomic
+
+logger = logging.getLogger("gpufleet.agent")
+
+LOG_NAME = "assignments.jsonl"
+EPOCH_NAME = "agent_epoch"
+REPORTED_RETENTION_S = 7 * 24 * 3600.0
+
+
+class RunStatus(enum.StrEnum):
+    """Where one attempt is, as far as this node knows."""
+
+    ASSIGNED = "ASSIGNED"  # logged; the start is in progress (or was, when the agent died)
+    RUNNING = "RUNNING"  # the process group is alive (possibly being stopped)
+    EXITED = "EXITED"  # the group is verified gone; exit code known; not yet reported
+    FAILED_TO_START = "FAILED_TO_START"  # to be reported NEVER_STARTED
+    REPORTED = "REPORTED"  # the controller answered ReportCompletion
+    TOMBSTONED = "TOMBSTONED"  # stopped before it was ever assigned here: never start it
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """One attempt, rebuilt from the log. Times are seconds since the epoch (agent clock)."""
+
+    run_id: str
+    job_id: str = ""
+    reservation_id: str = ""
+    token: int = 0
+    leader_epoch: int = 0
+    attempt: int = 0
+    gpu_ids: list[int] = field(default_factory=list)
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    image: str = ""
+    resume_from_uri: str = ""
+    max_runtime_s: float = 0.0
+    status: RunStatus = RunStatus.ASSIGNED
+    assigned_at_s: float = 0.0
+    pid: int = 0  # the user command
+    shim_pid: int = 0  # leader of the process group: pgid == shim_pid
+    shim_start_ticks: int = 0
+    started_at_s: float = 0.0
+    confirm_result: str = ""
+    stop_reason: str = ""
+    stop_grace_s: float = 0.0
+    exit_code: int = 0
+    outcome: str = ""  # EXITED, STOPPED or NEVER_STARTED
+    finished_at_s: float = 0.0
+    message: str = ""
+    manifest_uri: str = ""
+    report_result: str = ""
+
+    @property
+    def pgid(self) -> int:
+        return self.shim_pid
+
+    @property
+    def stop_requested(self) -> bool:
+        return bool(self.stop_reason)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> RunRecord:
+        known = {f.name for f in fields(RunRecord)}
+        rec = RunRecord(**{k: v for k, v in data.items() if k in known})
+        rec.status = RunStatus(rec.status)
+        return rec
+
+
+_ASSIGN_FIELDS = (
+    "job_id",
+    "reservation_id",
+    "token",
+    "leader_epoch",
+    "attempt",
+    "gpu_ids",
+    "command",
+    "env",
+    "image",
+    "resume_from_uri",
+    "max_runtime_s",
+)
+
+
+class AssignmentLog:
+    """The log file plus the in-memory state replayed from it. Thread-safe.
+
+    Args:
+        state_dir: the agent's state directory (created if missing).
+
+    Raises:
+        OSError: the state directory is not writable.
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = state_dir / LOG_NAME
+        self._lock = threading.Lock()
+        self.runs: dict[str, RunRecord] = {}
+        self.job_tokens: dict[str, int] = {}
+        self.leader_epoch = 0
+        self._replay()
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (lives with self)
+
+    # ------------------------------------------------------------------ agent epoch
+
+    def bump_agent_epoch(self) -> int:
+        """Increment and durably store the agent epoch; returns it (1 on the first start)."""
+        path = self.state_dir / EPOCH_NAME
+        try:
+            epoch = int(path.read_text().strip() or 0) + 1
+        except FileNotFoundError:
+            epoch = 1
+        write_json_atomic(path, epoch)
+        return epoch
+
+    # ------------------------------------------------------------------ appends
+
+    def append(self, event: str, run_id: str | None = None, **data: Any) -> None:
+        """Durably append one event (write, flush, fsync) and apply it to the in-memory state.
+
+        Raises:
+            OSError: the write or fsync failed; the caller must not act on the event.
+        """
+        line: dict[str, Any] = {"e": event, "at_s": time.time()}
+        if run_id is not None:
+            line["run_id"] = run_id
+        line.update(data)
+        with self._lock:
+            self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._apply(line)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    # ------------------------------------------------------------------ replay
+
+    def _replay(self) -> None:
+        """Apply every complete line. A bad *last* line is a torn append from a crash: it is
+        dropped and truncated away. A bad line before good ones is corruption: raise."""
+        if not self.path.exists():
+            return
+        raw = self.path.read_bytes()
+        segments = raw.split(b"\n")
+        nonblank = {i for i, seg in enumerate(segments) if seg.strip(b"\0 \t\r")}
+        last = max(nonblank, default=-1)
+        offset = 0
+        for i, seg in enumerate(segments):
+            if i in nonblank:
+                complete = i < len(segments) - 1  # followed by a newline
+                try:
+                    if not complete:
+                        raise ValueError("no newline")
+                    line = json.loads(seg)
+                except ValueError:
+                    if i != last:
+                        raise ValueError(
+                            f"{self.path}: corrupt assignment log line {i + 1}"
+                        ) from None
+                    logger.warning("dropping a torn last line of %s (crash mid-append)", self.path)
+                    with open(self.path, "r+b") as f:
+                        f.truncate(offset)
+                        os.fsync(f.fileno())
+                    return
+                self._apply(line)
+            offset += len(seg) + 1
+
+    def _apply(self, line: dict[str, Any]) -> None:
+        e = line["e"]
+        at_s = float(line.get("at_s", 0.0))
+        if e == "leader_epoch":
+            self.leader_epoch = max(self.leader_epoch, int(line["epoch"]))
+            return
+        if e == "job_token":
+            self._note_token(line["job_id"], int(line["token"]))
+            return
+        if e == "run":
+            rec = RunRecord.from_json(line["run"])
+            self.runs[rec.run_id] = rec
+            return
+        run_id = line["run_id"]
+        if e == "assigned":
+            rec = RunRecord(run_id=run_id, assigned_at_s=at_s)
+            for name in _ASSIGN_FIELDS:
+                if name in line:
+                    setattr(rec, name, line[name])
+            self.runs[run_id] = rec
+            self._note_token(rec.job_id, rec.token)
+            self.leader_epoch = max(self.leader_epoch, rec.leader_epoch)
+            return
+        if e == "tombstone":
+            self.runs[run_id] = RunRecord(
+                run_id=run_id,
+                status=RunStatus.TOMBSTONED,
+                assigned_at_s=at_s,
+                finished_at_s=at_s,
+                stop_reason=line.get("reason", ""),
+            )
+            return
+        rec = self.runs[run_id]
+        if e == "started":
+            rec.status = RunStatus.RUNNING
+            rec.pid = int(line["pid"])
+            rec.shim_pid = int(line["shim_pid"])
+            rec.shim_start_ticks = int(line["shim_start_ticks"])
+            rec.started_at_s = float(line.get("started_at_s", at_s))
+        elif e == "start_failed":
+            rec.status = RunStatus.FAILED_TO_START
+            rec.outcome = "NEVER_STARTED"
+            rec.message = line.get("message", "")
+            rec.finished_at_s = at_s
+        elif e == "confirmed":
+            rec.confirm_result = line["result"]
+        elif e == "stop_requested":
+            rec.stop_reason = line["reason"]
+            rec.stop_grace_s = float(line["grace_s"])
+        elif e == "exited":
+            rec.status = RunStatus.EXITED
+            rec.exit_code = int(line["exit_code"])
+            rec.outcome = line["outcome"]
+            rec.finished_at_s = float(line.get("finished_at_s", at_s))
+            rec.message = line.get("message", "")
+        elif e == "uploaded":
+            rec.manifest_uri = line["manifest_uri"]
+        elif e == "reported":
+            rec.status = RunStatus.REPORTED
+            rec.report_result = line["result"]
+        else:
+            logger.warning("ignoring unknown assignment log event %r", e)
+
+    def _note_token(self, job_id: str, token: int) -> None:
+        if token > self.job_tokens.get(job_id, -1):
+            self.job_tokens[job_id] = token
+
+    # ------------------------------------------------------------------ compaction
+
+    def compact(self, *, now_s: float | None = None) -> None:
+        """Rewrite the log as one snapshot line per run (plus job tokens and the leader epoch),
+        dropping runs reported more than a week ago. Their jobs' highest tokens are kept, so a
+        replayed old assignment is still rejected as stale.
+
+        Atomic: written to a temporary file, fsynced, renamed over the log.
+        """
+        now_s = time.time() if now_s is None else now_s
+        with self._lock:
+            keep = {
+                rid: rec
+                for rid, rec in self.runs.items()
+                if rec.status not in (RunStatus.REPORTED, RunStatus.TOMBSTONED)
+                or now_s - rec.finished_at_s < REPORTED_RETENTION_S
+            }
+            tmp = self.path.with_name(self.path.name + ".compact")
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"e": "leader_epoch", "epoch": self.leader_epoch}) + "\n")
+                for job_id, token in sorted(self.job_tokens.items()):
+                    f.write(json.dumps({"e": "job_token", "job_id": job_id, "token": token}))
+                    f.write("\n")
+                for rec in keep.values():
+                    f.write(json.dumps({"e": "run", "run": rec.to_json()}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self._file.close()
+            os.replace(tmp, self.path)
+            fsync_dir(self.state_dir)
+            self.runs = keep
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115

@@ -1,0 +1,346 @@
+"""The agent's run table and the rules of AssignJob, StopRun and ListRuns (no gRPC here).
+
+Rules, in the order they are checked:
+
+* **Fencing.** A request whose leader epoch is lower than the highest this node has heard is
+  REJECTED_STALE, and so is an AssignJob whose token is lower than the highest seen for its job
+  (both survive restarts: they are in the assignment log).
+* **At most one start per run_id.** The ``assigned`` event is fsynced before anything starts; a
+  second AssignJob for a logged run_id answers from the log (ALREADY_RUNNING, ALREADY_EXITED,
+  FAILED_TO_START) and never starts it again — also after an agent restart.
+* **GPU pinning is checked.** A reservation naming a GPU this node does not have, or one held
+  by another live attempt here, fails to start (reported NEVER_STARTED). The controller's
+  database is the only allocator; this is defense in depth against double allocation.
+* **Release after verified stop.** An attempt is reported only once its process group is
+  verified gone (:meth:`gpufleet.agent.runner.Runner.poll`).
+* A StopRun for a run_id never assigned here leaves a tombstone, so an AssignJob that arrives
+  late (reordered behind the stop) is refused instead of starting work nobody owns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+
+from gpufleet.agent.assignment_log import AssignmentLog, RunRecord, RunStatus
+from gpufleet.agent.inventory import Inventory
+from gpufleet.agent.outbox import COMPLETE, CONFIRM, Outbox
+from gpufleet.agent.runner import ProcessHandle, Runner, StartError
+from gpufleet.agent.uploader import LogStreamer
+from gpufleet.rpc.protos import fleet_pb2 as pb
+
+logger = logging.getLogger("gpufleet.agent")
+
+AssignResult = pb.AssignJobResponse
+StopResult = pb.StopRunResponse
+_LIVE = (RunStatus.ASSIGNED, RunStatus.RUNNING)
+_UNREPORTED = (*_LIVE, RunStatus.EXITED, RunStatus.FAILED_TO_START)
+
+
+class AgentCore:
+    """The node's attempts: start, stop, watch, list.
+
+    Args:
+        log: the replayed assignment log.
+        runner: process operations.
+        streamer: live log mirror.
+        inventory: the node's GPUs (for pinning checks and free-GPU counts).
+        default_grace_s: grace used when a StopRun carries none (0 = unset in proto3).
+    """
+
+    def __init__(
+        self,
+        *,
+        log: AssignmentLog,
+        runner: Runner,
+        streamer: LogStreamer,
+        inventory: Inventory,
+        default_grace_s: float,
+    ) -> None:
+        self.log = log
+        self.runner = runner
+        self.streamer = streamer
+        self.inventory = inventory
+        self.default_grace_s = default_grace_s
+        self.outbox: Outbox | None = None  # set by the wiring in main.py
+        self._lock = threading.RLock()
+        self._handles: dict[str, ProcessHandle] = {}
+        self._starting: dict[str, threading.Lock] = {}
+
+    def _enqueue(self, kind: str, run_id: str) -> None:
+        if self.outbox is not None:
+            self.outbox.enqueue(kind, run_id)
+
+    # ------------------------------------------------------------------ restart
+
+    def recover(self) -> None:
+        """Rebuild the live table from the replayed log: adopt what still runs, settle starts
+        cut short by a crash, and queue the confirmations and reports that were not answered.
+        Never starts anything."""
+        for rec in list(self.log.runs.values()):
+            if rec.status == RunStatus.ASSIGNED:
+                h = self.runner.resolve_unstarted(rec)
+                if h is None:
+                    logger.warning("run %s: agent restarted mid-start; never started", rec.run_id)
+                    self.log.append(
+                        "start_failed",
+                        rec.run_id,
+                        message="the agent restarted before the start completed",
+                    )
+                else:
+                    logger.info("run %s: adopting a shim started before a crash", rec.run_id)
+                    self._log_started(rec, h)
+            if rec.status == RunStatus.RUNNING:
+                with self._lock:
+                    if rec.run_id not in self._handles:
+                        self._handles[rec.run_id] = self.runner.adopt(rec)
+                self.streamer.watch(rec, self.runner.paths(rec.run_id).log)
+                logger.info("run %s: adopted pid %d (pgid %d)", rec.run_id, rec.pid, rec.pgid)
+            if rec.status in (RunStatus.RUNNING, RunStatus.EXITED) and not rec.confirm_result:
+                self._enqueue(CONFIRM, rec.run_id)
+            if rec.status in (RunStatus.EXITED, RunStatus.FAILED_TO_START):
+                self._enqueue(COMPLETE, rec.run_id)
+
+    # ------------------------------------------------------------------ AssignJob
+
+    def assign(self, req: pb.AssignJobRequest) -> pb.AssignJobResponse:
+        """Handle AssignJob: log durably, start once, answer (see module doc).
+
+        Raises:
+            OSError: the assignment could not be logged (nothing was started).
+        """
+        with self._lock:
+            if req.leader_epoch < self.log.leader_epoch:
+                return _assign(
+                    AssignResult.REJECTED_STALE,
+                    f"stale leader epoch {req.leader_epoch} < {self.log.leader_epoch}",
+                )
+            rec = self.log.runs.get(req.run_id)
+            problem: str | None = None
+            start_lock: threading.Lock | None = self._starting.get(req.run_id)
+            if rec is None:
+                highest = self.log.job_tokens.get(req.job_id)
+                if highest is not None and req.token < highest:
+                    return _assign(
+                        AssignResult.REJECTED_STALE,
+                        f"stale token {req.token} < {highest} for job {req.job_id}",
+                    )
+                problem = self._gpu_problem(req.gpu_ids)
+                self.log.append(
+                    "assigned",
+                    req.run_id,
+                    job_id=req.job_id,
+                    reservation_id=req.reservation_id,
+                    token=req.token,
+                    leader_epoch=req.leader_epoch,
+                    attempt=req.attempt,
+                    gpu_ids=list(req.gpu_ids),
+                    command=list(req.command),
+                    env=dict(req.env),
+                    image=req.image,
+                    resume_from_uri=req.resume_from_uri,
+                    max_runtime_s=req.max_runtime_s,
+                )
+                rec = self.log.runs[req.run_id]
+                start_lock = threading.Lock()
+                start_lock.acquire()
+                self._starting[req.run_id] = start_lock
+                fresh = True
+            else:
+                fresh = False
+        if fresh:  # outside the table lock: a start may download a checkpoint
+            return self._start(rec, start_lock, problem)
+        if start_lock is not None:  # a concurrent duplicate: wait for the first to finish
+            with start_lock:
+                pass
+        return self._answer_existing(rec, req.token)
+
+    def _start(
+        self, rec: RunRecord, start_lock: threading.Lock | None, problem: str | None
+    ) -> pb.AssignJobResponse:
+        try:
+            if problem is not None:
+                raise StartError(problem)
+            h = self.runner.spawn(rec)
+        except StartError as exc:
+            logger.warning("run %s: failed to start: %s", rec.run_id, exc)
+            self.log.append("start_failed", rec.run_id, message=str(exc))
+            self._enqueue(COMPLETE, rec.run_id)
+            return _assign(AssignResult.FAILED_TO_START, str(exc))
+        finally:
+            with self._lock:
+                self._starting.pop(rec.run_id, None)
+            if start_lock is not None:
+                start_lock.release()
+        self._log_started(rec, h)
+        self._enqueue(CONFIRM, rec.run_id)
+        logger.info("run %s: started pid %d on GPUs %s", rec.run_id, h.pid, rec.gpu_ids)
+        return _assign(AssignResult.STARTED, "", h.pid)
+
+    def _log_started(self, rec: RunRecord, h: ProcessHandle) -> None:
+        with self._lock:
+            self.log.append(
+                "started",
+                rec.run_id,
+                pid=h.pid,
+                shim_pid=h.shim_pid,
+                shim_start_ticks=h.shim_start_ticks,
+                started_at_s=time.time(),
+            )
+            self._handles[rec.run_id] = h
+        self.streamer.watch(rec, self.runner.paths(rec.run_id).log)
+
+    def _answer_existing(self, rec: RunRecord, token: int) -> pb.AssignJobResponse:
+        if token < rec.token:
+            return _assign(AssignResult.REJECTED_STALE, f"stale token {token} < {rec.token}")
+        if rec.status == RunStatus.TOMBSTONED:
+            return _assign(AssignResult.REJECTED_STALE, "a stop for this run arrived first")
+        if rec.status == RunStatus.FAILED_TO_START or rec.outcome == "NEVER_STARTED":
+            return _assign(AssignResult.FAILED_TO_START, rec.message)
+        if rec.status in _LIVE:
+            return _assign(AssignResult.ALREADY_RUNNING, "", rec.pid)
+        return _assign(AssignResult.ALREADY_EXITED, f"exit code {rec.exit_code}", rec.pid)
+
+    def _gpu_problem(self, gpu_ids: Iterable[int]) -> str | None:
+        have = {g.index for g in self.inventory.gpus}
+        held = {
+            gpu: r.run_id for r in self.log.runs.values() if r.status in _LIVE for gpu in r.gpu_ids
+        }
+        for gpu in gpu_ids:
+            if gpu not in have:
+                return f"GPU {gpu} is not on this node (it has {sorted(have)})"
+            if gpu in held:
+                return f"GPU {gpu} is held by live run {held[gpu]}"
+        return None
+
+    # ------------------------------------------------------------------ StopRun
+
+    def stop(
+        self, run_id: str, *, token: int, leader_epoch: int, grace_s: float, reason: str
+    ) -> pb.StopRunResponse:
+        """Request a stop: SIGTERM, grace, SIGKILL, verify; the report follows (STOPPED).
+
+        ``grace_s <= 0`` (unset) means the default grace. A second stop may shorten the grace.
+
+        Raises:
+            OSError: the request could not be logged.
+        """
+        with self._lock:
+            if leader_epoch < self.log.leader_epoch:
+                return _stop(StopResult.REJECTED_STALE, "stale leader epoch")
+            if leader_epoch > self.log.leader_epoch:
+                self.log.append("leader_epoch", epoch=leader_epoch)
+            rec = self.log.runs.get(run_id)
+            if rec is None:
+                self.log.append("tombstone", run_id, reason=reason)
+                return _stop(StopResult.NOT_FOUND, "never assigned here")
+            if token < rec.token:
+                return _stop(StopResult.REJECTED_STALE, f"stale token {token} < {rec.token}")
+            if rec.status in (RunStatus.TOMBSTONED, RunStatus.FAILED_TO_START):
+                return _stop(StopResult.NOT_FOUND, "never started")
+            if rec.status not in _LIVE:
+                return _stop(StopResult.ALREADY_EXITED, f"exit code {rec.exit_code}")
+            grace = grace_s if grace_s > 0 else self.default_grace_s
+            if not rec.stop_requested or grace < rec.stop_grace_s:
+                logger.info("run %s: stop requested (%s, grace %g s)", run_id, reason, grace)
+                self.log.append(
+                    "stop_requested", run_id, reason=rec.stop_reason or reason, grace_s=grace
+                )
+            return _stop(StopResult.STOPPING, "")
+
+    def stop_stale(self, run_id: str) -> None:
+        """Stop an attempt whose confirmation the controller rejected."""
+        rec = self.log.runs.get(run_id)
+        if rec is not None:
+            self.stop(
+                run_id,
+                token=rec.token,
+                leader_epoch=self.log.leader_epoch,
+                grace_s=0.0,
+                reason="stale",
+            )
+
+    def note_leader_epoch(self, epoch: int) -> None:
+        """Remember a higher leader epoch heard in a controller's answer."""
+        with self._lock:
+            if epoch > self.log.leader_epoch:
+                self.log.append("leader_epoch", epoch=epoch)
+
+    # ------------------------------------------------------------------ monitor
+
+    def monitor_once(self) -> None:
+        """Poll every live attempt once; record and queue the report of those that ended."""
+        now = time.monotonic()
+        with self._lock:
+            items = [(self.log.runs[rid], h) for rid, h in self._handles.items()]
+        for rec, h in items:
+            info = self.runner.poll(rec, h, now)
+            if info is None:
+                continue
+            with self._lock:
+                if info.never_started:
+                    self.log.append("start_failed", rec.run_id, message=info.message)
+                else:
+                    outcome = "STOPPED" if rec.stop_requested else "EXITED"
+                    self.log.append(
+                        "exited",
+                        rec.run_id,
+                        exit_code=info.exit_code,
+                        outcome=outcome,
+                        finished_at_s=info.finished_at_s,
+                        message=info.message,
+                    )
+                del self._handles[rec.run_id]
+            logger.info("run %s: %s, exit code %d", rec.run_id, rec.outcome, rec.exit_code)
+            self._enqueue(COMPLETE, rec.run_id)
+
+    # ------------------------------------------------------------------ views
+
+    def run_refs(self) -> list[pb.RunRef]:
+        """Attempts not yet acknowledged by the controller.
+
+        State ``RUNNING`` (alive, or its start is in progress), ``STOPPING`` (a stop is in
+        progress) or ``EXITED`` (ended or failed to start; the report is on its way). Reported
+        and tombstoned runs are omitted.
+        """
+        with self._lock:
+            refs = []
+            for rec in self.log.runs.values():
+                if rec.status not in _UNREPORTED:
+                    continue
+                if rec.status in _LIVE:
+                    state = "STOPPING" if rec.stop_requested else "RUNNING"
+                else:
+                    state = "EXITED"
+                refs.append(
+                    pb.RunRef(
+                        run_id=rec.run_id,
+                        job_id=rec.job_id,
+                        token=rec.token,
+                        state=state,
+                        pid=rec.pid,
+                    )
+                )
+            return refs
+
+    def free_gpus(self) -> int:
+        """GPUs of this node not held by a live attempt."""
+        with self._lock:
+            held = {g for r in self.log.runs.values() if r.status in _LIVE for g in r.gpu_ids}
+        return len([g for g in self.inventory.gpus if g.index not in held])
+
+    def health(self) -> str:
+        """``HEALTHY``, or which attempts survive SIGKILL."""
+        with self._lock:
+            stuck = sorted(rid for rid, h in self._handles.items() if h.unkillable)
+        return "HEALTHY" if not stuck else f"UNKILLABLE: {','.join(stuck)} survive SIGKILL"
+
+
+def _assign(result: int, message: str, pid: int = 0) -> pb.AssignJobResponse:
+    return pb.AssignJobResponse(result=result, message=message, pid=pid)  # type: ignore[arg-type]
+
+
+def _stop(result: int, message: str) -> pb.StopRunResponse:
+    return pb.StopRunResponse(result=result, message=message)  # type: ignore[arg-type]

@@ -1,0 +1,198 @@
+"""The agent process: wiring, threads, start-up and shutdown.
+
+Threads (kept few on purpose; each loop is simple and independent):
+
+* gRPC server pool — AssignJob / StopRun / ListRuns;
+* ``agent-heartbeat`` — RegisterNode (until answered), then Heartbeat every interval;
+* ``agent-monitor`` — polls every live attempt every 0.2 s: stop protocol, exit detection;
+* ``agent-outbox`` — ConfirmAssignment and upload + manifest + ReportCompletion, with retries;
+* ``agent-logs`` — mirrors live logs to the object store every second.
+
+Stopping the agent (SIGTERM, SIGINT or ``stop_event``) stops the agent only: attempts keep
+running under their shims and are adopted by the next agent started on the same state dir.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import signal
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from gpufleet.agent.assignment_log import AssignmentLog
+from gpufleet.agent.core import AgentCore
+from gpufleet.agent.inventory import load_inventory
+from gpufleet.agent.outbox import Outbox
+from gpufleet.agent.runner import Runner
+from gpufleet.agent.service import AgentServicer, ControllerLink
+from gpufleet.agent.uploader import LogStreamer
+from gpufleet.objectstore import ObjectStore
+from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
+from gpufleet.settings import Settings
+
+logger = logging.getLogger("gpufleet.agent")
+
+MONITOR_INTERVAL_S = 0.2
+LOG_SYNC_INTERVAL_S = 1.0
+GRPC_WORKERS = 8
+
+
+def run_agent(
+    settings: Settings,
+    *,
+    node_id: str,
+    gpus: str | None,
+    port: int,
+    state_dir: Path,
+    labels: dict[str, str],
+    heartbeat_interval_s: float | None = None,
+    stop_event: threading.Event | None = None,
+    advertise_host: str | None = None,
+) -> None:
+    """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
+
+    Args:
+        settings: configuration (``controller_address``, ``object_store_url``,
+            ``heartbeat_interval_s``, ``default_grace_s``).
+        node_id: this node's id.
+        gpus: declared GPU spec (e.g. ``8xH100-80GB``), used when NVML reports no GPU.
+        port: TCP port of the agent's gRPC server; 0 picks a free one.
+        state_dir: the agent's durable state (assignment log, epoch, per-attempt dirs).
+        labels: node labels sent at registration (rack, zone, ...).
+        heartbeat_interval_s: heartbeat period in seconds; None = the controller's answer to
+            RegisterNode, else ``settings.heartbeat_interval_s``.
+        stop_event: set it to stop the agent (needed when not run in the main thread).
+        advertise_host: host the controller should call back; default: 127.0.0.1 when the
+            controller is on loopback, else this host's address on the route to it. The
+            server listens on that address only (the agent port is unauthenticated).
+
+    Raises:
+        ValueError: ``gpus`` is malformed, or the assignment log is corrupt.
+        OSError: the state dir is unusable or the port cannot be bound.
+    """
+    stop = stop_event if stop_event is not None else threading.Event()
+    _install_signal_handlers(stop)
+    state_dir = state_dir.expanduser().resolve()
+    store = ObjectStore(settings.resolved_object_store_url())
+    inventory = load_inventory(node_id, gpus)
+    log = AssignmentLog(state_dir)
+    log.compact()
+    agent_epoch = log.bump_agent_epoch()
+    runner = Runner(state_dir, store)
+    streamer = LogStreamer(store, LOG_SYNC_INTERVAL_S, stop)
+    core = AgentCore(
+        log=log,
+        runner=runner,
+        streamer=streamer,
+        inventory=inventory,
+        default_grace_s=settings.default_grace_s,
+    )
+    channel = grpc.insecure_channel(settings.controller_address)
+    stub = pb_grpc.ControllerStub(channel)
+    registered = threading.Event()
+    core.outbox = Outbox(
+        log=log,
+        runner=runner,
+        streamer=streamer,
+        store=store,
+        stub=stub,
+        node_id=node_id,
+        agent_epoch=agent_epoch,
+        on_rejected=core.stop_stale,
+        ready=registered,
+        stop_event=stop,
+    )
+    core.recover()
+
+    host = advertise_host or _default_host(settings.controller_address)
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc")
+    )
+    pb_grpc.add_AgentServicer_to_server(AgentServicer(core, agent_epoch), server)
+    bound = server.add_insecure_port(_join(host, port))
+    if bound == 0:
+        raise OSError(f"cannot listen on {_join(host, port)}")
+    server.start()
+    link = ControllerLink(
+        core=core,
+        stub=stub,
+        node_id=node_id,
+        address=_join(host, bound),
+        agent_epoch=agent_epoch,
+        inventory=inventory,
+        labels=dict(labels),
+        interval_s=heartbeat_interval_s,
+        fallback_interval_s=settings.heartbeat_interval_s,
+        registered=registered,
+        stop_event=stop,
+    )
+    monitor = threading.Thread(
+        target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True
+    )
+    threads = [monitor, link.thread, core.outbox.thread, streamer.thread]
+    for t in threads:
+        t.start()
+    logger.info(
+        "agent %s (epoch %d) serving on %s, state in %s, %d GPU(s) from %s",
+        node_id,
+        agent_epoch,
+        _join(host, bound),
+        state_dir,
+        len(inventory.gpus),
+        inventory.source,
+    )
+    try:
+        stop.wait()
+    finally:
+        logger.info("agent %s stopping (running attempts keep running)", node_id)
+        stop.set()
+        core.outbox.wake()
+        server.stop(grace=1.0).wait()
+        for t in threads:
+            t.join(timeout=15.0)
+        channel.close()
+        log.close()
+
+
+def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:
+    while not stop.wait(MONITOR_INTERVAL_S):
+        try:
+            core.monitor_once()
+        except Exception:  # keep watching the other attempts; this one is retried next tick
+            logger.exception("monitor pass failed")
+
+
+def _install_signal_handlers(stop: threading.Event) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handle(_signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+def _default_host(controller_address: str) -> str:
+    """127.0.0.1 when the controller is on loopback, else the local address that routes to it."""
+    host = controller_address.rsplit(":", 1)[0].strip("[]")
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass  # a host name
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP connect sends nothing; it only picks the route
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

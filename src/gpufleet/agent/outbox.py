@@ -1,0 +1,231 @@
+"""Agent -> controller messages about attempts that must eventually be answered.
+
+Two kinds of task, each retried with capped exponential backoff until the controller answers:
+
+* **confirm**: ConfirmAssignment after a start. CONFIRMED is logged; REJECTED (stale token, or
+  the attempt is no longer authoritative) is logged and the attempt is stopped with reason
+  ``"stale"``.
+* **complete**: for an attempt that ended, upload its outputs and manifest (once; the
+  ``uploaded`` event records the manifest URI), then ReportCompletion until the answer is
+  ACCEPTED, STALE or REJECTED, then log ``reported`` and delete the bulky local files. An
+  attempt that never started is reported NEVER_STARTED with no manifest.
+
+A completion waits for its attempt's confirmation, so the controller sees ASSIGNED -> RUNNING
+before RUNNING -> terminal. Tasks live in memory only: after a restart they are rebuilt from
+the assignment log (:meth:`gpufleet.agent.core.AgentCore.recover`), and both calls are
+idempotent on the controller, so a repeat after a crash is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from gpufleet.agent.assignment_log import AssignmentLog, RunStatus
+from gpufleet.agent.runner import Runner
+from gpufleet.agent.uploader import LogStreamer, upload_attempt
+from gpufleet.objectstore import ObjectStore
+from gpufleet.rpc.protos import fleet_pb2 as pb
+from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("gpufleet.agent")
+
+CONFIRM = "confirm"
+COMPLETE = "complete"
+CALL_TIMEOUT_S = 10.0
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 5.0
+
+_OUTCOMES = {
+    "EXITED": pb.ReportCompletionRequest.EXITED,
+    "STOPPED": pb.ReportCompletionRequest.STOPPED,
+    "NEVER_STARTED": pb.ReportCompletionRequest.NEVER_STARTED,
+}
+_FINAL_REPORT_RESULTS = {
+    pb.ReportCompletionResponse.ACCEPTED,
+    pb.ReportCompletionResponse.STALE,
+    pb.ReportCompletionResponse.REJECTED,
+}
+
+
+@dataclass(slots=True)
+class _Task:
+    kind: str
+    run_id: str
+    due_at: float = 0.0  # time.monotonic()
+    failures: int = 0
+
+
+class Outbox:
+    """The confirm/complete task queue and its worker thread.
+
+    Args:
+        log: the assignment log (records are read from and events appended to it).
+        runner: for attempt paths and local cleanup.
+        streamer: the live-log mirror, told to forget an attempt before its final upload.
+        store: the object store.
+        stub: the controller's gRPC stub.
+        node_id: this node.
+        agent_epoch: this agent process's epoch.
+        on_rejected: called with a run_id whose confirmation was REJECTED (stop it).
+        ready: set once the node is registered; no task runs before.
+        stop_event: ends the worker.
+    """
+
+    def __init__(
+        self,
+        *,
+        log: AssignmentLog,
+        runner: Runner,
+        streamer: LogStreamer,
+        store: ObjectStore,
+        stub: pb_grpc.ControllerStub,
+        node_id: str,
+        agent_epoch: int,
+        on_rejected: Callable[[str], None],
+        ready: threading.Event,
+        stop_event: threading.Event,
+    ) -> None:
+        self.log = log
+        self.runner = runner
+        self.streamer = streamer
+        self.store = store
+        self.stub = stub
+        self.node_id = node_id
+        self.agent_epoch = agent_epoch
+        self.on_rejected = on_rejected
+        self.ready = ready
+        self.stop_event = stop_event
+        self._cond = threading.Condition()
+        self._tasks: dict[tuple[str, str], _Task] = {}
+        self.thread = threading.Thread(target=self._loop, name="agent-outbox", daemon=True)
+
+    def enqueue(self, kind: str, run_id: str) -> None:
+        """Add a task (no-op if the same task is already queued) and wake the worker."""
+        with self._cond:
+            self._tasks.setdefault((kind, run_id), _Task(kind, run_id))
+            self._cond.notify_all()
+
+    def pending(self) -> list[tuple[str, str]]:
+        """``(kind, run_id)`` of queued tasks (for tests and debugging)."""
+        with self._cond:
+            return list(self._tasks)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ worker
+
+    def _loop(self) -> None:
+        while not self.ready.wait(0.1):
+            if self.stop_event.is_set():
+                return
+        while not self.stop_event.is_set():
+            task = self._next_due()
+            if task is None:
+                continue
+            try:
+                done = self._run(task)
+            except (grpc.RpcError, OSError) as exc:
+                done = False
+                task.failures += 1
+                level = logging.INFO if task.failures < 5 else logging.WARNING
+                logger.log(
+                    level, "run %s: %s failed (%s); retrying", task.run_id, task.kind, _short(exc)
+                )
+            with self._cond:
+                if done:
+                    self._tasks.pop((task.kind, task.run_id), None)
+                else:
+                    delay = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(task.failures, 10))
+                    task.due_at = time.monotonic() + delay
+
+    def _next_due(self) -> _Task | None:
+        with self._cond:
+            now = time.monotonic()
+            due = [t for t in self._tasks.values() if t.due_at <= now]
+            if not due:
+                next_at = min((t.due_at for t in self._tasks.values()), default=now + 1.0)
+                self._cond.wait(timeout=max(0.01, min(1.0, next_at - now)))
+                return None
+            # Confirmations first: a completion waits for its attempt's confirmation.
+            due.sort(key=lambda t: (t.kind != CONFIRM, t.due_at))
+            return due[0]
+
+    def _run(self, task: _Task) -> bool:
+        """Returns True when the task is finished (answered, or moot)."""
+        rec = self.log.runs.get(task.run_id)
+        if rec is None:
+            return True
+        if task.kind == CONFIRM:
+            if rec.confirm_result or rec.status == RunStatus.REPORTED:
+                return True
+            resp = self.stub.ConfirmAssignment(
+                pb.ConfirmAssignmentRequest(
+                    node_id=self.node_id,
+                    run_id=rec.run_id,
+                    reservation_id=rec.reservation_id,
+                    token=rec.token,
+                    agent_epoch=self.agent_epoch,
+                    pid=rec.pid,
+                ),
+                timeout=CALL_TIMEOUT_S,
+            )
+            if resp.result == pb.ConfirmAssignmentResponse.CONFIRMED:
+                self.log.append("confirmed", rec.run_id, result="CONFIRMED")
+                return True
+            if resp.result == pb.ConfirmAssignmentResponse.REJECTED:
+                logger.warning(
+                    "run %s: confirmation rejected (%s): stopping it", rec.run_id, resp.message
+                )
+                self.log.append("confirmed", rec.run_id, result="REJECTED")
+                self.on_rejected(rec.run_id)
+                return True
+            task.failures += 1
+            return False
+        # COMPLETE
+        if rec.status == RunStatus.REPORTED:
+            return True
+        if rec.status not in (RunStatus.EXITED, RunStatus.FAILED_TO_START):
+            return False  # not ended yet (should not happen: enqueued on exit)
+        if (CONFIRM, rec.run_id) in self.pending() and not rec.confirm_result:
+            return False
+        if rec.status == RunStatus.EXITED and not rec.manifest_uri:
+            self.streamer.forget(rec.run_id)
+            uri = upload_attempt(self.store, rec, self.runner.paths(rec.run_id))
+            self.log.append("uploaded", rec.run_id, manifest_uri=uri)
+        resp = self.stub.ReportCompletion(
+            pb.ReportCompletionRequest(
+                node_id=self.node_id,
+                run_id=rec.run_id,
+                token=rec.token,
+                manifest_uri=rec.manifest_uri,
+                outcome=_OUTCOMES[rec.outcome],
+                exit_code=rec.exit_code,
+                message=rec.message,
+            ),
+            timeout=CALL_TIMEOUT_S,
+        )
+        if resp.result not in _FINAL_REPORT_RESULTS:
+            task.failures += 1
+            return False
+        result = pb.ReportCompletionResponse.Result.Name(resp.result)
+        level = logging.INFO if result == "ACCEPTED" else logging.WARNING
+        logger.log(
+            level, "run %s: completion %s %s (%s)", rec.run_id, rec.outcome, result, resp.message
+        )
+        self.log.append("reported", rec.run_id, result=result)
+        self.runner.cleanup(rec.run_id)
+        return True
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)

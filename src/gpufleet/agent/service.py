@@ -1,0 +1,211 @@
+"""The agent's two gRPC faces.
+
+* :class:`AgentServicer` serves the controller's calls (AssignJob, StopRun, ListRuns) from
+  :class:`~gpufleet.agent.core.AgentCore`.
+* :class:`ControllerLink` calls the controller: RegisterNode (retried with backoff until the
+  controller is up, and again whenever a heartbeat answer asks for it) and Heartbeat every
+  interval, applying the stop list of each answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from gpufleet.agent.core import AgentCore
+from gpufleet.agent.inventory import Inventory
+from gpufleet.rpc.protos import fleet_pb2 as pb
+from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("gpufleet.agent")
+
+CALL_TIMEOUT_S = 10.0
+REGISTER_BACKOFF_MAX_S = 5.0
+
+
+class AgentServicer(pb_grpc.AgentServicer):
+    """Controller -> agent calls. Logging failures (disk full) become UNAVAILABLE: nothing was
+    started, and the controller may retry the same run_id."""
+
+    def __init__(self, core: AgentCore, agent_epoch: int) -> None:
+        self.core = core
+        self.agent_epoch = agent_epoch
+
+    def AssignJob(
+        self, request: pb.AssignJobRequest, context: grpc.ServicerContext
+    ) -> pb.AssignJobResponse:
+        if not request.run_id or not request.job_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "run_id and job_id are required")
+        try:
+            return self.core.assign(request)
+        except OSError as exc:
+            logger.error("run %s: cannot log the assignment: %s", request.run_id, exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"assignment log: {exc}")
+            raise  # unreachable: abort raises
+
+    def StopRun(
+        self, request: pb.StopRunRequest, context: grpc.ServicerContext
+    ) -> pb.StopRunResponse:
+        try:
+            return self.core.stop(
+                request.run_id,
+                token=request.token,
+                leader_epoch=request.leader_epoch,
+                grace_s=request.grace_s,
+                reason=request.reason or "cancel",
+            )
+        except OSError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"assignment log: {exc}")
+            raise
+
+    def ListRuns(
+        self,
+        request: pb.ListRunsRequest,  # noqa: ARG002 (the servicer signature is fixed)
+        context: grpc.ServicerContext,  # noqa: ARG002
+    ) -> pb.ListRunsResponse:
+        return pb.ListRunsResponse(agent_epoch=self.agent_epoch, runs=self.core.run_refs())
+
+
+class ControllerLink:
+    """Registration and heartbeats.
+
+    Args:
+        core: the run table.
+        stub: the controller's stub.
+        node_id: this node.
+        address: ``host:port`` the controller uses to reach this agent.
+        agent_epoch: this agent process's epoch.
+        inventory: what is registered.
+        labels: node labels (rack, zone, ...).
+        interval_s: heartbeat period; None = what the controller's RegisterNode answer says
+            (or ``fallback_interval_s`` if it says 0).
+        fallback_interval_s: see ``interval_s``.
+        registered: set after the first successful registration.
+        stop_event: ends the heartbeat thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        core: AgentCore,
+        stub: pb_grpc.ControllerStub,
+        node_id: str,
+        address: str,
+        agent_epoch: int,
+        inventory: Inventory,
+        labels: dict[str, str],
+        interval_s: float | None,
+        fallback_interval_s: float,
+        registered: threading.Event,
+        stop_event: threading.Event,
+    ) -> None:
+        self.core = core
+        self.stub = stub
+        self.node_id = node_id
+        self.address = address
+        self.agent_epoch = agent_epoch
+        self.inventory = inventory
+        self.labels = labels
+        self.fixed_interval_s = interval_s
+        self.interval_s = interval_s or fallback_interval_s
+        self.registered = registered
+        self.stop_event = stop_event
+        self.thread = threading.Thread(target=self._loop, name="agent-heartbeat", daemon=True)
+
+    def register_until_answered(self) -> bool:
+        """RegisterNode, retried with exponential backoff (0.1 s .. 5 s). Returns False if the
+        agent is stopping before the controller answered."""
+        delay = 0.1
+        request = pb.RegisterNodeRequest(
+            node_id=self.node_id,
+            address=self.address,
+            agent_epoch=self.agent_epoch,
+            gpus=[
+                pb.Gpu(index=g.index, uuid=g.uuid, gpu_type=g.gpu_type, memory_mb=g.memory_mb)
+                for g in self.inventory.gpus
+            ],
+            cpu=self.inventory.cpu,
+            memory_mb=self.inventory.memory_mb,
+            labels=self.labels,
+            inventory_source=self.inventory.source,
+        )
+        attempts = 0
+        while not self.stop_event.is_set():
+            try:
+                resp = self.stub.RegisterNode(request, timeout=CALL_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                attempts += 1
+                if attempts in (1, 10) or attempts % 100 == 0:
+                    logger.warning("controller not reachable yet (%s); retrying", _code(exc))
+                self.stop_event.wait(delay)
+                delay = min(REGISTER_BACKOFF_MAX_S, delay * 2)
+                continue
+            self.core.note_leader_epoch(resp.leader_epoch)
+            if self.fixed_interval_s is None and resp.heartbeat_interval_s > 0:
+                self.interval_s = resp.heartbeat_interval_s
+            logger.info(
+                "registered node %s (agent epoch %d, %d GPUs, leader epoch %d)",
+                self.node_id,
+                self.agent_epoch,
+                len(self.inventory.gpus),
+                resp.leader_epoch,
+            )
+            self.registered.set()
+            return True
+        return False
+
+    def heartbeat_once(self) -> None:
+        """Send one heartbeat and apply the answer (stop list, re-registration).
+
+        Raises:
+            grpc.RpcError: the controller did not answer.
+        """
+        resp = self.stub.Heartbeat(
+            pb.HeartbeatRequest(
+                node_id=self.node_id,
+                agent_epoch=self.agent_epoch,
+                running=self.core.run_refs(),
+                free_gpus=self.core.free_gpus(),
+                health=self.core.health(),
+            ),
+            timeout=CALL_TIMEOUT_S,
+        )
+        self.core.note_leader_epoch(resp.leader_epoch)
+        for s in resp.stop:
+            answer = self.core.stop(
+                s.run_id,
+                token=s.token,
+                leader_epoch=s.leader_epoch or resp.leader_epoch,
+                grace_s=s.grace_s,
+                reason=s.reason or "stale",
+            )
+            logger.info(
+                "heartbeat asks to stop %s: %s",
+                s.run_id,
+                pb.StopRunResponse.Result.Name(answer.result),
+            )
+        if resp.reregister:
+            logger.warning("controller does not know this node: registering again")
+            self.register_until_answered()
+
+    def _loop(self) -> None:
+        if not self.register_until_answered():
+            return
+        failures = 0
+        while not self.stop_event.wait(self.interval_s):
+            try:
+                self.heartbeat_once()
+                failures = 0
+            except grpc.RpcError as exc:
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    logger.warning("heartbeat failed (%s)", _code(exc))
+            except OSError as exc:  # the assignment log refused a stop
+                logger.error("heartbeat handling failed: %s", exc)
+
+
+def _code(exc: grpc.RpcError) -> str:
+    code = getattr(exc, "code", None)
+    return code().name if callable(code) else str(exc)

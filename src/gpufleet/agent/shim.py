@@ -1,0 +1,129 @@
+"""The per-attempt supervisor, in the role of containerd-shim.
+
+Usage::
+
+    python -m gpufleet.agent.shim --exit-file F --log-file L \\
+        [--claim-file C] [--env-file E] [--status-fd N] [--cwd D] -- cmd [args...]
+
+The agent starts the shim with ``start_new_session=True``, so the shim leads a new session and
+process group (pgid == shim pid) that outlives an agent crash (``kill -9``). The shim:
+
+1. catches SIGTERM, SIGINT and SIGHUP with a no-op handler, so it survives the stop signal that
+   ``killpg(pgid, SIGTERM)`` delivers to the whole group (a *caught* signal is reset to its
+   default at ``exec``, so the user command still receives it; an *ignored* one would stay
+   ignored, which is why this is not ``SIG_IGN``);
+2. claims the start (``--claim-file``): it writes its pid, pgid and start time to a temporary
+   file and hard-links it to the claim path, which fails if the file exists. A restarted agent
+   that finds an attempt logged as assigned but not started claims the same path to abandon
+   it; whichever link lands first wins, so the command is never started behind the back of an
+   agent that reported it as never started;
+3. starts the command in its own process group, stdin from /dev/null, stdout and stderr
+   appended to the log file, environment from ``--env-file`` (JSON object; deleted once read)
+   or inherited;
+4. writes one JSON line to ``--status-fd``: ``{"pid": N}`` or ``{"error": "..."}``;
+5. waits, then writes ``{"exit_code": N, "finished_at_s": T}`` atomically (temporary file,
+   fsync, rename) to the exit file. ``exit_code`` is negative when a signal killed the command.
+   A start failure writes ``{"exit_code": 127, "start_error": "..."}``.
+
+A restarted agent that did not spawn the shim learns the exit code from the exit file. When the
+group is SIGKILLed the shim dies too and writes nothing; the agent knows it sent SIGKILL.
+
+Only the standard library, :mod:`~gpufleet.agent.fsutil` and :mod:`~gpufleet.agent.procfs`
+are imported: this runs once per attempt and its start-up time is on the submit-to-running path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gpufleet.agent.fsutil import create_exclusive, write_json_atomic
+from gpufleet.agent.procfs import start_ticks
+
+START_FAILED_EXIT_CODE = 127
+
+
+def _noop(signum: int, frame: object) -> None:
+    """Survive the group's stop signal; the child receives its own copy."""
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gpufleet.agent.shim")
+    parser.add_argument("--exit-file", required=True, type=Path)
+    parser.add_argument("--log-file", required=True, type=Path)
+    parser.add_argument("--claim-file", type=Path)
+    parser.add_argument("--env-file", type=Path)
+    parser.add_argument("--status-fd", type=int)
+    parser.add_argument("--cwd", type=Path)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    if ns.command and ns.command[0] == "--":
+        ns.command = ns.command[1:]
+    return ns
+
+
+def _send_status(fd: int | None, data: dict[str, Any]) -> None:
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):  # the agent died: the exit file is the record
+        os.write(fd, (json.dumps(data) + "\n").encode())
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the shim; returns its own exit status (0, or 2 for bad arguments)."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _noop)
+    ns = _parse(sys.argv[1:] if argv is None else argv)
+    if ns.claim_file is not None:
+        me = {"pid": os.getpid(), "pgid": os.getpgid(0), "start_ticks": start_ticks(os.getpid())}
+        if not create_exclusive(ns.claim_file, me):
+            _send_status(ns.status_fd, {"error": "start abandoned by the agent"})
+            return 0
+    env: dict[str, str] | None = None
+    if ns.env_file is not None:
+        env = json.loads(ns.env_file.read_text())
+        ns.env_file.unlink()
+    with open(ns.log_file, "ab", buffering=0) as log:
+        try:
+            if not ns.command:
+                raise ValueError("empty command")
+            child = subprocess.Popen(
+                ns.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ns.cwd,
+                close_fds=True,
+            )
+        except (OSError, ValueError) as exc:
+            message = f"cannot start {ns.command[:1]}: {exc}"
+            log.write(f"gpufleet: {message}\n".encode())
+            write_json_atomic(
+                ns.exit_file,
+                {
+                    "exit_code": START_FAILED_EXIT_CODE,
+                    "start_error": message,
+                    "finished_at_s": time.time(),
+                },
+            )
+            _send_status(ns.status_fd, {"error": message})
+            return 0
+    _send_status(ns.status_fd, {"pid": child.pid})
+    exit_code = child.wait()  # retried on EINTR (PEP 475) when the no-op handler runs
+    write_json_atomic(ns.exit_file, {"exit_code": exit_code, "finished_at_s": time.time()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
