@@ -24,6 +24,31 @@ from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import PendingJob
 
 
+def start_on_node(
+    job: PendingJob, node_id: str, index: FreeIndex, running: RunningIndex, now_s: float
+) -> tuple[float, int]:
+    """Earliest estimated start of ``job`` on ``node_id`` and the node's extra GPUs then
+    (``(inf, 0)`` when the running work there has no known end)."""
+    need = job.resources.gpu_count
+    held = index.held_node_for(job.job_id, node_id)
+    free = held.free_gpus if held is not None else index.visible_free(node_id)
+    avail = free
+    start = now_s if avail >= need else math.inf
+    runs = running.by_node.get(node_id, ())
+    if start == math.inf:
+        for end, run in runs:
+            if end == math.inf:
+                break
+            avail += run.gpu_count
+            if avail >= need:
+                start = end
+                break
+    if start == math.inf:
+        return start, 0
+    released = free + sum(r.gpu_count for end, r in runs if end <= start)
+    return start, released - need
+
+
 def find_reservation(
     job: PendingJob, index: FreeIndex, running: RunningIndex, now_s: float
 ) -> tuple[str, Shadow] | None:
@@ -42,26 +67,10 @@ def find_reservation(
             continue
         if not node_accepts(node, res, job.node_selector):
             continue
-        fn_free = index.visible_free(node_id)
-        held = index.held_node_for(job.job_id, node_id)
-        if held is not None:
-            fn_free = held.free_gpus
-        avail = fn_free
-        start = now_s if avail >= need else math.inf
-        if start == math.inf:
-            for end, run in running.by_node.get(node_id, ()):
-                if end == math.inf:
-                    break
-                avail += run.gpu_count
-                if avail >= need:
-                    start = end
-                    break
+        start, extra = start_on_node(job, node_id, index, running, now_s)
         if start == math.inf:
             continue
-        released = fn_free + sum(
-            r.gpu_count for end, r in running.by_node.get(node_id, ()) if end <= start
-        )
-        key = (start, prefs.get(node.gpu_type, 0), released - need, node_id)
+        key = (start, prefs.get(node.gpu_type, 0), extra, node_id)
         if best is None or key < best:
             best = key
     if best is None:

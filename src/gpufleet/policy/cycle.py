@@ -3,7 +3,8 @@
 Phases (numbered as in docs/design/scheduling-policy.md):
   0. index the snapshot: free capacity by GPU type (``placement``), allocation per team
      (``quota``), queues sorted by priority + aging (``priority``); drop dead holds;
-  1. holds: preemptors whose victims are gone are placed on the GPUs held for them;
+  1. holds: preemptors whose victims are gone are placed on the GPUs held for them, and
+     reservations of earlier passes are renewed on their node (or started);
   2. the team heap (``fairshare``): pop the most under-served team, take its next job;
   3. quota: is the job admissible on one of its GPU types (guarantee / borrow / lend)?
   4. placement: best fit on that type's free index, respecting holds and backfill shadows;
@@ -20,17 +21,22 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
-from gpufleet.policy.backfill import find_reservation
+from gpufleet.policy.backfill import find_reservation, start_on_node
 from gpufleet.policy.config import Backfill, Placement, PolicyConfig
 from gpufleet.policy.decisions import CycleResult, Decision, HoldForBackfill, Place
 from gpufleet.policy.explain import Cause, WaitingReasons
 from gpufleet.policy.fairshare import TeamKey, TeamOrder
-from gpufleet.policy.placement import FreeIndex, selector_key
+from gpufleet.policy.placement import FreeIndex, Shadow, node_accepts, selector_key
 from gpufleet.policy.preemption import VictimSearch
 from gpufleet.policy.priority import queue_key, queued_at
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
-from gpufleet.policy.snapshot import ClusterSnapshot, GpuHold, PendingJob
+from gpufleet.policy.snapshot import (
+    BackfillReservation,
+    ClusterSnapshot,
+    GpuHold,
+    PendingJob,
+)
 
 __all__ = ["queue_order_key", "schedule", "sorted_queues"]
 
@@ -54,13 +60,19 @@ def sorted_queues(
     return queues
 
 
+def _find_jobs(
+    queues: Mapping[str, Sequence[PendingJob]], want: set[str]
+) -> dict[str, PendingJob]:
+    if not want:
+        return {}
+    return {j.job_id: j for q in queues.values() for j in q if j.job_id in want}
+
+
 def _live_holds(
-    snapshot: ClusterSnapshot, queues: Mapping[str, Sequence[PendingJob]], cfg: PolicyConfig
+    snapshot: ClusterSnapshot, jobs: Mapping[str, PendingJob], cfg: PolicyConfig
 ) -> tuple[list[tuple[GpuHold, PendingJob]], list[str]]:
     if not snapshot.holds:
         return [], []
-    want = {h.job_id for h in snapshot.holds}
-    jobs = {j.job_id: j for q in queues.values() for j in q if j.job_id in want}
     nodes = {n.node_id: n for n in snapshot.nodes}
     live: list[tuple[GpuHold, PendingJob]] = []
     released: list[str] = []
@@ -95,7 +107,16 @@ class _Pass:
             if snapshot.queues is not None
             else sorted_queues(snapshot.pending, cfg)
         )
-        self.holds, self.released = _live_holds(snapshot, self.queues, cfg)
+        jobs = _find_jobs(
+            self.queues,
+            {h.job_id for h in snapshot.holds} | {r.job_id for r in snapshot.reservations},
+        )
+        self.holds, self.released = _live_holds(snapshot, jobs, cfg)
+        self.prev_reservations: list[tuple[BackfillReservation, PendingJob]] = [
+            (r, jobs[r.job_id])
+            for r in sorted(snapshot.reservations, key=lambda r: (r.start_at_s, r.job_id))
+            if r.job_id in jobs
+        ]
         self.index = FreeIndex(snapshot.nodes, (h for h, _ in self.holds))
         self.book = TeamBook(
             snapshot.teams,
@@ -143,6 +164,36 @@ class _Pass:
                 self.causes[job.job_id] = ("waiting_for_preemption", h.node_id, (), h.reason)
                 self.head_done.add(job.team_id)
 
+    def keep_reservations(self) -> None:
+        """Reservations of earlier passes stay on their node until their job starts."""
+        if self.cfg.backfill is not Backfill.EASY:
+            return
+        for r, job in self.prev_reservations:
+            if job.job_id in self.placed or job.job_id in self.causes:
+                continue
+            if self.n_reservations >= self.cfg.max_reservations:
+                break
+            node = self.index.nodes.get(r.node_id)
+            if (
+                node is None
+                or not node.schedulable
+                or r.node_id in self.index.shadows
+                or not node_accepts(node, job.resources, job.node_selector)
+            ):
+                continue  # gone: the job gets a fresh reservation when its turn comes
+            res = job.resources
+            if self.index.fits_on(r.node_id, res, job.job_id):
+                self._place(job, r.node_id, node.gpu_type, backfilled=False)
+                continue
+            start, extra = start_on_node(job, r.node_id, self.index, self.running, self.now)
+            if start == float("inf"):
+                continue
+            self.index.add_shadow(r.node_id, Shadow(job.job_id, start, res.gpu_count, extra))
+            self.n_reservations += 1
+            self.decisions.append(HoldForBackfill(job.job_id, r.node_id, res.gpu_count, start))
+            self.causes[job.job_id] = ("waiting_with_reservation", r.node_id, start, extra)
+            self.head_done.add(job.team_id)
+
     # -- phases 3 and 4 -----------------------------------------------------------------
     def _place(self, job: PendingJob, node_id: str, gpu_type: str, backfilled: bool) -> None:
         res = job.resources
@@ -181,7 +232,9 @@ class _Pass:
             if code is not None:
                 refusal = refusal or (code, t)
                 continue
-            found = self.index.find(res, job.node_selector, self.cfg.placement, t, hard_end)
+            found = self.index.find(
+                res, job.node_selector, self.cfg.placement, t, hard_end, job.job_id
+            )
             if found is None:
                 continue
             if res.gpu_types:
@@ -249,6 +302,7 @@ class _Pass:
     def run(self) -> CycleResult:
         cfg = self.cfg
         self.place_holders()
+        self.keep_reservations()
         order = TeamOrder(self.book, cfg, self.index.gpu_types)
         queues = self.queues
         ptr = dict.fromkeys(queues, 0)

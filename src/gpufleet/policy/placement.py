@@ -172,6 +172,7 @@ class FreeIndex:
         how: Placement,
         gpu_type: str,
         hard_end_s: float | None,
+        job_id: str = "",
     ) -> tuple[int, str] | None:
         """The node of type ``gpu_type`` to place ``res`` on, as ``(visible_free, node_id)``,
         or None. Best fit = fewest free GPUs that still fit; spread = most free first; ties
@@ -197,12 +198,25 @@ class FreeIndex:
             sh = self.shadows.get(node_id)
             if (
                 sh is not None
+                and sh.job_id != job_id
                 and res.gpu_count > sh.extra
                 and (hard_end_s is None or hard_end_s > sh.start_at_s)
             ):
                 continue
             return free, node_id
         return None
+
+    def fits_on(self, node_id: str, res: Resources, job_id: str) -> bool:
+        """Whether ``res`` fits the free capacity of ``node_id`` now (own hold included)."""
+        fn = self._free.get(node_id)
+        if fn is None:
+            return False
+        free = fn.free_gpus if fn.holder == job_id else fn.visible
+        if free < res.gpu_count or fn.node.gpu_memory_mb < res.gpu_memory_mb:
+            return False
+        if fn.node.cpu_total and fn.cpu_free < res.cpu:
+            return False
+        return not (fn.node.memory_total_mb and fn.memory_free_mb < res.memory_mb)
 
     def held_node_for(self, job_id: str, node_id: str) -> _FreeNode | None:
         fn = self._free.get(node_id)
@@ -264,7 +278,9 @@ class FreeIndex:
         fn.cpu_free -= res.cpu
         fn.memory_free_mb -= res.memory_mb
         sh = self.shadows.get(node_id)
-        if sh is not None and (hard_end_s is None or hard_end_s > sh.start_at_s):
+        if sh is not None and sh.job_id == job_id:
+            del self.shadows[node_id]
+        elif sh is not None and (hard_end_s is None or hard_end_s > sh.start_at_s):
             sh.extra = max(0, sh.extra - res.gpu_count)
         self._reindex(fn, old)
 

@@ -120,6 +120,16 @@ class GpuHold:
 
 
 @dataclass(frozen=True, slots=True)
+class BackfillReservation:
+    """A reservation made by an earlier pass (the fields of ``HoldForBackfill``)."""
+
+    job_id: str
+    node_id: str
+    gpu_count: int
+    start_at_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     now_s: float
     nodes: tuple[NodeState, ...]
@@ -127,6 +137,10 @@ class ClusterSnapshot:
     running: tuple[RunningJob, ...] = ()
     teams: Mapping[str, TeamState] = field(default_factory=dict)
     holds: tuple[GpuHold, ...] = ()
+    reservations: tuple[BackfillReservation, ...] = ()
+    """The ``HoldForBackfill`` decisions of the previous pass, fed back by the driver: a
+    reservation, once made, is kept on its node (its time recomputed) until the job starts,
+    so jobs served earlier in later passes cannot push it back."""
     queues: Mapping[str, Sequence[PendingJob]] | None = None
     """Optional fast path for drivers that keep their queues sorted: pending jobs grouped by
     team, each sequence already sorted by ``policy.priority.queue_key(config)``. When set, it
