@@ -179,3 +179,52 @@ def _run_shim(state: Path, run_id: str, command: list[str]) -> subprocess.Comple
         timeout=30,
         check=False,
     )
+
+
+@pytest.mark.parametrize(
+    ("boot_id", "ticks_delta", "want_message"),
+    [
+        pytest.param(None, -1, "exit status lost", id="pid reused by another group leader"),
+        pytest.param("another-boot", 0, "rebooted", id="started before a reboot"),
+    ],
+)
+def test_adoption_never_signals_a_stranger(tmp_path, boot_id, ticks_delta, want_message) -> None:
+    """The logged shim pid now belongs to an unrelated group leader: report the attempt as
+    ended, and leave the stranger alone."""
+    stranger = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        ticks = int(Path(f"/proc/{stranger.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        current_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        state = tmp_path / "state"
+        log = AssignmentLog(state)
+        log.append(
+            "assigned",
+            "r-old",
+            job_id="j-old",
+            token=1,
+            leader_epoch=1,
+            gpu_ids=[0],
+            command=["train"],
+            env={},
+            attempt=1,
+        )
+        log.append(
+            "started",
+            "r-old",
+            pid=stranger.pid,
+            shim_pid=stranger.pid,
+            shim_start_ticks=ticks + ticks_delta,
+            boot_id=boot_id or current_boot,
+        )
+        log.append("confirmed", "r-old", result="CONFIRMED")
+        log.close()
+        with fake_controller() as (fake, address):
+            settings = make_settings(address, tmp_path)
+            with inprocess_agent(fake, settings, state):
+                report = fake.wait_report("r-old")
+        assert (report.outcome, report.exit_code) == (R.EXITED, -signal.SIGKILL)
+        assert want_message in report.message
+        assert stranger.poll() is None, "the stranger was signalled"
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -8,7 +8,7 @@ separate durable facts).
 Events, one JSON object per line, ``"e"`` naming the kind::
 
     assigned        the AssignJob request (run_id, job_id, token, gpu_ids, command, env, ...)
-    started         pid (the command), shim_pid == pgid, shim_start_ticks, started_at_s
+    started         pid (the command), shim_pid == pgid, shim_start_ticks, boot_id, started_at_s
     start_failed    message (the attempt is reported NEVER_STARTED)
     confirmed       result of ConfirmAssignment (CONFIRMED or REJECTED)
     stop_requested  reason, grace_s (survives a restart: the stop resumes)
@@ -76,6 +76,7 @@ class RunRecord:
     pid: int = 0  # the user command
     shim_pid: int = 0  # leader of the process group: pgid == shim_pid
     shim_start_ticks: int = 0
+    boot_id: str = ""  # /proc/sys/kernel/random/boot_id when started
     started_at_s: float = 0.0
     confirm_result: str = ""
     stop_reason: str = ""
@@ -246,6 +247,7 @@ class AssignmentLog:
             rec.pid = int(line["pid"])
             rec.shim_pid = int(line["shim_pid"])
             rec.shim_start_ticks = int(line["shim_start_ticks"])
+            rec.boot_id = str(line.get("boot_id", ""))
             rec.started_at_s = float(line.get("started_at_s", at_s))
         elif e == "start_failed":
             rec.status = RunStatus.FAILED_TO_START

@@ -187,6 +187,7 @@ class AgentCore:
                 pid=h.pid,
                 shim_pid=h.shim_pid,
                 shim_start_ticks=h.shim_start_ticks,
+                boot_id=h.boot_id,
                 started_at_s=time.time(),
             )
             self._handles[rec.run_id] = h

@@ -5,6 +5,12 @@ Two traps shape this module:
 * **pid reuse.** After an agent restart a logged pid may belong to a new, unrelated process.
   A pid is "the same process" only if ``/proc/{pid}/stat`` field 22 (start time, clock ticks
   since boot) equals the value logged when it was started.
+* **pgid reuse.** Linux frees a pid number only when no process uses it as pid, process group
+  or session id. So if a live process now has the pid of our (dead) group leader but another
+  start time, our group was empty when that pid was handed out, and an empty group can never
+  gain members again: it is gone, and signalling that pgid would hit a stranger.
+* **reboots.** Start ticks restart at boot, so a logged ``(pid, start_ticks)`` is compared only
+  within the same ``/proc/sys/kernel/random/boot_id``; after a reboot nothing logged is alive.
 * **zombies.** ``kill(pid, 0)`` and ``killpg(pgid, 0)`` succeed on zombies. A zombie holds no
   memory, no CPU and no GPU context, but it is only removed when its parent reaps it, and an
   orphan is reaped by PID 1 — which in some containers never reaps. A group whose members
@@ -63,6 +69,24 @@ def is_same_process_alive(pid: int, expected_start_ticks: int) -> bool:
     return st is not None and st.state not in "ZX" and st.start_ticks == expected_start_ticks
 
 
+def boot_id() -> str:
+    """This boot's random id ("" where unavailable)."""
+    try:
+        return (PROC / "sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def leader_reused(pgid: int, leader_start_ticks: int) -> bool:
+    """True if a process now holds pid ``pgid`` with a start time other than our group
+    leader's: our group is gone and ``pgid`` names someone else's (see module doc). An unknown
+    start time (0) never counts as reuse."""
+    if leader_start_ticks <= 0:
+        return False
+    st = read_stat(pgid)
+    return st is not None and st.start_ticks != leader_start_ticks
+
+
 def group_members(pgid: int) -> list[ProcStat]:
     """Live (non-zombie) processes whose process group is ``pgid``. Scans ``/proc``: call it
     only when a group is expected to be empty, not on every poll."""
@@ -76,12 +100,19 @@ def group_members(pgid: int) -> list[ProcStat]:
     return members
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether any non-zombie process is left in process group ``pgid``.
+def group_alive(pgid: int, leader_start_ticks: int) -> bool:
+    """Whether any non-zombie process is left in our process group ``pgid``.
 
     ``os.killpg(pgid, 0)`` raising ProcessLookupError is the proof of absence. When it succeeds
-    the group may hold only zombies (see module doc), so ``/proc`` decides.
+    the group may hold only zombies, or the number may have been reused (see module doc), so
+    ``/proc`` decides.
+
+    Args:
+        pgid: the group, i.e. the pid of its leader (the shim).
+        leader_start_ticks: the leader's start time, to detect reuse of the number.
     """
+    if leader_reused(pgid, leader_start_ticks):
+        return False
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -91,8 +122,14 @@ def group_alive(pgid: int) -> bool:
     return bool(group_members(pgid))
 
 
-def signal_group(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to process group ``pgid``. Returns False if the group no longer exists."""
+def signal_group(pgid: int, leader_start_ticks: int, sig: int) -> bool:
+    """Send ``sig`` to our process group ``pgid`` (never to a group that reused the number).
+
+    Returns:
+        False if the group no longer exists.
+    """
+    if leader_reused(pgid, leader_start_ticks):
+        return False
     try:
         os.killpg(pgid, sig)
     except ProcessLookupError:

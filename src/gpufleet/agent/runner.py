@@ -104,6 +104,7 @@ class ProcessHandle:
     shim_pid: int
     shim_start_ticks: int
     pid: int
+    boot_id: str = ""
     popen: subprocess.Popen[bytes] | None = None
     term_sent_at: float | None = None
     kill_sent_at: float | None = None
@@ -267,7 +268,7 @@ class Runner:
         claim = _read_json(paths.claim) or {}
         ticks = claim.get("start_ticks") or procfs.start_ticks(popen.pid) or 0
         child = int(status["pid"]) if status else popen.pid
-        return ProcessHandle(popen.pid, int(ticks), child, popen=popen)
+        return ProcessHandle(popen.pid, int(ticks), child, procfs.boot_id(), popen=popen)
 
     def resolve_unstarted(self, rec: RunRecord) -> ProcessHandle | None:
         """After a restart, settle an attempt logged ``assigned`` but never ``started``.
@@ -286,12 +287,13 @@ class Runner:
         claim = _read_json(paths.claim) or {}
         if "pid" not in claim:
             return None
-        return ProcessHandle(int(claim["pid"]), int(claim["start_ticks"]), int(claim["pid"]))
+        pid = int(claim["pid"])
+        return ProcessHandle(pid, int(claim["start_ticks"]), pid, str(claim.get("boot_id", "")))
 
     @staticmethod
     def adopt(rec: RunRecord) -> ProcessHandle:
         """A handle for a logged, started attempt this agent process did not spawn."""
-        return ProcessHandle(rec.shim_pid, rec.shim_start_ticks, rec.pid)
+        return ProcessHandle(rec.shim_pid, rec.shim_start_ticks, rec.pid, rec.boot_id)
 
     # ------------------------------------------------------------------ watch and stop
 
@@ -313,9 +315,12 @@ class Runner:
         Returns:
             How it ended, once the group is verified gone; else None.
         """
+        if h.boot_id and h.boot_id != procfs.boot_id():
+            # Started before a reboot: nothing of it runs, and its pids mean nothing now.
+            return self._exit_info(rec, h, rebooted=True)
         if rec.stop_requested and h.term_sent_at is None:
             logger.info("run %s: SIGTERM to group %d (%s)", rec.run_id, h.pgid, rec.stop_reason)
-            procfs.signal_group(h.pgid, signal.SIGTERM)
+            self._signal(h, signal.SIGTERM)
             h.term_sent_at = now
         h.main_exited = h.main_exited or self._shim_exited(h)
         if (
@@ -330,12 +335,12 @@ class Runner:
             self._kill(h, now)
         if not h.main_exited and h.kill_sent_at is None:
             return None
-        if procfs.group_alive(h.pgid):
+        if procfs.group_alive(h.pgid, h.shim_start_ticks):
             if h.kill_sent_at is None:
                 self._kill(h, now)  # the command ended: the rest of its group goes with it
                 return None
             if now - (h.kill_resent_at or now) >= KILL_RESEND_S:
-                procfs.signal_group(h.pgid, signal.SIGKILL)
+                self._signal(h, signal.SIGKILL)
                 h.kill_resent_at = now
             if now - h.kill_sent_at >= KILL_VERIFY_TIMEOUT_S and not h.unkillable:
                 h.unkillable = True
@@ -350,10 +355,14 @@ class Runner:
         h.unkillable = False
         return self._exit_info(rec, h)
 
-    @staticmethod
-    def _kill(h: ProcessHandle, now: float) -> None:
-        procfs.signal_group(h.pgid, signal.SIGKILL)
+    @classmethod
+    def _kill(cls, h: ProcessHandle, now: float) -> None:
+        cls._signal(h, signal.SIGKILL)
         h.kill_sent_at = h.kill_resent_at = now
+
+    @staticmethod
+    def _signal(h: ProcessHandle, sig: int) -> None:
+        procfs.signal_group(h.pgid, h.shim_start_ticks, sig)
 
     def _shim_exited(self, h: ProcessHandle) -> bool:
         if h.popen is not None:
@@ -366,7 +375,7 @@ class Runner:
             return info is not None
         return not procfs.is_same_process_alive(h.shim_pid, h.shim_start_ticks)
 
-    def _exit_info(self, rec: RunRecord, h: ProcessHandle) -> ExitInfo:
+    def _exit_info(self, rec: RunRecord, h: ProcessHandle, *, rebooted: bool = False) -> ExitInfo:
         data = _read_json(self.paths(rec.run_id).exit_file)
         if data is not None and "exit_code" in data:
             start_error = str(data.get("start_error", ""))
@@ -376,7 +385,9 @@ class Runner:
                 never_started=bool(start_error),
                 message=start_error,
             )
-        if h.kill_sent_at is not None and h.term_sent_at is not None:
+        if rebooted:
+            message = "the node rebooted while it ran; exit status lost"
+        elif h.kill_sent_at is not None and h.term_sent_at is not None:
             message = f"killed with SIGKILL after {rec.stop_grace_s:g} s grace"
         else:
             message = "exit status lost (the shim was killed); assuming SIGKILL"

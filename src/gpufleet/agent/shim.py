@@ -12,11 +12,11 @@ process group (pgid == shim pid) that outlives an agent crash (``kill -9``). The
    ``killpg(pgid, SIGTERM)`` delivers to the whole group (a *caught* signal is reset to its
    default at ``exec``, so the user command still receives it; an *ignored* one would stay
    ignored, which is why this is not ``SIG_IGN``);
-2. claims the start (``--claim-file``): it writes its pid, pgid and start time to a temporary
-   file and hard-links it to the claim path, which fails if the file exists. A restarted agent
-   that finds an attempt logged as assigned but not started claims the same path to abandon
-   it; whichever link lands first wins, so the command is never started behind the back of an
-   agent that reported it as never started;
+2. claims the start (``--claim-file``): it writes its pid, pgid, start time and boot id to a
+   temporary file and hard-links it to the claim path, which fails if the file exists. A
+   restarted agent that finds an attempt logged as assigned but not started claims the same
+   path to abandon it; whichever link lands first wins, so the command is never started behind
+   the back of an agent that reported it as never started;
 3. starts the command in its own process group, stdin from /dev/null, stdout and stderr
    appended to the log file, environment from ``--env-file`` (JSON object; deleted once read)
    or inherited;
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.agent.fsutil import create_exclusive, write_json_atomic
-from gpufleet.agent.procfs import start_ticks
+from gpufleet.agent.procfs import boot_id, start_ticks
 
 START_FAILED_EXIT_CODE = 127
 
@@ -85,7 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _noop)
     ns = _parse(sys.argv[1:] if argv is None else argv)
     if ns.claim_file is not None:
-        me = {"pid": os.getpid(), "pgid": os.getpgid(0), "start_ticks": start_ticks(os.getpid())}
+        pid = os.getpid()
+        me = {
+            "pid": pid,
+            "pgid": os.getpgid(0),
+            "start_ticks": start_ticks(pid),
+            "boot_id": boot_id(),
+        }
         if not create_exclusive(ns.claim_file, me):
             _send_status(ns.status_fd, {"error": "start abandoned by the agent"})
             return 0
