@@ -27,8 +27,9 @@ from collections.abc import Iterable
 from gpufleet.agent.assignment_log import AssignmentLog, RunRecord, RunStatus
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.outbox import COMPLETE, CONFIRM, Outbox
-from gpufleet.agent.runner import ProcessHandle, Runner, StartError
+from gpufleet.agent.runner import ProcessHandle, Runner
 from gpufleet.agent.uploader import LogStreamer
+from gpufleet.agent.workdir import StartError
 from gpufleet.rpc.protos import fleet_pb2 as pb
 
 logger = logging.getLogger("gpufleet.agent")

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpufleet.agent.assignment_log import RunRecord
-from gpufleet.agent.runner import RunPaths
+from gpufleet.agent.workdir import RunPaths
 from gpufleet.domain.manifest import MANIFEST_NAME, Manifest, ManifestFile
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 
