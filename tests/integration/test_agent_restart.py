@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import grpc
 import pytest
 
 from gpufleet.agent.assignment_log import AssignmentLog
+from gpufleet.agent.main import run_agent
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from tests.integration.test_agent_support import (
@@ -103,6 +106,54 @@ def test_kill_9_agent_mid_run_then_restart_adopts_and_reports_once(tmp_path: Pat
                 agent.kill()
                 agent.wait()
             kill_leftover_groups(state)
+
+
+def test_waits_for_the_controller_and_reports_what_ran_meanwhile(tmp_path: Path) -> None:
+    """The agent starts before the controller; registration is retried with backoff, and no
+    confirmation or report is sent before the node is registered."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = tmp_path / "state"
+    log = AssignmentLog(state)  # an attempt that ended while nothing was up
+    log.append(
+        "assigned",
+        "r-early",
+        job_id="j-early",
+        token=1,
+        leader_epoch=1,
+        gpu_ids=[0],
+        command=["true"],
+        env={},
+        attempt=1,
+    )
+    log.append("start_failed", "r-early", message="boom")
+    log.close()
+    settings = make_settings(f"127.0.0.1:{port}", tmp_path)
+    stop = threading.Event()
+    agent = threading.Thread(
+        target=run_agent,
+        kwargs={
+            "settings": settings,
+            "node_id": "n-late",
+            "gpus": "1xL4-24GB",
+            "port": 0,
+            "state_dir": state,
+            "labels": {},
+            "heartbeat_interval_s": 0.1,
+            "stop_event": stop,
+        },
+    )
+    agent.start()
+    try:
+        time.sleep(0.5)  # the controller is down for a while
+        with fake_controller(port) as (fake, _):
+            report = fake.wait_report("r-early")
+            assert fake.calls[0] == ("register", "")
+        assert (report.outcome, report.message) == (R.NEVER_STARTED, "boom")
+    finally:
+        stop.set()
+        agent.join(timeout=20)
 
 
 class TestCrashBetweenAssignedAndStarted:

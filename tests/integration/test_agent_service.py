@@ -133,6 +133,14 @@ class TestRunToCompletion:
         fake.wait_for(lambda: len(fake.heartbeats) >= 2)
         assert fake.heartbeats[-1].health == "HEALTHY"
 
+    def test_reregisters_when_the_controller_asks(self, env) -> None:
+        fake, agent, _, _ = env
+        before = len(fake.registrations)
+        with fake.cond:
+            fake.reregister_once = True
+        reg = fake.wait_for(lambda: fake.registrations[before:])[0]
+        assert (reg.address, reg.agent_epoch) == (agent.address, 1)
+
     @pytest.mark.parametrize(
         ("code", "want_exit_code"),
         [

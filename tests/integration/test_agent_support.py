@@ -47,16 +47,17 @@ class FakeController(pb_grpc.ControllerServicer):
         self.on_report: Callable[[pb.ReportCompletionRequest], Any] | None = None
         self.observed_at_report: dict[str, Any] = {}
         self.calls: list[tuple[str, str]] = []  # (method, run_id) in arrival order
+        self.reregister_once = False
 
     def _record(self, items: list[Any], request: Any, method: str = "") -> None:
         with self.cond:
             items.append(request)
             if method:
-                self.calls.append((method, request.run_id))
+                self.calls.append((method, getattr(request, "run_id", "")))
             self.cond.notify_all()
 
     def RegisterNode(self, request: pb.RegisterNodeRequest, context: Any) -> Any:
-        self._record(self.registrations, request)
+        self._record(self.registrations, request, "register")
         return pb.RegisterNodeResponse(leader_epoch=LEADER_EPOCH, heartbeat_interval_s=5.0)
 
     def ConfirmAssignment(self, request: pb.ConfirmAssignmentRequest, context: Any) -> Any:
@@ -67,8 +68,9 @@ class FakeController(pb_grpc.ControllerServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> Any:
         with self.cond:
             stops, self.pending_stops = self.pending_stops, []
+            reregister, self.reregister_once = self.reregister_once, False
         self._record(self.heartbeats, request)
-        return pb.HeartbeatResponse(leader_epoch=LEADER_EPOCH, stop=stops)
+        return pb.HeartbeatResponse(leader_epoch=LEADER_EPOCH, stop=stops, reregister=reregister)
 
     def ReportCompletion(self, request: pb.ReportCompletionRequest, context: Any) -> Any:
         if self.on_report is not None:
@@ -98,11 +100,11 @@ class FakeController(pb_grpc.ControllerServicer):
 
 
 @contextmanager
-def fake_controller() -> Iterator[tuple[FakeController, str]]:
+def fake_controller(port: int = 0) -> Iterator[tuple[FakeController, str]]:
     fake = FakeController()
     server = grpc.server(ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_ControllerServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     try:
         yield fake, f"127.0.0.1:{port}"

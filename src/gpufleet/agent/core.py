@@ -66,6 +66,8 @@ class AgentCore:
         self.inventory = inventory
         self.default_grace_s = default_grace_s
         self.outbox: Outbox | None = None  # set by the wiring in main.py
+        # Keys of log.runs are only added under this lock ("assigned", "tombstone"), so code
+        # holding it may iterate log.runs while other threads append lifecycle events.
         self._lock = threading.RLock()
         self._handles: dict[str, ProcessHandle] = {}
         self._starting: dict[str, threading.Lock] = {}
@@ -278,7 +280,11 @@ class AgentCore:
         with self._lock:
             items = [(self.log.runs[rid], h) for rid, h in self._handles.items()]
         for rec, h in items:
-            info = self.runner.poll(rec, h, now)
+            try:
+                info = self.runner.poll(rec, h, now)
+            except OSError:  # e.g. /proc raced a vanishing process: next tick retries
+                logger.exception("run %s: poll failed", rec.run_id)
+                continue
             if info is None:
                 continue
             with self._lock:

@@ -139,6 +139,10 @@ class Outbox:
                 logger.log(
                     level, "run %s: %s failed (%s); retrying", task.run_id, task.kind, _short(exc)
                 )
+            except Exception:  # a bug or an unexpected store error: keep the worker alive
+                done = False
+                task.failures += 1
+                logger.exception("run %s: %s failed; retrying", task.run_id, task.kind)
             with self._cond:
                 if done:
                     self._tasks.pop((task.kind, task.run_id), None)

@@ -202,8 +202,8 @@ class ControllerLink:
                 failures += 1
                 if failures in (1, 10) or failures % 100 == 0:
                     logger.warning("heartbeat failed (%s)", _code(exc))
-            except OSError as exc:  # the assignment log refused a stop
-                logger.error("heartbeat handling failed: %s", exc)
+            except Exception:  # e.g. the assignment log refused a stop: keep heartbeating
+                logger.exception("heartbeat handling failed")
 
 
 def _code(exc: grpc.RpcError) -> str:

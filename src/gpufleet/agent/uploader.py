@@ -161,7 +161,7 @@ class LogStreamer:
                 with self._cond:
                     if run_id in self._watched:
                         self._last[run_id] = sig
-            except OSError as exc:
+            except Exception as exc:  # any backend error: retried on the next pass
                 logger.warning("run %s: log upload failed: %s", run_id, exc)
             finally:
                 with self._cond:
