@@ -3,6 +3,7 @@ workload for two teams to SUCCEEDED, as a user would see it (over the REST API).
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import sys
@@ -58,6 +59,9 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
 
     data_dir = settings.resolved_data_dir() / "demo"
     shutil.rmtree(data_dir, ignore_errors=True)
+    data_dir.mkdir(parents=True)
+    logging.basicConfig(level=logging.INFO, filename=data_dir / "platform.log",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides: dict[str, Any] = {"data_dir": data_dir, "heartbeat_interval_s": 2.0}
     if "server_port" not in settings.model_fields_set:
         overrides["server_port"] = free_port()

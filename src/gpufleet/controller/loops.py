@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -91,8 +91,8 @@ class Scheduler:
         with self.db.read() as s:
             now = db_now(s)
             snap = load_snapshot(s, now)
-            stored = dict(s.execute(select(JobRow.id, JobRow.pending_reason).where(
-                JobRow.status == JobStatus.PENDING)).tuples())
+            stored = {job_id: reason for job_id, reason in s.execute(
+                select(JobRow.id, JobRow.pending_reason).where(JobRow.status == JobStatus.PENDING))}
         stats.pending = len(snap.pending)
         result = schedule(snap, self.policy)
         pending = {p.job_id: p for p in snap.pending}
@@ -121,9 +121,9 @@ class Scheduler:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _store_reasons(self, waiting: dict[str, WaitReason] | object, stored: dict[str, object],
+    def _store_reasons(self, waiting: Mapping[str, WaitReason], stored: dict[str, object],
                        now_s: float) -> None:
-        assert isinstance(waiting, dict)
+        """Write pending_reason only where it changed (no 10k-row write per pass)."""
         changed = {}
         for job_id, reason in waiting.items():
             new = reason_json(reason, now_s)
