@@ -20,14 +20,13 @@ Two traps shape this module:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 PROC = Path("/proc")
 
 
-@dataclass(frozen=True, slots=True)
-class ProcStat:
+class ProcStat(NamedTuple):
     """The fields of ``/proc/{pid}/stat`` the agent needs.
 
     Attributes:

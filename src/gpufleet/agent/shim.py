@@ -43,10 +43,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gpufleet.agent.fsutil import create_exclusive, write_json_atomic
 from gpufleet.agent.procfs import boot_id, start_ticks
+
+if TYPE_CHECKING:
+    from typing import Any
 
 START_FAILED_EXIT_CODE = 127
 
