@@ -5,7 +5,8 @@ Threads (kept few on purpose; each loop is simple and independent):
 * gRPC server pool — AssignJob / StopRun / ListRuns;
 * ``agent-heartbeat`` — RegisterNode (until answered), then Heartbeat every interval;
 * ``agent-monitor`` — polls every live attempt every 0.2 s: stop protocol, exit detection;
-* ``agent-outbox`` — ConfirmAssignment and upload + manifest + ReportCompletion, with retries;
+* ``agent-confirm`` — ConfirmAssignment, retried until answered;
+* ``agent-complete`` — upload + manifest + ReportCompletion, retried until answered;
 * ``agent-logs`` — mirrors live logs to the object store every second.
 
 Stopping the agent (SIGTERM, SIGINT or ``stop_event``) stops the agent only: attempts keep
@@ -134,7 +135,7 @@ def run_agent(
     monitor = threading.Thread(
         target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True
     )
-    threads = [monitor, link.thread, core.outbox.thread, streamer.thread]
+    threads = [monitor, link.thread, *core.outbox.threads, streamer.thread]
     for t in threads:
         t.start()
     logger.info(

@@ -62,7 +62,7 @@ class _Task:
 
 
 class Outbox:
-    """The confirm/complete task queue and its worker thread.
+    """The confirm/complete task queue and its two worker threads (one per kind).
 
     Args:
         log: the assignment log (records are read from and events appended to it).
@@ -103,7 +103,11 @@ class Outbox:
         self.stop_event = stop_event
         self._cond = threading.Condition()
         self._tasks: dict[tuple[str, str], _Task] = {}
-        self.thread = threading.Thread(target=self._loop, name="agent-outbox", daemon=True)
+        # One worker per kind, so a long upload never delays another attempt's confirmation.
+        self.threads = [
+            threading.Thread(target=self._loop, args=(kind,), name=f"agent-{kind}", daemon=True)
+            for kind in (CONFIRM, COMPLETE)
+        ]
 
     def enqueue(self, kind: str, run_id: str) -> None:
         """Add a task (no-op if the same task is already queued) and wake the worker."""
@@ -122,12 +126,12 @@ class Outbox:
 
     # ------------------------------------------------------------------ worker
 
-    def _loop(self) -> None:
+    def _loop(self, kind: str) -> None:
         while not self.ready.wait(0.1):
             if self.stop_event.is_set():
                 return
         while not self.stop_event.is_set():
-            task = self._next_due()
+            task = self._next_due(kind)
             if task is None:
                 continue
             try:
@@ -146,21 +150,21 @@ class Outbox:
             with self._cond:
                 if done:
                     self._tasks.pop((task.kind, task.run_id), None)
+                    self._cond.notify_all()  # a completion may be waiting for this confirmation
                 else:
                     delay = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(task.failures, 10))
                     task.due_at = time.monotonic() + delay
 
-    def _next_due(self) -> _Task | None:
+    def _next_due(self, kind: str) -> _Task | None:
         with self._cond:
             now = time.monotonic()
-            due = [t for t in self._tasks.values() if t.due_at <= now]
+            mine = [t for t in self._tasks.values() if t.kind == kind]
+            due = [t for t in mine if t.due_at <= now]
             if not due:
-                next_at = min((t.due_at for t in self._tasks.values()), default=now + 1.0)
+                next_at = min((t.due_at for t in mine), default=now + 1.0)
                 self._cond.wait(timeout=max(0.01, min(1.0, next_at - now)))
                 return None
-            # Confirmations first: a completion waits for its attempt's confirmation.
-            due.sort(key=lambda t: (t.kind != CONFIRM, t.due_at))
-            return due[0]
+            return min(due, key=lambda t: t.due_at)
 
     def _run(self, task: _Task) -> bool:
         """Returns True when the task is finished (answered, or moot)."""
