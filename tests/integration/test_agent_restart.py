@@ -34,11 +34,13 @@ A = pb.AssignJobResponse
 R = pb.ReportCompletionRequest
 
 
-def _job(starts: Path, sleep_s: float, exit_code: int) -> list[str]:
-    """A job that appends one line per start to ``starts``, sleeps, exits with ``exit_code``."""
+def _job(starts: Path, exit_code: int, go: Path | None = None) -> list[str]:
+    """A job that appends one line per start to ``starts``, waits until the file ``go`` exists
+    (if given), then exits with ``exit_code``."""
     code = (
-        f"import sys, time; open({str(starts)!r}, 'a').write('start\\n'); "
-        f"time.sleep({sleep_s}); sys.exit({exit_code})"
+        f"import os, sys, time; open({str(starts)!r}, 'a').write('start\\n')\n"
+        f"while {str(go)!r} != 'None' and not os.path.exists({str(go)!r}): time.sleep(0.02)\n"
+        f"sys.exit({exit_code})"
     )
     return [sys.executable, "-c", code]
 
@@ -69,18 +71,20 @@ def _assign(stub: pb_grpc.AgentStub, run_id: str, command: list[str]) -> pb.Assi
 def test_kill_9_agent_mid_run_then_restart_adopts_and_reports_once(tmp_path: Path) -> None:
     state = tmp_path / "state"
     starts_a, starts_b = tmp_path / "starts-a", tmp_path / "starts-b"
+    go_a, go_b = tmp_path / "go-a", tmp_path / "go-b"
     with fake_controller() as (fake, address):
         agent = agent_subprocess(address, tmp_path, state)
         try:
             channel, stub = _stub(fake, 1)
             # a: ends while the agent is down. b: still running when the agent comes back.
-            assert _assign(stub, "r-a", _job(starts_a, 0.6, 5)).result == A.STARTED
-            assert _assign(stub, "r-b", _job(starts_b, 3.0, 7)).result == A.STARTED
+            assert _assign(stub, "r-a", _job(starts_a, 5, go_a)).result == A.STARTED
+            assert _assign(stub, "r-b", _job(starts_b, 7, go_b)).result == A.STARTED
             fake.wait_for(lambda: {c.run_id for c in fake.confirms} >= {"r-a", "r-b"})
             channel.close()
 
             agent.kill()  # SIGKILL: no cleanup of any kind
             agent.wait()
+            go_a.touch()
             wait_until(lambda: (state / "runs/r-a/exit.json").exists(), timeout_s=10)
             assert not fake.reports, "nobody was left to report"
 
@@ -88,6 +92,7 @@ def test_kill_9_agent_mid_run_then_restart_adopts_and_reports_once(tmp_path: Pat
             channel, stub = _stub(fake, 2)
             report_a = fake.wait_report("r-a", timeout_s=15)
             again = [_assign(stub, "r-a", ["true"]), _assign(stub, "r-b", ["true"])]
+            go_b.touch()
             report_b = fake.wait_report("r-b", timeout_s=15)
             time.sleep(3 * 0.1 + 0.5)  # a few heartbeats: room for a duplicate report to show
             channel.close()
@@ -177,27 +182,27 @@ class TestCrashBetweenAssignedAndStarted:
     def test_no_shim_yet_means_never_started_and_never_starts_later(self, tmp_path: Path) -> None:
         state = tmp_path / "state"
         starts = tmp_path / "starts"
-        self._log_assigned(state, "r-cut", _job(starts, 0, 0))
+        self._log_assigned(state, "r-cut", _job(starts, 0))
         with fake_controller() as (fake, address):
             settings = make_settings(address, tmp_path)
             with inprocess_agent(fake, settings, state) as agent:
                 report = fake.wait_report("r-cut")
                 resp = agent.assign(
-                    run_id="r-cut", job_id="j-r-cut", token=1, command=_job(starts, 0, 0)
+                    run_id="r-cut", job_id="j-r-cut", token=1, command=_job(starts, 0)
                 )
         assert report.outcome == R.NEVER_STARTED
         assert "restarted before the start completed" in report.message
         assert resp.result == A.FAILED_TO_START
         # A shim that was still starting when the agent died loses the race for the claim:
-        shim = _run_shim(state, "r-cut", _job(starts, 0, 0))
+        shim = _run_shim(state, "r-cut", _job(starts, 0))
         assert shim.returncode == 0
         assert not starts.exists()
 
     def test_shim_that_claimed_the_start_is_adopted(self, tmp_path: Path) -> None:
         state = tmp_path / "state"
         starts = tmp_path / "starts"
-        self._log_assigned(state, "r-won", _job(starts, 0, 9))
-        shim = _run_shim(state, "r-won", _job(starts, 0, 9))  # the shim won the race
+        self._log_assigned(state, "r-won", _job(starts, 9))
+        shim = _run_shim(state, "r-won", _job(starts, 9))  # the shim won the race
         assert shim.returncode == 0
         with fake_controller() as (fake, address):
             settings = make_settings(address, tmp_path)

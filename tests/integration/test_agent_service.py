@@ -166,11 +166,15 @@ class TestRunToCompletion:
 class TestStartOnce:
     def test_assign_twice_starts_once(self, env) -> None:
         fake, agent, _, tmp = env
-        starts = tmp / "starts-once.txt"
-        code = f"open({str(starts)!r}, 'a').write('start\\n'); import time; time.sleep(0.5)"
+        starts, go = tmp / "starts-once.txt", tmp / "go-once"
+        code = (
+            f"import os, time; open({str(starts)!r}, 'a').write('start\\n')\n"
+            f"while not os.path.exists({str(go)!r}): time.sleep(0.02)"
+        )
         req = {"run_id": "r-twice", "job_id": "j-twice", "token": 3, "command": python_cmd(code)}
 
         first, second = agent.assign(**req), agent.assign(**req)
+        go.touch()
         fake.wait_report("r-twice")
         third = agent.assign(**req)
 
