@@ -17,11 +17,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from gpufleet.domain.invariants import check_invariants
 from gpufleet.domain.manifest import Manifest
 from gpufleet.objectstore import ObjectStore
 from gpufleet.settings import Settings
-from gpufleet.store.queries import load_invariant_view
+from gpufleet.store.queries import check_database
 
 console = Console()
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"}
@@ -119,8 +118,7 @@ def _drive(platform: Any, settings: Settings, tokens: dict[str, str], script: Pa
                                         headers={"Authorization": f"Bearer {tokens[team]}"})
                         lines = tail.text.strip().splitlines() if tail.status_code == 200 else []
                         states[job_id]["_last"] = lines[-1] if lines else ""
-                with platform.db.read() as s:
-                    violations += [str(v) for v in check_invariants(load_invariant_view(s))]
+                violations += [str(v) for v in check_database(platform.db)[1]]
                 samples += 1
                 live.update(_table(jobs, states))
                 if all(st.get("status") in TERMINAL for st in states.values()):

@@ -155,14 +155,10 @@ def agent(
 @admin_app.command("check")
 def admin_check(data_dir: DataDir = None) -> None:
     """Check invariants 1-4 on the database; exit 1 if any is violated."""
-    from gpufleet.domain.invariants import check_invariants
     from gpufleet.processes import open_database
-    from gpufleet.store.queries import load_invariant_view
+    from gpufleet.store.queries import check_database
 
-    db = open_database(_settings(data_dir))
-    with db.read() as s:
-        view = load_invariant_view(s)
-    violations = check_invariants(view)
+    view, violations = check_database(open_database(_settings(data_dir)))
     gpus = sum(n.total_gpus for n in view.nodes)
     out.print(f"checked {len(view.nodes)} nodes ({gpus} GPUs), {len(view.reservations)} active "
               f"reservations, {len(view.jobs)} jobs, {len(view.runs)} attempts")

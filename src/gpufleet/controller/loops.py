@@ -88,7 +88,7 @@ class Scheduler:
         stats = PassStats()
         if not self.leadership.is_leader:
             return stats
-        with self.db.read() as s:
+        with self.db.snapshot() as s:
             now = db_now(s)
             snap = load_snapshot(s, now)
             stored = {job_id: reason for job_id, reason in s.execute(

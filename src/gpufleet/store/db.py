@@ -38,6 +38,9 @@ class Database:
         self.engine: Engine = create_engine(url, **dialect.engine_options(url))
         dialect.install_sqlite_hooks(self.engine)
         self._read = sessionmaker(self.engine, expire_on_commit=False, autoflush=False)
+        self._snapshot = sessionmaker(
+            dialect.snapshot_engine(self.engine), expire_on_commit=False, autoflush=False
+        )
         self._write = sessionmaker(
             dialect.write_engine(self.engine), expire_on_commit=False, autoflush=False
         )
@@ -51,6 +54,13 @@ class Database:
         """A session for reads. Closing it ends its transaction; loaded objects stay usable
         (detached, not expired)."""
         with self._read() as session:
+            yield session
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[Session]:
+        """A read session whose statements all see one consistent snapshot (the invariant
+        checker and the scheduler's snapshot need it; plain ``read`` may not)."""
+        with self._snapshot() as session:
             yield session
 
     @contextlib.contextmanager

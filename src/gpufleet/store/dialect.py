@@ -49,6 +49,15 @@ def write_engine(engine: Engine) -> Engine:
     return engine.execution_options(sqlite_begin="IMMEDIATE")
 
 
+def snapshot_engine(engine: Engine) -> Engine:
+    """Transactions whose reads all see one snapshot: PostgreSQL REPEATABLE READ (READ
+    COMMITTED would give each SELECT its own); SQLite in WAL already reads one snapshot per
+    transaction."""
+    if engine.dialect.name == "postgresql":
+        return engine.execution_options(isolation_level="REPEATABLE READ")
+    return engine
+
+
 def db_now(session: Session) -> datetime:
     """The database's clock, UTC-aware. Leases and timeouts compare against this only."""
     if session.get_bind().dialect.name == "sqlite":

@@ -9,6 +9,8 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.invariants import (
     InvariantView,
+    Violation,
+    check_invariants,
     JobView,
     NodeView,
     ReservationView,
@@ -17,6 +19,7 @@ from gpufleet.domain.invariants import (
 from gpufleet.domain.states import JobStatus, NodeStatus, ReservationStatus, RunStatus
 from gpufleet.domain.types import PriorityClass, Resources
 from gpufleet.policy.snapshot import ClusterSnapshot, NodeState, PendingJob, RunningJob, TeamState
+from gpufleet.store.db import Database
 from gpufleet.store.tables import (
     JobRow,
     JobRunRow,
@@ -158,3 +161,10 @@ def load_invariant_view(session: Session) -> InvariantView:
         for r in session.scalars(select(JobRunRow))
     )
     return InvariantView(nodes, reservations, jobs, runs)
+
+
+def check_database(db: Database) -> tuple[InvariantView, list[Violation]]:
+    """Read the allocation state in one consistent snapshot and check invariants 1-4."""
+    with db.snapshot() as session:
+        view = load_invariant_view(session)
+    return view, check_invariants(view)
