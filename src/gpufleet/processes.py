@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import uvicorn
+from sqlalchemy.orm import Session
 
 from gpufleet.api.app import AppState, create_app
 from gpufleet.controller.main import Controller
@@ -35,7 +36,7 @@ def open_database(settings: Settings) -> Database:
 def ensure_admin_token(db: Database, team: str = "default") -> str:
     """Create ``team`` if needed and a new admin token for it; returns the raw token."""
 
-    def tx(s):  # type: ignore[no-untyped-def]
+    def tx(s: Session) -> str:
         auth.create_team(s, team, exist_ok=True)
         return auth.create_token(s, team, name="gpufleet-up", is_admin=True)
 
@@ -45,11 +46,18 @@ def ensure_admin_token(db: Database, team: str = "default") -> str:
 class ApiServer:
     """uvicorn in a thread (``gpufleet up``) or in the foreground (``gpufleet server``)."""
 
-    def __init__(self, settings: Settings, db: Database, waker: Waker, port: int | None = None) -> None:
+    def __init__(
+        self, settings: Settings, db: Database, waker: Waker, port: int | None = None
+    ) -> None:
         state = AppState(settings, db, waker, ObjectStore(settings.resolved_object_store_url()))
         self.port = port if port is not None else settings.server_port
-        config = uvicorn.Config(create_app(state), host=settings.server_host, port=self.port,
-                                log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            create_app(state),
+            host=settings.server_host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+        )
         self.server = uvicorn.Server(config)
         self.url = f"http://{settings.server_host}:{self.port}"
         self._thread: threading.Thread | None = None
@@ -73,8 +81,14 @@ class ApiServer:
 class LocalPlatform:
     """Server + controller in this process, one agent as a child process (embedded default)."""
 
-    def __init__(self, settings: Settings, *, gpus: str | None, node_id: str = "local-0",
-                 agent_port: int = 0) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        gpus: str | None,
+        node_id: str = "local-0",
+        agent_port: int = 0,
+    ) -> None:
         self.settings = settings
         self.db = open_database(settings)
         self.waker = make_waker(settings.redis_url, listen=True)
@@ -87,17 +101,35 @@ class LocalPlatform:
         self.controller.start()
         self.api.start_in_thread()
         data_dir = self.settings.resolved_data_dir()
-        cmd = [sys.executable, "-m", "gpufleet.cli.main", "agent", "--node-id", self.node_id,
-               "--state-dir", str(data_dir / "agents" / self.node_id), "--port", str(self.agent_port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gpufleet.cli.main",
+            "agent",
+            "--node-id",
+            self.node_id,
+            "--state-dir",
+            str(data_dir / "agents" / self.node_id),
+            "--port",
+            str(self.agent_port),
+        ]
         if self.gpus:
             cmd += ["--gpus", self.gpus]
-        env = dict(os.environ, GPUFLEET_DATA_DIR=str(data_dir),
-                   GPUFLEET_CONTROLLER_ADDRESS=self.settings.controller_address,
-                   GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
-                   GPUFLEET_HEARTBEAT_INTERVAL_S=str(self.settings.heartbeat_interval_s))
+        env = dict(
+            os.environ,
+            GPUFLEET_DATA_DIR=str(data_dir),
+            GPUFLEET_CONTROLLER_ADDRESS=self.settings.controller_address,
+            GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
+            GPUFLEET_HEARTBEAT_INTERVAL_S=str(self.settings.heartbeat_interval_s),
+        )
         log_path = data_dir / "agent.log"
-        self.agent = subprocess.Popen(cmd, env=env, stdout=open(log_path, "ab"),  # noqa: SIM115
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+        self.agent = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=open(log_path, "ab"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_for_node(self, timeout_s: float = 20.0) -> bool:
         from sqlalchemy import select

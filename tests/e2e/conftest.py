@@ -14,8 +14,8 @@ def fleet(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fleet]:
     the test."""
     url = None
     if request.param == "postgres":
-        from tests.conftest import _empty
         from gpufleet.store.db import Database
+        from tests.conftest import _empty
 
         url = request.getfixturevalue("pg_url")
         db = Database(url)

@@ -33,14 +33,24 @@ def free_port() -> int:
 
 
 class Fleet:
-    def __init__(self, tmp: Path, database_url: str | None = None, *, heartbeat_s: float = 1.0,
-                 grace_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        database_url: str | None = None,
+        *,
+        heartbeat_s: float = 1.0,
+        grace_s: float = 2.0,
+    ) -> None:
         self.tmp = tmp
-        values: dict[str, Any] = dict(
-            data_dir=tmp, heartbeat_interval_s=heartbeat_s, default_grace_s=grace_s,
-            confirm_timeout_s=5.0, scheduler_tick_s=0.5, server_port=free_port(),
-            controller_address=f"127.0.0.1:{free_port()}",
-        )
+        values: dict[str, Any] = {
+            "data_dir": tmp,
+            "heartbeat_interval_s": heartbeat_s,
+            "default_grace_s": grace_s,
+            "confirm_timeout_s": 5.0,
+            "scheduler_tick_s": 0.5,
+            "server_port": free_port(),
+            "controller_address": f"127.0.0.1:{free_port()}",
+        }
         if database_url:
             values["database_url"] = database_url
         self.settings = Settings(**values)
@@ -58,24 +68,49 @@ class Fleet:
     def start(self, teams: tuple[str, ...] = ("vision", "nlp")) -> Fleet:
         for team in teams:
             self.tokens[team] = self.db.run_write(
-                lambda s, t=team: (auth.create_team(s, t, exist_ok=True), auth.create_token(s, t))[1])
+                lambda s, t=team: (auth.create_team(s, t, exist_ok=True), auth.create_token(s, t))[
+                    1
+                ]
+            )
         self.controller.start()
         self.api.start_in_thread()
         return self
 
     def start_agent(self, node_id: str, gpus: str = "8xH100-80GB", wait: bool = True) -> None:
-        env = dict(os.environ, GPUFLEET_DATA_DIR=str(self.tmp),
-                   GPUFLEET_CONTROLLER_ADDRESS=self.settings.controller_address,
-                   GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
-                   GPUFLEET_DEFAULT_GRACE_S=str(self.settings.default_grace_s))
+        env = dict(
+            os.environ,
+            GPUFLEET_DATA_DIR=str(self.tmp),
+            GPUFLEET_CONTROLLER_ADDRESS=self.settings.controller_address,
+            GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
+            GPUFLEET_DEFAULT_GRACE_S=str(self.settings.default_grace_s),
+        )
         log = open(self.tmp / f"agent-{node_id}.log", "ab")  # noqa: SIM115
         self.agents[node_id] = subprocess.Popen(
-            [sys.executable, "-m", "gpufleet.cli.main", "agent", "--node-id", node_id, "--gpus", gpus,
-             "--state-dir", str(self.tmp / "agents" / node_id)],
-            env=env, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "gpufleet.cli.main",
+                "agent",
+                "--node-id",
+                node_id,
+                "--gpus",
+                gpus,
+                "--state-dir",
+                str(self.tmp / "agents" / node_id),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         if wait:
-            self.wait_for(lambda: any(n["node_id"] == node_id and n["status"] == "HEALTHY"
-                                      for n in self.get("/v1/nodes")["items"]), 30, f"agent {node_id}")
+            self.wait_for(
+                lambda: any(
+                    n["node_id"] == node_id and n["status"] == "HEALTHY"
+                    for n in self.get("/v1/nodes")["items"]
+                ),
+                30,
+                f"agent {node_id}",
+            )
 
     def kill_agent(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         proc = self.agents.pop(node_id)
@@ -83,8 +118,11 @@ class Fleet:
         proc.wait(timeout=10)
 
     def http(self, team: str = "vision") -> httpx.Client:
-        return httpx.Client(base_url=self.api.url, timeout=30,
-                            headers={"Authorization": f"Bearer {self.tokens[team]}"})
+        return httpx.Client(
+            base_url=self.api.url,
+            timeout=30,
+            headers={"Authorization": f"Bearer {self.tokens[team]}"},
+        )
 
     def get(self, path: str, team: str = "vision") -> Any:
         with self.http(team) as c:
@@ -101,8 +139,9 @@ class Fleet:
     def job(self, job_id: str, team: str = "vision") -> dict[str, Any]:
         return dict(self.get(f"/v1/jobs/{job_id}", team))
 
-    def wait_status(self, job_id: str, statuses: set[str], timeout_s: float = 60,
-                    team: str = "vision") -> dict[str, Any]:
+    def wait_status(
+        self, job_id: str, statuses: set[str], timeout_s: float = 60, team: str = "vision"
+    ) -> dict[str, Any]:
         found: dict[str, Any] = {}
 
         def check() -> bool:

@@ -28,14 +28,23 @@ def test_forty_jobs_of_mixed_sizes_on_two_agents_all_succeed(fleet: Fleet) -> No
     fleet.start_agent("a2")
     fleet.start_sampling()
     marker = f"gpufleet-test-marker-{fleet.tmp.name}"
-    code = ("import os, time; g = os.environ['CUDA_VISIBLE_DEVICES'].split(',');"
-            " time.sleep(0.3); print('ran on', len(g), 'gpus')")
+    code = (
+        "import os, time; g = os.environ['CUDA_VISIBLE_DEVICES'].split(',');"
+        " time.sleep(0.3); print('ran on', len(g), 'gpus')"
+    )
     jobs = []
     for i in range(40):
         gpus = (1, 2, 4, 8)[i % 4]
         team = ("vision", "nlp")[i % 2]
-        jobs.append((team, gpus, fleet.submit({"command": py(code, marker), "gpu_count": gpus,
-                                                "name": f"mix-{i}"}, team)))
+        jobs.append(
+            (
+                team,
+                gpus,
+                fleet.submit(
+                    {"command": py(code, marker), "gpu_count": gpus, "name": f"mix-{i}"}, team
+                ),
+            )
+        )
     for team, gpus, job_id in jobs:
         got = fleet.wait_status(job_id, TERMINAL, timeout_s=120, team=team)
         assert got["status"] == "SUCCEEDED", got
@@ -55,7 +64,8 @@ def test_cancel_stops_the_process_group_before_the_gpus_are_released(fleet: Flee
     code = (  # ignores SIGTERM: only the SIGKILL after the grace period stops it
         "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
         f" open({str(pidfile)!r}, 'w').write(str(os.getpgid(0)));"
-        " time.sleep(600)")
+        " time.sleep(600)"
+    )
     job_id = fleet.submit({"command": py(code, marker), "gpu_count": 4})
     fleet.wait_status(job_id, {"RUNNING"})
     fleet.wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the job's pid file")
@@ -86,8 +96,10 @@ def test_kill_9_agent_mid_job_then_restart_runs_the_job_once(fleet: Fleet) -> No
     fleet.start_agent("a1")
     starts = fleet.tmp / "starts"
     marker = f"gpufleet-test-marker-{fleet.tmp.name}"
-    code = (f"import time; open({str(starts)!r}, 'a').write('started\\n'); time.sleep(4);"
-            " print('done')")
+    code = (
+        f"import time; open({str(starts)!r}, 'a').write('started\\n'); time.sleep(4);"
+        " print('done')"
+    )
     job_id = fleet.submit({"command": py(code, marker), "gpu_count": 2})
     fleet.wait_status(job_id, {"RUNNING"})
     fleet.wait_for(lambda: starts.exists(), 10, "the job to start")
@@ -106,8 +118,13 @@ def test_kill_9_agent_mid_job_then_restart_runs_the_job_once(fleet: Fleet) -> No
 def test_failed_job_is_retried_as_a_new_attempt_then_fails(fleet: Fleet) -> None:
     fleet.start_agent("a1")
     marker = f"gpufleet-test-marker-{fleet.tmp.name}"
-    job_id = fleet.submit({"command": py("import sys; print('boom'); sys.exit(3)", marker),
-                           "gpu_count": 1, "max_retries": 1})
+    job_id = fleet.submit(
+        {
+            "command": py("import sys; print('boom'); sys.exit(3)", marker),
+            "gpu_count": 1,
+            "max_retries": 1,
+        }
+    )
     job = fleet.wait_status(job_id, TERMINAL)
     assert job["status"] == "FAILED"
     first, second = job["attempts"]
@@ -120,9 +137,25 @@ def test_failed_job_is_retried_as_a_new_attempt_then_fails(fleet: Fleet) -> None
 
 def test_example_workload_resumes_from_its_checkpoint_after_a_failure(fleet: Fleet) -> None:
     fleet.start_agent("a1")
-    job_id = fleet.submit({"command": [sys.executable, TRAIN, "--steps", "120", "--checkpoint-every",
-                                       "40", "--fail-at-step", "80", "--step-sleep", "0"],
-                           "gpu_count": 2, "max_retries": 1, "env": {"PYTHONUNBUFFERED": "1"}})
+    job_id = fleet.submit(
+        {
+            "command": [
+                sys.executable,
+                TRAIN,
+                "--steps",
+                "120",
+                "--checkpoint-every",
+                "40",
+                "--fail-at-step",
+                "80",
+                "--step-sleep",
+                "0",
+            ],
+            "gpu_count": 2,
+            "max_retries": 1,
+            "env": {"PYTHONUNBUFFERED": "1"},
+        }
+    )
     job = fleet.wait_status(job_id, TERMINAL, timeout_s=90)
     first, second = job["attempts"]
     assert first["exit_code"] == 3 and job["status"] == "SUCCEEDED", job

@@ -27,7 +27,8 @@ def api(db: Database, tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, st
     tokens = {}
     for team in ("vision", "nlp"):
         tokens[team] = db.run_write(
-            lambda s, t=team: (auth.create_team(s, t), auth.create_token(s, t))[1])
+            lambda s, t=team: (auth.create_team(s, t), auth.create_token(s, t))[1]
+        )
     create_node(db, "n1", gpus=8)
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client, tokens
@@ -64,7 +65,9 @@ class TestSubmit:
     def test_same_key_other_payload_is_409(self, api) -> None:
         client, tokens = api
         client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], "k"))
-        r = client.post("/v1/jobs", json={**JOB, "gpu_count": 4}, headers=hdr(tokens["vision"], "k"))
+        r = client.post(
+            "/v1/jobs", json={**JOB, "gpu_count": 4}, headers=hdr(tokens["vision"], "k")
+        )
         assert r.status_code == 409
         assert r.json()["error"] == "idempotency_key_reused_with_different_payload"
 
@@ -123,15 +126,21 @@ class TestValidation:
 
     def test_malformed_json_is_400(self, api) -> None:
         client, tokens = api
-        r = client.post("/v1/jobs", content=b'{"command": [', headers={
-            **hdr(tokens["vision"]), "Content-Type": "application/json"})
+        r = client.post(
+            "/v1/jobs",
+            content=b'{"command": [',
+            headers={**hdr(tokens["vision"]), "Content-Type": "application/json"},
+        )
         assert r.status_code == 400 and r.json()["error"] == "malformed_json"
 
     def test_huge_body_is_413(self, api) -> None:
         client, tokens = api
         body = json.dumps({**JOB, "env": {"X": "y" * 3_000_000}})
-        r = client.post("/v1/jobs", content=body, headers={
-            **hdr(tokens["vision"]), "Content-Type": "application/json"})
+        r = client.post(
+            "/v1/jobs",
+            content=body,
+            headers={**hdr(tokens["vision"]), "Content-Type": "application/json"},
+        )
         assert r.status_code == 413 and r.json()["field"] == "body"
 
     def test_missing_idempotency_key_is_422(self, api) -> None:
@@ -157,12 +166,19 @@ class TestReads:
         job = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"])).json()
         for path in (f"/v1/jobs/{job['job_id']}", f"/v1/jobs/{job['job_id']}/logs"):
             assert client.get(path, headers=hdr(tokens["nlp"])).status_code == 404
-        assert client.delete(f"/v1/jobs/{job['job_id']}", headers=hdr(tokens["nlp"])).status_code == 404
+        assert (
+            client.delete(f"/v1/jobs/{job['job_id']}", headers=hdr(tokens["nlp"])).status_code
+            == 404
+        )
 
     def test_list_paginates_with_a_cursor(self, api) -> None:
         client, tokens = api
-        made = [client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], f"k{i}")).json()["job_id"]
-                for i in range(5)]
+        made = [
+            client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], f"k{i}")).json()[
+                "job_id"
+            ]
+            for i in range(5)
+        ]
         seen, cursor = [], None
         while True:
             q = "/v1/jobs?limit=2" + (f"&cursor={cursor}" if cursor else "")
@@ -184,4 +200,6 @@ class TestReads:
     def test_nodes_lists_capacity(self, api) -> None:
         client, tokens = api
         items = client.get("/v1/nodes", headers=hdr(tokens["vision"])).json()["items"]
-        assert [(n["node_id"], n["total_gpus"], n["available_gpus"]) for n in items] == [("n1", 8, 8)]
+        assert [(n["node_id"], n["total_gpus"], n["available_gpus"]) for n in items] == [
+            ("n1", 8, 8)
+        ]

@@ -7,27 +7,43 @@ import threading
 import pytest
 
 from gpufleet.domain.errors import CapacityConflict, NotLeader, StaleState
-from gpufleet.domain.invariants import check_invariants
 from gpufleet.domain.states import JobStatus, NodeStatus
 from gpufleet.services.nodes import set_node_status
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
-from gpufleet.store.queries import load_invariant_view
+from gpufleet.store.queries import check_database
 from gpufleet.store.tables import JobRow, NodeCapacityRow
 from tests.factories import become_leader, create_node, create_team, submit
 
 
-def reserve(db: Database, job_id: str, node_id: str, n: int, *, epoch: int, seen: int = 0,
-            holder: str = "test-leader") -> allocate.Reserved:
-    return db.run_write(lambda s: allocate.reserve(
-        s, job_id=job_id, node_id=node_id, gpu_count=n, seen_fencing_epoch=seen,
-        leader_holder=holder, leader_epoch=epoch, lease_s=60, now=db_now(s)))
+def reserve(
+    db: Database,
+    job_id: str,
+    node_id: str,
+    n: int,
+    *,
+    epoch: int,
+    seen: int = 0,
+    holder: str = "test-leader",
+) -> allocate.Reserved:
+    return db.run_write(
+        lambda s: allocate.reserve(
+            s,
+            job_id=job_id,
+            node_id=node_id,
+            gpu_count=n,
+            seen_fencing_epoch=seen,
+            leader_holder=holder,
+            leader_epoch=epoch,
+            lease_s=60,
+            now=db_now(s),
+        )
+    )
 
 
 def violations(db: Database) -> list[str]:
-    with db.read() as s:
-        return [str(v) for v in check_invariants(load_invariant_view(s))]
+    return [str(v) for v in check_database(db)[1]]
 
 
 class TestReserve:
@@ -42,7 +58,11 @@ class TestReserve:
         with db.read() as s:
             assert s.get(NodeCapacityRow, "n1").available_gpus == 5
             row = s.get(JobRow, job.job_id)
-            assert (row.status, row.current_run_id, row.fencing_epoch) == ("SCHEDULED", got.run_id, 1)
+            assert (row.status, row.current_run_id, row.fencing_epoch) == (
+                "SCHEDULED",
+                got.run_id,
+                1,
+            )
         assert violations(db) == []
 
     def test_second_job_gets_disjoint_gpus(self, db: Database) -> None:
@@ -100,8 +120,12 @@ class TestReserve:
         create_node(db, "n1", gpus=8)
         epoch = become_leader(db)
         got = reserve(db, submit(db, gpus=8).job_id, "n1", 8, epoch=epoch)
-        returned = db.run_write(lambda s: allocate.release(s, run_id=got.run_id, now=db_now(s), message="t"))
-        again = db.run_write(lambda s: allocate.release(s, run_id=got.run_id, now=db_now(s), message="t"))
+        returned = db.run_write(
+            lambda s: allocate.release(s, run_id=got.run_id, now=db_now(s), message="t")
+        )
+        again = db.run_write(
+            lambda s: allocate.release(s, run_id=got.run_id, now=db_now(s), message="t")
+        )
         assert (returned, again) == (8, 0)
         with db.read() as s:
             assert s.get(NodeCapacityRow, "n1").available_gpus == 8

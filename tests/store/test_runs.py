@@ -26,23 +26,42 @@ def store(tmp_path: Path) -> ObjectStore:
     return ObjectStore(str(tmp_path / "objects"))
 
 
-def write_manifest(store: ObjectStore, job_id: str, run_id: str, token: int, exit_code: int = 0,
-                   tamper: bool = False) -> str:
+def write_manifest(
+    store: ObjectStore,
+    job_id: str,
+    run_id: str,
+    token: int,
+    exit_code: int = 0,
+    tamper: bool = False,
+) -> str:
     prefix = attempt_prefix(job_id, run_id)
     data = b"weights"
     key = f"{prefix}/artifacts/model.bin"
     store.put_bytes(key, data)
     digest = hashlib.sha256(data + (b"x" if tamper else b"")).hexdigest()
-    m = Manifest(job_id=job_id, run_id=run_id, token=token, outcome="EXITED", exit_code=exit_code,
-                 started_at_s=time.time(), finished_at_s=time.time(),
-                 files=(ManifestFile("artifact", "model.bin", key, store.uri(key), digest, len(data)),))
+    m = Manifest(
+        job_id=job_id,
+        run_id=run_id,
+        token=token,
+        outcome="EXITED",
+        exit_code=exit_code,
+        started_at_s=time.time(),
+        finished_at_s=time.time(),
+        files=(ManifestFile("artifact", "model.bin", key, store.uri(key), digest, len(data)),),
+    )
     return store.put_bytes(f"{prefix}/MANIFEST.json", m.to_json())
 
 
 def report(store: ObjectStore, job_id: str, r, exit_code: int = 0, **kw) -> runs.Report:
     uri = write_manifest(store, job_id, r.run_id, r.token, exit_code, **kw)
-    return runs.Report(node_id="n1", run_id=r.run_id, token=r.token, outcome=runs.Outcome.EXITED,
-                       exit_code=exit_code, manifest_uri=uri)
+    return runs.Report(
+        node_id="n1",
+        run_id=r.run_id,
+        token=r.token,
+        outcome=runs.Outcome.EXITED,
+        exit_code=exit_code,
+        manifest_uri=uri,
+    )
 
 
 def setup(db: Database, gpus: int = 2, max_retries: int = 0):
@@ -66,7 +85,10 @@ class TestCompletion:
     def test_success_commits_once_and_releases(self, db: Database, store: ObjectStore) -> None:
         job_id, epoch = setup(db)
         r = reserve(db, job_id, "n1", 2, epoch=epoch)
-        assert db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token)) == runs.Confirm.CONFIRMED
+        assert (
+            db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token))
+            == runs.Confirm.CONFIRMED
+        )
         rep = report(store, job_id, r)
         assert runs.complete_run(db, store, rep)[0] == runs.CompletionResult.ACCEPTED
         job, (run,), free = state(db, job_id)
@@ -86,7 +108,9 @@ class TestCompletion:
         assert second.run_id != first.run_id and second.token > first.token and second.attempt == 2
         runs.complete_run(db, store, report(store, job_id, second, exit_code=3))
         job, attempts, free = state(db, job_id)
-        assert job.status == "FAILED" and "exit" in job.failure_reason and "3" in job.failure_reason
+        assert (
+            job.status == "FAILED" and "exit" in job.failure_reason and "3" in job.failure_reason
+        )
         assert [(a.status, a.exit_code) for a in attempts] == [("FAILED", 3), ("FAILED", 3)]
 
     def test_stale_attempt_cannot_publish(self, db, store) -> None:
@@ -110,7 +134,10 @@ class TestCompletion:
     def test_stale_confirm_is_rejected(self, db, store) -> None:
         job_id, epoch = setup(db)
         r = reserve(db, job_id, "n1", 2, epoch=epoch)
-        assert db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token + 1)) == runs.Confirm.REJECTED
+        assert (
+            db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token + 1))
+            == runs.Confirm.REJECTED
+        )
         with db.read() as s:
             assert s.query(ReservationRow).filter_by(run_id=r.run_id).one().status == "RESERVED"
 

@@ -8,12 +8,24 @@ import pytest
 
 from gpufleet.domain.errors import IllegalTransition
 from gpufleet.domain.states import (
-    JOB_TERMINAL, RESERVATION_TERMINAL, RUN_TERMINAL, TABLES, JobStatus, Machine,
-    ReservationStatus, RunStatus, NodeStatus, check_transition,
+    JOB_TERMINAL,
+    RESERVATION_TERMINAL,
+    RUN_TERMINAL,
+    TABLES,
+    JobStatus,
+    Machine,
+    NodeStatus,
+    ReservationStatus,
+    RunStatus,
+    check_transition,
 )
 
-ENUMS = {Machine.JOB: JobStatus, Machine.RUN: RunStatus,
-         Machine.RESERVATION: ReservationStatus, Machine.NODE: NodeStatus}
+ENUMS = {
+    Machine.JOB: JobStatus,
+    Machine.RUN: RunStatus,
+    Machine.RESERVATION: ReservationStatus,
+    Machine.NODE: NodeStatus,
+}
 
 
 @pytest.mark.parametrize("machine", list(Machine))
@@ -28,15 +40,26 @@ def test_every_pair_is_allowed_or_raises(machine: Machine) -> None:
 
 
 def test_terminal_states_are_derived_from_the_tables() -> None:
-    assert JOB_TERMINAL == {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED}
-    assert RUN_TERMINAL == {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.PREEMPTED, RunStatus.CANCELLED}
-    assert RESERVATION_TERMINAL == {ReservationStatus.RELEASED, ReservationStatus.EXPIRED}
+    assert {
+        JobStatus.SUCCEEDED,
+        JobStatus.FAILED,
+        JobStatus.CANCELLED,
+        JobStatus.EXPIRED,
+    } == JOB_TERMINAL
+    assert {
+        RunStatus.SUCCEEDED,
+        RunStatus.FAILED,
+        RunStatus.PREEMPTED,
+        RunStatus.CANCELLED,
+    } == RUN_TERMINAL
+    assert {ReservationStatus.RELEASED, ReservationStatus.EXPIRED} == RESERVATION_TERMINAL
 
 
 def test_no_edge_frees_a_reservation_without_a_named_trigger() -> None:
     """RELEASED/EXPIRED only through the agent's word or reconciliation, never a timer."""
-    triggers = {t for (f, to), t in TABLES[Machine.RESERVATION].items()
-                if to in RESERVATION_TERMINAL}
+    triggers = {
+        t for (f, to), t in TABLES[Machine.RESERVATION].items() if to in RESERVATION_TERMINAL
+    }
     assert triggers == {"RELEASED_ON_AGENT_WORD", "EXPIRED_AFTER_RECONCILE"}
 
 

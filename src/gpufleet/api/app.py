@@ -16,8 +16,16 @@ from sqlalchemy import select
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpufleet.api.schemas import (
-    AttemptOut, JobCreate, JobCreated, JobList, JobOut, NodeList, NodeOut, PendingReasonOut,
-    TeamCreate, TokenCreate,
+    AttemptOut,
+    JobCreate,
+    JobCreated,
+    JobList,
+    JobOut,
+    NodeList,
+    NodeOut,
+    PendingReasonOut,
+    TeamCreate,
+    TokenCreate,
 )
 from gpufleet.domain.errors import Forbidden, GpufleetError, NotFound, ValidationFailed
 from gpufleet.domain.states import RUN_TERMINAL
@@ -48,7 +56,9 @@ def log_key(job_id: str, run_id: str) -> str:
     return f"{attempt_prefix(job_id, run_id)}/logs/output.log"
 
 
-def principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> auth.Principal:
+def principal(
+    request: Request, authorization: Annotated[str | None, Header()] = None
+) -> auth.Principal:
     """The caller, from ``Authorization: Bearer <token>``; the team comes from the token."""
     raw = None
     if authorization and authorization.lower().startswith("bearer "):
@@ -76,7 +86,9 @@ def create_app(state: AppState) -> FastAPI:
     async def limit_body(request: Request, call_next: Any) -> Response:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return _error(413, "payload_too_large", f"request body over {MAX_BODY_BYTES} bytes", "body")
+            return _error(
+                413, "payload_too_large", f"request body over {MAX_BODY_BYTES} bytes", "body"
+            )
         resp: Response = await call_next(request)
         return resp
 
@@ -90,7 +102,9 @@ def create_app(state: AppState) -> FastAPI:
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
         field = ".".join(loc) if loc else "body"
         if first.get("type") == "json_invalid":
-            return _error(400, "malformed_json", f"the body is not valid JSON: {first.get('msg')}", "body")
+            return _error(
+                400, "malformed_json", f"the body is not valid JSON: {first.get('msg')}", "body"
+            )
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         return _error(422, "validation_error", f"{field}: {msg}", field)
 
@@ -112,15 +126,26 @@ def create_app(state: AppState) -> FastAPI:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/jobs", status_code=201, response_model=JobCreated)
-    def submit(body: JobCreate, who: Who, response: Response,
-               idempotency_key: Annotated[str | None, Header()] = None) -> JobCreated:
+    def submit(
+        body: JobCreate,
+        who: Who,
+        response: Response,
+        idempotency_key: Annotated[str | None, Header()] = None,
+    ) -> JobCreated:
         with SUBMIT_SECONDS.time():
             if not idempotency_key or len(idempotency_key) > 256:
                 SUBMITS.labels("invalid").inc()
-                raise ValidationFailed("the Idempotency-Key header is required (1-256 characters)",
-                                       field="Idempotency-Key")
-            out = jobs.submit_job(state.db, team_id=who.team_id, idempotency_key=idempotency_key,
-                                  spec=body.to_spec(), fallback_max_gpus=state.settings.max_gpus_per_node)
+                raise ValidationFailed(
+                    "the Idempotency-Key header is required (1-256 characters)",
+                    field="Idempotency-Key",
+                )
+            out = jobs.submit_job(
+                state.db,
+                team_id=who.team_id,
+                idempotency_key=idempotency_key,
+                spec=body.to_spec(),
+                fallback_max_gpus=state.settings.max_gpus_per_node,
+            )
             if out.created:
                 state.waker.wake()
             else:
@@ -136,15 +161,23 @@ def create_app(state: AppState) -> FastAPI:
             return _job_out(job, runs)
 
     @app.get("/v1/jobs", response_model=JobList)
-    def list_(who: Who, status: str | None = None, limit: Annotated[int, Query(ge=1, le=500)] = 50,
-              cursor: str | None = None) -> JobList:
+    def list_(
+        who: Who,
+        status: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        cursor: str | None = None,
+    ) -> JobList:
         with state.db.read() as s:
-            rows, nxt = jobs.list_jobs(s, None if who.is_admin else who.team_id, status=status,
-                                       limit=limit, cursor=cursor)
+            rows, nxt = jobs.list_jobs(
+                s, None if who.is_admin else who.team_id, status=status, limit=limit, cursor=cursor
+            )
             runs: dict[str, list[JobRunRow]] = {}
             if rows:
-                for r in s.scalars(select(JobRunRow).where(JobRunRow.job_id.in_([j.id for j in rows]))
-                                   .order_by(JobRunRow.attempt)):
+                for r in s.scalars(
+                    select(JobRunRow)
+                    .where(JobRunRow.job_id.in_([j.id for j in rows]))
+                    .order_by(JobRunRow.attempt)
+                ):
                     runs.setdefault(r.job_id, []).append(r)
             return JobList(items=[_job_out(j, runs.get(j.id, [])) for j in rows], next_cursor=nxt)
 
@@ -155,14 +188,18 @@ def create_app(state: AppState) -> FastAPI:
         return {"job_id": job_id, "status": status, "cancel_requested": True}
 
     @app.get("/v1/jobs/{job_id}/logs")
-    async def logs(job_id: str, who: Who, follow: bool = False, run_id: str | None = None) -> Response:
+    async def logs(
+        job_id: str, who: Who, follow: bool = False, run_id: str | None = None
+    ) -> Response:
         def pick() -> tuple[str, bool]:
             with state.db.read() as s:
-                job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
+                _, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
                 chosen = [r for r in runs if r.id == run_id] if run_id else runs[-1:]
                 if not chosen:
-                    raise NotFound(f"job {job_id} has no attempt{' ' + run_id if run_id else ' yet'}",
-                                   field="run_id" if run_id else "job_id")
+                    raise NotFound(
+                        f"job {job_id} has no attempt{' ' + run_id if run_id else ' yet'}",
+                        field="run_id" if run_id else "job_id",
+                    )
                 return chosen[0].id, chosen[0].status in RUN_TERMINAL
 
         rid, done = await asyncio.to_thread(pick)
@@ -188,13 +225,28 @@ def create_app(state: AppState) -> FastAPI:
     @app.get("/v1/nodes", response_model=NodeList)
     def nodes(_: Who) -> NodeList:
         with state.db.read() as s:
-            rows = s.execute(select(NodeRow, NodeCapacityRow).join(
-                NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id).order_by(NodeRow.id)).all()
-            return NodeList(items=[NodeOut(
-                node_id=n.id, status=n.status, gpu_type=n.gpu_type, gpu_memory_mb=n.gpu_memory_mb,
-                total_gpus=c.total_gpus, available_gpus=c.available_gpus, labels=n.labels or {},
-                address=n.address, last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
-                agent_epoch=n.agent_epoch) for n, c in rows])
+            rows = s.execute(
+                select(NodeRow, NodeCapacityRow)
+                .join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
+                .order_by(NodeRow.id)
+            ).all()
+            return NodeList(
+                items=[
+                    NodeOut(
+                        node_id=n.id,
+                        status=n.status,
+                        gpu_type=n.gpu_type,
+                        gpu_memory_mb=n.gpu_memory_mb,
+                        total_gpus=c.total_gpus,
+                        available_gpus=c.available_gpus,
+                        labels=n.labels or {},
+                        address=n.address,
+                        last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
+                        agent_epoch=n.agent_epoch,
+                    )
+                    for n, c in rows
+                ]
+            )
 
     @app.post("/v1/admin/teams", status_code=201)
     def create_team(body: TeamCreate, _: Admin) -> dict[str, str]:
@@ -203,14 +255,18 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.post("/v1/admin/tokens", status_code=201)
     def create_token(body: TokenCreate, _: Admin) -> dict[str, str]:
-        raw = state.db.run_write(lambda s: auth.create_token(s, body.team, name=body.name, is_admin=body.admin))
+        raw = state.db.run_write(
+            lambda s: auth.create_token(s, body.team, name=body.name, is_admin=body.admin)
+        )
         return {"team": body.team, "token": raw}
 
     return app
 
 
 def _error(status: int, code: str, message: str, field: str | None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": code, "message": message, "field": field})
+    return JSONResponse(
+        status_code=status, content={"error": code, "message": message, "field": field}
+    )
 
 
 def _read_log(store: ObjectStore, key: str, offset: int) -> bytes:
@@ -222,7 +278,9 @@ def _read_log(store: ObjectStore, key: str, offset: int) -> bytes:
 
 def _run_finished(db: Database, run_id: str) -> bool:
     with db.read() as s:
-        status = s.execute(select(JobRunRow.status).where(JobRunRow.id == run_id)).scalar_one_or_none()
+        status = s.execute(
+            select(JobRunRow.status).where(JobRunRow.id == run_id)
+        ).scalar_one_or_none()
     return status is None or status in RUN_TERMINAL
 
 
@@ -230,19 +288,47 @@ def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
     spec = job.spec
     reason = job.pending_reason if job.status == "PENDING" else None
     return JobOut(
-        job_id=job.id, name=job.name, team=job.team_id, status=job.status, priority=job.priority,
-        gpu_count=job.gpu_count, gpu_types=list(spec["resources"].get("gpu_types") or []),
-        command=list(spec["command"]), max_retries=int(spec.get("max_retries") or 0),
-        created_at=jobs.iso(job.created_at), scheduled_at=jobs.iso(job.scheduled_at),
-        started_at=jobs.iso(job.started_at), finished_at=jobs.iso(job.finished_at),
-        cancel_requested=job.cancel_requested, result_uri=job.result_uri,
+        job_id=job.id,
+        name=job.name,
+        team=job.team_id,
+        status=job.status,
+        priority=job.priority,
+        gpu_count=job.gpu_count,
+        gpu_types=list(spec["resources"].get("gpu_types") or []),
+        command=list(spec["command"]),
+        max_retries=int(spec.get("max_retries") or 0),
+        created_at=jobs.iso(job.created_at),
+        scheduled_at=jobs.iso(job.scheduled_at),
+        started_at=jobs.iso(job.started_at),
+        finished_at=jobs.iso(job.finished_at),
+        cancel_requested=job.cancel_requested,
+        result_uri=job.result_uri,
         failure_reason=job.failure_reason,
-        attempts=[AttemptOut(
-            run_id=r.id, attempt=r.attempt, status=r.status, node_id=r.node_id, gpu_ids=list(r.gpu_ids),
-            token=r.token, exit_code=r.exit_code, created_at=jobs.iso(r.created_at),
-            started_at=jobs.iso(r.started_at), finished_at=jobs.iso(r.finished_at),
-            manifest_uri=r.manifest_uri, message=r.message, stop_reason=r.stop_reason) for r in runs],
-        pending_reason=PendingReasonOut(**reason) if reason else (
-            PendingReasonOut(code="queued", message="Queued; the scheduler has not looked at it yet.")
-            if job.status == "PENDING" else None),
+        attempts=[
+            AttemptOut(
+                run_id=r.id,
+                attempt=r.attempt,
+                status=r.status,
+                node_id=r.node_id,
+                gpu_ids=list(r.gpu_ids),
+                token=r.token,
+                exit_code=r.exit_code,
+                created_at=jobs.iso(r.created_at),
+                started_at=jobs.iso(r.started_at),
+                finished_at=jobs.iso(r.finished_at),
+                manifest_uri=r.manifest_uri,
+                message=r.message,
+                stop_reason=r.stop_reason,
+            )
+            for r in runs
+        ],
+        pending_reason=PendingReasonOut(**reason)
+        if reason
+        else (
+            PendingReasonOut(
+                code="queued", message="Queued; the scheduler has not looked at it yet."
+            )
+            if job.status == "PENDING"
+            else None
+        ),
     )

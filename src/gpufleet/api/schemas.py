@@ -67,7 +67,11 @@ class JobCreate(BaseModel):
 
     @model_validator(mode="after")
     def _runtime_bounds(self) -> JobCreate:
-        if self.expected_duration_s and self.max_runtime_s and self.expected_duration_s > self.max_runtime_s:
+        if (
+            self.expected_duration_s
+            and self.max_runtime_s
+            and self.expected_duration_s > self.max_runtime_s
+        ):
             raise ValueError("expected_duration_s must not exceed max_runtime_s")
         return self
 
@@ -75,7 +79,9 @@ class JobCreate(BaseModel):
         types = [self.gpu_type] if isinstance(self.gpu_type, str) else list(self.gpu_type or [])
         return JobSpec(
             command=tuple(self.command),
-            resources=Resources(self.gpu_count, tuple(types), self.gpu_memory_mb, self.cpu, self.memory_mb),
+            resources=Resources(
+                self.gpu_count, tuple(types), self.gpu_memory_mb, self.cpu, self.memory_mb
+            ),
             priority=PriorityClass(self.priority),
             name=self.name,
             image=self.image,

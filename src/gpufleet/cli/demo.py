@@ -9,6 +9,7 @@ import socket
 import sys
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,11 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
     data_dir = settings.resolved_data_dir() / "demo"
     shutil.rmtree(data_dir, ignore_errors=True)
     data_dir.mkdir(parents=True)
-    logging.basicConfig(level=logging.INFO, filename=data_dir / "platform.log",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        filename=data_dir / "platform.log",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     overrides: dict[str, Any] = {"data_dir": data_dir, "heartbeat_interval_s": 2.0}
     if "server_port" not in settings.model_fields_set:
         overrides["server_port"] = free_port()
@@ -70,16 +74,21 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
     console.print(f"[bold]gpufleet demo[/]: embedded platform in {data_dir}")
     platform = LocalPlatform(settings, gpus="8xH100-80GB")
     ensure_admin_token(platform.db)
-    tokens = {team: platform.db.run_write(
-        lambda s, t=team: (auth.create_team(s, t, exist_ok=True), auth.create_token(s, t))[1])
-        for team in ("vision", "nlp")}
+    tokens = {}
+    for team in ("vision", "nlp"):
+        platform.db.run_write(partial(auth.create_team, name=team, exist_ok=True))
+        tokens[team] = platform.db.run_write(partial(auth.create_token, team_id=team))
     platform.start()
     try:
         if not platform.wait_for_node():
-            console.print(f"[red]the local agent did not register; see {data_dir / 'agent.log'}[/]")
+            console.print(
+                f"[red]the local agent did not register; see {data_dir / 'agent.log'}[/]"
+            )
             return 1
-        console.print(f"API {platform.api.url}; one agent with 8 declared H100 GPUs "
-                      "(no NVML on this machine: the GPUs are declared, CUDA_VISIBLE_DEVICES is pinned)")
+        console.print(
+            f"API {platform.api.url}; one agent with 8 declared H100 GPUs "
+            "(no NVML on this machine: the GPUs are declared, CUDA_VISIBLE_DEVICES is pinned)"
+        )
         return _drive(platform, settings, tokens, script)
     finally:
         if keep_running:
@@ -97,11 +106,30 @@ def _drive(platform: Any, settings: Settings, tokens: dict[str, str], script: Pa
     jobs: list[tuple[str, str, str]] = []  # (team, name, job_id)
     with httpx.Client(base_url=url, timeout=30) as http:
         for team, name, gpus, steps in WORKLOAD:
-            body = {"name": name, "gpu_count": gpus, "priority": "NORMAL", "max_retries": 1,
-                    "command": [sys.executable, str(script), "--steps", str(steps), "--step-sleep", "0.01"],
-                    "env": {"PYTHONUNBUFFERED": "1"}, "expected_duration_s": 10}
-            r = http.post("/v1/jobs", json=body, headers={
-                "Authorization": f"Bearer {tokens[team]}", "Idempotency-Key": str(uuid.uuid4())})
+            body = {
+                "name": name,
+                "gpu_count": gpus,
+                "priority": "NORMAL",
+                "max_retries": 1,
+                "command": [
+                    sys.executable,
+                    str(script),
+                    "--steps",
+                    str(steps),
+                    "--step-sleep",
+                    "0.01",
+                ],
+                "env": {"PYTHONUNBUFFERED": "1"},
+                "expected_duration_s": 10,
+            }
+            r = http.post(
+                "/v1/jobs",
+                json=body,
+                headers={
+                    "Authorization": f"Bearer {tokens[team]}",
+                    "Idempotency-Key": str(uuid.uuid4()),
+                },
+            )
             r.raise_for_status()
             jobs.append((team, name, r.json()["job_id"]))
         violations: list[str] = []
@@ -111,11 +139,14 @@ def _drive(platform: Any, settings: Settings, tokens: dict[str, str], script: Pa
         with Live(_table(jobs, states), console=console, refresh_per_second=4) as live:
             while time.monotonic() < deadline:
                 for team, _, job_id in jobs:
-                    states[job_id] = http.get(f"/v1/jobs/{job_id}",
-                                              headers={"Authorization": f"Bearer {tokens[team]}"}).json()
+                    states[job_id] = http.get(
+                        f"/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {tokens[team]}"}
+                    ).json()
                     if states[job_id]["status"] not in TERMINAL:
-                        tail = http.get(f"/v1/jobs/{job_id}/logs",
-                                        headers={"Authorization": f"Bearer {tokens[team]}"})
+                        tail = http.get(
+                            f"/v1/jobs/{job_id}/logs",
+                            headers={"Authorization": f"Bearer {tokens[team]}"},
+                        )
                         lines = tail.text.strip().splitlines() if tail.status_code == 200 else []
                         states[job_id]["_last"] = lines[-1] if lines else ""
                 violations += [str(v) for v in check_database(platform.db)[1]]
@@ -132,7 +163,9 @@ def _drive(platform: Any, settings: Settings, tokens: dict[str, str], script: Pa
             ok &= st["status"] == "SUCCEEDED" and verdict.startswith("ok")
             console.print(f"{team:7} {name:12} {job_id}  {st['status']:9}  manifest: {verdict}")
         team, name, job_id = jobs[0]
-        log = http.get(f"/v1/jobs/{job_id}/logs", headers={"Authorization": f"Bearer {tokens[team]}"}).text
+        log = http.get(
+            f"/v1/jobs/{job_id}/logs", headers={"Authorization": f"Bearer {tokens[team]}"}
+        ).text
         console.print(f"\n[bold]gpufleet logs {job_id}[/] (last lines):")
         for line in log.strip().splitlines()[-4:]:
             console.print(f"  {line}")
@@ -163,8 +196,13 @@ def _table(jobs: list[tuple[str, str, str]], states: dict[str, dict[str, Any]]) 
     for team, name, job_id in jobs:
         st = states.get(job_id, {})
         att = (st.get("attempts") or [{}])[-1]
-        t.add_row(team, name, str(st.get("gpu_count", "")), st.get("status", "…"),
-                  str(att.get("attempt", "")),
-                  f"{att.get('node_id', '')} {att.get('gpu_ids', '')}" if att else "",
-                  (st.get("_last") or (st.get("pending_reason") or {}).get("message", ""))[:60])
+        t.add_row(
+            team,
+            name,
+            str(st.get("gpu_count", "")),
+            st.get("status", "…"),
+            str(att.get("attempt", "")),
+            f"{att.get('node_id', '')} {att.get('gpu_ids', '')}" if att else "",
+            (st.get("_last") or (st.get("pending_reason") or {}).get("message", ""))[:60],
+        )
     return t

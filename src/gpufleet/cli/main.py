@@ -17,16 +17,20 @@ from gpufleet.settings import Settings
 
 app = typer.Typer(
     help="gpufleet: a GPU job platform (queue, fair share, best-fit placement, node agents).",
-    no_args_is_help=True, pretty_exceptions_enable=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
 )
-admin_app = typer.Typer(help="Operator commands (run where the database is reachable).",
-                        no_args_is_help=True)
+admin_app = typer.Typer(
+    help="Operator commands (run where the database is reachable).", no_args_is_help=True
+)
 app.add_typer(admin_app, name="admin")
 register_client_commands(app)
 err = Console(stderr=True)
 out = Console()
 
-DataDir = Annotated[Path | None, typer.Option("--data-dir", help="State directory (GPUFLEET_DATA_DIR).")]
+DataDir = Annotated[
+    Path | None, typer.Option("--data-dir", help="State directory (GPUFLEET_DATA_DIR).")
+]
 
 
 def _settings(data_dir: Path | None, **overrides: object) -> Settings:
@@ -37,8 +41,10 @@ def _settings(data_dir: Path | None, **overrides: object) -> Settings:
 
 
 def _logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
@@ -53,7 +59,9 @@ def _wait_for_signal() -> None:
 def up(
     data_dir: DataDir = None,
     port: Annotated[int | None, typer.Option(help="API port (default 8420).")] = None,
-    gpus: Annotated[str | None, typer.Option(help="Declared GPUs when NVML finds none, e.g. 8xH100-80GB.")] = "8xH100-80GB",
+    gpus: Annotated[
+        str | None, typer.Option(help="Declared GPUs when NVML finds none, e.g. 8xH100-80GB.")
+    ] = "8xH100-80GB",
 ) -> None:
     """Start server + controller + one local agent on the embedded defaults (SQLite, local
     object store) and print the URL and an admin token."""
@@ -67,10 +75,15 @@ def up(
     cfg_path = client_config_path(settings.resolved_data_dir())
     write_client_config(cfg_path, platform.api.url, token)
     if not platform.wait_for_node():
-        err.print(f"[red]the local agent did not register; see {settings.resolved_data_dir() / 'agent.log'}[/]")
-    out.print(f"gpufleet is up at [bold]{platform.api.url}[/] (data: {settings.resolved_data_dir()})")
+        agent_log = settings.resolved_data_dir() / "agent.log"
+        err.print(f"[red]the local agent did not register; see {agent_log}[/]")
+    out.print(
+        f"gpufleet is up at [bold]{platform.api.url}[/] (data: {settings.resolved_data_dir()})"
+    )
     out.print(f"admin token (team 'default'): [bold]{token}[/]  (saved to {cfg_path})")
-    out.print("try:  gpufleet submit --gpus 1 -- python3 examples/train_digits.py   |  Ctrl-C stops")
+    out.print(
+        "try:  gpufleet submit --gpus 1 -- python3 examples/train_digits.py   |  Ctrl-C stops"
+    )
     try:
         _wait_for_signal()
     finally:
@@ -110,8 +123,10 @@ def server(
 
 
 @app.command()
-def controller(data_dir: DataDir = None,
-               address: Annotated[str | None, typer.Option(help="gRPC bind host:port.")] = None) -> None:
+def controller(
+    data_dir: DataDir = None,
+    address: Annotated[str | None, typer.Option(help="gRPC bind host:port.")] = None,
+) -> None:
     """Run the controller: gRPC for agents, and (while leader) the scheduler loops."""
     from gpufleet.controller.main import Controller
     from gpufleet.processes import open_database
@@ -119,7 +134,9 @@ def controller(data_dir: DataDir = None,
 
     _logging()
     settings = _settings(data_dir, controller_address=address)
-    ctl = Controller(settings, open_database(settings), make_waker(settings.redis_url, listen=True))
+    ctl = Controller(
+        settings, open_database(settings), make_waker(settings.redis_url, listen=True)
+    )
     ctl.start()
     try:
         _wait_for_signal()
@@ -130,7 +147,9 @@ def controller(data_dir: DataDir = None,
 @app.command()
 def agent(
     node_id: Annotated[str, typer.Option(help="This node's id.")] = "local-0",
-    gpus: Annotated[str | None, typer.Option(help="Declared GPUs (e.g. 8xH100-80GB) when NVML finds none.")] = None,
+    gpus: Annotated[
+        str | None, typer.Option(help="Declared GPUs (e.g. 8xH100-80GB) when NVML finds none.")
+    ] = None,
     port: Annotated[int, typer.Option(help="Agent gRPC port (0 = any free port).")] = 0,
     state_dir: Annotated[Path | None, typer.Option(help="Assignment log and run dirs.")] = None,
     label: Annotated[list[str] | None, typer.Option(help="Node label k=v (repeatable).")] = None,
@@ -148,8 +167,14 @@ def agent(
             err.print(f"[red]error:[/] --label {item!r}: use key=value")
             raise typer.Exit(2)
         labels[k] = v
-    run_agent(settings, node_id=node_id, gpus=gpus, port=port,
-              state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id, labels=labels)
+    run_agent(
+        settings,
+        node_id=node_id,
+        gpus=gpus,
+        port=port,
+        state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
+        labels=labels,
+    )
 
 
 @admin_app.command("check")
@@ -160,8 +185,10 @@ def admin_check(data_dir: DataDir = None) -> None:
 
     view, violations = check_database(open_database(_settings(data_dir)))
     gpus = sum(n.total_gpus for n in view.nodes)
-    out.print(f"checked {len(view.nodes)} nodes ({gpus} GPUs), {len(view.reservations)} active "
-              f"reservations, {len(view.jobs)} jobs, {len(view.runs)} attempts")
+    out.print(
+        f"checked {len(view.nodes)} nodes ({gpus} GPUs), {len(view.reservations)} active "
+        f"reservations, {len(view.jobs)} jobs, {len(view.runs)} attempts"
+    )
     for v in violations:
         out.print(f"[red]VIOLATION[/] {v}")
     if violations:
@@ -170,8 +197,12 @@ def admin_check(data_dir: DataDir = None) -> None:
 
 
 @admin_app.command("team")
-def admin_team(action: Annotated[str, typer.Argument(help="create")], name: str,
-               weight: float = 1.0, data_dir: DataDir = None) -> None:
+def admin_team(
+    action: Annotated[str, typer.Argument(help="create")],
+    name: str,
+    weight: float = 1.0,
+    data_dir: DataDir = None,
+) -> None:
     """Create a team: ``gpufleet admin team create NAME``."""
     from gpufleet.domain.errors import GpufleetError
     from gpufleet.processes import open_database
@@ -190,9 +221,13 @@ def admin_team(action: Annotated[str, typer.Argument(help="create")], name: str,
 
 
 @admin_app.command("token")
-def admin_token(action: Annotated[str, typer.Argument(help="create")],
-                team: Annotated[str, typer.Option(help="The token's team (created if missing).")],
-                name: str = "", admin: bool = False, data_dir: DataDir = None) -> None:
+def admin_token(
+    action: Annotated[str, typer.Argument(help="create")],
+    team: Annotated[str, typer.Option(help="The token's team (created if missing).")],
+    name: str = "",
+    admin: bool = False,
+    data_dir: DataDir = None,
+) -> None:
     """Create an API token for a team; prints the raw token on the last line."""
     from gpufleet.domain.errors import GpufleetError
     from gpufleet.processes import open_database

@@ -28,13 +28,18 @@ class AgentClients:
 
     def assign(self, address: str, req: pb.AssignJobRequest) -> pb.AssignJobResponse:
         """Raises grpc.RpcError when the agent cannot be reached."""
-        return self.stub(address).AssignJob(req, timeout=RPC_TIMEOUT_S)
+        resp: pb.AssignJobResponse = self.stub(address).AssignJob(req, timeout=RPC_TIMEOUT_S)
+        return resp
 
     def stop(self, address: str, req: pb.StopRunRequest) -> pb.StopRunResponse:
-        return self.stub(address).StopRun(req, timeout=RPC_TIMEOUT_S)
+        resp: pb.StopRunResponse = self.stub(address).StopRun(req, timeout=RPC_TIMEOUT_S)
+        return resp
 
     def list_runs(self, address: str) -> pb.ListRunsResponse:
-        return self.stub(address).ListRuns(pb.ListRunsRequest(), timeout=RPC_TIMEOUT_S)
+        resp: pb.ListRunsResponse = self.stub(address).ListRuns(
+            pb.ListRunsRequest(), timeout=RPC_TIMEOUT_S
+        )
+        return resp
 
     def close(self) -> None:
         with self._lock:

@@ -13,11 +13,13 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 
 import grpc
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from gpufleet.controller.agents import AgentClients
 from gpufleet.domain.errors import CapacityConflict, NotLeader, StaleState
 from gpufleet.domain.states import JobStatus, NodeStatus, RunStatus
 from gpufleet.objectstore import ObjectStore
@@ -27,12 +29,11 @@ from gpufleet.policy.decisions import Place, WaitReason
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.services import nodes, runs
 from gpufleet.settings import Settings
-from gpufleet.controller.agents import AgentClients
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.queries import load_snapshot
-from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
+from gpufleet.store.tables import JobRow, JobRunRow, NodeRow, ReservationRow
 from gpufleet.store.transitions import record_event
 
 log = logging.getLogger("gpufleet.controller")
@@ -69,15 +70,24 @@ def reason_json(reason: WaitReason, now_s: float) -> dict[str, object]:
         "details": dict(reason.details),
         "position": reason.position,
         "estimated_start_at": datetime.fromtimestamp(est, UTC).isoformat().replace("+00:00", "Z")
-        if est is not None and est >= now_s else None,
+        if est is not None and est >= now_s
+        else None,
     }
 
 
 class Scheduler:
-    """One pass: snapshot -> ``policy.schedule`` -> reserve each Place -> AssignJob after commit."""
+    """One pass: snapshot -> ``policy.schedule`` -> reserve each Place -> AssignJob (after
+    commit)."""
 
-    def __init__(self, db: Database, store: ObjectStore, settings: Settings, leadership: Leadership,
-                 agents: AgentClients, policy: PolicyConfig | None = None) -> None:
+    def __init__(
+        self,
+        db: Database,
+        store: ObjectStore,
+        settings: Settings,
+        leadership: Leadership,
+        agents: AgentClients,
+        policy: PolicyConfig | None = None,
+    ) -> None:
         self.db, self.store, self.settings = db, store, settings
         self.leadership, self.agents = leadership, agents
         self.policy = policy or PolicyConfig()
@@ -91,8 +101,11 @@ class Scheduler:
         with self.db.snapshot() as s:
             now = db_now(s)
             snap = load_snapshot(s, now)
-            stored = {job_id: reason for job_id, reason in s.execute(
-                select(JobRow.id, JobRow.pending_reason).where(JobRow.status == JobStatus.PENDING))}
+            query = select(JobRow.id, JobRow.pending_reason).where(
+                JobRow.status == JobStatus.PENDING
+            )
+            # not dict(result): a Result has keys() and would be taken for a mapping
+            stored: dict[str, object] = {row[0]: row[1] for row in s.execute(query)}
         stats.pending = len(snap.pending)
         result = schedule(snap, self.policy)
         pending = {p.job_id: p for p in snap.pending}
@@ -101,11 +114,19 @@ class Scheduler:
                 continue  # preemption/backfill holds are applied by later mechanisms
             job = pending[decision.job_id]
             try:
-                reserved = self.db.run_write(lambda s, d=decision, j=job: allocate.reserve(
-                    s, job_id=d.job_id, node_id=d.node_id, gpu_count=d.gpu_count,
-                    seen_fencing_epoch=j.attempt, leader_holder=self.leadership.holder,
-                    leader_epoch=self.leadership.epoch, lease_s=self.settings.reservation_lease_s,
-                    now=db_now(s)))
+                reserved = self.db.run_write(
+                    partial(
+                        allocate.reserve,
+                        job_id=decision.job_id,
+                        node_id=decision.node_id,
+                        gpu_count=decision.gpu_count,
+                        # fencing_epoch and attempts move together (+1 per reservation)
+                        seen_fencing_epoch=job.attempt,
+                        leader_holder=self.leadership.holder,
+                        leader_epoch=self.leadership.epoch,
+                        lease_s=self.settings.reservation_lease_s,
+                    )
+                )
             except NotLeader:
                 log.warning("lost leadership during a pass; stopping it")
                 self.leadership.epoch = 0
@@ -121,8 +142,9 @@ class Scheduler:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _store_reasons(self, waiting: Mapping[str, WaitReason], stored: dict[str, object],
-                       now_s: float) -> None:
+    def _store_reasons(
+        self, waiting: Mapping[str, WaitReason], stored: dict[str, object], now_s: float
+    ) -> None:
         """Write pending_reason only where it changed (no 10k-row write per pass)."""
         changed = {}
         for job_id, reason in waiting.items():
@@ -134,53 +156,86 @@ class Scheduler:
 
         def tx(s: Session) -> None:
             for job_id, new in changed.items():
-                s.execute(update(JobRow).where(JobRow.id == job_id, JobRow.status == JobStatus.PENDING)
-                          .values(pending_reason=new))
+                s.execute(
+                    update(JobRow)
+                    .where(JobRow.id == job_id, JobRow.status == JobStatus.PENDING)
+                    .values(pending_reason=new)
+                )
+
         self.db.run_write(tx)
 
     def dispatch(self, run_id: str) -> None:
         """Send AssignJob for ``run_id`` (idempotent at the agent); record delivery."""
         try:
             with self.db.read() as s:
-                found = s.execute(select(JobRunRow, JobRow, NodeRow)
-                                  .join(JobRow, JobRow.id == JobRunRow.job_id)
-                                  .join(NodeRow, NodeRow.id == JobRunRow.node_id)
-                                  .where(JobRunRow.id == run_id)).first()
+                found = s.execute(
+                    select(JobRunRow, JobRow, NodeRow)
+                    .join(JobRow, JobRow.id == JobRunRow.job_id)
+                    .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+                    .where(JobRunRow.id == run_id)
+                ).first()
                 if found is None:
                     return
                 run, job, node = found
                 if run.status != RunStatus.ASSIGNED:
                     return
-                prior = s.execute(select(JobRunRow.checkpoint_prefix).where(
-                    JobRunRow.job_id == job.id, JobRunRow.checkpoint_prefix.is_not(None),
-                    JobRunRow.attempt < run.attempt).order_by(JobRunRow.attempt.desc()).limit(1)
+                prior = s.execute(
+                    select(JobRunRow.checkpoint_prefix)
+                    .where(
+                        JobRunRow.job_id == job.id,
+                        JobRunRow.checkpoint_prefix.is_not(None),
+                        JobRunRow.attempt < run.attempt,
+                    )
+                    .order_by(JobRunRow.attempt.desc())
+                    .limit(1)
                 ).scalar_one_or_none()
-                res_id = s.execute(select(allocate.ReservationRow.id).where(
-                    allocate.ReservationRow.run_id == run_id)).scalar_one()
+                res_id = s.execute(
+                    select(ReservationRow.id).where(ReservationRow.run_id == run_id)
+                ).scalar_one()
             spec = job.spec
             req = pb.AssignJobRequest(
-                run_id=run.id, job_id=job.id, reservation_id=res_id, token=run.token,
-                leader_epoch=self.leadership.epoch, gpu_ids=run.gpu_ids,
-                command=spec["command"], env=spec.get("env") or {}, image=spec.get("image") or "",
+                run_id=run.id,
+                job_id=job.id,
+                reservation_id=res_id,
+                token=run.token,
+                leader_epoch=self.leadership.epoch,
+                gpu_ids=run.gpu_ids,
+                command=spec["command"],
+                env=spec.get("env") or {},
+                image=spec.get("image") or "",
                 resume_from_uri=self.store.uri(prior) if prior else "",
-                max_runtime_s=float(spec.get("max_runtime_s") or 0), attempt=run.attempt,
+                max_runtime_s=float(spec.get("max_runtime_s") or 0),
+                attempt=run.attempt,
             )
             resp = self.agents.assign(node.address, req)
         except grpc.RpcError as exc:
-            log.warning("AssignJob %s to %s failed: %s (the reconciler retries)", run_id,
-                        locals().get("node") and node.id, exc.code())
+            log.warning(
+                "AssignJob %s to %s failed: %s (the reconciler retries)",
+                run_id,
+                locals().get("node") and node.id,
+                exc.code(),
+            )
             return
         except Exception:
             log.exception("dispatch of %s failed", run_id)
             return
         if resp.result == pb.AssignJobResponse.REJECTED_STALE:
             log.warning("agent rejected %s as stale: %s", run_id, resp.message)
-            runs.complete_run(self.db, self.store, runs.Report(
-                node_id=node.id, run_id=run_id, token=run.token, outcome=runs.Outcome.NEVER_STARTED,
-                exit_code=0, manifest_uri="", message=f"agent refused it: {resp.message}"))
+            runs.complete_run(
+                self.db,
+                self.store,
+                runs.Report(
+                    node_id=node.id,
+                    run_id=run_id,
+                    token=run.token,
+                    outcome=runs.Outcome.NEVER_STARTED,
+                    exit_code=0,
+                    manifest_uri="",
+                    message=f"agent refused it: {resp.message}",
+                ),
+            )
             return
-        self.db.run_write(lambda s: s.execute(update(JobRunRow).where(JobRunRow.id == run_id)
-                                              .values(assigned_at=db_now(s))))
+        self.db.run_write(partial(runs.mark_delivered, run_id=run_id))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -190,8 +245,9 @@ class StopDriver:
     """Turns cancel requests and max_runtime overruns into durable PREEMPTING + StopRun, and
     re-sends StopRun for stops that have not been confirmed (idempotent at the agent)."""
 
-    def __init__(self, db: Database, settings: Settings, leadership: Leadership,
-                 agents: AgentClients) -> None:
+    def __init__(
+        self, db: Database, settings: Settings, leadership: Leadership, agents: AgentClients
+    ) -> None:
         self.db, self.settings, self.leadership, self.agents = db, settings, leadership, agents
 
     def run_pass(self) -> int:
@@ -203,30 +259,47 @@ class StopDriver:
                 select(JobRunRow, JobRow.cancel_requested, JobRow.spec, NodeRow.address)
                 .join(JobRow, JobRow.id == JobRunRow.job_id)
                 .join(NodeRow, NodeRow.id == JobRunRow.node_id)
-                .where(JobRunRow.status.in_([RunStatus.ASSIGNED, RunStatus.RUNNING, RunStatus.PREEMPTING]))
+                .where(
+                    JobRunRow.status.in_(
+                        [RunStatus.ASSIGNED, RunStatus.RUNNING, RunStatus.PREEMPTING]
+                    )
+                )
             ).all()
         sent = 0
         for run, cancel, spec, address in active:
             reason = None
             if run.status == RunStatus.PREEMPTING:
                 resend_after = self.settings.default_grace_s + 10.0
-                if run.stop_requested_at and (now - run.stop_requested_at).total_seconds() > resend_after:
+                if (
+                    run.stop_requested_at
+                    and (now - run.stop_requested_at).total_seconds() > resend_after
+                ):
                     reason = run.stop_reason
-                    self.db.run_write(lambda s, r=run: s.execute(update(JobRunRow).where(
-                        JobRunRow.id == r.id).values(stop_requested_at=db_now(s))))
+                    self.db.run_write(partial(runs.renew_stop_request, run_id=run.id))
                 else:
                     continue
             elif cancel:
                 reason = "cancel"
-            elif run.status == RunStatus.RUNNING and run.started_at and spec.get("max_runtime_s") and \
-                    (now - run.started_at).total_seconds() > float(spec["max_runtime_s"]):
+            elif (
+                run.status == RunStatus.RUNNING
+                and run.started_at
+                and spec.get("max_runtime_s")
+                and (now - run.started_at).total_seconds() > float(spec["max_runtime_s"])
+            ):
                 reason = "timeout"
             if reason is None:
                 continue
             if run.status != RunStatus.PREEMPTING:
                 try:
-                    ok = self.db.run_write(lambda s, r=run, why=reason: runs.request_stop(
-                        s, r.id, r.token, why, message=f"stop requested ({why})"))
+                    ok = self.db.run_write(
+                        partial(
+                            runs.request_stop,
+                            run_id=run.id,
+                            token=run.token,
+                            reason=reason,
+                            message=f"stop requested ({reason})",
+                        )
+                    )
                 except StaleState:
                     continue
                 if not ok:
@@ -237,10 +310,19 @@ class StopDriver:
 
     def _send_stop(self, address: str, run_id: str, token: int, reason: str) -> None:
         try:
-            resp = self.agents.stop(address, pb.StopRunRequest(
-                run_id=run_id, token=token, leader_epoch=self.leadership.epoch,
-                grace_s=self.settings.default_grace_s, reason=reason))
-            log.info("StopRun %s (%s): %s", run_id, reason, pb.StopRunResponse.Result.Name(resp.result))
+            resp = self.agents.stop(
+                address,
+                pb.StopRunRequest(
+                    run_id=run_id,
+                    token=token,
+                    leader_epoch=self.leadership.epoch,
+                    grace_s=self.settings.default_grace_s,
+                    reason=reason,
+                ),
+            )
+            log.info(
+                "StopRun %s (%s): %s", run_id, reason, pb.StopRunResponse.Result.Name(resp.result)
+            )
         except grpc.RpcError as exc:
             log.warning("StopRun %s failed: %s (re-sent later)", run_id, exc.code())
 
@@ -249,8 +331,13 @@ class Reconciler:
     """Silence -> SUSPECT (never a release); undelivered or unconfirmed assignments -> AssignJob
     again (idempotent per run_id, seed DD2)."""
 
-    def __init__(self, db: Database, settings: Settings, leadership: Leadership,
-                 dispatch: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        db: Database,
+        settings: Settings,
+        leadership: Leadership,
+        dispatch: Callable[[str], None],
+    ) -> None:
         self.db, self.settings, self.leadership, self.dispatch = db, settings, leadership, dispatch
 
     def run_pass(self) -> None:
@@ -263,12 +350,28 @@ class Reconciler:
         with self.db.read() as s:
             now = db_now(s)
             cutoff = now - timedelta(seconds=self.settings.confirm_timeout_s)
-            stuck = list(s.scalars(
-                select(JobRunRow.id).join(NodeRow, NodeRow.id == JobRunRow.node_id).where(
-                    JobRunRow.status == RunStatus.ASSIGNED, NodeRow.status == NodeStatus.HEALTHY,
-                    (JobRunRow.assigned_at.is_(None) & (JobRunRow.created_at < now - timedelta(seconds=2)))
-                    | (JobRunRow.assigned_at < cutoff))))
+            stuck = list(
+                s.scalars(
+                    select(JobRunRow.id)
+                    .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+                    .where(
+                        JobRunRow.status == RunStatus.ASSIGNED,
+                        NodeRow.status == NodeStatus.HEALTHY,
+                        (
+                            JobRunRow.assigned_at.is_(None)
+                            & (JobRunRow.created_at < now - timedelta(seconds=2))
+                        )
+                        | (JobRunRow.assigned_at < cutoff),
+                    )
+                )
+            )
         for run_id in stuck:
-            self.db.run_write(lambda s, r=run_id: record_event(
-                s, "reconcile", now=db_now(s), run_id=r, message="assignment not confirmed; re-sending"))
+            self.db.run_write(
+                partial(
+                    record_event,
+                    kind="reconcile",
+                    run_id=run_id,
+                    message="assignment not confirmed; re-sending",
+                )
+            )
             self.dispatch(run_id)

@@ -28,8 +28,9 @@ class Controller:
     """Starts the gRPC server and three threads: leader lease, scheduler, upkeep (stop driver
     and reconciler). ``stop()`` gives the lease back so a successor need not wait."""
 
-    def __init__(self, settings: Settings, db: Database, waker: Waker,
-                 policy: PolicyConfig | None = None) -> None:
+    def __init__(
+        self, settings: Settings, db: Database, waker: Waker, policy: PolicyConfig | None = None
+    ) -> None:
         self.settings, self.db, self.waker = settings, db, waker
         self.store = ObjectStore(settings.resolved_object_store_url())
         self.leadership = Leadership(holder=f"{socket.gethostname()}:{os.getpid()}:{id(self):x}")
@@ -44,31 +45,47 @@ class Controller:
 
     def start(self) -> None:
         self._acquire_once()
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ctl-rpc"))
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ctl-rpc")
+        )
         pb_grpc.add_ControllerServicer_to_server(
-            ControllerServicer(self.db, self.store,
-                               heartbeat_interval_s=self.settings.heartbeat_interval_s,
-                               leader_epoch=lambda: self.leadership.epoch,
-                               on_change=self.waker.wake),
+            ControllerServicer(
+                self.db,
+                self.store,
+                heartbeat_interval_s=self.settings.heartbeat_interval_s,
+                leader_epoch=lambda: self.leadership.epoch,
+                on_change=self.waker.wake,
+            ),
             server,
         )
         self.bound_port = server.add_insecure_port(self.settings.controller_address)
         if self.bound_port == 0:
-            raise RuntimeError(f"cannot bind controller gRPC on {self.settings.controller_address}")
+            raise RuntimeError(
+                f"cannot bind controller gRPC on {self.settings.controller_address}"
+            )
         server.start()
         self._server = server
-        for name, target in (("leader", self._leader_loop), ("scheduler", self._scheduler_loop),
-                             ("upkeep", self._upkeep_loop)):
+        for name, target in (
+            ("leader", self._leader_loop),
+            ("scheduler", self._scheduler_loop),
+            ("upkeep", self._upkeep_loop),
+        ):
             t = threading.Thread(target=target, name=f"ctl-{name}", daemon=True)
             t.start()
             self._threads.append(t)
-        log.info("controller listening on %s (leader epoch %d)", self.settings.controller_address,
-                 self.leadership.epoch)
+        log.info(
+            "controller listening on %s (leader epoch %d)",
+            self.settings.controller_address,
+            self.leadership.epoch,
+        )
 
     def _acquire_once(self) -> None:
         try:
-            epoch = self.db.run_write(lambda s: leader.try_acquire(
-                s, self.leadership.holder, self.settings.leader_lease_s))
+            epoch = self.db.run_write(
+                lambda s: leader.try_acquire(
+                    s, self.leadership.holder, self.settings.leader_lease_s
+                )
+            )
         except Exception:
             log.exception("leader lease")
             epoch = None
@@ -87,8 +104,13 @@ class Controller:
             try:
                 stats = self.scheduler.run_pass()
                 if stats.placed:
-                    log.info("pass: %d pending, %d placed, %d conflicts, %.1f ms", stats.pending,
-                             stats.placed, stats.conflicts, stats.seconds * 1000)
+                    log.info(
+                        "pass: %d pending, %d placed, %d conflicts, %.1f ms",
+                        stats.pending,
+                        stats.placed,
+                        stats.conflicts,
+                        stats.seconds * 1000,
+                    )
             except Exception:
                 log.exception("scheduler pass failed")
             self.waker.wait(self.settings.scheduler_tick_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 import grpc
@@ -37,57 +38,107 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     on_change: called after commits that free capacity or need the loops (wake-up hint).
     """
 
-    def __init__(self, db: Database, store: ObjectStore, *, heartbeat_interval_s: float,
-                 leader_epoch: Callable[[], int], on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        db: Database,
+        store: ObjectStore,
+        *,
+        heartbeat_interval_s: float,
+        leader_epoch: Callable[[], int],
+        on_change: Callable[[], None],
+    ) -> None:
         self.db, self.store = db, store
         self.heartbeat_interval_s = heartbeat_interval_s
         self.leader_epoch = leader_epoch
         self.on_change = on_change
 
-    def RegisterNode(self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext) -> pb.RegisterNodeResponse:  # noqa: N802
+    def RegisterNode(
+        self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterNodeResponse:
         inv = nodes.NodeInventory(
-            node_id=request.node_id, address=request.address, agent_epoch=request.agent_epoch,
+            node_id=request.node_id,
+            address=request.address,
+            agent_epoch=request.agent_epoch,
             gpus=tuple(GpuDevice(g.index, g.uuid, g.gpu_type, g.memory_mb) for g in request.gpus),
-            cpu=request.cpu, memory_mb=request.memory_mb, labels=dict(request.labels),
+            cpu=request.cpu,
+            memory_mb=request.memory_mb,
+            labels=dict(request.labels),
             inventory_source=request.inventory_source or "declared",
         )
         _guard(context, lambda: self.db.run_write(lambda s: nodes.register_node(s, inv)))
         self.on_change()
-        return pb.RegisterNodeResponse(leader_epoch=self.leader_epoch(),
-                                       heartbeat_interval_s=self.heartbeat_interval_s)
+        return pb.RegisterNodeResponse(
+            leader_epoch=self.leader_epoch(), heartbeat_interval_s=self.heartbeat_interval_s
+        )
 
-    def ConfirmAssignment(self, request: pb.ConfirmAssignmentRequest, context: grpc.ServicerContext) -> pb.ConfirmAssignmentResponse:  # noqa: N802
-        result = _guard(context, lambda: self.db.run_write(
-            lambda s: runs.confirm_assignment(s, request.run_id, request.token, request.pid or None)))
+    def ConfirmAssignment(
+        self, request: pb.ConfirmAssignmentRequest, context: grpc.ServicerContext
+    ) -> pb.ConfirmAssignmentResponse:
+        result = _guard(
+            context,
+            lambda: self.db.run_write(
+                lambda s: runs.confirm_assignment(
+                    s, request.run_id, request.token, request.pid or None
+                )
+            ),
+        )
         ok = result == runs.Confirm.CONFIRMED
         return pb.ConfirmAssignmentResponse(
-            result=pb.ConfirmAssignmentResponse.CONFIRMED if ok else pb.ConfirmAssignmentResponse.REJECTED,
-            message="" if ok else "not the current attempt (stale token or finished)")
+            result=pb.ConfirmAssignmentResponse.CONFIRMED
+            if ok
+            else pb.ConfirmAssignmentResponse.REJECTED,
+            message="" if ok else "not the current attempt (stale token or finished)",
+        )
 
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:  # noqa: N802
-        running = [nodes.HeartbeatRun(r.run_id, r.job_id, r.token, r.state) for r in request.running]
-        verdict = _guard(context, lambda: self.db.run_write(
-            lambda s: nodes.heartbeat(s, request.node_id, request.agent_epoch, running)))
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        running = [
+            nodes.HeartbeatRun(r.run_id, r.job_id, r.token, r.state) for r in request.running
+        ]
+        verdict = _guard(
+            context,
+            lambda: self.db.run_write(
+                lambda s: nodes.heartbeat(s, request.node_id, request.agent_epoch, running)
+            ),
+        )
         for h in verdict.confirm:
-            self.db.run_write(lambda s, h=h: runs.confirm_assignment(s, h.run_id, h.token))
+            self.db.run_write(partial(runs.confirm_assignment, run_id=h.run_id, token=h.token))
             log.info("repaired lost confirm of %s from a heartbeat", h.run_id)
         epoch = self.leader_epoch()
         return pb.HeartbeatResponse(
             leader_epoch=epoch,
             reregister=not verdict.known,
-            stop=[pb.StopRunRequest(run_id=h.run_id, token=h.token, leader_epoch=epoch,
-                                    grace_s=0.0, reason="stale") for h in verdict.stop],
+            stop=[
+                pb.StopRunRequest(
+                    run_id=h.run_id, token=h.token, leader_epoch=epoch, grace_s=0.0, reason="stale"
+                )
+                for h in verdict.stop
+            ],
         )
 
-    def ReportCompletion(self, request: pb.ReportCompletionRequest, context: grpc.ServicerContext) -> pb.ReportCompletionResponse:  # noqa: N802
+    def ReportCompletion(
+        self, request: pb.ReportCompletionRequest, context: grpc.ServicerContext
+    ) -> pb.ReportCompletionResponse:
         report = runs.Report(
-            node_id=request.node_id, run_id=request.run_id, token=request.token,
-            outcome=_OUTCOME.get(request.outcome, runs.Outcome.EXITED), exit_code=request.exit_code,
-            manifest_uri=request.manifest_uri, message=request.message,
+            node_id=request.node_id,
+            run_id=request.run_id,
+            token=request.token,
+            outcome=_OUTCOME.get(request.outcome, runs.Outcome.EXITED),
+            exit_code=request.exit_code,
+            manifest_uri=request.manifest_uri,
+            message=request.message,
         )
         result, message = _guard(context, lambda: runs.complete_run(self.db, self.store, report))
-        log.info("completion of %s (token %d, %s, exit %d): %s %s", report.run_id, report.token,
-                 report.outcome, report.exit_code, result, message)
+        log.info(
+            "completion of %s (token %d, %s, exit %d): %s %s",
+            report.run_id,
+            report.token,
+            report.outcome,
+            report.exit_code,
+            result,
+            message,
+        )
         self.on_change()
         return pb.ReportCompletionResponse(result=_COMPLETION[result], message=message)
 
@@ -97,6 +148,10 @@ def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
     try:
         return fn()
     except GpufleetError as exc:
-        code = grpc.StatusCode.FAILED_PRECONDITION if exc.http_status == 409 else grpc.StatusCode.INVALID_ARGUMENT
+        code = (
+            grpc.StatusCode.FAILED_PRECONDITION
+            if exc.http_status == 409
+            else grpc.StatusCode.INVALID_ARGUMENT
+        )
         context.abort(code, f"{exc.code}: {exc.message}")
         raise  # unreachable: abort raises

@@ -65,7 +65,8 @@ class InvariantView:
 
 @dataclass(frozen=True, slots=True)
 class Violation:
-    """One broken invariant: ``invariant`` is 1-4 (ARCHITECTURE.md), ``subject`` the id involved."""
+    """One broken invariant: ``invariant`` is 1-4 (ARCHITECTURE.md); ``subject`` is the id
+    involved."""
 
     invariant: int
     subject: str
@@ -155,7 +156,9 @@ def _one_authoritative_attempt(
     for job in jobs:
         live = active_runs_by_job.get(job.job_id, [])
         if len(live) > 1:
-            yield Violation(3, job.job_id, f"{len(live)} active attempts: {[r.run_id for r in live]}")
+            yield Violation(
+                3, job.job_id, f"{len(live)} active attempts: {[r.run_id for r in live]}"
+            )
         for run in live:
             if run.run_id != job.current_run_id:
                 yield Violation(3, job.job_id, f"active attempt {run.run_id} is not current")

@@ -57,7 +57,7 @@ class RedisWaker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if listen:
-            self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
             self._pubsub.subscribe(WAKE_CHANNEL)
             self._thread = threading.Thread(target=self._listen, name="redis-wake", daemon=True)
             self._thread.start()
@@ -66,7 +66,7 @@ class RedisWaker:
         while not self._stop.is_set():
             try:
                 msg = self._pubsub.get_message(timeout=1.0)
-            except Exception as exc:  # noqa: BLE001 - any Redis failure: log, retry, tick covers
+            except Exception as exc:
                 log.warning("redis wake listener: %s", exc)
                 self._stop.wait(1.0)
                 continue
@@ -77,7 +77,7 @@ class RedisWaker:
         self._local.wake()
         try:
             self._redis.publish(WAKE_CHANNEL, b"1")
-        except Exception as exc:  # noqa: BLE001 - a lost hint costs one tick, never a job
+        except Exception as exc:
             log.warning("redis wake publish failed: %s", exc)
 
     def wait(self, timeout_s: float) -> bool:

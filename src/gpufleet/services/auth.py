@@ -31,7 +31,9 @@ def _hash(raw: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
-def create_team(session: Session, name: str, *, weight: float = 1.0, exist_ok: bool = False) -> str:
+def create_team(
+    session: Session, name: str, *, weight: float = 1.0, exist_ok: bool = False
+) -> str:
     """Create team ``name``. Raises ValidationFailed for a bad name, Conflict if it exists
     (unless ``exist_ok``)."""
     if not TEAM_NAME.match(name):
@@ -45,8 +47,15 @@ def create_team(session: Session, name: str, *, weight: float = 1.0, exist_ok: b
         if exist_ok:
             return name
         raise Conflict(f"team {name!r} already exists", field="name")
-    session.add(TeamRow(id=name, weight=weight, guaranteed_gpus={}, lending_limit_gpus={},
-                        created_at=db_now(session)))
+    session.add(
+        TeamRow(
+            id=name,
+            weight=weight,
+            guaranteed_gpus={},
+            lending_limit_gpus={},
+            created_at=db_now(session),
+        )
+    )
     session.flush()
     return name
 

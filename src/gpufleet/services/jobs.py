@@ -208,15 +208,26 @@ def cancel_job(db: Database, team_id: str | None, job_id: str) -> str:
         now = db_now(session)
         if job.status == JobStatus.PENDING:
             transition(
-                session, Machine.JOB, job_id, JobStatus.CANCELLED, now=now,
+                session,
+                Machine.JOB,
+                job_id,
+                JobStatus.CANCELLED,
+                now=now,
                 frm=[JobStatus.PENDING],
                 values={"cancel_requested": True, "finished_at": now, "pending_reason": None},
-                message="cancelled by user while pending", job_id=job_id,
+                message="cancelled by user while pending",
+                job_id=job_id,
             )
             return JobStatus.CANCELLED
         job.cancel_requested = True
-        record_event(session, "cancel_requested", now=now, message="cancel requested by user",
-                     job_id=job_id, run_id=job.current_run_id)
+        record_event(
+            session,
+            "cancel_requested",
+            now=now,
+            message="cancel requested by user",
+            job_id=job_id,
+            run_id=job.current_run_id,
+        )
         return job.status
 
     try:

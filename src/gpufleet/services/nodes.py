@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
-from gpufleet.domain.states import NodeStatus, RunStatus, Machine, RUN_ACTIVE
+from gpufleet.domain.states import RUN_ACTIVE, Machine, NodeStatus, RunStatus
 from gpufleet.domain.types import GpuDevice
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeGpuRow, NodeRow
@@ -35,7 +35,9 @@ def register_node(session: Session, inv: NodeInventory) -> None:
         raise ValidationFailed("a node must have at least one GPU", field="gpus")
     types = {g.gpu_type for g in inv.gpus}
     if len(types) != 1:
-        raise ValidationFailed(f"mixed GPU types on one node are not supported: {types}", field="gpus")
+        raise ValidationFailed(
+            f"mixed GPU types on one node are not supported: {types}", field="gpus"
+        )
     now = db_now(session)
     node = session.get(NodeRow, inv.node_id, with_for_update=True)
     gpu_type = types.pop()
@@ -43,44 +45,103 @@ def register_node(session: Session, inv: NodeInventory) -> None:
     if node is None:
         session.add(
             NodeRow(
-                id=inv.node_id, address=inv.address, status=NodeStatus.HEALTHY, gpu_type=gpu_type,
-                gpu_memory_mb=mem, cpu=inv.cpu, memory_mb=inv.memory_mb, labels=inv.labels,
-                agent_epoch=inv.agent_epoch, inventory_source=inv.inventory_source,
-                registered_at=now, last_heartbeat_at=now,
+                id=inv.node_id,
+                address=inv.address,
+                status=NodeStatus.HEALTHY,
+                gpu_type=gpu_type,
+                gpu_memory_mb=mem,
+                cpu=inv.cpu,
+                memory_mb=inv.memory_mb,
+                labels=inv.labels,
+                agent_epoch=inv.agent_epoch,
+                inventory_source=inv.inventory_source,
+                registered_at=now,
+                last_heartbeat_at=now,
             )
         )
         session.flush()
-        session.add(NodeCapacityRow(node_id=inv.node_id, total_gpus=len(inv.gpus),
-                                    available_gpus=len(inv.gpus), version=0))
+        session.add(
+            NodeCapacityRow(
+                node_id=inv.node_id,
+                total_gpus=len(inv.gpus),
+                available_gpus=len(inv.gpus),
+                version=0,
+            )
+        )
         for g in inv.gpus:
-            session.add(NodeGpuRow(node_id=inv.node_id, gpu_index=g.index, uuid=g.uuid,
-                                   gpu_type=g.gpu_type, memory_mb=g.memory_mb))
-        record_event(session, "node_registered", now=now, node_id=inv.node_id,
-                     message=f"{len(inv.gpus)}x{gpu_type} at {inv.address} ({inv.inventory_source})")
+            session.add(
+                NodeGpuRow(
+                    node_id=inv.node_id,
+                    gpu_index=g.index,
+                    uuid=g.uuid,
+                    gpu_type=g.gpu_type,
+                    memory_mb=g.memory_mb,
+                )
+            )
+        record_event(
+            session,
+            "node_registered",
+            now=now,
+            node_id=inv.node_id,
+            message=f"{len(inv.gpus)}x{gpu_type} at {inv.address} ({inv.inventory_source})",
+        )
         return
     if inv.agent_epoch < node.agent_epoch:
-        raise Conflict(f"agent epoch {inv.agent_epoch} < known {node.agent_epoch}", field="agent_epoch")
+        raise Conflict(
+            f"agent epoch {inv.agent_epoch} < known {node.agent_epoch}", field="agent_epoch"
+        )
     cap = session.get(NodeCapacityRow, inv.node_id, with_for_update=True)
     assert cap is not None
     if cap.total_gpus != len(inv.gpus):
         if cap.available_gpus != cap.total_gpus:
             raise Conflict(
                 f"node {inv.node_id} now reports {len(inv.gpus)} GPUs (was {cap.total_gpus})"
-                " while GPUs are reserved; drain it first", field="gpus")
-        session.execute(NodeGpuRow.__table__.delete().where(NodeGpuRow.node_id == inv.node_id))
+                " while GPUs are reserved; drain it first",
+                field="gpus",
+            )
+        session.execute(delete(NodeGpuRow).where(NodeGpuRow.node_id == inv.node_id))
         for g in inv.gpus:
-            session.add(NodeGpuRow(node_id=inv.node_id, gpu_index=g.index, uuid=g.uuid,
-                                   gpu_type=g.gpu_type, memory_mb=g.memory_mb))
+            session.add(
+                NodeGpuRow(
+                    node_id=inv.node_id,
+                    gpu_index=g.index,
+                    uuid=g.uuid,
+                    gpu_type=g.gpu_type,
+                    memory_mb=g.memory_mb,
+                )
+            )
         cap.total_gpus = cap.available_gpus = len(inv.gpus)
         cap.version += 1
-    node.address, node.labels, node.cpu, node.memory_mb = inv.address, inv.labels, inv.cpu, inv.memory_mb
+    node.address, node.labels, node.cpu, node.memory_mb = (
+        inv.address,
+        inv.labels,
+        inv.cpu,
+        inv.memory_mb,
+    )
     node.gpu_type, node.gpu_memory_mb = gpu_type, mem
-    node.agent_epoch, node.inventory_source, node.last_heartbeat_at = inv.agent_epoch, inv.inventory_source, now
+    node.agent_epoch, node.inventory_source, node.last_heartbeat_at = (
+        inv.agent_epoch,
+        inv.inventory_source,
+        now,
+    )
     if node.status == NodeStatus.SUSPECT:
-        transition(session, Machine.NODE, node.id, NodeStatus.HEALTHY, now=now, frm=[NodeStatus.SUSPECT],
-                   message="agent re-registered", node_id=node.id)
-    record_event(session, "node_registered", now=now, node_id=inv.node_id,
-                 message=f"re-registered, agent epoch {inv.agent_epoch}")
+        transition(
+            session,
+            Machine.NODE,
+            node.id,
+            NodeStatus.HEALTHY,
+            now=now,
+            frm=[NodeStatus.SUSPECT],
+            message="agent re-registered",
+            node_id=node.id,
+        )
+    record_event(
+        session,
+        "node_registered",
+        now=now,
+        node_id=inv.node_id,
+        message=f"re-registered, agent epoch {inv.agent_epoch}",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +162,9 @@ class HeartbeatVerdict:
     """Runs the agent runs whose confirmation was lost: confirm them (lost ack != lost work)."""
 
 
-def heartbeat(session: Session, node_id: str, agent_epoch: int, running: list[HeartbeatRun]) -> HeartbeatVerdict:
+def heartbeat(
+    session: Session, node_id: str, agent_epoch: int, running: list[HeartbeatRun]
+) -> HeartbeatVerdict:
     """Record liveness and compare the agent's running set with the database."""
     now = db_now(session)
     node = session.get(NodeRow, node_id)
@@ -111,8 +174,16 @@ def heartbeat(session: Session, node_id: str, agent_epoch: int, running: list[He
         return HeartbeatVerdict(known=True)  # a stale agent process; its successor speaks
     session.execute(update(NodeRow).where(NodeRow.id == node_id).values(last_heartbeat_at=now))
     if node.status == NodeStatus.SUSPECT:
-        transition(session, Machine.NODE, node_id, NodeStatus.HEALTHY, now=now,
-                   frm=[NodeStatus.SUSPECT], message="heartbeat resumed", node_id=node_id)
+        transition(
+            session,
+            Machine.NODE,
+            node_id,
+            NodeStatus.HEALTHY,
+            now=now,
+            frm=[NodeStatus.SUSPECT],
+            message="heartbeat resumed",
+            node_id=node_id,
+        )
     if not running:
         return HeartbeatVerdict(known=True)
     rows = {
@@ -144,8 +215,16 @@ def set_node_status(session: Session, node_id: str, to: NodeStatus, *, message: 
     node = session.get(NodeRow, node_id)
     if node is None:
         raise NotFound(f"no node {node_id!r}", field="node_id")
-    return transition(session, Machine.NODE, node_id, to, now=db_now(session), frm=[node.status],
-                      message=message, node_id=node_id)
+    return transition(
+        session,
+        Machine.NODE,
+        node_id,
+        to,
+        now=db_now(session),
+        frm=[node.status],
+        message=message,
+        node_id=node_id,
+    )
 
 
 def mark_silent_nodes_suspect(session: Session, silent_for_s: float) -> list[str]:
@@ -155,10 +234,22 @@ def mark_silent_nodes_suspect(session: Session, silent_for_s: float) -> list[str
     from datetime import timedelta
 
     cutoff: datetime = now - timedelta(seconds=silent_for_s)
-    ids = list(session.scalars(select(NodeRow.id).where(
-        NodeRow.status == NodeStatus.HEALTHY, NodeRow.last_heartbeat_at < cutoff)))
+    ids = list(
+        session.scalars(
+            select(NodeRow.id).where(
+                NodeRow.status == NodeStatus.HEALTHY, NodeRow.last_heartbeat_at < cutoff
+            )
+        )
+    )
     for node_id in ids:
-        transition(session, Machine.NODE, node_id, NodeStatus.SUSPECT, now=now,
-                   frm=[NodeStatus.HEALTHY], message=f"no heartbeat for {silent_for_s:.0f} s",
-                   node_id=node_id)
+        transition(
+            session,
+            Machine.NODE,
+            node_id,
+            NodeStatus.SUSPECT,
+            now=now,
+            frm=[NodeStatus.HEALTHY],
+            message=f"no heartbeat for {silent_for_s:.0f} s",
+            node_id=node_id,
+        )
     return ids

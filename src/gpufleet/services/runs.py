@@ -33,30 +33,69 @@ class Confirm(enum.StrEnum):
     REJECTED = "REJECTED"
 
 
-def confirm_assignment(session: Session, run_id: str, token: int, pid: int | None = None) -> Confirm:
+def confirm_assignment(
+    session: Session, run_id: str, token: int, pid: int | None = None
+) -> Confirm:
     """The agent started ``run_id``: RESERVED -> CONFIRMED, ASSIGNED -> RUNNING, job -> RUNNING.
     Idempotent; a stale or unknown attempt is REJECTED (the agent then stops it)."""
     run = session.get(JobRunRow, run_id, with_for_update=True)
     job = session.get(JobRow, run.job_id) if run else None
-    if run is None or job is None or run.token != token or job.current_run_id != run_id \
-            or job.fencing_epoch != token or run.status in RUN_TERMINAL:
+    if (
+        run is None
+        or job is None
+        or run.token != token
+        or job.current_run_id != run_id
+        or job.fencing_epoch != token
+        or run.status in RUN_TERMINAL
+    ):
         return Confirm.REJECTED
     now = db_now(session)
     if pid:
         run.pid = pid
     if run.status == RunStatus.ASSIGNED:
-        transition(session, Machine.RUN, run_id, RunStatus.RUNNING, now=now, frm=[RunStatus.ASSIGNED],
-                   guard={"token": token}, values={"started_at": now}, job_id=job.id, run_id=run_id,
-                   node_id=run.node_id, message="agent confirmed the start")
-    res = session.execute(select(ReservationRow).where(ReservationRow.run_id == run_id)).scalar_one()
+        transition(
+            session,
+            Machine.RUN,
+            run_id,
+            RunStatus.RUNNING,
+            now=now,
+            frm=[RunStatus.ASSIGNED],
+            guard={"token": token},
+            values={"started_at": now},
+            job_id=job.id,
+            run_id=run_id,
+            node_id=run.node_id,
+            message="agent confirmed the start",
+        )
+    res = session.execute(
+        select(ReservationRow).where(ReservationRow.run_id == run_id)
+    ).scalar_one()
     if res.status == ReservationStatus.RESERVED:
-        transition(session, Machine.RESERVATION, res.id, ReservationStatus.CONFIRMED, now=now,
-                   frm=[ReservationStatus.RESERVED], guard={"token": token}, job_id=job.id,
-                   run_id=run_id, node_id=run.node_id)
+        transition(
+            session,
+            Machine.RESERVATION,
+            res.id,
+            ReservationStatus.CONFIRMED,
+            now=now,
+            frm=[ReservationStatus.RESERVED],
+            guard={"token": token},
+            job_id=job.id,
+            run_id=run_id,
+            node_id=run.node_id,
+        )
     if job.status == JobStatus.SCHEDULED:
-        transition(session, Machine.JOB, job.id, JobStatus.RUNNING, now=now, frm=[JobStatus.SCHEDULED],
-                   guard={"fencing_epoch": token}, values={"started_at": now}, job_id=job.id,
-                   run_id=run_id)
+        transition(
+            session,
+            Machine.JOB,
+            job.id,
+            JobStatus.RUNNING,
+            now=now,
+            frm=[JobStatus.SCHEDULED],
+            guard={"fencing_epoch": token},
+            values={"started_at": now},
+            job_id=job.id,
+            run_id=run_id,
+        )
     return Confirm.CONFIRMED
 
 
@@ -67,11 +106,37 @@ def request_stop(session: Session, run_id: str, token: int, reason: str, *, mess
     run = session.get(JobRunRow, run_id)
     if run is None or run.status not in (RunStatus.ASSIGNED, RunStatus.RUNNING):
         return False
-    transition(session, Machine.RUN, run_id, RunStatus.PREEMPTING, now=db_now(session),
-               frm=[run.status], guard={"token": token},
-               values={"stop_reason": reason, "stop_requested_at": db_now(session)},
-               job_id=run.job_id, run_id=run_id, node_id=run.node_id, message=message)
+    transition(
+        session,
+        Machine.RUN,
+        run_id,
+        RunStatus.PREEMPTING,
+        now=db_now(session),
+        frm=[run.status],
+        guard={"token": token},
+        values={"stop_reason": reason, "stop_requested_at": db_now(session)},
+        job_id=run.job_id,
+        run_id=run_id,
+        node_id=run.node_id,
+        message=message,
+    )
     return True
+
+
+def mark_delivered(session: Session, run_id: str) -> None:
+    """The agent answered AssignJob (started or already running): record the delivery."""
+    session.execute(
+        update(JobRunRow).where(JobRunRow.id == run_id).values(assigned_at=db_now(session))
+    )
+
+
+def renew_stop_request(session: Session, run_id: str) -> None:
+    """Restart the clock of an unconfirmed stop (its StopRun is being re-sent)."""
+    session.execute(
+        update(JobRunRow)
+        .where(JobRunRow.id == run_id, JobRunRow.status == RunStatus.PREEMPTING)
+        .values(stop_requested_at=db_now(session))
+    )
 
 
 class Outcome(enum.StrEnum):
@@ -155,7 +220,8 @@ def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[Comp
         now = db_now(session)
         run = session.get(JobRunRow, report.run_id, with_for_update=True)
         job = session.get(JobRow, job_id, with_for_update=True)
-        assert run is not None and job is not None
+        assert run is not None
+        assert job is not None
         if run.status in RUN_TERMINAL:
             return CompletionResult.ACCEPTED, f"already committed as {run.status}"
         if run.token != report.token:
@@ -170,11 +236,23 @@ def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[Comp
         }
         if verified.manifest is not None:
             values["checkpoint_prefix"] = verified.manifest.checkpoint_prefix()
-        transition(session, Machine.RUN, run.id, run_to, now=now, frm=[run.status],
-                   guard={"token": report.token}, values=values, job_id=job.id, run_id=run.id,
-                   node_id=run.node_id, message=why)
-        gpus = allocate.release(session, run_id=run.id, now=now,
-                                message=f"agent reported {report.outcome.lower()}")
+        transition(
+            session,
+            Machine.RUN,
+            run.id,
+            run_to,
+            now=now,
+            frm=[run.status],
+            guard={"token": report.token},
+            values=values,
+            job_id=job.id,
+            run_id=run.id,
+            node_id=run.node_id,
+            message=why,
+        )
+        gpus = allocate.release(
+            session, run_id=run.id, now=now, message=f"agent reported {report.outcome.lower()}"
+        )
         _charge(session, job.team_id, gpus, run.started_at or run.created_at, now)
         if not current:
             return CompletionResult.STALE, "not the job's current attempt; job unchanged"
@@ -183,12 +261,25 @@ def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[Comp
             if job_to == JobStatus.PENDING:
                 job_values = {"queued_at": now, "pending_reason": None}
             else:
-                job_values = {"finished_at": now, "failure_reason": None if job_to == JobStatus.SUCCEEDED else why}
+                job_values = {
+                    "finished_at": now,
+                    "failure_reason": None if job_to == JobStatus.SUCCEEDED else why,
+                }
                 if job_to == JobStatus.SUCCEEDED:
                     job_values["result_uri"] = report.manifest_uri
-            transition(session, Machine.JOB, job.id, job_to, now=now, frm=[job.status],
-                       guard={"fencing_epoch": report.token}, values=job_values, job_id=job.id,
-                       run_id=run.id, message=why)
+            transition(
+                session,
+                Machine.JOB,
+                job.id,
+                job_to,
+                now=now,
+                frm=[job.status],
+                guard={"fencing_epoch": report.token},
+                values=job_values,
+                job_id=job.id,
+                run_id=run.id,
+                message=why,
+            )
         if not verified.ok and report.outcome == Outcome.EXITED and report.exit_code == 0:
             return CompletionResult.REJECTED, why
         return CompletionResult.ACCEPTED, why
@@ -196,8 +287,14 @@ def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[Comp
     return db.run_write(tx)
 
 
-def _decide(session: Session, run: JobRunRow, job: JobRow, report: Report, verified: Verified,
-            current: bool) -> tuple[RunStatus, JobStatus | None, str]:
+def _decide(
+    session: Session,
+    run: JobRunRow,
+    job: JobRow,
+    report: Report,
+    verified: Verified,
+    current: bool,
+) -> tuple[RunStatus, JobStatus | None, str]:
     """(run's terminal status, job's next status or None, a sentence)."""
     stopping = run.status == RunStatus.PREEMPTING
     if report.outcome == Outcome.EXITED and report.exit_code == 0:
@@ -206,7 +303,11 @@ def _decide(session: Session, run: JobRunRow, job: JobRow, report: Report, verif
         why = f"exited 0 but the manifest failed verification: {verified.problem}"
         return RunStatus.FAILED, _failed_next(session, job, current), why
     if stopping and run.stop_reason == "cancel":
-        return RunStatus.CANCELLED, JobStatus.CANCELLED, "cancelled by user; processes verified gone"
+        return (
+            RunStatus.CANCELLED,
+            JobStatus.CANCELLED,
+            "cancelled by user; processes verified gone",
+        )
     if stopping and run.stop_reason == "preempt":
         return RunStatus.PREEMPTED, JobStatus.PENDING, "preempted; requeued as a new attempt"
     if stopping and run.stop_reason == "timeout":
@@ -227,8 +328,9 @@ def _failed_next(session: Session, job: JobRow, current: bool) -> JobStatus | No
     if job.cancel_requested:
         return JobStatus.CANCELLED
     failed_before = session.execute(
-        select(func.count()).select_from(JobRunRow).where(
-            JobRunRow.job_id == job.id, JobRunRow.status == RunStatus.FAILED)
+        select(func.count())
+        .select_from(JobRunRow)
+        .where(JobRunRow.job_id == job.id, JobRunRow.status == RunStatus.FAILED)
     ).scalar_one()
     max_retries = int(job.spec.get("max_retries") or 0)
     return JobStatus.PENDING if failed_before < max_retries else JobStatus.FAILED
@@ -239,5 +341,6 @@ def _charge(session: Session, team_id: str, gpus: int, since: datetime, now: dat
     if gpus <= 0:
         return
     used = gpus * max(0.0, (now - since).total_seconds())
-    session.execute(update(TeamRow).where(TeamRow.id == team_id)
-                    .values(usage_gpu_s=TeamRow.usage_gpu_s + used))
+    session.execute(
+        update(TeamRow).where(TeamRow.id == team_id).values(usage_gpu_s=TeamRow.usage_gpu_s + used)
+    )

@@ -27,6 +27,7 @@ from gpufleet.domain.errors import CapacityConflict, StaleState
 from gpufleet.domain.ids import new_reservation_id, new_run_id
 from gpufleet.domain.states import JobStatus, Machine, NodeStatus, ReservationStatus, RunStatus
 from gpufleet.store import leader
+from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
     JobRow,
     JobRunRow,
@@ -61,7 +62,7 @@ def reserve(
     leader_holder: str,
     leader_epoch: int,
     lease_s: float,
-    now: datetime,
+    now: datetime | None = None,
 ) -> Reserved:
     """Reserve ``gpu_count`` GPUs of ``node_id`` for a new attempt of ``job_id``.
 
@@ -71,6 +72,7 @@ def reserve(
         StaleState: the job is no longer PENDING at ``seen_fencing_epoch`` (or was cancelled).
     """
     leader.assert_leader(session, leader_holder, leader_epoch)
+    now = now if now is not None else db_now(session)
     cap = NodeCapacityRow.__table__.c
     took = session.execute(
         update(NodeCapacityRow)

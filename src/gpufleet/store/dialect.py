@@ -17,7 +17,9 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 def engine_options(url: str) -> dict[str, Any]:
     """Keyword arguments for ``create_engine`` for this database."""
     if url.startswith("sqlite"):
-        return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}}
+        return {
+            "connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}
+        }
     return {"pool_size": 10, "max_overflow": 20, "pool_pre_ping": True}
 
 

@@ -38,9 +38,7 @@ def try_acquire(session: Session, holder: str, lease_s: float) -> int | None:
     if row.expires_at > now:
         return None
     row.holder, row.epoch, row.expires_at = holder, row.epoch + 1, expires
-    record_event(
-        session, "leader", now=now, message=f"{holder} became leader (epoch {row.epoch})"
-    )
+    record_event(session, "leader", now=now, message=f"{holder} became leader (epoch {row.epoch})")
     return row.epoch
 
 

@@ -22,10 +22,9 @@ def alembic_config() -> Config:
 def migrate(db: Database) -> None:
     """Upgrade the schema to head (idempotent; serialized across processes)."""
     cfg = alembic_config()
-    with db.engine.connect() as conn:
-        with dialect.migration_lock(conn):
-            if conn.in_transaction():
-                conn.commit()
-            with conn.begin():
-                cfg.attributes["connection"] = conn
-                command.upgrade(cfg, "head")
+    with db.engine.connect() as conn, dialect.migration_lock(conn):
+        if conn.in_transaction():
+            conn.commit()
+        with conn.begin():
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")

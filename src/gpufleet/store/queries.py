@@ -9,12 +9,12 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.invariants import (
     InvariantView,
-    Violation,
-    check_invariants,
     JobView,
     NodeView,
     ReservationView,
     RunView,
+    Violation,
+    check_invariants,
 )
 from gpufleet.domain.states import JobStatus, NodeStatus, ReservationStatus, RunStatus
 from gpufleet.domain.types import PriorityClass, Resources
@@ -60,7 +60,9 @@ def load_snapshot(session: Session, now: datetime) -> ClusterSnapshot:
     }
     nodes = []
     rows = session.execute(
-        select(NodeRow, NodeCapacityRow).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
+        select(NodeRow, NodeCapacityRow).join(
+            NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id
+        )
     ).all()
     for node, cap in rows:
         nodes.append(
@@ -81,7 +83,9 @@ def load_snapshot(session: Session, now: datetime) -> ClusterSnapshot:
         )
     pending = []
     for job in session.scalars(
-        select(JobRow).where(JobRow.status == JobStatus.PENDING, JobRow.cancel_requested.is_(False))
+        select(JobRow).where(
+            JobRow.status == JobStatus.PENDING, JobRow.cancel_requested.is_(False)
+        )
     ):
         spec = job.spec
         pending.append(
@@ -148,7 +152,9 @@ def load_invariant_view(session: Session) -> InvariantView:
         ReservationView(r.id, r.run_id, r.job_id, r.node_id, tuple(r.gpu_ids), r.status)
         for r in session.scalars(
             select(ReservationRow).where(
-                ReservationRow.status.in_([ReservationStatus.RESERVED, ReservationStatus.CONFIRMED])
+                ReservationRow.status.in_(
+                    [ReservationStatus.RESERVED, ReservationStatus.CONFIRMED]
+                )
             )
         )
     )

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import StaleState
 from gpufleet.domain.states import Machine, check_transition
+from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
     Base,
     JobRow,
@@ -110,7 +111,7 @@ def record_event(
     session: Session,
     kind: str,
     *,
-    now: datetime,
+    now: datetime | None = None,
     message: str,
     job_id: str | None = None,
     run_id: str | None = None,
@@ -120,7 +121,7 @@ def record_event(
     """Append a non-transition audit event (a placement decision, a reconcile finding...)."""
     session.add(
         SchedulingEventRow(
-            at=now,
+            at=now if now is not None else db_now(session),
             kind=kind,
             job_id=job_id,
             run_id=run_id,
