@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from gpufleet.cli.client import register_client_commands
 from gpufleet.cli.config import client_config_path, write_client_config
@@ -190,7 +191,7 @@ def admin_check(data_dir: DataDir = None) -> None:
         f"reservations, {len(view.jobs)} jobs, {len(view.runs)} attempts"
     )
     for v in violations:
-        out.print(f"[red]VIOLATION[/] {v}")
+        out.print(f"[red]VIOLATION[/] {escape(str(v))}")
     if violations:
         raise typer.Exit(1)
     out.print("[green]no violations[/]")
@@ -215,7 +216,7 @@ def admin_team(
     try:
         db.run_write(lambda s: auth.create_team(s, name, weight=weight))
     except GpufleetError as exc:
-        err.print(f"[red]error:[/] {exc.message}")
+        err.print(f"[red]error:[/] {escape(exc.message)}")
         raise typer.Exit(2) from None
     out.print(f"team {name} created")
 
@@ -245,7 +246,7 @@ def admin_token(
     try:
         raw = db.run_write(tx)
     except GpufleetError as exc:
-        err.print(f"[red]error:[/] {exc.message}")
+        err.print(f"[red]error:[/] {escape(exc.message)}")
         raise typer.Exit(2) from None
     print(raw)
 
