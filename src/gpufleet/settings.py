@@ -21,23 +21,33 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL; default sqlite:///{data_dir}/gpufleet.db. "
         "PostgreSQL: postgresql+psycopg://user@host:5432/db",
     )
-    redis_url: str | None = Field(default=None, description="redis://host:6379/0; None = in-process wake-ups.")
-    object_store_url: str | None = Field(default=None, description="default file://{data_dir}/objects")
+    redis_url: str | None = Field(
+        default=None, description="redis://host:6379/0; None = in-process wake-ups."
+    )
+    object_store_url: str | None = Field(
+        default=None, description="default file://{data_dir}/objects"
+    )
 
     server_host: str = "127.0.0.1"
     server_port: int = 8420
-    controller_address: str = Field(default="127.0.0.1:8421", description="gRPC host:port of the controller.")
+    controller_address: str = Field(
+        default="127.0.0.1:8421", description="gRPC host:port of the controller."
+    )
 
     heartbeat_interval_s: float = 10.0
     suspect_after_missed: int = Field(default=3, description="Missed heartbeats before SUSPECT.")
     confirm_timeout_s: float = Field(default=30.0, description="RESERVED this long -> reconcile.")
-    scheduler_tick_s: float = Field(default=1.0, description="Scheduler pass period without wake-ups.")
+    scheduler_tick_s: float = Field(
+        default=1.0, description="Scheduler pass period without wake-ups."
+    )
     default_grace_s: float = Field(default=30.0, description="SIGTERM -> SIGKILL grace for stops.")
     leader_lease_s: float = 15.0
     reservation_lease_s: float = 60.0
 
     max_env_bytes: int = Field(default=64 * 1024, description="Total size of a job's env, bytes.")
-    max_gpus_per_node: int = Field(default=8, description="gpu_count bound while no node is registered.")
+    max_gpus_per_node: int = Field(
+        default=8, description="gpu_count bound while no node is registered."
+    )
 
     def resolved_data_dir(self) -> Path:
         return self.data_dir.expanduser().resolve()

@@ -14,7 +14,7 @@ from gpufleet.domain.invariants import (
 )
 
 HEALTHY = InvariantView(
-    nodes=(NodeView("n1", 8, 6, {0: "r1", 1: "r1", **{i: None for i in range(2, 8)}}),),
+    nodes=(NodeView("n1", 8, 6, {0: "r1", 1: "r1", **dict.fromkeys(range(2, 8))}),),
     reservations=(ReservationView("res1", "r1", "j1", "n1", (0, 1), "CONFIRMED"),),
     jobs=(JobView("j1", "RUNNING", "r1", 1),),
     runs=(RunView("r1", "j1", "RUNNING", 1, False),),

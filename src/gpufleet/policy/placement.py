@@ -79,61 +79,71 @@ class FreeIndex:
     """
 
     def __init__(self, nodes: Iterable[NodeState], holds: Iterable[GpuHold] = ()) -> None:
-        self._free: dict[str, _FreeNode] = {}
-        self._shapes: dict[tuple[object, ...], NodeState] = {}
+        self._free: dict[str, _FreeNode] = {}  # created on first change (most never change)
+        self._shapes: list[NodeState] | None = None
         self.capacity_gpus: dict[str, int] = {}
         self.capacity_cpu = 0.0
         self.capacity_memory_mb = 0
         self.free_by_type: dict[str, int] = {}
         self.nodes: dict[str, NodeState] = {}
         by_type: dict[str, list[tuple[int, str]]] = {}
+        cap = self.capacity_gpus
+        free_by_type = self.free_by_type
         for n in nodes:
             self.nodes[n.node_id] = n
-            shape = (
-                n.gpu_type,
-                n.total_gpus,
-                n.gpu_memory_mb,
-                n.cpu_total,
-                n.memory_total_mb,
-                tuple(sorted(n.labels.items())),
-            )
-            self._shapes.setdefault(shape, n)
             if not n.schedulable:
                 continue
-            self.capacity_gpus[n.gpu_type] = self.capacity_gpus.get(n.gpu_type, 0) + n.total_gpus
+            t = n.gpu_type
+            cap[t] = cap.get(t, 0) + n.total_gpus
             self.capacity_cpu += n.cpu_total
             self.capacity_memory_mb += n.memory_total_mb
-            if n.free_gpus <= 0:
-                continue
-            self._free[n.node_id] = _FreeNode(
-                n, n.free_gpus, 0, None, n.cpu_free, n.memory_free_mb
-            )
-        for h in holds:
-            fn = self._free.get(h.node_id)
-            if fn is not None and fn.holder is None:
-                fn.held = min(fn.free_gpus, h.gpu_count)
-                fn.holder = h.job_id
-        for fn in self._free.values():
-            t = fn.node.gpu_type
-            self.free_by_type[t] = self.free_by_type.get(t, 0) + fn.visible
-            if fn.visible > 0:
-                by_type.setdefault(t, []).append((fn.visible, fn.node.node_id))
+            if n.free_gpus > 0:
+                free_by_type[t] = free_by_type.get(t, 0) + n.free_gpus
+                by_type.setdefault(t, []).append((n.free_gpus, n.node_id))
         for keys in by_type.values():
             keys.sort()
         self._lists: dict[tuple[str, SelectorKey], list[tuple[int, str]]] = {
             (t, ()): keys for t, keys in by_type.items()
         }
-        self._member: dict[str, list[tuple[str, SelectorKey]]] = {}
-        for (t, sk), keys in self._lists.items():
-            for _, node_id in keys:
-                self._member.setdefault(node_id, []).append((t, sk))
+        self._bucketed: set[tuple[str, str]] = set()
         self.shadows: dict[str, Shadow] = {}
         self.gpu_types: tuple[str, ...] = tuple(sorted(self.capacity_gpus))
+        for h in holds:
+            fn = self._fn(h.node_id)
+            if fn is not None and fn.holder is None:
+                old = fn.visible
+                fn.held = min(fn.free_gpus, h.gpu_count)
+                fn.holder = h.job_id
+                self._reindex(fn, old)
+
+    def _fn(self, node_id: str) -> _FreeNode | None:
+        fn = self._free.get(node_id)
+        if fn is None:
+            n = self.nodes.get(node_id)
+            if n is None or not n.schedulable or n.free_gpus <= 0:
+                return None
+            fn = _FreeNode(n, n.free_gpus, 0, None, n.cpu_free, n.memory_free_mb)
+            self._free[node_id] = fn
+        return fn
 
     # -- static questions ---------------------------------------------------------------
     def ever_fits(self, res: Resources, selector: Mapping[str, str]) -> bool:
-        """Whether any node of the fleet (schedulable or not, busy or idle) could hold it."""
-        return any(node_accepts(n, res, selector) for n in self._shapes.values())
+        """Whether any node of the fleet (schedulable or not, busy or idle) could hold it.
+        Checked against the distinct node shapes, built on first use."""
+        if self._shapes is None:
+            shapes: dict[tuple[object, ...], NodeState] = {}
+            for n in self.nodes.values():
+                key = (
+                    n.gpu_type,
+                    n.total_gpus,
+                    n.gpu_memory_mb,
+                    n.cpu_total,
+                    n.memory_total_mb,
+                    tuple(sorted(n.labels.items())),
+                )
+                shapes.setdefault(key, n)
+            self._shapes = list(shapes.values())
+        return any(node_accepts(n, res, selector) for n in self._shapes)
 
     def fits_schedulable(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether a schedulable node (ignoring what is free) could hold it."""
@@ -142,17 +152,24 @@ class FreeIndex:
     # -- dynamic questions --------------------------------------------------------------
     def _list(self, gpu_type: str, sk: SelectorKey) -> list[tuple[int, str]]:
         keys = self._lists.get((gpu_type, sk))
-        if keys is None:
-            base = self._lists.get((gpu_type, ()), [])
-            want = dict(sk)
-            keys = [
-                (f, nid)
-                for f, nid in base
-                if all(self._free[nid].node.labels.get(k) == v for k, v in want.items())
-            ]
-            self._lists[(gpu_type, sk)] = keys
-            for _, nid in keys:
-                self._member.setdefault(nid, []).append((gpu_type, sk))
+        if keys is not None:
+            return keys
+        base = self._lists.get((gpu_type, ()), [])
+        nodes = self.nodes
+        if len(sk) == 1 and (gpu_type, sk[0][0]) not in self._bucketed:
+            # One label (rack, zone, partition): bucket the free nodes by its value once.
+            label = sk[0][0]
+            self._bucketed.add((gpu_type, label))
+            buckets: dict[str, list[tuple[int, str]]] = {}
+            for f, nid in base:
+                v = nodes[nid].labels.get(label)
+                if v is not None:
+                    buckets.setdefault(v, []).append((f, nid))
+            for v, lst in buckets.items():
+                self._lists.setdefault((gpu_type, ((label, v),)), lst)
+            return self._lists.setdefault((gpu_type, sk), [])
+        keys = [(f, nid) for f, nid in base if all(nodes[nid].labels.get(k) == v for k, v in sk)]
+        self._lists[(gpu_type, sk)] = keys
         return keys
 
     def largest_free_block(self, res: Resources, selector: Mapping[str, str]) -> int:
@@ -188,12 +205,15 @@ class FreeIndex:
         )
         for i in rng:
             free, node_id = keys[i]
-            fn = self._free[node_id]
-            if fn.node.cpu_total and fn.cpu_free < res.cpu:
+            fn = self._free.get(node_id)
+            node = self.nodes[node_id]
+            cpu_free = fn.cpu_free if fn is not None else node.cpu_free
+            mem_free = fn.memory_free_mb if fn is not None else node.memory_free_mb
+            if node.cpu_total and cpu_free < res.cpu:
                 continue
-            if fn.node.memory_total_mb and fn.memory_free_mb < res.memory_mb:
+            if node.memory_total_mb and mem_free < res.memory_mb:
                 continue
-            if fn.node.gpu_memory_mb < res.gpu_memory_mb:
+            if node.gpu_memory_mb < res.gpu_memory_mb:
                 continue
             sh = self.shadows.get(node_id)
             if (
@@ -208,7 +228,7 @@ class FreeIndex:
 
     def fits_on(self, node_id: str, res: Resources, job_id: str) -> bool:
         """Whether ``res`` fits the free capacity of ``node_id`` now (own hold included)."""
-        fn = self._free.get(node_id)
+        fn = self._fn(node_id)
         if fn is None:
             return False
         free = fn.free_gpus if fn.holder == job_id else fn.visible
@@ -222,42 +242,31 @@ class FreeIndex:
         fn = self._free.get(node_id)
         return fn if fn is not None and fn.holder == job_id else None
 
-    def real_free(self, node_id: str) -> int:
-        fn = self._free.get(node_id)
-        return fn.free_gpus if fn is not None else 0
-
     def visible_free(self, node_id: str) -> int:
         fn = self._free.get(node_id)
-        return fn.visible if fn is not None else 0
+        if fn is not None:
+            return fn.visible
+        n = self.nodes.get(node_id)
+        return n.free_gpus if n is not None and n.schedulable else 0
 
     # -- updates ------------------------------------------------------------------------
     def _reindex(self, fn: _FreeNode, old_visible: int) -> None:
-        node_id = fn.node.node_id
-        if node_id not in self._member and fn.visible > 0:
-            # A held node whose holder just took its share: the rest becomes visible.
-            t = fn.node.gpu_type
-            for (lt, sk), keys in self._lists.items():
-                if lt == t and all(fn.node.labels.get(k) == v for k, v in sk):
-                    bisect.insort(keys, (fn.visible, node_id))
-                    self._member.setdefault(node_id, []).append((lt, sk))
-            if (t, ()) not in self._lists:
-                self._lists[(t, ())] = [(fn.visible, node_id)]
-                self._member.setdefault(node_id, []).append((t, ()))
-            self.free_by_type[t] = self.free_by_type.get(t, 0) - old_visible + fn.visible
-            return
-        members = self._member.get(node_id, [])
-        for key in members:
-            keys = self._lists[key]
-            i = bisect.bisect_left(keys, (old_visible, node_id))
-            if i < len(keys) and keys[i] == (old_visible, node_id):
-                keys.pop(i)
-        t = fn.node.gpu_type
-        self.free_by_type[t] = self.free_by_type.get(t, 0) - old_visible + fn.visible
-        if fn.visible > 0:
-            for key in members:
-                bisect.insort(self._lists[key], (fn.visible, node_id))
-        else:
-            self._member.pop(node_id, None)
+        """Move the node to its new visible free count in every list it belongs to."""
+        node = fn.node
+        node_id, t, labels = node.node_id, node.gpu_type, node.labels
+        new = fn.visible
+        self.free_by_type[t] = self.free_by_type.get(t, 0) - old_visible + new
+        for (lt, sk), keys in self._lists.items():
+            if lt != t or (sk and not all(labels.get(k) == v for k, v in sk)):
+                continue
+            if old_visible > 0:
+                i = bisect.bisect_left(keys, (old_visible, node_id))
+                if i < len(keys) and keys[i] == (old_visible, node_id):
+                    keys.pop(i)
+            if new > 0:
+                bisect.insort(keys, (new, node_id))
+        if (t, ()) not in self._lists and new > 0:
+            self._lists[(t, ())] = [(new, node_id)]
 
     def take(
         self,
@@ -268,7 +277,9 @@ class FreeIndex:
     ) -> None:
         """Give ``res`` on ``node_id`` to a job in this pass (using its hold if it has one).
         A job whose hard end falls before a shadow's start does not use up its extra GPUs."""
-        fn = self._free[node_id]
+        fn = self._fn(node_id)
+        if fn is None:
+            raise ValueError(f"{node_id} has no free GPUs to take")
         old = fn.visible
         if job_id is not None and fn.holder == job_id:
             fn.held = 0
@@ -287,7 +298,7 @@ class FreeIndex:
     def hold(self, node_id: str, job_id: str, gpus: int) -> int:
         """Hide up to ``gpus`` free GPUs of ``node_id`` from everyone but ``job_id`` for the
         rest of the pass (a preemption was just decided for it). Returns GPUs hidden."""
-        fn = self._free.get(node_id)
+        fn = self._fn(node_id)
         if fn is None or fn.holder not in (None, job_id):
             return 0
         old = fn.visible

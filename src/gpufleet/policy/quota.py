@@ -46,6 +46,12 @@ class TeamBook:
         self.alloc: dict[str, dict[str, int]] = {}
         self.cpu: dict[str, float] = {}
         self.mem: dict[str, int] = {}
+        if teams and all(ts.allocated_gpus is not None for ts in teams.values()):
+            running = ()
+            for tid, ts in teams.items():
+                self.alloc[tid] = dict(ts.allocated_gpus or {})
+                self.cpu[tid] = ts.allocated_cpu
+                self.mem[tid] = ts.allocated_memory_mb
         for r in running:
             a = self.alloc.setdefault(r.team_id, {})
             a[r.gpu_type] = a.get(r.gpu_type, 0) + r.gpu_count

@@ -35,6 +35,12 @@ class TeamState:
     borrow_limit_gpus: int | None = None
     lending_limit_gpus: Mapping[str, int] = field(default_factory=dict)
     usage_gpu_s: float = 0.0
+    allocated_gpus: Mapping[str, int] | None = None
+    """Optional: GPUs per type this team's attempts hold now (RESERVED, CONFIRMED and
+    stopping). When set for every team, the pass trusts it instead of summing ``running``
+    (a GROUP BY in the live store, a counter in the simulator)."""
+    allocated_cpu: float = 0.0
+    allocated_memory_mb: int = 0
 
 
 @dataclass(frozen=True, slots=True)
