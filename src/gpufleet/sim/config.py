@@ -1,0 +1,234 @@
+"""Simulation configuration from YAML: cluster, teams, workload, policy, engine, baselines.
+
+See examples/sim/*.yaml and docs/design/simulator.md for the schema. Trace paths are
+relative to ``traces_dir`` (default ``../shared/traces`` next to the repository); the
+files are read where they lie and never copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpufleet.domain.types import PriorityClass
+from gpufleet.policy.config import Backfill, Ordering, Placement, PolicyConfig
+from gpufleet.sim.engine import EngineOptions
+from gpufleet.sim.loaders import (
+    SyntheticTeam,
+    load_openb_fleet,
+    load_openb_pods,
+    load_philly,
+    philly_teams,
+    philly_vc_sizes,
+    synthetic,
+)
+from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
+
+PARTITION_LABEL = "gpufleet.sim/partition"
+
+BASELINES: Mapping[str, Mapping[str, Any]] = {
+    "fair_share": {},
+    "fifo": {"ordering": Ordering.FIFO, "backfill": Backfill.OFF, "preemption": False},
+    "fifo_per_team": {
+        "ordering": Ordering.FIFO,
+        "backfill": Backfill.OFF,
+        "preemption": False,
+        "borrowing": False,
+    },
+    "strict_priority": {"ordering": Ordering.STRICT_PRIORITY},
+    "spread": {"placement": Placement.SPREAD},
+    "no_backfill": {"backfill": Backfill.OFF},
+    "greedy_backfill": {"backfill": Backfill.GREEDY},
+    "no_borrowing": {"borrowing": False},
+    "no_preemption": {"preemption": False},
+}
+"""Each baseline is the configured policy with one mechanism changed. With borrowing off,
+each team is also confined to its own nodes (a partition sized by its guarantee)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    groups: list[NodeGroup]
+    teams: list[TeamSpec]
+    jobs: list[SimJob]
+    policy: PolicyConfig
+    engine: EngineOptions
+    compare: tuple[str, ...] = ()
+    load_stats: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def _enum_fields(policy: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(policy)
+    for key, enum_type in (
+        ("placement", Placement),
+        ("ordering", Ordering),
+        ("backfill", Backfill),
+    ):
+        if key in out:
+            out[key] = enum_type(str(out[key]))
+    if "head_start_s" in out:
+        out["head_start_s"] = {PriorityClass(k): float(v) for k, v in out["head_start_s"].items()}
+    for key in ("usage_half_life_s", "hold_timeout_s"):
+        if key in out and out[key] in ("inf", None):
+            out[key] = math.inf
+    return out
+
+
+def policy_for(base: PolicyConfig, baseline: str) -> PolicyConfig:
+    if baseline not in BASELINES:
+        raise ValueError(f"unknown baseline {baseline!r}; one of {sorted(BASELINES)}")
+    return replace(base, **BASELINES[baseline])
+
+
+def partition(groups: list[NodeGroup], teams: list[TeamSpec]) -> list[NodeGroup]:
+    """Give each team whole nodes covering its guarantee, per GPU type, in team order; the
+    nodes left over are labelled ``unassigned`` (nobody's partition)."""
+    singles: dict[str, list[NodeGroup]] = {}
+    for g in groups:
+        for i in range(g.count):
+            name = g.name if g.count == 1 else f"{g.name}-{i:04d}"
+            singles.setdefault(g.gpu_type, []).append(replace(g, name=name, count=1))
+    out: list[NodeGroup] = []
+    for gpu_type, nodes in sorted(singles.items()):
+        it = iter(nodes)
+        for t in teams:
+            want = t.guaranteed_gpus.get(gpu_type, 0)
+            while want > 0:
+                n = next(it, None)
+                if n is None:
+                    break
+                out.append(replace(n, labels={**n.labels, PARTITION_LABEL: t.team_id}))
+                want -= n.gpus_per_node
+        out.extend(replace(n, labels={**n.labels, PARTITION_LABEL: "unassigned"}) for n in it)
+    return out
+
+
+def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> Scenario:
+    raw: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
+    base = path.parent
+    tdir = traces_dir or (base / str(raw.get("traces_dir", "../../../shared/traces")))
+
+    def trace(p: str) -> Path:
+        q = Path(p)
+        return q if q.is_absolute() else tdir / q
+
+    cluster = raw.get("cluster", {})
+    groups: list[NodeGroup] = []
+    teams: list[TeamSpec] = []
+    stats: dict[str, Any] = {}
+    for g in cluster.get("node_groups", []):
+        groups.append(
+            NodeGroup(
+                name=str(g["name"]),
+                count=int(g.get("count", 1)),
+                gpus_per_node=int(g["gpus_per_node"]),
+                gpu_type=str(g.get("gpu_type", "GPU")),
+                gpu_memory_mb=int(g.get("gpu_memory_mb", 0)),
+                cpu=float(g.get("cpu", 0)),
+                memory_mb=int(g.get("memory_mb", 0)),
+                labels={str(k): str(v) for k, v in (g.get("labels") or {}).items()},
+            )
+        )
+    if "openb_nodes" in cluster:
+        groups.extend(load_openb_fleet(trace(str(cluster["openb_nodes"]))))
+    vc_sizes: dict[str, int] = {}
+    if "philly_vcs" in cluster:
+        pv = cluster["philly_vcs"]
+        vc_sizes = philly_vc_sizes(trace(str(pv["path"])))
+        gpn = int(pv.get("gpus_per_node", 8))
+        gpu_type = str(pv.get("gpu_type", "GPU"))
+        groups.append(
+            NodeGroup(
+                "philly", sum(vc_sizes.values()), gpn, gpu_type, cpu=float(pv.get("cpu", 96))
+            )
+        )
+        teams.extend(philly_teams(vc_sizes, gpn, gpu_type))
+    for t in raw.get("teams", []):
+        teams.append(
+            TeamSpec(
+                team_id=str(t["id"]),
+                weight=float(t.get("weight", 1.0)),
+                guaranteed_gpus={
+                    str(k): int(v) for k, v in (t.get("guaranteed_gpus") or {}).items()
+                },
+                borrow_limit_gpus=t.get("borrow_limit_gpus"),
+                lending_limit_gpus={
+                    str(k): int(v) for k, v in (t.get("lending_limit_gpus") or {}).items()
+                },
+            )
+        )
+    wl = raw.get("workload", {})
+    jobs: list[SimJob] = []
+    if "philly" in wl:
+        p = wl["philly"]
+        keep = set(vc_sizes) if p.get("teams", "known") == "known" and vc_sizes else None
+        if isinstance(p.get("teams"), list):
+            keep = {str(x) for x in p["teams"]}
+        loaded, st = load_philly(
+            trace(str(p["path"])),
+            start=str(p.get("start", "2017-10-01 00:00:00")),
+            end=str(p.get("end", "2017-12-01 00:00:00")),
+            teams=keep,
+            max_gpus_per_job=max((g.gpus_per_node for g in groups), default=8),
+            oversize=str(p.get("oversize", "clip")),
+            estimate=str(p.get("estimate", "exact")),
+        )
+        jobs.extend(loaded)
+        stats["philly"] = dataclasses.asdict(st)
+        if keep is not None:
+            teams = [t for t in teams if t.team_id in keep]
+    if "openb_pods" in wl:
+        loaded, st2 = load_openb_pods(trace(str(wl["openb_pods"]["path"])))
+        jobs.extend(loaded)
+        stats["openb_pods"] = dataclasses.asdict(st2)
+    if "synthetic" in wl:
+        s = wl["synthetic"]
+        steams = [
+            SyntheticTeam(
+                team_id=str(t["id"]),
+                jobs_per_hour=float(t["jobs_per_hour"]),
+                sizes=tuple((int(k), float(v)) for k, v in (t.get("sizes") or {1: 1.0}).items()),
+                priorities=tuple(
+                    (PriorityClass(str(k)), float(v))
+                    for k, v in (t.get("priorities") or {"NORMAL": 1.0}).items()
+                ),
+                median_duration_s=float(t.get("median_duration_s", 1800)),
+                sigma=float(t.get("sigma", 1.0)),
+                fail_prob=float(t.get("fail_prob", 0.0)),
+                checkpoint_s=t.get("checkpoint_s", 600.0),
+                bounded=bool(t.get("bounded", False)),
+            )
+            for t in s["teams"]
+        ]
+        jobs.extend(synthetic(steams, float(s.get("horizon_h", 24)) * 3600.0, seed))
+    jobs.sort(key=lambda j: (j.submit_s, j.job_id))
+    pol = raw.get("policy", {}) or {}
+    baseline = str(pol.pop("baseline", "fair_share"))
+    policy = policy_for(PolicyConfig(**_enum_fields(pol)), baseline)
+    eng = raw.get("engine", {}) or {}
+    horizon = eng.get("horizon_h")
+    engine = EngineOptions(
+        grace_s=float(eng.get("grace_s", 30.0)),
+        check_invariants=str(eng.get("check_invariants", "every_event")),
+        sample_interval_s=float(eng.get("sample_interval_s", 600.0)),
+        horizon_s=float(horizon) * 3600.0 if horizon is not None else None,
+    )
+    return Scenario(
+        name=str(raw.get("name", path.stem)),
+        groups=groups,
+        teams=teams,
+        jobs=jobs,
+        policy=policy,
+        engine=engine,
+        compare=tuple(str(c) for c in raw.get("compare", []) or []),
+        load_stats=stats,
+        raw=raw,
+    )

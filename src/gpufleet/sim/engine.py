@@ -1,0 +1,357 @@
+"""The discrete-event loop: events on a virtual clock, one policy pass per event time.
+
+Events at one instant are applied in a fixed order (attempt ends, stop confirmations,
+arrivals; then by sequence number), the invariants are checked after each one, then
+``policy.schedule`` runs once on a snapshot of the in-memory fleet and its decisions are
+applied, and the invariants are checked again. Same inputs and seed, same event order, same
+report: nothing reads a wall clock, and the only randomness is the seeded workload generator.
+
+How decisions are applied (the same contract as the live controller):
+  * ``Place``: the reservation step (claim GPU ids, attempt, reservation) then the agent's
+    confirm, at once (a zero-latency agent); the attempt ends when its work is done, or it
+    fails (``SimJob.failures``) and is retried as a new attempt.
+  * ``Preempt``: victims go PREEMPTING now; their GPUs are released only when the stop is
+    confirmed, ``grace_s`` later; the preemptor gets a ``GpuHold`` on the node until it is
+    placed; victims are requeued keeping their place and checkpointed work.
+  * ``HoldForBackfill``: remembered and fed back as ``snapshot.reservations`` next pass.
+  * ``released_holds``: the holds are deleted.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from gpufleet.domain.invariants import check_invariants
+from gpufleet.domain.states import RunStatus
+from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.cycle import schedule
+from gpufleet.policy.decisions import HoldForBackfill, Place, Preempt
+from gpufleet.policy.placement import node_accepts
+from gpufleet.policy.priority import queue_key
+from gpufleet.policy.snapshot import (
+    BackfillReservation,
+    ClusterSnapshot,
+    GpuHold,
+    PendingJob,
+    TeamState,
+)
+from gpufleet.policy.usage import decay_factor, interval_gpu_s
+from gpufleet.sim.fleet import InMemoryFleet, SimRun
+from gpufleet.sim.metrics import Recorder
+from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
+
+_END, _STOPPED, _ARRIVAL, _SAMPLE = 0, 1, 2, 3
+
+
+class InvariantBroken(AssertionError):
+    """The simulated fleet broke an invariant of ARCHITECTURE.md (a bug, never data)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    grace_s: float = 30.0
+    """Preemption: time from SIGTERM to the confirmed stop."""
+    check_invariants: str = "every_event"
+    """``every_event``, ``every_pass`` or ``end``."""
+    sample_interval_s: float = 600.0
+    partition_label: str | None = None
+    """When set, each team is confined to nodes labelled ``{label: team_id}``."""
+    horizon_s: float | None = None
+    """Stop the clock here (jobs still running are reported as unfinished)."""
+
+
+@dataclass(slots=True)
+class _TeamAcc:
+    spec: TeamSpec
+    alloc: dict[str, int] = field(default_factory=dict)
+    cpu: float = 0.0
+    mem: int = 0
+    usage: float = 0.0
+    pending: int = 0
+
+
+class Engine:
+    """One simulation run."""
+
+    def __init__(
+        self,
+        groups: list[NodeGroup],
+        teams: Iterable[TeamSpec],
+        jobs: Iterable[SimJob],
+        config: PolicyConfig,
+        options: EngineOptions | None = None,
+    ) -> None:
+        self.cfg = config
+        self.opt = options or EngineOptions()
+        self.fleet = InMemoryFleet(groups)
+        self.teams: dict[str, _TeamAcc] = {t.team_id: _TeamAcc(t) for t in teams}
+        self.queues: dict[str, list[PendingJob]] = {}
+        self._qkey = queue_key(config)
+        self.holds: dict[str, GpuHold] = {}
+        self.reservations: tuple[BackfillReservation, ...] = ()
+        self.now = 0.0
+        self._events: list[tuple[float, int, int, str]] = []
+        self._seq = 0
+        self._shapes = {
+            (
+                n.gpu_type,
+                n.total,
+                n.cpu_total,
+                n.memory_total_mb,
+                tuple(sorted(n.labels.items())),
+            ): n.state()
+            for n in self.fleet.nodes.values()
+        }
+        self._jobs_in: list[SimJob] = []
+        for j in jobs:
+            self._jobs_in.append(j)
+            self._push(j.submit_s, _ARRIVAL, j.job_id)
+        self._specs = {j.job_id: j for j in self._jobs_in}
+        if len(self._specs) != len(self._jobs_in):
+            raise ValueError("job ids in a workload must be unique")
+        self.total_gpus = sum(n.total for n in self.fleet.nodes.values())
+        self.rec = Recorder(self.total_gpus, self.teams_entitlement())
+        self.first_reservation_s: dict[str, float] = {}
+        """Start time of the first backfill reservation each job got (acceptance tests)."""
+        self.passes = 0
+        self.events = 0
+        self.violations = 0
+        self._last_t = 0.0
+        self._usage_t = 0.0
+
+    # -- plumbing ----------------------------------------------------------------------
+    def teams_entitlement(self) -> dict[str, float]:
+        return {
+            tid: float(sum(t.spec.guaranteed_gpus.values()) or t.spec.weight)
+            for tid, t in self.teams.items()
+        }
+
+    def _push(self, t: float, kind: int, key: str) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, kind, self._seq, key))
+
+    def _team(self, team_id: str) -> _TeamAcc:
+        acc = self.teams.get(team_id)
+        if acc is None:
+            acc = self.teams[team_id] = _TeamAcc(TeamSpec(team_id))
+            self.rec.entitlement[team_id] = 1.0
+        return acc
+
+    def _check(self, full: bool = False) -> None:
+        bad = check_invariants(self.fleet.invariant_view(full))
+        if bad:
+            self.violations += len(bad)
+            raise InvariantBroken("; ".join(str(v) for v in bad[:5]))
+
+    # -- queues ------------------------------------------------------------------------
+    def _enqueue(self, job_id: str) -> None:
+        js = self.fleet.jobs[job_id]
+        pj = self.fleet.pending_view(js)
+        q = self.queues.setdefault(pj.team_id, [])
+        key = self._qkey(pj)
+        lo, hi = 0, len(q)
+        while lo < hi:  # bisect by key (PendingJob itself is not orderable)
+            mid = (lo + hi) // 2
+            if self._qkey(q[mid]) < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        q.insert(lo, pj)
+        self._team(pj.team_id).pending += 1
+        self.rec.pending_sizes[pj.resources.gpu_count] = (
+            self.rec.pending_sizes.get(pj.resources.gpu_count, 0) + 1
+        )
+
+    def _dequeue(self, pj: PendingJob) -> None:
+        q = self.queues[pj.team_id]
+        key = self._qkey(pj)
+        lo, hi = 0, len(q)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._qkey(q[mid]) < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo >= len(q) or q[lo].job_id != pj.job_id:
+            raise RuntimeError(f"{pj.job_id} not in its queue")
+        del q[lo]
+        self._team(pj.team_id).pending -= 1
+        n = self.rec.pending_sizes[pj.resources.gpu_count] - 1
+        if n:
+            self.rec.pending_sizes[pj.resources.gpu_count] = n
+        else:
+            del self.rec.pending_sizes[pj.resources.gpu_count]
+
+    # -- time accounting ---------------------------------------------------------------
+    def _advance(self, t: float) -> None:
+        """Integrate usage and the time-weighted metrics over ``[last event, t)``."""
+        dt = t - self._last_t
+        if dt > 0:
+            hl = self.cfg.usage_half_life_s
+            f = decay_factor(dt, hl)
+            for acc in self.teams.values():
+                g = sum(acc.alloc.values())
+                acc.usage = acc.usage * f + interval_gpu_s(g, self._last_t, t, t, hl)
+            self.rec.integrate(
+                self._last_t,
+                t,
+                {tid: sum(a.alloc.values()) for tid, a in self.teams.items()},
+                {tid for tid, a in self.teams.items() if a.pending > 0},
+            )
+        self._last_t = t
+
+    def _alloc(self, run: SimRun, sign: int) -> None:
+        acc = self._team(run.team_id)
+        spec = self.fleet.jobs[run.job_id].spec
+        acc.alloc[run.gpu_type] = acc.alloc.get(run.gpu_type, 0) + sign * spec.gpus
+        acc.cpu += sign * spec.cpu
+        acc.mem += sign * spec.memory_mb
+
+    # -- events ------------------------------------------------------------------------
+    def _arrive(self, job_id: str) -> None:
+        spec = self._specs[job_id]
+        if self.opt.partition_label is not None:
+            sel = dict(spec.node_selector)
+            sel[self.opt.partition_label] = spec.team_id
+            spec = replace(spec, node_selector=sel)
+            self._specs[job_id] = spec
+        self._team(spec.team_id)
+        js = self.fleet.submit(spec, self.now)
+        pj = self.fleet.pending_view(js)
+        if not any(node_accepts(n, pj.resources, pj.node_selector) for n in self._shapes.values()):
+            self.fleet.expire(job_id, self.now)
+            self.rec.rejected(js)
+            return
+        self._enqueue(job_id)
+
+    def _run_end(self, run_id: str) -> None:
+        run = self.fleet.runs[run_id]
+        if run.status not in (RunStatus.RUNNING, RunStatus.PREEMPTING):
+            return  # stale: the attempt was already stopped
+        js = self.fleet.jobs[run.job_id]
+        fails = js.failures_left > 0
+        outcome = RunStatus.FAILED if fails else RunStatus.SUCCEEDED
+        self._release(run, outcome)
+
+    def _stopped(self, run_id: str) -> None:
+        run = self.fleet.runs[run_id]
+        if run.status is not RunStatus.PREEMPTING:
+            return  # it completed during the grace period
+        self._release(run, RunStatus.PREEMPTED)
+
+    def _release(self, run: SimRun, outcome: RunStatus) -> None:
+        self._alloc(run, -1)
+        js, requeued = self.fleet.finish(run, outcome, self.now)
+        if requeued:
+            self._enqueue(js.spec.job_id)
+        else:
+            self.rec.finished(js)
+
+    def _start(self, job_id: str, node_id: str) -> None:
+        js = self.fleet.jobs[job_id]
+        pj = self.fleet.pending_view(js)
+        self._dequeue(pj)
+        run = self.fleet.reserve(job_id, node_id, self.now)
+        self.fleet.confirm(run)
+        self._alloc(run, +1)
+        self.holds.pop(job_id, None)
+        spec = js.spec
+        remaining = max(0.0, spec.duration_s - js.banked_s)
+        if js.failures_left > 0:
+            remaining *= spec.fail_after_fraction
+        self._push(self.now + remaining, _END, run.run_id)
+
+    def _preempt(self, d: Preempt) -> None:
+        for rid in d.victim_run_ids:
+            run = self.fleet.runs[rid]
+            self.fleet.begin_stop(run, d.for_job_id)
+            self._push(self.now + self.opt.grace_s, _STOPPED, rid)
+            self.rec.preempted()
+        self.holds[d.for_job_id] = GpuHold(
+            d.for_job_id, d.node_id, d.gpu_count or 1, self.now, d.reason
+        )
+
+    # -- the pass ----------------------------------------------------------------------
+    def snapshot(self) -> ClusterSnapshot:
+        teams = {
+            tid: TeamState(
+                team_id=tid,
+                weight=a.spec.weight,
+                guaranteed_gpus=a.spec.guaranteed_gpus,
+                borrow_limit_gpus=a.spec.borrow_limit_gpus,
+                lending_limit_gpus=a.spec.lending_limit_gpus,
+                usage_gpu_s=a.usage,
+                allocated_gpus=dict(a.alloc),
+                allocated_cpu=a.cpu,
+                allocated_memory_mb=a.mem,
+            )
+            for tid, a in self.teams.items()
+        }
+        return ClusterSnapshot(
+            now_s=self.now,
+            nodes=tuple(n.state() for n in self.fleet.nodes.values()),
+            pending=(),
+            running=self.fleet.running_states(),
+            teams=teams,
+            holds=tuple(self.holds.values()),
+            reservations=self.reservations,
+            queues=self.queues,
+        )
+
+    def schedule_pass(self) -> None:
+        self.passes += 1
+        result = schedule(self.snapshot(), self.cfg)
+        for job_id in result.released_holds:
+            self.holds.pop(job_id, None)
+        reservations: list[BackfillReservation] = []
+        for d in result.decisions:
+            if isinstance(d, Place):
+                self._start(d.job_id, d.node_id)
+            elif isinstance(d, Preempt):
+                self._preempt(d)
+            elif isinstance(d, HoldForBackfill):
+                self.first_reservation_s.setdefault(d.job_id, d.start_at_s)
+                reservations.append(
+                    BackfillReservation(d.job_id, d.node_id, d.gpu_count, d.start_at_s)
+                )
+        self.reservations = tuple(reservations)
+        self.rec.last_waiting = result.waiting
+
+    def run(self) -> None:
+        every_event = self.opt.check_invariants == "every_event"
+        every_pass = every_event or self.opt.check_invariants == "every_pass"
+        sample = self.opt.sample_interval_s
+        next_sample = 0.0
+        horizon = self.opt.horizon_s
+        while self._events:
+            t = self._events[0][0]
+            if horizon is not None and t > horizon:
+                break
+            while sample > 0 and next_sample <= t:
+                self._advance(next_sample)
+                self.now = next_sample
+                self.rec.sample(self.now, self.fleet, self.teams_alloc())
+                next_sample += sample
+            self._advance(t)
+            self.now = t
+            while self._events and self._events[0][0] == t:
+                _, kind, _, key = heapq.heappop(self._events)
+                self.events += 1
+                if kind == _END:
+                    self._run_end(key)
+                elif kind == _STOPPED:
+                    self._stopped(key)
+                else:
+                    self._arrive(key)
+                if every_event:
+                    self._check()
+            self.schedule_pass()
+            if every_pass:
+                self._check()
+        self._check(full=True)
+        self.rec.close(self.now, self.fleet)
+
+    def teams_alloc(self) -> dict[str, int]:
+        return {tid: sum(a.alloc.values()) for tid, a in self.teams.items()}

@@ -1,0 +1,364 @@
+"""The in-memory fleet: nodes with per-GPU holders, jobs, attempts and reservations.
+
+Every status change goes through ``domain.states.check_transition`` (the same tables the
+store enforces), and ``invariant_view`` builds the same ``InvariantView`` the admin check
+builds from the database, so ``domain.invariants.check_invariants`` judges both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from gpufleet.domain.invariants import InvariantView, JobView, NodeView, ReservationView, RunView
+from gpufleet.domain.states import (
+    JobStatus,
+    Machine,
+    NodeStatus,
+    ReservationStatus,
+    RunStatus,
+    check_transition,
+)
+from gpufleet.domain.types import Resources
+from gpufleet.policy.snapshot import NodeState, PendingJob, RunningJob
+from gpufleet.sim.model import NodeGroup, SimJob
+
+
+@dataclass(slots=True)
+class SimNode:
+    node_id: str
+    gpu_type: str
+    gpu_memory_mb: int
+    total: int
+    cpu_total: float
+    memory_total_mb: int
+    labels: dict[str, str]
+    holders: list[str | None]
+    free: int
+    cpu_used: float = 0.0
+    memory_used_mb: int = 0
+    status: NodeStatus = NodeStatus.HEALTHY
+    _state: NodeState | None = None
+
+    def state(self) -> NodeState:
+        if self._state is None:
+            self._state = NodeState(
+                node_id=self.node_id,
+                gpu_type=self.gpu_type,
+                gpu_memory_mb=self.gpu_memory_mb,
+                total_gpus=self.total,
+                free_gpus=self.free,
+                cpu_total=self.cpu_total,
+                cpu_free=self.cpu_total - self.cpu_used,
+                memory_total_mb=self.memory_total_mb,
+                memory_free_mb=self.memory_total_mb - self.memory_used_mb,
+                labels=self.labels,
+                schedulable=self.status is NodeStatus.HEALTHY,
+                status=self.status.value,
+            )
+        return self._state
+
+
+@dataclass(slots=True)
+class SimRun:
+    run_id: str
+    job_id: str
+    team_id: str
+    node_id: str
+    gpu_ids: tuple[int, ...]
+    gpu_type: str
+    token: int
+    reserved_s: float
+    work_before_s: float
+    """Work the job had already banked (checkpointed) when this attempt started."""
+    status: RunStatus = RunStatus.ASSIGNED
+    res_status: ReservationStatus = ReservationStatus.RESERVED
+    stopping_for: str | None = None
+    released_s: float | None = None
+    state: RunningJob | None = None
+
+
+@dataclass(slots=True)
+class SimJobState:
+    spec: SimJob
+    status: JobStatus = JobStatus.PENDING
+    current_run_id: str | None = None
+    epoch: int = 0
+    banked_s: float = 0.0
+    """Work done and checkpointed (kept across preemptions and failures)."""
+    failures_left: int = 0
+    queued_at_s: float | None = None
+    pending_since_s: float = 0.0
+    wait_total_s: float = 0.0
+    first_start_s: float | None = None
+    end_s: float | None = None
+    preemptions: int = 0
+    lost_gpu_s: float = 0.0
+    preempt_lost_gpu_s: float = 0.0
+    held_gpu_s: float = 0.0
+    runs: list[str] = field(default_factory=list)
+    pending: PendingJob | None = None
+
+
+def _kept_work(elapsed_s: float, checkpoint_s: float | None) -> float:
+    if checkpoint_s is None or checkpoint_s <= 0:
+        return 0.0
+    return math.floor(elapsed_s / checkpoint_s) * checkpoint_s
+
+
+class InMemoryFleet:
+    """State of the simulated cluster. Mutated only by the engine through these methods."""
+
+    def __init__(self, groups: list[NodeGroup]) -> None:
+        self.nodes: dict[str, SimNode] = {}
+        for g in groups:
+            for i in range(g.count):
+                node_id = g.name if g.count == 1 else f"{g.name}-{i:04d}"
+                self.nodes[node_id] = SimNode(
+                    node_id=node_id,
+                    gpu_type=g.gpu_type,
+                    gpu_memory_mb=g.gpu_memory_mb,
+                    total=g.gpus_per_node,
+                    cpu_total=g.cpu,
+                    memory_total_mb=g.memory_mb,
+                    labels=dict(g.labels),
+                    holders=[None] * g.gpus_per_node,
+                    free=g.gpus_per_node,
+                )
+        self.jobs: dict[str, SimJobState] = {}
+        self.runs: dict[str, SimRun] = {}
+        self.active_runs: dict[str, SimRun] = {}
+        self.touched_jobs: set[str] = set()
+        self.touched_runs: set[str] = set()
+        self.dirty_nodes: set[str] = set(self.nodes)
+        self.running_tuple: tuple[RunningJob, ...] | None = None
+        self._run_seq = 0
+
+    # -- jobs --------------------------------------------------------------------------
+    def submit(self, spec: SimJob, now_s: float) -> SimJobState:
+        js = SimJobState(spec, failures_left=spec.failures, pending_since_s=now_s)
+        self.jobs[spec.job_id] = js
+        self.touched_jobs.add(spec.job_id)
+        return js
+
+    def pending_view(self, js: SimJobState) -> PendingJob:
+        """The policy's view of a pending job (remaining work as its estimate and bound)."""
+        if js.pending is None:
+            s = js.spec
+            done = js.banked_s
+            js.pending = PendingJob(
+                job_id=s.job_id,
+                team_id=s.team_id,
+                priority=s.priority,
+                submitted_at_s=s.submit_s,
+                resources=Resources(s.gpus, s.gpu_types, 0, s.cpu, s.memory_mb),
+                expected_duration_s=(
+                    max(1.0, s.expected_duration_s - done)
+                    if s.expected_duration_s is not None
+                    else None
+                ),
+                max_runtime_s=s.max_runtime_s,
+                node_selector=s.node_selector,
+                preemptible=s.preemptible,
+                attempt=js.epoch,
+                queued_at_s=js.queued_at_s,
+            )
+        return js.pending
+
+    def expire(self, job_id: str, now_s: float) -> None:
+        js = self.jobs[job_id]
+        check_transition(Machine.JOB, js.status, JobStatus.EXPIRED)
+        js.status = JobStatus.EXPIRED
+        js.end_s = now_s
+        self.touched_jobs.add(job_id)
+
+    # -- reserve / confirm -------------------------------------------------------------
+    def reserve(self, job_id: str, node_id: str, now_s: float) -> SimRun:
+        """The allocation transaction: claim free GPU ids, create attempt + reservation, job
+        PENDING -> SCHEDULED. Raises if the node does not have the GPUs (a policy bug)."""
+        js = self.jobs[job_id]
+        node = self.nodes[node_id]
+        spec = js.spec
+        if node.status is not NodeStatus.HEALTHY or node.free < spec.gpus:
+            raise RuntimeError(f"policy placed {job_id} on {node_id} without capacity")
+        check_transition(Machine.JOB, js.status, JobStatus.SCHEDULED)
+        gpu_ids = tuple(i for i, h in enumerate(node.holders) if h is None)[: spec.gpus]
+        self._run_seq += 1
+        js.epoch += 1
+        run = SimRun(
+            run_id=f"r{self._run_seq:07d}",
+            job_id=job_id,
+            team_id=spec.team_id,
+            node_id=node_id,
+            gpu_ids=gpu_ids,
+            gpu_type=node.gpu_type,
+            token=js.epoch,
+            reserved_s=now_s,
+            work_before_s=js.banked_s,
+        )
+        for g in gpu_ids:
+            node.holders[g] = run.run_id
+        node.free -= spec.gpus
+        node.cpu_used += spec.cpu
+        node.memory_used_mb += spec.memory_mb
+        node._state = None
+        js.status = JobStatus.SCHEDULED
+        js.current_run_id = run.run_id
+        js.runs.append(run.run_id)
+        js.wait_total_s += now_s - js.pending_since_s
+        js.pending = None
+        if js.first_start_s is None:
+            js.first_start_s = now_s
+        self.runs[run.run_id] = run
+        self.active_runs[run.run_id] = run
+        self.dirty_nodes.add(node_id)
+        self.running_tuple = None
+        self.touched_jobs.add(job_id)
+        self.touched_runs.add(run.run_id)
+        return run
+
+    def confirm(self, run: SimRun) -> None:
+        """The agent confirms: ASSIGNED -> RUNNING, RESERVED -> CONFIRMED, job -> RUNNING."""
+        js = self.jobs[run.job_id]
+        check_transition(Machine.RUN, run.status, RunStatus.RUNNING)
+        check_transition(Machine.RESERVATION, run.res_status, ReservationStatus.CONFIRMED)
+        check_transition(Machine.JOB, js.status, JobStatus.RUNNING)
+        run.status = RunStatus.RUNNING
+        run.res_status = ReservationStatus.CONFIRMED
+        js.status = JobStatus.RUNNING
+        run.state = None
+        self.running_tuple = None
+
+    def running_view(self, run: SimRun) -> RunningJob:
+        if run.state is None:
+            js = self.jobs[run.job_id]
+            s = js.spec
+            ckpt: float | None = None
+            if s.checkpoint_s:
+                ckpt = run.reserved_s  # last checkpoint is computed by the engine on demand
+            run.state = RunningJob(
+                run_id=run.run_id,
+                job_id=run.job_id,
+                team_id=run.team_id,
+                node_id=run.node_id,
+                priority=s.priority,
+                gpu_count=s.gpus,
+                gpu_type=run.gpu_type,
+                started_at_s=run.reserved_s,
+                cpu=s.cpu,
+                memory_mb=s.memory_mb,
+                expected_duration_s=(
+                    max(1.0, s.expected_duration_s - run.work_before_s)
+                    if s.expected_duration_s is not None
+                    else None
+                ),
+                max_runtime_s=s.max_runtime_s,
+                preemptible=s.preemptible,
+                last_checkpoint_s=ckpt,
+                stopping=run.status is RunStatus.PREEMPTING,
+                stopping_for_job_id=run.stopping_for,
+            )
+        return run.state
+
+    # -- stop / finish -----------------------------------------------------------------
+    def begin_stop(self, run: SimRun, for_job: str) -> None:
+        """PREEMPTING is durable; capacity is untouched until the stop is confirmed."""
+        check_transition(Machine.RUN, run.status, RunStatus.PREEMPTING)
+        run.status = RunStatus.PREEMPTING
+        run.stopping_for = for_job
+        run.state = None
+        self.dirty_nodes.add(run.node_id)
+        self.running_tuple = None
+        self.touched_runs.add(run.run_id)
+
+    def finish(self, run: SimRun, outcome: RunStatus, now_s: float) -> tuple[SimJobState, bool]:
+        """End an attempt (SUCCEEDED, FAILED or PREEMPTED): release its reservation and GPUs
+        in one step, then move the job on. Returns (job, requeued)."""
+        js = self.jobs[run.job_id]
+        spec = js.spec
+        check_transition(Machine.RUN, run.status, outcome)
+        check_transition(Machine.RESERVATION, run.res_status, ReservationStatus.RELEASED)
+        run.status = outcome
+        run.res_status = ReservationStatus.RELEASED
+        run.released_s = now_s
+        node = self.nodes[run.node_id]
+        for g in run.gpu_ids:
+            node.holders[g] = None
+        node.free += len(run.gpu_ids)
+        node.cpu_used -= spec.cpu
+        node.memory_used_mb -= spec.memory_mb
+        node._state = None
+        del self.active_runs[run.run_id]
+        self.dirty_nodes.add(run.node_id)
+        self.running_tuple = None
+        elapsed = now_s - run.reserved_s
+        js.held_gpu_s += spec.gpus * elapsed
+        self.touched_jobs.add(js.spec.job_id)
+        self.touched_runs.add(run.run_id)
+        if outcome is RunStatus.SUCCEEDED:
+            check_transition(Machine.JOB, js.status, JobStatus.SUCCEEDED)
+            js.status = JobStatus.SUCCEEDED
+            js.end_s = now_s
+            js.banked_s = spec.duration_s
+            return js, False
+        kept = _kept_work(elapsed, spec.checkpoint_s)
+        js.lost_gpu_s += spec.gpus * (elapsed - kept)
+        js.banked_s = min(spec.duration_s, js.banked_s + kept)
+        check_transition(Machine.JOB, js.status, JobStatus.PENDING)
+        js.status = JobStatus.PENDING
+        js.pending_since_s = now_s
+        js.pending = None
+        if outcome is RunStatus.PREEMPTED:
+            js.preempt_lost_gpu_s += spec.gpus * (elapsed - kept)
+            js.preemptions += 1  # keeps its place in the queue (queued_at unchanged)
+        else:
+            js.failures_left -= 1
+            js.queued_at_s = now_s  # a retry queues again
+        return js, True
+
+    # -- checks ------------------------------------------------------------------------
+    def running_states(self) -> tuple[RunningJob, ...]:
+        if self.running_tuple is None:
+            self.running_tuple = tuple(self.running_view(r) for r in self.active_runs.values())
+        return self.running_tuple
+
+    def invariant_view(self, full: bool = False) -> InvariantView:
+        """The InvariantView of what changed since the last check: nodes touched since then
+        with every active reservation on them, and the jobs and attempts touched (an
+        untouched node, job or attempt cannot have changed since it was last checked).
+        ``full`` includes everything."""
+        node_ids = set(self.nodes) if full else self.dirty_nodes
+        runs = {r.run_id: r for r in self.active_runs.values() if r.node_id in node_ids}
+        for rid in self.touched_runs:
+            r = self.runs[rid]
+            if r.node_id in node_ids or r.run_id not in self.active_runs:
+                runs[rid] = r
+        job_ids = set(self.touched_jobs) | {r.job_id for r in runs.values()}
+        if full:
+            job_ids |= {js.spec.job_id for js in self.jobs.values() if js.current_run_id}
+        view = InvariantView(
+            nodes=tuple(
+                NodeView(n.node_id, n.total, n.free, dict(enumerate(n.holders)))
+                for nid in sorted(node_ids)
+                for n in (self.nodes[nid],)
+            ),
+            reservations=tuple(
+                ReservationView(
+                    "res-" + r.run_id, r.run_id, r.job_id, r.node_id, r.gpu_ids, r.res_status
+                )
+                for r in runs.values()
+                if r.node_id in node_ids
+            ),
+            jobs=tuple(
+                JobView(j, self.jobs[j].status, self.jobs[j].current_run_id, self.jobs[j].epoch)
+                for j in sorted(job_ids)
+            ),
+            runs=tuple(
+                RunView(r.run_id, r.job_id, r.status, r.token, r.status is RunStatus.SUCCEEDED)
+                for r in runs.values()
+            ),
+        )
+        self.touched_jobs.clear()
+        self.touched_runs.clear()
+        self.dirty_nodes = set()
+        return view

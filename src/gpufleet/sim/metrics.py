@@ -1,0 +1,237 @@
+"""What a run measures, and the JSON report it produces.
+
+Time-weighted quantities (allocation, fairness) are integrated exactly between events, since
+nothing changes between two events; distributions (queue delay, JCT) are over finished jobs;
+the free-GPUs-per-node histogram and fragmentation are sampled every ``sample_interval_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpufleet.domain.states import NodeStatus
+from gpufleet.policy.decisions import WaitReason
+from gpufleet.sim.fleet import InMemoryFleet, SimJobState
+from gpufleet.sim.model import size_bucket
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    job_id: str
+    team_id: str
+    tier: str
+    gpus: int
+    submit_s: float
+    first_start_s: float | None
+    end_s: float | None
+    wait_s: float
+    attempts: int
+    preemptions: int
+    status: str
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (0 <= q <= 100)."""
+    if not sorted_values:
+        return 0.0
+    k = max(0, math.ceil(q / 100.0 * len(sorted_values)) - 1)
+    return float(sorted_values[k])
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    v = sorted(values)
+    if not v:
+        return {"n": 0}
+    return {
+        "n": len(v),
+        "mean": sum(v) / len(v),
+        "p50": percentile(v, 50),
+        "p95": percentile(v, 95),
+        "p99": percentile(v, 99),
+        "max": v[-1],
+    }
+
+
+def jain(xs: Sequence[float]) -> float:
+    """Jain's fairness index (Jain, Chiu, Hawe 1984): (sum x)^2 / (n sum x^2), 1 = equal."""
+    sq = sum(x * x for x in xs)
+    return (sum(xs) ** 2) / (len(xs) * sq) if sq > 0 else 1.0
+
+
+class Recorder:
+    def __init__(self, total_gpus: int, entitlement: dict[str, float]) -> None:
+        self.total_gpus = total_gpus
+        self.entitlement = entitlement
+        self.records: list[JobRecord] = []
+        self.rejected_ids: list[str] = []
+        self.pending_sizes: dict[int, int] = {}
+        self.preemptions = 0
+        self.t_total = 0.0
+        self.alloc_gpu_s = 0.0
+        self.t_backlog = 0.0
+        self.alloc_backlog_gpu_s = 0.0
+        self.t_jain = 0.0
+        self.jain_dt = 0.0
+        self.samples: list[tuple[float, int, int, dict[str, int]]] = []
+        self.free_hist: dict[int, int] = {}
+        self.frag_samples: list[tuple[int, int]] = []
+        self.last_waiting: Mapping[str, WaitReason] = {}
+        self.unfinished: list[JobRecord] = []
+        self.team_gpu_s: dict[str, float] = {}
+
+    # -- during the run ----------------------------------------------------------------
+    def integrate(
+        self, t0: float, t1: float, alloc: Mapping[str, int], backlogged: set[str]
+    ) -> None:
+        dt = t1 - t0
+        used = sum(alloc.values())
+        self.t_total += dt
+        self.alloc_gpu_s += used * dt
+        for tid, g in alloc.items():
+            if g:
+                self.team_gpu_s[tid] = self.team_gpu_s.get(tid, 0.0) + g * dt
+        if backlogged:
+            self.t_backlog += dt
+            self.alloc_backlog_gpu_s += used * dt
+        if len(backlogged) >= 2:
+            xs = [alloc.get(t, 0) / max(self.entitlement.get(t, 1.0), 1e-9) for t in backlogged]
+            self.jain_dt += jain(xs) * dt
+            self.t_jain += dt
+
+    def sample(self, now: float, fleet: InMemoryFleet, team_alloc: Mapping[str, int]) -> None:
+        pending = sum(self.pending_sizes.values())
+        used = sum(team_alloc.values())
+        self.samples.append((now, used, pending, {t: g for t, g in team_alloc.items() if g}))
+        smallest = min(self.pending_sizes) if self.pending_sizes else 0
+        frag = free = 0
+        for n in fleet.nodes.values():
+            if n.status is not NodeStatus.HEALTHY:
+                continue
+            self.free_hist[n.free] = self.free_hist.get(n.free, 0) + 1
+            free += n.free
+            if pending and 0 < n.free < smallest:
+                frag += n.free
+        if pending:
+            self.frag_samples.append((frag, free))
+
+    def preempted(self) -> None:
+        self.preemptions += 1
+
+    def _record(self, js: SimJobState) -> JobRecord:
+        s = js.spec
+        return JobRecord(
+            s.job_id,
+            s.team_id,
+            s.priority.value,
+            s.gpus,
+            s.submit_s,
+            js.first_start_s,
+            js.end_s,
+            js.wait_total_s,
+            len(js.runs),
+            js.preemptions,
+            js.status.value,
+        )
+
+    def finished(self, js: SimJobState) -> None:
+        self.records.append(self._record(js))
+
+    def rejected(self, js: SimJobState) -> None:
+        self.rejected_ids.append(js.spec.job_id)
+
+    def close(self, now: float, fleet: InMemoryFleet) -> None:
+        done = {r.job_id for r in self.records} | set(self.rejected_ids)
+        for job_id, js in fleet.jobs.items():
+            if job_id not in done:
+                rec = self._record(js)
+                if js.first_start_s is None:
+                    rec = JobRecord(**{**_asdict(rec), "wait_s": now - js.spec.submit_s})
+                self.unfinished.append(rec)
+        self.preempt_lost_gpu_s = sum(js.preempt_lost_gpu_s for js in fleet.jobs.values())
+        self.held_gpu_s_by_team: dict[str, float] = {}
+        for js in fleet.jobs.values():
+            t = js.spec.team_id
+            self.held_gpu_s_by_team[t] = self.held_gpu_s_by_team.get(t, 0.0) + js.held_gpu_s
+
+    # -- the report --------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        recs = self.records
+        waits_all = [r.wait_s for r in recs]
+        by_size: dict[str, list[float]] = {}
+        by_tier: dict[str, list[float]] = {}
+        by_team: dict[str, list[JobRecord]] = {}
+        for r in recs:
+            by_size.setdefault(size_bucket(r.gpus), []).append(r.wait_s)
+            by_tier.setdefault(r.tier, []).append(r.wait_s)
+            by_team.setdefault(r.team_id, []).append(r)
+        jcts = [r.end_s - r.submit_s for r in recs if r.end_s is not None]
+        longest = max(recs + self.unfinished, key=lambda r: (r.wait_s, r.job_id), default=None)
+        frag = [f for f, _ in self.frag_samples]
+        free = [fr for _, fr in self.frag_samples]
+        hist_total = sum(self.free_hist.values()) or 1
+        per_team = {}
+        for tid, rs in sorted(by_team.items()):
+            per_team[tid] = {
+                "jobs": len(rs),
+                "queue_delay_s": summary([r.wait_s for r in rs]),
+                "mean_jct_s": sum(r.end_s - r.submit_s for r in rs if r.end_s is not None)
+                / len(rs),
+                "gpu_hours": self.team_gpu_s.get(tid, 0.0) / 3600.0,
+                "entitlement_gpus": self.entitlement.get(tid, 0.0),
+            }
+        return {
+            "jobs": {
+                "finished": len(recs),
+                "unfinished": len(self.unfinished),
+                "rejected_never_fit": len(self.rejected_ids),
+            },
+            "allocation": {
+                "total_gpus": self.total_gpus,
+                "overall": self.alloc_gpu_s / (self.total_gpus * self.t_total)
+                if self.t_total
+                else 0.0,
+                "under_backlog": self.alloc_backlog_gpu_s / (self.total_gpus * self.t_backlog)
+                if self.t_backlog
+                else 0.0,
+                "backlog_time_share": self.t_backlog / self.t_total if self.t_total else 0.0,
+            },
+            "queue_delay_s": {
+                "all": summary(waits_all),
+                "by_size": {k: summary(v) for k, v in sorted(by_size.items())},
+                "by_tier": {k: summary(v) for k, v in sorted(by_tier.items())},
+            },
+            "jct_s": summary(jcts),
+            "fairness": {
+                "jain_backlogged_time_weighted": self.jain_dt / self.t_jain
+                if self.t_jain
+                else 1.0,
+                "share_of_time_two_or_more_teams_backlogged": self.t_jain / self.t_total
+                if self.t_total
+                else 0.0,
+            },
+            "starvation": {
+                "longest_wait_s": longest.wait_s if longest else 0.0,
+                "longest_wait_job": longest.job_id if longest else None,
+                "longest_wait_finished": bool(longest and longest.end_s is not None),
+                "max_wait_by_tier_s": {k: max(v) for k, v in sorted(by_tier.items())},
+            },
+            "preemption": {
+                "count": self.preemptions,
+                "gpu_hours_lost": self.preempt_lost_gpu_s / 3600.0,
+            },
+            "fragmentation": {
+                "mean_free_gpus_unusable_by_waiting_jobs": sum(frag) / len(frag) if frag else 0.0,
+                "mean_free_gpus_while_backlogged": sum(free) / len(free) if free else 0.0,
+            },
+            "free_gpus_per_node_share": {
+                str(k): v / hist_total for k, v in sorted(self.free_hist.items())
+            },
+            "per_team": per_team,
+        }
+
+
+def _asdict(r: JobRecord) -> dict[str, Any]:
+    return {f: getattr(r, f) for f in r.__slots__}
