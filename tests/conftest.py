@@ -27,26 +27,24 @@ PG_ADMIN_URL = os.environ.get(
 REDIS_URL = os.environ.get("GPUFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 
-def _pg_database_url(worker: str) -> str:
-    name = f"gpufleet_test_{worker}"
+def _admin(sql: str, *args: object) -> None:
     conninfo = PG_ADMIN_URL.replace("postgresql+psycopg://", "postgresql://")
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
-        if not exists:
-            conn.execute(f'CREATE DATABASE "{name}"')
-    return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+        conn.execute(sql, args or None)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")
-def pg_url(worker_id: str) -> str:
-    """URL of this worker's migrated PostgreSQL test database (errors if PostgreSQL is down)."""
-    url = _pg_database_url(worker_id)
+def pg_url(worker_id: str, testrun_uid: str) -> Iterator[str]:
+    """URL of a migrated PostgreSQL database of this test run and xdist worker (created here,
+    dropped at the end, so concurrent runs never share one). Errors if PostgreSQL is down."""
+    name = f"gpufleet_test_{testrun_uid[:10]}_{worker_id}".lower()
+    _admin(f'CREATE DATABASE "{name}"')
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
     db = Database(url)
-    with db.engine.begin() as conn:  # start from scratch each session: schema from migrations
-        conn.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
     migrate(db)
     db.dispose()
-    return url
+    yield url
+    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _empty(db: Database) -> None:
