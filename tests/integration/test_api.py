@@ -203,3 +203,39 @@ class TestReads:
         assert [(n["node_id"], n["total_gpus"], n["available_gpus"]) for n in items] == [
             ("n1", 8, 8)
         ]
+
+
+class TestAdminQuota:
+    def test_admin_sets_a_quota_and_members_cannot(self, api, db: Database) -> None:
+        client, tokens = api
+        admin = db.run_write(lambda s: auth.create_token(s, "vision", is_admin=True))
+        body = {"guaranteed_gpus": {"H100": 8}, "borrow_limit_gpus": 4, "weight": 2}
+        r = client.put("/v1/admin/teams/nlp", json=body, headers=hdr(admin))
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert (got["guaranteed_gpus"], got["borrow_limit_gpus"], got["weight"]) == (
+            {"H100": 8},
+            4,
+            2,
+        )
+        assert (
+            client.put("/v1/admin/teams/nlp", json=body, headers=hdr(tokens["nlp"])).status_code
+            == 403
+        )
+        bad = client.put(
+            "/v1/admin/teams/nlp", json={"lending_limit_gpus": {"H100": 9}}, headers=hdr(admin)
+        )
+        assert bad.status_code == 422 and bad.json()["field"] == "lending_limit_gpus"
+        assert (
+            client.put("/v1/admin/teams/ghost", json=body, headers=hdr(admin)).status_code == 404
+        )
+
+    def test_outstanding_job_limit_is_429(self, api, db: Database) -> None:
+        client, tokens = api
+        admin = db.run_write(lambda s: auth.create_token(s, "vision", is_admin=True))
+        client.put("/v1/admin/teams/nlp", json={"max_outstanding_jobs": 2}, headers=hdr(admin))
+        codes = [
+            client.post("/v1/jobs", json=JOB, headers=hdr(tokens["nlp"], f"k{i}")).status_code
+            for i in range(3)
+        ]
+        assert codes == [201, 201, 429]

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
@@ -25,13 +26,14 @@ from gpufleet.api.schemas import (
     NodeOut,
     PendingReasonOut,
     TeamCreate,
+    TeamQuotaUpdate,
     TokenCreate,
 )
 from gpufleet.domain.errors import Forbidden, GpufleetError, NotFound, ValidationFailed
 from gpufleet.domain.states import RUN_TERMINAL
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.queue import Waker
-from gpufleet.services import auth, jobs
+from gpufleet.services import auth, jobs, teams
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow
@@ -252,6 +254,19 @@ def create_app(state: AppState) -> FastAPI:
     def create_team(body: TeamCreate, _: Admin) -> dict[str, str]:
         name = state.db.run_write(lambda s: auth.create_team(s, body.name, weight=body.weight))
         return {"team": name}
+
+    @app.get("/v1/admin/teams")
+    def list_teams(_: Admin) -> dict[str, Any]:
+        with state.db.read() as s:
+            return {"items": teams.describe_teams(s)}
+
+    @app.put("/v1/admin/teams/{team_id}")
+    def set_quota(team_id: str, body: TeamQuotaUpdate, _: Admin) -> dict[str, Any]:
+        upd = teams.QuotaUpdate(**body.model_dump())
+        state.db.run_write(partial(teams.update_quota, team_id=team_id, upd=upd))
+        state.waker.wake()
+        with state.db.read() as s:
+            return next(t for t in teams.describe_teams(s) if t["team"] == team_id)
 
     @app.post("/v1/admin/tokens", status_code=201)
     def create_token(body: TokenCreate, _: Admin) -> dict[str, str]:

@@ -179,6 +179,17 @@ class TokenCreate(BaseModel):
     admin: bool = False
 
 
+class TeamQuotaUpdate(BaseModel):
+    """PUT /v1/admin/teams/{team}: fields left out are unchanged; borrow_limit_gpus -1 = none."""
+
+    model_config = ConfigDict(extra="forbid")
+    weight: float | None = Field(default=None, gt=0)
+    guaranteed_gpus: dict[str, Annotated[int, Field(ge=0)]] | None = None
+    borrow_limit_gpus: int | None = Field(default=None, ge=-1)
+    lending_limit_gpus: dict[str, Annotated[int, Field(ge=0)]] | None = None
+    max_outstanding_jobs: int | None = Field(default=None, ge=0)
+
+
 class ErrorOut(BaseModel):
     error: str
     message: str

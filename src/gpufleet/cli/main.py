@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -14,7 +16,15 @@ from rich.markup import escape
 
 from gpufleet.cli.client import register_client_commands
 from gpufleet.cli.config import client_config_path, write_client_config
+from gpufleet.domain.errors import GpufleetError
 from gpufleet.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from gpufleet.store.db import Database
+
+T = TypeVar("T")
 
 app = typer.Typer(
     help="gpufleet: a GPU job platform (queue, fair share, best-fit placement, node agents).",
@@ -197,28 +207,141 @@ def admin_check(data_dir: DataDir = None) -> None:
     out.print("[green]no violations[/]")
 
 
-@admin_app.command("team")
-def admin_team(
-    action: Annotated[str, typer.Argument(help="create")],
-    name: str,
-    weight: float = 1.0,
-    data_dir: DataDir = None,
-) -> None:
-    """Create a team: ``gpufleet admin team create NAME``."""
-    from gpufleet.domain.errors import GpufleetError
-    from gpufleet.processes import open_database
-    from gpufleet.services import auth
+team_app = typer.Typer(help="Teams and their quotas.", no_args_is_help=True)
+node_app = typer.Typer(help="Operator actions on nodes.", no_args_is_help=True)
+admin_app.add_typer(team_app, name="team")
+admin_app.add_typer(node_app, name="node")
 
-    if action != "create":
-        err.print(f"[red]error:[/] unknown action {action!r} (use: create)")
-        raise typer.Exit(2)
-    db = open_database(_settings(data_dir))
+
+def _admin_db(data_dir: Path | None) -> Database:
+    from gpufleet.processes import open_database
+
+    return open_database(_settings(data_dir))
+
+
+def _run_admin(data_dir: Path | None, fn: Callable[[Session], T]) -> T:
+    """Run ``fn`` in a write transaction; a GpufleetError becomes a red message and exit 2."""
     try:
-        db.run_write(lambda s: auth.create_team(s, name, weight=weight))
+        return _admin_db(data_dir).run_write(fn)
     except GpufleetError as exc:
         err.print(f"[red]error:[/] {escape(exc.message)}")
         raise typer.Exit(2) from None
+
+
+def _per_type(values: list[str] | None, flag: str) -> dict[str, int] | None:
+    if not values:
+        return None
+    out: dict[str, int] = {}
+    for item in values:
+        gpu_type, sep, n = item.partition("=")
+        if not sep or not gpu_type or not n.isdigit():
+            err.print(f"[red]error:[/] {flag} {item!r}: use TYPE=COUNT, e.g. H100=16")
+            raise typer.Exit(2)
+        out[gpu_type] = int(n)
+    return out
+
+
+@team_app.command("create")
+def team_create(name: str, weight: float = 1.0, data_dir: DataDir = None) -> None:
+    """Create a team."""
+    from gpufleet.services import auth
+
+    _run_admin(data_dir, partial(auth.create_team, name=name, weight=weight))
     out.print(f"team {name} created")
+
+
+@team_app.command("set")
+def team_set(
+    name: str,
+    weight: Annotated[float | None, typer.Option(help="Weight for fair share (> 0).")] = None,
+    guarantee: Annotated[
+        list[str] | None, typer.Option(help="Guaranteed GPUs, TYPE=N (repeatable).")
+    ] = None,
+    borrow_limit: Annotated[
+        int | None, typer.Option(help="GPUs above the guarantee it may borrow; -1 = no limit.")
+    ] = None,
+    lending_limit: Annotated[
+        list[str] | None, typer.Option(help="Part of the guarantee never lent, TYPE=N.")
+    ] = None,
+    max_outstanding: Annotated[
+        int | None, typer.Option(help="Unfinished jobs allowed (0 = no limit).")
+    ] = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Set a team's quota; the scheduler uses it from its next pass (no restart)."""
+    from gpufleet.services import teams
+
+    upd = teams.QuotaUpdate(
+        weight=weight,
+        guaranteed_gpus=_per_type(guarantee, "--guarantee"),
+        borrow_limit_gpus=borrow_limit,
+        lending_limit_gpus=_per_type(lending_limit, "--lending-limit"),
+        max_outstanding_jobs=max_outstanding,
+    )
+    _run_admin(data_dir, partial(teams.update_quota, team_id=name, upd=upd))
+    out.print(f"team {name} updated")
+
+
+@team_app.command("list")
+def team_list(
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
+    data_dir: DataDir = None,
+) -> None:
+    """Teams with quota, charged usage (GPU-hours), current allocation and queue length."""
+    import json
+
+    from rich.table import Table
+
+    from gpufleet.services import teams
+
+    with _admin_db(data_dir).read() as s:
+        rows = teams.describe_teams(s)
+    if output == "json":
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table()
+    for col in ("team", "weight", "guaranteed", "borrow limit", "allocated", "pending", "GPU-h"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["team"],
+            f"{r['weight']:g}",
+            ", ".join(f"{k}={v}" for k, v in r["guaranteed_gpus"].items()) or "-",
+            "none" if r["borrow_limit_gpus"] is None else str(r["borrow_limit_gpus"]),
+            ", ".join(f"{k}={v}" for k, v in r["allocated_gpus"].items()) or "-",
+            str(r["pending_jobs"]),
+            f"{r['usage_gpu_s'] / 3600:.2f}",
+        )
+    out.print(table)
+
+
+def _node_action(node_id: str, to: str, message: str, data_dir: Path | None) -> None:
+    from gpufleet.domain.states import NodeStatus
+    from gpufleet.services import nodes
+
+    before = _run_admin(
+        data_dir,
+        partial(nodes.set_node_status, node_id=node_id, to=NodeStatus(to), message=message),
+    )
+    out.print(f"node {node_id}: {before} -> {to}")
+
+
+@node_app.command("cordon")
+def node_cordon(node_id: str, data_dir: DataDir = None) -> None:
+    """No new placements on the node; running work continues."""
+    _node_action(node_id, "CORDONED", "cordoned by an operator", data_dir)
+
+
+@node_app.command("uncordon")
+def node_uncordon(node_id: str, data_dir: DataDir = None) -> None:
+    """Accept placements again."""
+    _node_action(node_id, "HEALTHY", "uncordoned by an operator", data_dir)
+
+
+@node_app.command("drain")
+def node_drain(node_id: str, data_dir: DataDir = None) -> None:
+    """No new placements; the node is cordoned once its running work has finished."""
+    _node_action(node_id, "DRAINING", "drain requested by an operator", data_dir)
 
 
 @admin_app.command("token")
@@ -230,25 +353,17 @@ def admin_token(
     data_dir: DataDir = None,
 ) -> None:
     """Create an API token for a team; prints the raw token on the last line."""
-    from gpufleet.domain.errors import GpufleetError
-    from gpufleet.processes import open_database
     from gpufleet.services import auth
 
     if action != "create":
         err.print(f"[red]error:[/] unknown action {action!r} (use: create)")
         raise typer.Exit(2)
-    db = open_database(_settings(data_dir))
 
-    def tx(s):  # type: ignore[no-untyped-def]
+    def tx(s: Session) -> str:
         auth.create_team(s, team, exist_ok=True)
         return auth.create_token(s, team, name=name, is_admin=admin)
 
-    try:
-        raw = db.run_write(tx)
-    except GpufleetError as exc:
-        err.print(f"[red]error:[/] {escape(exc.message)}")
-        raise typer.Exit(2) from None
-    print(raw)
+    print(_run_admin(data_dir, tx))
 
 
 def _mount_sim() -> None:

@@ -49,6 +49,14 @@ class IdempotencyKeyReused(Conflict):
     code = "idempotency_key_reused_with_different_payload"
 
 
+class LimitExceeded(GpufleetError):
+    """A team limit (outstanding jobs) refuses more work for now."""
+
+    code = "limit_exceeded"
+    http_status = 429
+    retryable = True
+
+
 class IllegalTransition(GpufleetError):
     """A state change that the transition table does not allow (a bug, or a stale writer)."""
 

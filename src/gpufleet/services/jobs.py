@@ -17,13 +17,26 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import IdempotencyKeyReused, NotFound, StaleState, ValidationFailed
+from gpufleet.domain.errors import (
+    IdempotencyKeyReused,
+    LimitExceeded,
+    NotFound,
+    StaleState,
+    ValidationFailed,
+)
 from gpufleet.domain.ids import new_job_id
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, Machine
 from gpufleet.domain.types import JobSpec
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
-from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow, SchedulingEventRow
+from gpufleet.store.tables import (
+    JobRow,
+    JobRunRow,
+    NodeCapacityRow,
+    NodeRow,
+    SchedulingEventRow,
+    TeamRow,
+)
 from gpufleet.store.transitions import record_event, transition
 
 
@@ -85,6 +98,26 @@ def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) ->
         )
 
 
+def check_outstanding_limit(session: Session, team_id: str) -> None:
+    """Raise LimitExceeded (429) when the team already has ``max_outstanding_jobs`` jobs that
+    are not finished. Admission control, separate from fair share of admitted work."""
+    limit = session.execute(
+        select(TeamRow.max_outstanding_jobs).where(TeamRow.id == team_id)
+    ).scalar_one_or_none()
+    if not limit:
+        return
+    open_jobs = session.execute(
+        select(func.count())
+        .select_from(JobRow)
+        .where(JobRow.team_id == team_id, JobRow.status.not_in(list(JOB_TERMINAL)))
+    ).scalar_one()
+    if open_jobs >= limit:
+        raise LimitExceeded(
+            f"team {team_id!r} has {open_jobs} unfinished jobs (limit {limit}); retry later",
+            field="max_outstanding_jobs",
+        )
+
+
 def submit_job(
     db: Database,
     *,
@@ -121,6 +154,7 @@ def submit_job(
         if found is not None:
             return found
         check_fits_fleet(session, spec, fallback_max_gpus)
+        check_outstanding_limit(session, team_id)
     try:
         with db.write_tx() as session:
             now = db_now(session)
