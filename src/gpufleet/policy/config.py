@@ -80,6 +80,10 @@ class PolicyConfig:
         usage_half_life_s: half-life of decayed usage (``policy.usage``), seconds.
         default_runtime_estimate_s: estimate used for a running job without expected
             duration or max runtime when computing reservations; None = it never ends.
+        backfill_depth: after a team's first blocked job, at most this many more of its jobs
+            are tried in one pass (Slurm's ``bf_max_job_test``/``default_queue_depth`` idea):
+            bounds a pass at O(teams x depth) when capacity is nearly exhausted; the rest
+            are tried again next pass.
     """
 
     placement: Placement = Placement.BEST_FIT
@@ -96,3 +100,4 @@ class PolicyConfig:
     hold_timeout_s: float = 3600.0
     usage_half_life_s: float = 7 * 24 * 3600.0
     default_runtime_estimate_s: float | None = None
+    backfill_depth: int = 100

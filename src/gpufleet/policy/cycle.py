@@ -133,6 +133,7 @@ class _Pass:
         self.default_cause: dict[str, Cause] = {}
         self.served: dict[str, int] = {}
         self.head_done: set[str] = set()
+        self.tried_after_head: dict[str, int] = {}
         self.n_places = 0
         self.n_preempts = 0
         self.n_reservations = 0
@@ -339,12 +340,12 @@ class _Pass:
                             break
                         self.default_cause[tid] = blocker
                         stop_team = True
-            if (
-                not stop_team
-                and tid in self.head_done
-                and not any(self.index.free_by_type.values())
-            ):
-                stop_team = True  # fleet full: nothing behind a handled head can start
+            if not stop_team and tid in self.head_done:
+                tried = self.tried_after_head[tid] = self.tried_after_head.get(tid, 0) + 1
+                if tried > cfg.backfill_depth or not any(self.index.free_by_type.values()):
+                    # Fleet full, or this team's backfill depth used up: the rest of its
+                    # queue waits for the next pass.
+                    stop_team = True
             if not stop_team and ptr[tid] < len(q):
                 heapq.heappush(heap, (order.key(tid, q[ptr[tid]]), tid))
         waiting = WaitingReasons(

@@ -41,9 +41,15 @@ class VictimSearch:
         self.taken: set[str] = set()
         self.borrowed: set[str] = set()
         per_team_type: dict[tuple[str, str], list[RunningJob]] = {}
+        # Candidate victims indexed so a search visits only nodes that have some:
+        # borrowed attempts by node (reclaim), a team's attempts by node (priority).
+        self._team_nodes: dict[str, dict[str, list[RunningJob]]] = {}
+        self._borrowed_nodes: dict[str, list[RunningJob]] = {}
         for node_runs in running.by_node.values():
             for _, r in node_runs:
                 per_team_type.setdefault((r.team_id, r.gpu_type), []).append(r)
+                if r.preemptible and not r.stopping:
+                    self._team_nodes.setdefault(r.team_id, {}).setdefault(r.node_id, []).append(r)
         for (team_id, gpu_type), team_runs in per_team_type.items():
             excess = book.initial_excess(team_id, gpu_type)
             if excess <= 0:
@@ -53,7 +59,11 @@ class VictimSearch:
                 if excess <= 0:
                     break
                 self.borrowed.add(r.run_id)
+                if r.preemptible and not r.stopping:
+                    self._borrowed_nodes.setdefault(r.node_id, []).append(r)
                 excess -= r.gpu_count
+        for runs in self._borrowed_nodes.values():
+            runs.sort(key=lambda r: r.run_id)
 
     def _cost(self, r: RunningJob) -> VictimKey:
         since = (
@@ -70,7 +80,12 @@ class VictimSearch:
         """The cheapest victim set on one node of ``gpu_type`` for ``job``, or None."""
         need = job.resources.gpu_count
         best: tuple[SetCost, str, list[RunningJob]] | None = None
-        for node_id, runs in self._running.by_node.items():
+        if reason == "reclaim":
+            candidates = self._borrowed_nodes
+        else:
+            candidates = self._team_nodes.get(job.team_id, {})
+        for node_id in sorted(candidates):
+            runs = candidates[node_id]
             node = index.nodes.get(node_id)
             if node is None or not node.schedulable or node.gpu_type != gpu_type:
                 continue
@@ -80,7 +95,7 @@ class VictimSearch:
             free = held.free_gpus if held is not None else index.visible_free(node_id)
             if node_id in index.shadows:
                 continue  # do not undo a backfill reservation made earlier in this pass
-            cands = [r for _, r in runs if self._eligible(r, job, reason)]
+            cands = [r for r in runs if self._eligible(r, job, reason)]
             if free + sum(r.gpu_count for r in cands) < need:
                 continue
             cands.sort(key=self._cost)

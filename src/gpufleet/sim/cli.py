@@ -82,13 +82,17 @@ def run_sim(
     runs: dict[str, Any] = {}
     names = ("main", *(compare if compare is not None else sc.compare))
     for name in names:
-        policy = sc.policy if name == "main" else policy_for(sc.policy, name)
+        policy = sc.policy if name == "main" else policy_for(sc.base_policy, name)
         eng, rep = run_scenario(sc, policy)
         if plots:
             from gpufleet.sim.plots import write_plots
 
             ent = {t.team_id: float(sum(t.guaranteed_gpus.values())) for t in sc.teams}
             rep["plots"] = write_plots(eng.rec, ent, out_dir / name)
+        if "philly" in sc.load_stats:
+            from gpufleet.sim.calibration import compare_with_helios
+
+            rep["philly_vs_published_fifo"] = compare_with_helios(rep)
         runs[name] = rep
     report = _clean(
         {

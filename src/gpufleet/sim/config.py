@@ -60,6 +60,9 @@ class Scenario:
     jobs: list[SimJob]
     policy: PolicyConfig
     engine: EngineOptions
+    base_policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """The configured knobs before the scenario's own ``baseline``; compare runs apply their
+    baseline to this."""
     compare: tuple[str, ...] = ()
     load_stats: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
@@ -180,6 +183,7 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
             max_gpus_per_job=max((g.gpus_per_node for g in groups), default=8),
             oversize=str(p.get("oversize", "clip")),
             estimate=str(p.get("estimate", "exact")),
+            arrival_speedup=float(p.get("arrival_speedup", 1.0)),
         )
         jobs.extend(loaded)
         stats["philly"] = dataclasses.asdict(st)
@@ -212,7 +216,8 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
     jobs.sort(key=lambda j: (j.submit_s, j.job_id))
     pol = raw.get("policy", {}) or {}
     baseline = str(pol.pop("baseline", "fair_share"))
-    policy = policy_for(PolicyConfig(**_enum_fields(pol)), baseline)
+    base_policy = PolicyConfig(**_enum_fields(pol))
+    policy = policy_for(base_policy, baseline)
     eng = raw.get("engine", {}) or {}
     horizon = eng.get("horizon_h")
     engine = EngineOptions(
@@ -228,6 +233,7 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         jobs=jobs,
         policy=policy,
         engine=engine,
+        base_policy=base_policy,
         compare=tuple(str(c) for c in raw.get("compare", []) or []),
         load_stats=stats,
         raw=raw,

@@ -1,0 +1,143 @@
+"""Time one scheduling pass (``gpufleet.policy.schedule``) at fleet scale.
+
+Prints a table: pending jobs x nodes (8 GPUs each) -> pass time (median of N runs) for
+  * busy: ~95% of GPUs allocated (the usual state under backlog: few placements, the
+    pass must still order the teams, reserve for blocked heads and explain),
+  * idle: 50% allocated (thousands of placements in one pass),
+with the pending jobs given as a flat tuple (the pass groups and sorts them) and as
+presorted per-team queues (``ClusterSnapshot.queues``, what the simulator passes).
+
+    .venv/bin/python benchmarks/policy_pass.py [--quick]
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+
+from gpufleet.domain.types import PriorityClass, Resources
+from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.cycle import schedule, sorted_queues
+from gpufleet.policy.snapshot import ClusterSnapshot, NodeState, PendingJob, RunningJob, TeamState
+
+TYPES = ("H100", "A100")
+N_TEAMS = 20
+
+
+def build(pending: int, nodes: int, busy: float, seed: int = 0) -> ClusterSnapshot:
+    rng = random.Random(seed)
+    node_states = []
+    running = []
+    for i in range(nodes):
+        gpu_type = TYPES[i % len(TYPES)]
+        used = min(8, int(rng.random() < busy) * 8 if busy > 0.9 else rng.randint(0, 8))
+        if busy > 0.9 and rng.random() < 0.3:
+            used = rng.choice((5, 6, 7))
+        free = 8 - used
+        node_states.append(
+            NodeState(
+                f"n{i:05d}",
+                gpu_type,
+                81920,
+                8,
+                free,
+                96.0,
+                96.0 - used * 8,
+                1 << 20,
+                (1 << 20) - used * 65536,
+                {"rack": f"r{i // 32}", "zone": f"z{i % 4}"},
+            )
+        )
+        left = used
+        k = 0
+        while left > 0:
+            g = min(left, rng.choice((1, 2, 4, 8)))
+            running.append(
+                RunningJob(
+                    f"r{i}-{k}",
+                    f"rj{i}-{k}",
+                    f"t{rng.randrange(N_TEAMS):02d}",
+                    f"n{i:05d}",
+                    rng.choice(list(PriorityClass)),
+                    g,
+                    gpu_type,
+                    started_at_s=rng.uniform(0, 9_000),
+                    cpu=g * 8.0,
+                    memory_mb=g * 65536,
+                    expected_duration_s=rng.uniform(600, 20_000),
+                )
+            )
+            left -= g
+            k += 1
+    total = nodes * 8
+    teams = {
+        f"t{t:02d}": TeamState(
+            f"t{t:02d}",
+            weight=1.0 + t % 3,
+            guaranteed_gpus={ty: total // (N_TEAMS * len(TYPES)) for ty in TYPES},
+            borrow_limit_gpus=total // 4,
+            usage_gpu_s=rng.uniform(0, 1e6),
+        )
+        for t in range(N_TEAMS)
+    }
+    jobs = []
+    for j in range(pending):
+        g = rng.choice((1, 1, 1, 1, 2, 4, 8))
+        types = rng.choice(((), ("H100",), ("A100",), ("H100", "A100")))
+        jobs.append(
+            PendingJob(
+                f"j{j:06d}",
+                f"t{rng.randrange(N_TEAMS):02d}",
+                rng.choice(list(PriorityClass)),
+                rng.uniform(0, 10_000),
+                Resources(g, types, 0, g * 8.0, g * 65536),
+                expected_duration_s=rng.uniform(60, 36_000),
+                node_selector={"zone": "z1"} if rng.random() < 0.05 else {},
+            )
+        )
+    return ClusterSnapshot(10_000.0, tuple(node_states), tuple(jobs), tuple(running), teams)
+
+
+def time_pass(snap: ClusterSnapshot, cfg: PolicyConfig, runs: int) -> tuple[float, int]:
+    times = []
+    placed = 0
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        res = schedule(snap, cfg)
+        times.append(time.perf_counter() - t0)
+        placed = len(res.decisions)
+    return statistics.median(times) * 1000.0, placed
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    cfg = PolicyConfig()
+    pendings = (1_000, 10_000) if quick else (1_000, 10_000, 50_000)
+    node_counts = (100, 1_000) if quick else (100, 1_000, 5_000)
+    runs = 3 if quick else 5
+    print(
+        f"{'pending':>8} {'nodes':>6} {'state':>5} {'flat ms':>9} {'queues ms':>10} "
+        f"{'decisions':>9}"
+    )
+    for busy in (0.95, 0.5):
+        for p in pendings:
+            for n in node_counts:
+                snap = build(p, n, busy)
+                flat, decisions = time_pass(snap, cfg, runs)
+                pre = ClusterSnapshot(
+                    snap.now_s,
+                    snap.nodes,
+                    (),
+                    snap.running,
+                    snap.teams,
+                    queues=sorted_queues(snap.pending, cfg),
+                )
+                presorted, _ = time_pass(pre, cfg, runs)
+                state = "busy" if busy > 0.9 else "idle"
+                print(f"{p:>8} {n:>6} {state:>5} {flat:>9.1f} {presorted:>10.1f} {decisions:>9}")
+
+
+if __name__ == "__main__":
+    main()

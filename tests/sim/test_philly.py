@@ -1,0 +1,116 @@
+"""Philly 2017: the loader on a checked-in sample, and the full Oct-Nov replay (slow)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpufleet.sim.calibration import spearman
+from gpufleet.sim.cli import run_sim
+from gpufleet.sim.loaders import load_philly
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TRACES = Path(os.environ.get("GPUFLEET_TRACES_DIR", ROOT.parent / "shared" / "traces"))
+
+
+class TestLoader:
+    @pytest.mark.parametrize(
+        ("oversize", "want_kept", "want_max_gpus"),
+        [
+            pytest.param("clip", 155, 8, id="gangs clipped to one node, GPU-time kept"),
+            pytest.param("drop", 150, 8, id="gangs dropped"),
+        ],
+    )
+    def test_window_and_oversize(self, oversize: str, want_kept: int, want_max_gpus: int) -> None:
+        jobs, stats = load_philly(HERE / "data" / "philly_sample.csv", oversize=oversize)
+        assert stats.kept == want_kept
+        assert stats.dropped_outside_window == 5
+        assert max(j.gpus for j in jobs) == want_max_gpus
+        assert [j.submit_s for j in jobs] == sorted(j.submit_s for j in jobs)
+        assert all(j.submit_s >= 0 for j in jobs)
+
+    def test_clipping_keeps_gpu_time(self) -> None:
+        clipped, _ = load_philly(HERE / "data" / "philly_sample.csv", oversize="clip")
+        dropped, _ = load_philly(HERE / "data" / "philly_sample.csv", oversize="drop")
+        kept = {j.job_id for j in dropped}
+        import csv
+
+        with open(HERE / "data" / "philly_sample.csv", newline="") as f:
+            raw = {f"p{i:06d}": r for i, r in enumerate(csv.DictReader(f))}
+        for j in clipped:
+            if j.job_id not in kept:
+                r = raw[j.job_id]
+                assert j.gpus * j.duration_s == pytest.approx(
+                    int(r["num_gpus"]) * float(r["duration"])
+                )
+
+
+def test_spearman() -> None:
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+
+
+@pytest.fixture(scope="module")
+def philly_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    table = TRACES / "philly_2017" / "philly_jobs_2017-09-04_to_2017-11-30.csv.gz"
+    if not table.exists():
+        pytest.skip(f"the public traces are not at {TRACES} (set GPUFLEET_TRACES_DIR)")
+    out = tmp_path_factory.mktemp("philly")
+    return run_sim(
+        ROOT / "examples" / "sim" / "philly_fifo_per_vc.yaml",
+        out,
+        traces_dir=TRACES,
+        plots=False,
+        compare=("fair_share",),
+    )
+
+
+@pytest.mark.slow
+class TestPhillyReplay:
+    """Oct-Nov 2017, 68,503 jobs of the 11 VCs with known sizes, VC x 8 GPUs each.
+
+    What this table reproduces of the published FIFO figures (Helios, SC'21) and what it
+    does not is recorded in docs/design/simulator.md; these tests pin both.
+    """
+
+    def test_invariants_and_completeness(self, philly_report: dict[str, object]) -> None:
+        runs = philly_report["runs"]
+        for run in runs.values():  # type: ignore[attr-defined]
+            assert run["run"]["invariant_violations"] == 0
+            assert run["jobs"]["finished"] == 68_503
+        assert runs["main"]["run"]["partitioned"] is True  # type: ignore[index]
+        assert runs["fair_share"]["run"]["partitioned"] is False  # type: ignore[index]
+
+    def test_jct_order_of_magnitude_and_ranking(self, philly_report: dict[str, object]) -> None:
+        cmp = philly_report["runs"]["main"]["philly_vs_published_fifo"]  # type: ignore[index]
+        assert cmp["orders_of_magnitude_apart_jct"] <= 1.0
+        assert cmp["spearman_jct"] >= 0.4
+
+    @pytest.mark.xfail(
+        strict=True,
+        reason="this job table gives each VC far less load than the Helios authors' table "
+        "(6214e9 runs at 9% of its 512 GPUs) and their >8-GPU gangs wait for whole free "
+        "nodes; gpufleet places one node per job (docs/design/simulator.md)",
+    )
+    def test_queue_delay_order_of_magnitude_and_ranking(
+        self, philly_report: dict[str, object]
+    ) -> None:
+        cmp = philly_report["runs"]["main"]["philly_vs_published_fifo"]  # type: ignore[index]
+        assert cmp["orders_of_magnitude_apart_queue_delay"] <= 1.0
+        assert cmp["spearman_queue_delay"] >= 0.5
+
+    def test_pooled_beside_per_vc(self, philly_report: dict[str, object]) -> None:
+        """Pooling (guarantees = VC sizes, borrowing, backfill) reported per VC, beside the
+        FIFO per-VC partition; no VC waits longer on average than alone, beyond noise."""
+        runs = philly_report["runs"]  # type: ignore[assignment]
+        alone = runs["main"]["per_team"]  # type: ignore[index]
+        pooled = runs["fair_share"]["per_team"]  # type: ignore[index]
+        assert set(alone) == set(pooled)
+        for vc in alone:
+            assert pooled[vc]["queue_delay_s"]["mean"] <= alone[vc]["queue_delay_s"]["mean"] + 60
+        all_alone = runs["main"]["queue_delay_s"]["all"]["mean"]  # type: ignore[index]
+        all_pooled = runs["fair_share"]["queue_delay_s"]["all"]["mean"]  # type: ignore[index]
+        assert all_pooled < all_alone
