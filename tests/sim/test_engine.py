@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -199,3 +202,20 @@ class TestDeterminism:
             ).read_bytes()
         c = run_sim(cfg, tmp_path / "c", seed=8, compare=(), plots=False)
         assert c["runs"]["main"]["jct_s"] != a["runs"]["main"]["jct_s"]
+
+    def test_same_bytes_across_processes(self, tmp_path: Path) -> None:
+        """Another interpreter with another string-hash seed writes the same report: no
+        decision or metric depends on set or hash order."""
+        cfg = EXAMPLES / "synthetic_two_teams.yaml"
+        code = (
+            "import sys; from pathlib import Path; from gpufleet.sim.cli import run_sim; "
+            "run_sim(Path(sys.argv[1]), Path(sys.argv[2]), seed=3, plots=False, "
+            "compare=('no_backfill',))"
+        )
+        outs = []
+        for hash_seed in ("1", "2"):
+            out = tmp_path / hash_seed
+            env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+            subprocess.run([sys.executable, "-c", code, str(cfg), str(out)], env=env, check=True)
+            outs.append((out / "report.json").read_bytes())
+        assert outs[0] == outs[1]

@@ -85,21 +85,28 @@ class FreeIndex:
         self.capacity_cpu = 0.0
         self.capacity_memory_mb = 0
         self.free_by_type: dict[str, int] = {}
-        self.nodes: dict[str, NodeState] = {}
+        self.nodes: dict[str, NodeState] = {n.node_id: n for n in nodes}
         by_type: dict[str, list[tuple[int, str]]] = {}
         cap = self.capacity_gpus
         free_by_type = self.free_by_type
-        for n in nodes:
-            self.nodes[n.node_id] = n
+        cpu = 0.0
+        mem = 0
+        for n in self.nodes.values():
             if not n.schedulable:
                 continue
             t = n.gpu_type
             cap[t] = cap.get(t, 0) + n.total_gpus
-            self.capacity_cpu += n.cpu_total
-            self.capacity_memory_mb += n.memory_total_mb
-            if n.free_gpus > 0:
-                free_by_type[t] = free_by_type.get(t, 0) + n.free_gpus
-                by_type.setdefault(t, []).append((n.free_gpus, n.node_id))
+            cpu += n.cpu_total
+            mem += n.memory_total_mb
+            f = n.free_gpus
+            if f > 0:
+                free_by_type[t] = free_by_type.get(t, 0) + f
+                lst = by_type.get(t)
+                if lst is None:
+                    lst = by_type[t] = []
+                lst.append((f, n.node_id))
+        self.capacity_cpu = cpu
+        self.capacity_memory_mb = mem
         for keys in by_type.values():
             keys.sort()
         self._lists: dict[tuple[str, SelectorKey], list[tuple[int, str]]] = {

@@ -291,7 +291,7 @@ class Engine:
         }
         return ClusterSnapshot(
             now_s=self.now,
-            nodes=tuple(n.state() for n in self.fleet.nodes.values()),
+            nodes=self.fleet.node_states(),
             pending=(),
             running=self.fleet.running_states(),
             teams=teams,

@@ -132,6 +132,11 @@ class InMemoryFleet:
         self.touched_runs: set[str] = set()
         self.dirty_nodes: set[str] = set(self.nodes)
         self.running_tuple: tuple[RunningJob, ...] | None = None
+        self._node_pos = {nid: i for i, nid in enumerate(self.nodes)}
+        self._node_list: list[NodeState] = [n.state() for n in self.nodes.values()]
+        self._stale_nodes: set[str] = set()
+        self._run_states: dict[str, RunningJob] = {}
+        self._stale_runs: set[str] = set()
         self._run_seq = 0
 
     # -- jobs --------------------------------------------------------------------------
@@ -202,6 +207,7 @@ class InMemoryFleet:
         node.cpu_used += spec.cpu
         node.memory_used_mb += spec.memory_mb
         node._state = None
+        self._stale_nodes.add(node_id)
         js.status = JobStatus.SCHEDULED
         js.current_run_id = run.run_id
         js.runs.append(run.run_id)
@@ -213,6 +219,7 @@ class InMemoryFleet:
         self.active_runs[run.run_id] = run
         self.dirty_nodes.add(node_id)
         self.running_tuple = None
+        self._stale_runs.add(run.run_id)
         self.touched_jobs.add(job_id)
         self.touched_runs.add(run.run_id)
         return run
@@ -228,6 +235,7 @@ class InMemoryFleet:
         js.status = JobStatus.RUNNING
         run.state = None
         self.running_tuple = None
+        self._stale_runs.add(run.run_id)
 
     def running_view(self, run: SimRun) -> RunningJob:
         if run.state is None:
@@ -269,6 +277,7 @@ class InMemoryFleet:
         run.state = None
         self.dirty_nodes.add(run.node_id)
         self.running_tuple = None
+        self._stale_runs.add(run.run_id)
         self.touched_runs.add(run.run_id)
 
     def finish(self, run: SimRun, outcome: RunStatus, now_s: float) -> tuple[SimJobState, bool]:
@@ -288,9 +297,11 @@ class InMemoryFleet:
         node.cpu_used -= spec.cpu
         node.memory_used_mb -= spec.memory_mb
         node._state = None
+        self._stale_nodes.add(run.node_id)
         del self.active_runs[run.run_id]
         self.dirty_nodes.add(run.node_id)
         self.running_tuple = None
+        self._stale_runs.add(run.run_id)
         elapsed = now_s - run.reserved_s
         js.held_gpu_s += spec.gpus * elapsed
         self.touched_jobs.add(js.spec.job_id)
@@ -317,9 +328,24 @@ class InMemoryFleet:
         return js, True
 
     # -- checks ------------------------------------------------------------------------
+    def node_states(self) -> tuple[NodeState, ...]:
+        """All nodes' states, rebuilding only those changed since the last call."""
+        for nid in self._stale_nodes:
+            self._node_list[self._node_pos[nid]] = self.nodes[nid].state()
+        self._stale_nodes.clear()
+        return tuple(self._node_list)
+
     def running_states(self) -> tuple[RunningJob, ...]:
+        """Active attempts' states, rebuilding only those changed since the last call."""
         if self.running_tuple is None:
-            self.running_tuple = tuple(self.running_view(r) for r in self.active_runs.values())
+            for rid in sorted(self._stale_runs):
+                run = self.active_runs.get(rid)
+                if run is None:
+                    self._run_states.pop(rid, None)
+                else:
+                    self._run_states[rid] = self.running_view(run)
+            self._stale_runs.clear()
+            self.running_tuple = tuple(self._run_states.values())
         return self.running_tuple
 
     def invariant_view(self, full: bool = False) -> InvariantView:

@@ -97,7 +97,10 @@ class Recorder:
             self.t_backlog += dt
             self.alloc_backlog_gpu_s += used * dt
         if len(backlogged) >= 2:
-            xs = [alloc.get(t, 0) / max(self.entitlement.get(t, 1.0), 1e-9) for t in backlogged]
+            xs = [
+                alloc.get(t, 0) / max(self.entitlement.get(t, 1.0), 1e-9)
+                for t in sorted(backlogged)
+            ]
             self.jain_dt += jain(xs) * dt
             self.t_jain += dt
 
