@@ -147,4 +147,5 @@ def baselines_cmd() -> None:
     from gpufleet.sim.config import BASELINES
 
     for name, change in BASELINES.items():
-        typer.echo(f"{name:16s} {dict(change) or '(the configured policy)'}")
+        desc = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in change.items())
+        typer.echo(f"{name:16s} {desc or '(the configured policy)'}")
