@@ -190,7 +190,16 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         if keep is not None:
             teams = [t for t in teams if t.team_id in keep]
     if "openb_pods" in wl:
-        loaded, st2 = load_openb_pods(trace(str(wl["openb_pods"]["path"])))
+        op = wl["openb_pods"]
+        inflate = op.get("inflate_to_fleet_share")
+        fleet_gpus = sum(g.count * g.gpus_per_node for g in groups)
+        loaded, st2 = load_openb_pods(
+            trace(str(op["path"])),
+            arrival_speedup=float(op.get("arrival_speedup", 1.0)),
+            lifetime=str(op.get("lifetime", "trace")),
+            inflate_to_gpus=int(float(inflate) * fleet_gpus) if inflate is not None else None,
+            seed=seed,
+        )
         jobs.extend(loaded)
         stats["openb_pods"] = dataclasses.asdict(st2)
     if "synthetic" in wl:

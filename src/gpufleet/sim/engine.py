@@ -261,7 +261,8 @@ class Engine:
         remaining = max(0.0, spec.duration_s - js.banked_s)
         if js.failures_left > 0:
             remaining *= spec.fail_after_fraction
-        self._push(self.now + remaining, _END, run.run_id)
+        if remaining != float("inf"):  # a job that never ends (FGD protocol) gets no end
+            self._push(self.now + remaining, _END, run.run_id)
 
     def _preempt(self, d: Preempt) -> None:
         for rid in d.victim_run_ids:

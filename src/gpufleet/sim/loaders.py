@@ -151,31 +151,50 @@ def load_openb_fleet(path: Path) -> list[NodeGroup]:
     return groups
 
 
-def load_openb_pods(path: Path, team_by_qos: bool = True) -> tuple[list[SimJob], LoadStats]:
+def load_openb_pods(
+    path: Path,
+    team_by_qos: bool = True,
+    arrival_speedup: float = 1.0,
+    lifetime: str = "trace",
+    inflate_to_gpus: int | None = None,
+    seed: int = 0,
+) -> tuple[list[SimJob], LoadStats]:
     """openb pods as jobs: GPU pods only; a fractional GPU counts as one whole GPU (gpufleet
-    allocates whole GPUs); duration = deletion - scheduled (pods without one are dropped);
-    the QoS class is the team and LS/Guaranteed map to HIGH, BE to LOW."""
+    allocates whole GPUs); the QoS class is the team and LS/Guaranteed map to HIGH, BE to LOW.
+
+    ``lifetime="trace"``: arrival = creation time (divided by ``arrival_speedup``), duration =
+    deletion - scheduled (pods without both are dropped). ``lifetime="forever"``: the FGD
+    protocol (Weng et al., ATC'23): pods arrive one per second in creation order and never
+    leave; with ``inflate_to_gpus`` the pods are then sampled again (seeded) until the
+    requested GPUs reach that number (e.g. 1.3 x the fleet).
+    """
     prio = {
         "LS": PriorityClass.HIGH,
         "Guaranteed": PriorityClass.HIGH,
         "Burstable": PriorityClass.NORMAL,
         "BE": PriorityClass.LOW,
     }
-    jobs: list[SimJob] = []
+    forever = lifetime == "forever"
+    pods: list[SimJob] = []
     rows = 0
     with _open_text(path) as f:
         for i, r in enumerate(csv.DictReader(f)):
             rows += 1
             gpus = int(r["num_gpu"] or 0)
-            if gpus <= 0 or not r["scheduled_time"] or not r["deletion_time"]:
+            if gpus <= 0:
                 continue
-            start = float(r["creation_time"])
-            duration = float(r["deletion_time"]) - float(r["scheduled_time"])
-            if duration <= 0:
-                continue
+            if forever:
+                start, duration = float(i), math.inf
+            else:
+                if not r["scheduled_time"] or not r["deletion_time"]:
+                    continue
+                start = float(r["creation_time"])
+                duration = float(r["deletion_time"]) - float(r["scheduled_time"])
+                if duration <= 0:
+                    continue
             spec = tuple(s for s in (r.get("gpu_spec") or "").split("|") if s)
             qos = r["qos"].strip()
-            jobs.append(
+            pods.append(
                 SimJob(
                     job_id=f"o{i:05d}",
                     team_id=qos if team_by_qos else "openb",
@@ -186,12 +205,26 @@ def load_openb_pods(path: Path, team_by_qos: bool = True) -> tuple[list[SimJob],
                     gpu_types=spec,
                     cpu=int(r["cpu_milli"]) / 1000.0,
                     memory_mb=int(r["memory_mib"]),
-                    expected_duration_s=duration,
+                    expected_duration_s=None if forever else duration,
                 )
             )
-    t0 = min((j.submit_s for j in jobs), default=0.0)
+    if forever:
+        pods.sort(key=lambda j: j.submit_s)
+        jobs = [replace(j, submit_s=float(k)) for k, j in enumerate(pods)]
+        if inflate_to_gpus is not None and pods:
+            rng = random.Random(seed)
+            demand = sum(j.gpus for j in jobs)
+            k = len(jobs)
+            while demand < inflate_to_gpus:
+                j = pods[rng.randrange(len(pods))]
+                jobs.append(replace(j, job_id=f"{j.job_id}-x{k}", submit_s=float(k)))
+                demand += j.gpus
+                k += 1
+        return jobs, LoadStats(rows, len(jobs))
+    t0 = min((j.submit_s for j in pods), default=0.0)
     jobs = sorted(
-        (replace(j, submit_s=j.submit_s - t0) for j in jobs), key=lambda j: (j.submit_s, j.job_id)
+        (replace(j, submit_s=(j.submit_s - t0) / arrival_speedup) for j in pods),
+        key=lambda j: (j.submit_s, j.job_id),
     )
     return jobs, LoadStats(rows, len(jobs))
 

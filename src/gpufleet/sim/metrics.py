@@ -81,6 +81,7 @@ class Recorder:
         self.last_waiting: Mapping[str, WaitReason] = {}
         self.unfinished: list[JobRecord] = []
         self.team_gpu_s: dict[str, float] = {}
+        self.final_allocated = 0
 
     # -- during the run ----------------------------------------------------------------
     def integrate(
@@ -153,6 +154,7 @@ class Recorder:
                 if js.first_start_s is None:
                     rec = JobRecord(**{**_asdict(rec), "wait_s": now - js.spec.submit_s})
                 self.unfinished.append(rec)
+        self.final_allocated = sum(n.total - n.free for n in fleet.nodes.values())
         self.preempt_lost_gpu_s = sum(js.preempt_lost_gpu_s for js in fleet.jobs.values())
         self.held_gpu_s_by_team: dict[str, float] = {}
         for js in fleet.jobs.values():
@@ -200,6 +202,7 @@ class Recorder:
                 if self.t_backlog
                 else 0.0,
                 "backlog_time_share": self.t_backlog / self.t_total if self.t_total else 0.0,
+                "final_share": self.final_allocated / self.total_gpus if self.total_gpus else 0.0,
             },
             "queue_delay_s": {
                 "all": summary(waits_all),
