@@ -43,6 +43,26 @@ def ensure_admin_token(db: Database, team: str = "default") -> str:
     return db.run_write(tx)
 
 
+def reusable_token(db: Database, client_config: Path) -> str | None:
+    """The admin token saved in ``client_config`` by an earlier ``up``, if it still works
+    (restarts do not mint a new token each time)."""
+    import yaml
+
+    from gpufleet.domain.errors import Unauthenticated
+
+    try:
+        raw = (yaml.safe_load(client_config.read_text()) or {}).get("token")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    if not isinstance(raw, str):
+        return None
+    try:
+        with db.read() as s:
+            return raw if auth.authenticate(s, raw).is_admin else None
+    except Unauthenticated:
+        return None
+
+
 class ApiServer:
     """uvicorn in a thread (``gpufleet up``) or in the foreground (``gpufleet server``)."""
 
@@ -98,9 +118,17 @@ class LocalPlatform:
         self.agent: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        from gpufleet.agent.main import state_dir_holder
+
         self.controller.start()
         self.api.start_in_thread()
         data_dir = self.settings.resolved_data_dir()
+        holder = state_dir_holder(data_dir / "agents" / self.node_id)
+        if holder is not None:
+            # an agent left running by an earlier `up` (killed hard) keeps its jobs; it
+            # re-registers with this controller by itself: reuse it, never start a second one
+            log.warning("agent %s is already running (pid %s); reusing it", self.node_id, holder)
+            return
         cmd = [
             sys.executable,
             "-m",

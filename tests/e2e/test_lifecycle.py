@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -172,3 +174,82 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return bool(group_members(pgid))
+
+
+def test_a_job_that_cannot_start_fails_at_once_and_frees_its_gpus(fleet: Fleet) -> None:
+    fleet.start_agent("a1")
+    job_id = fleet.submit({"command": ["true"], "gpu_count": 4, "working_dir": "/nonexistent/dir"})
+    job = fleet.wait_status(job_id, TERMINAL, timeout_s=30)
+    assert job["status"] == "FAILED"
+    assert "never started" in job["attempts"][0]["message"]
+    assert fleet.get("/v1/nodes")["items"][0]["available_gpus"] == 8
+    assert fleet.check() == []
+
+
+def test_the_job_starts_in_its_working_dir(fleet: Fleet) -> None:
+    fleet.start_agent("a1")
+    marker = f"gpufleet-test-marker-{fleet.tmp.name}"
+    job_id = fleet.submit(
+        {
+            "command": py("import os; print('cwd', os.getcwd())", marker),
+            "gpu_count": 1,
+            "working_dir": str(fleet.tmp),
+        }
+    )
+    assert fleet.wait_status(job_id, TERMINAL)["status"] == "SUCCEEDED"
+    with fleet.http() as c:
+        assert f"cwd {fleet.tmp}" in c.get(f"/v1/jobs/{job_id}/logs").text
+
+
+def test_a_second_agent_on_the_same_state_dir_refuses_to_start(fleet: Fleet) -> None:
+    fleet.start_agent("a1")
+    second = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpufleet.cli.main",
+            "agent",
+            "--node-id",
+            "a1",
+            "--gpus",
+            "8xH100-80GB",
+            "--state-dir",
+            str(fleet.tmp / "agents" / "a1"),
+        ],
+        env={**os.environ, "GPUFLEET_CONTROLLER_ADDRESS": fleet.settings.controller_address},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert second.returncode == 3
+    assert "another agent" in second.stderr
+
+
+def test_following_the_logs_of_a_pending_job_waits_for_its_attempt(fleet: Fleet) -> None:
+    fleet.start_agent("a1", gpus="2xA100-40GB")
+    marker = f"gpufleet-test-marker-{fleet.tmp.name}"
+    blocker = fleet.submit({"command": py("import time; time.sleep(60)", marker), "gpu_count": 2})
+    fleet.wait_status(blocker, {"RUNNING"})
+    waiting = fleet.submit(
+        {"command": py("print('hello after the wait')", marker), "gpu_count": 2}
+    )
+    got: list[str] = []
+
+    def follow() -> None:
+        with (
+            fleet.http() as c,
+            c.stream(
+                "GET", f"/v1/jobs/{waiting}/logs", params={"follow": "true"}, timeout=60
+            ) as r,
+        ):
+            got.append(r.read().decode())
+
+    t = threading.Thread(target=follow)
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive() and not got  # still waiting: no attempt yet
+    with fleet.http() as c:
+        c.delete(f"/v1/jobs/{blocker}")
+    t.join(timeout=60)
+    assert got and "hello after the wait" in got[0]

@@ -112,6 +112,16 @@ BAD = [
     pytest.param({**JOB, "gpu_type": "TPUv9"}, "gpu_type", id="GPU type no node has"),
     pytest.param({**JOB, "bogus": 1}, "bogus", id="unknown field"),
     pytest.param({**JOB, "max_retries": -2}, "max_retries", id="negative retries"),
+    pytest.param({**JOB, "gpu_count": "2"}, "gpu_count", id="GPU count as a string"),
+    pytest.param({**JOB, "gpu_count": True}, "gpu_count", id="GPU count as a boolean"),
+    pytest.param({**JOB, "command": ["echo", "a\x00b"]}, "command", id="NUL in the command"),
+    pytest.param({**JOB, "name": "a\x00b"}, "name", id="NUL in the name"),
+    pytest.param({**JOB, "env": {"K": "v\x00"}}, "env", id="NUL in env"),
+    pytest.param({**JOB, "cpu": 4096}, "cpu", id="more CPUs than any node"),
+    pytest.param(
+        {**JOB, "node_selector": {"zone": "mars"}}, "node_selector", id="labels no node has"
+    ),
+    pytest.param({**JOB, "working_dir": "relative/dir"}, "working_dir", id="relative working_dir"),
 ]
 
 
@@ -196,6 +206,43 @@ class TestReads:
         assert r.status_code == 202 and r.json()["status"] == "CANCELLED"
         got = client.get(f"/v1/jobs/{job['job_id']}", headers=hdr(tokens["vision"])).json()
         assert got["status"] == "CANCELLED" and got["cancel_requested"] is True
+
+    @pytest.mark.parametrize("job_id", ["j-%00", "..%2F..%2Fetc", "j-" + "z" * 300])
+    def test_odd_ids_are_404_not_500(self, api, job_id) -> None:
+        client, tokens = api
+        assert client.get(f"/v1/jobs/{job_id}", headers=hdr(tokens["vision"])).status_code == 404
+
+    @pytest.mark.parametrize("cursor", ["garbage", "%00"])
+    def test_a_bad_cursor_is_422(self, api, cursor) -> None:
+        client, tokens = api
+        r = client.get(f"/v1/jobs?cursor={cursor}", headers=hdr(tokens["vision"]))
+        assert r.status_code == 422 and r.json()["field"] == "cursor"
+
+    def test_cancelling_twice_is_fine_but_a_finished_job_is_409(self, api, db) -> None:
+        client, tokens = api
+        job = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"])).json()["job_id"]
+        for _ in range(2):
+            assert (
+                client.delete(f"/v1/jobs/{job}", headers=hdr(tokens["vision"])).status_code == 202
+            )
+        from sqlalchemy import update
+
+        from gpufleet.store.tables import JobRow
+
+        done = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], "k2")).json()[
+            "job_id"
+        ]
+        db.run_write(
+            lambda s: s.execute(update(JobRow).where(JobRow.id == done).values(status="SUCCEEDED"))
+        )
+        r = client.delete(f"/v1/jobs/{done}", headers=hdr(tokens["vision"]))
+        assert r.status_code == 409 and r.json()["error"] == "job_already_finished"
+
+    def test_logs_of_a_job_without_attempt_are_empty(self, api) -> None:
+        client, tokens = api
+        job = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"])).json()["job_id"]
+        r = client.get(f"/v1/jobs/{job}/logs", headers=hdr(tokens["vision"]))
+        assert (r.status_code, r.text) == (200, "")
 
     def test_nodes_lists_capacity(self, api) -> None:
         client, tokens = api

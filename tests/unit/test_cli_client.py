@@ -7,6 +7,7 @@ and error mapping. The real server is exercised by tests/e2e.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,7 @@ class TestSubmit:
             "priority": "HIGH",
             "env": {"A": "1=2"},
             "node_selector": {"zone": "a"},
+            "working_dir": os.getcwd(),  # like Slurm: the job starts where it was submitted
         }
 
     def test_jobfile_defaults_flags_override(self, api: FakeApi, tmp_path: Path) -> None:
@@ -252,7 +254,23 @@ class TestSubmit:
             "max_retries": 2,
             "env": {"A": "1", "B": "2"},
             "priority": "NORMAL",
+            "working_dir": os.getcwd(),
         }
+
+    def test_workdir_flag_sets_or_drops_the_working_dir(
+        self, api: FakeApi, tmp_path: Path
+    ) -> None:
+        api.on("POST", "/v1/jobs", httpx.Response(201, json={"job_id": "job_2", "status": "P"}))
+        assert cli("submit", "--workdir", str(tmp_path), "--", "true").exit_code == 0
+        assert cli("submit", "--workdir", "-", "--", "true").exit_code == 0
+        first, second = api.bodies()
+        assert first["working_dir"] == str(tmp_path)
+        assert "working_dir" not in second
+
+    def test_non_finite_numbers_are_a_clean_error(self, api: FakeApi) -> None:
+        result = cli("submit", "--cpu", "nan", "--", "true")
+        assert result.exit_code == 2
+        assert "cpu" in result.stderr and "Traceback" not in result.stderr
 
     def test_json_jobfile_and_reused_key_replay(self, api: FakeApi, tmp_path: Path) -> None:
         api.on("POST", "/v1/jobs", httpx.Response(200, json={"job_id": "job_3", "status": "P"}))

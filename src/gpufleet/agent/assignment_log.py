@@ -71,6 +71,7 @@ class RunRecord:
     image: str = ""
     resume_from_uri: str = ""
     max_runtime_s: float = 0.0
+    working_dir: str = ""
     status: RunStatus = RunStatus.ASSIGNED
     assigned_at_s: float = 0.0
     pid: int = 0  # the user command
@@ -119,6 +120,7 @@ _ASSIGN_FIELDS = (
     "image",
     "resume_from_uri",
     "max_runtime_s",
+    "working_dir",
 )
 
 

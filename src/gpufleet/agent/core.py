@@ -145,6 +145,7 @@ class AgentCore:
                     image=req.image,
                     resume_from_uri=req.resume_from_uri,
                     max_runtime_s=req.max_runtime_s,
+                    working_dir=req.working_dir,
                 )
                 rec = self.log.runs[req.run_id]
                 start_lock = threading.Lock()
@@ -167,7 +168,9 @@ class AgentCore:
             if problem is not None:
                 raise StartError(problem)
             h = self.runner.spawn(rec)
-        except StartError as exc:
+        except Exception as exc:
+            if not isinstance(exc, StartError):
+                logger.exception("run %s: unexpected error while starting", rec.run_id)
             logger.warning("run %s: failed to start: %s", rec.run_id, exc)
             self.log.append("start_failed", rec.run_id, message=str(exc))
             self._enqueue(COMPLETE, rec.run_id)

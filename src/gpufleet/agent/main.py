@@ -15,13 +15,16 @@ running under their shims and are adopted by the next agent started on the same 
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO
 
 import grpc
 
@@ -41,6 +44,56 @@ logger = logging.getLogger("gpufleet.agent")
 MONITOR_INTERVAL_S = 0.2
 LOG_SYNC_INTERVAL_S = 1.0
 GRPC_WORKERS = 8
+
+
+class AgentAlreadyRunning(RuntimeError):
+    """Another live agent holds this state directory (two agents on one assignment log would
+    both adopt and report the same runs)."""
+
+
+LOCK_NAME = "agent.lock"
+
+
+def lock_state_dir(state_dir: Path) -> IO[str]:
+    """Take the state directory's exclusive lock (``flock``) and write our pid into it.
+
+    Returns the open lock file; the lock lasts as long as it stays open (the process).
+
+    Raises:
+        AgentAlreadyRunning: another process holds it.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    f = open(state_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held for the process lifetime
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise AgentAlreadyRunning(
+            f"another agent (pid {holder}) is running on state dir {state_dir}"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def state_dir_holder(state_dir: Path) -> int | None:
+    """The pid of the live agent holding ``state_dir``, or None if no agent holds it."""
+    path = state_dir / LOCK_NAME
+    if not path.exists():
+        return None
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            text = f.read().strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
 
 
 def run_agent(
@@ -77,8 +130,9 @@ def run_agent(
         OSError: the state dir is unusable or the port cannot be bound.
     """
     stop = stop_event if stop_event is not None else threading.Event()
-    _install_signal_handlers(stop)
     state_dir = state_dir.expanduser().resolve()
+    _lock = lock_state_dir(state_dir)  # held until this process exits
+    _install_signal_handlers(stop)
     store = ObjectStore(settings.resolved_object_store_url())
     inventory = load_inventory(node_id, gpus)
     log = AssignmentLog(state_dir)

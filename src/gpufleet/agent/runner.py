@@ -127,7 +127,14 @@ class Runner:
             json.dump(env, f)
         argv = [sys.executable, "-m", "gpufleet.agent.shim", "--exit-file", str(paths.exit_file)]
         argv += ["--log-file", str(paths.log), "--claim-file", str(paths.claim)]
-        argv += ["--env-file", str(paths.env_file), "--cwd", str(paths.work)]
+        cwd = paths.work
+        if rec.working_dir:
+            cwd = Path(rec.working_dir)
+            if not cwd.is_absolute() or not cwd.is_dir():
+                raise StartError(
+                    f"working_dir {rec.working_dir!r} is not a directory on this node"
+                )
+        argv += ["--env-file", str(paths.env_file), "--cwd", str(cwd)]
         read_fd, write_fd = os.pipe()
         try:
             with open(paths.shim_log, "ab") as shim_log:
@@ -139,7 +146,7 @@ class Runner:
                     start_new_session=True,  # the shim leads its own session and group
                     pass_fds=(write_fd,),
                 )
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL byte in an argument
             os.close(read_fd)
             raise StartError(f"cannot start the shim: {exc}") from exc
         finally:

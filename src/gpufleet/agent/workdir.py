@@ -79,8 +79,9 @@ def build_env(
     configuration, possibly secret), then the job's env, then the platform's variables, which
     a job cannot override: ``CUDA_VISIBLE_DEVICES`` (the reservation's GPU indexes, comma
     list; empty = no GPU), ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (so CUDA's numbering matches
-    NVML's), ``GPUFLEET_JOB_ID``, ``GPUFLEET_RUN_ID``, ``GPUFLEET_ATTEMPT``, ``GPUFLEET_TOKEN``,
-    ``GPUFLEET_CHECKPOINT_DIR``, ``GPUFLEET_ARTIFACTS_DIR`` and ``GPUFLEET_RESUME_FROM`` (a
+    NVML's), ``GPUFLEET_JOB_ID``, ``GPUFLEET_RUN_ID``, ``GPUFLEET_ATTEMPT``,
+    ``GPUFLEET_FENCING_TOKEN``, ``GPUFLEET_CHECKPOINT_DIR``, ``GPUFLEET_ARTIFACTS_DIR`` and
+    ``GPUFLEET_RESUME_FROM`` (a
     directory holding the previous attempt's checkpoints, or empty when there are none).
     """
     env = {k: v for k, v in base.items() if not k.startswith("GPUFLEET_")}
@@ -92,7 +93,7 @@ def build_env(
             "GPUFLEET_JOB_ID": rec.job_id,
             "GPUFLEET_RUN_ID": rec.run_id,
             "GPUFLEET_ATTEMPT": str(rec.attempt),
-            "GPUFLEET_TOKEN": str(rec.token),
+            "GPUFLEET_FENCING_TOKEN": str(rec.token),
             "GPUFLEET_CHECKPOINT_DIR": str(paths.checkpoints),
             "GPUFLEET_ARTIFACTS_DIR": str(paths.artifacts),
             "GPUFLEET_RESUME_FROM": str(resume_dir) if resume_dir is not None else "",

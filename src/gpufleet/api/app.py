@@ -30,7 +30,7 @@ from gpufleet.api.schemas import (
     TokenCreate,
 )
 from gpufleet.domain.errors import Forbidden, GpufleetError, NotFound, ValidationFailed
-from gpufleet.domain.states import RUN_TERMINAL
+from gpufleet.domain.states import JOB_TERMINAL, RUN_TERMINAL
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.queue import Waker
 from gpufleet.services import auth, jobs, teams
@@ -102,7 +102,7 @@ def create_app(state: AppState) -> FastAPI:
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-        field = ".".join(loc) if loc else "body"
+        field = ".".join(loc) if loc else str((first.get("ctx") or {}).get("field", "body"))
         if first.get("type") == "json_invalid":
             return _error(
                 400, "malformed_json", f"the body is not valid JSON: {first.get('msg')}", "body"
@@ -135,11 +135,11 @@ def create_app(state: AppState) -> FastAPI:
         idempotency_key: Annotated[str | None, Header()] = None,
     ) -> JobCreated:
         with SUBMIT_SECONDS.time():
-            if not idempotency_key or len(idempotency_key) > 256:
+            if not idempotency_key or len(idempotency_key) > 256 or "\x00" in idempotency_key:
                 SUBMITS.labels("invalid").inc()
+                what = "is required" if not idempotency_key else "must be 1-256 characters"
                 raise ValidationFailed(
-                    "the Idempotency-Key header is required (1-256 characters)",
-                    field="Idempotency-Key",
+                    f"the Idempotency-Key header {what}", field="Idempotency-Key"
                 )
             out = jobs.submit_job(
                 state.db,
@@ -193,34 +193,54 @@ def create_app(state: AppState) -> FastAPI:
     async def logs(
         job_id: str, who: Who, follow: bool = False, run_id: str | None = None
     ) -> Response:
-        def pick() -> tuple[str, bool]:
-            with state.db.read() as s:
-                _, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
-                chosen = [r for r in runs if r.id == run_id] if run_id else runs[-1:]
-                if not chosen:
-                    raise NotFound(
-                        f"job {job_id} has no attempt{' ' + run_id if run_id else ' yet'}",
-                        field="run_id" if run_id else "job_id",
-                    )
-                return chosen[0].id, chosen[0].status in RUN_TERMINAL
+        team = None if who.is_admin else who.team_id
 
-        rid, done = await asyncio.to_thread(pick)
-        key = log_key(job_id, rid)
-        if not follow or done:
-            data = await asyncio.to_thread(_read_log, state.store, key, 0)
+        def pick() -> tuple[str | None, bool, bool]:
+            """(chosen attempt or None, attempt finished, job finished)."""
+            with state.db.read() as s:
+                job, runs = jobs.get_job(s, team, job_id)
+                chosen = [r for r in runs if r.id == run_id] if run_id else runs[-1:]
+                if run_id and not chosen:
+                    raise NotFound(f"job {job_id} has no attempt {run_id}", field="run_id")
+                job_done = job.status in JOB_TERMINAL
+                if not chosen:
+                    return None, True, job_done
+                return chosen[0].id, chosen[0].status in RUN_TERMINAL, job_done
+
+        rid, done, job_done = await asyncio.to_thread(pick)
+        if not follow or (done and (job_done or run_id)):
+            if rid is None:
+                return PlainTextResponse(b"")  # no attempt yet (or cancelled while pending)
+            data = await asyncio.to_thread(_read_log, state.store, log_key(job_id, rid), 0)
             return PlainTextResponse(data)
 
         async def stream() -> AsyncIterator[bytes]:
-            offset = 0
+            """Follow the job: each attempt's log in turn (retries, requeues), until the job
+            is finished; waits for a first attempt when the job is still pending."""
+            streamed: set[str] = set()
             while True:
-                finished = await asyncio.to_thread(_run_finished, state.db, rid)
-                chunk = await asyncio.to_thread(_read_log, state.store, key, offset)
-                if chunk:
-                    offset += len(chunk)
-                    yield chunk
-                elif finished:
+                current, _, finished_job = await asyncio.to_thread(pick)
+                if current is None or current in streamed:
+                    if finished_job:
+                        return
+                    await asyncio.sleep(0.5)
+                    continue
+                if streamed:
+                    yield f"--- next attempt: {current} ---\n".encode()
+                streamed.add(current)
+                key, offset = log_key(job_id, current), 0
+                while True:
+                    ended = await asyncio.to_thread(_run_finished, state.db, current)
+                    chunk = await asyncio.to_thread(_read_log, state.store, key, offset)
+                    if chunk:
+                        offset += len(chunk)
+                        yield chunk
+                    elif ended:
+                        break
+                    else:
+                        await asyncio.sleep(0.5)
+                if run_id:
                     return
-                await asyncio.sleep(0.5)
 
         return StreamingResponse(stream(), media_type="text/plain")
 

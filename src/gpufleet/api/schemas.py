@@ -6,6 +6,7 @@ import shlex
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from gpufleet.domain.types import JobSpec, PriorityClass, Resources
 
@@ -16,7 +17,8 @@ Name = Annotated[str, Field(max_length=256)]
 class JobCreate(BaseModel):
     """POST /v1/jobs body. Unknown fields are rejected (a typo must not be silently ignored)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: "2", true or 2.0 is not a GPU count; a typo'd field is an error, not ignored
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: Name = ""
     command: list[Annotated[str, Field(max_length=16384)]] = Field(min_length=1, max_length=1024)
@@ -33,6 +35,28 @@ class JobCreate(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     node_selector: dict[str, str] = Field(default_factory=dict)
     preemptible: bool = True
+    working_dir: str | None = Field(default=None, max_length=4096)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul_bytes(cls, data: Any) -> Any:
+        """PostgreSQL text cannot hold NUL, and no process argument or path can either."""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if _has_nul(value):
+                    raise PydanticCustomError(
+                        "nul_byte",
+                        "{field} must not contain NUL (\\u0000) characters",
+                        {"field": str(key)},
+                    )
+        return data
+
+    @field_validator("working_dir")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("working_dir must be an absolute path")
+        return v
 
     @field_validator("command", mode="before")
     @classmethod
@@ -91,7 +115,18 @@ class JobCreate(BaseModel):
             max_runtime_s=self.max_runtime_s,
             preemptible=self.preemptible,
             node_selector=dict(sorted(self.node_selector.items())),
+            working_dir=self.working_dir,
         )
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
 
 
 class JobCreated(BaseModel):

@@ -10,6 +10,8 @@ SUCCEEDED.
 from __future__ import annotations
 
 import enum
+import math
+import os
 import shlex
 import time
 import uuid
@@ -244,6 +246,13 @@ def submit(
     idempotency_key: Annotated[
         str | None, typer.Option(help="Reuse to retry a submit safely (default: new uuid4).")
     ] = None,
+    workdir: Annotated[
+        str | None,
+        typer.Option(
+            help="Directory the job starts in (default: this one, like Slurm; "
+            "'-' = the attempt's own directory)."
+        ),
+    ] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait; exit 0 iff SUCCEEDED.")] = False,
     follow: Annotated[bool, typer.Option("--follow", help="Stream logs, then wait.")] = False,
     out: OutputOpt = OutputFormat.table,
@@ -273,6 +282,14 @@ def submit(
             _pairs(selector, "node_selector"),
             list(ctx.meta.get(_COMMAND_KEY, [])),
         )
+        if workdir != "-":
+            body.setdefault("working_dir", os.path.abspath(workdir or os.getcwd()))
+        else:
+            body.pop("working_dir", None)
+        for key in ("cpu", "expected_duration_s", "max_runtime_s"):
+            value = body.get(key)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ClientError(f"{key} must be a finite number, not {value}", field=key)
         if idempotency_key is None:
             idempotency_key = str(uuid.uuid4())
             typer.echo(

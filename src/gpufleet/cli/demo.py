@@ -155,6 +155,7 @@ def _drive(platform: Any, settings: Settings, tokens: dict[str, str], script: Pa
                 if all(st.get("status") in TERMINAL for st in states.values()):
                     break
                 time.sleep(0.5)
+        console.print()
         store = ObjectStore(settings.resolved_object_store_url())
         ok = True
         for team, name, job_id in jobs:

@@ -76,14 +76,14 @@ def up(
 ) -> None:
     """Start server + controller + one local agent on the embedded defaults (SQLite, local
     object store) and print the URL and an admin token."""
-    from gpufleet.processes import LocalPlatform, ensure_admin_token
+    from gpufleet.processes import LocalPlatform, ensure_admin_token, reusable_token
 
     _logging()
     settings = _settings(data_dir, server_port=port)
     platform = LocalPlatform(settings, gpus=gpus)
-    token = ensure_admin_token(platform.db)
-    platform.start()
     cfg_path = client_config_path(settings.resolved_data_dir())
+    token = reusable_token(platform.db, cfg_path) or ensure_admin_token(platform.db)
+    platform.start()
     write_client_config(cfg_path, platform.api.url, token)
     if not platform.wait_for_node():
         agent_log = settings.resolved_data_dir() / "agent.log"
@@ -167,7 +167,7 @@ def agent(
     data_dir: DataDir = None,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
-    from gpufleet.agent.main import run_agent
+    from gpufleet.agent.main import AgentAlreadyRunning, run_agent
 
     _logging()
     settings = _settings(data_dir)
@@ -178,23 +178,29 @@ def agent(
             err.print(f"[red]error:[/] --label {item!r}: use key=value")
             raise typer.Exit(2)
         labels[k] = v
-    run_agent(
-        settings,
-        node_id=node_id,
-        gpus=gpus,
-        port=port,
-        state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
-        labels=labels,
-    )
+    try:
+        run_agent(
+            settings,
+            node_id=node_id,
+            gpus=gpus,
+            port=port,
+            state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
+            labels=labels,
+        )
+    except AgentAlreadyRunning as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(3) from None
+    except ValueError as exc:  # e.g. a malformed --gpus spec
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
 
 
 @admin_app.command("check")
 def admin_check(data_dir: DataDir = None) -> None:
     """Check invariants 1-4 on the database; exit 1 if any is violated."""
-    from gpufleet.processes import open_database
     from gpufleet.store.queries import check_database
 
-    view, violations = check_database(open_database(_settings(data_dir)))
+    view, violations = check_database(_admin_db(data_dir))
     gpus = sum(n.total_gpus for n in view.nodes)
     out.print(
         f"checked {len(view.nodes)} nodes ({gpus} GPUs), {len(view.reservations)} active "
@@ -214,9 +220,18 @@ admin_app.add_typer(node_app, name="node")
 
 
 def _admin_db(data_dir: Path | None) -> Database:
+    """The platform's database; never creates an embedded one that does not exist yet."""
     from gpufleet.processes import open_database
 
-    return open_database(_settings(data_dir))
+    settings = _settings(data_dir)
+    url = settings.resolved_database_url()
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        err.print(
+            f"[red]error:[/] no gpufleet database at {escape(url.removeprefix('sqlite:///'))}: "
+            "start the platform (gpufleet up), or pass --data-dir / set GPUFLEET_DATABASE_URL"
+        )
+        raise typer.Exit(2)
+    return open_database(settings)
 
 
 def _run_admin(data_dir: Path | None, fn: Callable[[Session], T]) -> T:

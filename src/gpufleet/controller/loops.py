@@ -206,6 +206,7 @@ class Scheduler:
                 resume_from_uri=self.store.uri(prior) if prior else "",
                 max_runtime_s=float(spec.get("max_runtime_s") or 0),
                 attempt=run.attempt,
+                working_dir=spec.get("working_dir") or "",
             )
             resp = self.agents.assign(node.address, req)
         except grpc.RpcError as exc:

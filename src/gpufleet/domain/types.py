@@ -68,6 +68,8 @@ class JobSpec:
     max_runtime_s: float | None = None
     preemptible: bool = True
     node_selector: Mapping[str, str] = field(default_factory=dict)
+    working_dir: str | None = None
+    """Absolute directory the command starts in (None: the attempt's own work directory)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
@@ -18,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import (
+    Conflict,
     IdempotencyKeyReused,
     LimitExceeded,
     NotFound,
@@ -64,38 +66,70 @@ class Submitted:
 
 
 def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) -> None:
-    """Reject a job no registered node type could ever hold. With no node registered yet,
-    bound gpu_count by ``fallback_max_gpus``. Raises ValidationFailed(field=...)."""
+    """Reject a job that no registered node could ever hold (a static check against each
+    node's totals, not its free capacity). With no node registered yet, only bound gpu_count
+    by ``fallback_max_gpus``. Raises ValidationFailed naming the first field that no node
+    satisfies."""
     res = spec.resources
-    q = select(func.max(NodeCapacityRow.total_gpus)).join(
-        NodeRow, NodeRow.id == NodeCapacityRow.node_id
-    )
-    any_node = session.execute(select(func.count()).select_from(NodeRow)).scalar_one() > 0
-    if res.gpu_types:
-        q = q.where(NodeRow.gpu_type.in_(res.gpu_types))
-    if res.gpu_memory_mb:
-        q = q.where(NodeRow.gpu_memory_mb >= res.gpu_memory_mb)
-    largest = session.execute(q).scalar_one_or_none()
-    if not any_node:
+    nodes = session.execute(
+        select(
+            NodeRow.gpu_type,
+            NodeRow.gpu_memory_mb,
+            NodeRow.cpu,
+            NodeRow.memory_mb,
+            NodeRow.labels,
+            NodeCapacityRow.total_gpus,
+        ).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
+    ).all()
+    if not nodes:
         if res.gpu_count > fallback_max_gpus:
             raise ValidationFailed(
                 f"gpu_count {res.gpu_count} exceeds the largest node size ({fallback_max_gpus})",
                 field="gpu_count",
             )
         return
-    if largest is None:
-        types = "/".join(res.gpu_types) or "any type"
-        raise ValidationFailed(
-            f"no node has GPUs of {types}"
-            + (f" with >= {res.gpu_memory_mb} MiB" if res.gpu_memory_mb else ""),
-            field="gpu_type" if res.gpu_types else "gpu_memory_mb",
-        )
-    if res.gpu_count > largest:
-        raise ValidationFailed(
-            f"gpu_count {res.gpu_count} exceeds the largest matching node ({largest} GPUs);"
-            " a job runs on one node",
-            field="gpu_count",
-        )
+    # each filter narrows the candidates; the first that empties them names the field
+    filters: list[tuple[str, str, Any]] = [
+        (
+            "gpu_type",
+            f"no node has GPUs of type {'/'.join(res.gpu_types)}",
+            lambda n: not res.gpu_types or n.gpu_type in res.gpu_types,
+        ),
+        (
+            "gpu_memory_mb",
+            f"no node has GPUs with >= {res.gpu_memory_mb} MiB",
+            lambda n: n.gpu_memory_mb >= res.gpu_memory_mb,
+        ),
+        (
+            "gpu_count",
+            f"no matching node has {res.gpu_count} GPUs (a job runs on one node)",
+            lambda n: n.total_gpus >= res.gpu_count,
+        ),
+        (
+            "cpu",
+            f"no matching node has {res.cpu:g} CPUs",
+            lambda n: not res.cpu or not n.cpu or n.cpu >= res.cpu,
+        ),
+        (
+            "memory_mb",
+            f"no matching node has {res.memory_mb} MiB of memory",
+            lambda n: not res.memory_mb or not n.memory_mb or n.memory_mb >= res.memory_mb,
+        ),
+        (
+            "node_selector",
+            f"no matching node has the labels {dict(spec.node_selector)}",
+            lambda n: all((n.labels or {}).get(k) == v for k, v in spec.node_selector.items()),
+        ),
+    ]
+    candidates = list(nodes)
+    for field, message, keep in filters:
+        candidates = [n for n in candidates if keep(n)]
+        if not candidates:
+            largest = max(n.total_gpus for n in nodes)
+            raise ValidationFailed(
+                f"{message}; the fleet cannot run this job (largest node: {largest} GPUs)",
+                field=field,
+            )
 
 
 def check_outstanding_limit(session: Session, team_id: str) -> None:
@@ -188,10 +222,19 @@ def submit_job(
         return found
 
 
+JOB_ID = re.compile(r"^j-[0-9a-z]{26}$")
+
+
+def is_job_id(value: str) -> bool:
+    """Whether ``value`` has the shape of a job id (anything else cannot exist: 404 early,
+    and never send odd bytes such as NUL to the database)."""
+    return bool(JOB_ID.match(value))
+
+
 def get_job(session: Session, team_id: str | None, job_id: str) -> tuple[JobRow, list[JobRunRow]]:
     """The job and its attempts (oldest first). Another team's job is NotFound (404), as if
     it did not exist; ``team_id=None`` (admin) sees all."""
-    job = session.get(JobRow, job_id)
+    job = session.get(JobRow, job_id) if is_job_id(job_id) else None
     if job is None or (team_id is not None and job.team_id != team_id):
         raise NotFound(f"no job {job_id!r}", field="job_id")
     runs = list(
@@ -219,6 +262,10 @@ def list_jobs(
             raise ValidationFailed(f"unknown status {status!r}", field="status")
         q = q.where(JobRow.status == status)
     if cursor:
+        if not is_job_id(cursor):
+            raise ValidationFailed(
+                "cursor is not a next_cursor value from this API", field="cursor"
+            )
         q = q.where(JobRow.id < cursor)
     rows = list(session.scalars(q))
     next_cursor = rows[limit - 1].id if len(rows) > limit else None
@@ -230,15 +277,22 @@ def cancel_job(db: Database, team_id: str | None, job_id: str) -> str:
 
     PENDING jobs are CANCELLED at once. Jobs with an attempt get ``cancel_requested``; the
     controller stops the attempt (SIGTERM, grace, SIGKILL, verified) and only then releases
-    its GPUs and marks the job CANCELLED. Terminal jobs are left as they are (idempotent).
+    its GPUs and marks the job CANCELLED. Cancelling a CANCELLED job again is a no-op; a job
+    that already SUCCEEDED, FAILED or EXPIRED raises Conflict (409 job_already_finished).
     """
 
     def tx(session: Session) -> str:
-        job = session.get(JobRow, job_id, with_for_update=True)
+        job = session.get(JobRow, job_id, with_for_update=True) if is_job_id(job_id) else None
         if job is None or (team_id is not None and job.team_id != team_id):
             raise NotFound(f"no job {job_id!r}", field="job_id")
+        if job.status == JobStatus.CANCELLED:
+            return job.status  # a repeated cancel (a client retry) is not an error
         if job.status in JOB_TERMINAL:
-            return job.status
+            raise Conflict(
+                f"job {job_id} already finished ({job.status})",
+                field="job_id",
+                code="job_already_finished",
+            )
         now = db_now(session)
         if job.status == JobStatus.PENDING:
             transition(

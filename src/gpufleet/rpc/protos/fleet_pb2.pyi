@@ -462,6 +462,7 @@ class AssignJobRequest(_message.Message):
     RESUME_FROM_URI_FIELD_NUMBER: _builtins.int
     MAX_RUNTIME_S_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    WORKING_DIR_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     job_id: _builtins.str
     reservation_id: _builtins.str
@@ -474,6 +475,8 @@ class AssignJobRequest(_message.Message):
     """0 = no bound"""
     attempt: _builtins.int
     """1-based"""
+    working_dir: _builtins.str
+    """absolute; empty = the attempt's own work directory"""
     @_builtins.property
     def gpu_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -495,10 +498,11 @@ class AssignJobRequest(_message.Message):
         resume_from_uri: _builtins.str = ...,
         max_runtime_s: _builtins.float = ...,
         attempt: _builtins.int = ...,
+        working_dir: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "env", b"env", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "env", b"env", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
