@@ -1,0 +1,496 @@
+"""The whole job path on a real platform: submit over HTTP -> reserve -> agent -> RUNNING ->
+SUCCEEDED, on SQLite and PostgreSQL.
+
+For each database the script starts, in this process, the controller (real gRPC) and the API
+server (real HTTP on loopback) on a fresh database, and ``--agents`` node agents as real
+subprocesses (``python -m gpufleet.cli.main agent --gpus 8xH100-80GB``), each running its jobs as
+real processes. A team and token are created with ``gpufleet.services.auth``. Then:
+
+1. **throughput**: ``--jobs`` tiny jobs (``{"command": ["true"], "gpu_count": g}``, g mixed
+   1/2/4/8, a fresh ``Idempotency-Key`` each) are submitted from ``--clients`` threads, and the
+   script waits until every job is terminal. From the job rows (database clock):
+   submit -> RUNNING (``started_at - created_at``), submit -> SUCCEEDED
+   (``finished_at - created_at``) and jobs/s end to end (jobs / (last ``finished_at`` - first
+   ``created_at``)). ``store.queries.check_database`` runs every 0.5 s throughout;
+2. **idle fleet**: ``--sequential`` single 1-GPU jobs, each submitted only once the previous one
+   was seen RUNNING (or later), so capacity is always free: submit -> RUNNING from the job rows,
+   and as the client saw it (POST sent -> GET shows it started; polled every 5 ms).
+
+Usage (see benchmarks/README.md)::
+
+    .venv/bin/python benchmarks/lifecycle.py --db both --jobs 500 --agents 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import SecretStr
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import func, select
+
+from gpufleet.controller.main import Controller
+from gpufleet.processes import ApiServer, open_database
+from gpufleet.queue import InProcWaker
+from gpufleet.services import auth
+from gpufleet.settings import Settings
+from gpufleet.store.queries import check_database
+from gpufleet.store.tables import JobRow
+
+DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+BENCH_DATABASE = "gpufleet_bench_life"
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED")
+SIZES = (1, 2, 4, 8)
+HEARTBEAT_S = 2.0  # suspect after 3 missed = 6 s: never hit under load on 2 CPUs
+console = Console(stderr=True)  # progress on stderr, the table on stdout
+
+
+@dataclass
+class Row:
+    """One (database, scenario) point; latencies in ms."""
+
+    db: str
+    scenario: str
+    jobs: int
+    run_p50_ms: float
+    run_p95_ms: float
+    run_p99_ms: float
+    run_max_ms: float
+    done_p50_ms: float | None
+    done_p95_ms: float | None
+    done_p99_ms: float | None
+    jobs_per_s: float | None
+    wall_s: float
+    failures: int
+    samples: int
+    violations: int
+    client_p50_ms: float | None = None
+    client_p99_ms: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list (q in 0..100)."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def fresh_postgres_database(admin_url: str) -> Iterator[str]:
+    """Create an empty ``gpufleet_bench_life`` database next to ``admin_url``'s; drop it
+    afterwards. Yields the SQLAlchemy URL of the new database."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    url = make_url(admin_url)
+    conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    drop = f'DROP DATABASE IF EXISTS "{BENCH_DATABASE}" WITH (FORCE)'
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(drop)
+        conn.execute(f'CREATE DATABASE "{BENCH_DATABASE}"')
+    try:
+        yield url.set(database=BENCH_DATABASE).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(drop)
+
+
+class Platform:
+    """Controller + API in this process, agents as subprocesses; ``close()`` kills them all,
+    and every job process still alive whose command line names this run's data directory."""
+
+    def __init__(self, tmp: Path, database_url: str) -> None:
+        self.tmp = tmp
+        self.settings = Settings(
+            data_dir=tmp,
+            database_url=SecretStr(database_url),
+            heartbeat_interval_s=HEARTBEAT_S,
+            server_port=free_port(),
+            controller_address=f"127.0.0.1:{free_port()}",
+        )
+        self.db = open_database(self.settings)  # migrates the empty database
+        self.waker = InProcWaker()
+        self.controller = Controller(self.settings, self.db, self.waker)
+        self.api = ApiServer(self.settings, self.db, self.waker)
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.token = ""
+        self._sampling = threading.Event()
+        self._sampler: threading.Thread | None = None
+        self.samples = 0
+        self.violations: list[str] = []
+
+    def start(self, agents: int) -> None:
+        self.token = self.db.run_write(
+            lambda s: (auth.create_team(s, "bench", exist_ok=True), auth.create_token(s, "bench"))[
+                1
+            ]
+        )
+        self.controller.start()
+        self.api.start_in_thread()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+        env |= {
+            "GPUFLEET_DATA_DIR": str(self.tmp),
+            "GPUFLEET_CONTROLLER_ADDRESS": self.settings.controller_address,
+            "GPUFLEET_OBJECT_STORE_URL": self.settings.resolved_object_store_url(),
+            "GPUFLEET_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
+        }
+        for i in range(agents):
+            node_id = f"node-{i:02d}"
+            with open(self.tmp / f"agent-{node_id}.log", "ab") as log:
+                self.agents[node_id] = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "gpufleet.cli.main",
+                        "agent",
+                        "--node-id",
+                        node_id,
+                        "--gpus",
+                        "8xH100-80GB",
+                        "--state-dir",
+                        str(self.tmp / "agents" / node_id),
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+        deadline = time.monotonic() + 120
+        with self.http() as c:
+            while time.monotonic() < deadline:
+                items = c.get("/v1/nodes").json()["items"]
+                healthy = sum(1 for n in items if n["status"] == "HEALTHY")
+                if healthy == agents:
+                    return
+                for node_id, proc in self.agents.items():
+                    if proc.poll() is not None:
+                        sys.exit(f"agent {node_id} exited ({proc.returncode}); see {self.tmp}")
+                time.sleep(0.2)
+        sys.exit(f"only {healthy}/{agents} agents HEALTHY after 120 s")
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.api.url, timeout=30, headers={"Authorization": f"Bearer {self.token}"}
+        )
+
+    def start_sampling(self, period_s: float = 0.5) -> None:
+        self.samples, self.violations, self._sampling = 0, [], threading.Event()
+
+        def loop() -> None:
+            while not self._sampling.wait(period_s):
+                self.violations += [str(v) for v in check_database(self.db)[1]]
+                self.samples += 1
+
+        self._sampler = threading.Thread(target=loop, name="invariants", daemon=True)
+        self._sampler.start()
+
+    def stop_sampling(self) -> None:
+        self._sampling.set()
+        if self._sampler:
+            self._sampler.join(timeout=10)
+        self.violations += [str(v) for v in check_database(self.db)[1]]
+        self.samples += 1
+
+    def count_open(self, job_ids: list[str]) -> int:
+        with self.db.read() as s:
+            return int(
+                s.execute(
+                    select(func.count())
+                    .select_from(JobRow)
+                    .where(JobRow.id.in_(job_ids), JobRow.status.not_in(TERMINAL))
+                ).scalar_one()
+            )
+
+    def job_rows(self, job_ids: list[str]) -> list[Any]:
+        with self.db.read() as s:
+            return list(
+                s.execute(
+                    select(
+                        JobRow.id,
+                        JobRow.status,
+                        JobRow.created_at,
+                        JobRow.started_at,
+                        JobRow.finished_at,
+                    ).where(JobRow.id.in_(job_ids))
+                )
+            )
+
+    def close(self) -> None:
+        self._sampling.set()
+        for proc in self.agents.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.agents.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(Exception):
+            self.api.stop()
+        with contextlib.suppress(Exception):
+            self.controller.stop()
+        self.db.dispose()
+        self.kill_job_processes()
+
+    def kill_job_processes(self) -> None:
+        """Job processes run in their own sessions; kill, by pid, any left whose command line
+        names this run's data directory (their shim's state paths live under it)."""
+        me, marker = os.getpid(), str(self.tmp).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == me:
+                continue
+            try:
+                if marker in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                continue
+
+
+def submit(client: httpx.Client, g: int) -> tuple[str | None, str]:
+    r = client.post(
+        "/v1/jobs",
+        json={"command": ["true"], "gpu_count": g},
+        headers={"Idempotency-Key": str(uuid.uuid4())},
+    )
+    if r.status_code != 201:
+        return None, f"{r.status_code} {r.text[:200]}"
+    return str(r.json()["job_id"]), ""
+
+
+def ms(a: Any, b: Any) -> float:
+    return float((b - a).total_seconds() * 1000)
+
+
+def throughput(db_name: str, plat: Platform, args: argparse.Namespace) -> Row:
+    console.print(f"{db_name}: submitting {args.jobs} jobs from {args.clients} clients ...")
+    job_ids: list[str] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def work(k: int) -> None:
+        with plat.http() as c:
+            for i in range(k, args.jobs, args.clients):
+                job_id, err = submit(c, SIZES[i % len(SIZES)])
+                with lock:
+                    if job_id:
+                        job_ids.append(job_id)
+                    else:
+                        errors.append(err)
+
+    plat.start_sampling(0.5)
+    began = time.perf_counter()
+    with ThreadPoolExecutor(args.clients) as pool:
+        for f in [pool.submit(work, k) for k in range(args.clients)]:
+            f.result()
+    console.print(f"{db_name}: submitted in {time.perf_counter() - began:.1f} s; waiting ...")
+    deadline = time.monotonic() + args.timeout
+    while plat.count_open(job_ids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    wall = time.perf_counter() - began
+    plat.stop_sampling()
+    rows = plat.job_rows(job_ids)
+    return summarize(db_name, "throughput", plat, rows, errors, wall)
+
+
+def idle_fleet(db_name: str, plat: Platform, args: argparse.Namespace) -> Row:
+    console.print(f"{db_name}: {args.sequential} sequential jobs on the idle fleet ...")
+    time.sleep(2 * HEARTBEAT_S)  # let the last completions and heartbeats settle
+    plat.start_sampling(0.5)
+    job_ids: list[str] = []
+    errors: list[str] = []
+    client_ms: list[float] = []
+    began = time.perf_counter()
+    with plat.http() as c:
+        for _ in range(args.sequential):
+            t0 = time.perf_counter()
+            job_id, err = submit(c, 1)
+            if job_id is None:
+                errors.append(err)
+                continue
+            job_ids.append(job_id)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if c.get(f"/v1/jobs/{job_id}").json().get("started_at"):
+                    client_ms.append(1000 * (time.perf_counter() - t0))
+                    break
+                time.sleep(0.005)
+            else:
+                errors.append(f"{job_id} not started after 30 s")
+    deadline = time.monotonic() + args.timeout
+    while plat.count_open(job_ids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    wall = time.perf_counter() - began
+    plat.stop_sampling()
+    row = summarize(db_name, "idle, sequential", plat, plat.job_rows(job_ids), errors, wall)
+    client_ms.sort()
+    row.client_p50_ms = percentile(client_ms, 50)
+    row.client_p99_ms = percentile(client_ms, 99)
+    row.jobs_per_s = None
+    return row
+
+
+def summarize(
+    db_name: str, scenario: str, plat: Platform, rows: list[Any], errors: list[str], wall: float
+) -> Row:
+    to_run = sorted(ms(r.created_at, r.started_at) for r in rows if r.started_at)
+    to_done = sorted(
+        ms(r.created_at, r.finished_at) for r in rows if r.status == "SUCCEEDED" and r.finished_at
+    )
+    failures = len(errors) + sum(1 for r in rows if r.status != "SUCCEEDED")
+    span = None
+    finished = [r.finished_at for r in rows if r.finished_at]
+    if rows and len(finished) == len(rows):
+        span = (max(finished) - min(r.created_at for r in rows)).total_seconds()
+    notes = errors[:3] + [f"{r.id} {r.status}" for r in rows if r.status != "SUCCEEDED"][:3]
+    notes += plat.violations[:5]
+    for n in notes:
+        console.print(f"[red]{db_name} {scenario}: {n}")
+    row = Row(
+        db=db_name,
+        scenario=scenario,
+        jobs=len(rows),
+        run_p50_ms=percentile(to_run, 50),
+        run_p95_ms=percentile(to_run, 95),
+        run_p99_ms=percentile(to_run, 99),
+        run_max_ms=to_run[-1] if to_run else float("nan"),
+        done_p50_ms=percentile(to_done, 50),
+        done_p95_ms=percentile(to_done, 95),
+        done_p99_ms=percentile(to_done, 99),
+        jobs_per_s=len(rows) / span if span else None,
+        wall_s=wall,
+        failures=failures,
+        samples=plat.samples,
+        violations=len(plat.violations),
+        notes=notes,
+    )
+    return row
+
+
+def measure(db_name: str, url: str, tmp: Path, args: argparse.Namespace) -> list[Row]:
+    plat = Platform(tmp, url)
+    try:
+        console.print(f"{db_name}: starting controller, API and {args.agents} agents ...")
+        plat.start(args.agents)
+        return [throughput(db_name, plat, args), idle_fleet(db_name, plat, args)]
+    finally:
+        plat.close()
+
+
+def render(rows: list[Row]) -> Table:
+    table = Table(title="Tiny jobs end to end (submit over HTTP -> agent -> SUCCEEDED)")
+    cols = (
+        "database", "scenario", "jobs", "→RUNNING p50", "p95", "p99", "max",
+        "→SUCCEEDED p50", "p95", "p99", "jobs/s", "client →RUNNING p50/p99", "failures",
+        "checks", "violations",
+    )  # fmt: skip
+    for i, name in enumerate(cols):
+        table.add_column(name, justify="left" if i < 2 else "right")
+
+    def f(v: float | None, fmt: str = ".0f") -> str:
+        return "" if v is None or math.isnan(v) else format(v, fmt)
+
+    for r in rows:
+        table.add_row(
+            r.db,
+            r.scenario,
+            str(r.jobs),
+            f(r.run_p50_ms, ".1f"),
+            f(r.run_p95_ms, ".1f"),
+            f(r.run_p99_ms, ".1f"),
+            f(r.run_max_ms),
+            f(r.done_p50_ms),
+            f(r.done_p95_ms),
+            f(r.done_p99_ms),
+            f(r.jobs_per_s, ".1f"),
+            ""
+            if r.client_p50_ms is None
+            else f"{f(r.client_p50_ms, '.1f')} / {f(r.client_p99_ms, '.1f')}",
+            str(r.failures),
+            str(r.samples),
+            str(r.violations),
+        )
+    return table
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
+    p.add_argument("--jobs", type=int, default=500, help="jobs in the throughput scenario")
+    p.add_argument("--agents", type=int, default=16, help="node agents, 8 GPUs each")
+    p.add_argument("--clients", type=int, default=8, help="submitting threads")
+    p.add_argument("--sequential", type=int, default=50, help="jobs in the idle-fleet scenario")
+    p.add_argument("--timeout", type=float, default=600, help="seconds to wait for terminal")
+    p.add_argument("--postgres-url", default=DEFAULT_POSTGRES_URL, help="an existing database")
+    p.add_argument("--keep", action="store_true", help="keep the data directories (logs)")
+    p.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    rows: list[Row] = []
+    for db_name, flag in (("sqlite", "sqlite"), ("postgresql", "postgres")):
+        if args.db not in (flag, "both"):
+            continue
+        tmp = Path(tempfile.mkdtemp(prefix=f"gpufleet-bench-life-{db_name}-"))
+        try:
+            if db_name == "sqlite":
+                rows += measure(db_name, f"sqlite:///{tmp}/gpufleet.db", tmp, args)
+            else:
+                with fresh_postgres_database(args.postgres_url) as url:
+                    rows += measure(db_name, url, tmp, args)
+        finally:
+            if args.keep:
+                console.print(f"kept {tmp}")
+            else:
+                subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    out = Console()
+    if not out.is_terminal:  # piped or redirected: do not squeeze the table into 80 columns
+        out = Console(width=170)
+    out.print(render(rows))
+    tick = Settings.model_fields["scheduler_tick_s"].default
+    print(
+        f"Latencies in ms from the job rows (database clock: started_at/finished_at - created_at);"
+        f" jobs/s = jobs / (last finished_at - first created_at); client column = POST sent -> "
+        f"GET shows started_at (5 ms polling). {args.agents} agents x 8 GPUs, {args.clients} "
+        f"submitting threads, heartbeat {HEARTBEAT_S:g} s, scheduler tick "
+        f"{tick:g} s; everything on one machine "
+        f"(Python {platform.python_version()}, {os.cpu_count()} CPUs)."
+    )
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    return 1 if any(r.failures or r.violations for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
