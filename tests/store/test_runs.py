@@ -149,7 +149,7 @@ class TestCompletion:
         runs.complete_run(db, store, report(store, job_id, first, exit_code=1))
         with db.read() as s:
             run = s.get(JobRunRow, first.run_id)
-            held = 2 * (run.finished_at - run.started_at).total_seconds()
+            held = 2 * (run.finished_at - run.created_at).total_seconds()  # reserve -> release
             usage = s.get(TeamRow, "team-a").usage_gpu_s
         assert usage == pytest.approx(held, rel=1e-6) and usage >= 0.4
         # the repeated report charges nothing more

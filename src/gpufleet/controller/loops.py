@@ -25,9 +25,10 @@ from gpufleet.domain.states import JobStatus, NodeStatus, RunStatus
 from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
-from gpufleet.policy.decisions import Place, WaitReason
+from gpufleet.policy.decisions import HoldForBackfill, Place, Preempt, WaitReason
+from gpufleet.policy.snapshot import BackfillReservation
 from gpufleet.rpc.protos import fleet_pb2 as pb
-from gpufleet.services import nodes, runs
+from gpufleet.services import nodes, preemption, runs
 from gpufleet.settings import Settings
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
@@ -55,6 +56,7 @@ class Leadership:
 class PassStats:
     pending: int = 0
     placed: int = 0
+    preempted: int = 0
     conflicts: int = 0
     seconds: float = 0.0
     placed_runs: list[str] = field(default_factory=list)
@@ -92,6 +94,7 @@ class Scheduler:
         self.leadership, self.agents = leadership, agents
         self.policy = policy or PolicyConfig()
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="assign")
+        self._backfill: tuple[BackfillReservation, ...] = ()
 
     def run_pass(self) -> PassStats:
         t0 = time.perf_counter()
@@ -100,7 +103,12 @@ class Scheduler:
             return stats
         with self.db.snapshot() as s:
             now = db_now(s)
-            snap = load_snapshot(s, now)
+            snap = load_snapshot(
+                s,
+                now,
+                reservations=self._backfill,
+                usage_half_life_s=self.policy.usage_half_life_s,
+            )
             query = select(JobRow.id, JobRow.pending_reason).where(
                 JobRow.status == JobStatus.PENDING
             )
@@ -109,38 +117,83 @@ class Scheduler:
         stats.pending = len(snap.pending)
         result = schedule(snap, self.policy)
         pending = {p.job_id: p for p in snap.pending}
+        backfill: list[BackfillReservation] = []
         for decision in result.decisions:
-            if not isinstance(decision, Place):
-                continue  # preemption/backfill holds are applied by later mechanisms
-            job = pending[decision.job_id]
             try:
-                reserved = self.db.run_write(
-                    partial(
-                        allocate.reserve,
-                        job_id=decision.job_id,
-                        node_id=decision.node_id,
-                        gpu_count=decision.gpu_count,
-                        # fencing_epoch and attempts move together (+1 per reservation)
-                        seen_fencing_epoch=job.attempt,
-                        leader_holder=self.leadership.holder,
-                        leader_epoch=self.leadership.epoch,
-                        lease_s=self.settings.reservation_lease_s,
+                if isinstance(decision, Place):
+                    self._place(decision, pending[decision.job_id].attempt, stats)
+                elif isinstance(decision, Preempt):
+                    self._preempt(decision, stats)
+                elif isinstance(decision, HoldForBackfill):
+                    backfill.append(
+                        BackfillReservation(
+                            decision.job_id,
+                            decision.node_id,
+                            decision.gpu_count,
+                            decision.start_at_s,
+                        )
                     )
-                )
             except NotLeader:
                 log.warning("lost leadership during a pass; stopping it")
                 self.leadership.epoch = 0
-                break
+                return stats
             except (CapacityConflict, StaleState) as exc:
                 stats.conflicts += 1  # the world moved; the next pass sees it (assume/forget)
-                log.debug("skip %s: %s", decision.job_id, exc)
-                continue
-            stats.placed += 1
-            stats.placed_runs.append(reserved.run_id)
-            self._pool.submit(self.dispatch, reserved.run_id)
+                log.debug("skip %s: %s", decision, exc)
+        # kept in leader memory: a new leader recomputes them from scratch on its first pass
+        self._backfill = tuple(backfill)
+        if result.released_holds or snap.holds:
+            self.db.run_write(partial(preemption.release_holds, job_ids=result.released_holds))
         self._store_reasons(result.waiting, stored, snap.now_s)
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _place(self, decision: Place, seen_epoch: int, stats: PassStats) -> None:
+        reserved = self.db.run_write(
+            partial(
+                allocate.reserve,
+                job_id=decision.job_id,
+                node_id=decision.node_id,
+                gpu_count=decision.gpu_count,
+                # fencing_epoch and attempts move together (+1 per reservation)
+                seen_fencing_epoch=seen_epoch,
+                leader_holder=self.leadership.holder,
+                leader_epoch=self.leadership.epoch,
+                lease_s=self.settings.reservation_lease_s,
+            )
+        )
+        stats.placed += 1
+        stats.placed_runs.append(reserved.run_id)
+        self._pool.submit(self.dispatch, reserved.run_id)
+
+    def _preempt(self, decision: Preempt, stats: PassStats) -> None:
+        orders = self.db.run_write(
+            partial(
+                preemption.apply_preempt,
+                decision=decision,
+                leader_holder=self.leadership.holder,
+                leader_epoch=self.leadership.epoch,
+            )
+        )
+        log.info(
+            "preempting %s on %s for %s (%s)",
+            [o.run_id for o in orders],
+            decision.node_id,
+            decision.for_job_id,
+            decision.reason,
+        )
+        stats.preempted += len(orders)
+        for o in orders:
+            self._pool.submit(
+                send_stop,
+                self.agents,
+                o.address,
+                o.run_id,
+                o.token,
+                self.leadership.epoch,
+                self.settings.default_grace_s,
+                "preempt",
+            )
 
     def _store_reasons(
         self, waiting: Mapping[str, WaitReason], stored: dict[str, object], now_s: float
@@ -306,26 +359,44 @@ class StopDriver:
                 if not ok:
                     continue
             sent += 1
-            self._send_stop(address, run.id, run.token, reason)
+            send_stop(
+                self.agents,
+                address,
+                run.id,
+                run.token,
+                self.leadership.epoch,
+                self.settings.default_grace_s,
+                reason,
+            )
         return sent
 
-    def _send_stop(self, address: str, run_id: str, token: int, reason: str) -> None:
-        try:
-            resp = self.agents.stop(
-                address,
-                pb.StopRunRequest(
-                    run_id=run_id,
-                    token=token,
-                    leader_epoch=self.leadership.epoch,
-                    grace_s=self.settings.default_grace_s,
-                    reason=reason,
-                ),
-            )
-            log.info(
-                "StopRun %s (%s): %s", run_id, reason, pb.StopRunResponse.Result.Name(resp.result)
-            )
-        except grpc.RpcError as exc:
-            log.warning("StopRun %s failed: %s (re-sent later)", run_id, exc.code())
+
+def send_stop(
+    agents: AgentClients,
+    address: str,
+    run_id: str,
+    token: int,
+    leader_epoch: int,
+    grace_s: float,
+    reason: str,
+) -> None:
+    """StopRun to the agent (idempotent there); failures are retried by the stop driver."""
+    try:
+        resp = agents.stop(
+            address,
+            pb.StopRunRequest(
+                run_id=run_id,
+                token=token,
+                leader_epoch=leader_epoch,
+                grace_s=grace_s,
+                reason=reason,
+            ),
+        )
+        log.info(
+            "StopRun %s (%s): %s", run_id, reason, pb.StopRunResponse.Result.Name(resp.result)
+        )
+    except grpc.RpcError as exc:
+        log.warning("StopRun %s failed: %s (re-sent later)", run_id, exc.code())
 
 
 class Reconciler:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -21,6 +21,8 @@ from gpufleet.domain.states import (
     RunStatus,
 )
 from gpufleet.objectstore import ObjectStore, attempt_prefix
+from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.usage import UsageLedger
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
@@ -99,10 +101,19 @@ def confirm_assignment(
     return Confirm.CONFIRMED
 
 
-def request_stop(session: Session, run_id: str, token: int, reason: str, *, message: str) -> bool:
+def request_stop(
+    session: Session,
+    run_id: str,
+    token: int,
+    reason: str,
+    *,
+    message: str,
+    for_job_id: str | None = None,
+) -> bool:
     """Durably mark an active attempt PREEMPTING (reason: cancel | preempt | timeout). GPUs stay
-    reserved until the agent reports the processes gone. Returns False if already stopping or
-    no longer active."""
+    reserved until the agent reports the processes gone. ``for_job_id``: the preemptor the
+    GPUs are freed for. Returns False if already stopping or no longer active."""
+    now = db_now(session)
     run = session.get(JobRunRow, run_id)
     if run is None or run.status not in (RunStatus.ASSIGNED, RunStatus.RUNNING):
         return False
@@ -111,10 +122,14 @@ def request_stop(session: Session, run_id: str, token: int, reason: str, *, mess
         Machine.RUN,
         run_id,
         RunStatus.PREEMPTING,
-        now=db_now(session),
+        now=now,
         frm=[run.status],
         guard={"token": token},
-        values={"stop_reason": reason, "stop_requested_at": db_now(session)},
+        values={
+            "stop_reason": reason,
+            "stop_requested_at": now,
+            "preempted_for_job_id": for_job_id,
+        },
         job_id=run.job_id,
         run_id=run_id,
         node_id=run.node_id,
@@ -253,7 +268,7 @@ def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[Comp
         gpus = allocate.release(
             session, run_id=run.id, now=now, message=f"agent reported {report.outcome.lower()}"
         )
-        _charge(session, job.team_id, gpus, run.started_at or run.created_at, now)
+        charge_usage(session, job.team_id, gpus, reserved_at=run.created_at, released_at=now)
         if not current:
             return CompletionResult.STALE, "not the job's current attempt; job unchanged"
         if job_to is not None:
@@ -309,7 +324,10 @@ def _decide(
             "cancelled by user; processes verified gone",
         )
     if stopping and run.stop_reason == "preempt":
-        return RunStatus.PREEMPTED, JobStatus.PENDING, "preempted; requeued as a new attempt"
+        by = f" for {run.preempted_for_job_id}" if run.preempted_for_job_id else ""
+        if job.cancel_requested:
+            return RunStatus.PREEMPTED, JobStatus.CANCELLED, f"preempted{by}, then cancelled"
+        return RunStatus.PREEMPTED, JobStatus.PENDING, f"preempted{by}; requeued as a new attempt"
     if stopping and run.stop_reason == "timeout":
         return RunStatus.FAILED, JobStatus.FAILED, "TIMEOUT: ran past max_runtime_s"
     if report.outcome == Outcome.NEVER_STARTED:
@@ -336,11 +354,25 @@ def _failed_next(session: Session, job: JobRow, current: bool) -> JobStatus | No
     return JobStatus.PENDING if failed_before < max_retries else JobStatus.FAILED
 
 
-def _charge(session: Session, team_id: str, gpus: int, since: datetime, now: datetime) -> None:
-    """Charge the GPU-seconds an attempt really held (every attempt, whatever its outcome)."""
+def charge_usage(
+    session: Session,
+    team_id: str,
+    gpus: int,
+    *,
+    reserved_at: datetime,
+    released_at: datetime,
+    half_life_s: float = PolicyConfig().usage_half_life_s,
+) -> None:
+    """Charge the GPU-time one attempt held, from reservation to release, whatever its
+    outcome (succeeded, failed, preempted, cancelled), decayed as ``policy.usage`` defines; so
+    a retry or a preemption costs its team exactly the GPU-time it really held."""
     if gpus <= 0:
         return
-    used = gpus * max(0.0, (now - since).total_seconds())
-    session.execute(
-        update(TeamRow).where(TeamRow.id == team_id).values(usage_gpu_s=TeamRow.usage_gpu_s + used)
-    )
+    team = session.get(TeamRow, team_id, with_for_update=True)
+    if team is None:
+        return
+    as_of = (team.usage_as_of or released_at).timestamp()
+    ledger = UsageLedger(team.usage_gpu_s, min(as_of, released_at.timestamp()), half_life_s)
+    ledger.charge_attempt(gpus, reserved_at.timestamp(), released_at.timestamp())
+    team.usage_gpu_s = ledger.value
+    team.usage_as_of = datetime.fromtimestamp(ledger.as_of_s, UTC)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import exists, select, update
+from sqlalchemy import delete, exists, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import CapacityConflict, StaleState
@@ -29,6 +29,7 @@ from gpufleet.domain.states import JobStatus, Machine, NodeStatus, ReservationSt
 from gpufleet.store import leader
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
+    GpuHoldRow,
     JobRow,
     JobRunRow,
     NodeCapacityRow,
@@ -130,6 +131,8 @@ def reserve(
         run_id=run_id,
         node_id=node_id,
     )
+    # a hold of GPUs for this job (after a preemption) has served its purpose
+    session.execute(delete(GpuHoldRow).where(GpuHoldRow.job_id == job_id))
     reservation_id = new_reservation_id()
     gpu_ids = [int(g) for g in free]
     session.add(

@@ -18,9 +18,19 @@ from gpufleet.domain.invariants import (
 )
 from gpufleet.domain.states import JobStatus, NodeStatus, ReservationStatus, RunStatus
 from gpufleet.domain.types import PriorityClass, Resources
-from gpufleet.policy.snapshot import ClusterSnapshot, NodeState, PendingJob, RunningJob, TeamState
+from gpufleet.policy.snapshot import (
+    BackfillReservation,
+    ClusterSnapshot,
+    GpuHold,
+    NodeState,
+    PendingJob,
+    RunningJob,
+    TeamState,
+)
+from gpufleet.policy.usage import UsageLedger
 from gpufleet.store.db import Database
 from gpufleet.store.tables import (
+    GpuHoldRow,
     JobRow,
     JobRunRow,
     NodeCapacityRow,
@@ -44,20 +54,21 @@ def resources_of(spec: dict[str, object]) -> Resources:
     )
 
 
-def load_snapshot(session: Session, now: datetime) -> ClusterSnapshot:
-    """Everything one scheduling pass needs, in a handful of indexed queries."""
+def load_snapshot(
+    session: Session,
+    now: datetime,
+    *,
+    reservations: tuple[BackfillReservation, ...] = (),
+    usage_half_life_s: float = 7 * 24 * 3600.0,
+) -> ClusterSnapshot:
+    """Everything one scheduling pass needs, in a handful of indexed queries (call inside
+    ``Database.snapshot()`` so that they all see one moment).
+
+    Args:
+        reservations: the backfill reservations of the previous pass (kept by the leader).
+        usage_half_life_s: decay of charged usage (``policy.usage``).
+    """
     now_s = now.timestamp()
-    teams = {
-        t.id: TeamState(
-            team_id=t.id,
-            weight=t.weight,
-            guaranteed_gpus=dict(t.guaranteed_gpus or {}),
-            borrow_limit_gpus=t.borrow_limit_gpus,
-            lending_limit_gpus=dict(t.lending_limit_gpus or {}),
-            usage_gpu_s=t.usage_gpu_s,
-        )
-        for t in session.scalars(select(TeamRow))
-    }
     nodes = []
     rows = session.execute(
         select(NodeRow, NodeCapacityRow).join(
@@ -128,14 +139,47 @@ def load_snapshot(session: Session, now: datetime) -> ClusterSnapshot:
                 max_runtime_s=spec.get("max_runtime_s"),
                 preemptible=bool(spec.get("preemptible", True)),
                 stopping=run.status == RunStatus.PREEMPTING,
+                stopping_for_job_id=run.preempted_for_job_id,
             )
         )
+    running_by_team: dict[str, list[tuple[int, float]]] = {}
+    reserved_at = dict(
+        session.execute(
+            select(ReservationRow.run_id, ReservationRow.created_at).where(
+                ReservationRow.status.in_(
+                    [ReservationStatus.RESERVED, ReservationStatus.CONFIRMED]
+                )
+            )
+        ).all()
+    )
+    for r in running:
+        since = reserved_at.get(r.run_id)
+        start_s = since.timestamp() if since is not None else r.started_at_s
+        running_by_team.setdefault(r.team_id, []).append((r.gpu_count, start_s))
+    teams = {}
+    for t in session.scalars(select(TeamRow)):
+        as_of = (t.usage_as_of or now).timestamp()
+        ledger = UsageLedger(t.usage_gpu_s, min(as_of, now_s), usage_half_life_s)
+        teams[t.id] = TeamState(
+            team_id=t.id,
+            weight=t.weight,
+            guaranteed_gpus=dict(t.guaranteed_gpus or {}),
+            borrow_limit_gpus=t.borrow_limit_gpus,
+            lending_limit_gpus=dict(t.lending_limit_gpus or {}),
+            usage_gpu_s=ledger.with_running(now_s, running_by_team.get(t.id, [])),
+        )
+    holds = tuple(
+        GpuHold(h.job_id, h.node_id, h.gpu_count, h.since.timestamp(), h.reason)
+        for h in session.scalars(select(GpuHoldRow).order_by(GpuHoldRow.job_id))
+    )
     return ClusterSnapshot(
         now_s=now_s,
         nodes=tuple(nodes),
         pending=tuple(pending),
         running=tuple(running),
         teams=teams,
+        holds=holds,
+        reservations=reservations,
     )
 
 

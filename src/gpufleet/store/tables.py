@@ -86,7 +86,9 @@ class TeamRow(Base):
     lending_limit_gpus: Mapped[dict[str, Any]] = mapped_column(default=dict)
     max_outstanding_jobs: Mapped[int | None] = mapped_column(Integer, default=None)
     usage_gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
-    """Charged GPU-seconds of finished attempts (every attempt, whatever its outcome)."""
+    """Charged GPU-seconds of finished attempts (every attempt, whatever its outcome), decayed
+    to ``usage_as_of`` (``policy.usage``: half-life ``usage_half_life_s``)."""
+    usage_as_of: Mapped[datetime | None]
     created_at: Mapped[datetime]
 
 
@@ -169,6 +171,8 @@ class JobRunRow(Base):
     stop_reason: Mapped[str | None] = mapped_column(String(16))
     """cancel | preempt | timeout | stale, while PREEMPTING and after."""
     stop_requested_at: Mapped[datetime | None]
+    preempted_for_job_id: Mapped[str | None] = mapped_column(String(40))
+    """The job these GPUs are being freed for (stop_reason preempt)."""
     assigned_at: Mapped[datetime | None]
     """When AssignJob was last answered by the agent (None: not yet delivered)."""
     created_at: Mapped[datetime]
@@ -240,6 +244,20 @@ class NodeGpuRow(Base):
     gpu_type: Mapped[str] = mapped_column(String(64))
     memory_mb: Mapped[int] = mapped_column(Integer)
     holder_run_id: Mapped[str | None] = mapped_column(String(40))
+
+
+class GpuHoldRow(Base):
+    """GPUs of a node promised to one pending job after a preemption decision: while victims
+    stop, the freed GPUs are visible to that job only. Deleted when the job is placed or
+    leaves the queue, or when the policy releases the hold."""
+
+    __tablename__ = "gpu_holds"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(String(16))
+    since: Mapped[datetime]
 
 
 class LeaderLeaseRow(Base):

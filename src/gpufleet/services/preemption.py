@@ -1,0 +1,95 @@
+"""Applying the policy's preemption decisions (seed DD5), and the GPU holds they create.
+
+A ``Preempt`` decision becomes, in one transaction checked against the leader epoch: every
+victim attempt RUNNING -> PREEMPTING (durable; its GPUs stay reserved) and a hold of the freed
+GPUs for the preemptor. The StopRun calls go out after commit; each victim's GPUs come back
+only when its agent reports the processes gone, and the hold keeps them for the preemptor
+until it is placed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.states import JobStatus, RunStatus
+from gpufleet.policy.decisions import Preempt
+from gpufleet.services.runs import request_stop
+from gpufleet.store import leader
+from gpufleet.store.dialect import db_now
+from gpufleet.store.tables import GpuHoldRow, JobRow, JobRunRow, NodeRow
+
+
+@dataclass(frozen=True, slots=True)
+class StopOrder:
+    """A StopRun to send after commit."""
+
+    run_id: str
+    token: int
+    address: str
+
+
+def apply_preempt(
+    session: Session, decision: Preempt, *, leader_holder: str, leader_epoch: int
+) -> list[StopOrder]:
+    """Mark the victims PREEMPTING and hold their GPUs for ``decision.for_job_id``.
+
+    Victims already stopping or finished are skipped (the decision may be a pass old).
+    Raises NotLeader when the lease moved on.
+    """
+    leader.assert_leader(session, leader_holder, leader_epoch)
+    now = db_now(session)
+    orders: list[StopOrder] = []
+    rows = session.execute(
+        select(JobRunRow, NodeRow.address)
+        .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+        .where(JobRunRow.id.in_(decision.victim_run_ids))
+        .order_by(JobRunRow.id)
+    ).all()
+    for run, address in rows:
+        if run.status not in (RunStatus.ASSIGNED, RunStatus.RUNNING):
+            continue
+        request_stop(
+            session,
+            run.id,
+            run.token,
+            "preempt",
+            message=f"preempted for {decision.for_job_id} ({decision.reason})",
+            for_job_id=decision.for_job_id,
+        )
+        orders.append(StopOrder(run.id, run.token, address))
+    gpus = decision.gpu_count or sum(len(r.gpu_ids) for r, _ in rows)
+    hold = session.get(GpuHoldRow, decision.for_job_id)
+    if hold is None:
+        session.add(
+            GpuHoldRow(
+                job_id=decision.for_job_id,
+                node_id=decision.node_id,
+                gpu_count=gpus,
+                reason=decision.reason,
+                since=now,
+            )
+        )
+    else:
+        hold.node_id, hold.gpu_count, hold.reason = decision.node_id, gpus, decision.reason
+    return orders
+
+
+def release_holds(session: Session, job_ids: Iterable[str]) -> int:
+    """Delete the holds the policy released, and those whose job is no longer PENDING
+    (cancelled, or placed by another path). Returns how many were deleted."""
+    ids = set(job_ids)
+    ids |= set(
+        session.scalars(
+            select(GpuHoldRow.job_id)
+            .join(JobRow, JobRow.id == GpuHoldRow.job_id)
+            .where(JobRow.status != JobStatus.PENDING)
+        )
+    )
+    if not ids:
+        return 0
+    result = session.execute(delete(GpuHoldRow).where(GpuHoldRow.job_id.in_(ids)))
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]
