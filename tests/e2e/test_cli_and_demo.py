@@ -79,6 +79,9 @@ def test_why_explains_a_waiting_job_and_submit_rejects_what_never_fits(fleet: Fl
     reason = json.loads(why.stdout)
     reason = reason.get("pending_reason", reason)
     assert reason["code"] != "queued" and reason["message"]
+    assert fleet.job(waiting)["pending_reason"]["position"] == 1
+    events = fleet.get(f"/v1/jobs/{waiting}/events")["items"]
+    assert any(e["kind"] == "waiting" and e["details"]["code"] == reason["code"] for e in events)
     bad = cli(fleet, "submit", "--gpus", "4", "--", "true")
     assert bad.returncode == 2 and "gpu_count" in bad.stderr and "Traceback" not in bad.stderr
     assert cli(fleet, "cancel", blocker).returncode == 0

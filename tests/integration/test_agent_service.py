@@ -47,8 +47,8 @@ def env(
 JOB_ENV_SCRIPT = r"""
 import json, os, pathlib
 keys = ["CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUFLEET_JOB_ID", "GPUFLEET_RUN_ID",
-        "GPUFLEET_ATTEMPT", "GPUFLEET_FENCING_TOKEN", "GPUFLEET_CHECKPOINT_DIR", "GPUFLEET_ARTIFACTS_DIR",
-        "GPUFLEET_RESUME_FROM", "FOO"]
+        "GPUFLEET_ATTEMPT", "GPUFLEET_FENCING_TOKEN", "GPUFLEET_CHECKPOINT_DIR",
+        "GPUFLEET_ARTIFACTS_DIR", "GPUFLEET_RESUME_FROM", "FOO"]
 seen = {k: os.environ.get(k) for k in keys}
 ckpt = pathlib.Path(os.environ["GPUFLEET_CHECKPOINT_DIR"])
 seen["checkpoint_dir_empty_at_start"] = not any(ckpt.iterdir())
@@ -110,7 +110,8 @@ class TestRunToCompletion:
         assert seen["CUDA_VISIBLE_DEVICES"] == "1,3"
         assert seen["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
         assert (seen["GPUFLEET_JOB_ID"], seen["GPUFLEET_RUN_ID"]) == ("j-env", "r-env-1")
-        assert (seen["GPUFLEET_ATTEMPT"], seen["GPUFLEET_FENCING_TOKEN"], seen["FOO"]) == ("2", "7", "bar")
+        attempt, token = seen["GPUFLEET_ATTEMPT"], seen["GPUFLEET_FENCING_TOKEN"]
+        assert (attempt, token, seen["FOO"]) == ("2", "7", "bar")
         assert seen["GPUFLEET_CHECKPOINT_DIR"].endswith("runs/r-env-1/checkpoints")
         assert seen["GPUFLEET_ARTIFACTS_DIR"].endswith("runs/r-env-1/artifacts")
         assert seen["checkpoint_dir_empty_at_start"] is True

@@ -160,7 +160,34 @@ def create_app(state: AppState) -> FastAPI:
     def get(job_id: str, who: Who) -> JobOut:
         with state.db.read() as s:
             job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
-            return _job_out(job, runs)
+            out = _job_out(job, runs)
+            if out.pending_reason is not None:
+                out.pending_reason.position = jobs.queue_position(s, job)
+            return out
+
+    @app.get("/v1/jobs/{job_id}/events")
+    def events(job_id: str, who: Who) -> dict[str, Any]:
+        """The audit trail of one job: every transition and decision, with its reason."""
+        with state.db.read() as s:
+            jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
+            return {
+                "items": [
+                    {
+                        "at": jobs.iso(e.at),
+                        "kind": e.kind,
+                        "machine": e.machine,
+                        "entity_id": e.entity_id,
+                        "from": e.from_status,
+                        "to": e.to_status,
+                        "trigger": e.trigger,
+                        "run_id": e.run_id,
+                        "node_id": e.node_id,
+                        "message": e.message,
+                        "details": e.details,
+                    }
+                    for e in jobs.job_events(s, job_id)
+                ]
+            }
 
     @app.get("/v1/jobs", response_model=JobList)
     def list_(

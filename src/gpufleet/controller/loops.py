@@ -77,6 +77,23 @@ def reason_json(reason: WaitReason, now_s: float) -> dict[str, object]:
     }
 
 
+ESTIMATE_SLACK_S = 30.0
+
+
+def _estimate_moved(old_iso: object, reason: WaitReason, now_s: float) -> bool:
+    from datetime import datetime
+
+    new = (
+        reason.estimated_start_s
+        if reason.estimated_start_s and reason.estimated_start_s >= now_s
+        else None
+    )
+    if not isinstance(old_iso, str) or new is None:
+        return (old_iso is None) != (new is None)
+    old = datetime.fromisoformat(old_iso.replace("Z", "+00:00")).timestamp()
+    return abs(old - new) > ESTIMATE_SLACK_S
+
+
 class Scheduler:
     """One pass: snapshot -> ``policy.schedule`` -> reserve each Place -> AssignJob (after
     commit)."""
@@ -198,12 +215,25 @@ class Scheduler:
     def _store_reasons(
         self, waiting: Mapping[str, WaitReason], stored: dict[str, object], now_s: float
     ) -> None:
-        """Write pending_reason only where it changed (no 10k-row write per pass)."""
-        changed = {}
+        """Write pending_reason only where it materially changed: its code or details, or an
+        estimated start that moved by more than ``ESTIMATE_SLACK_S``. Queue positions shift
+        on every placement, so they are not a reason to rewrite 10k rows; the API computes
+        the position when it is read. A new code is also appended to the audit events."""
+        changed: dict[str, dict[str, object]] = {}
+        new_codes: list[tuple[str, WaitReason]] = []
         for job_id, reason in waiting.items():
+            old = stored.get(job_id)
+            old = old if isinstance(old, dict) else {}
+            if (
+                old.get("code") == reason.code
+                and old.get("details") == dict(reason.details)
+                and not _estimate_moved(old.get("estimated_start_at"), reason, now_s)
+            ):
+                continue
             new = reason_json(reason, now_s)
-            if stored.get(job_id) != new:
-                changed[job_id] = new
+            changed[job_id] = new
+            if old.get("code") != reason.code:
+                new_codes.append((job_id, reason))
         if not changed:
             return
 
@@ -213,6 +243,14 @@ class Scheduler:
                     update(JobRow)
                     .where(JobRow.id == job_id, JobRow.status == JobStatus.PENDING)
                     .values(pending_reason=new)
+                )
+            for job_id, reason in new_codes:
+                record_event(
+                    s,
+                    "waiting",
+                    job_id=job_id,
+                    message=reason.message,
+                    details={"code": reason.code, **dict(reason.details)},
                 )
 
         self.db.run_write(tx)

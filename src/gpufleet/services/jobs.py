@@ -324,6 +324,24 @@ def cancel_job(db: Database, team_id: str | None, job_id: str) -> str:
         return db.run_write(tx)
 
 
+def queue_position(session: Session, job: JobRow) -> int:
+    """1-based position of a PENDING job in its team's queue: priority class, then the time
+    it (re-)entered the queue. (The policy's aging credit can reorder jobs of different
+    classes that waited long; this is the order without it.)"""
+    ahead = session.execute(
+        select(func.count())
+        .select_from(JobRow)
+        .where(
+            JobRow.team_id == job.team_id,
+            JobRow.status == JobStatus.PENDING,
+            JobRow.cancel_requested.is_(False),
+            (JobRow.priority_rank > job.priority_rank)
+            | ((JobRow.priority_rank == job.priority_rank) & (JobRow.queued_at < job.queued_at)),
+        )
+    ).scalar_one()
+    return int(ahead) + 1
+
+
 def job_events(session: Session, job_id: str, limit: int = 200) -> list[SchedulingEventRow]:
     return list(
         session.scalars(
