@@ -17,6 +17,7 @@ import psycopg
 import pytest
 from sqlalchemy import text
 
+from gpufleet.services.jobs import forget_fleet_shapes
 from gpufleet.store.db import Database
 from gpufleet.store.migrate import migrate
 from gpufleet.store.tables import Base
@@ -60,6 +61,7 @@ def _empty(db: Database) -> None:
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     """A migrated, empty database: SQLite file and real PostgreSQL (parametrized)."""
+    forget_fleet_shapes()
     if request.param == "sqlite":
         database = Database(f"sqlite:///{tmp_path / 'gpufleet.db'}")
         migrate(database)

@@ -41,7 +41,7 @@ from gpufleet.settings import Settings
 
 logger = logging.getLogger("gpufleet.agent")
 
-MONITOR_INTERVAL_S = 0.2
+MONITOR_INTERVAL_S = 0.05
 LOG_SYNC_INTERVAL_S = 1.0
 GRPC_WORKERS = 8
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
@@ -71,16 +73,7 @@ def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) ->
     by ``fallback_max_gpus``. Raises ValidationFailed naming the first field that no node
     satisfies."""
     res = spec.resources
-    nodes = session.execute(
-        select(
-            NodeRow.gpu_type,
-            NodeRow.gpu_memory_mb,
-            NodeRow.cpu,
-            NodeRow.memory_mb,
-            NodeRow.labels,
-            NodeCapacityRow.total_gpus,
-        ).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
-    ).all()
+    nodes = _fleet_shapes(session)
     if not nodes:
         if res.gpu_count > fallback_max_gpus:
             raise ValidationFailed(
@@ -118,7 +111,7 @@ def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) ->
         (
             "node_selector",
             f"no matching node has the labels {dict(spec.node_selector)}",
-            lambda n: all((n.labels or {}).get(k) == v for k, v in spec.node_selector.items()),
+            lambda n: all(n.label(k) == v for k, v in spec.node_selector.items()),
         ),
     ]
     candidates = list(nodes)
@@ -130,6 +123,71 @@ def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) ->
                 f"{message}; the fleet cannot run this job (largest node: {largest} GPUs)",
                 field=field,
             )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeShape:
+    gpu_type: str
+    gpu_memory_mb: int
+    cpu: float
+    memory_mb: int
+    labels: tuple[tuple[str, str], ...]
+    total_gpus: int
+
+    def label(self, key: str) -> str | None:
+        return dict(self.labels).get(key)
+
+
+SHAPES_TTL_S = 2.0
+_shapes_cache: dict[str, tuple[float, list[NodeShape]]] = {}
+_shapes_lock = threading.Lock()
+
+
+def _fleet_shapes(session: Session) -> list[NodeShape]:
+    """The distinct node shapes of the fleet (a few, even for 1,000 nodes), cached for
+    ``SHAPES_TTL_S`` per database so that a submit does not read every node row. A node
+    registered a moment ago may be missed for that long: the check only rejects jobs that
+    cannot fit, so a stale view can only let one more through to the scheduler, whose
+    ``never_fits`` reason then says so."""
+    key = str(session.get_bind().engine.url)
+    now = time.monotonic()
+    with _shapes_lock:
+        hit = _shapes_cache.get(key)
+        if hit is not None and now - hit[0] < SHAPES_TTL_S:
+            return hit[1]
+    rows = session.execute(
+        select(
+            NodeRow.gpu_type,
+            NodeRow.gpu_memory_mb,
+            NodeRow.cpu,
+            NodeRow.memory_mb,
+            NodeRow.labels,
+            NodeCapacityRow.total_gpus,
+        ).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
+    ).all()
+    shapes = sorted(
+        {
+            NodeShape(
+                r.gpu_type,
+                r.gpu_memory_mb,
+                r.cpu,
+                r.memory_mb,
+                tuple(sorted((r.labels or {}).items())),
+                r.total_gpus,
+            )
+            for r in rows
+        },
+        key=lambda n: (n.gpu_type, n.total_gpus, n.gpu_memory_mb, n.labels),
+    )
+    with _shapes_lock:
+        _shapes_cache[key] = (now, shapes)
+    return shapes
+
+
+def forget_fleet_shapes() -> None:
+    """Drop the cached node shapes (a node registered or changed in this process)."""
+    with _shapes_lock:
+        _shapes_cache.clear()
 
 
 def check_outstanding_limit(session: Session, team_id: str) -> None:

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
 from gpufleet.domain.states import RUN_ACTIVE, Machine, NodeStatus, RunStatus
 from gpufleet.domain.types import GpuDevice
+from gpufleet.services.jobs import forget_fleet_shapes
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeGpuRow, NodeRow
 from gpufleet.store.transitions import record_event, transition
@@ -33,6 +34,7 @@ def register_node(session: Session, inv: NodeInventory) -> None:
     a changed GPU count is refused while GPUs are reserved (an operator must drain first)."""
     if not inv.gpus:
         raise ValidationFailed("a node must have at least one GPU", field="gpus")
+    forget_fleet_shapes()
     types = {g.gpu_type for g in inv.gpus}
     if len(types) != 1:
         raise ValidationFailed(
