@@ -25,28 +25,35 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import math
 import os
-import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+from _common import (
+    DEFAULT_POSTGRES_URL,
+    child_env,
+    console,
+    free_port,
+    fresh_postgres_database,
+    machine,
+    percentile,
+    stop_processes,
+    table_console,
+    write_rows_json,
+)
 from pydantic import SecretStr
-from rich.console import Console
 from rich.table import Table
 from sqlalchemy import func, select
 
@@ -58,12 +65,10 @@ from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
 from gpufleet.store.tables import JobRow
 
-DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 BENCH_DATABASE = "gpufleet_bench_life"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED")
 SIZES = (1, 2, 4, 8)
 HEARTBEAT_S = 2.0  # suspect after 3 missed = 6 s: never hit under load on 2 CPUs
-console = Console(stderr=True)  # progress on stderr, the table on stdout
 
 
 @dataclass
@@ -88,40 +93,6 @@ class Row:
     client_p50_ms: float | None = None
     client_p99_ms: float | None = None
     notes: list[str] = field(default_factory=list)
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (q in 0..100)."""
-    if not sorted_values:
-        return float("nan")
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def fresh_postgres_database(admin_url: str) -> Iterator[str]:
-    """Create an empty ``gpufleet_bench_life`` database next to ``admin_url``'s; drop it
-    afterwards. Yields the SQLAlchemy URL of the new database."""
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    url = make_url(admin_url)
-    conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
-    drop = f'DROP DATABASE IF EXISTS "{BENCH_DATABASE}" WITH (FORCE)'
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute(drop)
-        conn.execute(f'CREATE DATABASE "{BENCH_DATABASE}"')
-    try:
-        yield url.set(database=BENCH_DATABASE).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            conn.execute(drop)
 
 
 class Platform:
@@ -156,13 +127,14 @@ class Platform:
         )
         self.controller.start()
         self.api.start_in_thread()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-        env |= {
-            "GPUFLEET_DATA_DIR": str(self.tmp),
-            "GPUFLEET_CONTROLLER_ADDRESS": self.settings.controller_address,
-            "GPUFLEET_OBJECT_STORE_URL": self.settings.resolved_object_store_url(),
-            "GPUFLEET_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
-        }
+        env = child_env(
+            {
+                "GPUFLEET_DATA_DIR": str(self.tmp),
+                "GPUFLEET_CONTROLLER_ADDRESS": self.settings.controller_address,
+                "GPUFLEET_OBJECT_STORE_URL": self.settings.resolved_object_store_url(),
+                "GPUFLEET_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
+            }
+        )
         for i in range(agents):
             node_id = f"node-{i:02d}"
             with open(self.tmp / f"agent-{node_id}.log", "ab") as log:
@@ -229,6 +201,12 @@ class Platform:
                 ).scalar_one()
             )
 
+    def wait_terminal(self, job_ids: list[str], timeout_s: float) -> None:
+        """Poll every 0.1 s until every job is terminal or ``timeout_s`` has passed."""
+        deadline = time.monotonic() + timeout_s
+        while self.count_open(job_ids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def job_rows(self, job_ids: list[str]) -> list[Any]:
         with self.db.read() as s:
             return list(
@@ -245,15 +223,7 @@ class Platform:
 
     def close(self) -> None:
         self._sampling.set()
-        for proc in self.agents.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.agents.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.agents.values())
         with contextlib.suppress(Exception):
             self.api.stop()
         with contextlib.suppress(Exception):
@@ -312,9 +282,7 @@ def throughput(db_name: str, plat: Platform, args: argparse.Namespace) -> Row:
         for f in [pool.submit(work, k) for k in range(args.clients)]:
             f.result()
     console.print(f"{db_name}: submitted in {time.perf_counter() - began:.1f} s; waiting ...")
-    deadline = time.monotonic() + args.timeout
-    while plat.count_open(job_ids) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    plat.wait_terminal(job_ids, args.timeout)
     wall = time.perf_counter() - began
     plat.stop_sampling()
     rows = plat.job_rows(job_ids)
@@ -345,9 +313,7 @@ def idle_fleet(db_name: str, plat: Platform, args: argparse.Namespace) -> Row:
                 time.sleep(0.005)
             else:
                 errors.append(f"{job_id} not started after 30 s")
-    deadline = time.monotonic() + args.timeout
-    while plat.count_open(job_ids) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    plat.wait_terminal(job_ids, args.timeout)
     wall = time.perf_counter() - began
     plat.stop_sampling()
     row = summarize(db_name, "idle, sequential", plat, plat.job_rows(job_ids), errors, wall)
@@ -467,17 +433,14 @@ def main(argv: list[str] | None = None) -> int:
             if db_name == "sqlite":
                 rows += measure(db_name, f"sqlite:///{tmp}/gpufleet.db", tmp, args)
             else:
-                with fresh_postgres_database(args.postgres_url) as url:
+                with fresh_postgres_database(args.postgres_url, BENCH_DATABASE) as url:
                     rows += measure(db_name, url, tmp, args)
         finally:
             if args.keep:
                 console.print(f"kept {tmp}")
             else:
                 subprocess.run(["rm", "-rf", str(tmp)], check=False)
-    out = Console()
-    if not out.is_terminal:  # piped or redirected: do not squeeze the table into 80 columns
-        out = Console(width=170)
-    out.print(render(rows))
+    table_console(170).print(render(rows))
     tick = Settings.model_fields["scheduler_tick_s"].default
     print(
         f"Latencies in ms from the job rows (database clock: started_at/finished_at - created_at);"
@@ -485,10 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         f"GET shows started_at (5 ms polling). {args.agents} agents x 8 GPUs, {args.clients} "
         f"submitting threads, heartbeat {HEARTBEAT_S:g} s, scheduler tick "
         f"{tick:g} s; everything on one machine "
-        f"(Python {platform.python_version()}, {os.cpu_count()} CPUs)."
+        f"({machine()})."
     )
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    write_rows_json(args.json, rows)
     return 1 if any(r.failures or r.violations for r in rows) else 0
 
 

@@ -25,23 +25,26 @@ Usage (see benchmarks/README.md)::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import math
-import os
-import platform
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from rich.console import Console
+from _common import (
+    DEFAULT_POSTGRES_URL,
+    console,
+    fresh_postgres_database,
+    int_list,
+    machine,
+    percentile,
+    table_console,
+    write_rows_json,
+)
 from rich.table import Table
 from sqlalchemy.orm import Session
 
@@ -55,13 +58,11 @@ from gpufleet.store.dialect import db_now
 from gpufleet.store.migrate import migrate
 from gpufleet.store.queries import check_database
 
-DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 BENCH_DATABASE = "gpufleet_bench_reserve"
 GPUS_PER_NODE = 8
 SIZES = (1, 2, 4, 8)
 HOLDER = "bench-reserve-rate"
 TEAM = "bench"
-console = Console(stderr=True)  # progress on stderr, the table on stdout
 
 
 @dataclass
@@ -85,34 +86,6 @@ class Row:
     errors: int
     violations: int = -1  # filled once per (db, nodes), on the last row
     notes: list[str] = field(default_factory=list)
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (q in 0..100)."""
-    if not sorted_values:
-        return float("nan")
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
-@contextlib.contextmanager
-def fresh_postgres_database(admin_url: str) -> Iterator[str]:
-    """Create an empty ``gpufleet_bench_reserve`` database next to ``admin_url``'s; drop it
-    afterwards. Yields the SQLAlchemy URL of the new database."""
-    import psycopg
-    from sqlalchemy.engine import make_url
-
-    url = make_url(admin_url)
-    conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
-    drop = f'DROP DATABASE IF EXISTS "{BENCH_DATABASE}" WITH (FORCE)'
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute(drop)
-        conn.execute(f'CREATE DATABASE "{BENCH_DATABASE}"')
-    try:
-        yield url.set(database=BENCH_DATABASE).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            conn.execute(drop)
 
 
 def register_fleet(db: Database, n: int) -> list[str]:
@@ -330,10 +303,6 @@ def render(rows: list[Row]) -> Table:
     return table
 
 
-def int_list(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
@@ -353,19 +322,15 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="gpufleet-bench-reserve-") as tmp:
                 rows += measure("sqlite", f"sqlite:///{tmp}/gpufleet.db", n, args)
         if args.db in ("postgres", "both"):
-            with fresh_postgres_database(args.postgres_url) as url:
+            with fresh_postgres_database(args.postgres_url, BENCH_DATABASE) as url:
                 rows += measure("postgresql", url, n, args)
-    out = Console()
-    if not out.is_terminal:  # piped or redirected: do not squeeze the table into 80 columns
-        out = Console(width=160)
-    out.print(render(rows))
+    table_console(160).print(render(rows))
     print(
         f"{args.jobs} jobs (1/2/4/8 GPUs mixed) reserved per row on N nodes x {GPUS_PER_NODE} "
         f"GPUs, best fit per thread on disjoint nodes, then released; client and database on one "
-        f"machine (Python {platform.python_version()}, {os.cpu_count()} CPUs)."
+        f"machine ({machine()})."
     )
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    write_rows_json(args.json, rows)
     bad = any(r.errors or r.violations > 0 for r in rows)
     return 1 if bad else 0
 

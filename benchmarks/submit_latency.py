@@ -22,31 +22,34 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import math
-import os
-import platform
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from rich.console import Console
+from _common import (
+    DEFAULT_POSTGRES_URL,
+    child_env,
+    console,
+    free_port,
+    fresh_postgres_database,
+    int_list,
+    machine,
+    percentile,
+    stop_processes,
+    table_console,
+    write_rows_json,
+)
 from rich.table import Table
 
-DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 BENCH_DATABASE = "gpufleet_bench"
-console = Console(stderr=True)  # progress on stderr, the table on stdout
 
 
 @dataclass
@@ -64,18 +67,6 @@ class Row:
     concurrent_per_s: float
     clients: int
     errors: int
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (q in 0..100)."""
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def job_body(i: int) -> dict[str, object]:
@@ -150,8 +141,9 @@ class Server:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = data_dir / "server.log"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-        self.env |= {"GPUFLEET_DATA_DIR": str(data_dir), "GPUFLEET_DATABASE_URL": database_url}
+        self.env = child_env(
+            {"GPUFLEET_DATA_DIR": str(data_dir), "GPUFLEET_DATABASE_URL": database_url}
+        )
         self.gpufleet, self.startup_s = gpufleet, startup_s
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -176,14 +168,8 @@ class Server:
         raise AssertionError("unreachable")
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: uvicorn workers too
-            self.proc.wait()
+        if self.proc is not None:  # its own session: a SIGKILL takes uvicorn workers too
+            stop_processes([self.proc], group=True)
 
     def create_token(self) -> str:
         """``gpufleet admin token create --team bench``: the raw token is the last stdout line."""
@@ -204,28 +190,6 @@ class Server:
         tail = self.log_path.read_text(errors="replace").splitlines()[-40:]
         self.__exit__()
         sys.exit(f"{message}\n--- server log tail ({self.log_path}) ---\n" + "\n".join(tail))
-
-
-@contextlib.contextmanager
-def fresh_postgres_database(admin_url: str) -> Iterator[str]:
-    """Create an empty ``gpufleet_bench`` database next to ``admin_url``'s; drop it afterwards.
-
-    Yields the SQLAlchemy URL of the new database.
-    """
-    import psycopg  # only the PostgreSQL run needs it
-    from sqlalchemy.engine import make_url
-
-    url = make_url(admin_url)
-    conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
-    drop = f'DROP DATABASE IF EXISTS "{BENCH_DATABASE}" WITH (FORCE)'
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute(drop)
-        conn.execute(f'CREATE DATABASE "{BENCH_DATABASE}"')
-    try:
-        yield url.set(database=BENCH_DATABASE).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            conn.execute(drop)
 
 
 def measure_database(db: str, database_url: str, args: argparse.Namespace) -> list[Row]:
@@ -309,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
     p.add_argument(
         "--queued",
-        type=lambda s: [int(x) for x in s.split(",") if x],
+        type=int_list,
         default=[1000, 10000],
         help="comma-separated queue depths (default 1000,10000)",
     )
@@ -337,19 +301,15 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gpufleet-bench-sqlite-db-") as tmp:
             rows += measure_database("sqlite", f"sqlite:///{tmp}/gpufleet.db", args)
     if args.db in ("postgres", "both"):
-        with fresh_postgres_database(args.postgres_url) as url:
+        with fresh_postgres_database(args.postgres_url, BENCH_DATABASE) as url:
             rows += measure_database("postgresql", url, args)
-    out = Console()
-    if not out.is_terminal:  # piped or redirected: do not squeeze the table into 80 columns
-        out = Console(width=120)
-    out.print(render(rows))
+    table_console(120).print(render(rows))
     print(
         f"{args.samples} timed sequential submits per row (one keep-alive client) and "
         f"{args.samples} spread over {args.clients} clients; client and server on one machine "
-        f"({platform.python_version()}, {os.cpu_count()} CPUs)."
+        f"({machine(python_prefix='')})."
     )
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    write_rows_json(args.json, rows)
     return 1 if any(r.errors for r in rows) else 0
 
 
