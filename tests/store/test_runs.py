@@ -156,3 +156,22 @@ class TestCompletion:
         runs.complete_run(db, store, report(store, job_id, first, exit_code=1))
         with db.read() as s:
             assert s.get(TeamRow, "team-a").usage_gpu_s == pytest.approx(usage)
+
+
+class TestRequeue:
+    def test_a_preempted_job_keeps_its_place_a_failed_one_goes_back(self, db, store) -> None:
+        job_id, epoch = setup(db, max_retries=1)
+        with db.read() as s:
+            queued = s.get(JobRow, job_id).queued_at
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        db.run_write(lambda s: runs.request_stop(s, r.run_id, r.token, "preempt", message="t"))
+        stopped = dataclasses.replace(
+            report(store, job_id, r, exit_code=143), outcome=runs.Outcome.STOPPED
+        )
+        assert runs.complete_run(db, store, stopped)[0] == runs.CompletionResult.ACCEPTED
+        job, (run,), _ = state(db, job_id)
+        assert (job.status, run.status, job.queued_at) == ("PENDING", "PREEMPTED", queued)
+        again = reserve(db, job_id, "n1", 2, epoch=epoch, seen=job.fencing_epoch)
+        runs.complete_run(db, store, report(store, job_id, again, exit_code=1))
+        job, _, _ = state(db, job_id)
+        assert job.status == "PENDING" and job.queued_at > queued

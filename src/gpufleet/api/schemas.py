@@ -18,7 +18,7 @@ class JobCreate(BaseModel):
     """POST /v1/jobs body. Unknown fields are rejected (a typo must not be silently ignored)."""
 
     # strict: "2", true or 2.0 is not a GPU count; a typo'd field is an error, not ignored
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     name: Name = ""
     command: list[Annotated[str, Field(max_length=16384)]] = Field(min_length=1, max_length=1024)
@@ -217,7 +217,7 @@ class TokenCreate(BaseModel):
 class TeamQuotaUpdate(BaseModel):
     """PUT /v1/admin/teams/{team}: fields left out are unchanged; borrow_limit_gpus -1 = none."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     weight: float | None = Field(default=None, gt=0)
     guaranteed_gpus: dict[str, Annotated[int, Field(ge=0)]] | None = None
     borrow_limit_gpus: int | None = Field(default=None, ge=-1)

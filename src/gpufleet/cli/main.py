@@ -315,14 +315,24 @@ def team_list(
         print(json.dumps(rows, indent=2))
         return
     table = Table()
-    for col in ("team", "weight", "guaranteed", "borrow limit", "allocated", "pending", "GPU-h"):
+    for col in (
+        "team",
+        "weight",
+        "guaranteed",
+        "never lent",
+        "borrow limit",
+        "allocated",
+        "pending",
+        "GPU-h",
+    ):
         table.add_column(col)
     for r in rows:
         table.add_row(
             r["team"],
             f"{r['weight']:g}",
             ", ".join(f"{k}={v}" for k, v in r["guaranteed_gpus"].items()) or "-",
-            "none" if r["borrow_limit_gpus"] is None else str(r["borrow_limit_gpus"]),
+            ", ".join(f"{k}={v}" for k, v in r["lending_limit_gpus"].items()) or "-",
+            "unlimited" if r["borrow_limit_gpus"] is None else str(r["borrow_limit_gpus"]),
             ", ".join(f"{k}={v}" for k, v in r["allocated_gpus"].items()) or "-",
             str(r["pending_jobs"]),
             f"{r['usage_gpu_s'] / 3600:.2f}",

@@ -156,13 +156,19 @@ class _Pass:
 
     # -- phase 1 ------------------------------------------------------------------------
     def place_holders(self) -> None:
+        stopping_for: dict[str, list[str]] = {}
+        if self.holds:
+            for r in self.snap.running:
+                if r.stopping and r.stopping_for_job_id is not None:
+                    stopping_for.setdefault(r.stopping_for_job_id, []).append(r.run_id)
         for h, job in self.holds:
             fn = self.index.held_node_for(job.job_id, h.node_id)
             res = job.resources
             if fn is not None and fn.free_gpus >= res.gpu_count:
                 self._place(job, h.node_id, fn.node.gpu_type, backfilled=False)
             else:
-                self.causes[job.job_id] = ("waiting_for_preemption", h.node_id, (), h.reason)
+                stopping = tuple(sorted(stopping_for.get(job.job_id, ())))
+                self.causes[job.job_id] = ("waiting_for_preemption", h.node_id, stopping, h.reason)
                 self.head_done.add(job.team_id)
 
     def keep_reservations(self) -> None:

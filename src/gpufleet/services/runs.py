@@ -274,7 +274,11 @@ def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[Comp
         if job_to is not None:
             job_values: dict[str, object] = {}
             if job_to == JobStatus.PENDING:
-                job_values = {"queued_at": now, "pending_reason": None}
+                job_values = {"pending_reason": None}
+                if run_to != RunStatus.PREEMPTED:
+                    # a retry after a failure goes to the back of its class; a preempted job
+                    # keeps its place (it did nothing wrong; the simulator does the same)
+                    job_values["queued_at"] = now
             else:
                 job_values = {
                     "finished_at": now,

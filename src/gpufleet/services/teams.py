@@ -6,6 +6,7 @@ every pass); no restart is needed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +44,8 @@ def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> TeamRow:
     if team is None:
         raise NotFound(f"no team {team_id!r}", field="team")
     if upd.weight is not None:
-        if not upd.weight > 0:
-            raise ValidationFailed("weight must be > 0", field="weight")
+        if not (math.isfinite(upd.weight) and upd.weight > 0):
+            raise ValidationFailed("weight must be a finite number > 0", field="weight")
         team.weight = upd.weight
     if upd.guaranteed_gpus is not None:
         team.guaranteed_gpus = _per_type(upd.guaranteed_gpus, "guaranteed_gpus")

@@ -121,14 +121,20 @@ def run_cmd(
     compare: list[str] | None = typer.Option(None, "--compare", help="baselines to add"),
 ) -> None:
     """Run a scenario and print the headline metrics of each run."""
-    rep = run_sim(
-        config,
-        out,
-        seed=seed,
-        traces_dir=traces_dir,
-        plots=not no_plots,
-        compare=tuple(compare) if compare else None,
-    )
+    try:
+        rep = run_sim(
+            config,
+            out,
+            seed=seed,
+            traces_dir=traces_dir,
+            plots=not no_plots,
+            compare=tuple(compare) if compare else None,
+        )
+    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError, OSError) as exc:
+        # a bad scenario or path: one line naming what is wrong, never a traceback
+        what = f"{type(exc).__name__}: " if not isinstance(exc, ValueError) else ""
+        typer.echo(f"error: {what}{exc}", err=True)
+        raise typer.Exit(2) from None
     for name, r in rep["runs"].items():
         qd = r["queue_delay_s"]["all"]
         typer.echo(

@@ -114,14 +114,56 @@ def partition(groups: list[NodeGroup], teams: list[TeamSpec]) -> list[NodeGroup]
     return out
 
 
+SCENARIO_KEYS = frozenset(
+    {"name", "traces_dir", "cluster", "teams", "workload", "policy", "engine", "compare"}
+)
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be run; the message names the file and the field."""
+
+
+def _check_team(path: Path, t: TeamSpec) -> None:
+    where = f"{path}: teams[{t.team_id}]"
+    if not math.isfinite(t.weight) or t.weight <= 0:
+        raise ScenarioError(f"{where}.weight must be a finite number > 0, not {t.weight}")
+    for field_name, per_type in (("guaranteed_gpus", t.guaranteed_gpus),
+                                 ("lending_limit_gpus", t.lending_limit_gpus)):
+        for gpu_type, n in per_type.items():
+            if n < 0:
+                raise ScenarioError(f"{where}.{field_name}[{gpu_type}] must be >= 0, not {n}")
+    for gpu_type, keep in t.lending_limit_gpus.items():
+        if keep > t.guaranteed_gpus.get(gpu_type, 0):
+            raise ScenarioError(
+                f"{where}.lending_limit_gpus[{gpu_type}] = {keep} exceeds the guarantee"
+            )
+    if t.borrow_limit_gpus is not None and int(t.borrow_limit_gpus) < 0:
+        raise ScenarioError(f"{where}.borrow_limit_gpus must be >= 0 or absent (no limit)")
+
+
 def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> Scenario:
-    raw: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
+    """Read a scenario YAML. Raises ScenarioError (a ValueError) naming the file and field."""
+    try:
+        raw: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{path}: a scenario is a mapping (name, cluster, teams, workload...)")
+    unknown = sorted(set(raw) - SCENARIO_KEYS)
+    if unknown:
+        raise ScenarioError(f"{path}: unknown keys {unknown}; known: {sorted(SCENARIO_KEYS)}")
     base = path.parent
     tdir = traces_dir or (base / str(raw.get("traces_dir", "../../../shared/traces")))
 
     def trace(p: str) -> Path:
         q = Path(p)
-        return q if q.is_absolute() else tdir / q
+        found = q if q.is_absolute() else tdir / q
+        if not found.exists():
+            raise ScenarioError(
+                f"{path}: trace file {found} not found; pass --traces-dir (the folder that "
+                "holds philly_2017/, alibaba_openb_2023/, ...)"
+            )
+        return found
 
     cluster = raw.get("cluster", {})
     groups: list[NodeGroup] = []
@@ -168,6 +210,7 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
                 },
             )
         )
+        _check_team(path, teams[-1])
     wl = raw.get("workload", {})
     jobs: list[SimJob] = []
     if "philly" in wl:
