@@ -184,7 +184,3 @@ class LocalPlatform:
         self.api.stop()
         self.controller.stop()
         self.db.dispose()
-
-
-def data_dir_from(path: Path | None) -> dict[str, object]:
-    return {"data_dir": path} if path is not None else {}

@@ -256,78 +256,77 @@ class Scheduler:
         self.db.run_write(tx)
 
     def dispatch(self, run_id: str) -> None:
-        """Send AssignJob for ``run_id`` (idempotent at the agent); record delivery."""
+        """Send AssignJob for ``run_id`` (idempotent at the agent); record delivery. Runs in
+        the assign pool, after the reservation committed; failures are left to the reconciler,
+        which re-sends unconfirmed assignments."""
         try:
-            with self.db.read() as s:
-                found = s.execute(
-                    select(JobRunRow, JobRow, NodeRow)
-                    .join(JobRow, JobRow.id == JobRunRow.job_id)
-                    .join(NodeRow, NodeRow.id == JobRunRow.node_id)
-                    .where(JobRunRow.id == run_id)
-                ).first()
-                if found is None:
-                    return
-                run, job, node = found
-                if run.status != RunStatus.ASSIGNED:
-                    return
-                prior = s.execute(
-                    select(JobRunRow.checkpoint_prefix)
-                    .where(
-                        JobRunRow.job_id == job.id,
-                        JobRunRow.checkpoint_prefix.is_not(None),
-                        JobRunRow.attempt < run.attempt,
-                    )
-                    .order_by(JobRunRow.attempt.desc())
-                    .limit(1)
-                ).scalar_one_or_none()
-                res_id = s.execute(
-                    select(ReservationRow.id).where(ReservationRow.run_id == run_id)
-                ).scalar_one()
-            spec = job.spec
-            req = pb.AssignJobRequest(
-                run_id=run.id,
-                job_id=job.id,
-                reservation_id=res_id,
-                token=run.token,
-                leader_epoch=self.leadership.epoch,
-                gpu_ids=run.gpu_ids,
-                command=spec["command"],
-                env=spec.get("env") or {},
-                image=spec.get("image") or "",
-                resume_from_uri=self.store.uri(prior) if prior else "",
-                max_runtime_s=float(spec.get("max_runtime_s") or 0),
-                attempt=run.attempt,
-                working_dir=spec.get("working_dir") or "",
-            )
-            resp = self.agents.assign(node.address, req)
+            found = self._assignment(run_id)
+            if found is None:
+                return
+            node_id, address, req = found
+            resp = self.agents.assign(address, req)
         except grpc.RpcError as exc:
-            log.warning(
-                "AssignJob %s to %s failed: %s (the reconciler retries)",
-                run_id,
-                locals().get("node") and node.id,
-                exc.code(),
-            )
+            log.warning("AssignJob %s failed: %s (the reconciler retries)", run_id, exc.code())
             return
         except Exception:
             log.exception("dispatch of %s failed", run_id)
             return
         if resp.result == pb.AssignJobResponse.REJECTED_STALE:
             log.warning("agent rejected %s as stale: %s", run_id, resp.message)
-            runs.complete_run(
-                self.db,
-                self.store,
-                runs.Report(
-                    node_id=node.id,
-                    run_id=run_id,
-                    token=run.token,
-                    outcome=runs.Outcome.NEVER_STARTED,
-                    exit_code=0,
-                    manifest_uri="",
-                    message=f"agent refused it: {resp.message}",
-                ),
+            report = runs.Report(
+                node_id=node_id,
+                run_id=run_id,
+                token=req.token,
+                outcome=runs.Outcome.NEVER_STARTED,
+                exit_code=0,
+                manifest_uri="",
+                message=f"agent refused it: {resp.message}",
             )
+            runs.complete_run(self.db, self.store, report)
             return
         self.db.run_write(partial(runs.mark_delivered, run_id=run_id))
+
+    def _assignment(self, run_id: str) -> tuple[str, str, pb.AssignJobRequest] | None:
+        """(node_id, agent address, AssignJob request) of an ASSIGNED attempt, else None."""
+        with self.db.read() as s:
+            found = s.execute(
+                select(JobRunRow, JobRow, NodeRow, ReservationRow.id)
+                .join(JobRow, JobRow.id == JobRunRow.job_id)
+                .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+                .join(ReservationRow, ReservationRow.run_id == JobRunRow.id)
+                .where(JobRunRow.id == run_id)
+            ).first()
+            if found is None or found[0].status != RunStatus.ASSIGNED:
+                return None
+            run, job, node, reservation_id = found
+            # resume from the latest earlier attempt that stored a checkpoint
+            prior = s.execute(
+                select(JobRunRow.checkpoint_prefix)
+                .where(
+                    JobRunRow.job_id == job.id,
+                    JobRunRow.checkpoint_prefix.is_not(None),
+                    JobRunRow.attempt < run.attempt,
+                )
+                .order_by(JobRunRow.attempt.desc())
+                .limit(1)
+            ).scalar_one_or_none()
+        spec = job.spec
+        req = pb.AssignJobRequest(
+            run_id=run.id,
+            job_id=job.id,
+            reservation_id=reservation_id,
+            token=run.token,
+            leader_epoch=self.leadership.epoch,
+            gpu_ids=run.gpu_ids,
+            command=spec["command"],
+            env=spec.get("env") or {},
+            image=spec.get("image") or "",
+            resume_from_uri=self.store.uri(prior) if prior else "",
+            max_runtime_s=float(spec.get("max_runtime_s") or 0),
+            attempt=run.attempt,
+            working_dir=spec.get("working_dir") or "",
+        )
+        return node.id, node.address, req
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
