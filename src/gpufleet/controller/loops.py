@@ -33,7 +33,7 @@ from gpufleet.settings import Settings
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
-from gpufleet.store.queries import load_snapshot
+from gpufleet.store.queries import SpecCache, load_snapshot
 from gpufleet.store.tables import JobRow, JobRunRow, NodeRow, ReservationRow
 from gpufleet.store.transitions import record_event
 
@@ -112,6 +112,7 @@ class Scheduler:
         self.policy = policy or PolicyConfig()
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="assign")
         self._backfill: tuple[BackfillReservation, ...] = ()
+        self._specs = SpecCache()
 
     def run_pass(self) -> PassStats:
         t0 = time.perf_counter()
@@ -125,6 +126,7 @@ class Scheduler:
                 now,
                 reservations=self._backfill,
                 usage_half_life_s=self.policy.usage_half_life_s,
+                spec_cache=self._specs,
             )
             query = select(JobRow.id, JobRow.pending_reason).where(
                 JobRow.status == JobStatus.PENDING

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -54,12 +57,78 @@ def resources_of(spec: dict[str, object]) -> Resources:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class SpecFacts:
+    """What the policy needs from a job's immutable spec."""
+
+    resources: Resources
+    expected_duration_s: float | None
+    max_runtime_s: float | None
+    node_selector: Mapping[str, str]
+    preemptible: bool
+
+
+class SpecCache:
+    """Parsed job specs kept across scheduling passes (a job's spec never changes), so a pass
+    reads and decodes only the specs of jobs it has not seen yet. Entries of jobs absent from
+    a pass are dropped."""
+
+    CHUNK = 500
+
+    def __init__(self) -> None:
+        self._facts: dict[str, SpecFacts] = {}
+        self._pending: dict[str, tuple[tuple[int, datetime], PendingJob]] = {}
+
+    def pending_job(self, row: Any, facts: SpecFacts) -> PendingJob:
+        """The PendingJob of a row; the same object as last pass while the job's attempt and
+        queue time are unchanged (building 10,000 of them is a large part of a pass)."""
+        key = (row.attempts, row.queued_at)
+        cached = self._pending.get(row.id)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        job = PendingJob(
+            job_id=row.id,
+            team_id=row.team_id,
+            priority=PriorityClass(row.priority),
+            submitted_at_s=row.created_at.timestamp(),
+            resources=facts.resources,
+            expected_duration_s=facts.expected_duration_s,
+            max_runtime_s=facts.max_runtime_s,
+            node_selector=facts.node_selector,
+            preemptible=facts.preemptible,
+            attempt=row.attempts,
+            queued_at_s=row.queued_at.timestamp(),
+        )
+        self._pending[row.id] = (key, job)
+        return job
+
+    def lookup(self, session: Session, job_ids: list[str]) -> dict[str, SpecFacts]:
+        missing = [j for j in job_ids if j not in self._facts]
+        for start in range(0, len(missing), self.CHUNK):
+            chunk = missing[start : start + self.CHUNK]
+            for job_id, spec in session.execute(
+                select(JobRow.id, JobRow.spec).where(JobRow.id.in_(chunk))
+            ):
+                self._facts[job_id] = SpecFacts(
+                    resources=resources_of(spec),
+                    expected_duration_s=spec.get("expected_duration_s"),
+                    max_runtime_s=spec.get("max_runtime_s"),
+                    node_selector=dict(spec.get("node_selector") or {}),
+                    preemptible=bool(spec.get("preemptible", True)),
+                )
+        wanted = set(job_ids)
+        self._facts = {j: f for j, f in self._facts.items() if j in wanted}
+        self._pending = {j: p for j, p in self._pending.items() if j in wanted}
+        return self._facts
+
+
 def load_snapshot(
     session: Session,
     now: datetime,
     *,
     reservations: tuple[BackfillReservation, ...] = (),
     usage_half_life_s: float = 7 * 24 * 3600.0,
+    spec_cache: SpecCache | None = None,
 ) -> ClusterSnapshot:
     """Everything one scheduling pass needs, in a handful of indexed queries (call inside
     ``Database.snapshot()`` so that they all see one moment).
@@ -67,77 +136,89 @@ def load_snapshot(
     Args:
         reservations: the backfill reservations of the previous pass (kept by the leader).
         usage_half_life_s: decay of charged usage (``policy.usage``).
+        spec_cache: the scheduler's cache of parsed job specs across passes.
     """
     now_s = now.timestamp()
-    nodes = []
-    rows = session.execute(
-        select(NodeRow, NodeCapacityRow).join(
-            NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id
-        )
+    node_rows = session.execute(
+        select(
+            NodeRow.id,
+            NodeRow.gpu_type,
+            NodeRow.gpu_memory_mb,
+            NodeRow.cpu,
+            NodeRow.memory_mb,
+            NodeRow.labels,
+            NodeRow.status,
+            NodeCapacityRow.total_gpus,
+            NodeCapacityRow.available_gpus,
+        ).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
     ).all()
-    for node, cap in rows:
-        nodes.append(
-            NodeState(
-                node_id=node.id,
-                gpu_type=node.gpu_type,
-                gpu_memory_mb=node.gpu_memory_mb,
-                total_gpus=cap.total_gpus,
-                free_gpus=cap.available_gpus,
-                cpu_total=node.cpu,
-                cpu_free=node.cpu,
-                memory_total_mb=node.memory_mb,
-                memory_free_mb=node.memory_mb,
-                labels=dict(node.labels or {}),
-                schedulable=node.status == NodeStatus.HEALTHY,
-                status=node.status,
-            )
+    nodes = [
+        NodeState(
+            node_id=n.id,
+            gpu_type=n.gpu_type,
+            gpu_memory_mb=n.gpu_memory_mb,
+            total_gpus=n.total_gpus,
+            free_gpus=n.available_gpus,
+            cpu_total=n.cpu,
+            cpu_free=n.cpu,
+            memory_total_mb=n.memory_mb,
+            memory_free_mb=n.memory_mb,
+            labels=dict(n.labels or {}),
+            schedulable=n.status == NodeStatus.HEALTHY,
+            status=n.status,
         )
-    pending = []
-    for job in session.scalars(
-        select(JobRow).where(
-            JobRow.status == JobStatus.PENDING, JobRow.cancel_requested.is_(False)
+        for n in node_rows
+    ]
+    specs = spec_cache if spec_cache is not None else SpecCache()
+    # plain rows, not ORM objects, and no spec: at 10,000 pending, decoding every job's JSON
+    # spec each pass costs more than the queries (the spec is immutable: see SpecCache)
+    pending_rows = session.execute(
+        select(
+            JobRow.id,
+            JobRow.team_id,
+            JobRow.priority,
+            JobRow.created_at,
+            JobRow.queued_at,
+            JobRow.attempts,
+        ).where(JobRow.status == JobStatus.PENDING, JobRow.cancel_requested.is_(False))
+    ).all()
+    running_rows = session.execute(
+        select(
+            JobRunRow.id,
+            JobRunRow.job_id,
+            JobRunRow.node_id,
+            JobRunRow.status,
+            JobRunRow.gpu_ids,
+            JobRunRow.started_at,
+            JobRunRow.created_at,
+            JobRunRow.preempted_for_job_id,
+            JobRow.team_id,
+            JobRow.priority,
         )
-    ):
-        spec = job.spec
-        pending.append(
-            PendingJob(
-                job_id=job.id,
-                team_id=job.team_id,
-                priority=PriorityClass(job.priority),
-                submitted_at_s=job.created_at.timestamp(),
-                resources=resources_of(spec),
-                expected_duration_s=spec.get("expected_duration_s"),
-                max_runtime_s=spec.get("max_runtime_s"),
-                node_selector=dict(spec.get("node_selector") or {}),
-                preemptible=bool(spec.get("preemptible", True)),
-                attempt=job.attempts,
-                queued_at_s=job.queued_at.timestamp(),
-            )
-        )
-    gpu_type_of = {n.node_id: n.gpu_type for n in nodes}
-    running = []
-    for run, job in session.execute(
-        select(JobRunRow, JobRow)
         .join(JobRow, JobRow.id == JobRunRow.job_id)
         .where(JobRunRow.status.in_([RunStatus.ASSIGNED, RunStatus.RUNNING, RunStatus.PREEMPTING]))
-    ):
-        spec = job.spec
-        res = resources_of(spec)
+    ).all()
+    facts = specs.lookup(session, [r.id for r in pending_rows] + [r.job_id for r in running_rows])
+    pending = [specs.pending_job(row, facts[row.id]) for row in pending_rows]
+    gpu_type_of = {n.node_id: n.gpu_type for n in nodes}
+    running = []
+    for run in running_rows:
+        f = facts[run.job_id]
         running.append(
             RunningJob(
                 run_id=run.id,
-                job_id=job.id,
-                team_id=job.team_id,
+                job_id=run.job_id,
+                team_id=run.team_id,
                 node_id=run.node_id,
-                priority=PriorityClass(job.priority),
+                priority=PriorityClass(run.priority),
                 gpu_count=len(run.gpu_ids),
                 gpu_type=gpu_type_of.get(run.node_id, ""),
                 started_at_s=(run.started_at or run.created_at).timestamp(),
-                cpu=res.cpu,
-                memory_mb=res.memory_mb,
-                expected_duration_s=spec.get("expected_duration_s"),
-                max_runtime_s=spec.get("max_runtime_s"),
-                preemptible=bool(spec.get("preemptible", True)),
+                cpu=f.resources.cpu,
+                memory_mb=f.resources.memory_mb,
+                expected_duration_s=f.expected_duration_s,
+                max_runtime_s=f.max_runtime_s,
+                preemptible=f.preemptible,
                 stopping=run.status == RunStatus.PREEMPTING,
                 stopping_for_job_id=run.preempted_for_job_id,
             )
