@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 from _common import DEFAULT_POSTGRES_URL, fresh_postgres_database, machine, table_console
@@ -40,7 +41,7 @@ def populate(db: Database, n_nodes: int, n_pending: int) -> None:
     for i in range(n_nodes):
         gpus = tuple(GpuDevice(g, f"n{i}-{g}", "H100", 81920) for g in range(8))
         inv = nodes.NodeInventory(f"n{i:05d}", "127.0.0.1:1", 1, gpus, 64, 512_000, {}, "declared")
-        db.run_write(lambda s, inv=inv: nodes.register_node(s, inv))
+        db.run_write(partial(nodes.register_node, inv=inv))
     spec = spec_to_dict(JobSpec(command=("true",), resources=Resources(8)))
 
     def fill(s):  # type: ignore[no-untyped-def]
