@@ -30,7 +30,6 @@ from gpufleet.store import leader
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
     GpuHoldRow,
-    JobRow,
     JobRunRow,
     NodeCapacityRow,
     NodeGpuRow,
@@ -72,8 +71,8 @@ def reserve(
         CapacityConflict: the node lacks the free GPUs now, or is not HEALTHY.
         StaleState: the job is no longer PENDING at ``seen_fencing_epoch`` (or was cancelled).
     """
-    leader.assert_leader(session, leader_holder, leader_epoch)
     now = now if now is not None else db_now(session)
+    leader.assert_leader(session, leader_holder, leader_epoch, now)
     cap = NodeCapacityRow.__table__.c
     took = session.execute(
         update(NodeCapacityRow)
@@ -110,7 +109,9 @@ def reserve(
         raise CapacityConflict(f"node {node_id}: capacity row and GPU rows disagree")
 
     token = seen_fencing_epoch + 1
-    attempt = session.execute(select(JobRow.attempts).where(JobRow.id == job_id)).scalar_one() + 1
+    # attempts and fencing_epoch move together (both +1 here, and only here), and the guard
+    # below pins fencing_epoch to what the caller saw: the new attempt's number is the token
+    attempt = token
     transition(
         session,
         Machine.JOB,

@@ -7,7 +7,7 @@ holds it, and every scheduling write re-checks ``(holder, epoch)`` inside its ow
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -42,10 +42,13 @@ def try_acquire(session: Session, holder: str, lease_s: float) -> int | None:
     return row.epoch
 
 
-def assert_leader(session: Session, holder: str, epoch: int) -> None:
-    """Raise NotLeader unless ``holder`` holds an unexpired lease at ``epoch``. Called inside
-    every scheduling write transaction; on PostgreSQL the row is share-locked until commit,
-    so a takeover cannot interleave with the write."""
+def assert_leader(
+    session: Session, holder: str, epoch: int, now: datetime | None = None
+) -> None:
+    """Raise NotLeader unless ``holder`` holds an unexpired lease at ``epoch`` (at ``now``,
+    the database clock read in this transaction). Called inside every scheduling write
+    transaction; on PostgreSQL the row is share-locked until commit, so a takeover cannot
+    interleave with the write."""
     row = session.execute(
         select(LeaderLeaseRow.holder, LeaderLeaseRow.epoch, LeaderLeaseRow.expires_at)
         .where(LeaderLeaseRow.name == LEASE_NAME)
@@ -53,7 +56,7 @@ def assert_leader(session: Session, holder: str, epoch: int) -> None:
     ).first()
     if row is None or row.holder != holder or row.epoch != epoch:
         raise NotLeader(f"not leader at epoch {epoch} (lease: {row and (row.holder, row.epoch)})")
-    if row.expires_at <= db_now(session):
+    if row.expires_at <= (now if now is not None else db_now(session)):
         raise NotLeader(f"leader lease of epoch {epoch} expired")
 
 
