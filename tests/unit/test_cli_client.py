@@ -234,7 +234,7 @@ class TestSubmit:
             "gpu_type": ["H100", "A100"],
             "cpu": 4.0,
             "priority": "HIGH",
-            "env": {"A": "1=2"},
+            "env": {"A": "1=2", "PATH": os.environ["PATH"]},
             "node_selector": {"zone": "a"},
             "working_dir": os.getcwd(),  # like Slurm: the job starts where it was submitted
         }
@@ -252,7 +252,7 @@ class TestSubmit:
             "command": ["echo", "file"],
             "gpu_count": 1,
             "max_retries": 2,
-            "env": {"A": "1", "B": "2"},
+            "env": {"A": "1", "B": "2", "PATH": os.environ["PATH"]},
             "priority": "NORMAL",
             "working_dir": os.getcwd(),
         }
@@ -265,7 +265,9 @@ class TestSubmit:
         assert cli("submit", "--workdir", "-", "--", "true").exit_code == 0
         first, second = api.bodies()
         assert first["working_dir"] == str(tmp_path)
+        assert first["env"]["PATH"] == os.environ["PATH"]  # the submitting shell's programs
         assert "working_dir" not in second
+        assert "PATH" not in (second.get("env") or {})
 
     def test_non_finite_numbers_are_a_clean_error(self, api: FakeApi) -> None:
         result = cli("submit", "--cpu", "nan", "--", "true")

@@ -249,8 +249,8 @@ def submit(
     workdir: Annotated[
         str | None,
         typer.Option(
-            help="Directory the job starts in (default: this one, like Slurm; "
-            "'-' = the attempt's own directory)."
+            help="Directory the job starts in (default: this one, and the job gets this "
+            "shell's PATH, like Slurm; '-' = the attempt's own directory and the agent's PATH)."
         ),
     ] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait; exit 0 iff SUCCEEDED.")] = False,
@@ -284,6 +284,10 @@ def submit(
         )
         if workdir != "-":
             body.setdefault("working_dir", os.path.abspath(workdir or os.getcwd()))
+            # like Slurm's default export: the job finds the same programs (python3 of an
+            # activated virtualenv, say) as the shell it was submitted from
+            if "PATH" in os.environ and "PATH" not in (body.get("env") or {}):
+                body["env"] = {**(body.get("env") or {}), "PATH": os.environ["PATH"]}
         else:
             body.pop("working_dir", None)
         for key in ("cpu", "expected_duration_s", "max_runtime_s"):
