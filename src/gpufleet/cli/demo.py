@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -72,6 +73,9 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
     settings = settings.model_copy(update=overrides)
     script = example_script()
     console.print(f"[bold]gpufleet demo[/]: embedded platform in {data_dir}")
+    # SIGTERM (a CI timeout, say) must still run the `finally` below, or the agent would
+    # outlive the demo (agents survive their parent on purpose)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     platform = LocalPlatform(settings, gpus="8xH100-80GB")
     ensure_admin_token(platform.db)
     tokens = {}
