@@ -53,12 +53,16 @@ _FINAL_REPORT_RESULTS = {
 }
 
 
+WORKERS_PER_KIND = 4
+
+
 @dataclass(slots=True)
 class _Task:
     kind: str
     run_id: str
     due_at: float = 0.0  # time.monotonic()
     failures: int = 0
+    in_flight: bool = False  # a worker is running it (several workers share a kind)
 
 
 class Outbox:
@@ -103,10 +107,14 @@ class Outbox:
         self.stop_event = stop_event
         self._cond = threading.Condition()
         self._tasks: dict[tuple[str, str], _Task] = {}
-        # One worker per kind, so a long upload never delays another attempt's confirmation.
+        # Workers per kind, so a long upload never delays another attempt's confirmation, and
+        # attempts that end together are uploaded and reported in parallel, not one by one.
         self.threads = [
-            threading.Thread(target=self._loop, args=(kind,), name=f"agent-{kind}", daemon=True)
+            threading.Thread(
+                target=self._loop, args=(kind,), name=f"agent-{kind}-{i}", daemon=True
+            )
             for kind in (CONFIRM, COMPLETE)
+            for i in range(WORKERS_PER_KIND)
         ]
 
     def enqueue(self, kind: str, run_id: str) -> None:
@@ -148,6 +156,7 @@ class Outbox:
                 task.failures += 1
                 logger.exception("run %s: %s failed; retrying", task.run_id, task.kind)
             with self._cond:
+                task.in_flight = False
                 if done:
                     self._tasks.pop((task.kind, task.run_id), None)
                     self._cond.notify_all()  # a completion may be waiting for this confirmation
@@ -158,13 +167,23 @@ class Outbox:
     def _next_due(self, kind: str) -> _Task | None:
         with self._cond:
             now = time.monotonic()
-            mine = [t for t in self._tasks.values() if t.kind == kind]
+            mine = [
+                t
+                for t in self._tasks.values()
+                if t.kind == kind
+                and not t.in_flight
+                # a completion waits for its attempt's confirmation without backing off: the
+                # confirming worker's notify_all makes it due at once
+                and not (kind == COMPLETE and (CONFIRM, t.run_id) in self._tasks)
+            ]
             due = [t for t in mine if t.due_at <= now]
             if not due:
                 next_at = min((t.due_at for t in mine), default=now + 1.0)
                 self._cond.wait(timeout=max(0.01, min(1.0, next_at - now)))
                 return None
-            return min(due, key=lambda t: t.due_at)
+            task = min(due, key=lambda t: t.due_at)
+            task.in_flight = True
+            return task
 
     def _run(self, task: _Task) -> bool:
         """Returns True when the task is finished (answered, or moot)."""

@@ -8,6 +8,7 @@ after commit and guard later writes by ``run_id + token`` (load -> process -> ap
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,6 +42,9 @@ class Database:
         self._snapshot = sessionmaker(
             dialect.snapshot_engine(self.engine), expire_on_commit=False, autoflush=False
         )
+        self._writer_gate: contextlib.AbstractContextManager[object] = (
+            threading.Lock() if self.is_sqlite else contextlib.nullcontext()
+        )
         self._write = sessionmaker(
             dialect.write_engine(self.engine), expire_on_commit=False, autoflush=False
         )
@@ -65,8 +69,12 @@ class Database:
 
     @contextlib.contextmanager
     def write_tx(self) -> Iterator[Session]:
-        """A write transaction: commit on success, roll back on exception."""
-        with self._write() as session, session.begin():
+        """A write transaction: commit on success, roll back on exception.
+
+        On SQLite, writers of this process queue on a lock before ``BEGIN IMMEDIATE``: SQLite
+        admits one writer at a time anyway, and its busy handler makes a waiting writer sleep
+        in growing steps (up to 100 ms) instead of waking it when the lock frees."""
+        with self._writer_gate, self._write() as session, session.begin():
             yield session
 
     def run_write(self, fn: Callable[[Session], T], *, attempts: int = 5) -> T:
