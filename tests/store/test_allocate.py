@@ -158,3 +158,20 @@ def test_racing_reservers_exactly_the_right_number_win(db: Database) -> None:
     held = [g for r in won for g in r.gpu_ids]
     assert len(held) == len(set(held)) == 6
     assert violations(db) == []
+
+
+def test_a_node_changes_its_gpu_count_only_while_nothing_is_reserved(db: Database) -> None:
+    from gpufleet.domain.errors import Conflict
+
+    create_team(db)
+    create_node(db, "n1", gpus=8)
+    epoch = become_leader(db)
+    got = reserve(db, submit(db, gpus=2).job_id, "n1", 2, epoch=epoch)
+    with pytest.raises(Conflict):
+        create_node(db, "n1", gpus=4)
+    db.run_write(lambda s: allocate.release(s, run_id=got.run_id, now=db_now(s), message="t"))
+    create_node(db, "n1", gpus=4)
+    with db.read() as s:
+        cap = s.get(NodeCapacityRow, "n1")
+        assert (cap.total_gpus, cap.available_gpus) == (4, 4)
+    assert violations(db) == []

@@ -5,15 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
 from gpufleet.domain.states import RUN_ACTIVE, Machine, NodeStatus, RunStatus
 from gpufleet.domain.types import GpuDevice
 from gpufleet.services.jobs import forget_fleet_shapes
+from gpufleet.store import allocate
 from gpufleet.store.dialect import db_now
-from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeGpuRow, NodeRow
+from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
 from gpufleet.store.transitions import record_event, transition
 
 
@@ -62,24 +63,7 @@ def register_node(session: Session, inv: NodeInventory) -> None:
             )
         )
         session.flush()
-        session.add(
-            NodeCapacityRow(
-                node_id=inv.node_id,
-                total_gpus=len(inv.gpus),
-                available_gpus=len(inv.gpus),
-                version=0,
-            )
-        )
-        for g in inv.gpus:
-            session.add(
-                NodeGpuRow(
-                    node_id=inv.node_id,
-                    gpu_index=g.index,
-                    uuid=g.uuid,
-                    gpu_type=g.gpu_type,
-                    memory_mb=g.memory_mb,
-                )
-            )
+        allocate.set_inventory(session, inv.node_id, inv.gpus)
         record_event(
             session,
             "node_registered",
@@ -92,28 +76,7 @@ def register_node(session: Session, inv: NodeInventory) -> None:
         raise Conflict(
             f"agent epoch {inv.agent_epoch} < known {node.agent_epoch}", field="agent_epoch"
         )
-    cap = session.get(NodeCapacityRow, inv.node_id, with_for_update=True)
-    assert cap is not None
-    if cap.total_gpus != len(inv.gpus):
-        if cap.available_gpus != cap.total_gpus:
-            raise Conflict(
-                f"node {inv.node_id} now reports {len(inv.gpus)} GPUs (was {cap.total_gpus})"
-                " while GPUs are reserved; drain it first",
-                field="gpus",
-            )
-        session.execute(delete(NodeGpuRow).where(NodeGpuRow.node_id == inv.node_id))
-        for g in inv.gpus:
-            session.add(
-                NodeGpuRow(
-                    node_id=inv.node_id,
-                    gpu_index=g.index,
-                    uuid=g.uuid,
-                    gpu_type=g.gpu_type,
-                    memory_mb=g.memory_mb,
-                )
-            )
-        cap.total_gpus = cap.available_gpus = len(inv.gpus)
-        cap.version += 1
+    allocate.set_inventory(session, inv.node_id, inv.gpus)
     node.address, node.labels, node.cpu, node.memory_mb = (
         inv.address,
         inv.labels,

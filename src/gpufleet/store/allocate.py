@@ -23,9 +23,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, exists, select, update
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import CapacityConflict, StaleState
+from gpufleet.domain.errors import CapacityConflict, Conflict, StaleState
 from gpufleet.domain.ids import new_reservation_id, new_run_id
 from gpufleet.domain.states import JobStatus, Machine, NodeStatus, ReservationStatus, RunStatus
+from gpufleet.domain.types import GpuDevice
 from gpufleet.store import leader
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
@@ -220,3 +221,42 @@ def release(
         node_id=res.node_id,
     )
     return res.gpu_count
+
+
+def set_inventory(session: Session, node_id: str, gpus: tuple[GpuDevice, ...]) -> None:
+    """Record a node's GPUs: a new node's capacity rows, or a changed inventory of a node that
+    holds no reservation (its GPU rows replaced, total = available = len(gpus)). An unchanged
+    GPU count is left alone.
+
+    Raises:
+        Conflict: the GPU count changed while GPUs of the node are reserved (drain it first).
+    """
+    cap = session.get(NodeCapacityRow, node_id, with_for_update=True)
+    if cap is not None and cap.total_gpus == len(gpus):
+        return
+    if cap is not None and cap.available_gpus != cap.total_gpus:
+        raise Conflict(
+            f"node {node_id} now reports {len(gpus)} GPUs (was {cap.total_gpus}) while GPUs"
+            " are reserved; drain it first",
+            field="gpus",
+        )
+    session.execute(delete(NodeGpuRow).where(NodeGpuRow.node_id == node_id))
+    for g in gpus:
+        session.add(
+            NodeGpuRow(
+                node_id=node_id,
+                gpu_index=g.index,
+                uuid=g.uuid,
+                gpu_type=g.gpu_type,
+                memory_mb=g.memory_mb,
+            )
+        )
+    if cap is None:
+        session.add(
+            NodeCapacityRow(
+                node_id=node_id, total_gpus=len(gpus), available_gpus=len(gpus), version=0
+            )
+        )
+    else:
+        cap.total_gpus = cap.available_gpus = len(gpus)
+        cap.version += 1

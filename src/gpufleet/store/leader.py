@@ -42,9 +42,7 @@ def try_acquire(session: Session, holder: str, lease_s: float) -> int | None:
     return row.epoch
 
 
-def assert_leader(
-    session: Session, holder: str, epoch: int, now: datetime | None = None
-) -> None:
+def assert_leader(session: Session, holder: str, epoch: int, now: datetime | None = None) -> None:
     """Raise NotLeader unless ``holder`` holds an unexpired lease at ``epoch`` (at ``now``,
     the database clock read in this transaction). Called inside every scheduling write
     transaction; on PostgreSQL the row is share-locked until commit, so a takeover cannot
