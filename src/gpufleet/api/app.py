@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Annotated, Any
 
@@ -45,12 +46,17 @@ SUBMITS = Counter("gpufleet_api_submits_total", "Job submissions", ["outcome"])
 SUBMIT_SECONDS = Histogram("gpufleet_api_submit_seconds", "POST /v1/jobs latency (s)")
 
 
+PRINCIPAL_TTL_S = 5.0
+"""A token's team is remembered this long per server (a revoked token works until then)."""
+
+
 @dataclass
 class AppState:
     settings: Settings
     db: Database
     waker: Waker
     store: ObjectStore
+    principals: dict[str, tuple[float, auth.Principal]] = field(default_factory=dict)
 
 
 def log_key(job_id: str, run_id: str) -> str:
@@ -66,8 +72,17 @@ def principal(
     if authorization and authorization.lower().startswith("bearer "):
         raw = authorization[7:].strip()
     state: AppState = request.app.state.gf
+    if raw:
+        hit = state.principals.get(raw)
+        if hit is not None and time.monotonic() - hit[0] < PRINCIPAL_TTL_S:
+            return hit[1]
     with state.db.read() as s:
-        return auth.authenticate(s, raw)
+        who = auth.authenticate(s, raw)
+    if raw is not None:
+        if len(state.principals) > 10_000:
+            state.principals.clear()
+        state.principals[raw] = (time.monotonic(), who)
+    return who
 
 
 def admin(p: Annotated[auth.Principal, Depends(principal)]) -> auth.Principal:

@@ -241,14 +241,14 @@ def submit_job(
             )
         return Submitted(row.id, row.status, created=False)
 
-    with db.read() as session:
-        found = existing(session)
-        if found is not None:
-            return found
-        check_fits_fleet(session, spec, fallback_max_gpus)
-        check_outstanding_limit(session, team_id)
     try:
+        # one transaction: the lookup of an earlier submission, the checks and the insert
         with db.write_tx() as session:
+            found = existing(session)
+            if found is not None:
+                return found
+            check_fits_fleet(session, spec, fallback_max_gpus)
+            check_outstanding_limit(session, team_id)
             now = db_now(session)
             job_id = new_job_id()
             session.add(
