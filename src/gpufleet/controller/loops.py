@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from functools import partial
 
 import grpc
@@ -29,6 +29,7 @@ from gpufleet.policy.decisions import HoldForBackfill, Place, Preempt, WaitReaso
 from gpufleet.policy.snapshot import BackfillReservation
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.services import nodes, preemption, runs
+from gpufleet.services.jobs import iso
 from gpufleet.settings import Settings
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
@@ -63,26 +64,24 @@ class PassStats:
 
 
 def reason_json(reason: WaitReason, now_s: float) -> dict[str, object]:
-    from datetime import UTC, datetime
-
+    """The stored and served form of a wait reason (``pending_reason``)."""
     est = reason.estimated_start_s
     return {
         "code": reason.code,
         "message": reason.message,
         "details": dict(reason.details),
         "position": reason.position,
-        "estimated_start_at": datetime.fromtimestamp(est, UTC).isoformat().replace("+00:00", "Z")
+        "estimated_start_at": iso(datetime.fromtimestamp(est, UTC))
         if est is not None and est >= now_s
         else None,
     }
 
 
 ESTIMATE_SLACK_S = 30.0
+REASONS_REFRESH_S = 2.0
 
 
 def _estimate_moved(old_iso: object, reason: WaitReason, now_s: float) -> bool:
-    from datetime import datetime
-
     new = (
         reason.estimated_start_s
         if reason.estimated_start_s and reason.estimated_start_s >= now_s
@@ -113,6 +112,7 @@ class Scheduler:
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="assign")
         self._backfill: tuple[BackfillReservation, ...] = ()
         self._specs = SpecCache()
+        self._reasons_refreshed_s = 0.0
 
     def run_pass(self) -> PassStats:
         t0 = time.perf_counter()
@@ -220,10 +220,19 @@ class Scheduler:
         """Write pending_reason only where it materially changed: its code or details, or an
         estimated start that moved by more than ``ESTIMATE_SLACK_S``. Queue positions shift
         on every placement, so they are not a reason to rewrite 10k rows; the API computes
-        the position when it is read. A new code is also appended to the audit events."""
+        the position when it is read. A new code is also appended to the audit events.
+
+        Reasons are computed lazily by the policy and cost ~4 us each: jobs without a stored
+        reason get theirs every pass, all jobs at most every ``REASONS_REFRESH_S``."""
         changed: dict[str, dict[str, object]] = {}
         new_codes: list[tuple[str, WaitReason]] = []
-        for job_id, reason in waiting.items():
+        if now_s - self._reasons_refreshed_s >= REASONS_REFRESH_S:
+            self._reasons_refreshed_s = now_s
+            todo: Iterable[str] = waiting
+        else:
+            todo = [j for j in waiting if stored.get(j) is None]
+        for job_id in todo:
+            reason = waiting[job_id]
             old = stored.get(job_id)
             old = old if isinstance(old, dict) else {}
             if (
