@@ -37,6 +37,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +122,7 @@ class Platform:
 
     def start(self, agents: int) -> None:
         self.token = self.db.run_write(
-            lambda s: (auth.create_team(s, "bench", exist_ok=True), auth.create_token(s, "bench"))[
-                1
-            ]
+            partial(auth.create_token, team_id="bench", create_team_if_missing=True)
         )
         self.controller.start()
         self.api.start_in_thread()

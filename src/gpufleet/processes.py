@@ -10,10 +10,10 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import uvicorn
-from sqlalchemy.orm import Session
 
 from gpufleet.api.app import AppState, create_app
 from gpufleet.controller.main import Controller
@@ -36,11 +36,15 @@ def open_database(settings: Settings) -> Database:
 def ensure_admin_token(db: Database, team: str = "default") -> str:
     """Create ``team`` if needed and a new admin token for it; returns the raw token."""
 
-    def tx(s: Session) -> str:
-        auth.create_team(s, team, exist_ok=True)
-        return auth.create_token(s, team, name="gpufleet-up", is_admin=True)
-
-    return db.run_write(tx)
+    return db.run_write(
+        partial(
+            auth.create_token,
+            team_id=team,
+            name="gpufleet-up",
+            is_admin=True,
+            create_team_if_missing=True,
+        )
+    )
 
 
 def reusable_token(db: Database, client_config: Path) -> str | None:

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +69,7 @@ class Fleet:
     def start(self, teams: tuple[str, ...] = ("vision", "nlp")) -> Fleet:
         for team in teams:
             self.tokens[team] = self.db.run_write(
-                lambda s, t=team: (auth.create_team(s, t, exist_ok=True), auth.create_token(s, t))[
-                    1
-                ]
+                partial(auth.create_token, team_id=team, create_team_if_missing=True)
             )
         self.controller.start()
         self.api.start_in_thread()

@@ -80,8 +80,9 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
     ensure_admin_token(platform.db)
     tokens = {}
     for team in ("vision", "nlp"):
-        platform.db.run_write(partial(auth.create_team, name=team, exist_ok=True))
-        tokens[team] = platform.db.run_write(partial(auth.create_token, team_id=team))
+        tokens[team] = platform.db.run_write(
+            partial(auth.create_token, team_id=team, create_team_if_missing=True)
+        )
     platform.start()
     try:
         if not platform.wait_for_node():

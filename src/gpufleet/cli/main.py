@@ -384,11 +384,18 @@ def admin_token(
         err.print(f"[red]error:[/] unknown action {action!r} (use: create)")
         raise typer.Exit(2)
 
-    def tx(s: Session) -> str:
-        auth.create_team(s, team, exist_ok=True)
-        return auth.create_token(s, team, name=name, is_admin=admin)
-
-    print(_run_admin(data_dir, tx))
+    print(
+        _run_admin(
+            data_dir,
+            partial(
+                auth.create_token,
+                team_id=team,
+                name=name,
+                is_admin=admin,
+                create_team_if_missing=True,
+            ),
+        )
+    )
 
 
 def _mount_sim() -> None:

@@ -60,8 +60,18 @@ def create_team(
     return name
 
 
-def create_token(session: Session, team_id: str, *, name: str = "", is_admin: bool = False) -> str:
-    """Create an API token for ``team_id``; returns the raw token (shown once)."""
+def create_token(
+    session: Session,
+    team_id: str,
+    *,
+    name: str = "",
+    is_admin: bool = False,
+    create_team_if_missing: bool = False,
+) -> str:
+    """Create an API token for ``team_id``; returns the raw token (shown once). Raises
+    ValidationFailed for an unknown team unless ``create_team_if_missing``."""
+    if create_team_if_missing:
+        create_team(session, team_id, exist_ok=True)
     if session.get(TeamRow, team_id) is None:
         raise ValidationFailed(f"no team {team_id!r}; create it first", field="team")
     raw = "gft_" + secrets.token_urlsafe(32)
