@@ -369,8 +369,19 @@ class StopDriver:
             return 0
         with self.db.read() as s:
             now = db_now(s)
+            # narrow rows: this scan runs every second over every active attempt
             active = s.execute(
-                select(JobRunRow, JobRow.cancel_requested, JobRow.spec, NodeRow.address)
+                select(
+                    JobRunRow.id,
+                    JobRunRow.status,
+                    JobRunRow.token,
+                    JobRunRow.started_at,
+                    JobRunRow.stop_requested_at,
+                    JobRunRow.stop_reason,
+                    JobRow.cancel_requested,
+                    JobRow.max_runtime_s,
+                    NodeRow.address,
+                )
                 .join(JobRow, JobRow.id == JobRunRow.job_id)
                 .join(NodeRow, NodeRow.id == JobRunRow.node_id)
                 .where(
@@ -380,7 +391,8 @@ class StopDriver:
                 )
             ).all()
         sent = 0
-        for run, cancel, spec, address in active:
+        for run in active:
+            cancel, max_runtime_s, address = run.cancel_requested, run.max_runtime_s, run.address
             reason = None
             if run.status == RunStatus.PREEMPTING:
                 resend_after = self.settings.default_grace_s + 10.0
@@ -397,8 +409,8 @@ class StopDriver:
             elif (
                 run.status == RunStatus.RUNNING
                 and run.started_at
-                and spec.get("max_runtime_s")
-                and (now - run.started_at).total_seconds() > float(spec["max_runtime_s"])
+                and max_runtime_s
+                and (now - run.started_at).total_seconds() > max_runtime_s
             ):
                 reason = "timeout"
             if reason is None:

@@ -262,6 +262,7 @@ def submit_job(
                     priority=spec.priority.value,
                     priority_rank=spec.priority.rank,
                     gpu_count=spec.resources.gpu_count,
+                    max_runtime_s=spec.max_runtime_s,
                     status=JobStatus.PENDING,
                     cancel_requested=False,
                     fencing_epoch=0,

@@ -131,6 +131,8 @@ class JobRow(Base):
     result_uri: Mapped[str | None] = mapped_column(Text)
     failure_reason: Mapped[str | None] = mapped_column(Text)
     pending_reason: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    max_runtime_s: Mapped[float | None] = mapped_column(Float)
+    """Copy of ``spec.max_runtime_s``, so the stop driver's scan reads no JSON."""
     created_at: Mapped[datetime]
     queued_at: Mapped[datetime]
     scheduled_at: Mapped[datetime | None]
