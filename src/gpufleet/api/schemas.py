@@ -223,9 +223,3 @@ class TeamQuotaUpdate(BaseModel):
     borrow_limit_gpus: int | None = Field(default=None, ge=-1)
     lending_limit_gpus: dict[str, Annotated[int, Field(ge=0)]] | None = None
     max_outstanding_jobs: int | None = Field(default=None, ge=0)
-
-
-class ErrorOut(BaseModel):
-    error: str
-    message: str
-    field: str | None = None

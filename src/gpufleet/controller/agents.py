@@ -35,12 +35,6 @@ class AgentClients:
         resp: pb.StopRunResponse = self.stub(address).StopRun(req, timeout=RPC_TIMEOUT_S)
         return resp
 
-    def list_runs(self, address: str) -> pb.ListRunsResponse:
-        resp: pb.ListRunsResponse = self.stub(address).ListRuns(
-            pb.ListRunsRequest(), timeout=RPC_TIMEOUT_S
-        )
-        return resp
-
     def close(self) -> None:
         with self._lock:
             for channel, _ in self._stubs.values():

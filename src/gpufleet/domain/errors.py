@@ -72,12 +72,6 @@ class StaleState(GpufleetError):
     retryable = True
 
 
-class StaleTokenError(StaleState):
-    """A fencing token (or leader epoch) older than the current one was presented."""
-
-    code = "stale_token"
-
-
 class NotLeader(StaleState):
     """This controller does not hold the leader lease at the epoch it presented."""
 

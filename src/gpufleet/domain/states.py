@@ -165,8 +165,3 @@ def check_transition(machine: Machine, frm: str, to: str) -> str:
     if trigger is None:
         raise IllegalTransition(f"{machine.value}: {frm} -> {to} is not a legal transition")
     return trigger
-
-
-def sources_of(machine: Machine, to: str) -> frozenset[str]:
-    """All states from which ``to`` may be reached (for guarded ``UPDATE ... WHERE status IN``)."""
-    return frozenset(frm for frm, dst in TABLES[machine] if dst == to)

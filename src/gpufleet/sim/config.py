@@ -127,8 +127,10 @@ def _check_team(path: Path, t: TeamSpec) -> None:
     where = f"{path}: teams[{t.team_id}]"
     if not math.isfinite(t.weight) or t.weight <= 0:
         raise ScenarioError(f"{where}.weight must be a finite number > 0, not {t.weight}")
-    for field_name, per_type in (("guaranteed_gpus", t.guaranteed_gpus),
-                                 ("lending_limit_gpus", t.lending_limit_gpus)):
+    for field_name, per_type in (
+        ("guaranteed_gpus", t.guaranteed_gpus),
+        ("lending_limit_gpus", t.lending_limit_gpus),
+    ):
         for gpu_type, n in per_type.items():
             if n < 0:
                 raise ScenarioError(f"{where}.{field_name}[{gpu_type}] must be >= 0, not {n}")
