@@ -19,3 +19,37 @@ fi
 pg_isready -h 127.0.0.1 -p 5432
 psql -h 127.0.0.1 -U postgres -d test -tAc 'select 1' >/dev/null
 redis-cli -h 127.0.0.1 -p 6379 ping
+
+# Container runtime for jobs with an `image` (tests need it; they fail, not skip, without it):
+# podman + runc, a local docker-registry on 127.0.0.1:5000 (plain HTTP, loopback only) and the
+# offline-built test images (scripts/build-test-images.sh). The agent passes its own podman
+# settings (--runtime runc --cgroup-manager cgroupfs, CONTAINERS_CONF with default_ulimits = []),
+# so nothing global is configured here. GPUFLEET_SKIP_CONTAINERS=1 leaves this part out.
+if [ "${GPUFLEET_SKIP_CONTAINERS:-0}" != 1 ]; then
+  missing=""
+  command -v podman >/dev/null 2>&1 || missing="$missing podman"
+  command -v runc >/dev/null 2>&1 || missing="$missing runc"
+  command -v docker-registry >/dev/null 2>&1 || missing="$missing docker-registry"
+  [ -x /bin/busybox ] || missing="$missing busybox-static"
+  if [ -n "$missing" ]; then
+    for _ in $(seq 10); do  # another apt-get may hold the lock
+      $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -q podman runc docker-registry busybox-static && break
+      sleep 6
+    done
+  fi
+  REGISTRY_CONF=/etc/gpufleet/registry.yml
+  if [ ! -f "$REGISTRY_CONF" ]; then
+    $SUDO mkdir -p /etc/gpufleet /var/lib/gpufleet/registry
+    printf '%s\n' 'version: 0.1' 'log:' '  level: warn' 'storage:' '  filesystem:' \
+      '    rootdirectory: /var/lib/gpufleet/registry' '  delete:' '    enabled: true' \
+      'http:' '  addr: 127.0.0.1:5000' | $SUDO tee "$REGISTRY_CONF" >/dev/null
+  fi
+  if ! curl -sf http://127.0.0.1:5000/v2/ >/dev/null 2>&1; then
+    $SUDO mkdir -p /var/log/gpufleet
+    $SUDO sh -c "nohup docker-registry serve $REGISTRY_CONF >>/var/log/gpufleet/registry.log 2>&1 &"
+    for _ in $(seq 30); do curl -sf http://127.0.0.1:5000/v2/ >/dev/null 2>&1 && break; sleep 1; done
+  fi
+  curl -sf http://127.0.0.1:5000/v2/ >/dev/null
+  "$(dirname "$0")/build-test-images.sh"
+fi

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Builds the container images the tests, the benchmark and the README example use, offline,
+# and pushes them to the local registry (ensure-services.sh starts it on 127.0.0.1:5000):
+#
+#   $REGISTRY/gpufleet/busybox:1   busybox-static only (/bin/sh, sleep, ...): ~1 MB
+#   $REGISTRY/gpufleet/python:3.11 the host's Debian python3.11 + stdlib + busybox, plus numpy,
+#                                  scipy and scikit-learn copied from a virtualenv (for
+#                                  examples/train_digits.py) when one with them is given
+#
+# Usage: scripts/build-test-images.sh [VENV_SITE_PACKAGES]   (idempotent: skips images the
+# registry already has; FORCE=1 rebuilds). Needs podman, busybox-static, python3.11.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REGISTRY="${GPUFLEET_TEST_REGISTRY:-127.0.0.1:5000}"
+SITE="${1:-}"
+if [ -z "$SITE" ] && [ -d .venv/lib/python3.11/site-packages ]; then
+  SITE=.venv/lib/python3.11/site-packages
+fi
+PODMAN=(podman --runtime runc --cgroup-manager cgroupfs)
+
+in_registry() {  # repo tag
+  curl -sf "http://$REGISTRY/v2/$1/manifests/$2" \
+    -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
+    -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' >/dev/null 2>&1
+}
+
+push() {  # local-ref repo tag
+  "${PODMAN[@]}" push --tls-verify=false "$1" "$REGISTRY/$2:$3" >/dev/null
+  echo "pushed $REGISTRY/$2:$3"
+}
+
+busybox_root() {  # dir
+  mkdir -p "$1/bin" "$1/tmp" "$1/etc"
+  cp "$(command -v busybox)" "$1/bin/busybox"
+  for c in $("$1/bin/busybox" --list); do [ -e "$1/bin/$c" ] || ln -s busybox "$1/bin/$c"; done
+  echo "root:x:0:0:root:/root:/bin/sh" >"$1/etc/passwd"
+  echo "root:x:0:" >"$1/etc/group"
+}
+
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+if [ -z "${CONTAINERS_CONF:-}" ]; then  # the settings the agent passes too (no global file)
+  printf '[containers]\ndefault_ulimits = []\n[engine]\nevents_logger = "file"\n' >"$WORK/containers.conf"
+  export CONTAINERS_CONF="$WORK/containers.conf"
+fi
+
+if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/busybox 1; then
+  busybox_root "$WORK/bb"
+  tar -C "$WORK/bb" -cf "$WORK/bb.tar" .
+  "${PODMAN[@]}" import --change 'CMD ["/bin/sh"]' "$WORK/bb.tar" localhost/gpufleet/busybox:1 >/dev/null
+  push localhost/gpufleet/busybox:1 gpufleet/busybox 1
+fi
+
+if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/python 3.11; then
+  R="$WORK/py"
+  busybox_root "$R"
+  PY="$(readlink -f /usr/bin/python3.11)"
+  mkdir -p "$R/usr/bin" "$R/usr/lib" "$R/usr/local/lib/python3.11/dist-packages"
+  cp "$PY" "$R/usr/bin/python3.11"
+  ln -s python3.11 "$R/usr/bin/python3"; ln -s python3.11 "$R/usr/bin/python"
+  tar -C /usr/lib --exclude='python3.11/test' --exclude='__pycache__' \
+    --exclude='python3.11/idlelib' --exclude='python3.11/tkinter' -cf - python3.11 |
+    tar -C "$R/usr/lib" -xf -
+  if [ -n "$SITE" ] && [ -d "$SITE/sklearn" ]; then
+    for p in numpy numpy.libs scipy scipy.libs sklearn scikit_learn.libs joblib cloudpickle threadpoolctl.py narwhals; do
+      [ -e "$SITE/$p" ] && cp -a "$SITE/$p" "$R/usr/local/lib/python3.11/dist-packages/"
+    done
+    find "$R/usr/local/lib/python3.11/dist-packages" -name __pycache__ -prune -exec rm -rf {} +
+    rm -rf "$R"/usr/local/lib/python3.11/dist-packages/scipy/*/tests
+  fi
+  # Shared libraries of the interpreter and of every extension module, with their paths.
+  find "$R/usr" -name '*.so*' -type f -print0 | xargs -0 -r ldd 2>/dev/null |
+    awk '/=> \//{print $3} /^\s*\/lib/{print $1}' | sort -u >"$WORK/libs"
+  ldd "$PY" | awk '/=> \//{print $3} /^\s*\/lib/{print $1}' >>"$WORK/libs"
+  sort -u "$WORK/libs" | while read -r lib; do
+    [ -e "$lib" ] || continue
+    mkdir -p "$R$(dirname "$lib")"; cp -L "$lib" "$R$lib"
+  done
+  [ -e "$R/lib64" ] || { mkdir -p "$R/lib64"; cp -L /lib64/ld-linux-x86-64.so.2 "$R/lib64/"; }
+  mkdir -p "$R/opt/gpufleet"; cp examples/train_digits.py "$R/opt/gpufleet/"
+  tar -C "$R" -cf "$WORK/py.tar" .
+  "${PODMAN[@]}" import --change 'CMD ["/usr/bin/python3"]' --change 'ENV PYTHONDONTWRITEBYTECODE=1' \
+    "$WORK/py.tar" localhost/gpufleet/python:3.11 >/dev/null
+  "${PODMAN[@]}" run --rm --network none localhost/gpufleet/python:3.11 \
+    python3 -c 'import json, ssl, sqlite3; print("python ok")'
+  push localhost/gpufleet/python:3.11 gpufleet/python 3.11
+fi
