@@ -1,0 +1,1 @@
+"""Job runtimes of the agent (the ``container`` runtime lives in :mod:`.container`)."""

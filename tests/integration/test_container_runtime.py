@@ -1,0 +1,208 @@
+"""The container runtime against the real engine (podman) and the local registry.
+
+Needs what ``scripts/ensure-services.sh`` installs: podman, runc, the registry on
+127.0.0.1:5000 and the test images. Without them these tests fail (CI installs them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpufleet.agent.runtime.container import (
+    LABEL_RUN,
+    OOM_KILLED,
+    ContainerEngine,
+    ContainerHandle,
+    ContainerLaunch,
+    ContainerRuntime,
+)
+from gpufleet.agent.workdir import RunPaths
+from tests.integration.test_agent_support import wait_until
+
+pytestmark = pytest.mark.slow
+
+REGISTRY = os.environ.get("GPUFLEET_TEST_REGISTRY", "127.0.0.1:5000")
+BUSYBOX = f"{REGISTRY}/gpufleet/busybox:1"
+
+
+@dataclass
+class Rec:
+    run_id: str
+    job_id: str = "j-test"
+    token: int = 1
+    stop_reason: str = ""
+    stop_grace_s: float = 0.0
+    pid: int = 0
+    boot_id: str = ""
+    runtime_state: dict | None = None
+
+    @property
+    def stop_requested(self) -> bool:
+        return bool(self.stop_reason)
+
+
+@pytest.fixture
+def runtime(tmp_path: Path):
+    rt = ContainerRuntime(ContainerEngine("podman", state_dir=tmp_path / "engine"), cdi=False)
+    names: list[str] = []
+    yield rt, names
+    for n in names:
+        rt.release(Rec(n))
+
+
+def _launch(tmp: Path, run_id: str, command: list[str], **kw) -> tuple[Rec, ContainerLaunch]:
+    paths = RunPaths(tmp / run_id)
+    for d in (paths.work, paths.checkpoints, paths.artifacts):
+        d.mkdir(parents=True, exist_ok=True)
+    env = {"GPUFLEET_RUN_ID": run_id, "USER_VAR": "x y"}
+    image = kw.pop("image", BUSYBOX)
+    return Rec(run_id), ContainerLaunch(paths, image, tuple(command), env, **kw)
+
+
+def _run_id() -> str:
+    return f"ctest-{uuid.uuid4().hex[:10]}"
+
+
+def _until_exit(rt: ContainerRuntime, rec: Rec, h: ContainerHandle, paths: RunPaths, t=60.0):
+    deadline = time.monotonic() + t
+    while time.monotonic() < deadline:
+        info = rt.poll(rec, h, time.monotonic(), paths)
+        if info is not None:
+            return info
+        time.sleep(0.05)
+    raise AssertionError(f"{rec.run_id} did not end in {t} s")
+
+
+def test_pull_create_start_logs_exit_code_and_mounts(runtime, tmp_path):
+    rt, names = runtime
+    rt.engine.remove_image(BUSYBOX)  # cold: the pull phase really pulls from the registry
+    rid = _run_id()
+    names.append(rid)
+    script = (
+        'echo "gpus=$CUDA_VISIBLE_DEVICES ids=$GPUFLEET_GPU_IDS var=$USER_VAR";'
+        'echo done > "$GPUFLEET_ARTIFACTS_DIR/out.txt"; echo err >&2; exit 7'
+    )
+    rec, launch = _launch(tmp_path, rid, ["sh", "-c", script], gpu_ids=(2, 3))
+    h = rt.spawn(rec, launch)
+    assert h.phases["image"] == "cold" and h.phases["pull_s"] > 0
+    assert {"create_s", "start_s"} <= h.phases.keys()
+    assert rt.engine.find(LABEL_RUN, rid) == [rid]
+    info = _until_exit(rt, rec, h, launch.paths)
+    assert info.exit_code == 7 and info.reason == ""
+    log = launch.paths.log.read_text()
+    assert "gpus=2,3 ids=2,3 var=x y" in log and "err" in log
+    assert (launch.paths.artifacts / "out.txt").read_text() == "done\n"
+    assert rt.engine.inspect(rid) is None  # removed before the end is reported
+    assert not launch.paths.env_file.exists()  # the env file is gone after create
+
+    rid2 = _run_id()
+    names.append(rid2)
+    rec2, launch2 = _launch(tmp_path, rid2, ["true"])
+    h2 = rt.spawn(rec2, launch2)
+    assert h2.phases["image"] == "warm"
+    assert _until_exit(rt, rec2, h2, launch2.paths).exit_code == 0
+
+
+def test_cdi_devices_renumber_cuda_visible_devices(tmp_path):
+    rt = ContainerRuntime(ContainerEngine("podman", state_dir=tmp_path), cdi=True)
+    rec, launch = _launch(tmp_path, _run_id(), ["true"], gpu_ids=(4, 6))
+    env = rt.container_env(launch)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["GPUFLEET_GPU_IDS"] == "4,6"
+    assert env["GPUFLEET_ARTIFACTS_DIR"] == "/gpufleet/artifacts"
+
+
+def test_stop_of_a_container_that_ignores_sigterm_is_killed_after_grace(runtime, tmp_path):
+    rt, names = runtime
+    rid = _run_id()
+    names.append(rid)
+    script = "trap 'echo got-term' TERM; echo ready; while true; do sleep 0.1; done"
+    rec, launch = _launch(tmp_path, rid, ["sh", "-c", script])
+    h = rt.spawn(rec, launch)
+    wait_until(lambda: "ready" in launch.paths.log.read_text(), timeout_s=30)
+    rec.stop_reason, rec.stop_grace_s = "cancel", 1.0
+    t0 = time.monotonic()
+    info = _until_exit(rt, rec, h, launch.paths)
+    assert time.monotonic() - t0 >= 1.0
+    assert h.term_sent_at is not None and h.kill_sent_at is not None
+    assert "got-term" in launch.paths.log.read_text()
+    assert "SIGKILL after 1 s grace" in info.message
+    assert rt.engine.inspect(rid) is None
+    assert rt.engine.find(LABEL_RUN, rid) == []
+
+
+def test_adopt_after_restart_does_not_start_again(runtime, tmp_path):
+    rt, names = runtime
+    rid = _run_id()
+    names.append(rid)
+    rec, launch = _launch(tmp_path, rid, ["sh", "-c", "echo one; sleep 1; echo two"])
+    h = rt.spawn(rec, launch)
+    rec.pid, rec.boot_id, rec.runtime_state = h.pid, h.boot_id, h.log_fields()["runtime_state"]
+    # A new agent: a fresh runtime object that only has the logged fields.
+    rt2 = ContainerRuntime(ContainerEngine("podman", state_dir=tmp_path / "engine2"), cdi=False)
+    h2 = rt2.adopt(rec, launch.paths)
+    assert h2.name == rid and h2.phases == h.phases
+    info = _until_exit(rt2, rec, h2, launch.paths)
+    assert info.exit_code == 0
+    log = launch.paths.log.read_text()
+    assert log.count("one") == 1 and "two" in log  # ran once; the first follower kept logging
+
+
+def test_resolve_unstarted_adopts_a_created_container_and_abandons_a_missing_one(
+    runtime, tmp_path
+):
+    rt, names = runtime
+    rid = _run_id()
+    names.append(rid)
+    rec, launch = _launch(tmp_path, rid, ["sh", "-c", "echo adopted"])
+    assert rt.resolve_unstarted(rec, launch.paths) is None
+    # The agent died between create and start.
+    launch.paths.env_file.write_text("A=1\n")
+    rt.engine.create(
+        name=rid,
+        image=BUSYBOX,
+        command=["sh", "-c", "echo adopted"],
+        env_file=launch.paths.env_file,
+        labels={LABEL_RUN: rid},
+        mounts=[],
+        workdir="/",
+    )
+    h = rt.resolve_unstarted(rec, launch.paths)
+    assert h is not None
+    assert _until_exit(rt, rec, h, launch.paths).exit_code == 0
+    assert launch.paths.log.read_text().count("adopted") == 1
+
+
+def test_memory_limit_kills_with_oom_reason(runtime, tmp_path):
+    rt, names = runtime
+    rid = _run_id()
+    names.append(rid)
+    script = 'echo start; x=$(head -c 200000000 /dev/zero | tr "\\0" a); echo survived'
+    rec, launch = _launch(tmp_path, rid, ["sh", "-c", script], memory_mb=32)
+    h = rt.spawn(rec, launch)
+    info = _until_exit(rt, rec, h, launch.paths)
+    assert info.reason == OOM_KILLED, info
+    assert "survived" not in launch.paths.log.read_text()
+
+
+def test_missing_image_is_a_start_error(runtime, tmp_path):
+    from gpufleet.agent.workdir import StartError
+
+    rt, _ = runtime
+    rec, launch = _launch(tmp_path, _run_id(), ["true"], image=f"{REGISTRY}/gpufleet/nope:0")
+    with pytest.raises(StartError, match="cannot pull image"):
+        rt.spawn(rec, launch)
+    assert rt.engine.find(LABEL_RUN, rec.run_id) == []
+
+
+def test_engine_lists_local_images_with_digest_and_size(runtime):
+    rt, _ = runtime
+    rt.ensure_image(BUSYBOX)
+    imgs = {i.name: i for i in rt.engine.images()}
+    assert BUSYBOX in imgs
+    assert imgs[BUSYBOX].digest.startswith("sha256:") and imgs[BUSYBOX].size_bytes > 0
