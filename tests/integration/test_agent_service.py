@@ -80,7 +80,6 @@ class TestRunToCompletion:
             command=python_cmd(JOB_ENV_SCRIPT),
             env={"FOO": "bar", "CUDA_VISIBLE_DEVICES": "0,1,2,3"},  # cannot widen the pinning
             resume_from_uri=resume_uri,
-            image="registry/train:1",
         )
 
         assert resp.result == A.STARTED, resp.message

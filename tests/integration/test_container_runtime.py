@@ -53,7 +53,7 @@ def runtime(tmp_path: Path):
     names: list[str] = []
     yield rt, names
     for n in names:
-        rt.release(Rec(n))
+        rt.release(n)
 
 
 def _launch(tmp: Path, run_id: str, command: list[str], **kw) -> tuple[Rec, ContainerLaunch]:
@@ -111,7 +111,7 @@ def test_pull_create_start_logs_exit_code_and_mounts(runtime, tmp_path):
 
 def test_cdi_devices_renumber_cuda_visible_devices(tmp_path):
     rt = ContainerRuntime(ContainerEngine("podman", state_dir=tmp_path), cdi=True)
-    rec, launch = _launch(tmp_path, _run_id(), ["true"], gpu_ids=(4, 6))
+    _, launch = _launch(tmp_path, _run_id(), ["true"], gpu_ids=(4, 6))
     env = rt.container_env(launch)
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["GPUFLEET_GPU_IDS"] == "4,6"
     assert env["GPUFLEET_ARTIFACTS_DIR"] == "/gpufleet/artifacts"

@@ -8,7 +8,9 @@ separate durable facts).
 Events, one JSON object per line, ``"e"`` naming the kind::
 
     assigned        the AssignJob request (run_id, job_id, token, gpu_ids, command, env, ...)
-    started         pid (the command), shim_pid == pgid, shim_start_ticks, boot_id, started_at_s
+    started         pid (the command), shim_pid == pgid, shim_start_ticks, boot_id, started_at_s;
+                    for an image job also runtime_state (container name, log follower) and
+                    start_phases (pull/create/start seconds, warm/cold image)
     start_failed    message (the attempt is reported NEVER_STARTED)
     confirmed       result of ConfirmAssignment (CONFIRMED or REJECTED)
     stop_requested  reason, grace_s (survives a restart: the stop resumes)
@@ -72,6 +74,8 @@ class RunRecord:
     resume_from_uri: str = ""
     max_runtime_s: float = 0.0
     working_dir: str = ""
+    memory_mb: int = 0  # the job's memory limit, MiB (0 = none)
+    cpu: float = 0.0  # the job's CPU cores (0 = no quota)
     status: RunStatus = RunStatus.ASSIGNED
     assigned_at_s: float = 0.0
     pid: int = 0  # the user command
@@ -79,6 +83,8 @@ class RunRecord:
     shim_start_ticks: int = 0
     boot_id: str = ""  # /proc/sys/kernel/random/boot_id when started
     started_at_s: float = 0.0
+    runtime_state: dict[str, Any] = field(default_factory=dict)  # container runtime's
+    start_phases: dict[str, Any] = field(default_factory=dict)
     confirm_result: str = ""
     stop_reason: str = ""
     stop_grace_s: float = 0.0
@@ -121,6 +127,8 @@ _ASSIGN_FIELDS = (
     "resume_from_uri",
     "max_runtime_s",
     "working_dir",
+    "memory_mb",
+    "cpu",
 )
 
 
@@ -251,6 +259,8 @@ class AssignmentLog:
             rec.shim_start_ticks = int(line["shim_start_ticks"])
             rec.boot_id = str(line.get("boot_id", ""))
             rec.started_at_s = float(line.get("started_at_s", at_s))
+            rec.runtime_state = dict(line.get("runtime_state") or {})
+            rec.start_phases = dict(line.get("start_phases") or {})
         elif e == "start_failed":
             rec.status = RunStatus.FAILED_TO_START
             rec.outcome = "NEVER_STARTED"

@@ -22,12 +22,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from gpufleet.agent.assignment_log import AssignmentLog, RunRecord, RunStatus
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.outbox import COMPLETE, CONFIRM, Outbox
-from gpufleet.agent.runner import ProcessHandle, Runner
+from gpufleet.agent.runner import AnyHandle, Runner
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.agent.workdir import StartError
 from gpufleet.rpc.protos import fleet_pb2 as pb
@@ -66,10 +66,11 @@ class AgentCore:
         self.inventory = inventory
         self.default_grace_s = default_grace_s
         self.outbox: Outbox | None = None  # set by the wiring in main.py
+        self.on_started: Callable[[], None] | None = None  # e.g. refresh the image list
         # Keys of log.runs are only added under this lock ("assigned", "tombstone"), so code
         # holding it may iterate log.runs while other threads append lifecycle events.
         self._lock = threading.RLock()
-        self._handles: dict[str, ProcessHandle] = {}
+        self._handles: dict[str, AnyHandle] = {}
         self._starting: dict[str, threading.Lock] = {}
 
     def _enqueue(self, kind: str, run_id: str) -> None:
@@ -146,6 +147,8 @@ class AgentCore:
                     resume_from_uri=req.resume_from_uri,
                     max_runtime_s=req.max_runtime_s,
                     working_dir=req.working_dir,
+                    memory_mb=req.memory_mb,
+                    cpu=req.cpu,
                 )
                 rec = self.log.runs[req.run_id]
                 start_lock = threading.Lock()
@@ -182,19 +185,15 @@ class AgentCore:
                 start_lock.release()
         self._log_started(rec, h)
         self._enqueue(CONFIRM, rec.run_id)
+        if self.on_started is not None:
+            self.on_started()
         logger.info("run %s: started pid %d on GPUs %s", rec.run_id, h.pid, rec.gpu_ids)
         return _assign(AssignResult.STARTED, "", h.pid)
 
-    def _log_started(self, rec: RunRecord, h: ProcessHandle) -> None:
+    def _log_started(self, rec: RunRecord, h: AnyHandle) -> None:
         with self._lock:
             self.log.append(
-                "started",
-                rec.run_id,
-                pid=h.pid,
-                shim_pid=h.shim_pid,
-                shim_start_ticks=h.shim_start_ticks,
-                boot_id=h.boot_id,
-                started_at_s=time.time(),
+                "started", rec.run_id, started_at_s=time.time(), **Runner.log_fields(h)
             )
             self._handles[rec.run_id] = h
         self.streamer.watch(rec, self.runner.paths(rec.run_id).log)
@@ -295,13 +294,16 @@ class AgentCore:
                     self.log.append("start_failed", rec.run_id, message=info.message)
                 else:
                     outcome = "STOPPED" if rec.stop_requested else "EXITED"
+                    message = info.message
+                    if info.reason and info.reason not in message:
+                        message = f"{info.reason}: {message}" if message else info.reason
                     self.log.append(
                         "exited",
                         rec.run_id,
                         exit_code=info.exit_code,
                         outcome=outcome,
                         finished_at_s=info.finished_at_s,
-                        message=info.message,
+                        message=message,
                     )
                 del self._handles[rec.run_id]
             logger.info("run %s: %s, exit code %d", rec.run_id, rec.outcome, rec.exit_code)

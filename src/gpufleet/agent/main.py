@@ -33,6 +33,12 @@ from gpufleet.agent.core import AgentCore
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
 from gpufleet.agent.runner import Runner
+from gpufleet.agent.runtime.container import (
+    ContainerEngine,
+    ContainerRuntime,
+    EngineError,
+    ImageReporter,
+)
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.objectstore import ObjectStore
@@ -107,6 +113,7 @@ def run_agent(
     heartbeat_interval_s: float | None = None,
     stop_event: threading.Event | None = None,
     advertise_host: str | None = None,
+    container_runtime: str = "podman",
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -124,6 +131,8 @@ def run_agent(
         advertise_host: host the controller should call back; default: 127.0.0.1 when the
             controller is on loopback, else this host's address on the route to it. The
             server listens on that address only (the agent port is unauthenticated).
+        container_runtime: ``podman``, ``docker`` or ``none``: the engine for jobs with an
+            ``image``. When it is not installed the agent says so and such jobs fail to start.
 
     Raises:
         ValueError: ``gpus`` is malformed, or the assignment log is corrupt.
@@ -138,7 +147,8 @@ def run_agent(
     log = AssignmentLog(state_dir)
     log.compact()
     agent_epoch = log.bump_agent_epoch()
-    runner = Runner(state_dir, store)
+    containers, images = _container_runtime(container_runtime, state_dir)
+    runner = Runner(state_dir, store, containers)
     streamer = LogStreamer(store, LOG_SYNC_INTERVAL_S, stop)
     core = AgentCore(
         log=log,
@@ -150,6 +160,8 @@ def run_agent(
     channel = grpc.insecure_channel(settings.controller_address)
     stub = pb_grpc.ControllerStub(channel)
     registered = threading.Event()
+    if images is not None:
+        core.on_started = images.mark_dirty
     core.outbox = Outbox(
         log=log,
         runner=runner,
@@ -185,6 +197,7 @@ def run_agent(
         fallback_interval_s=settings.heartbeat_interval_s,
         registered=registered,
         stop_event=stop,
+        images=images,
     )
     monitor = threading.Thread(
         target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True
@@ -212,6 +225,22 @@ def run_agent(
             t.join(timeout=15.0)
         channel.close()
         log.close()
+
+
+def _container_runtime(
+    kind: str, state_dir: Path
+) -> tuple[ContainerRuntime | None, ImageReporter | None]:
+    if kind == "none":
+        logger.info("no container runtime: jobs with an image fail to start on this node")
+        return None, None
+    try:
+        engine = ContainerEngine(kind, state_dir=state_dir / "engine")
+    except EngineError as exc:
+        logger.warning("no container runtime (%s): jobs with an image fail to start", exc)
+        return None, None
+    rt = ContainerRuntime(engine)
+    logger.info("%s", rt.describe())
+    return rt, ImageReporter(engine)
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:

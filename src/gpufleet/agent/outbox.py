@@ -201,6 +201,7 @@ class Outbox:
                     token=rec.token,
                     agent_epoch=self.agent_epoch,
                     pid=rec.pid,
+                    start_phases=_phases(rec.start_phases),
                 ),
                 timeout=CALL_TIMEOUT_S,
             )
@@ -248,7 +249,7 @@ class Outbox:
             level, "run %s: completion %s %s (%s)", rec.run_id, rec.outcome, result, resp.message
         )
         self.log.append("reported", rec.run_id, result=result)
-        self.runner.cleanup(rec.run_id)
+        self.runner.cleanup(rec.run_id, rec.image)
         return True
 
 
@@ -256,3 +257,16 @@ def _short(exc: BaseException) -> str:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
     return str(exc)
+
+
+def _phases(p: dict[str, object]) -> pb.StartPhases | None:
+    """The ``start_phases`` of a ``started`` event as the ConfirmAssignment field."""
+    if not p:
+        return None
+    return pb.StartPhases(
+        runtime=str(p.get("runtime", "container")),
+        image=str(p.get("image", "")),
+        pull_s=float(p.get("pull_s", 0.0)),  # type: ignore[arg-type]
+        create_s=float(p.get("create_s", 0.0)),  # type: ignore[arg-type]
+        start_s=float(p.get("start_s", 0.0)),  # type: ignore[arg-type]
+    )

@@ -1,10 +1,11 @@
 """Starting, adopting, watching and stopping attempts as host process groups.
 
-This build runs commands directly as host processes under :mod:`gpufleet.agent.shim`; there is
-no container runtime. ``image`` is accepted and recorded in the assignment log but not used.
-Isolation is therefore by process group only: a command that leaves its group (``setsid``,
-``setpgid``) escapes stop verification. A container or cgroup runtime would close that gap and
-would slot in here, behind the same :class:`Runner` methods.
+Jobs without an ``image`` run directly as host processes under :mod:`gpufleet.agent.shim`;
+isolation is by process group only: a command that leaves its group (``setsid``, ``setpgid``)
+escapes stop verification. Jobs with an ``image`` run as containers through
+:class:`gpufleet.agent.runtime.container.ContainerRuntime` (``containers``); each method here
+picks the container path when the attempt has an image (a node started without a container
+runtime fails such attempts at start).
 
 The per-attempt directory and environment are in :mod:`gpufleet.agent.workdir`.
 """
@@ -28,6 +29,7 @@ from typing import Any
 from gpufleet.agent import procfs
 from gpufleet.agent.assignment_log import RunRecord
 from gpufleet.agent.fsutil import create_exclusive
+from gpufleet.agent.runtime.container import ContainerHandle, ContainerLaunch, ContainerRuntime
 from gpufleet.agent.workdir import RunPaths, StartError, build_env, download_prefix
 from gpufleet.objectstore import ObjectStore
 
@@ -36,6 +38,7 @@ logger = logging.getLogger("gpufleet.agent")
 SHIM_HANDSHAKE_TIMEOUT_S = 30.0
 KILL_RESEND_S = 1.0
 KILL_VERIFY_TIMEOUT_S = 30.0
+NO_CONTAINER_RUNTIME = "image jobs need a container runtime on this node (agent --runtime)"
 
 
 @dataclass(slots=True)
@@ -56,6 +59,7 @@ class ProcessHandle:
     kill_resent_at: float | None = None
     main_exited: bool = False
     unkillable: bool = False
+    spawn_s: float = 0.0  # seconds from spawn() to the shim's handshake
 
     @property
     def pgid(self) -> int:
@@ -71,12 +75,17 @@ class ExitInfo:
         finished_at_s: seconds since the epoch.
         never_started: the shim could not start the command (adoption after a restart).
         message: a note for the report (e.g. SIGKILL after grace).
+        reason: a machine-readable cause: "" or ``OOM_KILLED``.
     """
 
     exit_code: int
     finished_at_s: float
     never_started: bool = False
     message: str = ""
+    reason: str = ""
+
+
+AnyHandle = ProcessHandle | ContainerHandle
 
 
 class Runner:
@@ -85,19 +94,38 @@ class Runner:
     Args:
         state_dir: the agent's state directory.
         store: where resume checkpoints are downloaded from.
+        containers: the container runtime for attempts with an image (None: this node has
+            none; such attempts fail to start).
     """
 
-    def __init__(self, state_dir: Path, store: ObjectStore) -> None:
+    def __init__(
+        self, state_dir: Path, store: ObjectStore, containers: ContainerRuntime | None = None
+    ) -> None:
         self.runs_dir = state_dir / "runs"
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self.store = store
+        self.containers = containers
+
+    @staticmethod
+    def log_fields(h: AnyHandle) -> dict[str, Any]:
+        """The fields of the ``started`` event for a handle."""
+        if isinstance(h, ContainerHandle):
+            fields = h.log_fields()
+            return {**fields, "shim_pid": 0, "shim_start_ticks": 0, "start_phases": h.phases}
+        return {
+            "pid": h.pid,
+            "shim_pid": h.shim_pid,
+            "shim_start_ticks": h.shim_start_ticks,
+            "boot_id": h.boot_id,
+            "start_phases": {"runtime": "process", "start_s": round(h.spawn_s, 4)},
+        }
 
     def paths(self, run_id: str) -> RunPaths:
         return RunPaths(self.runs_dir / run_id)
 
     # ------------------------------------------------------------------ start
 
-    def spawn(self, rec: RunRecord) -> ProcessHandle:
+    def spawn(self, rec: RunRecord) -> AnyHandle:
         """Prepare the directories, download the resume checkpoint and start the shim.
 
         Call only after the ``assigned`` event is durable, and at most once per run_id.
@@ -109,8 +137,11 @@ class Runner:
             StartError: the command could not be started (empty, not found, not executable,
                 resume download failed, ...). Nothing of it runs.
         """
+        t_spawn = time.monotonic()
         if not rec.command:
             raise StartError("empty command")
+        if rec.image and self.containers is None:
+            raise StartError(NO_CONTAINER_RUNTIME)
         paths = self.paths(rec.run_id)
         for d in (paths.work, paths.checkpoints, paths.artifacts):
             d.mkdir(parents=True, exist_ok=True)
@@ -121,6 +152,19 @@ class Runner:
                 resume_dir = paths.resume
             else:
                 logger.warning("run %s: nothing to resume at %s", rec.run_id, rec.resume_from_uri)
+        if rec.image and self.containers is not None:
+            launch = ContainerLaunch(
+                paths=paths,
+                image=rec.image,
+                command=tuple(rec.command),
+                env=build_env(rec, paths, resume_dir, {}),  # never the agent's environment
+                gpu_ids=tuple(rec.gpu_ids),
+                memory_mb=rec.memory_mb,
+                cpu=rec.cpu,
+                workdir=rec.working_dir,
+                resume_dir=resume_dir,
+            )
+            return self.containers.spawn(rec, launch)
         env = build_env(rec, paths, resume_dir, dict(os.environ))
         fd = os.open(paths.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -166,9 +210,11 @@ class Runner:
         claim = _read_json(paths.claim) or {}
         ticks = claim.get("start_ticks") or procfs.start_ticks(popen.pid) or 0
         child = int(status["pid"]) if status else popen.pid
-        return ProcessHandle(popen.pid, int(ticks), child, procfs.boot_id(), popen=popen)
+        h = ProcessHandle(popen.pid, int(ticks), child, procfs.boot_id(), popen=popen)
+        h.spawn_s = time.monotonic() - t_spawn
+        return h
 
-    def resolve_unstarted(self, rec: RunRecord) -> ProcessHandle | None:
+    def resolve_unstarted(self, rec: RunRecord) -> AnyHandle | None:
         """After a restart, settle an attempt logged ``assigned`` but never ``started``.
 
         The agent may have died after spawning the shim but before logging it. The shim and
@@ -180,6 +226,10 @@ class Runner:
         """
         paths = self.paths(rec.run_id)
         paths.root.mkdir(parents=True, exist_ok=True)
+        if rec.image:
+            if self.containers is None:
+                return None
+            return self.containers.resolve_unstarted(rec, paths)
         if create_exclusive(paths.claim, {"abandoned": True}):
             return None
         claim = _read_json(paths.claim) or {}
@@ -188,14 +238,21 @@ class Runner:
         pid = int(claim["pid"])
         return ProcessHandle(pid, int(claim["start_ticks"]), pid, str(claim.get("boot_id", "")))
 
-    @staticmethod
-    def adopt(rec: RunRecord) -> ProcessHandle:
-        """A handle for a logged, started attempt this agent process did not spawn."""
+    def adopt(self, rec: RunRecord) -> AnyHandle:
+        """A handle for a logged, started attempt this agent process did not spawn.
+
+        Raises:
+            StartError: a container attempt on a node started without a container runtime.
+        """
+        if rec.runtime_state.get("runtime") == "container":
+            if self.containers is None:
+                raise StartError(NO_CONTAINER_RUNTIME)
+            return self.containers.adopt(rec, self.paths(rec.run_id))
         return ProcessHandle(rec.shim_pid, rec.shim_start_ticks, rec.pid, rec.boot_id)
 
     # ------------------------------------------------------------------ watch and stop
 
-    def poll(self, rec: RunRecord, h: ProcessHandle, now: float) -> ExitInfo | None:
+    def poll(self, rec: RunRecord, h: AnyHandle, now: float) -> ExitInfo | None:
         """One monitoring step: advance a requested stop and detect the end of the attempt.
 
         Stop protocol (seed DD5): SIGTERM to the group; after ``rec.stop_grace_s`` SIGKILL to
@@ -213,6 +270,14 @@ class Runner:
         Returns:
             How it ended, once the group is verified gone; else None.
         """
+        if isinstance(h, ContainerHandle):
+            assert self.containers is not None  # a container handle comes from it
+            end = self.containers.poll(rec, h, now, self.paths(rec.run_id))
+            if end is None:
+                return None
+            return ExitInfo(
+                end.exit_code, end.finished_at_s, message=end.message, reason=end.reason
+            )
         if h.boot_id and h.boot_id != procfs.boot_id():
             # Started before a reboot: nothing of it runs, and its pids mean nothing now.
             return self._exit_info(rec, h, rebooted=True)
@@ -291,12 +356,14 @@ class Runner:
             message = "exit status lost (the shim was killed); assuming SIGKILL"
         return ExitInfo(exit_code=-signal.SIGKILL, finished_at_s=time.time(), message=message)
 
-    def cleanup(self, run_id: str) -> None:
+    def cleanup(self, run_id: str, image: str = "") -> None:
         """Remove an attempt's bulky local files once its completion was answered. The log,
         exit file and claim stay for local debugging."""
         paths = self.paths(run_id)
         for d in (paths.work, paths.checkpoints, paths.artifacts, paths.resume):
             shutil.rmtree(d, ignore_errors=True)
+        if image and self.containers is not None:
+            self.containers.release(run_id)
 
 
 def _read_status(fd: int, timeout_s: float) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ import grpc
 
 from gpufleet.agent.core import AgentCore
 from gpufleet.agent.inventory import Inventory
+from gpufleet.agent.runtime.container import ImageReporter
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
@@ -84,6 +85,7 @@ class ControllerLink:
         fallback_interval_s: see ``interval_s``.
         registered: set after the first successful registration.
         stop_event: ends the heartbeat thread.
+        images: the node's image list and pre-pulls (None: no container runtime).
     """
 
     def __init__(
@@ -100,8 +102,10 @@ class ControllerLink:
         fallback_interval_s: float,
         registered: threading.Event,
         stop_event: threading.Event,
+        images: ImageReporter | None = None,
     ) -> None:
         self.core = core
+        self.images = images
         self.stub = stub
         self.node_id = node_id
         self.address = address
@@ -162,6 +166,7 @@ class ControllerLink:
         Raises:
             grpc.RpcError: the controller did not answer.
         """
+        images = self.images.images() if self.images is not None else None
         resp = self.stub.Heartbeat(
             pb.HeartbeatRequest(
                 node_id=self.node_id,
@@ -169,10 +174,18 @@ class ControllerLink:
                 running=self.core.run_refs(),
                 free_gpus=self.core.free_gpus(),
                 health=self.core.health(),
+                images=[
+                    pb.LocalImage(name=i.name, digest=i.digest, size_bytes=i.size_bytes)
+                    for i in images or ()
+                ],
+                images_reported=images is not None,
             ),
             timeout=CALL_TIMEOUT_S,
         )
         self.core.note_leader_epoch(resp.leader_epoch)
+        if resp.prepull and self.images is not None:
+            logger.info("controller asks to pre-pull %s", ", ".join(resp.prepull))
+            self.images.prepull(resp.prepull)
         for s in resp.stop:
             answer = self.core.stop(
                 s.run_id,

@@ -307,6 +307,7 @@ def create_app(state: AppState) -> FastAPI:
                         address=n.address,
                         last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
                         agent_epoch=n.agent_epoch,
+                        images=sorted(str(i.get("name", "")) for i in n.images or []),
                     )
                     for n, c in rows
                 ]
@@ -396,6 +397,7 @@ def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
                 manifest_uri=r.manifest_uri,
                 message=r.message,
                 stop_reason=r.stop_reason,
+                start_phases=r.start_phases,
             )
             for r in runs
         ],

@@ -148,6 +148,8 @@ class AttemptOut(BaseModel):
     manifest_uri: str | None
     message: str | None
     stop_reason: str | None
+    start_phases: dict[str, Any] | None = None
+    """How the node started it: runtime, image (warm/cold), pull_s, create_s, start_s."""
 
 
 class PendingReasonOut(BaseModel):
@@ -195,6 +197,8 @@ class NodeOut(BaseModel):
     address: str
     last_heartbeat_at: str | None
     agent_epoch: int
+    images: list[str] = []
+    """Container images the node holds (names), from its heartbeats."""
 
 
 class NodeList(BaseModel):

@@ -282,7 +282,12 @@ def submit(
             _pairs(selector, "node_selector"),
             list(ctx.meta.get(_COMMAND_KEY, [])),
         )
-        if workdir != "-":
+        if body.get("image"):
+            # a container job: its directory and PATH are the image's (or --workdir, a
+            # directory inside the image); never this shell's
+            if workdir and workdir != "-":
+                body["working_dir"] = workdir
+        elif workdir != "-":
             body.setdefault("working_dir", os.path.abspath(workdir or os.getcwd()))
             # like Slurm's default export: the job finds the same programs (python3 of an
             # activated virtualenv, say) as the shell it was submitted from

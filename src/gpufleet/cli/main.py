@@ -164,6 +164,9 @@ def agent(
     port: Annotated[int, typer.Option(help="Agent gRPC port (0 = any free port).")] = 0,
     state_dir: Annotated[Path | None, typer.Option(help="Assignment log and run dirs.")] = None,
     label: Annotated[list[str] | None, typer.Option(help="Node label k=v (repeatable).")] = None,
+    runtime: Annotated[
+        str, typer.Option(help="Container engine for jobs with an image: podman, docker, none.")
+    ] = "podman",
     data_dir: DataDir = None,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
@@ -171,6 +174,9 @@ def agent(
 
     _logging()
     settings = _settings(data_dir)
+    if runtime not in ("podman", "docker", "none"):
+        err.print(f"[red]error:[/] --runtime {runtime!r}: use podman, docker or none")
+        raise typer.Exit(2)
     labels = {}
     for item in label or []:
         k, sep, v = item.partition("=")
@@ -186,6 +192,7 @@ def agent(
             port=port,
             state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
             labels=labels,
+            container_runtime=runtime,
         )
     except AgentAlreadyRunning as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")
@@ -367,6 +374,27 @@ def node_uncordon(node_id: str, data_dir: DataDir = None) -> None:
 def node_drain(node_id: str, data_dir: DataDir = None) -> None:
     """No new placements; the node is cordoned once its running work has finished."""
     _node_action(node_id, "DRAINING", "drain requested by an operator", data_dir)
+
+
+@admin_app.command("prepull")
+def admin_prepull(
+    image: Annotated[str, typer.Argument(help="Image reference, e.g. registry/repo:tag.")],
+    gpu_type: Annotated[
+        str | None, typer.Option("--gpu-type", help="Only nodes of this GPU type.")
+    ] = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Ask healthy nodes that lack IMAGE to pull it now (DD9: warm starts); each agent gets
+    the request in its next heartbeat answer and reports the image in later heartbeats."""
+    from gpufleet.services import nodes
+
+    asked = _run_admin(
+        data_dir, partial(nodes.prepull_images, image=image, gpu_type=gpu_type or None)
+    )
+    if asked:
+        out.print(f"pre-pull of {image} asked of {len(asked)} node(s): {', '.join(asked)}")
+    else:
+        out.print(f"no healthy node{' of type ' + gpu_type if gpu_type else ''} lacks {image}")
 
 
 @admin_app.command("token")

@@ -150,6 +150,7 @@ def attempts_table(attempts: list[dict[str, Any]]) -> Table:
         "EXIT",
         "STARTED",
         "FINISHED",
+        "START PHASES",
         "MESSAGE",
         title="Attempts",
     )
@@ -164,9 +165,22 @@ def attempts_table(attempts: list[dict[str, Any]]) -> Table:
             fmt(run.get("exit_code")),
             fmt_time(run.get("started_at")),
             fmt_time(run.get("finished_at")),
+            phases_text(run.get("start_phases")),
             fmt(run.get("message")),
         )
     return table
+
+
+def phases_text(p: dict[str, Any] | None) -> str:
+    """``cold image: pull 2.91s create 0.12s start 0.20s`` (container), ``process 0.012s``."""
+    if not p:
+        return "-"
+    if p.get("runtime") == "container":
+        return (
+            f"{p.get('image', '?')} image: pull {float(p.get('pull_s', 0)):.2f}s"
+            f" create {float(p.get('create_s', 0)):.2f}s start {float(p.get('start_s', 0)):.2f}s"
+        )
+    return f"process {float(p.get('start_s', 0)):.3f}s"
 
 
 def pending_lines(reason: dict[str, Any]) -> list[str]:

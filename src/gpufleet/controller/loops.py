@@ -348,6 +348,8 @@ class Scheduler:
             max_runtime_s=float(spec.get("max_runtime_s") or 0),
             attempt=run.attempt,
             working_dir=spec.get("working_dir") or "",
+            memory_mb=int(spec["resources"].get("memory_mb") or 0),
+            cpu=float(spec["resources"].get("cpu") or 0),
         )
         return node.id, node.address, req
 

@@ -78,7 +78,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             context,
             lambda: self.db.run_write(
                 lambda s: runs.confirm_assignment(
-                    s, request.run_id, request.token, request.pid or None
+                    s,
+                    request.run_id,
+                    request.token,
+                    request.pid or None,
+                    _phases(request.start_phases) if request.HasField("start_phases") else None,
                 )
             ),
         )
@@ -99,7 +103,18 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         verdict = _guard(
             context,
             lambda: self.db.run_write(
-                lambda s: nodes.heartbeat(s, request.node_id, request.agent_epoch, running)
+                lambda s: nodes.heartbeat(
+                    s,
+                    request.node_id,
+                    request.agent_epoch,
+                    running,
+                    [
+                        {"name": i.name, "digest": i.digest, "size_bytes": i.size_bytes}
+                        for i in request.images
+                    ]
+                    if request.images_reported
+                    else None,
+                )
             ),
         )
         for h in verdict.confirm:
@@ -109,6 +124,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         return pb.HeartbeatResponse(
             leader_epoch=epoch,
             reregister=not verdict.known,
+            prepull=list(verdict.prepull),
             stop=[
                 pb.StopRunRequest(
                     run_id=h.run_id, token=h.token, leader_epoch=epoch, grace_s=0.0, reason="stale"
@@ -141,6 +157,15 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         )
         self.on_change()
         return pb.ReportCompletionResponse(result=_COMPLETION[result], message=message)
+
+
+def _phases(p: pb.StartPhases) -> dict[str, object]:
+    out: dict[str, object] = {"runtime": p.runtime or "container"}
+    if p.image:
+        out["image"] = p.image
+    for k in ("pull_s", "create_s", "start_s"):
+        out[k] = round(getattr(p, k), 4)
+    return out
 
 
 def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -125,19 +126,35 @@ class HeartbeatVerdict:
     """Runs the agent must stop: unknown, stale token, or terminal in the database."""
     confirm: tuple[HeartbeatRun, ...] = ()
     """Runs the agent runs whose confirmation was lost: confirm them (lost ack != lost work)."""
+    prepull: tuple[str, ...] = ()
+    """Images the node should pull ahead of jobs (asked by ``prepull_images``; sent once)."""
 
 
 def heartbeat(
-    session: Session, node_id: str, agent_epoch: int, running: list[HeartbeatRun]
+    session: Session,
+    node_id: str,
+    agent_epoch: int,
+    running: list[HeartbeatRun],
+    images: list[dict[str, Any]] | None = None,
 ) -> HeartbeatVerdict:
-    """Record liveness and compare the agent's running set with the database."""
+    """Record liveness and compare the agent's running set with the database.
+
+    ``images``: the node's local container images (``name``, ``digest``, ``size_bytes``), or
+    None when the agent did not report them (the stored list stays). Pending pre-pulls of the
+    node are handed out once, in the verdict."""
     now = db_now(session)
     node = session.get(NodeRow, node_id)
     if node is None:
         return HeartbeatVerdict(known=False)
     if agent_epoch < node.agent_epoch:
         return HeartbeatVerdict(known=True)  # a stale agent process; its successor speaks
-    session.execute(update(NodeRow).where(NodeRow.id == node_id).values(last_heartbeat_at=now))
+    values: dict[str, Any] = {"last_heartbeat_at": now}
+    if images is not None and images != (node.images or []):
+        values["images"] = images
+    prepull = tuple(node.prepull or ())
+    if prepull:
+        values["prepull"] = None
+    session.execute(update(NodeRow).where(NodeRow.id == node_id).values(**values))
     if node.status == NodeStatus.SUSPECT:
         transition(
             session,
@@ -150,7 +167,7 @@ def heartbeat(
             node_id=node_id,
         )
     if not running:
-        return HeartbeatVerdict(known=True)
+        return HeartbeatVerdict(known=True, prepull=prepull)
     rows = {
         r.id: (r, cur, epoch)
         for r, cur, epoch in session.execute(
@@ -172,7 +189,33 @@ def heartbeat(
                 stop.append(h)
         elif run.status == RunStatus.ASSIGNED and h.state == "RUNNING":
             confirm.append(h)
-    return HeartbeatVerdict(known=True, stop=tuple(stop), confirm=tuple(confirm))
+    return HeartbeatVerdict(known=True, stop=tuple(stop), confirm=tuple(confirm), prepull=prepull)
+
+
+def prepull_images(session: Session, image: str, gpu_type: str | None = None) -> list[str]:
+    """Ask every schedulable node (of ``gpu_type``, if given) that does not report ``image``
+    to pull it; delivered in each node's next heartbeat answer. Returns the node ids asked.
+
+    Raises:
+        ValidationFailed: ``image`` is empty or has whitespace (field ``image``).
+    """
+    if not image or any(c.isspace() for c in image) or len(image) > 512:
+        raise ValidationFailed("image must be a non-empty image reference", field="image")
+    rows = session.scalars(
+        select(NodeRow).where(NodeRow.status == NodeStatus.HEALTHY).order_by(NodeRow.id)
+    ).all()
+    asked = []
+    for node in rows:
+        if gpu_type and node.gpu_type != gpu_type:
+            continue
+        if any(i.get("name") == image for i in node.images or []):
+            continue
+        pending = list(node.prepull or [])
+        if image not in pending:
+            pending.append(image)
+        session.execute(update(NodeRow).where(NodeRow.id == node.id).values(prepull=pending))
+        asked.append(node.id)
+    return asked
 
 
 def set_node_status(session: Session, node_id: str, to: NodeStatus, *, message: str) -> str:

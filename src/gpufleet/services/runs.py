@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -36,10 +37,17 @@ class Confirm(enum.StrEnum):
 
 
 def confirm_assignment(
-    session: Session, run_id: str, token: int, pid: int | None = None
+    session: Session,
+    run_id: str,
+    token: int,
+    pid: int | None = None,
+    start_phases: dict[str, Any] | None = None,
 ) -> Confirm:
     """The agent started ``run_id``: RESERVED -> CONFIRMED, ASSIGNED -> RUNNING, job -> RUNNING.
-    Idempotent; a stale or unknown attempt is REJECTED (the agent then stops it)."""
+    Idempotent; a stale or unknown attempt is REJECTED (the agent then stops it).
+
+    ``start_phases``: how the node started it (``runtime``, ``image`` warm/cold, ``pull_s``,
+    ``create_s``, ``start_s`` in seconds); stored on the attempt and in the event message."""
     run = session.get(JobRunRow, run_id, with_for_update=True)
     job = session.get(JobRow, run.job_id) if run else None
     if (
@@ -54,6 +62,8 @@ def confirm_assignment(
     now = db_now(session)
     if pid:
         run.pid = pid
+    if start_phases and not run.start_phases:
+        run.start_phases = start_phases
     if run.status == RunStatus.ASSIGNED:
         transition(
             session,
@@ -67,7 +77,7 @@ def confirm_assignment(
             job_id=job.id,
             run_id=run_id,
             node_id=run.node_id,
-            message="agent confirmed the start",
+            message="agent confirmed the start" + describe_phases(start_phases),
         )
     res = session.execute(
         select(ReservationRow).where(ReservationRow.run_id == run_id)
@@ -380,3 +390,16 @@ def charge_usage(
     ledger.charge_attempt(gpus, reserved_at.timestamp(), released_at.timestamp())
     team.usage_gpu_s = ledger.value
     team.usage_as_of = datetime.fromtimestamp(ledger.as_of_s, UTC)
+
+
+def describe_phases(p: dict[str, Any] | None) -> str:
+    """`` (container, cold image: pull 2.91 s, create 0.12 s, start 0.20 s)`` or ``""``."""
+    if not p:
+        return ""
+    if p.get("runtime") == "container":
+        pull, create, start = (float(p.get(k, 0)) for k in ("pull_s", "create_s", "start_s"))
+        return (
+            f" (container, {p.get('image') or '?'} image: pull {pull:.2f} s,"
+            f" create {create:.2f} s, start {start:.2f} s)"
+        )
+    return f" (process, start {float(p.get('start_s', 0)):.3f} s)"

@@ -67,6 +67,8 @@ class Base(DeclarativeBase):
         datetime: UTCDateTime,
         dict[str, Any]: JSON,
         list[int]: JSON,
+        list[str]: JSON,
+        list[dict[str, Any]]: JSON,
     }
 
 
@@ -177,6 +179,8 @@ class JobRunRow(Base):
     """The job these GPUs are being freed for (stop_reason preempt)."""
     assigned_at: Mapped[datetime | None]
     """When AssignJob was last answered by the agent (None: not yet delivered)."""
+    start_phases: Mapped[dict[str, Any] | None]
+    """How the node started it (seconds): runtime, image warm/cold, pull_s, create_s, start_s."""
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
@@ -215,6 +219,10 @@ class NodeRow(Base):
     labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
     agent_epoch: Mapped[int] = mapped_column(Integer, default=0)
     inventory_source: Mapped[str] = mapped_column(String(16), default="declared")
+    images: Mapped[list[dict[str, Any]] | None]
+    """The node's local container images from heartbeats: [{name, digest, size_bytes}]."""
+    prepull: Mapped[list[str] | None]
+    """Images an operator asked the node to pull (sent in the next heartbeat answer)."""
     registered_at: Mapped[datetime]
     last_heartbeat_at: Mapped[datetime | None]
 

@@ -193,12 +193,17 @@ class ConfirmAssignmentRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     AGENT_EPOCH_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    START_PHASES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     run_id: _builtins.str
     reservation_id: _builtins.str
     token: _builtins.int
     agent_epoch: _builtins.int
     pid: _builtins.int
+    @_builtins.property
+    def start_phases(self) -> Global___StartPhases:
+        """how the start went on the node (absent: not measured)"""
+
     def __init__(
         self,
         *,
@@ -208,14 +213,82 @@ class ConfirmAssignmentRequest(_message.Message):
         token: _builtins.int = ...,
         agent_epoch: _builtins.int = ...,
         pid: _builtins.int = ...,
+        start_phases: Global___StartPhases | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["start_phases", b"start_phases"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_epoch", b"agent_epoch", "node_id", b"node_id", "pid", b"pid", "reservation_id", b"reservation_id", "run_id", b"run_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_epoch", b"agent_epoch", "node_id", b"node_id", "pid", b"pid", "reservation_id", b"reservation_id", "run_id", b"run_id", "start_phases", b"start_phases", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ConfirmAssignmentRequest: _TypeAlias = ConfirmAssignmentRequest  # noqa: Y015
+
+@_typing.final
+class StartPhases(_message.Message):
+    """The node-side phases of one start (seconds), recorded on the attempt."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUNTIME_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    PULL_S_FIELD_NUMBER: _builtins.int
+    CREATE_S_FIELD_NUMBER: _builtins.int
+    START_S_FIELD_NUMBER: _builtins.int
+    runtime: _builtins.str
+    """"process" or "container" """
+    image: _builtins.str
+    """"warm" (already on the node) or "cold" (pulled); "" for processes"""
+    pull_s: _builtins.float
+    """checking for / pulling the image"""
+    create_s: _builtins.float
+    """creating the container"""
+    start_s: _builtins.float
+    """starting it (or spawning the process)"""
+    def __init__(
+        self,
+        *,
+        runtime: _builtins.str = ...,
+        image: _builtins.str = ...,
+        pull_s: _builtins.float = ...,
+        create_s: _builtins.float = ...,
+        start_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_s", b"create_s", "image", b"image", "pull_s", b"pull_s", "runtime", b"runtime", "start_s", b"start_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartPhases: _TypeAlias = StartPhases  # noqa: Y015
+
+@_typing.final
+class LocalImage(_message.Message):
+    """An image the node's container engine holds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """repository:tag as the engine names it"""
+    digest: _builtins.str
+    """sha256:..."""
+    size_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "name", b"name", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LocalImage: _TypeAlias = LocalImage  # noqa: Y015
 
 @_typing.final
 class ConfirmAssignmentResponse(_message.Message):
@@ -265,13 +338,22 @@ class HeartbeatRequest(_message.Message):
     RUNNING_FIELD_NUMBER: _builtins.int
     FREE_GPUS_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
+    IMAGES_REPORTED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     agent_epoch: _builtins.int
     free_gpus: _builtins.int
     health: _builtins.str
     """"HEALTHY" or a short description of what is wrong"""
+    images_reported: _builtins.bool
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunRef]: ...
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___LocalImage]:
+        """Local images of the node's container engine (DD9). images_reported = false: the agent
+        has no engine or did not list them this time (the stored set stays as it is).
+        """
+
     def __init__(
         self,
         *,
@@ -280,10 +362,12 @@ class HeartbeatRequest(_message.Message):
         running: _abc.Iterable[Global___RunRef] | None = ...,
         free_gpus: _builtins.int = ...,
         health: _builtins.str = ...,
+        images: _abc.Iterable[Global___LocalImage] | None = ...,
+        images_reported: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_epoch", b"agent_epoch", "free_gpus", b"free_gpus", "health", b"health", "node_id", b"node_id", "running", b"running"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_epoch", b"agent_epoch", "free_gpus", b"free_gpus", "health", b"health", "images", b"images", "images_reported", b"images_reported", "node_id", b"node_id", "running", b"running"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -296,6 +380,7 @@ class HeartbeatResponse(_message.Message):
     LEADER_EPOCH_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     REREGISTER_FIELD_NUMBER: _builtins.int
+    PREPULL_FIELD_NUMBER: _builtins.int
     leader_epoch: _builtins.int
     reregister: _builtins.bool
     """the controller does not know this node (e.g. a wiped database)"""
@@ -305,16 +390,21 @@ class HeartbeatResponse(_message.Message):
         job was cancelled): the agent stops them through its normal stop path.
         """
 
+    @_builtins.property
+    def prepull(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """images to pull ahead of jobs (gpufleet admin prepull)"""
+
     def __init__(
         self,
         *,
         leader_epoch: _builtins.int = ...,
         stop: _abc.Iterable[Global___StopRunRequest] | None = ...,
         reregister: _builtins.bool = ...,
+        prepull: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["leader_epoch", b"leader_epoch", "reregister", b"reregister", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leader_epoch", b"leader_epoch", "prepull", b"prepull", "reregister", b"reregister", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -463,6 +553,8 @@ class AssignJobRequest(_message.Message):
     MAX_RUNTIME_S_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     WORKING_DIR_FIELD_NUMBER: _builtins.int
+    MEMORY_MB_FIELD_NUMBER: _builtins.int
+    CPU_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     job_id: _builtins.str
     reservation_id: _builtins.str
@@ -477,6 +569,12 @@ class AssignJobRequest(_message.Message):
     """1-based"""
     working_dir: _builtins.str
     """absolute; empty = the attempt's own work directory"""
+    memory_mb: _builtins.int
+    """(for an image: the directory inside the container)
+    the job's memory limit, MiB; 0 = none
+    """
+    cpu: _builtins.float
+    """the job's CPU cores (a quota); 0 = none"""
     @_builtins.property
     def gpu_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -499,10 +597,12 @@ class AssignJobRequest(_message.Message):
         max_runtime_s: _builtins.float = ...,
         attempt: _builtins.int = ...,
         working_dir: _builtins.str = ...,
+        memory_mb: _builtins.int = ...,
+        cpu: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "env", b"env", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "env", b"env", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

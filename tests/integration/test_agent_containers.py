@@ -1,0 +1,276 @@
+"""Jobs with an ``image`` through the real agent (gRPC, assignment log, outbox) as podman
+containers pulled from the local registry; the controller is the recording fake.
+
+Needs what ``scripts/ensure-services.sh`` sets up (podman, runc, the registry on
+127.0.0.1:5000, the test images); without it these tests fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufleet.agent.runtime.container import LABEL_RUN, ContainerEngine
+from gpufleet.domain.manifest import Manifest
+from gpufleet.objectstore import ObjectStore
+from gpufleet.rpc.protos import fleet_pb2 as pb
+from tests.integration.test_agent_restart import _stub
+from tests.integration.test_agent_support import (
+    LEADER_EPOCH,
+    FakeController,
+    InProcessAgent,
+    agent_subprocess,
+    fake_controller,
+    inprocess_agent,
+    make_settings,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+A = pb.AssignJobResponse
+R = pb.ReportCompletionRequest
+REGISTRY = os.environ.get("GPUFLEET_TEST_REGISTRY", "127.0.0.1:5000")
+BUSYBOX = f"{REGISTRY}/gpufleet/busybox:1"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> ContainerEngine:
+    return ContainerEngine("podman", state_dir=tmp_path_factory.mktemp("engine"))
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[tuple[FakeController, InProcessAgent, ObjectStore, Path]]:
+    with fake_controller() as (fake, address):
+        settings = make_settings(address, tmp_path)
+        with inprocess_agent(fake, settings, tmp_path / "state") as agent:
+            yield fake, agent, ObjectStore(settings.resolved_object_store_url()), tmp_path
+
+
+def _rid() -> str:
+    return f"rc-{uuid.uuid4().hex[:10]}"
+
+
+JOB = (
+    'echo "visible=$CUDA_VISIBLE_DEVICES job=$GPUFLEET_JOB_ID"; '
+    'echo "$CUDA_VISIBLE_DEVICES" > "$GPUFLEET_ARTIFACTS_DIR/gpus.txt"; '
+    'mkdir -p "$GPUFLEET_CHECKPOINT_DIR/step-1" && echo w > "$GPUFLEET_CHECKPOINT_DIR/step-1/m"; '
+    "i=0; while [ $i -lt 200 ]; do echo line-$i; i=$((i+1)); done; echo last-line"
+)
+
+
+def test_image_job_runs_in_a_container_with_its_gpus_outputs_and_log_then_starts_warm(
+    env, engine
+) -> None:
+    fake, agent, store, _ = env
+    engine.remove_image(BUSYBOX)  # the first start must pull from the registry
+    rid = _rid()
+    resp = agent.assign(
+        run_id=rid,
+        job_id=f"j-{rid}",
+        token=3,
+        attempt=1,
+        gpu_ids=[1, 3],
+        command=["sh", "-c", JOB],
+        env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"},  # cannot widen the pinning
+        image=BUSYBOX,
+        memory_mb=256,
+        cpu=1.0,
+    )
+    assert resp.result == A.STARTED, resp.message
+    report = fake.wait_report(rid, timeout_s=60)
+    assert (report.outcome, report.exit_code) == (R.EXITED, 0)
+    confirm = next(c for c in fake.confirms if c.run_id == rid)
+    p = confirm.start_phases
+    assert (p.runtime, p.image) == ("container", "cold") and p.pull_s > 0
+    assert p.create_s > 0 and p.start_s > 0
+
+    manifest = Manifest.from_json(store.get_bytes(store.key_of(report.manifest_uri)))
+    files = {(f.kind, f.path): f for f in manifest.files}
+    assert {("artifact", "gpus.txt"), ("checkpoint", "step-1/m"), ("log", "output.log")} <= set(
+        files
+    )
+    assert store.get_bytes(files["artifact", "gpus.txt"].key) == b"1,3\n"
+    log = store.get_bytes(files["log", "output.log"].key).decode()
+    assert f"visible=1,3 job=j-{rid}" in log
+    assert [ln for ln in log.splitlines() if ln.startswith("line-")] == [
+        f"line-{i}" for i in range(200)
+    ]
+    assert log.rstrip().endswith("last-line")
+    assert engine.find(LABEL_RUN, rid) == []
+
+    # the node reports the image it now holds (DD9)
+    fake.wait_for(lambda: any(BUSYBOX in {i.name for i in h.images} for h in fake.heartbeats), 15)
+
+    rid2 = _rid()
+    resp = agent.assign(
+        run_id=rid2,
+        job_id=f"j-{rid2}",
+        token=1,
+        attempt=1,
+        gpu_ids=[0],
+        command=["true"],
+        image=BUSYBOX,
+    )
+    assert resp.result == A.STARTED, resp.message
+    assert fake.wait_report(rid2, timeout_s=60).exit_code == 0
+    confirm2 = next(c for c in fake.confirms if c.run_id == rid2)
+    assert confirm2.start_phases.image == "warm"
+
+
+def test_cancel_of_a_container_that_ignores_sigterm_removes_it_before_the_report(
+    env, engine
+) -> None:
+    fake, agent, _, tmp = env
+    rid = _rid()
+    fake.on_report = lambda r: engine.find(LABEL_RUN, r.run_id)
+    script = "trap 'echo ignoring-term' TERM; echo ready; while true; do sleep 0.1; done"
+    resp = agent.assign(
+        run_id=rid,
+        job_id=f"j-{rid}",
+        token=1,
+        attempt=1,
+        gpu_ids=[2],
+        command=["sh", "-c", script],
+        image=BUSYBOX,
+    )
+    assert resp.result == A.STARTED, resp.message
+    log = tmp / "state" / "runs" / rid / "output.log"
+    wait_until(lambda: log.exists() and "ready" in log.read_text(), timeout_s=30)
+    t0 = time.monotonic()
+    stop = agent.stop_run(run_id=rid, token=1, grace_s=1.0, reason="cancel")
+    assert stop.result == pb.StopRunResponse.STOPPING
+    report = fake.wait_report(rid, timeout_s=60)
+    assert time.monotonic() - t0 >= 1.0  # the grace was served: it ignored SIGTERM
+    assert report.outcome == R.STOPPED
+    assert "SIGKILL after 1 s grace" in report.message
+    assert fake.observed_at_report[rid] == []  # gone before the GPUs can be released
+    assert "ignoring-term" in log.read_text()
+
+
+def test_oom_container_reports_oom_killed(env) -> None:
+    fake, agent, _, _ = env
+    rid = _rid()
+    script = 'x=$(head -c 200000000 /dev/zero | tr "\\0" a); echo survived'
+    resp = agent.assign(
+        run_id=rid,
+        job_id=f"j-{rid}",
+        token=1,
+        attempt=1,
+        gpu_ids=[0],
+        command=["sh", "-c", script],
+        image=BUSYBOX,
+        memory_mb=32,
+    )
+    assert resp.result == A.STARTED, resp.message
+    report = fake.wait_report(rid, timeout_s=60)
+    assert report.outcome == R.EXITED and report.exit_code != 0
+    assert "OOM_KILLED" in report.message
+
+
+def test_image_job_on_a_node_without_container_runtime_never_starts(tmp_path: Path) -> None:
+    from gpufleet.agent.main import run_agent
+
+    with fake_controller() as (fake, address):
+        settings = make_settings(address, tmp_path)
+        import threading
+
+        stop = threading.Event()
+        t = threading.Thread(
+            target=run_agent,
+            kwargs={
+                "settings": settings,
+                "node_id": "node-noengine",
+                "gpus": "1xA100-40GB",
+                "port": 0,
+                "state_dir": tmp_path / "state",
+                "labels": {},
+                "heartbeat_interval_s": 0.1,
+                "stop_event": stop,
+                "container_runtime": "none",
+            },
+            daemon=True,
+        )
+        t.start()
+        try:
+            channel, stub = _stub(fake, 1)
+            resp = stub.AssignJob(
+                pb.AssignJobRequest(
+                    run_id="r-noengine",
+                    job_id="j-noengine",
+                    token=1,
+                    leader_epoch=LEADER_EPOCH,
+                    gpu_ids=[0],
+                    command=["true"],
+                    image=BUSYBOX,
+                    attempt=1,
+                ),
+                timeout=30,
+            )
+            channel.close()
+            assert resp.result == A.FAILED_TO_START
+            assert "container runtime" in resp.message
+            assert fake.wait_report("r-noengine").outcome == R.NEVER_STARTED
+        finally:
+            stop.set()
+            t.join(timeout=20)
+
+
+@pytest.mark.chaos
+def test_kill_9_agent_then_restart_adopts_the_running_container(tmp_path: Path, engine) -> None:
+    state = tmp_path / "state"
+    rid = _rid()
+    art = state / "runs" / rid / "artifacts"
+    script = (
+        'echo start >> "$GPUFLEET_ARTIFACTS_DIR/starts"; echo before; '
+        'while [ ! -e "$GPUFLEET_ARTIFACTS_DIR/go" ]; do sleep 0.05; done; echo after; exit 7'
+    )
+    with fake_controller() as (fake, address):
+        agent = agent_subprocess(address, tmp_path, state)
+        try:
+            channel, stub = _stub(fake, 1)
+            req = pb.AssignJobRequest(
+                run_id=rid,
+                job_id=f"j-{rid}",
+                token=1,
+                leader_epoch=LEADER_EPOCH,
+                gpu_ids=[1],
+                command=["sh", "-c", script],
+                image=BUSYBOX,
+                attempt=1,
+            )
+            assert stub.AssignJob(req, timeout=60).result == A.STARTED
+            fake.wait_for(lambda: rid in {c.run_id for c in fake.confirms}, 30)
+            channel.close()
+
+            agent.kill()  # SIGKILL: no cleanup of any kind
+            agent.wait()
+            assert engine.inspect(rid) is not None and engine.inspect(rid).running  # type: ignore[union-attr]
+
+            agent = agent_subprocess(address, tmp_path, state)
+            channel, stub = _stub(fake, 2)
+            again = stub.AssignJob(req, timeout=30)
+            assert again.result == A.ALREADY_RUNNING
+            (art / "go").touch()
+            report = fake.wait_report(rid, timeout_s=60)
+            channel.close()
+            assert (report.outcome, report.exit_code) == (R.EXITED, 7)
+            assert len(fake.reports_for(rid)) == 1
+            log = (state / "runs" / rid / "output.log").read_text()
+            assert log.count("before") == 1 and "after" in log
+            assert engine.find(LABEL_RUN, rid) == []
+            assert json.loads((state / "agent_epoch").read_text()) == 2
+            agent.send_signal(signal.SIGTERM)
+            assert agent.wait(timeout=30) == 0
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+            engine.remove(rid)
