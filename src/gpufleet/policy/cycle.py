@@ -240,7 +240,7 @@ class _Pass:
                 refusal = refusal or (code, t)
                 continue
             found = self.index.find(
-                res, job.node_selector, self.cfg.placement, t, hard_end, job.job_id
+                res, job.node_selector, self.cfg.placement, t, hard_end, job.job_id, job.image
             )
             if found is None:
                 continue

@@ -197,41 +197,59 @@ class FreeIndex:
         gpu_type: str,
         hard_end_s: float | None,
         job_id: str = "",
+        image: str | None = None,
     ) -> tuple[int, str] | None:
         """The node of type ``gpu_type`` to place ``res`` on, as ``(visible_free, node_id)``,
         or None. Best fit = fewest free GPUs that still fit; spread = most free first; ties
-        by node_id. Skips nodes whose backfill shadow the job would delay."""
+        by node_id. Skips nodes whose backfill shadow the job would delay.
+
+        Image locality (DD9) only breaks ties: among the nodes with the *same* free count as
+        the first acceptable one, a node that already holds ``image`` is preferred; a node
+        with a worse fit is never chosen for its image."""
         keys = self._list(gpu_type, selector_key(selector))
         if not keys or keys[-1][0] < res.gpu_count:
             return None
         start = bisect.bisect_left(keys, (res.gpu_count, ""))
-        rng = (
-            range(start, len(keys))
-            if how is Placement.BEST_FIT
-            else range(len(keys) - 1, start - 1, -1)
-        )
-        for i in rng:
+        step = 1 if how is Placement.BEST_FIT else -1
+        i, end = (start, len(keys)) if step == 1 else (len(keys) - 1, start - 1)
+        while i != end:
             free, node_id = keys[i]
-            fn = self._free.get(node_id)
-            node = self.nodes[node_id]
-            cpu_free = fn.cpu_free if fn is not None else node.cpu_free
-            mem_free = fn.memory_free_mb if fn is not None else node.memory_free_mb
-            if node.cpu_total and cpu_free < res.cpu:
+            if not self._acceptable(node_id, res, hard_end_s, job_id):
+                i += step
                 continue
-            if node.memory_total_mb and mem_free < res.memory_mb:
-                continue
-            if node.gpu_memory_mb < res.gpu_memory_mb:
-                continue
-            sh = self.shadows.get(node_id)
-            if (
-                sh is not None
-                and sh.job_id != job_id
-                and res.gpu_count > sh.extra
-                and (hard_end_s is None or hard_end_s > sh.start_at_s)
-            ):
-                continue
+            if not image or image in self.nodes[node_id].images:
+                return free, node_id
+            j = i + step
+            while j != end and keys[j][0] == free:  # equally good nodes only
+                other = keys[j][1]
+                if image in self.nodes[other].images and self._acceptable(
+                    other, res, hard_end_s, job_id
+                ):
+                    return free, other
+                j += step
             return free, node_id
         return None
+
+    def _acceptable(
+        self, node_id: str, res: Resources, hard_end_s: float | None, job_id: str
+    ) -> bool:
+        fn = self._free.get(node_id)
+        node = self.nodes[node_id]
+        cpu_free = fn.cpu_free if fn is not None else node.cpu_free
+        mem_free = fn.memory_free_mb if fn is not None else node.memory_free_mb
+        if node.cpu_total and cpu_free < res.cpu:
+            return False
+        if node.memory_total_mb and mem_free < res.memory_mb:
+            return False
+        if node.gpu_memory_mb < res.gpu_memory_mb:
+            return False
+        sh = self.shadows.get(node_id)
+        return not (
+            sh is not None
+            and sh.job_id != job_id
+            and res.gpu_count > sh.extra
+            and (hard_end_s is None or hard_end_s > sh.start_at_s)
+        )
 
     def fits_on(self, node_id: str, res: Resources, job_id: str) -> bool:
         """Whether ``res`` fits the free capacity of ``node_id`` now (own hold included)."""

@@ -50,6 +50,8 @@ class NodeState:
     Attributes:
         schedulable: HEALTHY and not cordoned/draining/fenced; unschedulable nodes still
             count for "could this job ever fit" but receive no placements.
+        images: container images the node holds (normalized references, see
+            ``domain.images``); placement prefers them among equally good nodes (DD9).
     """
 
     node_id: str
@@ -64,6 +66,7 @@ class NodeState:
     labels: Mapping[str, str] = field(default_factory=dict)
     schedulable: bool = True
     status: str = "HEALTHY"
+    images: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,8 @@ class PendingJob:
     """How many attempts this job already had (0 for a fresh job)."""
     queued_at_s: float | None = None
     """When the job (re-)entered the queue; None means ``submitted_at_s``."""
+    image: str | None = None
+    """The job's container image (normalized), or None for a host-process job."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from gpufleet.domain.images import normalize_image
 from gpufleet.domain.invariants import (
     InvariantView,
     JobView,
@@ -66,6 +67,7 @@ class SpecFacts:
     max_runtime_s: float | None
     node_selector: Mapping[str, str]
     preemptible: bool
+    image: str | None = None
 
 
 class SpecCache:
@@ -98,6 +100,7 @@ class SpecCache:
             preemptible=facts.preemptible,
             attempt=row.attempts,
             queued_at_s=row.queued_at.timestamp(),
+            image=facts.image,
         )
         self._pending[row.id] = (key, job)
         return job
@@ -115,6 +118,7 @@ class SpecCache:
                     max_runtime_s=spec.get("max_runtime_s"),
                     node_selector=dict(spec.get("node_selector") or {}),
                     preemptible=bool(spec.get("preemptible", True)),
+                    image=normalize_image(spec.get("image") or "") or None,
                 )
         wanted = set(job_ids)
         self._facts = {j: f for j, f in self._facts.items() if j in wanted}
@@ -148,6 +152,7 @@ def load_snapshot(
             NodeRow.memory_mb,
             NodeRow.labels,
             NodeRow.status,
+            NodeRow.images,
             NodeCapacityRow.total_gpus,
             NodeCapacityRow.available_gpus,
         ).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
@@ -166,6 +171,7 @@ def load_snapshot(
             labels=dict(n.labels or {}),
             schedulable=n.status == NodeStatus.HEALTHY,
             status=n.status,
+            images=frozenset(normalize_image(str(i.get("name", ""))) for i in n.images or ()),
         )
         for n in node_rows
     ]
