@@ -4,6 +4,7 @@ real HTTP on loopback), node agents as real subprocesses, jobs as real processes
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -182,3 +183,9 @@ class Fleet:
         self.db.dispose()
         # jobs are real processes in their own sessions: make sure none outlives the test
         subprocess.run(["pkill", "-9", "-f", f"gpufleet-test-marker-{self.tmp.name}"], check=False)
+        # and container jobs of this fleet's agents (named after their run ids)
+        runs = [p.name for p in self.tmp.glob("agents/*/runs/*")]
+        if runs and shutil.which("podman"):
+            subprocess.run(
+                ["podman", "rm", "--force", "--ignore", *runs], check=False, capture_output=True
+            )

@@ -8,7 +8,6 @@ Needs what ``scripts/ensure-services.sh`` sets up (podman, runc, the registry on
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 import uuid
@@ -21,6 +20,7 @@ from gpufleet.agent.runtime.container import LABEL_RUN, ContainerEngine
 from gpufleet.domain.manifest import Manifest
 from gpufleet.objectstore import ObjectStore
 from gpufleet.rpc.protos import fleet_pb2 as pb
+from tests.container_support import BUSYBOX, fresh_image
 from tests.integration.test_agent_restart import _stub
 from tests.integration.test_agent_support import (
     LEADER_EPOCH,
@@ -37,13 +37,13 @@ pytestmark = pytest.mark.slow
 
 A = pb.AssignJobResponse
 R = pb.ReportCompletionRequest
-REGISTRY = os.environ.get("GPUFLEET_TEST_REGISTRY", "127.0.0.1:5000")
-BUSYBOX = f"{REGISTRY}/gpufleet/busybox:1"
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> ContainerEngine:
-    return ContainerEngine("podman", state_dir=tmp_path_factory.mktemp("engine"))
+    e = ContainerEngine("podman", state_dir=tmp_path_factory.mktemp("engine"))
+    e.ensure_present(BUSYBOX)
+    return e
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_image_job_runs_in_a_container_with_its_gpus_outputs_and_log_then_starts
     env, engine
 ) -> None:
     fake, agent, store, _ = env
-    engine.remove_image(BUSYBOX)  # the first start must pull from the registry
+    image = fresh_image(engine)  # the first start must pull it from the registry
     rid = _rid()
     resp = agent.assign(
         run_id=rid,
@@ -80,7 +80,7 @@ def test_image_job_runs_in_a_container_with_its_gpus_outputs_and_log_then_starts
         gpu_ids=[1, 3],
         command=["sh", "-c", JOB],
         env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"},  # cannot widen the pinning
-        image=BUSYBOX,
+        image=image,
         memory_mb=256,
         cpu=1.0,
     )
@@ -117,12 +117,13 @@ def test_image_job_runs_in_a_container_with_its_gpus_outputs_and_log_then_starts
         attempt=1,
         gpu_ids=[0],
         command=["true"],
-        image=BUSYBOX,
+        image=image,
     )
     assert resp.result == A.STARTED, resp.message
     assert fake.wait_report(rid2, timeout_s=60).exit_code == 0
     confirm2 = next(c for c in fake.confirms if c.run_id == rid2)
     assert confirm2.start_phases.image == "warm"
+    engine.remove_image(image)
 
 
 def test_cancel_of_a_container_that_ignores_sigterm_removes_it_before_the_report(

@@ -6,7 +6,6 @@ Needs what ``scripts/ensure-services.sh`` installs: podman, runc, the registry o
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,12 +22,10 @@ from gpufleet.agent.runtime.container import (
     ContainerRuntime,
 )
 from gpufleet.agent.workdir import RunPaths
+from tests.container_support import BUSYBOX, REGISTRY, fresh_image
 from tests.integration.test_agent_support import wait_until
 
 pytestmark = pytest.mark.slow
-
-REGISTRY = os.environ.get("GPUFLEET_TEST_REGISTRY", "127.0.0.1:5000")
-BUSYBOX = f"{REGISTRY}/gpufleet/busybox:1"
 
 
 @dataclass
@@ -50,6 +47,7 @@ class Rec:
 @pytest.fixture
 def runtime(tmp_path: Path):
     rt = ContainerRuntime(ContainerEngine("podman", state_dir=tmp_path / "engine"), cdi=False)
+    rt.engine.ensure_present(BUSYBOX)
     names: list[str] = []
     yield rt, names
     for n in names:
@@ -81,14 +79,14 @@ def _until_exit(rt: ContainerRuntime, rec: Rec, h: ContainerHandle, paths: RunPa
 
 def test_pull_create_start_logs_exit_code_and_mounts(runtime, tmp_path):
     rt, names = runtime
-    rt.engine.remove_image(BUSYBOX)  # cold: the pull phase really pulls from the registry
+    image = fresh_image(rt.engine)  # cold: the pull phase really pulls from the registry
     rid = _run_id()
     names.append(rid)
     script = (
         'echo "gpus=$CUDA_VISIBLE_DEVICES ids=$GPUFLEET_GPU_IDS var=$USER_VAR";'
         'echo done > "$GPUFLEET_ARTIFACTS_DIR/out.txt"; echo err >&2; exit 7'
     )
-    rec, launch = _launch(tmp_path, rid, ["sh", "-c", script], gpu_ids=(2, 3))
+    rec, launch = _launch(tmp_path, rid, ["sh", "-c", script], gpu_ids=(2, 3), image=image)
     h = rt.spawn(rec, launch)
     assert h.phases["image"] == "cold" and h.phases["pull_s"] > 0
     assert {"create_s", "start_s"} <= h.phases.keys()
@@ -103,10 +101,11 @@ def test_pull_create_start_logs_exit_code_and_mounts(runtime, tmp_path):
 
     rid2 = _run_id()
     names.append(rid2)
-    rec2, launch2 = _launch(tmp_path, rid2, ["true"])
+    rec2, launch2 = _launch(tmp_path, rid2, ["true"], image=image)
     h2 = rt.spawn(rec2, launch2)
     assert h2.phases["image"] == "warm"
     assert _until_exit(rt, rec2, h2, launch2.paths).exit_code == 0
+    rt.engine.remove_image(image)
 
 
 def test_cdi_devices_renumber_cuda_visible_devices(tmp_path):

@@ -28,7 +28,7 @@ from gpufleet.store import allocate
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import JobRow, JobRunRow, ReservationRow, TeamRow
-from gpufleet.store.transitions import transition
+from gpufleet.store.transitions import record_event, transition
 
 
 class Confirm(enum.StrEnum):
@@ -64,6 +64,16 @@ def confirm_assignment(
         run.pid = pid
     if start_phases and not run.start_phases:
         run.start_phases = start_phases
+        record_event(
+            session,
+            "start_phases",
+            now=now,
+            message="started on the node" + describe_phases(start_phases),
+            job_id=job.id,
+            run_id=run_id,
+            node_id=run.node_id,
+            details=start_phases,
+        )
     if run.status == RunStatus.ASSIGNED:
         transition(
             session,
@@ -77,7 +87,7 @@ def confirm_assignment(
             job_id=job.id,
             run_id=run_id,
             node_id=run.node_id,
-            message="agent confirmed the start" + describe_phases(start_phases),
+            message="agent confirmed the start",
         )
     res = session.execute(
         select(ReservationRow).where(ReservationRow.run_id == run_id)

@@ -210,6 +210,13 @@ class ContainerEngine:
                 args.append("--tls-verify=false")
         self._run([*args, image], timeout=timeout)
 
+    def ensure_present(self, image: str) -> bool:
+        """Pull ``image`` unless present; True if it was pulled."""
+        if self.has_image(image):
+            return False
+        self.pull(image)
+        return True
+
     def images(self) -> list[ImageInfo]:
         """Local images with a name (dangling ones are left out)."""
         out = self._run(["images", "--format", "json"]).stdout

@@ -1,0 +1,126 @@
+"""Acceptance of jobs with an ``image``: real controller, API and agents, jobs as podman
+containers pulled from the local registry (``scripts/ensure-services.sh``; without the
+engine these tests fail, they do not skip)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.agent.runtime.container import LABEL_RUN, ContainerEngine
+from gpufleet.cli.output import phases_text
+from gpufleet.domain.manifest import Manifest
+from gpufleet.objectstore import ObjectStore
+from tests.container_support import BUSYBOX, PYTHON, fresh_image
+from tests.e2e.harness import TERMINAL, Fleet
+
+pytestmark = pytest.mark.slow
+
+JOB = (
+    'echo "gpus=$CUDA_VISIBLE_DEVICES"; '
+    'echo "$CUDA_VISIBLE_DEVICES" > "$GPUFLEET_ARTIFACTS_DIR/gpus.txt"; '
+    "i=0; while [ $i -lt 500 ]; do echo line-$i; i=$((i+1)); done; echo the-end"
+)
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> ContainerEngine:
+    e = ContainerEngine("podman", state_dir=tmp_path / "engine-test")
+    e.ensure_present(BUSYBOX)
+    return e
+
+
+def _manifest(fleet: Fleet, attempt: dict) -> tuple[ObjectStore, Manifest]:
+    store = ObjectStore(fleet.settings.resolved_object_store_url())
+    return store, Manifest.from_json(store.get_bytes(store.key_of(attempt["manifest_uri"])))
+
+
+def test_image_job_runs_in_a_container_and_the_second_start_is_warm(
+    fleet: Fleet, engine: ContainerEngine
+) -> None:
+    fleet.start_agent("a1", gpus="4xH100-80GB")
+    fleet.get("/v1/nodes")
+    image = fresh_image(engine)
+    try:
+        job_id = fleet.submit({"image": image, "command": ["sh", "-c", JOB], "gpu_count": 2})
+        job = fleet.wait_status(job_id, TERMINAL, timeout_s=120)
+        assert job["status"] == "SUCCEEDED", job
+        (attempt,) = job["attempts"]
+        phases = attempt["start_phases"]
+        assert (phases["runtime"], phases["image"]) == ("container", "cold")
+        assert phases["pull_s"] > 0 and phases["create_s"] > 0 and phases["start_s"] > 0
+        gpus = ",".join(str(g) for g in attempt["gpu_ids"])
+
+        store, manifest = _manifest(fleet, attempt)
+        files = {(f.kind, f.path): f for f in manifest.files}
+        assert store.get_bytes(files["artifact", "gpus.txt"].key).decode() == gpus + "\n"
+        with fleet.http() as c:
+            log = c.get(f"/v1/jobs/{job_id}/logs").text
+        assert f"gpus={gpus}" in log
+        lines = [ln for ln in log.splitlines() if ln.startswith("line-")]
+        assert lines == [f"line-{i}" for i in range(500)] and "the-end" in log
+
+        # the node now reports the image; the next job with it starts warm
+        fleet.wait_for(
+            lambda: image in fleet.get("/v1/nodes")["items"][0]["images"], 30, "image report"
+        )
+        second = fleet.submit({"image": image, "command": ["true"], "gpu_count": 1})
+        job2 = fleet.wait_status(second, TERMINAL, timeout_s=120)
+        assert job2["status"] == "SUCCEEDED", job2
+        phases2 = job2["attempts"][0]["start_phases"]
+        assert phases2["image"] == "warm"
+        assert phases_text(phases2).startswith("warm image: pull ")
+        events = fleet.get(f"/v1/jobs/{second}/events")["items"]
+        assert any("container, warm image" in (e["message"] or "") for e in events)
+        assert fleet.check() == []
+    finally:
+        engine.remove_image(image)
+
+
+def test_cancel_of_a_container_ignoring_sigterm_removes_it_before_the_gpus_are_released(
+    fleet: Fleet, engine: ContainerEngine
+) -> None:
+    fleet.start_agent("a1", gpus="4xH100-80GB")
+    script = "trap 'echo ignoring' TERM; echo ready; while true; do sleep 0.1; done"
+    job_id = fleet.submit({"image": BUSYBOX, "command": ["sh", "-c", script], "gpu_count": 2})
+    job = fleet.wait_status(job_id, {"RUNNING"}, timeout_s=60)
+    run_id = job["attempts"][0]["run_id"]
+    fleet.wait_for(lambda: engine.find(LABEL_RUN, run_id), 30, "the container")
+    with fleet.http() as c:
+        assert c.delete(f"/v1/jobs/{job_id}").status_code == 202
+    released_while_present = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 60:
+        free = fleet.get("/v1/nodes")["items"][0]["available_gpus"]
+        present = bool(engine.find(LABEL_RUN, run_id))
+        if present and free != 2:
+            released_while_present.append(free)
+        if not present and fleet.job(job_id)["status"] in TERMINAL:
+            break
+        time.sleep(0.05)
+    job = fleet.wait_status(job_id, TERMINAL)
+    assert released_while_present == []
+    assert job["status"] == "CANCELLED"
+    assert engine.find(LABEL_RUN, run_id) == []
+    assert fleet.get("/v1/nodes")["items"][0]["available_gpus"] == 4
+    with fleet.http() as c:
+        assert "ignoring" in c.get(f"/v1/jobs/{job_id}/logs").text
+    assert fleet.check() == []
+
+
+def test_the_readme_example_workload_runs_as_a_container_job(fleet: Fleet) -> None:
+    fleet.start_agent("a1", gpus="2xH100-80GB")
+    job_id = fleet.submit(
+        {
+            "image": PYTHON,
+            "command": ["python3", "/opt/gpufleet/train_digits.py", "--steps", "40"],
+            "gpu_count": 1,
+        }
+    )
+    job = fleet.wait_status(job_id, TERMINAL, timeout_s=180)
+    assert job["status"] == "SUCCEEDED", job
+    _, manifest = _manifest(fleet, job["attempts"][0])
+    paths = {f.path for f in manifest.files if f.kind == "artifact"}
+    assert {"metrics.json", "model.npz"} <= paths
