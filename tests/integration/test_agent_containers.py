@@ -275,3 +275,23 @@ def test_kill_9_agent_then_restart_adopts_the_running_container(tmp_path: Path, 
                 agent.kill()
                 agent.wait()
             engine.remove(rid)
+
+
+def test_an_image_that_cannot_be_pulled_is_reported_never_started(env) -> None:
+    fake, agent, _, _ = env
+    rid = _rid()
+    resp = agent.assign(
+        run_id=rid,
+        job_id=f"j-{rid}",
+        token=1,
+        attempt=1,
+        gpu_ids=[0],
+        command=["true"],
+        image=BUSYBOX.rsplit(":", 1)[0] + ":no-such-tag",
+    )
+    # the answer does not wait for the pull; the failure comes as the completion
+    assert resp.result == A.STARTED, resp.message
+    report = fake.wait_report(rid, timeout_s=60)
+    assert report.outcome == R.NEVER_STARTED
+    assert "cannot pull image" in report.message
+    assert not [c for c in fake.confirms if c.run_id == rid]

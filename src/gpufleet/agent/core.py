@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from gpufleet.agent.assignment_log import AssignmentLog, RunRecord, RunStatus
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.outbox import COMPLETE, CONFIRM, Outbox
-from gpufleet.agent.runner import AnyHandle, Runner
+from gpufleet.agent.runner import NO_CONTAINER_RUNTIME, AnyHandle, Runner
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.agent.workdir import StartError
 from gpufleet.rpc.protos import fleet_pb2 as pb
@@ -132,6 +132,8 @@ class AgentCore:
                         f"stale token {req.token} < {highest} for job {req.job_id}",
                     )
                 problem = self._gpu_problem(req.gpu_ids)
+                if problem is None and req.image and self.runner.containers is None:
+                    problem = NO_CONTAINER_RUNTIME
                 self.log.append(
                     "assigned",
                     req.run_id,
@@ -157,8 +159,20 @@ class AgentCore:
                 fresh = True
             else:
                 fresh = False
+        if fresh and rec.image and problem is None:
+            # An image start may pull for minutes: answer now, start in the background. A
+            # failure is reported as NEVER_STARTED through the completion path.
+            threading.Thread(
+                target=self._start,
+                args=(rec, start_lock, problem),
+                name=f"agent-start-{rec.run_id}",
+                daemon=True,
+            ).start()
+            return _assign(AssignResult.STARTED, "starting (image pull and container start)")
         if fresh:  # outside the table lock: a start may download a checkpoint
             return self._start(rec, start_lock, problem)
+        if start_lock is not None and rec.image and rec.token <= req.token:
+            return _assign(AssignResult.ALREADY_RUNNING, "start in progress")
         if start_lock is not None:  # a concurrent duplicate: wait for the first to finish
             with start_lock:
                 pass
@@ -314,7 +328,8 @@ class AgentCore:
     def run_refs(self) -> list[pb.RunRef]:
         """Attempts not yet acknowledged by the controller.
 
-        State ``RUNNING`` (alive, or its start is in progress), ``STOPPING`` (a stop is in
+        State ``STARTING`` (an image attempt being pulled/created), ``RUNNING`` (alive, or its
+        start is in progress), ``STOPPING`` (a stop is in
         progress) or ``EXITED`` (ended or failed to start; the report is on its way). Reported
         and tombstoned runs are omitted.
         """
@@ -323,7 +338,9 @@ class AgentCore:
             for rec in self.log.runs.values():
                 if rec.status not in _UNREPORTED:
                     continue
-                if rec.status in _LIVE:
+                if rec.status == RunStatus.ASSIGNED and rec.image:
+                    state = "STARTING"  # pulling/creating: not to be confirmed from here
+                elif rec.status in _LIVE:
                     state = "STOPPING" if rec.stop_requested else "RUNNING"
                 else:
                     state = "EXITED"

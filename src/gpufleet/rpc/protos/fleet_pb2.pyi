@@ -74,7 +74,8 @@ class RunRef(_message.Message):
     token: _builtins.int
     state: _builtins.str
     """RUNNING: the process group is alive. EXITED: it ended, completion not yet acknowledged.
-    STOPPING: a stop (cancel/preempt/timeout) is in progress.
+    STOPPING: a stop (cancel/preempt/timeout) is in progress. STARTING: an image attempt is
+    being pulled/created (not yet started; the controller must not confirm it from here).
     """
     pid: _builtins.int
     def __init__(
