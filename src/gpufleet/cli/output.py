@@ -124,6 +124,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
         "LABELS",
         "ADDRESS",
         "LAST HEARTBEAT",
+        "IMAGES",
     )
     for node in nodes:
         table.add_row(
@@ -135,6 +136,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
             fmt(node.get("labels")),
             fmt(node.get("address")),
             fmt_time(node.get("last_heartbeat_at"), relative=True),
+            str(len(node.get("images") or [])),
         )
     return table
 

@@ -24,9 +24,11 @@ One attempt (:class:`ContainerRuntime`):
   ``output.log`` (the agent's LogStreamer mirrors that file to the object store). The follower
   runs in its own session, so it keeps logging while a crashed agent is restarted.
 * **poll**: the end is seen when the log follower exits (cheap), or by ``inspect`` at most
-  every :data:`INSPECT_EVERY_S` seconds. Exit code and OOM come from ``inspect``
-  (``State.OOMKilled``; on cgroup v1 hosts where the engine does not report it, exit 137
-  with the container's memory cgroup having reached its limit also counts as OOM).
+  every :data:`INSPECT_EVERY_S` seconds while a follower runs (every
+  :data:`INSPECT_NO_FOLLOWER_S` without one; each ``inspect`` costs tens of ms of CPU).
+  Exit code and OOM come from ``inspect`` (``State.OOMKilled``; on cgroup v1 hosts where the
+  engine does not report it, exit 137 with the container's memory cgroup having reached its
+  limit also counts as OOM).
 * **stop** (seed DD5): ``kill --signal TERM``, ``rec.stop_grace_s`` seconds of grace,
   ``kill --signal KILL`` (re-sent every second), *verified gone* = the engine says the
   container is not running; then its exit is saved to ``exit.json`` and it is removed
@@ -66,7 +68,9 @@ PULL_TIMEOUT_S = 1800.0
 CLI_TIMEOUT_S = 60.0
 KILL_RESEND_S = 1.0
 KILL_VERIFY_TIMEOUT_S = 30.0
-INSPECT_EVERY_S = 1.0
+INSPECT_EVERY_S = 10.0
+INSPECT_NO_FOLLOWER_S = 1.0
+INSPECT_STOPPING_S = 0.2
 LOG_DRAIN_TIMEOUT_S = 5.0
 OOM_KILLED = "OOM_KILLED"
 OOM_USAGE_FRACTION = 0.98
@@ -367,6 +371,7 @@ class ContainerHandle:
     logs_pid: int = 0
     logs_start_ticks: int = 0
     next_inspect_at: float = 0.0
+    follower_done: bool = False
     term_sent_at: float | None = None
     kill_sent_at: float | None = None
     kill_resent_at: float | None = None
@@ -488,7 +493,10 @@ class ContainerRuntime:
         env = self.container_env(launch)
         bad = [k for k, v in env.items() if "\n" in v or "\n" in k or "=" in k or not k]
         if bad:
-            raise StartError(f"env {bad[0]!r}: names and values cannot contain newlines")
+            raise StartError(
+                f"env {bad[0]!r}: a container's variable names cannot be empty or hold '=' or "
+                "newlines, and values cannot hold newlines"
+            )
         fd = os.open(paths.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.writelines(f"{k}={v}\n" for k, v in env.items())
@@ -633,10 +641,18 @@ class ContainerRuntime:
             self.engine.kill(h.name, "KILL")
             h.kill_sent_at = h.kill_resent_at = now
             h.next_inspect_at = 0.0
-        follower_done = self._follower_done(h)
-        if not follower_done and now < h.next_inspect_at:
+        if not h.follower_done and self._follower_done(h):
+            h.follower_done = True  # the container has most likely ended: look now
+            h.next_inspect_at = 0.0
+        if now < h.next_inspect_at:
             return None
-        h.next_inspect_at = now + (0.2 if h.term_sent_at is not None else INSPECT_EVERY_S)
+        if h.term_sent_at is not None:
+            every = INSPECT_STOPPING_S
+        elif h.follower_done or (h.logs is None and not h.logs_pid):
+            every = INSPECT_NO_FOLLOWER_S
+        else:
+            every = INSPECT_EVERY_S
+        h.next_inspect_at = now + every
         st = self.engine.inspect(h.name)
         if st is not None and st.running:
             if h.kill_sent_at is not None:
