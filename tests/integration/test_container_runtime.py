@@ -205,3 +205,55 @@ def test_engine_lists_local_images_with_digest_and_size(runtime):
     imgs = {i.name: i for i in rt.engine.images()}
     assert BUSYBOX in imgs
     assert imgs[BUSYBOX].digest.startswith("sha256:") and imgs[BUSYBOX].size_bytes > 0
+
+
+def test_a_runtime_neutral_launch_keeps_only_the_jobs_and_platform_env(runtime, tmp_path):
+    """The agent runtime interface hands every runtime the same ``Launch`` (built for a host
+    process): the container gets the job's and the platform's variables, not the host's PATH."""
+    from types import SimpleNamespace
+
+    rt, names = runtime
+    rid = _run_id()
+    names.append(rid)
+    paths = RunPaths(tmp_path / rid)
+    for d in (paths.work, paths.checkpoints, paths.artifacts):
+        d.mkdir(parents=True, exist_ok=True)
+    env = {
+        "PATH": "/nonexistent/host/bin",
+        "HOME": "/home/agent-user",
+        "MINE": "1",
+        "CUDA_VISIBLE_DEVICES": "5",
+        "GPUFLEET_RUN_ID": rid,
+        "GPUFLEET_ARTIFACTS_DIR": str(paths.artifacts),
+    }
+    launch = SimpleNamespace(
+        paths=paths,
+        command=(
+            "sh",
+            "-c",
+            'echo "path=$PATH mine=$MINE home=${HOME:-} cuda=$CUDA_VISIBLE_DEVICES"',
+        ),
+        env=env,
+        cwd=Path("/host/dir"),
+        memory_mb=0,
+        cpu=0.0,
+        gpu_ids=(5,),
+        resume_dir=None,
+    )
+    rec = SimpleNamespace(
+        run_id=rid,
+        job_id="j",
+        token=1,
+        image=BUSYBOX,
+        env={"MINE": "1"},
+        working_dir="",
+        stop_reason="",
+        stop_grace_s=0.0,
+        stop_requested=False,
+    )
+    h = rt.spawn(rec, launch)
+    info = _until_exit(rt, rec, h, paths)  # type: ignore[arg-type]
+    assert info.exit_code == 0
+    log = paths.log.read_text()
+    assert "mine=1" in log and "cuda=5" in log
+    assert "/nonexistent/host/bin" not in log and "agent-user" not in log

@@ -201,7 +201,9 @@ class Outbox:
                     token=rec.token,
                     agent_epoch=self.agent_epoch,
                     pid=rec.pid,
-                    start_phases=_phases(rec.start_phases),
+                    start_phases=_phases(
+                        rec.start_phases or dict(rec.runtime_state.get("phases") or {})
+                    ),
                 ),
                 timeout=CALL_TIMEOUT_S,
             )

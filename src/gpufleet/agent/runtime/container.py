@@ -367,6 +367,7 @@ class ContainerHandle:
     boot_id: str = ""
     phases: dict[str, Any] = field(default_factory=dict)
     memory_mb: int = 0
+    paths: RunPaths | None = None
     logs: subprocess.Popen[bytes] | None = None
     logs_pid: int = 0
     logs_start_ticks: int = 0
@@ -474,14 +475,20 @@ class ContainerRuntime:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in launch.gpu_ids)
         return env
 
-    def spawn(self, rec: Any, launch: ContainerLaunch) -> ContainerHandle:
+    def spawn(self, rec: Any, launch: Any) -> ContainerHandle:
         """Pull, create and start the attempt's container (once per run_id).
 
-        ``rec`` needs ``run_id``, ``job_id`` and ``token``.
+        ``rec`` needs ``run_id``, ``job_id``, ``token`` (and ``image``, ``env``,
+        ``working_dir`` when ``launch`` is not a :class:`ContainerLaunch`). ``launch`` is a
+        :class:`ContainerLaunch` or the agent runtime interface's ``Launch`` (``paths``,
+        ``command``, ``env``, ``memory_mb``, ``cpu``, ``gpu_ids``, ``resume_dir``; see
+        :func:`launch_of`).
 
         Raises:
             StartError: pull, create or start failed; no container of it is left.
         """
+        if not isinstance(launch, ContainerLaunch):
+            launch = launch_of(rec, launch)
         paths = launch.paths
         name = rec.run_id
         phases: dict[str, Any] = {}
@@ -547,6 +554,7 @@ class ContainerRuntime:
             boot_id=procfs.boot_id(),
             phases=phases,
             memory_mb=launch.memory_mb,
+            paths=paths,
         )
         st = self.engine.inspect(name)
         h.pid = st.pid if st is not None else 0
@@ -581,7 +589,7 @@ class ContainerRuntime:
         if st.status in ("created", "configured"):
             self.engine.start(names[0])
             st = self.engine.inspect(names[0]) or st
-        h = ContainerHandle(name=names[0], container_id=st.id, pid=st.pid)
+        h = ContainerHandle(name=names[0], container_id=st.id, pid=st.pid, paths=paths)
         h.boot_id = procfs.boot_id()
         self._follow(h, paths)
         return h
@@ -599,6 +607,7 @@ class ContainerRuntime:
             memory_mb=int(state.get("memory_mb") or 0),
             logs_pid=int(state.get("logs_pid") or 0),
             logs_start_ticks=int(state.get("logs_start_ticks") or 0),
+            paths=paths,
         )
         if not (h.logs_pid and procfs.is_same_process_alive(h.logs_pid, h.logs_start_ticks)):
             st = self.engine.inspect(h.name)
@@ -614,7 +623,7 @@ class ContainerRuntime:
     # ------------------------------------------------------------------ watch and stop
 
     def poll(
-        self, rec: Any, h: ContainerHandle, now: float, paths: RunPaths
+        self, rec: Any, h: ContainerHandle, now: float, paths: RunPaths | None = None
     ) -> ContainerExit | None:
         """One monitoring step (stop protocol and end detection; see the module doc).
 
@@ -623,6 +632,9 @@ class ContainerRuntime:
         Returns:
             How it ended, once the container is verified not running and removed; else None.
         """
+        paths = paths or h.paths
+        if paths is None:
+            raise ValueError(f"run {rec.run_id}: container handle without paths")
         if rec.stop_requested and h.term_sent_at is None:
             logger.info(
                 "run %s: SIGTERM to container %s (%s)", rec.run_id, h.name, rec.stop_reason
@@ -765,10 +777,35 @@ class ContainerRuntime:
                 with contextlib.suppress(OSError):
                     sub.rmdir()
 
-    def release(self, run_id: str) -> None:
-        """Remove the attempt's container and cgroup if anything is left (idempotent)."""
+    def release(self, rec: Any) -> None:
+        """Remove the attempt's container and cgroup if anything is left (idempotent).
+        ``rec``: a run_id or a record with ``run_id``."""
+        run_id = rec if isinstance(rec, str) else rec.run_id
         self.engine.remove(run_id)
         self._remove_cgroup(run_id)
+
+
+def launch_of(rec: Any, launch: Any) -> ContainerLaunch:
+    """A :class:`ContainerLaunch` from the runtime interface's runtime-neutral ``Launch``.
+
+    Of ``launch.env`` (built for a host process) only the job's own variables (``rec.env``)
+    and the platform's (``GPUFLEET_*``, ``CUDA_*``) go into the container: the host's ``PATH``,
+    ``HOME`` and the like would break the image. ``rec.working_dir`` is a directory inside the
+    image; ``launch.cwd`` (a host path) is not used.
+    """
+    own = set(getattr(rec, "env", None) or {})
+    env = {k: v for k, v in launch.env.items() if k in own or k.startswith(("GPUFLEET_", "CUDA_"))}
+    return ContainerLaunch(
+        paths=launch.paths,
+        image=rec.image,
+        command=tuple(launch.command),
+        env=env,
+        gpu_ids=tuple(launch.gpu_ids),
+        memory_mb=int(launch.memory_mb),
+        cpu=float(launch.cpu),
+        workdir=getattr(rec, "working_dir", "") or "",
+        resume_dir=launch.resume_dir,
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
