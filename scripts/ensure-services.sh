@@ -30,11 +30,12 @@ if [ "${GPUFLEET_SKIP_CONTAINERS:-0}" != 1 ]; then
   command -v podman >/dev/null 2>&1 || missing="$missing podman"
   command -v runc >/dev/null 2>&1 || missing="$missing runc"
   command -v docker-registry >/dev/null 2>&1 || missing="$missing docker-registry"
-  [ -x /bin/busybox ] || missing="$missing busybox-static"
+  dpkg -s busybox-static >/dev/null 2>&1 || missing="$missing busybox-static"
+  command -v curl >/dev/null 2>&1 || missing="$missing curl"
   if [ -n "$missing" ]; then
     for _ in $(seq 10); do  # another apt-get may hold the lock
       $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -q podman runc docker-registry busybox-static && break
+        apt-get install -y -q podman runc docker-registry busybox-static curl && break
       sleep 6
     done
   fi
