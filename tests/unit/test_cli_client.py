@@ -269,6 +269,19 @@ class TestSubmit:
         assert "working_dir" not in second
         assert "PATH" not in (second.get("env") or {})
 
+    def test_an_image_job_gets_neither_this_shells_path_nor_its_directory(
+        self, api: FakeApi
+    ) -> None:
+        api.on("POST", "/v1/jobs", httpx.Response(201, json={"job_id": "job_3", "status": "P"}))
+        assert cli("submit", "--image", "reg/img:1", "--", "python3", "x.py").exit_code == 0
+        assert (
+            cli("submit", "--image", "reg/img:1", "--workdir", "/app", "--", "true").exit_code == 0
+        )
+        first, second = api.bodies()
+        assert first["image"] == "reg/img:1"
+        assert "working_dir" not in first and "PATH" not in (first.get("env") or {})
+        assert second["working_dir"] == "/app"  # a directory inside the image
+
     def test_non_finite_numbers_are_a_clean_error(self, api: FakeApi) -> None:
         result = cli("submit", "--cpu", "nan", "--", "true")
         assert result.exit_code == 2
@@ -464,6 +477,20 @@ class TestReads:
             "free_gpus",
         ):
             assert want in result.stdout
+
+    def test_status_shows_the_start_phases(self, api: FakeApi) -> None:
+        phases = {
+            "runtime": "container",
+            "image": "cold",
+            "pull_s": 2.5,
+            "create_s": 0.1,
+            "start_s": 0.2,
+        }
+        data = job(status="RUNNING", attempts=[attempt("run_1", "RUNNING", start_phases=phases)])
+        api.on("GET", "/v1/jobs/job_1", httpx.Response(200, json=data))
+        result = cli("status", "job_1")
+        assert result.exit_code == 0, result.stderr
+        assert "cold image: pull 2.50s" in " ".join(result.stdout.split())
 
     def test_status_json_is_the_response(self, api: FakeApi) -> None:
         api.on("GET", "/v1/jobs/job_1", httpx.Response(200, json=job()))
