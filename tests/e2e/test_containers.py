@@ -124,3 +124,18 @@ def test_the_readme_example_workload_runs_as_a_container_job(fleet: Fleet) -> No
     _, manifest = _manifest(fleet, job["attempts"][0])
     paths = {f.path for f in manifest.files if f.kind == "artifact"}
     assert {"metrics.json", "model.npz"} <= paths
+
+
+def test_timeout_of_a_container_ignoring_sigterm_ends_with_it_gone(
+    fleet: Fleet, engine: ContainerEngine
+) -> None:
+    fleet.start_agent("a1", gpus="2xH100-80GB")
+    script = "trap 'echo ignoring' TERM; while true; do sleep 0.1; done"
+    job_id = fleet.submit(
+        {"image": BUSYBOX, "command": ["sh", "-c", script], "gpu_count": 1, "max_runtime_s": 2}
+    )
+    job = fleet.wait_status(job_id, TERMINAL, timeout_s=90)
+    assert job["status"] == "FAILED" and job["failure_reason"].startswith("TIMEOUT"), job
+    assert engine.find(LABEL_RUN, job["attempts"][0]["run_id"]) == []
+    assert fleet.get("/v1/nodes")["items"][0]["available_gpus"] == 2
+    assert fleet.check() == []
