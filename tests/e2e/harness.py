@@ -41,6 +41,7 @@ class Fleet:
         *,
         heartbeat_s: float = 1.0,
         grace_s: float = 2.0,
+        **overrides: Any,
     ) -> None:
         self.tmp = tmp
         values: dict[str, Any] = {
@@ -55,7 +56,7 @@ class Fleet:
         }
         if database_url:
             values["database_url"] = database_url
-        self.settings = Settings(**values)
+        self.settings = Settings(**(values | overrides))
         ensure_fleet_ca(self.settings)  # mutual TLS, set up the way `gpufleet up` does it
         self.db = open_database(self.settings)
         self.waker = InProcWaker()

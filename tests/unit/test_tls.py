@@ -4,6 +4,7 @@ accepts as its own credentials. Pure cryptography, no network."""
 from __future__ import annotations
 
 import stat
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -135,9 +136,9 @@ def test_credentials_for_another_node_or_ca_or_key_are_unusable(
 
 def test_renewal_is_due_at_two_thirds_of_the_lifetime(ca: tls.FleetCA) -> None:
     creds = _node_creds(ca, "n1", ttl_s=3000)
-    lifetime = (creds.not_after - creds.not_before).total_seconds()
-    due = (creds.renew_at() - creds.not_before).total_seconds()
-    assert due == pytest.approx(lifetime * 2 / 3, abs=1)
+    issued = creds.not_before + timedelta(seconds=tls.CLOCK_SKEW_S)
+    assert (creds.not_after - issued).total_seconds() == pytest.approx(3000, abs=2)
+    assert (creds.renew_at() - issued).total_seconds() == pytest.approx(2000, abs=2)
 
 
 @pytest.mark.parametrize(

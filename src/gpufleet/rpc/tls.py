@@ -371,9 +371,10 @@ class NodeCredentials:
         return self.cert.not_valid_after_utc
 
     def renew_at(self) -> dt.datetime:
-        """When to renew: at 2/3 of the lifetime."""
-        nb, na = self.not_before, self.not_after
-        return nb + (na - nb) * 2 / 3
+        """When to renew: at 2/3 of the lifetime, counted from the issue time (``not_before``
+        is backdated by ``CLOCK_SKEW_S``)."""
+        issued = min(self.not_before + dt.timedelta(seconds=CLOCK_SKEW_S), self.not_after)
+        return issued + (self.not_after - issued) * 2 / 3
 
     def save(self, directory: Path) -> None:
         write_private(directory / "node.key", self.key_pem)

@@ -76,7 +76,8 @@ def create_join_token(
 
 def join(session: Session, *, secret: str, node_id: str, serial: str, not_after: datetime) -> None:
     """Spend a join token on ``node_id`` and record its new certificate, in one transaction.
-    Older certificates of the node are revoked (a rejoin replaces a lost or stolen key).
+    Older certificates of the node are revoked (a rejoin replaces a lost or stolen key) and
+    its agent epoch restarts at 0 (a re-installed node's epoch counter starts again).
 
     Raises:
         Unauthenticated: unknown, used or expired token (one message for all three).
@@ -107,6 +108,9 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
     if spent != 1:  # a concurrent join spent it first
         raise Unauthenticated("invalid, used or expired join token")
     revoked = _revoke(session, node_id, now)
+    # a rejoin is a new install of the node (its state dir, and so its agent epoch counter,
+    # are gone): its first registration must not be refused as an old agent process
+    session.execute(update(NodeRow).where(NodeRow.id == node_id).values(agent_epoch=0))
     session.add(
         NodeCertRow(
             serial=serial, node_id=node_id, issued_at=now, not_after=not_after, reason="join"
