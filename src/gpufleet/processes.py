@@ -68,8 +68,10 @@ def agent_tls_args(
     (in the environment, not on the command line) and the CA certificate's path."""
     from gpufleet.rpc import tls
 
+    ca_pem = tls.read_ca_cert(settings.resolved_pki_dir())
     saved = tls.NodeCredentials.load(state_dir / "tls")
-    if saved is not None and saved.problem(node_id) is None:
+    fresh = saved is not None and tls.fingerprint(saved.ca_pem) == tls.fingerprint(ca_pem)
+    if saved is not None and fresh and saved.problem(node_id) is None:
         return [], {}
     token, _ = new_join_token(db, settings, node_id, 15 * 60)
     ca = tls.ca_paths(settings.resolved_pki_dir())[1]

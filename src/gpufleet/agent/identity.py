@@ -62,6 +62,10 @@ def ensure_credentials(
     directory = tls_dir(state_dir)
     saved = tls.NodeCredentials.load(directory)
     problem = saved.problem(node_id) if saved is not None else "none saved"
+    if saved is not None and problem is None and join_token:
+        pin = tls.parse_join_token(join_token)[0]
+        if tls.fingerprint(saved.ca_pem) != pin:
+            problem = "issued by another fleet CA than the join token's"
     if saved is not None and problem is None:
         if join_token:
             logger.info("node %s has a valid certificate; the join token is not used", node_id)

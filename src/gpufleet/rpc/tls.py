@@ -377,6 +377,8 @@ class NodeCredentials:
         return issued + (self.not_after - issued) * 2 / 3
 
     def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
         write_private(directory / "node.key", self.key_pem)
         write_private(directory / "node.crt", self.chain_pem)
         write_private(directory / "ca.crt", self.ca_pem)
@@ -467,7 +469,7 @@ def peer_name(context: grpc.ServicerContext) -> str:
     return f"{context.peer()} ({who})"
 
 
-class RoleInterceptor(grpc.ServerInterceptor):
+class RoleInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Refuses every unary call whose client certificate does not carry ``role``
     (PERMISSION_DENIED), except ``exempt`` methods (full names). Logs one line per refusal."""
 
@@ -611,7 +613,7 @@ def _unverified_chain(tls: ssl.SSLSocket) -> list[bytes]:
     public = getattr(tls, "get_unverified_chain", None)  # Python >= 3.13
     if public is not None:
         return [bytes(c) for c in public()]
-    certs = tls._sslobj.get_unverified_chain() or []  # type: ignore[union-attr]  # 3.10-3.12
+    certs = tls._sslobj.get_unverified_chain() or []  # type: ignore[attr-defined]  # 3.10-3.12
     return [c.public_bytes(ssl._ssl.ENCODING_DER) for c in certs]  # type: ignore[attr-defined]
 
 

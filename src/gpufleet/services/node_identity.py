@@ -104,7 +104,7 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
         update(JoinTokenRow)
         .where(JoinTokenRow.id == row.id, JoinTokenRow.used_at.is_(None))
         .values(used_at=now, used_by=node_id)
-    ).rowcount
+    ).rowcount  # type: ignore[attr-defined]
     if spent != 1:  # a concurrent join spent it first
         raise Unauthenticated("invalid, used or expired join token")
     revoked = _revoke(session, node_id, now)
@@ -240,5 +240,5 @@ def _revoke(session: Session, node_id: str, now: datetime) -> int:
             update(NodeCertRow)
             .where(NodeCertRow.node_id == node_id, NodeCertRow.revoked_at.is_(None))
             .values(revoked_at=now)
-        ).rowcount
+        ).rowcount  # type: ignore[attr-defined]
     )
