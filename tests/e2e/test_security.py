@@ -280,7 +280,8 @@ def test_n1_cannot_heartbeat_or_register_as_n2(victim: tuple[Fleet, str, Path]) 
 
 def _last_heartbeat(fleet: Fleet, node_id: str) -> Any:
     with fleet.db.read() as s:
-        return s.get(NodeRow, node_id).last_heartbeat_at  # type: ignore[union-attr]
+        node = s.get(NodeRow, node_id)
+        return None if node is None else node.last_heartbeat_at
 
 
 def test_a_process_cannot_become_a_node_without_a_join_token(
@@ -436,3 +437,95 @@ def test_agent_renews_its_certificate_before_it_expires(tmp_path: Path) -> None:
         assert fleet.get("/v1/nodes")["items"][0]["status"] == "HEALTHY"
     finally:
         fleet.stop()
+
+
+def test_operator_cli_joins_lists_revokes_and_forgets_a_node(fleet: Fleet) -> None:
+    """The operator's path end to end, through the CLI: a join token, an agent that gets the
+    CA from the controller by the token's fingerprint (no --ca-cert), then revoke and forget."""
+    import json
+    import os
+    import subprocess
+
+    env = {
+        **os.environ,
+        "GPUFLEET_DATA_DIR": str(fleet.tmp),
+        "GPUFLEET_DATABASE_URL": fleet.settings.resolved_database_url(),
+        "GPUFLEET_OBJECT_STORE_URL": fleet.settings.resolved_object_store_url(),
+    }
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "gpufleet.cli.main", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    def listing() -> dict[str, Any]:
+        rows = json.loads(cli("admin", "node", "list", "-o", "json").stdout)
+        return {r["node_id"]: r for r in rows}
+
+    again = cli("admin", "ca", "init")
+    assert again.returncode == 2 and "exists already" in again.stderr
+    made = cli("admin", "node", "join-token", "--node-id", "n5", "--ttl", "2m")
+    assert made.returncode == 0, made.stderr
+    token = made.stdout.strip().splitlines()[-1]
+    assert token.startswith("gfj1.")
+    log = open(fleet.tmp / "agent-n5.log", "ab")  # noqa: SIM115 (the child keeps it)
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpufleet.cli.main",
+            "agent",
+            "--node-id",
+            "n5",
+            "--gpus",
+            "1xL4-24GB",
+            "--state-dir",
+            str(fleet.tmp / "agents" / "n5"),
+            "--controller",
+            fleet.settings.controller_address,
+            "--join-address",
+            fleet.settings.resolved_join_address(),
+        ],
+        env={**env, "GPUFLEET_JOIN_TOKEN": token},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    fleet.agents["n5"] = agent
+    try:
+        fleet.wait_for(lambda: _last_heartbeat(fleet, "n5") is not None, 30, "n5 to register")
+        listed = {
+            r["node_id"]: r for r in json.loads(cli("admin", "node", "list", "-o", "json").stdout)
+        }
+        assert listed["n5"]["cert_serial"] == tls.serial_hex(creds_of(fleet, "n5").cert)
+        # the token was spent: a second agent cannot use it
+        reuse = cli(
+            "agent", "--node-id", "n6", "--gpus", "1xL4-24GB",
+            "--state-dir", str(fleet.tmp / "agents" / "n6"),
+            "--controller", fleet.settings.controller_address,
+            "--join-address", fleet.settings.resolved_join_address(),
+            "--join-token", token,
+        )  # fmt: skip
+        assert reuse.returncode == 4 and "UNAUTHENTICATED" in reuse.stderr
+        revoked = cli("admin", "node", "revoke", "n5")
+        assert revoked.returncode == 0 and "1 certificate(s) revoked" in revoked.stdout
+        fleet.wait_for(
+            lambda: (
+                "heartbeat failed (PERMISSION_DENIED)" in (fleet.tmp / "agent-n5.log").read_text()
+            ),
+            10,
+            "n5's heartbeats to be refused",
+        )
+        forgot = cli("admin", "node", "forget", "n5")
+        assert forgot.returncode == 0, forgot.stderr
+        listed = {
+            r["node_id"]: r for r in json.loads(cli("admin", "node", "list", "-o", "json").stdout)
+        }
+        assert (listed["n5"]["status"], listed["n5"]["cert_serial"]) == ("FORGOTTEN", None)
+        assert all(n["node_id"] != "n5" for n in fleet.get("/v1/nodes")["items"])
+    finally:
+        fleet.kill_agent("n5")
