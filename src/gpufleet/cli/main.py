@@ -207,9 +207,12 @@ def agent(
     ] = False,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
+    import os
+
     from gpufleet.agent.main import AgentAlreadyRunning, run_agent
     from gpufleet.rpc.tls import PkiError
 
+    os.environ.pop("GPUFLEET_JOIN_TOKEN", None)  # read once; never inherited by a job
     _logging()
     settings = _settings(data_dir, controller_address=controller, join_address=join_address)
     labels = {}

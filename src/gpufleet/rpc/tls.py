@@ -470,8 +470,9 @@ def peer_name(context: grpc.ServicerContext) -> str:
 
 
 class RoleInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
-    """Refuses every unary call whose client certificate does not carry ``role``
-    (PERMISSION_DENIED), except ``exempt`` methods (full names). Logs one line per refusal."""
+    """Refuses every call whose client certificate does not carry ``role``
+    (PERMISSION_DENIED), except ``exempt`` methods (full names). Logs one line per refusal.
+    Every kind of handler (unary or streaming) is guarded."""
 
     def __init__(self, role: str, logger: Any, exempt: frozenset[str] = frozenset()) -> None:
         self.role, self.log, self.exempt = role, logger, exempt
@@ -479,29 +480,41 @@ class RoleInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is 
     def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method in self.exempt or handler.unary_unary is None:
+        if handler is None or method in self.exempt:
             return handler
-        inner = handler.unary_unary
 
-        def checked(request: Any, context: grpc.ServicerContext) -> Any:
-            ident = peer_identity(context)
-            if ident is None or ident.role != self.role:
-                self.log.warning(
-                    "refused %s from %s: needs a %s certificate",
-                    method.rsplit("/", 1)[-1],
-                    peer_name(context),
-                    self.role,
-                )
-                context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED, f"this call needs a {self.role} certificate"
-                )
-            return inner(request, context)
+        def guard(inner: Any) -> Any:
+            def checked(request: Any, context: grpc.ServicerContext) -> Any:
+                ident = peer_identity(context)
+                if ident is None or ident.role != self.role:
+                    self.log.warning(
+                        "refused %s from %s: needs a %s certificate",
+                        method.rsplit("/", 1)[-1],
+                        peer_name(context),
+                        self.role,
+                    )
+                    context.abort(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"this call needs a {self.role} certificate",
+                    )
+                return inner(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            checked,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+            return checked
+
+        for kind, make in (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler),
+        ):
+            inner = getattr(handler, kind)
+            if inner is not None:
+                return make(
+                    guard(inner),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
 
 
 # ---------------------------------------------------------------- gRPC credentials
