@@ -368,6 +368,53 @@ def test_a_revoked_node_certificate_is_refused_within_one_second(
     finish_and_check(fleet, job_id, go)
 
 
+def test_revocation_reaches_every_controller_replica_within_one_second(fleet: Fleet) -> None:
+    """A standby controller on the same database (and CA) refuses the revoked certificate as
+    soon as the leader does: each replica reads revocations from the database."""
+    from gpufleet.controller.main import Controller
+    from gpufleet.queue import InProcWaker
+    from tests.e2e.harness import free_port
+
+    fleet.start_agent("n1", gpus="1xA100-40GB")
+    standby_settings = fleet.settings.model_copy(
+        update={
+            "controller_address": f"127.0.0.1:{free_port()}",
+            "join_address": f"127.0.0.1:{free_port()}",
+        }
+    )
+    standby = Controller(standby_settings, fleet.db, InProcWaker())
+    standby.start()
+    try:
+        c = creds_of(fleet, "n1")
+        stubs = [
+            pb_grpc.ControllerStub(
+                tls.secure_channel(
+                    address,
+                    tls.channel_credentials(c.ca_pem, c.key_pem, c.chain_pem),
+                    tls.CONTROLLER_NAME,
+                )
+            )
+            for address in (fleet.settings.controller_address, standby_settings.controller_address)
+        ]
+        beat = pb.HeartbeatRequest(node_id="n1", agent_epoch=HUGE_EPOCH)
+        for stub in stubs:
+            stub.Heartbeat(beat, timeout=5)  # accepted on both replicas
+        fleet.db.run_write(partial(node_identity.revoke_node, node_id="n1"))
+        revoked_at = time.monotonic()
+        pending = list(stubs)
+        while pending:
+            assert time.monotonic() - revoked_at < 1.0, "a replica still accepts it after 1 s"
+            for stub in list(pending):
+                try:
+                    stub.Heartbeat(beat, timeout=5)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.PERMISSION_DENIED  # noqa: PT017
+                    pending.remove(stub)
+            time.sleep(0.01)
+    finally:
+        standby.stop()
+
+
 def test_a_reinstalled_node_rejoins_under_its_id_and_its_old_key_stops_working(
     fleet: Fleet,
 ) -> None:
