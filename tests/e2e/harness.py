@@ -41,6 +41,7 @@ class Fleet:
         *,
         heartbeat_s: float = 1.0,
         grace_s: float = 2.0,
+        **overrides: Any,
     ) -> None:
         self.tmp = tmp
         values: dict[str, Any] = {
@@ -54,6 +55,7 @@ class Fleet:
         }
         if database_url:
             values["database_url"] = database_url
+        values.update(overrides)
         self.settings = Settings(**values)
         self.db = open_database(self.settings)
         self.waker = InProcWaker()
@@ -110,6 +112,13 @@ class Fleet:
                 30,
                 f"agent {node_id}",
             )
+
+    def signal_agent(self, node_id: str, sig: int) -> None:
+        """Send ``sig`` (e.g. SIGSTOP / SIGCONT) to a running agent, which keeps it."""
+        self.agents[node_id].send_signal(sig)
+
+    def node(self, node_id: str) -> dict[str, Any]:
+        return dict(next(n for n in self.get("/v1/nodes")["items"] if n["node_id"] == node_id))
 
     def kill_agent(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         proc = self.agents.pop(node_id)
@@ -176,6 +185,7 @@ class Fleet:
         if self._sampler:
             self._sampler.join(timeout=5)
         for node_id in list(self.agents):
+            self.agents[node_id].send_signal(signal.SIGCONT)  # a frozen agent must hear TERM
             self.kill_agent(node_id, signal.SIGTERM)
         self.api.stop()
         self.controller.stop()

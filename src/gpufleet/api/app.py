@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from typing import Annotated, Any
 
@@ -37,6 +38,7 @@ from gpufleet.queue import Waker
 from gpufleet.services import auth, jobs, teams
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
+from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow
 
 log = logging.getLogger("gpufleet.api")
@@ -178,6 +180,7 @@ def create_app(state: AppState) -> FastAPI:
             out = _job_out(job, runs)
             if out.pending_reason is not None:
                 out.pending_reason.position = jobs.queue_position(s, job)
+                _drop_past_estimate(out.pending_reason, db_now(s))
             return out
 
     @app.get("/v1/jobs/{job_id}/events")
@@ -359,6 +362,15 @@ def _run_finished(db: Database, run_id: str) -> bool:
             select(JobRunRow.status).where(JobRunRow.id == run_id)
         ).scalar_one_or_none()
     return status is None or status in RUN_TERMINAL
+
+
+def _drop_past_estimate(reason: PendingReasonOut, now: datetime) -> None:
+    """Never promise a start time already in the past: a stored estimate that has passed
+    (the capacity it counted on did not free up in time) is withheld until the scheduler
+    computes a new one."""
+    at = reason.estimated_start_at
+    if at and datetime.fromisoformat(at.replace("Z", "+00:00")) < now:
+        reason.estimated_start_at = None
 
 
 def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:

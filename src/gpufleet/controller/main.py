@@ -36,7 +36,8 @@ class Controller:
         self.leadership = Leadership(holder=f"{socket.gethostname()}:{os.getpid()}:{id(self):x}")
         self.agents = AgentClients()
         self.scheduler = Scheduler(db, self.store, settings, self.leadership, self.agents, policy)
-        self.stops = StopDriver(db, settings, self.leadership, self.agents)
+        self.stops = StopDriver(db, self.store, settings, self.leadership, self.agents)
+        self.scheduler.stops = self.stops
         self.reconciler = Reconciler(db, settings, self.leadership, self.scheduler.dispatch)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -132,6 +133,7 @@ class Controller:
         for t in self._threads:
             t.join(timeout=5)
         self.scheduler.close()
+        self.stops.close()
         self.agents.close()
         if self.leadership.is_leader:
             try:

@@ -26,6 +26,7 @@ from gpufleet.policy.usage import UsageLedger
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
+from gpufleet.store.leader import assert_leader
 from gpufleet.store.tables import JobRow, JobRunRow, ReservationRow, TeamRow
 from gpufleet.store.transitions import transition
 
@@ -145,15 +146,6 @@ def mark_delivered(session: Session, run_id: str) -> None:
     )
 
 
-def renew_stop_request(session: Session, run_id: str) -> None:
-    """Restart the clock of an unconfirmed stop (its StopRun is being re-sent)."""
-    session.execute(
-        update(JobRunRow)
-        .where(JobRunRow.id == run_id, JobRunRow.status == RunStatus.PREEMPTING)
-        .values(stop_requested_at=db_now(session))
-    )
-
-
 class Outcome(enum.StrEnum):
     EXITED = "EXITED"
     STOPPED = "STOPPED"
@@ -211,8 +203,22 @@ def verify_manifest(store: ObjectStore, job_id: str, report: Report) -> Verified
     return Verified(True, manifest=manifest)
 
 
-def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[CompletionResult, str]:
+def complete_run(
+    db: Database,
+    store: ObjectStore,
+    report: Report,
+    *,
+    leader: tuple[str, int] | None = None,
+    inferred: bool = False,
+) -> tuple[CompletionResult, str]:
     """Commit one attempt's end, once. Returns (result, message).
+
+    Args:
+        leader: ``(holder, epoch)`` of the controller writing a conclusion of its own (not an
+            agent's report): checked against the lease inside the transaction (NotLeader).
+        inferred: the controller concluded NEVER_STARTED from an agent's answer to AssignJob
+            or StopRun. Such a conclusion never overrides a confirmed attempt (one the agent
+            confirmed as started): it answers STALE and changes nothing.
 
     - current attempt: run terminal, job terminal or back to PENDING (retry / preemption),
       reservation released, team charged the GPU-time really used, all in one transaction;
@@ -241,6 +247,10 @@ def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[Comp
             return CompletionResult.ACCEPTED, f"already committed as {run.status}"
         if run.token != report.token:
             return CompletionResult.STALE, f"token {report.token} is not this run's ({run.token})"
+        if leader is not None:
+            assert_leader(session, leader[0], leader[1], now)
+        if inferred and (run.started_at is not None or run.status == RunStatus.RUNNING):
+            return CompletionResult.STALE, "the attempt was confirmed running; not overridden"
         current = job.current_run_id == run.id and job.fencing_epoch == run.token
         run_to, job_to, why = _decide(session, run, job, report, verified, current)
         values = {
