@@ -79,3 +79,109 @@ def test_cancel_of_an_undelivered_attempt_ends_and_releases(fleet: Fleet) -> Non
     assert past == [], f"why promised start times already past: {past}"
     assert fleet.check() == []
     assert fleet.node("a1")["available_gpus"] == 8
+
+
+def test_a_deposed_leaders_late_assign_leaves_the_running_attempt_running(fleet: Fleet) -> None:
+    """Issue 7, failures 2 and 7: a late duplicate AssignJob from a controller that lost its
+    lease is answered with what the agent knows (ALREADY_RUNNING), and the old controller's
+    "never started" conclusion is leader-fenced: the attempt stays RUNNING with its GPUs and
+    its process. An epoch from the future is refused and not persisted, so the real leader's
+    stop still lands; a standby answers heartbeats with the lease's epoch, not 0."""
+    import grpc
+
+    from gpufleet.controller.agents import AgentClients
+    from gpufleet.controller.loops import Leadership, record_never_started
+    from gpufleet.rpc.protos import fleet_pb2 as pb
+    from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
+
+    fleet.start_agent("a1")
+    marker = marker_of(fleet)
+    job_id = fleet.submit({"command": py("import time; time.sleep(600)", marker), "gpu_count": 2})
+    job = fleet.wait_status(job_id, {"RUNNING"})
+    (run,) = job["attempts"]
+    epoch = fleet.controller.leadership.epoch
+    assert epoch >= 1
+    address = fleet.node("a1")["address"]
+    agents = AgentClients()
+    try:
+        late = pb.AssignJobRequest(
+            run_id=run["run_id"],
+            job_id=job_id,
+            token=run["token"],
+            leader_epoch=epoch - 1,  # the deposed leader's epoch
+            gpu_ids=run["gpu_ids"],
+            command=job["command"],
+            attempt=1,
+        )
+        answer = agents.assign(address, late)
+        assert answer.result == pb.AssignJobResponse.ALREADY_RUNNING, answer
+
+        # the deposed leader concludes "never started" anyway: fenced by the lease
+        deposed = Leadership(holder="deposed-controller", epoch=epoch)
+        result, why = record_never_started(
+            fleet.db,
+            fleet.controller.store,
+            deposed,
+            run_id=run["run_id"],
+            token=run["token"],
+            message="agent refused it",
+        )
+        assert result is None, why
+        # and even the real leader's inference never overrides a confirmed attempt
+        result, why = record_never_started(
+            fleet.db,
+            fleet.controller.store,
+            fleet.controller.leadership,
+            run_id=run["run_id"],
+            token=run["token"],
+            message="agent refused it",
+        )
+        assert result is not None and result.value == "STALE", why
+        got = fleet.job(job_id)
+        assert got["status"] == "RUNNING"
+        assert got["attempts"][0]["status"] == "RUNNING"
+        assert fleet.node("a1")["available_gpus"] == 6
+
+        # an epoch from the future is refused and not believed
+        forged = pb.AssignJobRequest(
+            run_id="r-forged",
+            job_id="j-forged",
+            token=1,
+            leader_epoch=epoch + 100,
+            gpu_ids=[7],
+            command=py("import time; time.sleep(600)", marker),
+            attempt=1,
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            agents.assign(address, forged)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        agents.close()
+
+    # a standby replica answers a heartbeat with the lease's epoch
+    from gpufleet.controller.main import Controller
+    from gpufleet.queue import InProcWaker
+    from tests.e2e.harness import free_port
+
+    standby_settings = fleet.settings.model_copy(
+        update={"controller_address": f"127.0.0.1:{free_port()}"}
+    )
+    standby = Controller(standby_settings, fleet.db, InProcWaker())
+    standby.start()
+    try:
+        assert standby.leadership.epoch == 0
+        with grpc.insecure_channel(standby_settings.controller_address) as ch:
+            resp = pb_grpc.ControllerStub(ch).Heartbeat(
+                pb.HeartbeatRequest(node_id="a1", agent_epoch=1), timeout=10
+            )
+        assert resp.leader_epoch == epoch
+    finally:
+        standby.stop()
+
+    # the real leader's cancel is obeyed: the forged epoch was not persisted
+    with fleet.http() as c:
+        assert c.delete(f"/v1/jobs/{job_id}").status_code == 202
+    got = fleet.wait_status(job_id, TERMINAL, timeout_s=60)
+    assert got["status"] == "CANCELLED", got
+    assert fleet.check() == []
+    assert fleet.node("a1")["available_gpus"] == 8

@@ -2,12 +2,22 @@
 
 Rules, in the order they are checked:
 
-* **Fencing.** A request whose leader epoch is lower than the highest this node has heard is
-  REJECTED_STALE, and so is an AssignJob whose token is lower than the highest seen for its job
-  (both survive restarts: they are in the assignment log).
 * **At most one start per run_id.** The ``assigned`` event is fsynced before anything starts; a
   second AssignJob for a logged run_id answers from the log (ALREADY_RUNNING, ALREADY_EXITED,
-  FAILED_TO_START) and never starts it again — also after an agent restart.
+  FAILED_TO_START) and never starts it again — also after an agent restart. This answer is
+  given *whatever the request's leader epoch*: a deposed leader's late duplicate learns the
+  truth (the run is running) instead of a refusal it would read as "never started".
+* **Fencing of new work.** An AssignJob for a run_id not in the log whose leader epoch is lower
+  than the highest this node has heard is REJECTED_STALE and tombstoned (a later copy is
+  refused too), and so is one whose token is lower than the highest seen for its job. A
+  StopRun with a lower leader epoch is REJECTED_STALE (all survive restarts: they are in the
+  log).
+* **Epochs from the future are not believed.** A controller's RegisterNode/Heartbeat answer
+  carries the epoch of the current lease, read from the database by any replica (leader or
+  standby); the agent adopts it. A request (AssignJob/StopRun) may raise the known epoch by at
+  most ``LEADER_EPOCH_STEP`` (a new leader's first calls may overtake its first heartbeat
+  answer); one beyond that is refused and not persisted, so a corrupt or forged epoch cannot
+  make the agent refuse the real leader.
 * **GPU pinning is checked.** A reservation naming a GPU this node does not have, or one held
   by another live attempt here, fails to start (reported NEVER_STARTED). The controller's
   database is the only allocator; this is defense in depth against double allocation.
@@ -38,6 +48,13 @@ AssignResult = pb.AssignJobResponse
 StopResult = pb.StopRunResponse
 _LIVE = (RunStatus.ASSIGNED, RunStatus.RUNNING)
 _UNREPORTED = (*_LIVE, RunStatus.EXITED, RunStatus.FAILED_TO_START)
+LEADER_EPOCH_STEP = 2
+"""How far above the highest known leader epoch a request's epoch may be and still be
+believed (see the module doc)."""
+
+
+class EpochFromTheFuture(ValueError):
+    """A request's leader epoch is more than ``LEADER_EPOCH_STEP`` above the known one."""
 
 
 class AgentCore:
@@ -113,17 +130,22 @@ class AgentCore:
 
         Raises:
             OSError: the assignment could not be logged (nothing was started).
+            EpochFromTheFuture: a new run_id with an unbelievable leader epoch (not logged).
         """
         with self._lock:
-            if req.leader_epoch < self.log.leader_epoch:
-                return _assign(
-                    AssignResult.REJECTED_STALE,
-                    f"stale leader epoch {req.leader_epoch} < {self.log.leader_epoch}",
-                )
             rec = self.log.runs.get(req.run_id)
             problem: str | None = None
             start_lock: threading.Lock | None = self._starting.get(req.run_id)
             if rec is None:
+                if req.leader_epoch < self.log.leader_epoch:
+                    # tombstoned: a later copy of this request is refused too, so a
+                    # controller that concludes "never started" from this answer is right
+                    self.log.append("tombstone", req.run_id, reason="stale leader epoch")
+                    return _assign(
+                        AssignResult.REJECTED_STALE,
+                        f"stale leader epoch {req.leader_epoch} < {self.log.leader_epoch}",
+                    )
+                self._check_future_epoch(req.leader_epoch)
                 highest = self.log.job_tokens.get(req.job_id)
                 if highest is not None and req.token < highest:
                     return _assign(
@@ -237,6 +259,10 @@ class AgentCore:
         with self._lock:
             if leader_epoch < self.log.leader_epoch:
                 return _stop(StopResult.REJECTED_STALE, "stale leader epoch")
+            try:
+                self._check_future_epoch(leader_epoch)
+            except EpochFromTheFuture as exc:
+                return _stop(StopResult.REJECTED_STALE, str(exc))
             if leader_epoch > self.log.leader_epoch:
                 self.log.append("leader_epoch", epoch=leader_epoch)
             rec = self.log.runs.get(run_id)
@@ -269,8 +295,17 @@ class AgentCore:
                 reason="stale",
             )
 
+    def _check_future_epoch(self, epoch: int) -> None:
+        if epoch > self.log.leader_epoch + LEADER_EPOCH_STEP:
+            raise EpochFromTheFuture(
+                f"leader epoch {epoch} is more than {LEADER_EPOCH_STEP} above the known"
+                f" {self.log.leader_epoch}; not believed until a controller's heartbeat"
+                " answer confirms it"
+            )
+
     def note_leader_epoch(self, epoch: int) -> None:
-        """Remember a higher leader epoch heard in a controller's answer."""
+        """Remember a higher leader epoch heard in a controller's RegisterNode/Heartbeat
+        answer (the current lease's epoch, from the database)."""
         with self._lock:
             if epoch > self.log.leader_epoch:
                 self.log.append("leader_epoch", epoch=epoch)

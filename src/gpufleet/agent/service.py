@@ -14,7 +14,7 @@ import threading
 
 import grpc
 
-from gpufleet.agent.core import AgentCore
+from gpufleet.agent.core import AgentCore, EpochFromTheFuture
 from gpufleet.agent.inventory import Inventory
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
@@ -40,6 +40,9 @@ class AgentServicer(pb_grpc.AgentServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "run_id and job_id are required")
         try:
             return self.core.assign(request)
+        except EpochFromTheFuture as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise  # unreachable: abort raises
         except OSError as exc:
             logger.error("run %s: cannot log the assignment: %s", request.run_id, exc)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"assignment log: {exc}")

@@ -15,6 +15,7 @@ from gpufleet.objectstore import ObjectStore
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import nodes, runs
+from gpufleet.store import leader
 from gpufleet.store.db import Database
 
 log = logging.getLogger("gpufleet.controller")
@@ -67,8 +68,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         )
         _guard(context, lambda: self.db.run_write(lambda s: nodes.register_node(s, inv)))
         self.on_change()
+        with self.db.read() as s:
+            epoch = leader.current_epoch(s)  # the lease's, also when this replica is standby
         return pb.RegisterNodeResponse(
-            leader_epoch=self.leader_epoch(), heartbeat_interval_s=self.heartbeat_interval_s
+            leader_epoch=epoch, heartbeat_interval_s=self.heartbeat_interval_s
         )
 
     def ConfirmAssignment(
@@ -105,7 +108,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         for h in verdict.confirm:
             self.db.run_write(partial(runs.confirm_assignment, run_id=h.run_id, token=h.token))
             log.info("repaired lost confirm of %s from a heartbeat", h.run_id)
-        epoch = self.leader_epoch()
+        epoch = verdict.leader_epoch  # the lease's, also when this replica is standby
         return pb.HeartbeatResponse(
             leader_epoch=epoch,
             reregister=not verdict.known,

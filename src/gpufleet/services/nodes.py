@@ -12,7 +12,7 @@ from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
 from gpufleet.domain.states import RUN_ACTIVE, Machine, NodeStatus, RunStatus
 from gpufleet.domain.types import GpuDevice
 from gpufleet.services.jobs import forget_fleet_shapes
-from gpufleet.store import allocate
+from gpufleet.store import allocate, leader
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
 from gpufleet.store.transitions import record_event, transition
@@ -125,6 +125,8 @@ class HeartbeatVerdict:
     """Runs the agent must stop: unknown, stale token, or terminal in the database."""
     confirm: tuple[HeartbeatRun, ...] = ()
     """Runs the agent runs whose confirmation was lost: confirm them (lost ack != lost work)."""
+    leader_epoch: int = 0
+    """The current lease's epoch (the agent believes it; see ``agent.core``)."""
 
 
 def heartbeat(
@@ -132,11 +134,12 @@ def heartbeat(
 ) -> HeartbeatVerdict:
     """Record liveness and compare the agent's running set with the database."""
     now = db_now(session)
+    epoch = leader.current_epoch(session)
     node = session.get(NodeRow, node_id)
     if node is None:
-        return HeartbeatVerdict(known=False)
-    if agent_epoch < node.agent_epoch:
-        return HeartbeatVerdict(known=True)  # a stale agent process; its successor speaks
+        return HeartbeatVerdict(known=False, leader_epoch=epoch)
+    if agent_epoch < node.agent_epoch:  # a stale agent process; its successor speaks
+        return HeartbeatVerdict(known=True, leader_epoch=epoch)
     session.execute(update(NodeRow).where(NodeRow.id == node_id).values(last_heartbeat_at=now))
     if node.status == NodeStatus.SUSPECT:
         transition(
@@ -150,7 +153,7 @@ def heartbeat(
             node_id=node_id,
         )
     if not running:
-        return HeartbeatVerdict(known=True)
+        return HeartbeatVerdict(known=True, leader_epoch=epoch)
     rows = {
         r.id: (r, cur, epoch)
         for r, cur, epoch in session.execute(
@@ -172,7 +175,9 @@ def heartbeat(
                 stop.append(h)
         elif run.status == RunStatus.ASSIGNED and h.state == "RUNNING":
             confirm.append(h)
-    return HeartbeatVerdict(known=True, stop=tuple(stop), confirm=tuple(confirm))
+    return HeartbeatVerdict(
+        known=True, stop=tuple(stop), confirm=tuple(confirm), leader_epoch=epoch
+    )
 
 
 def set_node_status(session: Session, node_id: str, to: NodeStatus, *, message: str) -> str:
