@@ -37,6 +37,16 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = 10.0
     suspect_after_missed: int = Field(default=3, description="Missed heartbeats before SUSPECT.")
     confirm_timeout_s: float = Field(default=30.0, description="RESERVED this long -> reconcile.")
+    fence_timeout_s: float = Field(
+        default=60.0,
+        description="A node silent this long is fenced: its attempts FENCED and re-placed, its"
+        " GPUs QUARANTINED until the agent reports the runs gone or an operator fences it.",
+    )
+    max_node_failures: int = Field(
+        default=3,
+        description="Attempts a job may lose to its node (node fenced, node-caused start"
+        " failure) before it fails; separate from the job's own max_retries.",
+    )
     scheduler_tick_s: float = Field(
         default=1.0, description="Scheduler pass period without wake-ups."
     )

@@ -26,8 +26,12 @@ def database_url_for(request: pytest.FixtureRequest) -> str | None:
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def fleet(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fleet]:
     """A running platform (controller + API) on SQLite or PostgreSQL; agents are started by
-    the test. A test module may define ``fleet_settings`` (a dict of Settings overrides)."""
-    overrides: dict[str, Any] = getattr(request.module, "fleet_settings", {})
+    the test. Settings overrides: a module's ``fleet_settings`` dict, then a test's
+    ``@pytest.mark.fleet_settings(name=value, ...)``."""
+    overrides: dict[str, Any] = dict(getattr(request.module, "fleet_settings", {}))
+    marker = request.node.get_closest_marker("fleet_settings")
+    if marker is not None:
+        overrides.update(marker.kwargs)
     f = Fleet(tmp_path, database_url_for(request), **overrides).start()
     try:
         yield f

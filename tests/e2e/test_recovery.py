@@ -185,3 +185,114 @@ def test_a_deposed_leaders_late_assign_leaves_the_running_attempt_running(fleet:
     assert got["status"] == "CANCELLED", got
     assert fleet.check() == []
     assert fleet.node("a1")["available_gpus"] == 8
+
+
+def _kill_group_of(pidfile: Any) -> int:
+    import os
+
+    pgid = int(pidfile.read_text())
+    os.killpg(pgid, signal.SIGKILL)
+    return pgid
+
+
+def _group_alive(pgid: int) -> bool:
+    from gpufleet.agent.procfs import group_members
+
+    return bool(group_members(pgid))
+
+
+FENCE_S = 6.0
+
+
+@pytest.mark.fleet_settings(fence_timeout_s=FENCE_S)
+def test_a_dead_nodes_jobs_are_replaced_and_its_gpus_quarantined(fleet: Fleet) -> None:
+    """Issue 7, failure 3: a node that never comes back. Its running job, a job placed on it
+    just after it died, and a cancelled job placed there: within fence timeout + one pass
+    the first two run elsewhere under a higher token (no user retry used) and the cancelled
+    one is CANCELLED; the dead node's GPUs stay QUARANTINED until an operator fences it."""
+    from gpufleet.services import nodes
+
+    fleet.start_agent("a1")
+    fleet.start_agent("a2")
+    marker = marker_of(fleet)
+    pidfile = fleet.tmp / "j.pgid"
+    code = (
+        "import os, time;"
+        f" open({str(pidfile)!r}, 'w').write(str(os.getpgid(0))); time.sleep(600)"
+    )
+    sleeper = py("import time; time.sleep(600)", marker)
+    j = fleet.submit({"command": py(code, marker), "gpu_count": 4, "max_retries": 0})
+    first = fleet.wait_status(j, {"RUNNING"})["attempts"][0]
+    dead = first["node_id"]
+    alive = "a2" if dead == "a1" else "a1"
+    fleet.wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the job's pgid")
+    fleet.kill_agent(dead)  # the machine dies: its agent and its jobs
+    _kill_group_of(pidfile)
+    died = time.monotonic()
+    k = fleet.submit({"command": sleeper, "gpu_count": 2, "max_retries": 0})
+    cancelled = fleet.submit({"command": sleeper, "gpu_count": 2})
+    assert fleet.wait_status(k, {"SCHEDULED"})["attempts"][0]["node_id"] == dead
+    assert fleet.wait_status(cancelled, {"SCHEDULED"})["attempts"][0]["node_id"] == dead
+    with fleet.http() as c:
+        assert c.delete(f"/v1/jobs/{cancelled}").status_code == 202
+
+    def replaced(job_id: str) -> bool:
+        got = fleet.job(job_id)
+        return got["status"] == "RUNNING" and got["attempts"][-1]["node_id"] == alive
+
+    fleet.wait_for(lambda: replaced(j) and replaced(k), 60, "re-placement on the live node")
+    elapsed = time.monotonic() - died
+    assert elapsed <= FENCE_S + 4.0, f"re-placed {elapsed:.1f} s after the node died"
+    for job_id in (j, k):
+        old, new = fleet.job(job_id)["attempts"]
+        assert old["status"] == "FENCED" and old["node_id"] == dead
+        assert new["token"] > old["token"]
+    assert fleet.wait_status(cancelled, TERMINAL, timeout_s=10)["status"] == "CANCELLED"
+    node = fleet.node(dead)
+    assert node["status"] == "QUARANTINED"
+    assert node["available_gpus"] == 0  # 4 + 2 + 2 quarantined: nobody said they are gone
+    assert fleet.check() == []
+    time.sleep(2)
+    assert fleet.node(dead)["available_gpus"] == 0
+
+    # the operator confirms the machine is dead: the GPUs are offered again
+    fenced, back = fleet.db.run_write(
+        lambda s: nodes.operator_fence(s, dead, reason="machine replaced", max_node_failures=3)
+    )
+    assert (fenced, back) == ([], 8)
+    node = fleet.node(dead)
+    assert (node["status"], node["available_gpus"]) == ("FENCED", 8)
+    assert fleet.check() == []
+
+
+@pytest.mark.fleet_settings(fence_timeout_s=FENCE_S)
+def test_a_returning_agent_kills_its_fenced_run_before_the_gpus_come_back(fleet: Fleet) -> None:
+    """A node frozen past the fence timeout: its job is re-placed elsewhere; when the agent
+    comes back it kills the fenced attempt (its process group verified gone) and only then
+    are the quarantined GPUs offered again and the node HEALTHY."""
+    fleet.start_agent("a1")
+    fleet.start_agent("a2")
+    marker = marker_of(fleet)
+    pidfile = fleet.tmp / "j.pgid"
+    code = (
+        "import os, time;"
+        f" open({str(pidfile)!r}, 'w').write(str(os.getpgid(0))); time.sleep(600)"
+    )
+    j = fleet.submit({"command": py(code, marker), "gpu_count": 4})
+    first = fleet.wait_status(j, {"RUNNING"})["attempts"][0]
+    frozen = first["node_id"]
+    fleet.wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the job's pgid")
+    pgid = int(pidfile.read_text())
+    pidfile.unlink()
+    fleet.signal_agent(frozen, signal.SIGSTOP)
+    fleet.wait_for(lambda: len(fleet.job(j)["attempts"]) == 2, 60, "the job to be re-placed")
+    assert fleet.node(frozen)["status"] == "QUARANTINED"
+    assert _group_alive(pgid), "the fenced attempt's processes still run on the frozen node"
+    assert fleet.node(frozen)["available_gpus"] == 4
+    fleet.signal_agent(frozen, signal.SIGCONT)
+    fleet.wait_for(lambda: fleet.node(frozen)["status"] == "HEALTHY", 60, "the node back")
+    assert not _group_alive(pgid), "GPUs offered while the fenced run still lives"
+    assert fleet.node(frozen)["available_gpus"] == 8
+    got = fleet.job(j)
+    assert got["status"] == "RUNNING" and got["attempts"][0]["status"] == "FENCED"
+    assert fleet.check() == []

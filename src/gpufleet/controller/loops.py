@@ -374,7 +374,7 @@ verify the completion report is coming."""
 
 def stop_backoff_s(failures: int, rng: random.Random) -> float:
     """Seconds before the next StopRun after ``failures`` consecutive failed sends."""
-    return min(STOP_RETRY_CAP_S, STOP_RETRY_BASE_S * 2 ** max(0, failures)) * rng.uniform(0.5, 1)
+    return min(STOP_RETRY_CAP_S, STOP_RETRY_BASE_S * 2.0 ** max(0, failures)) * rng.uniform(0.5, 1)
 
 
 @dataclass
@@ -526,7 +526,7 @@ class StopDriver:
         if resp is None or resp.result == pb.StopRunResponse.REJECTED_STALE:
             return None
         if resp.result == pb.StopRunResponse.STOPPING:
-            return self.settings.default_grace_s + STOP_VERIFY_EXTRA_S
+            return float(self.settings.default_grace_s) + STOP_VERIFY_EXTRA_S
         if resp.result == pb.StopRunResponse.ALREADY_EXITED:
             return STOP_VERIFY_EXTRA_S  # the agent's completion report is on its way
         if resp.result == pb.StopRunResponse.NOT_FOUND:
@@ -613,8 +613,18 @@ def send_stop(
 
 
 class Reconciler:
-    """Silence -> SUSPECT (never a release); undelivered or unconfirmed assignments -> AssignJob
-    again (idempotent per run_id, seed DD2)."""
+    """The failure detector and the reconciler of undelivered work.
+
+    * Silence for ``heartbeat_interval_s x suspect_after_missed`` -> SUSPECT: no placements,
+      nothing released (silence is a question, not an answer).
+    * Silence for ``fence_timeout_s`` -> the node's attempts are fenced in one leader-fenced
+      transaction (:func:`services.nodes.fence_node`): FENCED, jobs re-placed elsewhere with a
+      higher token, GPUs QUARANTINED until the agent reports the runs gone or an operator
+      confirms the node dead. The scheduler is woken at once.
+    * Undelivered or unconfirmed assignments on reachable nodes -> AssignJob again (idempotent
+      per run_id, seed DD2); the agent's answer settles them (started, failed to start, or
+      refused and tombstoned -> NEVER_STARTED).
+    """
 
     def __init__(
         self,
@@ -622,8 +632,10 @@ class Reconciler:
         settings: Settings,
         leadership: Leadership,
         dispatch: Callable[[str], None],
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.db, self.settings, self.leadership, self.dispatch = db, settings, leadership, dispatch
+        self.on_change = on_change
 
     def run_pass(self) -> None:
         if not self.leadership.is_leader:
@@ -632,6 +644,29 @@ class Reconciler:
         suspects = self.db.run_write(lambda s: nodes.mark_silent_nodes_suspect(s, silent_s))
         for node_id in suspects:
             log.warning("node %s is SUSPECT: no heartbeat for %.0f s", node_id, silent_s)
+        try:
+            fenced = self.db.run_write(
+                partial(
+                    nodes.fence_silent_nodes,
+                    silent_for_s=max(self.settings.fence_timeout_s, silent_s),
+                    max_node_failures=self.settings.max_node_failures,
+                    leader_holder=self.leadership.holder,
+                    leader_epoch=self.leadership.epoch,
+                )
+            )
+        except NotLeader:
+            self.leadership.epoch = 0
+            return
+        for node_id, runs_fenced in fenced.items():
+            log.warning(
+                "node %s fenced after %.0f s of silence: %d attempt(s) fenced %s",
+                node_id,
+                self.settings.fence_timeout_s,
+                len(runs_fenced),
+                [(f.run_id, f.job_status) for f in runs_fenced],
+            )
+        if fenced:
+            self.on_change()
         with self.db.read() as s:
             now = db_now(s)
             cutoff = now - timedelta(seconds=self.settings.confirm_timeout_s)

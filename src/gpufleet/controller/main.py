@@ -38,7 +38,9 @@ class Controller:
         self.scheduler = Scheduler(db, self.store, settings, self.leadership, self.agents, policy)
         self.stops = StopDriver(db, self.store, settings, self.leadership, self.agents)
         self.scheduler.stops = self.stops
-        self.reconciler = Reconciler(db, settings, self.leadership, self.scheduler.dispatch)
+        self.reconciler = Reconciler(
+            db, settings, self.leadership, self.scheduler.dispatch, on_change=waker.wake
+        )
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._server: grpc.Server | None = None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from gpufleet.domain.states import (
     JOB_TERMINAL,
     RESERVATION_ACTIVE,
+    RESERVATION_LIVE,
     RUN_ACTIVE,
 )
 
@@ -89,7 +90,9 @@ def check_invariants(view: InvariantView) -> list[Violation]:
     active = [r for r in view.reservations if r.status in RESERVATION_ACTIVE]
     out.extend(_capacity_adds_up(view.nodes, active))
     out.extend(_gpus_held_once(view.nodes, active))
-    out.extend(_one_authoritative_attempt(view.jobs, view.runs, active))
+    # a QUARANTINED reservation holds GPUs of its node (1, 2) but belongs to no job (3)
+    live = [r for r in active if r.status in RESERVATION_LIVE]
+    out.extend(_one_authoritative_attempt(view.jobs, view.runs, live))
     out.extend(_one_accepted_completion(view.runs))
     return out
 

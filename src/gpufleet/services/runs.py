@@ -8,8 +8,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.manifest import MANIFEST_NAME, Manifest
@@ -231,8 +232,20 @@ def complete_run(
         if run is None:
             return CompletionResult.STALE, "unknown run"
         job_id = run.job_id
-        if run.status in RUN_TERMINAL:
+        fenced = run.status == RunStatus.FENCED
+        if run.status in RUN_TERMINAL and not (fenced and not inferred):
             return CompletionResult.ACCEPTED, f"already committed as {run.status}"
+    if fenced:  # the agent's word that a fenced run's processes are gone: GPUs come back
+        gpus = db.run_write(
+            partial(
+                allocate.release,
+                run_id=report.run_id,
+                now=None,
+                message=f"agent reported the fenced run {report.outcome.lower()}",
+                only_quarantined=True,
+            )
+        )
+        return CompletionResult.STALE, f"the attempt was fenced; {gpus} GPU(s) released"
     verified = Verified(True)
     if report.outcome != Outcome.NEVER_STARTED:
         verified = verify_manifest(store, job_id, report)
@@ -253,7 +266,9 @@ def complete_run(
             return CompletionResult.STALE, "the attempt was confirmed running; not overridden"
         current = job.current_run_id == run.id and job.fencing_epoch == run.token
         run_to, job_to, why = _decide(session, run, job, report, verified, current)
+        blame = "job" if run_to == RunStatus.FAILED else None
         values = {
+            "charged_to": "system" if inferred else blame,
             "finished_at": now,
             "exit_code": report.exit_code if report.outcome != Outcome.NEVER_STARTED else None,
             "manifest_uri": report.manifest_uri or None,
@@ -362,7 +377,12 @@ def _failed_next(session: Session, job: JobRow, current: bool) -> JobStatus | No
     failed_before = session.execute(
         select(func.count())
         .select_from(JobRunRow)
-        .where(JobRunRow.job_id == job.id, JobRunRow.status == RunStatus.FAILED)
+        .where(
+            JobRunRow.job_id == job.id,
+            JobRunRow.status == RunStatus.FAILED,
+            # failures the node or the system caused do not consume the job's retries
+            or_(JobRunRow.charged_to.is_(None), JobRunRow.charged_to == "job"),
+        )
     ).scalar_one()
     max_retries = int(job.spec.get("max_retries") or 0)
     return JobStatus.PENDING if failed_before < max_retries else JobStatus.FAILED

@@ -19,7 +19,13 @@ from gpufleet.domain.invariants import (
     Violation,
     check_invariants,
 )
-from gpufleet.domain.states import JobStatus, NodeStatus, ReservationStatus, RunStatus
+from gpufleet.domain.states import (
+    RESERVATION_ACTIVE,
+    JobStatus,
+    NodeStatus,
+    ReservationStatus,
+    RunStatus,
+)
 from gpufleet.domain.types import PriorityClass, Resources
 from gpufleet.policy.snapshot import (
     BackfillReservation,
@@ -276,11 +282,7 @@ def load_invariant_view(session: Session) -> InvariantView:
     reservations = tuple(
         ReservationView(r.id, r.run_id, r.job_id, r.node_id, tuple(r.gpu_ids), r.status)
         for r in session.scalars(
-            select(ReservationRow).where(
-                ReservationRow.status.in_(
-                    [ReservationStatus.RESERVED, ReservationStatus.CONFIRMED]
-                )
-            )
+            select(ReservationRow).where(ReservationRow.status.in_(sorted(RESERVATION_ACTIVE)))
         )
     )
     jobs = tuple(
