@@ -51,6 +51,11 @@ class Settings(BaseSettings):
         default=1.0, description="Scheduler pass period without wake-ups."
     )
     default_grace_s: float = Field(default=30.0, description="SIGTERM -> SIGKILL grace for stops.")
+    agent_disk_reserve_mb: int = Field(
+        default=1024,
+        description="An agent whose state or scratch directory has less free space (MiB)"
+        " refuses new work and reports itself UNHEALTHY (0 = no check).",
+    )
     leader_lease_s: float = 15.0
     reservation_lease_s: float = 60.0
 

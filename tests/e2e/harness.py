@@ -77,13 +77,23 @@ class Fleet:
         self.api.start_in_thread()
         return self
 
-    def start_agent(self, node_id: str, gpus: str = "8xH100-80GB", wait: bool = True) -> None:
+    def start_agent(
+        self,
+        node_id: str,
+        gpus: str = "8xH100-80GB",
+        wait: bool = True,
+        *,
+        state_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        state_dir = state_dir or self.tmp / "agents" / node_id
         env = dict(
             os.environ,
             GPUFLEET_DATA_DIR=str(self.tmp),
             GPUFLEET_CONTROLLER_ADDRESS=self.settings.controller_address,
             GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
             GPUFLEET_DEFAULT_GRACE_S=str(self.settings.default_grace_s),
+            **(env or {}),
         )
         log = open(self.tmp / f"agent-{node_id}.log", "ab")  # noqa: SIM115
         self.agents[node_id] = subprocess.Popen(
@@ -97,7 +107,7 @@ class Fleet:
                 "--gpus",
                 gpus,
                 "--state-dir",
-                str(self.tmp / "agents" / node_id),
+                str(state_dir),
             ],
             env=env,
             stdout=log,

@@ -296,3 +296,66 @@ def test_a_returning_agent_kills_its_fenced_run_before_the_gpus_come_back(fleet:
     got = fleet.job(j)
     assert got["status"] == "RUNNING" and got["attempts"][0]["status"] == "FENCED"
     assert fleet.check() == []
+
+
+FILL = """
+import os, sys, time
+fd = os.open('fill', os.O_WRONLY | os.O_CREAT, 0o600)
+try:
+    while True:
+        os.write(fd, b'x' * 65536)
+except OSError:
+    pass
+go = sys.argv[1]
+while not os.path.exists(go):
+    time.sleep(0.1)
+sys.exit(3)
+"""
+
+
+def test_a_full_disk_makes_the_node_unhealthy_keeps_the_exit_code_and_uses_no_retry(
+    fleet: Fleet,
+) -> None:
+    """Issue 7, failure 4, with a real full disk (a 24 MiB tmpfs as the agent's state dir,
+    reserve 8 MiB): the node turns UNHEALTHY and gets no new work (a job refused there is
+    re-placed without using its retry), the job that filled the disk keeps its real exit
+    code 3, and once its files are collected after upload the node is HEALTHY again."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = fleet.tmp / "small-disk"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], check=True)
+    try:
+        fleet.start_agent("a1", state_dir=mnt, env={"GPUFLEET_AGENT_DISK_RESERVE_MB": "8"})
+        go = fleet.tmp / "go"
+        filler = fleet.submit(
+            {"command": [sys.executable, "-c", FILL, str(go)], "gpu_count": 1, "max_retries": 0}
+        )
+        fleet.wait_for(lambda: fleet.node("a1")["status"] == "UNHEALTHY", 60, "a1 UNHEALTHY")
+        assert "disk" in (fleet.node("a1")["status_reason"] or "")
+        nxt = fleet.submit({"command": py("print('ok')", marker_of(fleet)), "gpu_count": 1})
+        time.sleep(3)
+        waiting = fleet.job(nxt)
+        assert waiting["status"] == "PENDING", waiting
+        for a in waiting["attempts"]:  # refused on a1 before its heartbeat said so
+            assert a["status"] == "FAILED" and "node unhealthy" in (a["message"] or "")
+        fleet.start_agent("a2")
+        done = fleet.wait_status(nxt, TERMINAL, timeout_s=60)
+        assert done["status"] == "SUCCEEDED", done  # max_retries 0: no retry was used
+        assert done["attempts"][-1]["node_id"] == "a2"
+        go.touch()
+        ended = fleet.wait_status(filler, TERMINAL, timeout_s=60)
+        assert ended["status"] == "FAILED"
+        assert ended["attempts"][0]["exit_code"] == 3, ended
+        # the disk was really full: the shim could not write its exit file
+        agent_log = (fleet.tmp / "agent-a1.log").read_text()
+        assert "exit code from the shim's status" in agent_log + str(ended), agent_log
+        fleet.wait_for(lambda: fleet.node("a1")["status"] == "HEALTHY", 60, "a1 HEALTHY")
+        assert fleet.check() == []
+    finally:
+        if "a1" in fleet.agents:
+            fleet.kill_agent("a1", signal.SIGTERM)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -146,6 +146,7 @@ def run_agent(
         streamer=streamer,
         inventory=inventory,
         default_grace_s=settings.default_grace_s,
+        disk_reserve_mb=settings.agent_disk_reserve_mb,
     )
     channel = grpc.insecure_channel(settings.controller_address)
     stub = pb_grpc.ControllerStub(channel)

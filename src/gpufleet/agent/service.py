@@ -172,6 +172,8 @@ class ControllerLink:
                 running=self.core.run_refs(),
                 free_gpus=self.core.free_gpus(),
                 health=self.core.health(),
+                disk_free_mb=self.core.runner.disk_free_mb(),
+                recent_start_failures=self.core.recent_start_failures(),
             ),
             timeout=CALL_TIMEOUT_S,
         )

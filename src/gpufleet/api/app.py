@@ -310,6 +310,8 @@ def create_app(state: AppState) -> FastAPI:
                         address=n.address,
                         last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
                         agent_epoch=n.agent_epoch,
+                        status_reason=n.status_reason,
+                        health=n.health,
                     )
                     for n, c in rows
                 ]

@@ -195,6 +195,10 @@ class NodeOut(BaseModel):
     address: str
     last_heartbeat_at: str | None
     agent_epoch: int
+    status_reason: str | None = None
+    """Why the node is not HEALTHY (cordon reason, failed health check, fence)."""
+    health: dict[str, Any] | None = None
+    """The agent's last health report: health, disk_free_mb, recent_start_failures."""
 
 
 class NodeList(BaseModel):

@@ -301,6 +301,24 @@ class Scheduler:
         except Exception:
             log.exception("dispatch of %s failed", run_id)
             return
+        if resp.result == pb.AssignJobResponse.NODE_UNHEALTHY:
+            # nothing was logged or started, and the agent refuses later copies: re-place the
+            # job elsewhere, charged to the node (no user retry), and stop placing there
+            log.warning("agent %s refused %s: %s", node_id, run_id, resp.message)
+            self.db.run_write(
+                partial(nodes.mark_unhealthy, node_id=node_id, reason=resp.message)
+            )
+            record_never_started(
+                self.db,
+                self.store,
+                self.leadership,
+                run_id=run_id,
+                token=req.token,
+                message=resp.message or "node unhealthy",
+                node_fault=True,
+                max_node_failures=self.settings.max_node_failures,
+            )
+            return
         if resp.result == pb.AssignJobResponse.REJECTED_STALE:
             # the agent refused a run_id it had not logged (and tombstoned it): it never
             # started. Leader-fenced: a deposed leader's late answer writes nothing, and a
@@ -554,6 +572,8 @@ def record_never_started(
     run_id: str,
     token: int,
     message: str,
+    node_fault: bool = False,
+    max_node_failures: int = 3,
 ) -> tuple[runs.CompletionResult | None, str]:
     """End an attempt the agent says it never had (NEVER_STARTED), leader-fenced; never
     overrides a confirmed attempt. Returns (result, message); result None when this
@@ -570,6 +590,7 @@ def record_never_started(
         exit_code=0,
         manifest_uri="",
         message=message,
+        node_fault=node_fault,
     )
     try:
         return runs.complete_run(
@@ -578,6 +599,7 @@ def record_never_started(
             report,
             leader=(leadership.holder, leadership.epoch),
             inferred=True,
+            max_node_failures=max_node_failures,
         )
     except NotLeader as exc:
         return None, str(exc)

@@ -99,10 +99,17 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         running = [
             nodes.HeartbeatRun(r.run_id, r.job_id, r.token, r.state) for r in request.running
         ]
+        health = nodes.NodeHealth(
+            health=request.health or "HEALTHY",
+            disk_free_mb=dict(request.disk_free_mb),
+            recent_start_failures=request.recent_start_failures,
+        )
         verdict = _guard(
             context,
             lambda: self.db.run_write(
-                lambda s: nodes.heartbeat(s, request.node_id, request.agent_epoch, running)
+                lambda s: nodes.heartbeat(
+                    s, request.node_id, request.agent_epoch, running, health
+                )
             ),
         )
         for h in verdict.confirm:
@@ -131,6 +138,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             exit_code=request.exit_code,
             manifest_uri=request.manifest_uri,
             message=request.message,
+            node_fault=request.node_fault,
         )
         result, message = _guard(context, lambda: runs.complete_run(self.db, self.store, report))
         log.info(

@@ -137,10 +137,27 @@ class HeartbeatVerdict:
     """The current lease's epoch (the agent believes it; see ``agent.core``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class NodeHealth:
+    """What the agent says about itself in a heartbeat."""
+
+    health: str = "HEALTHY"
+    """``HEALTHY`` or what is wrong (``node unhealthy: disk: ...``, ``UNKILLABLE: ...``)."""
+    disk_free_mb: dict[str, int] | None = None
+    recent_start_failures: int = 0
+
+
 def heartbeat(
-    session: Session, node_id: str, agent_epoch: int, running: list[HeartbeatRun]
+    session: Session,
+    node_id: str,
+    agent_epoch: int,
+    running: list[HeartbeatRun],
+    health: NodeHealth | None = None,
 ) -> HeartbeatVerdict:
-    """Record liveness and compare the agent's running set with the database."""
+    """Record liveness and health and compare the agent's running set with the database.
+
+    A health other than ``HEALTHY`` makes a HEALTHY node UNHEALTHY (no placements; the
+    reason is shown by ``why`` and ``gpufleet nodes``); ``HEALTHY`` again restores it."""
     now = db_now(session)
     epoch = leader.current_epoch(session)
     node = session.get(NodeRow, node_id)
@@ -148,7 +165,16 @@ def heartbeat(
         return HeartbeatVerdict(known=False, leader_epoch=epoch)
     if agent_epoch < node.agent_epoch:  # a stale agent process; its successor speaks
         return HeartbeatVerdict(known=True, leader_epoch=epoch)
-    session.execute(update(NodeRow).where(NodeRow.id == node_id).values(last_heartbeat_at=now))
+    values: dict[str, object] = {"last_heartbeat_at": now}
+    if health is not None:
+        values["health"] = {
+            "health": health.health,
+            "disk_free_mb": dict(health.disk_free_mb or {}),
+            "recent_start_failures": health.recent_start_failures,
+        }
+    session.execute(update(NodeRow).where(NodeRow.id == node_id).values(**values))
+    if health is not None:
+        apply_health(session, node, health.health, now=now)
     # fenced runs the agent no longer lists are gone (it kills a fenced run it still has,
     # through the stop list below, before it stops listing it): their GPUs come back
     release_gone_quarantined(
@@ -513,3 +539,45 @@ def operator_fence(
         session, node_id, None, message=f"operator confirmed the node dead: {reason}"
     )
     return fenced, back
+
+
+def apply_health(session: Session, node: NodeRow, health: str, *, now: datetime) -> None:
+    """HEALTHY/SUSPECT -> UNHEALTHY on a failed check, UNHEALTHY -> HEALTHY when it passes;
+    other statuses (an operator's cordon, quarantine) are left alone."""
+    if health != "HEALTHY" and node.status in (NodeStatus.HEALTHY, NodeStatus.SUSPECT):
+        transition(
+            session,
+            Machine.NODE,
+            node.id,
+            NodeStatus.UNHEALTHY,
+            now=now,
+            frm=[node.status],
+            values={"status_reason": health},
+            node_id=node.id,
+            message=health,
+        )
+    elif health != "HEALTHY" and node.status == NodeStatus.UNHEALTHY:
+        if node.status_reason != health:
+            session.execute(
+                update(NodeRow).where(NodeRow.id == node.id).values(status_reason=health)
+            )
+    elif health == "HEALTHY" and node.status == NodeStatus.UNHEALTHY:
+        transition(
+            session,
+            Machine.NODE,
+            node.id,
+            NodeStatus.HEALTHY,
+            now=now,
+            frm=[NodeStatus.UNHEALTHY],
+            values={"status_reason": None},
+            node_id=node.id,
+            message="health check passed",
+        )
+
+
+def mark_unhealthy(session: Session, node_id: str, reason: str) -> None:
+    """The agent refused work as unhealthy (e.g. its disk): no placements there until its
+    heartbeat reports HEALTHY again."""
+    node = session.get(NodeRow, node_id, with_for_update=True)
+    if node is not None:
+        apply_health(session, node, reason or "node unhealthy", now=db_now(session))

@@ -168,6 +168,13 @@ class Report:
     exit_code: int
     manifest_uri: str
     message: str = ""
+    node_fault: bool = False
+    """NEVER_STARTED because of the node: charged to the node, not the job's retries."""
+
+
+NODE_FAULTS_TO_CORDON = 3
+NODE_FAULT_WINDOW_S = 600.0
+"""A node charged with this many start failures within this window is cordoned."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +218,7 @@ def complete_run(
     *,
     leader: tuple[str, int] | None = None,
     inferred: bool = False,
+    max_node_failures: int = 3,
 ) -> tuple[CompletionResult, str]:
     """Commit one attempt's end, once. Returns (result, message).
 
@@ -267,8 +275,13 @@ def complete_run(
         current = job.current_run_id == run.id and job.fencing_epoch == run.token
         run_to, job_to, why = _decide(session, run, job, report, verified, current)
         blame = "job" if run_to == RunStatus.FAILED else None
+        node_fault = report.node_fault and report.outcome == Outcome.NEVER_STARTED
+        if node_fault and run_to == RunStatus.FAILED:
+            blame = "node"
+            if current and job_to in (JobStatus.PENDING, JobStatus.FAILED):
+                job_to, why = _after_node_fault(session, job, why, max_node_failures)
         values = {
-            "charged_to": "system" if inferred else blame,
+            "charged_to": "system" if inferred and blame != "node" else blame,
             "finished_at": now,
             "exit_code": report.exit_code if report.outcome != Outcome.NEVER_STARTED else None,
             "manifest_uri": report.manifest_uri or None,
@@ -324,6 +337,8 @@ def complete_run(
                 run_id=run.id,
                 message=why,
             )
+        if blame == "node":
+            _cordon_if_failing(session, run.node_id, now)
         if not verified.ok and report.outcome == Outcome.EXITED and report.exit_code == 0:
             return CompletionResult.REJECTED, why
         return CompletionResult.ACCEPTED, why
@@ -366,6 +381,64 @@ def _decide(
     else:
         why = f"exited with code {report.exit_code}"
     return RunStatus.FAILED, _failed_next(session, job, current), why
+
+
+def _after_node_fault(
+    session: Session, job: JobRow, why: str, max_node_failures: int
+) -> tuple[JobStatus, str]:
+    """A start failure the node caused: the job goes back to PENDING (no user retry used)
+    while it has lost at most ``max_node_failures`` attempts to nodes."""
+    if job.cancel_requested:
+        return JobStatus.CANCELLED, why
+    session.flush()
+    lost = session.execute(
+        select(func.count())
+        .select_from(JobRunRow)
+        .where(JobRunRow.job_id == job.id, JobRunRow.charged_to == "node")
+    ).scalar_one()
+    if lost < max_node_failures:  # this attempt is not flushed as charged yet
+        return JobStatus.PENDING, f"{why} (the node's fault: re-placed, no retry used)"
+    return JobStatus.FAILED, f"{why} (lost {lost + 1} attempts to failed nodes)"
+
+
+def _cordon_if_failing(session: Session, node_id: str, now: datetime) -> None:
+    """Cordon a node charged with NODE_FAULTS_TO_CORDON start failures in the window."""
+    from datetime import timedelta
+
+    from gpufleet.domain.states import NodeStatus
+    from gpufleet.store.tables import NodeRow
+
+    session.flush()
+    recent = session.execute(
+        select(func.count())
+        .select_from(JobRunRow)
+        .where(
+            JobRunRow.node_id == node_id,
+            JobRunRow.charged_to == "node",
+            JobRunRow.status == RunStatus.FAILED,
+            JobRunRow.finished_at >= now - timedelta(seconds=NODE_FAULT_WINDOW_S),
+        )
+    ).scalar_one()
+    node = session.get(NodeRow, node_id, with_for_update=True)
+    if recent < NODE_FAULTS_TO_CORDON or node is None:
+        return
+    if node.status not in (NodeStatus.HEALTHY, NodeStatus.UNHEALTHY, NodeStatus.SUSPECT):
+        return
+    reason = (
+        f"auto-cordoned: {recent} start failures caused by the node in the last"
+        f" {NODE_FAULT_WINDOW_S:.0f} s"
+    )
+    transition(
+        session,
+        Machine.NODE,
+        node_id,
+        NodeStatus.CORDONED,
+        now=now,
+        frm=[node.status],
+        values={"status_reason": reason},
+        node_id=node_id,
+        message=reason,
+    )
 
 
 def _failed_next(session: Session, job: JobRow, current: bool) -> JobStatus | None:
