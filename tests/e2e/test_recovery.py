@@ -359,3 +359,46 @@ def test_a_full_disk_makes_the_node_unhealthy_keeps_the_exit_code_and_uses_no_re
         if "a1" in fleet.agents:
             fleet.kill_agent("a1", signal.SIGTERM)
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_reinstalled_node_rejoins_under_its_id_and_its_lost_job_runs_again(
+    fleet: Fleet,
+) -> None:
+    """Issue 7, failure 5: the node is re-installed (agent killed, its jobs gone, its state
+    dir wiped) and its agent starts again at agent epoch 1: it registers under its id, the
+    attempts it cannot know are fenced and the job runs again (a new attempt, higher token),
+    and the agent's log never claims the controller is unreachable."""
+    import shutil
+
+    fleet.start_agent("a1")
+    # restart once normally, so the controller knows agent epoch 2
+    fleet.kill_agent("a1", signal.SIGTERM)
+    fleet.start_agent("a1", wait=False)
+    fleet.wait_for(lambda: fleet.node("a1")["agent_epoch"] == 2, 30, "agent epoch 2")
+    marker = marker_of(fleet)
+    pidfile = fleet.tmp / "j.pgid"
+    code = (
+        "import os, time;"
+        f" open({str(pidfile)!r}, 'w').write(str(os.getpgid(0))); time.sleep(600)"
+    )
+    j = fleet.submit({"command": py(code, marker), "gpu_count": 4})
+    fleet.wait_status(j, {"RUNNING"})
+    fleet.wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the job's pgid")
+    fleet.kill_agent("a1")  # the machine is re-installed: agent, jobs and state are gone
+    _kill_group_of(pidfile)
+    pidfile.unlink()
+    shutil.rmtree(fleet.tmp / "agents" / "a1")  # re-installed: the state dir is gone
+    log = fleet.tmp / "agent-a1.log"
+    log.write_text("")
+    fleet.start_agent("a1", wait=False)
+    fleet.wait_for(lambda: fleet.node("a1")["agent_epoch"] == 1, 30, "the fresh agent")
+
+    def runs_again() -> bool:
+        got = fleet.job(j)
+        return got["status"] == "RUNNING" and len(got["attempts"]) >= 2
+
+    fleet.wait_for(runs_again, 60, "the job to run again")
+    old, new = fleet.job(j)["attempts"][:2]
+    assert old["status"] == "FENCED" and new["token"] > old["token"]
+    assert "not reachable" not in log.read_text()
+    assert fleet.check() == []

@@ -141,7 +141,15 @@ class ControllerLink:
             except grpc.RpcError as exc:
                 attempts += 1
                 if attempts in (1, 10) or attempts % 100 == 0:
-                    logger.warning("controller not reachable yet (%s); retrying", _code(exc))
+                    if _code(exc).split(":")[0] in _REFUSALS:
+                        # the controller answered: say what it objects to, not "unreachable"
+                        logger.error(
+                            "controller refused the registration of node %s: %s; retrying",
+                            self.node_id,
+                            _code(exc),
+                        )
+                    else:
+                        logger.warning("controller not reachable yet (%s); retrying", _code(exc))
                 self.stop_event.wait(delay)
                 delay = min(REGISTER_BACKOFF_MAX_S, delay * 2)
                 continue
@@ -211,6 +219,22 @@ class ControllerLink:
                 logger.exception("heartbeat handling failed")
 
 
+_REFUSALS = {
+    "INVALID_ARGUMENT",
+    "FAILED_PRECONDITION",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+}
+
+
 def _code(exc: grpc.RpcError) -> str:
+    """``CODE`` or, for the controller's refusals, ``CODE: details``."""
     code = getattr(exc, "code", None)
-    return code().name if callable(code) else str(exc)
+    if not callable(code):
+        return str(exc)
+    name = str(code().name)
+    details = getattr(exc, "details", None)
+    if name in _REFUSALS and callable(details):
+        return f"{name}: {details()}"
+    return name

@@ -8,7 +8,7 @@ from datetime import datetime
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
+from gpufleet.domain.errors import NotFound, ValidationFailed
 from gpufleet.domain.states import (
     RUN_ACTIVE,
     JobStatus,
@@ -38,9 +38,17 @@ class NodeInventory:
     inventory_source: str
 
 
-def register_node(session: Session, inv: NodeInventory) -> None:
+def register_node(session: Session, inv: NodeInventory, *, max_node_failures: int = 3) -> None:
     """Insert or refresh a node. A re-registration may change address, labels and epoch;
-    a changed GPU count is refused while GPUs are reserved (an operator must drain first)."""
+    a changed GPU count is refused while GPUs are reserved (an operator must drain first).
+
+    Agent epochs: a restarted agent registers with a higher epoch (its state dir keeps a
+    counter); the same epoch again is a retried registration. A *lower* epoch means the
+    agent's state dir was wiped (a re-installed node): it is accepted, but the agent cannot
+    know the attempts the database gave this node, so they are fenced at once (jobs re-placed,
+    GPUs QUARANTINED until the fresh agent's first heartbeat lists none of them), and the node
+    continues under the new epoch. Who may register as a node id is decided by its identity
+    (certificates), not by the epoch."""
     if not inv.gpus:
         raise ValidationFailed("a node must have at least one GPU", field="gpus")
     forget_fleet_shapes()
@@ -81,9 +89,25 @@ def register_node(session: Session, inv: NodeInventory) -> None:
         )
         return
     if inv.agent_epoch < node.agent_epoch:
-        raise Conflict(
-            f"agent epoch {inv.agent_epoch} < known {node.agent_epoch}", field="agent_epoch"
+        has_active = session.execute(
+            select(JobRunRow.id)
+            .where(JobRunRow.node_id == node.id, JobRunRow.status.in_(sorted(RUN_ACTIVE)))
+            .limit(1)
+        ).first()
+        fence_node(
+            session,
+            node.id,
+            reason=(
+                f"agent state lost (agent epoch {inv.agent_epoch} < known {node.agent_epoch}:"
+                " re-installed or wiped state dir)"
+            ),
+            max_node_failures=max_node_failures,
+            node_to=NodeStatus.QUARANTINED
+            if has_active
+            and node.status in (NodeStatus.HEALTHY, NodeStatus.SUSPECT, NodeStatus.UNHEALTHY)
+            else None,
         )
+        session.refresh(node)
     allocate.set_inventory(session, inv.node_id, inv.gpus)
     node.address, node.labels, node.cpu, node.memory_mb = (
         inv.address,
@@ -492,18 +516,19 @@ def fence_silent_nodes(
     rows = session.execute(
         select(NodeRow.id, NodeRow.status).where(
             NodeRow.last_heartbeat_at < cutoff,
-            NodeRow.status.in_(
-                [NodeStatus.SUSPECT, NodeStatus.CORDONED, NodeStatus.DRAINING]
-            ),
+            NodeRow.status.in_([NodeStatus.SUSPECT, NodeStatus.CORDONED, NodeStatus.DRAINING]),
         )
     ).all()
     out: dict[str, list[Fenced]] = {}
     for node_id, status in rows:
-        if status != NodeStatus.SUSPECT and not session.execute(
-            select(JobRunRow.id)
-            .where(JobRunRow.node_id == node_id, JobRunRow.status.in_(sorted(RUN_ACTIVE)))
-            .limit(1)
-        ).first():
+        if (
+            status != NodeStatus.SUSPECT
+            and not session.execute(
+                select(JobRunRow.id)
+                .where(JobRunRow.node_id == node_id, JobRunRow.status.in_(sorted(RUN_ACTIVE)))
+                .limit(1)
+            ).first()
+        ):
             continue
         out[node_id] = fence_node(
             session,
