@@ -42,6 +42,12 @@ class Settings(BaseSettings):
         description="A node silent this long is fenced: its attempts FENCED and re-placed, its"
         " GPUs QUARANTINED until the agent reports the runs gone or an operator fences it.",
     )
+    retry_backoff_s: float = Field(
+        default=10.0,
+        description="Backoff before a failed job's next attempt: retry_backoff_s x 2^(n-1)"
+        " after its n-th failure, times a jitter in [0.5, 1], capped at retry_backoff_cap_s.",
+    )
+    retry_backoff_cap_s: float = Field(default=300.0, description="Cap of the retry backoff.")
     max_node_failures: int = Field(
         default=3,
         description="Attempts a job may lose to its node (node fenced, node-caused start"

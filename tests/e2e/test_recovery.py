@@ -217,8 +217,7 @@ def test_a_dead_nodes_jobs_are_replaced_and_its_gpus_quarantined(fleet: Fleet) -
     marker = marker_of(fleet)
     pidfile = fleet.tmp / "j.pgid"
     code = (
-        "import os, time;"
-        f" open({str(pidfile)!r}, 'w').write(str(os.getpgid(0))); time.sleep(600)"
+        f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpgid(0))); time.sleep(600)"
     )
     sleeper = py("import time; time.sleep(600)", marker)
     j = fleet.submit({"command": py(code, marker), "gpu_count": 4, "max_retries": 0})
@@ -275,8 +274,7 @@ def test_a_returning_agent_kills_its_fenced_run_before_the_gpus_come_back(fleet:
     marker = marker_of(fleet)
     pidfile = fleet.tmp / "j.pgid"
     code = (
-        "import os, time;"
-        f" open({str(pidfile)!r}, 'w').write(str(os.getpgid(0))); time.sleep(600)"
+        f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpgid(0))); time.sleep(600)"
     )
     j = fleet.submit({"command": py(code, marker), "gpu_count": 4})
     first = fleet.wait_status(j, {"RUNNING"})["attempts"][0]
@@ -378,8 +376,7 @@ def test_a_reinstalled_node_rejoins_under_its_id_and_its_lost_job_runs_again(
     marker = marker_of(fleet)
     pidfile = fleet.tmp / "j.pgid"
     code = (
-        "import os, time;"
-        f" open({str(pidfile)!r}, 'w').write(str(os.getpgid(0))); time.sleep(600)"
+        f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpgid(0))); time.sleep(600)"
     )
     j = fleet.submit({"command": py(code, marker), "gpu_count": 4})
     fleet.wait_status(j, {"RUNNING"})
@@ -401,4 +398,70 @@ def test_a_reinstalled_node_rejoins_under_its_id_and_its_lost_job_runs_again(
     old, new = fleet.job(j)["attempts"][:2]
     assert old["status"] == "FENCED" and new["token"] > old["token"]
     assert "not reachable" not in log.read_text()
+    assert fleet.check() == []
+
+
+BACKOFF_S = 2.0
+
+
+@pytest.mark.fleet_settings(retry_backoff_s=BACKOFF_S)
+def test_retries_back_off_exponentially_and_why_says_so(fleet: Fleet) -> None:
+    """Issue 7, failure 6: a job that exits 3 is retried after an exponential backoff with
+    jitter (at least base x 2^(n-1) x 0.5 between attempts), and while it waits ``why``
+    says "retrying in N s after exit code 3"."""
+    fleet.start_agent("a1")
+    j = fleet.submit(
+        {
+            "command": py("import sys; sys.exit(3)", marker_of(fleet)),
+            "gpu_count": 1,
+            "max_retries": 2,
+        }
+    )
+    seen: list[str] = []
+
+    def backing_off() -> bool:
+        got = fleet.job(j)
+        reason = got.get("pending_reason") or {}
+        if reason.get("code") == "retry_backoff":
+            seen.append(reason["message"])
+        return got["status"] in TERMINAL
+
+    fleet.wait_for(backing_off, 60, "the job to use its retries")
+    got = fleet.job(j)
+    assert got["status"] == "FAILED"
+    assert [a["exit_code"] for a in got["attempts"]] == [3, 3, 3]
+    assert seen and all(
+        m.startswith("retrying in ") and m.endswith(" s after exit code 3") for m in seen
+    ), seen
+    ts = [
+        (
+            datetime.fromisoformat(a["created_at"].replace("Z", "+00:00")),
+            datetime.fromisoformat(a["finished_at"].replace("Z", "+00:00")),
+        )
+        for a in got["attempts"]
+    ]
+    for n in (1, 2):
+        gap = (ts[n][0] - ts[n - 1][1]).total_seconds()
+        assert gap >= BACKOFF_S * 2 ** (n - 1) * 0.5 - 0.05, (n, gap)
+
+
+def test_a_stop_sent_while_the_agent_restarts_lands_within_seconds(fleet: Fleet) -> None:
+    """Issue 7, failure 6: a cancel while the agent is down: once the agent is back, the
+    StopRun is re-sent within seconds (backoff), not after grace + 10 s."""
+    fleet.start_agent("a1")
+    j = fleet.submit(
+        {"command": py("import time; time.sleep(600)", marker_of(fleet)), "gpu_count": 1}
+    )
+    fleet.wait_status(j, {"RUNNING"})
+    fleet.kill_agent("a1")  # the job keeps running under its shim
+    with fleet.http() as c:
+        assert c.delete(f"/v1/jobs/{j}").status_code == 202
+    time.sleep(3)  # several StopRuns fail meanwhile
+    fleet.start_agent("a1", wait=False)
+    fleet.wait_for(lambda: fleet.node("a1")["agent_epoch"] == 2, 30, "the agent back")
+    back = time.monotonic()
+    got = fleet.wait_status(j, TERMINAL, timeout_s=60)
+    elapsed = time.monotonic() - back
+    assert got["status"] == "CANCELLED", got
+    assert elapsed <= 5.0 + GRACE_S, f"the stop landed {elapsed:.1f} s after the restart"
     assert fleet.check() == []

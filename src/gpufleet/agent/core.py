@@ -299,12 +299,14 @@ class AgentCore:
                 self._check_future_epoch(leader_epoch)
             except EpochFromTheFuture as exc:
                 return _stop(StopResult.REJECTED_STALE, str(exc))
-            if leader_epoch > self.log.leader_epoch:
-                self.log.append("leader_epoch", epoch=leader_epoch)
             rec = self.log.runs.get(run_id)
             if rec is None:
+                # the epoch of a stop for a run this node never had is not adopted: only the
+                # run_id is tombstoned (a stray or misaddressed call cannot fence this node)
                 self.log.note("tombstone", run_id, reason=reason)
                 return _stop(StopResult.NOT_FOUND, "never assigned here")
+            if leader_epoch > self.log.leader_epoch:
+                self.log.note("leader_epoch", epoch=leader_epoch)
             if token < rec.token:
                 return _stop(StopResult.REJECTED_STALE, f"stale token {token} < {rec.token}")
             if rec.status in (RunStatus.TOMBSTONED, RunStatus.FAILED_TO_START):

@@ -180,7 +180,9 @@ def create_app(state: AppState) -> FastAPI:
             out = _job_out(job, runs)
             if out.pending_reason is not None:
                 out.pending_reason.position = jobs.queue_position(s, job)
-                _drop_past_estimate(out.pending_reason, db_now(s))
+                now = db_now(s)
+                _count_down_backoff(out.pending_reason, now)
+                _drop_past_estimate(out.pending_reason, now)
             return out
 
     @app.get("/v1/jobs/{job_id}/events")
@@ -364,6 +366,17 @@ def _run_finished(db: Database, run_id: str) -> bool:
             select(JobRunRow.status).where(JobRunRow.id == run_id)
         ).scalar_one_or_none()
     return status is None or status in RUN_TERMINAL
+
+
+def _count_down_backoff(reason: PendingReasonOut, now: datetime) -> None:
+    """A retry in its backoff: say how long is left, as of this read."""
+    retry_at = reason.details.get("retry_at") if reason.code == "retry_backoff" else None
+    if not isinstance(retry_at, str):
+        return
+    at = datetime.fromisoformat(retry_at.replace("Z", "+00:00"))
+    left = max(0.0, (at - now).total_seconds())
+    reason.message = f"retrying in {left:.0f} s after {reason.details.get('after', 'a failure')}"
+    reason.estimated_start_at = retry_at
 
 
 def _drop_past_estimate(reason: PendingReasonOut, now: datetime) -> None:

@@ -58,6 +58,8 @@ class Controller:
                 heartbeat_interval_s=self.settings.heartbeat_interval_s,
                 leader_epoch=lambda: self.leadership.epoch,
                 on_change=self.waker.wake,
+                max_node_failures=self.settings.max_node_failures,
+                retry_backoff=(self.settings.retry_backoff_s, self.settings.retry_backoff_cap_s),
             ),
             server,
         )

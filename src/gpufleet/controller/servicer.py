@@ -47,8 +47,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         heartbeat_interval_s: float,
         leader_epoch: Callable[[], int],
         on_change: Callable[[], None],
+        max_node_failures: int = 3,
+        retry_backoff: tuple[float, float] = (10.0, 300.0),
     ) -> None:
         self.db, self.store = db, store
+        self.max_node_failures = max_node_failures
+        self.retry_backoff = retry_backoff
         self.heartbeat_interval_s = heartbeat_interval_s
         self.leader_epoch = leader_epoch
         self.on_change = on_change
@@ -66,7 +70,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             labels=dict(request.labels),
             inventory_source=request.inventory_source or "declared",
         )
-        _guard(context, lambda: self.db.run_write(lambda s: nodes.register_node(s, inv)))
+        _guard(
+            context,
+            lambda: self.db.run_write(
+                lambda s: nodes.register_node(s, inv, max_node_failures=self.max_node_failures)
+            ),
+        )
         self.on_change()
         with self.db.read() as s:
             epoch = leader.current_epoch(s)  # the lease's, also when this replica is standby
@@ -140,7 +149,16 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             message=request.message,
             node_fault=request.node_fault,
         )
-        result, message = _guard(context, lambda: runs.complete_run(self.db, self.store, report))
+        result, message = _guard(
+            context,
+            lambda: runs.complete_run(
+                self.db,
+                self.store,
+                report,
+                max_node_failures=self.max_node_failures,
+                retry_backoff=self.retry_backoff,
+            ),
+        )
         log.info(
             "completion of %s (token %d, %s, exit %d): %s %s",
             report.run_id,

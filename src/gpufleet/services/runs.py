@@ -6,8 +6,9 @@ the job, and capacity is returned only on the agent's word that the processes ar
 from __future__ import annotations
 
 import enum
+import random
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import partial
 
 from sqlalchemy import func, or_, select, update
@@ -219,6 +220,7 @@ def complete_run(
     leader: tuple[str, int] | None = None,
     inferred: bool = False,
     max_node_failures: int = 3,
+    retry_backoff: tuple[float, float] = (10.0, 300.0),
 ) -> tuple[CompletionResult, str]:
     """Commit one attempt's end, once. Returns (result, message).
 
@@ -313,10 +315,26 @@ def complete_run(
             job_values: dict[str, object] = {}
             if job_to == JobStatus.PENDING:
                 job_values = {"pending_reason": None}
-                if run_to != RunStatus.PREEMPTED:
+                if run_to != RunStatus.PREEMPTED and blame != "node":
                     # a retry after a failure goes to the back of its class; a preempted job
                     # keeps its place (it did nothing wrong; the simulator does the same)
                     job_values["queued_at"] = now
+                if blame == "job":  # the job's own failure: back off before the next attempt
+                    delay = retry_delay_s(session, job.id, *retry_backoff)
+                    retry_at = now + timedelta(seconds=delay)
+                    after = (
+                        f"exit code {report.exit_code}"
+                        if report.outcome == Outcome.EXITED and verified.ok
+                        else why
+                    )
+                    job_values["retry_after"] = retry_at
+                    job_values["pending_reason"] = {
+                        "code": "retry_backoff",
+                        "message": f"retrying in {delay:.0f} s after {after}",
+                        "details": {"after": after, "retry_at": iso_utc(retry_at)},
+                        "position": None,
+                        "estimated_start_at": None,
+                    }
             else:
                 job_values = {
                     "finished_at": now,
@@ -381,6 +399,28 @@ def _decide(
     else:
         why = f"exited with code {report.exit_code}"
     return RunStatus.FAILED, _failed_next(session, job, current), why
+
+
+def retry_delay_s(session: Session, job_id: str, base_s: float, cap_s: float) -> float:
+    """Exponential backoff with jitter before the next attempt of a job that failed ``n``
+    times (its own failures, this one included): ``min(cap, base * 2^(n-1))`` times a
+    uniform jitter in [0.5, 1] (so a burst of failing jobs does not retry in lockstep)."""
+    session.flush()
+    failures = session.execute(
+        select(func.count())
+        .select_from(JobRunRow)
+        .where(
+            JobRunRow.job_id == job_id,
+            JobRunRow.status == RunStatus.FAILED,
+            or_(JobRunRow.charged_to.is_(None), JobRunRow.charged_to == "job"),
+        )
+    ).scalar_one()
+    n = max(1, int(failures))
+    return float(min(cap_s, base_s * 2.0 ** (n - 1)) * random.uniform(0.5, 1.0))
+
+
+def iso_utc(at: datetime) -> str:
+    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 def _after_node_fault(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.invariants import (
@@ -186,7 +186,12 @@ def load_snapshot(
             JobRow.created_at,
             JobRow.queued_at,
             JobRow.attempts,
-        ).where(JobRow.status == JobStatus.PENDING, JobRow.cancel_requested.is_(False))
+        ).where(
+            JobRow.status == JobStatus.PENDING,
+            JobRow.cancel_requested.is_(False),
+            # a retry in its backoff is not eligible yet (its pending_reason says until when)
+            or_(JobRow.retry_after.is_(None), JobRow.retry_after <= now),
+        )
     ).all()
     running_rows = session.execute(
         select(
