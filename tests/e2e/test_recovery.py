@@ -234,6 +234,12 @@ def test_a_dead_nodes_jobs_are_replaced_and_its_gpus_quarantined(fleet: Fleet) -
     assert fleet.wait_status(cancelled, {"SCHEDULED"})["attempts"][0]["node_id"] == dead
     with fleet.http() as c:
         assert c.delete(f"/v1/jobs/{cancelled}").status_code == 202
+    # why/status name the node's state while the job waits on it
+    fleet.wait_for(
+        lambda: [p["status"] for p in fleet.job(k)["node_problems"]] == ["SUSPECT"],
+        30,
+        "the placed job to show its node SUSPECT",
+    )
 
     def replaced(job_id: str) -> bool:
         got = fleet.job(job_id)
@@ -464,4 +470,94 @@ def test_a_stop_sent_while_the_agent_restarts_lands_within_seconds(fleet: Fleet)
     elapsed = time.monotonic() - back
     assert got["status"] == "CANCELLED", got
     assert elapsed <= 5.0 + GRACE_S, f"the stop landed {elapsed:.1f} s after the restart"
+    assert fleet.check() == []
+
+
+def gpufleet_cli(fleet: Fleet, *args: str, timeout: float = 60) -> Any:
+    """Run the real ``gpufleet`` command against the fleet's database."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, GPUFLEET_DATA_DIR=str(fleet.tmp))
+    if fleet.settings.database_url is not None:
+        env["GPUFLEET_DATABASE_URL"] = fleet.settings.database_url.get_secret_value()
+    return subprocess.run(
+        [sys.executable, "-m", "gpufleet.cli.main", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_operator_cordon_drain_and_fence_and_why_names_the_nodes(fleet: Fleet) -> None:
+    """Issue 7, operator commands: cordon with a reason, drain (waits, shows what runs), and
+    fence --confirm-dead; ``why`` names each node a waiting job cannot use and why."""
+    import subprocess
+
+    fleet.start_agent("a1")
+    fleet.start_agent("a2")
+    marker = marker_of(fleet)
+    j = fleet.submit({"command": py("import time; time.sleep(600)", marker), "gpu_count": 4})
+    x = fleet.wait_status(j, {"RUNNING"})["attempts"][0]["node_id"]
+    y = "a2" if x == "a1" else "a1"
+    r = gpufleet_cli(fleet, "admin", "node", "cordon", y, "--reason", "fan failure")
+    assert r.returncode == 0, r.stderr
+    assert (fleet.node(y)["status"], fleet.node(y)["status_reason"]) == ("CORDONED", "fan failure")
+    k = fleet.submit({"command": py("print('k')", marker), "gpu_count": 8})
+    fleet.wait_for(lambda: fleet.job(k).get("node_problems"), 30, "why to name the node")
+    assert fleet.job(k)["node_problems"] == [
+        {"node_id": y, "status": "CORDONED", "reason": "fan failure"}
+    ]
+
+    import os
+
+    env = dict(os.environ, GPUFLEET_DATA_DIR=str(fleet.tmp))
+    if fleet.settings.database_url is not None:
+        env["GPUFLEET_DATABASE_URL"] = fleet.settings.database_url.get_secret_value()
+    drain = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpufleet.cli.main",
+            "admin",
+            "node",
+            "drain",
+            x,
+            "--reason",
+            "kernel upgrade",
+            "--timeout",
+            "60",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    fleet.wait_for(lambda: fleet.node(x)["status"] == "DRAINING", 30, "the drain to start")
+    time.sleep(2)
+    assert drain.poll() is None, "drain returned while an attempt still runs"
+    with fleet.http() as c:
+        assert c.delete(f"/v1/jobs/{j}").status_code == 202
+    text, _ = drain.communicate(timeout=60)
+    assert drain.returncode == 0, text
+    assert f"waiting for 1 attempt(s): {j} (RUNNING)" in text
+    assert "drained" in text
+    fleet.wait_for(lambda: fleet.node(x)["status"] == "CORDONED", 30, "drained -> CORDONED")
+
+    r = gpufleet_cli(fleet, "admin", "node", "fence", x)
+    assert r.returncode == 2 and "--confirm-dead" in r.stderr
+    fleet.kill_agent(x)
+    r = gpufleet_cli(fleet, "admin", "node", "fence", x, "--confirm-dead", "--reason", "RMA")
+    assert r.returncode == 0, r.stderr
+    assert "FENCED" in r.stdout
+    assert fleet.node(x)["status"] == "FENCED"
+    fleet.wait_for(lambda: len(fleet.job(k)["node_problems"]) == 2, 30, "both nodes named")
+    why = gpufleet_cli(fleet, "why", k, "--url", fleet.api.url, "--token", fleet.tokens["vision"])
+    assert f"node {y} is CORDONED: fan failure" in why.stdout, why.stdout + why.stderr
+    assert f"node {x} is FENCED" in why.stdout, why.stdout
+    r = gpufleet_cli(fleet, "admin", "node", "uncordon", y)
+    assert r.returncode == 0, r.stderr
+    assert fleet.wait_status(k, TERMINAL, timeout_s=60)["status"] == "SUCCEEDED"
     assert fleet.check() == []

@@ -36,6 +36,7 @@ from gpufleet.domain.states import JOB_TERMINAL, RUN_TERMINAL
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.queue import Waker
 from gpufleet.services import auth, jobs, teams
+from gpufleet.services import nodes as node_service
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
@@ -178,6 +179,7 @@ def create_app(state: AppState) -> FastAPI:
         with state.db.read() as s:
             job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
             out = _job_out(job, runs)
+            out.node_problems = node_service.node_problems(s, job)
             if out.pending_reason is not None:
                 out.pending_reason.position = jobs.queue_position(s, job)
                 now = db_now(s)

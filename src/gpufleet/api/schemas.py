@@ -177,6 +177,9 @@ class JobOut(BaseModel):
     failure_reason: str | None
     attempts: list[AttemptOut]
     pending_reason: PendingReasonOut | None
+    node_problems: list[dict[str, Any]] = []
+    """Nodes this job waits on that cannot take work now: ``node_id``, ``status`` (SUSPECT,
+    QUARANTINED, UNHEALTHY, CORDONED, DRAINING, FENCED) and ``reason``."""
 
 
 class JobList(BaseModel):

@@ -213,3 +213,14 @@ def print_job(job: dict[str, Any]) -> None:
     if job.get("pending_reason"):
         out.print(Text("Pending: ", style="bold yellow"), end="")
         out.print("\n".join(pending_lines(job["pending_reason"])), markup=False)
+    for line in node_problem_lines(job):
+        out.print(line, markup=False)
+
+
+def node_problem_lines(job: dict[str, Any]) -> list[str]:
+    """One line per node the job waits on that cannot take work (SUSPECT, QUARANTINED...)."""
+    lines = []
+    for p in job.get("node_problems") or []:
+        reason = f": {p['reason']}" if p.get("reason") else ""
+        lines.append(f"node {p.get('node_id')} is {p.get('status')}{reason}")
+    return lines

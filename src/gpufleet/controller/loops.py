@@ -666,6 +666,8 @@ class Reconciler:
         suspects = self.db.run_write(lambda s: nodes.mark_silent_nodes_suspect(s, silent_s))
         for node_id in suspects:
             log.warning("node %s is SUSPECT: no heartbeat for %.0f s", node_id, silent_s)
+        for node_id in self.db.run_write(nodes.finish_drains):
+            log.info("node %s drained: CORDONED", node_id)
         try:
             fenced = self.db.run_write(
                 partial(

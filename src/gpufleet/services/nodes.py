@@ -246,11 +246,21 @@ def heartbeat(
     )
 
 
-def set_node_status(session: Session, node_id: str, to: NodeStatus, *, message: str) -> str:
-    """Operator actions (cordon, drain, uncordon, fence...). Returns the previous status."""
+def set_node_status(
+    session: Session, node_id: str, to: NodeStatus, *, message: str, reason: str | None = None
+) -> str:
+    """Operator actions (cordon, drain, uncordon...). ``reason`` is kept on the node (shown
+    by ``gpufleet nodes`` and ``why``); HEALTHY clears it. Returns the previous status.
+
+    Raises:
+        NotFound: no such node.
+        IllegalTransition: the node's status has no edge to ``to`` (e.g. QUARANTINED ->
+            DRAINING: its GPUs are not known free; fence it or wait for its agent).
+    """
     node = session.get(NodeRow, node_id)
     if node is None:
         raise NotFound(f"no node {node_id!r}", field="node_id")
+    why = None if to == NodeStatus.HEALTHY else (reason or message)
     return transition(
         session,
         Machine.NODE,
@@ -258,9 +268,45 @@ def set_node_status(session: Session, node_id: str, to: NodeStatus, *, message: 
         to,
         now=db_now(session),
         frm=[node.status],
-        message=message,
+        values={"status_reason": why},
+        message=f"{message}: {reason}" if reason else message,
         node_id=node_id,
     )
+
+
+def active_runs_on(session: Session, node_id: str) -> list[tuple[str, str, str]]:
+    """(run_id, job_id, status) of the node's active attempts."""
+    return [
+        (r, j, s)
+        for r, j, s in session.execute(
+            select(JobRunRow.id, JobRunRow.job_id, JobRunRow.status)
+            .where(JobRunRow.node_id == node_id, JobRunRow.status.in_(sorted(RUN_ACTIVE)))
+            .order_by(JobRunRow.id)
+        )
+    ]
+
+
+def finish_drains(session: Session) -> list[str]:
+    """DRAINING nodes with no active attempt left -> CORDONED (drained). Returns their ids."""
+    now = db_now(session)
+    done = []
+    for node_id in session.scalars(
+        select(NodeRow.id).where(NodeRow.status == NodeStatus.DRAINING)
+    ):
+        if active_runs_on(session, node_id):
+            continue
+        transition(
+            session,
+            Machine.NODE,
+            node_id,
+            NodeStatus.CORDONED,
+            now=now,
+            frm=[NodeStatus.DRAINING],
+            message="drained: no attempt left on the node",
+            node_id=node_id,
+        )
+        done.append(node_id)
+    return done
 
 
 def mark_silent_nodes_suspect(session: Session, silent_for_s: float) -> list[str]:
@@ -606,3 +652,37 @@ def mark_unhealthy(session: Session, node_id: str, reason: str) -> None:
     node = session.get(NodeRow, node_id, with_for_update=True)
     if node is not None:
         apply_health(session, node, reason or "node unhealthy", now=db_now(session))
+
+
+def node_problems(session: Session, job: JobRow) -> list[dict[str, str | None]]:
+    """Nodes a job waits on that cannot take work now (for ``why`` and ``status``): for a
+    SCHEDULED/RUNNING job, its attempt's node if it is not HEALTHY (e.g. SUSPECT: its start
+    or its stop waits for the node); for a PENDING job, the nodes that could hold it but are
+    SUSPECT, QUARANTINED, UNHEALTHY, CORDONED, DRAINING or FENCED. Each:
+    ``{"node_id", "status", "reason"}``."""
+    from gpufleet.store.tables import NodeCapacityRow
+
+    def one(n: NodeRow) -> dict[str, str | None]:
+        return {"node_id": n.id, "status": n.status, "reason": n.status_reason}
+
+    if job.status in (JobStatus.SCHEDULED, JobStatus.RUNNING) and job.current_run_id:
+        node = session.execute(
+            select(NodeRow)
+            .join(JobRunRow, JobRunRow.node_id == NodeRow.id)
+            .where(JobRunRow.id == job.current_run_id)
+        ).scalar_one_or_none()
+        return [one(node)] if node is not None and node.status != NodeStatus.HEALTHY else []
+    if job.status != JobStatus.PENDING:
+        return []
+    types = set((job.spec.get("resources") or {}).get("gpu_types") or [])
+    rows = session.execute(
+        select(NodeRow, NodeCapacityRow.total_gpus)
+        .join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
+        .where(NodeRow.status != NodeStatus.HEALTHY)
+        .order_by(NodeRow.id)
+    ).all()
+    return [
+        one(n)
+        for n, total in rows
+        if total >= job.gpu_count and (not types or n.gpu_type in types)
+    ]
