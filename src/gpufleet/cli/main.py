@@ -197,10 +197,21 @@ def agent(
 
 @admin_app.command("check")
 def admin_check(data_dir: DataDir = None) -> None:
-    """Check invariants 1-4 on the database; exit 1 if any is violated."""
+    """Check invariants 1-4 and stuck states (6: an attempt stopping longer than grace + 30 s,
+    an unconfirmed attempt older than the confirm timeout, GPUs held for a run its agent does
+    not know) on the database; exit 1 if any invariant is violated (warnings do not)."""
     from gpufleet.store.queries import check_database
 
-    view, violations = check_database(_admin_db(data_dir))
+    settings = _settings(data_dir)
+    view, findings = check_database(
+        _admin_db(data_dir),
+        grace_s=settings.default_grace_s,
+        confirm_timeout_s=settings.confirm_timeout_s,
+    )
+    violations = [v for v in findings if v.severity == "violation"]
+    for w in findings:
+        if w.severity != "violation":
+            out.print(f"[yellow]WARNING[/] {escape(str(w))}")
     gpus = sum(n.total_gpus for n in view.nodes)
     out.print(
         f"checked {len(view.nodes)} nodes ({gpus} GPUs), {len(view.reservations)} active "

@@ -195,6 +195,8 @@ def heartbeat(
             "health": health.health,
             "disk_free_mb": dict(health.disk_free_mb or {}),
             "recent_start_failures": health.recent_start_failures,
+            # what the agent knows, for the invariant checker's "stuck" checks
+            "runs": sorted(h.run_id for h in running),
         }
     session.execute(update(NodeRow).where(NodeRow.id == node_id).values(**values))
     if health is not None:
