@@ -700,7 +700,15 @@ class Reconciler:
                     .join(NodeRow, NodeRow.id == JobRunRow.node_id)
                     .where(
                         JobRunRow.status == RunStatus.ASSIGNED,
-                        NodeRow.status == NodeStatus.HEALTHY,
+                        # nodes that heartbeat: their agent answers (or refuses) the question
+                        NodeRow.status.in_(
+                            [
+                                NodeStatus.HEALTHY,
+                                NodeStatus.UNHEALTHY,
+                                NodeStatus.CORDONED,
+                                NodeStatus.DRAINING,
+                            ]
+                        ),
                         (
                             JobRunRow.assigned_at.is_(None)
                             & (JobRunRow.created_at < now - timedelta(seconds=2))

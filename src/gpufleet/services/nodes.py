@@ -199,8 +199,6 @@ def heartbeat(
             "runs": sorted(h.run_id for h in running),
         }
     session.execute(update(NodeRow).where(NodeRow.id == node_id).values(**values))
-    if health is not None:
-        apply_health(session, node, health.health, now=now)
     # fenced runs the agent no longer lists are gone (it kills a fenced run it still has,
     # through the stop list below, before it stops listing it): their GPUs come back
     release_gone_quarantined(
@@ -220,6 +218,8 @@ def heartbeat(
             message="heartbeat resumed",
             node_id=node_id,
         )
+    if health is not None:
+        apply_health(session, node_id, health.health, now=now)
     if not running:
         return HeartbeatVerdict(known=True, leader_epoch=epoch)
     rows = {
@@ -321,7 +321,8 @@ def mark_silent_nodes_suspect(session: Session, silent_for_s: float) -> list[str
     ids = list(
         session.scalars(
             select(NodeRow.id).where(
-                NodeRow.status == NodeStatus.HEALTHY, NodeRow.last_heartbeat_at < cutoff
+                NodeRow.status.in_([NodeStatus.HEALTHY, NodeStatus.UNHEALTHY]),
+                NodeRow.last_heartbeat_at < cutoff,
             )
         )
     )
@@ -332,7 +333,7 @@ def mark_silent_nodes_suspect(session: Session, silent_for_s: float) -> list[str
             node_id,
             NodeStatus.SUSPECT,
             now=now,
-            frm=[NodeStatus.HEALTHY],
+            frm=[NodeStatus.HEALTHY, NodeStatus.UNHEALTHY],
             message=f"no heartbeat for {silent_for_s:.0f} s",
             node_id=node_id,
         )
@@ -614,36 +615,43 @@ def operator_fence(
     return fenced, back
 
 
-def apply_health(session: Session, node: NodeRow, health: str, *, now: datetime) -> None:
+def apply_health(session: Session, node_id: str, health: str, *, now: datetime) -> None:
     """HEALTHY/SUSPECT -> UNHEALTHY on a failed check, UNHEALTHY -> HEALTHY when it passes;
-    other statuses (an operator's cordon, quarantine) are left alone."""
-    if health != "HEALTHY" and node.status in (NodeStatus.HEALTHY, NodeStatus.SUSPECT):
+    other statuses (an operator's cordon, quarantine) are left alone. Reads the node's
+    status afresh (earlier steps of the same transaction may have moved it)."""
+    row = session.execute(
+        select(NodeRow.status, NodeRow.status_reason).where(NodeRow.id == node_id)
+    ).first()
+    if row is None:
+        return
+    status, reason = row
+    if health != "HEALTHY" and status in (NodeStatus.HEALTHY, NodeStatus.SUSPECT):
         transition(
             session,
             Machine.NODE,
-            node.id,
+            node_id,
             NodeStatus.UNHEALTHY,
             now=now,
-            frm=[node.status],
+            frm=[status],
             values={"status_reason": health},
-            node_id=node.id,
+            node_id=node_id,
             message=health,
         )
-    elif health != "HEALTHY" and node.status == NodeStatus.UNHEALTHY:
-        if node.status_reason != health:
+    elif health != "HEALTHY" and status == NodeStatus.UNHEALTHY:
+        if reason != health:
             session.execute(
-                update(NodeRow).where(NodeRow.id == node.id).values(status_reason=health)
+                update(NodeRow).where(NodeRow.id == node_id).values(status_reason=health)
             )
-    elif health == "HEALTHY" and node.status == NodeStatus.UNHEALTHY:
+    elif health == "HEALTHY" and status == NodeStatus.UNHEALTHY:
         transition(
             session,
             Machine.NODE,
-            node.id,
+            node_id,
             NodeStatus.HEALTHY,
             now=now,
             frm=[NodeStatus.UNHEALTHY],
             values={"status_reason": None},
-            node_id=node.id,
+            node_id=node_id,
             message="health check passed",
         )
 
@@ -651,9 +659,7 @@ def apply_health(session: Session, node: NodeRow, health: str, *, now: datetime)
 def mark_unhealthy(session: Session, node_id: str, reason: str) -> None:
     """The agent refused work as unhealthy (e.g. its disk): no placements there until its
     heartbeat reports HEALTHY again."""
-    node = session.get(NodeRow, node_id, with_for_update=True)
-    if node is not None:
-        apply_health(session, node, reason or "node unhealthy", now=db_now(session))
+    apply_health(session, node_id, reason or "node unhealthy", now=db_now(session))
 
 
 def node_problems(session: Session, job: JobRow) -> list[dict[str, str | None]]:
