@@ -72,9 +72,7 @@ def test_no_edge_frees_a_reservation_without_a_named_trigger() -> None:
 def test_a_fenced_attempts_gpus_come_back_only_on_the_agents_or_an_operators_word() -> None:
     """QUARANTINED leads only to RELEASED (the agent reported the run gone) or EXPIRED (an
     operator confirmed the node dead): fencing itself never frees GPUs."""
-    out = {
-        (to, t) for (f, to), t in TABLES[Machine.RESERVATION].items() if f == "QUARANTINED"
-    }
+    out = {(to, t) for (f, to), t in TABLES[Machine.RESERVATION].items() if f == "QUARANTINED"}
     assert out == {
         (ReservationStatus.RELEASED, "AGENT_REPORTED_GONE"),
         (ReservationStatus.EXPIRED, "OPERATOR_CONFIRMED_DEAD"),

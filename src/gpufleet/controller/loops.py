@@ -305,9 +305,7 @@ class Scheduler:
             # nothing was logged or started, and the agent refuses later copies: re-place the
             # job elsewhere, charged to the node (no user retry), and stop placing there
             log.warning("agent %s refused %s: %s", node_id, run_id, resp.message)
-            self.db.run_write(
-                partial(nodes.mark_unhealthy, node_id=node_id, reason=resp.message)
-            )
+            self.db.run_write(partial(nodes.mark_unhealthy, node_id=node_id, reason=resp.message))
             record_never_started(
                 self.db,
                 self.store,

@@ -116,9 +116,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         verdict = _guard(
             context,
             lambda: self.db.run_write(
-                lambda s: nodes.heartbeat(
-                    s, request.node_id, request.agent_epoch, running, health
-                )
+                lambda s: nodes.heartbeat(s, request.node_id, request.agent_epoch, running, health)
             ),
         )
         for h in verdict.confirm:
