@@ -120,3 +120,21 @@ def test_admin_check_reports_a_stuck_stop_by_job_id(tmp_path) -> None:
     assert result.exit_code == 1, result.output
     assert f"invariant 6 [{job_id}]" in result.output
     db.dispose()
+
+
+def test_a_heartbeat_answers_the_leases_epoch_not_a_jobs_token(db: Database) -> None:
+    """The heartbeat answer's leader epoch is the lease's (read from the database), also when
+    the agent lists runs whose jobs carry higher fencing tokens."""
+    job_id, epoch = setup(db, max_retries=5)
+    for seen in range(3):  # three attempts: the job's token becomes 3
+        r = reserve(db, job_id, "n1", 2, epoch=epoch, seen=seen)
+        if seen < 2:
+            runs.complete_run(
+                db,
+                None,  # type: ignore[arg-type]  # NEVER_STARTED reads no manifest
+                runs.Report("n1", r.run_id, r.token, runs.Outcome.NEVER_STARTED, 0, ""),
+            )
+    listed = [nodes.HeartbeatRun(r.run_id, job_id, r.token, "RUNNING")]
+    verdict = db.run_write(lambda s: nodes.heartbeat(s, "n1", 1, listed, nodes.NodeHealth()))
+    assert r.token == 3 and epoch == 1
+    assert verdict.leader_epoch == epoch

@@ -167,7 +167,8 @@ def run_agent(
 
     host = advertise_host or _default_host(settings.controller_address)
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc")
+        ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc"),
+        options=[("grpc.so_reuseport", 0)],  # never share the port with another process
     )
     pb_grpc.add_AgentServicer_to_server(AgentServicer(core, agent_epoch), server)
     bound = server.add_insecure_port(_join(host, port))

@@ -49,7 +49,11 @@ class Controller:
     def start(self) -> None:
         self._acquire_once()
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ctl-rpc")
+            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ctl-rpc"),
+            # gRPC binds with SO_REUSEPORT by default: a second process on the same port would
+            # silently receive part of the agents' calls (and answer with another database's
+            # leader epoch). Refuse to share the port instead.
+            options=[("grpc.so_reuseport", 0)],
         )
         pb_grpc.add_ControllerServicer_to_server(
             ControllerServicer(

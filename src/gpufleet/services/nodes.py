@@ -183,12 +183,12 @@ def heartbeat(
     A health other than ``HEALTHY`` makes a HEALTHY node UNHEALTHY (no placements; the
     reason is shown by ``why`` and ``gpufleet nodes``); ``HEALTHY`` again restores it."""
     now = db_now(session)
-    epoch = leader.current_epoch(session)
+    lease_epoch = leader.current_epoch(session)
     node = session.get(NodeRow, node_id)
     if node is None:
-        return HeartbeatVerdict(known=False, leader_epoch=epoch)
+        return HeartbeatVerdict(known=False, leader_epoch=lease_epoch)
     if agent_epoch < node.agent_epoch:  # a stale agent process; its successor speaks
-        return HeartbeatVerdict(known=True, leader_epoch=epoch)
+        return HeartbeatVerdict(known=True, leader_epoch=lease_epoch)
     values: dict[str, object] = {"last_heartbeat_at": now}
     if health is not None:
         values["health"] = {
@@ -221,7 +221,7 @@ def heartbeat(
     if health is not None:
         apply_health(session, node_id, health.health, now=now)
     if not running:
-        return HeartbeatVerdict(known=True, leader_epoch=epoch)
+        return HeartbeatVerdict(known=True, leader_epoch=lease_epoch)
     rows = {
         r.id: (r, cur, epoch)
         for r, cur, epoch in session.execute(
@@ -244,7 +244,7 @@ def heartbeat(
         elif run.status == RunStatus.ASSIGNED and h.state == "RUNNING":
             confirm.append(h)
     return HeartbeatVerdict(
-        known=True, stop=tuple(stop), confirm=tuple(confirm), leader_epoch=epoch
+        known=True, stop=tuple(stop), confirm=tuple(confirm), leader_epoch=lease_epoch
     )
 
 
