@@ -30,6 +30,9 @@ STATUS_STYLES = {
     "READY": "green",
     "SUSPECT": "yellow",
     "DRAINING": "magenta",
+    "QUARANTINED": "red",
+    "UNHEALTHY": "red",
+    "FENCED": "red",
     "DOWN": "red",
 }
 
@@ -124,6 +127,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
         "LABELS",
         "ADDRESS",
         "LAST HEARTBEAT",
+        "REASON",
     )
     for node in nodes:
         table.add_row(
@@ -135,6 +139,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
             fmt(node.get("labels")),
             fmt(node.get("address")),
             fmt_time(node.get("last_heartbeat_at"), relative=True),
+            fmt(node.get("status_reason")),
         )
     return table
 
