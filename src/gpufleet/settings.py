@@ -55,10 +55,31 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = 10.0
     suspect_after_missed: int = Field(default=3, description="Missed heartbeats before SUSPECT.")
     confirm_timeout_s: float = Field(default=30.0, description="RESERVED this long -> reconcile.")
+    fence_timeout_s: float = Field(
+        default=60.0,
+        description="A node silent this long is fenced: its attempts FENCED and re-placed, its"
+        " GPUs QUARANTINED until the agent reports the runs gone or an operator fences it.",
+    )
+    retry_backoff_s: float = Field(
+        default=10.0,
+        description="Backoff before a failed job's next attempt: retry_backoff_s x 2^(n-1)"
+        " after its n-th failure, times a jitter in [0.5, 1], capped at retry_backoff_cap_s.",
+    )
+    retry_backoff_cap_s: float = Field(default=300.0, description="Cap of the retry backoff.")
+    max_node_failures: int = Field(
+        default=3,
+        description="Attempts a job may lose to its node (node fenced, node-caused start"
+        " failure) before it fails; separate from the job's own max_retries.",
+    )
     scheduler_tick_s: float = Field(
         default=1.0, description="Scheduler pass period without wake-ups."
     )
     default_grace_s: float = Field(default=30.0, description="SIGTERM -> SIGKILL grace for stops.")
+    agent_disk_reserve_mb: int = Field(
+        default=1024,
+        description="An agent whose state or scratch directory has less free space (MiB)"
+        " refuses new work and reports itself UNHEALTHY (0 = no check).",
+    )
     leader_lease_s: float = 15.0
     reservation_lease_s: float = 60.0
 

@@ -78,8 +78,16 @@ class Fleet:
         self.api.start_in_thread()
         return self
 
-    def start_agent(self, node_id: str, gpus: str = "8xH100-80GB", wait: bool = True) -> None:
-        state_dir = self.tmp / "agents" / node_id
+    def start_agent(
+        self,
+        node_id: str,
+        gpus: str = "8xH100-80GB",
+        wait: bool = True,
+        *,
+        state_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        state_dir = state_dir or self.tmp / "agents" / node_id
         tls_args, tls_env = agent_tls_args(self.db, self.settings, node_id, state_dir)
         env = dict(
             os.environ,
@@ -89,6 +97,7 @@ class Fleet:
             GPUFLEET_JOIN_ADDRESS=self.settings.resolved_join_address(),
             GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
             GPUFLEET_DEFAULT_GRACE_S=str(self.settings.default_grace_s),
+            **(env or {}),
         )
         log = open(self.tmp / f"agent-{node_id}.log", "ab")  # noqa: SIM115
         self.agents[node_id] = subprocess.Popen(
@@ -118,6 +127,13 @@ class Fleet:
                 30,
                 f"agent {node_id}",
             )
+
+    def signal_agent(self, node_id: str, sig: int) -> None:
+        """Send ``sig`` (e.g. SIGSTOP / SIGCONT) to a running agent, which keeps it."""
+        self.agents[node_id].send_signal(sig)
+
+    def node(self, node_id: str) -> dict[str, Any]:
+        return dict(next(n for n in self.get("/v1/nodes")["items"] if n["node_id"] == node_id))
 
     def kill_agent(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         proc = self.agents.pop(node_id)
@@ -184,6 +200,7 @@ class Fleet:
         if self._sampler:
             self._sampler.join(timeout=5)
         for node_id in list(self.agents):
+            self.agents[node_id].send_signal(signal.SIGCONT)  # a frozen agent must hear TERM
             self.kill_agent(node_id, signal.SIGTERM)
         self.api.stop()
         self.controller.stop()

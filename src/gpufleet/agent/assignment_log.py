@@ -88,6 +88,7 @@ class RunRecord:
     message: str = ""
     manifest_uri: str = ""
     report_result: str = ""
+    node_fault: bool = False  # a start failure the node caused (not the job)
 
     @property
     def pgid(self) -> int:
@@ -175,6 +176,23 @@ class AssignmentLog:
             os.fsync(self._file.fileno())
             self._apply(line)
 
+    def note(self, event: str, run_id: str | None = None, **data: Any) -> bool:
+        """Append durably if the disk allows; if not (ENOSPC, EIO), apply the event in memory
+        only and return False. For facts that must not be lost while the agent runs (an exit
+        code, a report's answer) even on a full disk; a restart then re-learns them from the
+        controller and the exit file. Never use it for ``assigned``."""
+        try:
+            self.append(event, run_id, **data)
+            return True
+        except OSError as exc:
+            logger.error("assignment log: %s not durable (%s); kept in memory", event, exc)
+            line: dict[str, Any] = {"e": event, "at_s": time.time(), **data}
+            if run_id is not None:
+                line["run_id"] = run_id
+            with self._lock:
+                self._apply(line)
+            return False
+
     def close(self) -> None:
         with self._lock:
             self._file.close()
@@ -255,6 +273,7 @@ class AssignmentLog:
             rec.status = RunStatus.FAILED_TO_START
             rec.outcome = "NEVER_STARTED"
             rec.message = line.get("message", "")
+            rec.node_fault = bool(line.get("node_fault", False))
             rec.finished_at_s = at_s
         elif e == "confirmed":
             rec.confirm_result = line["result"]

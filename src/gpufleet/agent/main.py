@@ -186,6 +186,7 @@ def run_agent(
         streamer=streamer,
         inventory=inventory,
         default_grace_s=settings.default_grace_s,
+        disk_reserve_mb=settings.agent_disk_reserve_mb,
     )
     stub = cast(pb_grpc.ControllerStub, channel)
     registered = threading.Event()
@@ -207,6 +208,7 @@ def run_agent(
     server = grpc.server(
         ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc"),
         interceptors=[] if creds is None else [tls.RoleInterceptor(tls.ROLE_CONTROLLER, logger)],
+        options=[("grpc.so_reuseport", 0)],  # never share the port with another process
     )
     pb_grpc.add_AgentServicer_to_server(AgentServicer(core, agent_epoch), server)
     renewer: Renewer | None = None

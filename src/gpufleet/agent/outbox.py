@@ -205,13 +205,13 @@ class Outbox:
                 timeout=CALL_TIMEOUT_S,
             )
             if resp.result == pb.ConfirmAssignmentResponse.CONFIRMED:
-                self.log.append("confirmed", rec.run_id, result="CONFIRMED")
+                self.log.note("confirmed", rec.run_id, result="CONFIRMED")
                 return True
             if resp.result == pb.ConfirmAssignmentResponse.REJECTED:
                 logger.warning(
                     "run %s: confirmation rejected (%s): stopping it", rec.run_id, resp.message
                 )
-                self.log.append("confirmed", rec.run_id, result="REJECTED")
+                self.log.note("confirmed", rec.run_id, result="REJECTED")
                 self.on_rejected(rec.run_id)
                 return True
             task.failures += 1
@@ -226,7 +226,7 @@ class Outbox:
         if rec.status == RunStatus.EXITED and not rec.manifest_uri:
             self.streamer.forget(rec.run_id)
             uri = upload_attempt(self.store, rec, self.runner.paths(rec.run_id))
-            self.log.append("uploaded", rec.run_id, manifest_uri=uri)
+            self.log.note("uploaded", rec.run_id, manifest_uri=uri)
         resp = self.stub.ReportCompletion(
             pb.ReportCompletionRequest(
                 node_id=self.node_id,
@@ -236,6 +236,7 @@ class Outbox:
                 outcome=_OUTCOMES[rec.outcome],
                 exit_code=rec.exit_code,
                 message=rec.message,
+                node_fault=rec.node_fault,
             ),
             timeout=CALL_TIMEOUT_S,
         )
@@ -247,7 +248,7 @@ class Outbox:
         logger.log(
             level, "run %s: completion %s %s (%s)", rec.run_id, rec.outcome, result, resp.message
         )
-        self.log.append("reported", rec.run_id, result=result)
+        self.log.note("reported", rec.run_id, result=result)
         self.runner.cleanup(rec.run_id)
         return True
 

@@ -79,6 +79,11 @@ class ExitInfo:
     message: str = ""
 
 
+LOCAL_RUNS_KEPT = 20
+"""Reported attempts whose local log directory is kept (see Runner.cleanup)."""
+CLEANED_MARK = ".cleaned"
+
+
 class Runner:
     """Process operations for attempts under ``{state_dir}/runs/``.
 
@@ -148,7 +153,9 @@ class Runner:
                 )
         except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL byte in an argument
             os.close(read_fd)
-            raise StartError(f"cannot start the shim: {exc}") from exc
+            raise StartError(
+                f"cannot start the shim: {exc}", node_fault=isinstance(exc, OSError)
+            ) from exc
         finally:
             os.close(write_fd)
         try:
@@ -160,7 +167,9 @@ class Runner:
                 popen.wait(timeout=10)
             raise StartError(str(status["error"]))
         if status is None and popen.poll() is not None:
-            raise StartError(f"the shim exited ({popen.returncode}); see {paths.shim_log}")
+            raise StartError(
+                f"the shim exited ({popen.returncode}); see {paths.shim_log}", node_fault=True
+            )
         if status is None:
             logger.warning("run %s: no handshake from the shim in time; watching it", rec.run_id)
         claim = _read_json(paths.claim) or {}
@@ -275,6 +284,15 @@ class Runner:
 
     def _exit_info(self, rec: RunRecord, h: ProcessHandle, *, rebooted: bool = False) -> ExitInfo:
         data = _read_json(self.paths(rec.run_id).exit_file)
+        rc = h.popen.returncode if h.popen is not None else None
+        if data is None and rc is not None and rc >= 0 and not rebooted:
+            # the shim could not write its exit file (disk full) and exited with the code
+            # (a negative rc: the shim itself was killed by a signal; handled below)
+            return ExitInfo(
+                exit_code=-(rc - 128) if rc > 128 else rc,
+                finished_at_s=time.time(),
+                message="exit code from the shim's status (its exit file could not be written)",
+            )
         if data is not None and "exit_code" in data:
             start_error = str(data.get("start_error", ""))
             return ExitInfo(
@@ -292,11 +310,34 @@ class Runner:
         return ExitInfo(exit_code=-signal.SIGKILL, finished_at_s=time.time(), message=message)
 
     def cleanup(self, run_id: str) -> None:
-        """Remove an attempt's bulky local files once its completion was answered. The log,
-        exit file and claim stay for local debugging."""
+        """Remove an attempt's bulky local files once its completion was answered (its log
+        and artifacts are uploaded by then). The log, exit file and claim stay for local
+        debugging, for the ``LOCAL_RUNS_KEPT`` most recently cleaned attempts only: older
+        attempt directories are removed whole (a bounded cache, so the disk cannot fill up
+        with old logs)."""
         paths = self.paths(run_id)
         for d in (paths.work, paths.checkpoints, paths.artifacts, paths.resume):
             shutil.rmtree(d, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (paths.root / CLEANED_MARK).touch()
+        try:
+            cleaned = sorted(
+                (p.stat().st_mtime, p.parent) for p in self.runs_dir.glob(f"*/{CLEANED_MARK}")
+            )
+        except OSError:
+            return
+        for _, d in cleaned[: max(0, len(cleaned) - LOCAL_RUNS_KEPT)]:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def disk_free_mb(self) -> dict[str, int]:
+        """Free space of the state and scratch directories, MiB, by path."""
+        out: dict[str, int] = {}
+        for d in (self.runs_dir.parent, self.runs_dir):
+            try:
+                out[str(d)] = shutil.disk_usage(d).free // (1024 * 1024)
+            except OSError:
+                out[str(d)] = 0
+        return out
 
 
 def _read_status(fd: int, timeout_s: float) -> dict[str, Any] | None:

@@ -130,7 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     _send_status(ns.status_fd, {"pid": child.pid})
     exit_code = child.wait()  # retried on EINTR (PEP 475) when the no-op handler runs
-    write_json_atomic(ns.exit_file, {"exit_code": exit_code, "finished_at_s": time.time()})
+    try:
+        write_json_atomic(ns.exit_file, {"exit_code": exit_code, "finished_at_s": time.time()})
+    except OSError:
+        # e.g. the disk is full: the agent (our parent) reads the code from our own exit
+        # status instead; the missing exit file tells it to (see Runner._exit_info)
+        return exit_code if exit_code >= 0 else 128 - exit_code
     return 0
 
 

@@ -24,7 +24,14 @@ from gpufleet.objectstore import ObjectStore
 
 
 class StartError(Exception):
-    """The attempt could not be started; it is reported NEVER_STARTED with this message."""
+    """The attempt could not be started; it is reported NEVER_STARTED with this message.
+
+    ``node_fault``: the node caused it (its disk, the shim, the runtime), not the job's spec;
+    the controller then charges the node and re-places the job without using a retry."""
+
+    def __init__(self, message: str, *, node_fault: bool = False) -> None:
+        super().__init__(message)
+        self.node_fault = node_fault
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from typing import Annotated, Any
 
@@ -37,8 +38,10 @@ from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.queue import Waker
 from gpufleet.rpc import tls
 from gpufleet.services import auth, jobs, node_identity, teams
+from gpufleet.services import nodes as node_service
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
+from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow
 
 log = logging.getLogger("gpufleet.api")
@@ -178,8 +181,12 @@ def create_app(state: AppState) -> FastAPI:
         with state.db.read() as s:
             job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
             out = _job_out(job, runs)
+            out.node_problems = node_service.node_problems(s, job)
             if out.pending_reason is not None:
                 out.pending_reason.position = jobs.queue_position(s, job)
+                now = db_now(s)
+                _count_down_backoff(out.pending_reason, now)
+                _drop_past_estimate(out.pending_reason, now)
             return out
 
     @app.get("/v1/jobs/{job_id}/events")
@@ -311,6 +318,8 @@ def create_app(state: AppState) -> FastAPI:
                         address=n.address if who.is_admin else None,
                         last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
                         agent_epoch=n.agent_epoch,
+                        status_reason=n.status_reason,
+                        health=n.health,
                     )
                     for n, c in rows
                 ]
@@ -398,6 +407,26 @@ def _run_finished(db: Database, run_id: str) -> bool:
             select(JobRunRow.status).where(JobRunRow.id == run_id)
         ).scalar_one_or_none()
     return status is None or status in RUN_TERMINAL
+
+
+def _count_down_backoff(reason: PendingReasonOut, now: datetime) -> None:
+    """A retry in its backoff: say how long is left, as of this read."""
+    retry_at = reason.details.get("retry_at") if reason.code == "retry_backoff" else None
+    if not isinstance(retry_at, str):
+        return
+    at = datetime.fromisoformat(retry_at.replace("Z", "+00:00"))
+    left = max(0.0, (at - now).total_seconds())
+    reason.message = f"retrying in {left:.0f} s after {reason.details.get('after', 'a failure')}"
+    reason.estimated_start_at = retry_at
+
+
+def _drop_past_estimate(reason: PendingReasonOut, now: datetime) -> None:
+    """Never promise a start time already in the past: a stored estimate that has passed
+    (the capacity it counted on did not free up in time) is withheld until the scheduler
+    computes a new one."""
+    at = reason.estimated_start_at
+    if at and datetime.fromisoformat(at.replace("Z", "+00:00")) < now:
+        reason.estimated_start_at = None
 
 
 def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:

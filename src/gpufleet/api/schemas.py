@@ -177,6 +177,9 @@ class JobOut(BaseModel):
     failure_reason: str | None
     attempts: list[AttemptOut]
     pending_reason: PendingReasonOut | None
+    node_problems: list[dict[str, Any]] = []
+    """Nodes this job waits on that cannot take work now: ``node_id``, ``status`` (SUSPECT,
+    QUARANTINED, UNHEALTHY, CORDONED, DRAINING, FENCED) and ``reason``."""
 
 
 class JobList(BaseModel):
@@ -196,6 +199,10 @@ class NodeOut(BaseModel):
     """The agent's gRPC address; admin tokens only (null for others)."""
     last_heartbeat_at: str | None
     agent_epoch: int
+    status_reason: str | None = None
+    """Why the node is not HEALTHY (cordon reason, failed health check, fence)."""
+    health: dict[str, Any] | None = None
+    """The agent's last health report: health, disk_free_mb, recent_start_failures."""
 
 
 class NodeList(BaseModel):

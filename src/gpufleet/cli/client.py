@@ -443,7 +443,12 @@ def why(
         reason, state = data.get("pending_reason"), data.get("status")
         if out is OutputFormat.json:
             output.print_json(
-                {"job_id": data.get("job_id"), "status": state, "pending_reason": reason}
+                {
+                    "job_id": data.get("job_id"),
+                    "status": state,
+                    "pending_reason": reason,
+                    "node_problems": data.get("node_problems") or [],
+                }
             )
         elif reason:
             typer.echo("\n".join(output.pending_lines(reason)))
@@ -452,6 +457,9 @@ def why(
         else:
             failure = f": {data['failure_reason']}" if data.get("failure_reason") else ""
             typer.echo(f"job {job} is not pending: it is {state}{failure}")
+        if out is not OutputFormat.json:
+            for line in output.node_problem_lines(data):
+                typer.echo(line)
 
 
 def nodes(out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None) -> None:

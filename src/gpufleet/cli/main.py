@@ -247,10 +247,21 @@ def agent(
 
 @admin_app.command("check")
 def admin_check(data_dir: DataDir = None) -> None:
-    """Check invariants 1-4 on the database; exit 1 if any is violated."""
+    """Check invariants 1-4 and stuck states (6: an attempt stopping longer than grace + 30 s,
+    an unconfirmed attempt older than the confirm timeout, GPUs held for a run its agent does
+    not know) on the database; exit 1 if any invariant is violated (warnings do not)."""
     from gpufleet.store.queries import check_database
 
-    view, violations = check_database(_admin_db(data_dir))
+    settings = _settings(data_dir)
+    view, findings = check_database(
+        _admin_db(data_dir),
+        grace_s=settings.default_grace_s,
+        confirm_timeout_s=settings.confirm_timeout_s,
+    )
+    violations = [v for v in findings if v.severity == "violation"]
+    for w in findings:
+        if w.severity != "violation":
+            out.print(f"[yellow]WARNING[/] {escape(str(w))}")
     gpus = sum(n.total_gpus for n in view.nodes)
     out.print(
         f"checked {len(view.nodes)} nodes ({gpus} GPUs), {len(view.reservations)} active "
@@ -390,33 +401,123 @@ def team_list(
     out.print(table)
 
 
-def _node_action(node_id: str, to: str, message: str, data_dir: Path | None) -> None:
+def _node_action(
+    node_id: str, to: str, message: str, data_dir: Path | None, reason: str | None = None
+) -> None:
     from gpufleet.domain.states import NodeStatus
     from gpufleet.services import nodes
 
     before = _run_admin(
         data_dir,
-        partial(nodes.set_node_status, node_id=node_id, to=NodeStatus(to), message=message),
+        partial(
+            nodes.set_node_status,
+            node_id=node_id,
+            to=NodeStatus(to),
+            message=message,
+            reason=reason,
+        ),
     )
-    out.print(f"node {node_id}: {before} -> {to}")
+    out.print(f"node {node_id}: {before} -> {to}" + (f" ({escape(reason)})" if reason else ""))
+
+
+Reason = Annotated[str | None, typer.Option("--reason", help="Why (kept on the node, shown).")]
 
 
 @node_app.command("cordon")
-def node_cordon(node_id: str, data_dir: DataDir = None) -> None:
+def node_cordon(node_id: str, reason: Reason = None, data_dir: DataDir = None) -> None:
     """No new placements on the node; running work continues."""
-    _node_action(node_id, "CORDONED", "cordoned by an operator", data_dir)
+    _node_action(node_id, "CORDONED", "cordoned by an operator", data_dir, reason)
 
 
 @node_app.command("uncordon")
 def node_uncordon(node_id: str, data_dir: DataDir = None) -> None:
-    """Accept placements again."""
+    """Accept placements again (also ends a FENCED node's exclusion)."""
     _node_action(node_id, "HEALTHY", "uncordoned by an operator", data_dir)
 
 
 @node_app.command("drain")
-def node_drain(node_id: str, data_dir: DataDir = None) -> None:
-    """No new placements; the node is cordoned once its running work has finished."""
-    _node_action(node_id, "DRAINING", "drain requested by an operator", data_dir)
+def node_drain(
+    node_id: str,
+    reason: Reason = None,
+    wait: Annotated[
+        bool, typer.Option("--wait/--no-wait", help="Wait until the node is drained.")
+    ] = True,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait (0 = forever).")] = 0.0,
+    data_dir: DataDir = None,
+) -> None:
+    """Cordon the node, then wait (showing what still runs) until its running work has ended;
+    the controller then marks it CORDONED (drained). Exit 1 on timeout."""
+    import time
+
+    from sqlalchemy import select
+
+    from gpufleet.services import nodes
+    from gpufleet.store.tables import NodeRow
+
+    _node_action(node_id, "DRAINING", "drain requested by an operator", data_dir, reason)
+    if not wait:
+        return
+    db = _admin_db(data_dir)
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    shown = None
+    while True:
+        with db.read() as s:
+            left = nodes.active_runs_on(s, node_id)
+            status = s.execute(
+                select(NodeRow.status).where(NodeRow.id == node_id)
+            ).scalar_one_or_none()
+        if not left:
+            out.print(f"node {node_id}: drained ({status})")
+            return
+        if shown != left:
+            shown = left
+            out.print(
+                f"node {node_id}: waiting for {len(left)} attempt(s): "
+                + ", ".join(f"{job} ({st})" for _, job, st in left)
+            )
+        if deadline is not None and time.monotonic() > deadline:
+            err.print(f"[red]timed out[/]: {len(left)} attempt(s) still on {node_id}")
+            raise typer.Exit(1)
+        time.sleep(1.0)
+
+
+@node_app.command("fence")
+def node_fence(
+    node_id: str,
+    confirm_dead: Annotated[
+        bool,
+        typer.Option(
+            "--confirm-dead",
+            help="Required: you vouch the node is dead (powered off, re-installed), so its"
+            " quarantined GPUs can be offered again.",
+        ),
+    ] = False,
+    reason: Reason = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Give a node up: its attempts are fenced (jobs re-placed), its QUARANTINED GPUs are
+    released, and it is FENCED (no placements until ``admin node uncordon``)."""
+    from gpufleet.services import nodes
+
+    if not confirm_dead:
+        err.print(
+            "[red]error:[/] --confirm-dead is required: fencing releases GPUs that processes"
+            " on the node might still use if it is alive"
+        )
+        raise typer.Exit(2)
+    settings = _settings(data_dir)
+    fenced, back = _run_admin(
+        data_dir,
+        partial(
+            nodes.operator_fence,
+            node_id=node_id,
+            reason=reason or "confirmed dead by an operator",
+            max_node_failures=settings.max_node_failures,
+        ),
+    )
+    out.print(f"node {node_id}: FENCED; {len(fenced)} attempt(s) fenced, {back} GPU(s) released")
+    for f in fenced:
+        out.print(f"  {f.job_id}: attempt {f.run_id} fenced; job -> {f.job_status or '-'}")
 
 
 ca_app = typer.Typer(help="The fleet CA (mutual TLS between controllers and agents).")

@@ -30,6 +30,9 @@ STATUS_STYLES = {
     "READY": "green",
     "SUSPECT": "yellow",
     "DRAINING": "magenta",
+    "QUARANTINED": "red",
+    "UNHEALTHY": "red",
+    "FENCED": "red",
     "DOWN": "red",
 }
 
@@ -124,6 +127,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
         "LABELS",
         "ADDRESS",
         "LAST HEARTBEAT",
+        "REASON",
     )
     for node in nodes:
         table.add_row(
@@ -135,6 +139,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
             fmt(node.get("labels")),
             fmt(node.get("address")),
             fmt_time(node.get("last_heartbeat_at"), relative=True),
+            fmt(node.get("status_reason")),
         )
     return table
 
@@ -213,3 +218,14 @@ def print_job(job: dict[str, Any]) -> None:
     if job.get("pending_reason"):
         out.print(Text("Pending: ", style="bold yellow"), end="")
         out.print("\n".join(pending_lines(job["pending_reason"])), markup=False)
+    for line in node_problem_lines(job):
+        out.print(line, markup=False)
+
+
+def node_problem_lines(job: dict[str, Any]) -> list[str]:
+    """One line per node the job waits on that cannot take work (SUSPECT, QUARANTINED...)."""
+    lines = []
+    for p in job.get("node_problems") or []:
+        reason = f": {p['reason']}" if p.get("reason") else ""
+        lines.append(f"node {p.get('node_id')} is {p.get('status')}{reason}")
+    return lines

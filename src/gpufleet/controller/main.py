@@ -58,8 +58,11 @@ class Controller:
         )
         self.agents = AgentClients(self.tls.agent_channel_credentials() if self.tls else None)
         self.scheduler = Scheduler(db, self.store, settings, self.leadership, self.agents, policy)
-        self.stops = StopDriver(db, settings, self.leadership, self.agents)
-        self.reconciler = Reconciler(db, settings, self.leadership, self.scheduler.dispatch)
+        self.stops = StopDriver(db, self.store, settings, self.leadership, self.agents)
+        self.scheduler.stops = self.stops
+        self.reconciler = Reconciler(
+            db, settings, self.leadership, self.scheduler.dispatch, on_change=waker.wake
+        )
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._server: grpc.Server | None = None
@@ -70,7 +73,11 @@ class Controller:
     def start(self) -> None:
         self._acquire_once()
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ctl-rpc")
+            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ctl-rpc"),
+            # gRPC binds with SO_REUSEPORT by default: a second process on the same port would
+            # silently receive part of the agents' calls (and answer with another database's
+            # leader epoch). Refuse to share the port instead.
+            options=[("grpc.so_reuseport", 0)],
         )
         auth = None if self.tls is None else NodeAuthenticator(self.db)
         pb_grpc.add_ControllerServicer_to_server(
@@ -81,6 +88,8 @@ class Controller:
                 leader_epoch=lambda: self.leadership.epoch,
                 on_change=self.waker.wake,
                 auth=auth,
+                max_node_failures=self.settings.max_node_failures,
+                retry_backoff=(self.settings.retry_backoff_s, self.settings.retry_backoff_cap_s),
             ),
             server,
         )
@@ -188,6 +197,7 @@ class Controller:
         for t in self._threads:
             t.join(timeout=5)
         self.scheduler.close()
+        self.stops.close()
         self.agents.close()
         if self.leadership.is_leader:
             try:

@@ -17,6 +17,7 @@ from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import nodes, runs
+from gpufleet.store import leader
 from gpufleet.store.db import Database
 
 log = logging.getLogger("gpufleet.controller")
@@ -51,8 +52,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         leader_epoch: Callable[[], int],
         on_change: Callable[[], None],
         auth: NodeAuthenticator | None = None,
+        max_node_failures: int = 3,
+        retry_backoff: tuple[float, float] = (10.0, 300.0),
     ) -> None:
         self.db, self.store = db, store
+        self.max_node_failures = max_node_failures
+        self.retry_backoff = retry_backoff
         self.heartbeat_interval_s = heartbeat_interval_s
         self.leader_epoch = leader_epoch
         self.on_change = on_change
@@ -79,10 +84,17 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             labels=dict(request.labels),
             inventory_source=request.inventory_source or "declared",
         )
-        _guard(context, lambda: self.db.run_write(lambda s: nodes.register_node(s, inv)))
+        _guard(
+            context,
+            lambda: self.db.run_write(
+                lambda s: nodes.register_node(s, inv, max_node_failures=self.max_node_failures)
+            ),
+        )
         self.on_change()
+        with self.db.read() as s:
+            epoch = leader.current_epoch(s)  # the lease's, also when this replica is standby
         return pb.RegisterNodeResponse(
-            leader_epoch=self.leader_epoch(), heartbeat_interval_s=self.heartbeat_interval_s
+            leader_epoch=epoch, heartbeat_interval_s=self.heartbeat_interval_s
         )
 
     def ConfirmAssignment(
@@ -112,10 +124,15 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         running = [
             nodes.HeartbeatRun(r.run_id, r.job_id, r.token, r.state) for r in request.running
         ]
+        health = nodes.NodeHealth(
+            health=request.health or "HEALTHY",
+            disk_free_mb=dict(request.disk_free_mb),
+            recent_start_failures=request.recent_start_failures,
+        )
         verdict = _guard(
             context,
             lambda: self.db.run_write(
-                lambda s: nodes.heartbeat(s, node_id, request.agent_epoch, running)
+                lambda s: nodes.heartbeat(s, node_id, request.agent_epoch, running, health)
             ),
         )
         for h in verdict.confirm:
@@ -123,7 +140,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 partial(runs.confirm_assignment, run_id=h.run_id, token=h.token, node_id=node_id)
             )
             log.info("repaired lost confirm of %s from a heartbeat", h.run_id)
-        epoch = self.leader_epoch()
+        epoch = verdict.leader_epoch  # the lease's, also when this replica is standby
         return pb.HeartbeatResponse(
             leader_epoch=epoch,
             reregister=not verdict.known,
@@ -146,8 +163,18 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             exit_code=request.exit_code,
             manifest_uri=request.manifest_uri,
             message=request.message,
+            node_fault=request.node_fault,
         )
-        result, message = _guard(context, lambda: runs.complete_run(self.db, self.store, report))
+        result, message = _guard(
+            context,
+            lambda: runs.complete_run(
+                self.db,
+                self.store,
+                report,
+                max_node_failures=self.max_node_failures,
+                retry_backoff=self.retry_backoff,
+            ),
+        )
         log.info(
             "completion of %s (token %d, %s, exit %d): %s %s",
             report.run_id,

@@ -133,6 +133,8 @@ class JobRow(Base):
     pending_reason: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     max_runtime_s: Mapped[float | None] = mapped_column(Float)
     """Copy of ``spec.max_runtime_s``, so the stop driver's scan reads no JSON."""
+    retry_after: Mapped[datetime | None]
+    """A retry after a failure is not placed before this time (exponential backoff)."""
     created_at: Mapped[datetime]
     queued_at: Mapped[datetime]
     scheduled_at: Mapped[datetime | None]
@@ -177,6 +179,10 @@ class JobRunRow(Base):
     """The job these GPUs are being freed for (stop_reason preempt)."""
     assigned_at: Mapped[datetime | None]
     """When AssignJob was last answered by the agent (None: not yet delivered)."""
+    charged_to: Mapped[str | None] = mapped_column(String(8))
+    """Whose fault an unsuccessful end was: ``job`` (counts against ``max_retries``), ``node``
+    (a start failure the node caused, or the node was lost: counts against the node-loss
+    budget) or ``system`` (fencing, a refused stale assignment: counts against nothing)."""
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
@@ -215,6 +221,10 @@ class NodeRow(Base):
     labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
     agent_epoch: Mapped[int] = mapped_column(Integer, default=0)
     inventory_source: Mapped[str] = mapped_column(String(16), default="declared")
+    status_reason: Mapped[str | None] = mapped_column(Text)
+    """Why the node is not HEALTHY (an operator's cordon reason, a failed health check...)."""
+    health: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """The agent's last health report: disk free per directory, start failures, problems."""
     registered_at: Mapped[datetime]
     last_heartbeat_at: Mapped[datetime | None]
 

@@ -260,18 +260,46 @@ Global___ConfirmAssignmentResponse: _TypeAlias = ConfirmAssignmentResponse  # no
 class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class DiskFreeMbEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NODE_ID_FIELD_NUMBER: _builtins.int
     AGENT_EPOCH_FIELD_NUMBER: _builtins.int
     RUNNING_FIELD_NUMBER: _builtins.int
     FREE_GPUS_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
+    DISK_FREE_MB_FIELD_NUMBER: _builtins.int
+    RECENT_START_FAILURES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     agent_epoch: _builtins.int
     free_gpus: _builtins.int
     health: _builtins.str
     """"HEALTHY" or a short description of what is wrong"""
+    recent_start_failures: _builtins.int
+    """Start failures this node caused (ENOSPC, shim/runtime errors) in the agent's window."""
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunRef]: ...
+    @_builtins.property
+    def disk_free_mb(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Free space of the agent's state and scratch directories, MiB, by directory."""
+
     def __init__(
         self,
         *,
@@ -280,10 +308,12 @@ class HeartbeatRequest(_message.Message):
         running: _abc.Iterable[Global___RunRef] | None = ...,
         free_gpus: _builtins.int = ...,
         health: _builtins.str = ...,
+        disk_free_mb: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        recent_start_failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_epoch", b"agent_epoch", "free_gpus", b"free_gpus", "health", b"health", "node_id", b"node_id", "running", b"running"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_epoch", b"agent_epoch", "disk_free_mb", b"disk_free_mb", "free_gpus", b"free_gpus", "health", b"health", "node_id", b"node_id", "recent_start_failures", b"recent_start_failures", "running", b"running"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -354,6 +384,7 @@ class ReportCompletionRequest(_message.Message):
     OUTCOME_FIELD_NUMBER: _builtins.int
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    NODE_FAULT_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     run_id: _builtins.str
     token: _builtins.int
@@ -362,6 +393,10 @@ class ReportCompletionRequest(_message.Message):
     outcome: Global___ReportCompletionRequest.Outcome.ValueType
     exit_code: _builtins.int
     message: _builtins.str
+    node_fault: _builtins.bool
+    """NEVER_STARTED because of the node (disk full, the shim or runtime failed), not the job:
+    charged to the node, the job's retries are not used.
+    """
     def __init__(
         self,
         *,
@@ -372,10 +407,11 @@ class ReportCompletionRequest(_message.Message):
         outcome: Global___ReportCompletionRequest.Outcome.ValueType = ...,
         exit_code: _builtins.int = ...,
         message: _builtins.str = ...,
+        node_fault: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_id", b"node_id", "outcome", b"outcome", "run_id", b"run_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_fault", b"node_fault", "node_id", b"node_id", "outcome", b"outcome", "run_id", b"run_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -526,6 +562,10 @@ class AssignJobResponse(_message.Message):
         """older token than one already seen for this job, or old leader epoch"""
         FAILED_TO_START: AssignJobResponse._Result.ValueType  # 5
         """the agent logged it but could not start it; it reports NEVER_STARTED"""
+        NODE_UNHEALTHY: AssignJobResponse._Result.ValueType  # 30
+        """The node refuses new work (e.g. "node unhealthy: disk: ..."); nothing was logged or
+        started, and a later copy of this run_id is refused too.
+        """
 
     class Result(_Result, metaclass=_ResultEnumTypeWrapper): ...
     RESULT_UNSPECIFIED: AssignJobResponse.Result.ValueType  # 0
@@ -536,6 +576,10 @@ class AssignJobResponse(_message.Message):
     """older token than one already seen for this job, or old leader epoch"""
     FAILED_TO_START: AssignJobResponse.Result.ValueType  # 5
     """the agent logged it but could not start it; it reports NEVER_STARTED"""
+    NODE_UNHEALTHY: AssignJobResponse.Result.ValueType  # 30
+    """The node refuses new work (e.g. "node unhealthy: disk: ..."); nothing was logged or
+    started, and a later copy of this run_id is refused too.
+    """
 
     RESULT_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
