@@ -135,6 +135,15 @@ class Fleet:
     def node(self, node_id: str) -> dict[str, Any]:
         return dict(next(n for n in self.get("/v1/nodes")["items"] if n["node_id"] == node_id))
 
+    def agent_address(self, node_id: str) -> str:
+        """The agent's gRPC address (REST shows it to admin tokens only)."""
+        from gpufleet.store.tables import NodeRow
+
+        with self.db.read() as s:
+            node = s.get(NodeRow, node_id)
+            assert node is not None, node_id
+            return str(node.address)
+
     def kill_agent(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         proc = self.agents.pop(node_id)
         proc.send_signal(sig)

@@ -89,7 +89,6 @@ def test_a_deposed_leaders_late_assign_leaves_the_running_attempt_running(fleet:
     stop still lands; a standby answers heartbeats with the lease's epoch, not 0."""
     import grpc
 
-    from gpufleet.controller.agents import AgentClients
     from gpufleet.controller.loops import Leadership, record_never_started
     from gpufleet.rpc.protos import fleet_pb2 as pb
     from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
@@ -101,8 +100,8 @@ def test_a_deposed_leaders_late_assign_leaves_the_running_attempt_running(fleet:
     (run,) = job["attempts"]
     epoch = fleet.controller.leadership.epoch
     assert epoch >= 1
-    address = fleet.node("a1")["address"]
-    agents = AgentClients()
+    address = fleet.agent_address("a1")
+    agents = fleet.controller.agents  # a controller's mutual-TLS clients
     try:
         late = pb.AssignJobRequest(
             run_id=run["run_id"],
@@ -113,7 +112,7 @@ def test_a_deposed_leaders_late_assign_leaves_the_running_attempt_running(fleet:
             command=job["command"],
             attempt=1,
         )
-        answer = agents.assign(address, late)
+        answer = agents.assign("a1", address, late)
         assert answer.result == pb.AssignJobResponse.ALREADY_RUNNING, answer
 
         # the deposed leader concludes "never started" anyway: fenced by the lease
@@ -153,14 +152,15 @@ def test_a_deposed_leaders_late_assign_leaves_the_running_attempt_running(fleet:
             attempt=1,
         )
         with pytest.raises(grpc.RpcError) as err:
-            agents.assign(address, forged)
+            agents.assign("a1", address, forged)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
-        agents.close()
+        pass  # the controller's clients close with the fleet
 
     # a standby replica answers a heartbeat with the lease's epoch
     from gpufleet.controller.main import Controller
     from gpufleet.queue import InProcWaker
+    from gpufleet.rpc import tls
     from tests.e2e.harness import free_port
 
     standby_settings = fleet.settings.model_copy(
@@ -170,7 +170,13 @@ def test_a_deposed_leaders_late_assign_leaves_the_running_attempt_running(fleet:
     standby.start()
     try:
         assert standby.leadership.epoch == 0
-        with grpc.insecure_channel(standby_settings.controller_address) as ch:
+        creds = tls.NodeCredentials.load(fleet.tmp / "agents" / "a1" / "tls")
+        assert creds is not None
+        with tls.secure_channel(
+            standby_settings.controller_address,
+            tls.channel_credentials(creds.ca_pem, creds.key_pem, creds.chain_pem),
+            tls.CONTROLLER_NAME,
+        ) as ch:  # as node a1, with its certificate
             resp = pb_grpc.ControllerStub(ch).Heartbeat(
                 pb.HeartbeatRequest(node_id="a1", agent_epoch=1), timeout=10
             )

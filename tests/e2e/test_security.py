@@ -562,7 +562,7 @@ def test_operator_cli_joins_lists_revokes_and_forgets_a_node(fleet: Fleet) -> No
         assert revoked.returncode == 0 and "1 certificate(s) revoked" in revoked.stdout
         fleet.wait_for(
             lambda: (
-                "heartbeat failed (PERMISSION_DENIED)" in (fleet.tmp / "agent-n5.log").read_text()
+                "heartbeat failed (PERMISSION_DENIED" in (fleet.tmp / "agent-n5.log").read_text()
             ),
             10,
             "n5's heartbeats to be refused",

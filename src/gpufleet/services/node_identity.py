@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import Forbidden, NotFound, Unauthenticated, ValidationFailed
 from gpufleet.domain.ids import new_id
 from gpufleet.rpc.tls import check_node_id, hash_secret
+from gpufleet.services import nodes
 from gpufleet.services.jobs import forget_fleet_shapes, iso
 from gpufleet.store import allocate
 from gpufleet.store.dialect import db_now
@@ -109,8 +110,14 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
         raise Unauthenticated("invalid, used or expired join token")
     revoked = _revoke(session, node_id, now)
     # a rejoin is a new install of the node (its state dir, and so its agent epoch counter,
-    # are gone): its first registration must not be refused as an old agent process
-    session.execute(update(NodeRow).where(NodeRow.id == node_id).values(agent_epoch=0))
+    # are gone): the attempts given to the old install are fenced now (the new agent cannot
+    # know them), and its first registration must not be refused as an old agent process
+    node = session.get(NodeRow, node_id, with_for_update=True)
+    if node is not None:
+        nodes.fence_lost_agent_state(
+            session, node, reason="node rejoined with a new certificate (re-installed)"
+        )
+        node.agent_epoch = 0
     session.add(
         NodeCertRow(
             serial=serial, node_id=node_id, issued_at=now, not_after=not_after, reason="join"

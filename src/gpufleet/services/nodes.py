@@ -38,6 +38,31 @@ class NodeInventory:
     inventory_source: str
 
 
+def fence_lost_agent_state(
+    session: Session, node: NodeRow, *, reason: str, max_node_failures: int = 3
+) -> None:
+    """The node's agent lost its state (re-installed, wiped state dir, rejoined with a new
+    certificate): it cannot know the attempts the database gave this node, so they are
+    fenced at once (jobs re-placed with a higher token; GPUs QUARANTINED until the fresh
+    agent's heartbeats list none of them, or an operator fences the node)."""
+    has_active = session.execute(
+        select(JobRunRow.id)
+        .where(JobRunRow.node_id == node.id, JobRunRow.status.in_(sorted(RUN_ACTIVE)))
+        .limit(1)
+    ).first()
+    fence_node(
+        session,
+        node.id,
+        reason=reason,
+        max_node_failures=max_node_failures,
+        node_to=NodeStatus.QUARANTINED
+        if has_active
+        and node.status in (NodeStatus.HEALTHY, NodeStatus.SUSPECT, NodeStatus.UNHEALTHY)
+        else None,
+    )
+    session.refresh(node)
+
+
 def register_node(session: Session, inv: NodeInventory, *, max_node_failures: int = 3) -> None:
     """Insert or refresh a node. A re-registration may change address, labels and epoch;
     a changed GPU count is refused while GPUs are reserved (an operator must drain first).
@@ -89,25 +114,15 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
         )
         return
     if inv.agent_epoch < node.agent_epoch:
-        has_active = session.execute(
-            select(JobRunRow.id)
-            .where(JobRunRow.node_id == node.id, JobRunRow.status.in_(sorted(RUN_ACTIVE)))
-            .limit(1)
-        ).first()
-        fence_node(
+        fence_lost_agent_state(
             session,
-            node.id,
+            node,
             reason=(
                 f"agent state lost (agent epoch {inv.agent_epoch} < known {node.agent_epoch}:"
                 " re-installed or wiped state dir)"
             ),
             max_node_failures=max_node_failures,
-            node_to=NodeStatus.QUARANTINED
-            if has_active
-            and node.status in (NodeStatus.HEALTHY, NodeStatus.SUSPECT, NodeStatus.UNHEALTHY)
-            else None,
         )
-        session.refresh(node)
     allocate.set_inventory(session, inv.node_id, inv.gpus)
     node.address, node.labels, node.cpu, node.memory_mb = (
         inv.address,
