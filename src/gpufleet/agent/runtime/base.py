@@ -34,7 +34,7 @@ fails image jobs at start with :data:`NO_CONTAINER_RUNTIME`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
