@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gpufleet.agent.main import run_agent
+from gpufleet.agent.runtime.jobuser import executable_by_others
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.settings import Settings
@@ -28,6 +29,10 @@ from gpufleet.settings import Settings
 T = TypeVar("T")
 LEADER_EPOCH = 1
 HEARTBEAT_S = 0.1
+# Jobs run as unprivileged per-attempt uids unless this interpreter (which the test jobs run)
+# is private to its owner, e.g. a pyenv Python under a 0700 /root; then the agents of these
+# tests run jobs as themselves (--job-uids agent). The isolation tests use a system Python.
+JOB_UIDS = "per-attempt" if executable_by_others(sys.executable) else "agent"
 
 Confirm = pb.ConfirmAssignmentResponse
 Report = pb.ReportCompletionResponse
@@ -147,9 +152,14 @@ class InProcessAgent:
 
 @contextmanager
 def inprocess_agent(
-    fake: FakeController, settings: Settings, state_dir: Path, gpus: str | None = "4xA100-40GB"
+    fake: FakeController,
+    settings: Settings,
+    state_dir: Path,
+    gpus: str | None = "4xA100-40GB",
+    **agent_kw: Any,
 ) -> Iterator[InProcessAgent]:
     stop = threading.Event()
+    agent_kw.setdefault("job_uids", JOB_UIDS)
     before = len(fake.registrations)
     thread = threading.Thread(
         target=run_agent,
@@ -162,6 +172,7 @@ def inprocess_agent(
             "labels": {"rack": "r1"},
             "heartbeat_interval_s": HEARTBEAT_S,
             "stop_event": stop,
+            **agent_kw,
         },
         daemon=True,
     )
@@ -191,7 +202,7 @@ def kill_leftover_groups(state_dir: Path) -> None:
 
 
 def agent_subprocess(
-    controller_address: str, tmp: Path, state_dir: Path
+    controller_address: str, tmp: Path, state_dir: Path, *, job_uids: str = JOB_UIDS
 ) -> subprocess.Popen[bytes]:
     """The agent as its own process (so the test can kill -9 it)."""
     code = (
@@ -203,7 +214,7 @@ def agent_subprocess(
         f"             object_store_url={('file://' + str(tmp / 'objects'))!r})\n"
         f"run_agent(s, node_id='node-sub', gpus='2xH100-80GB', port=0,\n"
         f"          state_dir=pathlib.Path({str(state_dir)!r}), labels={{}},\n"
-        f"          heartbeat_interval_s={HEARTBEAT_S})\n"
+        f"          heartbeat_interval_s={HEARTBEAT_S}, job_uids={job_uids!r})\n"
     )
     log = open(tmp / f"agent-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115 (child keeps it)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}

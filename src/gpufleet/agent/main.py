@@ -32,7 +32,11 @@ from gpufleet.agent.assignment_log import AssignmentLog
 from gpufleet.agent.core import AgentCore
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
-from gpufleet.agent.runner import Runner
+from gpufleet.agent.runner import Runner, default_jobs_dir
+from gpufleet.agent.runtime import Runtimes, jobuser
+from gpufleet.agent.runtime.containment import detect as detect_containment
+from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
+from gpufleet.agent.runtime.process import ProcessRuntime
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.objectstore import ObjectStore
@@ -52,6 +56,11 @@ class AgentAlreadyRunning(RuntimeError):
 
 
 LOCK_NAME = "agent.lock"
+CONTAINMENT_LABEL = "gpufleet/containment"
+"""Node label the agent sets: cgroup-v2, cgroup-v1, pidns or none (shown by gpufleet nodes)."""
+JOB_USER_LABEL = "gpufleet/job-user"
+"""Node label the agent sets: the job user, ``NAME/uid-per-attempt`` or
+``jobs-as-agent-user`` when the agent cannot switch users."""
 
 
 def lock_state_dir(state_dir: Path) -> IO[str]:
@@ -107,6 +116,10 @@ def run_agent(
     heartbeat_interval_s: float | None = None,
     stop_event: threading.Event | None = None,
     advertise_host: str | None = None,
+    job_user: str = DEFAULT_JOB_USER,
+    job_uids: str = "per-attempt",
+    jobs_dir: Path | None = None,
+    containment: str = "auto",
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -124,9 +137,17 @@ def run_agent(
         advertise_host: host the controller should call back; default: 127.0.0.1 when the
             controller is on loopback, else this host's address on the route to it. The
             server listens on that address only (the agent port is unauthenticated).
+        job_user: the unprivileged user jobs run as (created when missing and root).
+        job_uids: ``per-attempt`` (each attempt its own uid, the job user's group),
+            ``shared`` (the job user's uid) or ``agent`` (the agent's own user: development
+            only); see :mod:`gpufleet.agent.runtime.jobuser`.
+        jobs_dir: root of the job-visible attempt dirs; default
+            :func:`gpufleet.agent.runner.default_jobs_dir`.
+        containment: ``auto`` (best available), or force ``pidns`` / ``none``.
 
     Raises:
-        ValueError: ``gpus`` is malformed, or the assignment log is corrupt.
+        ValueError: ``gpus`` is malformed, the assignment log is corrupt, the job user is
+            the agent's user or cannot be created, or the jobs dir is not reachable by it.
         OSError: the state dir is unusable or the port cannot be bound.
     """
     stop = stop_event if stop_event is not None else threading.Event()
@@ -138,7 +159,28 @@ def run_agent(
     log = AssignmentLog(state_dir)
     log.compact()
     agent_epoch = log.bump_agent_epoch()
-    runner = Runner(state_dir, store)
+    users = jobuser.resolve(job_user, mode=job_uids)
+    found = detect_containment(node_id, want=containment)
+    if not found.is_cgroup:
+        logger.warning(
+            "containment: %s (%s): a job's processes are not held in a cgroup and it gets "
+            "no memory limit",
+            found.kind,
+            found.problem or "forced",
+        )
+    runtimes = Runtimes(ProcessRuntime(found))
+    runner = Runner(
+        state_dir,
+        store,
+        runtimes=runtimes,
+        users=users,
+        jobs_dir=jobs_dir or default_jobs_dir(state_dir, node_id, users),
+    )
+    labels = {
+        **labels,
+        CONTAINMENT_LABEL: found.kind,
+        JOB_USER_LABEL: users.describe(),
+    }
     streamer = LogStreamer(store, LOG_SYNC_INTERVAL_S, stop)
     core = AgentCore(
         log=log,
@@ -193,13 +235,17 @@ def run_agent(
     for t in threads:
         t.start()
     logger.info(
-        "agent %s (epoch %d) serving on %s, state in %s, %d GPU(s) from %s",
+        "agent %s (epoch %d) serving on %s, state in %s, %d GPU(s) from %s; runtimes: %s; "
+        "jobs as %s in %s",
         node_id,
         agent_epoch,
         _join(host, bound),
         state_dir,
         len(inventory.gpus),
         inventory.source,
+        runtimes.describe(),
+        users.describe(),
+        runner.jobs_dir,
     )
     try:
         stop.wait()

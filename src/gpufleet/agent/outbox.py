@@ -236,6 +236,7 @@ class Outbox:
                 outcome=_OUTCOMES[rec.outcome],
                 exit_code=rec.exit_code,
                 message=rec.message,
+                reason=rec.reason,
             ),
             timeout=CALL_TIMEOUT_S,
         )
@@ -248,7 +249,7 @@ class Outbox:
             level, "run %s: completion %s %s (%s)", rec.run_id, rec.outcome, result, resp.message
         )
         self.log.append("reported", rec.run_id, result=result)
-        self.runner.cleanup(rec.run_id)
+        self.runner.cleanup(rec)
         return True
 
 

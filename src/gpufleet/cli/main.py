@@ -164,6 +164,25 @@ def agent(
     port: Annotated[int, typer.Option(help="Agent gRPC port (0 = any free port).")] = 0,
     state_dir: Annotated[Path | None, typer.Option(help="Assignment log and run dirs.")] = None,
     label: Annotated[list[str] | None, typer.Option(help="Node label k=v (repeatable).")] = None,
+    job_user: Annotated[
+        str,
+        typer.Option(help="Unprivileged user jobs run as (created when missing, as root)."),
+    ] = "gpufleet-job",
+    job_uids: Annotated[
+        str,
+        typer.Option(
+            help="per-attempt: each attempt its own uid in the job user's group; "
+            "shared: the job user's uid for every attempt; agent: the agent's own user "
+            "(no isolation; development only)."
+        ),
+    ] = "per-attempt",
+    jobs_dir: Annotated[
+        Path | None,
+        typer.Option(help="Root of job-visible attempt dirs (default /var/lib/gpufleet/jobs/…)."),
+    ] = None,
+    containment: Annotated[
+        str, typer.Option(help="auto (cgroup v2/v1, else PID namespace), or force pidns/none.")
+    ] = "auto",
     data_dir: DataDir = None,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
@@ -186,6 +205,10 @@ def agent(
             port=port,
             state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
             labels=labels,
+            job_user=job_user,
+            job_uids=job_uids,
+            jobs_dir=jobs_dir,
+            containment=containment,
         )
     except AgentAlreadyRunning as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")

@@ -128,6 +128,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             exit_code=request.exit_code,
             manifest_uri=request.manifest_uri,
             message=request.message,
+            reason=request.reason,
         )
         result, message = _guard(context, lambda: runs.complete_run(self.db, self.store, report))
         log.info(
