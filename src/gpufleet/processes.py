@@ -28,6 +28,8 @@ log = logging.getLogger("gpufleet")
 
 
 def open_database(settings: Settings) -> Database:
+    if settings.database_url is None:
+        settings.private_data_dir()  # the embedded SQLite file lives there
     db = Database(settings.resolved_database_url())
     migrate(db)
     return db
@@ -112,8 +114,11 @@ class LocalPlatform:
         gpus: str | None,
         node_id: str = "local-0",
         agent_port: int = 0,
+        job_uids: str | None = None,
     ) -> None:
         self.settings = settings
+        settings.private_data_dir()  # database, tokens, objects, agent state: no job reads them
+        self.job_uids = job_uids
         self.db = open_database(settings)
         self.waker = make_waker(settings.redis_url, listen=True)
         self.controller = Controller(settings, self.db, self.waker)
@@ -147,6 +152,8 @@ class LocalPlatform:
         ]
         if self.gpus:
             cmd += ["--gpus", self.gpus]
+        if self.job_uids:
+            cmd += ["--job-uids", self.job_uids]
         env = dict(
             os.environ,
             GPUFLEET_DATA_DIR=str(data_dir),

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from gpufleet.agent.runtime.jobuser import executable_by_others
 from gpufleet.controller.main import Controller
 from gpufleet.processes import ApiServer, open_database
 from gpufleet.queue import InProcWaker
@@ -25,6 +26,9 @@ from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"}
+# The scenario jobs run this interpreter; where unprivileged job users cannot (e.g. a pyenv
+# Python under a 0700 /root), the agents run jobs as themselves (--job-uids agent).
+JOB_UIDS = "per-attempt" if executable_by_others(sys.executable) else "agent"
 
 
 def free_port() -> int:
@@ -75,7 +79,13 @@ class Fleet:
         self.api.start_in_thread()
         return self
 
-    def start_agent(self, node_id: str, gpus: str = "8xH100-80GB", wait: bool = True) -> None:
+    def start_agent(
+        self,
+        node_id: str,
+        gpus: str = "8xH100-80GB",
+        wait: bool = True,
+        job_uids: str | None = None,
+    ) -> None:
         env = dict(
             os.environ,
             GPUFLEET_DATA_DIR=str(self.tmp),
@@ -96,6 +106,8 @@ class Fleet:
                 gpus,
                 "--state-dir",
                 str(self.tmp / "agents" / node_id),
+                "--job-uids",
+                job_uids or JOB_UIDS,
             ],
             env=env,
             stdout=log,

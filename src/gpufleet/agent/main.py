@@ -32,7 +32,7 @@ from gpufleet.agent.assignment_log import AssignmentLog
 from gpufleet.agent.core import AgentCore
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
-from gpufleet.agent.runner import Runner, default_jobs_dir
+from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
 from gpufleet.agent.runtime import Runtimes, jobuser
 from gpufleet.agent.runtime.containment import detect as detect_containment
 from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
@@ -154,13 +154,15 @@ def run_agent(
     state_dir = state_dir.expanduser().resolve()
     _lock = lock_state_dir(state_dir)  # held until this process exits
     _install_signal_handlers(stop)
+    if settings.object_store_url is None:
+        settings.private_data_dir()  # the local object store holds every team's outputs
     store = ObjectStore(settings.resolved_object_store_url())
     inventory = load_inventory(node_id, gpus)
     log = AssignmentLog(state_dir)
     log.compact()
     agent_epoch = log.bump_agent_epoch()
     users = jobuser.resolve(job_user, mode=job_uids)
-    found = detect_containment(node_id, want=containment)
+    found = detect_containment(agent_scope(state_dir, node_id), want=containment)
     if not found.is_cgroup:
         logger.warning(
             "containment: %s (%s): a job's processes are not held in a cgroup and it gets "

@@ -33,17 +33,23 @@ logger = logging.getLogger("gpufleet.agent")
 
 JOBS_ROOT = Path("/var/lib/gpufleet/jobs")
 
-__all__ = ["ExitInfo", "RunHandle", "Runner", "default_jobs_dir"]
+__all__ = ["ExitInfo", "RunHandle", "Runner", "agent_scope", "default_jobs_dir"]
+
+
+def agent_scope(state_dir: Path, node_id: str) -> str:
+    """``{node_id}-{hash of state_dir}``: names this agent's jobs dir and cgroups; stable
+    across restarts on the same state dir, distinct for two agents on one host."""
+    digest = hashlib.sha256(str(state_dir).encode()).hexdigest()[:10]
+    return f"{node_id}-{digest}"
 
 
 def default_jobs_dir(state_dir: Path, node_id: str, users: JobUsers) -> Path:
     """Where job-visible attempt dirs go. With user switching: outside the 0700 state dir, in
-    ``/var/lib/gpufleet/jobs/{node_id}-{hash of state_dir}`` (stable across restarts, distinct
-    per agent); without: ``{state_dir}/runs`` (everything runs as the agent's user anyway)."""
+    ``/var/lib/gpufleet/jobs/{agent_scope}``; without: ``{state_dir}/runs`` (everything runs
+    as the agent's user anyway)."""
     if not users.switch:
         return state_dir / "runs"
-    digest = hashlib.sha256(str(state_dir).encode()).hexdigest()[:10]
-    return JOBS_ROOT / f"{node_id}-{digest}"
+    return JOBS_ROOT / agent_scope(state_dir, node_id)
 
 
 class Runner:

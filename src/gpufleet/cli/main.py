@@ -73,6 +73,13 @@ def up(
     gpus: Annotated[
         str | None, typer.Option(help="Declared GPUs when NVML finds none, e.g. 8xH100-80GB.")
     ] = "8xH100-80GB",
+    job_uids: Annotated[
+        str,
+        typer.Option(
+            help="Who the local agent runs jobs as: per-attempt uids, shared (the "
+            "gpufleet-job user) or agent (no isolation; development only)."
+        ),
+    ] = "per-attempt",
 ) -> None:
     """Start server + controller + one local agent on the embedded defaults (SQLite, local
     object store) and print the URL and an admin token."""
@@ -80,7 +87,7 @@ def up(
 
     _logging()
     settings = _settings(data_dir, server_port=port)
-    platform = LocalPlatform(settings, gpus=gpus)
+    platform = LocalPlatform(settings, gpus=gpus, job_uids=job_uids)
     cfg_path = client_config_path(settings.resolved_data_dir())
     token = reusable_token(platform.db, cfg_path) or ensure_admin_token(platform.db)
     platform.start()

@@ -9,12 +9,12 @@ Kinds, best first (chosen once at agent start by :func:`detect`):
 
 ``cgroup-v2``
     The unified hierarchy (``/sys/fs/cgroup/cgroup.controllers`` exists). Groups live at
-    ``/sys/fs/cgroup/gpufleet/{node_id}/{run_id}`` with ``memory.max``, ``cpu.max``; stop
+    ``/sys/fs/cgroup/gpufleet/{scope}/{run_id}`` with ``memory.max``, ``cpu.max``; stop
     uses ``cgroup.kill`` (Linux >= 5.14) or ``cgroup.freeze`` + SIGKILL; OOM from
     ``memory.events`` ``oom_kill``. Not exercised on the development machine (cgroup v1).
 ``cgroup-v1``
     One group per controller (``memory``, ``freezer`` required; ``pids``, ``cpu`` if mounted) at
-    ``{mount}/{agent's own group}/gpufleet/{node_id}/{run_id}``: nested under the agent's group
+    ``{mount}/{agent's own group}/gpufleet/{scope}/{run_id}``: nested under the agent's group
     so whatever limits the host puts on the agent also bound its jobs. Limit
     ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes`` where swap accounting is
     on); quota ``cpu.cfs_quota_us``; stop = SIGTERM to every pid, grace, then freeze +
@@ -93,11 +93,12 @@ class Containment:
         return (*self.prefix, *ids, "--")
 
 
-def detect(node_id: str, *, want: str = "auto") -> Containment:
+def detect(scope: str, *, want: str = "auto") -> Containment:
     """Find the best containment this process can use (see module doc).
 
     Args:
-        node_id: the agent's node id (a path component of the groups).
+        scope: this agent's name among the agents of the host (a path component of the
+            groups, ``{node_id}-{hash of state dir}``).
         want: ``auto``, or force a weaker kind (``pidns``, ``none``) for tests and operators.
     """
     problems: list[str] = []
@@ -105,7 +106,7 @@ def detect(node_id: str, *, want: str = "auto") -> Containment:
         if os.geteuid() != 0:
             problems.append("the agent is not root, so it cannot create cgroups")
         else:
-            found = _try_v2(node_id, problems) if _is_v2() else _try_v1(node_id, problems)
+            found = _try_v2(scope, problems) if _is_v2() else _try_v1(scope, problems)
             if found is not None:
                 return found
     if want in ("auto", "pidns"):
@@ -144,7 +145,7 @@ def _v1_mounts() -> dict[str, Path]:
     return mounts
 
 
-def _try_v1(node_id: str, problems: list[str]) -> Containment | None:
+def _try_v1(scope: str, problems: list[str]) -> Containment | None:
     mounts, own = _v1_mounts(), _own_groups()
     bases: dict[str, Path] = {}
     for c in (*V1_REQUIRED, *V1_OPTIONAL):
@@ -153,7 +154,7 @@ def _try_v1(node_id: str, problems: list[str]) -> Containment | None:
                 problems.append(f"cgroup v1 controller {c!r} is not mounted")
                 return None
             continue
-        base = mounts[c] / own.get(c, "/").lstrip("/") / "gpufleet" / node_id
+        base = mounts[c] / own.get(c, "/").lstrip("/") / "gpufleet" / scope
         try:
             base.mkdir(parents=True, exist_ok=True)
             probe = base / f".probe-{os.getpid()}"
@@ -169,10 +170,10 @@ def _try_v1(node_id: str, problems: list[str]) -> Containment | None:
     return Containment("cgroup-v1", bases)
 
 
-def _try_v2(node_id: str, problems: list[str]) -> Containment | None:
+def _try_v2(scope: str, problems: list[str]) -> Containment | None:
     # Processes may only sit in leaves once controllers are enabled below a group, so the
     # groups go in a subtree of their own at the root (the root is exempt from that rule).
-    base = CGROUP_ROOT / "gpufleet" / node_id
+    base = CGROUP_ROOT / "gpufleet" / scope
     try:
         for d in (CGROUP_ROOT, CGROUP_ROOT / "gpufleet", base):
             d.mkdir(exist_ok=True)

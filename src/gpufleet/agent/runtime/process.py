@@ -320,9 +320,8 @@ class ProcessRuntime:
             code = int(data["exit_code"])
             if code == 0:
                 reason, note = "", ""  # a child was OOM-killed but the command succeeded
-            elif not note and code == -signal.SIGKILL and h.term_sent_at is not None:
-                if h.kill_sent_at is not None:
-                    note = f"killed with SIGKILL after {rec.stop_grace_s:g} s grace"
+            elif not note and code == -signal.SIGKILL and h.term_sent_at and h.kill_sent_at:
+                note = f"killed with SIGKILL after {rec.stop_grace_s:g} s grace"
             return ExitInfo(
                 exit_code=code,
                 finished_at_s=float(data.get("finished_at_s", time.time())),
