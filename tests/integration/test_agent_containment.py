@@ -87,16 +87,28 @@ def public_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def env(public_tmp: Path) -> Iterator[tuple[FakeController, InProcessAgent, ObjectStore, Path]]:
+@pytest.fixture(scope="module", params=["auto", "pidns"])
+def env(
+    request: pytest.FixtureRequest, public_tmp: Path
+) -> Iterator[tuple[FakeController, InProcessAgent, ObjectStore, Path]]:
+    """One agent per containment: the best (a cgroup here) and the PID-namespace fallback."""
+    containment = request.param
     os.environ["AGENT_ONLY_MARKER"] = "agent-secret-4711"  # must never reach a job
     try:
         with fake_controller() as (fake, address):
-            settings = make_settings(address, public_tmp / "data")
+            root = public_tmp / containment
+            root.mkdir()
+            root.chmod(0o755)
+            settings = make_settings(address, root / "data")
             with inprocess_agent(
-                fake, settings, public_tmp / "state", job_uids="per-attempt"
+                fake,
+                settings,
+                root / "state",
+                job_uids="per-attempt",
+                containment=containment,
             ) as agent:
-                yield fake, agent, ObjectStore(settings.resolved_object_store_url()), public_tmp
+                agent.extra["containment"] = containment
+                yield fake, agent, ObjectStore(settings.resolved_object_store_url()), root
     finally:
         os.environ.pop("AGENT_ONLY_MARKER", None)
 
@@ -149,6 +161,8 @@ print("survived", flush=True)
 class TestMemoryLimit:
     def test_job_over_memory_mb_is_oom_killed_and_a_neighbour_keeps_running(self, env) -> None:
         fake, agent, _, _ = env
+        if agent.extra["containment"] == "pidns":
+            pytest.skip("a PID namespace sets no memory limit")
         neighbour = agent.assign(
             run_id="r-nb",
             job_id="j-nb",

@@ -77,6 +77,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--uid", type=int)
     parser.add_argument("--gid", type=int)
     parser.add_argument("--groups", default="")
+    # the command switches users itself (unshare --setuid): enter --cwd with these effective
+    # ids so the kernel still checks the job user's access to it, then exec as root
+    parser.add_argument("--cwd-as", default="", help="UID:GID")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     if ns.command and ns.command[0] == "--":
@@ -109,7 +112,18 @@ def _preexec(ns: argparse.Namespace, err_fd: int) -> Callable[[], None]:
                 os.setgroups(groups)
                 os.setresgid(ns.gid, ns.gid, ns.gid)
                 os.setresuid(ns.uid, ns.uid, ns.uid)
-            if ns.cwd is not None:
+            if ns.cwd is not None and ns.cwd_as:
+                uid, gid = (int(x) for x in ns.cwd_as.split(":"))
+                step = f"enter working_dir {str(ns.cwd)!r} as the job user (uid {uid})"
+                os.setgroups([])
+                os.setresgid(-1, gid, -1)
+                os.setresuid(-1, uid, -1)
+                try:
+                    os.chdir(ns.cwd)
+                finally:
+                    os.setresuid(-1, 0, -1)
+                    os.setresgid(-1, 0, -1)
+            elif ns.cwd is not None:
                 who = f"the job user (uid {os.getuid()})"
                 step = f"enter working_dir {str(ns.cwd)!r} as {who}"
                 os.chdir(ns.cwd)

@@ -121,6 +121,8 @@ class ProcessRuntime:
             # unshare must run privileged to make the namespace; it switches users itself
             ids = {"uid": user.uid, "gid": user.gid} if user.switch else {}
             command = [*self.containment.command_prefix(**ids), *command]
+            if user.switch:
+                argv += ["--cwd-as", f"{user.uid}:{user.gid}"]
         elif user.switch:
             argv += ["--uid", str(user.uid), "--gid", str(user.gid)]
             argv += ["--groups", ",".join(str(g) for g in user.groups)]
