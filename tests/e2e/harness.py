@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 
-from gpufleet.agent.runtime.jobuser import executable_by_others
 from gpufleet.controller.main import Controller
 from gpufleet.processes import ApiServer, open_database
 from gpufleet.queue import InProcWaker
@@ -26,9 +25,9 @@ from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"}
-# The scenario jobs run this interpreter; where unprivileged job users cannot (e.g. a pyenv
-# Python under a 0700 /root), the agents run jobs as themselves (--job-uids agent).
-JOB_UIDS = "per-attempt" if executable_by_others(sys.executable) else "agent"
+# Scenario agents run jobs as themselves (--job-uids agent) unless a test asks otherwise:
+# the jobs run this interpreter (possibly private to root) and write into pytest's 0700 tmp.
+JOB_UIDS = "agent"
 
 
 def free_port() -> int:

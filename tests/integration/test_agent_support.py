@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 import grpc
 
 from gpufleet.agent.main import run_agent
-from gpufleet.agent.runtime.jobuser import executable_by_others
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.settings import Settings
@@ -29,10 +28,11 @@ from gpufleet.settings import Settings
 T = TypeVar("T")
 LEADER_EPOCH = 1
 HEARTBEAT_S = 0.1
-# Jobs run as unprivileged per-attempt uids unless this interpreter (which the test jobs run)
-# is private to its owner, e.g. a pyenv Python under a 0700 /root; then the agents of these
-# tests run jobs as themselves (--job-uids agent). The isolation tests use a system Python.
-JOB_UIDS = "per-attempt" if executable_by_others(sys.executable) else "agent"
+# The agents of the lifecycle tests run jobs as themselves (--job-uids agent): their jobs run
+# this interpreter (which may be private to root, e.g. pyenv under a 0700 /root) and share
+# files with the test through pytest's 0700 tmp dirs. Job users, cgroups and isolation are
+# tested with per-attempt uids and a system Python in test_agent_containment.py.
+JOB_UIDS = "agent"
 
 Confirm = pb.ConfirmAssignmentResponse
 Report = pb.ReportCompletionResponse
