@@ -385,3 +385,16 @@ def test_kill_9_agent_then_restart_adopts_the_cgroup_without_a_second_start(
                 agent.wait()
             for pid in processes_with(marker):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_an_agent_without_containment_says_so_at_start_and_to_the_controller(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with fake_controller() as (fake, address), caplog.at_level("WARNING", "gpufleet.agent"):
+        settings = make_settings(address, tmp_path)
+        with inprocess_agent(fake, settings, tmp_path / "state", containment="none"):
+            labels = dict(fake.registrations[-1].labels)
+    assert labels["gpufleet/containment"] == "none"
+    assert labels["gpufleet/job-user"] == "jobs-as-agent-user"
+    warnings = [r.getMessage() for r in caplog.records if "containment: none" in r.getMessage()]
+    assert len(warnings) == 1

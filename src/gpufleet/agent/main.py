@@ -15,6 +15,7 @@ running under their shims and are adopted by the next agent started on the same 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import logging
@@ -260,6 +261,10 @@ def run_agent(
             t.join(timeout=15.0)
         channel.close()
         log.close()
+        found.remove_scope()  # only if no attempt is left in it
+        if runner.jobs_dir != runner.runs_dir:
+            with contextlib.suppress(OSError):
+                runner.jobs_dir.rmdir()
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:

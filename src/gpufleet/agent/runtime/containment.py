@@ -79,6 +79,13 @@ class Containment:
             return None
         return JobCgroup(self.kind, {c: base / run_id for c, base in self.bases.items()})
 
+    def remove_scope(self) -> None:
+        """Remove this agent's (empty) parent groups, e.g. at a clean stop; groups of attempts
+        still running keep them in place (rmdir fails with EBUSY/ENOTEMPTY)."""
+        for base in self.bases.values():
+            with contextlib.suppress(OSError):
+                base.rmdir()
+
     def command_prefix(self, *, uid: int | None = None, gid: int | None = None) -> tuple[str, ...]:
         """argv prefix for the command (``unshare ...`` for pidns; empty otherwise). With
         ``uid``/``gid``, unshare (run as root) switches to them for the command (and drops
