@@ -189,6 +189,43 @@ class TestMemoryLimit:
         agent.stop_run(run_id="r-nb", token=1, grace_s=0.5, reason="cancel")
         assert fake.wait_report("r-nb", timeout_s=30).reason == ""
 
+    def test_limits_are_written_to_the_attempts_cgroup(self, env) -> None:
+        fake, agent, _, _ = env
+        if agent.extra["containment"] == "pidns":
+            pytest.skip("a PID namespace sets no limits")
+        resp = agent.assign(
+            run_id="r-lim",
+            job_id="j-lim",
+            token=1,
+            memory_mb=100,
+            cpu=0.5,
+            command=py("import time; time.sleep(600)"),
+        )
+        assert resp.result == A.STARTED, resp.message
+        started = [
+            json.loads(line)
+            for line in (agent.state_dir / "assignments.jsonl").read_text().splitlines()
+            if '"started"' in line and '"r-lim"' in line
+        ]
+        dirs = {c: Path(d) for c, d in started[0]["runtime_state"]["cgroup"]["dirs"].items()}
+        try:
+            if "memory" in dirs:  # cgroup v1
+                limit = (dirs["memory"] / "memory.limit_in_bytes").read_text()
+                assert int(limit) == 100 * 1024 * 1024
+                if "cpu" in dirs:
+                    assert (dirs["cpu"] / "cpu.cfs_quota_us").read_text().strip() == "50000"
+                assert resp.pid in {
+                    int(p) for p in (dirs["memory"] / "cgroup.procs").read_text().split()
+                }
+            else:
+                unified = dirs["unified"]
+                assert int((unified / "memory.max").read_text()) == 100 * 1024 * 1024
+                assert (unified / "cpu.max").read_text().split()[0] == "50000"
+        finally:
+            agent.stop_run(run_id="r-lim", token=1, grace_s=0.5, reason="cancel")
+        fake.wait_report("r-lim", timeout_s=30)
+        assert not any(d.exists() for d in dirs.values()), "the cgroup is removed after the stop"
+
 
 PROBE = r"""
 import json, os, sys

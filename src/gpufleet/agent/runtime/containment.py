@@ -73,11 +73,19 @@ class Containment:
     def is_cgroup(self) -> bool:
         return self.kind.startswith("cgroup")
 
-    def group_for(self, run_id: str) -> JobCgroup | None:
-        """The (not yet created) cgroup of one attempt; None without cgroups."""
+    def group_for(self, run_id: str, *, cpu_quota: bool = True) -> JobCgroup | None:
+        """The (not yet created) cgroup of one attempt; None without cgroups.
+
+        Args:
+            run_id: the attempt.
+            cpu_quota: the attempt has a CPU quota. Without one it is not put in a v1 ``cpu``
+                group of its own: group scheduling would weigh the whole job like a single
+                thread against the host's other tasks and slow multi-threaded jobs down.
+        """
         if not self.is_cgroup:
             return None
-        return JobCgroup(self.kind, {c: base / run_id for c, base in self.bases.items()})
+        dirs = {c: base / run_id for c, base in self.bases.items() if cpu_quota or c != "cpu"}
+        return JobCgroup(self.kind, dirs)
 
     def remove_scope(self) -> None:
         """Remove this agent's (empty) parent groups, e.g. at a clean stop; groups of attempts

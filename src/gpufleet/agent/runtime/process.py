@@ -103,7 +103,7 @@ class ProcessRuntime:
                 working_dir the job user cannot enter, or a command that is not found).
         """
         paths = launch.paths
-        cgroup = self.containment.group_for(rec.run_id)
+        cgroup = self.containment.group_for(rec.run_id, cpu_quota=launch.cpu > 0)
         if cgroup is not None:
             try:
                 cgroup.create(memory_mb=launch.memory_mb, cpu=launch.cpu)
@@ -188,7 +188,7 @@ class ProcessRuntime:
         if "pid" not in claim:
             return None
         pid = int(claim["pid"])
-        cgroup = self.containment.group_for(rec.run_id)
+        cgroup = self.containment.group_for(rec.run_id, cpu_quota=rec.cpu > 0)
         return ProcessHandle(
             pid=pid,
             boot_id=str(claim.get("boot_id", "")),
@@ -216,7 +216,7 @@ class ProcessRuntime:
             JobCgroup.from_json(cg).remove()
 
     def _remove_group(self, run_id: str) -> None:
-        cgroup = self.containment.group_for(run_id)
+        cgroup = self.containment.group_for(run_id, cpu_quota=True)
         if cgroup is not None:
             cgroup.remove()
 
