@@ -435,3 +435,16 @@ def test_an_agent_without_containment_says_so_at_start_and_to_the_controller(
     assert labels["gpufleet/job-user"] == "jobs-as-agent-user"
     warnings = [r.getMessage() for r in caplog.records if "containment: none" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_agent_start_removes_empty_groups_left_by_a_crash(tmp_path: Path) -> None:
+    state = (tmp_path / "state").resolve()
+    found = detect(agent_scope(state, "node-test"))
+    stale = found.group_for("r-stale")
+    assert stale is not None
+    stale.create(memory_mb=64, cpu=0)
+    assert stale.exists()
+    with fake_controller() as (fake, address):
+        settings = make_settings(address, tmp_path)
+        with inprocess_agent(fake, settings, state, job_uids="per-attempt"):
+            assert not stale.exists()

@@ -29,7 +29,7 @@ from typing import IO
 
 import grpc
 
-from gpufleet.agent.assignment_log import AssignmentLog
+from gpufleet.agent.assignment_log import AssignmentLog, RunStatus
 from gpufleet.agent.core import AgentCore
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
@@ -208,6 +208,11 @@ def run_agent(
         stop_event=stop,
     )
     core.recover()
+    live = {
+        r.run_id for r in log.runs.values() if r.status in (RunStatus.ASSIGNED, RunStatus.RUNNING)
+    }
+    for run_id in found.prune(keep=live):
+        logger.error("cgroup of %s holds processes but no live attempt here owns it", run_id)
 
     host = advertise_host or _default_host(settings.controller_address)
     server = grpc.server(

@@ -87,6 +87,22 @@ class Containment:
         dirs = {c: base / run_id for c, base in self.bases.items() if cpu_quota or c != "cpu"}
         return JobCgroup(self.kind, dirs)
 
+    def prune(self, keep: set[str]) -> list[str]:
+        """Remove this agent's empty attempt groups not in ``keep`` (left by a crash between
+        an attempt's end and its cleanup). Returns the run_ids of groups that could not be
+        removed because processes are still in them (never killed here: the caller decides).
+        """
+        busy: set[str] = set()
+        for base in self.bases.values():
+            with contextlib.suppress(OSError):
+                for d in base.iterdir():
+                    if d.is_dir() and d.name not in keep and not d.name.startswith("."):
+                        try:
+                            d.rmdir()
+                        except OSError:
+                            busy.add(d.name)
+        return sorted(busy)
+
     def remove_scope(self) -> None:
         """Remove this agent's (empty) parent groups, e.g. at a clean stop; groups of attempts
         still running keep them in place (rmdir fails with EBUSY/ENOTEMPTY)."""
