@@ -18,7 +18,6 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from gpufleet.agent.runner import JOBS_ROOT, agent_scope
@@ -38,6 +37,7 @@ from tests.integration.test_agent_support import (
     inprocess_agent,
     make_settings,
     pid_alive,
+    test_pki,
     wait_until,
 )
 
@@ -367,7 +367,7 @@ def test_kill_9_agent_then_restart_adopts_the_cgroup_without_a_second_start(
         agent = agent_subprocess(address, home, state, job_uids="per-attempt")
         try:
             reg = fake.wait_for(lambda: fake.registrations, 20)[0]
-            with grpc.insecure_channel(reg.address) as channel:
+            with test_pki().agent_channel(reg.address, reg.node_id) as channel:
                 stub = pb_grpc.AgentStub(channel)
                 request = pb.AssignJobRequest(
                     run_id="r-adopt",
@@ -389,7 +389,7 @@ def test_kill_9_agent_then_restart_adopts_the_cgroup_without_a_second_start(
 
             agent = agent_subprocess(address, home, state, job_uids="per-attempt")
             reg = fake.wait_for(lambda: [r for r in fake.registrations if r.agent_epoch == 2])[0]
-            with grpc.insecure_channel(reg.address) as channel:
+            with test_pki().agent_channel(reg.address, reg.node_id) as channel:
                 stub = pb_grpc.AgentStub(channel)
                 again = stub.AssignJob(request, timeout=30)
                 runs = stub.ListRuns(pb.ListRunsRequest(), timeout=10).runs
