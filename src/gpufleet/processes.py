@@ -28,6 +28,8 @@ log = logging.getLogger("gpufleet")
 
 
 def open_database(settings: Settings) -> Database:
+    if settings.database_url is None:
+        settings.private_data_dir()  # the embedded SQLite file lives there
     db = Database(settings.resolved_database_url())
     migrate(db)
     return db
@@ -158,8 +160,11 @@ class LocalPlatform:
         node_id: str = "local-0",
         agent_port: int = 0,
         insecure: bool = False,
+        job_uids: str | None = None,
     ) -> None:
         self.settings = settings
+        settings.private_data_dir()  # database, tokens, objects, agent state: no job reads them
+        self.job_uids = job_uids
         self.insecure = insecure
         if not insecure:
             ensure_fleet_ca(settings)
@@ -196,6 +201,8 @@ class LocalPlatform:
         ]
         if self.gpus:
             cmd += ["--gpus", self.gpus]
+        if self.job_uids:
+            cmd += ["--job-uids", self.job_uids]
         extra_env: dict[str, str] = {}
         if self.insecure:
             cmd.append("--insecure")

@@ -6,6 +6,7 @@ environment.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field, SecretStr
@@ -90,6 +91,17 @@ class Settings(BaseSettings):
 
     def resolved_data_dir(self) -> Path:
         return self.data_dir.expanduser().resolve()
+
+    def private_data_dir(self) -> Path:
+        """The data dir, created if missing and made mode 0700 when this user owns it: it
+        holds the SQLite database, the client config with the admin token, the local object
+        store (every team's artifacts) and agent state, none of which a job may read (jobs run
+        as other users)."""
+        path = self.resolved_data_dir()
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.stat().st_uid == os.geteuid():
+            path.chmod(0o700)
+        return path
 
     def resolved_database_url(self) -> str:
         if self.database_url is not None:

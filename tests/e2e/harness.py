@@ -25,6 +25,9 @@ from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"}
+# Scenario agents run jobs as themselves (--job-uids agent) unless a test asks otherwise:
+# the jobs run this interpreter (possibly private to root) and write into pytest's 0700 tmp.
+JOB_UIDS = "agent"
 
 
 def free_port() -> int:
@@ -86,6 +89,7 @@ class Fleet:
         *,
         state_dir: Path | None = None,
         env: dict[str, str] | None = None,
+        job_uids: str | None = None,
     ) -> None:
         state_dir = state_dir or self.tmp / "agents" / node_id
         tls_args, tls_env = agent_tls_args(self.db, self.settings, node_id, state_dir)
@@ -113,6 +117,8 @@ class Fleet:
                 "--state-dir",
                 str(state_dir),
                 *tls_args,
+                "--job-uids",
+                job_uids or JOB_UIDS,
             ],
             env=env,
             stdout=log,

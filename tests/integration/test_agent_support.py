@@ -30,6 +30,11 @@ from gpufleet.settings import Settings
 T = TypeVar("T")
 LEADER_EPOCH = 1
 HEARTBEAT_S = 0.1
+# The agents of the lifecycle tests run jobs as themselves (--job-uids agent): their jobs run
+# this interpreter (which may be private to root, e.g. pyenv under a 0700 /root) and share
+# files with the test through pytest's 0700 tmp dirs. Job users, cgroups and isolation are
+# tested with per-attempt uids and a system Python in test_agent_containment.py.
+JOB_UIDS = "agent"
 
 Confirm = pb.ConfirmAssignmentResponse
 Report = pb.ReportCompletionResponse
@@ -189,9 +194,14 @@ class InProcessAgent:
 
 @contextmanager
 def inprocess_agent(
-    fake: FakeController, settings: Settings, state_dir: Path, gpus: str | None = "4xA100-40GB"
+    fake: FakeController,
+    settings: Settings,
+    state_dir: Path,
+    gpus: str | None = "4xA100-40GB",
+    **agent_kw: Any,
 ) -> Iterator[InProcessAgent]:
     stop = threading.Event()
+    agent_kw.setdefault("job_uids", JOB_UIDS)
     before = len(fake.registrations)
     test_pki().provision(state_dir, "node-test")
     thread = threading.Thread(
@@ -205,6 +215,7 @@ def inprocess_agent(
             "labels": {"rack": "r1"},
             "heartbeat_interval_s": HEARTBEAT_S,
             "stop_event": stop,
+            **agent_kw,
         },
         daemon=True,
     )
@@ -234,7 +245,7 @@ def kill_leftover_groups(state_dir: Path) -> None:
 
 
 def agent_subprocess(
-    controller_address: str, tmp: Path, state_dir: Path
+    controller_address: str, tmp: Path, state_dir: Path, *, job_uids: str = JOB_UIDS
 ) -> subprocess.Popen[bytes]:
     """The agent as its own process (so the test can kill -9 it)."""
     test_pki().provision(state_dir, "node-sub")
@@ -247,7 +258,7 @@ def agent_subprocess(
         f"             object_store_url={('file://' + str(tmp / 'objects'))!r})\n"
         f"run_agent(s, node_id='node-sub', gpus='2xH100-80GB', port=0,\n"
         f"          state_dir=pathlib.Path({str(state_dir)!r}), labels={{}},\n"
-        f"          heartbeat_interval_s={HEARTBEAT_S})\n"
+        f"          heartbeat_interval_s={HEARTBEAT_S}, job_uids={job_uids!r})\n"
     )
     log = open(tmp / f"agent-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115 (child keeps it)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}

@@ -8,11 +8,13 @@ separate durable facts).
 Events, one JSON object per line, ``"e"`` naming the kind::
 
     assigned        the AssignJob request (run_id, job_id, token, gpu_ids, command, env, ...)
-    started         pid (the command), shim_pid == pgid, shim_start_ticks, boot_id, started_at_s
+    started         pid (the command), boot_id, started_at_s, runtime ("process"/"container"),
+                    runtime_state (the runtime's facts, e.g. cgroup paths); process runtime
+                    also shim_pid == pgid, shim_start_ticks
     start_failed    message (the attempt is reported NEVER_STARTED)
     confirmed       result of ConfirmAssignment (CONFIRMED or REJECTED)
     stop_requested  reason, grace_s (survives a restart: the stop resumes)
-    exited          exit_code, outcome (EXITED or STOPPED), finished_at_s, message
+    exited          exit_code, outcome (EXITED or STOPPED), finished_at_s, message, reason
     uploaded        manifest_uri
     reported        result of ReportCompletion (ACCEPTED, STALE or REJECTED)
     tombstone       StopRun for a run never assigned here: a late AssignJob must not start it
@@ -72,12 +74,16 @@ class RunRecord:
     resume_from_uri: str = ""
     max_runtime_s: float = 0.0
     working_dir: str = ""
+    memory_mb: int = 0  # host memory limit, MiB; 0 = none
+    cpu: float = 0.0  # CPU cores (quota); 0 = none
     status: RunStatus = RunStatus.ASSIGNED
     assigned_at_s: float = 0.0
     pid: int = 0  # the user command
     shim_pid: int = 0  # leader of the process group: pgid == shim_pid
     shim_start_ticks: int = 0
     boot_id: str = ""  # /proc/sys/kernel/random/boot_id when started
+    runtime: str = ""  # "process" or "container" ("" = process, logged before runtimes)
+    runtime_state: dict[str, Any] = field(default_factory=dict)  # the runtime's own facts
     started_at_s: float = 0.0
     confirm_result: str = ""
     stop_reason: str = ""
@@ -86,6 +92,7 @@ class RunRecord:
     outcome: str = ""  # EXITED, STOPPED or NEVER_STARTED
     finished_at_s: float = 0.0
     message: str = ""
+    reason: str = ""  # machine-readable cause of the end, e.g. OOM_KILLED
     manifest_uri: str = ""
     report_result: str = ""
     node_fault: bool = False  # a start failure the node caused (not the job)
@@ -122,6 +129,8 @@ _ASSIGN_FIELDS = (
     "resume_from_uri",
     "max_runtime_s",
     "working_dir",
+    "memory_mb",
+    "cpu",
 )
 
 
@@ -265,8 +274,10 @@ class AssignmentLog:
         if e == "started":
             rec.status = RunStatus.RUNNING
             rec.pid = int(line["pid"])
-            rec.shim_pid = int(line["shim_pid"])
-            rec.shim_start_ticks = int(line["shim_start_ticks"])
+            rec.shim_pid = int(line.get("shim_pid", 0))
+            rec.shim_start_ticks = int(line.get("shim_start_ticks", 0))
+            rec.runtime = str(line.get("runtime", ""))
+            rec.runtime_state = dict(line.get("runtime_state") or {})
             rec.boot_id = str(line.get("boot_id", ""))
             rec.started_at_s = float(line.get("started_at_s", at_s))
         elif e == "start_failed":
@@ -286,6 +297,7 @@ class AssignmentLog:
             rec.outcome = line["outcome"]
             rec.finished_at_s = float(line.get("finished_at_s", at_s))
             rec.message = line.get("message", "")
+            rec.reason = line.get("reason", "")
         elif e == "uploaded":
             rec.manifest_uri = line["manifest_uri"]
         elif e == "reported":

@@ -22,7 +22,7 @@ Rules, in the order they are checked:
   by another live attempt here, fails to start (reported NEVER_STARTED). The controller's
   database is the only allocator; this is defense in depth against double allocation.
 * **Release after verified stop.** An attempt is reported only once its process group is
-  verified gone (:meth:`gpufleet.agent.runner.Runner.poll`).
+  verified gone (the runtime's ``poll``, :mod:`gpufleet.agent.runtime.base`).
 * A StopRun for a run_id never assigned here leaves a tombstone, so an AssignJob that arrives
   late (reordered behind the stop) is refused instead of starting work nobody owns.
 """
@@ -38,7 +38,8 @@ from collections.abc import Iterable
 from gpufleet.agent.assignment_log import AssignmentLog, RunRecord, RunStatus
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.outbox import COMPLETE, CONFIRM, Outbox
-from gpufleet.agent.runner import ProcessHandle, Runner
+from gpufleet.agent.runner import Runner
+from gpufleet.agent.runtime import RunHandle
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.agent.workdir import StartError
 from gpufleet.rpc.protos import fleet_pb2 as pb
@@ -92,7 +93,7 @@ class AgentCore:
         # Keys of log.runs are only added under this lock ("assigned", "tombstone"), so code
         # holding it may iterate log.runs while other threads append lifecycle events.
         self._lock = threading.RLock()
-        self._handles: dict[str, ProcessHandle] = {}
+        self._handles: dict[str, RunHandle] = {}
         self._starting: dict[str, threading.Lock] = {}
         self.disk_reserve_mb = disk_reserve_mb
         self._refused: set[str] = set()  # run_ids refused while unhealthy (not logged)
@@ -124,9 +125,15 @@ class AgentCore:
             if rec.status == RunStatus.RUNNING:
                 with self._lock:
                     if rec.run_id not in self._handles:
-                        self._handles[rec.run_id] = self.runner.adopt(rec)
+                        try:
+                            self._handles[rec.run_id] = self.runner.adopt(rec)
+                        except StartError as exc:
+                            logger.error("run %s: cannot adopt it: %s", rec.run_id, exc)
+                            continue
                 self.streamer.watch(rec, self.runner.paths(rec.run_id).log)
-                logger.info("run %s: adopted pid %d (pgid %d)", rec.run_id, rec.pid, rec.pgid)
+                logger.info(
+                    "run %s: adopted pid %d (%s runtime)", rec.run_id, rec.pid, rec.runtime
+                )
             if rec.status in (RunStatus.RUNNING, RunStatus.EXITED) and not rec.confirm_result:
                 self._enqueue(CONFIRM, rec.run_id)
             if rec.status in (RunStatus.EXITED, RunStatus.FAILED_TO_START):
@@ -206,6 +213,8 @@ class AgentCore:
             resume_from_uri=req.resume_from_uri,
             max_runtime_s=req.max_runtime_s,
             working_dir=req.working_dir,
+            memory_mb=req.memory_mb,
+            cpu=req.cpu,
         )
 
     def _start(
@@ -243,15 +252,12 @@ class AgentCore:
         logger.info("run %s: started pid %d on GPUs %s", rec.run_id, h.pid, rec.gpu_ids)
         return _assign(AssignResult.STARTED, "", h.pid)
 
-    def _log_started(self, rec: RunRecord, h: ProcessHandle) -> None:
+    def _log_started(self, rec: RunRecord, h: RunHandle) -> None:
         with self._lock:
             self.log.append(
                 "started",
                 rec.run_id,
-                pid=h.pid,
-                shim_pid=h.shim_pid,
-                shim_start_ticks=h.shim_start_ticks,
-                boot_id=h.boot_id,
+                **self.runner.started_fields(rec, h),
                 started_at_s=time.time(),
             )
             self._handles[rec.run_id] = h
@@ -376,6 +382,7 @@ class AgentCore:
                         outcome=outcome,
                         finished_at_s=info.finished_at_s,
                         message=info.message,
+                        reason=info.reason,
                     )
                 del self._handles[rec.run_id]
             logger.info(

@@ -15,6 +15,7 @@ running under their shims and are adopted by the next agent started on the same 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import logging
@@ -28,12 +29,16 @@ from typing import IO, cast
 
 import grpc
 
-from gpufleet.agent.assignment_log import AssignmentLog
+from gpufleet.agent.assignment_log import AssignmentLog, RunStatus
 from gpufleet.agent.core import AgentCore
 from gpufleet.agent.identity import ControllerChannel, Renewer, ensure_credentials, tls_dir
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
-from gpufleet.agent.runner import Runner
+from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
+from gpufleet.agent.runtime import Runtimes, jobuser
+from gpufleet.agent.runtime.containment import detect as detect_containment
+from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
+from gpufleet.agent.runtime.process import ProcessRuntime
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.objectstore import ObjectStore
@@ -54,6 +59,11 @@ class AgentAlreadyRunning(RuntimeError):
 
 
 LOCK_NAME = "agent.lock"
+CONTAINMENT_LABEL = "gpufleet/containment"
+"""Node label the agent sets: cgroup-v2, cgroup-v1, pidns or none (shown by gpufleet nodes)."""
+JOB_USER_LABEL = "gpufleet/job-user"
+"""Node label the agent sets: the job user, ``NAME/uid-per-attempt`` or
+``jobs-as-agent-user`` when the agent cannot switch users."""
 
 
 def lock_state_dir(state_dir: Path) -> IO[str]:
@@ -112,6 +122,10 @@ def run_agent(
     insecure: bool = False,
     join_token: str | None = None,
     ca_cert: Path | None = None,
+    job_user: str = DEFAULT_JOB_USER,
+    job_uids: str = "per-attempt",
+    jobs_dir: Path | None = None,
+    containment: str = "auto",
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -135,9 +149,18 @@ def run_agent(
             controller certificate may call AssignJob/StopRun/ListRuns.
         join_token: ``gfj1.<ca sha256>.<secret>`` from ``gpufleet admin node join-token``.
         ca_cert: the fleet CA certificate (else fetched and checked against the token).
+        job_user: the unprivileged user jobs run as (created when missing and root).
+        job_uids: ``per-attempt`` (each attempt its own uid, the job user's group),
+            ``shared`` (the job user's uid) or ``agent`` (the agent's own user: development
+            only); see :mod:`gpufleet.agent.runtime.jobuser`.
+        jobs_dir: root of the job-visible attempt dirs; default
+            :func:`gpufleet.agent.runner.default_jobs_dir`.
+        containment: ``auto`` (best available), or force ``pidns`` / ``none``.
 
     Raises:
-        ValueError: ``gpus`` or ``join_token`` is malformed, or the assignment log is corrupt.
+        ValueError: ``gpus`` or ``join_token`` is malformed, the assignment log is corrupt,
+            the job user is the agent's user or cannot be created, or the jobs dir is not
+            reachable by it.
         OSError: the state dir is unusable or the port cannot be bound.
         tls.PkiError: no usable node certificate and no (valid) join token.
     """
@@ -174,11 +197,34 @@ def run_agent(
             )
 
         channel = ControllerChannel(secure)
+    if settings.object_store_url is None:
+        settings.private_data_dir()  # the local object store holds every team's outputs
     store = ObjectStore(settings.resolved_object_store_url())
     log = AssignmentLog(state_dir)
     log.compact()
     agent_epoch = log.bump_agent_epoch()
-    runner = Runner(state_dir, store)
+    users = jobuser.resolve(job_user, mode=job_uids)
+    found = detect_containment(agent_scope(state_dir, node_id), want=containment)
+    if not found.is_cgroup:
+        logger.warning(
+            "containment: %s (%s): a job's processes are not held in a cgroup and it gets "
+            "no memory limit",
+            found.kind,
+            found.problem or "forced",
+        )
+    runtimes = Runtimes(ProcessRuntime(found))
+    runner = Runner(
+        state_dir,
+        store,
+        runtimes=runtimes,
+        users=users,
+        jobs_dir=jobs_dir or default_jobs_dir(state_dir, node_id, users),
+    )
+    labels = {
+        **labels,
+        CONTAINMENT_LABEL: found.kind,
+        JOB_USER_LABEL: users.describe(),
+    }
     streamer = LogStreamer(store, LOG_SYNC_INTERVAL_S, stop)
     core = AgentCore(
         log=log,
@@ -203,6 +249,11 @@ def run_agent(
         stop_event=stop,
     )
     core.recover()
+    live = {
+        r.run_id for r in log.runs.values() if r.status in (RunStatus.ASSIGNED, RunStatus.RUNNING)
+    }
+    for run_id in found.prune(keep=live):
+        logger.error("cgroup of %s holds processes but no live attempt here owns it", run_id)
 
     host = advertise_host or _default_host(settings.controller_address)
     server = grpc.server(
@@ -252,7 +303,8 @@ def run_agent(
     for t in threads:
         t.start()
     logger.info(
-        "agent %s (epoch %d) serving on %s (%s), state in %s, %d GPU(s) from %s",
+        "agent %s (epoch %d) serving on %s (%s), state in %s, %d GPU(s) from %s; runtimes: "
+        "%s; jobs as %s in %s",
         node_id,
         agent_epoch,
         _join(host, bound),
@@ -263,6 +315,9 @@ def run_agent(
         state_dir,
         len(inventory.gpus),
         inventory.source,
+        runtimes.describe(),
+        users.describe(),
+        runner.jobs_dir,
     )
     try:
         stop.wait()
@@ -275,6 +330,10 @@ def run_agent(
             t.join(timeout=15.0)
         channel.close()
         log.close()
+        found.remove_scope()  # only if no attempt is left in it
+        if runner.jobs_dir != runner.runs_dir:
+            with contextlib.suppress(OSError):
+                runner.jobs_dir.rmdir()
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:

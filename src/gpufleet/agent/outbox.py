@@ -237,6 +237,7 @@ class Outbox:
                 exit_code=rec.exit_code,
                 message=rec.message,
                 node_fault=rec.node_fault,
+                reason=rec.reason,
             ),
             timeout=CALL_TIMEOUT_S,
         )
@@ -249,7 +250,7 @@ class Outbox:
             level, "run %s: completion %s %s (%s)", rec.run_id, rec.outcome, result, resp.message
         )
         self.log.note("reported", rec.run_id, result=result)
-        self.runner.cleanup(rec.run_id)
+        self.runner.cleanup(rec)
         return True
 
 

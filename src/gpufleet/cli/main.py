@@ -76,6 +76,13 @@ def up(
     insecure: Annotated[
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
+    job_uids: Annotated[
+        str,
+        typer.Option(
+            help="Who the local agent runs jobs as: per-attempt uids, shared (the "
+            "gpufleet-job user) or agent (no isolation; development only)."
+        ),
+    ] = "per-attempt",
 ) -> None:
     """Start server + controller + one local agent on the embedded defaults (SQLite, local
     object store, a fleet CA made on first start: mutual TLS with no setup) and print the
@@ -84,7 +91,7 @@ def up(
 
     _logging()
     settings = _settings(data_dir, server_port=port)
-    platform = LocalPlatform(settings, gpus=gpus, insecure=insecure)
+    platform = LocalPlatform(settings, gpus=gpus, insecure=insecure, job_uids=job_uids)
     cfg_path = client_config_path(settings.resolved_data_dir())
     token = reusable_token(platform.db, cfg_path) or ensure_admin_token(platform.db)
     platform.start()
@@ -183,6 +190,25 @@ def agent(
     port: Annotated[int, typer.Option(help="Agent gRPC port (0 = any free port).")] = 0,
     state_dir: Annotated[Path | None, typer.Option(help="Assignment log and run dirs.")] = None,
     label: Annotated[list[str] | None, typer.Option(help="Node label k=v (repeatable).")] = None,
+    job_user: Annotated[
+        str,
+        typer.Option(help="Unprivileged user jobs run as (created when missing, as root)."),
+    ] = "gpufleet-job",
+    job_uids: Annotated[
+        str,
+        typer.Option(
+            help="per-attempt: each attempt its own uid in the job user's group; "
+            "shared: the job user's uid for every attempt; agent: the agent's own user "
+            "(no isolation; development only)."
+        ),
+    ] = "per-attempt",
+    jobs_dir: Annotated[
+        Path | None,
+        typer.Option(help="Root of job-visible attempt dirs (default /var/lib/gpufleet/jobs/…)."),
+    ] = None,
+    containment: Annotated[
+        str, typer.Option(help="auto (cgroup v2/v1, else PID namespace), or force pidns/none.")
+    ] = "auto",
     data_dir: DataDir = None,
     controller: Annotated[
         str | None, typer.Option(help="Controller gRPC host:port (GPUFLEET_CONTROLLER_ADDRESS).")
@@ -233,6 +259,10 @@ def agent(
             insecure=insecure,
             join_token=join_token,
             ca_cert=ca_cert,
+            job_user=job_user,
+            job_uids=job_uids,
+            jobs_dir=jobs_dir,
+            containment=containment,
         )
     except AgentAlreadyRunning as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")

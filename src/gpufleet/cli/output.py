@@ -117,6 +117,18 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
     return table
 
 
+# Labels the agent sets about itself (gpufleet.agent.main); shown in their own column.
+CONTAINMENT_LABEL = "gpufleet/containment"
+JOB_USER_LABEL = "gpufleet/job-user"
+
+
+def containment_text(labels: dict[str, Any] | None) -> str:
+    """``cgroup-v1, gpufleet-job/uid-per-attempt``; ``-`` for an agent that did not say."""
+    labels = labels or {}
+    parts = [str(labels[k]) for k in (CONTAINMENT_LABEL, JOB_USER_LABEL) if k in labels]
+    return fmt(", ".join(parts) or None)
+
+
 def nodes_table(nodes: list[dict[str, Any]]) -> Table:
     table = _table(
         "NODE",
@@ -124,19 +136,23 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
         "GPU TYPE",
         "GPU MEM MB",
         "GPUS FREE/TOTAL",
+        "CONTAINMENT",
         "LABELS",
         "ADDRESS",
         "LAST HEARTBEAT",
         "REASON",
     )
     for node in nodes:
+        labels = dict(node.get("labels") or {})
+        own = {k: labels.pop(k) for k in (CONTAINMENT_LABEL, JOB_USER_LABEL) if k in labels}
         table.add_row(
             fmt(node.get("node_id")),
             status_text(node.get("status")),
             fmt(node.get("gpu_type")),
             fmt(node.get("gpu_memory_mb")),
             f"{fmt(node.get('available_gpus'))}/{fmt(node.get('total_gpus'))}",
-            fmt(node.get("labels")),
+            containment_text(own),
+            fmt(labels or None),
             fmt(node.get("address")),
             fmt_time(node.get("last_heartbeat_at"), relative=True),
             fmt(node.get("status_reason")),

@@ -373,6 +373,8 @@ class Scheduler:
             max_runtime_s=float(spec.get("max_runtime_s") or 0),
             attempt=run.attempt,
             working_dir=spec.get("working_dir") or "",
+            memory_mb=int((spec.get("resources") or {}).get("memory_mb") or 0),
+            cpu=float((spec.get("resources") or {}).get("cpu") or 0),
         )
         return node.id, node.address, req
 

@@ -164,6 +164,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             manifest_uri=request.manifest_uri,
             message=request.message,
             node_fault=request.node_fault,
+            reason=request.reason,
         )
         result, message = _guard(
             context,

@@ -179,6 +179,10 @@ class Report:
     message: str = ""
     node_fault: bool = False
     """NEVER_STARTED because of the node: charged to the node, not the job's retries."""
+    reason: str = ""  # machine-readable cause from the agent: "" or OOM_KILLED
+
+
+OOM_KILLED = "OOM_KILLED"
 
 
 NODE_FAULTS_TO_CORDON = 3
@@ -408,6 +412,12 @@ def _decide(
         return RunStatus.PREEMPTED, JobStatus.PENDING, f"preempted{by}; requeued as a new attempt"
     if stopping and run.stop_reason == "timeout":
         return RunStatus.FAILED, JobStatus.FAILED, "TIMEOUT: ran past max_runtime_s"
+    if report.reason == OOM_KILLED and report.outcome != Outcome.NEVER_STARTED:
+        # Not retried: a new attempt gets the same memory_mb and would be killed again.
+        why = f"OOM_KILLED: {report.message or 'exceeded memory_mb'}".replace(
+            "OOM_KILLED: OOM_KILLED: ", "OOM_KILLED: "
+        )
+        return RunStatus.FAILED, (JobStatus.FAILED if current else None), why
     if report.outcome == Outcome.NEVER_STARTED:
         why = f"never started: {report.message or 'the agent has no record of it'}"
     elif report.outcome == Outcome.STOPPED:

@@ -8,6 +8,7 @@ after commit and guard later writes by ``run_id + token`` (load -> process -> ap
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,17 @@ from gpufleet.store import dialect
 T = TypeVar("T")
 
 
+def _create_private_file(path: Path) -> None:
+    """Create the SQLite file (and missing parents) readable by its owner only: 0600 in a new
+    0700 directory. SQLite gives its -wal and -shm files the database file's mode. Jobs run as
+    other users and must not read the database (tokens' hashes, every team's jobs)."""
+    if path.exists() or str(path) == ":memory:":
+        return
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 class Database:
     """Owns the engine and session factories for one database URL.
 
@@ -32,7 +44,7 @@ class Database:
 
     def __init__(self, url: str) -> None:
         if url.startswith("sqlite:///"):
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            _create_private_file(Path(url.removeprefix("sqlite:///")))
         if url.startswith("postgresql://"):
             url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
         self.url = url

@@ -385,6 +385,7 @@ class ReportCompletionRequest(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     NODE_FAULT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     run_id: _builtins.str
     token: _builtins.int
@@ -397,6 +398,10 @@ class ReportCompletionRequest(_message.Message):
     """NEVER_STARTED because of the node (disk full, the shim or runtime failed), not the job:
     charged to the node, the job's retries are not used.
     """
+    reason: _builtins.str
+    """Machine-readable cause, "" or "OOM_KILLED" (the attempt exceeded its memory_mb and the
+    kernel killed it inside its cgroup).
+    """
     def __init__(
         self,
         *,
@@ -408,10 +413,11 @@ class ReportCompletionRequest(_message.Message):
         exit_code: _builtins.int = ...,
         message: _builtins.str = ...,
         node_fault: _builtins.bool = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_fault", b"node_fault", "node_id", b"node_id", "outcome", b"outcome", "run_id", b"run_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_fault", b"node_fault", "node_id", b"node_id", "outcome", b"outcome", "reason", b"reason", "run_id", b"run_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -499,6 +505,8 @@ class AssignJobRequest(_message.Message):
     MAX_RUNTIME_S_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     WORKING_DIR_FIELD_NUMBER: _builtins.int
+    MEMORY_MB_FIELD_NUMBER: _builtins.int
+    CPU_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     job_id: _builtins.str
     reservation_id: _builtins.str
@@ -513,6 +521,10 @@ class AssignJobRequest(_message.Message):
     """1-based"""
     working_dir: _builtins.str
     """absolute; empty = the attempt's own work directory"""
+    memory_mb: _builtins.int
+    """host memory limit of the attempt, MiB; 0 = none"""
+    cpu: _builtins.float
+    """CPU cores of the attempt (a quota where the node can); 0 = none"""
     @_builtins.property
     def gpu_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -535,10 +547,12 @@ class AssignJobRequest(_message.Message):
         max_runtime_s: _builtins.float = ...,
         attempt: _builtins.int = ...,
         working_dir: _builtins.str = ...,
+        memory_mb: _builtins.int = ...,
+        cpu: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "env", b"env", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "env", b"env", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
