@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from sqlalchemy import select
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpufleet.api.middleware import BodyLimit
 from gpufleet.api.schemas import (
     AttemptOut,
     JobCreate,
@@ -99,15 +100,8 @@ def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="gpufleet", version="1", docs_url="/docs")
     app.state.gf = state
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return _error(
-                413, "payload_too_large", f"request body over {MAX_BODY_BYTES} bytes", "body"
-            )
-        resp: Response = await call_next(request)
-        return resp
+    # counts the body's bytes as they are read, chunked or not, before any route runs
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
 
     @app.exception_handler(GpufleetError)
     async def on_error(_: Request, exc: GpufleetError) -> JSONResponse:
