@@ -126,4 +126,3 @@ def test_chunked_just_over_the_limit_is_413(server, size: int) -> None:
         server.port, HEAD + b"Transfer-Encoding: chunked\r\n\r\n", chunked(size, size)
     )
     assert status == 413
-

@@ -31,11 +31,17 @@ from gpufleet.api.schemas import (
     TeamQuotaUpdate,
     TokenCreate,
 )
-from gpufleet.domain.errors import Forbidden, GpufleetError, NotFound, ValidationFailed
+from gpufleet.domain.errors import (
+    Forbidden,
+    GpufleetError,
+    LimitExceeded,
+    NotFound,
+    ValidationFailed,
+)
 from gpufleet.domain.states import JOB_TERMINAL, RUN_TERMINAL
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.queue import Waker
-from gpufleet.services import auth, jobs, teams
+from gpufleet.services import auth, jobs, limits, teams
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow
@@ -58,6 +64,8 @@ class AppState:
     waker: Waker
     store: ObjectStore
     principals: dict[str, tuple[float, auth.Principal]] = field(default_factory=dict)
+    admission: limits.SubmitAdmission | None = None
+    """Per-team submit-rate check; built from ``settings`` by ``create_app`` when None."""
 
 
 def log_key(job_id: str, run_id: str) -> str:
@@ -99,13 +107,22 @@ Admin = Annotated[auth.Principal, Depends(admin)]
 def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="gpufleet", version="1", docs_url="/docs")
     app.state.gf = state
+    defaults = limits.TeamLimits.defaults(state.settings)
+    if state.admission is None:
+        state.admission = limits.SubmitAdmission(
+            state.db, limits.make_rate_limiter(state.settings.redis_url), defaults
+        )
+    admission = state.admission
 
     # counts the body's bytes as they are read, chunked or not, before any route runs
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
 
     @app.exception_handler(GpufleetError)
     async def on_error(_: Request, exc: GpufleetError) -> JSONResponse:
-        return _error(exc.http_status, exc.code, exc.message, exc.field)
+        resp = _error(exc.http_status, exc.code, exc.message, exc.field)
+        if isinstance(exc, LimitExceeded):
+            resp.headers["Retry-After"] = limits.retry_after_header(exc.retry_after_s)
+        return resp
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -150,12 +167,18 @@ def create_app(state: AppState) -> FastAPI:
                 raise ValidationFailed(
                     f"the Idempotency-Key header {what}", field="Idempotency-Key"
                 )
+            try:
+                admission.check_submit_rate(who.team_id)
+            except LimitExceeded:
+                SUBMITS.labels("rate_limited").inc()
+                raise
             out = jobs.submit_job(
                 state.db,
                 team_id=who.team_id,
                 idempotency_key=idempotency_key,
                 spec=body.to_spec(),
                 fallback_max_gpus=state.settings.max_gpus_per_node,
+                default_max_outstanding_jobs=defaults.max_outstanding_jobs,
             )
             if out.created:
                 state.waker.wake()
@@ -314,15 +337,16 @@ def create_app(state: AppState) -> FastAPI:
     @app.get("/v1/admin/teams")
     def list_teams(_: Admin) -> dict[str, Any]:
         with state.db.read() as s:
-            return {"items": teams.describe_teams(s)}
+            return {"items": teams.describe_teams(s, defaults)}
 
     @app.put("/v1/admin/teams/{team_id}")
     def set_quota(team_id: str, body: TeamQuotaUpdate, _: Admin) -> dict[str, Any]:
         upd = teams.QuotaUpdate(**body.model_dump())
         state.db.run_write(partial(teams.update_quota, team_id=team_id, upd=upd))
+        admission.forget(team_id)
         state.waker.wake()
         with state.db.read() as s:
-            return next(t for t in teams.describe_teams(s) if t["team"] == team_id)
+            return next(t for t in teams.describe_teams(s, defaults) if t["team"] == team_id)
 
     @app.post("/v1/admin/tokens", status_code=201)
     def create_token(body: TokenCreate, _: Admin) -> dict[str, str]:

@@ -99,9 +99,7 @@ class BodyLimit:
             await self._refuse(send)
 
     async def _refuse(self, send: Send) -> None:
-        body = error_body(
-            "payload_too_large", f"request body over {self.max_bytes} bytes", "body"
-        )
+        body = error_body("payload_too_large", f"request body over {self.max_bytes} bytes", "body")
         await send(
             {
                 "type": "http.response.start",

@@ -256,6 +256,17 @@ def _per_type(values: list[str] | None, flag: str) -> dict[str, int] | None:
     return out
 
 
+def _rate(value: str | None) -> float | None:
+    """``5/s``, ``5`` or ``0.5/s`` as submits per second."""
+    if value is None:
+        return None
+    try:
+        return float(value.strip().removesuffix("/s"))
+    except ValueError:
+        err.print(f"[red]error:[/] --submit-rate {escape(value)!r}: use a rate such as 5/s")
+        raise typer.Exit(2) from None
+
+
 @team_app.command("create")
 def team_create(name: str, weight: float = 1.0, data_dir: DataDir = None) -> None:
     """Create a team."""
@@ -281,9 +292,17 @@ def team_set(
     max_outstanding: Annotated[
         int | None, typer.Option(help="Unfinished jobs allowed (0 = no limit).")
     ] = None,
+    submit_rate: Annotated[
+        str | None,
+        typer.Option(help="Job submits per second, token bucket refill, e.g. 5/s (0 = no limit)."),
+    ] = None,
+    submit_burst: Annotated[
+        int | None, typer.Option(help="Submits allowed at once (the token bucket's size).")
+    ] = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Set a team's quota; the scheduler uses it from its next pass (no restart)."""
+    """Set a team's quota and limits; the scheduler uses the quota from its next pass and
+    the API servers the limits within a second (no restart)."""
     from gpufleet.services import teams
 
     upd = teams.QuotaUpdate(
@@ -292,6 +311,8 @@ def team_set(
         borrow_limit_gpus=borrow_limit,
         lending_limit_gpus=_per_type(lending_limit, "--lending-limit"),
         max_outstanding_jobs=max_outstanding,
+        submit_rate_per_s=_rate(submit_rate),
+        submit_burst=submit_burst,
     )
     _run_admin(data_dir, partial(teams.update_quota, team_id=name, upd=upd))
     out.print(f"team {name} updated")
@@ -308,9 +329,10 @@ def team_list(
     from rich.table import Table
 
     from gpufleet.services import teams
+    from gpufleet.services.limits import TeamLimits
 
     with _admin_db(data_dir).read() as s:
-        rows = teams.describe_teams(s)
+        rows = teams.describe_teams(s, TeamLimits.defaults(_settings(data_dir)))
     if output == "json":
         print(json.dumps(rows, indent=2))
         return
@@ -323,6 +345,8 @@ def team_list(
         "borrow limit",
         "allocated",
         "pending",
+        "max unfinished",
+        "submits/s (burst)",
         "GPU-h",
     ):
         table.add_column(col)
@@ -335,6 +359,10 @@ def team_list(
             "unlimited" if r["borrow_limit_gpus"] is None else str(r["borrow_limit_gpus"]),
             ", ".join(f"{k}={v}" for k, v in r["allocated_gpus"].items()) or "-",
             str(r["pending_jobs"]),
+            str(r["max_outstanding_jobs"] or "unlimited"),
+            f"{r['submit_rate_per_s']:g} ({r['submit_burst']})"
+            if r["submit_rate_per_s"]
+            else "unlimited",
             f"{r['usage_gpu_s'] / 3600:.2f}",
         )
     out.print(table)

@@ -190,12 +190,21 @@ def forget_fleet_shapes() -> None:
         _shapes_cache.clear()
 
 
-def check_outstanding_limit(session: Session, team_id: str) -> None:
+OUTSTANDING_RETRY_AFTER_S = 5.0
+"""Retry-After of a refusal for too many unfinished jobs (when one ends is unknown)."""
+
+
+def check_outstanding_limit(session: Session, team_id: str, default_limit: int = 0) -> None:
     """Raise LimitExceeded (429) when the team already has ``max_outstanding_jobs`` jobs that
-    are not finished. Admission control, separate from fair share of admitted work."""
-    limit = session.execute(
+    are not finished. Admission control, separate from fair share of admitted work.
+
+    The team's own value wins; NULL takes ``default_limit``; 0 is no limit. Under concurrent
+    submits of one team (READ COMMITTED) the count may let a few more through: a guard, not
+    an invariant."""
+    own = session.execute(
         select(TeamRow.max_outstanding_jobs).where(TeamRow.id == team_id)
     ).scalar_one_or_none()
+    limit = default_limit if own is None else own
     if not limit:
         return
     open_jobs = session.execute(
@@ -205,8 +214,10 @@ def check_outstanding_limit(session: Session, team_id: str) -> None:
     ).scalar_one()
     if open_jobs >= limit:
         raise LimitExceeded(
-            f"team {team_id!r} has {open_jobs} unfinished jobs (limit {limit}); retry later",
+            f"team {team_id!r} has {open_jobs} unfinished jobs, its max_outstanding_jobs "
+            f"limit is {limit}; retry when some have finished",
             field="max_outstanding_jobs",
+            retry_after_s=OUTSTANDING_RETRY_AFTER_S,
         )
 
 
@@ -217,12 +228,15 @@ def submit_job(
     idempotency_key: str,
     spec: JobSpec,
     fallback_max_gpus: int = 8,
+    default_max_outstanding_jobs: int = 0,
 ) -> Submitted:
     """Persist a new PENDING job, or return the earlier one for a repeated key.
 
     Raises:
         IdempotencyKeyReused: same key, different payload (409).
         ValidationFailed: the job can never fit the fleet (422, names the field).
+        LimitExceeded: the team has too many unfinished jobs (429); its own
+            ``max_outstanding_jobs``, else ``default_max_outstanding_jobs`` (0 = no limit).
     """
     digest = payload_sha256(spec)
 
@@ -248,7 +262,7 @@ def submit_job(
             if found is not None:
                 return found
             check_fits_fleet(session, spec, fallback_max_gpus)
-            check_outstanding_limit(session, team_id)
+            check_outstanding_limit(session, team_id, default_max_outstanding_jobs)
             now = db_now(session)
             job_id = new_job_id()
             session.add(
