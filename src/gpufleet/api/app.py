@@ -11,6 +11,7 @@ from functools import partial
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -73,10 +74,11 @@ def log_key(job_id: str, run_id: str) -> str:
     return f"{attempt_prefix(job_id, run_id)}/logs/output.log"
 
 
-def principal(
+async def principal(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> auth.Principal:
-    """The caller, from ``Authorization: Bearer <token>``; the team comes from the token."""
+    """The caller, from ``Authorization: Bearer <token>``; the team comes from the token.
+    A cache hit is answered on the event loop; the database is read in a worker thread."""
     raw = None
     if authorization and authorization.lower().startswith("bearer "):
         raw = authorization[7:].strip()
@@ -85,8 +87,7 @@ def principal(
         hit = state.principals.get(raw)
         if hit is not None and time.monotonic() - hit[0] < PRINCIPAL_TTL_S:
             return hit[1]
-    with state.db.read() as s:
-        who = auth.authenticate(s, raw)
+    who = await run_in_threadpool(_authenticate, state.db, raw)
     if raw is not None:
         if len(state.principals) > 10_000:
             state.principals.clear()
@@ -94,14 +95,37 @@ def principal(
     return who
 
 
-def admin(p: Annotated[auth.Principal, Depends(principal)]) -> auth.Principal:
+def _authenticate(db: Database, raw: str | None) -> auth.Principal:
+    with db.read() as s:
+        return auth.authenticate(s, raw)
+
+
+Who = Annotated[auth.Principal, Depends(principal)]
+
+
+def admin(p: Who) -> auth.Principal:
     if not p.is_admin:
         raise Forbidden("this needs an admin token")
     return p
 
 
-Who = Annotated[auth.Principal, Depends(principal)]
 Admin = Annotated[auth.Principal, Depends(admin)]
+
+
+def submit_allowed(request: Request, who: Who) -> auth.Principal:
+    """The caller, once its team's submit bucket gave a token. A dependency, so that it runs
+    before the body is validated: a refused flood costs the server little."""
+    state: AppState = request.app.state.gf
+    assert state.admission is not None  # set by create_app
+    try:
+        state.admission.check_submit_rate(who.team_id)
+    except LimitExceeded:
+        SUBMITS.labels("rate_limited").inc()
+        raise
+    return who
+
+
+Submitter = Annotated[auth.Principal, Depends(submit_allowed)]
 
 
 def create_app(state: AppState) -> FastAPI:
@@ -156,7 +180,7 @@ def create_app(state: AppState) -> FastAPI:
     @app.post("/v1/jobs", status_code=201, response_model=JobCreated)
     def submit(
         body: JobCreate,
-        who: Who,
+        who: Submitter,
         response: Response,
         idempotency_key: Annotated[str | None, Header()] = None,
     ) -> JobCreated:
@@ -167,11 +191,6 @@ def create_app(state: AppState) -> FastAPI:
                 raise ValidationFailed(
                     f"the Idempotency-Key header {what}", field="Idempotency-Key"
                 )
-            try:
-                admission.check_submit_rate(who.team_id)
-            except LimitExceeded:
-                SUBMITS.labels("rate_limited").inc()
-                raise
             out = jobs.submit_job(
                 state.db,
                 team_id=who.team_id,
