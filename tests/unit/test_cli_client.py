@@ -507,7 +507,26 @@ class TestReads:
         result = cli("logs", "job_1", "-f", "--attempt", "run_2")
         assert result.exit_code == 0, result.stderr
         assert result.stdout == "a\nb"
-        assert dict(api.requests[0].url.params) == {"follow": "true", "run_id": "run_2"}
+        assert dict(api.requests[0].url.params) == {
+            "follow": "true",
+            "run_id": "run_2",
+            "tail": "1000",
+        }
+
+    @pytest.mark.parametrize(
+        ("args", "want_params"),
+        [
+            pytest.param([], {"follow": "false", "tail": "1000"}, id="last 1,000 lines"),
+            pytest.param(["--all"], {"follow": "false"}, id="--all: everything"),
+            pytest.param(["-n", "5"], {"follow": "false", "tail": "5"}, id="-n 5"),
+            pytest.param(["-f", "--all"], {"follow": "true"}, id="follow everything"),
+        ],
+    )
+    def test_logs_shows_the_last_lines_by_default(self, api: FakeApi, args, want_params) -> None:
+        api.on("GET", "/v1/jobs/job_1/logs", httpx.Response(200, content=b"x\n"))
+        result = cli("logs", "job_1", *args)
+        assert result.exit_code == 0, result.stderr
+        assert dict(api.requests[0].url.params) == want_params
 
     def test_cancel(self, api: FakeApi) -> None:
         api.on(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Annotated, Any
@@ -49,6 +49,10 @@ from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow
 
 log = logging.getLogger("gpufleet.api")
 MAX_BODY_BYTES = 2 * 1024 * 1024
+LOG_CHUNK_BYTES = 256 * 1024
+"""Logs are read from the object store and sent in chunks of at most this many bytes."""
+MAX_TAIL_LINES = 1_000_000
+TEXT = "text/plain; charset=utf-8"
 
 SUBMITS = Counter("gpufleet_api_submits_total", "Job submissions", ["outcome"])
 SUBMIT_SECONDS = Histogram("gpufleet_api_submit_seconds", "POST /v1/jobs latency (s)")
@@ -267,10 +271,30 @@ def create_app(state: AppState) -> FastAPI:
         state.waker.wake()
         return {"job_id": job_id, "status": status, "cancel_requested": True}
 
-    @app.get("/v1/jobs/{job_id}/logs")
+    @app.get(
+        "/v1/jobs/{job_id}/logs",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
     async def logs(
-        job_id: str, who: Who, follow: bool = False, run_id: str | None = None
+        job_id: str,
+        who: Who,
+        follow: bool = False,
+        run_id: str | None = None,
+        offset: Annotated[int | None, Query(ge=0, description="First byte to send.")] = None,
+        limit: Annotated[int | None, Query(ge=0, description="At most this many bytes.")] = None,
+        tail: Annotated[
+            int | None, Query(ge=0, le=MAX_TAIL_LINES, description="Only the last N lines.")
+        ] = None,
     ) -> Response:
+        """An attempt's combined stdout/stderr (the latest attempt unless ``run_id``), streamed
+        from the object store in chunks. ``offset``/``limit`` select bytes, ``tail`` the last
+        lines (not with ``offset``). ``follow`` streams every attempt in turn until the job is
+        finished (``offset``/``tail`` apply to the first one; ``limit`` cannot be used)."""
+        if tail is not None and offset is not None:
+            raise ValidationFailed("use either tail or offset, not both", field="tail")
+        if follow and limit is not None:
+            raise ValidationFailed("limit cannot be used with follow", field="limit")
         team = None if who.is_admin else who.team_id
 
         def pick() -> tuple[str | None, bool, bool]:
@@ -285,12 +309,22 @@ def create_app(state: AppState) -> FastAPI:
                     return None, True, job_done
                 return chosen[0].id, chosen[0].status in RUN_TERMINAL, job_done
 
+        def start_of(key: str) -> int:
+            if tail is None:
+                return offset or 0
+            try:
+                return state.store.tail_start(key, tail)
+            except OSError:
+                return 0
+
         rid, done, job_done = await asyncio.to_thread(pick)
         if not follow or (done and (job_done or run_id)):
             if rid is None:
                 return PlainTextResponse(b"")  # no attempt yet (or cancelled while pending)
-            data = await asyncio.to_thread(_read_log, state.store, log_key(job_id, rid), 0)
-            return PlainTextResponse(data)
+            key = log_key(job_id, rid)
+            first = await asyncio.to_thread(start_of, key)
+            end = None if limit is None else first + limit
+            return StreamingResponse(_log_chunks(state.store, key, first, end), media_type=TEXT)
 
         async def stream() -> AsyncIterator[bytes]:
             """Follow the job: each attempt's log in turn (retries, requeues), until the job
@@ -303,15 +337,18 @@ def create_app(state: AppState) -> FastAPI:
                         return
                     await asyncio.sleep(0.5)
                     continue
+                key = log_key(job_id, current)
                 if streamed:
                     yield f"--- next attempt: {current} ---\n".encode()
+                    pos = 0
+                else:
+                    pos = await asyncio.to_thread(start_of, key)
                 streamed.add(current)
-                key, offset = log_key(job_id, current), 0
                 while True:
                     ended = await asyncio.to_thread(_run_finished, state.db, current)
-                    chunk = await asyncio.to_thread(_read_log, state.store, key, offset)
+                    chunk = await asyncio.to_thread(_read_log, state.store, key, pos)
                     if chunk:
-                        offset += len(chunk)
+                        pos += len(chunk)
                         yield chunk
                     elif ended:
                         break
@@ -320,7 +357,7 @@ def create_app(state: AppState) -> FastAPI:
                 if run_id:
                     return
 
-        return StreamingResponse(stream(), media_type="text/plain")
+        return StreamingResponse(stream(), media_type=TEXT)
 
     @app.get("/v1/nodes", response_model=NodeList)
     def nodes(_: Who) -> NodeList:
@@ -384,10 +421,20 @@ def _error(status: int, code: str, message: str, field: str | None) -> JSONRespo
 
 
 def _read_log(store: ObjectStore, key: str, offset: int) -> bytes:
+    """At most ``LOG_CHUNK_BYTES`` of a log from ``offset`` (empty when absent)."""
     try:
-        return store.get_bytes(key, start=offset)
+        return store.get_bytes(key, start=offset, end=offset + LOG_CHUNK_BYTES)
     except (FileNotFoundError, OSError):
         return b""
+
+
+def _log_chunks(store: ObjectStore, key: str, start: int, end: int | None) -> Iterator[bytes]:
+    """Bytes ``[start, end)`` of a log in chunks (nothing when it is absent). A sync iterator:
+    Starlette reads it in a worker thread."""
+    try:
+        yield from store.iter_range(key, start, end, chunk_bytes=LOG_CHUNK_BYTES)
+    except (FileNotFoundError, OSError):
+        return
 
 
 def _run_finished(db: Database, run_id: str) -> bool:

@@ -313,9 +313,19 @@ def submit(
             raise typer.Exit(0 if job["status"] == JobStatus.SUCCEEDED else 1)
 
 
-def _stream_logs(http: httpx.Client, job_id: str, follow: bool, run_id: str | None) -> None:
-    """Copy the log body to stdout as it arrives (no read timeout while following)."""
-    params = {"follow": str(follow).lower(), **({"run_id": run_id} if run_id else {})}
+DEFAULT_TAIL_LINES = 1000
+
+
+def _stream_logs(
+    http: httpx.Client, job_id: str, follow: bool, run_id: str | None, tail: int | None = None
+) -> None:
+    """Copy the log body to stdout as it arrives (no read timeout while following); only the
+    last ``tail`` lines when given."""
+    params: dict[str, str | int] = {"follow": str(follow).lower()}
+    if run_id:
+        params["run_id"] = run_id
+    if tail is not None:
+        params["tail"] = tail
     timeout = httpx.Timeout(30.0, connect=5.0, read=None if follow else 30.0)
     with http.stream("GET", f"/v1/jobs/{job_id}/logs", params=params, timeout=timeout) as resp:
         if resp.status_code >= 400:
@@ -414,12 +424,17 @@ def logs(
     job: str,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep streaming.")] = False,
     attempt: Annotated[str | None, typer.Option("--attempt", help="A run_id.")] = None,
+    all_lines: Annotated[bool, typer.Option("--all", help="The whole log.")] = False,
+    tail: Annotated[
+        int, typer.Option("--tail", "-n", min=0, help="Show the last N lines (unless --all).")
+    ] = DEFAULT_TAIL_LINES,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """Print a job's logs (the latest attempt unless --attempt RUN_ID)."""
+    """Print a job's logs: the last 1,000 lines of the latest attempt (--all for the whole
+    log, --attempt RUN_ID for another attempt, -f to keep following)."""
     with _session(url, token) as http:
-        _stream_logs(http, job, follow=follow, run_id=attempt)
+        _stream_logs(http, job, follow=follow, run_id=attempt, tail=None if all_lines else tail)
 
 
 def cancel(
