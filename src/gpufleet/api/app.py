@@ -31,6 +31,8 @@ from gpufleet.api.schemas import (
     TeamCreate,
     TeamQuotaUpdate,
     TokenCreate,
+    TokenList,
+    TokenOut,
 )
 from gpufleet.domain.errors import (
     Forbidden,
@@ -58,8 +60,11 @@ SUBMITS = Counter("gpufleet_api_submits_total", "Job submissions", ["outcome"])
 SUBMIT_SECONDS = Histogram("gpufleet_api_submit_seconds", "POST /v1/jobs latency (s)")
 
 
-PRINCIPAL_TTL_S = 5.0
-"""A token's team is remembered this long per server (a revoked token works until then)."""
+PRINCIPAL_TTL_S = 0.5
+"""A token's team is remembered this long per server: a token revoked anywhere (CLI, another
+replica) is refused by every replica within this time. Half a second keeps the bound under
+1 s with margin and still spares the database all but one lookup per token and replica for
+any client that calls more than twice a second."""
 
 
 @dataclass
@@ -410,6 +415,28 @@ def create_app(state: AppState) -> FastAPI:
             lambda s: auth.create_token(s, body.team, name=body.name, is_admin=body.admin)
         )
         return {"team": body.team, "token": raw}
+
+    @app.get("/v1/admin/tokens", response_model=TokenList)
+    def list_tokens(
+        _: Admin,
+        team: Annotated[str | None, Query(max_length=64)] = None,
+        include_revoked: bool = True,
+    ) -> TokenList:
+        """Every token (or one team's): id, team, name, admin, created and revoked times;
+        never the token itself."""
+        with state.db.read() as s:
+            items = auth.list_tokens(s, team, include_revoked=include_revoked)
+        return TokenList(items=[TokenOut(**t) for t in items])
+
+    @app.delete("/v1/admin/tokens/{token_id}", response_model=TokenOut)
+    def revoke_token(token_id: str, _: Admin) -> TokenOut:
+        """Revoke a token: every API server refuses it within ``PRINCIPAL_TTL_S`` (this one
+        at once). Revoking it again is a no-op."""
+        out = state.db.run_write(lambda s: auth.revoke_token(s, token_id))
+        for raw, (_at, who) in list(state.principals.items()):
+            if who.token_id == token_id:
+                state.principals.pop(raw, None)
+        return TokenOut(**out)
 
     return app
 

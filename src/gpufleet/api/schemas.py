@@ -217,12 +217,27 @@ class TeamCreate(BaseModel):
 class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     team: str = Field(min_length=1, max_length=64)
-    name: str = ""
+    name: str = Field(default="", max_length=128, pattern=r"^[^\x00]*$")
     admin: bool = False
 
 
 GpuCount = Annotated[int, Field(ge=0, le=MAX_GPUS)]
 PerType = Annotated[dict[Annotated[str, Field(max_length=64)], GpuCount], Field(max_length=64)]
+
+
+class TokenOut(BaseModel):
+    """A token as operators see it (never the token or its hash)."""
+
+    id: str
+    team: str
+    name: str
+    admin: bool
+    created_at: str | None
+    revoked_at: str | None
+
+
+class TokenList(BaseModel):
+    items: list[TokenOut]
 
 
 class TeamQuotaUpdate(BaseModel):

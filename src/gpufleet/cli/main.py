@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from gpufleet.cli.client import register_client_commands
 from gpufleet.cli.config import client_config_path, write_client_config
+from gpufleet.cli.output import clean
 from gpufleet.domain.errors import GpufleetError
 from gpufleet.settings import Settings
 
@@ -207,7 +209,7 @@ def admin_check(data_dir: DataDir = None) -> None:
         f"reservations, {len(view.jobs)} jobs, {len(view.runs)} attempts"
     )
     for v in violations:
-        out.print(f"[red]VIOLATION[/] {escape(str(v))}")
+        out.print(f"[red]VIOLATION[/] {escape(clean(str(v)))}")
     if violations:
         raise typer.Exit(1)
     out.print("[green]no violations[/]")
@@ -215,8 +217,10 @@ def admin_check(data_dir: DataDir = None) -> None:
 
 team_app = typer.Typer(help="Teams and their quotas.", no_args_is_help=True)
 node_app = typer.Typer(help="Operator actions on nodes.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens: create, list, revoke.", no_args_is_help=True)
 admin_app.add_typer(team_app, name="team")
 admin_app.add_typer(node_app, name="node")
+admin_app.add_typer(token_app, name="token")
 
 
 def _admin_db(data_dir: Path | None) -> Database:
@@ -239,7 +243,7 @@ def _run_admin(data_dir: Path | None, fn: Callable[[Session], T]) -> T:
     try:
         return _admin_db(data_dir).run_write(fn)
     except GpufleetError as exc:
-        err.print(f"[red]error:[/] {escape(exc.message)}")
+        err.print(f"[red]error:[/] {escape(clean(exc.message))}")
         raise typer.Exit(2) from None
 
 
@@ -351,7 +355,7 @@ def team_list(
     ):
         table.add_column(col)
     for r in rows:
-        table.add_row(
+        cells = (
             r["team"],
             f"{r['weight']:g}",
             ", ".join(f"{k}={v}" for k, v in r["guaranteed_gpus"].items()) or "-",
@@ -365,6 +369,7 @@ def team_list(
             else "unlimited",
             f"{r['usage_gpu_s'] / 3600:.2f}",
         )
+        table.add_row(*(Text(clean(c)) for c in cells))
     out.print(table)
 
 
@@ -376,7 +381,7 @@ def _node_action(node_id: str, to: str, message: str, data_dir: Path | None) -> 
         data_dir,
         partial(nodes.set_node_status, node_id=node_id, to=NodeStatus(to), message=message),
     )
-    out.print(f"node {node_id}: {before} -> {to}")
+    out.print(Text(clean(f"node {node_id}: {before} -> {to}")))
 
 
 @node_app.command("cordon")
@@ -397,20 +402,15 @@ def node_drain(node_id: str, data_dir: DataDir = None) -> None:
     _node_action(node_id, "DRAINING", "drain requested by an operator", data_dir)
 
 
-@admin_app.command("token")
-def admin_token(
-    action: Annotated[str, typer.Argument(help="create")],
+@token_app.command("create")
+def token_create(
     team: Annotated[str, typer.Option(help="The token's team (created if missing).")],
     name: str = "",
     admin: bool = False,
     data_dir: DataDir = None,
 ) -> None:
-    """Create an API token for a team; prints the raw token on the last line."""
+    """Create an API token for a team; prints the raw token on the last line (shown once)."""
     from gpufleet.services import auth
-
-    if action != "create":
-        err.print(f"[red]error:[/] unknown action {action!r} (use: create)")
-        raise typer.Exit(2)
 
     print(
         _run_admin(
@@ -423,6 +423,61 @@ def admin_token(
                 create_team_if_missing=True,
             ),
         )
+    )
+
+
+@token_app.command("list")
+def token_list(
+    team: Annotated[str | None, typer.Option(help="Only this team's tokens.")] = None,
+    active: Annotated[bool, typer.Option("--active", help="Hide revoked tokens.")] = False,
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
+    data_dir: DataDir = None,
+) -> None:
+    """List API tokens: id, team, name, admin, created, revoked (never the token itself)."""
+    import json
+
+    from rich.table import Table
+
+    from gpufleet.services import auth
+
+    with _admin_db(data_dir).read() as s:
+        rows = auth.list_tokens(s, team, include_revoked=not active)
+    if output == "json":
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table()
+    for col in ("id", "team", "name", "admin", "created", "revoked"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(
+            *(
+                Text(clean(str(v)))
+                for v in (
+                    r["id"],
+                    r["team"],
+                    r["name"] or "-",
+                    "yes" if r["admin"] else "no",
+                    r["created_at"] or "-",
+                    r["revoked_at"] or "-",
+                )
+            )
+        )
+    out.print(table)
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[str, typer.Argument(help="The token's id (admin token list).")],
+    data_dir: DataDir = None,
+) -> None:
+    """Revoke a token: every API server refuses it within a second."""
+    from gpufleet.services import auth
+
+    got = _run_admin(data_dir, partial(auth.revoke_token, token_id=token_id))
+    out.print(
+        f"token {escape(clean(got['id']))} (team {escape(got['team'])}) revoked at "
+        f"{got['revoked_at']}",
+        highlight=False,
     )
 
 

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import NotFound, ValidationFailed
 from gpufleet.domain.states import RUN_ACTIVE, JobStatus
+from gpufleet.services.auth import TEAM_NAME
 from gpufleet.services.limits import (
     MAX_GPU_TYPES,
     MAX_GPUS,
@@ -63,7 +64,9 @@ def _bounded_int(value: int, field: str, low: int, high: int) -> int:
 
 def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> TeamRow:
     """Apply ``upd`` to team ``team_id``. Raises NotFound, ValidationFailed (naming the field)."""
-    team = session.get(TeamRow, team_id, with_for_update=True)
+    team = (
+        session.get(TeamRow, team_id, with_for_update=True) if TEAM_NAME.match(team_id) else None
+    )
     if team is None:
         raise NotFound(f"no team {team_id!r}", field="team")
     if upd.weight is not None:
