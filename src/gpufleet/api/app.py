@@ -16,8 +16,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
 from gpufleet.api.middleware import BodyLimit
 from gpufleet.api.schemas import (
     AttemptOut,
@@ -46,7 +48,7 @@ from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.queue import Waker
 from gpufleet.services import auth, jobs, limits, teams
 from gpufleet.settings import Settings
-from gpufleet.store.db import Database
+from gpufleet.store.db import Database, is_unavailable
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow
 
 log = logging.getLogger("gpufleet.api")
@@ -147,8 +149,25 @@ def create_app(state: AppState) -> FastAPI:
         )
     admission = state.admission
 
-    # counts the body's bytes as they are read, chunked or not, before any route runs
+    outage = DatabaseOutage(state.db)
+    app.add_middleware(OutageWatch, outage=outage)
+    # outermost: counts the body's bytes as they are read, chunked or not, before any route
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+
+    @app.exception_handler(SQLAlchemyError)
+    async def on_database_error(_: Request, exc: SQLAlchemyError) -> JSONResponse:
+        """Database unreachable: 503 + Retry-After, a generic message (never the driver's,
+        which names hosts), and one log line per outage. Any other database error is a bug:
+        500, logged with its traceback."""
+        if is_unavailable(exc):
+            outage.failed(exc)
+            resp = _error(
+                503, "database_unavailable", "the database is unavailable; retry later", None
+            )
+            resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return resp
+        log.error("database error", exc_info=exc)
+        return _error(500, "internal_error", "internal error; see the server log", None)
 
     @app.exception_handler(GpufleetError)
     async def on_error(_: Request, exc: GpufleetError) -> JSONResponse:
@@ -332,6 +351,15 @@ def create_app(state: AppState) -> FastAPI:
             return StreamingResponse(_log_chunks(state.store, key, first, end), media_type=TEXT)
 
         async def stream() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in follow_attempts():
+                    yield chunk
+            except SQLAlchemyError as exc:  # the answer has started: end it, log once
+                if not is_unavailable(exc):
+                    raise
+                outage.failed(exc)
+
+        async def follow_attempts() -> AsyncIterator[bytes]:
             """Follow the job: each attempt's log in turn (retries, requeues), until the job
             is finished; waits for a first attempt when the job is still pending."""
             streamed: set[str] = set()
