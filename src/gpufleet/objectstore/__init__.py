@@ -8,8 +8,10 @@ under ``jobs/{job_id}/attempts/{run_id}/``.
 from __future__ import annotations
 
 import hashlib
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import fsspec
 
@@ -59,6 +61,18 @@ class ObjectStore:
             self.fs.mv(tmp, path)
         else:
             self.fs.put_file(str(local_path), path)
+        return self.uri(key)
+
+    def put_fileobj(self, key: str, src: BinaryIO, chunk_bytes: int = 1 << 20) -> str:
+        """Upload from an open binary file (read in chunks, to its end); returns the URI.
+        Local stores write a temporary name and rename, like :meth:`put_file`."""
+        path = self._path(key)
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        tmp = path + ".part" if self._protocol == "file" else path
+        with self.fs.open(tmp, "wb") as out:
+            shutil.copyfileobj(src, out, chunk_bytes)
+        if tmp != path:
+            self.fs.mv(tmp, path)
         return self.uri(key)
 
     def put_bytes(self, key: str, data: bytes) -> str:
