@@ -23,6 +23,7 @@ from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
 from gpufleet.api.middleware import BodyLimit
 from gpufleet.api.schemas import (
     AttemptOut,
+    ErrorOut,
     JobCreate,
     JobCreated,
     JobList,
@@ -140,7 +141,9 @@ Submitter = Annotated[auth.Principal, Depends(submit_allowed)]
 
 
 def create_app(state: AppState) -> FastAPI:
-    app = FastAPI(title="gpufleet", version="1", docs_url="/docs")
+    # every operation may answer these (bad token, bad input, database down); the others
+    # are declared per operation, so that the document lists every status the server sends
+    app = FastAPI(title="gpufleet", version="1", docs_url="/docs", responses=errors(401, 422, 503))
     app.state.gf = state
     defaults = limits.TeamLimits.defaults(state.settings)
     if state.admission is None:
@@ -201,11 +204,19 @@ def create_app(state: AppState) -> FastAPI:
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)  # Prometheus text, for scrapers
     def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/jobs", status_code=201, response_model=JobCreated)
+    @app.post(
+        "/v1/jobs",
+        status_code=201,
+        response_model=JobCreated,
+        responses={
+            200: {"model": JobCreated, "description": "Replayed: the job of this key"},
+            **errors(400, 409, 413, 429),
+        },
+    )
     def submit(
         body: JobCreate,
         who: Submitter,
@@ -235,7 +246,7 @@ def create_app(state: AppState) -> FastAPI:
             SUBMITS.labels("created" if out.created else "replayed").inc()
             return JobCreated(job_id=out.job_id, status=out.status)
 
-    @app.get("/v1/jobs/{job_id}", response_model=JobOut)
+    @app.get("/v1/jobs/{job_id}", response_model=JobOut, responses=errors(404))
     def get(job_id: str, who: Who) -> JobOut:
         with state.db.read() as s:
             job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
@@ -244,7 +255,7 @@ def create_app(state: AppState) -> FastAPI:
                 out.pending_reason.position = jobs.queue_position(s, job)
             return out
 
-    @app.get("/v1/jobs/{job_id}/events")
+    @app.get("/v1/jobs/{job_id}/events", responses=errors(404))
     def events(job_id: str, who: Who) -> dict[str, Any]:
         """The audit trail of one job: every transition and decision, with its reason."""
         with state.db.read() as s:
@@ -289,7 +300,7 @@ def create_app(state: AppState) -> FastAPI:
                     runs.setdefault(r.job_id, []).append(r)
             return JobList(items=[_job_out(j, runs.get(j.id, [])) for j in rows], next_cursor=nxt)
 
-    @app.delete("/v1/jobs/{job_id}", status_code=202)
+    @app.delete("/v1/jobs/{job_id}", status_code=202, responses=errors(404, 409))
     def cancel(job_id: str, who: Who) -> dict[str, Any]:
         status = jobs.cancel_job(state.db, None if who.is_admin else who.team_id, job_id)
         state.waker.wake()
@@ -298,7 +309,10 @@ def create_app(state: AppState) -> FastAPI:
     @app.get(
         "/v1/jobs/{job_id}/logs",
         response_class=StreamingResponse,
-        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+            **errors(404),
+        },
     )
     async def logs(
         job_id: str,
@@ -418,17 +432,17 @@ def create_app(state: AppState) -> FastAPI:
                 ]
             )
 
-    @app.post("/v1/admin/teams", status_code=201)
+    @app.post("/v1/admin/teams", status_code=201, responses=errors(400, 403, 409, 413))
     def create_team(body: TeamCreate, _: Admin) -> dict[str, str]:
         name = state.db.run_write(lambda s: auth.create_team(s, body.name, weight=body.weight))
         return {"team": name}
 
-    @app.get("/v1/admin/teams")
+    @app.get("/v1/admin/teams", responses=errors(403))
     def list_teams(_: Admin) -> dict[str, Any]:
         with state.db.read() as s:
             return {"items": teams.describe_teams(s, defaults)}
 
-    @app.put("/v1/admin/teams/{team_id}")
+    @app.put("/v1/admin/teams/{team_id}", responses=errors(400, 403, 404, 413))
     def set_quota(team_id: str, body: TeamQuotaUpdate, _: Admin) -> dict[str, Any]:
         upd = teams.QuotaUpdate(**body.model_dump())
         state.db.run_write(partial(teams.update_quota, team_id=team_id, upd=upd))
@@ -437,14 +451,14 @@ def create_app(state: AppState) -> FastAPI:
         with state.db.read() as s:
             return next(t for t in teams.describe_teams(s, defaults) if t["team"] == team_id)
 
-    @app.post("/v1/admin/tokens", status_code=201)
+    @app.post("/v1/admin/tokens", status_code=201, responses=errors(400, 403, 413))
     def create_token(body: TokenCreate, _: Admin) -> dict[str, str]:
         raw = state.db.run_write(
             lambda s: auth.create_token(s, body.team, name=body.name, is_admin=body.admin)
         )
         return {"team": body.team, "token": raw}
 
-    @app.get("/v1/admin/tokens", response_model=TokenList)
+    @app.get("/v1/admin/tokens", response_model=TokenList, responses=errors(403))
     def list_tokens(
         _: Admin,
         team: Annotated[str | None, Query(max_length=64)] = None,
@@ -456,7 +470,7 @@ def create_app(state: AppState) -> FastAPI:
             items = auth.list_tokens(s, team, include_revoked=include_revoked)
         return TokenList(items=[TokenOut(**t) for t in items])
 
-    @app.delete("/v1/admin/tokens/{token_id}", response_model=TokenOut)
+    @app.delete("/v1/admin/tokens/{token_id}", response_model=TokenOut, responses=errors(403, 404))
     def revoke_token(token_id: str, _: Admin) -> TokenOut:
         """Revoke a token: every API server refuses it within ``PRINCIPAL_TTL_S`` (this one
         at once). Revoking it again is a no-op."""
@@ -467,6 +481,24 @@ def create_app(state: AppState) -> FastAPI:
         return TokenOut(**out)
 
     return app
+
+
+ERROR_MEANINGS = {
+    400: "Malformed JSON",
+    401: "Missing, invalid or revoked token",
+    403: "Needs an admin token",
+    404: "No such object (or another team's)",
+    409: "Conflicts with the current state",
+    413: "Request body too large",
+    422: "Invalid input; `field` names it",
+    429: "Over a team limit (`field` names it); see Retry-After",
+    503: "Database unavailable; see Retry-After",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for error answers (all ``ErrorOut``)."""
+    return {s: {"model": ErrorOut, "description": ERROR_MEANINGS[s]} for s in statuses}
 
 
 def _error(status: int, code: str, message: str, field: str | None) -> JSONResponse:

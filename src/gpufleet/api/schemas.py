@@ -136,6 +136,14 @@ def _has_nul(value: Any) -> bool:
     return False
 
 
+class ErrorOut(BaseModel):
+    """Every error answer: a stable code, a sentence, and the request field it concerns."""
+
+    error: str
+    message: str
+    field: str | None
+
+
 class JobCreated(BaseModel):
     job_id: str
     status: str
