@@ -34,6 +34,24 @@ class Settings(BaseSettings):
         default="127.0.0.1:8421", description="gRPC host:port of the controller."
     )
 
+    join_address: str | None = Field(
+        default=None,
+        description="gRPC host:port of the controller's join service (the one port that takes "
+        "calls without a client certificate: Join only); default: the controller's host, "
+        "port + 1.",
+    )
+    pki_dir: Path | None = Field(
+        default=None, description="Fleet CA (ca.key, ca.crt); default {data_dir}/pki."
+    )
+    tls_hostnames: str = Field(
+        default="",
+        description="Comma-separated extra names/IPs in the controller certificate (loopback "
+        "and controller.gpufleet are always there).",
+    )
+    node_cert_ttl_s: float = Field(
+        default=30 * 86400, description="Lifetime of node certificates; renewed at 2/3."
+    )
+
     heartbeat_interval_s: float = 10.0
     suspect_after_missed: int = Field(default=3, description="Missed heartbeats before SUSPECT.")
     confirm_timeout_s: float = Field(default=30.0, description="RESERVED this long -> reconcile.")
@@ -72,6 +90,18 @@ class Settings(BaseSettings):
         if self.database_url is not None:
             return self.database_url.get_secret_value()
         return f"sqlite:///{self.resolved_data_dir() / 'gpufleet.db'}"
+
+    def resolved_pki_dir(self) -> Path:
+        return (self.pki_dir or self.resolved_data_dir() / "pki").expanduser().resolve()
+
+    def resolved_join_address(self) -> str:
+        if self.join_address:
+            return self.join_address
+        host, _, port = self.controller_address.rpartition(":")
+        return f"{host}:{int(port) + 1 if port.isdigit() and int(port) else 0}"
+
+    def tls_hostname_list(self) -> list[str]:
+        return [h.strip() for h in self.tls_hostnames.split(",") if h.strip()]
 
     def resolved_object_store_url(self) -> str:
         return self.object_store_url or f"file://{self.resolved_data_dir() / 'objects'}"

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from gpufleet.controller.main import Controller
-from gpufleet.processes import ApiServer, open_database
+from gpufleet.processes import ApiServer, agent_tls_args, ensure_fleet_ca, open_database
 from gpufleet.queue import InProcWaker
 from gpufleet.services import auth
 from gpufleet.settings import Settings
@@ -41,6 +41,7 @@ class Fleet:
         *,
         heartbeat_s: float = 1.0,
         grace_s: float = 2.0,
+        **overrides: Any,
     ) -> None:
         self.tmp = tmp
         values: dict[str, Any] = {
@@ -51,10 +52,12 @@ class Fleet:
             "scheduler_tick_s": 0.5,
             "server_port": free_port(),
             "controller_address": f"127.0.0.1:{free_port()}",
+            "join_address": f"127.0.0.1:{free_port()}",
         }
         if database_url:
             values["database_url"] = database_url
-        self.settings = Settings(**values)
+        self.settings = Settings(**(values | overrides))
+        ensure_fleet_ca(self.settings)  # mutual TLS, set up the way `gpufleet up` does it
         self.db = open_database(self.settings)
         self.waker = InProcWaker()
         self.controller = Controller(self.settings, self.db, self.waker)
@@ -76,10 +79,14 @@ class Fleet:
         return self
 
     def start_agent(self, node_id: str, gpus: str = "8xH100-80GB", wait: bool = True) -> None:
+        state_dir = self.tmp / "agents" / node_id
+        tls_args, tls_env = agent_tls_args(self.db, self.settings, node_id, state_dir)
         env = dict(
             os.environ,
+            **tls_env,
             GPUFLEET_DATA_DIR=str(self.tmp),
             GPUFLEET_CONTROLLER_ADDRESS=self.settings.controller_address,
+            GPUFLEET_JOIN_ADDRESS=self.settings.resolved_join_address(),
             GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
             GPUFLEET_DEFAULT_GRACE_S=str(self.settings.default_grace_s),
         )
@@ -95,7 +102,8 @@ class Fleet:
                 "--gpus",
                 gpus,
                 "--state-dir",
-                str(self.tmp / "agents" / node_id),
+                str(state_dir),
+                *tls_args,
             ],
             env=env,
             stdout=log,

@@ -24,18 +24,20 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import grpc
 
 from gpufleet.agent.assignment_log import AssignmentLog
 from gpufleet.agent.core import AgentCore
+from gpufleet.agent.identity import ControllerChannel, Renewer, ensure_credentials, tls_dir
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
 from gpufleet.agent.runner import Runner
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.objectstore import ObjectStore
+from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.settings import Settings
 
@@ -107,6 +109,9 @@ def run_agent(
     heartbeat_interval_s: float | None = None,
     stop_event: threading.Event | None = None,
     advertise_host: str | None = None,
+    insecure: bool = False,
+    join_token: str | None = None,
+    ca_cert: Path | None = None,
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -123,18 +128,53 @@ def run_agent(
         stop_event: set it to stop the agent (needed when not run in the main thread).
         advertise_host: host the controller should call back; default: 127.0.0.1 when the
             controller is on loopback, else this host's address on the route to it. The
-            server listens on that address only (the agent port is unauthenticated).
+            server listens on that address only.
+        insecure: plaintext gRPC both ways, no authentication (a warning at every start).
+            Otherwise mutual TLS: the node certificate in ``{state_dir}/tls``, obtained
+            with ``join_token`` when there is none (see ``agent.identity``), and only a
+            controller certificate may call AssignJob/StopRun/ListRuns.
+        join_token: ``gfj1.<ca sha256>.<secret>`` from ``gpufleet admin node join-token``.
+        ca_cert: the fleet CA certificate (else fetched and checked against the token).
 
     Raises:
-        ValueError: ``gpus`` is malformed, or the assignment log is corrupt.
+        ValueError: ``gpus`` or ``join_token`` is malformed, or the assignment log is corrupt.
         OSError: the state dir is unusable or the port cannot be bound.
+        tls.PkiError: no usable node certificate and no (valid) join token.
     """
     stop = stop_event if stop_event is not None else threading.Event()
     state_dir = state_dir.expanduser().resolve()
     _lock = lock_state_dir(state_dir)  # held until this process exits
     _install_signal_handlers(stop)
-    store = ObjectStore(settings.resolved_object_store_url())
     inventory = load_inventory(node_id, gpus)
+    creds: tls.NodeCredentials | None = None
+    if insecure:
+        logger.warning(
+            "INSECURE: agent gRPC is plaintext and unauthenticated (--insecure): anyone who "
+            "reaches its port can start commands as this user"
+        )
+        channel = ControllerChannel(lambda: grpc.insecure_channel(settings.controller_address))
+    else:
+        creds = ensure_credentials(
+            state_dir,
+            node_id,
+            join_address=settings.resolved_join_address(),
+            join_token=join_token,
+            ca_cert=ca_cert,
+            stop=stop,
+        )
+        if creds is None:  # stopped before the controller answered the join
+            return
+        holder = creds
+
+        def secure() -> grpc.Channel:
+            return tls.secure_channel(
+                settings.controller_address,
+                tls.channel_credentials(holder.ca_pem, holder.key_pem, holder.chain_pem),
+                tls.CONTROLLER_NAME,
+            )
+
+        channel = ControllerChannel(secure)
+    store = ObjectStore(settings.resolved_object_store_url())
     log = AssignmentLog(state_dir)
     log.compact()
     agent_epoch = log.bump_agent_epoch()
@@ -147,8 +187,7 @@ def run_agent(
         inventory=inventory,
         default_grace_s=settings.default_grace_s,
     )
-    channel = grpc.insecure_channel(settings.controller_address)
-    stub = pb_grpc.ControllerStub(channel)
+    stub = cast(pb_grpc.ControllerStub, channel)
     registered = threading.Event()
     core.outbox = Outbox(
         log=log,
@@ -166,10 +205,26 @@ def run_agent(
 
     host = advertise_host or _default_host(settings.controller_address)
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc")
+        ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc"),
+        interceptors=[] if creds is None else [tls.RoleInterceptor(tls.ROLE_CONTROLLER, logger)],
     )
     pb_grpc.add_AgentServicer_to_server(AgentServicer(core, agent_epoch), server)
-    bound = server.add_insecure_port(_join(host, port))
+    renewer: Renewer | None = None
+    if creds is None:
+        bound = server.add_insecure_port(_join(host, port))
+    else:
+        server_creds = tls.ReloadableServerCredentials(
+            creds.key_pem, creds.chain_pem, creds.ca_pem
+        )
+        bound = server.add_secure_port(_join(host, port), server_creds.credentials)
+
+        def renewed(new: tls.NodeCredentials) -> None:
+            nonlocal holder
+            holder = new
+            server_creds.replace(new.key_pem, new.chain_pem, new.ca_pem)
+            channel.reconnect()
+
+        renewer = Renewer(creds, node_id, tls_dir(state_dir), channel, renewed, stop)
     if bound == 0:
         raise OSError(f"cannot listen on {_join(host, port)}")
     server.start()
@@ -190,13 +245,19 @@ def run_agent(
         target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True
     )
     threads = [monitor, link.thread, *core.outbox.threads, streamer.thread]
+    if renewer is not None:
+        threads.append(renewer.thread)
     for t in threads:
         t.start()
     logger.info(
-        "agent %s (epoch %d) serving on %s, state in %s, %d GPU(s) from %s",
+        "agent %s (epoch %d) serving on %s (%s), state in %s, %d GPU(s) from %s",
         node_id,
         agent_epoch,
         _join(host, bound),
+        "plaintext"
+        if creds is None
+        else f"mutual TLS, certificate {tls.serial_hex(creds.cert)} "
+        f"until {creds.not_after:%Y-%m-%d %H:%M}Z",
         state_dir,
         len(inventory.gpus),
         inventory.source,

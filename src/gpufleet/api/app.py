@@ -28,6 +28,7 @@ from gpufleet.api.schemas import (
     JobCreated,
     JobList,
     JobOut,
+    JoinTokenCreate,
     NodeList,
     NodeOut,
     PendingReasonOut,
@@ -38,6 +39,7 @@ from gpufleet.api.schemas import (
     TokenOut,
 )
 from gpufleet.domain.errors import (
+    Conflict,
     Forbidden,
     GpufleetError,
     LimitExceeded,
@@ -47,7 +49,8 @@ from gpufleet.domain.errors import (
 from gpufleet.domain.states import JOB_TERMINAL, RUN_TERMINAL
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.queue import Waker
-from gpufleet.services import auth, jobs, limits, teams
+from gpufleet.rpc import tls
+from gpufleet.services import auth, jobs, limits, node_identity, teams
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database, is_unavailable
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow
@@ -407,7 +410,9 @@ def create_app(state: AppState) -> FastAPI:
         return StreamingResponse(stream(), media_type=TEXT)
 
     @app.get("/v1/nodes", response_model=NodeList)
-    def nodes(_: Who) -> NodeList:
+    def nodes(who: Who) -> NodeList:
+        """Nodes and free GPUs. Agent addresses are shown to admin tokens only (``null``
+        otherwise): a team needs capacity, not where to reach an agent."""
         with state.db.read() as s:
             rows = s.execute(
                 select(NodeRow, NodeCapacityRow)
@@ -424,7 +429,7 @@ def create_app(state: AppState) -> FastAPI:
                         total_gpus=c.total_gpus,
                         available_gpus=c.available_gpus,
                         labels=n.labels or {},
-                        address=n.address,
+                        address=n.address if who.is_admin else None,
                         last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
                         agent_epoch=n.agent_epoch,
                     )
@@ -450,6 +455,43 @@ def create_app(state: AppState) -> FastAPI:
         state.waker.wake()
         with state.db.read() as s:
             return next(t for t in teams.describe_teams(s, defaults) if t["team"] == team_id)
+
+    @app.get("/v1/admin/nodes", responses=errors(403))
+    def admin_nodes(_: Admin) -> dict[str, Any]:
+        """Nodes and node ids with certificates: state, address, certificate serial/expiry."""
+        with state.db.read() as s:
+            return {"items": node_identity.describe_nodes(s)}
+
+    @app.post(
+        "/v1/admin/nodes/join-tokens", status_code=201, responses=errors(400, 403, 409, 413)
+    )
+    def create_join_token(body: JoinTokenCreate, _: Admin) -> dict[str, Any]:
+        """A single-use join token (``gfj1.<CA sha256>.<secret>``) for ``gpufleet agent
+        --join-token``. 409 when this server has no fleet CA certificate (``pki_dir``)."""
+        try:
+            ca_pem = tls.read_ca_cert(state.settings.resolved_pki_dir())
+        except tls.PkiError as exc:
+            raise Conflict(str(exc), field="pki_dir") from None
+        secret, expires = state.db.run_write(
+            partial(node_identity.create_join_token, node_id=body.node_id, ttl_s=body.ttl_s)
+        )
+        return {
+            "token": tls.format_join_token(tls.fingerprint(ca_pem), secret),
+            "node_id": body.node_id,
+            "expires_at": jobs.iso(expires),
+        }
+
+    @app.post("/v1/admin/nodes/{node_id}/revoke", responses=errors(403, 404))
+    def revoke_node(node_id: str, _: Admin) -> dict[str, Any]:
+        """Revoke every certificate of the node; its next call is refused (within 1 s)."""
+        n = state.db.run_write(partial(node_identity.revoke_node, node_id=node_id))
+        return {"node_id": node_id, "revoked_certs": n}
+
+    @app.delete("/v1/admin/nodes/{node_id}", responses=errors(403, 404, 409))
+    def forget_node(node_id: str, _: Admin) -> dict[str, Any]:
+        """Forget a node with no reserved GPUs (409 otherwise); its certificates are revoked."""
+        n = state.db.run_write(partial(node_identity.forget_node, node_id=node_id))
+        return {"node_id": node_id, "forgotten": True, "revoked_certs": n}
 
     @app.post("/v1/admin/tokens", status_code=201, responses=errors(400, 403, 413))
     def create_token(body: TokenCreate, _: Admin) -> dict[str, str]:

@@ -207,7 +207,8 @@ class NodeOut(BaseModel):
     total_gpus: int
     available_gpus: int
     labels: dict[str, Any]
-    address: str
+    address: str | None
+    """The agent's gRPC address; admin tokens only (null for others)."""
     last_heartbeat_at: str | None
     agent_epoch: int
 
@@ -227,6 +228,20 @@ class TokenCreate(BaseModel):
     team: str = Field(min_length=1, max_length=64)
     name: str = Field(default="", max_length=128, pattern=r"^[^\x00]*$")
     admin: bool = False
+
+
+class JoinTokenCreate(BaseModel):
+    """POST /v1/admin/nodes/join-tokens."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    node_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="The only node id it may join as; null = any id not in use.",
+    )
+    ttl_s: float = Field(default=900, ge=10, le=7 * 86400, description="Lifetime, seconds.")
 
 
 GpuCount = Annotated[int, Field(ge=0, le=MAX_GPUS)]

@@ -70,6 +70,7 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
     if "server_port" not in settings.model_fields_set:
         overrides["server_port"] = free_port()
     overrides["controller_address"] = f"127.0.0.1:{free_port()}"
+    overrides["join_address"] = f"127.0.0.1:{free_port()}"
     settings = settings.model_copy(update=overrides)
     script = example_script()
     console.print(f"[bold]gpufleet demo[/]: embedded platform in {data_dir}")

@@ -75,14 +75,18 @@ def up(
     gpus: Annotated[
         str | None, typer.Option(help="Declared GPUs when NVML finds none, e.g. 8xH100-80GB.")
     ] = "8xH100-80GB",
+    insecure: Annotated[
+        bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
+    ] = False,
 ) -> None:
     """Start server + controller + one local agent on the embedded defaults (SQLite, local
-    object store) and print the URL and an admin token."""
+    object store, a fleet CA made on first start: mutual TLS with no setup) and print the
+    URL and an admin token."""
     from gpufleet.processes import LocalPlatform, ensure_admin_token, reusable_token
 
     _logging()
     settings = _settings(data_dir, server_port=port)
-    platform = LocalPlatform(settings, gpus=gpus)
+    platform = LocalPlatform(settings, gpus=gpus, insecure=insecure)
     cfg_path = client_config_path(settings.resolved_data_dir())
     token = reusable_token(platform.db, cfg_path) or ensure_admin_token(platform.db)
     platform.start()
@@ -139,17 +143,32 @@ def server(
 def controller(
     data_dir: DataDir = None,
     address: Annotated[str | None, typer.Option(help="gRPC bind host:port.")] = None,
+    join_address: Annotated[
+        str | None, typer.Option(help="Join service host:port (default: port + 1).")
+    ] = None,
+    insecure: Annotated[
+        bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
+    ] = False,
 ) -> None:
-    """Run the controller: gRPC for agents, and (while leader) the scheduler loops."""
+    """Run the controller: gRPC for agents (mutual TLS, certificates from the fleet CA made
+    by `gpufleet admin ca init`), and (while leader) the scheduler loops."""
     from gpufleet.controller.main import Controller
     from gpufleet.processes import open_database
     from gpufleet.queue import make_waker
+    from gpufleet.rpc.tls import PkiError
 
     _logging()
-    settings = _settings(data_dir, controller_address=address)
-    ctl = Controller(
-        settings, open_database(settings), make_waker(settings.redis_url, listen=True)
-    )
+    settings = _settings(data_dir, controller_address=address, join_address=join_address)
+    try:
+        ctl = Controller(
+            settings,
+            open_database(settings),
+            make_waker(settings.redis_url, listen=True),
+            insecure=insecure,
+        )
+    except PkiError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
     ctl.start()
     try:
         _wait_for_signal()
@@ -167,12 +186,37 @@ def agent(
     state_dir: Annotated[Path | None, typer.Option(help="Assignment log and run dirs.")] = None,
     label: Annotated[list[str] | None, typer.Option(help="Node label k=v (repeatable).")] = None,
     data_dir: DataDir = None,
+    controller: Annotated[
+        str | None, typer.Option(help="Controller gRPC host:port (GPUFLEET_CONTROLLER_ADDRESS).")
+    ] = None,
+    join_address: Annotated[
+        str | None, typer.Option(help="Controller join service host:port (default: port + 1).")
+    ] = None,
+    join_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="GPUFLEET_JOIN_TOKEN",
+            help="From `gpufleet admin node join-token`; needed when the state dir has no "
+            "node certificate.",
+        ),
+    ] = None,
+    ca_cert: Annotated[
+        Path | None,
+        typer.Option(help="Fleet CA certificate (default: fetched, checked against the token)."),
+    ] = None,
+    insecure: Annotated[
+        bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
+    ] = False,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
-    from gpufleet.agent.main import AgentAlreadyRunning, run_agent
+    import os
 
+    from gpufleet.agent.main import AgentAlreadyRunning, run_agent
+    from gpufleet.rpc.tls import PkiError
+
+    os.environ.pop("GPUFLEET_JOIN_TOKEN", None)  # read once; never inherited by a job
     _logging()
-    settings = _settings(data_dir)
+    settings = _settings(data_dir, controller_address=controller, join_address=join_address)
     labels = {}
     for item in label or []:
         k, sep, v = item.partition("=")
@@ -188,10 +232,16 @@ def agent(
             port=port,
             state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
             labels=labels,
+            insecure=insecure,
+            join_token=join_token,
+            ca_cert=ca_cert,
         )
     except AgentAlreadyRunning as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(3) from None
+    except PkiError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(4) from None
     except ValueError as exc:  # e.g. a malformed --gpus spec
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
@@ -400,6 +450,125 @@ def node_uncordon(node_id: str, data_dir: DataDir = None) -> None:
 def node_drain(node_id: str, data_dir: DataDir = None) -> None:
     """No new placements; the node is cordoned once its running work has finished."""
     _node_action(node_id, "DRAINING", "drain requested by an operator", data_dir)
+
+
+ca_app = typer.Typer(help="The fleet CA (mutual TLS between controllers and agents).")
+admin_app.add_typer(ca_app, name="ca")
+
+PkiDir = Annotated[
+    Path | None, typer.Option("--pki-dir", help="CA directory (GPUFLEET_PKI_DIR; {data_dir}/pki).")
+]
+
+
+@ca_app.command("init")
+def ca_init(data_dir: DataDir = None, pki_dir: PkiDir = None) -> None:
+    """Make the fleet CA (ca.key mode 0600, ca.crt) that signs controller and node
+    certificates. Never replaces an existing one. Controllers need the directory; agents
+    need only a join token (it carries the CA's sha256)."""
+    from gpufleet.rpc import tls
+
+    settings = _settings(data_dir, pki_dir=pki_dir)
+    try:
+        ca = tls.init_ca(settings.resolved_pki_dir())
+    except tls.PkiError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    out.print(f"fleet CA created in {settings.resolved_pki_dir()}")
+    print(f"sha256:{ca.fingerprint}")
+
+
+def _duration_s(text: str, flag: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    num, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(num) * units[unit]
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        err.print(f"[red]error:[/] {flag} {text!r}: use e.g. 90s, 15m, 2h, 1d")
+        raise typer.Exit(2)
+    return value
+
+
+@node_app.command("join-token")
+def node_join_token(
+    node_id: Annotated[
+        str | None,
+        typer.Option(help="The only node id it may join as (needed to rejoin an existing node)."),
+    ] = None,
+    ttl: Annotated[str, typer.Option(help="Lifetime, e.g. 15m, 2h (10s .. 7d).")] = "15m",
+    data_dir: DataDir = None,
+    pki_dir: PkiDir = None,
+) -> None:
+    """A single-use join token for `gpufleet agent --join-token`; printed on the last line
+    (gfj1.<CA sha256>.<secret>; stored hashed; expires after --ttl)."""
+    from gpufleet.processes import new_join_token
+    from gpufleet.rpc.tls import PkiError
+
+    settings = _settings(data_dir, pki_dir=pki_dir)
+    try:
+        token, expires = new_join_token(
+            _admin_db(data_dir), settings, node_id, _duration_s(ttl, "--ttl")
+        )
+    except PkiError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    except GpufleetError as exc:
+        err.print(f"[red]error:[/] {escape(exc.message)}")
+        raise typer.Exit(2) from None
+    err.print(f"single use, expires {expires}; for node {node_id or '(any new id)'}")
+    print(token)
+
+
+@node_app.command("list")
+def node_list(
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
+    data_dir: DataDir = None,
+) -> None:
+    """Nodes and node ids with certificates: state, address, certificate serial and expiry."""
+    import json
+
+    from rich.table import Table
+
+    from gpufleet.services import node_identity
+
+    with _admin_db(data_dir).read() as s:
+        rows = node_identity.describe_nodes(s)
+    if output == "json":
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table()
+    for col in ("node", "state", "address", "cert serial", "cert expires", "revoked certs"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            escape(r["node_id"]),
+            r["status"],
+            escape(r["address"] or "-"),
+            r["cert_serial"] or "-",
+            r["cert_not_after"] or "-",
+            str(r["revoked_certs"]),
+        )
+    out.print(table)
+
+
+@node_app.command("revoke")
+def node_revoke(node_id: str, data_dir: DataDir = None) -> None:
+    """Revoke every certificate of the node: its next call to any controller is refused
+    (within 1 s). It rejoins only with a new join token made for it (--node-id)."""
+    from gpufleet.services import node_identity
+
+    n = _run_admin(data_dir, partial(node_identity.revoke_node, node_id=node_id))
+    out.print(f"node {node_id}: {n} certificate(s) revoked")
+
+
+@node_app.command("forget")
+def node_forget(node_id: str, data_dir: DataDir = None) -> None:
+    """Remove a node that holds no reserved GPUs: certificates revoked, capacity gone."""
+    from gpufleet.services import node_identity
+
+    n = _run_admin(data_dir, partial(node_identity.forget_node, node_id=node_id))
+    out.print(f"node {node_id} forgotten; {n} certificate(s) revoked")
 
 
 @token_app.command("create")

@@ -223,6 +223,7 @@ class Scheduler:
                 self.leadership.epoch,
                 self.settings.default_grace_s,
                 "preempt",
+                node_id=o.node_id,
             )
 
     def _store_reasons(
@@ -287,7 +288,7 @@ class Scheduler:
             if found is None:
                 return
             node_id, address, req = found
-            resp = self.agents.assign(address, req)
+            resp = self.agents.assign(node_id, address, req)
         except grpc.RpcError as exc:
             log.warning("AssignJob %s failed: %s (the reconciler retries)", run_id, exc.code())
             return
@@ -373,6 +374,7 @@ class StopDriver:
             active = s.execute(
                 select(
                     JobRunRow.id,
+                    JobRunRow.node_id,
                     JobRunRow.status,
                     JobRunRow.token,
                     JobRunRow.started_at,
@@ -439,6 +441,7 @@ class StopDriver:
                 self.leadership.epoch,
                 self.settings.default_grace_s,
                 reason,
+                node_id=run.node_id,
             )
         return sent
 
@@ -451,10 +454,14 @@ def send_stop(
     leader_epoch: int,
     grace_s: float,
     reason: str,
+    *,
+    node_id: str,
 ) -> None:
-    """StopRun to the agent (idempotent there); failures are retried by the stop driver."""
+    """StopRun to the agent of ``node_id`` (idempotent there); failures are retried by the
+    stop driver."""
     try:
         resp = agents.stop(
+            node_id,
             address,
             pb.StopRunRequest(
                 run_id=run_id,

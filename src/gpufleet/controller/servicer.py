@@ -11,9 +11,11 @@ from typing import TypeVar
 import grpc
 from sqlalchemy.exc import SQLAlchemyError
 
+from gpufleet.controller.identity import NodeAuthenticator
 from gpufleet.domain.errors import GpufleetError
 from gpufleet.domain.types import GpuDevice
 from gpufleet.objectstore import ObjectStore
+from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import nodes, runs
@@ -38,6 +40,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     """Args:
     leader_epoch: returns the epoch this controller leads at (0 when not leader).
     on_change: called after commits that free capacity or need the loops (wake-up hint).
+    auth: the caller's node id from its client certificate; None only with ``--insecure``
+        (plaintext: the node id is taken from the message, anyone can claim any node).
     """
 
     def __init__(
@@ -48,17 +52,27 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         heartbeat_interval_s: float,
         leader_epoch: Callable[[], int],
         on_change: Callable[[], None],
+        auth: NodeAuthenticator | None = None,
     ) -> None:
         self.db, self.store = db, store
         self.heartbeat_interval_s = heartbeat_interval_s
         self.leader_epoch = leader_epoch
         self.on_change = on_change
+        self.auth = auth
+
+    def _node(self, context: grpc.ServicerContext, method: str, claimed: str) -> str:
+        """The calling node: its certificate's, never the message's (``claimed`` must match
+        when set); the message's only in insecure mode."""
+        if self.auth is None:
+            return claimed
+        return self.auth.node_of(context, method, claimed)
 
     def RegisterNode(
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNodeResponse:
+        node_id = self._node(context, "RegisterNode", request.node_id)
         inv = nodes.NodeInventory(
-            node_id=request.node_id,
+            node_id=node_id,
             address=request.address,
             agent_epoch=request.agent_epoch,
             gpus=tuple(GpuDevice(g.index, g.uuid, g.gpu_type, g.memory_mb) for g in request.gpus),
@@ -76,11 +90,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def ConfirmAssignment(
         self, request: pb.ConfirmAssignmentRequest, context: grpc.ServicerContext
     ) -> pb.ConfirmAssignmentResponse:
+        node_id = self._node(context, "ConfirmAssignment", request.node_id)
         result = _guard(
             context,
             lambda: self.db.run_write(
                 lambda s: runs.confirm_assignment(
-                    s, request.run_id, request.token, request.pid or None
+                    s, request.run_id, request.token, request.pid or None, node_id=node_id
                 )
             ),
         )
@@ -95,17 +110,20 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
+        node_id = self._node(context, "Heartbeat", request.node_id)
         running = [
             nodes.HeartbeatRun(r.run_id, r.job_id, r.token, r.state) for r in request.running
         ]
         verdict = _guard(
             context,
             lambda: self.db.run_write(
-                lambda s: nodes.heartbeat(s, request.node_id, request.agent_epoch, running)
+                lambda s: nodes.heartbeat(s, node_id, request.agent_epoch, running)
             ),
         )
         for h in verdict.confirm:
-            self.db.run_write(partial(runs.confirm_assignment, run_id=h.run_id, token=h.token))
+            self.db.run_write(
+                partial(runs.confirm_assignment, run_id=h.run_id, token=h.token, node_id=node_id)
+            )
             log.info("repaired lost confirm of %s from a heartbeat", h.run_id)
         epoch = self.leader_epoch()
         return pb.HeartbeatResponse(
@@ -123,7 +141,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self, request: pb.ReportCompletionRequest, context: grpc.ServicerContext
     ) -> pb.ReportCompletionResponse:
         report = runs.Report(
-            node_id=request.node_id,
+            node_id=self._node(context, "ReportCompletion", request.node_id),
             run_id=request.run_id,
             token=request.token,
             outcome=_OUTCOME.get(request.outcome, runs.Outcome.EXITED),
@@ -168,10 +186,12 @@ def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         context.abort(grpc.StatusCode.INTERNAL, "internal error; see the controller log")
         raise  # unreachable: abort raises
     except GpufleetError as exc:
-        code = (
-            grpc.StatusCode.FAILED_PRECONDITION
-            if exc.http_status == 409
-            else grpc.StatusCode.INVALID_ARGUMENT
-        )
+        code = {
+            401: grpc.StatusCode.UNAUTHENTICATED,
+            403: grpc.StatusCode.PERMISSION_DENIED,
+            409: grpc.StatusCode.FAILED_PRECONDITION,
+        }.get(exc.http_status, grpc.StatusCode.INVALID_ARGUMENT)
+        if exc.http_status == 403:
+            log.warning("refused a call from %s: %s", tls.peer_name(context), exc.message)
         context.abort(code, f"{exc.code}: {exc.message}")
         raise  # unreachable: abort raises

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from gpufleet.domain.errors import Forbidden
 from gpufleet.domain.manifest import MANIFEST_NAME, Manifest, file_problem
 from gpufleet.domain.states import (
     RUN_TERMINAL,
@@ -36,11 +37,18 @@ class Confirm(enum.StrEnum):
 
 
 def confirm_assignment(
-    session: Session, run_id: str, token: int, pid: int | None = None
+    session: Session, run_id: str, token: int, pid: int | None = None, node_id: str | None = None
 ) -> Confirm:
     """The agent started ``run_id``: RESERVED -> CONFIRMED, ASSIGNED -> RUNNING, job -> RUNNING.
-    Idempotent; a stale or unknown attempt is REJECTED (the agent then stops it)."""
+    Idempotent; a stale or unknown attempt is REJECTED (the agent then stops it).
+
+    Raises:
+        Forbidden: ``node_id`` (the caller's certified node, if given) is not the node the
+            attempt was placed on; nothing changes.
+    """
     run = session.get(JobRunRow, run_id, with_for_update=True)
+    if run is not None and node_id is not None and run.node_id != node_id:
+        raise Forbidden(f"run {run_id} is not placed on node {node_id!r}", field="run_id")
     job = session.get(JobRow, run.job_id) if run else None
     if (
         run is None
@@ -227,11 +235,19 @@ def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[Comp
     - a repeated report of an already-committed run: ACCEPTED again, nothing changes;
     - a stale attempt (not the job's current one): STALE, the job is untouched; its own
       reservation is still released, because the agent says its processes are gone.
+
+    Raises:
+        Forbidden: ``report.node_id`` is not the node the attempt was placed on (a node
+            reports only for its own runs); nothing changes.
     """
     with db.read() as session:
         run = session.get(JobRunRow, report.run_id)
         if run is None:
             return CompletionResult.STALE, "unknown run"
+        if run.node_id != report.node_id:
+            raise Forbidden(
+                f"run {report.run_id} is not placed on node {report.node_id!r}", field="run_id"
+            )
         job_id = run.job_id
         if run.status in RUN_TERMINAL:
             return CompletionResult.ACCEPTED, f"already committed as {run.status}"

@@ -260,3 +260,31 @@ def set_inventory(session: Session, node_id: str, gpus: tuple[GpuDevice, ...]) -
     else:
         cap.total_gpus = cap.available_gpus = len(gpus)
         cap.version += 1
+
+
+def remove_inventory(session: Session, node_id: str) -> None:
+    """Delete a node's capacity, GPU and hold rows (``admin node forget``): it leaves the
+    scheduler's view. Its history (attempts, events) stays.
+
+    Raises:
+        Conflict: GPUs of the node are reserved (drain it first).
+    """
+    cap = session.get(NodeCapacityRow, node_id, with_for_update=True)
+    active = session.execute(
+        select(
+            exists().where(
+                ReservationRow.node_id == node_id,
+                ReservationRow.status.in_(
+                    [ReservationStatus.RESERVED, ReservationStatus.CONFIRMED]
+                ),
+            )
+        )
+    ).scalar_one()
+    if active or (cap is not None and cap.available_gpus != cap.total_gpus):
+        raise Conflict(
+            f"node {node_id} has reserved GPUs; drain it and wait for its work to end first",
+            field="node_id",
+        )
+    session.execute(delete(GpuHoldRow).where(GpuHoldRow.node_id == node_id))
+    session.execute(delete(NodeGpuRow).where(NodeGpuRow.node_id == node_id))
+    session.execute(delete(NodeCapacityRow).where(NodeCapacityRow.node_id == node_id))

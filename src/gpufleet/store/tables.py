@@ -224,6 +224,42 @@ class NodeRow(Base):
     last_heartbeat_at: Mapped[datetime | None]
 
 
+class JoinTokenRow(Base):
+    """A single-use bootstrap token for a node agent (``gpufleet admin node join-token``).
+    Stored as sha256; used at most once (``used_at`` set in the same transaction that records
+    the certificate it bought)."""
+
+    __tablename__ = "join_tokens"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    node_id: Mapped[str | None] = mapped_column(String(128))
+    """The node id it may join as; None = any id not yet in use."""
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+    used_at: Mapped[datetime | None]
+    used_by: Mapped[str | None] = mapped_column(String(128))
+    """The node id that used it."""
+
+
+class NodeCertRow(Base):
+    """Every node certificate the controller signed (join and renewal). A call is accepted
+    only with a certificate listed here, unrevoked, for the node it names."""
+
+    __tablename__ = "node_certs"
+    __table_args__ = (Index("ix_node_certs_node", "node_id"),)
+
+    serial: Mapped[str] = mapped_column(String(40), primary_key=True)
+    """Hex serial number."""
+    node_id: Mapped[str] = mapped_column(String(128))
+    """Not a foreign key: a forgotten node's certificates stay listed (revoked)."""
+    issued_at: Mapped[datetime]
+    not_after: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+    reason: Mapped[str] = mapped_column(String(32), default="join")
+    """join | renew."""
+
+
 class NodeCapacityRow(Base):
     """``reserved + available = total`` is checked by the invariant checker, never patched."""
 

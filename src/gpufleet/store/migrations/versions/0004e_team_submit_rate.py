@@ -1,7 +1,7 @@
 """team submit rate limit columns
 
 Revision ID: 0004e
-Revises: 0003
+Revises: 0004a
 Create Date: 2026-11-30 13:40:00
 
 ``teams.submit_rate_per_s`` and ``teams.submit_burst``: a team's own token bucket for
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0004e"
-down_revision: str | None = "0003"
+down_revision: str | None = "0004a"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
