@@ -462,9 +462,7 @@ def create_app(state: AppState) -> FastAPI:
         with state.db.read() as s:
             return {"items": node_identity.describe_nodes(s)}
 
-    @app.post(
-        "/v1/admin/nodes/join-tokens", status_code=201, responses=errors(400, 403, 409, 413)
-    )
+    @app.post("/v1/admin/nodes/join-tokens", status_code=201, responses=errors(400, 403, 409, 413))
     def create_join_token(body: JoinTokenCreate, _: Admin) -> dict[str, Any]:
         """A single-use join token (``gfj1.<CA sha256>.<secret>``) for ``gpufleet agent
         --join-token``. 409 when this server has no fleet CA certificate (``pki_dir``)."""
