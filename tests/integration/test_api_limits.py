@@ -16,7 +16,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from gpufleet.api.app import AppState, create_app
-from gpufleet.domain.errors import ValidationFailed
+from gpufleet.domain.errors import LimitExceeded, ValidationFailed
 from gpufleet.objectstore import ObjectStore
 from gpufleet.processes import open_database
 from gpufleet.queue import InProcWaker
@@ -248,3 +248,37 @@ def test_admin_team_set_and_list_through_the_cli(tmp_path: Path) -> None:
     assert "Traceback" not in bad.stderr
     table = cli("team", "list")
     assert table.returncode == 0 and "5 (9)" in table.stdout
+
+
+class TestOutstandingCount:
+    """Counting a team's unfinished jobs is skipped while a recent count is far from the
+    limit, and exact near it (the limit still holds to the job)."""
+
+    def test_counts_only_near_the_limit(self, db, tokens, monkeypatch) -> None:
+        from sqlalchemy import event
+
+        from gpufleet.services import jobs
+        from tests.factories import submit as submit_direct
+
+        monkeypatch.setattr(jobs, "OUTSTANDING_COUNT_TTL_S", 3600.0)  # no timing in the test
+        counts: list[str] = []
+
+        def seen(_conn, _cur, statement, *_args) -> None:  # type: ignore[no-untyped-def]
+            if "count(*)" in statement.lower() and "jobs" in statement.lower():
+                counts.append(statement)
+
+        event.listen(db.engine, "before_cursor_execute", seen)
+        try:
+            db.run_write(
+                lambda s: teams.update_quota(s, "nlp", teams.QuotaUpdate(max_outstanding_jobs=20))
+            )
+            for _ in range(10):  # far from 20: one exact count, then the estimate
+                submit_direct(db, team="nlp")
+            assert len(counts) == 1
+            for _ in range(10):  # from 18 of 20 on (90 %): exact every time
+                submit_direct(db, team="nlp")
+            with pytest.raises(LimitExceeded):  # the 21st: the limit holds to the job
+                submit_direct(db, team="nlp")
+            assert len(counts) >= 5
+        finally:
+            event.remove(db.engine, "before_cursor_execute", seen)
