@@ -65,7 +65,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         when set); the message's only in insecure mode."""
         if self.auth is None:
             return claimed
-        return self.auth.node_of(context, method, claimed)
+        auth = self.auth  # the certificate check reads the database: errors mapped as below
+        return _guard(context, lambda: auth.node_of(context, method, claimed))
 
     def RegisterNode(
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
@@ -121,8 +122,14 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             ),
         )
         for h in verdict.confirm:
-            self.db.run_write(
-                partial(runs.confirm_assignment, run_id=h.run_id, token=h.token, node_id=node_id)
+            _guard(
+                context,
+                partial(
+                    self.db.run_write,
+                    partial(
+                        runs.confirm_assignment, run_id=h.run_id, token=h.token, node_id=node_id
+                    ),
+                ),
             )
             log.info("repaired lost confirm of %s from a heartbeat", h.run_id)
         epoch = self.leader_epoch()
