@@ -61,7 +61,7 @@ from sqlalchemy import func, select
 from gpufleet.controller.main import Controller
 from gpufleet.processes import ApiServer, agent_tls_args, ensure_fleet_ca, open_database
 from gpufleet.queue import InProcWaker
-from gpufleet.services import auth
+from gpufleet.services import auth, teams
 from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
 from gpufleet.store.tables import JobRow
@@ -128,6 +128,9 @@ class Platform:
         self.token = self.db.run_write(
             partial(auth.create_token, team_id="bench", create_team_if_missing=True)
         )
+        # the platform's throughput is measured here, not the per-team admission limits
+        no_limits = teams.QuotaUpdate(max_outstanding_jobs=0, submit_rate_per_s=0)
+        self.db.run_write(partial(teams.update_quota, team_id="bench", upd=no_limits))
         self.controller.start()
         self.api.start_in_thread()
         env = child_env(

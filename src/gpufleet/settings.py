@@ -89,6 +89,22 @@ class Settings(BaseSettings):
         default=8, description="gpu_count bound while no node is registered."
     )
 
+    team_max_outstanding_jobs: int = Field(
+        default=10_000,
+        ge=0,
+        description="Unfinished jobs a team may have, unless set for the team; 0 = no limit.",
+    )
+    team_submit_rate_per_s: float = Field(
+        default=100.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="POST /v1/jobs per second per team (token bucket refill), unless set for "
+        "the team; 0 = no limit.",
+    )
+    team_submit_burst: int = Field(
+        default=500, ge=1, description="Token-bucket size: submits a team may make at once."
+    )
+
     def resolved_data_dir(self) -> Path:
         return self.data_dir.expanduser().resolve()
 

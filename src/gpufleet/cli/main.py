@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from gpufleet.cli.client import register_client_commands
 from gpufleet.cli.config import client_config_path, write_client_config
+from gpufleet.cli.output import clean
 from gpufleet.domain.errors import GpufleetError
 from gpufleet.settings import Settings
 
@@ -298,7 +300,7 @@ def admin_check(data_dir: DataDir = None) -> None:
         f"reservations, {len(view.jobs)} jobs, {len(view.runs)} attempts"
     )
     for v in violations:
-        out.print(f"[red]VIOLATION[/] {escape(str(v))}")
+        out.print(f"[red]VIOLATION[/] {escape(clean(str(v)))}")
     if violations:
         raise typer.Exit(1)
     out.print("[green]no violations[/]")
@@ -306,8 +308,10 @@ def admin_check(data_dir: DataDir = None) -> None:
 
 team_app = typer.Typer(help="Teams and their quotas.", no_args_is_help=True)
 node_app = typer.Typer(help="Operator actions on nodes.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens: create, list, revoke.", no_args_is_help=True)
 admin_app.add_typer(team_app, name="team")
 admin_app.add_typer(node_app, name="node")
+admin_app.add_typer(token_app, name="token")
 
 
 def _admin_db(data_dir: Path | None) -> Database:
@@ -330,7 +334,7 @@ def _run_admin(data_dir: Path | None, fn: Callable[[Session], T]) -> T:
     try:
         return _admin_db(data_dir).run_write(fn)
     except GpufleetError as exc:
-        err.print(f"[red]error:[/] {escape(exc.message)}")
+        err.print(f"[red]error:[/] {escape(clean(exc.message))}")
         raise typer.Exit(2) from None
 
 
@@ -345,6 +349,17 @@ def _per_type(values: list[str] | None, flag: str) -> dict[str, int] | None:
             raise typer.Exit(2)
         out[gpu_type] = int(n)
     return out
+
+
+def _rate(value: str | None) -> float | None:
+    """``5/s``, ``5`` or ``0.5/s`` as submits per second."""
+    if value is None:
+        return None
+    try:
+        return float(value.strip().removesuffix("/s"))
+    except ValueError:
+        err.print(f"[red]error:[/] --submit-rate {escape(value)!r}: use a rate such as 5/s")
+        raise typer.Exit(2) from None
 
 
 @team_app.command("create")
@@ -372,9 +387,17 @@ def team_set(
     max_outstanding: Annotated[
         int | None, typer.Option(help="Unfinished jobs allowed (0 = no limit).")
     ] = None,
+    submit_rate: Annotated[
+        str | None,
+        typer.Option(help="Job submits per second, token bucket refill, e.g. 5/s (0 = no limit)."),
+    ] = None,
+    submit_burst: Annotated[
+        int | None, typer.Option(help="Submits allowed at once (the token bucket's size).")
+    ] = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Set a team's quota; the scheduler uses it from its next pass (no restart)."""
+    """Set a team's quota and limits; the scheduler uses the quota from its next pass and
+    the API servers the limits within a second (no restart)."""
     from gpufleet.services import teams
 
     upd = teams.QuotaUpdate(
@@ -383,6 +406,8 @@ def team_set(
         borrow_limit_gpus=borrow_limit,
         lending_limit_gpus=_per_type(lending_limit, "--lending-limit"),
         max_outstanding_jobs=max_outstanding,
+        submit_rate_per_s=_rate(submit_rate),
+        submit_burst=submit_burst,
     )
     _run_admin(data_dir, partial(teams.update_quota, team_id=name, upd=upd))
     out.print(f"team {name} updated")
@@ -399,9 +424,10 @@ def team_list(
     from rich.table import Table
 
     from gpufleet.services import teams
+    from gpufleet.services.limits import TeamLimits
 
     with _admin_db(data_dir).read() as s:
-        rows = teams.describe_teams(s)
+        rows = teams.describe_teams(s, TeamLimits.defaults(_settings(data_dir)))
     if output == "json":
         print(json.dumps(rows, indent=2))
         return
@@ -414,11 +440,13 @@ def team_list(
         "borrow limit",
         "allocated",
         "pending",
+        "max unfinished",
+        "submits/s (burst)",
         "GPU-h",
     ):
         table.add_column(col)
     for r in rows:
-        table.add_row(
+        cells = (
             r["team"],
             f"{r['weight']:g}",
             ", ".join(f"{k}={v}" for k, v in r["guaranteed_gpus"].items()) or "-",
@@ -426,8 +454,13 @@ def team_list(
             "unlimited" if r["borrow_limit_gpus"] is None else str(r["borrow_limit_gpus"]),
             ", ".join(f"{k}={v}" for k, v in r["allocated_gpus"].items()) or "-",
             str(r["pending_jobs"]),
+            str(r["max_outstanding_jobs"] or "unlimited"),
+            f"{r['submit_rate_per_s']:g} ({r['submit_burst']})"
+            if r["submit_rate_per_s"]
+            else "unlimited",
             f"{r['usage_gpu_s'] / 3600:.2f}",
         )
+        table.add_row(*(Text(clean(c)) for c in cells))
     out.print(table)
 
 
@@ -447,7 +480,9 @@ def _node_action(
             reason=reason,
         ),
     )
-    out.print(f"node {node_id}: {before} -> {to}" + (f" ({escape(reason)})" if reason else ""))
+    out.print(
+        Text(clean(f"node {node_id}: {before} -> {to}" + (f" ({reason})" if reason else "")))
+    )
 
 
 Reason = Annotated[str | None, typer.Option("--reason", help="Why (kept on the node, shown).")]
@@ -669,20 +704,15 @@ def node_forget(node_id: str, data_dir: DataDir = None) -> None:
     out.print(f"node {node_id} forgotten; {n} certificate(s) revoked")
 
 
-@admin_app.command("token")
-def admin_token(
-    action: Annotated[str, typer.Argument(help="create")],
+@token_app.command("create")
+def token_create(
     team: Annotated[str, typer.Option(help="The token's team (created if missing).")],
     name: str = "",
     admin: bool = False,
     data_dir: DataDir = None,
 ) -> None:
-    """Create an API token for a team; prints the raw token on the last line."""
+    """Create an API token for a team; prints the raw token on the last line (shown once)."""
     from gpufleet.services import auth
-
-    if action != "create":
-        err.print(f"[red]error:[/] unknown action {action!r} (use: create)")
-        raise typer.Exit(2)
 
     print(
         _run_admin(
@@ -695,6 +725,61 @@ def admin_token(
                 create_team_if_missing=True,
             ),
         )
+    )
+
+
+@token_app.command("list")
+def token_list(
+    team: Annotated[str | None, typer.Option(help="Only this team's tokens.")] = None,
+    active: Annotated[bool, typer.Option("--active", help="Hide revoked tokens.")] = False,
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
+    data_dir: DataDir = None,
+) -> None:
+    """List API tokens: id, team, name, admin, created, revoked (never the token itself)."""
+    import json
+
+    from rich.table import Table
+
+    from gpufleet.services import auth
+
+    with _admin_db(data_dir).read() as s:
+        rows = auth.list_tokens(s, team, include_revoked=not active)
+    if output == "json":
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table()
+    for col in ("id", "team", "name", "admin", "created", "revoked"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(
+            *(
+                Text(clean(str(v)))
+                for v in (
+                    r["id"],
+                    r["team"],
+                    r["name"] or "-",
+                    "yes" if r["admin"] else "no",
+                    r["created_at"] or "-",
+                    r["revoked_at"] or "-",
+                )
+            )
+        )
+    out.print(table)
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[str, typer.Argument(help="The token's id (admin token list).")],
+    data_dir: DataDir = None,
+) -> None:
+    """Revoke a token: every API server refuses it within a second."""
+    from gpufleet.services import auth
+
+    got = _run_admin(data_dir, partial(auth.revoke_token, token_id=token_id))
+    out.print(
+        f"token {escape(clean(got['id']))} (team {escape(got['team'])}) revoked at "
+        f"{got['revoked_at']}",
+        highlight=False,
     )
 
 

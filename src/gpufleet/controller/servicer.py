@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
 import grpc
+from sqlalchemy.exc import SQLAlchemyError
 
 from gpufleet.controller.identity import NodeAuthenticator
 from gpufleet.domain.errors import GpufleetError
@@ -18,7 +20,7 @@ from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import nodes, runs
 from gpufleet.store import leader
-from gpufleet.store.db import Database
+from gpufleet.store.db import Database, is_unavailable, short_reason
 
 log = logging.getLogger("gpufleet.controller")
 T = TypeVar("T")
@@ -68,7 +70,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         when set); the message's only in insecure mode."""
         if self.auth is None:
             return claimed
-        return self.auth.node_of(context, method, claimed)
+        auth = self.auth  # the certificate check reads the database: errors mapped as below
+        return _guard(context, lambda: auth.node_of(context, method, claimed))
 
     def RegisterNode(
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
@@ -136,8 +139,14 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             ),
         )
         for h in verdict.confirm:
-            self.db.run_write(
-                partial(runs.confirm_assignment, run_id=h.run_id, token=h.token, node_id=node_id)
+            _guard(
+                context,
+                partial(
+                    self.db.run_write,
+                    partial(
+                        runs.confirm_assignment, run_id=h.run_id, token=h.token, node_id=node_id
+                    ),
+                ),
             )
             log.info("repaired lost confirm of %s from a heartbeat", h.run_id)
         epoch = verdict.leader_epoch  # the lease's, also when this replica is standby
@@ -189,10 +198,28 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         return pb.ReportCompletionResponse(result=_COMPLETION[result], message=message)
 
 
+UNAVAILABLE_LOG_EVERY_S = 30.0
+"""While the database is down, one log line per this many seconds, not one per RPC."""
+_unavailable_logged_at = -UNAVAILABLE_LOG_EVERY_S
+
+
 def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
-    """Map GpufleetError to a gRPC status in one place (no traceback crosses the wire)."""
+    """Map errors to a gRPC status in one place (no traceback crosses the wire): GpufleetError
+    to INVALID_ARGUMENT / FAILED_PRECONDITION; the database unreachable to UNAVAILABLE and any
+    other database error to INTERNAL, both with a generic message (the driver's names hosts,
+    ports, users); the reason goes to the controller's log only."""
     try:
         return fn()
+    except SQLAlchemyError as exc:
+        if is_unavailable(exc):
+            global _unavailable_logged_at
+            if time.monotonic() - _unavailable_logged_at > UNAVAILABLE_LOG_EVERY_S:
+                _unavailable_logged_at = time.monotonic()
+                log.warning("database unavailable during RPCs: %s", short_reason(exc))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "database unavailable; retry later")
+        log.error("database error during an RPC", exc_info=exc)
+        context.abort(grpc.StatusCode.INTERNAL, "internal error; see the controller log")
+        raise  # unreachable: abort raises
     except GpufleetError as exc:
         code = {
             401: grpc.StatusCode.UNAUTHENTICATED,

@@ -15,7 +15,7 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Forbidden
-from gpufleet.domain.manifest import MANIFEST_NAME, Manifest
+from gpufleet.domain.manifest import MANIFEST_NAME, Manifest, file_problem
 from gpufleet.domain.states import (
     RUN_TERMINAL,
     JobStatus,
@@ -199,8 +199,10 @@ class Verified:
 
 def verify_manifest(store: ObjectStore, job_id: str, report: Report) -> Verified:
     """Every listed object exists with its size and sha256, the manifest is where the attempt's
-    manifest must be, and it carries the reported token (seed DD8). Object-store I/O: call
-    outside any transaction."""
+    manifest must be, and it carries the reported job, run and token (seed DD8). Each key must
+    be the normalised ``{attempt prefix}/{kind folder}/{path}`` (no ``..``, absolute path or
+    backslash: ``domain.manifest.file_problem``), so nothing outside the attempt is vouched
+    for. Object-store I/O: call outside any transaction."""
     if not report.manifest_uri:
         return Verified(False, "no manifest")
     expected_key = f"{attempt_prefix(job_id, report.run_id)}/{MANIFEST_NAME}"
@@ -211,11 +213,17 @@ def verify_manifest(store: ObjectStore, job_id: str, report: Report) -> Verified
         manifest = Manifest.from_json(store.get_bytes(key))
     except (ValueError, FileNotFoundError, OSError) as exc:
         return Verified(False, f"manifest unreadable: {exc}")
-    if manifest.run_id != report.run_id or manifest.token != report.token:
-        return Verified(False, "manifest run_id/token differ from the report")
+    if (
+        manifest.job_id != job_id
+        or manifest.run_id != report.run_id
+        or manifest.token != report.token
+    ):
+        return Verified(False, "manifest job_id/run_id/token differ from the report")
+    prefix = attempt_prefix(job_id, report.run_id)
     for f in manifest.files:
-        if not f.key.startswith(attempt_prefix(job_id, report.run_id) + "/"):
-            return Verified(False, f"{f.key} is outside the attempt's prefix")
+        problem = file_problem(f, prefix)
+        if problem is not None:
+            return Verified(False, problem)
         try:
             if store.size(f.key) != f.size or store.sha256(f.key) != f.sha256:
                 return Verified(False, f"{f.key}: size or sha256 mismatch")

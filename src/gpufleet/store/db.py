@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from sqlalchemy import Engine, create_engine
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpufleet.store import dialect
@@ -104,6 +105,22 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` means the database cannot be reached or used right now (connection
+    refused or lost, pool exhausted, server shutting down, SQLite locked), as opposed to a
+    bad statement or a constraint: callers answer "unavailable, retry later" for these."""
+    if isinstance(exc, (OperationalError, InterfaceError, PoolTimeout)):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
+def short_reason(exc: BaseException) -> str:
+    """The first line of a database error, for an operator's log line (no traceback)."""
+    orig = getattr(exc, "orig", None) or exc
+    first = (str(orig).strip().splitlines() or [""])[0]
+    return f"{type(orig).__name__}: {first[:300]}"
 
 
 def _is_retryable(exc: DBAPIError) -> bool:

@@ -85,6 +85,11 @@ class TeamRow(Base):
     borrow_limit_gpus: Mapped[int | None] = mapped_column(Integer, default=None)
     lending_limit_gpus: Mapped[dict[str, Any]] = mapped_column(default=dict)
     max_outstanding_jobs: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Unfinished jobs allowed; NULL = the server's default, 0 = no limit."""
+    submit_rate_per_s: Mapped[float | None] = mapped_column(Float, default=None)
+    """Token-bucket refill rate of POST /v1/jobs; NULL = the server's default, 0 = no limit."""
+    submit_burst: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Token-bucket size (submits allowed at once); NULL = the server's default."""
     usage_gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
     """Charged GPU-seconds of finished attempts (every attempt, whatever its outcome), decayed
     to ``usage_as_of`` (``policy.usage``: half-life ``usage_half_life_s``)."""
