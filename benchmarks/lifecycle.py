@@ -59,9 +59,9 @@ from rich.table import Table
 from sqlalchemy import func, select
 
 from gpufleet.controller.main import Controller
-from gpufleet.processes import ApiServer, open_database
+from gpufleet.processes import ApiServer, agent_tls_args, ensure_fleet_ca, open_database
 from gpufleet.queue import InProcWaker
-from gpufleet.services import auth
+from gpufleet.services import auth, teams
 from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
 from gpufleet.store.tables import JobRow
@@ -100,18 +100,22 @@ class Platform:
     """Controller + API in this process, agents as subprocesses; ``close()`` kills them all,
     and every job process still alive whose command line names this run's data directory."""
 
-    def __init__(self, tmp: Path, database_url: str) -> None:
+    def __init__(self, tmp: Path, database_url: str, insecure: bool = False) -> None:
         self.tmp = tmp
+        self.insecure = insecure
         self.settings = Settings(
             data_dir=tmp,
             database_url=SecretStr(database_url),
             heartbeat_interval_s=HEARTBEAT_S,
             server_port=free_port(),
             controller_address=f"127.0.0.1:{free_port()}",
+            join_address=f"127.0.0.1:{free_port()}",
         )
+        if not insecure:
+            ensure_fleet_ca(self.settings)  # mutual TLS, as `gpufleet up` sets it up
         self.db = open_database(self.settings)  # migrates the empty database
         self.waker = InProcWaker()
-        self.controller = Controller(self.settings, self.db, self.waker)
+        self.controller = Controller(self.settings, self.db, self.waker, insecure=insecure)
         self.api = ApiServer(self.settings, self.db, self.waker)
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.token = ""
@@ -124,18 +128,27 @@ class Platform:
         self.token = self.db.run_write(
             partial(auth.create_token, team_id="bench", create_team_if_missing=True)
         )
+        # the platform's throughput is measured here, not the per-team admission limits
+        no_limits = teams.QuotaUpdate(max_outstanding_jobs=0, submit_rate_per_s=0)
+        self.db.run_write(partial(teams.update_quota, team_id="bench", upd=no_limits))
         self.controller.start()
         self.api.start_in_thread()
         env = child_env(
             {
                 "GPUFLEET_DATA_DIR": str(self.tmp),
                 "GPUFLEET_CONTROLLER_ADDRESS": self.settings.controller_address,
+                "GPUFLEET_JOIN_ADDRESS": self.settings.resolved_join_address(),
                 "GPUFLEET_OBJECT_STORE_URL": self.settings.resolved_object_store_url(),
                 "GPUFLEET_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
             }
         )
         for i in range(agents):
             node_id = f"node-{i:02d}"
+            tls_args, tls_env = (
+                (["--insecure"], {})
+                if self.insecure
+                else agent_tls_args(self.db, self.settings, node_id, self.tmp / "agents" / node_id)
+            )
             with open(self.tmp / f"agent-{node_id}.log", "ab") as log:
                 self.agents[node_id] = subprocess.Popen(
                     [
@@ -149,8 +162,9 @@ class Platform:
                         "8xH100-80GB",
                         "--state-dir",
                         str(self.tmp / "agents" / node_id),
+                        *tls_args,
                     ],
-                    env=env,
+                    env={**env, **tls_env},
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
@@ -361,7 +375,7 @@ def summarize(
 
 
 def measure(db_name: str, url: str, tmp: Path, args: argparse.Namespace) -> list[Row]:
-    plat = Platform(tmp, url)
+    plat = Platform(tmp, url, insecure=args.insecure)
     try:
         console.print(f"{db_name}: starting controller, API and {args.agents} agents ...")
         plat.start(args.agents)
@@ -416,6 +430,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for terminal")
     p.add_argument("--postgres-url", default=DEFAULT_POSTGRES_URL, help="an existing database")
     p.add_argument("--keep", action="store_true", help="keep the data directories (logs)")
+    p.add_argument(
+        "--insecure", action="store_true", help="plaintext gRPC (default: mutual TLS, as `up`)"
+    )
     p.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     return p.parse_args(argv)
 

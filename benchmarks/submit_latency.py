@@ -2,7 +2,8 @@
 
 For each database the script starts a fresh API server as a subprocess (``gpufleet server``,
 which migrates the empty database at start), creates a team and token with
-``gpufleet admin token create --team bench``, and then, for each queue depth in ascending order:
+``gpufleet admin token create --team bench`` (and lifts that team's admission limits with
+``admin team set``), and then, for each queue depth in ascending order:
 
 1. pre-fills the queue up to that depth over HTTP (8 concurrent clients by default). No controller
    runs, so every job stays PENDING;
@@ -184,6 +185,18 @@ class Server:
         lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
         if out.returncode != 0 or not lines:
             self.fail(f"token create failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
+        # the server's submit path is measured here, not the per-team admission limits
+        no_limits = ["--max-outstanding", "0", "--submit-rate", "0"]
+        lift = subprocess.run(
+            [self.gpufleet, "admin", "team", "set", "bench", *no_limits],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if lift.returncode != 0:
+            self.fail(f"team set failed ({lift.returncode}): {lift.stderr.strip()[-2000:]}")
         return lines[-1]
 
     def fail(self, message: str) -> None:

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from sqlalchemy import text
 
-from gpufleet.services.jobs import forget_fleet_shapes
+from gpufleet.services.jobs import forget_fleet_shapes, forget_outstanding_counts
 from gpufleet.store.db import Database
 from gpufleet.store.migrate import migrate
 from gpufleet.store.tables import Base
@@ -62,6 +62,7 @@ def _empty(db: Database) -> None:
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     """A migrated, empty database: SQLite file and real PostgreSQL (parametrized)."""
     forget_fleet_shapes()
+    forget_outstanding_counts()
     if request.param == "sqlite":
         database = Database(f"sqlite:///{tmp_path / 'gpufleet.db'}")
         migrate(database)

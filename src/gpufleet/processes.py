@@ -28,9 +28,56 @@ log = logging.getLogger("gpufleet")
 
 
 def open_database(settings: Settings) -> Database:
+    if settings.database_url is None:
+        settings.private_data_dir()  # the embedded SQLite file lives there
     db = Database(settings.resolved_database_url())
     migrate(db)
     return db
+
+
+def ensure_fleet_ca(settings: Settings) -> str:
+    """Create the fleet CA in ``settings.resolved_pki_dir()`` unless it exists (``gpufleet up``
+    sets up mutual TLS by itself). Returns its sha256 fingerprint."""
+    from gpufleet.rpc import tls
+
+    return tls.init_ca(settings.resolved_pki_dir(), exist_ok=True).fingerprint
+
+
+def new_join_token(
+    db: Database, settings: Settings, node_id: str | None, ttl_s: float
+) -> tuple[str, str]:
+    """A join token string ``gfj1.<ca sha256>.<secret>`` and its expiry (ISO 8601, UTC).
+
+    Raises:
+        tls.PkiError: no fleet CA certificate in the pki dir.
+        ValidationFailed: bad node id or ttl.
+    """
+    from gpufleet.rpc import tls
+    from gpufleet.services import node_identity
+
+    ca_fp = tls.fingerprint(tls.read_ca_cert(settings.resolved_pki_dir()))
+    secret, expires = db.run_write(
+        partial(node_identity.create_join_token, node_id=node_id, ttl_s=ttl_s)
+    )
+    return tls.format_join_token(ca_fp, secret), expires.isoformat().replace("+00:00", "Z")
+
+
+def agent_tls_args(
+    db: Database, settings: Settings, node_id: str, state_dir: Path
+) -> tuple[list[str], dict[str, str]]:
+    """(command-line args, environment) that let a local agent join on its own: nothing when
+    its state dir holds a usable certificate, else a short-lived join token for ``node_id``
+    (in the environment, not on the command line) and the CA certificate's path."""
+    from gpufleet.rpc import tls
+
+    ca_pem = tls.read_ca_cert(settings.resolved_pki_dir())
+    saved = tls.NodeCredentials.load(state_dir / "tls")
+    fresh = saved is not None and tls.fingerprint(saved.ca_pem) == tls.fingerprint(ca_pem)
+    if saved is not None and fresh and saved.problem(node_id) is None:
+        return [], {}
+    token, _ = new_join_token(db, settings, node_id, 15 * 60)
+    ca = tls.ca_paths(settings.resolved_pki_dir())[1]
+    return ["--ca-cert", str(ca)], {"GPUFLEET_JOIN_TOKEN": token}
 
 
 def ensure_admin_token(db: Database, team: str = "default") -> str:
@@ -112,11 +159,18 @@ class LocalPlatform:
         gpus: str | None,
         node_id: str = "local-0",
         agent_port: int = 0,
+        insecure: bool = False,
+        job_uids: str | None = None,
     ) -> None:
         self.settings = settings
+        settings.private_data_dir()  # database, tokens, objects, agent state: no job reads them
+        self.job_uids = job_uids
+        self.insecure = insecure
+        if not insecure:
+            ensure_fleet_ca(settings)
         self.db = open_database(settings)
         self.waker = make_waker(settings.redis_url, listen=True)
-        self.controller = Controller(settings, self.db, self.waker)
+        self.controller = Controller(settings, self.db, self.waker, insecure=insecure)
         self.api = ApiServer(settings, self.db, self.waker)
         self.gpus, self.node_id, self.agent_port = gpus, node_id, agent_port
         self.agent: subprocess.Popen[bytes] | None = None
@@ -147,10 +201,22 @@ class LocalPlatform:
         ]
         if self.gpus:
             cmd += ["--gpus", self.gpus]
+        if self.job_uids:
+            cmd += ["--job-uids", self.job_uids]
+        extra_env: dict[str, str] = {}
+        if self.insecure:
+            cmd.append("--insecure")
+        else:
+            args, extra_env = agent_tls_args(
+                self.db, self.settings, self.node_id, data_dir / "agents" / self.node_id
+            )
+            cmd += args
         env = dict(
             os.environ,
+            **extra_env,
             GPUFLEET_DATA_DIR=str(data_dir),
             GPUFLEET_CONTROLLER_ADDRESS=self.settings.controller_address,
+            GPUFLEET_JOIN_ADDRESS=self.settings.resolved_join_address(),
             GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
             GPUFLEET_HEARTBEAT_INTERVAL_S=str(self.settings.heartbeat_interval_s),
         )

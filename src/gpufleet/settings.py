@@ -6,6 +6,7 @@ environment.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field, SecretStr
@@ -34,13 +35,52 @@ class Settings(BaseSettings):
         default="127.0.0.1:8421", description="gRPC host:port of the controller."
     )
 
+    join_address: str | None = Field(
+        default=None,
+        description="gRPC host:port of the controller's join service (the one port that takes "
+        "calls without a client certificate: Join only); default: the controller's host, "
+        "port + 1.",
+    )
+    pki_dir: Path | None = Field(
+        default=None, description="Fleet CA (ca.key, ca.crt); default {data_dir}/pki."
+    )
+    tls_hostnames: str = Field(
+        default="",
+        description="Comma-separated extra names/IPs in the controller certificate (loopback "
+        "and controller.gpufleet are always there).",
+    )
+    node_cert_ttl_s: float = Field(
+        default=30 * 86400, description="Lifetime of node certificates; renewed at 2/3."
+    )
+
     heartbeat_interval_s: float = 10.0
     suspect_after_missed: int = Field(default=3, description="Missed heartbeats before SUSPECT.")
     confirm_timeout_s: float = Field(default=30.0, description="RESERVED this long -> reconcile.")
+    fence_timeout_s: float = Field(
+        default=60.0,
+        description="A node silent this long is fenced: its attempts FENCED and re-placed, its"
+        " GPUs QUARANTINED until the agent reports the runs gone or an operator fences it.",
+    )
+    retry_backoff_s: float = Field(
+        default=10.0,
+        description="Backoff before a failed job's next attempt: retry_backoff_s x 2^(n-1)"
+        " after its n-th failure, times a jitter in [0.5, 1], capped at retry_backoff_cap_s.",
+    )
+    retry_backoff_cap_s: float = Field(default=300.0, description="Cap of the retry backoff.")
+    max_node_failures: int = Field(
+        default=3,
+        description="Attempts a job may lose to its node (node fenced, node-caused start"
+        " failure) before it fails; separate from the job's own max_retries.",
+    )
     scheduler_tick_s: float = Field(
         default=1.0, description="Scheduler pass period without wake-ups."
     )
     default_grace_s: float = Field(default=30.0, description="SIGTERM -> SIGKILL grace for stops.")
+    agent_disk_reserve_mb: int = Field(
+        default=1024,
+        description="An agent whose state or scratch directory has less free space (MiB)"
+        " refuses new work and reports itself UNHEALTHY (0 = no check).",
+    )
     leader_lease_s: float = 15.0
     reservation_lease_s: float = 60.0
 
@@ -49,13 +89,52 @@ class Settings(BaseSettings):
         default=8, description="gpu_count bound while no node is registered."
     )
 
+    team_max_outstanding_jobs: int = Field(
+        default=10_000,
+        ge=0,
+        description="Unfinished jobs a team may have, unless set for the team; 0 = no limit.",
+    )
+    team_submit_rate_per_s: float = Field(
+        default=100.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="POST /v1/jobs per second per team (token bucket refill), unless set for "
+        "the team; 0 = no limit.",
+    )
+    team_submit_burst: int = Field(
+        default=500, ge=1, description="Token-bucket size: submits a team may make at once."
+    )
+
     def resolved_data_dir(self) -> Path:
         return self.data_dir.expanduser().resolve()
+
+    def private_data_dir(self) -> Path:
+        """The data dir, created if missing and made mode 0700 when this user owns it: it
+        holds the SQLite database, the client config with the admin token, the local object
+        store (every team's artifacts) and agent state, none of which a job may read (jobs run
+        as other users)."""
+        path = self.resolved_data_dir()
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.stat().st_uid == os.geteuid():
+            path.chmod(0o700)
+        return path
 
     def resolved_database_url(self) -> str:
         if self.database_url is not None:
             return self.database_url.get_secret_value()
         return f"sqlite:///{self.resolved_data_dir() / 'gpufleet.db'}"
+
+    def resolved_pki_dir(self) -> Path:
+        return (self.pki_dir or self.resolved_data_dir() / "pki").expanduser().resolve()
+
+    def resolved_join_address(self) -> str:
+        if self.join_address:
+            return self.join_address
+        host, _, port = self.controller_address.rpartition(":")
+        return f"{host}:{int(port) + 1 if port.isdigit() and int(port) else 0}"
+
+    def tls_hostname_list(self) -> list[str]:
+        return [h.strip() for h in self.tls_hostnames.split(",") if h.strip()]
 
     def resolved_object_store_url(self) -> str:
         return self.object_store_url or f"file://{self.resolved_data_dir() / 'objects'}"

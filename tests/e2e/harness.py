@@ -19,13 +19,16 @@ from typing import Any
 import httpx
 
 from gpufleet.controller.main import Controller
-from gpufleet.processes import ApiServer, open_database
+from gpufleet.processes import ApiServer, agent_tls_args, ensure_fleet_ca, open_database
 from gpufleet.queue import InProcWaker
 from gpufleet.services import auth
 from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"}
+# Scenario agents run jobs as themselves (--job-uids agent) unless a test asks otherwise:
+# the jobs run this interpreter (possibly private to root) and write into pytest's 0700 tmp.
+JOB_UIDS = "agent"
 
 
 def free_port() -> int:
@@ -42,6 +45,7 @@ class Fleet:
         *,
         heartbeat_s: float = 1.0,
         grace_s: float = 2.0,
+        **overrides: Any,
     ) -> None:
         self.tmp = tmp
         values: dict[str, Any] = {
@@ -52,10 +56,12 @@ class Fleet:
             "scheduler_tick_s": 0.5,
             "server_port": free_port(),
             "controller_address": f"127.0.0.1:{free_port()}",
+            "join_address": f"127.0.0.1:{free_port()}",
         }
         if database_url:
             values["database_url"] = database_url
-        self.settings = Settings(**values)
+        self.settings = Settings(**(values | overrides))
+        ensure_fleet_ca(self.settings)  # mutual TLS, set up the way `gpufleet up` does it
         self.db = open_database(self.settings)
         self.waker = InProcWaker()
         self.controller = Controller(self.settings, self.db, self.waker)
@@ -76,13 +82,27 @@ class Fleet:
         self.api.start_in_thread()
         return self
 
-    def start_agent(self, node_id: str, gpus: str = "8xH100-80GB", wait: bool = True) -> None:
+    def start_agent(
+        self,
+        node_id: str,
+        gpus: str = "8xH100-80GB",
+        wait: bool = True,
+        *,
+        state_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        job_uids: str | None = None,
+    ) -> None:
+        state_dir = state_dir or self.tmp / "agents" / node_id
+        tls_args, tls_env = agent_tls_args(self.db, self.settings, node_id, state_dir)
         env = dict(
             os.environ,
+            **tls_env,
             GPUFLEET_DATA_DIR=str(self.tmp),
             GPUFLEET_CONTROLLER_ADDRESS=self.settings.controller_address,
+            GPUFLEET_JOIN_ADDRESS=self.settings.resolved_join_address(),
             GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
             GPUFLEET_DEFAULT_GRACE_S=str(self.settings.default_grace_s),
+            **(env or {}),
         )
         log = open(self.tmp / f"agent-{node_id}.log", "ab")  # noqa: SIM115
         self.agents[node_id] = subprocess.Popen(
@@ -96,7 +116,10 @@ class Fleet:
                 "--gpus",
                 gpus,
                 "--state-dir",
-                str(self.tmp / "agents" / node_id),
+                str(state_dir),
+                *tls_args,
+                "--job-uids",
+                job_uids or JOB_UIDS,
             ],
             env=env,
             stdout=log,
@@ -111,6 +134,22 @@ class Fleet:
                 30,
                 f"agent {node_id}",
             )
+
+    def signal_agent(self, node_id: str, sig: int) -> None:
+        """Send ``sig`` (e.g. SIGSTOP / SIGCONT) to a running agent, which keeps it."""
+        self.agents[node_id].send_signal(sig)
+
+    def node(self, node_id: str) -> dict[str, Any]:
+        return dict(next(n for n in self.get("/v1/nodes")["items"] if n["node_id"] == node_id))
+
+    def agent_address(self, node_id: str) -> str:
+        """The agent's gRPC address (REST shows it to admin tokens only)."""
+        from gpufleet.store.tables import NodeRow
+
+        with self.db.read() as s:
+            node = s.get(NodeRow, node_id)
+            assert node is not None, node_id
+            return str(node.address)
 
     def kill_agent(self, node_id: str, sig: int = signal.SIGKILL) -> None:
         proc = self.agents.pop(node_id)
@@ -177,6 +216,7 @@ class Fleet:
         if self._sampler:
             self._sampler.join(timeout=5)
         for node_id in list(self.agents):
+            self.agents[node_id].send_signal(signal.SIGCONT)  # a frozen agent must hear TERM
             self.kill_agent(node_id, signal.SIGTERM)
         self.api.stop()
         self.controller.stop()

@@ -49,12 +49,16 @@ def test_submit_wait_logs_status_list_through_the_cli(fleet: Fleet) -> None:
         "--",
         sys.executable,
         "-c",
+        "[print('line', i) for i in range(1500)];"
         "print('hello from', __import__('os').environ['CUDA_VISIBLE_DEVICES'])",
     )
     assert sub.returncode == 0, sub.stderr
     job_id = sub.stdout.strip().splitlines()[0]
-    logs = cli(fleet, "logs", job_id)
-    assert logs.returncode == 0 and "hello from 0,1" in logs.stdout
+    logs = cli(fleet, "logs", job_id)  # the last 1,000 lines by default
+    assert logs.returncode == 0 and logs.stdout.splitlines()[-1] == "hello from 0,1"
+    assert len(logs.stdout.splitlines()) == 1000
+    whole = cli(fleet, "logs", job_id, "--all")
+    assert whole.stdout.splitlines()[0] == "line 0" and len(whole.stdout.splitlines()) == 1501
     status = json.loads(cli(fleet, "status", job_id, "--output", "json").stdout)
     assert status["status"] == "SUCCEEDED" and status["attempts"][0]["gpu_ids"] == [0, 1]
     listed = cli(fleet, "list", "--output", "json")

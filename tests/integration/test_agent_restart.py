@@ -27,6 +27,7 @@ from tests.integration.test_agent_support import (
     inprocess_agent,
     kill_leftover_groups,
     make_settings,
+    test_pki,
     wait_until,
 )
 
@@ -47,7 +48,7 @@ def _job(starts: Path, exit_code: int, go: Path | None = None) -> list[str]:
 
 def _stub(fake: FakeController, epoch: int) -> tuple[grpc.Channel, pb_grpc.AgentStub]:
     reg = fake.wait_for(lambda: [r for r in fake.registrations if r.agent_epoch == epoch], 20)[0]
-    channel = grpc.insecure_channel(reg.address)
+    channel = test_pki().agent_channel(reg.address, reg.node_id)
     return channel, pb_grpc.AgentStub(channel)
 
 
@@ -135,6 +136,7 @@ def test_waits_for_the_controller_and_reports_what_ran_meanwhile(tmp_path: Path)
     log.append("start_failed", "r-early", message="boom")
     log.close()
     settings = make_settings(f"127.0.0.1:{port}", tmp_path)
+    test_pki().provision(state, "n-late")
     stop = threading.Event()
     agent = threading.Thread(
         target=run_agent,

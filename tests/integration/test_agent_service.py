@@ -111,8 +111,8 @@ class TestRunToCompletion:
         assert (seen["GPUFLEET_JOB_ID"], seen["GPUFLEET_RUN_ID"]) == ("j-env", "r-env-1")
         attempt, token = seen["GPUFLEET_ATTEMPT"], seen["GPUFLEET_FENCING_TOKEN"]
         assert (attempt, token, seen["FOO"]) == ("2", "7", "bar")
-        assert seen["GPUFLEET_CHECKPOINT_DIR"].endswith("runs/r-env-1/checkpoints")
-        assert seen["GPUFLEET_ARTIFACTS_DIR"].endswith("runs/r-env-1/artifacts")
+        assert seen["GPUFLEET_CHECKPOINT_DIR"].endswith("/r-env-1/checkpoints")
+        assert seen["GPUFLEET_ARTIFACTS_DIR"].endswith("/r-env-1/artifacts")
         assert seen["checkpoint_dir_empty_at_start"] is True
         assert seen["resumed"] == "step 9"
         assert b"hello from the job" in store.get_bytes(by_path["log", "output.log"].key)
@@ -122,7 +122,10 @@ class TestRunToCompletion:
         reg = fake.registrations[0]
         assert reg.node_id == "node-test"
         assert reg.agent_epoch == 1
-        assert dict(reg.labels) == {"rack": "r1"}
+        labels = dict(reg.labels)
+        assert labels.pop("gpufleet/containment") in ("cgroup-v1", "cgroup-v2", "pidns", "none")
+        assert labels.pop("gpufleet/job-user")
+        assert labels == {"rack": "r1"}
         assert reg.cpu >= 1
         assert reg.memory_mb > 0
         if reg.inventory_source == "declared":  # a machine with NVML registers its real GPUs
@@ -233,14 +236,27 @@ class TestStartOnce:
             pytest.param(
                 "r-fail-gpu", ["true"], [9], "GPU 9 is not on this node", id="GPU not on the node"
             ),
+            pytest.param(
+                "r-fail-image",
+                ["true"],
+                [],
+                "image jobs need a container runtime on this node",
+                id="image without a container runtime",
+            ),
         ],
     )
     def test_failed_start_is_reported_never_started(
         self, env, run_id, command, gpu_ids, want_message
     ):
         fake, agent, _, _ = env
+        image = "registry/train:1" if run_id == "r-fail-image" else ""
         resp = agent.assign(
-            run_id=run_id, job_id=f"j-{run_id}", token=1, command=command, gpu_ids=gpu_ids
+            run_id=run_id,
+            job_id=f"j-{run_id}",
+            token=1,
+            command=command,
+            gpu_ids=gpu_ids,
+            image=image,
         )
         assert resp.result == A.FAILED_TO_START
         assert want_message in resp.message

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gpufleet.agent.main import run_agent
+from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.settings import Settings
@@ -28,6 +30,11 @@ from gpufleet.settings import Settings
 T = TypeVar("T")
 LEADER_EPOCH = 1
 HEARTBEAT_S = 0.1
+# The agents of the lifecycle tests run jobs as themselves (--job-uids agent): their jobs run
+# this interpreter (which may be private to root, e.g. pyenv under a 0700 /root) and share
+# files with the test through pytest's 0700 tmp dirs. Job users, cgroups and isolation are
+# tested with per-attempt uids and a system Python in test_agent_containment.py.
+JOB_UIDS = "agent"
 
 Confirm = pb.ConfirmAssignmentResponse
 Report = pb.ReportCompletionResponse
@@ -99,12 +106,52 @@ class FakeController(pb_grpc.ControllerServicer):
         return self.wait_for(lambda: self.reports_for(run_id), timeout_s)[0]
 
 
+class TestPki:
+    """A fleet CA for the agent tests (made once per test process): the fake controller
+    serves the real mutual TLS with a controller certificate, and agents find a node
+    certificate in their state dir, as after a join."""
+
+    def __init__(self) -> None:
+        self.ca = tls.init_ca(Path(tempfile.mkdtemp(prefix="gpufleet-test-pki-")) / "pki")
+        self.key_pem, self.chain_pem = self.ca.issue_controller([])
+
+    def provision(self, state_dir: Path, node_id: str) -> None:
+        key = tls.new_key()
+        cert = self.ca.sign_node_csr(tls.make_csr(key, node_id), node_id, 3600)
+        tls.NodeCredentials(
+            tls.key_pem(key), tls.cert_pem(cert) + self.ca.cert_pem, self.ca.cert_pem
+        ).save(state_dir / "tls")
+
+    def agent_channel(self, address: str, node_id: str) -> grpc.Channel:
+        """The controller's channel to ``node_id``'s agent at ``address``."""
+        creds = tls.channel_credentials(self.ca.cert_pem, self.key_pem, self.chain_pem)
+        return tls.secure_channel(address, creds, tls.node_target_name(node_id))
+
+
+_PKI: TestPki | None = None
+
+
+def test_pki() -> TestPki:
+    global _PKI
+    if _PKI is None:
+        _PKI = TestPki()
+    return _PKI
+
+
+test_pki.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+TestPki.__test__ = False  # type: ignore[attr-defined]
+
+
 @contextmanager
 def fake_controller(port: int = 0) -> Iterator[tuple[FakeController, str]]:
     fake = FakeController()
+    pki = test_pki()
     server = grpc.server(ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_ControllerServicer_to_server(fake, server)
-    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    creds = tls.server_credentials(
+        pki.key_pem, pki.chain_pem, pki.ca.cert_pem, require_client_auth=True
+    )
+    port = server.add_secure_port(f"127.0.0.1:{port}", creds)
     server.start()
     try:
         yield fake, f"127.0.0.1:{port}"
@@ -147,10 +194,16 @@ class InProcessAgent:
 
 @contextmanager
 def inprocess_agent(
-    fake: FakeController, settings: Settings, state_dir: Path, gpus: str | None = "4xA100-40GB"
+    fake: FakeController,
+    settings: Settings,
+    state_dir: Path,
+    gpus: str | None = "4xA100-40GB",
+    **agent_kw: Any,
 ) -> Iterator[InProcessAgent]:
     stop = threading.Event()
+    agent_kw.setdefault("job_uids", JOB_UIDS)
     before = len(fake.registrations)
+    test_pki().provision(state_dir, "node-test")
     thread = threading.Thread(
         target=run_agent,
         kwargs={
@@ -162,6 +215,7 @@ def inprocess_agent(
             "labels": {"rack": "r1"},
             "heartbeat_interval_s": HEARTBEAT_S,
             "stop_event": stop,
+            **agent_kw,
         },
         daemon=True,
     )
@@ -170,7 +224,7 @@ def inprocess_agent(
     try:
         reg = fake.wait_for(lambda: fake.registrations[before:], 15)[0]
         agent.address = reg.address
-        agent.channel = grpc.insecure_channel(reg.address)
+        agent.channel = test_pki().agent_channel(reg.address, reg.node_id)
         agent.stub = pb_grpc.AgentStub(agent.channel)
         yield agent
     finally:
@@ -191,9 +245,10 @@ def kill_leftover_groups(state_dir: Path) -> None:
 
 
 def agent_subprocess(
-    controller_address: str, tmp: Path, state_dir: Path
+    controller_address: str, tmp: Path, state_dir: Path, *, job_uids: str = JOB_UIDS
 ) -> subprocess.Popen[bytes]:
     """The agent as its own process (so the test can kill -9 it)."""
+    test_pki().provision(state_dir, "node-sub")
     code = (
         "import logging, pathlib, sys\n"
         "from gpufleet.agent.main import run_agent\n"
@@ -203,7 +258,7 @@ def agent_subprocess(
         f"             object_store_url={('file://' + str(tmp / 'objects'))!r})\n"
         f"run_agent(s, node_id='node-sub', gpus='2xH100-80GB', port=0,\n"
         f"          state_dir=pathlib.Path({str(state_dir)!r}), labels={{}},\n"
-        f"          heartbeat_interval_s={HEARTBEAT_S})\n"
+        f"          heartbeat_interval_s={HEARTBEAT_S}, job_uids={job_uids!r})\n"
     )
     log = open(tmp / f"agent-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115 (child keeps it)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}

@@ -286,3 +286,48 @@ class TestAdminQuota:
             for i in range(3)
         ]
         assert codes == [201, 201, 429]
+
+
+class TestAdminNodes:
+    """Node identity over REST: addresses for admins only, join tokens, revoke, forget."""
+
+    def test_node_addresses_are_shown_to_admin_tokens_only(self, api, db: Database) -> None:
+        client, tokens = api
+        admin = db.run_write(lambda s: auth.create_token(s, "vision", is_admin=True))
+        member = client.get("/v1/nodes", headers=hdr(tokens["vision"])).json()["items"]
+        assert [n["address"] for n in member] == [None]
+        full = client.get("/v1/nodes", headers=hdr(admin)).json()["items"]
+        assert full[0]["address"]
+
+    def test_join_token_revoke_forget_and_list(self, api, db: Database, tmp_path: Path) -> None:
+        from gpufleet.rpc import tls
+
+        client, tokens = api
+        admin = hdr(db.run_write(lambda s: auth.create_token(s, "vision", is_admin=True)))
+        body = {"node_id": "n1", "ttl_s": 60}
+        # no fleet CA next to this server: 409 naming what is missing
+        r = client.post("/v1/admin/nodes/join-tokens", json=body, headers=admin)
+        assert (r.status_code, r.json()["field"]) == (409, "pki_dir")
+        ca = tls.init_ca(tmp_path / "pki")
+        r = client.post("/v1/admin/nodes/join-tokens", json=body, headers=admin)
+        assert r.status_code == 201, r.text
+        assert tls.parse_join_token(r.json()["token"])[0] == ca.fingerprint
+        for bad, field in (({"ttl_s": 1}, "ttl_s"), ({"node_id": "a b"}, "node_id")):
+            r = client.post("/v1/admin/nodes/join-tokens", json=bad, headers=admin)
+            assert (r.status_code, r.json()["field"]) == (422, field)
+        member = hdr(tokens["vision"])
+        for method, path in (
+            ("get", "/v1/admin/nodes"),
+            ("post", "/v1/admin/nodes/join-tokens"),
+            ("post", "/v1/admin/nodes/n1/revoke"),
+            ("delete", "/v1/admin/nodes/n1"),
+        ):
+            assert getattr(client, method)(path, headers=member).status_code == 403, path
+        assert client.post("/v1/admin/nodes/ghost/revoke", headers=admin).status_code == 404
+        r = client.post("/v1/admin/nodes/n1/revoke", headers=admin)
+        assert r.json() == {"node_id": "n1", "revoked_certs": 0}
+        [row] = client.get("/v1/admin/nodes", headers=admin).json()["items"]
+        assert (row["node_id"], row["status"], row["cert_serial"]) == ("n1", "HEALTHY", None)
+        r = client.delete("/v1/admin/nodes/n1", headers=admin)
+        assert r.status_code == 200 and r.json()["forgotten"] is True
+        assert client.get("/v1/nodes", headers=member).json()["items"] == []

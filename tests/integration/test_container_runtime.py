@@ -189,14 +189,46 @@ def test_memory_limit_kills_with_oom_reason(runtime, tmp_path):
     assert "survived" not in launch.paths.log.read_text()
 
 
-def test_missing_image_is_a_start_error(runtime, tmp_path):
+def test_missing_image_is_a_start_error_of_the_job(runtime, tmp_path):
+    """The registry answers that the image does not exist: the job's fault (it uses a retry)."""
     from gpufleet.agent.workdir import StartError
 
     rt, _ = runtime
     rec, launch = _launch(tmp_path, _run_id(), ["true"], image=f"{REGISTRY}/gpufleet/nope:0")
-    with pytest.raises(StartError, match="cannot pull image"):
+    with pytest.raises(StartError, match="cannot pull image") as err:
         rt.spawn(rec, launch)
+    assert err.value.node_fault is False
     assert rt.engine.find(LABEL_RUN, rec.run_id) == []
+    rec, launch = _launch(tmp_path, _run_id(), ["true"], image="Bad//Reference")
+    with pytest.raises(StartError, match="invalid reference") as err:
+        rt.spawn(rec, launch)
+    assert err.value.node_fault is False
+
+
+def test_unreachable_registry_is_a_start_error_of_the_node(runtime, tmp_path):
+    """Nothing listens where the registry should be: the node's fault (charged to the node,
+    the job is re-placed without using a retry)."""
+    from gpufleet.agent.workdir import StartError
+
+    rt, _ = runtime
+    rec, launch = _launch(tmp_path, _run_id(), ["true"], image="127.0.0.1:1/gpufleet/busybox:1")
+    with pytest.raises(StartError, match="cannot pull image") as err:
+        rt.spawn(rec, launch)
+    assert err.value.node_fault is True
+    assert rt.engine.find(LABEL_RUN, rec.run_id) == []
+
+
+def test_a_command_missing_from_the_image_ends_as_the_jobs_exit(runtime, tmp_path):
+    """With ``--init`` the container starts and its init reports the missing command as an
+    exit code: the job's failure, never the node's."""
+    rt, names = runtime
+    rid = _run_id()
+    names.append(rid)
+    rec, launch = _launch(tmp_path, rid, ["/no/such/program"])
+    h = rt.spawn(rec, launch)
+    info = _until_exit(rt, rec, h, launch.paths)
+    assert info.exit_code != 0, info
+    assert rt.engine.find(LABEL_RUN, rid) == []
 
 
 def test_engine_lists_local_images_with_digest_and_size(runtime):
@@ -209,8 +241,11 @@ def test_engine_lists_local_images_with_digest_and_size(runtime):
 
 def test_a_runtime_neutral_launch_keeps_only_the_jobs_and_platform_env(runtime, tmp_path):
     """The agent runtime interface hands every runtime the same ``Launch`` (built for a host
-    process): the container gets the job's and the platform's variables, not the host's PATH."""
+    process): the container gets the job's and the platform's variables, not the host's PATH,
+    and runs as the launch's job user (a uid the image's /etc/passwd does not know)."""
     from types import SimpleNamespace
+
+    from gpufleet.agent.runtime.base import JobUser, Launch
 
     rt, names = runtime
     rid = _run_id()
@@ -226,19 +261,18 @@ def test_a_runtime_neutral_launch_keeps_only_the_jobs_and_platform_env(runtime, 
         "GPUFLEET_RUN_ID": rid,
         "GPUFLEET_ARTIFACTS_DIR": str(paths.artifacts),
     }
-    launch = SimpleNamespace(
+    launch = Launch(
         paths=paths,
         command=(
             "sh",
             "-c",
-            'echo "path=$PATH mine=$MINE home=${HOME:-} cuda=$CUDA_VISIBLE_DEVICES"',
+            'echo "path=$PATH mine=$MINE home=${HOME:-} cuda=$CUDA_VISIBLE_DEVICES"'
+            ' ids=$(id -u):$(id -g)',
         ),
         env=env,
         cwd=Path("/host/dir"),
-        memory_mb=0,
-        cpu=0.0,
+        user=JobUser(uid=1900004242, gid=1900004243, switch=True),
         gpu_ids=(5,),
-        resume_dir=None,
     )
     rec = SimpleNamespace(
         run_id=rid,
@@ -256,4 +290,5 @@ def test_a_runtime_neutral_launch_keeps_only_the_jobs_and_platform_env(runtime, 
     assert info.exit_code == 0
     log = paths.log.read_text()
     assert "mine=1" in log and "cuda=5" in log
+    assert "ids=1900004242:1900004243" in log
     assert "/nonexistent/host/bin" not in log and "agent-user" not in log

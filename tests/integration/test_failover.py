@@ -12,6 +12,7 @@ import pytest
 
 from gpufleet.controller.main import Controller
 from gpufleet.domain.errors import NotLeader
+from gpufleet.processes import ensure_fleet_ca
 from gpufleet.queue import InProcWaker
 from gpufleet.settings import Settings
 from gpufleet.store import allocate
@@ -29,7 +30,9 @@ def controller(db: Database, tmp: Path) -> Controller:
         leader_lease_s=1.5,
         scheduler_tick_s=0.2,
         controller_address=f"127.0.0.1:{free_port()}",
+        join_address=f"127.0.0.1:{free_port()}",
     )
+    ensure_fleet_ca(settings)
     return Controller(settings, db, InProcWaker())
 
 

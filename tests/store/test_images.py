@@ -25,7 +25,7 @@ IMAGE = "registry.local:5000/team/train:1"
 
 
 def beat(db: Database, node_id: str, images: list[dict] | None) -> nodes.HeartbeatVerdict:
-    return db.run_write(lambda s: nodes.heartbeat(s, node_id, 1, [], images))
+    return db.run_write(lambda s: nodes.heartbeat(s, node_id, 1, [], images=images))
 
 
 def submit_image_job(db: Database, image: str | None) -> str:
@@ -85,10 +85,10 @@ def test_confirm_stores_start_phases_and_records_an_event(db: Database) -> None:
         "start_s": 0.2,
     }
     assert (
-        db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token, 42, phases))
+        db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token, 42, start_phases=phases))
         == runs.Confirm.CONFIRMED
     )
-    db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token, 42, phases))  # repeat
+    db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token, 42, start_phases=phases))  # repeat
     with db.read() as s:
         assert s.get(JobRunRow, r.run_id).start_phases == phases
         events = s.scalars(

@@ -175,3 +175,56 @@ class TestRequeue:
         runs.complete_run(db, store, report(store, job_id, again, exit_code=1))
         job, _, _ = state(db, job_id)
         assert job.status == "PENDING" and job.queued_at > queued
+
+
+class TestManifestKeys:
+    """A forged manifest cannot vouch for objects outside its attempt's prefix."""
+
+    def forged(self, store, job_id, r, key: str, path: str = "model.bin") -> runs.Report:
+        m = Manifest(
+            job_id=job_id,
+            run_id=r.run_id,
+            token=r.token,
+            outcome="EXITED",
+            exit_code=0,
+            started_at_s=time.time(),
+            finished_at_s=time.time(),
+            files=(ManifestFile("artifact", path, key, "u", hashlib.sha256(b"v").hexdigest(), 1),),
+        )
+        uri = store.put_bytes(f"{attempt_prefix(job_id, r.run_id)}/MANIFEST.json", m.to_json())
+        return runs.Report("n1", r.run_id, r.token, runs.Outcome.EXITED, 0, uri)
+
+    @pytest.mark.parametrize(
+        "how",
+        [
+            pytest.param("dotdot", id="key with .. into another job's attempt"),
+            pytest.param("path", id="path with .."),
+            pytest.param("absolute", id="absolute key"),
+        ],
+    )
+    def test_keys_outside_the_prefix_are_rejected(self, db, store, how) -> None:
+        job_id, epoch = setup(db)
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        # another job's real artifact, whose size and sha256 the forger knows
+        victim = "jobs/j-victim/attempts/r-victim/artifacts/model.bin"
+        store.put_bytes(victim, b"v")
+        prefix = attempt_prefix(job_id, r.run_id)
+        key, path = {
+            "dotdot": (f"{prefix}/artifacts/../../../../{victim}", "model.bin"),
+            "path": (f"{prefix}/artifacts/../../../../{victim}", f"../../../../{victim}"),
+            "absolute": ("/" + victim, "model.bin"),
+        }[how]
+        result, why = runs.complete_run(db, store, self.forged(store, job_id, r, key, path))
+        assert result == runs.CompletionResult.REJECTED, why
+        job, (run,), free = state(db, job_id)
+        assert (job.status, run.status, free) == ("FAILED", "FAILED", 8)
+
+    def test_a_manifest_of_another_job_is_rejected(self, db, store) -> None:
+        job_id, epoch = setup(db)
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        rep = report(store, job_id, r)
+        m = Manifest.from_json(store.get_bytes(store.key_of(rep.manifest_uri)))
+        other = dataclasses.replace(m, job_id="j-someone-else")
+        store.put_bytes(store.key_of(rep.manifest_uri), other.to_json())
+        result, why = runs.complete_run(db, store, rep)
+        assert result == runs.CompletionResult.REJECTED and "job_id" in why

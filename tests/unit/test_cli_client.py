@@ -534,7 +534,26 @@ class TestReads:
         result = cli("logs", "job_1", "-f", "--attempt", "run_2")
         assert result.exit_code == 0, result.stderr
         assert result.stdout == "a\nb"
-        assert dict(api.requests[0].url.params) == {"follow": "true", "run_id": "run_2"}
+        assert dict(api.requests[0].url.params) == {
+            "follow": "true",
+            "run_id": "run_2",
+            "tail": "1000",
+        }
+
+    @pytest.mark.parametrize(
+        ("args", "want_params"),
+        [
+            pytest.param([], {"follow": "false", "tail": "1000"}, id="last 1,000 lines"),
+            pytest.param(["--all"], {"follow": "false"}, id="--all: everything"),
+            pytest.param(["-n", "5"], {"follow": "false", "tail": "5"}, id="-n 5"),
+            pytest.param(["-f", "--all"], {"follow": "true"}, id="follow everything"),
+        ],
+    )
+    def test_logs_shows_the_last_lines_by_default(self, api: FakeApi, args, want_params) -> None:
+        api.on("GET", "/v1/jobs/job_1/logs", httpx.Response(200, content=b"x\n"))
+        result = cli("logs", "job_1", *args)
+        assert result.exit_code == 0, result.stderr
+        assert dict(api.requests[0].url.params) == want_params
 
     def test_cancel(self, api: FakeApi) -> None:
         api.on(
@@ -570,3 +589,77 @@ class TestReads:
         assert result.exit_code == 0, result.stderr
         for want in ("node-a", "READY", "3/8", "zone=a", "81920"):
             assert want in result.stdout
+
+
+EVIL = "\x1b]0;owned\x07\x1b[2Jevil"
+
+
+def no_escapes(text: str) -> bool:
+    return "\x1b" not in text and "\x07" not in text and "\x9b" not in text
+
+
+class TestTerminalSafety:
+    """Server-provided text printed by each command has no terminal control sequences."""
+
+    def test_status_list_and_why(self, api: FakeApi) -> None:
+        data = job(
+            status="PENDING",
+            name=EVIL,
+            command=["echo", EVIL],
+            failure_reason=EVIL,
+            attempts=[attempt("r1", "FAILED", message=EVIL, node_id=EVIL)],
+            pending_reason={"code": EVIL, "message": EVIL, "details": {EVIL: EVIL}},
+        )
+        api.on("GET", "/v1/jobs/job_1", httpx.Response(200, json=data))
+        api.on("GET", "/v1/jobs", httpx.Response(200, json={"items": [data], "next_cursor": None}))
+        for args in (["status", "job_1"], ["list"], ["why", "job_1"]):
+            result = cli(*args)
+            assert result.exit_code == 0, result.stderr
+            assert "evil" in result.stdout and no_escapes(result.stdout + result.stderr), args
+
+    def test_rich_markup_in_a_name_is_printed_as_is(self, api: FakeApi) -> None:
+        api.on(
+            "GET", "/v1/jobs/job_1", httpx.Response(200, json=job(status="RUNNING", name="[red]x"))
+        )
+        assert "[red]x" in cli("status", "job_1").stdout
+
+    def test_error_messages(self, api: FakeApi) -> None:
+        api.on(
+            "GET",
+            "/v1/jobs/job_1",
+            httpx.Response(404, json={"error": "not_found", "message": EVIL, "field": EVIL}),
+        )
+        result = cli("status", "job_1")
+        assert result.exit_code == 2 and "evil" in result.stderr
+        assert no_escapes(result.stderr)
+
+    def test_nodes(self, api: FakeApi) -> None:
+        node: dict[str, Any] = {
+            "node_id": EVIL,
+            "status": "HEALTHY",
+            "gpu_type": EVIL,
+            "gpu_memory_mb": 1,
+            "total_gpus": 8,
+            "available_gpus": 8,
+            "labels": {EVIL: EVIL},
+            "address": EVIL,
+            "last_heartbeat_at": None,
+            "agent_epoch": 1,
+        }
+        api.on("GET", "/v1/nodes", httpx.Response(200, json={"items": [node]}))
+        result = cli("nodes")
+        assert result.exit_code == 0 and no_escapes(result.stdout)
+
+    @pytest.mark.parametrize("tty", [True, False])
+    def test_logs_are_raw_in_a_pipe_and_clean_on_a_terminal(
+        self, api: FakeApi, monkeypatch: pytest.MonkeyPatch, tty: bool
+    ) -> None:
+        monkeypatch.setattr(client, "_stdout_is_tty", lambda: tty)
+        body = [b"step 1 \x1b[32mok\x1b", b"[0m\r\n\x1b]0;owned\x07done\n"]
+        api.on("GET", "/v1/jobs/job_1/logs", lambda _r: httpx.Response(200, content=iter(body)))
+        result = cli("logs", "job_1")
+        assert result.exit_code == 0
+        if tty:
+            assert result.stdout_bytes == b"step 1 ok\r\ndone\n"
+        else:
+            assert result.stdout_bytes == b"".join(body)

@@ -51,6 +51,7 @@ def test_terminal_states_are_derived_from_the_tables() -> None:
         RunStatus.FAILED,
         RunStatus.PREEMPTED,
         RunStatus.CANCELLED,
+        RunStatus.FENCED,
     } == RUN_TERMINAL
     assert {ReservationStatus.RELEASED, ReservationStatus.EXPIRED} == RESERVATION_TERMINAL
 
@@ -60,7 +61,22 @@ def test_no_edge_frees_a_reservation_without_a_named_trigger() -> None:
     triggers = {
         t for (f, to), t in TABLES[Machine.RESERVATION].items() if to in RESERVATION_TERMINAL
     }
-    assert triggers == {"RELEASED_ON_AGENT_WORD", "EXPIRED_AFTER_RECONCILE"}
+    assert triggers == {
+        "RELEASED_ON_AGENT_WORD",
+        "EXPIRED_AFTER_RECONCILE",
+        "AGENT_REPORTED_GONE",
+        "OPERATOR_CONFIRMED_DEAD",
+    }
+
+
+def test_a_fenced_attempts_gpus_come_back_only_on_the_agents_or_an_operators_word() -> None:
+    """QUARANTINED leads only to RELEASED (the agent reported the run gone) or EXPIRED (an
+    operator confirmed the node dead): fencing itself never frees GPUs."""
+    out = {(to, t) for (f, to), t in TABLES[Machine.RESERVATION].items() if f == "QUARANTINED"}
+    assert out == {
+        (ReservationStatus.RELEASED, "AGENT_REPORTED_GONE"),
+        (ReservationStatus.EXPIRED, "OPERATOR_CONFIRMED_DEAD"),
+    }
 
 
 def test_only_transitions_module_writes_status() -> None:

@@ -8,13 +8,14 @@ separate durable facts).
 Events, one JSON object per line, ``"e"`` naming the kind::
 
     assigned        the AssignJob request (run_id, job_id, token, gpu_ids, command, env, ...)
-    started         pid (the command), shim_pid == pgid, shim_start_ticks, boot_id, started_at_s;
-                    for an image job also runtime_state (container name, log follower) and
-                    start_phases (pull/create/start seconds, warm/cold image)
+    started         pid (the command), boot_id, started_at_s, runtime ("process"/"container"),
+                    runtime_state (the runtime's facts, e.g. cgroup paths, container name and
+                    log follower), start_phases (pull/create/start seconds, warm/cold image);
+                    process runtime also shim_pid == pgid, shim_start_ticks
     start_failed    message (the attempt is reported NEVER_STARTED)
     confirmed       result of ConfirmAssignment (CONFIRMED or REJECTED)
     stop_requested  reason, grace_s (survives a restart: the stop resumes)
-    exited          exit_code, outcome (EXITED or STOPPED), finished_at_s, message
+    exited          exit_code, outcome (EXITED or STOPPED), finished_at_s, message, reason
     uploaded        manifest_uri
     reported        result of ReportCompletion (ACCEPTED, STALE or REJECTED)
     tombstone       StopRun for a run never assigned here: a late AssignJob must not start it
@@ -74,16 +75,17 @@ class RunRecord:
     resume_from_uri: str = ""
     max_runtime_s: float = 0.0
     working_dir: str = ""
-    memory_mb: int = 0  # the job's memory limit, MiB (0 = none)
-    cpu: float = 0.0  # the job's CPU cores (0 = no quota)
+    memory_mb: int = 0  # host memory limit, MiB; 0 = none
+    cpu: float = 0.0  # CPU cores (quota); 0 = none
     status: RunStatus = RunStatus.ASSIGNED
     assigned_at_s: float = 0.0
     pid: int = 0  # the user command
     shim_pid: int = 0  # leader of the process group: pgid == shim_pid
     shim_start_ticks: int = 0
     boot_id: str = ""  # /proc/sys/kernel/random/boot_id when started
+    runtime: str = ""  # "process" or "container" ("" = process, logged before runtimes)
+    runtime_state: dict[str, Any] = field(default_factory=dict)  # the runtime's own facts
     started_at_s: float = 0.0
-    runtime_state: dict[str, Any] = field(default_factory=dict)  # container runtime's
     start_phases: dict[str, Any] = field(default_factory=dict)
     confirm_result: str = ""
     stop_reason: str = ""
@@ -92,8 +94,10 @@ class RunRecord:
     outcome: str = ""  # EXITED, STOPPED or NEVER_STARTED
     finished_at_s: float = 0.0
     message: str = ""
+    reason: str = ""  # machine-readable cause of the end, e.g. OOM_KILLED
     manifest_uri: str = ""
     report_result: str = ""
+    node_fault: bool = False  # a start failure the node caused (not the job)
 
     @property
     def pgid(self) -> int:
@@ -183,6 +187,23 @@ class AssignmentLog:
             os.fsync(self._file.fileno())
             self._apply(line)
 
+    def note(self, event: str, run_id: str | None = None, **data: Any) -> bool:
+        """Append durably if the disk allows; if not (ENOSPC, EIO), apply the event in memory
+        only and return False. For facts that must not be lost while the agent runs (an exit
+        code, a report's answer) even on a full disk; a restart then re-learns them from the
+        controller and the exit file. Never use it for ``assigned``."""
+        try:
+            self.append(event, run_id, **data)
+            return True
+        except OSError as exc:
+            logger.error("assignment log: %s not durable (%s); kept in memory", event, exc)
+            line: dict[str, Any] = {"e": event, "at_s": time.time(), **data}
+            if run_id is not None:
+                line["run_id"] = run_id
+            with self._lock:
+                self._apply(line)
+            return False
+
     def close(self) -> None:
         with self._lock:
             self._file.close()
@@ -255,16 +276,18 @@ class AssignmentLog:
         if e == "started":
             rec.status = RunStatus.RUNNING
             rec.pid = int(line["pid"])
-            rec.shim_pid = int(line["shim_pid"])
-            rec.shim_start_ticks = int(line["shim_start_ticks"])
+            rec.shim_pid = int(line.get("shim_pid", 0))
+            rec.shim_start_ticks = int(line.get("shim_start_ticks", 0))
+            rec.runtime = str(line.get("runtime", ""))
+            rec.runtime_state = dict(line.get("runtime_state") or {})
             rec.boot_id = str(line.get("boot_id", ""))
             rec.started_at_s = float(line.get("started_at_s", at_s))
-            rec.runtime_state = dict(line.get("runtime_state") or {})
             rec.start_phases = dict(line.get("start_phases") or {})
         elif e == "start_failed":
             rec.status = RunStatus.FAILED_TO_START
             rec.outcome = "NEVER_STARTED"
             rec.message = line.get("message", "")
+            rec.node_fault = bool(line.get("node_fault", False))
             rec.finished_at_s = at_s
         elif e == "confirmed":
             rec.confirm_result = line["result"]
@@ -277,6 +300,7 @@ class AssignmentLog:
             rec.outcome = line["outcome"]
             rec.finished_at_s = float(line.get("finished_at_s", at_s))
             rec.message = line.get("message", "")
+            rec.reason = line.get("reason", "")
         elif e == "uploaded":
             rec.manifest_uri = line["manifest_uri"]
         elif e == "reported":

@@ -2,17 +2,27 @@
 
 Rules, in the order they are checked:
 
-* **Fencing.** A request whose leader epoch is lower than the highest this node has heard is
-  REJECTED_STALE, and so is an AssignJob whose token is lower than the highest seen for its job
-  (both survive restarts: they are in the assignment log).
 * **At most one start per run_id.** The ``assigned`` event is fsynced before anything starts; a
   second AssignJob for a logged run_id answers from the log (ALREADY_RUNNING, ALREADY_EXITED,
-  FAILED_TO_START) and never starts it again — also after an agent restart.
+  FAILED_TO_START) and never starts it again — also after an agent restart. This answer is
+  given *whatever the request's leader epoch*: a deposed leader's late duplicate learns the
+  truth (the run is running) instead of a refusal it would read as "never started".
+* **Fencing of new work.** An AssignJob for a run_id not in the log whose leader epoch is lower
+  than the highest this node has heard is REJECTED_STALE and tombstoned (a later copy is
+  refused too), and so is one whose token is lower than the highest seen for its job. A
+  StopRun with a lower leader epoch is REJECTED_STALE (all survive restarts: they are in the
+  log).
+* **Epochs from the future are not believed.** A controller's RegisterNode/Heartbeat answer
+  carries the epoch of the current lease, read from the database by any replica (leader or
+  standby); the agent adopts it. A request (AssignJob/StopRun) may raise the known epoch by at
+  most ``LEADER_EPOCH_STEP`` (a new leader's first calls may overtake its first heartbeat
+  answer); one beyond that is refused and not persisted, so a corrupt or forged epoch cannot
+  make the agent refuse the real leader.
 * **GPU pinning is checked.** A reservation naming a GPU this node does not have, or one held
   by another live attempt here, fails to start (reported NEVER_STARTED). The controller's
   database is the only allocator; this is defense in depth against double allocation.
 * **Release after verified stop.** An attempt is reported only once its process group is
-  verified gone (:meth:`gpufleet.agent.runner.Runner.poll`).
+  verified gone (the runtime's ``poll``, :mod:`gpufleet.agent.runtime.base`).
 * A StopRun for a run_id never assigned here leaves a tombstone, so an AssignJob that arrives
   late (reordered behind the stop) is refused instead of starting work nobody owns.
 """
@@ -22,12 +32,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from gpufleet.agent.assignment_log import AssignmentLog, RunRecord, RunStatus
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.outbox import COMPLETE, CONFIRM, Outbox
-from gpufleet.agent.runner import NO_CONTAINER_RUNTIME, AnyHandle, Runner
+from gpufleet.agent.runner import Runner
+from gpufleet.agent.runtime import RunHandle
+from gpufleet.agent.runtime.base import NO_CONTAINER_RUNTIME
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.agent.workdir import StartError
 from gpufleet.rpc.protos import fleet_pb2 as pb
@@ -38,6 +51,14 @@ AssignResult = pb.AssignJobResponse
 StopResult = pb.StopRunResponse
 _LIVE = (RunStatus.ASSIGNED, RunStatus.RUNNING)
 _UNREPORTED = (*_LIVE, RunStatus.EXITED, RunStatus.FAILED_TO_START)
+START_FAILURE_WINDOW_S = 600.0
+LEADER_EPOCH_STEP = 2
+"""How far above the highest known leader epoch a request's epoch may be and still be
+believed (see the module doc)."""
+
+
+class EpochFromTheFuture(ValueError):
+    """A request's leader epoch is more than ``LEADER_EPOCH_STEP`` above the known one."""
 
 
 class AgentCore:
@@ -49,6 +70,9 @@ class AgentCore:
         streamer: live log mirror.
         inventory: the node's GPUs (for pinning checks and free-GPU counts).
         default_grace_s: grace used when a StopRun carries none (0 = unset in proto3).
+        disk_reserve_mb: below this much free space (MiB) in the state or scratch directory
+            the node refuses new work (NODE_UNHEALTHY "node unhealthy: disk: ...") and reports
+            itself unhealthy, before the disk is full; 0 disables the check.
     """
 
     def __init__(
@@ -59,6 +83,7 @@ class AgentCore:
         streamer: LogStreamer,
         inventory: Inventory,
         default_grace_s: float,
+        disk_reserve_mb: int = 0,
     ) -> None:
         self.log = log
         self.runner = runner
@@ -70,8 +95,11 @@ class AgentCore:
         # Keys of log.runs are only added under this lock ("assigned", "tombstone"), so code
         # holding it may iterate log.runs while other threads append lifecycle events.
         self._lock = threading.RLock()
-        self._handles: dict[str, AnyHandle] = {}
+        self._handles: dict[str, RunHandle] = {}
         self._starting: dict[str, threading.Lock] = {}
+        self.disk_reserve_mb = disk_reserve_mb
+        self._refused: set[str] = set()  # run_ids refused while unhealthy (not logged)
+        self._node_start_failures: deque[float] = deque()
 
     def _enqueue(self, kind: str, run_id: str) -> None:
         if self.outbox is not None:
@@ -88,7 +116,7 @@ class AgentCore:
                 h = self.runner.resolve_unstarted(rec)
                 if h is None:
                     logger.warning("run %s: agent restarted mid-start; never started", rec.run_id)
-                    self.log.append(
+                    self.log.note(
                         "start_failed",
                         rec.run_id,
                         message="the agent restarted before the start completed",
@@ -99,9 +127,15 @@ class AgentCore:
             if rec.status == RunStatus.RUNNING:
                 with self._lock:
                     if rec.run_id not in self._handles:
-                        self._handles[rec.run_id] = self.runner.adopt(rec)
+                        try:
+                            self._handles[rec.run_id] = self.runner.adopt(rec)
+                        except StartError as exc:
+                            logger.error("run %s: cannot adopt it: %s", rec.run_id, exc)
+                            continue
                 self.streamer.watch(rec, self.runner.paths(rec.run_id).log)
-                logger.info("run %s: adopted pid %d (pgid %d)", rec.run_id, rec.pid, rec.pgid)
+                logger.info(
+                    "run %s: adopted pid %d (%s runtime)", rec.run_id, rec.pid, rec.runtime
+                )
             if rec.status in (RunStatus.RUNNING, RunStatus.EXITED) and not rec.confirm_result:
                 self._enqueue(CONFIRM, rec.run_id)
             if rec.status in (RunStatus.EXITED, RunStatus.FAILED_TO_START):
@@ -114,44 +148,45 @@ class AgentCore:
 
         Raises:
             OSError: the assignment could not be logged (nothing was started).
+            EpochFromTheFuture: a new run_id with an unbelievable leader epoch (not logged).
         """
         with self._lock:
-            if req.leader_epoch < self.log.leader_epoch:
-                return _assign(
-                    AssignResult.REJECTED_STALE,
-                    f"stale leader epoch {req.leader_epoch} < {self.log.leader_epoch}",
-                )
             rec = self.log.runs.get(req.run_id)
             problem: str | None = None
             start_lock: threading.Lock | None = self._starting.get(req.run_id)
+            if rec is None and req.run_id in self._refused:
+                return _assign(AssignResult.NODE_UNHEALTHY, "refused earlier: node unhealthy")
             if rec is None:
+                if req.leader_epoch < self.log.leader_epoch:
+                    # tombstoned: a later copy of this request is refused too, so a
+                    # controller that concludes "never started" from this answer is right
+                    self.log.note("tombstone", req.run_id, reason="stale leader epoch")
+                    return _assign(
+                        AssignResult.REJECTED_STALE,
+                        f"stale leader epoch {req.leader_epoch} < {self.log.leader_epoch}",
+                    )
+                self._check_future_epoch(req.leader_epoch)
                 highest = self.log.job_tokens.get(req.job_id)
                 if highest is not None and req.token < highest:
                     return _assign(
                         AssignResult.REJECTED_STALE,
                         f"stale token {req.token} < {highest} for job {req.job_id}",
                     )
+                disk = self.disk_problem()
+                if disk is not None:
+                    self._refused.add(req.run_id)
+                    logger.warning("run %s refused: %s", req.run_id, disk)
+                    return _assign(AssignResult.NODE_UNHEALTHY, disk)
                 problem = self._gpu_problem(req.gpu_ids)
-                if problem is None and req.image and self.runner.containers is None:
-                    problem = NO_CONTAINER_RUNTIME
-                self.log.append(
-                    "assigned",
-                    req.run_id,
-                    job_id=req.job_id,
-                    reservation_id=req.reservation_id,
-                    token=req.token,
-                    leader_epoch=req.leader_epoch,
-                    attempt=req.attempt,
-                    gpu_ids=list(req.gpu_ids),
-                    command=list(req.command),
-                    env=dict(req.env),
-                    image=req.image,
-                    resume_from_uri=req.resume_from_uri,
-                    max_runtime_s=req.max_runtime_s,
-                    working_dir=req.working_dir,
-                    memory_mb=req.memory_mb,
-                    cpu=req.cpu,
-                )
+                if problem is None and req.image and self.runner.runtimes.container is None:
+                    problem = NO_CONTAINER_RUNTIME  # known before anything is prepared
+                try:
+                    self._log_assigned(req)
+                except OSError as exc:  # nothing was logged, so nothing starts: refuse it
+                    self._refused.add(req.run_id)
+                    why = f"node unhealthy: disk: cannot log the assignment: {exc}"
+                    logger.error("run %s refused: %s", req.run_id, why)
+                    return _assign(AssignResult.NODE_UNHEALTHY, why)
                 rec = self.log.runs[req.run_id]
                 start_lock = threading.Lock()
                 start_lock.acquire()
@@ -160,8 +195,9 @@ class AgentCore:
             else:
                 fresh = False
         if fresh and rec.image and problem is None:
-            # An image start may pull for minutes: answer now, start in the background. A
-            # failure is reported as NEVER_STARTED through the completion path.
+            # An image start may pull for minutes: answer now, start in the background (the
+            # attempt is reported STARTING meanwhile). A failure is reported NEVER_STARTED
+            # through the completion path, like any failed start.
             threading.Thread(
                 target=self._start,
                 args=(rec, start_lock, problem),
@@ -178,18 +214,49 @@ class AgentCore:
                 pass
         return self._answer_existing(rec, req.token)
 
+    def _log_assigned(self, req: pb.AssignJobRequest) -> None:
+        self.log.append(
+            "assigned",
+            req.run_id,
+            job_id=req.job_id,
+            reservation_id=req.reservation_id,
+            token=req.token,
+            leader_epoch=req.leader_epoch,
+            attempt=req.attempt,
+            gpu_ids=list(req.gpu_ids),
+            command=list(req.command),
+            env=dict(req.env),
+            image=req.image,
+            resume_from_uri=req.resume_from_uri,
+            max_runtime_s=req.max_runtime_s,
+            working_dir=req.working_dir,
+            memory_mb=req.memory_mb,
+            cpu=req.cpu,
+        )
+
     def _start(
         self, rec: RunRecord, start_lock: threading.Lock | None, problem: str | None
     ) -> pb.AssignJobResponse:
         try:
             if problem is not None:
-                raise StartError(problem)
+                raise StartError(problem, node_fault=True)
             h = self.runner.spawn(rec)
         except Exception as exc:
             if not isinstance(exc, StartError):
                 logger.exception("run %s: unexpected error while starting", rec.run_id)
-            logger.warning("run %s: failed to start: %s", rec.run_id, exc)
-            self.log.append("start_failed", rec.run_id, message=str(exc))
+            # the node's fault: its disk (ENOSPC...), the shim or runtime, an agent error;
+            # the job's: its command or working_dir (reported by the shim), its resume URI
+            node_fault = not isinstance(exc, StartError) or exc.node_fault
+            logger.warning(
+                "run %s: failed to start (%s fault): %s",
+                rec.run_id,
+                "node" if node_fault else "job",
+                exc,
+            )
+            if node_fault:
+                with self._lock:
+                    self._node_start_failures.append(time.monotonic())
+            self.log.note("start_failed", rec.run_id, message=str(exc), node_fault=node_fault)
             self._enqueue(COMPLETE, rec.run_id)
             return _assign(AssignResult.FAILED_TO_START, str(exc))
         finally:
@@ -204,10 +271,13 @@ class AgentCore:
         logger.info("run %s: started pid %d on GPUs %s", rec.run_id, h.pid, rec.gpu_ids)
         return _assign(AssignResult.STARTED, "", h.pid)
 
-    def _log_started(self, rec: RunRecord, h: AnyHandle) -> None:
+    def _log_started(self, rec: RunRecord, h: RunHandle) -> None:
         with self._lock:
             self.log.append(
-                "started", rec.run_id, started_at_s=time.time(), **Runner.log_fields(h)
+                "started",
+                rec.run_id,
+                **self.runner.started_fields(rec, h),
+                started_at_s=time.time(),
             )
             self._handles[rec.run_id] = h
         self.streamer.watch(rec, self.runner.paths(rec.run_id).log)
@@ -250,12 +320,18 @@ class AgentCore:
         with self._lock:
             if leader_epoch < self.log.leader_epoch:
                 return _stop(StopResult.REJECTED_STALE, "stale leader epoch")
-            if leader_epoch > self.log.leader_epoch:
-                self.log.append("leader_epoch", epoch=leader_epoch)
+            try:
+                self._check_future_epoch(leader_epoch)
+            except EpochFromTheFuture as exc:
+                return _stop(StopResult.REJECTED_STALE, str(exc))
             rec = self.log.runs.get(run_id)
             if rec is None:
-                self.log.append("tombstone", run_id, reason=reason)
+                # the epoch of a stop for a run this node never had is not adopted: only the
+                # run_id is tombstoned (a stray or misaddressed call cannot fence this node)
+                self.log.note("tombstone", run_id, reason=reason)
                 return _stop(StopResult.NOT_FOUND, "never assigned here")
+            if leader_epoch > self.log.leader_epoch:
+                self.log.note("leader_epoch", epoch=leader_epoch)
             if token < rec.token:
                 return _stop(StopResult.REJECTED_STALE, f"stale token {token} < {rec.token}")
             if rec.status in (RunStatus.TOMBSTONED, RunStatus.FAILED_TO_START):
@@ -265,7 +341,7 @@ class AgentCore:
             grace = grace_s if grace_s > 0 else self.default_grace_s
             if not rec.stop_requested or grace < rec.stop_grace_s:
                 logger.info("run %s: stop requested (%s, grace %g s)", run_id, reason, grace)
-                self.log.append(
+                self.log.note(
                     "stop_requested", run_id, reason=rec.stop_reason or reason, grace_s=grace
                 )
             return _stop(StopResult.STOPPING, "")
@@ -282,8 +358,17 @@ class AgentCore:
                 reason="stale",
             )
 
+    def _check_future_epoch(self, epoch: int) -> None:
+        if epoch > self.log.leader_epoch + LEADER_EPOCH_STEP:
+            raise EpochFromTheFuture(
+                f"leader epoch {epoch} is more than {LEADER_EPOCH_STEP} above the known"
+                f" {self.log.leader_epoch}; not believed until a controller's heartbeat"
+                " answer confirms it"
+            )
+
     def note_leader_epoch(self, epoch: int) -> None:
-        """Remember a higher leader epoch heard in a controller's answer."""
+        """Remember a higher leader epoch heard in a controller's RegisterNode/Heartbeat
+        answer (the current lease's epoch, from the database)."""
         with self._lock:
             if epoch > self.log.leader_epoch:
                 self.log.append("leader_epoch", epoch=epoch)
@@ -304,23 +389,28 @@ class AgentCore:
             if info is None:
                 continue
             with self._lock:
+                # note(): on a full disk the real exit code is kept in memory and reported
                 if info.never_started:
-                    self.log.append("start_failed", rec.run_id, message=info.message)
+                    self.log.note("start_failed", rec.run_id, message=info.message)
                 else:
                     outcome = "STOPPED" if rec.stop_requested else "EXITED"
-                    message = info.message
-                    if info.reason and info.reason not in message:
-                        message = f"{info.reason}: {message}" if message else info.reason
-                    self.log.append(
+                    self.log.note(
                         "exited",
                         rec.run_id,
                         exit_code=info.exit_code,
                         outcome=outcome,
                         finished_at_s=info.finished_at_s,
-                        message=message,
+                        message=info.message,
+                        reason=info.reason,
                     )
                 del self._handles[rec.run_id]
-            logger.info("run %s: %s, exit code %d", rec.run_id, rec.outcome, rec.exit_code)
+            logger.info(
+                "run %s: %s, exit code %d%s",
+                rec.run_id,
+                rec.outcome,
+                rec.exit_code,
+                f" ({info.message})" if info.message else "",
+            )
             self._enqueue(COMPLETE, rec.run_id)
 
     # ------------------------------------------------------------------ views
@@ -328,10 +418,10 @@ class AgentCore:
     def run_refs(self) -> list[pb.RunRef]:
         """Attempts not yet acknowledged by the controller.
 
-        State ``STARTING`` (an image attempt being pulled/created), ``RUNNING`` (alive, or its
-        start is in progress), ``STOPPING`` (a stop is in
-        progress) or ``EXITED`` (ended or failed to start; the report is on its way). Reported
-        and tombstoned runs are omitted.
+        State ``STARTING`` (an image attempt being pulled/created in the background: the
+        controller must not take it for started), ``RUNNING`` (alive, or a process start in
+        progress), ``STOPPING`` (a stop is in progress) or ``EXITED`` (ended or failed to
+        start; the report is on its way). Reported and tombstoned runs are omitted.
         """
         with self._lock:
             refs = []
@@ -362,10 +452,34 @@ class AgentCore:
         return len([g for g in self.inventory.gpus if g.index not in held])
 
     def health(self) -> str:
-        """``HEALTHY``, or which attempts survive SIGKILL."""
+        """``HEALTHY``, or what is wrong: ``node unhealthy: disk: ...`` (below the reserve),
+        ``UNKILLABLE: ...`` (attempts that survive SIGKILL)."""
         with self._lock:
             stuck = sorted(rid for rid, h in self._handles.items() if h.unkillable)
-        return "HEALTHY" if not stuck else f"UNKILLABLE: {','.join(stuck)} survive SIGKILL"
+        if stuck:
+            return f"UNKILLABLE: {','.join(stuck)} survive SIGKILL"
+        return self.disk_problem() or "HEALTHY"
+
+    def disk_problem(self) -> str | None:
+        """``node unhealthy: disk: ...`` when a state/scratch directory has less free space
+        than the reserve, else None."""
+        if self.disk_reserve_mb <= 0:
+            return None
+        for path, free in sorted(self.runner.disk_free_mb().items()):
+            if free < self.disk_reserve_mb:
+                return (
+                    f"node unhealthy: disk: {path} has {free} MiB free,"
+                    f" below the reserve of {self.disk_reserve_mb} MiB"
+                )
+        return None
+
+    def recent_start_failures(self, window_s: float = START_FAILURE_WINDOW_S) -> int:
+        """Start failures the node caused in the last ``window_s`` seconds."""
+        cutoff = time.monotonic() - window_s
+        with self._lock:
+            while self._node_start_failures and self._node_start_failures[0] < cutoff:
+                self._node_start_failures.popleft()
+            return len(self._node_start_failures)
 
 
 def _assign(result: int, message: str, pid: int = 0) -> pb.AssignJobResponse:

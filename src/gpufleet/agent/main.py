@@ -15,6 +15,7 @@ running under their shims and are adopted by the next agent started on the same 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import logging
@@ -24,24 +25,30 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import grpc
 
-from gpufleet.agent.assignment_log import AssignmentLog
+from gpufleet.agent.assignment_log import AssignmentLog, RunStatus
 from gpufleet.agent.core import AgentCore
+from gpufleet.agent.identity import ControllerChannel, Renewer, ensure_credentials, tls_dir
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
-from gpufleet.agent.runner import Runner
+from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
+from gpufleet.agent.runtime import Runtimes, jobuser
 from gpufleet.agent.runtime.container import (
     ContainerEngine,
     ContainerRuntime,
     EngineError,
     ImageReporter,
 )
+from gpufleet.agent.runtime.containment import detect as detect_containment
+from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
+from gpufleet.agent.runtime.process import ProcessRuntime
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.objectstore import ObjectStore
+from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.settings import Settings
 
@@ -58,6 +65,13 @@ class AgentAlreadyRunning(RuntimeError):
 
 
 LOCK_NAME = "agent.lock"
+CONTAINMENT_LABEL = "gpufleet/containment"
+"""Node label the agent sets: cgroup-v2, cgroup-v1, pidns or none (shown by gpufleet nodes)."""
+JOB_USER_LABEL = "gpufleet/job-user"
+"""Node label the agent sets: the job user, ``NAME/uid-per-attempt`` or
+``jobs-as-agent-user`` when the agent cannot switch users."""
+CONTAINER_RUNTIME_LABEL = "gpufleet/container-runtime"
+"""Node label the agent sets: podman, docker or none (jobs with an image fail to start)."""
 
 
 def lock_state_dir(state_dir: Path) -> IO[str]:
@@ -113,6 +127,13 @@ def run_agent(
     heartbeat_interval_s: float | None = None,
     stop_event: threading.Event | None = None,
     advertise_host: str | None = None,
+    insecure: bool = False,
+    join_token: str | None = None,
+    ca_cert: Path | None = None,
+    job_user: str = DEFAULT_JOB_USER,
+    job_uids: str = "per-attempt",
+    jobs_dir: Path | None = None,
+    containment: str = "auto",
     container_runtime: str = "podman",
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
@@ -130,25 +151,94 @@ def run_agent(
         stop_event: set it to stop the agent (needed when not run in the main thread).
         advertise_host: host the controller should call back; default: 127.0.0.1 when the
             controller is on loopback, else this host's address on the route to it. The
-            server listens on that address only (the agent port is unauthenticated).
+            server listens on that address only.
+        insecure: plaintext gRPC both ways, no authentication (a warning at every start).
+            Otherwise mutual TLS: the node certificate in ``{state_dir}/tls``, obtained
+            with ``join_token`` when there is none (see ``agent.identity``), and only a
+            controller certificate may call AssignJob/StopRun/ListRuns.
+        join_token: ``gfj1.<ca sha256>.<secret>`` from ``gpufleet admin node join-token``.
+        ca_cert: the fleet CA certificate (else fetched and checked against the token).
+        job_user: the unprivileged user jobs run as (created when missing and root).
+        job_uids: ``per-attempt`` (each attempt its own uid, the job user's group),
+            ``shared`` (the job user's uid) or ``agent`` (the agent's own user: development
+            only); see :mod:`gpufleet.agent.runtime.jobuser`.
+        jobs_dir: root of the job-visible attempt dirs; default
+            :func:`gpufleet.agent.runner.default_jobs_dir`.
+        containment: ``auto`` (best available), or force ``pidns`` / ``none``.
         container_runtime: ``podman``, ``docker`` or ``none``: the engine for jobs with an
-            ``image``. When it is not installed the agent says so and such jobs fail to start.
+            ``image``. When it is not installed the agent says so and such jobs fail to
+            start (NO_CONTAINER_RUNTIME, charged to the node).
 
     Raises:
-        ValueError: ``gpus`` is malformed, or the assignment log is corrupt.
+        ValueError: ``gpus`` or ``join_token`` is malformed, the assignment log is corrupt,
+            the job user is the agent's user or cannot be created, or the jobs dir is not
+            reachable by it.
         OSError: the state dir is unusable or the port cannot be bound.
+        tls.PkiError: no usable node certificate and no (valid) join token.
     """
     stop = stop_event if stop_event is not None else threading.Event()
     state_dir = state_dir.expanduser().resolve()
     _lock = lock_state_dir(state_dir)  # held until this process exits
     _install_signal_handlers(stop)
-    store = ObjectStore(settings.resolved_object_store_url())
     inventory = load_inventory(node_id, gpus)
+    creds: tls.NodeCredentials | None = None
+    if insecure:
+        logger.warning(
+            "INSECURE: agent gRPC is plaintext and unauthenticated (--insecure): anyone who "
+            "reaches its port can start commands as this user"
+        )
+        channel = ControllerChannel(lambda: grpc.insecure_channel(settings.controller_address))
+    else:
+        creds = ensure_credentials(
+            state_dir,
+            node_id,
+            join_address=settings.resolved_join_address(),
+            join_token=join_token,
+            ca_cert=ca_cert,
+            stop=stop,
+        )
+        if creds is None:  # stopped before the controller answered the join
+            return
+        holder = creds
+
+        def secure() -> grpc.Channel:
+            return tls.secure_channel(
+                settings.controller_address,
+                tls.channel_credentials(holder.ca_pem, holder.key_pem, holder.chain_pem),
+                tls.CONTROLLER_NAME,
+            )
+
+        channel = ControllerChannel(secure)
+    if settings.object_store_url is None:
+        settings.private_data_dir()  # the local object store holds every team's outputs
+    store = ObjectStore(settings.resolved_object_store_url())
     log = AssignmentLog(state_dir)
     log.compact()
     agent_epoch = log.bump_agent_epoch()
+    users = jobuser.resolve(job_user, mode=job_uids)
+    found = detect_containment(agent_scope(state_dir, node_id), want=containment)
+    if not found.is_cgroup:
+        logger.warning(
+            "containment: %s (%s): a job's processes are not held in a cgroup and it gets "
+            "no memory limit",
+            found.kind,
+            found.problem or "forced",
+        )
     containers, images = _container_runtime(container_runtime, state_dir)
-    runner = Runner(state_dir, store, containers)
+    runtimes = Runtimes(ProcessRuntime(found), container=containers)
+    runner = Runner(
+        state_dir,
+        store,
+        runtimes=runtimes,
+        users=users,
+        jobs_dir=jobs_dir or default_jobs_dir(state_dir, node_id, users),
+    )
+    labels = {
+        **labels,
+        CONTAINMENT_LABEL: found.kind,
+        JOB_USER_LABEL: users.describe(),
+        CONTAINER_RUNTIME_LABEL: containers.engine.kind if containers is not None else "none",
+    }
     streamer = LogStreamer(store, LOG_SYNC_INTERVAL_S, stop)
     core = AgentCore(
         log=log,
@@ -156,9 +246,9 @@ def run_agent(
         streamer=streamer,
         inventory=inventory,
         default_grace_s=settings.default_grace_s,
+        disk_reserve_mb=settings.agent_disk_reserve_mb,
     )
-    channel = grpc.insecure_channel(settings.controller_address)
-    stub = pb_grpc.ControllerStub(channel)
+    stub = cast(pb_grpc.ControllerStub, channel)
     registered = threading.Event()
     if images is not None:
         core.on_started = images.mark_dirty
@@ -175,13 +265,35 @@ def run_agent(
         stop_event=stop,
     )
     core.recover()
+    live = {
+        r.run_id for r in log.runs.values() if r.status in (RunStatus.ASSIGNED, RunStatus.RUNNING)
+    }
+    for run_id in found.prune(keep=live):
+        logger.error("cgroup of %s holds processes but no live attempt here owns it", run_id)
 
     host = advertise_host or _default_host(settings.controller_address)
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc")
+        ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc"),
+        interceptors=[] if creds is None else [tls.RoleInterceptor(tls.ROLE_CONTROLLER, logger)],
+        options=[("grpc.so_reuseport", 0)],  # never share the port with another process
     )
     pb_grpc.add_AgentServicer_to_server(AgentServicer(core, agent_epoch), server)
-    bound = server.add_insecure_port(_join(host, port))
+    renewer: Renewer | None = None
+    if creds is None:
+        bound = server.add_insecure_port(_join(host, port))
+    else:
+        server_creds = tls.ReloadableServerCredentials(
+            creds.key_pem, creds.chain_pem, creds.ca_pem
+        )
+        bound = server.add_secure_port(_join(host, port), server_creds.credentials)
+
+        def renewed(new: tls.NodeCredentials) -> None:
+            nonlocal holder
+            holder = new
+            server_creds.replace(new.key_pem, new.chain_pem, new.ca_pem)
+            channel.reconnect()
+
+        renewer = Renewer(creds, node_id, tls_dir(state_dir), channel, renewed, stop)
     if bound == 0:
         raise OSError(f"cannot listen on {_join(host, port)}")
     server.start()
@@ -203,16 +315,26 @@ def run_agent(
         target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True
     )
     threads = [monitor, link.thread, *core.outbox.threads, streamer.thread]
+    if renewer is not None:
+        threads.append(renewer.thread)
     for t in threads:
         t.start()
     logger.info(
-        "agent %s (epoch %d) serving on %s, state in %s, %d GPU(s) from %s",
+        "agent %s (epoch %d) serving on %s (%s), state in %s, %d GPU(s) from %s; runtimes: "
+        "%s; jobs as %s in %s",
         node_id,
         agent_epoch,
         _join(host, bound),
+        "plaintext"
+        if creds is None
+        else f"mutual TLS, certificate {tls.serial_hex(creds.cert)} "
+        f"until {creds.not_after:%Y-%m-%d %H:%M}Z",
         state_dir,
         len(inventory.gpus),
         inventory.source,
+        runtimes.describe(),
+        users.describe(),
+        runner.jobs_dir,
     )
     try:
         stop.wait()
@@ -225,22 +347,24 @@ def run_agent(
             t.join(timeout=15.0)
         channel.close()
         log.close()
+        found.remove_scope()  # only if no attempt is left in it
+        if runner.jobs_dir != runner.runs_dir:
+            with contextlib.suppress(OSError):
+                runner.jobs_dir.rmdir()
 
 
 def _container_runtime(
     kind: str, state_dir: Path
 ) -> tuple[ContainerRuntime | None, ImageReporter | None]:
     if kind == "none":
-        logger.info("no container runtime: jobs with an image fail to start on this node")
+        logger.info("no container runtime (--runtime none): jobs with an image fail to start")
         return None, None
     try:
         engine = ContainerEngine(kind, state_dir=state_dir / "engine")
     except EngineError as exc:
         logger.warning("no container runtime (%s): jobs with an image fail to start", exc)
         return None, None
-    rt = ContainerRuntime(engine)
-    logger.info("%s", rt.describe())
-    return rt, ImageReporter(engine)
+    return ContainerRuntime(engine), ImageReporter(engine)
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:

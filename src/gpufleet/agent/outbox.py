@@ -201,20 +201,18 @@ class Outbox:
                     token=rec.token,
                     agent_epoch=self.agent_epoch,
                     pid=rec.pid,
-                    start_phases=_phases(
-                        rec.start_phases or dict(rec.runtime_state.get("phases") or {})
-                    ),
+                    start_phases=_phases(rec.start_phases),
                 ),
                 timeout=CALL_TIMEOUT_S,
             )
             if resp.result == pb.ConfirmAssignmentResponse.CONFIRMED:
-                self.log.append("confirmed", rec.run_id, result="CONFIRMED")
+                self.log.note("confirmed", rec.run_id, result="CONFIRMED")
                 return True
             if resp.result == pb.ConfirmAssignmentResponse.REJECTED:
                 logger.warning(
                     "run %s: confirmation rejected (%s): stopping it", rec.run_id, resp.message
                 )
-                self.log.append("confirmed", rec.run_id, result="REJECTED")
+                self.log.note("confirmed", rec.run_id, result="REJECTED")
                 self.on_rejected(rec.run_id)
                 return True
             task.failures += 1
@@ -229,7 +227,7 @@ class Outbox:
         if rec.status == RunStatus.EXITED and not rec.manifest_uri:
             self.streamer.forget(rec.run_id)
             uri = upload_attempt(self.store, rec, self.runner.paths(rec.run_id))
-            self.log.append("uploaded", rec.run_id, manifest_uri=uri)
+            self.log.note("uploaded", rec.run_id, manifest_uri=uri)
         resp = self.stub.ReportCompletion(
             pb.ReportCompletionRequest(
                 node_id=self.node_id,
@@ -239,6 +237,8 @@ class Outbox:
                 outcome=_OUTCOMES[rec.outcome],
                 exit_code=rec.exit_code,
                 message=rec.message,
+                node_fault=rec.node_fault,
+                reason=rec.reason,
             ),
             timeout=CALL_TIMEOUT_S,
         )
@@ -250,8 +250,8 @@ class Outbox:
         logger.log(
             level, "run %s: completion %s %s (%s)", rec.run_id, rec.outcome, result, resp.message
         )
-        self.log.append("reported", rec.run_id, result=result)
-        self.runner.cleanup(rec.run_id, rec.image)
+        self.log.note("reported", rec.run_id, result=result)
+        self.runner.cleanup(rec)
         return True
 
 

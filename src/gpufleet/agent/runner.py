@@ -1,395 +1,309 @@
-"""Starting, adopting, watching and stopping attempts as host process groups.
+"""Preparing attempts and handing them to a runtime (:mod:`gpufleet.agent.runtime`).
 
-Jobs without an ``image`` run directly as host processes under :mod:`gpufleet.agent.shim`;
-isolation is by process group only: a command that leaves its group (``setsid``, ``setpgid``)
-escapes stop verification. Jobs with an ``image`` run as containers through
-:class:`gpufleet.agent.runtime.container.ContainerRuntime` (``containers``); each method here
-picks the container path when the attempt has an image (a node started without a container
-runtime fails such attempts at start).
-
-The per-attempt directory and environment are in :mod:`gpufleet.agent.workdir`.
+The runner does what is the same for every runtime: the per-attempt directories (state files
+under the agent's 0700 state dir; the job-visible work/checkpoint/artifact/resume dirs under
+the jobs dir, mode 0700 and owned by the attempt's user), the resume download, the job's user
+(:mod:`gpufleet.agent.runtime.jobuser`) and its allow-listed environment
+(:func:`gpufleet.agent.workdir.build_env`). Then the runtime chosen for the job (``process`` or
+``container``) starts, adopts, watches and stops it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
-import select
 import shutil
-import signal
-import subprocess
-import sys
+import stat
+import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpufleet.agent import procfs
 from gpufleet.agent.assignment_log import RunRecord
-from gpufleet.agent.fsutil import create_exclusive
-from gpufleet.agent.runtime.container import ContainerHandle, ContainerLaunch, ContainerRuntime
+from gpufleet.agent.runtime import ExitInfo, Launch, RunHandle, Runtime, Runtimes
+from gpufleet.agent.runtime.containment import Containment
+from gpufleet.agent.runtime.jobuser import JobUsers
+from gpufleet.agent.runtime.process import ProcessRuntime
 from gpufleet.agent.workdir import RunPaths, StartError, build_env, download_prefix
 from gpufleet.objectstore import ObjectStore
 
 logger = logging.getLogger("gpufleet.agent")
 
-SHIM_HANDSHAKE_TIMEOUT_S = 30.0
-KILL_RESEND_S = 1.0
-KILL_VERIFY_TIMEOUT_S = 30.0
-NO_CONTAINER_RUNTIME = "image jobs need a container runtime on this node (agent --runtime)"
+JOBS_ROOT = Path("/var/lib/gpufleet/jobs")
+
+__all__ = ["ExitInfo", "RunHandle", "Runner", "agent_scope", "default_jobs_dir"]
 
 
-@dataclass(slots=True)
-class ProcessHandle:
-    """A live attempt's process group plus the in-memory progress of a stop.
-
-    ``popen`` is set only for shims this agent process spawned (it must reap them); adopted
-    shims are children of PID 1. Times are ``time.monotonic()`` seconds.
-    """
-
-    shim_pid: int
-    shim_start_ticks: int
-    pid: int
-    boot_id: str = ""
-    popen: subprocess.Popen[bytes] | None = None
-    term_sent_at: float | None = None
-    kill_sent_at: float | None = None
-    kill_resent_at: float | None = None
-    main_exited: bool = False
-    unkillable: bool = False
-    spawn_s: float = 0.0  # seconds from spawn() to the shim's handshake
-
-    @property
-    def pgid(self) -> int:
-        return self.shim_pid
+def agent_scope(state_dir: Path, node_id: str) -> str:
+    """``{node_id}-{hash of state_dir}``: names this agent's jobs dir and cgroups; stable
+    across restarts on the same state dir, distinct for two agents on one host."""
+    digest = hashlib.sha256(str(state_dir).encode()).hexdigest()[:10]
+    return f"{node_id}-{digest}"
 
 
-@dataclass(frozen=True, slots=True)
-class ExitInfo:
-    """How an attempt ended, known only once its process group is verified gone.
-
-    Attributes:
-        exit_code: the command's status; negative = killed by that signal.
-        finished_at_s: seconds since the epoch.
-        never_started: the shim could not start the command (adoption after a restart).
-        message: a note for the report (e.g. SIGKILL after grace).
-        reason: a machine-readable cause: "" or ``OOM_KILLED``.
-    """
-
-    exit_code: int
-    finished_at_s: float
-    never_started: bool = False
-    message: str = ""
-    reason: str = ""
+def default_jobs_dir(state_dir: Path, node_id: str, users: JobUsers) -> Path:
+    """Where job-visible attempt dirs go. With user switching: outside the 0700 state dir, in
+    ``/var/lib/gpufleet/jobs/{agent_scope}``; without: ``{state_dir}/runs`` (everything runs
+    as the agent's user anyway)."""
+    if not users.switch:
+        return state_dir / "runs"
+    return JOBS_ROOT / agent_scope(state_dir, node_id)
 
 
-AnyHandle = ProcessHandle | ContainerHandle
+LOCAL_RUNS_KEPT = 20
+"""Reported attempts whose local log directory is kept (see Runner.cleanup)."""
+CLEANED_MARK = ".cleaned"
 
 
 class Runner:
-    """Process operations for attempts under ``{state_dir}/runs/``.
+    """Attempts under ``{state_dir}/runs/`` (agent-only files) and ``jobs_dir`` (job files).
 
     Args:
-        state_dir: the agent's state directory.
+        state_dir: the agent's state directory (made mode 0700).
         store: where resume checkpoints are downloaded from.
-        containers: the container runtime for attempts with an image (None: this node has
-            none; such attempts fail to start).
+        runtimes: the node's runtimes; default: the process runtime without containment.
+        users: who jobs run as; default: the agent's own user (tests of the agent logic).
+        jobs_dir: root of the job-visible dirs; default: ``{state_dir}/runs``.
+
+    Raises:
+        ValueError: the job user cannot reach ``jobs_dir`` (an ancestor is not searchable).
     """
 
     def __init__(
-        self, state_dir: Path, store: ObjectStore, containers: ContainerRuntime | None = None
+        self,
+        state_dir: Path,
+        store: ObjectStore,
+        *,
+        runtimes: Runtimes | None = None,
+        users: JobUsers | None = None,
+        jobs_dir: Path | None = None,
     ) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(state_dir, 0o700)
         self.runs_dir = state_dir / "runs"
         self.runs_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.runs_dir, 0o700)
         self.store = store
-        self.containers = containers
-
-    @staticmethod
-    def log_fields(h: AnyHandle) -> dict[str, Any]:
-        """The fields of the ``started`` event for a handle."""
-        if isinstance(h, ContainerHandle):
-            fields = h.log_fields()
-            return {**fields, "shim_pid": 0, "shim_start_ticks": 0, "start_phases": h.phases}
-        return {
-            "pid": h.pid,
-            "shim_pid": h.shim_pid,
-            "shim_start_ticks": h.shim_start_ticks,
-            "boot_id": h.boot_id,
-            "start_phases": {"runtime": "process", "start_s": round(h.spawn_s, 4)},
-        }
+        self.runtimes = runtimes or Runtimes(ProcessRuntime(Containment("none", {})))
+        self.users = users or JobUsers("", os.getuid(), os.getgid(), False, switch=False)
+        self.jobs_dir = jobs_dir or self.runs_dir
+        if self.jobs_dir != self.runs_dir:
+            self.jobs_dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.jobs_dir, 0o711)  # jobs may pass through, not list other attempts
+            _check_searchable(self.jobs_dir)
+        self._lock = threading.Lock()
+        self._uids: dict[str, int] = {}  # run_id -> job uid, for attempts this agent started
+        self._live: dict[str, RunRecord] = {}
+        self._spawn_s: dict[str, float] = {}  # run_id -> seconds spawn() took (start phase)
 
     def paths(self, run_id: str) -> RunPaths:
-        return RunPaths(self.runs_dir / run_id)
+        job_root = None if self.jobs_dir == self.runs_dir else self.jobs_dir / run_id
+        return RunPaths(self.runs_dir / run_id, job_root)
 
     # ------------------------------------------------------------------ start
 
-    def spawn(self, rec: RunRecord) -> AnyHandle:
-        """Prepare the directories, download the resume checkpoint and start the shim.
+    def spawn(self, rec: RunRecord) -> RunHandle:
+        """Prepare the attempt and start it with its runtime.
 
         Call only after the ``assigned`` event is durable, and at most once per run_id.
 
-        Returns:
-            The handle of the started process group.
-
         Raises:
-            StartError: the command could not be started (empty, not found, not executable,
-                resume download failed, ...). Nothing of it runs.
+            StartError: the attempt could not be started (empty command, no container
+                runtime for an image, resume download failed, working_dir not a directory or
+                not enterable by the job user, command not found, ...). Nothing of it runs.
         """
-        t_spawn = time.monotonic()
+        t0 = time.monotonic()
         if not rec.command:
             raise StartError("empty command")
-        if rec.image and self.containers is None:
-            raise StartError(NO_CONTAINER_RUNTIME)
-        paths = self.paths(rec.run_id)
-        for d in (paths.work, paths.checkpoints, paths.artifacts):
-            d.mkdir(parents=True, exist_ok=True)
-        resume_dir: Path | None = None
-        if rec.resume_from_uri:
-            paths.resume.mkdir(parents=True, exist_ok=True)
-            if download_prefix(self.store, rec.resume_from_uri, paths.resume) > 0:
-                resume_dir = paths.resume
-            else:
-                logger.warning("run %s: nothing to resume at %s", rec.run_id, rec.resume_from_uri)
-        if rec.image and self.containers is not None:
-            launch = ContainerLaunch(
-                paths=paths,
-                image=rec.image,
-                command=tuple(rec.command),
-                env=build_env(rec, paths, resume_dir, {}),  # never the agent's environment
-                gpu_ids=tuple(rec.gpu_ids),
-                memory_mb=rec.memory_mb,
-                cpu=rec.cpu,
-                workdir=rec.working_dir,
-                resume_dir=resume_dir,
-            )
-            return self.containers.spawn(rec, launch)
-        env = build_env(rec, paths, resume_dir, dict(os.environ))
-        fd = os.open(paths.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(env, f)
-        argv = [sys.executable, "-m", "gpufleet.agent.shim", "--exit-file", str(paths.exit_file)]
-        argv += ["--log-file", str(paths.log), "--claim-file", str(paths.claim)]
-        cwd = paths.work
-        if rec.working_dir:
-            cwd = Path(rec.working_dir)
-            if not cwd.is_absolute() or not cwd.is_dir():
-                raise StartError(
-                    f"working_dir {rec.working_dir!r} is not a directory on this node"
-                )
-        argv += ["--env-file", str(paths.env_file), "--cwd", str(cwd)]
-        read_fd, write_fd = os.pipe()
-        try:
-            with open(paths.shim_log, "ab") as shim_log:
-                popen = subprocess.Popen(
-                    [*argv, "--status-fd", str(write_fd), "--", *rec.command],
-                    stdin=subprocess.DEVNULL,
-                    stdout=shim_log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # the shim leads its own session and group
-                    pass_fds=(write_fd,),
-                )
-        except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL byte in an argument
-            os.close(read_fd)
-            raise StartError(f"cannot start the shim: {exc}") from exc
-        finally:
-            os.close(write_fd)
-        try:
-            status = _read_status(read_fd, SHIM_HANDSHAKE_TIMEOUT_S)
-        finally:
-            os.close(read_fd)
-        if status is not None and "error" in status:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                popen.wait(timeout=10)
-            raise StartError(str(status["error"]))
-        if status is None and popen.poll() is not None:
-            raise StartError(f"the shim exited ({popen.returncode}); see {paths.shim_log}")
-        if status is None:
-            logger.warning("run %s: no handshake from the shim in time; watching it", rec.run_id)
-        claim = _read_json(paths.claim) or {}
-        ticks = claim.get("start_ticks") or procfs.start_ticks(popen.pid) or 0
-        child = int(status["pid"]) if status else popen.pid
-        h = ProcessHandle(popen.pid, int(ticks), child, procfs.boot_id(), popen=popen)
-        h.spawn_s = time.monotonic() - t_spawn
-        return h
-
-    def resolve_unstarted(self, rec: RunRecord) -> AnyHandle | None:
-        """After a restart, settle an attempt logged ``assigned`` but never ``started``.
-
-        The agent may have died after spawning the shim but before logging it. The shim and
-        this method race to create the claim file (see :mod:`gpufleet.agent.shim`).
-
-        Returns:
-            The shim's handle if the shim claimed the start (adopt it), or None if the start
-            is now abandoned for good (report NEVER_STARTED).
-        """
+        runtime = self.runtimes.for_job(rec)
         paths = self.paths(rec.run_id)
         paths.root.mkdir(parents=True, exist_ok=True)
-        if rec.image:
-            if self.containers is None:
-                return None
-            return self.containers.resolve_unstarted(rec, paths)
-        if create_exclusive(paths.claim, {"abandoned": True}):
-            return None
-        claim = _read_json(paths.claim) or {}
-        if "pid" not in claim:
-            return None
-        pid = int(claim["pid"])
-        return ProcessHandle(pid, int(claim["start_ticks"]), pid, str(claim.get("boot_id", "")))
+        os.chmod(paths.root, 0o700)
+        with self._lock:
+            taken = set(self._uids.values()) | {
+                int(r.runtime_state["job_uid"])
+                for r in self._live.values()
+                if "job_uid" in r.runtime_state
+            }
+            user = self.users.for_run(rec.run_id, home=str(paths.work), taken=taken)
+            self._uids[rec.run_id] = user.uid
+        try:
+            self._make_job_dirs(paths, user.uid, user.gid, user.switch)
+            resume_dir: Path | None = None
+            if rec.resume_from_uri:
+                paths.resume.mkdir(parents=True, exist_ok=True)
+                if download_prefix(self.store, rec.resume_from_uri, paths.resume) > 0:
+                    resume_dir = paths.resume
+                else:
+                    logger.warning(
+                        "run %s: nothing to resume at %s", rec.run_id, rec.resume_from_uri
+                    )
+                if user.switch:
+                    _chown_tree(paths.resume, user.uid, user.gid)
+            env = build_env(rec, paths, resume_dir, home=user.home, agent_env=os.environ)
+            fd = os.open(paths.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(env, f)
+            cwd = paths.work
+            if rec.working_dir and not rec.image:  # an image's working_dir is inside it
+                cwd = Path(rec.working_dir)
+                if not cwd.is_absolute() or not cwd.is_dir():
+                    raise StartError(
+                        f"working_dir {rec.working_dir!r} is not a directory on this node"
+                    )
+            launch = Launch(
+                paths=paths,
+                command=tuple(rec.command),
+                env=env,
+                cwd=cwd,
+                user=user,
+                memory_mb=rec.memory_mb,
+                cpu=rec.cpu,
+                gpu_ids=tuple(rec.gpu_ids),
+                resume_dir=resume_dir,
+            )
+            h = runtime.spawn(rec, launch)
+            with self._lock:
+                self._spawn_s[rec.run_id] = time.monotonic() - t0
+            return h
+        except BaseException:
+            with self._lock:
+                self._uids.pop(rec.run_id, None)
+            raise
 
-    def adopt(self, rec: RunRecord) -> AnyHandle:
+    def started_fields(self, rec: RunRecord, h: RunHandle) -> dict[str, Any]:
+        """The ``started`` event's fields for ``h`` (runtime, its state, the job's uid, and
+        ``start_phases``: ``runtime`` plus ``start_s`` for a process, or the container
+        runtime's ``image`` warm/cold, ``pull_s``, ``create_s``, ``start_s``; seconds)."""
+        fields = h.log_fields()
+        state = dict(fields.get("runtime_state") or {})
+        kind = type(h).runtime or "process"
+        with self._lock:
+            if rec.run_id in self._uids:
+                state["job_uid"] = self._uids[rec.run_id]
+            self._live[rec.run_id] = rec
+            spawn_s = self._spawn_s.pop(rec.run_id, None)
+        fields["runtime_state"] = state
+        fields["runtime"] = kind
+        phases = dict(getattr(h, "phases", None) or {})
+        if phases:
+            fields["start_phases"] = {"runtime": kind, **phases}
+        elif spawn_s is not None:  # not for an attempt adopted after a restart
+            fields["start_phases"] = {"runtime": kind, "start_s": round(spawn_s, 4)}
+        return fields
+
+    def resolve_unstarted(self, rec: RunRecord) -> RunHandle | None:
+        """After a restart, settle an attempt logged ``assigned`` but never ``started``.
+
+        Returns:
+            The handle if the start had gone through (adopt it), or None if the start is now
+            abandoned for good (report NEVER_STARTED).
+        """
+        try:
+            runtime = self.runtimes.for_job(rec)
+        except StartError:
+            return None
+        return runtime.resolve_unstarted(rec, self.paths(rec.run_id))
+
+    def adopt(self, rec: RunRecord) -> RunHandle:
         """A handle for a logged, started attempt this agent process did not spawn.
 
         Raises:
-            StartError: a container attempt on a node started without a container runtime.
+            StartError: its runtime is not available on this agent.
         """
-        if rec.runtime_state.get("runtime") == "container":
-            if self.containers is None:
-                raise StartError(NO_CONTAINER_RUNTIME)
-            return self.containers.adopt(rec, self.paths(rec.run_id))
-        return ProcessHandle(rec.shim_pid, rec.shim_start_ticks, rec.pid, rec.boot_id)
+        with self._lock:
+            self._live[rec.run_id] = rec
+        return self.runtimes.for_record(rec).adopt(rec, self.paths(rec.run_id))
 
     # ------------------------------------------------------------------ watch and stop
 
-    def poll(self, rec: RunRecord, h: AnyHandle, now: float) -> ExitInfo | None:
-        """One monitoring step: advance a requested stop and detect the end of the attempt.
+    def poll(self, rec: RunRecord, h: RunHandle, now: float) -> ExitInfo | None:
+        """One monitoring step of the attempt's runtime (see :mod:`.runtime.base`)."""
+        info = self._runtime_of(h).poll(rec, h, now)
+        if info is not None:
+            with self._lock:
+                self._live.pop(rec.run_id, None)
+        return info
 
-        Stop protocol (seed DD5): SIGTERM to the group; after ``rec.stop_grace_s`` SIGKILL to
-        the group; then the group must be *verified* gone. When the command ends on its own,
-        whatever is left of its group is SIGKILLed too (container semantics). SIGKILL is re-sent
-        every second while members remain; after 30 s ``h.unkillable`` is set (a wedged
-        process, e.g. in uninterruptible sleep in a driver) and the attempt is never reported
-        finished while it lasts.
+    def _runtime_of(self, h: RunHandle) -> Runtime:
+        if type(h).runtime == "container" and self.runtimes.container is not None:
+            return self.runtimes.container
+        return self.runtimes.process
 
-        Args:
-            rec: the attempt (``stop_reason``/``stop_grace_s`` set when a stop was requested).
-            h: its handle, mutated with the stop's progress.
-            now: ``time.monotonic()``.
-
-        Returns:
-            How it ended, once the group is verified gone; else None.
-        """
-        if isinstance(h, ContainerHandle):
-            assert self.containers is not None  # a container handle comes from it
-            end = self.containers.poll(rec, h, now, self.paths(rec.run_id))
-            if end is None:
-                return None
-            return ExitInfo(
-                end.exit_code, end.finished_at_s, message=end.message, reason=end.reason
-            )
-        if h.boot_id and h.boot_id != procfs.boot_id():
-            # Started before a reboot: nothing of it runs, and its pids mean nothing now.
-            return self._exit_info(rec, h, rebooted=True)
-        if rec.stop_requested and h.term_sent_at is None:
-            logger.info("run %s: SIGTERM to group %d (%s)", rec.run_id, h.pgid, rec.stop_reason)
-            self._signal(h, signal.SIGTERM)
-            h.term_sent_at = now
-        h.main_exited = h.main_exited or self._shim_exited(h)
-        if (
-            h.kill_sent_at is None
-            and h.term_sent_at is not None
-            and now - h.term_sent_at >= rec.stop_grace_s
-        ):
-            if not h.main_exited:
-                logger.warning(
-                    "run %s: alive after %g s grace: SIGKILL", rec.run_id, rec.stop_grace_s
-                )
-            self._kill(h, now)
-        if not h.main_exited and h.kill_sent_at is None:
-            return None
-        if procfs.group_alive(h.pgid, h.shim_start_ticks):
-            if h.kill_sent_at is None:
-                self._kill(h, now)  # the command ended: the rest of its group goes with it
-                return None
-            if now - (h.kill_resent_at or now) >= KILL_RESEND_S:
-                self._signal(h, signal.SIGKILL)
-                h.kill_resent_at = now
-            if now - h.kill_sent_at >= KILL_VERIFY_TIMEOUT_S and not h.unkillable:
-                h.unkillable = True
-                logger.error(
-                    "run %s: group %d survives SIGKILL; not reporting it stopped",
-                    rec.run_id,
-                    h.pgid,
-                )
-            return None
-        if h.popen is not None:
-            h.popen.wait()  # reap the shim only now: a zombie leader keeps the pgid from reuse
-        h.unkillable = False
-        return self._exit_info(rec, h)
-
-    @classmethod
-    def _kill(cls, h: ProcessHandle, now: float) -> None:
-        cls._signal(h, signal.SIGKILL)
-        h.kill_sent_at = h.kill_resent_at = now
-
-    @staticmethod
-    def _signal(h: ProcessHandle, sig: int) -> None:
-        procfs.signal_group(h.pgid, h.shim_start_ticks, sig)
-
-    def _shim_exited(self, h: ProcessHandle) -> bool:
-        if h.popen is not None:
-            # WNOWAIT: see the exit but leave the zombie, so the pgid cannot be reused before
-            # the rest of the group is verified gone.
-            try:
-                info = os.waitid(os.P_PID, h.shim_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                return True
-            return info is not None
-        return not procfs.is_same_process_alive(h.shim_pid, h.shim_start_ticks)
-
-    def _exit_info(self, rec: RunRecord, h: ProcessHandle, *, rebooted: bool = False) -> ExitInfo:
-        data = _read_json(self.paths(rec.run_id).exit_file)
-        if data is not None and "exit_code" in data:
-            start_error = str(data.get("start_error", ""))
-            return ExitInfo(
-                exit_code=int(data["exit_code"]),
-                finished_at_s=float(data.get("finished_at_s", time.time())),
-                never_started=bool(start_error),
-                message=start_error,
-            )
-        if rebooted:
-            message = "the node rebooted while it ran; exit status lost"
-        elif h.kill_sent_at is not None and h.term_sent_at is not None:
-            message = f"killed with SIGKILL after {rec.stop_grace_s:g} s grace"
-        else:
-            message = "exit status lost (the shim was killed); assuming SIGKILL"
-        return ExitInfo(exit_code=-signal.SIGKILL, finished_at_s=time.time(), message=message)
-
-    def cleanup(self, run_id: str, image: str = "") -> None:
-        """Remove an attempt's bulky local files once its completion was answered. The log,
-        exit file and claim stay for local debugging."""
-        paths = self.paths(run_id)
+    def cleanup(self, rec: RunRecord) -> None:
+        """Once its completion was answered: release the runtime's resources (cgroup,
+        container) and remove the attempt's bulky local files (its log and artifacts are
+        uploaded by then). The log, exit file and claim stay for local debugging, for the
+        ``LOCAL_RUNS_KEPT`` most recently cleaned attempts only: older attempt directories are
+        removed whole (a bounded cache, so the disk cannot fill up with old logs)."""
+        with contextlib.suppress(StartError):
+            self.runtimes.for_record(rec).release(rec)
+        paths = self.paths(rec.run_id)
         for d in (paths.work, paths.checkpoints, paths.artifacts, paths.resume):
             shutil.rmtree(d, ignore_errors=True)
-        if image and self.containers is not None:
-            self.containers.release(run_id)
+        if paths.job_root is not None:
+            with contextlib.suppress(OSError):
+                paths.job_root.rmdir()
+        with self._lock:
+            self._uids.pop(rec.run_id, None)
+            self._live.pop(rec.run_id, None)
+        with contextlib.suppress(OSError):
+            (paths.root / CLEANED_MARK).touch()
+        try:
+            cleaned = sorted(
+                (p.stat().st_mtime, p.parent) for p in self.runs_dir.glob(f"*/{CLEANED_MARK}")
+            )
+        except OSError:
+            return
+        for _, d in cleaned[: max(0, len(cleaned) - LOCAL_RUNS_KEPT)]:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def disk_free_mb(self) -> dict[str, int]:
+        """Free space of the state and scratch directories, MiB, by path."""
+        out: dict[str, int] = {}
+        for d in {self.runs_dir.parent, self.runs_dir, self.jobs_dir}:
+            try:
+                out[str(d)] = shutil.disk_usage(d).free // (1024 * 1024)
+            except OSError:
+                out[str(d)] = 0
+        return out
+
+    def live_uids(self) -> dict[str, int]:
+        """run_id -> job uid of the attempts this agent runs (for tests and diagnostics)."""
+        with self._lock:
+            return dict(self._uids)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _make_job_dirs(self, paths: RunPaths, uid: int, gid: int, switch: bool) -> None:
+        dirs = [paths.work, paths.checkpoints, paths.artifacts]
+        if paths.job_root is not None:
+            dirs.insert(0, paths.job_root)
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+            if switch:
+                os.chown(d, uid, gid, follow_symlinks=False)
+            os.chmod(d, 0o700)
 
 
-def _read_status(fd: int, timeout_s: float) -> dict[str, Any] | None:
-    """Read the shim's one-line JSON status; None on timeout or EOF without a line."""
-    deadline = time.monotonic() + timeout_s
-    buf = b""
-    while b"\n" not in buf:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return None
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        buf += chunk
-    if not buf.strip():
-        return None
-    try:
-        data = json.loads(buf.split(b"\n", 1)[0])
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
+def _chown_tree(root: Path, uid: int, gid: int) -> None:
+    """chown a tree the agent just wrote (no symlinks followed)."""
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        os.chown(dirpath, uid, gid, follow_symlinks=False)
+        for name in (*dirnames, *filenames):
+            os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+def _check_searchable(path: Path) -> None:
+    """Raise ValueError when another user cannot traverse an ancestor of ``path``."""
+    for parent in [path, *path.parents]:
+        mode = parent.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            raise ValueError(
+                f"jobs dir {path}: {parent} is not searchable by other users (mode "
+                f"{stat.filemode(mode)}), so job users could not reach their directories; "
+                "choose another --jobs-dir"
+            )

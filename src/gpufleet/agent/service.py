@@ -14,7 +14,7 @@ import threading
 
 import grpc
 
-from gpufleet.agent.core import AgentCore
+from gpufleet.agent.core import AgentCore, EpochFromTheFuture
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.runtime.container import ImageReporter
 from gpufleet.rpc.protos import fleet_pb2 as pb
@@ -41,6 +41,9 @@ class AgentServicer(pb_grpc.AgentServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "run_id and job_id are required")
         try:
             return self.core.assign(request)
+        except EpochFromTheFuture as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise  # unreachable: abort raises
         except OSError as exc:
             logger.error("run %s: cannot log the assignment: %s", request.run_id, exc)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"assignment log: {exc}")
@@ -142,7 +145,15 @@ class ControllerLink:
             except grpc.RpcError as exc:
                 attempts += 1
                 if attempts in (1, 10) or attempts % 100 == 0:
-                    logger.warning("controller not reachable yet (%s); retrying", _code(exc))
+                    if _code(exc).split(":")[0] in _REFUSALS:
+                        # the controller answered: say what it objects to, not "unreachable"
+                        logger.error(
+                            "controller refused the registration of node %s: %s; retrying",
+                            self.node_id,
+                            _code(exc),
+                        )
+                    else:
+                        logger.warning("controller not reachable yet (%s); retrying", _code(exc))
                 self.stop_event.wait(delay)
                 delay = min(REGISTER_BACKOFF_MAX_S, delay * 2)
                 continue
@@ -174,6 +185,8 @@ class ControllerLink:
                 running=self.core.run_refs(),
                 free_gpus=self.core.free_gpus(),
                 health=self.core.health(),
+                disk_free_mb=self.core.runner.disk_free_mb(),
+                recent_start_failures=self.core.recent_start_failures(),
                 images=[
                     pb.LocalImage(name=i.name, digest=i.digest, size_bytes=i.size_bytes)
                     for i in images or ()
@@ -219,6 +232,22 @@ class ControllerLink:
                 logger.exception("heartbeat handling failed")
 
 
+_REFUSALS = {
+    "INVALID_ARGUMENT",
+    "FAILED_PRECONDITION",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+}
+
+
 def _code(exc: grpc.RpcError) -> str:
+    """``CODE`` or, for the controller's refusals, ``CODE: details``."""
     code = getattr(exc, "code", None)
-    return code().name if callable(code) else str(exc)
+    if not callable(code):
+        return str(exc)
+    name = str(code().name)
+    details = getattr(exc, "details", None)
+    if name in _REFUSALS and callable(details):
+        return f"{name}: {details()}"
+    return name

@@ -8,12 +8,17 @@
   object's key, size and sha256 (seed DD8: the manifest's existence proves the upload is
   complete). Only after that does the agent report the completion.
 
-Symlinks in the output directories are skipped: following them would let a job publish any
-file the agent can read.
+Only regular files are uploaded, and no symbolic link is ever followed: not a linked file,
+not a linked directory, not an output directory that is itself a link (following one would
+let a job publish any file the agent can read, e.g. a link to /etc/passwd in its artifacts).
+Files are opened with ``O_NOFOLLOW`` relative to directory descriptors (``os.fwalk``), so a
+job cannot swap a link in between the check and the read; the bytes hashed are the bytes
+uploaded. Each skipped entry is logged.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -21,10 +26,11 @@ import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from gpufleet.agent.assignment_log import RunRecord
 from gpufleet.agent.workdir import RunPaths
-from gpufleet.domain.manifest import MANIFEST_NAME, Manifest, ManifestFile
+from gpufleet.domain.manifest import KIND_FOLDERS, MANIFEST_NAME, Manifest, ManifestFile
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 
 logger = logging.getLogger("gpufleet.agent")
@@ -32,32 +38,80 @@ logger = logging.getLogger("gpufleet.agent")
 LOG_KEY = "logs/output.log"
 
 
-def sha256_file(path: Path) -> tuple[str, int]:
-    """Hex sha256 and size in bytes of a local file, streamed in 1 MiB chunks.
+def open_regular(name: str | Path, dir_fd: int | None = None) -> int | None:
+    """A read-only descriptor of ``name`` if it is a regular file, else None: a symbolic link
+    is not followed (``O_NOFOLLOW``), and a FIFO or device is not waited on (``O_NONBLOCK``).
 
     Raises:
-        OSError: the file cannot be read.
+        OSError: it cannot be opened for another reason (missing, permissions).
     """
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
 
 
-def regular_files(root: Path) -> Iterator[tuple[Path, str]]:
-    """``(path, relpath)`` of every regular file under ``root``, sorted, symlinks skipped."""
+class _Hashing:
+    """Reads a file object and keeps the sha256 and size of what was read."""
+
+    def __init__(self, src: BinaryIO) -> None:
+        self.src, self.sha, self.size = src, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.src.read(n)
+        self.sha.update(data)
+        self.size += len(data)
+        return data
+
+
+def upload_fd(store: ObjectStore, fd: int, key: str) -> tuple[str, int, str]:
+    """Upload the open file ``fd`` (closed afterwards) to ``key``, hashing the same bytes.
+    Returns (hex sha256, size in bytes, URI)."""
+    with os.fdopen(fd, "rb") as f:
+        reader = _Hashing(f)
+        uri = store.put_fileobj(key, reader)  # type: ignore[arg-type]
+    return reader.sha.hexdigest(), reader.size, uri
+
+
+def regular_files(root: Path, what: str = "") -> Iterator[tuple[str, int]]:
+    """``(relpath, open descriptor)`` of every regular file under ``root``, sorted within
+    each directory; the caller closes each descriptor. Symbolic links (to files or
+    directories, or ``root`` itself), FIFOs, sockets and devices are skipped and logged."""
+    label = what or str(root)
+    try:
+        if stat.S_ISLNK(os.lstat(root).st_mode):
+            logger.warning("%s: skipped, it is a symbolic link (not followed)", label)
+            return
+    except FileNotFoundError:
+        return
     if not root.is_dir():
         return
-    found = []
-    for dirpath, _dirnames, filenames in os.walk(root, followlinks=False):
-        for name in filenames:
-            p = Path(dirpath) / name
-            if stat.S_ISREG(p.lstat().st_mode):
-                found.append((p, p.relative_to(root).as_posix()))
-    yield from sorted(found, key=lambda item: item[1])
+    for dirpath, dirnames, filenames, dirfd in os.fwalk(root, follow_symlinks=False):
+        rel_dir = Path(dirpath).relative_to(root).as_posix()
+        for name in dirnames:  # links to directories are listed here and never entered
+            if stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
+                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                logger.warning("%s/%s: skipped, a symbolic link (not followed)", label, rel)
+        for name in sorted(filenames):
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            try:
+                fd = open_regular(name, dir_fd=dirfd)
+            except OSError as exc:
+                logger.warning("%s/%s: skipped, cannot be read: %s", label, rel, exc.strerror)
+                continue
+            if fd is None:
+                kind = os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode
+                why = "a symbolic link (not followed)" if stat.S_ISLNK(kind) else "not a file"
+                logger.warning("%s/%s: skipped, %s", label, rel, why)
+                continue
+            yield rel, fd
 
 
 def upload_attempt(store: ObjectStore, rec: RunRecord, paths: RunPaths) -> str:
@@ -78,18 +132,21 @@ def upload_attempt(store: ObjectStore, rec: RunRecord, paths: RunPaths) -> str:
         OSError: a read or an upload failed; retry later.
     """
     prefix = attempt_prefix(rec.job_id, rec.run_id)
-    uploads: list[tuple[str, Path, str]] = []
-    if paths.log.is_file():
-        uploads.append(("log", paths.log, "output.log"))
-    uploads += [("checkpoint", p, rel) for p, rel in regular_files(paths.checkpoints)]
-    uploads += [("artifact", p, rel) for p, rel in regular_files(paths.artifacts)]
-    folder = {"log": "logs", "checkpoint": "checkpoints", "artifact": "artifacts"}
-    files = []
-    for kind, path, rel in uploads:
-        key = f"{prefix}/{folder[kind]}/{rel}"
-        digest, size = sha256_file(path)
-        uri = store.put_file(path, key)
+    files: list[ManifestFile] = []
+
+    def put(kind: str, rel: str, fd: int) -> None:
+        key = f"{prefix}/{KIND_FOLDERS[kind]}/{rel}"
+        digest, size, uri = upload_fd(store, fd, key)
         files.append(ManifestFile(kind=kind, path=rel, key=key, uri=uri, sha256=digest, size=size))
+
+    log_fd = open_regular(paths.log) if paths.log.exists() or paths.log.is_symlink() else None
+    if log_fd is not None:
+        put("log", "output.log", log_fd)
+    elif paths.log.is_symlink():
+        logger.warning("run %s: output.log skipped, a symbolic link", rec.run_id)
+    for kind, root in (("checkpoint", paths.checkpoints), ("artifact", paths.artifacts)):
+        for rel, fd in regular_files(root, f"run {rec.run_id}: {root.name}"):
+            put(kind, rel, fd)
     manifest = Manifest(
         job_id=rec.job_id,
         run_id=rec.run_id,
@@ -148,7 +205,7 @@ class LogStreamer:
             items = list(self._watched.items())
         for run_id, (path, key) in items:
             try:
-                st = path.stat()
+                st = path.lstat()
             except FileNotFoundError:
                 continue
             sig = (st.st_size, st.st_mtime_ns)
@@ -157,7 +214,9 @@ class LogStreamer:
                     continue
                 self._uploading = run_id
             try:
-                self.store.put_file(path, key)
+                fd = open_regular(path)
+                if fd is not None:  # a log replaced by a symbolic link is never followed
+                    upload_fd(self.store, fd, key)
                 with self._cond:
                     if run_id in self._watched:
                         self._last[run_id] = sig

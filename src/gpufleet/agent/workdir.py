@@ -1,11 +1,16 @@
 """The directory and environment of one attempt.
 
-Per-attempt directory ``{state_dir}/runs/{run_id}/``::
+Job-visible directories, in ``{jobs_dir}/{run_id}/`` (mode 0700, owned by the attempt's user;
+``jobs_dir`` is 0711, so a job can reach its own directory but not list or enter another's)
+or in ``{state_dir}/runs/{run_id}/`` when the agent cannot switch users::
 
-    work/          the command's working directory
+    work/          the command's working directory and HOME
     checkpoints/   GPUFLEET_CHECKPOINT_DIR (empty at start; uploaded at exit)
     artifacts/     GPUFLEET_ARTIFACTS_DIR (uploaded at exit)
     resume/        GPUFLEET_RESUME_FROM (objects under resume_from_uri, downloaded before start)
+
+Agent-only files, in ``{state_dir}/runs/{run_id}/`` (the state dir is 0700)::
+
     output.log     stdout + stderr of the command (streamed to the object store)
     env.json       the command's environment, mode 0600, deleted by the shim once read
     shim.json      the shim's claim: pid, pgid, start_ticks, boot_id (or the agent's
@@ -16,6 +21,7 @@ Per-attempt directory ``{state_dir}/runs/{run_id}/``::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,30 +30,47 @@ from gpufleet.objectstore import ObjectStore
 
 
 class StartError(Exception):
-    """The attempt could not be started; it is reported NEVER_STARTED with this message."""
+    """The attempt could not be started; it is reported NEVER_STARTED with this message.
+
+    ``node_fault``: the node caused it (its disk, the shim, the runtime), not the job's spec;
+    the controller then charges the node and re-places the job without using a retry."""
+
+    def __init__(self, message: str, *, node_fault: bool = False) -> None:
+        super().__init__(message)
+        self.node_fault = node_fault
 
 
 @dataclass(frozen=True, slots=True)
 class RunPaths:
-    """The on-disk layout of one attempt (see module doc)."""
+    """The on-disk layout of one attempt (see module doc).
+
+    Attributes:
+        root: the agent-only directory (log, claim, exit and env files).
+        job_root: the job-visible directory; None = the same as ``root``.
+    """
 
     root: Path
+    job_root: Path | None = None
+
+    @property
+    def _jobs(self) -> Path:
+        return self.job_root if self.job_root is not None else self.root
 
     @property
     def work(self) -> Path:
-        return self.root / "work"
+        return self._jobs / "work"
 
     @property
     def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+        return self._jobs / "checkpoints"
 
     @property
     def artifacts(self) -> Path:
-        return self.root / "artifacts"
+        return self._jobs / "artifacts"
 
     @property
     def resume(self) -> Path:
-        return self.root / "resume"
+        return self._jobs / "resume"
 
     @property
     def log(self) -> Path:
@@ -70,21 +93,41 @@ class RunPaths:
         return self.root / "shim.log"
 
 
-def build_env(
-    rec: RunRecord, paths: RunPaths, resume_dir: Path | None, base: dict[str, str]
-) -> dict[str, str]:
-    """The command's environment.
+# Taken from the agent's environment only when the job does not set them: harmless locale and
+# terminal settings. Nothing else of the agent's environment reaches a job (it may hold the
+# agent's configuration, tokens or credentials).
+AGENT_ENV_ALLOWED = ("LANG", "LANGUAGE", "TZ", "TERM")
+AGENT_ENV_ALLOWED_PREFIXES = ("LC_",)
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 
-    ``base`` (the agent's environment) without its ``GPUFLEET_*`` variables (agent
-    configuration, possibly secret), then the job's env, then the platform's variables, which
-    a job cannot override: ``CUDA_VISIBLE_DEVICES`` (the reservation's GPU indexes, comma
-    list; empty = no GPU), ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (so CUDA's numbering matches
-    NVML's), ``GPUFLEET_JOB_ID``, ``GPUFLEET_RUN_ID``, ``GPUFLEET_ATTEMPT``,
-    ``GPUFLEET_FENCING_TOKEN``, ``GPUFLEET_CHECKPOINT_DIR``, ``GPUFLEET_ARTIFACTS_DIR`` and
-    ``GPUFLEET_RESUME_FROM`` (a
-    directory holding the previous attempt's checkpoints, or empty when there are none).
+
+def build_env(
+    rec: RunRecord,
+    paths: RunPaths,
+    resume_dir: Path | None,
+    *,
+    home: str,
+    agent_env: Mapping[str, str],
+) -> dict[str, str]:
+    """The command's environment, from an allow-list; never the agent's own environment.
+
+    In order (later wins):
+
+    1. ``PATH`` = ``/usr/local/bin:/usr/bin:/bin``, ``HOME`` = ``home``, and from
+       ``agent_env`` only ``LANG``, ``LANGUAGE``, ``TZ``, ``TERM`` and ``LC_*``;
+    2. the job's env as submitted (including ``PATH``, which the CLI sends from the submitting
+       shell);
+    3. the platform's variables, which a job cannot override: ``CUDA_VISIBLE_DEVICES`` (the
+       reservation's GPU indexes, comma list; empty = no GPU), ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+       (so CUDA's numbering matches NVML's), ``GPUFLEET_JOB_ID``, ``GPUFLEET_RUN_ID``,
+       ``GPUFLEET_ATTEMPT``, ``GPUFLEET_FENCING_TOKEN``, ``GPUFLEET_CHECKPOINT_DIR``,
+       ``GPUFLEET_ARTIFACTS_DIR`` and ``GPUFLEET_RESUME_FROM`` (a directory holding the
+       previous attempt's checkpoints, or empty when there are none).
     """
-    env = {k: v for k, v in base.items() if not k.startswith("GPUFLEET_")}
+    env = {"PATH": DEFAULT_PATH, "HOME": home}
+    for k, v in agent_env.items():
+        if k in AGENT_ENV_ALLOWED or k.startswith(AGENT_ENV_ALLOWED_PREFIXES):
+            env[k] = v
     env.update(rec.env)
     env.update(
         {

@@ -5,49 +5,75 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
+from gpufleet.api.middleware import BodyLimit
 from gpufleet.api.schemas import (
     AttemptOut,
+    ErrorOut,
     JobCreate,
     JobCreated,
     JobList,
     JobOut,
+    JoinTokenCreate,
     NodeList,
     NodeOut,
     PendingReasonOut,
     TeamCreate,
     TeamQuotaUpdate,
     TokenCreate,
+    TokenList,
+    TokenOut,
 )
-from gpufleet.domain.errors import Forbidden, GpufleetError, NotFound, ValidationFailed
+from gpufleet.domain.errors import (
+    Conflict,
+    Forbidden,
+    GpufleetError,
+    LimitExceeded,
+    NotFound,
+    ValidationFailed,
+)
 from gpufleet.domain.states import JOB_TERMINAL, RUN_TERMINAL
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.queue import Waker
-from gpufleet.services import auth, jobs, teams
+from gpufleet.rpc import tls
+from gpufleet.services import auth, jobs, limits, node_identity, teams
+from gpufleet.services import nodes as node_service
 from gpufleet.settings import Settings
-from gpufleet.store.db import Database
+from gpufleet.store.db import Database, is_unavailable
+from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow
 
 log = logging.getLogger("gpufleet.api")
 MAX_BODY_BYTES = 2 * 1024 * 1024
+LOG_CHUNK_BYTES = 256 * 1024
+"""Logs are read from the object store and sent in chunks of at most this many bytes."""
+MAX_TAIL_LINES = 1_000_000
+TEXT = "text/plain; charset=utf-8"
 
 SUBMITS = Counter("gpufleet_api_submits_total", "Job submissions", ["outcome"])
 SUBMIT_SECONDS = Histogram("gpufleet_api_submit_seconds", "POST /v1/jobs latency (s)")
 
 
-PRINCIPAL_TTL_S = 5.0
-"""A token's team is remembered this long per server (a revoked token works until then)."""
+PRINCIPAL_TTL_S = 0.5
+"""A token's team is remembered this long per server: a token revoked anywhere (CLI, another
+replica) is refused by every replica within this time. Half a second keeps the bound under
+1 s with margin and still spares the database all but one lookup per token and replica for
+any client that calls more than twice a second."""
 
 
 @dataclass
@@ -57,6 +83,8 @@ class AppState:
     waker: Waker
     store: ObjectStore
     principals: dict[str, tuple[float, auth.Principal]] = field(default_factory=dict)
+    admission: limits.SubmitAdmission | None = None
+    """Per-team submit-rate check; built from ``settings`` by ``create_app`` when None."""
 
 
 def log_key(job_id: str, run_id: str) -> str:
@@ -64,10 +92,11 @@ def log_key(job_id: str, run_id: str) -> str:
     return f"{attempt_prefix(job_id, run_id)}/logs/output.log"
 
 
-def principal(
+async def principal(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> auth.Principal:
-    """The caller, from ``Authorization: Bearer <token>``; the team comes from the token."""
+    """The caller, from ``Authorization: Bearer <token>``; the team comes from the token.
+    A cache hit is answered on the event loop; the database is read in a worker thread."""
     raw = None
     if authorization and authorization.lower().startswith("bearer "):
         raw = authorization[7:].strip()
@@ -76,8 +105,7 @@ def principal(
         hit = state.principals.get(raw)
         if hit is not None and time.monotonic() - hit[0] < PRINCIPAL_TTL_S:
             return hit[1]
-    with state.db.read() as s:
-        who = auth.authenticate(s, raw)
+    who = await run_in_threadpool(_authenticate, state.db, raw)
     if raw is not None:
         if len(state.principals) > 10_000:
             state.principals.clear()
@@ -85,33 +113,77 @@ def principal(
     return who
 
 
-def admin(p: Annotated[auth.Principal, Depends(principal)]) -> auth.Principal:
+def _authenticate(db: Database, raw: str | None) -> auth.Principal:
+    with db.read() as s:
+        return auth.authenticate(s, raw)
+
+
+Who = Annotated[auth.Principal, Depends(principal)]
+
+
+def admin(p: Who) -> auth.Principal:
     if not p.is_admin:
         raise Forbidden("this needs an admin token")
     return p
 
 
-Who = Annotated[auth.Principal, Depends(principal)]
 Admin = Annotated[auth.Principal, Depends(admin)]
 
 
-def create_app(state: AppState) -> FastAPI:
-    app = FastAPI(title="gpufleet", version="1", docs_url="/docs")
-    app.state.gf = state
+def submit_allowed(request: Request, who: Who) -> auth.Principal:
+    """The caller, once its team's submit bucket gave a token. A dependency, so that it runs
+    before the body is validated: a refused flood costs the server little."""
+    state: AppState = request.app.state.gf
+    assert state.admission is not None  # set by create_app
+    try:
+        state.admission.check_submit_rate(who.team_id)
+    except LimitExceeded:
+        SUBMITS.labels("rate_limited").inc()
+        raise
+    return who
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return _error(
-                413, "payload_too_large", f"request body over {MAX_BODY_BYTES} bytes", "body"
+
+Submitter = Annotated[auth.Principal, Depends(submit_allowed)]
+
+
+def create_app(state: AppState) -> FastAPI:
+    # every operation may answer these (bad token, bad input, database down); the others
+    # are declared per operation, so that the document lists every status the server sends
+    app = FastAPI(title="gpufleet", version="1", docs_url="/docs", responses=errors(401, 422, 503))
+    app.state.gf = state
+    defaults = limits.TeamLimits.defaults(state.settings)
+    if state.admission is None:
+        state.admission = limits.SubmitAdmission(
+            state.db, limits.make_rate_limiter(state.settings.redis_url), defaults
+        )
+    admission = state.admission
+
+    outage = DatabaseOutage(state.db)
+    app.add_middleware(OutageWatch, outage=outage)
+    # outermost: counts the body's bytes as they are read, chunked or not, before any route
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+
+    @app.exception_handler(SQLAlchemyError)
+    async def on_database_error(_: Request, exc: SQLAlchemyError) -> JSONResponse:
+        """Database unreachable: 503 + Retry-After, a generic message (never the driver's,
+        which names hosts), and one log line per outage. Any other database error is a bug:
+        500, logged with its traceback."""
+        if is_unavailable(exc):
+            outage.failed(exc)
+            resp = _error(
+                503, "database_unavailable", "the database is unavailable; retry later", None
             )
-        resp: Response = await call_next(request)
-        return resp
+            resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return resp
+        log.error("database error", exc_info=exc)
+        return _error(500, "internal_error", "internal error; see the server log", None)
 
     @app.exception_handler(GpufleetError)
     async def on_error(_: Request, exc: GpufleetError) -> JSONResponse:
-        return _error(exc.http_status, exc.code, exc.message, exc.field)
+        resp = _error(exc.http_status, exc.code, exc.message, exc.field)
+        if isinstance(exc, LimitExceeded):
+            resp.headers["Retry-After"] = limits.retry_after_header(exc.retry_after_s)
+        return resp
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -138,14 +210,22 @@ def create_app(state: AppState) -> FastAPI:
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)  # Prometheus text, for scrapers
     def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/jobs", status_code=201, response_model=JobCreated)
+    @app.post(
+        "/v1/jobs",
+        status_code=201,
+        response_model=JobCreated,
+        responses={
+            200: {"model": JobCreated, "description": "Replayed: the job of this key"},
+            **errors(400, 409, 413, 429),
+        },
+    )
     def submit(
         body: JobCreate,
-        who: Who,
+        who: Submitter,
         response: Response,
         idempotency_key: Annotated[str | None, Header()] = None,
     ) -> JobCreated:
@@ -162,6 +242,7 @@ def create_app(state: AppState) -> FastAPI:
                 idempotency_key=idempotency_key,
                 spec=body.to_spec(),
                 fallback_max_gpus=state.settings.max_gpus_per_node,
+                default_max_outstanding_jobs=defaults.max_outstanding_jobs,
             )
             if out.created:
                 state.waker.wake()
@@ -171,16 +252,20 @@ def create_app(state: AppState) -> FastAPI:
             SUBMITS.labels("created" if out.created else "replayed").inc()
             return JobCreated(job_id=out.job_id, status=out.status)
 
-    @app.get("/v1/jobs/{job_id}", response_model=JobOut)
+    @app.get("/v1/jobs/{job_id}", response_model=JobOut, responses=errors(404))
     def get(job_id: str, who: Who) -> JobOut:
         with state.db.read() as s:
             job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
             out = _job_out(job, runs)
+            out.node_problems = node_service.node_problems(s, job)
             if out.pending_reason is not None:
                 out.pending_reason.position = jobs.queue_position(s, job)
+                now = db_now(s)
+                _count_down_backoff(out.pending_reason, now)
+                _drop_past_estimate(out.pending_reason, now)
             return out
 
-    @app.get("/v1/jobs/{job_id}/events")
+    @app.get("/v1/jobs/{job_id}/events", responses=errors(404))
     def events(job_id: str, who: Who) -> dict[str, Any]:
         """The audit trail of one job: every transition and decision, with its reason."""
         with state.db.read() as s:
@@ -225,16 +310,39 @@ def create_app(state: AppState) -> FastAPI:
                     runs.setdefault(r.job_id, []).append(r)
             return JobList(items=[_job_out(j, runs.get(j.id, [])) for j in rows], next_cursor=nxt)
 
-    @app.delete("/v1/jobs/{job_id}", status_code=202)
+    @app.delete("/v1/jobs/{job_id}", status_code=202, responses=errors(404, 409))
     def cancel(job_id: str, who: Who) -> dict[str, Any]:
         status = jobs.cancel_job(state.db, None if who.is_admin else who.team_id, job_id)
         state.waker.wake()
         return {"job_id": job_id, "status": status, "cancel_requested": True}
 
-    @app.get("/v1/jobs/{job_id}/logs")
+    @app.get(
+        "/v1/jobs/{job_id}/logs",
+        response_class=StreamingResponse,
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+            **errors(404),
+        },
+    )
     async def logs(
-        job_id: str, who: Who, follow: bool = False, run_id: str | None = None
+        job_id: str,
+        who: Who,
+        follow: bool = False,
+        run_id: str | None = None,
+        offset: Annotated[int | None, Query(ge=0, description="First byte to send.")] = None,
+        limit: Annotated[int | None, Query(ge=0, description="At most this many bytes.")] = None,
+        tail: Annotated[
+            int | None, Query(ge=0, le=MAX_TAIL_LINES, description="Only the last N lines.")
+        ] = None,
     ) -> Response:
+        """An attempt's combined stdout/stderr (the latest attempt unless ``run_id``), streamed
+        from the object store in chunks. ``offset``/``limit`` select bytes, ``tail`` the last
+        lines (not with ``offset``). ``follow`` streams every attempt in turn until the job is
+        finished (``offset``/``tail`` apply to the first one; ``limit`` cannot be used)."""
+        if tail is not None and offset is not None:
+            raise ValidationFailed("use either tail or offset, not both", field="tail")
+        if follow and limit is not None:
+            raise ValidationFailed("limit cannot be used with follow", field="limit")
         team = None if who.is_admin else who.team_id
 
         def pick() -> tuple[str | None, bool, bool]:
@@ -249,14 +357,33 @@ def create_app(state: AppState) -> FastAPI:
                     return None, True, job_done
                 return chosen[0].id, chosen[0].status in RUN_TERMINAL, job_done
 
+        def start_of(key: str) -> int:
+            if tail is None:
+                return offset or 0
+            try:
+                return state.store.tail_start(key, tail)
+            except OSError:
+                return 0
+
         rid, done, job_done = await asyncio.to_thread(pick)
         if not follow or (done and (job_done or run_id)):
             if rid is None:
                 return PlainTextResponse(b"")  # no attempt yet (or cancelled while pending)
-            data = await asyncio.to_thread(_read_log, state.store, log_key(job_id, rid), 0)
-            return PlainTextResponse(data)
+            key = log_key(job_id, rid)
+            first = await asyncio.to_thread(start_of, key)
+            end = None if limit is None else first + limit
+            return StreamingResponse(_log_chunks(state.store, key, first, end), media_type=TEXT)
 
         async def stream() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in follow_attempts():
+                    yield chunk
+            except SQLAlchemyError as exc:  # the answer has started: end it, log once
+                if not is_unavailable(exc):
+                    raise
+                outage.failed(exc)
+
+        async def follow_attempts() -> AsyncIterator[bytes]:
             """Follow the job: each attempt's log in turn (retries, requeues), until the job
             is finished; waits for a first attempt when the job is still pending."""
             streamed: set[str] = set()
@@ -267,15 +394,18 @@ def create_app(state: AppState) -> FastAPI:
                         return
                     await asyncio.sleep(0.5)
                     continue
+                key = log_key(job_id, current)
                 if streamed:
                     yield f"--- next attempt: {current} ---\n".encode()
+                    pos = 0
+                else:
+                    pos = await asyncio.to_thread(start_of, key)
                 streamed.add(current)
-                key, offset = log_key(job_id, current), 0
                 while True:
                     ended = await asyncio.to_thread(_run_finished, state.db, current)
-                    chunk = await asyncio.to_thread(_read_log, state.store, key, offset)
+                    chunk = await asyncio.to_thread(_read_log, state.store, key, pos)
                     if chunk:
-                        offset += len(chunk)
+                        pos += len(chunk)
                         yield chunk
                     elif ended:
                         break
@@ -284,10 +414,12 @@ def create_app(state: AppState) -> FastAPI:
                 if run_id:
                     return
 
-        return StreamingResponse(stream(), media_type="text/plain")
+        return StreamingResponse(stream(), media_type=TEXT)
 
     @app.get("/v1/nodes", response_model=NodeList)
-    def nodes(_: Who) -> NodeList:
+    def nodes(who: Who) -> NodeList:
+        """Nodes and free GPUs. Agent addresses are shown to admin tokens only (``null``
+        otherwise): a team needs capacity, not where to reach an agent."""
         with state.db.read() as s:
             rows = s.execute(
                 select(NodeRow, NodeCapacityRow)
@@ -304,41 +436,119 @@ def create_app(state: AppState) -> FastAPI:
                         total_gpus=c.total_gpus,
                         available_gpus=c.available_gpus,
                         labels=n.labels or {},
-                        address=n.address,
+                        address=n.address if who.is_admin else None,
                         last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
                         agent_epoch=n.agent_epoch,
+                        status_reason=n.status_reason,
+                        health=n.health,
                         images=sorted(str(i.get("name", "")) for i in n.images or []),
                     )
                     for n, c in rows
                 ]
             )
 
-    @app.post("/v1/admin/teams", status_code=201)
+    @app.post("/v1/admin/teams", status_code=201, responses=errors(400, 403, 409, 413))
     def create_team(body: TeamCreate, _: Admin) -> dict[str, str]:
         name = state.db.run_write(lambda s: auth.create_team(s, body.name, weight=body.weight))
         return {"team": name}
 
-    @app.get("/v1/admin/teams")
+    @app.get("/v1/admin/teams", responses=errors(403))
     def list_teams(_: Admin) -> dict[str, Any]:
         with state.db.read() as s:
-            return {"items": teams.describe_teams(s)}
+            return {"items": teams.describe_teams(s, defaults)}
 
-    @app.put("/v1/admin/teams/{team_id}")
+    @app.put("/v1/admin/teams/{team_id}", responses=errors(400, 403, 404, 413))
     def set_quota(team_id: str, body: TeamQuotaUpdate, _: Admin) -> dict[str, Any]:
         upd = teams.QuotaUpdate(**body.model_dump())
         state.db.run_write(partial(teams.update_quota, team_id=team_id, upd=upd))
+        admission.forget(team_id)
         state.waker.wake()
         with state.db.read() as s:
-            return next(t for t in teams.describe_teams(s) if t["team"] == team_id)
+            return next(t for t in teams.describe_teams(s, defaults) if t["team"] == team_id)
 
-    @app.post("/v1/admin/tokens", status_code=201)
+    @app.get("/v1/admin/nodes", responses=errors(403))
+    def admin_nodes(_: Admin) -> dict[str, Any]:
+        """Nodes and node ids with certificates: state, address, certificate serial/expiry."""
+        with state.db.read() as s:
+            return {"items": node_identity.describe_nodes(s)}
+
+    @app.post("/v1/admin/nodes/join-tokens", status_code=201, responses=errors(400, 403, 409, 413))
+    def create_join_token(body: JoinTokenCreate, _: Admin) -> dict[str, Any]:
+        """A single-use join token (``gfj1.<CA sha256>.<secret>``) for ``gpufleet agent
+        --join-token``. 409 when this server has no fleet CA certificate (``pki_dir``)."""
+        try:
+            ca_pem = tls.read_ca_cert(state.settings.resolved_pki_dir())
+        except tls.PkiError as exc:
+            raise Conflict(str(exc), field="pki_dir") from None
+        secret, expires = state.db.run_write(
+            partial(node_identity.create_join_token, node_id=body.node_id, ttl_s=body.ttl_s)
+        )
+        return {
+            "token": tls.format_join_token(tls.fingerprint(ca_pem), secret),
+            "node_id": body.node_id,
+            "expires_at": jobs.iso(expires),
+        }
+
+    @app.post("/v1/admin/nodes/{node_id}/revoke", responses=errors(403, 404))
+    def revoke_node(node_id: str, _: Admin) -> dict[str, Any]:
+        """Revoke every certificate of the node; its next call is refused (within 1 s)."""
+        n = state.db.run_write(partial(node_identity.revoke_node, node_id=node_id))
+        return {"node_id": node_id, "revoked_certs": n}
+
+    @app.delete("/v1/admin/nodes/{node_id}", responses=errors(403, 404, 409))
+    def forget_node(node_id: str, _: Admin) -> dict[str, Any]:
+        """Forget a node with no reserved GPUs (409 otherwise); its certificates are revoked."""
+        n = state.db.run_write(partial(node_identity.forget_node, node_id=node_id))
+        return {"node_id": node_id, "forgotten": True, "revoked_certs": n}
+
+    @app.post("/v1/admin/tokens", status_code=201, responses=errors(400, 403, 413))
     def create_token(body: TokenCreate, _: Admin) -> dict[str, str]:
         raw = state.db.run_write(
             lambda s: auth.create_token(s, body.team, name=body.name, is_admin=body.admin)
         )
         return {"team": body.team, "token": raw}
 
+    @app.get("/v1/admin/tokens", response_model=TokenList, responses=errors(403))
+    def list_tokens(
+        _: Admin,
+        team: Annotated[str | None, Query(max_length=64)] = None,
+        include_revoked: bool = True,
+    ) -> TokenList:
+        """Every token (or one team's): id, team, name, admin, created and revoked times;
+        never the token itself."""
+        with state.db.read() as s:
+            items = auth.list_tokens(s, team, include_revoked=include_revoked)
+        return TokenList(items=[TokenOut(**t) for t in items])
+
+    @app.delete("/v1/admin/tokens/{token_id}", response_model=TokenOut, responses=errors(403, 404))
+    def revoke_token(token_id: str, _: Admin) -> TokenOut:
+        """Revoke a token: every API server refuses it within ``PRINCIPAL_TTL_S`` (this one
+        at once). Revoking it again is a no-op."""
+        out = state.db.run_write(lambda s: auth.revoke_token(s, token_id))
+        for raw, (_at, who) in list(state.principals.items()):
+            if who.token_id == token_id:
+                state.principals.pop(raw, None)
+        return TokenOut(**out)
+
     return app
+
+
+ERROR_MEANINGS = {
+    400: "Malformed JSON",
+    401: "Missing, invalid or revoked token",
+    403: "Needs an admin token",
+    404: "No such object (or another team's)",
+    409: "Conflicts with the current state",
+    413: "Request body too large",
+    422: "Invalid input; `field` names it",
+    429: "Over a team limit (`field` names it); see Retry-After",
+    503: "Database unavailable; see Retry-After",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for error answers (all ``ErrorOut``)."""
+    return {s: {"model": ErrorOut, "description": ERROR_MEANINGS[s]} for s in statuses}
 
 
 def _error(status: int, code: str, message: str, field: str | None) -> JSONResponse:
@@ -348,10 +558,20 @@ def _error(status: int, code: str, message: str, field: str | None) -> JSONRespo
 
 
 def _read_log(store: ObjectStore, key: str, offset: int) -> bytes:
+    """At most ``LOG_CHUNK_BYTES`` of a log from ``offset`` (empty when absent)."""
     try:
-        return store.get_bytes(key, start=offset)
+        return store.get_bytes(key, start=offset, end=offset + LOG_CHUNK_BYTES)
     except (FileNotFoundError, OSError):
         return b""
+
+
+def _log_chunks(store: ObjectStore, key: str, start: int, end: int | None) -> Iterator[bytes]:
+    """Bytes ``[start, end)`` of a log in chunks (nothing when it is absent). A sync iterator:
+    Starlette reads it in a worker thread."""
+    try:
+        yield from store.iter_range(key, start, end, chunk_bytes=LOG_CHUNK_BYTES)
+    except (FileNotFoundError, OSError):
+        return
 
 
 def _run_finished(db: Database, run_id: str) -> bool:
@@ -360,6 +580,26 @@ def _run_finished(db: Database, run_id: str) -> bool:
             select(JobRunRow.status).where(JobRunRow.id == run_id)
         ).scalar_one_or_none()
     return status is None or status in RUN_TERMINAL
+
+
+def _count_down_backoff(reason: PendingReasonOut, now: datetime) -> None:
+    """A retry in its backoff: say how long is left, as of this read."""
+    retry_at = reason.details.get("retry_at") if reason.code == "retry_backoff" else None
+    if not isinstance(retry_at, str):
+        return
+    at = datetime.fromisoformat(retry_at.replace("Z", "+00:00"))
+    left = max(0.0, (at - now).total_seconds())
+    reason.message = f"retrying in {left:.0f} s after {reason.details.get('after', 'a failure')}"
+    reason.estimated_start_at = retry_at
+
+
+def _drop_past_estimate(reason: PendingReasonOut, now: datetime) -> None:
+    """Never promise a start time already in the past: a stored estimate that has passed
+    (the capacity it counted on did not free up in time) is withheld until the scheduler
+    computes a new one."""
+    at = reason.estimated_start_at
+    if at and datetime.fromisoformat(at.replace("Z", "+00:00")) < now:
+        reason.estimated_start_at = None
 
 
 def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:

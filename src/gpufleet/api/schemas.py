@@ -9,6 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from gpufleet.domain.types import JobSpec, PriorityClass, Resources
+from gpufleet.services.limits import (
+    MAX_GPUS,
+    MAX_OUTSTANDING_JOBS,
+    MAX_SUBMIT_BURST,
+    MAX_SUBMIT_RATE_PER_S,
+    MAX_WEIGHT,
+)
 
 MAX_ENV_BYTES = 64 * 1024
 Name = Annotated[str, Field(max_length=256)]
@@ -129,6 +136,14 @@ def _has_nul(value: Any) -> bool:
     return False
 
 
+class ErrorOut(BaseModel):
+    """Every error answer: a stable code, a sentence, and the request field it concerns."""
+
+    error: str
+    message: str
+    field: str | None
+
+
 class JobCreated(BaseModel):
     job_id: str
     status: str
@@ -179,6 +194,9 @@ class JobOut(BaseModel):
     failure_reason: str | None
     attempts: list[AttemptOut]
     pending_reason: PendingReasonOut | None
+    node_problems: list[dict[str, Any]] = []
+    """Nodes this job waits on that cannot take work now: ``node_id``, ``status`` (SUSPECT,
+    QUARANTINED, UNHEALTHY, CORDONED, DRAINING, FENCED) and ``reason``."""
 
 
 class JobList(BaseModel):
@@ -194,9 +212,14 @@ class NodeOut(BaseModel):
     total_gpus: int
     available_gpus: int
     labels: dict[str, Any]
-    address: str
+    address: str | None
+    """The agent's gRPC address; admin tokens only (null for others)."""
     last_heartbeat_at: str | None
     agent_epoch: int
+    status_reason: str | None = None
+    """Why the node is not HEALTHY (cordon reason, failed health check, fence)."""
+    health: dict[str, Any] | None = None
+    """The agent's last health report: health, disk_free_mb, recent_start_failures."""
     images: list[str] = []
     """Container images the node holds (names), from its heartbeats."""
 
@@ -206,24 +229,61 @@ class NodeList(BaseModel):
 
 
 class TeamCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     name: str = Field(min_length=1, max_length=64)
-    weight: float = Field(default=1.0, gt=0)
+    weight: float = Field(default=1.0, gt=0, le=MAX_WEIGHT)
 
 
 class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     team: str = Field(min_length=1, max_length=64)
-    name: str = ""
+    name: str = Field(default="", max_length=128, pattern=r"^[^\x00]*$")
     admin: bool = False
 
 
-class TeamQuotaUpdate(BaseModel):
-    """PUT /v1/admin/teams/{team}: fields left out are unchanged; borrow_limit_gpus -1 = none."""
+class JoinTokenCreate(BaseModel):
+    """POST /v1/admin/nodes/join-tokens."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    weight: float | None = Field(default=None, gt=0)
-    guaranteed_gpus: dict[str, Annotated[int, Field(ge=0)]] | None = None
-    borrow_limit_gpus: int | None = Field(default=None, ge=-1)
-    lending_limit_gpus: dict[str, Annotated[int, Field(ge=0)]] | None = None
-    max_outstanding_jobs: int | None = Field(default=None, ge=0)
+    node_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="The only node id it may join as; null = any id not in use.",
+    )
+    ttl_s: float = Field(default=900, ge=10, le=7 * 86400, description="Lifetime, seconds.")
+
+
+GpuCount = Annotated[int, Field(ge=0, le=MAX_GPUS)]
+PerType = Annotated[dict[Annotated[str, Field(max_length=64)], GpuCount], Field(max_length=64)]
+
+
+class TokenOut(BaseModel):
+    """A token as operators see it (never the token or its hash)."""
+
+    id: str
+    team: str
+    name: str
+    admin: bool
+    created_at: str | None
+    revoked_at: str | None
+
+
+class TokenList(BaseModel):
+    items: list[TokenOut]
+
+
+class TeamQuotaUpdate(BaseModel):
+    """PUT /v1/admin/teams/{team}: fields left out are unchanged; borrow_limit_gpus -1 = none;
+    max_outstanding_jobs 0 and submit_rate_per_s 0 = no limit (a team never set uses the
+    server's defaults)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    weight: float | None = Field(default=None, gt=0, le=MAX_WEIGHT)
+    guaranteed_gpus: PerType | None = None
+    borrow_limit_gpus: int | None = Field(default=None, ge=-1, le=MAX_GPUS)
+    lending_limit_gpus: PerType | None = None
+    max_outstanding_jobs: int | None = Field(default=None, ge=0, le=MAX_OUTSTANDING_JOBS)
+    submit_rate_per_s: float | None = Field(default=None, ge=0, le=MAX_SUBMIT_RATE_PER_S)
+    submit_burst: int | None = Field(default=None, ge=1, le=MAX_SUBMIT_BURST)

@@ -13,6 +13,7 @@ import enum
 import math
 import os
 import shlex
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -312,22 +313,45 @@ def submit(
         if out is OutputFormat.json:
             output.print_json(created)
         else:
-            typer.echo(created["job_id"])
+            typer.echo(output.clean(str(created["job_id"])))
         if wait or follow:
             job = _wait(http, created["job_id"], follow=follow)
             raise typer.Exit(0 if job["status"] == JobStatus.SUCCEEDED else 1)
 
 
-def _stream_logs(http: httpx.Client, job_id: str, follow: bool, run_id: str | None) -> None:
-    """Copy the log body to stdout as it arrives (no read timeout while following)."""
-    params = {"follow": str(follow).lower(), **({"run_id": run_id} if run_id else {})}
+DEFAULT_TAIL_LINES = 1000
+
+
+def _stdout_is_tty() -> bool:
+    return sys.stdout.isatty()
+
+
+def _stream_logs(
+    http: httpx.Client, job_id: str, follow: bool, run_id: str | None, tail: int | None = None
+) -> None:
+    """Copy the log body to stdout as it arrives (no read timeout while following); only the
+    last ``tail`` lines when given."""
+    params: dict[str, str | int] = {"follow": str(follow).lower()}
+    if run_id:
+        params["run_id"] = run_id
+    if tail is not None:
+        params["tail"] = tail
     timeout = httpx.Timeout(30.0, connect=5.0, read=None if follow else 30.0)
     with http.stream("GET", f"/v1/jobs/{job_id}/logs", params=params, timeout=timeout) as resp:
         if resp.status_code >= 400:
             resp.read()
             _raise_for_error(resp)
+        # a terminal gets the log without control sequences (a job's output could retitle
+        # the window, write the clipboard, hide text...); a pipe or file gets the raw bytes
+        tty = _stdout_is_tty()
+        safe = output.TerminalLogFilter() if tty else None
         for chunk in resp.iter_bytes():
-            typer.echo(chunk, nl=False)
+            if safe is None:
+                typer.echo(chunk, nl=False)
+            else:
+                typer.echo(safe.feed(chunk), nl=False)
+        if safe is not None:
+            typer.echo(safe.feed(b"", final=True), nl=False)
 
 
 def _wait(http: httpx.Client, job_id: str, follow: bool = False) -> dict[str, Any]:
@@ -351,7 +375,8 @@ def _wait(http: httpx.Client, job_id: str, follow: bool = False) -> dict[str, An
             last_status = job["status"]
             reason = (job.get("pending_reason") or {}).get("message")
             typer.echo(
-                f"job {job_id}: {last_status}" + (f": {reason}" if reason else ""), err=True
+                output.clean(f"job {job_id}: {last_status}" + (f": {reason}" if reason else "")),
+                err=True,
             )
         runs = [r for r in job.get("attempts") or [] if r.get("status") != "ASSIGNED"]
         fresh = [r for r in runs if r.get("run_id") not in streamed]
@@ -361,11 +386,11 @@ def _wait(http: httpx.Client, job_id: str, follow: bool = False) -> dict[str, An
             try:
                 _stream_logs(http, job_id, follow=True, run_id=run_id)
             except ApiError as exc:  # an attempt with no logs must not end the wait
-                typer.echo(f"(no logs for {run_id}: {exc.message})", err=True)
+                typer.echo(output.clean(f"(no logs for {run_id}: {exc.message})"), err=True)
             continue
         if job["status"] in JOB_TERMINAL:
             if job.get("failure_reason"):
-                typer.echo(f"failure: {job['failure_reason']}", err=True)
+                typer.echo(output.clean(f"failure: {job['failure_reason']}"), err=True)
             return job
         _sleep(POLL_INTERVAL_S)
 
@@ -419,12 +444,17 @@ def logs(
     job: str,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep streaming.")] = False,
     attempt: Annotated[str | None, typer.Option("--attempt", help="A run_id.")] = None,
+    all_lines: Annotated[bool, typer.Option("--all", help="The whole log.")] = False,
+    tail: Annotated[
+        int, typer.Option("--tail", "-n", min=0, help="Show the last N lines (unless --all).")
+    ] = DEFAULT_TAIL_LINES,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """Print a job's logs (the latest attempt unless --attempt RUN_ID)."""
+    """Print a job's logs: the last 1,000 lines of the latest attempt (--all for the whole
+    log, --attempt RUN_ID for another attempt, -f to keep following)."""
     with _session(url, token) as http:
-        _stream_logs(http, job, follow=follow, run_id=attempt)
+        _stream_logs(http, job, follow=follow, run_id=attempt, tail=None if all_lines else tail)
 
 
 def cancel(
@@ -436,7 +466,9 @@ def cancel(
         if out is OutputFormat.json:
             output.print_json(data)
         else:
-            typer.echo(f"cancel requested: {data.get('job_id', job)} ({data.get('status')})")
+            typer.echo(
+                output.clean(f"cancel requested: {data.get('job_id', job)} ({data.get('status')})")
+            )
 
 
 def why(
@@ -448,15 +480,25 @@ def why(
         reason, state = data.get("pending_reason"), data.get("status")
         if out is OutputFormat.json:
             output.print_json(
-                {"job_id": data.get("job_id"), "status": state, "pending_reason": reason}
+                {
+                    "job_id": data.get("job_id"),
+                    "status": state,
+                    "pending_reason": reason,
+                    "node_problems": data.get("node_problems") or [],
+                }
             )
         elif reason:
             typer.echo("\n".join(output.pending_lines(reason)))
         elif state == JobStatus.PENDING:
-            typer.echo(f"job {job} is PENDING; the scheduler has not given a reason yet")
+            typer.echo(
+                output.clean(f"job {job} is PENDING; the scheduler has not given a reason yet")
+            )
         else:
             failure = f": {data['failure_reason']}" if data.get("failure_reason") else ""
-            typer.echo(f"job {job} is not pending: it is {state}{failure}")
+            typer.echo(output.clean(f"job {job} is not pending: it is {state}{failure}"))
+        if out is not OutputFormat.json:
+            for line in output.node_problem_lines(data):
+                typer.echo(output.clean(line))
 
 
 def nodes(out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None) -> None:

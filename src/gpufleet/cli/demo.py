@@ -4,6 +4,7 @@ workload for two teams to SUCCEEDED, as a user would see it (over the REST API).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -70,13 +71,25 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
     if "server_port" not in settings.model_fields_set:
         overrides["server_port"] = free_port()
     overrides["controller_address"] = f"127.0.0.1:{free_port()}"
+    overrides["join_address"] = f"127.0.0.1:{free_port()}"
     settings = settings.model_copy(update=overrides)
     script = example_script()
     console.print(f"[bold]gpufleet demo[/]: embedded platform in {data_dir}")
     # SIGTERM (a CI timeout, say) must still run the `finally` below, or the agent would
     # outlive the demo (agents survive their parent on purpose)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    platform = LocalPlatform(settings, gpus="8xH100-80GB")
+    from gpufleet.agent.runtime.jobuser import executable_by_others
+
+    job_uids = None
+    if os.geteuid() == 0 and not executable_by_others(sys.executable):
+        # The demo's jobs run this Python; unprivileged job users cannot, e.g. a pyenv Python
+        # under a 0700 /root. Say so and run them as the agent's user instead.
+        job_uids = "agent"
+        console.print(
+            f"[yellow]note:[/] {sys.executable} is not executable by other users, so the demo's "
+            "jobs run as the agent's own user (--job-uids agent), not as isolated job users"
+        )
+    platform = LocalPlatform(settings, gpus="8xH100-80GB", job_uids=job_uids)
     ensure_admin_token(platform.db)
     tokens = {}
     for team in ("vision", "nlp"):

@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from gpufleet.cli.client import register_client_commands
 from gpufleet.cli.config import client_config_path, write_client_config
+from gpufleet.cli.output import clean
 from gpufleet.domain.errors import GpufleetError
 from gpufleet.settings import Settings
 
@@ -73,14 +75,25 @@ def up(
     gpus: Annotated[
         str | None, typer.Option(help="Declared GPUs when NVML finds none, e.g. 8xH100-80GB.")
     ] = "8xH100-80GB",
+    insecure: Annotated[
+        bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
+    ] = False,
+    job_uids: Annotated[
+        str,
+        typer.Option(
+            help="Who the local agent runs jobs as: per-attempt uids, shared (the "
+            "gpufleet-job user) or agent (no isolation; development only)."
+        ),
+    ] = "per-attempt",
 ) -> None:
     """Start server + controller + one local agent on the embedded defaults (SQLite, local
-    object store) and print the URL and an admin token."""
+    object store, a fleet CA made on first start: mutual TLS with no setup) and print the
+    URL and an admin token."""
     from gpufleet.processes import LocalPlatform, ensure_admin_token, reusable_token
 
     _logging()
     settings = _settings(data_dir, server_port=port)
-    platform = LocalPlatform(settings, gpus=gpus)
+    platform = LocalPlatform(settings, gpus=gpus, insecure=insecure, job_uids=job_uids)
     cfg_path = client_config_path(settings.resolved_data_dir())
     token = reusable_token(platform.db, cfg_path) or ensure_admin_token(platform.db)
     platform.start()
@@ -137,17 +150,32 @@ def server(
 def controller(
     data_dir: DataDir = None,
     address: Annotated[str | None, typer.Option(help="gRPC bind host:port.")] = None,
+    join_address: Annotated[
+        str | None, typer.Option(help="Join service host:port (default: port + 1).")
+    ] = None,
+    insecure: Annotated[
+        bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
+    ] = False,
 ) -> None:
-    """Run the controller: gRPC for agents, and (while leader) the scheduler loops."""
+    """Run the controller: gRPC for agents (mutual TLS, certificates from the fleet CA made
+    by `gpufleet admin ca init`), and (while leader) the scheduler loops."""
     from gpufleet.controller.main import Controller
     from gpufleet.processes import open_database
     from gpufleet.queue import make_waker
+    from gpufleet.rpc.tls import PkiError
 
     _logging()
-    settings = _settings(data_dir, controller_address=address)
-    ctl = Controller(
-        settings, open_database(settings), make_waker(settings.redis_url, listen=True)
-    )
+    settings = _settings(data_dir, controller_address=address, join_address=join_address)
+    try:
+        ctl = Controller(
+            settings,
+            open_database(settings),
+            make_waker(settings.redis_url, listen=True),
+            insecure=insecure,
+        )
+    except PkiError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
     ctl.start()
     try:
         _wait_for_signal()
@@ -167,13 +195,57 @@ def agent(
     runtime: Annotated[
         str, typer.Option(help="Container engine for jobs with an image: podman, docker, none.")
     ] = "podman",
+    job_user: Annotated[
+        str,
+        typer.Option(help="Unprivileged user jobs run as (created when missing, as root)."),
+    ] = "gpufleet-job",
+    job_uids: Annotated[
+        str,
+        typer.Option(
+            help="per-attempt: each attempt its own uid in the job user's group; "
+            "shared: the job user's uid for every attempt; agent: the agent's own user "
+            "(no isolation; development only)."
+        ),
+    ] = "per-attempt",
+    jobs_dir: Annotated[
+        Path | None,
+        typer.Option(help="Root of job-visible attempt dirs (default /var/lib/gpufleet/jobs/…)."),
+    ] = None,
+    containment: Annotated[
+        str, typer.Option(help="auto (cgroup v2/v1, else PID namespace), or force pidns/none.")
+    ] = "auto",
     data_dir: DataDir = None,
+    controller: Annotated[
+        str | None, typer.Option(help="Controller gRPC host:port (GPUFLEET_CONTROLLER_ADDRESS).")
+    ] = None,
+    join_address: Annotated[
+        str | None, typer.Option(help="Controller join service host:port (default: port + 1).")
+    ] = None,
+    join_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="GPUFLEET_JOIN_TOKEN",
+            help="From `gpufleet admin node join-token`; needed when the state dir has no "
+            "node certificate.",
+        ),
+    ] = None,
+    ca_cert: Annotated[
+        Path | None,
+        typer.Option(help="Fleet CA certificate (default: fetched, checked against the token)."),
+    ] = None,
+    insecure: Annotated[
+        bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
+    ] = False,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
-    from gpufleet.agent.main import AgentAlreadyRunning, run_agent
+    import os
 
+    from gpufleet.agent.main import AgentAlreadyRunning, run_agent
+    from gpufleet.rpc.tls import PkiError
+
+    os.environ.pop("GPUFLEET_JOIN_TOKEN", None)  # read once; never inherited by a job
     _logging()
-    settings = _settings(data_dir)
+    settings = _settings(data_dir, controller_address=controller, join_address=join_address)
     if runtime not in ("podman", "docker", "none"):
         err.print(f"[red]error:[/] --runtime {runtime!r}: use podman, docker or none")
         raise typer.Exit(2)
@@ -193,10 +265,20 @@ def agent(
             state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
             labels=labels,
             container_runtime=runtime,
+            insecure=insecure,
+            join_token=join_token,
+            ca_cert=ca_cert,
+            job_user=job_user,
+            job_uids=job_uids,
+            jobs_dir=jobs_dir,
+            containment=containment,
         )
     except AgentAlreadyRunning as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(3) from None
+    except PkiError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(4) from None
     except ValueError as exc:  # e.g. a malformed --gpus spec
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
@@ -204,17 +286,28 @@ def agent(
 
 @admin_app.command("check")
 def admin_check(data_dir: DataDir = None) -> None:
-    """Check invariants 1-4 on the database; exit 1 if any is violated."""
+    """Check invariants 1-4 and stuck states (6: an attempt stopping longer than grace + 30 s,
+    an unconfirmed attempt older than the confirm timeout, GPUs held for a run its agent does
+    not know) on the database; exit 1 if any invariant is violated (warnings do not)."""
     from gpufleet.store.queries import check_database
 
-    view, violations = check_database(_admin_db(data_dir))
+    settings = _settings(data_dir)
+    view, findings = check_database(
+        _admin_db(data_dir),
+        grace_s=settings.default_grace_s,
+        confirm_timeout_s=settings.confirm_timeout_s,
+    )
+    violations = [v for v in findings if v.severity == "violation"]
+    for w in findings:
+        if w.severity != "violation":
+            out.print(f"[yellow]WARNING[/] {escape(str(w))}")
     gpus = sum(n.total_gpus for n in view.nodes)
     out.print(
         f"checked {len(view.nodes)} nodes ({gpus} GPUs), {len(view.reservations)} active "
         f"reservations, {len(view.jobs)} jobs, {len(view.runs)} attempts"
     )
     for v in violations:
-        out.print(f"[red]VIOLATION[/] {escape(str(v))}")
+        out.print(f"[red]VIOLATION[/] {escape(clean(str(v)))}")
     if violations:
         raise typer.Exit(1)
     out.print("[green]no violations[/]")
@@ -222,8 +315,10 @@ def admin_check(data_dir: DataDir = None) -> None:
 
 team_app = typer.Typer(help="Teams and their quotas.", no_args_is_help=True)
 node_app = typer.Typer(help="Operator actions on nodes.", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens: create, list, revoke.", no_args_is_help=True)
 admin_app.add_typer(team_app, name="team")
 admin_app.add_typer(node_app, name="node")
+admin_app.add_typer(token_app, name="token")
 
 
 def _admin_db(data_dir: Path | None) -> Database:
@@ -246,7 +341,7 @@ def _run_admin(data_dir: Path | None, fn: Callable[[Session], T]) -> T:
     try:
         return _admin_db(data_dir).run_write(fn)
     except GpufleetError as exc:
-        err.print(f"[red]error:[/] {escape(exc.message)}")
+        err.print(f"[red]error:[/] {escape(clean(exc.message))}")
         raise typer.Exit(2) from None
 
 
@@ -261,6 +356,17 @@ def _per_type(values: list[str] | None, flag: str) -> dict[str, int] | None:
             raise typer.Exit(2)
         out[gpu_type] = int(n)
     return out
+
+
+def _rate(value: str | None) -> float | None:
+    """``5/s``, ``5`` or ``0.5/s`` as submits per second."""
+    if value is None:
+        return None
+    try:
+        return float(value.strip().removesuffix("/s"))
+    except ValueError:
+        err.print(f"[red]error:[/] --submit-rate {escape(value)!r}: use a rate such as 5/s")
+        raise typer.Exit(2) from None
 
 
 @team_app.command("create")
@@ -288,9 +394,17 @@ def team_set(
     max_outstanding: Annotated[
         int | None, typer.Option(help="Unfinished jobs allowed (0 = no limit).")
     ] = None,
+    submit_rate: Annotated[
+        str | None,
+        typer.Option(help="Job submits per second, token bucket refill, e.g. 5/s (0 = no limit)."),
+    ] = None,
+    submit_burst: Annotated[
+        int | None, typer.Option(help="Submits allowed at once (the token bucket's size).")
+    ] = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Set a team's quota; the scheduler uses it from its next pass (no restart)."""
+    """Set a team's quota and limits; the scheduler uses the quota from its next pass and
+    the API servers the limits within a second (no restart)."""
     from gpufleet.services import teams
 
     upd = teams.QuotaUpdate(
@@ -299,6 +413,8 @@ def team_set(
         borrow_limit_gpus=borrow_limit,
         lending_limit_gpus=_per_type(lending_limit, "--lending-limit"),
         max_outstanding_jobs=max_outstanding,
+        submit_rate_per_s=_rate(submit_rate),
+        submit_burst=submit_burst,
     )
     _run_admin(data_dir, partial(teams.update_quota, team_id=name, upd=upd))
     out.print(f"team {name} updated")
@@ -315,9 +431,10 @@ def team_list(
     from rich.table import Table
 
     from gpufleet.services import teams
+    from gpufleet.services.limits import TeamLimits
 
     with _admin_db(data_dir).read() as s:
-        rows = teams.describe_teams(s)
+        rows = teams.describe_teams(s, TeamLimits.defaults(_settings(data_dir)))
     if output == "json":
         print(json.dumps(rows, indent=2))
         return
@@ -330,11 +447,13 @@ def team_list(
         "borrow limit",
         "allocated",
         "pending",
+        "max unfinished",
+        "submits/s (burst)",
         "GPU-h",
     ):
         table.add_column(col)
     for r in rows:
-        table.add_row(
+        cells = (
             r["team"],
             f"{r['weight']:g}",
             ", ".join(f"{k}={v}" for k, v in r["guaranteed_gpus"].items()) or "-",
@@ -342,38 +461,96 @@ def team_list(
             "unlimited" if r["borrow_limit_gpus"] is None else str(r["borrow_limit_gpus"]),
             ", ".join(f"{k}={v}" for k, v in r["allocated_gpus"].items()) or "-",
             str(r["pending_jobs"]),
+            str(r["max_outstanding_jobs"] or "unlimited"),
+            f"{r['submit_rate_per_s']:g} ({r['submit_burst']})"
+            if r["submit_rate_per_s"]
+            else "unlimited",
             f"{r['usage_gpu_s'] / 3600:.2f}",
         )
+        table.add_row(*(Text(clean(c)) for c in cells))
     out.print(table)
 
 
-def _node_action(node_id: str, to: str, message: str, data_dir: Path | None) -> None:
+def _node_action(
+    node_id: str, to: str, message: str, data_dir: Path | None, reason: str | None = None
+) -> None:
     from gpufleet.domain.states import NodeStatus
     from gpufleet.services import nodes
 
     before = _run_admin(
         data_dir,
-        partial(nodes.set_node_status, node_id=node_id, to=NodeStatus(to), message=message),
+        partial(
+            nodes.set_node_status,
+            node_id=node_id,
+            to=NodeStatus(to),
+            message=message,
+            reason=reason,
+        ),
     )
-    out.print(f"node {node_id}: {before} -> {to}")
+    out.print(
+        Text(clean(f"node {node_id}: {before} -> {to}" + (f" ({reason})" if reason else "")))
+    )
+
+
+Reason = Annotated[str | None, typer.Option("--reason", help="Why (kept on the node, shown).")]
 
 
 @node_app.command("cordon")
-def node_cordon(node_id: str, data_dir: DataDir = None) -> None:
+def node_cordon(node_id: str, reason: Reason = None, data_dir: DataDir = None) -> None:
     """No new placements on the node; running work continues."""
-    _node_action(node_id, "CORDONED", "cordoned by an operator", data_dir)
+    _node_action(node_id, "CORDONED", "cordoned by an operator", data_dir, reason)
 
 
 @node_app.command("uncordon")
 def node_uncordon(node_id: str, data_dir: DataDir = None) -> None:
-    """Accept placements again."""
+    """Accept placements again (also ends a FENCED node's exclusion)."""
     _node_action(node_id, "HEALTHY", "uncordoned by an operator", data_dir)
 
 
 @node_app.command("drain")
-def node_drain(node_id: str, data_dir: DataDir = None) -> None:
-    """No new placements; the node is cordoned once its running work has finished."""
-    _node_action(node_id, "DRAINING", "drain requested by an operator", data_dir)
+def node_drain(
+    node_id: str,
+    reason: Reason = None,
+    wait: Annotated[
+        bool, typer.Option("--wait/--no-wait", help="Wait until the node is drained.")
+    ] = True,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait (0 = forever).")] = 0.0,
+    data_dir: DataDir = None,
+) -> None:
+    """Cordon the node, then wait (showing what still runs) until its running work has ended;
+    the controller then marks it CORDONED (drained). Exit 1 on timeout."""
+    import time
+
+    from sqlalchemy import select
+
+    from gpufleet.services import nodes
+    from gpufleet.store.tables import NodeRow
+
+    _node_action(node_id, "DRAINING", "drain requested by an operator", data_dir, reason)
+    if not wait:
+        return
+    db = _admin_db(data_dir)
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    shown = None
+    while True:
+        with db.read() as s:
+            left = nodes.active_runs_on(s, node_id)
+            status = s.execute(
+                select(NodeRow.status).where(NodeRow.id == node_id)
+            ).scalar_one_or_none()
+        if not left:
+            out.print(f"node {node_id}: drained ({status})")
+            return
+        if shown != left:
+            shown = left
+            out.print(
+                f"node {node_id}: waiting for {len(left)} attempt(s): "
+                + ", ".join(f"{job} ({st})" for _, job, st in left)
+            )
+        if deadline is not None and time.monotonic() > deadline:
+            err.print(f"[red]timed out[/]: {len(left)} attempt(s) still on {node_id}")
+            raise typer.Exit(1)
+        time.sleep(1.0)
 
 
 @admin_app.command("prepull")
@@ -392,25 +569,180 @@ def admin_prepull(
         data_dir, partial(nodes.prepull_images, image=image, gpu_type=gpu_type or None)
     )
     if asked:
-        out.print(f"pre-pull of {image} asked of {len(asked)} node(s): {', '.join(asked)}")
+        nodes_asked = ", ".join(asked)
+        out.print(f"pre-pull of {escape(image)} asked of {len(asked)} node(s): {nodes_asked}")
     else:
-        out.print(f"no healthy node{' of type ' + gpu_type if gpu_type else ''} lacks {image}")
+        of_type = f" of type {escape(gpu_type)}" if gpu_type else ""
+        out.print(f"no healthy node{of_type} lacks {escape(image)}")
 
 
-@admin_app.command("token")
-def admin_token(
-    action: Annotated[str, typer.Argument(help="create")],
+@node_app.command("fence")
+def node_fence(
+    node_id: str,
+    confirm_dead: Annotated[
+        bool,
+        typer.Option(
+            "--confirm-dead",
+            help="Required: you vouch the node is dead (powered off, re-installed), so its"
+            " quarantined GPUs can be offered again.",
+        ),
+    ] = False,
+    reason: Reason = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Give a node up: its attempts are fenced (jobs re-placed), its QUARANTINED GPUs are
+    released, and it is FENCED (no placements until ``admin node uncordon``)."""
+    from gpufleet.services import nodes
+
+    if not confirm_dead:
+        err.print(
+            "[red]error:[/] --confirm-dead is required: fencing releases GPUs that processes"
+            " on the node might still use if it is alive"
+        )
+        raise typer.Exit(2)
+    settings = _settings(data_dir)
+    fenced, back = _run_admin(
+        data_dir,
+        partial(
+            nodes.operator_fence,
+            node_id=node_id,
+            reason=reason or "confirmed dead by an operator",
+            max_node_failures=settings.max_node_failures,
+        ),
+    )
+    out.print(f"node {node_id}: FENCED; {len(fenced)} attempt(s) fenced, {back} GPU(s) released")
+    for f in fenced:
+        out.print(f"  {f.job_id}: attempt {f.run_id} fenced; job -> {f.job_status or '-'}")
+
+
+ca_app = typer.Typer(help="The fleet CA (mutual TLS between controllers and agents).")
+admin_app.add_typer(ca_app, name="ca")
+
+PkiDir = Annotated[
+    Path | None, typer.Option("--pki-dir", help="CA directory (GPUFLEET_PKI_DIR; {data_dir}/pki).")
+]
+
+
+@ca_app.command("init")
+def ca_init(data_dir: DataDir = None, pki_dir: PkiDir = None) -> None:
+    """Make the fleet CA (ca.key mode 0600, ca.crt) that signs controller and node
+    certificates. Never replaces an existing one. Controllers need the directory; agents
+    need only a join token (it carries the CA's sha256)."""
+    from gpufleet.rpc import tls
+
+    settings = _settings(data_dir, pki_dir=pki_dir)
+    try:
+        ca = tls.init_ca(settings.resolved_pki_dir())
+    except tls.PkiError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    out.print(f"fleet CA created in {settings.resolved_pki_dir()}")
+    print(f"sha256:{ca.fingerprint}")
+
+
+def _duration_s(text: str, flag: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    num, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(num) * units[unit]
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        err.print(f"[red]error:[/] {flag} {text!r}: use e.g. 90s, 15m, 2h, 1d")
+        raise typer.Exit(2)
+    return value
+
+
+@node_app.command("join-token")
+def node_join_token(
+    node_id: Annotated[
+        str | None,
+        typer.Option(help="The only node id it may join as (needed to rejoin an existing node)."),
+    ] = None,
+    ttl: Annotated[str, typer.Option(help="Lifetime, e.g. 15m, 2h (10s .. 7d).")] = "15m",
+    data_dir: DataDir = None,
+    pki_dir: PkiDir = None,
+) -> None:
+    """A single-use join token for `gpufleet agent --join-token`; printed on the last line
+    (gfj1.<CA sha256>.<secret>; stored hashed; expires after --ttl)."""
+    from gpufleet.processes import new_join_token
+    from gpufleet.rpc.tls import PkiError
+
+    settings = _settings(data_dir, pki_dir=pki_dir)
+    try:
+        token, expires = new_join_token(
+            _admin_db(data_dir), settings, node_id, _duration_s(ttl, "--ttl")
+        )
+    except PkiError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    except GpufleetError as exc:
+        err.print(f"[red]error:[/] {escape(exc.message)}")
+        raise typer.Exit(2) from None
+    err.print(f"single use, expires {expires}; for node {node_id or '(any new id)'}")
+    print(token)
+
+
+@node_app.command("list")
+def node_list(
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
+    data_dir: DataDir = None,
+) -> None:
+    """Nodes and node ids with certificates: state, address, certificate serial and expiry."""
+    import json
+
+    from rich.table import Table
+
+    from gpufleet.services import node_identity
+
+    with _admin_db(data_dir).read() as s:
+        rows = node_identity.describe_nodes(s)
+    if output == "json":
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table()
+    for col in ("node", "state", "address", "cert serial", "cert expires", "revoked certs"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            escape(r["node_id"]),
+            r["status"],
+            escape(r["address"] or "-"),
+            r["cert_serial"] or "-",
+            r["cert_not_after"] or "-",
+            str(r["revoked_certs"]),
+        )
+    out.print(table)
+
+
+@node_app.command("revoke")
+def node_revoke(node_id: str, data_dir: DataDir = None) -> None:
+    """Revoke every certificate of the node: its next call to any controller is refused
+    (within 1 s). It rejoins only with a new join token made for it (--node-id)."""
+    from gpufleet.services import node_identity
+
+    n = _run_admin(data_dir, partial(node_identity.revoke_node, node_id=node_id))
+    out.print(f"node {node_id}: {n} certificate(s) revoked")
+
+
+@node_app.command("forget")
+def node_forget(node_id: str, data_dir: DataDir = None) -> None:
+    """Remove a node that holds no reserved GPUs: certificates revoked, capacity gone."""
+    from gpufleet.services import node_identity
+
+    n = _run_admin(data_dir, partial(node_identity.forget_node, node_id=node_id))
+    out.print(f"node {node_id} forgotten; {n} certificate(s) revoked")
+
+
+@token_app.command("create")
+def token_create(
     team: Annotated[str, typer.Option(help="The token's team (created if missing).")],
     name: str = "",
     admin: bool = False,
     data_dir: DataDir = None,
 ) -> None:
-    """Create an API token for a team; prints the raw token on the last line."""
+    """Create an API token for a team; prints the raw token on the last line (shown once)."""
     from gpufleet.services import auth
-
-    if action != "create":
-        err.print(f"[red]error:[/] unknown action {action!r} (use: create)")
-        raise typer.Exit(2)
 
     print(
         _run_admin(
@@ -423,6 +755,61 @@ def admin_token(
                 create_team_if_missing=True,
             ),
         )
+    )
+
+
+@token_app.command("list")
+def token_list(
+    team: Annotated[str | None, typer.Option(help="Only this team's tokens.")] = None,
+    active: Annotated[bool, typer.Option("--active", help="Hide revoked tokens.")] = False,
+    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
+    data_dir: DataDir = None,
+) -> None:
+    """List API tokens: id, team, name, admin, created, revoked (never the token itself)."""
+    import json
+
+    from rich.table import Table
+
+    from gpufleet.services import auth
+
+    with _admin_db(data_dir).read() as s:
+        rows = auth.list_tokens(s, team, include_revoked=not active)
+    if output == "json":
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table()
+    for col in ("id", "team", "name", "admin", "created", "revoked"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(
+            *(
+                Text(clean(str(v)))
+                for v in (
+                    r["id"],
+                    r["team"],
+                    r["name"] or "-",
+                    "yes" if r["admin"] else "no",
+                    r["created_at"] or "-",
+                    r["revoked_at"] or "-",
+                )
+            )
+        )
+    out.print(table)
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[str, typer.Argument(help="The token's id (admin token list).")],
+    data_dir: DataDir = None,
+) -> None:
+    """Revoke a token: every API server refuses it within a second."""
+    from gpufleet.services import auth
+
+    got = _run_admin(data_dir, partial(auth.revoke_token, token_id=token_id))
+    out.print(
+        f"token {escape(clean(got['id']))} (team {escape(got['team'])}) revoked at "
+        f"{got['revoked_at']}",
+        highlight=False,
     )
 
 

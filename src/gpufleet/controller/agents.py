@@ -1,4 +1,8 @@
-"""gRPC clients for node agents (controller -> agent calls), one channel per agent address."""
+"""gRPC clients for node agents (controller -> agent calls), one channel per (node, address).
+
+With TLS credentials, each channel presents the controller certificate and accepts only a
+server certificate naming that node (``<node>.node.gpufleet``): work and its secrets go only
+to the node they were placed on, even if another node registered the same address."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import threading
 
 import grpc
 
+from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
@@ -13,26 +18,39 @@ RPC_TIMEOUT_S = 5.0
 
 
 class AgentClients:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.AgentStub]] = {}
+    """``credentials``: the controller's TLS client credentials; None = plaintext
+    (``--insecure``)."""
 
-    def stub(self, address: str) -> pb_grpc.AgentStub:
+    def __init__(self, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._lock = threading.Lock()
+        self._credentials = credentials
+        self._stubs: dict[tuple[str, str], tuple[grpc.Channel, pb_grpc.AgentStub]] = {}
+
+    def stub(self, node_id: str, address: str) -> pb_grpc.AgentStub:
         with self._lock:
-            found = self._stubs.get(address)
+            found = self._stubs.get((node_id, address))
             if found is None:
-                channel = grpc.insecure_channel(address)
+                if self._credentials is None:
+                    channel = grpc.insecure_channel(address)
+                else:
+                    channel = tls.secure_channel(
+                        address, self._credentials, tls.node_target_name(node_id)
+                    )
                 found = (channel, pb_grpc.AgentStub(channel))
-                self._stubs[address] = found
+                self._stubs[(node_id, address)] = found
             return found[1]
 
-    def assign(self, address: str, req: pb.AssignJobRequest) -> pb.AssignJobResponse:
-        """Raises grpc.RpcError when the agent cannot be reached."""
-        resp: pb.AssignJobResponse = self.stub(address).AssignJob(req, timeout=RPC_TIMEOUT_S)
+    def assign(
+        self, node_id: str, address: str, req: pb.AssignJobRequest
+    ) -> pb.AssignJobResponse:
+        """Raises grpc.RpcError when the agent cannot be reached (or is not ``node_id``)."""
+        stub = self.stub(node_id, address)
+        resp: pb.AssignJobResponse = stub.AssignJob(req, timeout=RPC_TIMEOUT_S)
         return resp
 
-    def stop(self, address: str, req: pb.StopRunRequest) -> pb.StopRunResponse:
-        resp: pb.StopRunResponse = self.stub(address).StopRun(req, timeout=RPC_TIMEOUT_S)
+    def stop(self, node_id: str, address: str, req: pb.StopRunRequest) -> pb.StopRunResponse:
+        stub = self.stub(node_id, address)
+        resp: pb.StopRunResponse = stub.StopRun(req, timeout=RPC_TIMEOUT_S)
         return resp
 
     def close(self) -> None:

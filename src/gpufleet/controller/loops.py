@@ -8,6 +8,8 @@ agents happen only after commit.
 from __future__ import annotations
 
 import logging
+import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -115,6 +117,8 @@ class Scheduler:
         self._reasons_refreshed_s = 0.0
         self._stored: dict[str, object] | None = None
         self._stored_epoch = 0
+        self.stops: StopDriver | None = None
+        """Sends the StopRun of preemption victims (set by the controller's wiring)."""
         """pending_reason per waiting job as this leader last wrote it (saves decoding 10k
         JSON values every pass)."""
 
@@ -214,16 +218,20 @@ class Scheduler:
         )
         stats.preempted += len(orders)
         for o in orders:
-            self._pool.submit(
-                send_stop,
-                self.agents,
-                o.address,
-                o.run_id,
-                o.token,
-                self.leadership.epoch,
-                self.settings.default_grace_s,
-                "preempt",
-            )
+            if self.stops is not None:
+                self.stops.send(o.address, o.run_id, o.token, "preempt", node_id=o.node_id)
+            else:  # no stop driver wired (tests): the next stop-driver pass sends it
+                self._pool.submit(
+                    send_stop,
+                    self.agents,
+                    o.address,
+                    o.run_id,
+                    o.token,
+                    self.leadership.epoch,
+                    self.settings.default_grace_s,
+                    "preempt",
+                    node_id=o.node_id,
+                )
 
     def _store_reasons(
         self, waiting: Mapping[str, WaitReason], stored: dict[str, object], now_s: float
@@ -287,25 +295,42 @@ class Scheduler:
             if found is None:
                 return
             node_id, address, req = found
-            resp = self.agents.assign(address, req)
+            resp = self.agents.assign(node_id, address, req)
         except grpc.RpcError as exc:
             log.warning("AssignJob %s failed: %s (the reconciler retries)", run_id, exc.code())
             return
         except Exception:
             log.exception("dispatch of %s failed", run_id)
             return
-        if resp.result == pb.AssignJobResponse.REJECTED_STALE:
-            log.warning("agent rejected %s as stale: %s", run_id, resp.message)
-            report = runs.Report(
-                node_id=node_id,
+        if resp.result == pb.AssignJobResponse.NODE_UNHEALTHY:
+            # nothing was logged or started, and the agent refuses later copies: re-place the
+            # job elsewhere, charged to the node (no user retry), and stop placing there
+            log.warning("agent %s refused %s: %s", node_id, run_id, resp.message)
+            self.db.run_write(partial(nodes.mark_unhealthy, node_id=node_id, reason=resp.message))
+            record_never_started(
+                self.db,
+                self.store,
+                self.leadership,
                 run_id=run_id,
                 token=req.token,
-                outcome=runs.Outcome.NEVER_STARTED,
-                exit_code=0,
-                manifest_uri="",
+                message=resp.message or "node unhealthy",
+                node_fault=True,
+                max_node_failures=self.settings.max_node_failures,
+            )
+            return
+        if resp.result == pb.AssignJobResponse.REJECTED_STALE:
+            # the agent refused a run_id it had not logged (and tombstoned it): it never
+            # started. Leader-fenced: a deposed leader's late answer writes nothing, and a
+            # confirmed attempt is never overridden by this inference.
+            log.warning("agent %s rejected %s as stale: %s", node_id, run_id, resp.message)
+            record_never_started(
+                self.db,
+                self.store,
+                self.leadership,
+                run_id=run_id,
+                token=req.token,
                 message=f"agent refused it: {resp.message}",
             )
-            runs.complete_run(self.db, self.store, report)
             return
         self.db.run_write(partial(runs.mark_delivered, run_id=run_id))
 
@@ -348,8 +373,8 @@ class Scheduler:
             max_runtime_s=float(spec.get("max_runtime_s") or 0),
             attempt=run.attempt,
             working_dir=spec.get("working_dir") or "",
-            memory_mb=int(spec["resources"].get("memory_mb") or 0),
-            cpu=float(spec["resources"].get("cpu") or 0),
+            memory_mb=int((spec.get("resources") or {}).get("memory_mb") or 0),
+            cpu=float((spec.get("resources") or {}).get("cpu") or 0),
         )
         return node.id, node.address, req
 
@@ -357,14 +382,57 @@ class Scheduler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+STOP_RETRY_BASE_S = 0.5
+STOP_RETRY_CAP_S = 4.0
+STOP_VERIFY_EXTRA_S = 10.0
+"""StopRun re-send schedule. An unanswered StopRun (agent down, restarting, frozen) or a
+refused one is re-sent after ``min(cap, base * 2**failures)`` seconds times a jitter in
+[0.5, 1]; an acknowledged one (STOPPING) only after grace + ``STOP_VERIFY_EXTRA_S``, to
+verify the completion report is coming."""
+
+
+def stop_backoff_s(failures: int, rng: random.Random) -> float:
+    """Seconds before the next StopRun after ``failures`` consecutive failed sends."""
+    return min(STOP_RETRY_CAP_S, STOP_RETRY_BASE_S * 2.0 ** max(0, failures)) * rng.uniform(0.5, 1)
+
+
+@dataclass
+class _StopState:
+    due_s: float = 0.0
+    failures: int = 0
+    inflight: bool = False
+
+
 class StopDriver:
     """Turns cancel requests and max_runtime overruns into durable PREEMPTING + StopRun, and
-    re-sends StopRun for stops that have not been confirmed (idempotent at the agent)."""
+    drives every PREEMPTING attempt until it ends:
+
+    * a StopRun that was not answered is re-sent within seconds, with exponential backoff and
+      jitter (:func:`stop_backoff_s`); one the agent acknowledged is re-sent after grace + 10 s;
+    * NOT_FOUND from the agent is proof (its durable assignment log, plus a tombstone that
+      refuses a late AssignJob) that the attempt never started: the attempt ends at once as
+      NEVER_STARTED, leader-fenced, and its GPUs are released — unless it was confirmed
+      running, which an inference never overrides;
+    * a node that never answers is left to the failure detector (fencing, :class:`Reconciler`).
+
+    Sends run in a small pool so a frozen agent never blocks the loop; the schedule is leader
+    memory (a new leader sends every stop at once: StopRun is idempotent at the agent).
+    """
 
     def __init__(
-        self, db: Database, settings: Settings, leadership: Leadership, agents: AgentClients
+        self,
+        db: Database,
+        store: ObjectStore,
+        settings: Settings,
+        leadership: Leadership,
+        agents: AgentClients,
     ) -> None:
-        self.db, self.settings, self.leadership, self.agents = db, settings, leadership, agents
+        self.db, self.store, self.settings = db, store, settings
+        self.leadership, self.agents = leadership, agents
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="stop")
+        self._lock = threading.Lock()
+        self._state: dict[str, _StopState] = {}
+        self._rng = random.Random()
 
     def run_pass(self) -> int:
         if not self.leadership.is_leader:
@@ -375,10 +443,10 @@ class StopDriver:
             active = s.execute(
                 select(
                     JobRunRow.id,
+                    JobRunRow.node_id,
                     JobRunRow.status,
                     JobRunRow.token,
                     JobRunRow.started_at,
-                    JobRunRow.stop_requested_at,
                     JobRunRow.stop_reason,
                     JobRow.cancel_requested,
                     JobRow.max_runtime_s,
@@ -392,20 +460,21 @@ class StopDriver:
                     )
                 )
             ).all()
+        with self._lock:  # forget attempts that ended
+            live = {r.id for r in active}
+            for run_id in [r for r in self._state if r not in live]:
+                del self._state[run_id]
         sent = 0
+        mono = time.monotonic()
         for run in active:
-            cancel, max_runtime_s, address = run.cancel_requested, run.max_runtime_s, run.address
+            cancel, max_runtime_s = run.cancel_requested, run.max_runtime_s
             reason = None
             if run.status == RunStatus.PREEMPTING:
-                resend_after = self.settings.default_grace_s + 10.0
-                if (
-                    run.stop_requested_at
-                    and (now - run.stop_requested_at).total_seconds() > resend_after
-                ):
-                    reason = run.stop_reason
-                    self.db.run_write(partial(runs.renew_stop_request, run_id=run.id))
-                else:
-                    continue
+                with self._lock:
+                    st = self._state.get(run.id)
+                    if st is not None and (st.inflight or mono < st.due_s):
+                        continue
+                reason = run.stop_reason or "cancel"
             elif cancel:
                 reason = "cancel"
             elif (
@@ -433,16 +502,110 @@ class StopDriver:
                 if not ok:
                     continue
             sent += 1
-            send_stop(
+            self.send(run.address, run.id, run.token, reason, node_id=run.node_id)
+        return sent
+
+    def send(self, address: str, run_id: str, token: int, reason: str, *, node_id: str) -> None:
+        """Send StopRun from the pool (at most one in flight per attempt) and act on the
+        answer."""
+        with self._lock:
+            st = self._state.setdefault(run_id, _StopState())
+            if st.inflight:
+                return
+            st.inflight = True
+        self._pool.submit(self._send, address, run_id, token, reason, node_id)
+
+    def _send(self, address: str, run_id: str, token: int, reason: str, node_id: str) -> None:
+        delay: float | None = None
+        try:
+            resp = send_stop(
                 self.agents,
                 address,
-                run.id,
-                run.token,
+                run_id,
+                token,
                 self.leadership.epoch,
                 self.settings.default_grace_s,
                 reason,
+                node_id=node_id,
             )
-        return sent
+            delay = self._after(run_id, token, resp)
+        except Exception:
+            log.exception("StopRun %s: handling the answer failed", run_id)
+        finally:
+            with self._lock:
+                st = self._state.setdefault(run_id, _StopState())
+                st.inflight = False
+                if delay is None:  # unanswered or refused: soon, with backoff
+                    delay = stop_backoff_s(st.failures, self._rng)
+                    st.failures += 1
+                else:
+                    st.failures = 0
+                st.due_s = time.monotonic() + delay
+
+    def _after(self, run_id: str, token: int, resp: pb.StopRunResponse | None) -> float | None:
+        """Act on a StopRun answer; returns the delay before the next send (None: backoff)."""
+        if resp is None or resp.result == pb.StopRunResponse.REJECTED_STALE:
+            return None
+        if resp.result == pb.StopRunResponse.STOPPING:
+            return float(self.settings.default_grace_s) + STOP_VERIFY_EXTRA_S
+        if resp.result == pb.StopRunResponse.ALREADY_EXITED:
+            return STOP_VERIFY_EXTRA_S  # the agent's completion report is on its way
+        if resp.result == pb.StopRunResponse.NOT_FOUND:
+            result, why = record_never_started(
+                self.db,
+                self.store,
+                self.leadership,
+                run_id=run_id,
+                token=token,
+                message=f"the agent never had it ({resp.message or 'StopRun: not found'})",
+            )
+            log.info("StopRun %s: NOT_FOUND -> %s %s", run_id, result, why)
+            return None if result is None else STOP_VERIFY_EXTRA_S
+        return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def record_never_started(
+    db: Database,
+    store: ObjectStore,
+    leadership: Leadership,
+    *,
+    run_id: str,
+    token: int,
+    message: str,
+    node_fault: bool = False,
+    max_node_failures: int = 3,
+) -> tuple[runs.CompletionResult | None, str]:
+    """End an attempt the agent says it never had (NEVER_STARTED), leader-fenced; never
+    overrides a confirmed attempt. Returns (result, message); result None when this
+    controller is no longer the leader (nothing written)."""
+    with db.read() as s:
+        node_id = s.execute(
+            select(JobRunRow.node_id).where(JobRunRow.id == run_id)
+        ).scalar_one_or_none()
+    report = runs.Report(
+        node_id=node_id or "",
+        run_id=run_id,
+        token=token,
+        outcome=runs.Outcome.NEVER_STARTED,
+        exit_code=0,
+        manifest_uri="",
+        message=message,
+        node_fault=node_fault,
+    )
+    try:
+        return runs.complete_run(
+            db,
+            store,
+            report,
+            leader=(leadership.holder, leadership.epoch),
+            inferred=True,
+            max_node_failures=max_node_failures,
+        )
+    except NotLeader as exc:
+        return None, str(exc)
 
 
 def send_stop(
@@ -453,10 +616,14 @@ def send_stop(
     leader_epoch: int,
     grace_s: float,
     reason: str,
-) -> None:
-    """StopRun to the agent (idempotent there); failures are retried by the stop driver."""
+    *,
+    node_id: str,
+) -> pb.StopRunResponse | None:
+    """StopRun to the agent of ``node_id`` (idempotent there). Returns its answer, or None
+    when the agent did not answer (the stop driver re-sends)."""
     try:
-        resp = agents.stop(
+        resp: pb.StopRunResponse = agents.stop(
+            node_id,
             address,
             pb.StopRunRequest(
                 run_id=run_id,
@@ -466,16 +633,26 @@ def send_stop(
                 reason=reason,
             ),
         )
-        log.info(
-            "StopRun %s (%s): %s", run_id, reason, pb.StopRunResponse.Result.Name(resp.result)
-        )
     except grpc.RpcError as exc:
-        log.warning("StopRun %s failed: %s (re-sent later)", run_id, exc.code())
+        log.warning("StopRun %s failed: %s (re-sent soon)", run_id, exc.code())
+        return None
+    log.info("StopRun %s (%s): %s", run_id, reason, pb.StopRunResponse.Result.Name(resp.result))
+    return resp
 
 
 class Reconciler:
-    """Silence -> SUSPECT (never a release); undelivered or unconfirmed assignments -> AssignJob
-    again (idempotent per run_id, seed DD2)."""
+    """The failure detector and the reconciler of undelivered work.
+
+    * Silence for ``heartbeat_interval_s x suspect_after_missed`` -> SUSPECT: no placements,
+      nothing released (silence is a question, not an answer).
+    * Silence for ``fence_timeout_s`` -> the node's attempts are fenced in one leader-fenced
+      transaction (:func:`services.nodes.fence_node`): FENCED, jobs re-placed elsewhere with a
+      higher token, GPUs QUARANTINED until the agent reports the runs gone or an operator
+      confirms the node dead. The scheduler is woken at once.
+    * Undelivered or unconfirmed assignments on reachable nodes -> AssignJob again (idempotent
+      per run_id, seed DD2); the agent's answer settles them (started, failed to start, or
+      refused and tombstoned -> NEVER_STARTED).
+    """
 
     def __init__(
         self,
@@ -483,8 +660,10 @@ class Reconciler:
         settings: Settings,
         leadership: Leadership,
         dispatch: Callable[[str], None],
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.db, self.settings, self.leadership, self.dispatch = db, settings, leadership, dispatch
+        self.on_change = on_change
 
     def run_pass(self) -> None:
         if not self.leadership.is_leader:
@@ -493,6 +672,31 @@ class Reconciler:
         suspects = self.db.run_write(lambda s: nodes.mark_silent_nodes_suspect(s, silent_s))
         for node_id in suspects:
             log.warning("node %s is SUSPECT: no heartbeat for %.0f s", node_id, silent_s)
+        for node_id in self.db.run_write(nodes.finish_drains):
+            log.info("node %s drained: CORDONED", node_id)
+        try:
+            fenced = self.db.run_write(
+                partial(
+                    nodes.fence_silent_nodes,
+                    silent_for_s=max(self.settings.fence_timeout_s, silent_s),
+                    max_node_failures=self.settings.max_node_failures,
+                    leader_holder=self.leadership.holder,
+                    leader_epoch=self.leadership.epoch,
+                )
+            )
+        except NotLeader:
+            self.leadership.epoch = 0
+            return
+        for node_id, runs_fenced in fenced.items():
+            log.warning(
+                "node %s fenced after %.0f s of silence: %d attempt(s) fenced %s",
+                node_id,
+                self.settings.fence_timeout_s,
+                len(runs_fenced),
+                [(f.run_id, f.job_status) for f in runs_fenced],
+            )
+        if fenced:
+            self.on_change()
         with self.db.read() as s:
             now = db_now(s)
             cutoff = now - timedelta(seconds=self.settings.confirm_timeout_s)
@@ -502,7 +706,15 @@ class Reconciler:
                     .join(NodeRow, NodeRow.id == JobRunRow.node_id)
                     .where(
                         JobRunRow.status == RunStatus.ASSIGNED,
-                        NodeRow.status == NodeStatus.HEALTHY,
+                        # nodes that heartbeat: their agent answers (or refuses) the question
+                        NodeRow.status.in_(
+                            [
+                                NodeStatus.HEALTHY,
+                                NodeStatus.UNHEALTHY,
+                                NodeStatus.CORDONED,
+                                NodeStatus.DRAINING,
+                            ]
+                        ),
                         (
                             JobRunRow.assigned_at.is_(None)
                             & (JobRunRow.created_at < now - timedelta(seconds=2))

@@ -11,6 +11,7 @@ from concurrent import futures
 import grpc
 
 from gpufleet.controller.agents import AgentClients
+from gpufleet.controller.identity import BootstrapServicer, ControllerTls, NodeAuthenticator
 from gpufleet.controller.loops import Leadership, Reconciler, Scheduler, StopDriver
 from gpufleet.controller.servicer import ControllerServicer
 from gpufleet.objectstore import ObjectStore
@@ -25,29 +26,60 @@ log = logging.getLogger("gpufleet.controller")
 
 
 class Controller:
-    """Starts the gRPC server and three threads: leader lease, scheduler, upkeep (stop driver
-    and reconciler). ``stop()`` gives the lease back so a successor need not wait."""
+    """Starts the gRPC servers and three threads: leader lease, scheduler, upkeep (stop driver
+    and reconciler). ``stop()`` gives the lease back so a successor need not wait.
+
+    gRPC is mutual TLS with certificates from the fleet CA in ``settings.resolved_pki_dir()``
+    (``controller_address``: agents' calls, node certificate required; ``join_address``: Join
+    only, no client certificate). ``insecure=True`` serves plaintext instead, where anyone who
+    reaches the port can act as any node (a warning is logged at every start).
+
+    Raises:
+        tls.PkiError: no fleet CA (and not ``insecure``).
+    """
 
     def __init__(
-        self, settings: Settings, db: Database, waker: Waker, policy: PolicyConfig | None = None
+        self,
+        settings: Settings,
+        db: Database,
+        waker: Waker,
+        policy: PolicyConfig | None = None,
+        *,
+        insecure: bool = False,
     ) -> None:
         self.settings, self.db, self.waker = settings, db, waker
         self.store = ObjectStore(settings.resolved_object_store_url())
         self.leadership = Leadership(holder=f"{socket.gethostname()}:{os.getpid()}:{id(self):x}")
-        self.agents = AgentClients()
+        self.insecure = insecure
+        self.tls = (
+            None
+            if insecure
+            else ControllerTls(settings.resolved_pki_dir(), settings.tls_hostname_list())
+        )
+        self.agents = AgentClients(self.tls.agent_channel_credentials() if self.tls else None)
         self.scheduler = Scheduler(db, self.store, settings, self.leadership, self.agents, policy)
-        self.stops = StopDriver(db, settings, self.leadership, self.agents)
-        self.reconciler = Reconciler(db, settings, self.leadership, self.scheduler.dispatch)
+        self.stops = StopDriver(db, self.store, settings, self.leadership, self.agents)
+        self.scheduler.stops = self.stops
+        self.reconciler = Reconciler(
+            db, settings, self.leadership, self.scheduler.dispatch, on_change=waker.wake
+        )
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._server: grpc.Server | None = None
+        self._join_server: grpc.Server | None = None
         self.bound_port = 0
+        self.join_port = 0
 
     def start(self) -> None:
         self._acquire_once()
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ctl-rpc")
+            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ctl-rpc"),
+            # gRPC binds with SO_REUSEPORT by default: a second process on the same port would
+            # silently receive part of the agents' calls (and answer with another database's
+            # leader epoch). Refuse to share the port instead.
+            options=[("grpc.so_reuseport", 0)],
         )
+        auth = None if self.tls is None else NodeAuthenticator(self.db)
         pb_grpc.add_ControllerServicer_to_server(
             ControllerServicer(
                 self.db,
@@ -55,14 +87,41 @@ class Controller:
                 heartbeat_interval_s=self.settings.heartbeat_interval_s,
                 leader_epoch=lambda: self.leadership.epoch,
                 on_change=self.waker.wake,
+                auth=auth,
+                max_node_failures=self.settings.max_node_failures,
+                retry_backoff=(self.settings.retry_backoff_s, self.settings.retry_backoff_cap_s),
             ),
             server,
         )
-        self.bound_port = server.add_insecure_port(self.settings.controller_address)
-        if self.bound_port == 0:
-            raise RuntimeError(
-                f"cannot bind controller gRPC on {self.settings.controller_address}"
+        address = self.settings.controller_address
+        if self.tls is None or auth is None:
+            log.warning(
+                "INSECURE: controller gRPC on %s is plaintext and unauthenticated (--insecure):"
+                " anyone who reaches it can register as any node and report for any run",
+                address,
             )
+            self.bound_port = server.add_insecure_port(address)
+        else:
+            bootstrap = BootstrapServicer(
+                self.db, self.tls.ca, auth, self.settings.node_cert_ttl_s, self.waker.wake
+            )
+            pb_grpc.add_BootstrapServicer_to_server(bootstrap, server)
+            creds = self.tls.server_credentials(require_client_auth=True)
+            self.bound_port = server.add_secure_port(address, creds)
+            join = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ctl-join")
+            )
+            pb_grpc.add_BootstrapServicer_to_server(bootstrap, join)
+            join_address = self.settings.resolved_join_address()
+            self.join_port = join.add_secure_port(
+                join_address, self.tls.server_credentials(require_client_auth=False)
+            )
+            if self.join_port == 0:
+                raise RuntimeError(f"cannot bind the controller's join service on {join_address}")
+            join.start()
+            self._join_server = join
+        if self.bound_port == 0:
+            raise RuntimeError(f"cannot bind controller gRPC on {address}")
         server.start()
         self._server = server
         for name, target in (
@@ -74,8 +133,12 @@ class Controller:
             t.start()
             self._threads.append(t)
         log.info(
-            "controller listening on %s (leader epoch %d)",
+            "controller listening on %s (%s; leader epoch %d)",
             self.settings.controller_address,
+            "plaintext"
+            if self.tls is None
+            else f"mutual TLS, join service on port {self.join_port}, "
+            f"CA {self.tls.ca.fingerprint[:16]}",
             self.leadership.epoch,
         )
 
@@ -127,11 +190,14 @@ class Controller:
     def stop(self) -> None:
         self._stop.set()
         self.waker.close()
+        if self._join_server is not None:
+            self._join_server.stop(grace=0)
         if self._server is not None:
             self._server.stop(grace=2).wait()
         for t in self._threads:
             t.join(timeout=5)
         self.scheduler.close()
+        self.stops.close()
         self.agents.close()
         if self.leadership.is_leader:
             try:

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
 import grpc
+from sqlalchemy.exc import SQLAlchemyError
 
+from gpufleet.controller.identity import NodeAuthenticator
 from gpufleet.domain.errors import GpufleetError
 from gpufleet.domain.types import GpuDevice
 from gpufleet.objectstore import ObjectStore
+from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import nodes, runs
-from gpufleet.store.db import Database
+from gpufleet.store import leader
+from gpufleet.store.db import Database, is_unavailable, short_reason
 
 log = logging.getLogger("gpufleet.controller")
 T = TypeVar("T")
@@ -36,6 +41,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     """Args:
     leader_epoch: returns the epoch this controller leads at (0 when not leader).
     on_change: called after commits that free capacity or need the loops (wake-up hint).
+    auth: the caller's node id from its client certificate; None only with ``--insecure``
+        (plaintext: the node id is taken from the message, anyone can claim any node).
     """
 
     def __init__(
@@ -46,17 +53,32 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         heartbeat_interval_s: float,
         leader_epoch: Callable[[], int],
         on_change: Callable[[], None],
+        auth: NodeAuthenticator | None = None,
+        max_node_failures: int = 3,
+        retry_backoff: tuple[float, float] = (10.0, 300.0),
     ) -> None:
         self.db, self.store = db, store
+        self.max_node_failures = max_node_failures
+        self.retry_backoff = retry_backoff
         self.heartbeat_interval_s = heartbeat_interval_s
         self.leader_epoch = leader_epoch
         self.on_change = on_change
+        self.auth = auth
+
+    def _node(self, context: grpc.ServicerContext, method: str, claimed: str) -> str:
+        """The calling node: its certificate's, never the message's (``claimed`` must match
+        when set); the message's only in insecure mode."""
+        if self.auth is None:
+            return claimed
+        auth = self.auth  # the certificate check reads the database: errors mapped as below
+        return _guard(context, lambda: auth.node_of(context, method, claimed))
 
     def RegisterNode(
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNodeResponse:
+        node_id = self._node(context, "RegisterNode", request.node_id)
         inv = nodes.NodeInventory(
-            node_id=request.node_id,
+            node_id=node_id,
             address=request.address,
             agent_epoch=request.agent_epoch,
             gpus=tuple(GpuDevice(g.index, g.uuid, g.gpu_type, g.memory_mb) for g in request.gpus),
@@ -65,15 +87,23 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             labels=dict(request.labels),
             inventory_source=request.inventory_source or "declared",
         )
-        _guard(context, lambda: self.db.run_write(lambda s: nodes.register_node(s, inv)))
+        _guard(
+            context,
+            lambda: self.db.run_write(
+                lambda s: nodes.register_node(s, inv, max_node_failures=self.max_node_failures)
+            ),
+        )
         self.on_change()
+        with self.db.read() as s:
+            epoch = leader.current_epoch(s)  # the lease's, also when this replica is standby
         return pb.RegisterNodeResponse(
-            leader_epoch=self.leader_epoch(), heartbeat_interval_s=self.heartbeat_interval_s
+            leader_epoch=epoch, heartbeat_interval_s=self.heartbeat_interval_s
         )
 
     def ConfirmAssignment(
         self, request: pb.ConfirmAssignmentRequest, context: grpc.ServicerContext
     ) -> pb.ConfirmAssignmentResponse:
+        node_id = self._node(context, "ConfirmAssignment", request.node_id)
         result = _guard(
             context,
             lambda: self.db.run_write(
@@ -82,7 +112,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                     request.run_id,
                     request.token,
                     request.pid or None,
-                    _phases(request.start_phases) if request.HasField("start_phases") else None,
+                    node_id=node_id,
+                    start_phases=(
+                        _phases(request.start_phases) if request.HasField("start_phases") else None
+                    ),
                 )
             ),
         )
@@ -97,30 +130,43 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
+        node_id = self._node(context, "Heartbeat", request.node_id)
         running = [
             nodes.HeartbeatRun(r.run_id, r.job_id, r.token, r.state) for r in request.running
         ]
+        health = nodes.NodeHealth(
+            health=request.health or "HEALTHY",
+            disk_free_mb=dict(request.disk_free_mb),
+            recent_start_failures=request.recent_start_failures,
+        )
+        images = (
+            [
+                {"name": i.name, "digest": i.digest, "size_bytes": i.size_bytes}
+                for i in request.images
+            ]
+            if request.images_reported
+            else None
+        )
         verdict = _guard(
             context,
             lambda: self.db.run_write(
                 lambda s: nodes.heartbeat(
-                    s,
-                    request.node_id,
-                    request.agent_epoch,
-                    running,
-                    [
-                        {"name": i.name, "digest": i.digest, "size_bytes": i.size_bytes}
-                        for i in request.images
-                    ]
-                    if request.images_reported
-                    else None,
+                    s, node_id, request.agent_epoch, running, health, images=images
                 )
             ),
         )
         for h in verdict.confirm:
-            self.db.run_write(partial(runs.confirm_assignment, run_id=h.run_id, token=h.token))
+            _guard(
+                context,
+                partial(
+                    self.db.run_write,
+                    partial(
+                        runs.confirm_assignment, run_id=h.run_id, token=h.token, node_id=node_id
+                    ),
+                ),
+            )
             log.info("repaired lost confirm of %s from a heartbeat", h.run_id)
-        epoch = self.leader_epoch()
+        epoch = verdict.leader_epoch  # the lease's, also when this replica is standby
         return pb.HeartbeatResponse(
             leader_epoch=epoch,
             reregister=not verdict.known,
@@ -137,15 +183,26 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self, request: pb.ReportCompletionRequest, context: grpc.ServicerContext
     ) -> pb.ReportCompletionResponse:
         report = runs.Report(
-            node_id=request.node_id,
+            node_id=self._node(context, "ReportCompletion", request.node_id),
             run_id=request.run_id,
             token=request.token,
             outcome=_OUTCOME.get(request.outcome, runs.Outcome.EXITED),
             exit_code=request.exit_code,
             manifest_uri=request.manifest_uri,
             message=request.message,
+            node_fault=request.node_fault,
+            reason=request.reason,
         )
-        result, message = _guard(context, lambda: runs.complete_run(self.db, self.store, report))
+        result, message = _guard(
+            context,
+            lambda: runs.complete_run(
+                self.db,
+                self.store,
+                report,
+                max_node_failures=self.max_node_failures,
+                retry_backoff=self.retry_backoff,
+            ),
+        )
         log.info(
             "completion of %s (token %d, %s, exit %d): %s %s",
             report.run_id,
@@ -168,15 +225,35 @@ def _phases(p: pb.StartPhases) -> dict[str, object]:
     return out
 
 
+UNAVAILABLE_LOG_EVERY_S = 30.0
+"""While the database is down, one log line per this many seconds, not one per RPC."""
+_unavailable_logged_at = -UNAVAILABLE_LOG_EVERY_S
+
+
 def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
-    """Map GpufleetError to a gRPC status in one place (no traceback crosses the wire)."""
+    """Map errors to a gRPC status in one place (no traceback crosses the wire): GpufleetError
+    to INVALID_ARGUMENT / FAILED_PRECONDITION; the database unreachable to UNAVAILABLE and any
+    other database error to INTERNAL, both with a generic message (the driver's names hosts,
+    ports, users); the reason goes to the controller's log only."""
     try:
         return fn()
+    except SQLAlchemyError as exc:
+        if is_unavailable(exc):
+            global _unavailable_logged_at
+            if time.monotonic() - _unavailable_logged_at > UNAVAILABLE_LOG_EVERY_S:
+                _unavailable_logged_at = time.monotonic()
+                log.warning("database unavailable during RPCs: %s", short_reason(exc))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "database unavailable; retry later")
+        log.error("database error during an RPC", exc_info=exc)
+        context.abort(grpc.StatusCode.INTERNAL, "internal error; see the controller log")
+        raise  # unreachable: abort raises
     except GpufleetError as exc:
-        code = (
-            grpc.StatusCode.FAILED_PRECONDITION
-            if exc.http_status == 409
-            else grpc.StatusCode.INVALID_ARGUMENT
-        )
+        code = {
+            401: grpc.StatusCode.UNAUTHENTICATED,
+            403: grpc.StatusCode.PERMISSION_DENIED,
+            409: grpc.StatusCode.FAILED_PRECONDITION,
+        }.get(exc.http_status, grpc.StatusCode.INVALID_ARGUMENT)
+        if exc.http_status == 403:
+            log.warning("refused a call from %s: %s", tls.peer_name(context), exc.message)
         context.abort(code, f"{exc.code}: {exc.message}")
         raise  # unreachable: abort raises

@@ -50,11 +50,23 @@ class IdempotencyKeyReused(Conflict):
 
 
 class LimitExceeded(GpufleetError):
-    """A team limit (outstanding jobs) refuses more work for now."""
+    """A team limit (unfinished jobs, submit rate) refuses more work for now. ``field`` names
+    the limit; ``retry_after_s`` is when a retry may succeed (the API's ``Retry-After``)."""
 
     code = "limit_exceeded"
     http_status = 429
     retryable = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        code: str | None = None,
+        retry_after_s: float = 1.0,
+    ):
+        super().__init__(message, field=field, code=code)
+        self.retry_after_s = retry_after_s
 
 
 class IllegalTransition(GpufleetError):

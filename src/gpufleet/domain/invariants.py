@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from gpufleet.domain.states import (
     JOB_TERMINAL,
     RESERVATION_ACTIVE,
+    RESERVATION_LIVE,
     RUN_ACTIVE,
 )
 
@@ -26,6 +27,9 @@ class NodeView:
     total_gpus: int
     available_gpus: int
     gpu_holders: Mapping[int, str | None] = field(default_factory=dict)
+    last_heartbeat_s: float | None = None
+    listed_runs: frozenset[str] | None = None
+    """Run ids the agent listed in its last heartbeat (None: unknown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,11 @@ class RunView:
     status: str
     token: int
     completion_accepted: bool
+    node_id: str = ""
+    created_at_s: float | None = None
+    started_at_s: float | None = None
+    """When the agent confirmed the start (None: unconfirmed)."""
+    stop_requested_at_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,20 +73,37 @@ class InvariantView:
 
 
 @dataclass(frozen=True, slots=True)
+class StuckLimits:
+    """Thresholds of the "nothing stays stuck" checks (invariant 6), seconds, on the same
+    clock as the view's times (the database's)."""
+
+    now_s: float
+    grace_s: float
+    confirm_timeout_s: float
+    margin_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
 class Violation:
-    """One broken invariant: ``invariant`` is 1-4 (ARCHITECTURE.md); ``subject`` is the id
-    involved."""
+    """One broken invariant: ``invariant`` is 1-4 (ARCHITECTURE.md) or 6 (nothing stays
+    stuck); ``subject`` is the id involved (the job id for stuck attempts). ``severity``:
+    ``violation`` (a bug) or ``warning`` (stuck longer than it should be; the reconciler may
+    still settle it)."""
 
     invariant: int
     subject: str
     message: str
+    severity: str = "violation"
 
     def __str__(self) -> str:
-        return f"invariant {self.invariant} [{self.subject}]: {self.message}"
+        label = "invariant" if self.severity == "violation" else "warning (invariant"
+        close = "" if self.severity == "violation" else ")"
+        return f"{label} {self.invariant}{close} [{self.subject}]: {self.message}"
 
 
-def check_invariants(view: InvariantView) -> list[Violation]:
-    """Return every violation of invariants 1-4 in ``view`` (empty list when all hold).
+def check_invariants(view: InvariantView, stuck: StuckLimits | None = None) -> list[Violation]:
+    """Return every violation of invariants 1-4 in ``view`` (empty list when all hold), and
+    with ``stuck`` the stuck states of invariant 6 (:func:`check_stuck`).
 
     1. Per node: GPUs of active reservations + available == total, and active reservations'
        gpu_ids are disjoint and match the per-GPU holder records.
@@ -89,8 +115,71 @@ def check_invariants(view: InvariantView) -> list[Violation]:
     active = [r for r in view.reservations if r.status in RESERVATION_ACTIVE]
     out.extend(_capacity_adds_up(view.nodes, active))
     out.extend(_gpus_held_once(view.nodes, active))
-    out.extend(_one_authoritative_attempt(view.jobs, view.runs, active))
+    # a QUARANTINED reservation holds GPUs of its node (1, 2) but belongs to no job (3)
+    live = [r for r in active if r.status in RESERVATION_LIVE]
+    out.extend(_one_authoritative_attempt(view.jobs, view.runs, live))
     out.extend(_one_accepted_completion(view.runs))
+    if stuck is not None:
+        out.extend(check_stuck(view, stuck))
+    return out
+
+
+def check_stuck(view: InvariantView, limits: StuckLimits) -> list[Violation]:
+    """Invariant 6, nothing stays stuck, each finding named by the job id:
+
+    * violation: an attempt stopping (PREEMPTING) longer than grace + margin;
+    * warning: an attempt not confirmed within the confirm timeout (+ margin);
+    * warning: a confirmed attempt holding a reservation that its node's agent did not list
+      in a heartbeat sent well after the start (the agent does not know it).
+    """
+    out: list[Violation] = []
+    nodes = {n.node_id: n for n in view.nodes}
+    live = {r.run_id for r in view.reservations if r.status in RESERVATION_LIVE}
+    for run in sorted(view.runs, key=lambda r: r.run_id):
+        if run.status not in RUN_ACTIVE:
+            continue
+        if run.status == "PREEMPTING" and run.stop_requested_at_s is not None:
+            age = limits.now_s - run.stop_requested_at_s
+            if age > limits.grace_s + limits.margin_s:
+                out.append(
+                    Violation(
+                        6,
+                        run.job_id,
+                        f"attempt {run.run_id} has been stopping for {age:.0f} s"
+                        f" (grace {limits.grace_s:.0f} s + {limits.margin_s:.0f} s)",
+                    )
+                )
+        if run.started_at_s is None and run.created_at_s is not None:
+            age = limits.now_s - run.created_at_s
+            if age > limits.confirm_timeout_s + limits.margin_s:
+                out.append(
+                    Violation(
+                        6,
+                        run.job_id,
+                        f"attempt {run.run_id} on {run.node_id} unconfirmed for {age:.0f} s"
+                        f" (confirm timeout {limits.confirm_timeout_s:.0f} s)",
+                        severity="warning",
+                    )
+                )
+        node = nodes.get(run.node_id)
+        if (
+            run.run_id in live
+            and run.started_at_s is not None
+            and node is not None
+            and node.listed_runs is not None
+            and node.last_heartbeat_s is not None
+            and node.last_heartbeat_s - run.started_at_s > limits.margin_s
+            and run.run_id not in node.listed_runs
+        ):
+            out.append(
+                Violation(
+                    6,
+                    run.job_id,
+                    f"attempt {run.run_id} holds GPUs on {run.node_id}, whose agent does not"
+                    " know it (absent from its last heartbeat)",
+                    severity="warning",
+                )
+            )
     return out
 
 

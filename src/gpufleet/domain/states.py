@@ -37,6 +37,9 @@ class RunStatus(enum.StrEnum):
     FAILED = "FAILED"
     PREEMPTED = "PREEMPTED"
     CANCELLED = "CANCELLED"
+    FENCED = "FENCED"
+    """Its node was lost (silent past the fence timeout, its agent's state wiped, or an
+    operator's fence): the token is revoked, the job moved on; the GPUs stay QUARANTINED."""
 
 
 class ReservationStatus(enum.StrEnum):
@@ -44,6 +47,9 @@ class ReservationStatus(enum.StrEnum):
     CONFIRMED = "CONFIRMED"
     RELEASED = "RELEASED"
     EXPIRED = "EXPIRED"
+    QUARANTINED = "QUARANTINED"
+    """The attempt was fenced but nobody has said its processes are gone: the GPUs are not
+    offered until the agent reports the run gone or an operator confirms the node dead."""
 
 
 class NodeStatus(enum.StrEnum):
@@ -53,6 +59,9 @@ class NodeStatus(enum.StrEnum):
     CORDONED = "CORDONED"
     DRAINING = "DRAINING"
     FENCED = "FENCED"
+    UNHEALTHY = "UNHEALTHY"
+    """The agent reports a failed check (disk below its reserve, repeated start failures):
+    no placements until the check passes again."""
 
 
 class Machine(enum.StrEnum):
@@ -94,6 +103,9 @@ RUN_TRANSITIONS: Final[Mapping[tuple[RunStatus, RunStatus], str]] = MappingProxy
         (R.PREEMPTING, R.CANCELLED): "STOPPED_FOR_CANCEL",
         (R.PREEMPTING, R.FAILED): "STOPPED_FOR_TIMEOUT",
         (R.PREEMPTING, R.SUCCEEDED): "COMPLETED_BEFORE_STOP",
+        (R.ASSIGNED, R.FENCED): "NODE_FENCED",
+        (R.RUNNING, R.FENCED): "NODE_FENCED",
+        (R.PREEMPTING, R.FENCED): "NODE_FENCED",
     }
 )
 
@@ -105,6 +117,10 @@ RESERVATION_TRANSITIONS: Final[Mapping[tuple[ReservationStatus, ReservationStatu
             (V.CONFIRMED, V.RELEASED): "RELEASED_ON_AGENT_WORD",
             (V.RESERVED, V.EXPIRED): "EXPIRED_AFTER_RECONCILE",
             (V.CONFIRMED, V.EXPIRED): "EXPIRED_AFTER_RECONCILE",
+            (V.RESERVED, V.QUARANTINED): "NODE_FENCED",
+            (V.CONFIRMED, V.QUARANTINED): "NODE_FENCED",
+            (V.QUARANTINED, V.RELEASED): "AGENT_REPORTED_GONE",
+            (V.QUARANTINED, V.EXPIRED): "OPERATOR_CONFIRMED_DEAD",
         }
     )
 )
@@ -114,7 +130,20 @@ NODE_TRANSITIONS: Final[Mapping[tuple[NodeStatus, NodeStatus], str]] = MappingPr
         (N.HEALTHY, N.SUSPECT): "HEARTBEATS_MISSED",
         (N.SUSPECT, N.HEALTHY): "HEARTBEAT_RESUMED",
         (N.SUSPECT, N.QUARANTINED): "UNREACHABLE",
-        (N.QUARANTINED, N.HEALTHY): "OPERATOR_UNQUARANTINE",
+        (N.HEALTHY, N.QUARANTINED): "AGENT_STATE_LOST",
+        (N.UNHEALTHY, N.QUARANTINED): "AGENT_STATE_LOST",
+        (N.QUARANTINED, N.HEALTHY): "FENCED_RUNS_GONE",
+        (N.HEALTHY, N.UNHEALTHY): "HEALTH_CHECK_FAILED",
+        (N.SUSPECT, N.UNHEALTHY): "HEALTH_CHECK_FAILED",
+        (N.UNHEALTHY, N.HEALTHY): "HEALTH_CHECK_PASSED",
+        (N.UNHEALTHY, N.SUSPECT): "HEARTBEATS_MISSED",
+        (N.UNHEALTHY, N.CORDONED): "OPERATOR_CORDON",
+        (N.UNHEALTHY, N.DRAINING): "OPERATOR_DRAIN",
+        (N.UNHEALTHY, N.FENCED): "OPERATOR_FENCE",
+        (N.QUARANTINED, N.CORDONED): "OPERATOR_CORDON",
+        (N.SUSPECT, N.DRAINING): "OPERATOR_DRAIN",
+        (N.CORDONED, N.CORDONED): "OPERATOR_CORDON",
+        (N.FENCED, N.CORDONED): "OPERATOR_CORDON",
         (N.HEALTHY, N.CORDONED): "OPERATOR_CORDON",
         (N.SUSPECT, N.CORDONED): "OPERATOR_CORDON",
         (N.CORDONED, N.HEALTHY): "OPERATOR_UNCORDON",
@@ -153,6 +182,10 @@ RUN_TERMINAL: Final = _terminal(RunStatus, RUN_TRANSITIONS)
 RESERVATION_TERMINAL: Final = _terminal(ReservationStatus, RESERVATION_TRANSITIONS)
 RUN_ACTIVE: Final = frozenset(set(RunStatus) - RUN_TERMINAL)
 RESERVATION_ACTIVE: Final = frozenset(set(ReservationStatus) - RESERVATION_TERMINAL)
+"""Reservations that hold GPUs (capacity is not offered): live ones and QUARANTINED ones."""
+RESERVATION_LIVE: Final = frozenset({ReservationStatus.RESERVED, ReservationStatus.CONFIRMED})
+"""Reservations that belong to a job's current attempt (QUARANTINED ones belong to nobody)."""
+NODE_PLACEABLE: Final = frozenset({NodeStatus.HEALTHY})
 
 
 def check_transition(machine: Machine, frm: str, to: str) -> str:

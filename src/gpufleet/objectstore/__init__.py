@@ -8,8 +8,10 @@ under ``jobs/{job_id}/attempts/{run_id}/``.
 from __future__ import annotations
 
 import hashlib
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import fsspec
 
@@ -61,6 +63,18 @@ class ObjectStore:
             self.fs.put_file(str(local_path), path)
         return self.uri(key)
 
+    def put_fileobj(self, key: str, src: BinaryIO, chunk_bytes: int = 1 << 20) -> str:
+        """Upload from an open binary file (read in chunks, to its end); returns the URI.
+        Local stores write a temporary name and rename, like :meth:`put_file`."""
+        path = self._path(key)
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        tmp = path + ".part" if self._protocol == "file" else path
+        with self.fs.open(tmp, "wb") as out:
+            shutil.copyfileobj(src, out, chunk_bytes)
+        if tmp != path:
+            self.fs.mv(tmp, path)
+        return self.uri(key)
+
     def put_bytes(self, key: str, data: bytes) -> str:
         path = self._path(key)
         self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
@@ -76,6 +90,54 @@ class ObjectStore:
         with self.fs.open(self._path(key), "rb") as f:
             f.seek(start)
             return bytes(f.read() if end is None else f.read(max(0, end - start)))
+
+    def iter_range(
+        self, key: str, start: int = 0, end: int | None = None, chunk_bytes: int = 1 << 16
+    ) -> Iterator[bytes]:
+        """Yield bytes ``[start, end)`` of ``key`` (to its end when ``end`` is None) in chunks
+        of at most ``chunk_bytes``: never the whole object in memory. An object replaced while
+        it is read (a log re-uploaded) is read as it was when opened.
+
+        Raises:
+            FileNotFoundError: no such object (on the first ``next``).
+        """
+        with self.fs.open(self._path(key), "rb") as f:
+            f.seek(start)
+            pos = start
+            while end is None or pos < end:
+                want = chunk_bytes if end is None else min(chunk_bytes, end - pos)
+                chunk = f.read(want)
+                if not chunk:
+                    return
+                pos += len(chunk)
+                yield bytes(chunk)
+
+    def tail_start(self, key: str, lines: int, block_bytes: int = 1 << 16) -> int:
+        """Byte offset where the last ``lines`` lines of ``key`` begin, found by reading
+        backwards from the end in blocks of ``block_bytes`` (0 when it has fewer lines; a
+        final newline ends the last line, it does not start another).
+
+        Raises:
+            FileNotFoundError: no such object.
+        """
+        with self.fs.open(self._path(key), "rb") as f:
+            size = int(f.seek(0, 2))
+            if lines <= 0 or size == 0:
+                return size
+            f.seek(size - 1)
+            needed = lines + (1 if f.read(1) == b"\n" else 0)
+            found, pos = 0, size
+            while pos > 0:
+                n = min(block_bytes, pos)
+                pos -= n
+                f.seek(pos)
+                buf: bytes = f.read(n)
+                i: int = len(buf)
+                while (i := buf.rfind(b"\n", 0, i)) >= 0:
+                    found += 1
+                    if found == needed:
+                        return pos + i + 1
+            return 0
 
     def get_file(self, key: str, local_path: str | Path) -> None:
         Path(local_path).parent.mkdir(parents=True, exist_ok=True)

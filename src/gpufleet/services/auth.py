@@ -6,11 +6,12 @@ import hashlib
 import re
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import Conflict, Unauthenticated, ValidationFailed
+from gpufleet.domain.errors import Conflict, NotFound, Unauthenticated, ValidationFailed
 from gpufleet.domain.ids import new_id
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import ApiTokenRow, TeamRow
@@ -72,7 +73,7 @@ def create_token(
     ValidationFailed for an unknown team unless ``create_team_if_missing``."""
     if create_team_if_missing:
         create_team(session, team_id, exist_ok=True)
-    if session.get(TeamRow, team_id) is None:
+    if not TEAM_NAME.match(team_id) or session.get(TeamRow, team_id) is None:
         raise ValidationFailed(f"no team {team_id!r}; create it first", field="team")
     raw = "gft_" + secrets.token_urlsafe(32)
     session.add(
@@ -99,3 +100,46 @@ def authenticate(session: Session, raw: str | None) -> Principal:
     if row is None or row.revoked_at is not None:
         raise Unauthenticated("invalid or revoked token")
     return Principal(team_id=row.team_id, is_admin=row.is_admin, token_id=row.id)
+
+
+def describe_token(row: ApiTokenRow) -> dict[str, Any]:
+    """A token as operators see it: never the token or its hash."""
+    return {
+        "id": row.id,
+        "team": row.team_id,
+        "name": row.name,
+        "admin": row.is_admin,
+        "created_at": _iso(row.created_at),
+        "revoked_at": _iso(row.revoked_at),
+    }
+
+
+def list_tokens(
+    session: Session, team_id: str | None = None, include_revoked: bool = True
+) -> list[dict[str, Any]]:
+    """Tokens (oldest first), of one team or all, as :func:`describe_token` shows them."""
+    if team_id is not None and not TEAM_NAME.match(team_id):
+        return []  # no team has such a name (and odd bytes never reach the database)
+    q = select(ApiTokenRow).order_by(ApiTokenRow.created_at, ApiTokenRow.id)
+    if team_id is not None:
+        q = q.where(ApiTokenRow.team_id == team_id)
+    if not include_revoked:
+        q = q.where(ApiTokenRow.revoked_at.is_(None))
+    return [describe_token(r) for r in session.scalars(q)]
+
+
+def revoke_token(session: Session, token_id: str) -> dict[str, Any]:
+    """Revoke token ``token_id`` (idempotent: a revoked token keeps its first ``revoked_at``).
+    API servers refuse it within ``PRINCIPAL_TTL_S`` (api.app). Raises NotFound."""
+    shaped = 0 < len(token_id) <= 64 and "\x00" not in token_id
+    row = session.get(ApiTokenRow, token_id, with_for_update=True) if shaped else None
+    if row is None:
+        raise NotFound(f"no token {token_id!r}", field="token_id")
+    if row.revoked_at is None:
+        row.revoked_at = db_now(session)
+        session.flush()
+    return describe_token(row)
+
+
+def _iso(ts: Any) -> str | None:
+    return ts.isoformat().replace("+00:00", "Z") if ts else None

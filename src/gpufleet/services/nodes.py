@@ -6,16 +6,24 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
-from gpufleet.domain.states import RUN_ACTIVE, Machine, NodeStatus, RunStatus
+from gpufleet.domain.errors import NotFound, ValidationFailed
+from gpufleet.domain.states import (
+    RUN_ACTIVE,
+    JobStatus,
+    Machine,
+    NodeStatus,
+    ReservationStatus,
+    RunStatus,
+)
 from gpufleet.domain.types import GpuDevice
+from gpufleet.services import runs
 from gpufleet.services.jobs import forget_fleet_shapes
-from gpufleet.store import allocate
+from gpufleet.store import allocate, leader
 from gpufleet.store.dialect import db_now
-from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
+from gpufleet.store.tables import JobRow, JobRunRow, NodeRow, ReservationRow
 from gpufleet.store.transitions import record_event, transition
 
 
@@ -31,9 +39,42 @@ class NodeInventory:
     inventory_source: str
 
 
-def register_node(session: Session, inv: NodeInventory) -> None:
+def fence_lost_agent_state(
+    session: Session, node: NodeRow, *, reason: str, max_node_failures: int = 3
+) -> None:
+    """The node's agent lost its state (re-installed, wiped state dir, rejoined with a new
+    certificate): it cannot know the attempts the database gave this node, so they are
+    fenced at once (jobs re-placed with a higher token; GPUs QUARANTINED until the fresh
+    agent's heartbeats list none of them, or an operator fences the node)."""
+    has_active = session.execute(
+        select(JobRunRow.id)
+        .where(JobRunRow.node_id == node.id, JobRunRow.status.in_(sorted(RUN_ACTIVE)))
+        .limit(1)
+    ).first()
+    fence_node(
+        session,
+        node.id,
+        reason=reason,
+        max_node_failures=max_node_failures,
+        node_to=NodeStatus.QUARANTINED
+        if has_active
+        and node.status in (NodeStatus.HEALTHY, NodeStatus.SUSPECT, NodeStatus.UNHEALTHY)
+        else None,
+    )
+    session.refresh(node)
+
+
+def register_node(session: Session, inv: NodeInventory, *, max_node_failures: int = 3) -> None:
     """Insert or refresh a node. A re-registration may change address, labels and epoch;
-    a changed GPU count is refused while GPUs are reserved (an operator must drain first)."""
+    a changed GPU count is refused while GPUs are reserved (an operator must drain first).
+
+    Agent epochs: a restarted agent registers with a higher epoch (its state dir keeps a
+    counter); the same epoch again is a retried registration. A *lower* epoch means the
+    agent's state dir was wiped (a re-installed node): it is accepted, but the agent cannot
+    know the attempts the database gave this node, so they are fenced at once (jobs re-placed,
+    GPUs QUARANTINED until the fresh agent's first heartbeat lists none of them), and the node
+    continues under the new epoch. Who may register as a node id is decided by its identity
+    (certificates), not by the epoch."""
     if not inv.gpus:
         raise ValidationFailed("a node must have at least one GPU", field="gpus")
     forget_fleet_shapes()
@@ -74,8 +115,14 @@ def register_node(session: Session, inv: NodeInventory) -> None:
         )
         return
     if inv.agent_epoch < node.agent_epoch:
-        raise Conflict(
-            f"agent epoch {inv.agent_epoch} < known {node.agent_epoch}", field="agent_epoch"
+        fence_lost_agent_state(
+            session,
+            node,
+            reason=(
+                f"agent state lost (agent epoch {inv.agent_epoch} < known {node.agent_epoch}:"
+                " re-installed or wiped state dir)"
+            ),
+            max_node_failures=max_node_failures,
         )
     allocate.set_inventory(session, inv.node_id, inv.gpus)
     node.address, node.labels, node.cpu, node.memory_mb = (
@@ -128,6 +175,18 @@ class HeartbeatVerdict:
     """Runs the agent runs whose confirmation was lost: confirm them (lost ack != lost work)."""
     prepull: tuple[str, ...] = ()
     """Images the node should pull ahead of jobs (asked by ``prepull_images``; sent once)."""
+    leader_epoch: int = 0
+    """The current lease's epoch (the agent believes it; see ``agent.core``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHealth:
+    """What the agent says about itself in a heartbeat."""
+
+    health: str = "HEALTHY"
+    """``HEALTHY`` or what is wrong (``node unhealthy: disk: ...``, ``UNKILLABLE: ...``)."""
+    disk_free_mb: dict[str, int] | None = None
+    recent_start_failures: int = 0
 
 
 def heartbeat(
@@ -135,26 +194,47 @@ def heartbeat(
     node_id: str,
     agent_epoch: int,
     running: list[HeartbeatRun],
+    health: NodeHealth | None = None,
     images: list[dict[str, Any]] | None = None,
 ) -> HeartbeatVerdict:
-    """Record liveness and compare the agent's running set with the database.
+    """Record liveness and health and compare the agent's running set with the database.
+
+    A health other than ``HEALTHY`` makes a HEALTHY node UNHEALTHY (no placements; the
+    reason is shown by ``why`` and ``gpufleet nodes``); ``HEALTHY`` again restores it.
 
     ``images``: the node's local container images (``name``, ``digest``, ``size_bytes``), or
     None when the agent did not report them (the stored list stays). Pending pre-pulls of the
     node are handed out once, in the verdict."""
     now = db_now(session)
+    lease_epoch = leader.current_epoch(session)
     node = session.get(NodeRow, node_id)
     if node is None:
-        return HeartbeatVerdict(known=False)
-    if agent_epoch < node.agent_epoch:
-        return HeartbeatVerdict(known=True)  # a stale agent process; its successor speaks
-    values: dict[str, Any] = {"last_heartbeat_at": now}
+        return HeartbeatVerdict(known=False, leader_epoch=lease_epoch)
+    if agent_epoch < node.agent_epoch:  # a stale agent process; its successor speaks
+        return HeartbeatVerdict(known=True, leader_epoch=lease_epoch)
+    values: dict[str, object] = {"last_heartbeat_at": now}
     if images is not None and images != (node.images or []):
         values["images"] = images
     prepull = tuple(node.prepull or ())
     if prepull:
         values["prepull"] = None
+    if health is not None:
+        values["health"] = {
+            "health": health.health,
+            "disk_free_mb": dict(health.disk_free_mb or {}),
+            "recent_start_failures": health.recent_start_failures,
+            # what the agent knows, for the invariant checker's "stuck" checks
+            "runs": sorted(h.run_id for h in running),
+        }
     session.execute(update(NodeRow).where(NodeRow.id == node_id).values(**values))
+    # fenced runs the agent no longer lists are gone (it kills a fenced run it still has,
+    # through the stop list below, before it stops listing it): their GPUs come back
+    release_gone_quarantined(
+        session,
+        node_id,
+        {h.run_id for h in running},
+        message="the agent reports the fenced run gone",
+    )
     if node.status == NodeStatus.SUSPECT:
         transition(
             session,
@@ -166,8 +246,10 @@ def heartbeat(
             message="heartbeat resumed",
             node_id=node_id,
         )
+    if health is not None:
+        apply_health(session, node_id, health.health, now=now)
     if not running:
-        return HeartbeatVerdict(known=True, prepull=prepull)
+        return HeartbeatVerdict(known=True, prepull=prepull, leader_epoch=lease_epoch)
     rows = {
         r.id: (r, cur, epoch)
         for r, cur, epoch in session.execute(
@@ -189,7 +271,13 @@ def heartbeat(
                 stop.append(h)
         elif run.status == RunStatus.ASSIGNED and h.state == "RUNNING":
             confirm.append(h)
-    return HeartbeatVerdict(known=True, stop=tuple(stop), confirm=tuple(confirm), prepull=prepull)
+    return HeartbeatVerdict(
+        known=True,
+        stop=tuple(stop),
+        confirm=tuple(confirm),
+        prepull=prepull,
+        leader_epoch=lease_epoch,
+    )
 
 
 def prepull_images(session: Session, image: str, gpu_type: str | None = None) -> list[str]:
@@ -218,11 +306,21 @@ def prepull_images(session: Session, image: str, gpu_type: str | None = None) ->
     return asked
 
 
-def set_node_status(session: Session, node_id: str, to: NodeStatus, *, message: str) -> str:
-    """Operator actions (cordon, drain, uncordon, fence...). Returns the previous status."""
+def set_node_status(
+    session: Session, node_id: str, to: NodeStatus, *, message: str, reason: str | None = None
+) -> str:
+    """Operator actions (cordon, drain, uncordon...). ``reason`` is kept on the node (shown
+    by ``gpufleet nodes`` and ``why``); HEALTHY clears it. Returns the previous status.
+
+    Raises:
+        NotFound: no such node.
+        IllegalTransition: the node's status has no edge to ``to`` (e.g. QUARANTINED ->
+            DRAINING: its GPUs are not known free; fence it or wait for its agent).
+    """
     node = session.get(NodeRow, node_id)
     if node is None:
         raise NotFound(f"no node {node_id!r}", field="node_id")
+    why = None if to == NodeStatus.HEALTHY else (reason or message)
     return transition(
         session,
         Machine.NODE,
@@ -230,9 +328,45 @@ def set_node_status(session: Session, node_id: str, to: NodeStatus, *, message: 
         to,
         now=db_now(session),
         frm=[node.status],
-        message=message,
+        values={"status_reason": why},
+        message=f"{message}: {reason}" if reason else message,
         node_id=node_id,
     )
+
+
+def active_runs_on(session: Session, node_id: str) -> list[tuple[str, str, str]]:
+    """(run_id, job_id, status) of the node's active attempts."""
+    return [
+        (r, j, s)
+        for r, j, s in session.execute(
+            select(JobRunRow.id, JobRunRow.job_id, JobRunRow.status)
+            .where(JobRunRow.node_id == node_id, JobRunRow.status.in_(sorted(RUN_ACTIVE)))
+            .order_by(JobRunRow.id)
+        )
+    ]
+
+
+def finish_drains(session: Session) -> list[str]:
+    """DRAINING nodes with no active attempt left -> CORDONED (drained). Returns their ids."""
+    now = db_now(session)
+    done = []
+    for node_id in session.scalars(
+        select(NodeRow.id).where(NodeRow.status == NodeStatus.DRAINING)
+    ):
+        if active_runs_on(session, node_id):
+            continue
+        transition(
+            session,
+            Machine.NODE,
+            node_id,
+            NodeStatus.CORDONED,
+            now=now,
+            frm=[NodeStatus.DRAINING],
+            message="drained: no attempt left on the node",
+            node_id=node_id,
+        )
+        done.append(node_id)
+    return done
 
 
 def mark_silent_nodes_suspect(session: Session, silent_for_s: float) -> list[str]:
@@ -245,7 +379,8 @@ def mark_silent_nodes_suspect(session: Session, silent_for_s: float) -> list[str
     ids = list(
         session.scalars(
             select(NodeRow.id).where(
-                NodeRow.status == NodeStatus.HEALTHY, NodeRow.last_heartbeat_at < cutoff
+                NodeRow.status.in_([NodeStatus.HEALTHY, NodeStatus.UNHEALTHY]),
+                NodeRow.last_heartbeat_at < cutoff,
             )
         )
     )
@@ -256,8 +391,364 @@ def mark_silent_nodes_suspect(session: Session, silent_for_s: float) -> list[str
             node_id,
             NodeStatus.SUSPECT,
             now=now,
-            frm=[NodeStatus.HEALTHY],
+            frm=[NodeStatus.HEALTHY, NodeStatus.UNHEALTHY],
             message=f"no heartbeat for {silent_for_s:.0f} s",
             node_id=node_id,
         )
     return ids
+
+
+# ---------------------------------------------------------------------- fencing (seed DD3)
+
+
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    """One attempt fenced: its job's next status (None: the job had already moved on)."""
+
+    run_id: str
+    job_id: str
+    job_status: str | None
+
+
+def fence_node(
+    session: Session,
+    node_id: str,
+    *,
+    reason: str,
+    max_node_failures: int,
+    node_to: NodeStatus | None = None,
+    leader_holder: str | None = None,
+    leader_epoch: int | None = None,
+) -> list[Fenced]:
+    """Fence every active attempt of ``node_id`` in this one transaction.
+
+    Each attempt -> FENCED (its token is revoked: the job moves on, and a report or confirm
+    under that token is STALE), its reservation -> QUARANTINED (the GPUs are not offered
+    again until the agent reports the run gone or an operator confirms the node dead), and
+    its job: CANCELLED if a cancel was asked, PENDING if it was being preempted, FAILED if it
+    was being stopped for its max runtime, else PENDING for a new attempt elsewhere while it
+    has lost at most ``max_node_failures`` attempts to nodes (node losses never consume
+    ``max_retries``), FAILED after that. The team is charged the GPU-time up to now.
+
+    Args:
+        node_to: the node's new status (e.g. QUARANTINED), or None to leave it.
+        leader_holder, leader_epoch: when given, checked against the lease in this
+            transaction (the failure detector); an operator's fence passes None.
+
+    Raises:
+        NotLeader: the lease moved on.
+        NotFound: no such node.
+    """
+    now = db_now(session)
+    if leader_holder is not None and leader_epoch is not None:
+        leader.assert_leader(session, leader_holder, leader_epoch, now)
+    node = session.get(NodeRow, node_id, with_for_update=True)
+    if node is None:
+        raise NotFound(f"no node {node_id!r}", field="node_id")
+    out: list[Fenced] = []
+    active = session.scalars(
+        select(JobRunRow)
+        .where(JobRunRow.node_id == node_id, JobRunRow.status.in_(sorted(RUN_ACTIVE)))
+        .order_by(JobRunRow.id)
+    ).all()
+    for run in active:
+        job = session.get(JobRow, run.job_id, with_for_update=True)
+        assert job is not None
+        transition(
+            session,
+            Machine.RUN,
+            run.id,
+            RunStatus.FENCED,
+            now=now,
+            frm=[run.status],
+            guard={"token": run.token},
+            values={"finished_at": now, "message": f"fenced: {reason}", "charged_to": "node"},
+            job_id=job.id,
+            run_id=run.id,
+            node_id=node_id,
+            message=reason,
+        )
+        res = session.execute(
+            select(ReservationRow).where(ReservationRow.run_id == run.id).with_for_update()
+        ).scalar_one_or_none()
+        if res is not None and res.status in (
+            ReservationStatus.RESERVED,
+            ReservationStatus.CONFIRMED,
+        ):
+            transition(
+                session,
+                Machine.RESERVATION,
+                res.id,
+                ReservationStatus.QUARANTINED,
+                now=now,
+                frm=[res.status],
+                job_id=job.id,
+                run_id=run.id,
+                node_id=node_id,
+                message=reason,
+            )
+            runs.charge_usage(
+                session, job.team_id, res.gpu_count, reserved_at=run.created_at, released_at=now
+            )
+        current = job.current_run_id == run.id and job.fencing_epoch == run.token
+        job_to = _job_after_fence(session, job, run, max_node_failures) if current else None
+        if job_to is not None:
+            to, why = job_to
+            values: dict[str, object] = {"pending_reason": None}
+            if to != JobStatus.PENDING:
+                values.update(finished_at=now, failure_reason=None if to == "CANCELLED" else why)
+            transition(
+                session,
+                Machine.JOB,
+                job.id,
+                to,
+                now=now,
+                frm=[job.status],
+                guard={"fencing_epoch": run.token},
+                values=values,
+                job_id=job.id,
+                run_id=run.id,
+                node_id=node_id,
+                message=why,
+            )
+        out.append(Fenced(run.id, job.id, job_to[0] if job_to else None))
+    if node_to is not None and node.status != node_to:
+        transition(
+            session,
+            Machine.NODE,
+            node_id,
+            node_to,
+            now=now,
+            frm=[node.status],
+            values={"status_reason": reason},
+            node_id=node_id,
+            message=f"{reason}; {len(out)} attempt(s) fenced",
+        )
+    record_event(
+        session,
+        "fence",
+        now=now,
+        node_id=node_id,
+        message=f"{reason}: fenced {len(out)} attempt(s)",
+        details={"runs": [f.run_id for f in out]},
+    )
+    return out
+
+
+def _job_after_fence(
+    session: Session, job: JobRow, run: JobRunRow, max_node_failures: int
+) -> tuple[JobStatus, str] | None:
+    if job.status not in (JobStatus.SCHEDULED, JobStatus.RUNNING):
+        return None
+    if run.stop_reason == "cancel" or job.cancel_requested:
+        return JobStatus.CANCELLED, "cancelled; its node was fenced"
+    if run.stop_reason == "preempt":
+        return JobStatus.PENDING, "preempted; its node was fenced; requeued"
+    if run.stop_reason == "timeout":
+        return JobStatus.FAILED, "TIMEOUT: ran past max_runtime_s (its node was then fenced)"
+    session.flush()
+    lost = session.execute(
+        select(func.count())
+        .select_from(JobRunRow)
+        .where(JobRunRow.job_id == job.id, JobRunRow.charged_to == "node")
+    ).scalar_one()
+    if lost <= max_node_failures:
+        return JobStatus.PENDING, (
+            f"its node {run.node_id} was lost ({lost} of {max_node_failures} node losses);"
+            " requeued for a new attempt elsewhere (no user retry used)"
+        )
+    return JobStatus.FAILED, f"lost {lost} attempts to failed nodes (max_node_failures)"
+
+
+def release_gone_quarantined(
+    session: Session, node_id: str, still_known: set[str] | None, *, message: str
+) -> int:
+    """Release the QUARANTINED reservations of ``node_id`` whose runs the agent does not list
+    (``still_known``; None = release all: an operator confirmed the node dead, -> EXPIRED).
+    A QUARANTINED node with none left becomes HEALTHY. Returns the GPUs returned."""
+    now = db_now(session)
+    held = session.scalars(
+        select(ReservationRow.run_id).where(
+            ReservationRow.node_id == node_id,
+            ReservationRow.status == ReservationStatus.QUARANTINED,
+        )
+    ).all()
+    back = 0
+    left = 0
+    for run_id in held:
+        if still_known is not None and run_id in still_known:
+            left += 1
+            continue
+        back += allocate.release(
+            session,
+            run_id=run_id,
+            now=now,
+            to=ReservationStatus.EXPIRED if still_known is None else ReservationStatus.RELEASED,
+            message=message,
+            only_quarantined=True,
+        )
+    if still_known is not None and left == 0:
+        node = session.get(NodeRow, node_id)
+        if node is not None and node.status == NodeStatus.QUARANTINED:
+            transition(
+                session,
+                Machine.NODE,
+                node_id,
+                NodeStatus.HEALTHY,
+                now=now,
+                frm=[NodeStatus.QUARANTINED],
+                values={"status_reason": None},
+                node_id=node_id,
+                message="the agent is back and its fenced runs are gone",
+            )
+    return back
+
+
+def fence_silent_nodes(
+    session: Session,
+    *,
+    silent_for_s: float,
+    max_node_failures: int,
+    leader_holder: str,
+    leader_epoch: int,
+) -> dict[str, list[Fenced]]:
+    """The failure detector's second step: SUSPECT nodes silent for ``silent_for_s`` become
+    QUARANTINED with their attempts fenced; CORDONED/DRAINING nodes that fall silent keep
+    their status but their attempts are fenced too. One transaction per call, leader-fenced.
+    Returns node id -> fenced attempts."""
+    from datetime import timedelta
+
+    now = db_now(session)
+    cutoff = now - timedelta(seconds=silent_for_s)
+    rows = session.execute(
+        select(NodeRow.id, NodeRow.status).where(
+            NodeRow.last_heartbeat_at < cutoff,
+            NodeRow.status.in_([NodeStatus.SUSPECT, NodeStatus.CORDONED, NodeStatus.DRAINING]),
+        )
+    ).all()
+    out: dict[str, list[Fenced]] = {}
+    for node_id, status in rows:
+        if (
+            status != NodeStatus.SUSPECT
+            and not session.execute(
+                select(JobRunRow.id)
+                .where(JobRunRow.node_id == node_id, JobRunRow.status.in_(sorted(RUN_ACTIVE)))
+                .limit(1)
+            ).first()
+        ):
+            continue
+        out[node_id] = fence_node(
+            session,
+            node_id,
+            reason=f"no heartbeat for {silent_for_s:.0f} s (fence timeout)",
+            max_node_failures=max_node_failures,
+            node_to=NodeStatus.QUARANTINED if status == NodeStatus.SUSPECT else None,
+            leader_holder=leader_holder,
+            leader_epoch=leader_epoch,
+        )
+    return out
+
+
+def operator_fence(
+    session: Session, node_id: str, *, reason: str, max_node_failures: int
+) -> tuple[list[Fenced], int]:
+    """``gpufleet admin node fence NODE --confirm-dead``: the operator vouches that the node
+    is dead (powered off, re-installed). Its remaining attempts are fenced, every QUARANTINED
+    reservation of it is EXPIRED (its GPUs offered again) and the node is FENCED (no
+    placements until ``admin node uncordon``). Returns (attempts fenced, GPUs returned).
+
+    Raises:
+        NotFound: no such node.
+    """
+    fenced = fence_node(
+        session,
+        node_id,
+        reason=f"operator fence: {reason}",
+        max_node_failures=max_node_failures,
+        node_to=NodeStatus.FENCED,
+    )
+    back = release_gone_quarantined(
+        session, node_id, None, message=f"operator confirmed the node dead: {reason}"
+    )
+    return fenced, back
+
+
+def apply_health(session: Session, node_id: str, health: str, *, now: datetime) -> None:
+    """HEALTHY/SUSPECT -> UNHEALTHY on a failed check, UNHEALTHY -> HEALTHY when it passes;
+    other statuses (an operator's cordon, quarantine) are left alone. Reads the node's
+    status afresh (earlier steps of the same transaction may have moved it)."""
+    row = session.execute(
+        select(NodeRow.status, NodeRow.status_reason).where(NodeRow.id == node_id)
+    ).first()
+    if row is None:
+        return
+    status, reason = row
+    if health != "HEALTHY" and status in (NodeStatus.HEALTHY, NodeStatus.SUSPECT):
+        transition(
+            session,
+            Machine.NODE,
+            node_id,
+            NodeStatus.UNHEALTHY,
+            now=now,
+            frm=[status],
+            values={"status_reason": health},
+            node_id=node_id,
+            message=health,
+        )
+    elif health != "HEALTHY" and status == NodeStatus.UNHEALTHY:
+        if reason != health:
+            session.execute(
+                update(NodeRow).where(NodeRow.id == node_id).values(status_reason=health)
+            )
+    elif health == "HEALTHY" and status == NodeStatus.UNHEALTHY:
+        transition(
+            session,
+            Machine.NODE,
+            node_id,
+            NodeStatus.HEALTHY,
+            now=now,
+            frm=[NodeStatus.UNHEALTHY],
+            values={"status_reason": None},
+            node_id=node_id,
+            message="health check passed",
+        )
+
+
+def mark_unhealthy(session: Session, node_id: str, reason: str) -> None:
+    """The agent refused work as unhealthy (e.g. its disk): no placements there until its
+    heartbeat reports HEALTHY again."""
+    apply_health(session, node_id, reason or "node unhealthy", now=db_now(session))
+
+
+def node_problems(session: Session, job: JobRow) -> list[dict[str, str | None]]:
+    """Nodes a job waits on that cannot take work now (for ``why`` and ``status``): for a
+    SCHEDULED/RUNNING job, its attempt's node if it is not HEALTHY (e.g. SUSPECT: its start
+    or its stop waits for the node); for a PENDING job, the nodes that could hold it but are
+    SUSPECT, QUARANTINED, UNHEALTHY, CORDONED, DRAINING or FENCED. Each:
+    ``{"node_id", "status", "reason"}``."""
+    from gpufleet.store.tables import NodeCapacityRow
+
+    def one(n: NodeRow) -> dict[str, str | None]:
+        return {"node_id": n.id, "status": n.status, "reason": n.status_reason}
+
+    if job.status in (JobStatus.SCHEDULED, JobStatus.RUNNING) and job.current_run_id:
+        node = session.execute(
+            select(NodeRow)
+            .join(JobRunRow, JobRunRow.node_id == NodeRow.id)
+            .where(JobRunRow.id == job.current_run_id)
+        ).scalar_one_or_none()
+        return [one(node)] if node is not None and node.status != NodeStatus.HEALTHY else []
+    if job.status != JobStatus.PENDING:
+        return []
+    types = set((job.spec.get("resources") or {}).get("gpu_types") or [])
+    rows = session.execute(
+        select(NodeRow, NodeCapacityRow.total_gpus)
+        .join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
+        .where(NodeRow.status != NodeStatus.HEALTHY)
+        .order_by(NodeRow.id)
+    ).all()
+    return [
+        one(n)
+        for n, total in rows
+        if total >= job.gpu_count and (not types or n.gpu_type in types)
+    ]

@@ -30,6 +30,7 @@ class StopOrder:
     run_id: str
     token: int
     address: str
+    node_id: str = ""
 
 
 def apply_preempt(
@@ -60,7 +61,7 @@ def apply_preempt(
             message=f"preempted for {decision.for_job_id} ({decision.reason})",
             for_job_id=decision.for_job_id,
         )
-        orders.append(StopOrder(run.id, run.token, address))
+        orders.append(StopOrder(run.id, run.token, address, run.node_id))
     gpus = decision.gpu_count or sum(len(r.gpu_ids) for r, _ in rows)
     hold = session.get(GpuHoldRow, decision.for_job_id)
     if hold is None:

@@ -6,14 +6,17 @@ the job, and capacity is returned only on the agent's word that the processes ar
 from __future__ import annotations
 
 import enum
+import random
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.manifest import MANIFEST_NAME, Manifest
+from gpufleet.domain.errors import Forbidden
+from gpufleet.domain.manifest import MANIFEST_NAME, Manifest, file_problem
 from gpufleet.domain.states import (
     RUN_TERMINAL,
     JobStatus,
@@ -27,6 +30,7 @@ from gpufleet.policy.usage import UsageLedger
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
+from gpufleet.store.leader import assert_leader
 from gpufleet.store.tables import JobRow, JobRunRow, ReservationRow, TeamRow
 from gpufleet.store.transitions import record_event, transition
 
@@ -41,14 +45,23 @@ def confirm_assignment(
     run_id: str,
     token: int,
     pid: int | None = None,
+    *,
+    node_id: str | None = None,
     start_phases: dict[str, Any] | None = None,
 ) -> Confirm:
     """The agent started ``run_id``: RESERVED -> CONFIRMED, ASSIGNED -> RUNNING, job -> RUNNING.
     Idempotent; a stale or unknown attempt is REJECTED (the agent then stops it).
 
     ``start_phases``: how the node started it (``runtime``, ``image`` warm/cold, ``pull_s``,
-    ``create_s``, ``start_s`` in seconds); stored on the attempt and in the event message."""
+    ``create_s``, ``start_s`` in seconds); stored on the attempt and in the event message.
+
+    Raises:
+        Forbidden: ``node_id`` (the caller's certified node, if given) is not the node the
+            attempt was placed on; nothing changes.
+    """
     run = session.get(JobRunRow, run_id, with_for_update=True)
+    if run is not None and node_id is not None and run.node_id != node_id:
+        raise Forbidden(f"run {run_id} is not placed on node {node_id!r}", field="run_id")
     job = session.get(JobRow, run.job_id) if run else None
     if (
         run is None
@@ -165,15 +178,6 @@ def mark_delivered(session: Session, run_id: str) -> None:
     )
 
 
-def renew_stop_request(session: Session, run_id: str) -> None:
-    """Restart the clock of an unconfirmed stop (its StopRun is being re-sent)."""
-    session.execute(
-        update(JobRunRow)
-        .where(JobRunRow.id == run_id, JobRunRow.status == RunStatus.PREEMPTING)
-        .values(stop_requested_at=db_now(session))
-    )
-
-
 class Outcome(enum.StrEnum):
     EXITED = "EXITED"
     STOPPED = "STOPPED"
@@ -195,6 +199,17 @@ class Report:
     exit_code: int
     manifest_uri: str
     message: str = ""
+    node_fault: bool = False
+    """NEVER_STARTED because of the node: charged to the node, not the job's retries."""
+    reason: str = ""  # machine-readable cause from the agent: "" or OOM_KILLED
+
+
+OOM_KILLED = "OOM_KILLED"
+
+
+NODE_FAULTS_TO_CORDON = 3
+NODE_FAULT_WINDOW_S = 600.0
+"""A node charged with this many start failures within this window is cordoned."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +221,10 @@ class Verified:
 
 def verify_manifest(store: ObjectStore, job_id: str, report: Report) -> Verified:
     """Every listed object exists with its size and sha256, the manifest is where the attempt's
-    manifest must be, and it carries the reported token (seed DD8). Object-store I/O: call
-    outside any transaction."""
+    manifest must be, and it carries the reported job, run and token (seed DD8). Each key must
+    be the normalised ``{attempt prefix}/{kind folder}/{path}`` (no ``..``, absolute path or
+    backslash: ``domain.manifest.file_problem``), so nothing outside the attempt is vouched
+    for. Object-store I/O: call outside any transaction."""
     if not report.manifest_uri:
         return Verified(False, "no manifest")
     expected_key = f"{attempt_prefix(job_id, report.run_id)}/{MANIFEST_NAME}"
@@ -218,11 +235,17 @@ def verify_manifest(store: ObjectStore, job_id: str, report: Report) -> Verified
         manifest = Manifest.from_json(store.get_bytes(key))
     except (ValueError, FileNotFoundError, OSError) as exc:
         return Verified(False, f"manifest unreadable: {exc}")
-    if manifest.run_id != report.run_id or manifest.token != report.token:
-        return Verified(False, "manifest run_id/token differ from the report")
+    if (
+        manifest.job_id != job_id
+        or manifest.run_id != report.run_id
+        or manifest.token != report.token
+    ):
+        return Verified(False, "manifest job_id/run_id/token differ from the report")
+    prefix = attempt_prefix(job_id, report.run_id)
     for f in manifest.files:
-        if not f.key.startswith(attempt_prefix(job_id, report.run_id) + "/"):
-            return Verified(False, f"{f.key} is outside the attempt's prefix")
+        problem = file_problem(f, prefix)
+        if problem is not None:
+            return Verified(False, problem)
         try:
             if store.size(f.key) != f.size or store.sha256(f.key) != f.sha256:
                 return Verified(False, f"{f.key}: size or sha256 mismatch")
@@ -231,22 +254,58 @@ def verify_manifest(store: ObjectStore, job_id: str, report: Report) -> Verified
     return Verified(True, manifest=manifest)
 
 
-def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[CompletionResult, str]:
+def complete_run(
+    db: Database,
+    store: ObjectStore,
+    report: Report,
+    *,
+    leader: tuple[str, int] | None = None,
+    inferred: bool = False,
+    max_node_failures: int = 3,
+    retry_backoff: tuple[float, float] = (10.0, 300.0),
+) -> tuple[CompletionResult, str]:
     """Commit one attempt's end, once. Returns (result, message).
+
+    Args:
+        leader: ``(holder, epoch)`` of the controller writing a conclusion of its own (not an
+            agent's report): checked against the lease inside the transaction (NotLeader).
+        inferred: the controller concluded NEVER_STARTED from an agent's answer to AssignJob
+            or StopRun. Such a conclusion never overrides a confirmed attempt (one the agent
+            confirmed as started): it answers STALE and changes nothing.
 
     - current attempt: run terminal, job terminal or back to PENDING (retry / preemption),
       reservation released, team charged the GPU-time really used, all in one transaction;
     - a repeated report of an already-committed run: ACCEPTED again, nothing changes;
     - a stale attempt (not the job's current one): STALE, the job is untouched; its own
       reservation is still released, because the agent says its processes are gone.
+
+    Raises:
+        Forbidden: ``report.node_id`` is not the node the attempt was placed on (a node
+            reports only for its own runs); nothing changes.
     """
     with db.read() as session:
         run = session.get(JobRunRow, report.run_id)
         if run is None:
             return CompletionResult.STALE, "unknown run"
+        if run.node_id != report.node_id:
+            raise Forbidden(
+                f"run {report.run_id} is not placed on node {report.node_id!r}", field="run_id"
+            )
         job_id = run.job_id
-        if run.status in RUN_TERMINAL:
+        fenced = run.status == RunStatus.FENCED
+        if run.status in RUN_TERMINAL and not (fenced and not inferred):
             return CompletionResult.ACCEPTED, f"already committed as {run.status}"
+    if fenced:  # the agent's word that a fenced run's processes are gone: GPUs come back
+        gpus = db.run_write(
+            partial(
+                allocate.release,
+                run_id=report.run_id,
+                now=None,
+                message=f"agent reported the fenced run {report.outcome.lower()}",
+                only_quarantined=True,
+            )
+        )
+        return CompletionResult.STALE, f"the attempt was fenced; {gpus} GPU(s) released"
     verified = Verified(True)
     if report.outcome != Outcome.NEVER_STARTED:
         verified = verify_manifest(store, job_id, report)
@@ -261,9 +320,20 @@ def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[Comp
             return CompletionResult.ACCEPTED, f"already committed as {run.status}"
         if run.token != report.token:
             return CompletionResult.STALE, f"token {report.token} is not this run's ({run.token})"
+        if leader is not None:
+            assert_leader(session, leader[0], leader[1], now)
+        if inferred and (run.started_at is not None or run.status == RunStatus.RUNNING):
+            return CompletionResult.STALE, "the attempt was confirmed running; not overridden"
         current = job.current_run_id == run.id and job.fencing_epoch == run.token
         run_to, job_to, why = _decide(session, run, job, report, verified, current)
+        blame = "job" if run_to == RunStatus.FAILED else None
+        node_fault = report.node_fault and report.outcome == Outcome.NEVER_STARTED
+        if node_fault and run_to == RunStatus.FAILED:
+            blame = "node"
+            if current and job_to in (JobStatus.PENDING, JobStatus.FAILED):
+                job_to, why = _after_node_fault(session, job, why, max_node_failures)
         values = {
+            "charged_to": "system" if inferred and blame != "node" else blame,
             "finished_at": now,
             "exit_code": report.exit_code if report.outcome != Outcome.NEVER_STARTED else None,
             "manifest_uri": report.manifest_uri or None,
@@ -295,10 +365,26 @@ def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[Comp
             job_values: dict[str, object] = {}
             if job_to == JobStatus.PENDING:
                 job_values = {"pending_reason": None}
-                if run_to != RunStatus.PREEMPTED:
+                if run_to != RunStatus.PREEMPTED and blame != "node":
                     # a retry after a failure goes to the back of its class; a preempted job
                     # keeps its place (it did nothing wrong; the simulator does the same)
                     job_values["queued_at"] = now
+                if blame == "job":  # the job's own failure: back off before the next attempt
+                    delay = retry_delay_s(session, job.id, *retry_backoff)
+                    retry_at = now + timedelta(seconds=delay)
+                    after = (
+                        f"exit code {report.exit_code}"
+                        if report.outcome == Outcome.EXITED and verified.ok
+                        else why
+                    )
+                    job_values["retry_after"] = retry_at
+                    job_values["pending_reason"] = {
+                        "code": "retry_backoff",
+                        "message": f"retrying in {delay:.0f} s after {after}",
+                        "details": {"after": after, "retry_at": iso_utc(retry_at)},
+                        "position": None,
+                        "estimated_start_at": None,
+                    }
             else:
                 job_values = {
                     "finished_at": now,
@@ -319,6 +405,8 @@ def complete_run(db: Database, store: ObjectStore, report: Report) -> tuple[Comp
                 run_id=run.id,
                 message=why,
             )
+        if blame == "node":
+            _cordon_if_failing(session, run.node_id, now)
         if not verified.ok and report.outcome == Outcome.EXITED and report.exit_code == 0:
             return CompletionResult.REJECTED, why
         return CompletionResult.ACCEPTED, why
@@ -354,6 +442,12 @@ def _decide(
         return RunStatus.PREEMPTED, JobStatus.PENDING, f"preempted{by}; requeued as a new attempt"
     if stopping and run.stop_reason == "timeout":
         return RunStatus.FAILED, JobStatus.FAILED, "TIMEOUT: ran past max_runtime_s"
+    if report.reason == OOM_KILLED and report.outcome != Outcome.NEVER_STARTED:
+        # Not retried: a new attempt gets the same memory_mb and would be killed again.
+        why = f"OOM_KILLED: {report.message or 'exceeded memory_mb'}".replace(
+            "OOM_KILLED: OOM_KILLED: ", "OOM_KILLED: "
+        )
+        return RunStatus.FAILED, (JobStatus.FAILED if current else None), why
     if report.outcome == Outcome.NEVER_STARTED:
         why = f"never started: {report.message or 'the agent has no record of it'}"
     elif report.outcome == Outcome.STOPPED:
@@ -361,6 +455,86 @@ def _decide(
     else:
         why = f"exited with code {report.exit_code}"
     return RunStatus.FAILED, _failed_next(session, job, current), why
+
+
+def retry_delay_s(session: Session, job_id: str, base_s: float, cap_s: float) -> float:
+    """Exponential backoff with jitter before the next attempt of a job that failed ``n``
+    times (its own failures, this one included): ``min(cap, base * 2^(n-1))`` times a
+    uniform jitter in [0.5, 1] (so a burst of failing jobs does not retry in lockstep)."""
+    session.flush()
+    failures = session.execute(
+        select(func.count())
+        .select_from(JobRunRow)
+        .where(
+            JobRunRow.job_id == job_id,
+            JobRunRow.status == RunStatus.FAILED,
+            or_(JobRunRow.charged_to.is_(None), JobRunRow.charged_to == "job"),
+        )
+    ).scalar_one()
+    n = max(1, int(failures))
+    return float(min(cap_s, base_s * 2.0 ** (n - 1)) * random.uniform(0.5, 1.0))
+
+
+def iso_utc(at: datetime) -> str:
+    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _after_node_fault(
+    session: Session, job: JobRow, why: str, max_node_failures: int
+) -> tuple[JobStatus, str]:
+    """A start failure the node caused: the job goes back to PENDING (no user retry used)
+    while it has lost at most ``max_node_failures`` attempts to nodes."""
+    if job.cancel_requested:
+        return JobStatus.CANCELLED, why
+    session.flush()
+    lost = session.execute(
+        select(func.count())
+        .select_from(JobRunRow)
+        .where(JobRunRow.job_id == job.id, JobRunRow.charged_to == "node")
+    ).scalar_one()
+    if lost < max_node_failures:  # this attempt is not flushed as charged yet
+        return JobStatus.PENDING, f"{why} (the node's fault: re-placed, no retry used)"
+    return JobStatus.FAILED, f"{why} (lost {lost + 1} attempts to failed nodes)"
+
+
+def _cordon_if_failing(session: Session, node_id: str, now: datetime) -> None:
+    """Cordon a node charged with NODE_FAULTS_TO_CORDON start failures in the window."""
+    from datetime import timedelta
+
+    from gpufleet.domain.states import NodeStatus
+    from gpufleet.store.tables import NodeRow
+
+    session.flush()
+    recent = session.execute(
+        select(func.count())
+        .select_from(JobRunRow)
+        .where(
+            JobRunRow.node_id == node_id,
+            JobRunRow.charged_to == "node",
+            JobRunRow.status == RunStatus.FAILED,
+            JobRunRow.finished_at >= now - timedelta(seconds=NODE_FAULT_WINDOW_S),
+        )
+    ).scalar_one()
+    node = session.get(NodeRow, node_id, with_for_update=True)
+    if recent < NODE_FAULTS_TO_CORDON or node is None:
+        return
+    if node.status not in (NodeStatus.HEALTHY, NodeStatus.UNHEALTHY, NodeStatus.SUSPECT):
+        return
+    reason = (
+        f"auto-cordoned: {recent} start failures caused by the node in the last"
+        f" {NODE_FAULT_WINDOW_S:.0f} s"
+    )
+    transition(
+        session,
+        Machine.NODE,
+        node_id,
+        NodeStatus.CORDONED,
+        now=now,
+        frm=[node.status],
+        values={"status_reason": reason},
+        node_id=node_id,
+        message=reason,
+    )
 
 
 def _failed_next(session: Session, job: JobRow, current: bool) -> JobStatus | None:
@@ -372,7 +546,12 @@ def _failed_next(session: Session, job: JobRow, current: bool) -> JobStatus | No
     failed_before = session.execute(
         select(func.count())
         .select_from(JobRunRow)
-        .where(JobRunRow.job_id == job.id, JobRunRow.status == RunStatus.FAILED)
+        .where(
+            JobRunRow.job_id == job.id,
+            JobRunRow.status == RunStatus.FAILED,
+            # failures the node or the system caused do not consume the job's retries
+            or_(JobRunRow.charged_to.is_(None), JobRunRow.charged_to == "job"),
+        )
     ).scalar_one()
     max_retries = int(job.spec.get("max_retries") or 0)
     return JobStatus.PENDING if failed_before < max_retries else JobStatus.FAILED

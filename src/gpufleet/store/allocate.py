@@ -25,7 +25,14 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import CapacityConflict, Conflict, StaleState
 from gpufleet.domain.ids import new_reservation_id, new_run_id
-from gpufleet.domain.states import JobStatus, Machine, NodeStatus, ReservationStatus, RunStatus
+from gpufleet.domain.states import (
+    RESERVATION_ACTIVE,
+    JobStatus,
+    Machine,
+    NodeStatus,
+    ReservationStatus,
+    RunStatus,
+)
 from gpufleet.domain.types import GpuDevice
 from gpufleet.store import leader
 from gpufleet.store.dialect import db_now
@@ -172,11 +179,13 @@ def release(
     session: Session,
     *,
     run_id: str,
-    now: datetime,
+    now: datetime | None,
     to: ReservationStatus = ReservationStatus.RELEASED,
     message: str,
+    only_quarantined: bool = False,
 ) -> int:
-    """Release the active reservation of ``run_id``: reservation -> RELEASED (or EXPIRED),
+    """Release the active reservation of ``run_id`` (RESERVED, CONFIRMED or QUARANTINED;
+    ``only_quarantined``: only a QUARANTINED one): reservation -> RELEASED (or EXPIRED),
     GPU rows freed, capacity returned. Returns the number of GPUs returned (0 if the run held
     no active reservation: releasing twice is a no-op, not an error).
 
@@ -186,12 +195,13 @@ def release(
         select(ReservationRow)
         .where(
             ReservationRow.run_id == run_id,
-            ReservationRow.status.in_([ReservationStatus.RESERVED, ReservationStatus.CONFIRMED]),
+            ReservationRow.status.in_(sorted(RESERVATION_ACTIVE)),
         )
         .with_for_update()
     ).scalar_one_or_none()
-    if res is None:
+    if res is None or (only_quarantined and res.status != ReservationStatus.QUARANTINED):
         return 0
+    now = now if now is not None else db_now(session)
     cap = NodeCapacityRow.__table__.c
     back = session.execute(
         update(NodeCapacityRow)
@@ -260,3 +270,31 @@ def set_inventory(session: Session, node_id: str, gpus: tuple[GpuDevice, ...]) -
     else:
         cap.total_gpus = cap.available_gpus = len(gpus)
         cap.version += 1
+
+
+def remove_inventory(session: Session, node_id: str) -> None:
+    """Delete a node's capacity, GPU and hold rows (``admin node forget``): it leaves the
+    scheduler's view. Its history (attempts, events) stays.
+
+    Raises:
+        Conflict: GPUs of the node are reserved (drain it first).
+    """
+    cap = session.get(NodeCapacityRow, node_id, with_for_update=True)
+    active = session.execute(
+        select(
+            exists().where(
+                ReservationRow.node_id == node_id,
+                ReservationRow.status.in_(
+                    [ReservationStatus.RESERVED, ReservationStatus.CONFIRMED]
+                ),
+            )
+        )
+    ).scalar_one()
+    if active or (cap is not None and cap.available_gpus != cap.total_gpus):
+        raise Conflict(
+            f"node {node_id} has reserved GPUs; drain it and wait for its work to end first",
+            field="node_id",
+        )
+    session.execute(delete(GpuHoldRow).where(GpuHoldRow.node_id == node_id))
+    session.execute(delete(NodeGpuRow).where(NodeGpuRow.node_id == node_id))
+    session.execute(delete(NodeCapacityRow).where(NodeCapacityRow.node_id == node_id))

@@ -8,6 +8,7 @@ after commit and guard later writes by ``run_id + token`` (load -> process -> ap
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,12 +16,24 @@ from pathlib import Path
 from typing import TypeVar
 
 from sqlalchemy import Engine, create_engine
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpufleet.store import dialect
 
 T = TypeVar("T")
+
+
+def _create_private_file(path: Path) -> None:
+    """Create the SQLite file (and missing parents) readable by its owner only: 0600 in a new
+    0700 directory. SQLite gives its -wal and -shm files the database file's mode. Jobs run as
+    other users and must not read the database (tokens' hashes, every team's jobs)."""
+    if path.exists() or str(path) == ":memory:":
+        return
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 class Database:
@@ -32,7 +45,7 @@ class Database:
 
     def __init__(self, url: str) -> None:
         if url.startswith("sqlite:///"):
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            _create_private_file(Path(url.removeprefix("sqlite:///")))
         if url.startswith("postgresql://"):
             url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
         self.url = url
@@ -92,6 +105,22 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` means the database cannot be reached or used right now (connection
+    refused or lost, pool exhausted, server shutting down, SQLite locked), as opposed to a
+    bad statement or a constraint: callers answer "unavailable, retry later" for these."""
+    if isinstance(exc, (OperationalError, InterfaceError, PoolTimeout)):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
+def short_reason(exc: BaseException) -> str:
+    """The first line of a database error, for an operator's log line (no traceback)."""
+    orig = getattr(exc, "orig", None) or exc
+    first = (str(orig).strip().splitlines() or [""])[0]
+    return f"{type(orig).__name__}: {first[:300]}"
 
 
 def _is_retryable(exc: DBAPIError) -> bool:

@@ -12,6 +12,7 @@ from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.orm import Session
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+PG_CONNECT_TIMEOUT_S = 5
 
 
 def engine_options(url: str) -> dict[str, Any]:
@@ -20,7 +21,15 @@ def engine_options(url: str) -> dict[str, Any]:
         return {
             "connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}
         }
-    return {"pool_size": 10, "max_overflow": 20, "pool_pre_ping": True}
+    # a database host that drops packets must not hold a request for minutes: connecting
+    # fails after PG_CONNECT_TIMEOUT_S and the API answers 503 (the kernel's default is ~2 min)
+    return {
+        "pool_size": 10,
+        "max_overflow": 20,
+        "pool_pre_ping": True,
+        "pool_timeout": 10,
+        "connect_args": {"connect_timeout": PG_CONNECT_TIMEOUT_S},
+    }
 
 
 def install_sqlite_hooks(engine: Engine) -> None:

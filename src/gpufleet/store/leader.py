@@ -58,6 +58,15 @@ def assert_leader(session: Session, holder: str, epoch: int, now: datetime | Non
         raise NotLeader(f"leader lease of epoch {epoch} expired")
 
 
+def current_epoch(session: Session) -> int:
+    """The epoch of the latest lease (0 if none was ever taken). Answered to agents by every
+    controller replica, leader or standby, so that agents know whom to believe."""
+    epoch = session.execute(
+        select(LeaderLeaseRow.epoch).where(LeaderLeaseRow.name == LEASE_NAME)
+    ).scalar_one_or_none()
+    return int(epoch or 0)
+
+
 def release(session: Session, holder: str) -> None:
     """Give the lease up at once (clean shutdown) so a successor need not wait for expiry."""
     now = db_now(session)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.images import normalize_image
@@ -17,10 +17,17 @@ from gpufleet.domain.invariants import (
     NodeView,
     ReservationView,
     RunView,
+    StuckLimits,
     Violation,
     check_invariants,
 )
-from gpufleet.domain.states import JobStatus, NodeStatus, ReservationStatus, RunStatus
+from gpufleet.domain.states import (
+    RESERVATION_ACTIVE,
+    JobStatus,
+    NodeStatus,
+    ReservationStatus,
+    RunStatus,
+)
 from gpufleet.domain.types import PriorityClass, Resources
 from gpufleet.policy.snapshot import (
     BackfillReservation,
@@ -33,6 +40,7 @@ from gpufleet.policy.snapshot import (
 )
 from gpufleet.policy.usage import UsageLedger
 from gpufleet.store.db import Database
+from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
     GpuHoldRow,
     JobRow,
@@ -186,7 +194,12 @@ def load_snapshot(
             JobRow.created_at,
             JobRow.queued_at,
             JobRow.attempts,
-        ).where(JobRow.status == JobStatus.PENDING, JobRow.cancel_requested.is_(False))
+        ).where(
+            JobRow.status == JobStatus.PENDING,
+            JobRow.cancel_requested.is_(False),
+            # a retry in its backoff is not eligible yet (its pending_reason says until when)
+            or_(JobRow.retry_after.is_(None), JobRow.retry_after <= now),
+        )
     ).all()
     running_rows = session.execute(
         select(
@@ -275,18 +288,35 @@ def load_invariant_view(session: Session) -> InvariantView:
     holders: dict[str, dict[int, str | None]] = {}
     for g in session.scalars(select(NodeGpuRow)):
         holders.setdefault(g.node_id, {})[g.gpu_index] = g.holder_run_id
+    beats = {
+        n.id: (n.last_heartbeat_at, n.health)
+        for n in session.execute(select(NodeRow.id, NodeRow.last_heartbeat_at, NodeRow.health))
+    }
+
+    def listed(node_id: str) -> frozenset[str] | None:
+        health = beats.get(node_id, (None, None))[1]
+        runs = health.get("runs") if isinstance(health, dict) else None
+        return frozenset(runs) if isinstance(runs, list) else None
+
+    def beat(node_id: str) -> float | None:
+        at = beats.get(node_id, (None, None))[0]
+        return at.timestamp() if at is not None else None
+
     nodes = tuple(
-        NodeView(c.node_id, c.total_gpus, c.available_gpus, holders.get(c.node_id, {}))
+        NodeView(
+            c.node_id,
+            c.total_gpus,
+            c.available_gpus,
+            holders.get(c.node_id, {}),
+            last_heartbeat_s=beat(c.node_id),
+            listed_runs=listed(c.node_id),
+        )
         for c in session.scalars(select(NodeCapacityRow))
     )
     reservations = tuple(
         ReservationView(r.id, r.run_id, r.job_id, r.node_id, tuple(r.gpu_ids), r.status)
         for r in session.scalars(
-            select(ReservationRow).where(
-                ReservationRow.status.in_(
-                    [ReservationStatus.RESERVED, ReservationStatus.CONFIRMED]
-                )
-            )
+            select(ReservationRow).where(ReservationRow.status.in_(sorted(RESERVATION_ACTIVE)))
         )
     )
     jobs = tuple(
@@ -294,14 +324,36 @@ def load_invariant_view(session: Session) -> InvariantView:
         for j in session.scalars(select(JobRow))
     )
     runs = tuple(
-        RunView(r.id, r.job_id, r.status, r.token, r.status == RunStatus.SUCCEEDED)
+        RunView(
+            r.id,
+            r.job_id,
+            r.status,
+            r.token,
+            r.status == RunStatus.SUCCEEDED,
+            node_id=r.node_id,
+            created_at_s=r.created_at.timestamp(),
+            started_at_s=r.started_at.timestamp() if r.started_at else None,
+            stop_requested_at_s=r.stop_requested_at.timestamp() if r.stop_requested_at else None,
+        )
         for r in session.scalars(select(JobRunRow))
     )
     return InvariantView(nodes, reservations, jobs, runs)
 
 
-def check_database(db: Database) -> tuple[InvariantView, list[Violation]]:
-    """Read the allocation state in one consistent snapshot and check invariants 1-4."""
+def check_database(
+    db: Database,
+    *,
+    grace_s: float | None = None,
+    confirm_timeout_s: float | None = None,
+    margin_s: float = 30.0,
+) -> tuple[InvariantView, list[Violation]]:
+    """Read the allocation state in one consistent snapshot and check invariants 1-4; with
+    ``grace_s`` and ``confirm_timeout_s`` also the stuck states of invariant 6 (as of the
+    database clock)."""
     with db.snapshot() as session:
         view = load_invariant_view(session)
-    return view, check_invariants(view)
+        now_s = db_now(session).timestamp()
+    limits = None
+    if grace_s is not None and confirm_timeout_s is not None:
+        limits = StuckLimits(now_s, grace_s, confirm_timeout_s, margin_s)
+    return view, check_invariants(view, limits)

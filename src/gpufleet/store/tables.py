@@ -87,6 +87,11 @@ class TeamRow(Base):
     borrow_limit_gpus: Mapped[int | None] = mapped_column(Integer, default=None)
     lending_limit_gpus: Mapped[dict[str, Any]] = mapped_column(default=dict)
     max_outstanding_jobs: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Unfinished jobs allowed; NULL = the server's default, 0 = no limit."""
+    submit_rate_per_s: Mapped[float | None] = mapped_column(Float, default=None)
+    """Token-bucket refill rate of POST /v1/jobs; NULL = the server's default, 0 = no limit."""
+    submit_burst: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Token-bucket size (submits allowed at once); NULL = the server's default."""
     usage_gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
     """Charged GPU-seconds of finished attempts (every attempt, whatever its outcome), decayed
     to ``usage_as_of`` (``policy.usage``: half-life ``usage_half_life_s``)."""
@@ -135,6 +140,8 @@ class JobRow(Base):
     pending_reason: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     max_runtime_s: Mapped[float | None] = mapped_column(Float)
     """Copy of ``spec.max_runtime_s``, so the stop driver's scan reads no JSON."""
+    retry_after: Mapped[datetime | None]
+    """A retry after a failure is not placed before this time (exponential backoff)."""
     created_at: Mapped[datetime]
     queued_at: Mapped[datetime]
     scheduled_at: Mapped[datetime | None]
@@ -179,6 +186,10 @@ class JobRunRow(Base):
     """The job these GPUs are being freed for (stop_reason preempt)."""
     assigned_at: Mapped[datetime | None]
     """When AssignJob was last answered by the agent (None: not yet delivered)."""
+    charged_to: Mapped[str | None] = mapped_column(String(8))
+    """Whose fault an unsuccessful end was: ``job`` (counts against ``max_retries``), ``node``
+    (a start failure the node caused, or the node was lost: counts against the node-loss
+    budget) or ``system`` (fencing, a refused stale assignment: counts against nothing)."""
     start_phases: Mapped[dict[str, Any] | None]
     """How the node started it (seconds): runtime, image warm/cold, pull_s, create_s, start_s."""
     created_at: Mapped[datetime]
@@ -219,12 +230,52 @@ class NodeRow(Base):
     labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
     agent_epoch: Mapped[int] = mapped_column(Integer, default=0)
     inventory_source: Mapped[str] = mapped_column(String(16), default="declared")
+    status_reason: Mapped[str | None] = mapped_column(Text)
+    """Why the node is not HEALTHY (an operator's cordon reason, a failed health check...)."""
+    health: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """The agent's last health report: disk free per directory, start failures, problems."""
     images: Mapped[list[dict[str, Any]] | None]
     """The node's local container images from heartbeats: [{name, digest, size_bytes}]."""
     prepull: Mapped[list[str] | None]
     """Images an operator asked the node to pull (sent in the next heartbeat answer)."""
     registered_at: Mapped[datetime]
     last_heartbeat_at: Mapped[datetime | None]
+
+
+class JoinTokenRow(Base):
+    """A single-use bootstrap token for a node agent (``gpufleet admin node join-token``).
+    Stored as sha256; used at most once (``used_at`` set in the same transaction that records
+    the certificate it bought)."""
+
+    __tablename__ = "join_tokens"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    node_id: Mapped[str | None] = mapped_column(String(128))
+    """The node id it may join as; None = any id not yet in use."""
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+    used_at: Mapped[datetime | None]
+    used_by: Mapped[str | None] = mapped_column(String(128))
+    """The node id that used it."""
+
+
+class NodeCertRow(Base):
+    """Every node certificate the controller signed (join and renewal). A call is accepted
+    only with a certificate listed here, unrevoked, for the node it names."""
+
+    __tablename__ = "node_certs"
+    __table_args__ = (Index("ix_node_certs_node", "node_id"),)
+
+    serial: Mapped[str] = mapped_column(String(40), primary_key=True)
+    """Hex serial number."""
+    node_id: Mapped[str] = mapped_column(String(128))
+    """Not a foreign key: a forgotten node's certificates stay listed (revoked)."""
+    issued_at: Mapped[datetime]
+    not_after: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+    reason: Mapped[str] = mapped_column(String(32), default="join")
+    """join | renew."""
 
 
 class NodeCapacityRow(Base):

@@ -56,23 +56,30 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from gpufleet.agent import procfs
-from gpufleet.agent.workdir import RunPaths, StartError
+from gpufleet.agent.runtime.base import (
+    KILL_RESEND_S,
+    KILL_VERIFY_TIMEOUT_S,
+    OOM_KILLED,
+    ExitInfo,
+    JobUser,
+    Launch,
+    RunHandle,
+    StartError,
+)
+from gpufleet.agent.workdir import RunPaths
 
 logger = logging.getLogger("gpufleet.agent")
 
 ENGINES = ("podman", "docker")
 PULL_TIMEOUT_S = 1800.0
 CLI_TIMEOUT_S = 60.0
-KILL_RESEND_S = 1.0
-KILL_VERIFY_TIMEOUT_S = 30.0
 INSPECT_EVERY_S = 10.0
 INSPECT_NO_FOLLOWER_S = 1.0
 INSPECT_STOPPING_S = 0.2
 LOG_DRAIN_TIMEOUT_S = 5.0
-OOM_KILLED = "OOM_KILLED"
 OOM_USAGE_FRACTION = 0.98
 LABEL_RUN = "gpufleet.run_id"
 LABEL_JOB = "gpufleet.job_id"
@@ -100,6 +107,28 @@ events_logger = "file"
 
 class EngineError(Exception):
     """The engine CLI failed (message: the command and its stderr)."""
+
+
+class ImageUnavailable(EngineError):
+    """The registry answered that the image does not exist or may not be pulled (not found,
+    unauthorised, denied) or the reference is malformed: the job's fault, not the node's."""
+
+
+# Substrings of the engines' pull errors that mean "this image, as named, cannot be had"
+# (podman/containers-image and docker wordings). Anything else -- the registry unreachable,
+# a TLS or network error, a timeout, the engine's storage failing -- is the node's fault.
+IMAGE_UNAVAILABLE_MARKERS = (
+    "manifest unknown",
+    "name unknown",
+    "not found",
+    "repository does not exist",
+    "requested access to the resource is denied",
+    "unauthorized",
+    "authentication required",
+    "invalid reference format",
+    "short-name",
+    "no such host",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +162,15 @@ class ContainerState:
     oom_killed: bool
     labels: Mapping[str, str]
     cgroup_parent: str = ""
+
+
+_COMMAND_PROBLEMS = (
+    "executable file not found",
+    "no such file or directory",
+    "permission denied",
+    "not a directory",
+)
+"""Start errors caused by the job's command or working dir (exec inside the container)."""
 
 
 def _is_loopback_registry(image: str) -> bool:
@@ -206,13 +244,27 @@ class ContainerEngine:
         return self._run(["image", "inspect", image], check=False).returncode == 0
 
     def pull(self, image: str, timeout: float = PULL_TIMEOUT_S) -> None:
-        """Pull ``image``. Raises EngineError (not found, registry down, timeout)."""
+        """Pull ``image``.
+
+        Raises:
+            ImageUnavailable: the registry says the image does not exist or is not
+                authorised, or the reference is malformed (see ``IMAGE_UNAVAILABLE_MARKERS``).
+            EngineError: anything else (registry unreachable, timeout, engine failure).
+        """
         args = ["pull"]
         if self.kind == "podman":
             args.append("--quiet")
             if _is_loopback_registry(image):
                 args.append("--tls-verify=false")
-        self._run([*args, image], timeout=timeout)
+        try:
+            self._run([*args, image], timeout=timeout)
+        except ImageUnavailable:
+            raise
+        except EngineError as exc:
+            text = str(exc).lower()
+            if any(m in text for m in IMAGE_UNAVAILABLE_MARKERS):
+                raise ImageUnavailable(str(exc)) from exc
+            raise
 
     def ensure_present(self, image: str) -> bool:
         """Pull ``image`` unless present; True if it was pulled."""
@@ -259,10 +311,14 @@ class ContainerEngine:
         memory_mb: int = 0,
         cpu: float = 0.0,
         cgroup_parent: str = "",
+        user: str = "",
     ) -> str:
-        """Create (not start) a container; returns its id."""
+        """Create (not start) a container; returns its id. ``user``: ``uid:gid`` (and
+        ``--group-add`` is not used: supplementary groups stay the image's)."""
         args = ["create", "--name", name, "--init", "--network", "host"]
         args += ["--env-file", str(env_file), "--workdir", workdir]
+        if user:
+            args += ["--user", user]
         for k, v in labels.items():
             args += ["--label", f"{k}={v}"]
         for host, inside, ro in mounts:
@@ -352,19 +408,17 @@ def cdi_gpu_spec_present(dirs: Iterable[Path] = CDI_DIRS) -> bool:
 
 
 @dataclass(slots=True, kw_only=True)
-class ContainerHandle:
-    """A live container attempt plus the progress of a stop.
+class ContainerHandle(RunHandle):
+    """A live container attempt (the stop progress fields are :class:`RunHandle`'s).
 
-    The stop fields mirror the process runtime's handle. ``phases``: start phases in seconds
-    (``pull_s``, ``create_s``, ``start_s``) and ``image`` (``warm``/``cold``); empty for an
-    adopted attempt.
+    ``phases``: start phases in seconds (``pull_s``, ``create_s``, ``start_s``) and ``image``
+    (``warm``/``cold``); empty for an adopted attempt. ``pid`` is the container's init as
+    the host sees it.
     """
 
-    runtime = "container"
+    runtime: ClassVar[str] = "container"
     name: str
     container_id: str = ""
-    pid: int = 0
-    boot_id: str = ""
     phases: dict[str, Any] = field(default_factory=dict)
     memory_mb: int = 0
     paths: RunPaths | None = None
@@ -373,11 +427,6 @@ class ContainerHandle:
     logs_start_ticks: int = 0
     next_inspect_at: float = 0.0
     follower_done: bool = False
-    term_sent_at: float | None = None
-    kill_sent_at: float | None = None
-    kill_resent_at: float | None = None
-    main_exited: bool = False
-    unkillable: bool = False
 
     def log_fields(self) -> dict[str, Any]:
         """JSON fields for the ``started`` event of the assignment log."""
@@ -397,23 +446,14 @@ class ContainerHandle:
 
 
 @dataclass(frozen=True, slots=True)
-class ContainerExit:
-    """How a container attempt ended (the fields of the runner's ``ExitInfo``)."""
-
-    exit_code: int
-    finished_at_s: float
-    never_started: bool = False
-    message: str = ""
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
 class ContainerLaunch:
     """What :meth:`ContainerRuntime.spawn` needs (the container subset of a runtime launch).
 
     ``env``: the job's environment plus the platform's variables (host paths; rewritten to
     :data:`MOUNTS` here). ``workdir``: the working directory *inside the image* ("" = the
-    attempt's work directory mounted at ``/gpufleet/work``)."""
+    attempt's work directory mounted at ``/gpufleet/work``). ``user``: who the command runs
+    as (``--user uid:gid``); None, or a user the agent cannot switch to, = the image's user.
+    """
 
     paths: RunPaths
     image: str
@@ -424,6 +464,7 @@ class ContainerLaunch:
     cpu: float = 0.0
     workdir: str = ""
     resume_dir: Path | None = None
+    user: JobUser | None = None
 
 
 class ContainerRuntime:
@@ -475,7 +516,7 @@ class ContainerRuntime:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in launch.gpu_ids)
         return env
 
-    def spawn(self, rec: Any, launch: Any) -> ContainerHandle:
+    def spawn(self, rec: Any, launch: Launch | ContainerLaunch) -> ContainerHandle:
         """Pull, create and start the attempt's container (once per run_id).
 
         ``rec`` needs ``run_id``, ``job_id``, ``token`` (and ``image``, ``env``,
@@ -494,8 +535,12 @@ class ContainerRuntime:
         phases: dict[str, Any] = {}
         try:
             warmth, pull_s = self.ensure_image(launch.image)
-        except EngineError as exc:
+        except ImageUnavailable as exc:  # the job named an image it cannot have
             raise StartError(f"cannot pull image {launch.image!r}: {exc}") from exc
+        except EngineError as exc:  # registry unreachable, engine broken: the node's fault
+            raise StartError(
+                f"cannot pull image {launch.image!r}: {exc}", node_fault=True
+            ) from exc
         phases.update(image=warmth, pull_s=round(pull_s, 4))
         env = self.container_env(launch)
         bad = [k for k, v in env.items() if "\n" in v or "\n" in k or "=" in k or not k]
@@ -504,7 +549,12 @@ class ContainerRuntime:
                 f"env {bad[0]!r}: a container's variable names cannot be empty or hold '=' or "
                 "newlines, and values cannot hold newlines"
             )
-        fd = os.open(paths.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # the runner's env.json (for a process shim) is not used: the engine reads its own
+        # KEY=value file, deleted right after create
+        with contextlib.suppress(FileNotFoundError):
+            paths.env_file.unlink()
+        env_file = paths.root / "container.env"
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.writelines(f"{k}={v}\n" for k, v in env.items())
         mounts = [
@@ -525,7 +575,7 @@ class ContainerRuntime:
                 name=name,
                 image=launch.image,
                 command=launch.command,
-                env_file=paths.env_file,
+                env_file=env_file,
                 labels=labels,
                 mounts=mounts,
                 workdir=launch.workdir or MOUNTS["work"],
@@ -533,20 +583,27 @@ class ContainerRuntime:
                 memory_mb=launch.memory_mb,
                 cpu=launch.cpu,
                 cgroup_parent=cgroup_parent,
+                user=f"{launch.user.uid}:{launch.user.gid}"
+                if launch.user is not None and launch.user.switch
+                else "",
             )
         except EngineError as exc:
             self.engine.remove(name)
-            raise StartError(f"cannot create the container: {exc}") from exc
+            raise StartError(f"cannot create the container: {exc}", node_fault=True) from exc
         finally:
             with contextlib.suppress(FileNotFoundError):
-                paths.env_file.unlink()
+                env_file.unlink()
         t1 = time.monotonic()
         phases["create_s"] = round(t1 - t0, 4)
         try:
             self.engine.start(name)
         except EngineError as exc:
+            # the command not found in the image, or not executable, fails here too (the
+            # OCI runtime's exec): the job's fault, unlike the engine failing
             self.engine.remove(name)
-            raise StartError(f"cannot start the container: {exc}") from exc
+            text = str(exc).lower()
+            job = any(m in text for m in _COMMAND_PROBLEMS)
+            raise StartError(f"cannot start the container: {exc}", node_fault=not job) from exc
         phases["start_s"] = round(time.monotonic() - t1, 4)
         h = ContainerHandle(
             name=name,
@@ -623,8 +680,8 @@ class ContainerRuntime:
     # ------------------------------------------------------------------ watch and stop
 
     def poll(
-        self, rec: Any, h: ContainerHandle, now: float, paths: RunPaths | None = None
-    ) -> ContainerExit | None:
+        self, rec: Any, h: RunHandle, now: float, paths: RunPaths | None = None
+    ) -> ExitInfo | None:
         """One monitoring step (stop protocol and end detection; see the module doc).
 
         ``rec`` needs ``run_id``, ``stop_requested``, ``stop_reason``, ``stop_grace_s``.
@@ -632,6 +689,8 @@ class ContainerRuntime:
         Returns:
             How it ended, once the container is verified not running and removed; else None.
         """
+        if not isinstance(h, ContainerHandle):
+            raise TypeError(f"run {rec.run_id}: not a container handle: {type(h).__name__}")
         paths = paths or h.paths
         if paths is None:
             raise ValueError(f"run {rec.run_id}: container handle without paths")
@@ -710,18 +769,18 @@ class ContainerRuntime:
 
     def _exit_info(
         self, rec: Any, h: ContainerHandle, st: ContainerState | None, paths: RunPaths
-    ) -> ContainerExit:
+    ) -> ExitInfo:
         saved = _read_json(paths.exit_file)
         if st is None and saved is not None and "exit_code" in saved:
             # Removed by an earlier pass that died before its report was logged.
-            return ContainerExit(
+            return ExitInfo(
                 int(saved["exit_code"]),
                 float(saved.get("finished_at_s", time.time())),
                 message=str(saved.get("message", "")),
                 reason=str(saved.get("reason", "")),
             )
         if st is None:
-            return ContainerExit(
+            return ExitInfo(
                 -signal.SIGKILL, time.time(), message="the container disappeared; exit status lost"
             )
         code = st.exit_code
@@ -737,7 +796,7 @@ class ContainerRuntime:
             message = f"killed with SIGKILL after {rec.stop_grace_s:g} s grace"
         if oom:
             code = -signal.SIGKILL
-        info = ContainerExit(code, time.time(), message=message, reason=reason)
+        info = ExitInfo(code, time.time(), message=message, reason=reason)
         with contextlib.suppress(OSError):
             paths.exit_file.write_text(
                 json.dumps(
@@ -785,7 +844,7 @@ class ContainerRuntime:
         self._remove_cgroup(run_id)
 
 
-def launch_of(rec: Any, launch: Any) -> ContainerLaunch:
+def launch_of(rec: Any, launch: Launch) -> ContainerLaunch:
     """A :class:`ContainerLaunch` from the runtime interface's runtime-neutral ``Launch``.
 
     Of ``launch.env`` (built for a host process) only the job's own variables (``rec.env``)
@@ -805,6 +864,7 @@ def launch_of(rec: Any, launch: Any) -> ContainerLaunch:
         cpu=float(launch.cpu),
         workdir=getattr(rec, "working_dir", "") or "",
         resume_dir=launch.resume_dir,
+        user=launch.user,
     )
 
 

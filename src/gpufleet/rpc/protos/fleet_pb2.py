@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fgpufleet/rpc/protos/fleet.proto\x12\x0bgpufleet.v1\"G\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x10\n\x08gpu_type\x18\x03 \x01(\t\x12\x11\n\tmemory_mb\x18\x04 \x01(\x03\"S\n\x06RunRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\"\x93\x02\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0b\x61gent_epoch\x18\x03 \x01(\x03\x12\x1e\n\x04gpus\x18\x04 \x03(\x0b\x32\x10.gpufleet.v1.Gpu\x12\x0b\n\x03\x63pu\x18\x05 \x01(\x01\x12\x11\n\tmemory_mb\x18\x06 \x01(\x03\x12<\n\x06labels\x18\x07 \x03(\x0b\x32,.gpufleet.v1.RegisterNodeRequest.LabelsEntry\x12\x18\n\x10inventory_source\x18\x08 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"J\n\x14RegisterNodeResponse\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"\xb4\x01\n\x18\x43onfirmAssignmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x03\x12\x13\n\x0b\x61gent_epoch\x18\x05 \x01(\x03\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12.\n\x0cstart_phases\x18( \x01(\x0b\x32\x18.gpufleet.v1.StartPhases\"`\n\x0bStartPhases\x12\x0f\n\x07runtime\x18\x01 \x01(\t\x12\r\n\x05image\x18\x02 \x01(\t\x12\x0e\n\x06pull_s\x18\x03 \x01(\x01\x12\x10\n\x08\x63reate_s\x18\x04 \x01(\x01\x12\x0f\n\x07start_s\x18\x05 \x01(\x01\">\n\nLocalImage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\"\xaa\x01\n\x19\x43onfirmAssignmentResponse\x12=\n\x06result\x18\x01 \x01(\x0e\x32-.gpufleet.v1.ConfirmAssignmentResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\"=\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\r\n\tCONFIRMED\x10\x01\x12\x0c\n\x08REJECTED\x10\x02\"\xc3\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_epoch\x18\x02 \x01(\x03\x12$\n\x07running\x18\x03 \x03(\x0b\x32\x13.gpufleet.v1.RunRef\x12\x11\n\tfree_gpus\x18\x04 \x01(\x05\x12\x0e\n\x06health\x18\x05 \x01(\t\x12\'\n\x06images\x18( \x03(\x0b\x32\x17.gpufleet.v1.LocalImage\x12\x17\n\x0fimages_reported\x18) \x01(\x08\"y\n\x11HeartbeatResponse\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x03\x12)\n\x04stop\x18\x02 \x03(\x0b\x32\x1b.gpufleet.v1.StopRunRequest\x12\x12\n\nreregister\x18\x03 \x01(\x08\x12\x0f\n\x07prepull\x18( \x03(\t\"\x92\x02\n\x17ReportCompletionRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x03\x12\x14\n\x0cmanifest_uri\x18\x04 \x01(\t\x12=\n\x07outcome\x18\x05 \x01(\x0e\x32,.gpufleet.v1.ReportCompletionRequest.Outcome\x12\x11\n\texit_code\x18\x06 \x01(\x05\x12\x0f\n\x07message\x18\x07 \x01(\t\"N\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\n\n\x06\x45XITED\x10\x01\x12\x0b\n\x07STOPPED\x10\x02\x12\x11\n\rNEVER_STARTED\x10\x03\"\xb2\x01\n\x18ReportCompletionResponse\x12<\n\x06result\x18\x01 \x01(\x0e\x32,.gpufleet.v1.ReportCompletionResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\"G\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\t\n\x05STALE\x10\x02\x12\x0c\n\x08REJECTED\x10\x03\"\xf7\x02\n\x10\x41ssignJobRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x03\x12\x14\n\x0cleader_epoch\x18\x05 \x01(\x03\x12\x0f\n\x07gpu_ids\x18\x06 \x03(\x05\x12\x0f\n\x07\x63ommand\x18\x07 \x03(\t\x12\x33\n\x03\x65nv\x18\x08 \x03(\x0b\x32&.gpufleet.v1.AssignJobRequest.EnvEntry\x12\r\n\x05image\x18\t \x01(\t\x12\x17\n\x0fresume_from_uri\x18\n \x01(\t\x12\x15\n\rmax_runtime_s\x18\x0b \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x0c \x01(\x05\x12\x13\n\x0bworking_dir\x18\r \x01(\t\x12\x11\n\tmemory_mb\x18( \x01(\x03\x12\x0b\n\x03\x63pu\x18) \x01(\x01\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe9\x01\n\x11\x41ssignJobResponse\x12\x35\n\x06result\x18\x01 \x01(\x0e\x32%.gpufleet.v1.AssignJobResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\"\x7f\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0b\n\x07STARTED\x10\x01\x12\x13\n\x0f\x41LREADY_RUNNING\x10\x02\x12\x12\n\x0e\x41LREADY_EXITED\x10\x03\x12\x12\n\x0eREJECTED_STALE\x10\x04\x12\x13\n\x0f\x46\x41ILED_TO_START\x10\x05\"f\n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x03\x12\x14\n\x0cleader_epoch\x18\x03 \x01(\x03\x12\x0f\n\x07grace_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xbe\x01\n\x0fStopRunResponse\x12\x33\n\x06result\x18\x01 \x01(\x0e\x32#.gpufleet.v1.StopRunResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\"e\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0c\n\x08STOPPING\x10\x01\x12\r\n\tNOT_FOUND\x10\x02\x12\x12\n\x0e\x41LREADY_EXITED\x10\x03\x12\x12\n\x0eREJECTED_STALE\x10\x04\"\x11\n\x0fListRunsRequest\"J\n\x10ListRunsResponse\x12\x13\n\x0b\x61gent_epoch\x18\x01 \x01(\x03\x12!\n\x04runs\x18\x02 \x03(\x0b\x32\x13.gpufleet.v1.RunRef2\xf2\x02\n\nController\x12S\n\x0cRegisterNode\x12 .gpufleet.v1.RegisterNodeRequest\x1a!.gpufleet.v1.RegisterNodeResponse\x12\x62\n\x11\x43onfirmAssignment\x12%.gpufleet.v1.ConfirmAssignmentRequest\x1a&.gpufleet.v1.ConfirmAssignmentResponse\x12J\n\tHeartbeat\x12\x1d.gpufleet.v1.HeartbeatRequest\x1a\x1e.gpufleet.v1.HeartbeatResponse\x12_\n\x10ReportCompletion\x12$.gpufleet.v1.ReportCompletionRequest\x1a%.gpufleet.v1.ReportCompletionResponse2\xe2\x01\n\x05\x41gent\x12J\n\tAssignJob\x12\x1d.gpufleet.v1.AssignJobRequest\x1a\x1e.gpufleet.v1.AssignJobResponse\x12\x44\n\x07StopRun\x12\x1b.gpufleet.v1.StopRunRequest\x1a\x1c.gpufleet.v1.StopRunResponse\x12G\n\x08ListRuns\x12\x1c.gpufleet.v1.ListRunsRequest\x1a\x1d.gpufleet.v1.ListRunsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fgpufleet/rpc/protos/fleet.proto\x12\x0bgpufleet.v1\"G\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x10\n\x08gpu_type\x18\x03 \x01(\t\x12\x11\n\tmemory_mb\x18\x04 \x01(\x03\"S\n\x06RunRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\"\x93\x02\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0b\x61gent_epoch\x18\x03 \x01(\x03\x12\x1e\n\x04gpus\x18\x04 \x03(\x0b\x32\x10.gpufleet.v1.Gpu\x12\x0b\n\x03\x63pu\x18\x05 \x01(\x01\x12\x11\n\tmemory_mb\x18\x06 \x01(\x03\x12<\n\x06labels\x18\x07 \x03(\x0b\x32,.gpufleet.v1.RegisterNodeRequest.LabelsEntry\x12\x18\n\x10inventory_source\x18\x08 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"J\n\x14RegisterNodeResponse\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"\xb4\x01\n\x18\x43onfirmAssignmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x03\x12\x13\n\x0b\x61gent_epoch\x18\x05 \x01(\x03\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12.\n\x0cstart_phases\x18( \x01(\x0b\x32\x18.gpufleet.v1.StartPhases\"`\n\x0bStartPhases\x12\x0f\n\x07runtime\x18\x01 \x01(\t\x12\r\n\x05image\x18\x02 \x01(\t\x12\x0e\n\x06pull_s\x18\x03 \x01(\x01\x12\x10\n\x08\x63reate_s\x18\x04 \x01(\x01\x12\x0f\n\x07start_s\x18\x05 \x01(\x01\">\n\nLocalImage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\"\xaa\x01\n\x19\x43onfirmAssignmentResponse\x12=\n\x06result\x18\x01 \x01(\x0e\x32-.gpufleet.v1.ConfirmAssignmentResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\"=\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\r\n\tCONFIRMED\x10\x01\x12\x0c\n\x08REJECTED\x10\x02\"\xda\x02\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_epoch\x18\x02 \x01(\x03\x12$\n\x07running\x18\x03 \x03(\x0b\x32\x13.gpufleet.v1.RunRef\x12\x11\n\tfree_gpus\x18\x04 \x01(\x05\x12\x0e\n\x06health\x18\x05 \x01(\t\x12\x43\n\x0c\x64isk_free_mb\x18\x1e \x03(\x0b\x32-.gpufleet.v1.HeartbeatRequest.DiskFreeMbEntry\x12\x1d\n\x15recent_start_failures\x18\x1f \x01(\x05\x12\'\n\x06images\x18( \x03(\x0b\x32\x17.gpufleet.v1.LocalImage\x12\x17\n\x0fimages_reported\x18) \x01(\x08\x1a\x31\n\x0f\x44iskFreeMbEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"y\n\x11HeartbeatResponse\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x03\x12)\n\x04stop\x18\x02 \x03(\x0b\x32\x1b.gpufleet.v1.StopRunRequest\x12\x12\n\nreregister\x18\x03 \x01(\x08\x12\x0f\n\x07prepull\x18( \x03(\t\"\xb6\x02\n\x17ReportCompletionRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x03\x12\x14\n\x0cmanifest_uri\x18\x04 \x01(\t\x12=\n\x07outcome\x18\x05 \x01(\x0e\x32,.gpufleet.v1.ReportCompletionRequest.Outcome\x12\x11\n\texit_code\x18\x06 \x01(\x05\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x12\n\nnode_fault\x18\x1e \x01(\x08\x12\x0e\n\x06reason\x18\x32 \x01(\t\"N\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\n\n\x06\x45XITED\x10\x01\x12\x0b\n\x07STOPPED\x10\x02\x12\x11\n\rNEVER_STARTED\x10\x03\"\xb2\x01\n\x18ReportCompletionResponse\x12<\n\x06result\x18\x01 \x01(\x0e\x32,.gpufleet.v1.ReportCompletionResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\"G\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\t\n\x05STALE\x10\x02\x12\x0c\n\x08REJECTED\x10\x03\"\xf7\x02\n\x10\x41ssignJobRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x03\x12\x14\n\x0cleader_epoch\x18\x05 \x01(\x03\x12\x0f\n\x07gpu_ids\x18\x06 \x03(\x05\x12\x0f\n\x07\x63ommand\x18\x07 \x03(\t\x12\x33\n\x03\x65nv\x18\x08 \x03(\x0b\x32&.gpufleet.v1.AssignJobRequest.EnvEntry\x12\r\n\x05image\x18\t \x01(\t\x12\x17\n\x0fresume_from_uri\x18\n \x01(\t\x12\x15\n\rmax_runtime_s\x18\x0b \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x0c \x01(\x05\x12\x13\n\x0bworking_dir\x18\r \x01(\t\x12\x11\n\tmemory_mb\x18\x32 \x01(\x03\x12\x0b\n\x03\x63pu\x18\x33 \x01(\x01\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfe\x01\n\x11\x41ssignJobResponse\x12\x35\n\x06result\x18\x01 \x01(\x0e\x32%.gpufleet.v1.AssignJobResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\"\x93\x01\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0b\n\x07STARTED\x10\x01\x12\x13\n\x0f\x41LREADY_RUNNING\x10\x02\x12\x12\n\x0e\x41LREADY_EXITED\x10\x03\x12\x12\n\x0eREJECTED_STALE\x10\x04\x12\x13\n\x0f\x46\x41ILED_TO_START\x10\x05\x12\x12\n\x0eNODE_UNHEALTHY\x10\x1e\"f\n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x03\x12\x14\n\x0cleader_epoch\x18\x03 \x01(\x03\x12\x0f\n\x07grace_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xbe\x01\n\x0fStopRunResponse\x12\x33\n\x06result\x18\x01 \x01(\x0e\x32#.gpufleet.v1.StopRunResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\"e\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0c\n\x08STOPPING\x10\x01\x12\r\n\tNOT_FOUND\x10\x02\x12\x12\n\x0e\x41LREADY_EXITED\x10\x03\x12\x12\n\x0eREJECTED_STALE\x10\x04\"\x11\n\x0fListRunsRequest\"J\n\x10ListRunsResponse\x12\x13\n\x0b\x61gent_epoch\x18\x01 \x01(\x03\x12!\n\x04runs\x18\x02 \x03(\x0b\x32\x13.gpufleet.v1.RunRef\">\n\x0bJoinRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x03 \x01(\x0c\"\x1f\n\x0cRenewRequest\x12\x0f\n\x07\x63sr_pem\x18\x01 \x01(\x0c\"O\n\x13\x43\x65rtificateResponse\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63\x61_pem\x18\x02 \x01(\x0c\x12\x0f\n\x07node_id\x18\x03 \x01(\t2\xf2\x02\n\nController\x12S\n\x0cRegisterNode\x12 .gpufleet.v1.RegisterNodeRequest\x1a!.gpufleet.v1.RegisterNodeResponse\x12\x62\n\x11\x43onfirmAssignment\x12%.gpufleet.v1.ConfirmAssignmentRequest\x1a&.gpufleet.v1.ConfirmAssignmentResponse\x12J\n\tHeartbeat\x12\x1d.gpufleet.v1.HeartbeatRequest\x1a\x1e.gpufleet.v1.HeartbeatResponse\x12_\n\x10ReportCompletion\x12$.gpufleet.v1.ReportCompletionRequest\x1a%.gpufleet.v1.ReportCompletionResponse2\xe2\x01\n\x05\x41gent\x12J\n\tAssignJob\x12\x1d.gpufleet.v1.AssignJobRequest\x1a\x1e.gpufleet.v1.AssignJobResponse\x12\x44\n\x07StopRun\x12\x1b.gpufleet.v1.StopRunRequest\x1a\x1c.gpufleet.v1.StopRunResponse\x12G\n\x08ListRuns\x12\x1c.gpufleet.v1.ListRunsRequest\x1a\x1d.gpufleet.v1.ListRunsResponse2\x95\x01\n\tBootstrap\x12\x42\n\x04Join\x12\x18.gpufleet.v1.JoinRequest\x1a .gpufleet.v1.CertificateResponse\x12\x44\n\x05Renew\x12\x19.gpufleet.v1.RenewRequest\x1a .gpufleet.v1.CertificateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERNODEREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_REGISTERNODEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_HEARTBEATREQUEST_DISKFREEMBENTRY']._loaded_options = None
+  _globals['_HEARTBEATREQUEST_DISKFREEMBENTRY']._serialized_options = b'8\001'
   _globals['_ASSIGNJOBREQUEST_ENVENTRY']._loaded_options = None
   _globals['_ASSIGNJOBREQUEST_ENVENTRY']._serialized_options = b'8\001'
   _globals['_GPU']._serialized_start=48
@@ -56,37 +58,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONFIRMASSIGNMENTRESPONSE_RESULT']._serialized_start=1015
   _globals['_CONFIRMASSIGNMENTRESPONSE_RESULT']._serialized_end=1076
   _globals['_HEARTBEATREQUEST']._serialized_start=1079
-  _globals['_HEARTBEATREQUEST']._serialized_end=1274
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1276
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1397
-  _globals['_REPORTCOMPLETIONREQUEST']._serialized_start=1400
-  _globals['_REPORTCOMPLETIONREQUEST']._serialized_end=1674
-  _globals['_REPORTCOMPLETIONREQUEST_OUTCOME']._serialized_start=1596
-  _globals['_REPORTCOMPLETIONREQUEST_OUTCOME']._serialized_end=1674
-  _globals['_REPORTCOMPLETIONRESPONSE']._serialized_start=1677
-  _globals['_REPORTCOMPLETIONRESPONSE']._serialized_end=1855
-  _globals['_REPORTCOMPLETIONRESPONSE_RESULT']._serialized_start=1784
-  _globals['_REPORTCOMPLETIONRESPONSE_RESULT']._serialized_end=1855
-  _globals['_ASSIGNJOBREQUEST']._serialized_start=1858
-  _globals['_ASSIGNJOBREQUEST']._serialized_end=2233
-  _globals['_ASSIGNJOBREQUEST_ENVENTRY']._serialized_start=2191
-  _globals['_ASSIGNJOBREQUEST_ENVENTRY']._serialized_end=2233
-  _globals['_ASSIGNJOBRESPONSE']._serialized_start=2236
-  _globals['_ASSIGNJOBRESPONSE']._serialized_end=2469
-  _globals['_ASSIGNJOBRESPONSE_RESULT']._serialized_start=2342
-  _globals['_ASSIGNJOBRESPONSE_RESULT']._serialized_end=2469
-  _globals['_STOPRUNREQUEST']._serialized_start=2471
-  _globals['_STOPRUNREQUEST']._serialized_end=2573
-  _globals['_STOPRUNRESPONSE']._serialized_start=2576
-  _globals['_STOPRUNRESPONSE']._serialized_end=2766
-  _globals['_STOPRUNRESPONSE_RESULT']._serialized_start=2665
-  _globals['_STOPRUNRESPONSE_RESULT']._serialized_end=2766
-  _globals['_LISTRUNSREQUEST']._serialized_start=2768
-  _globals['_LISTRUNSREQUEST']._serialized_end=2785
-  _globals['_LISTRUNSRESPONSE']._serialized_start=2787
-  _globals['_LISTRUNSRESPONSE']._serialized_end=2861
-  _globals['_CONTROLLER']._serialized_start=2864
-  _globals['_CONTROLLER']._serialized_end=3234
-  _globals['_AGENT']._serialized_start=3237
-  _globals['_AGENT']._serialized_end=3463
+  _globals['_HEARTBEATREQUEST']._serialized_end=1425
+  _globals['_HEARTBEATREQUEST_DISKFREEMBENTRY']._serialized_start=1376
+  _globals['_HEARTBEATREQUEST_DISKFREEMBENTRY']._serialized_end=1425
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1427
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1548
+  _globals['_REPORTCOMPLETIONREQUEST']._serialized_start=1551
+  _globals['_REPORTCOMPLETIONREQUEST']._serialized_end=1861
+  _globals['_REPORTCOMPLETIONREQUEST_OUTCOME']._serialized_start=1783
+  _globals['_REPORTCOMPLETIONREQUEST_OUTCOME']._serialized_end=1861
+  _globals['_REPORTCOMPLETIONRESPONSE']._serialized_start=1864
+  _globals['_REPORTCOMPLETIONRESPONSE']._serialized_end=2042
+  _globals['_REPORTCOMPLETIONRESPONSE_RESULT']._serialized_start=1971
+  _globals['_REPORTCOMPLETIONRESPONSE_RESULT']._serialized_end=2042
+  _globals['_ASSIGNJOBREQUEST']._serialized_start=2045
+  _globals['_ASSIGNJOBREQUEST']._serialized_end=2420
+  _globals['_ASSIGNJOBREQUEST_ENVENTRY']._serialized_start=2378
+  _globals['_ASSIGNJOBREQUEST_ENVENTRY']._serialized_end=2420
+  _globals['_ASSIGNJOBRESPONSE']._serialized_start=2423
+  _globals['_ASSIGNJOBRESPONSE']._serialized_end=2677
+  _globals['_ASSIGNJOBRESPONSE_RESULT']._serialized_start=2530
+  _globals['_ASSIGNJOBRESPONSE_RESULT']._serialized_end=2677
+  _globals['_STOPRUNREQUEST']._serialized_start=2679
+  _globals['_STOPRUNREQUEST']._serialized_end=2781
+  _globals['_STOPRUNRESPONSE']._serialized_start=2784
+  _globals['_STOPRUNRESPONSE']._serialized_end=2974
+  _globals['_STOPRUNRESPONSE_RESULT']._serialized_start=2873
+  _globals['_STOPRUNRESPONSE_RESULT']._serialized_end=2974
+  _globals['_LISTRUNSREQUEST']._serialized_start=2976
+  _globals['_LISTRUNSREQUEST']._serialized_end=2993
+  _globals['_LISTRUNSRESPONSE']._serialized_start=2995
+  _globals['_LISTRUNSRESPONSE']._serialized_end=3069
+  _globals['_JOINREQUEST']._serialized_start=3071
+  _globals['_JOINREQUEST']._serialized_end=3133
+  _globals['_RENEWREQUEST']._serialized_start=3135
+  _globals['_RENEWREQUEST']._serialized_end=3166
+  _globals['_CERTIFICATERESPONSE']._serialized_start=3168
+  _globals['_CERTIFICATERESPONSE']._serialized_end=3247
+  _globals['_CONTROLLER']._serialized_start=3250
+  _globals['_CONTROLLER']._serialized_end=3620
+  _globals['_AGENT']._serialized_start=3623
+  _globals['_AGENT']._serialized_end=3849
+  _globals['_BOOTSTRAP']._serialized_start=3852
+  _globals['_BOOTSTRAP']._serialized_end=4001
 # @@protoc_insertion_point(module_scope)

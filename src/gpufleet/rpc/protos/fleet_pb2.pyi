@@ -334,11 +334,33 @@ Global___ConfirmAssignmentResponse: _TypeAlias = ConfirmAssignmentResponse  # no
 class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class DiskFreeMbEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NODE_ID_FIELD_NUMBER: _builtins.int
     AGENT_EPOCH_FIELD_NUMBER: _builtins.int
     RUNNING_FIELD_NUMBER: _builtins.int
     FREE_GPUS_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
+    DISK_FREE_MB_FIELD_NUMBER: _builtins.int
+    RECENT_START_FAILURES_FIELD_NUMBER: _builtins.int
     IMAGES_FIELD_NUMBER: _builtins.int
     IMAGES_REPORTED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
@@ -346,9 +368,15 @@ class HeartbeatRequest(_message.Message):
     free_gpus: _builtins.int
     health: _builtins.str
     """"HEALTHY" or a short description of what is wrong"""
+    recent_start_failures: _builtins.int
+    """Start failures this node caused (ENOSPC, shim/runtime errors) in the agent's window."""
     images_reported: _builtins.bool
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunRef]: ...
+    @_builtins.property
+    def disk_free_mb(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Free space of the agent's state and scratch directories, MiB, by directory."""
+
     @_builtins.property
     def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___LocalImage]:
         """Local images of the node's container engine (DD9). images_reported = false: the agent
@@ -363,12 +391,14 @@ class HeartbeatRequest(_message.Message):
         running: _abc.Iterable[Global___RunRef] | None = ...,
         free_gpus: _builtins.int = ...,
         health: _builtins.str = ...,
+        disk_free_mb: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        recent_start_failures: _builtins.int = ...,
         images: _abc.Iterable[Global___LocalImage] | None = ...,
         images_reported: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_epoch", b"agent_epoch", "free_gpus", b"free_gpus", "health", b"health", "images", b"images", "images_reported", b"images_reported", "node_id", b"node_id", "running", b"running"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_epoch", b"agent_epoch", "disk_free_mb", b"disk_free_mb", "free_gpus", b"free_gpus", "health", b"health", "images", b"images", "images_reported", b"images_reported", "node_id", b"node_id", "recent_start_failures", b"recent_start_failures", "running", b"running"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -445,6 +475,8 @@ class ReportCompletionRequest(_message.Message):
     OUTCOME_FIELD_NUMBER: _builtins.int
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    NODE_FAULT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     run_id: _builtins.str
     token: _builtins.int
@@ -453,6 +485,14 @@ class ReportCompletionRequest(_message.Message):
     outcome: Global___ReportCompletionRequest.Outcome.ValueType
     exit_code: _builtins.int
     message: _builtins.str
+    node_fault: _builtins.bool
+    """NEVER_STARTED because of the node (disk full, the shim or runtime failed), not the job:
+    charged to the node, the job's retries are not used.
+    """
+    reason: _builtins.str
+    """Machine-readable cause, "" or "OOM_KILLED" (the attempt exceeded its memory_mb and the
+    kernel killed it inside its cgroup).
+    """
     def __init__(
         self,
         *,
@@ -463,10 +503,12 @@ class ReportCompletionRequest(_message.Message):
         outcome: Global___ReportCompletionRequest.Outcome.ValueType = ...,
         exit_code: _builtins.int = ...,
         message: _builtins.str = ...,
+        node_fault: _builtins.bool = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_id", b"node_id", "outcome", b"outcome", "run_id", b"run_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_fault", b"node_fault", "node_id", b"node_id", "outcome", b"outcome", "reason", b"reason", "run_id", b"run_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -572,10 +614,10 @@ class AssignJobRequest(_message.Message):
     """absolute; empty = the attempt's own work directory"""
     memory_mb: _builtins.int
     """(for an image: the directory inside the container)
-    the job's memory limit, MiB; 0 = none
+    memory limit of the attempt, MiB; 0 = none
     """
     cpu: _builtins.float
-    """the job's CPU cores (a quota); 0 = none"""
+    """CPU cores of the attempt (a quota where the node can); 0 = none"""
     @_builtins.property
     def gpu_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -627,6 +669,10 @@ class AssignJobResponse(_message.Message):
         """older token than one already seen for this job, or old leader epoch"""
         FAILED_TO_START: AssignJobResponse._Result.ValueType  # 5
         """the agent logged it but could not start it; it reports NEVER_STARTED"""
+        NODE_UNHEALTHY: AssignJobResponse._Result.ValueType  # 30
+        """The node refuses new work (e.g. "node unhealthy: disk: ..."); nothing was logged or
+        started, and a later copy of this run_id is refused too.
+        """
 
     class Result(_Result, metaclass=_ResultEnumTypeWrapper): ...
     RESULT_UNSPECIFIED: AssignJobResponse.Result.ValueType  # 0
@@ -637,6 +683,10 @@ class AssignJobResponse(_message.Message):
     """older token than one already seen for this job, or old leader epoch"""
     FAILED_TO_START: AssignJobResponse.Result.ValueType  # 5
     """the agent logged it but could not start it; it reports NEVER_STARTED"""
+    NODE_UNHEALTHY: AssignJobResponse.Result.ValueType  # 30
+    """The node refuses new work (e.g. "node unhealthy: disk: ..."); nothing was logged or
+    started, and a later copy of this run_id is refused too.
+    """
 
     RESULT_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
@@ -775,3 +825,75 @@ class ListRunsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListRunsResponse: _TypeAlias = ListRunsResponse  # noqa: Y015
+
+@_typing.final
+class JoinRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    CSR_PEM_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """the secret part of the join token (gfj1.<ca>.<secret>)"""
+    node_id: _builtins.str
+    csr_pem: _builtins.bytes
+    """PKCS#10, EC P-256 key made on the node"""
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+        csr_pem: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem", "node_id", b"node_id", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
+
+@_typing.final
+class RenewRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CSR_PEM_FIELD_NUMBER: _builtins.int
+    csr_pem: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        csr_pem: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewRequest: _TypeAlias = RenewRequest  # noqa: Y015
+
+@_typing.final
+class CertificateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CERTIFICATE_PEM_FIELD_NUMBER: _builtins.int
+    CA_PEM_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    certificate_pem: _builtins.bytes
+    """the node certificate followed by the CA certificate"""
+    ca_pem: _builtins.bytes
+    node_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        certificate_pem: _builtins.bytes = ...,
+        ca_pem: _builtins.bytes = ...,
+        node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ca_pem", b"ca_pem", "certificate_pem", b"certificate_pem", "node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CertificateResponse: _TypeAlias = CertificateResponse  # noqa: Y015

@@ -401,3 +401,139 @@ class Agent:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class BootstrapStub:
+    """---------------------------------------------------------------- node identity (mutual TLS)
+
+    Certificates for node agents. Join is the only call of the fleet that needs no client
+    certificate: it is served on the controller's join port (TLS, server-authenticated only)
+    and authorised by a single-use join token. Renew is served on the controller's mutual-TLS
+    port and authorised by the node's current certificate; the new certificate names the same
+    node. The controller signs only the CSR's public key: subject, role and SAN are its own.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Join = channel.unary_unary(
+                '/gpufleet.v1.Bootstrap/Join',
+                request_serializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.JoinRequest.SerializeToString,
+                response_deserializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.CertificateResponse.FromString,
+                _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/gpufleet.v1.Bootstrap/Renew',
+                request_serializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.RenewRequest.SerializeToString,
+                response_deserializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.CertificateResponse.FromString,
+                _registered_method=True)
+
+
+class BootstrapServicer:
+    """---------------------------------------------------------------- node identity (mutual TLS)
+
+    Certificates for node agents. Join is the only call of the fleet that needs no client
+    certificate: it is served on the controller's join port (TLS, server-authenticated only)
+    and authorised by a single-use join token. Renew is served on the controller's mutual-TLS
+    port and authorised by the node's current certificate; the new certificate names the same
+    node. The controller signs only the CSR's public key: subject, role and SAN are its own.
+    """
+
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_BootstrapServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.JoinRequest.FromString,
+                    response_serializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.CertificateResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.RenewRequest.FromString,
+                    response_serializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.CertificateResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'gpufleet.v1.Bootstrap', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('gpufleet.v1.Bootstrap', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Bootstrap:
+    """---------------------------------------------------------------- node identity (mutual TLS)
+
+    Certificates for node agents. Join is the only call of the fleet that needs no client
+    certificate: it is served on the controller's join port (TLS, server-authenticated only)
+    and authorised by a single-use join token. Renew is served on the controller's mutual-TLS
+    port and authorised by the node's current certificate; the new certificate names the same
+    node. The controller signs only the CSR's public key: subject, role and SAN are its own.
+    """
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpufleet.v1.Bootstrap/Join',
+            gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.JoinRequest.SerializeToString,
+            gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.CertificateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpufleet.v1.Bootstrap/Renew',
+            gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.RenewRequest.SerializeToString,
+            gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.CertificateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

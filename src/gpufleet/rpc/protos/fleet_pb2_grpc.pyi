@@ -153,3 +153,61 @@ class AgentServicer(metaclass=_abc_1.ABCMeta):
         """The attempts the agent knows about (reconciliation asks before it releases)."""
 
 def add_AgentServicer_to_server(servicer: AgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class BootstrapStub:
+    """---------------------------------------------------------------- node identity (mutual TLS)
+
+    Certificates for node agents. Join is the only call of the fleet that needs no client
+    certificate: it is served on the controller's join port (TLS, server-authenticated only)
+    and authorised by a single-use join token. Renew is served on the controller's mutual-TLS
+    port and authorised by the node's current certificate; the new certificate names the same
+    node. The controller signs only the CSR's public key: subject, role and SAN are its own.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> BootstrapAsyncStub: ...
+    Join: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.JoinRequest, _fleet_pb2.CertificateResponse]
+    Renew: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.RenewRequest, _fleet_pb2.CertificateResponse]
+
+@_typing.type_check_only
+class BootstrapAsyncStub(BootstrapStub):
+    """---------------------------------------------------------------- node identity (mutual TLS)
+
+    Certificates for node agents. Join is the only call of the fleet that needs no client
+    certificate: it is served on the controller's join port (TLS, server-authenticated only)
+    and authorised by a single-use join token. Renew is served on the controller's mutual-TLS
+    port and authorised by the node's current certificate; the new certificate names the same
+    node. The controller signs only the CSR's public key: subject, role and SAN are its own.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    Join: _aio.UnaryUnaryMultiCallable[_fleet_pb2.JoinRequest, _fleet_pb2.CertificateResponse]  # type: ignore[assignment]
+    Renew: _aio.UnaryUnaryMultiCallable[_fleet_pb2.RenewRequest, _fleet_pb2.CertificateResponse]  # type: ignore[assignment]
+
+class BootstrapServicer(metaclass=_abc_1.ABCMeta):
+    """---------------------------------------------------------------- node identity (mutual TLS)
+
+    Certificates for node agents. Join is the only call of the fleet that needs no client
+    certificate: it is served on the controller's join port (TLS, server-authenticated only)
+    and authorised by a single-use join token. Renew is served on the controller's mutual-TLS
+    port and authorised by the node's current certificate; the new certificate names the same
+    node. The controller signs only the CSR's public key: subject, role and SAN are its own.
+    """
+
+    @_abc_1.abstractmethod
+    def Join(
+        self,
+        request: _fleet_pb2.JoinRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.CertificateResponse, _abc.Awaitable[_fleet_pb2.CertificateResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Renew(
+        self,
+        request: _fleet_pb2.RenewRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fleet_pb2.CertificateResponse, _abc.Awaitable[_fleet_pb2.CertificateResponse]]: ...
+
+def add_BootstrapServicer_to_server(servicer: BootstrapServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,7 +1,7 @@
 """container runtime: start phases on attempts, local images and pre-pulls on nodes
 
 Revision ID: 0004c
-Revises: 0003
+Revises: 0004e
 Create Date: 2026-11-30 13:30:00
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0004c"
-down_revision: str | None = "0003"
+down_revision: str | None = "0004e"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

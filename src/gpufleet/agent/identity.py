@@ -1,0 +1,238 @@
+"""The agent's node identity: its key and certificate in ``{state_dir}/tls`` (mode 0600), the
+join that first obtains them, the channel to the controller built on them, and renewal.
+
+* **Join** (no certificate yet, or an unusable one): the key is made here and never leaves
+  the node; a CSR and the join token's secret go to the controller's join port over TLS that
+  verifies the controller against the fleet CA (given with ``--ca-cert``, or fetched from the
+  controller and accepted only if its sha256 is the one in the join token).
+* **Renewal** at 2/3 of the certificate's lifetime, over the mutual-TLS channel (the current
+  certificate authenticates the request); new connections, outgoing and incoming, use the new
+  certificate at once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gpufleet.rpc import tls
+from gpufleet.rpc.protos import fleet_pb2 as pb
+from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("gpufleet.agent")
+
+CALL_TIMEOUT_S = 10.0
+RETRY_MAX_S = 5.0
+OLD_CHANNEL_GRACE_S = 30.0
+"""A replaced channel is closed this long after the swap (calls in flight finish on it)."""
+
+
+class JoinRefused(tls.PkiError):
+    """The controller refused the join (bad, used or expired token; wrong node id)."""
+
+
+def tls_dir(state_dir: Path) -> Path:
+    return state_dir / "tls"
+
+
+def ensure_credentials(
+    state_dir: Path,
+    node_id: str,
+    *,
+    join_address: str,
+    join_token: str | None,
+    ca_cert: Path | None,
+    stop: threading.Event,
+) -> tls.NodeCredentials | None:
+    """This node's usable credentials: the saved ones, else new ones from a join.
+
+    Returns None only if ``stop`` is set while the controller is unreachable.
+
+    Raises:
+        tls.PkiError: no usable certificate and no join token; a join token or CA that does
+            not match; JoinRefused.
+        ValueError: a malformed join token.
+    """
+    directory = tls_dir(state_dir)
+    saved = tls.NodeCredentials.load(directory)
+    problem = saved.problem(node_id) if saved is not None else "none saved"
+    if saved is not None and problem is None and join_token:
+        pin = tls.parse_join_token(join_token)[0]
+        if tls.fingerprint(saved.ca_pem) != pin:
+            problem = "issued by another fleet CA than the join token's"
+    if saved is not None and problem is None:
+        if join_token:
+            logger.info("node %s has a valid certificate; the join token is not used", node_id)
+        return saved
+    if not join_token:
+        raise tls.PkiError(
+            f"no usable node certificate in {directory} ({problem}): start the agent with "
+            f"--join-token (from `gpufleet admin node join-token --node-id {node_id}`), "
+            "or --insecure for plaintext"
+        )
+    pin, secret = tls.parse_join_token(join_token)
+    if saved is not None:
+        logger.warning("node certificate in %s unusable (%s): joining again", directory, problem)
+    ca_pem = _ca_for_join(pin, ca_cert, join_address, stop)
+    if ca_pem is None:
+        return None
+    key = tls.new_key()
+    request = pb.JoinRequest(token=secret, node_id=node_id, csr_pem=tls.make_csr(key, node_id))
+    channel = tls.secure_channel(
+        join_address, tls.channel_credentials(ca_pem), tls.CONTROLLER_NAME
+    )
+    try:
+        resp = _call_until_answered(
+            lambda: pb_grpc.BootstrapStub(channel).Join(request, timeout=CALL_TIMEOUT_S),
+            stop,
+            f"controller join service at {join_address}",
+        )
+    finally:
+        channel.close()
+    if resp is None:
+        return None
+    creds = tls.NodeCredentials(tls.key_pem(key), resp.certificate_pem, resp.ca_pem)
+    bad = creds.problem(node_id)
+    if bad is not None or tls.fingerprint(resp.ca_pem) != pin:
+        raise tls.PkiError(f"the controller answered an unusable certificate: {bad}")
+    creds.save(directory)
+    logger.info(
+        "node %s joined: certificate %s valid until %s, saved in %s",
+        node_id,
+        tls.serial_hex(creds.cert),
+        f"{creds.not_after:%Y-%m-%d %H:%M:%S}Z",
+        directory,
+    )
+    return creds
+
+
+def _ca_for_join(
+    pin: str, ca_cert: Path | None, join_address: str, stop: threading.Event
+) -> bytes | None:
+    if ca_cert is not None:
+        ca_pem = ca_cert.read_bytes()
+        if tls.fingerprint(ca_pem) != pin:
+            raise tls.PkiError(f"{ca_cert} is not the CA the join token names")
+        return ca_pem
+    delay, attempts = 0.1, 0
+    while not stop.is_set():
+        try:
+            return tls.fetch_ca_by_fingerprint(join_address, pin)
+        except OSError as exc:
+            attempts += 1
+            if attempts in (1, 10) or attempts % 100 == 0:
+                logger.warning(
+                    "controller join service at %s not reachable (%s)", join_address, exc
+                )
+            stop.wait(delay)
+            delay = min(RETRY_MAX_S, delay * 2)
+    return None
+
+
+def _call_until_answered(call: Callable[[], Any], stop: threading.Event, what: str) -> Any:
+    delay, attempts = 0.1, 0
+    while not stop.is_set():
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            code = exc.code() if callable(getattr(exc, "code", None)) else None
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                details = exc.details() if callable(getattr(exc, "details", None)) else exc
+                raise JoinRefused(
+                    f"join refused ({code.name if code else '?'}): {details}"
+                ) from None
+            attempts += 1
+            if attempts in (1, 10) or attempts % 100 == 0:
+                logger.warning("%s not reachable yet (%s); retrying", what, code.name)
+            stop.wait(delay)
+            delay = min(RETRY_MAX_S, delay * 2)
+    return None
+
+
+class ControllerChannel:
+    """The agent's channel to the controller, usable as a ``ControllerStub`` (attribute access
+    goes to the current stub). ``reconnect()`` swaps in a channel built from the newest
+    credentials, so holders never keep a stub with a stale certificate."""
+
+    def __init__(self, make: Callable[[], grpc.Channel]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._channel = make()
+        self._stub = pb_grpc.ControllerStub(self._channel)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+    def bootstrap(self) -> pb_grpc.BootstrapStub:
+        with self._lock:
+            return pb_grpc.BootstrapStub(self._channel)
+
+    def reconnect(self) -> None:
+        channel = self._make()
+        with self._lock:
+            old, self._channel = self._channel, channel
+            self._stub = pb_grpc.ControllerStub(channel)
+        timer = threading.Timer(OLD_CHANNEL_GRACE_S, old.close)
+        timer.daemon = True
+        timer.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._channel.close()
+
+
+class Renewer:
+    """Renews the node certificate at 2/3 of its lifetime over the mutual-TLS channel, saves
+    it, and calls ``on_renewed(credentials)``. A failed renewal is retried every
+    ``min(60 s, 1/10 of the time left)``."""
+
+    def __init__(
+        self,
+        creds: tls.NodeCredentials,
+        node_id: str,
+        directory: Path,
+        channel: ControllerChannel,
+        on_renewed: Callable[[tls.NodeCredentials], None],
+        stop: threading.Event,
+    ) -> None:
+        self.creds, self.node_id, self.directory = creds, node_id, directory
+        self.channel, self.on_renewed, self.stop = channel, on_renewed, stop
+        self.thread = threading.Thread(target=self._loop, name="agent-renew", daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            now = dt.datetime.now(dt.UTC)
+            wait_s = (self.creds.renew_at() - now).total_seconds()
+            if wait_s > 0:
+                self.stop.wait(wait_s)
+                continue
+            try:
+                self.renew_once()
+            except Exception as exc:  # keep the current certificate; try again soon
+                left = (self.creds.not_after - dt.datetime.now(dt.UTC)).total_seconds()
+                logger.warning("certificate renewal failed (%s); %.0f s left", exc, left)
+                self.stop.wait(max(1.0, min(60.0, left / 10)))
+
+    def renew_once(self) -> None:
+        key = tls.new_key()
+        resp = self.channel.bootstrap().Renew(
+            pb.RenewRequest(csr_pem=tls.make_csr(key, self.node_id)), timeout=CALL_TIMEOUT_S
+        )
+        creds = tls.NodeCredentials(tls.key_pem(key), resp.certificate_pem, resp.ca_pem)
+        bad = creds.problem(self.node_id)
+        if bad is not None:
+            raise tls.PkiError(f"renewed certificate unusable: {bad}")
+        creds.save(self.directory)
+        self.creds = creds
+        self.on_renewed(creds)
+        logger.info(
+            "renewed the node certificate: %s, valid until %s",
+            tls.serial_hex(creds.cert),
+            f"{creds.not_after:%Y-%m-%d %H:%M:%S}Z",
+        )

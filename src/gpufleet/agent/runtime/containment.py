@@ -1,0 +1,409 @@
+"""Containment of host-process attempts: one cgroup per attempt, or a PID namespace, or none.
+
+Why a cgroup: a process group is a hint a job can leave (``setsid``, ``setpgid``), so stopping
+"the group" and then checking it is empty proves nothing. A cgroup cannot be left by an
+unprivileged process (moving a pid needs write access to the target's ``cgroup.procs``), all
+descendants inherit it, and it carries the memory limit, the CPU quota and the OOM counters.
+
+Kinds, best first (chosen once at agent start by :func:`detect`):
+
+``cgroup-v2``
+    The unified hierarchy (``/sys/fs/cgroup/cgroup.controllers`` exists). Groups live at
+    ``/sys/fs/cgroup/gpufleet/{scope}/{run_id}`` with ``memory.max``, ``cpu.max``; stop
+    uses ``cgroup.kill`` (Linux >= 5.14) or ``cgroup.freeze`` + SIGKILL; OOM from
+    ``memory.events`` ``oom_kill``. Not exercised on the development machine (cgroup v1).
+``cgroup-v1``
+    One group per controller (``memory``, ``freezer`` required; ``pids``, ``cpu`` if mounted) at
+    ``{mount}/{agent's own group}/gpufleet/{scope}/{run_id}``: nested under the agent's group
+    so whatever limits the host puts on the agent also bound its jobs. Limit
+    ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes`` where swap accounting is
+    on); quota ``cpu.cfs_quota_us``; stop = SIGTERM to every pid, grace, then freeze +
+    SIGKILL every pid + thaw (the freeze closes the fork race); OOM from ``memory.oom_control``
+    ``oom_kill`` (falls back to ``memory.failcnt``).
+``pidns``
+    No cgroup can be made (not root, no controller): the command runs as PID 1 of a new PID
+    namespace (``unshare --pid --fork --kill-child``); when it dies the kernel kills every
+    process of the namespace, so a ``setsid`` child cannot outlive it. No memory limit.
+``none``
+    Neither: the process group only (a ``setsid`` child escapes). Said once at agent start.
+
+The cgroup paths are derivable from the run_id and also logged in the ``started`` event, so a
+restarted agent finds the group of an attempt it adopts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger("gpufleet.agent")
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+V1_REQUIRED = ("memory", "freezer")
+V1_OPTIONAL = ("pids", "cpu")
+CPU_PERIOD_US = 100_000
+FREEZE_WAIT_S = 2.0
+UNSHARE_PREFIX = ("unshare", "--pid", "--fork", "--kill-child")
+
+
+@dataclass(frozen=True, slots=True)
+class Containment:
+    """What this node can contain attempts in.
+
+    Attributes:
+        kind: ``cgroup-v2``, ``cgroup-v1``, ``pidns`` or ``none``.
+        bases: directory under which per-attempt groups are made: v1 one per controller
+            (``{"memory": Path, "freezer": Path, ...}``), v2 ``{"unified": Path}``.
+        problem: why a better kind is not available ("" when it is a cgroup).
+    """
+
+    kind: str
+    bases: dict[str, Path]
+    problem: str = ""
+    prefix: tuple[str, ...] = ()
+
+    @property
+    def is_cgroup(self) -> bool:
+        return self.kind.startswith("cgroup")
+
+    def group_for(self, run_id: str, *, cpu_quota: bool = True) -> JobCgroup | None:
+        """The (not yet created) cgroup of one attempt; None without cgroups.
+
+        Args:
+            run_id: the attempt.
+            cpu_quota: the attempt has a CPU quota. Without one it is not put in a v1 ``cpu``
+                group of its own: group scheduling would weigh the whole job like a single
+                thread against the host's other tasks and slow multi-threaded jobs down.
+        """
+        if not self.is_cgroup:
+            return None
+        dirs = {c: base / run_id for c, base in self.bases.items() if cpu_quota or c != "cpu"}
+        return JobCgroup(self.kind, dirs)
+
+    def prune(self, keep: set[str]) -> list[str]:
+        """Remove this agent's empty attempt groups not in ``keep`` (left by a crash between
+        an attempt's end and its cleanup). Returns the run_ids of groups that could not be
+        removed because processes are still in them (never killed here: the caller decides).
+        """
+        busy: set[str] = set()
+        for base in self.bases.values():
+            with contextlib.suppress(OSError):
+                for d in base.iterdir():
+                    if d.is_dir() and d.name not in keep and not d.name.startswith("."):
+                        try:
+                            d.rmdir()
+                        except OSError:
+                            busy.add(d.name)
+        return sorted(busy)
+
+    def remove_scope(self) -> None:
+        """Remove this agent's (empty) parent groups, e.g. at a clean stop; groups of attempts
+        still running keep them in place (rmdir fails with EBUSY/ENOTEMPTY)."""
+        for base in self.bases.values():
+            with contextlib.suppress(OSError):
+                base.rmdir()
+
+    def command_prefix(self, *, uid: int | None = None, gid: int | None = None) -> tuple[str, ...]:
+        """argv prefix for the command (``unshare ...`` for pidns; empty otherwise). With
+        ``uid``/``gid``, unshare (run as root) switches to them for the command (and drops
+        the supplementary groups)."""
+        if self.kind != "pidns":
+            return ()
+        ids: tuple[str, ...] = ()
+        if gid is not None:
+            ids += ("--setgid", str(gid))
+        if uid is not None:
+            ids += ("--setuid", str(uid))
+        return (*self.prefix, *ids, "--")
+
+
+def detect(scope: str, *, want: str = "auto") -> Containment:
+    """Find the best containment this process can use (see module doc).
+
+    Args:
+        scope: this agent's name among the agents of the host (a path component of the
+            groups, ``{node_id}-{hash of state dir}``).
+        want: ``auto``, or force a weaker kind (``pidns``, ``none``) for tests and operators.
+    """
+    problems: list[str] = []
+    if want == "auto":
+        if os.geteuid() != 0:
+            problems.append("the agent is not root, so it cannot create cgroups")
+        else:
+            found = _try_v2(scope, problems) if _is_v2() else _try_v1(scope, problems)
+            if found is not None:
+                return found
+    if want in ("auto", "pidns"):
+        prefix = UNSHARE_PREFIX if os.geteuid() == 0 else ("unshare", "--map-current-user")
+        prefix = (*prefix, *UNSHARE_PREFIX[1:]) if prefix != UNSHARE_PREFIX else prefix
+        if _pidns_works(prefix):
+            return Containment("pidns", {}, "; ".join(problems), prefix)
+        problems.append(f"{' '.join(prefix)} does not work here")
+    return Containment("none", {}, "; ".join(problems) or f"containment forced to {want}")
+
+
+def _is_v2() -> bool:
+    return (CGROUP_ROOT / "cgroup.controllers").exists()
+
+
+def _own_groups() -> dict[str, str]:
+    """``/proc/self/cgroup`` as {controller: path} (v2: key "")."""
+    out: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _id, controllers, path = line.split(":", 2)
+            for c in controllers.split(","):
+                out[c] = path
+    return out
+
+
+def _v1_mounts() -> dict[str, Path]:
+    """{controller: mount point} of the mounted v1 hierarchies."""
+    mounts: dict[str, Path] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 4 and parts[2] == "cgroup":
+                for opt in parts[3].split(","):
+                    mounts.setdefault(opt, Path(parts[1]))
+    return mounts
+
+
+def _try_v1(scope: str, problems: list[str]) -> Containment | None:
+    mounts, own = _v1_mounts(), _own_groups()
+    bases: dict[str, Path] = {}
+    for c in (*V1_REQUIRED, *V1_OPTIONAL):
+        if c not in mounts:
+            if c in V1_REQUIRED:
+                problems.append(f"cgroup v1 controller {c!r} is not mounted")
+                return None
+            continue
+        base = mounts[c] / own.get(c, "/").lstrip("/") / "gpufleet" / scope
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            probe = base / f".probe-{os.getpid()}"
+            probe.mkdir(exist_ok=True)
+            probe.rmdir()
+        except OSError as exc:
+            if c in V1_REQUIRED:
+                problems.append(f"cannot create a {c} cgroup under {base}: {exc}")
+                return None
+            logger.warning("cgroup v1 %s unusable (%s); jobs get no %s limit", c, exc, c)
+            continue
+        bases[c] = base
+    return Containment("cgroup-v1", bases)
+
+
+def _try_v2(scope: str, problems: list[str]) -> Containment | None:
+    # Processes may only sit in leaves once controllers are enabled below a group, so the
+    # groups go in a subtree of their own at the root (the root is exempt from that rule).
+    base = CGROUP_ROOT / "gpufleet" / scope
+    try:
+        for d in (CGROUP_ROOT, CGROUP_ROOT / "gpufleet", base):
+            d.mkdir(exist_ok=True)
+            available = set((d / "cgroup.controllers").read_text().split())
+            wanted = [c for c in ("memory", "pids", "cpu") if c in available]
+            if "memory" not in wanted:
+                problems.append(f"cgroup v2: no memory controller at {d}")
+                return None
+            (d / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in wanted))
+    except OSError as exc:
+        problems.append(f"cgroup v2: cannot set up {base}: {exc}")
+        return None
+    return Containment("cgroup-v2", {"unified": base})
+
+
+def _pidns_works(prefix: tuple[str, ...]) -> bool:
+    if shutil.which(prefix[0]) is None:
+        return False
+    try:
+        done = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@dataclass(frozen=True, slots=True)
+class JobCgroup:
+    """The cgroup(s) of one attempt.
+
+    Attributes:
+        kind: ``cgroup-v1`` or ``cgroup-v2``.
+        dirs: v1 {controller: dir}; v2 {"unified": dir}.
+    """
+
+    kind: str
+    dirs: dict[str, Path]
+
+    def to_json(self) -> dict[str, object]:
+        return {"kind": self.kind, "dirs": {c: str(d) for c, d in self.dirs.items()}}
+
+    @staticmethod
+    def from_json(data: dict[str, object]) -> JobCgroup:
+        dirs = data.get("dirs") or {}
+        assert isinstance(dirs, dict)
+        return JobCgroup(str(data["kind"]), {str(c): Path(str(d)) for c, d in dirs.items()})
+
+    @property
+    def _main(self) -> Path:
+        return self.dirs["unified"] if self.kind == "cgroup-v2" else self.dirs["memory"]
+
+    # ------------------------------------------------------------------ set up
+
+    def create(self, *, memory_mb: int, cpu: float) -> None:
+        """Make the group(s) and set the limits. Idempotent.
+
+        Raises:
+            OSError: a group or a limit could not be written.
+        """
+        for d in self.dirs.values():
+            d.mkdir(exist_ok=True)
+        limit = memory_mb * 1024 * 1024 if memory_mb > 0 else 0
+        quota = int(cpu * CPU_PERIOD_US) if cpu > 0 else 0
+        if self.kind == "cgroup-v2":
+            d = self.dirs["unified"]
+            if limit:
+                (d / "memory.max").write_text(str(limit))
+                with contextlib.suppress(OSError):
+                    (d / "memory.swap.max").write_text("0")
+            if quota:
+                with contextlib.suppress(OSError):
+                    (d / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+            return
+        mem = self.dirs["memory"]
+        if limit:
+            (mem / "memory.limit_in_bytes").write_text(str(limit))
+            with contextlib.suppress(OSError):  # only where swap accounting is on
+                (mem / "memory.memsw.limit_in_bytes").write_text(str(limit))
+        if quota and "cpu" in self.dirs:
+            with contextlib.suppress(OSError):
+                (self.dirs["cpu"] / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                (self.dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(quota))
+
+    def procs_files(self) -> list[Path]:
+        """The ``cgroup.procs`` files a process writes its pid to, to join (all controllers)."""
+        return [d / "cgroup.procs" for d in self.dirs.values()]
+
+    # ------------------------------------------------------------------ watch and stop
+
+    def exists(self) -> bool:
+        return self._main.is_dir()
+
+    def pids(self) -> set[int]:
+        """Every live process of the attempt (union over the controllers' groups; zombies are
+        not listed). Empty when the group does not exist."""
+        found: set[int] = set()
+        for d in self.dirs.values():
+            try:
+                text = (d / "cgroup.procs").read_text()
+            except FileNotFoundError:
+                continue
+            found.update(int(p) for p in text.split())
+        return found
+
+    def signal_all(self, sig: int) -> int:
+        """Send ``sig`` to every process of the group. Returns how many were signalled."""
+        n = 0
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+                n += 1
+        return n
+
+    def kill_all(self) -> None:
+        """SIGKILL every process without a fork race: ``cgroup.kill`` (v2), else freeze,
+        SIGKILL each pid, thaw (the kernel delivers the pending SIGKILLs on thaw)."""
+        if self.kind == "cgroup-v2":
+            kill_file = self.dirs["unified"] / "cgroup.kill"
+            if kill_file.exists():
+                kill_file.write_text("1")
+                return
+        with self._frozen():
+            self.signal_all(signal.SIGKILL)
+
+    @contextlib.contextmanager
+    def _frozen(self):  # type: ignore[no-untyped-def]
+        if self.kind == "cgroup-v2":
+            f, frozen, thawed = self.dirs["unified"] / "cgroup.freeze", "1", "0"
+        elif "freezer" in self.dirs:
+            f, frozen, thawed = self.dirs["freezer"] / "freezer.state", "FROZEN", "THAWED"
+        else:
+            yield
+            return
+        try:
+            f.write_text(frozen)
+            deadline = time.monotonic() + FREEZE_WAIT_S
+            while time.monotonic() < deadline and not self._is_frozen():
+                time.sleep(0.01)
+        except OSError:
+            logger.warning("cannot freeze %s; killing without a freeze", f.parent)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                f.write_text(thawed)
+
+    def _is_frozen(self) -> bool:
+        try:
+            if self.kind == "cgroup-v2":
+                events = (self.dirs["unified"] / "cgroup.events").read_text()
+                return "frozen 1" in events
+            return (self.dirs["freezer"] / "freezer.state").read_text().strip() == "FROZEN"
+        except OSError:
+            return True
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel's OOM killer acted in this group (its memory limit was hit)."""
+        if self.kind == "cgroup-v2":
+            return _counter(self.dirs["unified"] / "memory.events", "oom_kill") > 0
+        mem = self.dirs["memory"]
+        kills = _counter(mem / "memory.oom_control", "oom_kill")
+        if kills >= 0:
+            return kills > 0
+        try:  # kernels before 4.13 have no oom_kill counter: the limit was hit at least
+            return int((mem / "memory.failcnt").read_text()) > 0
+        except (OSError, ValueError):
+            return False
+
+    def memory_limit_mb(self) -> int:
+        """The memory limit in MiB (0 = none or unknown)."""
+        try:
+            if self.kind == "cgroup-v2":
+                raw = (self.dirs["unified"] / "memory.max").read_text().strip()
+                return 0 if raw == "max" else int(raw) // (1024 * 1024)
+            raw = (self.dirs["memory"] / "memory.limit_in_bytes").read_text().strip()
+            value = int(raw)
+            return 0 if value >= 1 << 62 else value // (1024 * 1024)
+        except (OSError, ValueError):
+            return 0
+
+    def remove(self) -> bool:
+        """Remove the group(s); False while a process is left (EBUSY) — retried later."""
+        ok = True
+        for d in self.dirs.values():
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                ok = False
+        return ok
+
+
+def _counter(path: Path, name: str) -> int:
+    """Value of ``name N`` in a flat-keyed cgroup file; -1 when absent or unreadable."""
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == name:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return -1

@@ -1,0 +1,404 @@
+"""The ``process`` runtime: the command as a host process under a per-attempt shim.
+
+The shim (:mod:`gpufleet.agent.shim`) leads its own session and process group, outlives an
+agent crash, records the exit code, and puts the command (not itself) into the attempt's
+cgroup before exec (:mod:`.containment`). What "the attempt's processes" means depends on the
+node's containment:
+
+* a cgroup (v1 or v2): every pid in the group, whatever its session or process group, so a
+  ``setsid`` child is stopped and waited for like the rest; *verified gone* = the group is
+  empty (and the shim has exited);
+* ``pidns``: the process group of the shim, ``unshare`` and the namespace's init; when the init
+  dies the kernel kills the rest of the namespace, and ``unshare`` only exits after that;
+* ``none``: the process group only (a ``setsid`` child escapes; said at agent start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from gpufleet.agent import procfs
+from gpufleet.agent.assignment_log import RunRecord
+from gpufleet.agent.fsutil import create_exclusive
+from gpufleet.agent.runtime.base import (
+    KILL_RESEND_S,
+    KILL_VERIFY_TIMEOUT_S,
+    OOM_KILLED,
+    ExitInfo,
+    Launch,
+    RunHandle,
+    StartError,
+)
+from gpufleet.agent.runtime.containment import Containment, JobCgroup
+from gpufleet.agent.workdir import RunPaths
+
+logger = logging.getLogger("gpufleet.agent")
+
+SHIM_HANDSHAKE_TIMEOUT_S = 30.0
+
+
+@dataclass(slots=True, kw_only=True)
+class ProcessHandle(RunHandle):
+    """A live process attempt. ``popen`` is set only for shims this agent process spawned (it
+    must reap them); adopted shims are children of PID 1. ``cgroup`` is None without cgroup
+    containment."""
+
+    runtime: ClassVar[str] = "process"
+    shim_pid: int
+    shim_start_ticks: int
+    exit_file: Path
+    popen: subprocess.Popen[bytes] | None = None
+    cgroup: JobCgroup | None = None
+
+    @property
+    def pgid(self) -> int:
+        return self.shim_pid
+
+    def log_fields(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        if self.cgroup is not None:
+            state["cgroup"] = self.cgroup.to_json()
+        return {
+            "pid": self.pid,
+            "boot_id": self.boot_id,
+            "shim_pid": self.shim_pid,
+            "shim_start_ticks": self.shim_start_ticks,
+            "runtime_state": state,
+        }
+
+
+class ProcessRuntime:
+    """Host processes, contained as the node allows (see module doc).
+
+    Args:
+        containment: what :func:`.containment.detect` found at agent start.
+    """
+
+    kind = "process"
+
+    def __init__(self, containment: Containment) -> None:
+        self.containment = containment
+
+    def describe(self) -> str:
+        return self.containment.kind
+
+    # ------------------------------------------------------------------ start
+
+    def spawn(self, rec: RunRecord, launch: Launch) -> RunHandle:
+        """Create the cgroup, start the shim, wait for its handshake.
+
+        Raises:
+            StartError: nothing of the command runs (the message says why, e.g. a
+                working_dir the job user cannot enter, or a command that is not found).
+        """
+        paths = launch.paths
+        cgroup = self.containment.group_for(rec.run_id, cpu_quota=launch.cpu > 0)
+        if cgroup is not None:
+            try:
+                cgroup.create(memory_mb=launch.memory_mb, cpu=launch.cpu)
+            except OSError as exc:
+                cgroup.remove()
+                raise StartError(
+                    f"cannot create the attempt's cgroup: {exc}", node_fault=True
+                ) from exc
+        argv = [sys.executable, "-m", "gpufleet.agent.shim", "--exit-file", str(paths.exit_file)]
+        argv += ["--log-file", str(paths.log), "--claim-file", str(paths.claim)]
+        argv += ["--env-file", str(paths.env_file), "--cwd", str(launch.cwd)]
+        for procs in cgroup.procs_files() if cgroup is not None else ():
+            argv += ["--cgroup-procs", str(procs)]
+        command = list(launch.command)
+        user = launch.user
+        if self.containment.kind == "pidns":
+            # unshare must run privileged to make the namespace; it switches users itself
+            ids = {"uid": user.uid, "gid": user.gid} if user.switch else {}
+            command = [*self.containment.command_prefix(**ids), *command]
+            if user.switch:
+                argv += ["--cwd-as", f"{user.uid}:{user.gid}"]
+        elif user.switch:
+            argv += ["--uid", str(user.uid), "--gid", str(user.gid)]
+            argv += ["--groups", ",".join(str(g) for g in user.groups)]
+        read_fd, write_fd = os.pipe()
+        try:
+            with open(paths.shim_log, "ab") as shim_log:
+                popen = subprocess.Popen(
+                    [*argv, "--status-fd", str(write_fd), "--", *command],
+                    stdin=subprocess.DEVNULL,
+                    stdout=shim_log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # the shim leads its own session and group
+                    pass_fds=(write_fd,),
+                    env=_shim_env(),
+                )
+        except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL byte in an argument
+            os.close(read_fd)
+            if cgroup is not None:
+                cgroup.remove()
+            raise StartError(
+                f"cannot start the shim: {exc}", node_fault=isinstance(exc, OSError)
+            ) from exc
+        finally:
+            os.close(write_fd)
+        try:
+            status = _read_status(read_fd, SHIM_HANDSHAKE_TIMEOUT_S)
+        finally:
+            os.close(read_fd)
+        if status is not None and "error" in status:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=10)
+            if cgroup is not None:
+                cgroup.remove()
+            raise StartError(str(status["error"]))
+        if status is None and popen.poll() is not None:
+            raise StartError(
+                f"the shim exited ({popen.returncode}); see {paths.shim_log}", node_fault=True
+            )
+        if status is None:
+            logger.warning("run %s: no handshake from the shim in time; watching it", rec.run_id)
+        claim = _read_json(paths.claim) or {}
+        ticks = claim.get("start_ticks") or procfs.start_ticks(popen.pid) or 0
+        child = int(status["pid"]) if status else popen.pid
+        return ProcessHandle(
+            pid=child,
+            boot_id=procfs.boot_id(),
+            shim_pid=popen.pid,
+            shim_start_ticks=int(ticks),
+            exit_file=paths.exit_file,
+            popen=popen,
+            cgroup=cgroup,
+        )
+
+    def resolve_unstarted(self, rec: RunRecord, paths: RunPaths) -> RunHandle | None:
+        """After a restart, settle an attempt logged ``assigned`` but never ``started``: the
+        shim and this method race to create the claim file (see :mod:`gpufleet.agent.shim`).
+
+        Returns:
+            The shim's handle if the shim claimed the start (adopt it), or None if the start
+            is now abandoned for good (report NEVER_STARTED).
+        """
+        paths.root.mkdir(parents=True, exist_ok=True)
+        if create_exclusive(paths.claim, {"abandoned": True}):
+            self._remove_group(rec.run_id)
+            return None
+        claim = _read_json(paths.claim) or {}
+        if "pid" not in claim:
+            return None
+        pid = int(claim["pid"])
+        cgroup = self.containment.group_for(rec.run_id, cpu_quota=rec.cpu > 0)
+        return ProcessHandle(
+            pid=pid,
+            boot_id=str(claim.get("boot_id", "")),
+            shim_pid=pid,
+            shim_start_ticks=int(claim["start_ticks"]),
+            exit_file=paths.exit_file,
+            cgroup=cgroup if cgroup is not None and cgroup.exists() else None,
+        )
+
+    def adopt(self, rec: RunRecord, paths: RunPaths) -> RunHandle:
+        """A handle for a logged, started attempt this agent process did not spawn."""
+        cg = rec.runtime_state.get("cgroup")
+        return ProcessHandle(
+            pid=rec.pid,
+            boot_id=rec.boot_id,
+            shim_pid=rec.shim_pid,
+            shim_start_ticks=rec.shim_start_ticks,
+            exit_file=paths.exit_file,
+            cgroup=JobCgroup.from_json(cg) if cg else None,
+        )
+
+    def release(self, rec: RunRecord) -> None:
+        cg = rec.runtime_state.get("cgroup")
+        if cg:
+            JobCgroup.from_json(cg).remove()
+
+    def _remove_group(self, run_id: str) -> None:
+        cgroup = self.containment.group_for(run_id, cpu_quota=True)
+        if cgroup is not None:
+            cgroup.remove()
+
+    # ------------------------------------------------------------------ watch and stop
+
+    def poll(self, rec: RunRecord, h: RunHandle, now: float) -> ExitInfo | None:
+        """One monitoring step (the stop protocol of :mod:`.base`).
+
+        SIGTERM goes to every process of the attempt (the cgroup's pids, else the shim's
+        group); after ``rec.stop_grace_s`` SIGKILL to every process (cgroup: frozen first, so
+        nothing forks in between); re-sent every second while any is left; after 30 s
+        ``h.unkillable`` is set and the attempt is never reported finished while it lasts.
+        """
+        assert isinstance(h, ProcessHandle)
+        if h.boot_id and h.boot_id != procfs.boot_id():
+            # Started before a reboot: nothing of it runs, and its pids mean nothing now.
+            return self._exit_info(rec, h, rebooted=True)
+        if rec.stop_requested and h.term_sent_at is None:
+            logger.info("run %s: SIGTERM to %s (%s)", rec.run_id, _what(h), rec.stop_reason)
+            self._signal(h, signal.SIGTERM)
+            h.term_sent_at = now
+        h.main_exited = h.main_exited or self._shim_exited(h)
+        if (
+            h.kill_sent_at is None
+            and h.term_sent_at is not None
+            and now - h.term_sent_at >= rec.stop_grace_s
+        ):
+            if not h.main_exited:
+                logger.warning(
+                    "run %s: alive after %g s grace: SIGKILL", rec.run_id, rec.stop_grace_s
+                )
+            self._kill(h, now)
+        if not h.main_exited and h.kill_sent_at is None:
+            return None
+        if self._alive(h):
+            if h.kill_sent_at is None:
+                self._kill(h, now)  # the command ended: the rest of the attempt goes with it
+                return None
+            if now - (h.kill_resent_at or now) >= KILL_RESEND_S:
+                self._kill(h, now, resend=True)
+            if now - h.kill_sent_at >= KILL_VERIFY_TIMEOUT_S and not h.unkillable:
+                h.unkillable = True
+                logger.error(
+                    "run %s: %s survives SIGKILL; not reporting it stopped", rec.run_id, _what(h)
+                )
+            return None
+        if not h.main_exited:
+            return None  # the cgroup is empty; the shim is writing the exit file
+        if h.popen is not None:
+            h.popen.wait()  # reap the shim only now: a zombie leader keeps the pgid from reuse
+        h.unkillable = False
+        info = self._exit_info(rec, h)
+        if h.cgroup is not None:
+            h.cgroup.remove()
+        return info
+
+    def _alive(self, h: ProcessHandle) -> bool:
+        if h.cgroup is not None:
+            # the shim is outside the group; a shim killed by hand leaves the command in it
+            return bool(h.cgroup.pids())
+        return procfs.group_alive(h.pgid, h.shim_start_ticks)
+
+    def _kill(self, h: ProcessHandle, now: float, *, resend: bool = False) -> None:
+        if h.cgroup is not None:
+            h.cgroup.kill_all()
+        else:
+            self._signal(h, signal.SIGKILL)
+        if not resend:
+            h.kill_sent_at = now
+        h.kill_resent_at = now
+
+    @staticmethod
+    def _signal(h: ProcessHandle, sig: int) -> None:
+        if h.cgroup is not None:
+            h.cgroup.signal_all(sig)
+        else:
+            procfs.signal_group(h.pgid, h.shim_start_ticks, sig)
+
+    @staticmethod
+    def _shim_exited(h: ProcessHandle) -> bool:
+        if h.popen is not None:
+            # WNOWAIT: see the exit but leave the zombie, so the pgid cannot be reused before
+            # the rest of the group is verified gone.
+            try:
+                info = os.waitid(os.P_PID, h.shim_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return True
+            return info is not None
+        return not procfs.is_same_process_alive(h.shim_pid, h.shim_start_ticks)
+
+    def _exit_info(self, rec: RunRecord, h: ProcessHandle, *, rebooted: bool = False) -> ExitInfo:
+        data = _read_json(h.exit_file)
+        reason, note = "", ""
+        if h.cgroup is not None and h.cgroup.oom_killed():
+            limit = h.cgroup.memory_limit_mb() or rec.memory_mb
+            reason = OOM_KILLED
+            note = (
+                f"OOM_KILLED: the attempt exceeded its memory limit (memory_mb={limit}) and "
+                "the kernel killed it"
+            )
+        rc = h.popen.returncode if h.popen is not None else None
+        if data is None and rc is not None and rc >= 0 and not rebooted:
+            # the shim could not write its exit file (disk full) and exited with the code
+            # (a negative rc: the shim itself was killed by a signal; handled below)
+            code = -(rc - 128) if rc > 128 else rc
+            return ExitInfo(
+                exit_code=code,
+                finished_at_s=time.time(),
+                message=note
+                or "exit code from the shim's status (its exit file could not be written)",
+                reason=reason if code != 0 else "",
+            )
+        if data is not None and "exit_code" in data:
+            start_error = str(data.get("start_error", ""))
+            code = int(data["exit_code"])
+            if code == 0:
+                reason, note = "", ""  # a child was OOM-killed but the command succeeded
+            elif not note and code == -signal.SIGKILL and h.term_sent_at and h.kill_sent_at:
+                note = f"killed with SIGKILL after {rec.stop_grace_s:g} s grace"
+            return ExitInfo(
+                exit_code=code,
+                finished_at_s=float(data.get("finished_at_s", time.time())),
+                never_started=bool(start_error),
+                message=start_error or note,
+                reason="" if start_error else reason,
+            )
+        if rebooted:
+            message = "the node rebooted while it ran; exit status lost"
+        elif note:
+            message = note
+        elif h.kill_sent_at is not None and h.term_sent_at is not None:
+            message = f"killed with SIGKILL after {rec.stop_grace_s:g} s grace"
+        else:
+            message = "exit status lost (the shim was killed); assuming SIGKILL"
+        return ExitInfo(
+            exit_code=-signal.SIGKILL, finished_at_s=time.time(), message=message, reason=reason
+        )
+
+
+def _what(h: ProcessHandle) -> str:
+    if h.cgroup is not None:
+        return f"cgroup {h.cgroup.dirs.get('memory') or h.cgroup.dirs.get('unified')}"
+    return f"group {h.pgid}"
+
+
+def _shim_env() -> dict[str, str]:
+    """The shim's own environment: enough to run Python, nothing of the agent's secrets (the
+    command's environment comes from the env file)."""
+    keep = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "TZ")
+    return {k: v for k, v in os.environ.items() if k in keep}
+
+
+def _read_status(fd: int, timeout_s: float) -> dict[str, Any] | None:
+    """Read the shim's one-line JSON status; None on timeout or EOF without a line."""
+    deadline = time.monotonic() + timeout_s
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        buf += chunk
+    if not buf.strip():
+        return None
+    try:
+        data = json.loads(buf.split(b"\n", 1)[0])
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,243 @@
+"""Per-team admission limits of the REST API: submits per second (a token bucket) and
+unfinished jobs (checked inside the submit transaction, ``services.jobs``).
+
+Limits are on by default (``Settings.team_*``); a team's own value, set with ``admin team
+set`` or ``PUT /v1/admin/teams/{team}``, overrides the default, and 0 means no limit.
+
+The token bucket lives in Redis when ``GPUFLEET_REDIS_URL`` is set, so every API replica
+draws from the same bucket (one Lua script: refill, take, expire, atomically, on the Redis
+clock); in process otherwise. It is a guard, not a source of truth: when Redis cannot be
+reached the replica falls back to its own in-process bucket (logged once per outage) rather
+than refusing or admitting everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from sqlalchemy import select
+
+from gpufleet.domain.errors import LimitExceeded
+from gpufleet.store.tables import TeamRow
+
+if TYPE_CHECKING:
+    from gpufleet.settings import Settings
+    from gpufleet.store.db import Database
+
+log = logging.getLogger("gpufleet.api")
+
+# sanity bounds of a team's quota and limits (a typo must not become 1e308 GPUs)
+MAX_WEIGHT = 1_000_000.0
+MAX_GPUS = 1_000_000
+MAX_GPU_TYPES = 64
+MAX_OUTSTANDING_JOBS = 10_000_000
+MAX_SUBMIT_RATE_PER_S = 100_000.0
+MAX_SUBMIT_BURST = 1_000_000
+
+LIMITS_TTL_S = 1.0
+"""A team's limits are remembered this long per server: a change applies within it."""
+
+
+@dataclass(frozen=True, slots=True)
+class TeamLimits:
+    """A team's effective limits; 0 = no limit.
+
+    Attributes:
+        max_outstanding_jobs: unfinished (not terminal) jobs allowed.
+        submit_rate_per_s: token-bucket refill, submits per second.
+        submit_burst: token-bucket size, submits allowed at once.
+    """
+
+    max_outstanding_jobs: int
+    submit_rate_per_s: float
+    submit_burst: int
+
+    @staticmethod
+    def defaults(settings: Settings) -> TeamLimits:
+        return TeamLimits(
+            settings.team_max_outstanding_jobs,
+            settings.team_submit_rate_per_s,
+            settings.team_submit_burst,
+        )
+
+    def for_team(
+        self,
+        max_outstanding_jobs: int | None,
+        submit_rate_per_s: float | None,
+        submit_burst: int | None,
+    ) -> TeamLimits:
+        """These defaults overridden by a team's own values (None = keep the default)."""
+        return TeamLimits(
+            self.max_outstanding_jobs if max_outstanding_jobs is None else max_outstanding_jobs,
+            self.submit_rate_per_s if submit_rate_per_s is None else submit_rate_per_s,
+            self.submit_burst if submit_burst is None else submit_burst,
+        )
+
+
+class RateLimiter(Protocol):
+    def take(self, key: str, rate_per_s: float, burst: int) -> float:
+        """Take one token from bucket ``key`` (refilled at ``rate_per_s`` up to ``burst``).
+        Returns 0.0 when taken, else the seconds until one is available (nothing taken)."""
+
+
+class InProcRateLimiter:
+    """Token buckets in this process (one API replica, or the fallback when Redis is down)."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def take(self, key: str, rate_per_s: float, burst: int) -> float:
+        now = self._clock()
+        with self._lock:
+            tokens, at = self._buckets.get(key, (float(burst), now))
+            tokens = min(float(burst), tokens + max(0.0, now - at) * rate_per_s)
+            wait = 0.0
+            if tokens >= 1.0:
+                tokens -= 1.0
+            else:
+                wait = (1.0 - tokens) / rate_per_s
+            if len(self._buckets) > 100_000:  # idle buckets are full again: forget them
+                self._buckets.clear()
+            self._buckets[key] = (tokens, now)
+            return wait
+
+
+# KEYS[1]: bucket; ARGV: rate per second, burst. Returns the wait in seconds as a string
+# ("0" = taken). Time comes from the Redis server, the one clock every replica shares.
+_TAKE_LUA = """
+local rate = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(b[1])
+local ts = tonumber(b[2])
+if tokens == nil or ts == nil then
+  tokens = burst
+  ts = now
+end
+tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
+local wait = 0
+if tokens >= 1 then
+  tokens = tokens - 1
+else
+  wait = (1 - tokens) / rate
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+return tostring(wait)
+"""
+
+
+class RedisRateLimiter:
+    """Token buckets shared by every API replica: one Lua script per take (a round trip).
+
+    Args:
+        url: ``redis://host:port/db``.
+        prefix: key prefix of the buckets.
+    """
+
+    def __init__(self, url: str, prefix: str = "gpufleet:rate:") -> None:
+        import redis
+
+        self._redis = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+        self._script = self._redis.register_script(_TAKE_LUA)
+        self._prefix = prefix
+        self._fallback = InProcRateLimiter()
+        self._down = False
+
+    def take(self, key: str, rate_per_s: float, burst: int) -> float:
+        try:
+            raw = self._script(keys=[self._prefix + key], args=[repr(rate_per_s), burst])
+        except Exception as exc:  # any Redis failure: this replica limits on its own
+            if not self._down:
+                self._down = True
+                log.warning(
+                    "rate limits: Redis unreachable (%s); limiting per replica until it is back",
+                    type(exc).__name__,
+                )
+            return self._fallback.take(key, rate_per_s, burst)
+        if self._down:
+            self._down = False
+            log.warning("rate limits: Redis reachable again; buckets are shared again")
+        return float(raw.decode() if isinstance(raw, bytes) else raw)
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+def make_rate_limiter(redis_url: str | None) -> RateLimiter:
+    return RedisRateLimiter(redis_url) if redis_url else InProcRateLimiter()
+
+
+class SubmitAdmission:
+    """The submit-rate check of ``POST /v1/jobs``, with each team's limits cached for
+    ``LIMITS_TTL_S``.
+
+    Args:
+        db: where the teams' own limits are read.
+        limiter: the token buckets.
+        defaults: the server's default limits.
+    """
+
+    def __init__(self, db: Database, limiter: RateLimiter, defaults: TeamLimits) -> None:
+        self.db, self.limiter, self.defaults = db, limiter, defaults
+        self._cache: dict[str, tuple[float, TeamLimits]] = {}
+        self._lock = threading.Lock()
+
+    def limits(self, team_id: str) -> TeamLimits:
+        """The team's effective limits (cached for ``LIMITS_TTL_S``)."""
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(team_id)
+        if hit is not None and now - hit[0] < LIMITS_TTL_S:
+            return hit[1]
+        with self.db.read() as s:
+            row = s.execute(
+                select(
+                    TeamRow.max_outstanding_jobs, TeamRow.submit_rate_per_s, TeamRow.submit_burst
+                ).where(TeamRow.id == team_id)
+            ).first()
+        limits = self.defaults if row is None else self.defaults.for_team(*row)
+        with self._lock:
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[team_id] = (now, limits)
+        return limits
+
+    def forget(self, team_id: str) -> None:
+        """Drop a team's cached limits (they were changed through this server)."""
+        with self._lock:
+            self._cache.pop(team_id, None)
+
+    def check_submit_rate(self, team_id: str) -> None:
+        """Take one submit from the team's bucket.
+
+        Raises:
+            LimitExceeded: over the team's submit rate (429; ``retry_after_s`` set, field
+                ``submit_rate_per_s``).
+        """
+        lim = self.limits(team_id)
+        if lim.submit_rate_per_s <= 0:
+            return
+        wait = self.limiter.take(f"submit:{team_id}", lim.submit_rate_per_s, lim.submit_burst)
+        if wait > 0:
+            raise LimitExceeded(
+                f"team {team_id!r} is over its submit rate limit "
+                f"({lim.submit_rate_per_s:g}/s, burst {lim.submit_burst}); "
+                f"retry in {wait:.2f} s",
+                field="submit_rate_per_s",
+                retry_after_s=wait,
+            )
+
+
+def retry_after_header(seconds: float) -> str:
+    """An HTTP ``Retry-After`` value: whole seconds, at least 1."""
+    return str(max(1, math.ceil(seconds)))

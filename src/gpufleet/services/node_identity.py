@@ -1,0 +1,251 @@
+"""Node identity on the control plane: join tokens, the node certificates the controller
+signed, revocation, and forgetting a node (``docs/design/security.md``).
+
+A node's identity is its certificate (CN = node id), checked on every call against
+``node_certs``: listed, unrevoked, for the node it names. Join tokens are random secrets,
+stored as sha256, used at most once, and expire.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, exists, select, update
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.errors import Forbidden, NotFound, Unauthenticated, ValidationFailed
+from gpufleet.domain.ids import new_id
+from gpufleet.rpc.tls import check_node_id, hash_secret
+from gpufleet.services import nodes
+from gpufleet.services.jobs import forget_fleet_shapes, iso
+from gpufleet.store import allocate
+from gpufleet.store.dialect import db_now
+from gpufleet.store.tables import (
+    JobRunRow,
+    JoinTokenRow,
+    NodeCertRow,
+    NodeRow,
+    ReservationRow,
+)
+from gpufleet.store.transitions import record_event
+
+JOIN_TTL_DEFAULT_S = 15 * 60
+JOIN_TTL_MAX_S = 7 * 86400
+
+
+def validate_node_id(node_id: str) -> None:
+    try:
+        check_node_id(node_id)
+    except ValueError as exc:
+        raise ValidationFailed(str(exc), field="node_id") from None
+
+
+def create_join_token(
+    session: Session, *, node_id: str | None = None, ttl_s: float = JOIN_TTL_DEFAULT_S
+) -> tuple[str, datetime]:
+    """A new join token secret (shown once; stored hashed) and its expiry (UTC).
+
+    ``node_id``: the only id it may join as (needed to rejoin an existing node); None = any
+    id not yet in use. ``ttl_s``: 10 s .. 7 days.
+
+    Raises:
+        ValidationFailed: bad node id or ttl.
+    """
+    if node_id is not None:
+        validate_node_id(node_id)
+    if not 10 <= ttl_s <= JOIN_TTL_MAX_S:
+        raise ValidationFailed(
+            f"ttl {ttl_s:g} s: use 10 s .. {JOIN_TTL_MAX_S // 86400} days", field="ttl"
+        )
+    now = db_now(session)
+    secret = secrets.token_urlsafe(24)  # no "." in the alphabet: the token string splits on it
+    expires = now + timedelta(seconds=ttl_s)
+    session.add(
+        JoinTokenRow(
+            id=new_id("jt"),
+            token_sha256=hash_secret(secret),
+            node_id=node_id,
+            created_at=now,
+            expires_at=expires,
+        )
+    )
+    session.flush()
+    return secret, expires
+
+
+def join(session: Session, *, secret: str, node_id: str, serial: str, not_after: datetime) -> None:
+    """Spend a join token on ``node_id`` and record its new certificate, in one transaction.
+    Older certificates of the node are revoked (a rejoin replaces a lost or stolen key) and
+    its agent epoch restarts at 0 (a re-installed node's epoch counter starts again).
+
+    Raises:
+        Unauthenticated: unknown, used or expired token (one message for all three).
+        Forbidden: the token is for another node id, or an unbound token names a node id
+            that exists already (rejoining needs a token made with ``--node-id``).
+        ValidationFailed: bad node id.
+    """
+    validate_node_id(node_id)
+    now = db_now(session)
+    row = session.execute(
+        select(JoinTokenRow).where(JoinTokenRow.token_sha256 == hash_secret(secret))
+    ).scalar_one_or_none()
+    if row is None or row.used_at is not None or row.expires_at <= now:
+        raise Unauthenticated("invalid, used or expired join token")
+    if row.node_id is not None and row.node_id != node_id:
+        raise Forbidden(f"this join token is for node {row.node_id!r}", field="node_id")
+    if row.node_id is None and _node_known(session, node_id):
+        raise Forbidden(
+            f"node {node_id!r} exists; rejoin it with a token made for it "
+            f"(gpufleet admin node join-token --node-id {node_id})",
+            field="node_id",
+        )
+    spent = session.execute(
+        update(JoinTokenRow)
+        .where(JoinTokenRow.id == row.id, JoinTokenRow.used_at.is_(None))
+        .values(used_at=now, used_by=node_id)
+    ).rowcount  # type: ignore[attr-defined]
+    if spent != 1:  # a concurrent join spent it first
+        raise Unauthenticated("invalid, used or expired join token")
+    revoked = _revoke(session, node_id, now)
+    # a rejoin is a new install of the node (its state dir, and so its agent epoch counter,
+    # are gone): the attempts given to the old install are fenced now (the new agent cannot
+    # know them), and its first registration must not be refused as an old agent process
+    node = session.get(NodeRow, node_id, with_for_update=True)
+    if node is not None:
+        nodes.fence_lost_agent_state(
+            session, node, reason="node rejoined with a new certificate (re-installed)"
+        )
+        node.agent_epoch = 0
+    session.add(
+        NodeCertRow(
+            serial=serial, node_id=node_id, issued_at=now, not_after=not_after, reason="join"
+        )
+    )
+    record_event(
+        session,
+        "node_joined",
+        now=now,
+        node_id=node_id,
+        message=f"certificate {serial} issued on a join token"
+        + (f"; {revoked} older certificate(s) revoked" if revoked else ""),
+    )
+
+
+def record_renewal(session: Session, *, node_id: str, serial: str, not_after: datetime) -> None:
+    """Record a renewed certificate (the old one stays valid until it expires)."""
+    session.add(
+        NodeCertRow(
+            serial=serial,
+            node_id=node_id,
+            issued_at=db_now(session),
+            not_after=not_after,
+            reason="renew",
+        )
+    )
+
+
+def cert_is_valid(session: Session, serial: str, node_id: str) -> bool:
+    """True when ``serial`` is a certificate signed for ``node_id`` and not revoked."""
+    row = session.execute(
+        select(NodeCertRow.node_id, NodeCertRow.revoked_at).where(NodeCertRow.serial == serial)
+    ).first()
+    return row is not None and row.node_id == node_id and row.revoked_at is None
+
+
+def revoke_node(session: Session, node_id: str) -> int:
+    """Revoke every certificate of ``node_id``; its next call is refused. Returns how many
+    were revoked. The node rejoins only with a new join token made for it.
+
+    Raises:
+        NotFound: no node and no certificate has this id.
+    """
+    if not _node_known(session, node_id):
+        raise NotFound(f"no node {node_id!r}", field="node_id")
+    now = db_now(session)
+    n = _revoke(session, node_id, now)
+    record_event(
+        session, "node_revoked", now=now, node_id=node_id, message=f"{n} certificate(s) revoked"
+    )
+    return n
+
+
+def forget_node(session: Session, node_id: str) -> int:
+    """Remove ``node_id`` from the fleet: certificates revoked, capacity rows deleted, the
+    node row deleted when no attempt refers to it. Returns the number of certificates revoked.
+
+    Raises:
+        NotFound: unknown node. Conflict: GPUs of the node are reserved.
+    """
+    if not _node_known(session, node_id):
+        raise NotFound(f"no node {node_id!r}", field="node_id")
+    now = db_now(session)
+    allocate.remove_inventory(session, node_id)
+    n = _revoke(session, node_id, now)
+    referenced = session.execute(
+        select(
+            exists().where(JobRunRow.node_id == node_id)
+            | exists().where(ReservationRow.node_id == node_id)
+        )
+    ).scalar_one()
+    if not referenced:
+        session.execute(delete(NodeRow).where(NodeRow.id == node_id))
+    forget_fleet_shapes()
+    record_event(
+        session,
+        "node_forgotten",
+        now=now,
+        node_id=node_id,
+        message=f"forgotten by an operator; {n} certificate(s) revoked",
+    )
+    return n
+
+
+def describe_nodes(session: Session) -> list[dict[str, Any]]:
+    """Every node and every node id with a certificate: id, status, address, last heartbeat,
+    the newest valid certificate (serial, expiry) and how many certificates are revoked."""
+    nodes = {n.id: n for n in session.scalars(select(NodeRow))}
+    certs: dict[str, list[NodeCertRow]] = {}
+    for c in session.scalars(select(NodeCertRow).order_by(NodeCertRow.issued_at)):
+        certs.setdefault(c.node_id, []).append(c)
+    out = []
+    for node_id in sorted(set(nodes) | set(certs)):
+        n = nodes.get(node_id)
+        mine = certs.get(node_id, [])
+        valid = [c for c in mine if c.revoked_at is None]
+        cur = valid[-1] if valid else None
+        out.append(
+            {
+                "node_id": node_id,
+                "status": n.status if n else "FORGOTTEN",
+                "address": n.address if n else None,
+                "last_heartbeat_at": iso(n.last_heartbeat_at) if n else None,
+                "cert_serial": cur.serial if cur else None,
+                "cert_not_after": iso(cur.not_after) if cur else None,
+                "valid_certs": len(valid),
+                "revoked_certs": len(mine) - len(valid),
+            }
+        )
+    return out
+
+
+def _node_known(session: Session, node_id: str) -> bool:
+    return bool(
+        session.execute(
+            select(
+                exists().where(NodeRow.id == node_id)
+                | exists().where(NodeCertRow.node_id == node_id, NodeCertRow.revoked_at.is_(None))
+            )
+        ).scalar_one()
+    )
+
+
+def _revoke(session: Session, node_id: str, now: datetime) -> int:
+    return int(
+        session.execute(
+            update(NodeCertRow)
+            .where(NodeCertRow.node_id == node_id, NodeCertRow.revoked_at.is_(None))
+            .values(revoked_at=now)
+        ).rowcount  # type: ignore[attr-defined]
+    )

@@ -1,0 +1,202 @@
+"""Join tokens, node certificates, revocation and forgetting a node, on both databases; and
+the control-plane checks that a node confirms and reports only for runs placed on it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from functools import partial
+
+import pytest
+from sqlalchemy import func, select, update
+
+from gpufleet.domain.errors import Conflict, Forbidden, NotFound, Unauthenticated, ValidationFailed
+from gpufleet.objectstore import ObjectStore
+from gpufleet.services import node_identity as ni
+from gpufleet.services import runs
+from gpufleet.store import allocate
+from gpufleet.store.db import Database
+from gpufleet.store.queries import check_database
+from gpufleet.store.tables import (
+    JobRow,
+    JobRunRow,
+    JoinTokenRow,
+    NodeCapacityRow,
+    NodeCertRow,
+    NodeRow,
+)
+from tests.factories import become_leader, create_node, create_team, submit
+from tests.store.test_allocate import reserve
+
+LATER = datetime.now(UTC) + timedelta(days=30)
+
+
+def token(db: Database, node_id: str | None = None, ttl_s: float = 900) -> str:
+    return db.run_write(partial(ni.create_join_token, node_id=node_id, ttl_s=ttl_s))[0]
+
+
+def join(db: Database, secret: str, node_id: str, serial: str) -> None:
+    db.run_write(partial(ni.join, secret=secret, node_id=node_id, serial=serial, not_after=LATER))
+
+
+def valid(db: Database, serial: str, node_id: str) -> bool:
+    with db.read() as s:
+        return ni.cert_is_valid(s, serial, node_id)
+
+
+def test_tokens_are_stored_hashed(db: Database) -> None:
+    secret = token(db)
+    with db.read() as s:
+        row = s.scalars(select(JoinTokenRow)).one()
+    assert secret not in (row.token_sha256, row.id)
+    assert len(row.token_sha256) == 64
+
+
+def test_a_join_token_is_single_use(db: Database) -> None:
+    secret = token(db)
+    join(db, secret, "n1", "aa01")
+    assert valid(db, "aa01", "n1")
+    with pytest.raises(Unauthenticated, match="invalid, used or expired"):
+        join(db, secret, "n2", "aa02")
+    assert not valid(db, "aa02", "n2")
+
+
+def test_an_expired_join_token_is_refused(db: Database) -> None:
+    secret = token(db, ttl_s=10)
+    db.run_write(
+        lambda s: s.execute(
+            update(JoinTokenRow).values(expires_at=datetime.now(UTC) - timedelta(seconds=1))
+        )
+    )
+    with pytest.raises(Unauthenticated):
+        join(db, secret, "n1", "aa01")
+    with db.read() as s:
+        assert s.scalar(select(func.count()).select_from(NodeCertRow)) == 0
+
+
+def test_unknown_token_and_bad_inputs(db: Database) -> None:
+    with pytest.raises(Unauthenticated):
+        join(db, "made-up", "n1", "aa01")
+    with pytest.raises(ValidationFailed) as e:
+        token(db, node_id="bad id")
+    assert e.value.field == "node_id"
+    with pytest.raises(ValidationFailed) as e:
+        token(db, ttl_s=8 * 86400)
+    assert e.value.field == "ttl"
+
+
+def test_a_bound_token_joins_only_its_node(db: Database) -> None:
+    secret = token(db, node_id="n1")
+    with pytest.raises(Forbidden, match="for node 'n1'"):
+        join(db, secret, "n2", "aa01")
+    join(db, secret, "n1", "aa02")  # not spent by the refused attempt
+    assert valid(db, "aa02", "n1")
+
+
+def test_an_existing_node_rejoins_only_with_a_token_made_for_it(db: Database) -> None:
+    create_team(db)
+    create_node(db, "n1", gpus=2)
+    with pytest.raises(Forbidden, match="--node-id n1"):
+        join(db, token(db), "n1", "bb01")
+    join(db, token(db, node_id="n1"), "n1", "bb02")
+    # a rejoin (wiped state dir, lost key) revokes the node's older certificates
+    join(db, token(db, node_id="n1"), "n1", "bb03")
+    assert not valid(db, "bb02", "n1")
+    assert valid(db, "bb03", "n1")
+
+
+def test_a_certificate_is_valid_only_for_the_node_it_names(db: Database) -> None:
+    join(db, token(db), "n1", "cc01")
+    assert valid(db, "cc01", "n1")
+    assert not valid(db, "cc01", "n2")
+    assert not valid(db, "ffff", "n1")
+
+
+def test_revoke_and_renewal(db: Database) -> None:
+    join(db, token(db), "n1", "dd01")
+    db.run_write(partial(ni.record_renewal, node_id="n1", serial="dd02", not_after=LATER))
+    assert valid(db, "dd01", "n1") and valid(db, "dd02", "n1")
+    assert db.run_write(partial(ni.revoke_node, node_id="n1")) == 2
+    assert not valid(db, "dd01", "n1") and not valid(db, "dd02", "n1")
+    with pytest.raises(NotFound):
+        db.run_write(partial(ni.revoke_node, node_id="nobody"))
+
+
+def test_forget_refuses_while_gpus_are_reserved_then_removes_the_node(db: Database) -> None:
+    create_team(db)
+    create_node(db, "n1", gpus=4)
+    join(db, token(db, node_id="n1"), "n1", "ee01")
+    epoch = become_leader(db)
+    job = submit(db, gpus=2).job_id
+    r = reserve(db, job, "n1", 2, epoch=epoch)
+    with pytest.raises(Conflict, match="reserved"):
+        db.run_write(partial(ni.forget_node, node_id="n1"))
+    assert valid(db, "ee01", "n1")
+    runs.complete_run(
+        db,
+        ObjectStore("memory://"),
+        runs.Report("n1", r.run_id, r.token, runs.Outcome.NEVER_STARTED, 0, ""),
+    )
+    assert db.run_write(partial(ni.forget_node, node_id="n1")) == 1
+    assert not valid(db, "ee01", "n1")
+    with db.read() as s:
+        assert s.get(NodeCapacityRow, "n1") is None
+        assert s.get(NodeRow, "n1") is not None  # its attempt still names it
+    assert check_database(db)[1] == []
+    [row] = [r for r in _describe(db) if r["node_id"] == "n1"]
+    assert row["cert_serial"] is None and row["revoked_certs"] == 1
+
+
+def test_forgetting_a_node_without_history_deletes_it(db: Database) -> None:
+    create_team(db)
+    create_node(db, "n2", gpus=1)
+    db.run_write(partial(ni.forget_node, node_id="n2"))
+    with db.read() as s:
+        assert s.get(NodeRow, "n2") is None
+
+
+def test_describe_lists_nodes_and_certificates(db: Database) -> None:
+    create_team(db)
+    create_node(db, "n1", gpus=1)
+    join(db, token(db, node_id="n1"), "n1", "ff01")
+    join(db, token(db), "n9", "ff09")  # joined, not registered yet
+    rows = {r["node_id"]: r for r in _describe(db)}
+    assert rows["n1"]["cert_serial"] == "ff01" and rows["n1"]["status"] == "HEALTHY"
+    assert rows["n9"]["status"] == "FORGOTTEN" and rows["n9"]["address"] is None
+
+
+def _describe(db: Database) -> list[dict[str, object]]:
+    with db.read() as s:
+        return ni.describe_nodes(s)
+
+
+class TestRunsBelongToTheirNode:
+    """A node confirms and reports only for runs placed on it (nothing changes otherwise)."""
+
+    def _placed(self, db: Database) -> tuple[str, allocate.Reserved]:
+        create_team(db)
+        create_node(db, "n1", gpus=2)
+        create_node(db, "n2", gpus=2)
+        epoch = become_leader(db)
+        job = submit(db, gpus=1).job_id
+        return job, reserve(db, job, "n2", 1, epoch=epoch)
+
+    def test_confirm_for_a_run_on_another_node_is_forbidden(self, db: Database) -> None:
+        _, r = self._placed(db)
+        with pytest.raises(Forbidden, match="not placed on node 'n1'"):
+            db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token, node_id="n1"))
+        with db.read() as s:
+            assert s.get(JobRunRow, r.run_id).status == "ASSIGNED"
+        assert (
+            db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token, node_id="n2"))
+            == runs.Confirm.CONFIRMED
+        )
+
+    def test_report_for_a_run_on_another_node_is_forbidden(self, db: Database) -> None:
+        job, r = self._placed(db)
+        forged = runs.Report("n1", r.run_id, r.token, runs.Outcome.EXITED, 1, "")
+        with pytest.raises(Forbidden):
+            runs.complete_run(db, ObjectStore("memory://"), forged)
+        with db.read() as s:
+            assert s.get(JobRow, job).status == "SCHEDULED"
+            assert s.get(JobRunRow, r.run_id).status == "ASSIGNED"
+            assert s.get(NodeCapacityRow, "n2").available_gpus == 1
