@@ -267,7 +267,7 @@ def test_a_runtime_neutral_launch_keeps_only_the_jobs_and_platform_env(runtime, 
             "sh",
             "-c",
             'echo "path=$PATH mine=$MINE home=${HOME:-} cuda=$CUDA_VISIBLE_DEVICES"'
-            ' ids=$(id -u):$(id -g)',
+            " ids=$(id -u):$(id -g)",
         ),
         env=env,
         cwd=Path("/host/dir"),

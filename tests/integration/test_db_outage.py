@@ -19,8 +19,10 @@ import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
+from gpufleet.controller.identity import BootstrapServicer, NodeAuthenticator
 from gpufleet.controller.servicer import ControllerServicer
 from gpufleet.objectstore import ObjectStore
+from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import auth
@@ -167,11 +169,17 @@ def test_grpc_errors_carry_no_database_details(proxied, tmp_path: Path) -> None:
         ),
         server,
     )
+    ca = tls.init_ca(tmp_path / "pki")
+    pb_grpc.add_BootstrapServicer_to_server(
+        BootstrapServicer(db, ca, NodeAuthenticator(db), ttl_s=3600), server
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.ControllerStub(channel)
+            bootstrap = pb_grpc.BootstrapStub(channel)
+            csr = tls.make_csr(tls.new_key(), "n1")
             ok = stub.Heartbeat(pb.HeartbeatRequest(node_id="n1", agent_epoch=1), timeout=10)
             assert ok.reregister  # reachable: an unknown node is told to register
             proxy.stop()
@@ -193,6 +201,9 @@ def test_grpc_errors_carry_no_database_details(proxied, tmp_path: Path) -> None:
                 ),
                 lambda: stub.ReportCompletion(
                     pb.ReportCompletionRequest(run_id="r-1", token=1, node_id="n1"), timeout=20
+                ),
+                lambda: bootstrap.Join(
+                    pb.JoinRequest(token="gfj1.x.y", node_id="n1", csr_pem=csr), timeout=20
                 ),
             ]
             for call in calls:

@@ -84,11 +84,12 @@ def test_confirm_stores_start_phases_and_records_an_event(db: Database) -> None:
         "create_s": 0.1,
         "start_s": 0.2,
     }
-    assert (
-        db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token, 42, start_phases=phases))
-        == runs.Confirm.CONFIRMED
-    )
-    db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token, 42, start_phases=phases))  # repeat
+
+    def confirm(s):
+        return runs.confirm_assignment(s, r.run_id, r.token, 42, start_phases=phases)
+
+    assert db.run_write(confirm) == runs.Confirm.CONFIRMED
+    db.run_write(confirm)  # repeat
     with db.read() as s:
         assert s.get(JobRunRow, r.run_id).start_phases == phases
         events = s.scalars(

@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from gpufleet.agent.assignment_log import AssignmentLog, RunRecord, RunStatus
+from gpufleet.agent.gpu_health import GpuHealth
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.outbox import COMPLETE, CONFIRM, Outbox
 from gpufleet.agent.runner import Runner
@@ -73,6 +74,8 @@ class AgentCore:
         disk_reserve_mb: below this much free space (MiB) in the state or scratch directory
             the node refuses new work (NODE_UNHEALTHY "node unhealthy: disk: ...") and reports
             itself unhealthy, before the disk is full; 0 disables the check.
+        gpu_health: NVML checks of the node's GPUs (lost GPU, uncorrectable ECC, pending page
+            retirement, critical XID); None: no checks (declared GPUs).
     """
 
     def __init__(
@@ -84,8 +87,10 @@ class AgentCore:
         inventory: Inventory,
         default_grace_s: float,
         disk_reserve_mb: int = 0,
+        gpu_health: GpuHealth | None = None,
     ) -> None:
         self.log = log
+        self.gpu_health = gpu_health
         self.runner = runner
         self.streamer = streamer
         self.inventory = inventory
@@ -452,12 +457,16 @@ class AgentCore:
         return len([g for g in self.inventory.gpus if g.index not in held])
 
     def health(self) -> str:
-        """``HEALTHY``, or what is wrong: ``node unhealthy: disk: ...`` (below the reserve),
-        ``UNKILLABLE: ...`` (attempts that survive SIGKILL)."""
+        """``HEALTHY``, or what is wrong: ``UNKILLABLE: ...`` (attempts that survive SIGKILL),
+        ``node unhealthy: gpu: ...`` (an NVML check failed), ``node unhealthy: disk: ...``
+        (below the reserve)."""
         with self._lock:
             stuck = sorted(rid for rid, h in self._handles.items() if h.unkillable)
         if stuck:
             return f"UNKILLABLE: {','.join(stuck)} survive SIGKILL"
+        gpu = self.gpu_health.problem() if self.gpu_health is not None else None
+        if gpu:
+            return f"node unhealthy: gpu: {gpu}"
         return self.disk_problem() or "HEALTHY"
 
     def disk_problem(self) -> str | None:

@@ -31,6 +31,7 @@ import grpc
 
 from gpufleet.agent.assignment_log import AssignmentLog, RunStatus
 from gpufleet.agent.core import AgentCore
+from gpufleet.agent.gpu_health import GpuHealth
 from gpufleet.agent.identity import ControllerChannel, Renewer, ensure_credentials, tls_dir
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
@@ -247,6 +248,7 @@ def run_agent(
         inventory=inventory,
         default_grace_s=settings.default_grace_s,
         disk_reserve_mb=settings.agent_disk_reserve_mb,
+        gpu_health=GpuHealth.for_inventory(inventory.gpus, inventory.source),
     )
     stub = cast(pb_grpc.ControllerStub, channel)
     registered = threading.Event()

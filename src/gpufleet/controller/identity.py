@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from gpufleet.domain.errors import GpufleetError
+from gpufleet.controller.rpc_errors import guard
 from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
@@ -127,8 +127,9 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
             log.warning("refused Join of %r from %s: %s", node_id, context.peer(), exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         serial = tls.serial_hex(cert)
-        try:
-            self.db.run_write(
+        guard(
+            context,
+            lambda: self.db.run_write(
                 partial(
                     node_identity.join,
                     secret=request.token,
@@ -136,33 +137,30 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                     serial=serial,
                     not_after=cert.not_valid_after_utc,
                 )
-            )
-        except GpufleetError as exc:
-            code = {
-                401: grpc.StatusCode.UNAUTHENTICATED,
-                403: grpc.StatusCode.PERMISSION_DENIED,
-            }.get(exc.http_status, grpc.StatusCode.INVALID_ARGUMENT)
-            log.warning("refused Join of %r from %s: %s", node_id, context.peer(), exc.message)
-            context.abort(code, exc.message)
+            ),
+        )
         log.info("node %s joined from %s: certificate %s", node_id, context.peer(), serial)
         return self._answer(cert, node_id)
 
     def Renew(
         self, request: pb.RenewRequest, context: grpc.ServicerContext
     ) -> pb.CertificateResponse:
-        node_id = self.auth.node_of(context, "Renew")
+        node_id = guard(context, lambda: self.auth.node_of(context, "Renew"))
         try:
             cert = self.ca.sign_node_csr(request.csr_pem, node_id, self.ttl_s)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         serial = tls.serial_hex(cert)
-        self.db.run_write(
-            partial(
-                node_identity.record_renewal,
-                node_id=node_id,
-                serial=serial,
-                not_after=cert.not_valid_after_utc,
-            )
+        guard(
+            context,
+            lambda: self.db.run_write(
+                partial(
+                    node_identity.record_renewal,
+                    node_id=node_id,
+                    serial=serial,
+                    not_after=cert.not_valid_after_utc,
+                )
+            ),
         )
         log.info("node %s renewed its certificate: %s", node_id, serial)
         return self._answer(cert, node_id)

@@ -3,24 +3,21 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
 import grpc
-from sqlalchemy.exc import SQLAlchemyError
 
 from gpufleet.controller.identity import NodeAuthenticator
-from gpufleet.domain.errors import GpufleetError
+from gpufleet.controller.rpc_errors import guard as _guard
 from gpufleet.domain.types import GpuDevice
 from gpufleet.objectstore import ObjectStore
-from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import nodes, runs
 from gpufleet.store import leader
-from gpufleet.store.db import Database, is_unavailable, short_reason
+from gpufleet.store.db import Database
 
 log = logging.getLogger("gpufleet.controller")
 T = TypeVar("T")
@@ -223,37 +220,3 @@ def _phases(p: pb.StartPhases) -> dict[str, object]:
     for k in ("pull_s", "create_s", "start_s"):
         out[k] = round(getattr(p, k), 4)
     return out
-
-
-UNAVAILABLE_LOG_EVERY_S = 30.0
-"""While the database is down, one log line per this many seconds, not one per RPC."""
-_unavailable_logged_at = -UNAVAILABLE_LOG_EVERY_S
-
-
-def _guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
-    """Map errors to a gRPC status in one place (no traceback crosses the wire): GpufleetError
-    to INVALID_ARGUMENT / FAILED_PRECONDITION; the database unreachable to UNAVAILABLE and any
-    other database error to INTERNAL, both with a generic message (the driver's names hosts,
-    ports, users); the reason goes to the controller's log only."""
-    try:
-        return fn()
-    except SQLAlchemyError as exc:
-        if is_unavailable(exc):
-            global _unavailable_logged_at
-            if time.monotonic() - _unavailable_logged_at > UNAVAILABLE_LOG_EVERY_S:
-                _unavailable_logged_at = time.monotonic()
-                log.warning("database unavailable during RPCs: %s", short_reason(exc))
-            context.abort(grpc.StatusCode.UNAVAILABLE, "database unavailable; retry later")
-        log.error("database error during an RPC", exc_info=exc)
-        context.abort(grpc.StatusCode.INTERNAL, "internal error; see the controller log")
-        raise  # unreachable: abort raises
-    except GpufleetError as exc:
-        code = {
-            401: grpc.StatusCode.UNAUTHENTICATED,
-            403: grpc.StatusCode.PERMISSION_DENIED,
-            409: grpc.StatusCode.FAILED_PRECONDITION,
-        }.get(exc.http_status, grpc.StatusCode.INVALID_ARGUMENT)
-        if exc.http_status == 403:
-            log.warning("refused a call from %s: %s", tls.peer_name(context), exc.message)
-        context.abort(code, f"{exc.code}: {exc.message}")
-        raise  # unreachable: abort raises
