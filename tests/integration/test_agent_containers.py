@@ -173,55 +173,73 @@ def test_oom_container_reports_oom_killed(env) -> None:
     assert resp.result == A.STARTED, resp.message
     report = fake.wait_report(rid, timeout_s=60)
     assert report.outcome == R.EXITED and report.exit_code != 0
-    assert "OOM_KILLED" in report.message
+    assert report.reason == "OOM_KILLED", report
 
 
 def test_image_job_on_a_node_without_container_runtime_never_starts(tmp_path: Path) -> None:
-    from gpufleet.agent.main import run_agent
-
+    """Refused before anything is prepared, as the node's fault (the job is re-placed without
+    using a retry); the node says it has no engine in its labels."""
     with fake_controller() as (fake, address):
         settings = make_settings(address, tmp_path)
-        import threading
-
-        stop = threading.Event()
-        t = threading.Thread(
-            target=run_agent,
-            kwargs={
-                "settings": settings,
-                "node_id": "node-noengine",
-                "gpus": "1xA100-40GB",
-                "port": 0,
-                "state_dir": tmp_path / "state",
-                "labels": {},
-                "heartbeat_interval_s": 0.1,
-                "stop_event": stop,
-                "container_runtime": "none",
-            },
-            daemon=True,
-        )
-        t.start()
-        try:
-            channel, stub = _stub(fake, 1)
-            resp = stub.AssignJob(
-                pb.AssignJobRequest(
-                    run_id="r-noengine",
-                    job_id="j-noengine",
-                    token=1,
-                    leader_epoch=LEADER_EPOCH,
-                    gpu_ids=[0],
-                    command=["true"],
-                    image=BUSYBOX,
-                    attempt=1,
-                ),
-                timeout=30,
+        with inprocess_agent(
+            fake, settings, tmp_path / "state", container_runtime="none"
+        ) as agent:
+            assert fake.registrations[-1].labels["gpufleet/container-runtime"] == "none"
+            resp = agent.assign(
+                run_id="r-noengine",
+                job_id="j-noengine",
+                token=1,
+                attempt=1,
+                gpu_ids=[0],
+                command=["true"],
+                image=BUSYBOX,
             )
-            channel.close()
             assert resp.result == A.FAILED_TO_START
             assert "container runtime" in resp.message
-            assert fake.wait_report("r-noengine").outcome == R.NEVER_STARTED
-        finally:
-            stop.set()
-            t.join(timeout=20)
+            report = fake.wait_report("r-noengine")
+            assert report.outcome == R.NEVER_STARTED
+            assert report.node_fault is True
+
+
+def test_image_job_runs_as_its_own_uid_with_the_env_allow_list(tmp_path: Path, engine) -> None:
+    """With per-attempt job uids (the default of a real node) the container runs as the
+    attempt's uid, can write its artifacts directory (owned by that uid, 0700) and sees the job's
+    and the platform's variables only."""
+    with fake_controller() as (fake, address):
+        settings = make_settings(address, tmp_path)
+        with inprocess_agent(fake, settings, tmp_path / "state", job_uids="per-attempt") as agent:
+            rid = _rid()
+            script = (
+                'echo "ids=$(id -u):$(id -g) mine=$MINE path=$PATH"; '
+                'env | sort > "$GPUFLEET_ARTIFACTS_DIR/env.txt"'
+            )
+            resp = agent.assign(
+                run_id=rid,
+                job_id=f"j-{rid}",
+                token=1,
+                attempt=1,
+                gpu_ids=[0],
+                command=["sh", "-c", script],
+                env={"MINE": "1"},
+                image=BUSYBOX,
+            )
+            assert resp.result == A.STARTED, resp.message
+            report = fake.wait_report(rid, timeout_s=60)
+            assert report.outcome == R.EXITED and report.exit_code == 0, report
+            log = (tmp_path / "state" / "runs" / rid / "output.log").read_text()
+            ids = log.split("ids=", 1)[1].split()[0]
+            uid = int(ids.split(":")[0])
+            assert uid >= 1_900_000_000 and uid != 0, log
+            assert "mine=1" in log
+            store = ObjectStore(settings.resolved_object_store_url())
+            manifest = Manifest.from_json(store.get_bytes(store.key_of(report.manifest_uri)))
+            files = {(f.kind, f.path): f for f in manifest.files}
+            seen = store.get_bytes(files["artifact", "env.txt"].key).decode()
+            names = {line.split("=", 1)[0] for line in seen.splitlines()}
+            assert {"MINE", "GPUFLEET_RUN_ID", "CUDA_VISIBLE_DEVICES"} <= names, seen
+            # nothing of the agent's own environment (pytest's, the test settings')
+            assert not {n for n in names if n.startswith(("PYTEST", "GPUFLEET_TEST"))}, seen
+            assert "/root" not in seen and ".venv" not in seen, seen
 
 
 @pytest.mark.chaos
