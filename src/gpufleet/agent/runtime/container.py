@@ -14,12 +14,15 @@ One attempt (:class:`ContainerRuntime`):
   ``gpufleet.token``; ``--init`` (so SIGTERM reaches the command even as PID 1);
   ``--network host``; the attempt's checkpoints/artifacts/resume/work directories
   bind-mounted at :data:`MOUNTS` with the ``GPUFLEET_*_DIR`` variables pointing at them;
-  ``memory_mb`` -> ``--memory``, ``cpu`` -> ``--cpus``; the job's GPUs by their CDI names
+  ``memory_mb`` -> ``--memory``, ``cpu`` -> ``--cpus``; ``--user uid:gid`` = the attempt's job
+  user (when the agent can switch users); the job's GPUs by their CDI names
   (``--device nvidia.com/gpu=<index>``) when the node has a CDI spec for NVIDIA GPUs. The
   environment is the job's own plus the platform's (never the agent's), passed in a 0600 env
   file deleted after create. ``CUDA_VISIBLE_DEVICES`` is the reservation's host indexes
   without CDI, and ``0..n-1`` with CDI (the container then only has those devices, renumbered);
-  ``GPUFLEET_GPU_IDS`` always holds the host indexes.
+  ``GPUFLEET_GPU_IDS`` always holds the host indexes. A failed pull is the job's fault when
+  the image does not exist, is not authorised or is malformed (:class:`ImageUnavailable`),
+  else the node's (``StartError.node_fault``; docs/design/runtime.md has the table).
 * **start**, then ``logs --follow`` appends the container's output to the attempt's
   ``output.log`` (the agent's LogStreamer mirrors that file to the object store). The follower
   runs in its own session, so it keeps logging while a crashed agent is restarted.
@@ -491,7 +494,7 @@ class ContainerRuntime:
 
     def describe(self) -> str:
         gpus = "CDI nvidia.com/gpu" if self.cdi else "CUDA_VISIBLE_DEVICES only (no CDI spec)"
-        return f"container: {self.engine.kind}; GPUs: {gpus}"
+        return f"{self.engine.kind}; GPUs: {gpus}"
 
     # ------------------------------------------------------------------ start
 
