@@ -125,6 +125,7 @@ class TestRunToCompletion:
         labels = dict(reg.labels)
         assert labels.pop("gpufleet/containment") in ("cgroup-v1", "cgroup-v2", "pidns", "none")
         assert labels.pop("gpufleet/job-user")
+        assert labels.pop("gpufleet/container-runtime") in ("podman", "docker", "none")
         assert labels == {"rack": "r1"}
         assert reg.cpu >= 1
         assert reg.memory_mb > 0
@@ -236,27 +237,18 @@ class TestStartOnce:
             pytest.param(
                 "r-fail-gpu", ["true"], [9], "GPU 9 is not on this node", id="GPU not on the node"
             ),
-            pytest.param(
-                "r-fail-image",
-                ["true"],
-                [],
-                "image jobs need a container runtime on this node",
-                id="image without a container runtime",
-            ),
         ],
     )
     def test_failed_start_is_reported_never_started(
         self, env, run_id, command, gpu_ids, want_message
     ):
         fake, agent, _, _ = env
-        image = "registry/train:1" if run_id == "r-fail-image" else ""
         resp = agent.assign(
             run_id=run_id,
             job_id=f"j-{run_id}",
             token=1,
             command=command,
             gpu_ids=gpu_ids,
-            image=image,
         )
         assert resp.result == A.FAILED_TO_START
         assert want_message in resp.message
