@@ -3,9 +3,11 @@ API app, the controller and the all-in-one platform (``gpufleet up``)."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +27,62 @@ from gpufleet.store.db import Database
 from gpufleet.store.migrate import migrate
 
 log = logging.getLogger("gpufleet")
+
+
+def default_job_uids(python: str = sys.executable) -> tuple[str | None, str | None]:
+    """The ``--job-uids`` a local agent gets when none is given (``gpufleet up``/``demo``):
+    (None, None) = the agent's default (per-attempt), or ("agent", note) when this process
+    runs as root and ``python`` is not executable by other users (a pyenv Python under a
+    0700 /root, say): job users could not run it, so jobs run as the agent's user."""
+    from gpufleet.agent.runtime.jobuser import executable_by_others
+
+    if os.geteuid() != 0 or executable_by_others(python):
+        return None, None
+    return "agent", (
+        f"{python} is not executable by other users, so jobs run as the agent's own user "
+        "(--job-uids agent), not as isolated job users; pass --job-uids to choose"
+    )
+
+
+def port_clash(settings: Settings, api_port: int) -> str | None:
+    """A one-line message naming the first local port of ``gpufleet up`` (API, controller
+    gRPC, join service) that cannot be bound, and the option or setting that moves it; None
+    when all are free. A check before anything starts (the servers bind again themselves)."""
+    join = settings.resolved_join_address()
+    checks = [
+        (settings.server_host, api_port, "API", "--port or GPUFLEET_SERVER_PORT"),
+        (
+            *_host_port(settings.controller_address),
+            "controller gRPC",
+            "--controller-port or GPUFLEET_CONTROLLER_ADDRESS",
+        ),
+        (
+            *_host_port(join),
+            "controller join service",
+            "--controller-port (join = port + 1) or GPUFLEET_JOIN_ADDRESS",
+        ),
+    ]
+    for host, port, what, change in checks:
+        if not port:
+            continue
+        with socket.socket(
+            socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM
+        ) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                return (
+                    f"{what} port {host}:{port} is not available ({exc.strerror}; another "
+                    f"gpufleet up?): choose another with {change}"
+                )
+    return None
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port) if port.isdigit() else 0
 
 
 def open_database(settings: Settings) -> Database:
@@ -174,19 +232,28 @@ class LocalPlatform:
         self.api = ApiServer(settings, self.db, self.waker)
         self.gpus, self.node_id, self.agent_port = gpus, node_id, agent_port
         self.agent: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+        self._agent_lock = threading.Lock()
+        self._supervisor: threading.Thread | None = None
 
     def start(self) -> None:
         from gpufleet.agent.main import state_dir_holder
 
         self.controller.start()
         self.api.start_in_thread()
-        data_dir = self.settings.resolved_data_dir()
-        holder = state_dir_holder(data_dir / "agents" / self.node_id)
+        holder = state_dir_holder(self._state_dir())
         if holder is not None:
             # an agent left running by an earlier `up` (killed hard) keeps its jobs; it
             # re-registers with this controller by itself: reuse it, never start a second one
             log.warning("agent %s is already running (pid %s); reusing it", self.node_id, holder)
             return
+        self._spawn_agent()
+
+    def _state_dir(self) -> Path:
+        return self.settings.resolved_data_dir() / "agents" / self.node_id
+
+    def _spawn_agent(self) -> None:
+        data_dir = self.settings.resolved_data_dir()
         cmd = [
             sys.executable,
             "-m",
@@ -195,7 +262,7 @@ class LocalPlatform:
             "--node-id",
             self.node_id,
             "--state-dir",
-            str(data_dir / "agents" / self.node_id),
+            str(self._state_dir()),
             "--port",
             str(self.agent_port),
         ]
@@ -208,7 +275,7 @@ class LocalPlatform:
             cmd.append("--insecure")
         else:
             args, extra_env = agent_tls_args(
-                self.db, self.settings, self.node_id, data_dir / "agents" / self.node_id
+                self.db, self.settings, self.node_id, self._state_dir()
             )
             cmd += args
         env = dict(
@@ -220,14 +287,95 @@ class LocalPlatform:
             GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
             GPUFLEET_HEARTBEAT_INTERVAL_S=str(self.settings.heartbeat_interval_s),
         )
-        log_path = data_dir / "agent.log"
-        self.agent = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=open(log_path, "ab"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        with open(self.agent_log_path(), "ab") as log_file:
+            self.agent = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def agent_log_path(self) -> Path:
+        return self.settings.resolved_data_dir() / "agent.log"
+
+    def agent_log_tail(self, lines: int = 15) -> list[str]:
+        """The last ``lines`` lines of ``{data_dir}/agent.log`` (empty when there is none)."""
+        try:
+            with open(self.agent_log_path(), "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return []
+        return text.rstrip("\n").splitlines()[-lines:]
+
+    def supervise(
+        self,
+        *,
+        poll_s: float = 0.5,
+        max_restarts: int = 5,
+        window_s: float = 60.0,
+        backoff_s: tuple[float, float] = (1.0, 30.0),
+    ) -> None:
+        """Watch the local agent in a thread until :meth:`stop`: when it exits (a crash,
+        ``kill -9``) log its exit code and start it again, after a backoff doubling from
+        ``backoff_s[0]`` to ``backoff_s[1]`` seconds (reset once an agent has run a whole
+        ``window_s``), and at most ``max_restarts`` times in any ``window_s`` seconds. The new
+        agent adopts the jobs the old one left running (its durable assignment log)."""
+        self._supervisor = threading.Thread(
+            target=self._supervise,
+            args=(poll_s, max_restarts, window_s, backoff_s),
+            name="agent-supervisor",
+            daemon=True,
         )
+        self._supervisor.start()
+
+    def _agent_running(self) -> tuple[bool, int | None]:
+        """(running, exit code when it was our child and has exited)."""
+        from gpufleet.agent.main import state_dir_holder
+
+        if self.agent is not None:
+            code = self.agent.poll()
+            return code is None, code
+        return state_dir_holder(self._state_dir()) is not None, None  # an adopted agent
+
+    def _supervise(
+        self, poll_s: float, max_restarts: int, window_s: float, backoff_s: tuple[float, float]
+    ) -> None:
+        restarts: collections.deque[float] = collections.deque()
+        delay = backoff_s[0]
+        started = time.monotonic()
+        while not self._stopping.wait(poll_s):
+            running, code = self._agent_running()
+            if running:
+                continue
+            now = time.monotonic()
+            if now - started >= window_s:
+                delay = backoff_s[0]
+            while restarts and now - restarts[0] >= window_s:
+                restarts.popleft()
+            wait = delay
+            if len(restarts) >= max_restarts:
+                wait = max(wait, restarts[0] + window_s - now)
+            log.error(
+                "local agent %s exited (%s); restarting it in %.0f s (see %s)",
+                self.node_id,
+                f"exit code {code}" if code is not None else "not our child",
+                wait,
+                self.agent_log_path(),
+            )
+            if self._stopping.wait(wait):
+                return
+            with self._agent_lock:
+                if self._stopping.is_set():
+                    return
+                try:
+                    self._spawn_agent()
+                except Exception:  # a broken CA or database: try again after the backoff
+                    log.exception("could not restart the local agent %s", self.node_id)
+            restarts.append(time.monotonic())
+            started = time.monotonic()
+            delay = min(delay * 2, backoff_s[1])
 
     def wait_for_node(self, timeout_s: float = 20.0) -> bool:
         from sqlalchemy import select
@@ -245,6 +393,11 @@ class LocalPlatform:
         return False
 
     def stop(self) -> None:
+        self._stopping.set()
+        with self._agent_lock:  # no restart after this
+            pass
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=10)
         if self.agent is not None and self.agent.poll() is None:
             self.agent.send_signal(signal.SIGTERM)
             try:

@@ -4,7 +4,6 @@ workload for two teams to SUCCEEDED, as a user would see it (over the REST API).
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -78,17 +77,12 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
     # SIGTERM (a CI timeout, say) must still run the `finally` below, or the agent would
     # outlive the demo (agents survive their parent on purpose)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from gpufleet.agent.runtime.jobuser import executable_by_others
+    from gpufleet.processes import default_job_uids
 
-    job_uids = None
-    if os.geteuid() == 0 and not executable_by_others(sys.executable):
-        # The demo's jobs run this Python; unprivileged job users cannot, e.g. a pyenv Python
-        # under a 0700 /root. Say so and run them as the agent's user instead.
-        job_uids = "agent"
-        console.print(
-            f"[yellow]note:[/] {sys.executable} is not executable by other users, so the demo's "
-            "jobs run as the agent's own user (--job-uids agent), not as isolated job users"
-        )
+    # the demo's jobs run this Python; unprivileged job users may not be able to run it
+    job_uids, note = default_job_uids()
+    if note:
+        console.print(f"[yellow]note:[/] {note}")
     platform = LocalPlatform(settings, gpus="8xH100-80GB", job_uids=job_uids)
     ensure_admin_token(platform.db)
     tokens = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import signal
 import threading
@@ -68,10 +69,29 @@ def _wait_for_signal() -> None:
     stop.wait()
 
 
+class JobUids(enum.StrEnum):
+    """``--job-uids`` of ``up``/``agent`` (see ``agent/runtime/jobuser.py``)."""
+
+    PER_ATTEMPT = "per-attempt"
+    SHARED = "shared"
+    AGENT = "agent"
+
+
+Port = Annotated[int | None, typer.Option(min=1, max=65535, help="API port (default 8420).")]
+
+
 @app.command()
 def up(
     data_dir: DataDir = None,
-    port: Annotated[int | None, typer.Option(help="API port (default 8420).")] = None,
+    port: Port = None,
+    controller_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65534,
+            help="Controller gRPC port (default 8421; the join service takes the next one).",
+        ),
+    ] = None,
     gpus: Annotated[
         str | None, typer.Option(help="Declared GPUs when NVML finds none, e.g. 8xH100-80GB.")
     ] = "8xH100-80GB",
@@ -79,28 +99,59 @@ def up(
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
     job_uids: Annotated[
-        str,
+        JobUids | None,
         typer.Option(
+            case_sensitive=False,
             help="Who the local agent runs jobs as: per-attempt uids, shared (the "
-            "gpufleet-job user) or agent (no isolation; development only)."
+            "gpufleet-job user) or agent (no isolation; development only). Default: "
+            "per-attempt, or agent when job users could not run this Python.",
         ),
-    ] = "per-attempt",
+    ] = None,
 ) -> None:
     """Start server + controller + one local agent on the embedded defaults (SQLite, local
     object store, a fleet CA made on first start: mutual TLS with no setup) and print the
-    URL and an admin token."""
-    from gpufleet.processes import LocalPlatform, ensure_admin_token, reusable_token
+    URL and an admin token. Exits 1 when a port is taken or the agent dies before it
+    registers (the end of agent.log is shown); while up, a dead agent is restarted."""
+    from gpufleet.processes import (
+        LocalPlatform,
+        default_job_uids,
+        ensure_admin_token,
+        port_clash,
+        reusable_token,
+    )
 
     _logging()
-    settings = _settings(data_dir, server_port=port)
-    platform = LocalPlatform(settings, gpus=gpus, insecure=insecure, job_uids=job_uids)
+    overrides: dict[str, object] = {"server_port": port}
+    if controller_port is not None:
+        overrides["controller_address"] = f"127.0.0.1:{controller_port}"
+        overrides["join_address"] = f"127.0.0.1:{controller_port + 1}"
+    settings = _settings(data_dir, **overrides)
+    clash = port_clash(settings, settings.server_port)
+    if clash:
+        err.print(f"[red]error:[/] {escape(clash)}")
+        raise typer.Exit(1)
+    uids = job_uids.value if job_uids is not None else None
+    if uids is None:
+        uids, note = default_job_uids()
+        if note:
+            err.print(f"[yellow]note:[/] {escape(note)}")
+    platform = LocalPlatform(settings, gpus=gpus, insecure=insecure, job_uids=uids)
     cfg_path = client_config_path(settings.resolved_data_dir())
     token = reusable_token(platform.db, cfg_path) or ensure_admin_token(platform.db)
-    platform.start()
+    try:
+        platform.start()
+    except RuntimeError as exc:  # a port taken between the check and the bind
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        platform.stop()
+        raise typer.Exit(1) from None
     write_client_config(cfg_path, platform.api.url, token)
     if not platform.wait_for_node():
         agent_log = settings.resolved_data_dir() / "agent.log"
-        err.print(f"[red]the local agent did not register; see {agent_log}[/]")
+        err.print(f"[red]error: the local agent did not register[/] (end of {agent_log}):")
+        for line in platform.agent_log_tail():
+            err.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
+        platform.stop()
+        raise typer.Exit(1)
     out.print(
         f"gpufleet is up at [bold]{platform.api.url}[/] (data: {settings.resolved_data_dir()})"
     )
@@ -108,6 +159,7 @@ def up(
     out.print(
         "try:  gpufleet submit --gpus 1 -- python3 examples/train_digits.py   |  Ctrl-C stops"
     )
+    platform.supervise()
     try:
         _wait_for_signal()
     finally:
@@ -117,7 +169,7 @@ def up(
 @app.command()
 def demo(
     data_dir: DataDir = None,
-    port: Annotated[int | None, typer.Option(help="API port (default 8420).")] = None,
+    port: Port = None,
     keep_running: Annotated[bool, typer.Option(help="Leave the platform up afterwards.")] = False,
 ) -> None:
     """Start the platform and run the example training workload through it: several jobs
