@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,3 +109,160 @@ def test_readme_demo_command_passes(tmp_path: Path) -> None:
     assert done.stdout.count("SUCCEEDED  manifest: ok") == 6
     assert "final test_acc=" in done.stdout
     assert "0 violations" in done.stdout
+
+
+def _up_env(data_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_") or k == "PATH"}
+    env["GPUFLEET_DATA_DIR"] = str(data_dir)
+    env["GPUFLEET_HEARTBEAT_INTERVAL_S"] = "1"
+    # the README's `python3` is this interpreter (as in an activated venv)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}"
+    return env
+
+
+def _two_free_ports() -> int:
+    """A port p with p and p + 1 free (the controller and its join service)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port < 65535:
+            with socket.socket() as s2:
+                try:
+                    s2.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise AssertionError("no two adjacent free ports")
+
+
+def _wait_for(cond: Any, timeout_s: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def test_readme_quickstart_up_submit_and_a_killed_agent_is_restarted(tmp_path: Path) -> None:
+    """`gpufleet up` as the README's Quickstart runs it: the README's submit succeeds (as root
+    with a Python job users cannot run, jobs run as the agent's user and `up` says so); a
+    second `up` on the same ports and bad options are one clear line, exit 1/2; `kill -9` of
+    the local agent is logged and the agent restarted, adopting the running job."""
+    import signal
+
+    from gpufleet.agent.main import state_dir_holder
+    from gpufleet.agent.runtime.jobuser import executable_by_others
+
+    env = _up_env(tmp_path)
+    api, ctl = _two_free_ports(), _two_free_ports()
+    stderr_path = tmp_path / "up.stderr"
+    with open(tmp_path / "up.stdout", "wb") as so, open(stderr_path, "wb") as se:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "gpufleet.cli.main", "up", "--port", str(api),
+             "--controller-port", str(ctl)],
+            cwd=REPO, env=env, stdout=so, stderr=se,
+        )  # fmt: skip
+    try:
+        _wait_for(
+            lambda: (
+                "gpufleet is up" in (tmp_path / "up.stdout").read_text() or up.poll() is not None
+            ),
+            60,
+            "gpufleet up",
+        )
+        assert up.poll() is None, stderr_path.read_text()[-3000:]
+        expects_note = os.geteuid() == 0 and not executable_by_others(sys.executable)
+        assert ("--job-uids agent" in stderr_path.read_text()) == expects_note
+
+        def gpufleet(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "gpufleet.cli.main", *args],
+                cwd=REPO, env=env, text=True, capture_output=True, timeout=timeout, check=False,
+            )  # fmt: skip
+
+        sub = gpufleet(
+            "submit", "--gpus", "2", "--wait", "--", "python3", "examples/train_digits.py"
+        )
+        assert sub.returncode == 0, sub.stdout + sub.stderr
+        job_id = sub.stdout.strip().splitlines()[0]
+        logs = gpufleet("logs", job_id)
+        assert "final test_acc=" in logs.stdout, logs.stdout[-2000:]
+
+        # a second `up` on the same ports: one line naming the port and what to change
+        again = subprocess.run(
+            [sys.executable, "-m", "gpufleet.cli.main", "up", "--data-dir",
+             str(tmp_path / "second"), "--port", str(api), "--controller-port", str(ctl)],
+            env=env, text=True, capture_output=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert again.returncode == 1 and "Traceback" not in again.stderr
+        assert f"127.0.0.1:{api}" in again.stderr and "--port" in again.stderr
+        other = subprocess.run(
+            [sys.executable, "-m", "gpufleet.cli.main", "up", "--data-dir",
+             str(tmp_path / "third"), "--controller-port", str(ctl)],
+            env={**env, "GPUFLEET_SERVER_PORT": str(_two_free_ports())},
+            text=True, capture_output=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert other.returncode == 1 and "Traceback" not in other.stderr
+        assert f"127.0.0.1:{ctl}" in other.stderr and "GPUFLEET_CONTROLLER_ADDRESS" in other.stderr
+
+        # kill -9 the local agent while a job runs: logged, restarted, the job adopted
+        long = gpufleet(
+            "submit", "--gpus", "1", "--", "python3", "-c",
+            "import time; [print('tick', i, flush=True) or time.sleep(0.2) for i in range(50)]",
+        )  # fmt: skip
+        assert long.returncode == 0, long.stderr
+        long_id = long.stdout.strip().splitlines()[0]
+        _wait_for(
+            lambda: "tick 3" in gpufleet("logs", long_id).stdout, 60, "the job to be running"
+        )
+        state_dir = tmp_path / "agents" / "local-0"
+        old = state_dir_holder(state_dir)
+        assert old is not None
+        os.kill(old, signal.SIGKILL)
+        _wait_for(lambda: state_dir_holder(state_dir) not in (None, old), 60, "a restarted agent")
+        assert "exited (exit code -9); restarting" in stderr_path.read_text()
+        _wait_for(
+            lambda: (
+                json.loads(gpufleet("status", long_id, "--output", "json").stdout)["status"]
+                in {"SUCCEEDED", "FAILED", "CANCELLED"}
+            ),
+            120,
+            "the adopted job to end",
+        )
+        status = json.loads(gpufleet("status", long_id, "--output", "json").stdout)
+        assert status["status"] == "SUCCEEDED" and len(status["attempts"]) == 1, status
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
+    assert up.returncode == 0
+    assert state_dir_holder(tmp_path / "agents" / "local-0") is None  # no agent left behind
+
+
+def test_up_reports_an_agent_that_dies_at_once_and_refuses_bad_options(tmp_path: Path) -> None:
+    env = _up_env(tmp_path)
+    dead = subprocess.run(
+        [sys.executable, "-m", "gpufleet.cli.main", "up", "--gpus", "bogus",
+         "--port", str(_two_free_ports()), "--controller-port", str(_two_free_ports())],
+        env=env, text=True, capture_output=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert dead.returncode == 1, dead.stdout + dead.stderr
+    assert "gpufleet is up" not in dead.stdout
+    assert "did not register" in dead.stderr and "invalid GPU spec 'bogus'" in dead.stderr
+    for args, word in (
+        (["--port", "99999"], "--port"),
+        (["--port", "-1"], "--port"),
+        (["--controller-port", "0"], "--controller-port"),
+        (["--job-uids", "nope"], "--job-uids"),
+    ):
+        bad = subprocess.run(
+            [sys.executable, "-m", "gpufleet.cli.main", "up", *args],
+            env=env, text=True, capture_output=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert bad.returncode == 2 and word in bad.stderr, (args, bad.stderr)
+        assert "Traceback" not in bad.stderr
