@@ -1,0 +1,61 @@
+"""`gpufleet up`'s checks before anything starts: the job uid mode it picks when none is
+given, and the one-line message for a local port that is taken."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+
+from gpufleet.processes import default_job_uids, port_clash
+from gpufleet.settings import Settings
+
+
+def _python_in(dir_mode: int, tmp_path: Path) -> str:
+    home = tmp_path / "home"
+    home.mkdir()
+    exe = home / "python3"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    home.chmod(dir_mode)
+    tmp_path.chmod(0o755)
+    return str(exe)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fallback applies to root only")
+def test_root_with_a_python_job_users_cannot_run_gets_agent_uids_and_a_note(
+    tmp_path: Path,
+) -> None:
+    uids, note = default_job_uids(_python_in(0o700, tmp_path))
+    assert uids == "agent" and note is not None and "--job-uids agent" in note
+    assert stat.S_IMODE((tmp_path / "home").stat().st_mode) == 0o700
+
+
+def test_a_python_everyone_can_run_keeps_the_agent_default(tmp_path: Path) -> None:
+    if not all(os.stat(p).st_mode & 0o001 for p in tmp_path.parents):
+        pytest.skip("the temp dir's parents are not searchable by others here")
+    assert default_job_uids(_python_in(0o755, tmp_path)) == (None, None)
+
+
+def test_a_taken_port_is_named_with_the_option_that_moves_it() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        s = Settings(controller_address=f"127.0.0.1:{port}", join_address="127.0.0.1:0")
+        msg = port_clash(s, 0)
+        assert msg is not None and f"127.0.0.1:{port}" in msg
+        assert "--controller-port" in msg and "GPUFLEET_CONTROLLER_ADDRESS" in msg
+        api = Settings(controller_address="127.0.0.1:0", join_address="127.0.0.1:0")
+        msg = port_clash(api, port)
+        assert msg is not None and "API port" in msg and "--port" in msg
+        join = Settings(controller_address="127.0.0.1:0", join_address=f"127.0.0.1:{port}")
+        msg = port_clash(join, 0)
+        assert msg is not None and "GPUFLEET_JOIN_ADDRESS" in msg
+    assert (
+        port_clash(Settings(controller_address="127.0.0.1:0", join_address="127.0.0.1:0"), 0)
+        is None
+    )
