@@ -558,6 +558,10 @@ def test_operator_cli_joins_lists_revokes_and_forgets_a_node(fleet: Fleet) -> No
             "--join-token", token,
         )  # fmt: skip
         assert reuse.returncode == 4 and "UNAUTHENTICATED" in reuse.stderr
+        # n5 is alive (heartbeats accepted): forgetting it needs --force, and says so
+        live = cli("admin", "node", "forget", "n5")
+        assert live.returncode == 2 and "looks alive" in live.stderr and "--force" in live.stderr
+        assert "n5" in listing() and listing()["n5"]["status"] == "HEALTHY"
         revoked = cli("admin", "node", "revoke", "n5")
         assert revoked.returncode == 0 and "1 certificate(s) revoked" in revoked.stdout
         fleet.wait_for(

@@ -328,6 +328,12 @@ class TestAdminNodes:
         assert r.json() == {"node_id": "n1", "revoked_certs": 0}
         [row] = client.get("/v1/admin/nodes", headers=admin).json()["items"]
         assert (row["node_id"], row["status"], row["cert_serial"]) == ("n1", "HEALTHY", None)
+        # n1 sent a heartbeat just now (no certificate to revoke: it joined insecure): a live
+        # node is forgotten only with force
         r = client.delete("/v1/admin/nodes/n1", headers=admin)
+        assert (r.status_code, r.json()["field"]) == (409, "force")
+        assert "looks alive" in r.json()["message"] and "force" in r.json()["message"]
+        assert client.get("/v1/nodes", headers=member).json()["items"] != []
+        r = client.delete("/v1/admin/nodes/n1", params={"force": "true"}, headers=admin)
         assert r.status_code == 200 and r.json()["forgotten"] is True
         assert client.get("/v1/nodes", headers=member).json()["items"] == []

@@ -200,3 +200,51 @@ class TestRunsBelongToTheirNode:
             assert s.get(JobRow, job).status == "SCHEDULED"
             assert s.get(JobRunRow, r.run_id).status == "ASSIGNED"
             assert s.get(NodeCapacityRow, "n2").available_gpus == 1
+
+
+def test_forgetting_a_live_node_needs_force(db: Database) -> None:
+    """A node that sent a heartbeat within the window looks alive: 409 unless forced; an old
+    heartbeat, or all certificates revoked (it can no longer call in), needs no force."""
+    create_team(db)
+    create_node(db, "n1", gpus=1)
+    join(db, token(db, node_id="n1"), "n1", "ab01")
+    with pytest.raises(Conflict, match=r"n1 \(HEALTHY\).*looks alive.*--force") as exc:
+        db.run_write(partial(ni.forget_node, node_id="n1", live_within_s=30))
+    assert exc.value.field == "force"
+    assert valid(db, "ab01", "n1")
+    assert db.run_write(partial(ni.forget_node, node_id="n1", live_within_s=30, force=True)) == 1
+    create_node(db, "n2", gpus=1)
+    with db.write_tx() as s:
+        s.execute(
+            update(NodeRow)
+            .where(NodeRow.id == "n2")
+            .values(last_heartbeat_at=datetime.now(UTC) - timedelta(hours=1))
+        )
+    db.run_write(partial(ni.forget_node, node_id="n2", live_within_s=30))
+    create_node(db, "n3", gpus=1)
+    join(db, token(db, node_id="n3"), "n3", "ab03")
+    db.run_write(partial(ni.revoke_node, node_id="n3"))
+    db.run_write(partial(ni.forget_node, node_id="n3", live_within_s=30))
+    with db.read() as s:
+        assert s.get(NodeCapacityRow, "n3") is None
+
+
+def test_reserved_gpus_that_can_never_be_reported_gone_point_to_fence(db: Database) -> None:
+    create_team(db)
+    epoch = become_leader(db)
+    for node_id in ("n1", "n2", "n3"):
+        create_node(db, node_id, gpus=2)
+        join(db, token(db, node_id=node_id), node_id, f"ac0{node_id[-1]}")
+        reserve(db, submit(db, gpus=2).job_id, node_id, 2, epoch=epoch)
+    with pytest.raises(Conflict, match="drain it") as live:
+        db.run_write(partial(ni.forget_node, node_id="n1"))
+    assert "confirm-dead" not in live.value.message
+    db.run_write(partial(ni.revoke_node, node_id="n2"))
+    with pytest.raises(
+        Conflict, match=r"certificates are revoked.*admin node fence n2 --confirm-dead"
+    ):
+        db.run_write(partial(ni.forget_node, node_id="n2"))
+    with db.write_tx() as s:  # as the upkeep loop leaves a node that stopped answering
+        s.execute(update(NodeRow).where(NodeRow.id == "n3").values(status="QUARANTINED"))
+    with pytest.raises(Conflict, match=r"QUARANTINED.*admin node fence n3 --confirm-dead"):
+        db.run_write(partial(ni.forget_node, node_id="n3", force=True))

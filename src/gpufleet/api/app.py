@@ -496,9 +496,25 @@ def create_app(state: AppState) -> FastAPI:
         return {"node_id": node_id, "revoked_certs": n}
 
     @app.delete("/v1/admin/nodes/{node_id}", responses=errors(403, 404, 409))
-    def forget_node(node_id: str, _: Admin) -> dict[str, Any]:
-        """Forget a node with no reserved GPUs (409 otherwise); its certificates are revoked."""
-        n = state.db.run_write(partial(node_identity.forget_node, node_id=node_id))
+    def forget_node(
+        node_id: str,
+        _: Admin,
+        force: Annotated[
+            bool, Query(description="Forget a node that sent a heartbeat recently, too.")
+        ] = False,
+    ) -> dict[str, Any]:
+        """Forget a node with no reserved GPUs; its certificates are revoked. 409 when GPUs
+        are reserved, or (without ``force``) when it sent a heartbeat within the last
+        ``suspect_after_missed`` heartbeat intervals and its certificates are not revoked."""
+        n = state.db.run_write(
+            partial(
+                node_identity.forget_node,
+                node_id=node_id,
+                force=force,
+                live_within_s=state.settings.suspect_after_missed
+                * state.settings.heartbeat_interval_s,
+            )
+        )
         return {"node_id": node_id, "forgotten": True, "revoked_certs": n}
 
     @app.post("/v1/admin/tokens", status_code=201, responses=errors(400, 403, 413))

@@ -778,11 +778,27 @@ def node_revoke(node_id: str, data_dir: DataDir = None) -> None:
 
 
 @node_app.command("forget")
-def node_forget(node_id: str, data_dir: DataDir = None) -> None:
-    """Remove a node that holds no reserved GPUs: certificates revoked, capacity gone."""
+def node_forget(
+    node_id: str,
+    force: Annotated[
+        bool, typer.Option("--force", help="Forget it even if it sent a heartbeat recently.")
+    ] = False,
+    data_dir: DataDir = None,
+) -> None:
+    """Remove a node that holds no reserved GPUs: certificates revoked, capacity gone. A node
+    that sent a heartbeat in the last few intervals (and is not revoked) needs --force."""
     from gpufleet.services import node_identity
 
-    n = _run_admin(data_dir, partial(node_identity.forget_node, node_id=node_id))
+    settings = _settings(data_dir)
+    n = _run_admin(
+        data_dir,
+        partial(
+            node_identity.forget_node,
+            node_id=node_id,
+            force=force,
+            live_within_s=settings.suspect_after_missed * settings.heartbeat_interval_s,
+        ),
+    )
     out.print(f"node {node_id} forgotten; {n} certificate(s) revoked")
 
 

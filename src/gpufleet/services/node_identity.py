@@ -15,8 +15,9 @@ from typing import Any
 from sqlalchemy import delete, exists, select, update
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import Forbidden, NotFound, Unauthenticated, ValidationFailed
+from gpufleet.domain.errors import Conflict, Forbidden, NotFound, Unauthenticated, ValidationFailed
 from gpufleet.domain.ids import new_id
+from gpufleet.domain.states import NodeStatus
 from gpufleet.rpc.tls import check_node_id, hash_secret
 from gpufleet.services import nodes
 from gpufleet.services.jobs import forget_fleet_shapes, iso
@@ -171,17 +172,65 @@ def revoke_node(session: Session, node_id: str) -> int:
     return n
 
 
-def forget_node(session: Session, node_id: str) -> int:
+def forget_node(
+    session: Session, node_id: str, *, force: bool = False, live_within_s: float = 0.0
+) -> int:
     """Remove ``node_id`` from the fleet: certificates revoked, capacity rows deleted, the
     node row deleted when no attempt refers to it. Returns the number of certificates revoked.
 
+    ``live_within_s``: a node whose heartbeat is younger than this (seconds) and whose
+    certificates are not all revoked looks alive; forgetting it needs ``force`` (its agent
+    would keep running jobs the scheduler no longer sees). 0 = no such check.
+
     Raises:
-        NotFound: unknown node. Conflict: GPUs of the node are reserved.
+        NotFound: unknown node.
+        Conflict: the node looks alive (without ``force``); or GPUs of the node are reserved
+            (the message says to drain it, or, when its agent can never report them gone,
+            quarantined/fenced or its certificates revoked, to fence it with
+            ``--confirm-dead``).
     """
     if not _node_known(session, node_id):
         raise NotFound(f"no node {node_id!r}", field="node_id")
     now = db_now(session)
-    allocate.remove_inventory(session, node_id)
+    node = session.get(NodeRow, node_id)
+    certs = session.execute(
+        select(NodeCertRow.revoked_at).where(NodeCertRow.node_id == node_id)
+    ).all()
+    cut_off = bool(certs) and all(c.revoked_at is not None for c in certs)
+    if (
+        not force
+        and live_within_s > 0
+        and node is not None
+        and not cut_off
+        and node.last_heartbeat_at is not None
+        and session.execute(
+            select(
+                exists().where(
+                    NodeRow.id == node_id,
+                    NodeRow.last_heartbeat_at >= now - timedelta(seconds=live_within_s),
+                )
+            )
+        ).scalar_one()
+    ):
+        raise Conflict(
+            f"node {node_id} ({node.status}) sent a heartbeat within the last "
+            f"{live_within_s:g} s: it looks alive. Drain it and stop its agent first, or "
+            "forget it anyway with --force (REST: ?force=true)",
+            field="force",
+        )
+    try:
+        allocate.remove_inventory(session, node_id)
+    except Conflict:
+        status = node.status if node is not None else None
+        if cut_off or status in (NodeStatus.QUARANTINED, NodeStatus.FENCED):
+            why = "its certificates are revoked" if cut_off else f"it is {status}"
+            raise Conflict(
+                f"node {node_id} has reserved GPUs that its agent can never report gone "
+                f"({why}); if the node is dead, release them with `gpufleet admin node "
+                f"fence {node_id} --confirm-dead`, then forget it",
+                field="node_id",
+            ) from None
+        raise
     n = _revoke(session, node_id, now)
     referenced = session.execute(
         select(
