@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 
@@ -235,10 +236,14 @@ class LocalPlatform:
         self._stopping = threading.Event()
         self._agent_lock = threading.Lock()
         self._supervisor: threading.Thread | None = None
+        self._started_at: datetime | None = None
 
     def start(self) -> None:
         from gpufleet.agent.main import state_dir_holder
+        from gpufleet.store.dialect import db_now
 
+        with self.db.read() as s:
+            self._started_at = db_now(s)
         self.controller.start()
         self.api.start_in_thread()
         holder = state_dir_holder(self._state_dir())
@@ -378,14 +383,22 @@ class LocalPlatform:
             delay = min(delay * 2, backoff_s[1])
 
     def wait_for_node(self, timeout_s: float = 20.0) -> bool:
+        """True once the local agent has registered or sent a heartbeat since :meth:`start`
+        (a node row left by an earlier ``up`` does not count); False when the agent exited
+        first or ``timeout_s`` passed."""
         from sqlalchemy import select
 
         from gpufleet.store.tables import NodeRow
 
+        since = self._started_at
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self.db.read() as s:
-                if s.execute(select(NodeRow.id).where(NodeRow.id == self.node_id)).first():
+                if s.execute(
+                    select(NodeRow.id).where(
+                        NodeRow.id == self.node_id, NodeRow.last_heartbeat_at >= since
+                    )
+                ).first():
                     return True
             if self.agent is not None and self.agent.poll() is not None:
                 return False

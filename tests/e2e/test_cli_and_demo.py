@@ -242,6 +242,13 @@ def test_readme_quickstart_up_submit_and_a_killed_agent_is_restarted(tmp_path: P
         up.wait(timeout=60)
     assert up.returncode == 0
     assert state_dir_holder(tmp_path / "agents" / "local-0") is None  # no agent left behind
+    # the node row of this `up` is no sign of life for the next one, whose agent dies at once
+    dead = subprocess.run(
+        [sys.executable, "-m", "gpufleet.cli.main", "up", "--gpus", "bogus",
+         "--port", str(_two_free_ports()), "--controller-port", str(_two_free_ports())],
+        env=env, text=True, capture_output=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert dead.returncode == 1 and "did not register" in dead.stderr, dead.stdout + dead.stderr
 
 
 def test_up_reports_an_agent_that_dies_at_once_and_refuses_bad_options(tmp_path: Path) -> None:
