@@ -141,7 +141,11 @@ def up(
     try:
         platform.start()
     except RuntimeError as exc:  # a port taken between the check and the bind
-        err.print(f"[red]error:[/] {escape(str(exc))}")
+        err.print(
+            f"[red]error:[/] {escape(str(exc).split(';')[0])} (another gpufleet up? choose "
+            "other ports with --port / --controller-port, or GPUFLEET_SERVER_PORT, "
+            "GPUFLEET_CONTROLLER_ADDRESS, GPUFLEET_JOIN_ADDRESS)"
+        )
         platform.stop()
         raise typer.Exit(1) from None
     write_client_config(cfg_path, platform.api.url, token)
