@@ -327,7 +327,8 @@ class TestAdminNodes:
         r = client.post("/v1/admin/nodes/n1/revoke", headers=admin)
         assert r.json() == {"node_id": "n1", "revoked_certs": 0}
         [row] = client.get("/v1/admin/nodes", headers=admin).json()["items"]
-        assert (row["node_id"], row["status"], row["cert_serial"]) == ("n1", "HEALTHY", None)
+        # revoked: no longer trusted, so FENCED
+        assert (row["node_id"], row["status"], row["cert_serial"]) == ("n1", "FENCED", None)
         r = client.delete("/v1/admin/nodes/n1", headers=admin)
         assert r.status_code == 200 and r.json()["forgotten"] is True
         assert client.get("/v1/nodes", headers=member).json()["items"] == []
