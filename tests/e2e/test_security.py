@@ -27,6 +27,7 @@ from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import node_identity
+from gpufleet.services import nodes as nodes_service
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCertRow, NodeRow, SchedulingEventRow
 from tests.e2e.harness import TERMINAL, Fleet
 
@@ -580,3 +581,55 @@ def test_operator_cli_joins_lists_revokes_and_forgets_a_node(fleet: Fleet) -> No
         assert all(n["node_id"] != "n5" for n in fleet.get("/v1/nodes")["items"])
     finally:
         fleet.kill_agent("n5")
+
+
+def test_a_revoked_node_gets_no_work_and_its_jobs_move_elsewhere(fleet: Fleet) -> None:
+    """Revocation answers a compromised node: in the same transaction the node is FENCED (no
+    placement, no AssignJob with another team's command and env ever reaches it), its running
+    attempt is fenced and the job re-placed on a trusted node with a higher token, and its
+    GPUs stay QUARANTINED until an operator confirms it dead. A rejoin lifts it."""
+    marker = f"gpufleet-test-marker-{fleet.tmp.name}"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)", marker]
+    fleet.start_agent("n1", gpus="1xA100-40GB")
+    first = fleet.submit({"command": sleeper, "gpu_type": "A100"}, team="nlp")
+    fleet.wait_status(first, {"RUNNING"}, team="nlp")
+
+    fleet.db.run_write(partial(node_identity.revoke_node, node_id="n1"))
+    node = fleet.node("n1")
+    assert node["status"] == "FENCED" and "revoked" in node["status_reason"]
+    moved = fleet.job(first, team="nlp")
+    assert moved["status"] == "PENDING", moved
+    assert moved["attempts"][0]["status"] == "FENCED"
+    fleet.wait_for(
+        lambda: [p["node_id"] for p in fleet.job(first, team="nlp")["node_problems"]] == ["n1"],
+        10,
+        "why to name the fenced node",
+    )
+
+    # new work for the node's GPU type never goes there, even with its GPUs the only fit
+    second = fleet.submit({"command": sleeper, "gpu_type": "A100"}, team="vision")
+    time.sleep(3)  # several scheduling passes
+    assert fleet.job(second)["attempts"] == []
+    with fleet.db.read() as s:
+        assert s.scalars(select(JobRunRow.job_id).where(JobRunRow.node_id == "n1")).all() == [
+            first
+        ]
+
+    with fleet.http("vision") as c:
+        assert c.delete(f"/v1/jobs/{second}").status_code == 202
+    fleet.wait_status(second, TERMINAL)
+    # a trusted node takes the fenced job: a new attempt there, token 2
+    fleet.start_agent("n3", gpus="1xA100-40GB")
+    again = fleet.wait_status(first, {"RUNNING"}, team="nlp")
+    assert again["attempts"][-1]["node_id"] == "n3" and again["attempts"][-1]["token"] == 2
+
+    # the operator confirms n1 dead: its quarantined GPU is released, nothing is violated
+    fleet.db.run_write(
+        partial(
+            nodes_service.operator_fence, node_id="n1", reason="compromised", max_node_failures=3
+        )
+    )
+    with fleet.http("nlp") as c:
+        assert c.delete(f"/v1/jobs/{first}").status_code == 202
+    fleet.wait_status(first, TERMINAL, team="nlp")
+    assert fleet.check() == []

@@ -324,16 +324,16 @@ class TestAdminNodes:
         ):
             assert getattr(client, method)(path, headers=member).status_code == 403, path
         assert client.post("/v1/admin/nodes/ghost/revoke", headers=admin).status_code == 404
-        r = client.post("/v1/admin/nodes/n1/revoke", headers=admin)
-        assert r.json() == {"node_id": "n1", "revoked_certs": 0}
-        [row] = client.get("/v1/admin/nodes", headers=admin).json()["items"]
-        assert (row["node_id"], row["status"], row["cert_serial"]) == ("n1", "HEALTHY", None)
-        # n1 sent a heartbeat just now (no certificate to revoke: it joined insecure): a live
-        # node is forgotten only with force
+        # n1 sent a heartbeat just now and is not revoked: forgotten only with force
         r = client.delete("/v1/admin/nodes/n1", headers=admin)
         assert (r.status_code, r.json()["field"]) == (409, "force")
         assert "looks alive" in r.json()["message"] and "force" in r.json()["message"]
         assert client.get("/v1/nodes", headers=member).json()["items"] != []
-        r = client.delete("/v1/admin/nodes/n1", params={"force": "true"}, headers=admin)
+        r = client.post("/v1/admin/nodes/n1/revoke", headers=admin)
+        assert r.json() == {"node_id": "n1", "revoked_certs": 0}
+        [row] = client.get("/v1/admin/nodes", headers=admin).json()["items"]
+        # revoked: no longer trusted, so FENCED; cut off, it needs no force to be forgotten
+        assert (row["node_id"], row["status"], row["cert_serial"]) == ("n1", "FENCED", None)
+        r = client.delete("/v1/admin/nodes/n1", headers=admin)
         assert r.status_code == 200 and r.json()["forgotten"] is True
         assert client.get("/v1/nodes", headers=member).json()["items"] == []

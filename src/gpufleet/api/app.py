@@ -440,7 +440,10 @@ def create_app(state: AppState) -> FastAPI:
                         last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
                         agent_epoch=n.agent_epoch,
                         status_reason=n.status_reason,
-                        health=n.health,
+                        # disk paths of the node are for operators only
+                        health=n.health
+                        if who.is_admin or not n.health
+                        else {k: v for k, v in n.health.items() if k != "disk_free_mb"},
                         images=sorted(str(i.get("name", "")) for i in n.images or []),
                     )
                     for n, c in rows

@@ -34,6 +34,9 @@ log = logging.getLogger("gpufleet.controller")
 REVOCATION_CACHE_S = 0.5
 """How long one serial's database answer is reused (a revocation takes effect within it)."""
 
+REFUSAL_LOG_EVERY_S = 60.0
+"""A refused caller is logged once per reason per this many seconds."""
+
 BOOTSTRAP_METHODS = frozenset({"/gpufleet.v1.Bootstrap/Join", "/gpufleet.v1.Bootstrap/Renew"})
 
 
@@ -65,6 +68,7 @@ class NodeAuthenticator:
         self.db = db
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, bool]] = {}
+        self._refusals_logged: dict[str, float] = {}
 
     def node_of(self, context: grpc.ServicerContext, method: str, claimed: str = "") -> str:
         """The node id of the caller of ``method`` (named in the log line). Aborts the call
@@ -99,7 +103,18 @@ class NodeAuthenticator:
         return ok
 
     def _refuse(self, context: grpc.ServicerContext, method: str, why: str) -> None:
-        log.warning("refused %s from %s: %s", method, tls.peer_name(context), why)
+        # one line per caller and reason a minute: a revoked agent retrying its heartbeats
+        # must not fill the log
+        key, now = f"{tls.peer_name(context)}|{why}", time.monotonic()
+        with self._lock:
+            last = self._refusals_logged.get(key)
+            if last is None or now - last >= REFUSAL_LOG_EVERY_S:
+                if len(self._refusals_logged) > 10_000:
+                    self._refusals_logged.clear()
+                self._refusals_logged[key] = now
+                last = None
+        if last is None:
+            log.warning("refused %s from %s: %s", method, tls.peer_name(context), why)
         context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
 

@@ -693,7 +693,10 @@ class Reconciler:
                 node_id,
                 self.settings.fence_timeout_s,
                 len(runs_fenced),
-                [(f.run_id, f.job_status) for f in runs_fenced],
+                [
+                    (f.run_id, str(getattr(f.job_status, "value", f.job_status)))
+                    for f in runs_fenced
+                ],
             )
         if fenced:
             self.on_change()

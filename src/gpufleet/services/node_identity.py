@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Conflict, Forbidden, NotFound, Unauthenticated, ValidationFailed
 from gpufleet.domain.ids import new_id
-from gpufleet.domain.states import NodeStatus
+from gpufleet.domain.states import Machine, NodeStatus
 from gpufleet.rpc.tls import check_node_id, hash_secret
 from gpufleet.services import nodes
 from gpufleet.services.jobs import forget_fleet_shapes, iso
@@ -30,7 +30,7 @@ from gpufleet.store.tables import (
     NodeRow,
     ReservationRow,
 )
-from gpufleet.store.transitions import record_event
+from gpufleet.store.transitions import record_event, transition
 
 JOIN_TTL_DEFAULT_S = 15 * 60
 JOIN_TTL_MAX_S = 7 * 86400
@@ -119,6 +119,19 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
             session, node, reason="node rejoined with a new certificate (re-installed)"
         )
         node.agent_epoch = 0
+        if node.status == NodeStatus.FENCED:
+            # an operator made this join token: the fenced (revoked) node is trusted again
+            transition(
+                session,
+                Machine.NODE,
+                node_id,
+                NodeStatus.HEALTHY,
+                now=now,
+                frm=[NodeStatus.FENCED],
+                values={"status_reason": None},
+                node_id=node_id,
+                message="rejoined with a new certificate",
+            )
     session.add(
         NodeCertRow(
             serial=serial, node_id=node_id, issued_at=now, not_after=not_after, reason="join"
@@ -155,9 +168,16 @@ def cert_is_valid(session: Session, serial: str, node_id: str) -> bool:
     return row is not None and row.node_id == node_id and row.revoked_at is None
 
 
-def revoke_node(session: Session, node_id: str) -> int:
+def revoke_node(session: Session, node_id: str, *, max_node_failures: int = 3) -> int:
     """Revoke every certificate of ``node_id``; its next call is refused. Returns how many
     were revoked. The node rejoins only with a new join token made for it.
+
+    A revoked node is no longer trusted (revocation answers a stolen key or a compromised
+    host), so in the same transaction it is FENCED: no new placements (the controller never
+    dials it again, nor sends it another team's command and env), its active attempts are
+    fenced and their jobs re-placed elsewhere with a higher token, and their GPUs stay
+    QUARANTINED until an operator confirms the node dead (``gpufleet admin node fence NODE
+    --confirm-dead``) or it rejoins and reports them gone.
 
     Raises:
         NotFound: no node and no certificate has this id.
@@ -166,6 +186,17 @@ def revoke_node(session: Session, node_id: str) -> int:
         raise NotFound(f"no node {node_id!r}", field="node_id")
     now = db_now(session)
     n = _revoke(session, node_id, now)
+    node = session.get(NodeRow, node_id, with_for_update=True)
+    if node is not None and node.status != NodeStatus.FENCED:
+        reason = "certificate revoked by an operator; rejoin it with a new join token"
+        nodes.fence_node(
+            session,
+            node_id,
+            reason=reason,
+            max_node_failures=max_node_failures,
+            node_to=NodeStatus.FENCED,
+        )
+        session.execute(update(NodeRow).where(NodeRow.id == node_id).values(status_reason=reason))
     record_event(
         session, "node_revoked", now=now, node_id=node_id, message=f"{n} certificate(s) revoked"
     )
@@ -178,8 +209,8 @@ def forget_node(
     """Remove ``node_id`` from the fleet: certificates revoked, capacity rows deleted, the
     node row deleted when no attempt refers to it. Returns the number of certificates revoked.
 
-    ``live_within_s``: a node whose heartbeat is younger than this (seconds) and whose
-    certificates are not all revoked looks alive; forgetting it needs ``force`` (its agent
+    ``live_within_s``: a node whose heartbeat is younger than this (seconds), not FENCED and
+    whose certificates are not all revoked looks alive; forgetting it needs ``force`` (its agent
     would keep running jobs the scheduler no longer sees). 0 = no such check.
 
     Raises:
@@ -196,7 +227,9 @@ def forget_node(
     certs = session.execute(
         select(NodeCertRow.revoked_at).where(NodeCertRow.node_id == node_id)
     ).all()
-    cut_off = bool(certs) and all(c.revoked_at is not None for c in certs)
+    cut_off = (bool(certs) and all(c.revoked_at is not None for c in certs)) or (
+        node is not None and node.status == NodeStatus.FENCED
+    )
     if (
         not force
         and live_within_s > 0
@@ -223,7 +256,11 @@ def forget_node(
     except Conflict:
         status = node.status if node is not None else None
         if cut_off or status in (NodeStatus.QUARANTINED, NodeStatus.FENCED):
-            why = "its certificates are revoked" if cut_off else f"it is {status}"
+            why = (
+                f"it is {status}"
+                if status in (NodeStatus.QUARANTINED, NodeStatus.FENCED)
+                else ("its certificates are revoked")
+            )
             raise Conflict(
                 f"node {node_id} has reserved GPUs that its agent can never report gone "
                 f"({why}); if the node is dead, release them with `gpufleet admin node "

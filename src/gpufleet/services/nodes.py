@@ -145,6 +145,7 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
             NodeStatus.HEALTHY,
             now=now,
             frm=[NodeStatus.SUSPECT],
+            values={"status_reason": None},
             message="agent re-registered",
             node_id=node.id,
         )
@@ -243,6 +244,7 @@ def heartbeat(
             NodeStatus.HEALTHY,
             now=now,
             frm=[NodeStatus.SUSPECT],
+            values={"status_reason": None},
             message="heartbeat resumed",
             node_id=node_id,
         )
@@ -392,6 +394,7 @@ def mark_silent_nodes_suspect(session: Session, silent_for_s: float) -> list[str
             NodeStatus.SUSPECT,
             now=now,
             frm=[NodeStatus.HEALTHY, NodeStatus.UNHEALTHY],
+            values={"status_reason": f"no heartbeat for {silent_for_s:.0f} s"},
             message=f"no heartbeat for {silent_for_s:.0f} s",
             node_id=node_id,
         )
