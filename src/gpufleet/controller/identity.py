@@ -67,7 +67,7 @@ class NodeAuthenticator:
     def __init__(self, db: Database) -> None:
         self.db = db
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[float, bool]] = {}
+        self._cache: dict[str, tuple[float, bool, str]] = {}  # serial: (when, valid, node)
         self._refusals_logged: dict[str, float] = {}
 
     def node_of(self, context: grpc.ServicerContext, method: str, claimed: str = "") -> str:
@@ -99,8 +99,15 @@ class NodeAuthenticator:
         with self._lock:
             if len(self._cache) > 10_000:
                 self._cache.clear()
-            self._cache[serial] = (now, ok)
+            self._cache[serial] = (now, ok, node_id)
         return ok
+
+    def forget_node(self, node_id: str) -> None:
+        """Drop this replica's cached answers for ``node_id``'s certificates (after a rejoin
+        revoked them here; other replicas see it within ``REVOCATION_CACHE_S``)."""
+        with self._lock:
+            for serial in [k for k, v in self._cache.items() if v[2] == node_id]:
+                del self._cache[serial]
 
     def _refuse(self, context: grpc.ServicerContext, method: str, why: str) -> None:
         # one line per caller and reason a minute: a revoked agent retrying its heartbeats
@@ -154,6 +161,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                 )
             ),
         )
+        self.auth.forget_node(node_id)  # its older certificates were just revoked
         log.info("node %s joined from %s: certificate %s", node_id, context.peer(), serial)
         return self._answer(cert, node_id)
 
