@@ -318,11 +318,34 @@ class History:
                 self.violations.append(msg)
 
 
+def double_holds(reservations: list[tuple[str, str, Any, str]]) -> list[str]:
+    """GPU ids of a node in two live reservations of one snapshot.
+    ``reservations``: (run_id, node_id, gpu_ids, status) rows, live ones only."""
+    held: dict[tuple[str, int], str] = {}
+    out = []
+    for run_id, node, gpu_ids, _status in reservations:
+        for g in gpu_ids if isinstance(gpu_ids, list) else json.loads(gpu_ids):
+            other = held.setdefault((node, g), run_id)
+            if other != run_id:
+                out.append(f"GPU {node}/{g} in two live reservations: {other}, {run_id}")
+    return out
+
+
 def sampler(cluster: Cluster, hist: History, stop: threading.Event) -> None:
     """Read reservations / runs / capacity straight from PostgreSQL every ~150 ms; flag any GPU
     of a node held by two live reservations in one snapshot."""
+    from gpufleet.store.queries import check_database
+
     conn = cluster.pg()
+    last_check = 0.0
     while not stop.wait(0.15):
+        if time.monotonic() - last_check > 1.0:  # invariants 1-4 of docs/design, as a whole
+            last_check = time.monotonic()
+            try:
+                for x in check_database(cluster.db)[1]:
+                    hist.violation(f"check_database during the run: {x}")
+            except Exception as exc:  # a database hiccup is not a finding
+                hist.add("sample_error", repr(exc))
         try:
             with conn.transaction():
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
@@ -346,12 +369,8 @@ def sampler(cluster: Cluster, hist: History, stop: threading.Event) -> None:
             continue
         hist.samples += 1
         hist.add("sample", {"res": res, "runs": runs, "cap": cap})
-        held: dict[tuple[str, int], str] = {}
-        for run_id, node, gpu_ids, _status in res:
-            for g in gpu_ids if isinstance(gpu_ids, list) else json.loads(gpu_ids):
-                other = held.setdefault((node, g), run_id)
-                if other != run_id:
-                    hist.violation(f"GPU {node}/{g} in two live reservations: {other}, {run_id}")
+        for msg in double_holds(res):
+            hist.violation(msg)
         per_job: dict[str, str] = {}
         for run_id, job_id, _st, _node in runs:
             if per_job.setdefault(job_id, run_id) != run_id:
@@ -485,6 +504,8 @@ class Nemesis:
         self.c, self.hist, self.rng, self.report = cluster, hist, rng, report
         self.heal_checks: list[tuple[str, str, Any]] = []  # (kind, node or "leader", healed at)
         self.filler = self.c.state_dir(FULL_DISK_NODE) / "filler.bin"
+        self.busy: set[str] = set()
+        self.busy_lock = threading.Lock()
 
     def leader_index(self) -> int | None:
         with self.c.pg() as conn:
@@ -497,37 +518,44 @@ class Nemesis:
                 return i
         return None
 
-    def inject(self, kind: str) -> None:
-        rng, c = self.rng, self.c
+    def pick(self, rng: random.Random, names: list[str]) -> str:
+        """A target no other fault in flight holds."""
+        with self.busy_lock:
+            name = rng.choice([n for n in names if n not in self.busy] or names)
+            self.busy.add(name)
+            return name
+
+    def inject(self, kind: str, rng: random.Random | None = None) -> None:
+        rng, c = rng or self.rng, self.c
         self.report.faults[kind] += 1
         self.hist.add("fault", kind)
         if kind in ("kill_controller", "kill_leader"):
             i = self.leader_index() if kind == "kill_leader" else None
-            i = rng.randrange(3) if i is None else i
+            i = int(self.pick(rng, ["0", "1", "2"])) if i is None else i
             c.controllers[i].kill()
             time.sleep(rng.uniform(0.5, 3))
             c.controllers[i].start()
             self.heal_checks.append((kind, "leader", self.c.db_now()))
         elif kind == "pause_controller":
-            i = rng.randrange(3)
+            i = int(self.pick(rng, ["0", "1", "2"]))
             c.controllers[i].send(signal.SIGSTOP)
             time.sleep(rng.uniform(0.5, 5))
             c.controllers[i].send(signal.SIGCONT)
             self.heal_checks.append((kind, "leader", self.c.db_now()))
         elif kind == "kill_agent":
-            node = rng.choice(sorted(c.agents))
+            node = self.pick(rng, sorted(c.agents))
             c.agents[node].kill()
             time.sleep(rng.uniform(0.5, 6))  # sometimes past the fence timeout
             c.start_agent(node)
             self.heal_checks.append((kind, node, self.c.db_now()))
         elif kind == "pause_agent":
-            node = rng.choice(sorted(c.agents))
+            node = self.pick(rng, sorted(c.agents))
             c.agents[node].send(signal.SIGSTOP)
             time.sleep(rng.uniform(0.5, 6))
             c.agents[node].send(signal.SIGCONT)
             self.heal_checks.append((kind, node, self.c.db_now()))
         elif kind == "wipe_agent":
-            node = rng.choice(sorted(c.agents))
+            node = self.pick(rng, sorted(c.agents))
             c.agents[node].kill()
             c.wipe_agent(node)
             time.sleep(rng.uniform(0.2, 2))
@@ -574,11 +602,20 @@ class Nemesis:
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(self.rng.uniform(0.5, 2.5)):
             kind = self.rng.choice(self.KINDS)
-            self.inject(kind)
+            if self.rng.random() < 0.3:  # two faults at once (say the leader dies mid-outage)
+                other = self.rng.choice(("kill_leader", "pause_controller", "kill_agent"))
+                side_rng = random.Random(self.rng.random())
+                side = threading.Thread(target=self.inject, args=(other, side_rng))
+                side.start()
+                self.inject(kind)
+                side.join()
+            else:
+                self.inject(kind)
             # each fault is healed before the next; its recovery is timed from the heal
             for k, target, healed_at in self.heal_checks:
                 self.recover(k, target, healed_at)
             self.heal_checks.clear()
+            self.busy.clear()
 
 
 def heal(cluster: Cluster) -> None:
@@ -636,6 +673,16 @@ def check(
     for job_id, ids in succeeded.items():
         if len(ids) > 1:
             v(f"job {job_id} has {len(ids)} SUCCEEDED attempts: {ids}")
+    # a job seen terminal never changes again (REST history, one poller at a time)
+    final: dict[str, str] = {}
+    for _, kind, data in hist.events:
+        if kind != "poll":
+            continue
+        job_id, status = data[0], data[1]
+        if job_id in final and final[job_id] != status:
+            v(f"job {job_id} seen {final[job_id]}, later {status}")
+        if status in TERMINAL:
+            final[job_id] = status
     # an attempt observed RUNNING over REST but FAILED never-started
     seen_running = set()
     for _, kind, data in hist.events:
@@ -671,7 +718,7 @@ def check(
             )
 
     def balanced() -> bool:
-        _, violations = check_database(cluster.db)
+        _, violations = check_database(cluster.db, grace_s=1.0, confirm_timeout_s=3.0)
         with cluster.pg() as conn:
             cap = conn.execute(
                 "SELECT node_id, total_gpus, available_gpus FROM node_capacity"
@@ -687,7 +734,7 @@ def check(
     try:
         cluster.wait_for(balanced, 30, "capacity to balance")
     except AssertionError:
-        _, violations = check_database(cluster.db)
+        _, violations = check_database(cluster.db, grace_s=1.0, confirm_timeout_s=3.0)
         for x in violations:
             v(f"check_database: {x}")
         with cluster.pg() as conn:
@@ -736,10 +783,10 @@ def run_chaos(
         say(f"seed {seed}: cluster up")
         clients = Clients(cluster, hist, random.Random(rng.random()))
         nemesis = Nemesis(cluster, hist, random.Random(rng.random()), report)
-        stop_load, stop_obs = threading.Event(), threading.Event()
+        stop_load, stop_obs, stop_poll = threading.Event(), threading.Event(), threading.Event()
         threads = [
             threading.Thread(target=sampler, args=(cluster, hist, stop_obs), daemon=True),
-            threading.Thread(target=clients.poller, args=(stop_obs,), daemon=True),
+            threading.Thread(target=clients.poller, args=(stop_poll,), daemon=True),
             threading.Thread(target=clients.drive, args=(stop_load,), daemon=True),
             threading.Thread(target=nemesis.run, args=(stop_load,), daemon=True),
         ]
@@ -749,6 +796,8 @@ def run_chaos(
         stop_load.set()
         threads[2].join(30)
         threads[3].join(120)
+        stop_poll.set()
+        threads[1].join(30)  # from here the checker polls (one poller: an ordered history)
         say(f"seed {seed}: nemesis stopped; healing")
         heal(cluster)
         try:
@@ -767,8 +816,7 @@ def run_chaos(
             hist.violation(str(exc))
         check(cluster, clients, hist, report, drain_s)
         stop_obs.set()
-        for t in threads[:2]:
-            t.join(10)
+        threads[0].join(10)
         for i in range(3):  # the test hook's lost calls, as the controllers logged them
             text = (tmp / f"c{i}.log").read_text(errors="replace")
             report.faults["rpc_failed"] += text.count("failed: StatusCode.")
