@@ -562,6 +562,8 @@ class Nemesis:
             c.start_agent(node)  # no certificate left: a new join token for its id
             self.heal_checks.append((kind, node, self.c.db_now()))
         elif kind == "full_disk":
+            with self.busy_lock:
+                self.busy.add(FULL_DISK_NODE)
             subprocess.run(
                 ["dd", "if=/dev/zero", f"of={self.filler}", "bs=64k", "count=200"],
                 capture_output=True,

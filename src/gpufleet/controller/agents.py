@@ -36,9 +36,10 @@ class _FaultInterceptor(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         if self.delay_s:
             time.sleep(self.rng.uniform(0, self.delay_s))
-        lost_reply = self.rng.random() < self.drop / 2
-        if self.rng.random() < self.drop / 2:
+        r = self.rng.random()
+        if r < self.drop / 2:
             raise _Dropped()
+        lost_reply = r < self.drop
         outcome = continuation(details, request)
         if lost_reply:
             outcome.result()  # the agent acted on it; the controller never hears back
