@@ -59,6 +59,7 @@ TIMINGS = {
     "GPUFLEET_AGENT_DISK_RESERVE_MB": "2",
     "GPUFLEET_MAX_NODE_FAILURES": "50",
 }
+CAN_MOUNT = os.geteuid() == 0  # the full-disk fault needs a tmpfs, so root
 RECOVERY_BOUND_S = 30.0  # a healed fault's node HEALTHY again / a leader again within this
 
 
@@ -218,8 +219,11 @@ class Cluster:
         )
         full = self.state_dir(FULL_DISK_NODE)
         full.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(full)], check=True)
-        self.mounted.append(full)
+        if CAN_MOUNT:  # else no full-disk fault (Nemesis.kinds)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(full)], check=True
+            )
+            self.mounted.append(full)
         for c in self.controllers:
             c.start()
         for _, api in self.apis:
@@ -603,7 +607,9 @@ class Nemesis:
 
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(self.rng.uniform(0.5, 2.5)):
-            kind = self.rng.choice(self.KINDS)
+            kind = self.rng.choice(
+                self.KINDS if self.c.mounted else [k for k in self.KINDS if k != "full_disk"]
+            )
             if self.rng.random() < 0.3:  # two faults at once (say the leader dies mid-outage)
                 other = self.rng.choice(("kill_leader", "pause_controller", "kill_agent"))
                 side_rng = random.Random(self.rng.random())
@@ -786,11 +792,21 @@ def run_chaos(
         clients = Clients(cluster, hist, random.Random(rng.random()))
         nemesis = Nemesis(cluster, hist, random.Random(rng.random()), report)
         stop_load, stop_obs, stop_poll = threading.Event(), threading.Event(), threading.Event()
+
+        def guarded(fn: Any, *args: Any) -> threading.Thread:
+            def body() -> None:
+                try:
+                    fn(*args)
+                except Exception as exc:  # a harness bug must fail the run, not hide
+                    hist.violation(f"harness thread {fn.__name__} crashed: {exc!r}")
+
+            return threading.Thread(target=body, daemon=True)
+
         threads = [
-            threading.Thread(target=sampler, args=(cluster, hist, stop_obs), daemon=True),
-            threading.Thread(target=clients.poller, args=(stop_poll,), daemon=True),
-            threading.Thread(target=clients.drive, args=(stop_load,), daemon=True),
-            threading.Thread(target=nemesis.run, args=(stop_load,), daemon=True),
+            guarded(sampler, cluster, hist, stop_obs),
+            guarded(clients.poller, stop_poll),
+            guarded(clients.drive, stop_load),
+            guarded(nemesis.run, stop_load),
         ]
         for t in threads:
             t.start()
