@@ -228,3 +228,49 @@ class TestManifestKeys:
         store.put_bytes(store.key_of(rep.manifest_uri), other.to_json())
         result, why = runs.complete_run(db, store, rep)
         assert result == runs.CompletionResult.REJECTED and "job_id" in why
+
+
+class TestNodeFaults:
+    """Found by tests/chaos (seed 22, 60 s): a full disk made an agent refuse 3 assignments
+    placed before the controller saw it UNHEALTHY; they auto-cordoned the node, which stayed
+    CORDONED after the disk was freed."""
+
+    def _never_started(self, db: Database, store: ObjectStore, message: str) -> None:
+        job = submit(db, gpus=1)
+        r = reserve(db, job.job_id, "n1", 1, epoch=self.epoch)
+        rep = runs.Report(
+            node_id="n1",
+            run_id=r.run_id,
+            token=r.token,
+            outcome=runs.Outcome.NEVER_STARTED,
+            exit_code=0,
+            manifest_uri="",
+            message=message,
+            node_fault=True,
+        )
+        assert runs.complete_run(db, store, rep, inferred=True)[0] == (
+            runs.CompletionResult.ACCEPTED
+        )
+
+    def _node_status(self, db: Database) -> str:
+        from gpufleet.store.tables import NodeRow
+
+        with db.read() as s:
+            return str(s.get(NodeRow, "n1").status)
+
+    def test_health_refusals_do_not_cordon_but_start_failures_do(
+        self, db: Database, store: ObjectStore
+    ) -> None:
+        create_team(db)
+        create_node(db, "n1", gpus=8)
+        self.epoch = become_leader(db)
+        for message in (
+            "node unhealthy: disk: /state has 0 MiB free, below the reserve of 2 MiB",
+            "refused earlier: node unhealthy",
+            "node unhealthy: disk: /state has 1 MiB free, below the reserve of 2 MiB",
+        ):
+            self._never_started(db, store, message)
+        assert self._node_status(db) == "HEALTHY"
+        for _ in range(3):
+            self._never_started(db, store, "ENOSPC: no space left on device")
+        assert self._node_status(db) == "CORDONED"

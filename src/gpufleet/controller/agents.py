@@ -6,7 +6,11 @@ to the node they were placed on, even if another node registered the same addres
 
 from __future__ import annotations
 
+import os
+import random
 import threading
+import time
+from typing import Any
 
 import grpc
 
@@ -15,6 +19,43 @@ from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
 RPC_TIMEOUT_S = 5.0
+
+
+class _FaultInterceptor(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """TEST HOOK (tests/chaos): ``GPUFLEET_FAULT_RPC="drop=0.1,delay_ms=200"`` makes every
+    controller->agent call fail with UNAVAILABLE with probability ``drop`` (before it is sent,
+    or after it was answered: a lost reply), and wait a random 0..``delay_ms`` ms first.
+    Read once at import; unset (production) it is never installed."""
+
+    def __init__(self, spec: str) -> None:
+        opts = dict(kv.split("=", 1) for kv in spec.split(",") if "=" in kv)
+        self.drop = float(opts.get("drop", 0))
+        self.delay_s = float(opts.get("delay_ms", 0)) / 1000.0
+        self.rng = random.Random()
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        if self.delay_s:
+            time.sleep(self.rng.uniform(0, self.delay_s))
+        r = self.rng.random()
+        if r < self.drop / 2:
+            raise _Dropped()
+        lost_reply = r < self.drop
+        outcome = continuation(details, request)
+        if lost_reply:
+            outcome.result()  # the agent acted on it; the controller never hears back
+            raise _Dropped()
+        return outcome
+
+
+class _Dropped(grpc.RpcError):  # type: ignore[misc]
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "dropped by GPUFLEET_FAULT_RPC (test hook)"
+
+
+_FAULT_RPC = os.environ.get("GPUFLEET_FAULT_RPC", "")
 
 
 class AgentClients:
@@ -36,6 +77,8 @@ class AgentClients:
                     channel = tls.secure_channel(
                         address, self._credentials, tls.node_target_name(node_id)
                     )
+                if _FAULT_RPC:
+                    channel = grpc.intercept_channel(channel, _FaultInterceptor(_FAULT_RPC))
                 found = (channel, pb_grpc.AgentStub(channel))
                 self._stubs[(node_id, address)] = found
             return found[1]

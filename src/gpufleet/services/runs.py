@@ -210,6 +210,9 @@ OOM_KILLED = "OOM_KILLED"
 NODE_FAULTS_TO_CORDON = 3
 NODE_FAULT_WINDOW_S = 600.0
 """A node charged with this many start failures within this window is cordoned."""
+HEALTH_REFUSAL = "node unhealthy"
+"""In the message of an AssignJob the agent refused on a failed health check (NODE_UNHEALTHY):
+charged to the node, but not a start failure towards the auto-cordon."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -513,6 +516,10 @@ def _cordon_if_failing(session: Session, node_id: str, now: datetime) -> None:
             JobRunRow.charged_to == "node",
             JobRunRow.status == RunStatus.FAILED,
             JobRunRow.finished_at >= now - timedelta(seconds=NODE_FAULT_WINDOW_S),
+            # not the assignments an agent refused because its health check failed (nothing
+            # was started; the node is UNHEALTHY until its check passes): one full-disk
+            # episode must not turn into a cordon only an operator lifts
+            ~func.coalesce(JobRunRow.message, "").like(f"never started: %{HEALTH_REFUSAL}%"),
         )
     ).scalar_one()
     node = session.get(NodeRow, node_id, with_for_update=True)
