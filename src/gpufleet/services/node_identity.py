@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Conflict, Forbidden, NotFound, Unauthenticated, ValidationFailed
 from gpufleet.domain.ids import new_id
-from gpufleet.domain.states import Machine, NodeStatus
+from gpufleet.domain.states import NodeStatus
 from gpufleet.rpc.tls import check_node_id, hash_secret
 from gpufleet.services import nodes
 from gpufleet.services.jobs import forget_fleet_shapes, iso
@@ -30,7 +30,7 @@ from gpufleet.store.tables import (
     NodeRow,
     ReservationRow,
 )
-from gpufleet.store.transitions import record_event, transition
+from gpufleet.store.transitions import record_event
 
 JOIN_TTL_DEFAULT_S = 15 * 60
 JOIN_TTL_MAX_S = 7 * 86400
@@ -121,15 +121,11 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
         node.agent_epoch = 0
         if node.status == NodeStatus.FENCED:
             # an operator made this join token: the fenced (revoked) node is trusted again
-            transition(
+            nodes.back_to_healthy(
                 session,
-                Machine.NODE,
                 node_id,
-                NodeStatus.HEALTHY,
+                frm=NodeStatus.FENCED,
                 now=now,
-                frm=[NodeStatus.FENCED],
-                values={"status_reason": None},
-                node_id=node_id,
                 message="rejoined with a new certificate",
             )
     session.add(

@@ -39,6 +39,24 @@ class NodeInventory:
     inventory_source: str
 
 
+def back_to_healthy(
+    session: Session, node_id: str, *, frm: NodeStatus, now: datetime, message: str
+) -> None:
+    """The node's problem is over: ``frm`` -> HEALTHY, its status reason cleared (one
+    transition, audited with ``message``)."""
+    transition(
+        session,
+        Machine.NODE,
+        node_id,
+        NodeStatus.HEALTHY,
+        now=now,
+        frm=[frm],
+        values={"status_reason": None},
+        node_id=node_id,
+        message=message,
+    )
+
+
 def fence_lost_agent_state(
     session: Session, node: NodeRow, *, reason: str, max_node_failures: int = 3
 ) -> None:
@@ -138,16 +156,8 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
         now,
     )
     if node.status == NodeStatus.SUSPECT:
-        transition(
-            session,
-            Machine.NODE,
-            node.id,
-            NodeStatus.HEALTHY,
-            now=now,
-            frm=[NodeStatus.SUSPECT],
-            values={"status_reason": None},
-            message="agent re-registered",
-            node_id=node.id,
+        back_to_healthy(
+            session, node.id, frm=NodeStatus.SUSPECT, now=now, message="agent re-registered"
         )
     record_event(
         session,
@@ -237,16 +247,8 @@ def heartbeat(
         message="the agent reports the fenced run gone",
     )
     if node.status == NodeStatus.SUSPECT:
-        transition(
-            session,
-            Machine.NODE,
-            node_id,
-            NodeStatus.HEALTHY,
-            now=now,
-            frm=[NodeStatus.SUSPECT],
-            values={"status_reason": None},
-            message="heartbeat resumed",
-            node_id=node_id,
+        back_to_healthy(
+            session, node_id, frm=NodeStatus.SUSPECT, now=now, message="heartbeat resumed"
         )
     if health is not None:
         apply_health(session, node_id, health.health, now=now)
@@ -593,15 +595,11 @@ def release_gone_quarantined(
     if still_known is not None and left == 0:
         node = session.get(NodeRow, node_id)
         if node is not None and node.status == NodeStatus.QUARANTINED:
-            transition(
+            back_to_healthy(
                 session,
-                Machine.NODE,
                 node_id,
-                NodeStatus.HEALTHY,
+                frm=NodeStatus.QUARANTINED,
                 now=now,
-                frm=[NodeStatus.QUARANTINED],
-                values={"status_reason": None},
-                node_id=node_id,
                 message="the agent is back and its fenced runs are gone",
             )
     return back
@@ -704,16 +702,8 @@ def apply_health(session: Session, node_id: str, health: str, *, now: datetime) 
                 update(NodeRow).where(NodeRow.id == node_id).values(status_reason=health)
             )
     elif health == "HEALTHY" and status == NodeStatus.UNHEALTHY:
-        transition(
-            session,
-            Machine.NODE,
-            node_id,
-            NodeStatus.HEALTHY,
-            now=now,
-            frm=[NodeStatus.UNHEALTHY],
-            values={"status_reason": None},
-            node_id=node_id,
-            message="health check passed",
+        back_to_healthy(
+            session, node_id, frm=NodeStatus.UNHEALTHY, now=now, message="health check passed"
         )
 
 
