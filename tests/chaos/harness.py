@@ -93,14 +93,26 @@ class Proc:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
         self.name, self.argv, self.env, self.log = name, argv, env, log
         self.p: subprocess.Popen[bytes] | None = None
+        self.started: list[subprocess.Popen[bytes]] = []  # every process, for the final stop
         self.paused = False
 
     def start(self, extra_env: dict[str, str] | None = None) -> None:
+        self.kill()  # never two of one role: a live predecessor would outlive the run
         with open(self.log, "ab") as out:
             self.p = subprocess.Popen(
                 self.argv, env=self.env | (extra_env or {}), stdout=out, stderr=subprocess.STDOUT
             )
+        self.started.append(self.p)
         self.paused = False
+
+    def kill_all(self) -> None:
+        """Stop this role's current process (SIGTERM) and SIGKILL any earlier one still alive."""
+        self.kill(signal.SIGTERM)
+        for p in self.started:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait(timeout=5)
 
     def alive(self) -> bool:
         return self.p is not None and self.p.poll() is None
@@ -296,7 +308,7 @@ class Cluster:
     def stop(self) -> None:
         for proc in [*self.agents.values(), *self.controllers, *(p for _, p in self.apis)]:
             with contextlib.suppress(Exception):
-                proc.kill(signal.SIGTERM)
+                proc.kill_all()
         subprocess.run(["pkill", "-9", "-f", self.marker], check=False)
         for d in self.mounted:
             subprocess.run(["umount", "-l", str(d)], check=False)
