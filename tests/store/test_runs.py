@@ -235,7 +235,9 @@ class TestNodeFaults:
     placed before the controller saw it UNHEALTHY; they auto-cordoned the node, which stayed
     CORDONED after the disk was freed."""
 
-    def _never_started(self, db: Database, store: ObjectStore, message: str) -> None:
+    def _never_started(
+        self, db: Database, store: ObjectStore, message: str, refused: bool = False
+    ) -> None:
         job = submit(db, gpus=1)
         r = reserve(db, job.job_id, "n1", 1, epoch=self.epoch)
         rep = runs.Report(
@@ -247,6 +249,7 @@ class TestNodeFaults:
             manifest_uri="",
             message=message,
             node_fault=True,
+            node_refused=refused,
         )
         assert runs.complete_run(db, store, rep, inferred=True)[0] == (
             runs.CompletionResult.ACCEPTED
@@ -269,7 +272,7 @@ class TestNodeFaults:
             "refused earlier: node unhealthy",
             "node unhealthy: disk: /state has 1 MiB free, below the reserve of 2 MiB",
         ):
-            self._never_started(db, store, message)
+            self._never_started(db, store, message, refused=True)
         assert self._node_status(db) == "HEALTHY"
         for _ in range(3):
             self._never_started(db, store, "ENOSPC: no space left on device")

@@ -315,6 +315,7 @@ class Scheduler:
                 token=req.token,
                 message=resp.message or "node unhealthy",
                 node_fault=True,
+                node_refused=True,
                 max_node_failures=self.settings.max_node_failures,
             )
             return
@@ -576,6 +577,7 @@ def record_never_started(
     token: int,
     message: str,
     node_fault: bool = False,
+    node_refused: bool = False,
     max_node_failures: int = 3,
 ) -> tuple[runs.CompletionResult | None, str]:
     """End an attempt the agent says it never had (NEVER_STARTED), leader-fenced; never
@@ -594,6 +596,7 @@ def record_never_started(
         manifest_uri="",
         message=message,
         node_fault=node_fault,
+        node_refused=node_refused,
     )
     try:
         return runs.complete_run(

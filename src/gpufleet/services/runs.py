@@ -202,6 +202,8 @@ class Report:
     node_fault: bool = False
     """NEVER_STARTED because of the node: charged to the node, not the job's retries."""
     reason: str = ""  # machine-readable cause from the agent: "" or OOM_KILLED
+    node_refused: bool = False
+    """With ``node_fault``: the agent refused the assignment on a failed health check."""
 
 
 OOM_KILLED = "OOM_KILLED"
@@ -210,9 +212,6 @@ OOM_KILLED = "OOM_KILLED"
 NODE_FAULTS_TO_CORDON = 3
 NODE_FAULT_WINDOW_S = 600.0
 """A node charged with this many start failures within this window is cordoned."""
-HEALTH_REFUSAL = "node unhealthy"
-"""In the message of an AssignJob the agent refused on a failed health check (NODE_UNHEALTHY):
-charged to the node, but not a start failure towards the auto-cordon."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +335,13 @@ def complete_run(
             if current and job_to in (JobStatus.PENDING, JobStatus.FAILED):
                 job_to, why = _after_node_fault(session, job, why, max_node_failures)
         values = {
-            "charged_to": "system" if inferred and blame != "node" else blame,
+            # an assignment refused on a failed health check (nothing started; the node is
+            # UNHEALTHY until its check passes) is the node's, but neither a start failure
+            # towards the auto-cordon nor a node loss of the job: one full-disk episode must
+            # not turn into a cordon only an operator lifts
+            "charged_to": "refused"
+            if blame == "node" and report.node_refused
+            else ("system" if inferred and blame != "node" else blame),
             "finished_at": now,
             "exit_code": report.exit_code if report.outcome != Outcome.NEVER_STARTED else None,
             "manifest_uri": report.manifest_uri or None,
@@ -516,10 +521,6 @@ def _cordon_if_failing(session: Session, node_id: str, now: datetime) -> None:
             JobRunRow.charged_to == "node",
             JobRunRow.status == RunStatus.FAILED,
             JobRunRow.finished_at >= now - timedelta(seconds=NODE_FAULT_WINDOW_S),
-            # not the assignments an agent refused because its health check failed (nothing
-            # was started; the node is UNHEALTHY until its check passes): one full-disk
-            # episode must not turn into a cordon only an operator lifts
-            ~func.coalesce(JobRunRow.message, "").like(f"never started: %{HEALTH_REFUSAL}%"),
         )
     ).scalar_one()
     node = session.get(NodeRow, node_id, with_for_update=True)

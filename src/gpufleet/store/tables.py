@@ -189,7 +189,9 @@ class JobRunRow(Base):
     charged_to: Mapped[str | None] = mapped_column(String(8))
     """Whose fault an unsuccessful end was: ``job`` (counts against ``max_retries``), ``node``
     (a start failure the node caused, or the node was lost: counts against the node-loss
-    budget) or ``system`` (fencing, a refused stale assignment: counts against nothing)."""
+    budget), ``refused`` (the agent refused it on a failed health check: the node's, but
+    neither a start failure towards auto-cordon nor a node loss) or ``system`` (fencing, a
+    refused stale assignment: counts against nothing)."""
     start_phases: Mapped[dict[str, Any] | None]
     """How the node started it (seconds): runtime, image warm/cold, pull_s, create_s, start_s."""
     created_at: Mapped[datetime]
