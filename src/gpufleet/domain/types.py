@@ -35,15 +35,20 @@ _RANK: Mapping[PriorityClass, int] = MappingProxyType(
 
 @dataclass(frozen=True, slots=True)
 class Resources:
-    """What one job needs on one node (all-or-nothing on a single node).
+    """What one job needs: one node, or a gang of nodes reserved all-or-nothing.
 
     Attributes:
-        gpu_count: GPUs, int >= 1.
+        gpu_count: GPUs of the whole job (all members together), int >= 1.
         gpu_types: acceptable GPU types in order of preference (e.g. ``("H100", "A100")``);
-            empty means any type.
+            empty means any type. A gang never mixes types.
         gpu_memory_mb: minimum memory per GPU, MiB; 0 means any.
-        cpu: CPU cores, float.
-        memory_mb: host memory, MiB.
+        cpu: CPU cores per member (per node), float.
+        memory_mb: host memory per member (per node), MiB.
+        nodes: members of the gang; None derives it at placement (1 when ``gpu_count`` fits
+            one node of the type, else whole nodes of the type); 1 is a single-node job.
+        gpus_per_node: GPUs on each member; None derives it (``gpu_count / nodes``).
+        allow_partial_nodes: a derived gang may split unevenly (e.g. 12 GPUs as 8 + 4);
+            False means whole nodes only.
     """
 
     gpu_count: int
@@ -51,6 +56,9 @@ class Resources:
     gpu_memory_mb: int = 0
     cpu: float = 0.0
     memory_mb: int = 0
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    allow_partial_nodes: bool = False
 
 
 @dataclass(frozen=True, slots=True)

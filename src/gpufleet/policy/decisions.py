@@ -18,6 +18,26 @@ class Place:
 
 
 @dataclass(frozen=True, slots=True)
+class GangMember:
+    """One member of a gang placement: ``gpu_count`` GPUs of ``node_id`` run rank ``rank``."""
+
+    rank: int
+    node_id: str
+    gpu_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceGang:
+    """Reserve every member of a multi-node job or none (one transaction, node rows locked in
+    node-id order, one fencing token shared by all members). Ranks are 0..n-1; rank 0's node
+    hosts ``MASTER_ADDR``."""
+
+    job_id: str
+    members: tuple[GangMember, ...]
+    backfilled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Preempt:
     """Stop ``victim_run_ids`` on ``node_id`` (through the cancel path) so that ``for_job_id``
     can be placed there; the freed GPUs are held for it."""
@@ -25,6 +45,8 @@ class Preempt:
     for_job_id: str
     node_id: str
     victim_run_ids: tuple[str, ...]
+    """Every run of each victim; a gang victim lists all its members, on any node (a gang is
+    stopped as one unit)."""
     reason: str  # "reclaim" (a team takes back its guarantee) or "priority"
     gpu_count: int = 0
     """GPUs to hold on ``node_id`` for ``for_job_id`` once the victims are gone."""
@@ -33,7 +55,7 @@ class Preempt:
 @dataclass(frozen=True, slots=True)
 class HoldForBackfill:
     """GPUs of ``node_id`` are held for ``job_id`` from ``start_at_s``; later jobs may only use
-    them if they end before that."""
+    them if they end before that. A gang gets one per member node (same ``job_id``)."""
 
     job_id: str
     node_id: str
@@ -41,7 +63,7 @@ class HoldForBackfill:
     start_at_s: float
 
 
-Decision = Place | Preempt | HoldForBackfill
+Decision = Place | PlaceGang | Preempt | HoldForBackfill
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,11 +112,17 @@ class RunningJob:
     """True while PREEMPTING: its GPUs free up soon, but are not free yet."""
     stopping_for_job_id: str | None = None
     """The preemptor this attempt is being stopped for, if any."""
+    rank: int = 0
+    """This member's rank in its gang (0 for a single-node job)."""
+    gang_size: int = 1
+    """Members of the attempt; > 1 means a gang whose members share ``job_id`` and are
+    preempted, charged and reclaimed as one unit."""
 
 
 @dataclass(frozen=True, slots=True)
 class GpuHold:
-    """GPUs of one node promised to one pending job after a ``Preempt`` decision.
+    """GPUs of one node promised to one pending job after a ``Preempt`` decision (a gang
+    preemptor may hold GPUs on several nodes: one hold per (job_id, node_id)).
 
     The driver records a hold when it applies a Preempt and deletes it when the job is placed,
     leaves the queue, or the policy lists it in ``CycleResult.released_holds``. While a hold
