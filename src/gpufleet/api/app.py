@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
 from gpufleet.api.middleware import BodyLimit
+from gpufleet.api.reports import add_report_routes
 from gpufleet.api.schemas import (
     AttemptOut,
     ErrorOut,
@@ -243,6 +244,7 @@ def create_app(state: AppState) -> FastAPI:
                 spec=body.to_spec(),
                 fallback_max_gpus=state.settings.max_gpus_per_node,
                 default_max_outstanding_jobs=defaults.max_outstanding_jobs,
+                submitted_by=who.token_id,
             )
             if out.created:
                 state.waker.wake()
@@ -415,6 +417,8 @@ def create_app(state: AppState) -> FastAPI:
                     return
 
         return StreamingResponse(stream(), media_type=TEXT)
+
+    add_report_routes(app, db=state.db, store=state.store, principal=principal, errors=errors)
 
     @app.get("/v1/nodes", response_model=NodeList)
     def nodes(who: Who) -> NodeList:

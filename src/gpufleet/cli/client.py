@@ -520,3 +520,6 @@ def register_client_commands(app: typer.Typer) -> None:
     app.command("cancel")(cancel)
     app.command("why")(why)
     app.command("nodes")(nodes)
+    from gpufleet.cli import usage  # its own module: it imports from this one
+
+    usage.register(app)

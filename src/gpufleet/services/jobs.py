@@ -259,8 +259,10 @@ def submit_job(
     spec: JobSpec,
     fallback_max_gpus: int = 8,
     default_max_outstanding_jobs: int = 0,
+    submitted_by: str | None = None,
 ) -> Submitted:
     """Persist a new PENDING job, or return the earlier one for a repeated key.
+    ``submitted_by``: the submitting API token's id (accounting's "user").
 
     Raises:
         IdempotencyKeyReused: same key, different payload (409).
@@ -307,6 +309,7 @@ def submit_job(
                     priority_rank=spec.priority.rank,
                     gpu_count=spec.resources.gpu_count,
                     max_runtime_s=spec.max_runtime_s,
+                    submitted_by=submitted_by,
                     status=JobStatus.PENDING,
                     cancel_requested=False,
                     fencing_epoch=0,
