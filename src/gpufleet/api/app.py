@@ -20,6 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpufleet.api.admin_nodes import add_admin_node_routes
 from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
 from gpufleet.api.middleware import BodyLimit
 from gpufleet.api.reports import add_report_routes
@@ -124,7 +125,10 @@ Who = Annotated[auth.Principal, Depends(principal)]
 
 def admin(p: Who) -> auth.Principal:
     if not p.is_admin:
-        raise Forbidden("this needs an admin token")
+        raise Forbidden(
+            f"this needs an admin token; this token (team {p.team_id!r}) is not one"
+            " (make one with `gpufleet admin token create --team T --admin`)"
+        )
     return p
 
 
@@ -419,6 +423,14 @@ def create_app(state: AppState) -> FastAPI:
         return StreamingResponse(stream(), media_type=TEXT)
 
     add_report_routes(app, db=state.db, store=state.store, principal=principal, errors=errors)
+    add_admin_node_routes(
+        app,
+        db=state.db,
+        settings=state.settings,
+        waker=state.waker,
+        admin=admin,
+        errors=errors,
+    )
 
     @app.get("/v1/nodes", response_model=NodeList)
     def nodes(who: Who) -> NodeList:
@@ -466,12 +478,18 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.put("/v1/admin/teams/{team_id}", responses=errors(400, 403, 404, 413))
     def set_quota(team_id: str, body: TeamQuotaUpdate, _: Admin) -> dict[str, Any]:
-        upd = teams.QuotaUpdate(**body.model_dump())
-        state.db.run_write(partial(teams.update_quota, team_id=team_id, upd=upd))
+        """Set a team's quota and limits. 422 names the field for a quota that can never be
+        met (a GPU type no node has, with the known types listed; a guarantee above the
+        type's GPUs; a lending limit above the guarantee); ``warnings`` lists quotas that may
+        not be met (guarantees of all teams above a type's GPUs, a fleet with no nodes yet,
+        the deprecated ``lending_limit_gpus``)."""
+        upd = teams.QuotaUpdate(**body.to_update())
+        change = state.db.run_write(partial(teams.update_quota, team_id=team_id, upd=upd))
         admission.forget(team_id)
         state.waker.wake()
         with state.db.read() as s:
-            return next(t for t in teams.describe_teams(s, defaults) if t["team"] == team_id)
+            out = next(t for t in teams.describe_teams(s, defaults) if t["team"] == team_id)
+        return {**out, "warnings": change.warnings}
 
     @app.get("/v1/admin/nodes", responses=errors(403))
     def admin_nodes(_: Admin) -> dict[str, Any]:
@@ -527,7 +545,13 @@ def create_app(state: AppState) -> FastAPI:
     @app.post("/v1/admin/tokens", status_code=201, responses=errors(400, 403, 413))
     def create_token(body: TokenCreate, _: Admin) -> dict[str, str]:
         raw = state.db.run_write(
-            lambda s: auth.create_token(s, body.team, name=body.name, is_admin=body.admin)
+            lambda s: auth.create_token(
+                s,
+                body.team,
+                name=body.name,
+                is_admin=body.admin,
+                create_team_if_missing=body.create_team,
+            )
         )
         return {"team": body.team, "token": raw}
 

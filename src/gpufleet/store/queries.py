@@ -365,6 +365,4 @@ def kept_back(guaranteed: dict[str, Any], lending_limit: dict[str, Any]) -> dict
     """Per GPU type, the part of the guarantee never lent, from Kueue's ``lendingLimit``
     (``nominalQuota - lendingLimit``, at least 0); a type without a lending limit keeps
     nothing back (all of its guarantee may be lent)."""
-    return {
-        str(t): max(0, int(guaranteed.get(t, 0)) - int(n)) for t, n in lending_limit.items()
-    }
+    return {str(t): max(0, int(guaranteed.get(t, 0)) - int(n)) for t, n in lending_limit.items()}
