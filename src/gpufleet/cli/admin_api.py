@@ -181,7 +181,8 @@ def _types(m: dict[str, Any] | None) -> str:
 @team_app.command("list")
 def team_list(out: Fmt = "table", url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Teams with quota (nominal quota, borrowing and lending limits), current allocation,
-    queue length and fair-share usage (decayed GPU-hours; accounting is `gpufleet usage`)."""
+    queue length and fair-share usage (decayed GPU-hours; accounting is `gpufleet usage`);
+    -o json adds the admission limits (unfinished jobs, submit rate and burst)."""
     with _session(url, token) as http:
         rows = _call(http, "GET", "/v1/admin/teams").get("items") or []
         if out == "json":
@@ -202,17 +203,8 @@ def team_list(out: Fmt = "table", url: UrlOpt = None, token: TokenOpt = None) ->
                 ("lending limit", lambda r: _types(r.get("lending_limit"))),
                 ("allocated", lambda r: _types(r.get("allocated_gpus"))),
                 ("pending", lambda r: r.get("pending_jobs")),
-                ("max unfinished", lambda r: r.get("max_outstanding_jobs") or "unlimited"),
                 (
-                    "submits/s (burst)",
-                    lambda r: (
-                        f"{r['submit_rate_per_s']:g} ({r['submit_burst']})"
-                        if r.get("submit_rate_per_s")
-                        else "unlimited"
-                    ),
-                ),
-                (
-                    "fair-share use (decayed GPU-h)",
+                    "fair-share GPU-h (decayed)",
                     lambda r: (
                         f"{r.get('fair_share_usage_gpu_s', r.get('usage_gpu_s', 0)) / 3600:.2f}"
                     ),
