@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gpufleet.api.admin_nodes import add_admin_node_routes
 from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
 from gpufleet.api.middleware import BodyLimit
+from gpufleet.api.openapi_doc import install_openapi, mount_docs
 from gpufleet.api.reports import add_report_routes
 from gpufleet.api.schemas import (
     AttemptOut,
@@ -95,7 +96,9 @@ def log_key(job_id: str, run_id: str) -> str:
 
 
 async def principal(
-    request: Request, authorization: Annotated[str | None, Header()] = None
+    request: Request,
+    # documented as the bearer security scheme (api/openapi_doc.py), not as a parameter
+    authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> auth.Principal:
     """The caller, from ``Authorization: Bearer <token>``; the team comes from the token.
     A cache hit is answered on the event loop; the database is read in a worker thread."""
@@ -154,8 +157,18 @@ Submitter = Annotated[auth.Principal, Depends(submit_allowed)]
 def create_app(state: AppState) -> FastAPI:
     # every operation may answer these (bad token, bad input, database down); the others
     # are declared per operation, so that the document lists every status the server sends
-    app = FastAPI(title="gpufleet", version="1", docs_url="/docs", responses=errors(401, 422, 503))
+    app = FastAPI(
+        title="gpufleet",
+        version="1",
+        description="REST API of gpufleet, a GPU job platform. Every error answer is"
+        " `{error, message, field}`; bearer tokens carry the team.",
+        docs_url=None,
+        redoc_url=None,
+        responses=errors(401, 422, 503),
+    )
     app.state.gf = state
+    mount_docs(app)
+    install_openapi(app)
     defaults = limits.TeamLimits.defaults(state.settings)
     if state.admission is None:
         state.admission = limits.SubmitAdmission(
