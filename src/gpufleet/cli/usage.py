@@ -26,6 +26,7 @@ from gpufleet.cli.client import (
     _raise_for_error,
     _session,
 )
+from gpufleet.domain.manifest import path_problem
 
 
 class UsageBy(enum.StrEnum):
@@ -134,9 +135,10 @@ def _target(root: Path, path: str) -> Path:
     Raises:
         ClientError: an absolute path or one with ``..`` (a server must never send one).
     """
+    problem = path_problem(path)  # the rule the controller checked the manifest with
+    if problem is not None:
+        raise ClientError(f"refusing artifact path: {problem}", "path")
     parts = PurePosixPath(path).parts
-    if not parts or path.startswith("/") or any(p in ("..", ".", "") for p in parts):
-        raise ClientError(f"refusing artifact path {path!r}: not a plain relative path", "path")
     dest = root.joinpath(*parts)
     if not dest.resolve().is_relative_to(root.resolve()):
         raise ClientError(f"refusing artifact path {path!r}: outside {root}", "path")
