@@ -212,6 +212,9 @@ def controller(
     insecure: Annotated[
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
+    metrics_port: Annotated[
+        int, typer.Option(help="Serve Prometheus /metrics on this port (0 = none).")
+    ] = 0,
 ) -> None:
     """Run the controller: gRPC for agents (mutual TLS, certificates from the fleet CA made
     by `gpufleet admin ca init`), and (while leader) the scheduler loops."""
@@ -233,6 +236,10 @@ def controller(
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
     ctl.start()
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=settings.server_host)
     try:
         _wait_for_signal()
     finally:
@@ -292,6 +299,9 @@ def agent(
     insecure: Annotated[
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
+    metrics_port: Annotated[
+        int, typer.Option(help="Serve Prometheus /metrics on this port (0 = none).")
+    ] = 0,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
     import os
@@ -328,6 +338,7 @@ def agent(
             job_uids=job_uids,
             jobs_dir=jobs_dir,
             containment=containment,
+            metrics_port=metrics_port,
         )
     except AgentAlreadyRunning as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")
