@@ -160,6 +160,7 @@ def up(
         f"gpufleet is up at [bold]{platform.api.url}[/] (data: {settings.resolved_data_dir()})"
     )
     out.print(f"admin token (team 'default'): [bold]{token}[/]  (saved to {cfg_path})")
+    out.print(f"dashboard: [bold]{platform.api.url}/ui[/]  (log in with a token)")
     out.print(
         "try:  gpufleet submit --gpus 1 -- python3 examples/train_digits.py   |  Ctrl-C stops"
     )
