@@ -105,7 +105,8 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
     finally:
         console.print(
             f"dashboard: [bold]{platform.api.url}/ui[/]  (admin token: {admin_token})"
-            + ("" if keep_running else "; gone now: `gpufleet demo --keep-running` keeps it up")
+            + ("" if keep_running else "; gone now: `gpufleet demo --keep-running` keeps it up"),
+            soft_wrap=True,
         )
         if keep_running:
             console.print(f"platform left running at {platform.api.url}; Ctrl-C to stop")
