@@ -20,7 +20,7 @@ from gpufleet.controller.metrics import gpu_bucket
 from gpufleet.domain.states import JobStatus, RunStatus
 from gpufleet.services import auth
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, SchedulingEventRow
-from tests.e2e.harness import Fleet
+from tests.e2e.harness import Fleet, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,10 @@ def test_scraped_values_equal_the_database_after_preempt_reclaim_cancel(
             headers={"Authorization": f"Bearer {admin}"},
         )
         assert r.status_code == 200, r.text
-        fleet.start_agent("node-a", gpus="4xH100-80GB")
+        agent_port = free_port()
+        fleet.start_agent(
+            "node-a", gpus="4xH100-80GB", env={"GPUFLEET_AGENT_METRICS_PORT": str(agent_port)}
+        )
 
         # nlp borrows the whole node with two LOW jobs
         low = [
@@ -190,5 +193,20 @@ def test_scraped_values_equal_the_database_after_preempt_reclaim_cancel(
         starts = m["gpufleet_time_to_start_seconds_count"]
         assert sum(starts.values()) >= 4
         assert all(dict(k)["image"] == "none" for k, v in starts.items() if v)
+
+        # the agent's own target: what it holds, its heartbeats, its uploads, its disk
+        agent_url = f"http://127.0.0.1:{agent_port}"
+        deadline = time.monotonic() + 10
+        while True:
+            a = scrape(agent_url)
+            if a["gpufleet_agent_running_attempts"][()] == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert a["gpufleet_agent_running_attempts"][()] == 2  # vision's and nlp's HIGH job
+        assert a["gpufleet_agent_free_gpus"][()] == 0
+        assert a["gpufleet_agent_info"][(("agent_epoch", "1"), ("node_id", "node-a"))] == 1
+        assert a["gpufleet_agent_heartbeat_rtt_seconds_count"][()] > 0
+        assert a["gpufleet_agent_upload_bytes_total"][()] > 0  # the preempted attempts' logs
+        assert all(v > 0 for v in a["gpufleet_agent_disk_free_bytes"].values())
     finally:
         fleet.stop()

@@ -160,7 +160,10 @@ def upload_attempt(store: ObjectStore, rec: RunRecord, paths: RunPaths) -> str:
         files=tuple(files),
         stop_reason=rec.stop_reason,
     )
-    return store.put_bytes(f"{prefix}/{MANIFEST_NAME}", manifest.to_json())
+    body = manifest.to_json()
+    uri = store.put_bytes(f"{prefix}/{MANIFEST_NAME}", body)
+    metrics.UPLOAD_BYTES.inc(len(body))
+    return uri
 
 
 class LogStreamer:

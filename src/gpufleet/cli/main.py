@@ -214,7 +214,11 @@ def controller(
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
     metrics_port: Annotated[
-        int, typer.Option(help="Serve Prometheus /metrics on this port (0 = none).")
+        int,
+        typer.Option(
+            envvar="GPUFLEET_CONTROLLER_METRICS_PORT",
+            help="Serve Prometheus /metrics on this port (0 = none).",
+        ),
     ] = 0,
 ) -> None:
     """Run the controller: gRPC for agents (mutual TLS, certificates from the fleet CA made
@@ -301,7 +305,11 @@ def agent(
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
     metrics_port: Annotated[
-        int, typer.Option(help="Serve Prometheus /metrics on this port (0 = none).")
+        int,
+        typer.Option(
+            envvar="GPUFLEET_AGENT_METRICS_PORT",
+            help="Serve Prometheus /metrics on this port of the agent's address (0 = none).",
+        ),
     ] = 0,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
