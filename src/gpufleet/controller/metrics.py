@@ -267,10 +267,22 @@ def fleet_view(
 
 
 class _Published:
+    """The last pass's inputs, reduced to a :class:`FleetView` only when scraped: a pass
+    costs a reference assignment, and the reduction (tens of ms at 10,000 pending jobs)
+    runs at most once per pass and scrape, on the scraper's thread."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.view: FleetView | None = None
+        self.pending: tuple[ClusterSnapshot, CycleResult | None, PolicyConfig | None] | None = None
         self.lease_renewed_monotonic: float | None = None
+
+    def current(self) -> FleetView | None:
+        with self.lock:
+            pending, self.pending = self.pending, None
+            if pending is not None:
+                self.view = fleet_view(*pending)
+            return self.view
 
 
 _published = _Published()
@@ -279,7 +291,15 @@ _published = _Published()
 def publish(view: FleetView | None) -> None:
     """Serve ``view`` as the state gauges from now on (None: serve none, e.g. not leader)."""
     with _published.lock:
-        _published.view = view
+        _published.view, _published.pending = view, None
+
+
+def publish_pass(
+    snap: ClusterSnapshot, result: CycleResult | None, config: PolicyConfig | None = None
+) -> None:
+    """Serve the state of this pass from now on; reduced lazily at the next scrape."""
+    with _published.lock:
+        _published.pending = (snap, result, config)
 
 
 def note_lease(epoch: int) -> None:
@@ -292,7 +312,7 @@ def note_lease(epoch: int) -> None:
     with _published.lock:
         _published.lease_renewed_monotonic = time.monotonic() if epoch else None
         if not epoch:
-            _published.view = None
+            _published.view, _published.pending = None, None
 
 
 def observe_pass(
@@ -310,7 +330,8 @@ def observe_pass(
     PASS_DECISIONS.observe(len(result.decisions))
     if conflicts:
         CONFLICTS.inc(conflicts)
-    pending = None
+    placed = {d.job_id for d in applied if isinstance(d, Place | PlaceGang)}
+    jobs = {p.job_id: p for p in _pending(snap) if p.job_id in placed} if placed else {}
     for d in applied:
         kind = {
             Place: "place",
@@ -319,10 +340,8 @@ def observe_pass(
         }.get(type(d), "preempt")
         DECISIONS.labels(kind).inc()
         if isinstance(d, Place | PlaceGang):
-            if pending is None:
-                pending = {p.job_id: p for p in _pending(snap)}
-            job = pending.get(d.job_id)
-            gpus = size_bucket(job.resources) if job is not None else "1"
+            job = jobs.get(d.job_id)
+            gpus = size_bucket(job.resources) if job is not None else gpu_bucket(d_gpus(d))
             if isinstance(d, PlaceGang):
                 gpus = "gang"
             PLACEMENTS.labels(gpus, "true" if d.backfilled else "false").inc()
@@ -332,7 +351,12 @@ def observe_pass(
                 QUEUE_WAIT.labels(gpus, str(job.priority)).observe(
                     max(0.0, snap.now_s - queued_at(job))
                 )
-    publish(fleet_view(snap, result, config))
+    publish_pass(snap, result, config)
+
+
+def d_gpus(d: Place | PlaceGang) -> int:
+    """GPUs of a placement decision (all members of a gang)."""
+    return d.gpu_count if isinstance(d, Place) else sum(m.gpu_count for m in d.members)
 
 
 def _pending(snap: ClusterSnapshot) -> Iterator[PendingJob]:
@@ -396,8 +420,8 @@ class FleetCollector(Collector):
     """Serves the leader's last :class:`FleetView` as gauges and gauge histograms."""
 
     def collect(self) -> Iterator[Metric]:
+        view = _published.current()
         with _published.lock:
-            view = _published.view
             renewed = _published.lease_renewed_monotonic
         lease_age = GaugeMetricFamily(
             "gpufleet_leader_lease_age_seconds",
