@@ -191,6 +191,7 @@ class Scheduler:
             seconds=stats.seconds,
             conflicts=stats.conflicts,
             config=self.policy,
+            pending_by_id=pending,
         )
         return stats
 

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -279,10 +279,15 @@ class _Published:
 
     def current(self) -> FleetView | None:
         with self.lock:
-            pending, self.pending = self.pending, None
-            if pending is not None:
-                self.view = fleet_view(*pending)
-            return self.view
+            pending, view = self.pending, self.view
+        if pending is None:
+            return view
+        # reduced outside the lock: the scheduling thread never waits for a scrape
+        view = fleet_view(*pending)
+        with self.lock:
+            if self.pending is pending:  # no newer pass (or leadership loss) meanwhile
+                self.view, self.pending = view, None
+        return view
 
 
 _published = _Published()
@@ -315,6 +320,13 @@ def note_lease(epoch: int) -> None:
             _published.view, _published.pending = None, None
 
 
+_KIND: dict[type, str] = {
+    Place: "place",
+    PlaceGang: "place_gang",
+    HoldForBackfill: "hold_for_backfill",
+}
+
+
 def observe_pass(
     snap: ClusterSnapshot,
     result: CycleResult,
@@ -323,6 +335,7 @@ def observe_pass(
     seconds: float,
     conflicts: int,
     config: PolicyConfig | None = None,
+    pending_by_id: Mapping[str, PendingJob] | None = None,
 ) -> None:
     """Record one leader pass: its duration, its decisions (``applied``: those committed),
     placements with their queue wait, and the state gauges from its snapshot."""
@@ -330,33 +343,43 @@ def observe_pass(
     PASS_DECISIONS.observe(len(result.decisions))
     if conflicts:
         CONFLICTS.inc(conflicts)
-    placed = {d.job_id for d in applied if isinstance(d, Place | PlaceGang)}
-    jobs = {p.job_id: p for p in _pending(snap) if p.job_id in placed} if placed else {}
+    # counted per label set first: one labels() lookup per set, not per decision (a pass
+    # can place hundreds of jobs)
+    kinds: dict[str, int] = {}
+    placements: dict[tuple[str, str], int] = {}
+    waits: dict[tuple[str, str], list[float]] = {}
+    places = [d for d in applied if isinstance(d, (Place, PlaceGang))]
+    placed = {d.job_id for d in places}
+    if pending_by_id is not None:  # the driver's index: no scan of the queue
+        jobs = {j: pending_by_id[j] for j in placed if j in pending_by_id}
+    else:
+        jobs = {p.job_id: p for p in _pending(snap) if p.job_id in placed} if placed else {}
     for d in applied:
-        kind = {
-            Place: "place",
-            PlaceGang: "place_gang",
-            HoldForBackfill: "hold_for_backfill",
-        }.get(type(d), "preempt")
-        DECISIONS.labels(kind).inc()
-        if isinstance(d, Place | PlaceGang):
-            job = jobs.get(d.job_id)
-            gpus = size_bucket(job.resources) if job is not None else gpu_bucket(d_gpus(d))
-            if isinstance(d, PlaceGang):
-                gpus = "gang"
-            PLACEMENTS.labels(gpus, "true" if d.backfilled else "false").inc()
-            if d.backfilled:
-                BACKFILLS.labels(gpus).inc()
-            if job is not None:
-                QUEUE_WAIT.labels(gpus, str(job.priority)).observe(
-                    max(0.0, snap.now_s - queued_at(job))
-                )
+        kind = _KIND.get(type(d), "preempt")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    for d in places:
+        job = jobs.get(d.job_id)
+        if isinstance(d, PlaceGang):
+            gpus = "gang"
+        else:
+            gpus = size_bucket(job.resources) if job is not None else gpu_bucket(d.gpu_count)
+        key = (gpus, "true" if d.backfilled else "false")
+        placements[key] = placements.get(key, 0) + 1
+        if job is not None:
+            waits.setdefault((gpus, str(job.priority)), []).append(
+                max(0.0, snap.now_s - queued_at(job))
+            )
+    for kind, n in kinds.items():
+        DECISIONS.labels(kind).inc(n)
+    for (gpus, backfilled), n in placements.items():
+        PLACEMENTS.labels(gpus, backfilled).inc(n)
+        if backfilled == "true":
+            BACKFILLS.labels(gpus).inc(n)
+    for labels, values in waits.items():
+        child = QUEUE_WAIT.labels(*labels)
+        for v in values:
+            child.observe(v)
     publish_pass(snap, result, config)
-
-
-def d_gpus(d: Place | PlaceGang) -> int:
-    """GPUs of a placement decision (all members of a gang)."""
-    return d.gpu_count if isinstance(d, Place) else sum(m.gpu_count for m in d.members)
 
 
 def _pending(snap: ClusterSnapshot) -> Iterator[PendingJob]:
