@@ -150,6 +150,7 @@ def test_a_team_token_cannot_see_another_teams_job(browser: Any, live: tuple[Fle
     page = login(browser, fleet, fleet.tokens["nlp"])
     page.wait_for_url("**/ui/queue")
     assert page.locator("#who").inner_text().startswith("team: nlp")
+    shot(page, "team-view-queue")
     assert page.locator(f'tr[data-job="{theirs}"]').count() == 0
     resp = page.goto(f"{fleet.api.url}/ui/jobs/{theirs}")
     assert resp is not None and resp.status == 404
@@ -160,7 +161,7 @@ def test_a_team_token_cannot_see_another_teams_job(browser: Any, live: tuple[Fle
     # the grid shows other teams' GPUs without their names
     page.goto(f"{fleet.api.url}/ui/fleet")
     assert "vision" not in page.locator("#live").inner_text()
-    shot(page, "team-view-queue")
+    shot(page, "team-view-fleet")
     page.close()
 
 
