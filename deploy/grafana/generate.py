@@ -2,7 +2,7 @@
 
     python deploy/grafana/generate.py        # rewrites deploy/grafana/gpufleet.json
 
-Edit the panels here, not the JSON; tests/unit/test_grafana_dashboard.py checks that every
+Edit the panels here, not the JSON; tests/unit/test_metrics_and_dashboard.py checks that every
 query names a metric gpufleet exports.
 """
 
@@ -112,6 +112,10 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
             {"title": "Failure detector transitions (1 h)", "unit": "none", "targets": [
                 ("sum by (to) (increase(gpufleet_failure_detector_transitions_total[1h]))",
                  "to {{to}}")]},
+            {"title": "Node status changes (1 h)", "unit": "none", "targets": [
+                ("sum by (from_status, to_status) "
+                 "(increase(gpufleet_node_status_changes_total[1h]))",
+                 "{{from_status}} -> {{to_status}}")]},
             {"title": "Agent heartbeat RTT p99", "unit": "s", "targets": [
                 ("histogram_quantile(0.99, sum by (le, instance) "
                  "(rate(gpufleet_agent_heartbeat_rtt_seconds_bucket[5m])))", "{{instance}}")]},

@@ -166,6 +166,12 @@ NODE_TRANSITIONS = Counter(
     "CORDONED after a drain).",
     ["to"],
 )
+NODE_STATUS_CHANGES = Counter(
+    "gpufleet_node_status_changes_total",
+    "Node status changes seen between two consecutive passes of the leader, whoever made "
+    "them (failure detector, heartbeats resuming, health checks, operators).",
+    ["from_status", "to_status"],
+)
 LEADER_EPOCH = Gauge(
     "gpufleet_leader_epoch",
     "Leader epoch held by this controller (0 when it is not the leader).",
@@ -276,6 +282,8 @@ class _Published:
         self.view: FleetView | None = None
         self.pending: tuple[ClusterSnapshot, CycleResult | None, PolicyConfig | None] | None = None
         self.lease_renewed_monotonic: float | None = None
+        self.node_status: dict[str, str] | None = None
+        """Node statuses of the previous pass (None: no pass yet under this leadership)."""
 
     def current(self) -> FleetView | None:
         with self.lock:
@@ -318,6 +326,7 @@ def note_lease(epoch: int) -> None:
         _published.lease_renewed_monotonic = time.monotonic() if epoch else None
         if not epoch:
             _published.view, _published.pending = None, None
+            _published.node_status = None
 
 
 _KIND: dict[type, str] = {
@@ -379,7 +388,23 @@ def observe_pass(
         child = QUEUE_WAIT.labels(*labels)
         for v in values:
             child.observe(v)
+    _count_node_changes(snap)
     publish_pass(snap, result, config)
+
+
+def _count_node_changes(snap: ClusterSnapshot) -> None:
+    now = {n.node_id: n.status for n in snap.nodes}
+    with _published.lock:
+        before, _published.node_status = _published.node_status, now
+    if before is None:
+        return
+    changes: dict[tuple[str, str], int] = {}
+    for node_id, status in now.items():
+        old = before.get(node_id)
+        if old is not None and old != status:
+            changes[(old, status)] = changes.get((old, status), 0) + 1
+    for (old, new), n in changes.items():
+        NODE_STATUS_CHANGES.labels(old, new).inc(n)
 
 
 def _pending(snap: ClusterSnapshot) -> Iterator[PendingJob]:

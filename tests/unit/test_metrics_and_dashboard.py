@@ -150,3 +150,21 @@ def test_size_buckets() -> None:
     ]
     assert metrics.size_bucket(Resources(16, nodes=2)) == "gang"
     assert metrics.size_bucket(Resources(8, nodes=1)) == "8"
+
+
+def test_node_status_changes_between_passes_are_counted() -> None:
+    from dataclasses import replace
+
+    snap = snapshot()
+    result = CycleResult(decisions=())
+    metrics.note_lease(7)  # a (new) leadership: no previous pass to compare with
+    counter = metrics.NODE_STATUS_CHANGES.labels("HEALTHY", "SUSPECT")
+    before = counter._value.get()
+    metrics.observe_pass(snap, result, (), seconds=0.0, conflicts=0)
+    assert counter._value.get() == before
+    suspect = replace(snap, nodes=(replace(snap.nodes[0], status="SUSPECT"), *snap.nodes[1:]))
+    metrics.observe_pass(suspect, result, (), seconds=0.0, conflicts=0)
+    metrics.observe_pass(suspect, result, (), seconds=0.0, conflicts=0)
+    assert counter._value.get() == before + 1
+    metrics.note_lease(0)
+    assert metrics._published.current() is None  # a follower serves no state
