@@ -109,6 +109,7 @@ def test_readme_demo_command_passes(tmp_path: Path) -> None:
     assert done.stdout.count("SUCCEEDED  manifest: ok") == 6
     assert "final test_acc=" in done.stdout
     assert "0 violations" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1].startswith("dashboard: http://")
 
 
 def _up_env(data_dir: Path) -> dict[str, str]:

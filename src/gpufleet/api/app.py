@@ -20,6 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpufleet.api import ui
 from gpufleet.api.admin_nodes import add_admin_node_routes
 from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
 from gpufleet.api.middleware import BodyLimit
@@ -223,6 +224,9 @@ def create_app(state: AppState) -> FastAPI:
     async def on_crash(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return _error(500, "internal_error", "internal error; see the server log", None)
+
+    app.include_router(ui.router(state))  # the web dashboard, /ui
+    ui.mount_static(app)
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:

@@ -84,7 +84,7 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
     if note:
         console.print(f"[yellow]note:[/] {note}")
     platform = LocalPlatform(settings, gpus="8xH100-80GB", job_uids=job_uids)
-    ensure_admin_token(platform.db)
+    admin_token = ensure_admin_token(platform.db)
     tokens = {}
     for team in ("vision", "nlp"):
         tokens[team] = platform.db.run_write(
@@ -103,6 +103,11 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
         )
         return _drive(platform, settings, tokens, script)
     finally:
+        console.print(
+            f"dashboard: [bold]{platform.api.url}/ui[/]  (admin token: {admin_token})"
+            + ("" if keep_running else "; gone now: `gpufleet demo --keep-running` keeps it up"),
+            soft_wrap=True,
+        )
         if keep_running:
             console.print(f"platform left running at {platform.api.url}; Ctrl-C to stop")
             try:

@@ -161,6 +161,7 @@ def up(
         f"gpufleet is up at [bold]{platform.api.url}[/] (data: {settings.resolved_data_dir()})"
     )
     out.print(f"admin token (team 'default'): [bold]{token}[/]  (saved to {cfg_path})")
+    out.print(f"dashboard: [bold]{platform.api.url}/ui[/]  (log in with a token)")
     out.print(
         "try:  gpufleet submit --gpus 1 -- python3 examples/train_digits.py   |  Ctrl-C stops"
     )
@@ -213,6 +214,13 @@ def controller(
     insecure: Annotated[
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
+    metrics_port: Annotated[
+        int,
+        typer.Option(
+            envvar="GPUFLEET_CONTROLLER_METRICS_PORT",
+            help="Serve Prometheus /metrics on this port (0 = none).",
+        ),
+    ] = 0,
 ) -> None:
     """Run the controller: gRPC for agents (mutual TLS, certificates from the fleet CA made
     by `gpufleet admin ca init`), and (while leader) the scheduler loops."""
@@ -234,6 +242,10 @@ def controller(
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
     ctl.start()
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=settings.server_host)
     try:
         _wait_for_signal()
     finally:
@@ -293,6 +305,13 @@ def agent(
     insecure: Annotated[
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
+    metrics_port: Annotated[
+        int,
+        typer.Option(
+            envvar="GPUFLEET_AGENT_METRICS_PORT",
+            help="Serve Prometheus /metrics on this port of the agent's address (0 = none).",
+        ),
+    ] = 0,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
     import os
@@ -329,6 +348,7 @@ def agent(
             job_uids=job_uids,
             jobs_dir=jobs_dir,
             containment=containment,
+            metrics_port=metrics_port,
         )
     except AgentAlreadyRunning as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")

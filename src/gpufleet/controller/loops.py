@@ -21,13 +21,14 @@ import grpc
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from gpufleet.controller import metrics
 from gpufleet.controller.agents import AgentClients
 from gpufleet.domain.errors import CapacityConflict, NotLeader, StaleState
 from gpufleet.domain.states import JobStatus, NodeStatus, RunStatus
 from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
-from gpufleet.policy.decisions import HoldForBackfill, Place, Preempt, WaitReason
+from gpufleet.policy.decisions import Decision, HoldForBackfill, Place, Preempt, WaitReason
 from gpufleet.policy.snapshot import BackfillReservation
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.services import nodes, preemption, runs
@@ -63,6 +64,8 @@ class PassStats:
     conflicts: int = 0
     seconds: float = 0.0
     placed_runs: list[str] = field(default_factory=list)
+    applied: list[Decision] = field(default_factory=list)
+    """Decisions committed in this pass (for the metrics)."""
 
 
 def reason_json(reason: WaitReason, now_s: float) -> dict[str, object]:
@@ -163,6 +166,7 @@ class Scheduler:
                             decision.start_at_s,
                         )
                     )
+                stats.applied.append(decision)
             except NotLeader:
                 log.warning("lost leadership during a pass; stopping it")
                 self.leadership.epoch = 0
@@ -180,6 +184,15 @@ class Scheduler:
         self._stored = stored
         self._store_reasons(result.waiting, stored, snap.now_s)
         stats.seconds = time.perf_counter() - t0
+        metrics.observe_pass(
+            snap,
+            result,
+            stats.applied,
+            seconds=stats.seconds,
+            conflicts=stats.conflicts,
+            config=self.policy,
+            pending_by_id=pending,
+        )
         return stats
 
     def _place(self, decision: Place, seen_epoch: int, stats: PassStats) -> None:
@@ -217,6 +230,7 @@ class Scheduler:
             decision.reason,
         )
         stats.preempted += len(orders)
+        metrics.PREEMPTIONS.labels(decision.reason).inc(len(orders))
         for o in orders:
             if self.stops is not None:
                 self.stops.send(o.address, o.run_id, o.token, "preempt", node_id=o.node_id)
@@ -502,6 +516,7 @@ class StopDriver:
                     continue
                 if not ok:
                     continue
+                metrics.STOPS.labels(reason).inc()
             sent += 1
             self.send(run.address, run.id, run.token, reason, node_id=run.node_id)
         return sent
@@ -561,6 +576,8 @@ class StopDriver:
                 message=f"the agent never had it ({resp.message or 'StopRun: not found'})",
             )
             log.info("StopRun %s: NOT_FOUND -> %s %s", run_id, result, why)
+            if result is not None:
+                metrics.RECONCILE.labels("never_started").inc()
             return None if result is None else STOP_VERIFY_EXTRA_S
         return None
 
@@ -673,9 +690,11 @@ class Reconciler:
             return
         silent_s = self.settings.heartbeat_interval_s * self.settings.suspect_after_missed
         suspects = self.db.run_write(lambda s: nodes.mark_silent_nodes_suspect(s, silent_s))
+        metrics.NODE_TRANSITIONS.labels("SUSPECT").inc(len(suspects))
         for node_id in suspects:
             log.warning("node %s is SUSPECT: no heartbeat for %.0f s", node_id, silent_s)
         for node_id in self.db.run_write(nodes.finish_drains):
+            metrics.NODE_TRANSITIONS.labels("CORDONED").inc()
             log.info("node %s drained: CORDONED", node_id)
         try:
             fenced = self.db.run_write(
@@ -691,6 +710,8 @@ class Reconciler:
             self.leadership.epoch = 0
             return
         for node_id, runs_fenced in fenced.items():
+            metrics.NODE_TRANSITIONS.labels("FENCED").inc()
+            metrics.RECONCILE.labels("fenced_run").inc(len(runs_fenced))
             log.warning(
                 "node %s fenced after %.0f s of silence: %d attempt(s) fenced %s",
                 node_id,
@@ -730,6 +751,7 @@ class Reconciler:
                 )
             )
         for run_id in stuck:
+            metrics.RECONCILE.labels("resent_assignment").inc()
             self.db.run_write(
                 partial(
                     record_event,

@@ -80,6 +80,7 @@ def run_sim(
     sc = load_scenario(config_path, traces_dir=traces_dir, seed=seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Any] = {}
+    recorders: dict[str, Any] = {}
     names = ("main", *(compare if compare is not None else sc.compare))
     for name in names:
         policy = sc.policy if name == "main" else policy_for(sc.base_policy, name)
@@ -89,6 +90,7 @@ def run_sim(
 
             ent = {t.team_id: float(sum(t.guaranteed_gpus.values())) for t in sc.teams}
             rep["plots"] = write_plots(eng.rec, ent, out_dir / name)
+            recorders[name] = eng.rec
         if "philly" in sc.load_stats:
             from gpufleet.sim.calibration import compare_with_helios
 
@@ -105,6 +107,12 @@ def run_sim(
             "runs": runs,
         }
     )
+    if plots and recorders:
+        from gpufleet.sim.report_html import write_html_report
+
+        ent = {t.team_id: float(sum(t.guaranteed_gpus.values())) for t in sc.teams}
+        write_html_report(recorders, ent, out_dir / "report.html", title=sc.name)
+        report["html"] = "report.html"
     (out_dir / "report.json").write_text(
         json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8"
     )
@@ -145,6 +153,8 @@ def run_cmd(
             f"preemptions={r['preemption']['count']}"
         )
     typer.echo(f"report: {out / 'report.json'}")
+    if "html" in rep:
+        typer.echo(f"html report: {out / rep['html']}")
 
 
 @app.command("baselines")
