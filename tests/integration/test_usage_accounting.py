@@ -129,7 +129,8 @@ def build_history(db: Database, store: ObjectStore, n_jobs: int = 200) -> dict[s
     }
     for node, gpu_type in NODES.items():
         create_node(db, node, gpus=8, gpu_type=gpu_type)
-    sim = Sim(db, store, become_leader(db), seed=20261130)
+    # a long lease: building the history can take over a minute on a loaded machine
+    sim = Sim(db, store, become_leader(db, lease_s=3600), seed=20261130)
     node_ids = list(NODES)
     for i in range(n_jobs):
         team, user = TEAMS[i % 3], USERS[(i // 3) % 2]
