@@ -93,11 +93,14 @@ def make_http_client(cfg: ClientConfig, transport: httpx.BaseTransport | None = 
     """
     import httpx
 
+    from gpufleet.client._core import tls_verify
+
     return httpx.Client(
         base_url=cfg.url,
         headers={"Authorization": f"Bearer {require_token(cfg)}", "User-Agent": "gpufleet-cli"},
         timeout=httpx.Timeout(30.0, connect=5.0),
         transport=transport,
+        verify=tls_verify(cfg.url),
     )
 
 

@@ -23,6 +23,18 @@ SUBMIT_RETRIES = 3
 SUBMIT_RETRY_BACKOFF_S = 0.5
 
 
+def tls_verify(url: str) -> Any:
+    """httpx's ``verify`` for ``url``: the default (system CA bundle) for https; for plain
+    http an empty, strict context. httpx builds its SSL context when a client is made, and
+    loading the CA bundle costs more CPU than the rest of a CLI call; a plain-http client
+    never uses it, and a redirect to https then fails verification instead of skipping it."""
+    if not url.lower().startswith("http://"):
+        return True
+    import ssl
+
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies; trusts no CA: https fails
+
+
 def client_options(
     url: str | None, token: str | None, timeout_s: float, user_agent: str
 ) -> dict[str, Any]:
@@ -38,6 +50,7 @@ def client_options(
         "base_url": cfg.url,
         "headers": {"Authorization": f"Bearer {require_token(cfg)}", "User-Agent": user_agent},
         "timeout": httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S),
+        "verify": tls_verify(cfg.url),
     }
 
 
