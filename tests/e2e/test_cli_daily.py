@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,28 @@ def test_wait_exit_code_log_tail_and_follow_of_a_pending_job(fleet: Fleet) -> No
         assert (done.status, done.exit_code) == ("FAILED", 3)
         assert sdk.logs(done, tail=5) == "from-sdk\n"
         assert b"".join(sdk.iter_logs(made, follow=True)) == b"from-sdk\n"
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)
+def test_the_readme_sdk_example_runs(fleet: Fleet) -> None:
+    """The README's notebook example, pasted as is, against a real platform."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### Python SDK", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    fleet.start_agent("a1")
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=_env(fleet),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SUCCEEDED 0 a1" in done.stdout
+    assert "final test_acc=" in done.stdout
+    assert "404 not_found" in done.stdout

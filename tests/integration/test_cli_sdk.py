@@ -308,3 +308,19 @@ def test_the_admin_and_sim_sub_apps_load_only_when_called(server: Server) -> Non
     assert not {m for m in _modules_after(server, "--help") if m.startswith("gpufleet.sim")}
     sim = _modules_after(server, "sim", "--help")
     assert "gpufleet.sim.cli" in sim
+
+
+def test_up_on_a_busy_port_says_so_in_one_line(server: Server, tmp_path: Path) -> None:
+    busy = int(server.url.rsplit(":", 1)[1])  # the test server holds it
+    up = subprocess.run(
+        [sys.executable, "-m", "gpufleet.cli.main", "up", "--port", str(busy)],
+        env=server.env(GPUFLEET_DATA_DIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert up.returncode == 1
+    lines = up.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"port 127.0.0.1:{busy} is not available" in lines[0], up.stderr
+    assert "--port" in lines[0] and "Traceback" not in up.stderr

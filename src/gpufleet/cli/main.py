@@ -271,7 +271,7 @@ def up(
     settings = _settings(data_dir, **overrides)
     clash = port_clash(settings, settings.server_port)
     if clash:
-        err.print(f"[red]error:[/] {escape(clash)}")
+        err.print(f"[red]error:[/] {escape(clash)}", soft_wrap=True)  # one line, never wrapped
         raise typer.Exit(1)
     uids = job_uids.value if job_uids is not None else None
     if uids is None:
@@ -287,7 +287,8 @@ def up(
         err.print(
             f"[red]error:[/] {escape(str(exc).split(';')[0])} (another gpufleet up? choose "
             "other ports with --port / --controller-port, or GPUFLEET_SERVER_PORT, "
-            "GPUFLEET_CONTROLLER_ADDRESS, GPUFLEET_JOIN_ADDRESS)"
+            "GPUFLEET_CONTROLLER_ADDRESS, GPUFLEET_JOIN_ADDRESS)",
+            soft_wrap=True,
         )
         platform.stop()
         raise typer.Exit(1) from None
