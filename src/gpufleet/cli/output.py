@@ -222,8 +222,14 @@ def _table(*columns: str, title: str | None = None, wide: bool = False) -> Table
         elif i == 0:
             table.add_column(name, no_wrap=True, min_width=SHORT_ID_CHARS)
         else:
-            table.add_column(name, no_wrap=True, overflow="ellipsis")
+            # free text gives way first, so that short columns (status, age) stay whole
+            cap = NARROW_TEXT_WIDTH if name in _FREE_TEXT else None
+            table.add_column(name, no_wrap=True, overflow="ellipsis", max_width=cap)
     return table
+
+
+NARROW_TEXT_WIDTH = 24  # NAME, MESSAGE, REASON... in an 80-column table
+_FREE_TEXT = frozenset({"NAME", "MESSAGE", "REASON", "NODE", "GPU TYPE"})
 
 
 def gpus_text(job: dict[str, Any]) -> str:
@@ -259,7 +265,7 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
         else:
             table.add_row(
                 Text(short_id(job.get("job_id"))),
-                Text(fmt(job.get("name"))[:40]),
+                cell(job.get("name")),
                 status_text(job.get("status")),
                 Text(clean(gpus_text(job))),
                 Text(age(job.get("created_at"))),
