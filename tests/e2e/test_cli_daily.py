@@ -70,6 +70,20 @@ def test_wait_exit_code_log_tail_and_follow_of_a_pending_job(fleet: Fleet) -> No
     ok = _cli(fleet, "submit", "--wait", "-q", "--", "true")
     assert ok.returncode == 0 and len(ok.stdout.split()) == 1 and ok.stderr == ""
 
+    # --export: a named variable of the submitting shell, and one set on the command line
+    exported = subprocess.run(
+        [sys.executable, "-m", "gpufleet.cli.main", "submit", "-q", "--wait", "--export",
+         "LR,MODE=fast", "--", "sh", "-c", 'echo "lr=$LR mode=$MODE home=${HOME:-unset}"'],
+        env=_env(fleet) | {"LR": "0.001"},
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr
+    shown = _cli(fleet, "logs", exported.stdout.strip()).stdout
+    assert shown.startswith("lr=0.001 mode=fast"), shown
+
     with Client(fleet.api.url, fleet.tokens["vision"]) as sdk:
         made = sdk.submit(["sh", "-c", "echo from-sdk; exit 3"], max_retries=0)
         done = sdk.wait(made, timeout_s=90, poll_s=0.2)
