@@ -187,6 +187,18 @@ class TestCliOutput:
         assert job_id in status.stdout  # the detail view keeps the whole id
         assert "'sleep' 1" in status.stdout or "sleep 1" in status.stdout
 
+    def test_status_shows_the_spec_but_never_env_values(self, server: Server) -> None:
+        job_id = server.cli(
+            "submit", "-q", "--max-runtime-s", "600", "--cpu", "2", "--memory-mb", "4096",
+            "--env", "WANDB_KEY=s3cret", "--workdir", "/tmp", "--", "true",
+        ).stdout.strip()  # fmt: skip
+        shown = server.cli("status", job_id)
+        for want in ("max runtime s", "600", "/tmp", "4096", "WANDB_KEY", "PATH"):
+            assert want in shown.stdout, shown.stdout
+        raw = server.cli("status", job_id, "-o", "json").stdout
+        assert "s3cret" not in shown.stdout and "s3cret" not in raw
+        assert json.loads(raw)["env_keys"] == ["PATH", "WANDB_KEY"]
+
     def test_json_and_yaml(self, server: Server) -> None:
         job_id = server.cli("submit", "-q", "--name", "fmt", "--", "echo", "a b").stdout.strip()
         as_json = json.loads(server.cli("status", job_id, "-o", "json").stdout)

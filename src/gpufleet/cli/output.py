@@ -441,6 +441,8 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
         ("working_dir", "workdir"),
         ("cpu", "cpu"),
         ("memory_mb", "memory MiB"),
+        ("gpu_memory_mb", "GPU memory MiB"),
+        ("expected_duration_s", "expected s"),
         ("max_runtime_s", "max runtime s"),
         ("max_retries", "max retries"),
     ):
@@ -448,6 +450,10 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
             rows.append((label, fmt(job.get(key))))
     if job.get("env_keys"):
         rows.append(("env", fmt(sorted(job["env_keys"]))))
+    if job.get("node_selector"):
+        rows.append(("selector", fmt(job["node_selector"])))
+    if job.get("preemptible") is False:
+        rows.append(("preemptible", "no"))
     if job.get("cancel_requested"):
         rows.append(("cancel", "requested"))
     if job.get("failure_reason"):
