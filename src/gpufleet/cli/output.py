@@ -23,7 +23,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import typer
-from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -205,31 +204,45 @@ def _span(seconds: float) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
-def _table(*columns: str, title: str | None = None, wide: bool = False) -> Table:
+def _table(
+    *columns: str,
+    title: str | None = None,
+    wide: bool = False,
+    keep: dict[str, int] | None = None,
+) -> Table:
     """A borderless table (``kubectl``-like: pastes and greps well). Narrow: the first column
-    (an id) never wraps and free text is cut with an ellipsis; wide: nothing is cut."""
+    (an id) and the ``keep`` columns (name -> width) are never cut, free text is capped
+    (:data:`_NARROW_CAPS`) and everything else gives way with an ellipsis; wide: nothing is
+    cut."""
     table = Table(
         title=title,
         title_justify="left",
         header_style="bold",
-        box=box.SIMPLE_HEAD,
+        box=None,
         pad_edge=False,
-        show_edge=False,
+        padding=(0, 1),
     )
+    keep = keep or {}
     for i, name in enumerate(columns):
         if wide:
             table.add_column(name, no_wrap=True)
         elif i == 0:
             table.add_column(name, no_wrap=True, min_width=SHORT_ID_CHARS)
+        elif name in keep:
+            table.add_column(name, no_wrap=True, min_width=max(keep[name], len(name)))
         else:
-            # free text gives way first, so that short columns (status, age) stay whole
-            cap = NARROW_TEXT_WIDTH if name in _FREE_TEXT else None
+            cap = _NARROW_CAPS.get(name)
             table.add_column(name, no_wrap=True, overflow="ellipsis", max_width=cap)
     return table
 
 
-NARROW_TEXT_WIDTH = 24  # NAME, MESSAGE, REASON... in an 80-column table
-_FREE_TEXT = frozenset({"NAME", "MESSAGE", "REASON", "NODE", "GPU TYPE"})
+# widths of free-text columns in a narrow table: with a 14-character id, a 17-character status
+# (DEPENDENCY_FAILED) and an age, a row stays within 80 columns
+_NARROW_CAPS = {"NAME": 20, "GPUS": 12, "MESSAGE": 20, "REASON": 20, "NODE": 16, "GPU TYPE": 12}
+
+
+def _widest(rows: list[dict[str, Any]], key: str) -> int:
+    return max((len(str(r.get(key) or "")) for r in rows), default=0)
 
 
 def gpus_text(job: dict[str, Any]) -> str:
@@ -247,7 +260,14 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
             wide=True,
         )  # fmt: skip
     else:
-        table = _table("JOB", "NAME", "STATUS", "GPUS", "AGE")
+        table = _table(
+            "JOB",
+            "NAME",
+            "STATUS",
+            "GPUS",
+            "AGE",
+            keep={"STATUS": _widest(jobs, "status"), "AGE": 6},
+        )
     for job in jobs:
         last = (job.get("attempts") or [{}])[-1]
         if wide:
@@ -294,7 +314,15 @@ def nodes_table(nodes: list[dict[str, Any]], wide: bool = False) -> Table:
     """NODE STATUS GPU TYPE FREE HEARTBEAT REASON (narrow); wide adds memory, containment,
     labels, address and images."""
     if not wide:
-        table = _table("NODE", "STATUS", "GPU TYPE", "FREE", "HEARTBEAT", "REASON")
+        table = _table(
+            "NODE",
+            "STATUS",
+            "GPU TYPE",
+            "FREE",
+            "HEARTBEAT",
+            "REASON",
+            keep={"STATUS": _widest(nodes, "status"), "FREE": 5, "HEARTBEAT": 9},
+        )
         for node in nodes:
             table.add_row(
                 cell(node.get("node_id")),
@@ -341,10 +369,18 @@ def nodes_table(nodes: list[dict[str, Any]], wide: bool = False) -> Table:
 
 
 def attempts_table(attempts: list[dict[str, Any]], wide: bool = False) -> Table:
-    """The attempts of a job; narrow: RUN # STATUS NODE GPUS EXIT STARTED MESSAGE."""
+    """The attempts of a job; narrow: RUN # STATUS NODE GPUS EXIT MESSAGE."""
     if not wide:
         table = _table(
-            "RUN", "#", "STATUS", "NODE", "GPUS", "EXIT", "STARTED", "MESSAGE", title="Attempts"
+            "RUN",
+            "#",
+            "STATUS",
+            "NODE",
+            "GPUS",
+            "EXIT",
+            "MESSAGE",
+            title="Attempts",
+            keep={"#": 1, "STATUS": _widest(attempts, "status"), "EXIT": 4},
         )
         for run in attempts:
             table.add_row(
@@ -354,7 +390,6 @@ def attempts_table(attempts: list[dict[str, Any]], wide: bool = False) -> Table:
                 cell(run.get("node_id")),
                 cell(run.get("gpu_ids")),
                 cell(run.get("exit_code")),
-                Text(age(run.get("started_at")) + " ago" if run.get("started_at") else "-"),
                 cell(run.get("message")),
             )
         return table
