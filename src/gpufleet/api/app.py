@@ -645,6 +645,16 @@ def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
         cancel_requested=job.cancel_requested,
         result_uri=job.result_uri,
         failure_reason=job.failure_reason,
+        image=spec.get("image"),
+        working_dir=spec.get("working_dir"),
+        cpu=float(spec["resources"].get("cpu") or 0.0),
+        memory_mb=int(spec["resources"].get("memory_mb") or 0),
+        gpu_memory_mb=int(spec["resources"].get("gpu_memory_mb") or 0),
+        expected_duration_s=spec.get("expected_duration_s"),
+        max_runtime_s=spec.get("max_runtime_s"),
+        preemptible=bool(spec.get("preemptible", True)),
+        node_selector=dict(spec.get("node_selector") or {}),
+        env_keys=sorted(spec.get("env") or {}),
         attempts=[
             AttemptOut(
                 run_id=r.id,

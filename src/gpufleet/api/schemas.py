@@ -194,6 +194,18 @@ class JobOut(BaseModel):
     failure_reason: str | None
     attempts: list[AttemptOut]
     pending_reason: PendingReasonOut | None
+    # the spec as submitted, so that `status` shows what will run (env: names only; values
+    # may hold secrets and are never sent back)
+    image: str | None = None
+    working_dir: str | None = None
+    cpu: float = 0.0
+    memory_mb: int = 0
+    gpu_memory_mb: int = 0
+    expected_duration_s: float | None = None
+    max_runtime_s: float | None = None
+    preemptible: bool = True
+    node_selector: dict[str, str] = {}
+    env_keys: list[str] = []
     node_problems: list[dict[str, Any]] = []
     """Nodes this job waits on that cannot take work now: ``node_id``, ``status`` (SUSPECT,
     QUARANTINED, UNHEALTHY, CORDONED, DRAINING, FENCED) and ``reason``."""
