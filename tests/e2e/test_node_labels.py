@@ -6,6 +6,7 @@ snapshot sees the same labels as ``/v1/nodes``; bad keys are 4xx naming the fiel
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -106,6 +107,14 @@ def test_agent_and_admin_labels(fleet: Fleet) -> None:
     table = cli(fleet, fleet.tokens["vision"], "nodes")
     assert table.returncode == 0, table.stderr
     assert "rack=r1" in table.stdout and "pod=p1" in table.stdout
+
+    # --replace (PUT): the admin's labels become exactly these.
+    got = cli(
+        fleet, admin, "admin", "node", "label", "lab-0", "--replace", "-o", "json", "rack=r3"
+    )
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["admin_labels"] == {"rack": "r3"}
+    assert user_labels(fleet, "lab-0") == {"rack": "r3", "switch": "s3", "zone": "z1"}
 
 
 def test_agent_refuses_bad_labels(tmp_path: Path) -> None:
