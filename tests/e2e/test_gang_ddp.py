@@ -113,7 +113,11 @@ def one_process_reference(tmp: Path) -> dict[str, Any]:
         "GPUFLEET_ARTIFACTS_DIR": str(tmp / "ref" / "artifacts"),
     }
     subprocess.run(
-        [sys.executable, SCRIPT, *ARGS, "--step-sleep", "0"], env=env, check=True, timeout=120
+        [sys.executable, SCRIPT, *ARGS, "--step-sleep", "0"],
+        env=env,
+        check=True,
+        timeout=120,
+        capture_output=True,
     )
     return json.loads((tmp / "ref" / "artifacts" / "metrics.json").read_text())  # type: ignore[no-any-return]
 
