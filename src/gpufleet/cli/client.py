@@ -752,6 +752,46 @@ def top(
         live.watch(lambda: live.fleet_view(http), interval, count, title="gpufleet top")
 
 
+def node_label(
+    node_id: Annotated[str, typer.Argument(help="The node's id (gpufleet nodes).")],
+    changes: Annotated[
+        list[str] | None,
+        typer.Argument(help="key=value to set, key- to remove (e.g. rack=r1 switch=s3 zone-)."),
+    ] = None,
+    replace: Annotated[
+        bool,
+        typer.Option("--replace", help="The node's admin labels become exactly these (PUT)."),
+    ] = False,
+    out: OutputOpt = OutputFormat.table,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Set or remove a node's admin labels (topology: rack, switch, zone). They survive the
+    agent's re-registrations and win over the labels the agent reports; removing one lets the
+    agent's value, if any, show again. Needs an admin token. Without changes: show them."""
+    from gpufleet.domain.errors import ValidationFailed
+    from gpufleet.domain.labels import parse_label_args
+
+    try:
+        parsed = parse_label_args(changes or [], allow_remove=not replace)
+    except ValidationFailed as exc:
+        output.print_error(exc.message, exc.field)
+        raise typer.Exit(2) from None
+    with _session(url, token) as http:
+        path = f"/v1/admin/nodes/{node_id}/labels"
+        if replace:
+            data = _call(http, "PUT", path, json={"labels": parsed})
+        else:
+            data = _call(http, "PATCH", path, json={"labels": parsed})
+        if out is OutputFormat.json:
+            output.print_json(data)
+            return
+        shown = ", ".join(f"{k}={v}" for k, v in sorted((data.get("labels") or {}).items()))
+        admin = ", ".join(f"{k}={v}" for k, v in sorted((data.get("admin_labels") or {}).items()))
+        typer.echo(output.clean(f"node {data.get('node_id')}: labels {shown or '-'}"))
+        typer.echo(output.clean(f"  set by an admin: {admin or '-'}"))
+
+
 def register_client_commands(app: typer.Typer) -> None:
     """Mount submit, status, list, logs, cancel, why, nodes and top on the root ``app``."""
     app.command("submit", cls=_SubmitCommand)(submit)

@@ -26,7 +26,7 @@ from rich.markup import escape
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
-from gpufleet.cli.client import register_client_commands
+from gpufleet.cli.client import node_label, register_client_commands
 from gpufleet.cli.config import client_config_path, write_client_config
 from gpufleet.cli.output import clean
 from gpufleet.domain.errors import GpufleetError
@@ -403,7 +403,13 @@ def agent(
     ] = None,
     port: Annotated[int, typer.Option(help="Agent gRPC port (0 = any free port).")] = 0,
     state_dir: Annotated[Path | None, typer.Option(help="Assignment log and run dirs.")] = None,
-    label: Annotated[list[str] | None, typer.Option(help="Node label k=v (repeatable).")] = None,
+    label: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Node label k=v, e.g. rack=r1 (repeatable; also GPUFLEET_AGENT_LABELS="
+            "'rack=r1,switch=s3'). Admin-set labels win over these."
+        ),
+    ] = None,
     runtime: Annotated[
         str, typer.Option(help="Container engine for jobs with an image: podman, docker, none.")
     ] = "podman",
@@ -468,13 +474,16 @@ def agent(
     if runtime not in ("podman", "docker", "none"):
         err.print(f"[red]error:[/] --runtime {runtime!r}: use podman, docker or none")
         raise typer.Exit(2)
-    labels = {}
-    for item in label or []:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            err.print(f"[red]error:[/] --label {item!r}: use key=value")
-            raise typer.Exit(2)
-        labels[k] = v
+    from gpufleet.domain.labels import parse_label_args, parse_label_list
+
+    try:  # GPUFLEET_AGENT_LABELS first, then the flags (a flag wins on a shared key)
+        labels = parse_label_list(settings.agent_labels)
+        flags = parse_label_args(label or [], allow_remove=False)
+        labels |= {k: v for k, v in flags.items() if v is not None}
+    except GpufleetError as exc:
+        source = "--label" if settings.agent_labels == "" else "--label / GPUFLEET_AGENT_LABELS"
+        err.print(f"[red]error:[/] {source}: {escape(exc.message)}")
+        raise typer.Exit(2) from None
     try:
         run_agent(
             settings,
@@ -539,6 +548,7 @@ token_app = typer.Typer(help="API tokens: create, list, revoke.", no_args_is_hel
 admin_app.add_typer(team_app, name="team")
 admin_app.add_typer(node_app, name="node")
 admin_app.add_typer(token_app, name="token")
+node_app.command("label")(node_label)  # through the REST API, with an admin token
 
 
 def _admin_db(data_dir: Path | None) -> Database:
