@@ -91,6 +91,7 @@ class Fleet:
         state_dir: Path | None = None,
         env: dict[str, str] | None = None,
         job_uids: str | None = None,
+        args: tuple[str, ...] = (),
     ) -> None:
         state_dir = state_dir or self.tmp / "agents" / node_id
         tls_args, tls_env = agent_tls_args(self.db, self.settings, node_id, state_dir)
@@ -120,6 +121,7 @@ class Fleet:
                 *tls_args,
                 "--job-uids",
                 job_uids or JOB_UIDS,
+                *args,
             ],
             env=env,
             stdout=log,

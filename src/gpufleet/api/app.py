@@ -34,6 +34,9 @@ from gpufleet.api.schemas import (
     JobList,
     JobOut,
     JoinTokenCreate,
+    NodeLabelsOut,
+    NodeLabelsPatch,
+    NodeLabelsPut,
     NodeList,
     NodeOut,
     PendingReasonOut,
@@ -51,11 +54,12 @@ from gpufleet.domain.errors import (
     NotFound,
     ValidationFailed,
 )
+from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import JOB_TERMINAL, RUN_TERMINAL
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.queue import Waker
 from gpufleet.rpc import tls
-from gpufleet.services import auth, jobs, limits, node_identity, teams
+from gpufleet.services import auth, jobs, limits, node_identity, node_labels, teams
 from gpufleet.services import nodes as node_service
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database, is_unavailable
@@ -468,7 +472,8 @@ def create_app(state: AppState) -> FastAPI:
                         gpu_memory_mb=n.gpu_memory_mb,
                         total_gpus=c.total_gpus,
                         available_gpus=c.available_gpus,
-                        labels=n.labels or {},
+                        labels=effective_labels(n.labels, n.admin_labels),
+                        admin_labels=n.admin_labels or {},
                         address=n.address if who.is_admin else None,
                         last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
                         agent_epoch=n.agent_epoch,
@@ -530,6 +535,33 @@ def create_app(state: AppState) -> FastAPI:
             "node_id": body.node_id,
             "expires_at": jobs.iso(expires),
         }
+
+    @app.put(
+        "/v1/admin/nodes/{node_id}/labels",
+        response_model=NodeLabelsOut,
+        responses=errors(400, 403, 404, 413, 422),
+    )
+    def put_node_labels(node_id: str, body: NodeLabelsPut, _: Admin) -> NodeLabelsOut:
+        """Replace the node's admin labels (topology such as ``rack``, ``switch``). They are
+        kept across agent re-registrations and win over the agent's labels on a shared key;
+        ``gpufleet/`` keys are the agent's. 422 names the bad key (``labels.KEY``)."""
+        return _set_labels(node_id, dict(body.labels), replace=True)
+
+    @app.patch(
+        "/v1/admin/nodes/{node_id}/labels",
+        response_model=NodeLabelsOut,
+        responses=errors(400, 403, 404, 413, 422),
+    )
+    def patch_node_labels(node_id: str, body: NodeLabelsPatch, _: Admin) -> NodeLabelsOut:
+        """Merge-patch the node's admin labels: a value sets, ``null`` removes (the agent's
+        value for that key, if any, shows again)."""
+        return _set_labels(node_id, body.labels, replace=False)
+
+    def _set_labels(node_id: str, changes: dict[str, str | None], replace: bool) -> NodeLabelsOut:
+        set_labels = partial(node_labels.set_admin_labels, node_id=node_id, changes=changes)
+        out = state.db.run_write(partial(set_labels, replace=replace))
+        state.waker.wake()  # a job waiting for a label may fit now
+        return NodeLabelsOut(**out)
 
     @app.post("/v1/admin/nodes/{node_id}/revoke", responses=errors(403, 404))
     def revoke_node(node_id: str, _: Admin) -> dict[str, Any]:
@@ -686,6 +718,16 @@ def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
         cancel_requested=job.cancel_requested,
         result_uri=job.result_uri,
         failure_reason=job.failure_reason,
+        image=spec.get("image"),
+        working_dir=spec.get("working_dir"),
+        cpu=float(spec["resources"].get("cpu") or 0.0),
+        memory_mb=int(spec["resources"].get("memory_mb") or 0),
+        gpu_memory_mb=int(spec["resources"].get("gpu_memory_mb") or 0),
+        expected_duration_s=spec.get("expected_duration_s"),
+        max_runtime_s=spec.get("max_runtime_s"),
+        preemptible=bool(spec.get("preemptible", True)),
+        node_selector=dict(spec.get("node_selector") or {}),
+        env_keys=sorted(spec.get("env") or {}),
         attempts=[
             AttemptOut(
                 run_id=r.id,

@@ -194,6 +194,18 @@ class JobOut(BaseModel):
     failure_reason: str | None
     attempts: list[AttemptOut]
     pending_reason: PendingReasonOut | None
+    # the spec as submitted, so that `status` shows what will run (env: names only; values
+    # may hold secrets and are never sent back)
+    image: str | None = None
+    working_dir: str | None = None
+    cpu: float = 0.0
+    memory_mb: int = 0
+    gpu_memory_mb: int = 0
+    expected_duration_s: float | None = None
+    max_runtime_s: float | None = None
+    preemptible: bool = True
+    node_selector: dict[str, str] = {}
+    env_keys: list[str] = []
     node_problems: list[dict[str, Any]] = []
     """Nodes this job waits on that cannot take work now: ``node_id``, ``status`` (SUSPECT,
     QUARANTINED, UNHEALTHY, CORDONED, DRAINING, FENCED) and ``reason``."""
@@ -212,6 +224,10 @@ class NodeOut(BaseModel):
     total_gpus: int
     available_gpus: int
     labels: dict[str, Any]
+    """The effective labels: the agent's, with the admin-set ones over them."""
+    admin_labels: dict[str, str] = {}
+    """The labels an admin set (``PUT/PATCH /v1/admin/nodes/{id}/labels``); they survive the
+    agent's re-registrations and win over its labels on a shared key."""
     address: str | None
     """The agent's gRPC address; admin tokens only (null for others)."""
     last_heartbeat_at: str | None
@@ -226,6 +242,32 @@ class NodeOut(BaseModel):
 
 class NodeList(BaseModel):
     items: list[NodeOut]
+
+
+class NodeLabelsPut(BaseModel):
+    """``PUT /v1/admin/nodes/{id}/labels``: the node's admin labels become exactly these."""
+
+    model_config = ConfigDict(extra="forbid")
+    labels: dict[str, str] = Field(
+        description="key -> value; keys and values follow Kubernetes label syntax "
+        "(a key `[prefix/]name`, name and value up to 63 of A-Z a-z 0-9 - _ .)."
+    )
+
+
+class NodeLabelsPatch(BaseModel):
+    """``PATCH /v1/admin/nodes/{id}/labels``: a JSON merge patch (RFC 7386) of the node's
+    admin labels: a string sets the label, ``null`` removes it, absent keys stay."""
+
+    model_config = ConfigDict(extra="forbid")
+    labels: dict[str, str | None] = Field(description="key -> value, or null to remove")
+
+
+class NodeLabelsOut(BaseModel):
+    node_id: str
+    labels: dict[str, str]
+    """Effective labels (what placement and node_selector see)."""
+    admin_labels: dict[str, str]
+    agent_labels: dict[str, str]
 
 
 class TeamCreate(BaseModel):

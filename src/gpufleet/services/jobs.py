@@ -29,6 +29,7 @@ from gpufleet.domain.errors import (
     ValidationFailed,
 )
 from gpufleet.domain.ids import new_job_id
+from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, Machine
 from gpufleet.domain.types import JobSpec
 from gpufleet.store.db import Database
@@ -162,6 +163,7 @@ def _fleet_shapes(session: Session) -> list[NodeShape]:
             NodeRow.cpu,
             NodeRow.memory_mb,
             NodeRow.labels,
+            NodeRow.admin_labels,
             NodeCapacityRow.total_gpus,
         ).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
     ).all()
@@ -172,7 +174,7 @@ def _fleet_shapes(session: Session) -> list[NodeShape]:
                 r.gpu_memory_mb,
                 r.cpu,
                 r.memory_mb,
-                tuple(sorted((r.labels or {}).items())),
+                tuple(sorted(effective_labels(r.labels, r.admin_labels).items())),
                 r.total_gpus,
             )
             for r in rows

@@ -20,7 +20,7 @@ How decisions are applied (the same contract as the live controller):
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from gpufleet.domain.invariants import check_invariants
@@ -43,6 +43,7 @@ from gpufleet.sim.metrics import Recorder
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 
 _END, _STOPPED, _ARRIVAL, _SAMPLE = 0, 1, 2, 3
+PROGRESS_EVERY_EVENTS = 2000  # how often Engine.run reports progress to its caller
 
 
 class InvariantBroken(AssertionError):
@@ -320,7 +321,10 @@ class Engine:
         self.reservations = tuple(reservations)
         self.rec.last_waiting = result.waiting
 
-    def run(self) -> None:
+    def run(self, progress: Callable[[float, int], None] | None = None) -> None:
+        """Run to the end (or the horizon). ``progress(sim_time_s, events_done)`` is called
+        every :data:`PROGRESS_EVERY_EVENTS` events (a CLI shows it; results do not depend
+        on it)."""
         every_event = self.opt.check_invariants == "every_event"
         every_pass = every_event or self.opt.check_invariants == "every_pass"
         sample = self.opt.sample_interval_s
@@ -348,6 +352,8 @@ class Engine:
                     self._arrive(key)
                 if every_event:
                     self._check()
+                if progress is not None and self.events % PROGRESS_EVERY_EVENTS == 0:
+                    progress(self.now, self.events)
             self.schedule_pass()
             if every_pass:
                 self._check()

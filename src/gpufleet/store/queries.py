@@ -21,6 +21,7 @@ from gpufleet.domain.invariants import (
     Violation,
     check_invariants,
 )
+from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import (
     RESERVATION_ACTIVE,
     JobStatus,
@@ -159,6 +160,7 @@ def load_snapshot(
             NodeRow.cpu,
             NodeRow.memory_mb,
             NodeRow.labels,
+            NodeRow.admin_labels,
             NodeRow.status,
             NodeRow.images,
             NodeCapacityRow.total_gpus,
@@ -176,7 +178,7 @@ def load_snapshot(
             cpu_free=n.cpu,
             memory_total_mb=n.memory_mb,
             memory_free_mb=n.memory_mb,
-            labels=dict(n.labels or {}),
+            labels=effective_labels(n.labels, n.admin_labels),
             schedulable=n.status == NodeStatus.HEALTHY,
             status=n.status,
             images=frozenset(normalize_image(str(i.get("name", ""))) for i in n.images or ()),

@@ -233,6 +233,10 @@ class NodeRow(Base):
     cpu: Mapped[float] = mapped_column(Float, default=0.0)
     memory_mb: Mapped[int] = mapped_column(Integer, default=0)
     labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    """The labels the agent reported at its last registration (replaced by each one)."""
+    admin_labels: Mapped[dict[str, Any] | None]
+    """Labels an admin set (``PUT/PATCH /v1/admin/nodes/{id}/labels``); kept across agent
+    re-registrations and set over the agent's (``domain.labels.effective_labels``)."""
     agent_epoch: Mapped[int] = mapped_column(Integer, default=0)
     inventory_source: Mapped[str] = mapped_column(String(16), default="declared")
     status_reason: Mapped[str | None] = mapped_column(Text)
