@@ -254,6 +254,15 @@ def submit(
             "shell's PATH, like Slurm; '-' = the attempt's own directory and the agent's PATH)."
         ),
     ] = None,
+    array: Annotated[
+        str | None,
+        typer.Option("--array", help="Job array, Slurm syntax: 0-99%8, 1,3,5, 0-15:4."),
+    ] = None,
+    depends: Annotated[
+        str | None,
+        typer.Option("--depends", help="afterok:ID[:ID],afterany:ID,afternotok:ID."),
+    ] = None,
+    hold: Annotated[bool, typer.Option("--hold", help="Submit held (gpufleet release).")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Wait; exit 0 iff SUCCEEDED.")] = False,
     follow: Annotated[bool, typer.Option("--follow", help="Stream logs, then wait.")] = False,
     out: OutputOpt = OutputFormat.table,
@@ -262,6 +271,11 @@ def submit(
 ) -> None:
     """Submit a job: gpufleet submit [JOBFILE] [OPTIONS] -- COMMAND [ARGS]..."""
     with _session(url, token) as http:
+        if (wait or follow) and array:
+            raise ClientError(
+                "--wait/--follow take one job; watch an array with `gpufleet array ARRAY_ID`",
+                field="array",
+            )
         flags = {
             "name": name,
             "image": image,
@@ -274,6 +288,9 @@ def submit(
             "max_retries": max_retries,
             "expected_duration_s": expected_duration_s,
             "max_runtime_s": max_runtime_s,
+            "array": array,
+            "depends_on": depends,
+            "hold": hold or None,
         }
         base = load_jobfile(jobfile) if jobfile else {}
         body = build_job_body(
@@ -312,6 +329,10 @@ def submit(
             typer.echo("(replay: a job was already submitted with this idempotency key)", err=True)
         if out is OutputFormat.json:
             output.print_json(created)
+        elif created.get("array_id"):
+            n = len(created.get("job_ids") or [])
+            typer.echo(output.clean(str(created["array_id"])))
+            typer.echo(f"array of {n} tasks; first task {created['job_id']}", err=True)
         else:
             typer.echo(output.clean(str(created["job_id"])))
         if wait or follow:
@@ -517,6 +538,9 @@ def register_client_commands(app: typer.Typer) -> None:
     app.command("status")(status)
     app.command("list")(list_jobs)
     app.command("logs")(logs)
-    app.command("cancel")(cancel)
+    # `cancel` (one or many jobs) is job control's: see cli/jobctl.py
+    from gpufleet.cli import jobctl  # job control: hold, release, requeue, update, cancel...
+
+    jobctl.register(app)
     app.command("why")(why)
     app.command("nodes")(nodes)
