@@ -21,7 +21,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
-from gpufleet.api.jobctl import register_jobctl_routes
 from gpufleet.api.middleware import BodyLimit
 from gpufleet.api.schemas import (
     AttemptOut,
@@ -576,6 +575,8 @@ def create_app(state: AppState) -> FastAPI:
             if who.token_id == token_id:
                 state.principals.pop(raw, None)
         return TokenOut(**out)
+
+    from gpufleet.api.jobctl import register_jobctl_routes  # it imports this module
 
     register_jobctl_routes(app, state, job_out=_job_out)
     return app

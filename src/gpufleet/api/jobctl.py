@@ -8,26 +8,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from gpufleet.api.app import AppState, Who, errors
 from gpufleet.api.schemas import BulkCancel, JobOut, JobPatch
 from gpufleet.services import auth, jobctl, jobs
 from gpufleet.store.tables import JobRow, JobRunRow
-
-if TYPE_CHECKING:
-    from gpufleet.api.app import AppState
 
 
 def register_jobctl_routes(
     app: FastAPI, state: AppState, *, job_out: Callable[[JobRow, list[JobRunRow]], JobOut]
 ) -> None:
     """Add the job-control routes to ``app`` (``job_out`` renders a job as GET does)."""
-    from gpufleet.api.app import Who, errors  # app imports this module
-
     def team(who: auth.Principal) -> str | None:
         return None if who.is_admin else who.team_id
 

@@ -20,6 +20,7 @@ from functools import partial
 
 import grpc
 from sqlalchemy import select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from gpufleet.controller.agents import AgentClients
@@ -150,10 +151,13 @@ class Scheduler:
                 self._stored = {row[0]: row[1] for row in s.execute(query)}
         stats.pending = len(snap.pending)
         if gated.result.failed:
-            ended = self.db.run_write(
-                partial(gating.fail_dependents, failed=gated.result.failed, now=now)
-            )
-            log.info("dependency never satisfiable: %d job(s) DEPENDENCY_FAILED", len(ended))
+            try:
+                ended = self.db.run_write(
+                    partial(gating.fail_dependents, failed=gated.result.failed, now=now)
+                )
+                log.info("dependency never satisfiable: %d job(s) DEPENDENCY_FAILED", len(ended))
+            except SQLAlchemyError:  # placements go on; the next pass tries again
+                log.exception("could not end jobs with unsatisfiable dependencies")
         result = schedule(snap, self.policy)
         pending = {p.job_id: p for p in snap.pending}
         backfill: list[BackfillReservation] = []
