@@ -24,6 +24,7 @@ def register_jobctl_routes(
     app: FastAPI, state: AppState, *, job_out: Callable[[JobRow, list[JobRunRow]], JobOut]
 ) -> None:
     """Add the job-control routes to ``app`` (``job_out`` renders a job as GET does)."""
+
     def team(who: auth.Principal) -> str | None:
         return None if who.is_admin else who.team_id
 
@@ -58,14 +59,14 @@ def register_jobctl_routes(
         PENDING again at once. 409 ``not_requeueable`` for PENDING and SUCCEEDED jobs."""
         return act(jobctl.requeue_job, job_id, who)
 
-    @app.patch("/v1/jobs/{job_id}", response_model=JobOut, responses=errors(404, 409))
+    @app.patch("/v1/jobs/{job_id}", response_model=JobOut, responses=errors(400, 404, 409, 413))
     def patch(job_id: str, body: JobPatch, who: Who) -> JobOut:
         """Change ``priority``, ``name`` or ``max_runtime_s`` (each change is an event).
         A finished job may change only its name (409 ``job_already_finished``)."""
         upd = jobctl.JobPatch(**body.model_dump())
         return act(partial(_patch, upd=upd), job_id, who)
 
-    @app.post("/v1/jobs/cancel", responses=errors(404))
+    @app.post("/v1/jobs/cancel", responses=errors(400, 404, 413))
     def cancel_many(body: BulkCancel, who: Who) -> dict[str, Any]:
         """Cancel several jobs: ``job_ids`` (ids, prefixes or names) plus every job matching
         all of ``name``, ``state`` and ``array_id``. Answers ``cancelled`` (``job_id``,
