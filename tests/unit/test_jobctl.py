@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.domain.errors import ValidationFailed
+from gpufleet.domain.jobsyntax import array_env, parse_array, parse_depends
 from gpufleet.domain.types import PriorityClass, Resources
 from gpufleet.policy.gates import (
     Dependency,
@@ -15,7 +16,6 @@ from gpufleet.policy.gates import (
     filter_snapshot,
 )
 from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob
-from gpufleet.services.jobctl import array_env, parse_array, parse_depends
 
 OK, ANY, NOTOK = DependencyKind.AFTEROK, DependencyKind.AFTERANY, DependencyKind.AFTERNOTOK
 

@@ -31,19 +31,15 @@ still-pending dependents wait for the new outcome.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from gpufleet.domain.jobsyntax import DependencyKind
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus
 from gpufleet.policy.decisions import WaitReason
 from gpufleet.policy.snapshot import ClusterSnapshot
 
-
-class DependencyKind(enum.StrEnum):
-    AFTEROK = "afterok"
-    AFTERANY = "afterany"
-    AFTERNOTOK = "afternotok"
+__all__ = ["Dependency", "DependencyKind", "GateResult", "JobGate", "evaluate"]
 
 
 @dataclass(frozen=True, slots=True)

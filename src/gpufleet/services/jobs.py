@@ -20,6 +20,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from gpufleet.domain import jobsyntax
 from gpufleet.domain.errors import (
     Conflict,
     IdempotencyKeyReused,
@@ -299,8 +300,8 @@ def submit_job(
     array = None
     deps: list[tuple[str, str]] = []
     if control is not None:
-        array = jobctl.parse_array(control.array) if control.array else None
-        deps = jobctl.parse_depends(control.depends_on) if control.depends_on else []
+        array = jobsyntax.parse_array(control.array) if control.array else None
+        deps = jobsyntax.parse_depends(control.depends_on) if control.depends_on else []
         if control != SubmitControl():
             digest = hashlib.sha256((digest + control.canonical()).encode()).hexdigest()
 
@@ -344,7 +345,7 @@ def submit_job(
                 if array is not None and array_id is not None and index is not None:
                     stored = {
                         **base,
-                        "env": {**base["env"], **jobctl.array_env(array_id, index, array)},
+                        "env": {**base["env"], **jobsyntax.array_env(array_id, index, array)},
                     }
                 session.add(
                     JobRow(
