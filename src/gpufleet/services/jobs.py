@@ -221,9 +221,12 @@ _outstanding: dict[tuple[str, str], list[float]] = {}
 _outstanding_lock = threading.Lock()
 
 
-def check_outstanding_limit(session: Session, team_id: str, default_limit: int = 0) -> None:
+def check_outstanding_limit(
+    session: Session, team_id: str, default_limit: int = 0, adding: int = 1
+) -> None:
     """Raise LimitExceeded (429) when the team already has ``max_outstanding_jobs`` jobs that
-    are not finished. Admission control, separate from fair share of admitted work.
+    are not finished (or would have more with ``adding`` new ones: an array's tasks).
+    Admission control, separate from fair share of admitted work.
 
     The team's own value wins; NULL takes ``default_limit``; 0 is no limit. Counting a team's
     unfinished jobs costs milliseconds at 10,000 of them, so a count is reused for
@@ -244,9 +247,9 @@ def check_outstanding_limit(session: Session, team_id: str, default_limit: int =
         if (
             hit is not None
             and now - hit[0] < OUTSTANDING_COUNT_TTL_S
-            and hit[1] + 1 < OUTSTANDING_EXACT_FRACTION * limit
+            and hit[1] + adding < OUTSTANDING_EXACT_FRACTION * limit
         ):
-            hit[1] += 1  # this submit, if it commits; an estimate that only grows
+            hit[1] += adding  # this submit, if it commits; an estimate that only grows
             return
     open_jobs = session.execute(
         select(func.count())
@@ -256,11 +259,12 @@ def check_outstanding_limit(session: Session, team_id: str, default_limit: int =
     with _outstanding_lock:
         if len(_outstanding) > 10_000:
             _outstanding.clear()
-        _outstanding[key] = [now, float(open_jobs + 1)]
-    if open_jobs >= limit:
+        _outstanding[key] = [now, float(open_jobs + adding)]
+    if open_jobs + adding > limit:
         raise LimitExceeded(
-            f"team {team_id!r} has {open_jobs} unfinished jobs, its max_outstanding_jobs "
-            f"limit is {limit}; retry when some have finished",
+            f"team {team_id!r} has {open_jobs} unfinished jobs"
+            + (f" and this array adds {adding}" if adding > 1 else "")
+            + f", its max_outstanding_jobs limit is {limit}; retry when some have finished",
             field="max_outstanding_jobs",
             retry_after_s=OUTSTANDING_RETRY_AFTER_S,
         )
@@ -330,7 +334,12 @@ def submit_job(
             if found is not None:
                 return found
             check_fits_fleet(session, spec, fallback_max_gpus)
-            check_outstanding_limit(session, team_id, default_max_outstanding_jobs)
+            check_outstanding_limit(
+                session,
+                team_id,
+                default_max_outstanding_jobs,
+                adding=len(array.indexes) if array is not None else 1,
+            )
             now = db_now(session)
             depends_on = jobctl.resolve_dependencies(session, team_id, deps) if deps else None
             hold = bool(control and control.hold)
