@@ -109,9 +109,12 @@ def resolve_job_ref(
     if not ref or len(ref) > 256 or "\x00" in ref:
         raise NotFound(f"no job {ref!r}", field=field)
     by_prefix: list[str] = []
-    if _ID_CHARS.match(ref) and len(ref.removeprefix("j-")) >= MIN_PREFIX:
-        prefix = ref if ref.startswith("j-") else f"j-{ref}"
-        q = select(JobRow.id).where(JobRow.id >= prefix, JobRow.id < prefix + "~")
+    low = ref.lower()
+    if _ID_CHARS.match(low) and len(low.removeprefix("j-")) >= MIN_PREFIX:
+        prefix = low if low.startswith("j-") else f"j-{low}"
+        # LIKE, not a range: a range's end depends on the database's collation. The prefix
+        # holds only [0-9a-z-], so nothing needs escaping.
+        q = select(JobRow.id).where(JobRow.id.like(f"{prefix}%"))
         if team_id is not None:
             q = q.where(JobRow.team_id == team_id)
         by_prefix = list(session.scalars(q.order_by(JobRow.id.desc()).limit(11)))
