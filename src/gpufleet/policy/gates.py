@@ -150,12 +150,15 @@ def evaluate(
         limit = tasks[0].array_max_running or 0
         running = array_active.get(array_id, 0)
         room = max(0, limit - running)
+        if room >= len(tasks):
+            continue
+        reason = WaitReason(  # one shared (frozen) value for every waiting task of the array
+            "array_throttled",
+            f"array {array_id} has {running} of at most {limit} tasks running (%{limit})",
+            {"array_id": array_id, "running": running, "max_running": limit},
+        )
         for g in tasks[room:]:
-            blocked[g.job_id] = WaitReason(
-                "array_throttled",
-                f"array {array_id} has {running} of at most {limit} tasks running (%{limit})",
-                {"array_id": array_id, "running": running, "max_running": limit},
-            )
+            blocked[g.job_id] = reason
     return GateResult(blocked, failed)
 
 

@@ -46,7 +46,7 @@ def parse_dependencies(raw: Any) -> tuple[gates.Dependency, ...]:
 
 def load_gates(session: Session, pending_ids: set[str] | None = None) -> list[gates.JobGate]:
     """The gates of gated PENDING jobs (only those in ``pending_ids`` when given)."""
-    rows = session.execute(
+    rows = session.connection().execute(  # Core rows: no ORM loading cost per row
         select(
             JobRow.id,
             JobRow.held,
@@ -56,17 +56,18 @@ def load_gates(session: Session, pending_ids: set[str] | None = None) -> list[ga
             JobRow.array_max_running,
         ).where(JobRow.status == JobStatus.PENDING, JobRow.gated.is_(True))
     ).all()
+    make = gates.JobGate
     return [
-        gates.JobGate(
-            job_id=r.id,
-            held=bool(r.held),
-            depends_on=parse_dependencies(r.depends_on),
-            array_id=r.array_id,
-            array_index=r.array_index or 0,
-            array_max_running=r.array_max_running,
+        make(
+            job_id,
+            bool(held),
+            parse_dependencies(deps) if deps else (),
+            array_id,
+            index or 0,
+            max_running,
         )
-        for r in rows
-        if pending_ids is None or r.id in pending_ids
+        for job_id, held, deps, array_id, index, max_running in rows
+        if pending_ids is None or job_id in pending_ids
     ]
 
 
