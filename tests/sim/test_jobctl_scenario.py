@@ -84,6 +84,6 @@ def test_bad_jobs_name_the_field(tmp_path: Path, job: str, needle: str) -> None:
     text = SCENARIO.split("  jobs:")[0] + f"  jobs:\n    - {job}\n"
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    with pytest.raises(ScenarioError, match="workload.jobs|depends_on") as err:
+    with pytest.raises(ScenarioError, match=r"workload\.jobs|depends_on") as err:
         load_scenario(path)
     assert needle in str(err.value)
