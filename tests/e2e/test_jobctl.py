@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import sys
 import uuid
+from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -120,6 +122,7 @@ def test_array_limit_and_dependencies(fleet: Fleet) -> None:
     assert statuses.count("SUCCEEDED") == 100, statuses
     assert len(intervals) == 100 and all(end is not None for _, end in intervals)
     peak = max_overlap(intervals)  # type: ignore[arg-type]
+    print(f"array of 100 %8: peak {peak} tasks holding GPUs at once")
     assert 2 <= peak <= 8, peak
     assert throttled and throttled[0]["details"]["max_running"] == 8
     arr = fleet.get(f"/v1/arrays/{array_id}")
@@ -219,9 +222,18 @@ def test_hold_requeue_patch_cancel_and_references(fleet: Fleet) -> None:
     assert fleet.check() == []
 
 
-def test_cli_job_control(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
-    if "postgres" in fleet.db.engine.url.drivername:
-        pytest.skip("the CLI layer is the same on both databases")
+@pytest.fixture
+def sqlite_fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """The CLI layer is the same on both databases: SQLite only."""
+    f = Fleet(tmp_path).start()
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+def test_cli_job_control(sqlite_fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    fleet = sqlite_fleet
     monkeypatch.setenv("GPUFLEET_URL", fleet.api.url)
     monkeypatch.setenv("GPUFLEET_TOKEN", fleet.tokens["vision"])
     monkeypatch.setenv("GPUFLEET_CONFIG", str(fleet.tmp / "absent.yaml"))
