@@ -106,3 +106,11 @@ def test_hold_release_requeue_patch_guards(db: Database) -> None:
         db.run_write(lambda s: jobctl.hold_job(s, "team-b", job))
     n = len(db.run_write(lambda s: list(s.scalars(select(JobRow.id)))))
     assert n == 1
+
+
+def test_array_with_the_longest_idempotency_key(db: Database) -> None:
+    create_team(db)
+    key = "k" * 256  # the API's limit; task keys must still fit the column
+    out = sub(db, key=key, array="0-999:100")
+    assert len(out.job_ids) == 10  # type: ignore[attr-defined]
+    assert sub(db, key=key, array="0-999:100").job_ids == out.job_ids  # type: ignore[attr-defined]

@@ -363,7 +363,7 @@ def submit_job(
                         name=spec.name,
                         idempotency_key=idempotency_key
                         if n == 0
-                        else f"{idempotency_key}#{index}",
+                        else _task_key(idempotency_key, index),
                         payload_sha256=digest,
                         spec=stored,
                         priority=spec.priority.value,
@@ -397,6 +397,13 @@ def submit_job(
         if found is None:
             raise
         return found
+
+
+def _task_key(key: str, index: int | None) -> str:
+    """The stored idempotency key of array task ``index`` (the first task keeps ``key``):
+    ``key#index``, or a sha256 of a key too long to take the suffix (the column is 256)."""
+    base = key if len(key) <= 240 else hashlib.sha256(key.encode()).hexdigest()
+    return f"{base}#{index}"
 
 
 JOB_ID = re.compile(r"^j-[0-9a-z]{26}$")
