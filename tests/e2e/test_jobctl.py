@@ -17,10 +17,9 @@ from typer.testing import CliRunner
 
 from gpufleet.cli.main import app as cli_app
 from gpufleet.store.tables import JobRow, JobRunRow
-from tests.e2e.harness import Fleet
+from tests.e2e.harness import TERMINAL, Fleet
 
 pytestmark = pytest.mark.slow
-TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED", "DEPENDENCY_FAILED"}
 
 
 def post(fleet: Fleet, path: str, body: Any = None, team: str = "vision", **kw: Any) -> Any:
