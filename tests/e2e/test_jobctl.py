@@ -4,6 +4,7 @@ release, requeue, PATCH, bulk cancel, id prefixes and names, and the CLI command
 
 from __future__ import annotations
 
+import json
 import sys
 import uuid
 from collections.abc import Iterator
@@ -260,6 +261,8 @@ def test_cli_job_control(sqlite_fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -
     assert r.exit_code == 1 and all(
         j["status"] == "PENDING" for j in fleet.get(f"/v1/jobs?array_id={array_id}")["items"]
     )
+    r = cli("list", "--array", array_id, "-o", "json")
+    assert r.exit_code == 0 and len(json.loads(r.stdout)["items"]) == 4
     r = cli("update", "arr", "--priority", "high")
     assert r.exit_code == 0 and "priority=HIGH" in r.stdout, r.output
     r = cli("hold", after)

@@ -435,6 +435,8 @@ def list_jobs(
     status_filter: Annotated[str | None, typer.Option("--status", help="Only jobs in S.")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="Page size.")] = 50,
     all_pages: Annotated[bool, typer.Option("--all", help="Follow every page.")] = False,
+    array: Annotated[str | None, typer.Option("--array", help="Only this array's tasks.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Only jobs of this name.")] = None,
     out: OutputOpt = OutputFormat.table,
     url: UrlOpt = None,
     token: TokenOpt = None,
@@ -444,6 +446,8 @@ def list_jobs(
         params: dict[str, Any] = {
             "limit": limit,
             **({"status": status_filter.upper()} if status_filter else {}),
+            **({"array_id": array} if array else {}),
+            **({"name": name} if name else {}),
         }
         items: list[dict[str, Any]] = []
         while True:
