@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from gpufleet.domain.invariants import check_invariants
-from gpufleet.domain.states import RunStatus
+from gpufleet.domain.states import JobStatus, RunStatus
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import HoldForBackfill, Place, Preempt
@@ -39,6 +39,7 @@ from gpufleet.policy.snapshot import (
 )
 from gpufleet.policy.usage import decay_factor, interval_gpu_s
 from gpufleet.sim.fleet import InMemoryFleet, SimRun
+from gpufleet.sim.gating import SimGates
 from gpufleet.sim.metrics import Recorder
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 
@@ -110,6 +111,8 @@ class Engine:
             self._jobs_in.append(j)
             self._push(j.submit_s, _ARRIVAL, j.job_id)
         self._specs = {j.job_id: j for j in self._jobs_in}
+        self.gates = SimGates(self._jobs_in)  # arrays' %N and dependencies (policy.gates)
+        self.dependency_failed: list[str] = []
         if len(self._specs) != len(self._jobs_in):
             raise ValueError("job ids in a workload must be unique")
         self.total_gpus = sum(n.total for n in self.fleet.nodes.values())
@@ -275,6 +278,14 @@ class Engine:
             d.for_job_id, d.node_id, d.gpu_count or 1, self.now, d.reason
         )
 
+    def _dependency_failed(self, job_id: str, why: str) -> None:  # noqa: ARG002 - gate API
+        """PENDING -> DEPENDENCY_FAILED: leaves the queue, never ran (counted as rejected)."""
+        js = self.fleet.jobs[job_id]
+        self._dequeue(self.fleet.pending_view(js))
+        self.fleet.end_unrun(job_id, JobStatus.DEPENDENCY_FAILED, self.now)
+        self.dependency_failed.append(job_id)
+        self.rec.rejected(js)
+
     # -- the pass ----------------------------------------------------------------------
     def snapshot(self) -> ClusterSnapshot:
         teams = {
@@ -304,7 +315,8 @@ class Engine:
 
     def schedule_pass(self) -> None:
         self.passes += 1
-        result = schedule(self.snapshot(), self.cfg)
+        snap = self.gates.apply(self.snapshot(), self.fleet.jobs, self._dependency_failed)
+        result = schedule(snap, self.cfg)
         for job_id in result.released_holds:
             self.holds.pop(job_id, None)
         reservations: list[BackfillReservation] = []

@@ -171,9 +171,13 @@ class InMemoryFleet:
         return js.pending
 
     def expire(self, job_id: str, now_s: float) -> None:
+        self.end_unrun(job_id, JobStatus.EXPIRED, now_s)
+
+    def end_unrun(self, job_id: str, to: JobStatus, now_s: float) -> None:
+        """A PENDING job ends without running (EXPIRED, DEPENDENCY_FAILED)."""
         js = self.jobs[job_id]
-        check_transition(Machine.JOB, js.status, JobStatus.EXPIRED)
-        js.status = JobStatus.EXPIRED
+        check_transition(Machine.JOB, js.status, to)
+        js.status = to
         js.end_s = now_s
         self.touched_jobs.add(job_id)
 

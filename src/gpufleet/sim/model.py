@@ -61,6 +61,13 @@ class SimJob:
     checkpoint_s: float | None = None
     preemptible: bool = True
     node_selector: Mapping[str, str] = field(default_factory=dict)
+    depends_on: tuple[tuple[str, str], ...] = ()
+    """``(kind, job_id)`` pairs (``afterok``/``afterany``/``afternotok``), see
+    ``policy.gates``."""
+    array_id: str | None = None
+    """The job array this job is a task of (scenario ``array:``), with its index and ``%N``."""
+    array_index: int = 0
+    array_max_running: int | None = None
 
 
 def size_bucket(gpus: int) -> str:
