@@ -19,17 +19,25 @@ from __future__ import annotations
 
 import math
 
+from gpufleet.policy.gang import member_resources
 from gpufleet.policy.placement import FreeIndex, Shadow, node_accepts
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import PendingJob
 
 
 def start_on_node(
-    job: PendingJob, node_id: str, index: FreeIndex, running: RunningIndex, now_s: float
+    job: PendingJob,
+    node_id: str,
+    index: FreeIndex,
+    running: RunningIndex,
+    now_s: float,
+    need: int | None = None,
 ) -> tuple[float, int]:
-    """Earliest estimated start of ``job`` on ``node_id`` and the node's extra GPUs then
-    (``(inf, 0)`` when the running work there has no known end)."""
-    need = job.resources.gpu_count
+    """Earliest estimated start of ``job`` (or of one of its gang members, ``need`` GPUs) on
+    ``node_id`` and the node's extra GPUs then (``(inf, 0)`` when the running work there has
+    no known end)."""
+    if need is None:
+        need = job.resources.gpu_count
     held = index.held_node_for(job.job_id, node_id)
     free = held.free_gpus if held is not None else index.visible_free(node_id)
     avail = free
@@ -77,3 +85,66 @@ def find_reservation(
         return None
     start, _, extra, node_id = best
     return node_id, Shadow(job.job_id, start, need, extra)
+
+
+def extra_at(
+    job: PendingJob, node_id: str, need: int, at_s: float, index: FreeIndex, running: RunningIndex
+) -> int:
+    """GPUs of ``node_id`` free by ``at_s`` beyond the ``need`` a gang member takes there."""
+    held = index.held_node_for(job.job_id, node_id)
+    free = held.free_gpus if held is not None else index.visible_free(node_id)
+    runs = running.by_node.get(node_id, ())
+    return max(0, free + sum(r.gpu_count for end, r in runs if end <= at_s) - need)
+
+
+def find_gang_reservation(
+    job: PendingJob,
+    members: tuple[int, ...],
+    gpu_type: str,
+    index: FreeIndex,
+    running: RunningIndex,
+    now_s: float,
+) -> tuple[float, list[tuple[str, Shadow]]] | None:
+    """A backfill reservation for a gang: one node per member (``members``: GPUs per member,
+    largest first) on ``gpu_type``, all held from the time the last of them drains.
+
+    Each candidate node's earliest start for the member size is computed as for a single
+    job; the gang starts when the ``len(members)``-th earliest node is ready (members are
+    given the earliest nodes, largest member first). Returns ``(start, [(node_id, shadow)])``
+    or None when fewer nodes than members have running work with a known end.
+    """
+    res = job.resources
+    smallest = members[-1]
+    mres = member_resources(res, smallest)
+    starts: list[tuple[float, int, str]] = []
+    for node_id, node in index.nodes.items():
+        if node.gpu_type != gpu_type or not node.schedulable or node_id in index.shadows:
+            continue
+        if node.total_gpus < smallest or not node_accepts(node, mres, job.node_selector):
+            continue
+        start, _ = start_on_node(job, node_id, index, running, now_s, smallest)
+        if start != math.inf:
+            starts.append((start, -node.total_gpus, node_id))
+    if len(starts) < len(members):
+        return None
+    starts.sort()
+    chosen: list[tuple[str, int]] = []
+    used: set[str] = set()
+    for m in members:
+        for _start, neg_total, node_id in starts:
+            if node_id in used or -neg_total < m:
+                continue
+            if m != smallest:
+                s2, _ = start_on_node(job, node_id, index, running, now_s, m)
+                if s2 == math.inf:
+                    continue
+            used.add(node_id)
+            chosen.append((node_id, m))
+            break
+        else:
+            return None
+    gang_start = max(start_on_node(job, nid, index, running, now_s, m)[0] for nid, m in chosen)
+    return gang_start, [
+        (nid, Shadow(job.job_id, gang_start, m, extra_at(job, nid, m, gang_start, index, running)))
+        for nid, m in chosen
+    ]
