@@ -108,7 +108,9 @@ def check_invariants(view: InvariantView, stuck: StuckLimits | None = None) -> l
     1. Per node: GPUs of active reservations + available == total, and active reservations'
        gpu_ids are disjoint and match the per-GPU holder records.
     2. A GPU id is held by at most one active reservation (cluster-wide).
-    3. A job has at most one authoritative attempt; a terminal job holds no active reservation.
+    3. A job has at most one authoritative attempt; a terminal job holds no active reservation;
+       its active reservations belong to that one attempt, one per node (a gang attempt has
+       one per member node).
     4. At most one accepted completion per job.
     """
     out: list[Violation] = []
@@ -253,7 +255,11 @@ def _one_authoritative_attempt(
                 yield Violation(3, job.job_id, f"active attempt {run.run_id} is not current")
         if job.status in JOB_TERMINAL and active_res_by_job.get(job.job_id):
             yield Violation(3, job.job_id, f"terminal ({job.status}) but holds a reservation")
-        if len(active_res_by_job.get(job.job_id, [])) > 1:
+        held = active_res_by_job.get(job.job_id, [])
+        # a gang attempt holds one reservation per member node, all under its one run
+        if len(held) > 1 and (
+            len({r.run_id for r in held}) > 1 or len({r.node_id for r in held}) < len(held)
+        ):
             yield Violation(3, job.job_id, "more than one active reservation")
 
 

@@ -134,6 +134,25 @@ def static_fit(
     )
 
 
+def could_ever_fit(
+    shapes: Iterable[tuple[NodeState, int]], res: Resources, selector: Mapping[str, str]
+) -> bool:
+    """Whether the fleet (``shapes``: distinct nodes and how many have each, any state) could
+    ever hold the job: one node for a single-node job, enough nodes of one type for every
+    member of a gang (the same rule as the pass's ``never_fits``)."""
+    shapes = list(shapes)
+    if not explicit_gang(res) and any(node_accepts(n, res, selector) for n, _ in shapes):
+        return True
+    sizes: dict[str, int] = {}
+    for n, _ in shapes:
+        sizes[n.gpu_type] = max(sizes.get(n.gpu_type, 0), n.total_gpus)
+    types = res.gpu_types or tuple(sorted(sizes))
+    if not explicit_gang(res) and any(res.gpu_count <= sizes.get(t, 0) for t in types):
+        return False  # a single-node job of a type big enough: the node filter said no
+    every = {t: m for t in types if (m := gang_members(res, sizes.get(t, 0))) is not None}
+    return bool(every) and static_fit(shapes, res, selector, every)
+
+
 def _domain(node: NodeState) -> tuple[str, str]:
     labels = node.labels
     return labels.get(SWITCH_LABEL, ""), labels.get(RACK_LABEL, "")

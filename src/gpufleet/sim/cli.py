@@ -18,6 +18,7 @@ import typer
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.sim.config import PARTITION_LABEL, Scenario, load_scenario, partition, policy_for
 from gpufleet.sim.engine import Engine
+from gpufleet.sim.metrics import summary
 
 app = typer.Typer(help="Trace-driven simulator running the live scheduling policy.")
 
@@ -43,6 +44,20 @@ def _policy_dict(cfg: PolicyConfig) -> dict[str, Any]:
     return d
 
 
+def gang_summary(eng: Engine) -> dict[str, Any]:
+    """Multi-node jobs of the run: how many, and their queue delay (first start - submit)."""
+    waits = sorted(
+        js.first_start_s - js.spec.submit_s
+        for js in eng.fleet.jobs.values()
+        if js.first_start_s is not None and js.runs and len(eng.fleet.runs[js.runs[0]].members) > 1
+    )
+    return {
+        "placed": eng.gangs_placed,
+        "started_jobs": len(waits),
+        "queue_delay_s": summary(waits),
+    }
+
+
 def run_scenario(sc: Scenario, policy: PolicyConfig) -> tuple[Engine, dict[str, Any]]:
     """Run one policy on the scenario; returns the engine (for plots) and its report."""
     groups, opts = sc.groups, sc.engine
@@ -52,6 +67,7 @@ def run_scenario(sc: Scenario, policy: PolicyConfig) -> tuple[Engine, dict[str, 
     eng = Engine(groups, sc.teams, sc.jobs, policy, opts)
     eng.run()
     rep = eng.rec.report()
+    rep["gangs"] = gang_summary(eng)
     rep["run"] = {
         "policy": _policy_dict(policy),
         "partitioned": not policy.borrowing,
