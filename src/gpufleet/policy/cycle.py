@@ -311,7 +311,14 @@ class _Pass:
         res = job.resources
         hard_end = self.now + job.max_runtime_s if job.max_runtime_s is not None else None
         held = self.hold_nodes.get(job.job_id, ())
-        use_memo = not held and (job.max_runtime_s is None or not self.index.shadows)
+        shadows = self.index.shadows
+        use_memo = not held and (
+            not shadows
+            or (
+                job.max_runtime_s is None
+                and all(sh.job_id != job.job_id for sh in shadows.values())
+            )
+        )
         refusal: Cause | None = None
         types = res.gpu_types or self.index.gpu_types
         for t in types:

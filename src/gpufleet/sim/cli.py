@@ -45,16 +45,18 @@ def _policy_dict(cfg: PolicyConfig) -> dict[str, Any]:
 
 
 def gang_summary(eng: Engine) -> dict[str, Any]:
-    """Multi-node jobs of the run: how many, and their queue delay (first start - submit)."""
-    waits = sorted(
-        js.first_start_s - js.spec.submit_s
-        for js in eng.fleet.jobs.values()
-        if js.first_start_s is not None and js.runs and len(eng.fleet.runs[js.runs[0]].members) > 1
-    )
+    """Multi-node jobs of the run: how many were placed, and their queue delay (first start -
+    submit), overall and per team."""
+    waits: dict[str, list[float]] = {}
+    for js in eng.fleet.jobs.values():
+        if js.first_start_s is None or not js.runs:
+            continue
+        if len(eng.fleet.runs[js.runs[0]].members) > 1:
+            waits.setdefault(js.spec.team_id, []).append(js.first_start_s - js.spec.submit_s)
     return {
         "placed": eng.gangs_placed,
-        "started_jobs": len(waits),
-        "queue_delay_s": summary(waits),
+        "queue_delay_s": summary([w for ws in waits.values() for w in ws]),
+        "per_team": {t: summary(ws) for t, ws in sorted(waits.items())},
     }
 
 
