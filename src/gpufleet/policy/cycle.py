@@ -325,12 +325,6 @@ class _Pass:
             members = self.members(res, t)
             if members is None:
                 continue
-            code = self.book.admit(
-                job.team_id, t, res.gpu_count, self.index.free_by_type.get(t, 0)
-            )
-            if code is not None:
-                refusal = refusal or (code, t)
-                continue
             memo_key = (
                 t,
                 members,
@@ -340,6 +334,12 @@ class _Pass:
                 selector_key(job.node_selector),
             )
             if use_memo and memo_key in self.gang_fail_memo:
+                continue  # (as for single-node jobs: the memo answers before quota)
+            code = self.book.admit(
+                job.team_id, t, res.gpu_count, self.index.free_by_type.get(t, 0)
+            )
+            if code is not None:
+                refusal = refusal or (code, t)
                 continue
             nodes = find_gang(
                 self.index, res, job.node_selector, t, members, hard_end, job.job_id, held
@@ -380,9 +380,11 @@ class _Pass:
         res = job.resources
         index = self.index
         every = {t: m for t in (res.gpu_types or index.all_types()) if (m := self.members(res, t))}
-        if not every or not static_fit(index.shape_counts(False), res, job.node_selector, every):
+        sel = job.node_selector
+        labels = bool(sel)
+        if not every or not static_fit(index.shape_counts(False, labels), res, sel, every):
             return ("never_fits", False)
-        if not static_fit(index.shape_counts(True), res, job.node_selector, every):
+        if not static_fit(index.shape_counts(True, labels), res, sel, every):
             return ("never_fits", True)
         self.head_done.add(job.team_id)
         types = [t for t in (res.gpu_types or index.gpu_types) if t in every]

@@ -120,12 +120,13 @@ def static_fit(
     "could ever fit". ``shapes``: distinct nodes with how many nodes share each shape (pass
     all nodes, or the schedulable ones only)."""
     caps: dict[str, list[int]] = {}
+    mres = {t: member_resources(res, m[-1]) for t, m in members_by_type.items()}
     for n, count in shapes:
         t = n.gpu_type
         members = members_by_type.get(t)
         if members is None or count <= 0:
             continue
-        if not node_accepts(n, member_resources(res, members[-1]), selector):
+        if not node_accepts(n, mres[t], selector):
             continue
         caps.setdefault(t, []).extend([n.total_gpus] * min(count, len(members)))
     return any(

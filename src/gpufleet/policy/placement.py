@@ -82,7 +82,7 @@ class FreeIndex:
         self._free: dict[str, _FreeNode] = {}  # created on first change (most never change)
         self._shapes: list[NodeState] | None = None
         self._node_gpus: dict[str, int] | None = None
-        self._shape_counts: list[tuple[NodeState, int, int]] | None = None
+        self._shape_counts: dict[bool, list[tuple[NodeState, int, int]]] = {}
         self.capacity_gpus: dict[str, int] = {}
         self.capacity_cpu = 0.0
         self.capacity_memory_mb = 0
@@ -154,11 +154,15 @@ class FreeIndex:
             self._shapes = list(shapes.values())
         return any(node_accepts(n, res, selector) for n in self._shapes)
 
-    def shape_counts(self, schedulable_only: bool) -> list[tuple[NodeState, int]]:
-        """Distinct node shapes (type, size, memory, CPU, labels) with how many nodes have
-        each (all nodes, or the schedulable ones): what gang "could ever fit" checks read.
-        Built once per pass, on first use."""
-        if self._shape_counts is None:
+    def shape_counts(
+        self, schedulable_only: bool, with_labels: bool = True
+    ) -> list[tuple[NodeState, int]]:
+        """Distinct node shapes (type, size, memory, CPU, and labels unless ``with_labels``
+        is False: enough for a job without a node selector) with how many nodes have each
+        (all nodes, or the schedulable ones): what gang "could ever fit" checks read. Built
+        once per pass and kind, on first use."""
+        cached = self._shape_counts.get(with_labels)
+        if cached is None:
             counts: dict[tuple[object, ...], tuple[NodeState, int, int]] = {}
             for n in self.nodes.values():
                 key = (
@@ -167,14 +171,14 @@ class FreeIndex:
                     n.gpu_memory_mb,
                     n.cpu_total,
                     n.memory_total_mb,
-                    tuple(sorted(n.labels.items())),
+                    tuple(sorted(n.labels.items())) if with_labels else (),
                 )
                 first, every, sched = counts.get(key, (n, 0, 0))
                 counts[key] = (first, every + 1, sched + int(n.schedulable))
-            self._shape_counts = list(counts.values())
+            cached = self._shape_counts[with_labels] = list(counts.values())
         if schedulable_only:
-            return [(n, sched) for n, _, sched in self._shape_counts]
-        return [(n, every) for n, every, _ in self._shape_counts]
+            return [(n, sched) for n, _, sched in cached]
+        return [(n, every) for n, every, _ in cached]
 
     def fits_schedulable(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether a schedulable node (ignoring what is free) could hold it."""
