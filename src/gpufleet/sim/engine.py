@@ -281,11 +281,11 @@ class Engine:
 
     def _preempt(self, d: Preempt) -> None:
         for rid in d.victim_run_ids:
-            run = self.fleet.runs[rid]
+            run = self.fleet.run_of(rid)  # a gang victim lists every member's run
             if run.status is RunStatus.PREEMPTING and run.stopping_for == d.for_job_id:
-                continue  # a gang victim listed again on another member's node
+                continue  # another member of an attempt already being stopped
             self.fleet.begin_stop(run, d.for_job_id)  # stops every member of a gang
-            self._push(self.now + self.opt.grace_s, _STOPPED, rid)
+            self._push(self.now + self.opt.grace_s, _STOPPED, run.run_id)
             self.rec.preempted()
         key = (d.for_job_id, d.node_id)
         for old in self._holds_of.get(d.for_job_id, ()):

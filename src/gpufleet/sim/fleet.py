@@ -61,11 +61,14 @@ class SimNode:
 
 @dataclass(frozen=True, slots=True)
 class SimMember:
-    """One member of an attempt: ``gpu_ids`` of ``node_id`` run rank ``rank``."""
+    """One member of an attempt: ``gpu_ids`` of ``node_id`` run rank ``rank``. ``run_id`` is
+    the member's own run (the attempt's run id for rank 0, ``<run_id>-<rank>`` for the others),
+    as the live store keeps one job_runs row per member under one token."""
 
     rank: int
     node_id: str
     gpu_ids: tuple[int, ...]
+    run_id: str
 
 
 @dataclass(slots=True)
@@ -145,6 +148,9 @@ class InMemoryFleet:
                 )
         self.jobs: dict[str, SimJobState] = {}
         self.runs: dict[str, SimRun] = {}
+        """Attempts by run id (rank 0's run id for a gang)."""
+        self.member_runs: dict[str, SimRun] = {}
+        """Gang attempts by the run id of a member of rank > 0."""
         self.active_runs: dict[str, SimRun] = {}
         self.touched_jobs: set[str] = set()
         self.touched_runs: set[str] = set()
@@ -204,6 +210,11 @@ class InMemoryFleet:
         js.end_s = now_s
         self.touched_jobs.add(job_id)
 
+    def run_of(self, run_id: str) -> SimRun:
+        """The attempt of a run id: a single-node run, or any member of a gang."""
+        run = self.runs.get(run_id)
+        return run if run is not None else self.member_runs[run_id]
+
     # -- reserve / confirm -------------------------------------------------------------
     def reserve(self, job_id: str, node_id: str, now_s: float) -> SimRun:
         """The allocation transaction: claim free GPU ids, create attempt + reservation, job
@@ -237,15 +248,16 @@ class InMemoryFleet:
         for rank, (nid, g) in enumerate(members):
             node = self.nodes[nid]
             gpu_ids = tuple(i for i, h in enumerate(node.holders) if h is None)[:g]
+            member_id = run_id if rank == 0 else f"{run_id}-{rank}"
             for i in gpu_ids:
-                node.holders[i] = run_id
+                node.holders[i] = member_id
             node.free -= g
             node.cpu_used += spec.cpu
             node.memory_used_mb += spec.memory_mb
             node._state = None
             self._stale_nodes.add(nid)
             self.dirty_nodes.add(nid)
-            claimed.append(SimMember(rank, nid, gpu_ids))
+            claimed.append(SimMember(rank, nid, gpu_ids, member_id))
         run = SimRun(
             run_id=run_id,
             job_id=job_id,
@@ -266,6 +278,8 @@ class InMemoryFleet:
         if js.first_start_s is None:
             js.first_start_s = now_s
         self.runs[run.run_id] = run
+        for m in run.members[1:]:
+            self.member_runs[m.run_id] = run
         self.active_runs[run.run_id] = run
         self.running_tuple = None
         self._stale_runs.add(run.run_id)
@@ -298,7 +312,7 @@ class InMemoryFleet:
             size = len(run.members)
             run.state = tuple(
                 RunningJob(
-                    run_id=run.run_id,
+                    run_id=m.run_id,
                     job_id=run.job_id,
                     team_id=run.team_id,
                     node_id=m.node_id,
@@ -432,8 +446,8 @@ class InMemoryFleet:
             ),
             reservations=tuple(
                 ReservationView(
-                    f"res-{r.run_id}" if m.rank == 0 else f"res-{r.run_id}-{m.rank}",
-                    r.run_id,
+                    "res-" + m.run_id,
+                    m.run_id,
                     r.job_id,
                     m.node_id,
                     m.gpu_ids,
@@ -448,8 +462,17 @@ class InMemoryFleet:
                 for j in sorted(job_ids)
             ),
             runs=tuple(
-                RunView(r.run_id, r.job_id, r.status, r.token, r.status is RunStatus.SUCCEEDED)
+                RunView(
+                    m.run_id,
+                    r.job_id,
+                    r.status,
+                    r.token,
+                    r.status is RunStatus.SUCCEEDED,
+                    rank=m.rank,
+                    gang_size=len(r.members),
+                )
                 for r in runs.values()
+                for m in r.members
             ),
         )
         self.touched_jobs.clear()
