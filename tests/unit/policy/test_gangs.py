@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from policy_builders import node, run, snap, team
 
 from gpufleet.domain.types import PriorityClass as P
@@ -399,3 +401,66 @@ def test_single_node_jobs_unchanged_by_gang_fields() -> None:
         result = schedule(snap(nodes, [pj]), PolicyConfig())
         assert [type(d).__name__ for d in result.decisions] == ["Place"]
         assert result.decisions[0].node_id == "n2"  # type: ignore[union-attr]
+
+
+@st.composite
+def gang_snapshots(draw: st.DrawFn) -> CycleResult:
+    nodes, running = [], []
+    for i in range(draw(st.integers(2, 8))):
+        total = draw(st.sampled_from([4, 8]))
+        free = draw(st.integers(0, total))
+        gpu_type = draw(st.sampled_from(["A100", "H100"]))
+        r = draw(st.sampled_from(["r1", "r2", "r3"]))
+        nodes.append(node(f"n{i}", free, total=total, gpu_type=gpu_type, labels={"rack": r}))
+        if free < total:
+            running.append(
+                run(
+                    f"x{i}",
+                    f"n{i}",
+                    team=draw(st.sampled_from(["a", "b"])),
+                    gpus=total - free,
+                    priority=draw(st.sampled_from([P.LOW, P.NORMAL])),
+                    expected_s=draw(st.sampled_from([None, 50.0, 500.0])),
+                    gpu_type=gpu_type,
+                )
+            )
+    pending = [
+        gang(
+            f"j{k}",
+            draw(st.sampled_from([1, 4, 8, 12, 16, 24])),
+            team=draw(st.sampled_from(["a", "b"])),
+            partial=draw(st.booleans()),
+            priority=draw(st.sampled_from([P.NORMAL, P.HIGH])),
+            at=float(k),
+        )
+        for k in range(draw(st.integers(1, 6)))
+    ]
+    s = snap(nodes, pending, running, [team("a", guarantee=8), team("b")], now=10.0)
+    return s, schedule(s)  # type: ignore[return-value]
+
+
+@settings(max_examples=150, deadline=None)
+@given(gang_snapshots())
+def test_any_pass_places_gangs_whole_and_within_free(case: object) -> None:
+    s, result = case  # type: ignore[misc]
+    nodes = {n.node_id: n for n in s.nodes}
+    jobs = {j.job_id: j for j in s.pending}
+    used: dict[str, int] = {}
+    for d in result.decisions:
+        if isinstance(d, Place):
+            used[d.node_id] = used.get(d.node_id, 0) + d.gpu_count
+        elif isinstance(d, PlaceGang):
+            res = jobs[d.job_id].resources
+            ids = [m.node_id for m in d.members]
+            assert len(set(ids)) == len(ids) > 1
+            assert len({nodes[i].gpu_type for i in ids}) == 1
+            assert sum(m.gpu_count for m in d.members) == res.gpu_count
+            size = max(n.total_gpus for n in s.nodes if n.gpu_type == nodes[ids[0]].gpu_type)
+            assert tuple(m.gpu_count for m in d.members) == gang_members(res, size)
+            assert [m.rank for m in d.members] == list(range(len(ids)))
+            for m in d.members:
+                used[m.node_id] = used.get(m.node_id, 0) + m.gpu_count
+        elif isinstance(d, Preempt):
+            assert d.victim_run_ids
+    for nid, n in used.items():
+        assert n <= nodes[nid].free_gpus
