@@ -1,4 +1,5 @@
-"""Philly 2017: the loader on a checked-in sample, and the full Oct-Nov replay (slow)."""
+"""Philly 2017: the loader on a checked-in sample, a three-day window with real gangs, and the
+full Oct-Nov replay (slow), gangs on whole nodes by default."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class TestLoader:
     @pytest.mark.parametrize(
         ("oversize", "want_kept", "want_max_gpus"),
         [
+            pytest.param("gang", 155, 32, id="gangs kept whole (the default)"),
             pytest.param("clip", 155, 8, id="gangs clipped to one node, GPU-time kept"),
             pytest.param("drop", 150, 8, id="gangs dropped"),
         ],
@@ -31,6 +33,15 @@ class TestLoader:
         assert max(j.gpus for j in jobs) == want_max_gpus
         assert [j.submit_s for j in jobs] == sorted(j.submit_s for j in jobs)
         assert all(j.submit_s >= 0 for j in jobs)
+
+    def test_default_keeps_gangs_whole(self) -> None:
+        jobs, stats = load_philly(HERE / "data" / "philly_sample.csv")
+        gangs = [j for j in jobs if j.gpus > 8]
+        assert stats.gangs == len(gangs) == 5
+        assert stats.clipped_oversize == stats.dropped_oversize == 0
+        assert not any(j.allow_partial_nodes for j in gangs)  # 16 and 32: whole 8-GPU nodes
+        with pytest.raises(ValueError, match="oversize"):
+            load_philly(HERE / "data" / "philly_sample.csv", oversize="split")
 
     def test_clipping_keeps_gpu_time(self) -> None:
         clipped, _ = load_philly(HERE / "data" / "philly_sample.csv", oversize="clip")
@@ -92,8 +103,8 @@ class TestPhillyReplay:
     @pytest.mark.xfail(
         strict=True,
         reason="this job table gives each VC far less load than the Helios authors' table "
-        "(6214e9 runs at 9% of its 512 GPUs) and their >8-GPU gangs wait for whole free "
-        "nodes; gpufleet places one node per job (docs/design/simulator.md)",
+        "(6214e9 runs at 9% of its 512 GPUs); placing its 186 gangs on whole free nodes, as "
+        "Helios did, raises the mean wait only from 70 s to 105 s (docs/design/simulator.md)",
     )
     def test_queue_delay_order_of_magnitude_and_ranking(
         self, philly_report: dict[str, object]
