@@ -122,7 +122,22 @@ def find_gang_reservation(
             continue
         if node.total_gpus < smallest or not node_accepts(node, mres, job.node_selector):
             continue
-        start, _ = start_on_node(job, node_id, index, running, now_s, smallest)
+        if smallest == node.total_gpus:
+            # a whole-node member starts when the node's last attempt ends (the same answer
+            # as start_on_node, without the walk: attempts are sorted by estimated end)
+            if index.hidden_from(node_id, job.job_id):
+                continue
+            own = index.held_node_for(job.job_id, node_id)
+            free = own.free_gpus if own is not None else index.visible_free(node_id)
+            if free >= smallest:
+                start = now_s
+            else:
+                runs = running.by_node.get(node_id, ())
+                if not runs or free + sum(r.gpu_count for _, r in runs) < smallest:
+                    continue
+                start = runs[-1][0]
+        else:
+            start, _ = start_on_node(job, node_id, index, running, now_s, smallest)
         if start != math.inf:
             starts.append((start, -node.total_gpus, node_id))
     if len(starts) < len(members):

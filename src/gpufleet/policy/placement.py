@@ -344,6 +344,13 @@ class FreeIndex:
             return False
         return not (fn.node.memory_total_mb and fn.memory_free_mb < res.memory_mb)
 
+    def hidden_from(self, node_id: str, job_id: str) -> int:
+        """Free GPUs of ``node_id`` held for another job than ``job_id`` (0 if none)."""
+        fn = self._free.get(node_id)
+        if fn is None or fn.holder is None or fn.holder == job_id:
+            return 0
+        return fn.held
+
     def held_node_for(self, job_id: str, node_id: str) -> _FreeNode | None:
         fn = self._free.get(node_id)
         return fn if fn is not None and fn.holder == job_id else None

@@ -213,19 +213,37 @@ class VictimSearch:
         plans: list[tuple[str, int, list[RunningJob]]] = []
         taken_before = set(self.taken)
         freed: dict[str, int] = {}
-        free_ok = {nid: f for f, nid in free_nodes}
+        free_sorted = sorted((nid, f) for f, nid in free_nodes)
+        cand_sorted = sorted(candidates)
+        # plans per (node, member size), recomputed only for nodes whose runs a choice took
+        version: dict[str, int] = {}
+        cache: dict[tuple[str, int], tuple[int, tuple[SetCost, list[RunningJob]] | None]] = {}
+        ok_cache: dict[tuple[str, int], bool] = {}
+
+        def node_ok(nid: str, m: int) -> bool:
+            hit = ok_cache.get((nid, m))
+            if hit is None:
+                mres = member_resources(job.resources, m)
+                hit = ok_cache[(nid, m)] = self._node_ok(job, index, nid, gpu_type, mres)
+            return hit
+
         for m in members:
-            mres = member_resources(job.resources, m)
             best: tuple[SetCost, str, list[RunningJob]] | None = None
-            for nid in sorted(n for n, f in free_ok.items() if f >= m and n not in used):
-                if self._node_ok(job, index, nid, gpu_type, mres):
+            for nid, f in free_sorted:
+                if f >= m and nid not in used and node_ok(nid, m):
                     best = ((0, 0, 0.0, 0, nid), nid, [])
                     break
             if best is None:
-                for node_id in sorted(candidates):
-                    if node_id in used or not self._node_ok(job, index, node_id, gpu_type, mres):
+                for node_id in cand_sorted:
+                    if node_id in used or not node_ok(node_id, m):
                         continue
-                    plan = self._plan(job, index, node_id, m, reason, freed.get(node_id, 0))
+                    v = version.get(node_id, 0)
+                    hit = cache.get((node_id, m))
+                    if hit is None or hit[0] != v:
+                        plan = self._plan(job, index, node_id, m, reason, freed.get(node_id, 0))
+                        cache[(node_id, m)] = (v, plan)
+                    else:
+                        plan = hit[1]
                     if plan is None:
                         continue
                     if best is None or plan[0] < best[0]:
@@ -240,6 +258,7 @@ class VictimSearch:
                     if other.node_id != node_id and other.run_id not in self.taken:
                         freed[other.node_id] = freed.get(other.node_id, 0) + other.gpu_count
                     self.taken.add(other.run_id)
+                    version[other.node_id] = version.get(other.node_id, 0) + 1
             plans.append((node_id, m, chosen))
         out: list[Preempt] = []
         for node_id, m, chosen in plans:
