@@ -126,11 +126,19 @@ class WaitingReasons(Mapping[str, WaitReason]):
                     f"Only nodes that are unhealthy, cordoned or draining could hold "
                     f"{_shape(job)}; it waits until one is schedulable again."
                 )
+            elif len(cause) > 1:  # a gang
+                msg = (
+                    f"No GPU type has enough nodes to ever hold {_shape(job)} as a gang "
+                    f"(whole nodes of one type, or the nodes x GPUs per node asked for); "
+                    f"resubmit with a smaller or different request."
+                )
             else:
                 msg = (
                     f"No node in the fleet can ever hold {_shape(job)}; "
                     f"resubmit with a smaller or different request."
                 )
+            if len(cause) > 1:
+                d["gang"] = True
             d["gpu_types"] = list(res.gpu_types)
             d["gpu_memory_mb"] = res.gpu_memory_mb
         elif code in ("team_at_guarantee", "over_borrow_limit", "guarantee_protected"):
