@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from gpufleet.policy.gang import member_resources
+from gpufleet.policy.gang import domain, member_resources
 from gpufleet.policy.placement import FreeIndex, Shadow, node_accepts
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import PendingJob
@@ -143,6 +143,23 @@ def find_gang_reservation(
     if len(starts) < len(members):
         return None
     starts.sort()
+    if len(set(members)) == 1:
+        # Uniform members: the gang can start when the k-th earliest node is ready; among the
+        # nodes ready by then, prefer one rack, then the fewest racks (largest first), as
+        # placement does. The start does not move.
+        k = len(members)
+        ready_by = starts[k - 1][0]
+        eligible = [e for e in starts if e[0] <= ready_by]
+        if len(eligible) > k:
+            racks: dict[tuple[str, str], list[tuple[float, int, str]]] = {}
+            for e in eligible:
+                racks.setdefault(domain(index.nodes[e[2]]), []).append(e)
+            whole = sorted((lst[k - 1][0], key) for key, lst in racks.items() if len(lst) >= k)
+            if whole:
+                starts = racks[whole[0][1]][:k]
+            else:
+                order = sorted(racks, key=lambda key: (-len(racks[key]), key))
+                starts = [e for key in order for e in racks[key]][:k]
     chosen: list[tuple[str, int]] = []
     used: set[str] = set()
     for m in members:

@@ -154,7 +154,8 @@ def could_ever_fit(
     return bool(every) and static_fit(shapes, res, selector, every)
 
 
-def _domain(node: NodeState) -> tuple[str, str]:
+def domain(node: NodeState) -> tuple[str, str]:
+    """The node's topology domain: (its ``switch`` label, its ``rack`` label), "" if unset."""
     labels = node.labels
     return labels.get(SWITCH_LABEL, ""), labels.get(RACK_LABEL, "")
 
@@ -237,7 +238,7 @@ def find_gang(
     nodes = index.nodes
     by_rack: dict[tuple[str, str], list[tuple[int, str]]] = {}
     for free, nid in cands:
-        by_rack.setdefault(_domain(nodes[nid]), []).append((free, nid))
+        by_rack.setdefault(domain(nodes[nid]), []).append((free, nid))
     if held_nodes:
         # GPUs held for this gang (after a preemption) are used first among equal fits
         mine = set(held_nodes)
@@ -274,7 +275,7 @@ def find_gang(
                 a = _fill(by_size(switches[sw]), members, ok)
                 if a is None:
                     continue
-                racks = len({_domain(nodes[nid]) for _, nid in a})
+                racks = len({domain(nodes[nid]) for _, nid in a})
                 score = (racks, leftover(a), sw)
                 if best_sw is None or score < best_sw:
                     best_sw = score

@@ -366,6 +366,21 @@ class TestBackfillHold:
         assert all(places[j] in ("n3", "n4") for j in places if j != "short")
         assert "short" in places
 
+    def test_hold_prefers_one_rack_among_nodes_ready_as_early(self) -> None:
+        """c1 drains first (t=50) but alone in its rack; the gang cannot start before t=100
+        anyway, when both r2 nodes are free: it holds those two."""
+        ends = {"c1": 50.0, "a1": 100.0, "b1": 100.0, "b2": 100.0}
+        racks = {"c1": "r3", "a1": "r1", "b1": "r2", "b2": "r2"}
+        s = snap(
+            [rack(n, 0, racks[n]) for n in ends],
+            [gang("big", 16, team="b")],
+            running=[run(f"x-{n}", n, team="a", gpus=8, expected_s=e) for n, e in ends.items()],
+            teams=[team("a"), team("b")],
+            now=10,
+        )
+        holds = [d for d in schedule(s).decisions if isinstance(d, HoldForBackfill)]
+        assert [(h.node_id, h.start_at_s) for h in holds] == [("b1", 100.0), ("b2", 100.0)]
+
     def test_hold_is_kept_and_renewed_on_the_same_nodes(self) -> None:
         prev = (
             BackfillReservation("big", "n3", 8, 300.0),
