@@ -314,13 +314,18 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         keep = set(vc_sizes) if p.get("teams", "known") == "known" and vc_sizes else None
         if isinstance(p.get("teams"), list):
             keep = {str(x) for x in p["teams"]}
+        oversize = str(p.get("oversize", "gang"))
+        if oversize not in ("gang", "clip", "drop"):
+            raise ScenarioError(
+                f"{path}: workload.philly.oversize must be gang, clip or drop, not {oversize!r}"
+            )
         loaded, st = load_philly(
             trace(str(p["path"])),
             start=str(p.get("start", "2017-10-01 00:00:00")),
             end=str(p.get("end", "2017-12-01 00:00:00")),
             teams=keep,
             max_gpus_per_job=max((g.gpus_per_node for g in groups), default=8),
-            oversize=str(p.get("oversize", "clip")),
+            oversize=oversize,
             estimate=str(p.get("estimate", "exact")),
             arrival_speedup=float(p.get("arrival_speedup", 1.0)),
         )
