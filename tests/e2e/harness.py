@@ -25,7 +25,7 @@ from gpufleet.services import auth
 from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
 
-TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"}
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED", "DEPENDENCY_FAILED"}
 # Scenario agents run jobs as themselves (--job-uids agent) unless a test asks otherwise:
 # the jobs run this interpreter (possibly private to root) and write into pytest's 0700 tmp.
 JOB_UIDS = "agent"

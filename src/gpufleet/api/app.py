@@ -59,7 +59,7 @@ from gpufleet.domain.states import JOB_TERMINAL, RUN_TERMINAL
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.queue import Waker
 from gpufleet.rpc import tls
-from gpufleet.services import auth, jobs, limits, node_identity, node_labels, teams
+from gpufleet.services import auth, jobctl, jobs, limits, node_identity, node_labels, teams
 from gpufleet.services import nodes as node_service
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database, is_unavailable
@@ -262,6 +262,7 @@ def create_app(state: AppState) -> FastAPI:
                 raise ValidationFailed(
                     f"the Idempotency-Key header {what}", field="Idempotency-Key"
                 )
+            depends = body.depends_on
             out = jobs.submit_job(
                 state.db,
                 team_id=who.team_id,
@@ -269,6 +270,13 @@ def create_app(state: AppState) -> FastAPI:
                 spec=body.to_spec(),
                 fallback_max_gpus=state.settings.max_gpus_per_node,
                 default_max_outstanding_jobs=defaults.max_outstanding_jobs,
+                control=jobs.SubmitControl(
+                    array=body.array,
+                    depends_on=[d.model_dump() for d in depends]
+                    if isinstance(depends, list)
+                    else depends,
+                    hold=body.hold,
+                ),
                 submitted_by=who.token_id,
             )
             if out.created:
@@ -277,10 +285,18 @@ def create_app(state: AppState) -> FastAPI:
                 response.status_code = 200
                 response.headers["Idempotent-Replayed"] = "true"
             SUBMITS.labels("created" if out.created else "replayed").inc()
+            if out.array_id is not None:
+                return JobCreated(
+                    job_id=out.job_id,
+                    status=out.status,
+                    array_id=out.array_id,
+                    job_ids=list(out.job_ids),
+                )
             return JobCreated(job_id=out.job_id, status=out.status)
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut, responses=errors(404))
     def get(job_id: str, who: Who) -> JobOut:
+        job_id = jobctl.resolve(state.db, None if who.is_admin else who.team_id, job_id)
         with state.db.read() as s:
             job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
             out = _job_out(job, runs)
@@ -295,6 +311,7 @@ def create_app(state: AppState) -> FastAPI:
     @app.get("/v1/jobs/{job_id}/events", responses=errors(404))
     def events(job_id: str, who: Who) -> dict[str, Any]:
         """The audit trail of one job: every transition and decision, with its reason."""
+        job_id = jobctl.resolve(state.db, None if who.is_admin else who.team_id, job_id)
         with state.db.read() as s:
             jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
             return {
@@ -322,10 +339,18 @@ def create_app(state: AppState) -> FastAPI:
         status: str | None = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
         cursor: str | None = None,
+        array_id: Annotated[str | None, Query(max_length=64)] = None,
+        name: Annotated[str | None, Query(max_length=256)] = None,
     ) -> JobList:
         with state.db.read() as s:
             rows, nxt = jobs.list_jobs(
-                s, None if who.is_admin else who.team_id, status=status, limit=limit, cursor=cursor
+                s,
+                None if who.is_admin else who.team_id,
+                status=status,
+                limit=limit,
+                cursor=cursor,
+                array_id=array_id,
+                name=name,
             )
             runs: dict[str, list[JobRunRow]] = {}
             if rows:
@@ -339,6 +364,7 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.delete("/v1/jobs/{job_id}", status_code=202, responses=errors(404, 409))
     def cancel(job_id: str, who: Who) -> dict[str, Any]:
+        job_id = jobctl.resolve(state.db, None if who.is_admin else who.team_id, job_id)
         status = jobs.cancel_job(state.db, None if who.is_admin else who.team_id, job_id)
         state.waker.wake()
         return {"job_id": job_id, "status": status, "cancel_requested": True}
@@ -371,6 +397,7 @@ def create_app(state: AppState) -> FastAPI:
         if follow and limit is not None:
             raise ValidationFailed("limit cannot be used with follow", field="limit")
         team = None if who.is_admin else who.team_id
+        job_id = await asyncio.to_thread(jobctl.resolve, state.db, team, job_id)
 
         def pick() -> tuple[str | None, bool, bool]:
             """(chosen attempt or None, attempt finished, job finished)."""
@@ -626,6 +653,9 @@ def create_app(state: AppState) -> FastAPI:
                 state.principals.pop(raw, None)
         return TokenOut(**out)
 
+    from gpufleet.api.jobctl import register_jobctl_routes  # it imports this module
+
+    register_jobctl_routes(app, state, job_out=_job_out)
     return app
 
 
@@ -724,10 +754,16 @@ def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
         memory_mb=int(spec["resources"].get("memory_mb") or 0),
         gpu_memory_mb=int(spec["resources"].get("gpu_memory_mb") or 0),
         expected_duration_s=spec.get("expected_duration_s"),
-        max_runtime_s=spec.get("max_runtime_s"),
+        max_runtime_s=(
+            job.max_runtime_s if job.max_runtime_s is not None else spec.get("max_runtime_s")
+        ),
         preemptible=bool(spec.get("preemptible", True)),
         node_selector=dict(spec.get("node_selector") or {}),
         env_keys=sorted(spec.get("env") or {}),
+        array_id=job.array_id,
+        array_index=job.array_index,
+        depends_on=job.depends_on,
+        held=bool(job.held),
         attempts=[
             AttemptOut(
                 run_id=r.id,

@@ -21,6 +21,13 @@ MAX_ENV_BYTES = 64 * 1024
 Name = Annotated[str, Field(max_length=256)]
 
 
+class DependencyIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["afterok", "afterany", "afternotok"] = "afterok"
+    job_id: str = Field(max_length=256)
+
+
 class JobCreate(BaseModel):
     """POST /v1/jobs body. Unknown fields are rejected (a typo must not be silently ignored)."""
 
@@ -43,6 +50,16 @@ class JobCreate(BaseModel):
     node_selector: dict[str, str] = Field(default_factory=dict)
     preemptible: bool = True
     working_dir: str | None = Field(default=None, max_length=4096)
+    array: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Job array, Slurm syntax: 0-99, 1,3,5, 0-15:4, with %N = max running.",
+    )
+    depends_on: str | list[DependencyIn] | None = Field(
+        default=None,
+        description="afterok:ID[:ID],afterany:ID,afternotok:ID (Slurm syntax) or a list.",
+    )
+    hold: bool = Field(default=False, description="Submit held: not placed until released.")
 
     @model_validator(mode="before")
     @classmethod
@@ -147,6 +164,35 @@ class ErrorOut(BaseModel):
 class JobCreated(BaseModel):
     job_id: str
     status: str
+    array_id: str | None = None
+    """Set for an array submit: ``job_id`` is then its first task."""
+    job_ids: list[str] | None = None
+    """An array's task job ids, by index."""
+
+
+class JobPatch(BaseModel):
+    """PATCH /v1/jobs/{id}: the fields a job may change after submit (omit the others)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    priority: Literal["CRITICAL", "HIGH", "NORMAL", "LOW"] | None = None
+    name: Name | None = None
+    max_runtime_s: float | None = Field(default=None, gt=0)
+
+
+class BulkCancel(BaseModel):
+    """POST /v1/jobs/cancel: the explicit jobs plus, when any filter is given, every job of
+    the team matching all filters. Finished jobs are skipped."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    job_ids: list[Annotated[str, Field(max_length=256)]] = Field(
+        default_factory=list, max_length=10_000
+    )
+    name: Name | None = None
+    state: str | None = Field(default=None, max_length=32)
+    array_id: str | None = Field(default=None, max_length=64)
+    dry_run: bool = False
 
 
 class AttemptOut(BaseModel):
@@ -206,6 +252,11 @@ class JobOut(BaseModel):
     preemptible: bool = True
     node_selector: dict[str, str] = {}
     env_keys: list[str] = []
+    array_id: str | None = None
+    array_index: int | None = None
+    depends_on: list[dict[str, str]] | None = None
+    """``[{"type": "afterok", "job_id": ...}]``."""
+    held: bool = False
     node_problems: list[dict[str, Any]] = []
     """Nodes this job waits on that cannot take work now: ``node_id``, ``status`` (SUSPECT,
     QUARANTINED, UNHEALTHY, CORDONED, DRAINING, FENCED) and ``reason``."""

@@ -372,6 +372,15 @@ def submit(
             "shell's PATH, like Slurm; '-' = the attempt's own directory and the agent's PATH)."
         ),
     ] = None,
+    array: Annotated[
+        str | None,
+        typer.Option("--array", help="Job array, Slurm syntax: 0-99%8, 1,3,5, 0-15:4."),
+    ] = None,
+    depends: Annotated[
+        str | None,
+        typer.Option("--depends", help="afterok:ID[:ID],afterany:ID,afternotok:ID."),
+    ] = None,
+    hold: Annotated[bool, typer.Option("--hold", help="Submit held (gpufleet release).")] = False,
     wait: Annotated[
         bool, typer.Option("--wait", help="Wait; exit with the job's exit code (0 iff SUCCEEDED).")
     ] = False,
@@ -390,6 +399,11 @@ def submit(
     from gpufleet.client import IdempotencyConflict
 
     with _session(url, token) as http:
+        if (wait or follow) and array:
+            raise ClientError(
+                "--wait/--follow take one job; watch an array with `gpufleet array ARRAY_ID`",
+                field="array",
+            )
         flags = {
             "name": name,
             "image": image,
@@ -402,6 +416,9 @@ def submit(
             "max_retries": max_retries,
             "expected_duration_s": expected_duration_s,
             "max_runtime_s": max_runtime_s,
+            "array": array,
+            "depends_on": depends,
+            "hold": hold or None,
         }
         base = load_jobfile(jobfile) if jobfile else {}
         body = build_job_body(
@@ -435,10 +452,15 @@ def submit(
             typer.echo(
                 f"(replay: a job was already submitted with idempotency key {key})", err=True
             )
+        array_id = created.raw.get("array_id")
         if quiet:
-            typer.echo(output.clean(created.job_id))
+            typer.echo(output.clean(str(array_id or created.job_id)))
         elif out in (OutputFormat.json, OutputFormat.yaml):
             output.print_data(created.raw, out.value)
+        elif array_id:
+            n = len(created.raw.get("job_ids") or [])
+            typer.echo(output.clean(str(array_id)))
+            typer.echo(f"array of {n} tasks; first task {created.job_id}", err=True)
         else:
             typer.echo(output.clean(created.job_id))
         if wait or follow:
@@ -573,12 +595,20 @@ def status(
 
 
 def fetch_jobs(
-    http: httpx.Client, status_filter: str | None, limit: int, all_pages: bool
+    http: httpx.Client,
+    status_filter: str | None,
+    limit: int,
+    all_pages: bool,
+    array: str | None = None,
+    name: str | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Jobs newest first: one page of ``limit``, or every page; and the next cursor."""
+    """Jobs newest first: one page of ``limit``, or every page; and the next cursor. ``array``
+    and ``name`` filter by array id and job name."""
     params: dict[str, Any] = {
         "limit": limit,
         **({"status": status_filter.upper()} if status_filter else {}),
+        **({"array_id": array} if array else {}),
+        **({"name": name} if name else {}),
     }
     items: list[dict[str, Any]] = []
     while True:
@@ -603,6 +633,8 @@ def list_jobs(
     count: Annotated[
         int, typer.Option("--count", min=0, hidden=True, help="Stop after N refreshes.")
     ] = 0,
+    array: Annotated[str | None, typer.Option("--array", help="Only this array's tasks.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Only jobs of this name.")] = None,
     out: OutputOpt = OutputFormat.table,
     wide: WideOpt = False,
     url: UrlOpt = None,
@@ -615,12 +647,14 @@ def list_jobs(
             from gpufleet.cli import live
 
             def render() -> Any:
-                items, _ = fetch_jobs(http, status_filter, limit, all_pages)
+                items, _ = fetch_jobs(
+                    http, status_filter, limit, all_pages, array=array, name=name
+                )
                 return output.jobs_table(items, wide=out is OutputFormat.wide)
 
             live.watch(render, interval, count, title="gpufleet list")
             return
-        items, cursor = fetch_jobs(http, status_filter, limit, all_pages)
+        items, cursor = fetch_jobs(http, status_filter, limit, all_pages, array=array, name=name)
         if out in (OutputFormat.json, OutputFormat.yaml):
             output.print_data({"items": items, "next_cursor": cursor}, out.value)
             return
@@ -798,7 +832,10 @@ def register_client_commands(app: typer.Typer) -> None:
     app.command("status")(status)
     app.command("list")(list_jobs)
     app.command("logs")(logs)
-    app.command("cancel")(cancel)
+    # `cancel` (one or many jobs) is job control's: see cli/jobctl.py
+    from gpufleet.cli import jobctl  # job control: hold, release, requeue, update, cancel...
+
+    jobctl.register(app)
     app.command("why")(why)
     app.command("nodes")(nodes)
     app.command("top")(top)

@@ -47,6 +47,7 @@ STATUS_STYLES = {
     "PREEMPTED": "magenta",
     "CANCELLED": "dim",
     "EXPIRED": "dim",
+    "DEPENDENCY_FAILED": "red",
     "READY": "green",
     "SUSPECT": "yellow",
     "DRAINING": "magenta",
@@ -489,6 +490,14 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
         rows.append(("selector", fmt(job["node_selector"])))
     if job.get("preemptible") is False:
         rows.append(("preemptible", "no"))
+    if job.get("array_id"):
+        rows.append(("array", f"{fmt(job.get('array_id'))} [{fmt(job.get('array_index'))}]"))
+    if job.get("depends_on"):
+        items = [f"{d.get('type')}:{d.get('job_id')}" for d in job["depends_on"]]
+        more = f" ... ({len(items)} in all)" if len(items) > 4 else ""
+        rows.append(("depends", fmt(", ".join(items[:4]) + more)))
+    if job.get("held"):
+        rows.append(("held", "yes (gpufleet release)"))
     if job.get("cancel_requested"):
         rows.append(("cancel", "requested"))
     if job.get("failure_reason"):

@@ -11,6 +11,7 @@ import logging
 import random
 import threading
 import time
+from collections import ChainMap
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from functools import partial
 
 import grpc
 from sqlalchemy import select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from gpufleet.controller import metrics
@@ -34,7 +36,7 @@ from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.services import nodes, preemption, runs
 from gpufleet.services.jobs import iso
 from gpufleet.settings import Settings
-from gpufleet.store import allocate
+from gpufleet.store import allocate, gating
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.queries import SpecCache, load_snapshot
@@ -139,6 +141,9 @@ class Scheduler:
                 usage_half_life_s=self.policy.usage_half_life_s,
                 spec_cache=self._specs,
             )
+            # held jobs, unmet dependencies and arrays at their %N limit never reach the policy
+            gated = gating.gate_snapshot(s, snap)
+            snap = gated.snapshot
             if self._stored_epoch != self.leadership.epoch:
                 self._stored, self._stored_epoch = None, self.leadership.epoch
             if self._stored is None:  # first pass of this leader: what earlier leaders wrote
@@ -148,6 +153,14 @@ class Scheduler:
                 # not dict(result): a Result has keys() and would be taken for a mapping
                 self._stored = {row[0]: row[1] for row in s.execute(query)}
         stats.pending = len(snap.pending)
+        if gated.result.failed:
+            try:
+                ended = self.db.run_write(
+                    partial(gating.fail_dependents, failed=gated.result.failed, now=now)
+                )
+                log.info("dependency never satisfiable: %d job(s) DEPENDENCY_FAILED", len(ended))
+            except SQLAlchemyError:  # placements go on; the next pass tries again
+                log.exception("could not end jobs with unsatisfiable dependencies")
         result = schedule(snap, self.policy)
         pending = {p.job_id: p for p in snap.pending}
         backfill: list[BackfillReservation] = []
@@ -180,9 +193,14 @@ class Scheduler:
             self.db.run_write(partial(preemption.release_holds, job_ids=result.released_holds))
         # a job that left the queue (placed, cancelled) is forgotten: if it comes back (a retry)
         # its reason was reset in the database and is computed again as for a new job
-        stored = {j: self._stored.get(j) for j in result.waiting}
+        waiting: Mapping[str, WaitReason] = (
+            ChainMap(dict(gated.result.blocked), result.waiting)  # type: ignore[arg-type]
+            if gated.result.blocked
+            else result.waiting
+        )
+        stored = {j: self._stored.get(j) for j in waiting}
         self._stored = stored
-        self._store_reasons(result.waiting, stored, snap.now_s)
+        self._store_reasons(waiting, stored, snap.now_s)
         stats.seconds = time.perf_counter() - t0
         metrics.observe_pass(
             snap,

@@ -20,6 +20,7 @@ import typer
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.sim.config import PARTITION_LABEL, Scenario, load_scenario, partition, policy_for
 from gpufleet.sim.engine import Engine
+from gpufleet.sim.metrics import summary
 
 app = typer.Typer(help="Trace-driven simulator running the live scheduling policy.")
 
@@ -49,6 +50,22 @@ Progress = Callable[[str, float, float], None]
 """``progress(run_name, fraction_done 0..1, sim_time_s)``."""
 
 
+def gang_summary(eng: Engine) -> dict[str, Any]:
+    """Multi-node jobs of the run: how many were placed, and their queue delay (first start -
+    submit), overall and per team."""
+    waits: dict[str, list[float]] = {}
+    for js in eng.fleet.jobs.values():
+        if js.first_start_s is None or not js.runs:
+            continue
+        if len(eng.fleet.runs[js.runs[0]].members) > 1:
+            waits.setdefault(js.spec.team_id, []).append(js.first_start_s - js.spec.submit_s)
+    return {
+        "placed": eng.gangs_placed,
+        "queue_delay_s": summary([w for ws in waits.values() for w in ws]),
+        "per_team": {t: summary(ws) for t, ws in sorted(waits.items())},
+    }
+
+
 def run_scenario(
     sc: Scenario, policy: PolicyConfig, progress: Callable[[float, int], None] | None = None
 ) -> tuple[Engine, dict[str, Any]]:
@@ -60,6 +77,7 @@ def run_scenario(
     eng = Engine(groups, sc.teams, sc.jobs, policy, opts)
     eng.run(progress)
     rep = eng.rec.report()
+    rep["gangs"] = gang_summary(eng)
     rep["run"] = {
         "policy": _policy_dict(policy),
         "partitioned": not policy.borrowing,

@@ -88,12 +88,13 @@ class SpecCache:
 
     def __init__(self) -> None:
         self._facts: dict[str, SpecFacts] = {}
-        self._pending: dict[str, tuple[tuple[int, datetime], PendingJob]] = {}
+        self._pending: dict[str, tuple[tuple[Any, ...], PendingJob]] = {}
 
     def pending_job(self, row: Any, facts: SpecFacts) -> PendingJob:
         """The PendingJob of a row; the same object as last pass while the job's attempt and
         queue time are unchanged (building 10,000 of them is a large part of a pass)."""
-        key = (row.attempts, row.queued_at)
+        # priority and max_runtime_s can change after submit (PATCH /v1/jobs/{id})
+        key = (row.attempts, row.queued_at, row.priority, row.max_runtime_s)
         cached = self._pending.get(row.id)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -104,7 +105,7 @@ class SpecCache:
             submitted_at_s=row.created_at.timestamp(),
             resources=facts.resources,
             expected_duration_s=facts.expected_duration_s,
-            max_runtime_s=facts.max_runtime_s,
+            max_runtime_s=row.max_runtime_s,
             node_selector=facts.node_selector,
             preemptible=facts.preemptible,
             attempt=row.attempts,
@@ -196,6 +197,7 @@ def load_snapshot(
             JobRow.created_at,
             JobRow.queued_at,
             JobRow.attempts,
+            JobRow.max_runtime_s,
         ).where(
             JobRow.status == JobStatus.PENDING,
             JobRow.cancel_requested.is_(False),
@@ -215,6 +217,7 @@ def load_snapshot(
             JobRunRow.preempted_for_job_id,
             JobRow.team_id,
             JobRow.priority,
+            JobRow.max_runtime_s,
         )
         .join(JobRow, JobRow.id == JobRunRow.job_id)
         .where(JobRunRow.status.in_([RunStatus.ASSIGNED, RunStatus.RUNNING, RunStatus.PREEMPTING]))
@@ -238,7 +241,7 @@ def load_snapshot(
                 cpu=f.resources.cpu,
                 memory_mb=f.resources.memory_mb,
                 expected_duration_s=f.expected_duration_s,
-                max_runtime_s=f.max_runtime_s,
+                max_runtime_s=run.max_runtime_s,
                 preemptible=f.preemptible,
                 stopping=run.status == RunStatus.PREEMPTING,
                 stopping_for_job_id=run.preempted_for_job_id,

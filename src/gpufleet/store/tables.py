@@ -117,6 +117,9 @@ class JobRow(Base):
         UniqueConstraint("team_id", "idempotency_key"),
         Index("ix_jobs_status_queue", "status", "priority_rank", "queued_at"),
         Index("ix_jobs_team_id_created", "team_id", "id"),
+        Index("ix_jobs_status_gated", "status", "gated"),
+        Index("ix_jobs_array_id", "array_id"),
+        Index("ix_jobs_team_id_name", "team_id", "name"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -129,7 +132,7 @@ class JobRow(Base):
     priority: Mapped[str] = mapped_column(String(16))
     priority_rank: Mapped[int] = mapped_column(Integer)
     gpu_count: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(24))
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     current_run_id: Mapped[str | None] = mapped_column(String(40))
     fencing_epoch: Mapped[int] = mapped_column(Integer, default=0)
@@ -145,6 +148,18 @@ class JobRow(Base):
     before it was recorded or outside the API."""
     retry_after: Mapped[datetime | None]
     """A retry after a failure is not placed before this time (exponential backoff)."""
+    held: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+    """Held by its user (``POST /v1/jobs/{id}/hold``, ``submit --hold``): never placed."""
+    gated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+    """Has a gate the scheduler checks each pass (held, dependencies, an array's max-running
+    limit): only such PENDING rows are read by ``store.gating``."""
+    array_id: Mapped[str | None] = mapped_column(String(40))
+    """The job array this job is a task of (``a-...``), or NULL."""
+    array_index: Mapped[int | None] = mapped_column(Integer)
+    array_max_running: Mapped[int | None] = mapped_column(Integer)
+    """The array's ``%N``: at most N of its tasks SCHEDULED or RUNNING at once."""
+    depends_on: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
+    """``[{"type": "afterok"|"afterany"|"afternotok", "job_id": ...}]``, or NULL."""
     created_at: Mapped[datetime]
     queued_at: Mapped[datetime]
     scheduled_at: Mapped[datetime | None]
@@ -351,8 +366,8 @@ class SchedulingEventRow(Base):
     """transition | placed | skipped | preempt | reconcile | ..."""
     machine: Mapped[str | None] = mapped_column(String(16))
     entity_id: Mapped[str | None] = mapped_column(String(128))
-    from_status: Mapped[str | None] = mapped_column(String(16))
-    to_status: Mapped[str | None] = mapped_column(String(16))
+    from_status: Mapped[str | None] = mapped_column(String(24))
+    to_status: Mapped[str | None] = mapped_column(String(24))
     trigger: Mapped[str | None] = mapped_column(String(64))
     job_id: Mapped[str | None] = mapped_column(String(40))
     run_id: Mapped[str | None] = mapped_column(String(40))

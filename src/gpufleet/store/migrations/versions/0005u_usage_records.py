@@ -1,7 +1,7 @@
 """usage records (accounting), the submitting token of a job, Kueue lending limit
 
 Revision ID: 0005u
-Revises: 0005t
+Revises: 0005j
 Create Date: 2026-11-30 16:30:00
 
 - ``usage_records``: one durable row per ended attempt (team, token, job, run, GPU type,
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0005u"
-down_revision: str | None = "0005t"
+down_revision: str | None = "0005j"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
