@@ -486,7 +486,8 @@ def flush_redis(url: str) -> None:
 def gpufleet_round(db_kind: str, a: argparse.Namespace, out: Path) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="gpufleet-vs-slurm-") as d:
         tmp = Path(d)
-        flush_redis(a.redis_url)
+        if a.flush_redis:
+            flush_redis(a.redis_url)
         with database(db_kind, a, tmp) as url:
             fleet = Fleet(tmp, url, a.redis_url, a.agents)
             try:
@@ -602,6 +603,9 @@ def main() -> None:
     ap.add_argument(
         "--redis-url",
         default=os.environ.get("GPUFLEET_BENCH_REDIS_URL", "redis://127.0.0.1:6379/4"),
+    )
+    ap.add_argument(
+        "--flush-redis", action="store_true", help="FLUSHDB the Redis database before each round"
     )
     ap.add_argument("--slurm-peer", type=Path, default=DEFAULT_PEER)
     ap.add_argument("--slurm-base", type=Path, default=Path("/tmp/gpufleet-vs-slurm"))
