@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +137,35 @@ class TestShim:
         os.close(r)
         assert odd in status["error"]
         assert odd in json.loads((tmp_path / "e").read_text())["start_error"]
+
+
+def test_a_finished_attempt_costs_no_scan_of_proc(tmp_path: Path, monkeypatch) -> None:
+    """The agent reaps the shim at once, so ``killpg(pgid, 0)`` fails right after the job and
+    the host's /proc is never scanned for the group (containment ``none``)."""
+    from gpufleet.agent import procfs
+    from gpufleet.agent.assignment_log import RunRecord
+    from gpufleet.agent.runtime.base import JobUser, Launch
+    from gpufleet.agent.runtime.containment import Containment
+    from gpufleet.agent.runtime.process import ProcessRuntime
+    from gpufleet.agent.workdir import RunPaths
+
+    def no_scan(pgid: int) -> list[procfs.ProcStat]:
+        raise AssertionError(f"/proc scanned for group {pgid}")
+
+    monkeypatch.setattr(procfs, "group_members", no_scan)
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    paths.work.mkdir(parents=True)
+    rt = ProcessRuntime(Containment("none", {}, "forced"))
+    rec = RunRecord(run_id="r-noscan", command=["true"])
+    me = JobUser(uid=os.getuid(), gid=os.getgid(), switch=False)
+    launch = Launch(
+        paths=paths, command=("true",), env={"PATH": os.environ["PATH"]}, cwd=paths.work, user=me
+    )
+    h = rt.spawn(rec, launch)
+    deadline = time.monotonic() + 30
+    info = None
+    while info is None and time.monotonic() < deadline:
+        info = rt.poll(rec, h, time.monotonic())
+        time.sleep(0.01)
+    assert info is not None and info.exit_code == 0
