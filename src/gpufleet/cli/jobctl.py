@@ -17,7 +17,7 @@ from gpufleet.cli.client import (
     OutputOpt,
     TokenOpt,
     UrlOpt,
-    _call,
+    _sdk,
     _session,
 )
 
@@ -35,9 +35,11 @@ def _each(
     path: str, jobs: list[str], out: OutputFormat, url: str | None, token: str | None, verb: str
 ) -> None:
     with _session(url, token) as http:
+        fleet = _sdk(http)
+        act = {"hold": fleet.hold, "release": fleet.release, "requeue": fleet.requeue}[path]
         results = []
         for ref in jobs:
-            data = _call(http, "POST", f"/v1/jobs/{ref}/{path}")
+            data = act(ref).raw
             results.append(data)
             if out is not OutputFormat.json:
                 typer.echo(output.clean(f"{verb}: {data.get('job_id')} ({data.get('status')})"))
@@ -74,17 +76,12 @@ def update(
     token: TokenOpt = None,
 ) -> None:
     """Change a job's priority, name or max runtime (PATCH /v1/jobs/ID)."""
-    body: dict[str, Any] = {}
-    if priority is not None:
-        body["priority"] = priority.upper()
-    if name is not None:
-        body["name"] = name
-    if max_runtime_s is not None:
-        body["max_runtime_s"] = max_runtime_s
     with _session(url, token) as http:
-        if not body:
+        if priority is None and name is None and max_runtime_s is None:
             raise ClientError("nothing to change: pass --priority, --name or --max-runtime-s")
-        data = _call(http, "PATCH", f"/v1/jobs/{job}", json=body)
+        data = (
+            _sdk(http).update(job, priority=priority, name=name, max_runtime_s=max_runtime_s).raw
+        )
         _emit(
             out,
             data,
@@ -116,18 +113,15 @@ def cancel(
         if not refs and not (name or state or array):
             raise ClientError("name jobs to cancel, or --name/--state/--array", field="jobs")
         if len(refs) == 1 and not (name or state or array):
-            data = _call(http, "DELETE", f"/v1/jobs/{refs[0]}")
+            data = _sdk(http).cancel(refs[0])
             _emit(out, data, f"cancel requested: {data.get('job_id')} ({data.get('status')})")
             return
-        body: dict[str, Any] = {"job_ids": refs}
-        for key, value in (("name", name), ("state", state), ("array_id", array)):
-            if value:
-                body[key] = value
+        fleet = _sdk(http)
         if not yes:
-            preview = _call(http, "POST", "/v1/jobs/cancel", json={**body, "dry_run": True})
-            chosen = preview.get("cancelled") or []
+            preview = fleet.cancel_many(refs, name=name, state=state, array_id=array, dry_run=True)
+            chosen = preview.cancelled
             if not chosen:
-                _emit(out, preview, "nothing to cancel (no unfinished job matches)")
+                _emit(out, preview.raw, "nothing to cancel (no unfinished job matches)")
                 return
             for item in chosen[:20]:
                 typer.echo(output.clean(f"  {item['job_id']}  {item['status']}"), err=True)
@@ -137,8 +131,8 @@ def cancel(
                 typer.echo("nothing cancelled", err=True)
                 raise typer.Exit(1)
             # exactly what was shown, not whatever matches the filters a moment later
-            body = {"job_ids": [item["job_id"] for item in chosen]}
-        data = _call(http, "POST", "/v1/jobs/cancel", json=body)
+            refs, name, state, array = list(preview.job_ids), None, None, None
+        data = fleet.cancel_many(refs, name=name, state=state, array_id=array).raw
         if out is OutputFormat.json:
             output.print_json(data)
             return
@@ -157,7 +151,7 @@ def array(
 ) -> None:
     """Show an array: tasks per state and each task's job id."""
     with _session(url, token) as http:
-        data = _call(http, "GET", f"/v1/arrays/{array_id}")
+        data = _sdk(http).array(array_id).raw
         if out is OutputFormat.json:
             output.print_json(data)
             return

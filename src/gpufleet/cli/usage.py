@@ -7,8 +7,6 @@ API with the client configuration (URL and token), like every user command.
 from __future__ import annotations
 
 import enum
-import hashlib
-import os
 import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
@@ -22,10 +20,11 @@ from gpufleet.cli.client import (
     OutputFormat,
     TokenOpt,
     UrlOpt,
-    _call,
-    _raise_for_error,
+    _sdk,
     _session,
 )
+from gpufleet.client.errors import ArtifactMismatch, TransportError
+from gpufleet.client.models import Artifact
 from gpufleet.domain.manifest import path_problem
 
 
@@ -93,27 +92,24 @@ def usage(
     GPU type: each attempt counts from its reservation to its end, clipped to the window (like
     Slurm's sreport). Not the decayed fair-share usage of `admin team list`."""
     with _session(url, token) as http:
-        params: dict[str, Any] = {"by": by.value}
-        for key, val in (
-            ("team", team),
-            ("since", when(since, "--since")),
-            ("until", when(until, "--until")),
-        ):
-            if val is not None:
-                params[key] = val
+        fleet = _sdk(http)
+        window: dict[str, Any] = {
+            "team": team,
+            "since": when(since, "--since"),
+            "until": when(until, "--until"),
+            "by": by.value,
+        }
         if out is UsageFormat.csv:
-            resp = http.get("/v1/usage", params={**params, "format": "csv"})
-            _raise_for_error(resp)
-            typer.echo(resp.text, nl=False)
+            typer.echo(fleet.usage_csv(**window), nl=False)
             return
-        data = _call(http, "GET", "/v1/usage", params=params)
+        data = fleet.usage(**window).raw
         if out is UsageFormat.json:
             output.print_json(data)
             return
-        window = f"{output.fmt_time(data.get('since')) if data.get('since') else 'start'}"
-        window += f" .. {output.fmt_time(data.get('until'))}"
+        span = f"{output.fmt_time(data.get('since')) if data.get('since') else 'start'}"
+        span += f" .. {output.fmt_time(data.get('until'))}"
         table = output._table(
-            by.value, "team", "GPU-hours", "attempts", "jobs", title=f"usage {window}"
+            by.value, "team", "GPU-hours", "attempts", "jobs", title=f"usage {span}"
         )
         for ln in data.get("items") or []:
             table.add_row(
@@ -161,66 +157,39 @@ def artifacts(
     --download DIR, fetch each one and check its size and sha256 (exit 1 on a mismatch; a
     file is in place only once verified)."""
     with _session(url, token) as http:
-        data = _call(http, "GET", f"/v1/jobs/{job}/artifacts")
-        items = data.get("items") or []
+        fleet = _sdk(http)
+        listing = fleet.artifacts(job)
         if download is None:
             if out is OutputFormat.json:
-                output.print_json(data)
+                output.print_json(listing.raw)
                 return
             table = output._table("path", "size", "sha256")
-            for f in items:
-                table.add_row(
-                    output.cell(f["path"]), output.cell(f["size"]), output.cell(f["sha256"])
-                )
+            for f in listing.items:
+                table.add_row(output.cell(f.path), output.cell(f.size), output.cell(f.sha256))
             output.console().print(table)
-            if not items:
+            if not listing.items:
                 typer.echo(f"job {job} stored no artifacts", err=True)
             return
         download.mkdir(parents=True, exist_ok=True)
-        for f in items:
-            dest = _target(download, f["path"])
-            _download(http, f"/v1/jobs/{job}/artifacts/{f['path']}", dest, f)
-            typer.echo(output.clean(f"{dest} ({f['size']} bytes, sha256 ok)"))
+        for art in listing.items:
+            dest = _target(download, art.path)
+            _download(fleet, job, art, dest)
+            typer.echo(output.clean(f"{dest} ({art.size} bytes, sha256 ok)"))
 
 
-def _download(http: Any, path: str, dest: Path, want: dict[str, Any]) -> None:
-    """Stream ``path`` to ``dest`` via ``dest.part``; rename only when size and sha256 match
-    the listing (and the server's ``X-Gpufleet-Sha256``).
+def _download(fleet: Any, job: str, want: Artifact, dest: Path) -> None:
+    """Fetch one artifact with the SDK's verified download (through ``dest.part``, renamed
+    only when size and sha256 match the listing and the server's ``X-Gpufleet-Sha256``).
 
     Raises:
-        ClientError: a mismatch or a short answer (exit 1); the partial file is removed.
+        ClientError: a mismatch or a broken download (exit 1); nothing is left at ``dest``.
     """
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + ".part")
-    h = hashlib.sha256()
-    size = 0
     try:
-        with http.stream("GET", path) as resp:
-            if resp.status_code >= 400:
-                resp.read()
-                _raise_for_error(resp)
-            header = resp.headers.get("x-gpufleet-sha256")
-            with open(part, "wb") as fh:
-                for chunk in resp.iter_bytes():
-                    h.update(chunk)
-                    size += len(chunk)
-                    fh.write(chunk)
-    except Exception as exc:
-        part.unlink(missing_ok=True)
-        if isinstance(exc, ClientError):
-            raise
-        raise ClientError(
-            f"download of {want['path']} failed: {exc or type(exc).__name__}", exit_code=1
-        ) from None
-    digest = h.hexdigest()
-    if size != want["size"] or digest != want["sha256"] or (header and header != digest):
-        part.unlink(missing_ok=True)
-        raise ClientError(
-            f"{want['path']}: got {size} bytes with sha256 {digest}; the manifest says"
-            f" {want['size']} bytes, sha256 {want['sha256']}",
-            exit_code=1,
-        )
-    os.replace(part, dest)
+        fleet.download_artifact(job, want, dest)
+    except ArtifactMismatch as exc:
+        raise ClientError(exc.message, exit_code=1) from None
+    except TransportError as exc:
+        raise ClientError(f"download of {want.path} failed: {exc}", exit_code=1) from None
 
 
 def register(app: typer.Typer) -> None:

@@ -7,6 +7,9 @@
         done = fleet.wait(job)                  # polls until terminal
         print(done.status, done.exit_code)
         print(fleet.logs(job, tail=20))
+        prep = fleet.submit("python3 prep.py", array="0-3%2")      # 4 tasks, 2 at a time
+        fleet.submit("python3 merge.py", depends_on=prep.job_ids)  # afterok on every task
+        print(fleet.usage(since="2026-11-01").hours_by_key())      # GPU-hours per team
 
 Errors are typed (:mod:`gpufleet.client.errors`): ``NotFound``, ``Conflict``,
 ``RateLimited`` (``.retry_after_s``), ``AuthError``, ``ValidationError`` (``.field``),
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from gpufleet.client.config import ConfigError
 from gpufleet.client.errors import (
     ApiError,
+    ArtifactMismatch,
     AuthError,
     BadRequest,
     Conflict,
@@ -35,12 +39,19 @@ from gpufleet.client.errors import (
 )
 from gpufleet.client.models import (
     TERMINAL_STATES,
+    ArrayInfo,
+    ArrayTask,
+    Artifact,
+    ArtifactList,
     Attempt,
+    CancelResult,
     Job,
     JobPage,
     Node,
     PendingReason,
     Submitted,
+    UsageLine,
+    UsageReport,
 )
 
 if TYPE_CHECKING:
@@ -65,10 +76,16 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "TERMINAL_STATES",
     "ApiError",
+    "ArrayInfo",
+    "ArrayTask",
+    "Artifact",
+    "ArtifactList",
+    "ArtifactMismatch",
     "AsyncClient",
     "Attempt",
     "AuthError",
     "BadRequest",
+    "CancelResult",
     "Client",
     "ConfigError",
     "Conflict",
@@ -87,5 +104,7 @@ __all__ = [
     "TransportError",
     "Unauthenticated",
     "Unavailable",
+    "UsageLine",
+    "UsageReport",
     "ValidationError",
 ]

@@ -6,11 +6,25 @@ import asyncio
 import builtins
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpufleet.client import _core
 from gpufleet.client.errors import ApiError, TransportError
-from gpufleet.client.models import Job, JobPage, JobRef, Node, Submitted, job_id_of
+from gpufleet.client.models import (
+    ArrayInfo,
+    Artifact,
+    ArtifactList,
+    CancelResult,
+    Job,
+    JobPage,
+    JobRef,
+    Node,
+    Submitted,
+    UsageReport,
+    job_id_of,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -196,21 +210,125 @@ class AsyncClient:
         return data
 
     async def list_page(
-        self, *, status: str | None = None, limit: int = 50, cursor: str | None = None
+        self,
+        *,
+        status: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+        array_id: str | None = None,
+        name: str | None = None,
     ) -> JobPage:
-        return _core.page_of(
-            await self.request("GET", "/v1/jobs", params=_core.list_params(status, limit, cursor))
-        )
+        params = _core.list_params(status, limit, cursor, array_id, name)
+        return _core.page_of(await self.request("GET", "/v1/jobs", params=params))
 
-    async def list(self, *, status: str | None = None, page_size: int = 100) -> AsyncIterator[Job]:
+    async def list(
+        self,
+        *,
+        status: str | None = None,
+        page_size: int = 100,
+        array_id: str | None = None,
+        name: str | None = None,
+    ) -> AsyncIterator[Job]:
         cursor = None
         while True:
-            page = await self.list_page(status=status, limit=page_size, cursor=cursor)
+            page = await self.list_page(
+                status=status, limit=page_size, cursor=cursor, array_id=array_id, name=name
+            )
             for item in page.items:
                 yield item
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor
+
+    # --- job control: see the same methods of gpufleet.client.Client ---------------------
+
+    async def hold(self, job: JobRef) -> Job:
+        return Job.from_dict(await self.request("POST", f"/v1/jobs/{job_id_of(job)}/hold"))
+
+    async def release(self, job: JobRef) -> Job:
+        return Job.from_dict(await self.request("POST", f"/v1/jobs/{job_id_of(job)}/release"))
+
+    async def requeue(self, job: JobRef) -> Job:
+        return Job.from_dict(await self.request("POST", f"/v1/jobs/{job_id_of(job)}/requeue"))
+
+    async def update(
+        self,
+        job: JobRef,
+        *,
+        priority: str | None = None,
+        name: str | None = None,
+        max_runtime_s: float | None = None,
+    ) -> Job:
+        body = _core.patch_body(priority, name, max_runtime_s)
+        return Job.from_dict(await self.request("PATCH", f"/v1/jobs/{job_id_of(job)}", json=body))
+
+    async def cancel_many(
+        self,
+        jobs: Sequence[JobRef] = (),
+        *,
+        name: str | None = None,
+        state: str | None = None,
+        array_id: str | None = None,
+        dry_run: bool = False,
+    ) -> CancelResult:
+        body = _core.cancel_body(jobs, name, state, array_id, dry_run)
+        return CancelResult.from_dict(await self.request("POST", "/v1/jobs/cancel", json=body))
+
+    async def array(self, array_id: str | Submitted) -> ArrayInfo:
+        aid = array_id if isinstance(array_id, str) else array_id.array_id
+        return ArrayInfo.from_dict(await self.request("GET", f"/v1/arrays/{aid}"))
+
+    async def usage(
+        self,
+        *,
+        team: str | None = None,
+        since: str | datetime | None = None,
+        until: str | datetime | None = None,
+        by: str = "team",
+    ) -> UsageReport:
+        params = _core.usage_params(team, since, until, by)
+        return UsageReport.from_dict(await self.request("GET", "/v1/usage", params=params))
+
+    async def usage_csv(
+        self,
+        *,
+        team: str | None = None,
+        since: str | datetime | None = None,
+        until: str | datetime | None = None,
+        by: str = "team",
+    ) -> str:
+        params = _core.usage_params(team, since, until, by, "csv")
+        return str((await self._send("GET", "/v1/usage", params=params)).text)
+
+    async def artifacts(self, job: JobRef) -> ArtifactList:
+        return ArtifactList.from_dict(
+            await self.request("GET", f"/v1/jobs/{job_id_of(job)}/artifacts")
+        )
+
+    async def download_artifact(self, job: JobRef, artifact: Artifact, dest: str | Path) -> Path:
+        """See :meth:`gpufleet.client.Client.download_artifact` (the file is written with
+        blocking writes; artifacts are read in chunks as they arrive)."""
+        import httpx
+
+        sink = _core.VerifiedDownload(Path(dest), artifact)
+        timeout = httpx.Timeout(30.0, connect=_core.CONNECT_TIMEOUT_S)
+        try:
+            async with self.http.stream(
+                "GET", _core.artifact_path(job, artifact), timeout=timeout
+            ) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise _core.error_of(resp)
+                header = resp.headers.get("x-gpufleet-sha256")
+                async for chunk in resp.aiter_bytes():
+                    sink.write(chunk)
+        except httpx.TransportError as exc:
+            sink.abort()
+            raise TransportError(f"{type(exc).__name__}: {exc}", self.url) from exc
+        except BaseException:
+            sink.abort()
+            raise
+        return sink.finish(header)
 
     async def nodes(self) -> builtins.list[Node]:
         data = await self.request("GET", "/v1/nodes")

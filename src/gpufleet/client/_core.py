@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shlex
 import uuid
 from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpufleet.client.config import require_token, resolve_client_config
-from gpufleet.client.errors import ApiError, error_from_response
-from gpufleet.client.models import Job, JobPage, Submitted
+from gpufleet.client.errors import ApiError, ArtifactMismatch, error_from_response
+from gpufleet.client.models import Artifact, Job, JobPage, JobRef, Submitted, job_id_of
 
 if TYPE_CHECKING:
     import httpx
@@ -93,10 +97,16 @@ def submit_body(
     gpu_memory_mb: int | None = None,
     node_selector: Mapping[str, str] | None = None,
     working_dir: str | None = None,
+    array: str | None = None,
+    depends_on: str | Sequence[JobRef | Mapping[str, str]] | None = None,
+    hold: bool | None = None,
+    preemptible: bool | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``POST /v1/jobs`` body; ``None`` arguments are left to the server's defaults;
-    a string command is split like a shell would (``shlex.split``)."""
+    a string command is split like a shell would (``shlex.split``). ``depends_on`` is Slurm
+    syntax (``"afterok:ID:ID,afterany:ID"``) or a list of jobs (``afterok``) and
+    ``{"type": ..., "job_id": ...}`` mappings."""
     body: dict[str, Any] = {
         "command": shlex.split(command) if isinstance(command, str) else list(command),
         "gpu_count": gpus,
@@ -115,10 +125,145 @@ def submit_body(
         "gpu_memory_mb": gpu_memory_mb,
         "node_selector": dict(node_selector) if node_selector is not None else None,
         "working_dir": working_dir,
+        "array": array,
+        "depends_on": dependencies(depends_on),
+        "hold": hold,
+        "preemptible": preemptible,
     }
     body.update({k: v for k, v in optional.items() if v is not None})
     body.update(extra or {})
     return body
+
+
+def dependencies(
+    deps: str | Sequence[JobRef | Mapping[str, str]] | None,
+) -> str | list[dict[str, str]] | None:
+    """``depends_on`` as the server takes it: a Slurm string unchanged; a list with each job
+    (id, ``Job``, ``Submitted``) as ``afterok`` and each mapping as given."""
+    if deps is None or isinstance(deps, str):
+        return deps
+    out: list[dict[str, str]] = []
+    for d in deps:
+        if isinstance(d, Mapping):
+            out.append({str(k): str(v) for k, v in d.items()})
+        else:
+            out.append({"type": "afterok", "job_id": job_id_of(d)})
+    return out
+
+
+def patch_body(
+    priority: str | None, name: str | None, max_runtime_s: float | None
+) -> dict[str, Any]:
+    """The ``PATCH /v1/jobs/{id}`` body (only the fields given).
+
+    Raises:
+        ValueError: nothing to change.
+    """
+    body: dict[str, Any] = {}
+    if priority is not None:
+        body["priority"] = priority.upper()
+    if name is not None:
+        body["name"] = name
+    if max_runtime_s is not None:
+        body["max_runtime_s"] = max_runtime_s
+    if not body:
+        raise ValueError("nothing to change: give priority, name or max_runtime_s")
+    return body
+
+
+def cancel_body(
+    jobs: Sequence[JobRef],
+    name: str | None,
+    state: str | None,
+    array_id: str | None,
+    dry_run: bool,
+) -> dict[str, Any]:
+    """The ``POST /v1/jobs/cancel`` body.
+
+    Raises:
+        ValueError: neither jobs nor a filter (that would cancel nothing, or everything).
+    """
+    if not jobs and not (name or state or array_id):
+        raise ValueError("name jobs to cancel, or a name/state/array_id filter")
+    body: dict[str, Any] = {"job_ids": [job_id_of(j) for j in jobs], "dry_run": dry_run}
+    for key, value in (("name", name), ("state", state.upper() if state else None),
+                       ("array_id", array_id)):  # fmt: skip
+        if value:
+            body[key] = value
+    return body
+
+
+def _time(value: str | datetime | None) -> str | None:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return value
+
+
+def usage_params(
+    team: str | None,
+    since: str | datetime | None,
+    until: str | datetime | None,
+    by: str,
+    fmt: str = "json",
+) -> dict[str, Any]:
+    """``GET /v1/usage`` query (ISO 8601 times; a naive ``datetime`` is UTC)."""
+    params: dict[str, Any] = {"by": by, "format": fmt}
+    for key, val in (("team", team), ("since", _time(since)), ("until", _time(until))):
+        if val is not None:
+            params[key] = val
+    return params
+
+
+def artifact_path(job: JobRef, artifact: Artifact | str) -> str:
+    path = artifact.path if isinstance(artifact, Artifact) else artifact
+    return f"/v1/jobs/{job_id_of(job)}/artifacts/{path}"
+
+
+class VerifiedDownload:
+    """Writes an artifact to ``dest`` through ``dest.part``, hashing as it goes; ``finish``
+    moves it into place only when size and sha256 equal the manifest's (and the server's
+    ``X-Gpufleet-Sha256``), so a file at ``dest`` is always a verified one. Shared by both
+    clients and the CLI (``gpufleet artifacts --download``)."""
+
+    def __init__(self, dest: Path, want: Artifact) -> None:
+        self.dest, self.want = dest, want
+        self.part = dest.with_name(dest.name + ".part")
+        self.hash = hashlib.sha256()
+        self.size = 0
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(self.part, "wb")  # noqa: SIM115 - closed by finish/abort
+
+    def write(self, chunk: bytes) -> None:
+        self.hash.update(chunk)
+        self.size += len(chunk)
+        self.fh.write(chunk)
+
+    def abort(self) -> None:
+        self.fh.close()
+        self.part.unlink(missing_ok=True)
+
+    def finish(self, header_sha256: str | None) -> Path:
+        """Verify and rename.
+
+        Raises:
+            ArtifactMismatch: size or sha256 differ (the partial file is removed).
+        """
+        self.fh.close()
+        digest = self.hash.hexdigest()
+        want = self.want
+        if (
+            self.size != want.size
+            or digest != want.sha256
+            or (header_sha256 and header_sha256 != digest)
+        ):
+            self.part.unlink(missing_ok=True)
+            raise ArtifactMismatch(
+                f"{want.path}: got {self.size} bytes with sha256 {digest}; the manifest says"
+                f" {want.size} bytes, sha256 {want.sha256}",
+                want.path,
+            )
+        os.replace(self.part, self.dest)
+        return self.dest
 
 
 def new_idempotency_key() -> str:
@@ -133,6 +278,8 @@ def submitted(resp: httpx.Response, key: str) -> Submitted:
         replayed=resp.status_code == 200,
         idempotency_key=key,
         raw=data,
+        array_id=data.get("array_id"),
+        job_ids=tuple(data.get("job_ids") or (str(data["job_id"]),)),
     )
 
 
@@ -143,8 +290,18 @@ def page_of(data: dict[str, Any]) -> JobPage:
     )
 
 
-def list_params(status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
+def list_params(
+    status: str | None,
+    limit: int,
+    cursor: str | None,
+    array_id: str | None = None,
+    name: str | None = None,
+) -> dict[str, Any]:
     params: dict[str, Any] = {"limit": limit}
+    if array_id:
+        params["array_id"] = array_id
+    if name:
+        params["name"] = name
     if status:
         params["status"] = status.upper()
     if cursor:

@@ -6,11 +6,25 @@ import builtins
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpufleet.client import _core
 from gpufleet.client.errors import ApiError, TransportError
-from gpufleet.client.models import Job, JobPage, JobRef, Node, Submitted, job_id_of
+from gpufleet.client.models import (
+    ArrayInfo,
+    Artifact,
+    ArtifactList,
+    CancelResult,
+    Job,
+    JobPage,
+    JobRef,
+    Node,
+    Submitted,
+    UsageReport,
+    job_id_of,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -124,7 +138,14 @@ class Client:
             **fields: any other job field: ``gpu_type``, ``name``, ``image``, ``env``,
                 ``priority``, ``max_retries``, ``max_runtime_s``, ``expected_duration_s``,
                 ``cpu``, ``memory_mb``, ``gpu_memory_mb``, ``node_selector``, ``working_dir``,
-                or ``extra={...}`` for fields this SDK does not name.
+                ``array`` (Slurm syntax: ``"0-9"``, ``"1,3,5"``, ``"0-15:4%2"``),
+                ``depends_on`` (``"afterok:ID:ID,afterany:ID"``, or a list of jobs, each
+                ``afterok``, and ``{"type", "job_id"}`` mappings), ``hold`` (submit held),
+                ``preemptible``, or ``extra={...}`` for fields this SDK does not name.
+
+        Returns:
+            ``Submitted``; for an array, ``array_id`` and every task's id in ``job_ids``
+            (``job_id`` is the first task).
 
         Raises:
             ValidationError: a bad field (``.field`` names it).
@@ -269,23 +290,173 @@ class Client:
         return data
 
     def list_page(
-        self, *, status: str | None = None, limit: int = 50, cursor: str | None = None
+        self,
+        *,
+        status: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+        array_id: str | None = None,
+        name: str | None = None,
     ) -> JobPage:
-        """One page of jobs, newest first (``limit`` 1..500)."""
-        return _core.page_of(
-            self.request("GET", "/v1/jobs", params=_core.list_params(status, limit, cursor))
-        )
+        """One page of jobs, newest first (``limit`` 1..500), optionally only one state,
+        one array's tasks or one name."""
+        params = _core.list_params(status, limit, cursor, array_id, name)
+        return _core.page_of(self.request("GET", "/v1/jobs", params=params))
 
-    def list(self, *, status: str | None = None, page_size: int = 100) -> Iterator[Job]:
+    def list(
+        self,
+        *,
+        status: str | None = None,
+        page_size: int = 100,
+        array_id: str | None = None,
+        name: str | None = None,
+    ) -> Iterator[Job]:
         """Every job (of the token's team; all teams for an admin token), newest first,
-        fetched a page at a time as the iterator advances."""
+        fetched a page at a time as the iterator advances; filters as :meth:`list_page`."""
         cursor = None
         while True:
-            page = self.list_page(status=status, limit=page_size, cursor=cursor)
+            page = self.list_page(
+                status=status, limit=page_size, cursor=cursor, array_id=array_id, name=name
+            )
             yield from page.items
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor
+
+    # --- job control ---------------------------------------------------------------------
+
+    def hold(self, job: JobRef) -> Job:
+        """Hold a PENDING job: it is not placed until :meth:`release` (``pending_reason``
+        code ``held``); holding a held job changes nothing.
+
+        Raises:
+            NotFound: no such job. Conflict: the job is not PENDING (``job_not_pending``).
+        """
+        return Job.from_dict(self.request("POST", f"/v1/jobs/{job_id_of(job)}/hold"))
+
+    def release(self, job: JobRef) -> Job:
+        """Release a held job (no change for one that is not held). Raises NotFound."""
+        return Job.from_dict(self.request("POST", f"/v1/jobs/{job_id_of(job)}/release"))
+
+    def requeue(self, job: JobRef) -> Job:
+        """A new attempt: a SCHEDULED/RUNNING job is stopped (SIGTERM, grace, SIGKILL) and
+        queued again; a FAILED, CANCELLED, EXPIRED or DEPENDENCY_FAILED one is PENDING again.
+
+        Raises:
+            NotFound: no such job. Conflict: PENDING or SUCCEEDED (``not_requeueable``).
+        """
+        return Job.from_dict(self.request("POST", f"/v1/jobs/{job_id_of(job)}/requeue"))
+
+    def update(
+        self,
+        job: JobRef,
+        *,
+        priority: str | None = None,
+        name: str | None = None,
+        max_runtime_s: float | None = None,
+    ) -> Job:
+        """Change a job's priority (CRITICAL|HIGH|NORMAL|LOW), name or max runtime (seconds)
+        (``PATCH /v1/jobs/{id}``); each change is an event.
+
+        Raises:
+            ValueError: nothing to change. ValidationError: a bad value (``.field``).
+            Conflict: a finished job may change only its name (``job_already_finished``).
+        """
+        body = _core.patch_body(priority, name, max_runtime_s)
+        return Job.from_dict(self.request("PATCH", f"/v1/jobs/{job_id_of(job)}", json=body))
+
+    def cancel_many(
+        self,
+        jobs: Sequence[JobRef] = (),
+        *,
+        name: str | None = None,
+        state: str | None = None,
+        array_id: str | None = None,
+        dry_run: bool = False,
+    ) -> CancelResult:
+        """Cancel ``jobs`` plus every unfinished job matching all of ``name``, ``state`` and
+        ``array_id`` (``POST /v1/jobs/cancel``); finished ones are ``skipped``. With
+        ``dry_run`` nothing is cancelled: ``cancelled`` lists what would be.
+
+        Raises:
+            ValueError: neither jobs nor a filter. NotFound: a named job does not exist.
+        """
+        body = _core.cancel_body(jobs, name, state, array_id, dry_run)
+        return CancelResult.from_dict(self.request("POST", "/v1/jobs/cancel", json=body))
+
+    def array(self, array_id: str | Submitted) -> ArrayInfo:
+        """An array's tasks (job id, index, status) and a count per state. Raises NotFound."""
+        aid = array_id if isinstance(array_id, str) else array_id.array_id
+        return ArrayInfo.from_dict(self.request("GET", f"/v1/arrays/{aid}"))
+
+    # --- accounting and artifacts ---------------------------------------------------------
+
+    def usage(
+        self,
+        *,
+        team: str | None = None,
+        since: str | datetime | None = None,
+        until: str | datetime | None = None,
+        by: str = "team",
+    ) -> UsageReport:
+        """GPU-hours of ended attempts in ``[since, until)`` (ISO 8601 or ``datetime``;
+        ``until`` defaults to now), each attempt counted from its reservation to its end and
+        clipped to the window, by ``team``, ``user`` (token owner), ``job`` or ``gpu_type``.
+
+        Raises:
+            Forbidden: a team token asking for another team. ValidationError: a bad time.
+        """
+        params = _core.usage_params(team, since, until, by)
+        return UsageReport.from_dict(self.request("GET", "/v1/usage", params=params))
+
+    def usage_csv(
+        self,
+        *,
+        team: str | None = None,
+        since: str | datetime | None = None,
+        until: str | datetime | None = None,
+        by: str = "team",
+    ) -> str:
+        """:meth:`usage` as CSV text: ``{by},team,gpu_hours,gpu_seconds,attempts,jobs``."""
+        params = _core.usage_params(team, since, until, by, "csv")
+        return str(self._send("GET", "/v1/usage", params=params).text)
+
+    def artifacts(self, job: JobRef) -> ArtifactList:
+        """The artifacts (path, size, sha256) of the job's accepted manifest.
+
+        Raises:
+            NotFound: no such job. Conflict: no accepted manifest (the job has not succeeded).
+        """
+        return ArtifactList.from_dict(self.request("GET", f"/v1/jobs/{job_id_of(job)}/artifacts"))
+
+    def download_artifact(self, job: JobRef, artifact: Artifact, dest: str | Path) -> Path:
+        """Stream one artifact to the file ``dest`` (via ``dest.part``), checking its size
+        and sha256 against ``artifact`` (an item of :meth:`artifacts`) and the server's
+        ``X-Gpufleet-Sha256``; ``dest`` exists only once verified.
+
+        Returns:
+            ``dest``.
+
+        Raises:
+            ArtifactMismatch: size or sha256 differ. NotFound: no such job or artifact.
+            TransportError: the download broke (the partial file is removed).
+        """
+        import httpx
+
+        sink = _core.VerifiedDownload(Path(dest), artifact)
+        try:
+            timeout = httpx.Timeout(30.0, connect=_core.CONNECT_TIMEOUT_S)
+            with self._stream("GET", _core.artifact_path(job, artifact), {}, timeout) as resp:
+                header = resp.headers.get("x-gpufleet-sha256")
+                try:
+                    for chunk in resp.iter_bytes():
+                        sink.write(chunk)
+                except httpx.TransportError as exc:
+                    raise TransportError(f"download broke: {exc}", self.url) from exc
+        except BaseException:
+            sink.abort()
+            raise
+        return sink.finish(header)
 
     # --- fleet ----------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ The tree, by HTTP status (the ``error`` code refines a few)::
 
     GpufleetClientError
      +- TransportError            the server could not be reached / the connection broke
+     +- ArtifactMismatch          a downloaded artifact's size or sha256 is not the manifest's
      +- ApiError                  any 4xx/5xx answer: .status, .code, .message, .field
          +- BadRequest            400 (malformed JSON, bad query combination)
          +- AuthError             401/403
@@ -38,6 +39,19 @@ class TransportError(GpufleetClientError):
     def __init__(self, message: str, url: str) -> None:
         super().__init__(message)
         self.message, self.url = message, url
+
+
+class ArtifactMismatch(GpufleetClientError):
+    """A downloaded artifact does not match its manifest entry (size, sha256, or the server's
+    ``X-Gpufleet-Sha256``); nothing was left at the destination.
+
+    Attributes:
+        path: the artifact's path in the manifest.
+    """
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.message, self.path = message, path
 
 
 class ApiError(GpufleetClientError):

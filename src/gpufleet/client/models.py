@@ -91,6 +91,13 @@ class Job:
     attempts: tuple[Attempt, ...]
     pending_reason: PendingReason | None
     raw: dict[str, Any] = field(repr=False, compare=False)
+    held: bool = False
+    """Held (``hold``): not placed until released."""
+    array_id: str | None = None
+    array_index: int | None = None
+    depends_on: tuple[dict[str, str], ...] = ()
+    """``({"type": "afterok", "job_id": ...}, ...)``."""
+    max_runtime_s: float | None = None
 
     @property
     def done(self) -> bool:
@@ -129,6 +136,11 @@ class Job:
             attempts=tuple(Attempt.from_dict(a) for a in d.get("attempts") or ()),
             pending_reason=PendingReason.from_dict(reason) if isinstance(reason, dict) else None,
             raw=d,
+            held=bool(d.get("held")),
+            array_id=_str(d.get("array_id")),
+            array_index=d.get("array_index"),
+            depends_on=tuple(dict(x) for x in d.get("depends_on") or ()),
+            max_runtime_s=d.get("max_runtime_s"),
         )
 
 
@@ -142,6 +154,10 @@ class Submitted:
     replayed: bool
     idempotency_key: str
     raw: dict[str, Any] = field(repr=False, compare=False)
+    array_id: str | None = None
+    """Set for an array submit; ``job_id`` is then its first task."""
+    job_ids: tuple[str, ...] = ()
+    """An array's task job ids, by index (``(job_id,)`` for a single job)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +191,157 @@ class Node:
             available_gpus=int(d.get("available_gpus") or 0),
             labels=dict(d.get("labels") or {}),
             last_heartbeat_at=_str(d.get("last_heartbeat_at")),
+            raw=d,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayTask:
+    """One task of a job array."""
+
+    job_id: str
+    array_index: int
+    status: str
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayInfo:
+    """``GET /v1/arrays/{id}``: the tasks by index, a count per state, and the ``%N``
+    limit on tasks running at once (None: no limit)."""
+
+    array_id: str
+    max_running: int | None
+    tasks: tuple[ArrayTask, ...]
+    counts: dict[str, int]
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @property
+    def done(self) -> bool:
+        """Every task is in a terminal state."""
+        return all(t.status in TERMINAL_STATES for t in self.tasks)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ArrayInfo:
+        return cls(
+            array_id=str(d.get("array_id")),
+            max_running=d.get("max_running"),
+            tasks=tuple(
+                ArrayTask(str(t["job_id"]), int(t.get("array_index") or 0), str(t["status"]))
+                for t in d.get("tasks") or ()
+            ),
+            counts={str(k): int(v) for k, v in (d.get("counts") or {}).items()},
+            raw=d,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CancelResult:
+    """``POST /v1/jobs/cancel``: ``cancelled`` (``{job_id, status}`` after the request; with
+    ``dry_run``, what would be) and ``skipped`` (already finished)."""
+
+    cancelled: tuple[dict[str, Any], ...]
+    skipped: tuple[dict[str, Any], ...]
+    dry_run: bool
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @property
+    def job_ids(self) -> tuple[str, ...]:
+        return tuple(str(c["job_id"]) for c in self.cancelled)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CancelResult:
+        return cls(
+            cancelled=tuple(d.get("cancelled") or ()),
+            skipped=tuple(d.get("skipped") or ()),
+            dry_run=bool(d.get("dry_run")),
+            raw=d,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class UsageLine:
+    """One group of a usage report: ``key`` is the team, user (token owner), job id or GPU
+    type; GPU-seconds inside the window; attempts and distinct jobs counted."""
+
+    key: str
+    team: str | None
+    gpu_seconds: float
+    gpu_hours: float
+    attempts: int
+    jobs: int
+
+
+@dataclass(frozen=True, slots=True)
+class UsageReport:
+    """``GET /v1/usage``: GPU-time of ended attempts inside ``[since, until)`` (ISO-8601
+    UTC; ``since`` None = from the start), each attempt clipped to the window (Slurm sreport
+    semantics), grouped ``by`` team, user, job or gpu_type, largest first."""
+
+    since: str | None
+    until: str
+    by: str
+    team: str | None
+    items: tuple[UsageLine, ...]
+    total_gpu_seconds: float
+    total_gpu_hours: float
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    def hours_by_key(self) -> dict[str, float]:
+        """``{key: gpu_hours}`` (for ``by="user"`` keys repeat across teams: use ``items``)."""
+        return {ln.key: ln.gpu_hours for ln in self.items}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> UsageReport:
+        return cls(
+            since=_str(d.get("since")),
+            until=str(d.get("until") or ""),
+            by=str(d.get("by")),
+            team=_str(d.get("team")),
+            items=tuple(
+                UsageLine(
+                    key=str(ln["key"]),
+                    team=_str(ln.get("team")),
+                    gpu_seconds=float(ln["gpu_seconds"]),
+                    gpu_hours=float(ln["gpu_hours"]),
+                    attempts=int(ln["attempts"]),
+                    jobs=int(ln["jobs"]),
+                )
+                for ln in d.get("items") or ()
+            ),
+            total_gpu_seconds=float(d.get("total_gpu_seconds") or 0.0),
+            total_gpu_hours=float(d.get("total_gpu_hours") or 0.0),
+            raw=d,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Artifact:
+    """One file of a job's accepted manifest: path (relative, ``/``-separated), size in
+    bytes, sha256 (hex)."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactList:
+    """``GET /v1/jobs/{id}/artifacts``: the files of the attempt that succeeded."""
+
+    job_id: str
+    run_id: str
+    items: tuple[Artifact, ...]
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ArtifactList:
+        return cls(
+            job_id=str(d.get("job_id")),
+            run_id=str(d.get("run_id")),
+            items=tuple(
+                Artifact(str(f["path"]), int(f["size"]), str(f["sha256"]))
+                for f in d.get("items") or ()
+            ),
             raw=d,
         )
 
