@@ -252,9 +252,7 @@ def test_async_client_mirrors_the_sync_methods(fleet: Fleet, tmp_path: Path) -> 
             assert (await c.array(sub)).counts == {"PENDING": 3}
             assert len([j async for j in c.list(array_id=sub.array_id)]) == 3
             dep = await c.submit("true", depends_on=[sub])
-            assert (await c.get(dep)).depends_on == (
-                {"type": "afterok", "job_id": sub.job_id},
-            )
+            assert (await c.get(dep)).depends_on == ({"type": "afterok", "job_id": sub.job_id},)
             assert (await c.hold(dep)).held
             assert not (await c.release(dep)).held
             assert (await c.update(dep, name="async-dep")).name == "async-dep"
