@@ -6,11 +6,13 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import update
 
 from gpufleet.api.app import AppState, create_app
 from gpufleet.domain.states import NodeStatus
@@ -20,8 +22,9 @@ from gpufleet.services import auth, nodes, runs
 from gpufleet.settings import Settings
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
-from gpufleet.store.tables import GpuHoldRow
+from gpufleet.store.tables import GpuHoldRow, JobRunRow
 from tests.factories import become_leader, create_node, submit
+from tests.store.test_runs import write_manifest
 
 
 def place(db: Database, job_id: str, node_id: str, gpus: int, epoch: int) -> allocate.Reserved:
@@ -148,14 +151,67 @@ def test_login_refuses_a_bad_token_and_pages_need_one(
     assert client.get("/ui/queue", follow_redirects=False).status_code == 303
 
 
-def test_usage_counts_gpu_hours_of_started_attempts(
-    ui: tuple[TestClient, dict[str, str], dict[str, str]],
+def finish_backdated(
+    db: Database, store: ObjectStore, team: str, node_id: str, ago: timedelta, code: int
+) -> str:
+    """A 1-GPU attempt on ``node_id`` reserved ``ago`` before now and ended now (exit
+    ``code``), through ``complete_run``: its usage record spans ``ago``."""
+    job_id = submit(db, team, gpus=1).job_id
+    r = place(db, job_id, node_id, 1, become_leader(db))
+
+    def backdate(s: Any) -> None:
+        s.execute(
+            update(JobRunRow)
+            .where(JobRunRow.id == r.run_id)
+            .values(created_at=s.get(JobRunRow, r.run_id).created_at - ago)
+        )
+        assert runs.confirm_assignment(s, r.run_id, r.token) == runs.Confirm.CONFIRMED
+
+    db.run_write(backdate)
+    uri = write_manifest(store, job_id, r.run_id, r.token, exit_code=code)
+    rep = runs.Report(node_id, r.run_id, r.token, runs.Outcome.EXITED, code, uri)
+    assert runs.complete_run(db, store, rep)[0] == runs.CompletionResult.ACCEPTED
+    return job_id
+
+
+def page_hours(html: str) -> tuple[str, dict[str, float]]:
+    table = html.split('id="usage"', 1)[1].split("</table>", 1)[0]
+    since = re.search(r'data-since="([^"]+)"', table)
+    assert since is not None
+    rows = re.findall(r'data-team="([^"]+)" data-gpu-hours="([0-9.]+)"', table)
+    return since.group(1), {team: float(h) for team, h in rows}
+
+
+def test_usage_page_sums_the_accounting_records_like_the_usage_api(
+    ui: tuple[TestClient, dict[str, str], dict[str, str]], db: Database, tmp_path: Path
 ) -> None:
     client, tokens, _ = ui
+    store = ObjectStore(str(tmp_path / "o"))
+    # n1's free GPU: vision 30 h (inside the window), then nlp 20 days (clipped to it)
+    finish_backdated(db, store, "vision", "n1", timedelta(hours=30), 0)
+    finish_backdated(db, store, "nlp", "n1", timedelta(days=20), 3)
     login(client, tokens["admin"])
-    html = client.get("/ui/usage").text
-    assert 'data-team="vision"' in html  # confirmed, running: counts up to now
-    assert 'data-team="nlp"' not in html.split('id="charged"')[0]  # never started
+    since, hours = page_hours(client.get("/ui/usage").text)
+    admin = {"Authorization": f"Bearer {tokens['admin']}"}
+    api = client.get("/v1/usage", params={"since": since, "by": "team"}, headers=admin).json()
+    want = {ln["key"]: ln["gpu_hours"] for ln in api["items"]}
+    assert hours.keys() == want.keys() >= {"vision", "nlp"}
+    for team, h in want.items():
+        assert abs(hours[team] - h) < 2e-6, (team, hours[team], h)
+    # the running vision attempt (2 GPUs) counts only once it ends, as in GET /v1/usage
+    assert 30 - 0.05 < hours["vision"] < 30 + 0.05
+    assert 13 * 24 < hours["nlp"] < 14 * 24  # clipped to the 14 UTC days shown
+    # a team token: its own team, the same figure as its GET /v1/usage
+    client.post("/ui/logout")
+    login(client, tokens["vision"])
+    _, mine = page_hours(client.get("/ui/usage").text)
+    own = client.get(
+        "/v1/usage",
+        params={"since": since},
+        headers={"Authorization": f"Bearer {tokens['vision']}"},
+    ).json()
+    assert mine.keys() == {"vision"}
+    assert abs(mine["vision"] - own["items"][0]["gpu_hours"]) < 2e-6
 
 
 def test_cancel_from_the_page(ui: tuple[TestClient, dict[str, str], dict[str, str]]) -> None:

@@ -39,6 +39,7 @@ from gpufleet.domain.manifest import Manifest
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, ReservationStatus, RunStatus
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.services import auth, jobs, teams
+from gpufleet.store import accounting
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
     GpuHoldRow,
@@ -428,48 +429,51 @@ def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) 
 
 
 def usage_context(s: Session, p: auth.Principal) -> dict[str, Any]:
-    """GPU-hours per team and day over the last ``USAGE_DAYS`` days, computed from attempts'
-    start and end times (an attempt still running counts up to now), and each team's decayed
-    charged usage (what fair sharing uses)."""
+    """GPU-hours per team and day (UTC) over the last ``USAGE_DAYS`` days from the accounting
+    records (``usage_records``), with the semantics of ``GET /v1/usage``: ended attempts only,
+    each from its reservation to its end, clipped to ``[since, now)``; so a team's total here
+    equals ``GET /v1/usage?since=<since>``'s line for it. Also each team's decayed charged
+    usage (what fair sharing uses)."""
     now = db_now(s)
     start = (now - timedelta(days=USAGE_DAYS - 1)).replace(
         hour=0, minute=0, second=0, microsecond=0
     )
-    q = (
-        select(JobRow.team_id, JobRunRow.started_at, JobRunRow.finished_at, JobRunRow.gpu_ids)
-        .join(JobRow, JobRow.id == JobRunRow.job_id)
-        .where(
-            JobRunRow.started_at.is_not(None),
-            (JobRunRow.finished_at.is_(None)) | (JobRunRow.finished_at >= start),
-        )
-    )
-    if not p.is_admin:
-        q = q.where(JobRow.team_id == p.team_id)
+    scope = None if p.is_admin else p.team_id
+    recs = accounting.usage_records(s, team=scope, since=start, until=now)
     days = [(start + timedelta(days=i)).date() for i in range(USAGE_DAYS)]
     hours: dict[str, dict[Any, float]] = {}
-    for team_id, started_at, finished_at, gpu_ids in s.execute(q):
-        if started_at is None:
-            continue
-        a, b = max(started_at, start), finished_at or now
-        per_team = hours.setdefault(team_id, {})
+    for rec in recs:
+        a, b = max(rec.start_at, start), min(rec.end_at, now)
+        per_team = hours.setdefault(rec.team_id, {})
         while a < b:
             day_end = (a + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
             seg_end = min(b, day_end)
-            per_team[a.date()] = per_team.get(a.date(), 0.0) + len(gpu_ids or []) * (
+            per_team[a.date()] = per_team.get(a.date(), 0.0) + rec.gpus * (
                 (seg_end - a).total_seconds() / 3600.0
             )
             a = seg_end
+    # the totals exactly as GET /v1/usage sums them (per-day parts may differ in rounding)
+    totals = {
+        ln.key: ln.gpu_hours
+        for ln in accounting.summarize(recs, accounting.GroupBy.TEAM, start, now)
+    }
     peak = max((v for t in hours.values() for v in t.values()), default=0.0)
     rows = [
         {
             "team": team,
-            "total": sum(per.values()),
+            "total": totals.get(team, 0.0),
             "days": [per.get(d, 0.0) for d in days],
         }
         for team, per in sorted(hours.items())
     ]
     charged = [t for t in teams.describe_teams(s) if p.is_admin or t["team"] == p.team_id]
-    return {"days": days, "rows": rows, "peak": peak or 1.0, "charged": charged}
+    return {
+        "days": days,
+        "since": jobs.iso(start),
+        "rows": rows,
+        "peak": peak or 1.0,
+        "charged": charged,
+    }
 
 
 def _log_tail(store: ObjectStore, job_id: str, run_id: str) -> str:
