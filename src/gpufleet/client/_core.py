@@ -186,10 +186,8 @@ def cancel_body(
     if not jobs and not (name or state or array_id):
         raise ValueError("name jobs to cancel, or a name/state/array_id filter")
     body: dict[str, Any] = {"job_ids": [job_id_of(j) for j in jobs], "dry_run": dry_run}
-    for key, value in (("name", name), ("state", state.upper() if state else None),
-                       ("array_id", array_id)):  # fmt: skip
-        if value:
-            body[key] = value
+    filters = {"name": name, "state": state.upper() if state else None, "array_id": array_id}
+    body.update({k: v for k, v in filters.items() if v})
     return body
 
 
