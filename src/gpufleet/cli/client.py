@@ -219,7 +219,8 @@ def build_job_body(
             body[key] = {**(body.get(key) or {}), **extra}
     if isinstance(body.get("gpu_type"), list) and len(body["gpu_type"]) == 1:
         body["gpu_type"] = body["gpu_type"][0]
-    body.setdefault("gpu_count", 1)
+    if not (body.get("nodes") and body.get("gpus_per_node")):
+        body.setdefault("gpu_count", 1)  # else the server derives nodes x gpus_per_node
     body["priority"] = str(body.get("priority") or "NORMAL").upper()
     return body
 
@@ -233,6 +234,22 @@ def submit(
     gpu_type: Annotated[
         list[str] | None, typer.Option("--gpu-type", help="GPU type; repeat in preference order.")
     ] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option("--nodes", help="Nodes of a multi-node (gang) job; one rank per node."),
+    ] = None,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--gpus-per-node", help="GPUs per node of a gang (--nodes N: --gpus = N x G)."
+        ),
+    ] = None,
+    allow_partial_nodes: Annotated[
+        bool,
+        typer.Option(
+            "--allow-partial-nodes", help="A derived gang may split --gpus unevenly over nodes."
+        ),
+    ] = False,
     gpu_memory_mb: Annotated[int | None, typer.Option(help="Min memory per GPU, MiB.")] = None,
     cpu: Annotated[float | None, typer.Option(help="CPU cores.")] = None,
     memory_mb: Annotated[int | None, typer.Option(help="Host memory, MiB.")] = None,
@@ -267,6 +284,9 @@ def submit(
             "image": image,
             "gpu_count": gpus,
             "gpu_type": gpu_type,
+            "nodes": nodes,
+            "gpus_per_node": gpus_per_node,
+            "allow_partial_nodes": allow_partial_nodes or None,
             "gpu_memory_mb": gpu_memory_mb,
             "cpu": cpu,
             "memory_mb": memory_mb,
@@ -327,13 +347,20 @@ def _stdout_is_tty() -> bool:
 
 
 def _stream_logs(
-    http: httpx.Client, job_id: str, follow: bool, run_id: str | None, tail: int | None = None
+    http: httpx.Client,
+    job_id: str,
+    follow: bool,
+    run_id: str | None,
+    tail: int | None = None,
+    rank: int = 0,
 ) -> None:
     """Copy the log body to stdout as it arrives (no read timeout while following); only the
-    last ``tail`` lines when given."""
+    last ``tail`` lines when given; rank ``rank``'s log of a multi-node job."""
     params: dict[str, str | int] = {"follow": str(follow).lower()}
     if run_id:
         params["run_id"] = run_id
+    if rank:
+        params["rank"] = rank
     if tail is not None:
         params["tail"] = tail
     timeout = httpx.Timeout(30.0, connect=5.0, read=None if follow else 30.0)
@@ -444,6 +471,9 @@ def logs(
     job: str,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep streaming.")] = False,
     attempt: Annotated[str | None, typer.Option("--attempt", help="A run_id.")] = None,
+    rank: Annotated[
+        int, typer.Option("--rank", min=0, help="Rank of a multi-node job (default 0).")
+    ] = 0,
     all_lines: Annotated[bool, typer.Option("--all", help="The whole log.")] = False,
     tail: Annotated[
         int, typer.Option("--tail", "-n", min=0, help="Show the last N lines (unless --all).")
@@ -452,9 +482,17 @@ def logs(
     token: TokenOpt = None,
 ) -> None:
     """Print a job's logs: the last 1,000 lines of the latest attempt (--all for the whole
-    log, --attempt RUN_ID for another attempt, -f to keep following)."""
+    log, --attempt RUN_ID for another attempt, --rank N for rank N of a multi-node job, -f to
+    keep following)."""
     with _session(url, token) as http:
-        _stream_logs(http, job, follow=follow, run_id=attempt, tail=None if all_lines else tail)
+        _stream_logs(
+            http,
+            job,
+            follow=follow,
+            run_id=attempt,
+            tail=None if all_lines else tail,
+            rank=rank,
+        )
 
 
 def cancel(

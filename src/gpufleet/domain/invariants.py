@@ -62,6 +62,10 @@ class RunView:
     started_at_s: float | None = None
     """When the agent confirmed the start (None: unconfirmed)."""
     stop_requested_at_s: float | None = None
+    rank: int = 0
+    """Member rank in a gang attempt (0 for a single-node job)."""
+    gang_size: int = 1
+    """Members of the attempt (1: a single-node job)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +113,12 @@ def check_invariants(view: InvariantView, stuck: StuckLimits | None = None) -> l
        gpu_ids are disjoint and match the per-GPU holder records.
     2. A GPU id is held by at most one active reservation (cluster-wide).
     3. A job has at most one authoritative attempt; a terminal job holds no active reservation.
-    4. At most one accepted completion per job.
+       A gang attempt is one attempt of several members (one run per rank, one shared
+       token): its live members all carry the job's current token, one per rank, at most
+       ``gang_size`` of them; and it is all-or-nothing: fewer live members than
+       ``gang_size`` only while a member is stopping (PREEMPTING) or has ended (the rest
+       are then being stopped, or end on their own).
+    4. At most one accepted completion per job (a gang's: rank 0's).
     """
     out: list[Violation] = []
     active = [r for r in view.reservations if r.status in RESERVATION_ACTIVE]
@@ -242,25 +251,70 @@ def _one_authoritative_attempt(
     active_res_by_job: dict[str, list[ReservationView]] = defaultdict(list)
     for r in active:
         active_res_by_job[r.job_id].append(r)
+    all_runs_by_job: dict[str, list[RunView]] = defaultdict(list)
+    for run in runs:
+        all_runs_by_job[run.job_id].append(run)
     for job in jobs:
         live = active_runs_by_job.get(job.job_id, [])
-        if len(live) > 1:
-            yield Violation(
-                3, job.job_id, f"{len(live)} active attempts: {[r.run_id for r in live]}"
-            )
-        for run in live:
-            if run.run_id != job.current_run_id:
-                yield Violation(3, job.job_id, f"active attempt {run.run_id} is not current")
-        if job.status in JOB_TERMINAL and active_res_by_job.get(job.job_id):
+        reserved = active_res_by_job.get(job.job_id, [])
+        gang = any(r.gang_size > 1 for r in live)
+        if not gang:
+            if len(live) > 1:
+                yield Violation(
+                    3, job.job_id, f"{len(live)} active attempts: {[r.run_id for r in live]}"
+                )
+            for run in live:
+                if run.run_id != job.current_run_id:
+                    yield Violation(3, job.job_id, f"active attempt {run.run_id} is not current")
+            if len(reserved) > 1:
+                yield Violation(3, job.job_id, "more than one active reservation")
+        else:
+            yield from _one_gang_attempt(job, live, all_runs_by_job[job.job_id], reserved)
+        if job.status in JOB_TERMINAL and reserved:
             yield Violation(3, job.job_id, f"terminal ({job.status}) but holds a reservation")
-        if len(active_res_by_job.get(job.job_id, [])) > 1:
-            yield Violation(3, job.job_id, "more than one active reservation")
+
+
+def _one_gang_attempt(
+    job: JobView,
+    live: list[RunView],
+    runs: list[RunView],
+    reserved: list[ReservationView],
+) -> Iterable[Violation]:
+    """Invariant 3 for a job whose live attempt is a gang (see :func:`check_invariants`)."""
+    size = max(r.gang_size for r in live)
+    tokens = {r.token for r in live}
+    if tokens != {job.fencing_epoch}:
+        yield Violation(
+            3,
+            job.job_id,
+            f"live gang members carry tokens {sorted(tokens)}, not the job's"
+            f" {job.fencing_epoch}",
+        )
+    ranks = [r.rank for r in live]
+    if len(set(ranks)) != len(ranks) or len(live) > size:
+        yield Violation(3, job.job_id, f"gang members' ranks {sorted(ranks)} (size {size})")
+    members = [r for r in runs if r.token == job.fencing_epoch]
+    if len(live) < size and not any(
+        r.status == "PREEMPTING" or r.status not in RUN_ACTIVE for r in members
+    ):
+        yield Violation(
+            3,
+            job.job_id,
+            f"gang attempt has {len(live)} live member(s) of {size} and none stopping or ended",
+        )
+    current = {r.run_id for r in members}
+    strays = [r.run_id for r in reserved if r.run_id not in current]
+    if strays:
+        yield Violation(3, job.job_id, f"reservations outside the current gang: {strays}")
+    if len(reserved) > size:
+        yield Violation(3, job.job_id, f"{len(reserved)} active reservations for {size} members")
 
 
 def _one_accepted_completion(runs: Iterable[RunView]) -> Iterable[Violation]:
     accepted: dict[str, int] = defaultdict(int)
     for run in runs:
-        if run.completion_accepted:
+        # a gang's members each end SUCCEEDED; the job's one result is rank 0's
+        if run.completion_accepted and run.rank == 0:
             accepted[run.job_id] += 1
     for job_id, count in sorted(accepted.items()):
         if count > 1:

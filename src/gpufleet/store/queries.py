@@ -63,6 +63,9 @@ def resources_of(spec: dict[str, object]) -> Resources:
         gpu_memory_mb=int(r.get("gpu_memory_mb") or 0),
         cpu=float(r.get("cpu") or 0.0),
         memory_mb=int(r.get("memory_mb") or 0),
+        nodes=int(r["nodes"]) if r.get("nodes") else None,
+        gpus_per_node=int(r["gpus_per_node"]) if r.get("gpus_per_node") else None,
+        allow_partial_nodes=bool(r.get("allow_partial_nodes") or False),
     )
 
 
@@ -211,6 +214,8 @@ def load_snapshot(
             JobRunRow.started_at,
             JobRunRow.created_at,
             JobRunRow.preempted_for_job_id,
+            JobRunRow.rank,
+            JobRunRow.gang_size,
             JobRow.team_id,
             JobRow.priority,
         )
@@ -240,6 +245,8 @@ def load_snapshot(
                 preemptible=f.preemptible,
                 stopping=run.status == RunStatus.PREEMPTING,
                 stopping_for_job_id=run.preempted_for_job_id,
+                rank=run.rank,
+                gang_size=run.gang_size,
             )
         )
     running_by_team: dict[str, list[tuple[int, float]]] = {}
@@ -334,6 +341,8 @@ def load_invariant_view(session: Session) -> InvariantView:
             created_at_s=r.created_at.timestamp(),
             started_at_s=r.started_at.timestamp() if r.started_at else None,
             stop_requested_at_s=r.stop_requested_at.timestamp() if r.stop_requested_at else None,
+            rank=r.rank,
+            gang_size=r.gang_size,
         )
         for r in session.scalars(select(JobRunRow))
     )
