@@ -102,9 +102,7 @@ def confirm(db: Database, r: allocate.Reserved) -> runs.Confirm:
 
 
 class TestReserveGang:
-    def test_every_member_gets_a_run_and_a_reservation_under_one_token(
-        self, db: Database
-    ) -> None:
+    def test_every_member_gets_a_run_and_a_reservation_under_one_token(self, db: Database) -> None:
         epoch = fleet(db)
         job_id = submit_gang(db)
         got = reserve_gang(db, job_id, [(0, "n3", 2), (1, "n1", 2)], epoch)
@@ -159,7 +157,15 @@ def test_racing_gangs_are_all_or_nothing_without_deadlock(db: Database) -> None:
         lost: list[Exception] = []
         other: list[BaseException] = []
 
-        def go(job_id: str, a: str, b: str) -> None:
+        def go(
+            job_id: str,
+            a: str,
+            b: str,
+            barrier: threading.Barrier = barrier,
+            won: list[allocate.ReservedGang] = won,
+            lost: list[Exception] = lost,
+            other: list[BaseException] = other,
+        ) -> None:
             barrier.wait()
             try:
                 won.append(reserve_gang(db, job_id, [(0, a, 6), (1, b, 6)], epoch))
@@ -277,9 +283,7 @@ class TestGangLifecycle:
         )
         assert sorted(o.run_id for o in orders) == sorted(m.run_id for m in g.members)
         with db.read() as s:
-            assert [(h.job_id, h.node_id) for h in s.query(GpuHoldRow).all()] == [
-                (critical, "n2")
-            ]
+            assert [(h.job_id, h.node_id) for h in s.query(GpuHoldRow).all()] == [(critical, "n2")]
         store_ = ObjectStore("/nonexistent")
         runs.complete_run(db, store_, stopped(g.members[1]))
         assert free(db) == {"n1": 0, "n2": 0}  # rank 0 still stopping: nothing reusable

@@ -287,8 +287,7 @@ def _one_gang_attempt(
         yield Violation(
             3,
             job.job_id,
-            f"live gang members carry tokens {sorted(tokens)}, not the job's"
-            f" {job.fencing_epoch}",
+            f"live gang members carry tokens {sorted(tokens)}, not the job's {job.fencing_epoch}",
         )
     ranks = [r.rank for r in live]
     if len(set(ranks)) != len(ranks) or len(live) > size:

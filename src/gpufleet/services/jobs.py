@@ -283,9 +283,7 @@ def _fleet_shapes(session: Session) -> list[NodeShape]:
         counted[shape] = counted.get(shape, 0) + 1
     shapes = sorted(
         (
-            NodeShape(
-                s.gpu_type, s.gpu_memory_mb, s.cpu, s.memory_mb, s.labels, s.total_gpus, n
-            )
+            NodeShape(s.gpu_type, s.gpu_memory_mb, s.cpu, s.memory_mb, s.labels, s.total_gpus, n)
             for s, n in counted.items()
         ),
         key=lambda n: (n.gpu_type, n.total_gpus, n.gpu_memory_mb, n.labels),
