@@ -18,8 +18,8 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 
 import grpc
-from sqlalchemy import select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import exists, select, update
+from sqlalchemy.orm import Session, aliased
 
 from gpufleet.controller.agents import AgentClients
 from gpufleet.domain.errors import CapacityConflict, NotLeader, StaleState
@@ -151,7 +151,12 @@ class Scheduler:
         for decision in result.decisions:
             try:
                 if isinstance(decision, Place):
-                    self._place(decision, pending[decision.job_id].attempt, stats)
+                    job = pending[decision.job_id]
+                    if (job.resources.nodes or 1) > 1:
+                        # an explicit multi-node job only ever runs as a gang (PlaceGang)
+                        log.warning("skip %s: job %s asks for a gang", decision, job.job_id)
+                        continue
+                    self._place(decision, job.attempt, stats)
                 elif isinstance(decision, PlaceGang):
                     self._place_gang(decision, pending[decision.job_id].attempt, stats)
                 elif isinstance(decision, Preempt):
@@ -354,7 +359,12 @@ class Scheduler:
             )
             return
         self.db.run_write(partial(runs.mark_delivered, run_id=run_id))
-        if req.gang_size > 1 and req.rank == 0 and resp.master_port:
+        if (
+            req.gang_size > 1
+            and req.rank == 0
+            and resp.master_port
+            and resp.result in (pb.AssignJobResponse.STARTED, pb.AssignJobResponse.ALREADY_RUNNING)
+        ):
             # rank 0 runs (or ran) and its agent chose MASTER_PORT: now the other ranks
             others = self.db.run_write(
                 partial(runs.record_master_port, run_id=run_id, port=resp.master_port)
@@ -375,7 +385,8 @@ class Scheduler:
             if found is None or found[0].status != RunStatus.ASSIGNED:
                 return None
             run, job, node, reservation_id = found
-            # resume from the latest earlier attempt that stored a checkpoint
+            # resume from the latest earlier attempt that stored a checkpoint (of a gang:
+            # every rank resumes from rank 0's, else from the lowest rank that stored one)
             prior = s.execute(
                 select(JobRunRow.checkpoint_prefix)
                 .where(
@@ -383,7 +394,7 @@ class Scheduler:
                     JobRunRow.checkpoint_prefix.is_not(None),
                     JobRunRow.attempt < run.attempt,
                 )
-                .order_by(JobRunRow.attempt.desc())
+                .order_by(JobRunRow.attempt.desc(), JobRunRow.rank)
                 .limit(1)
             ).scalar_one_or_none()
             env = dict(spec_env(job.spec))
@@ -815,6 +826,7 @@ class Reconciler:
         with self.db.read() as s:
             now = db_now(s)
             cutoff = now - timedelta(seconds=self.settings.confirm_timeout_s)
+            rank0 = aliased(JobRunRow)
             stuck = list(
                 s.scalars(
                     select(JobRunRow.id)
@@ -835,6 +847,15 @@ class Reconciler:
                             & (JobRunRow.created_at < now - timedelta(seconds=2))
                         )
                         | (JobRunRow.assigned_at < cutoff),
+                        # ranks 1..n-1 of a gang wait for rank 0's MASTER_PORT (re-sending
+                        # rank 0 assigns them)
+                        (JobRunRow.rank == 0)
+                        | exists().where(
+                            rank0.job_id == JobRunRow.job_id,
+                            rank0.token == JobRunRow.token,
+                            rank0.rank == 0,
+                            rank0.master_port.is_not(None),
+                        ),
                     )
                 )
             )

@@ -745,12 +745,14 @@ def node_problems(session: Session, job: JobRow) -> list[dict[str, str | None]]:
         return {"node_id": n.id, "status": n.status, "reason": n.status_reason}
 
     if job.status in (JobStatus.SCHEDULED, JobStatus.RUNNING) and job.current_run_id:
-        node = session.execute(
+        # every member's node of a gang attempt (they share the job's token)
+        members = session.scalars(
             select(NodeRow)
             .join(JobRunRow, JobRunRow.node_id == NodeRow.id)
-            .where(JobRunRow.id == job.current_run_id)
-        ).scalar_one_or_none()
-        return [one(node)] if node is not None and node.status != NodeStatus.HEALTHY else []
+            .where(JobRunRow.job_id == job.id, JobRunRow.token == job.fencing_epoch)
+            .order_by(NodeRow.id)
+        ).all()
+        return [one(n) for n in members if n.status != NodeStatus.HEALTHY]
     if job.status != JobStatus.PENDING:
         return []
     types = set((job.spec.get("resources") or {}).get("gpu_types") or [])
