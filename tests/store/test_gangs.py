@@ -362,3 +362,25 @@ class TestGangValidation:
         with pytest.raises(ValidationFailed) as big:
             derived(16)
         assert big.value.field == "nodes"
+
+
+def test_a_cancelled_gang_ends_cancelled_once_every_member_is_gone(
+    db: Database, store: ObjectStore
+) -> None:
+    epoch = fleet(db, n=2)
+    job_id = submit_gang(db, max_retries=3)
+    g = reserve_gang(db, job_id, [(0, "n1", 2), (1, "n2", 2)], epoch)
+    for m in g.members:
+        confirm(db, m)
+    for m in g.members:  # what the stop driver does for a cancel_requested job
+        db.run_write(
+            lambda s, m=m: runs.request_stop(s, m.run_id, m.token, "cancel", message="cancel")
+        )
+    runs.complete_run(db, store, stopped(g.members[1]))
+    assert job_and_runs(db, job_id)[0].status == JobStatus.RUNNING
+    runs.complete_run(db, store, stopped(g.members[0]))
+    job, rows = job_and_runs(db, job_id)
+    assert job.status == JobStatus.CANCELLED
+    assert [r.status for r in rows] == [RunStatus.CANCELLED, RunStatus.CANCELLED]
+    assert free(db) == {"n1": 8, "n2": 8}
+    assert violations(db) == []
