@@ -735,6 +735,8 @@ def _complete_gang_member(
         node_id=run.node_id,
         message=f"rank {run.rank}: {why}",
     )
+    if values.get("charged_to") == "node":
+        _cordon_if_failing(session, run.node_id, now)
     if failed:
         stop_gang(
             session,
