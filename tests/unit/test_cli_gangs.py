@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from tests.unit.test_cli_client import FakeApi, api, cli
+from tests.unit.test_cli_client import FakeApi, api, attempt, cli, job
 
 __all__ = ["api"]  # the fixture, re-used
 
@@ -39,3 +39,16 @@ def test_logs_rank(api: FakeApi) -> None:
     assert result.exit_code == 0, result.stderr
     assert result.stdout == "rank 3\n"
     assert dict(api.requests[0].url.params) == {"follow": "false", "tail": "1000", "rank": "3"}
+
+
+def test_status_shows_the_gang_shape_and_each_rank(api: FakeApi) -> None:
+    members = [
+        attempt("run_a", "RUNNING", rank=0, gang_size=2),
+        attempt("run_b", "RUNNING", rank=1, gang_size=2, node_id="node-b"),
+    ]
+    data = job(status="RUNNING", gpu_count=4, nodes=2, gpus_per_node=2, attempts=members)
+    api.on("GET", "/v1/jobs/job_1", httpx.Response(200, json=data))
+    result = cli("status", "job_1")
+    assert result.exit_code == 0, result.stderr
+    for want in ("2 x 2 GPUs", "1 r0/2", "1 r1/2", "run_a", "run_b", "node-b"):
+        assert want in result.stdout, want
