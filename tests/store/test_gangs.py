@@ -223,6 +223,10 @@ class TestGangLifecycle:
         job, rows = job_and_runs(db, job_id)
         assert job.status == JobStatus.RUNNING and rows[1].status == RunStatus.SUCCEEDED
         assert free(db)["n2"] == 6  # a gang's GPUs come back together
+        with db.snapshot() as s:  # ... and the policy sees who holds them
+            snap = load_snapshot(s, db_now(s))
+        held = {r.run_id: r.stopping for r in snap.running}
+        assert held == {r0.run_id: False, r1.run_id: False}
         assert violations(db) == []
         rep0 = exited(store, job_id, r0)
         runs.complete_run(db, store, rep0)
@@ -245,6 +249,9 @@ class TestGangLifecycle:
         assert (rows[0].status, rows[0].stop_reason) == (RunStatus.PREEMPTING, "gang")
         assert (rows[1].status, rows[1].gang_outcome) == (RunStatus.FAILED, "PENDING")
         assert free(db)["n2"] == 6 and free(db)["n1"] == 6  # nothing reused while stopping
+        with db.snapshot() as s:
+            snap = load_snapshot(s, db_now(s))
+        assert {r.run_id: r.stopping for r in snap.running} == {r0.run_id: True, r1.run_id: True}
         assert violations(db) == []
         runs.complete_run(db, store, stopped(r0))
         job, rows = job_and_runs(db, job_id)
