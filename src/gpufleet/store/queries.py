@@ -298,7 +298,9 @@ def load_snapshot(
         )
     holds = tuple(
         GpuHold(h.job_id, h.node_id, h.gpu_count, h.since.timestamp(), h.reason)
-        for h in session.scalars(select(GpuHoldRow).order_by(GpuHoldRow.job_id))
+        for h in session.scalars(
+            select(GpuHoldRow).order_by(GpuHoldRow.job_id, GpuHoldRow.node_id)
+        )
     )
     return ClusterSnapshot(
         now_s=now_s,
