@@ -178,9 +178,15 @@ def test_killing_one_rank_stops_the_other_and_retries_the_gang_with_a_new_token(
     assert alive(rank0) and alive(rank1)
     os.kill(rank1, signal.SIGKILL)
     fleet.wait_for(lambda: not alive(rank0), 30, "rank 0 stopped with its gang")
-    job = fleet.wait_status(job_id, {"PENDING", *TERMINAL}, timeout_s=30)
-    assert job["status"] == "PENDING", job
-    first = {m["rank"]: m for m in job["attempts"]}
+
+    def first_attempt_ended() -> bool:
+        members = [m for m in fleet.job(job_id)["attempts"] if m["attempt"] == 1]
+        return all(m["status"] in ("SUCCEEDED", "FAILED", "PREEMPTED") for m in members)
+
+    fleet.wait_for(first_attempt_ended, 30, "every member of attempt 1 to end")
+    job = fleet.job(job_id)  # PENDING (a gang-aware policy may place the retry after backoff)
+    assert job["status"] in ("PENDING", "SCHEDULED", "RUNNING"), job
+    first = {m["rank"]: m for m in job["attempts"] if m["attempt"] == 1}
     assert first[1]["status"] == "FAILED" and first[1]["exit_code"] != 0
     assert (first[0]["status"], first[0]["stop_reason"]) == ("FAILED", "gang")
     place(fleet, job_id)  # the retry: ONE new gang attempt
@@ -231,8 +237,8 @@ def test_preempting_a_gang_member_stops_the_whole_gang_before_its_gpus_are_reuse
     with fleet.http() as c:
         said = c.get(f"/v1/jobs/{critical}/logs").text
     assert "gang alive: []" in said, said
-    gang = fleet.wait_status(job_id, {"PENDING", *TERMINAL}, timeout_s=30)
-    assert gang["status"] == "PENDING"
-    assert {m["status"] for m in gang["attempts"]} == {"PREEMPTED"}
+    gang = fleet.job(job_id)  # requeued (a gang-aware policy may place it again meanwhile)
+    assert gang["status"] != "FAILED" and gang["status"] != "CANCELLED", gang
+    assert {m["status"] for m in gang["attempts"] if m["attempt"] == 1} == {"PREEMPTED"}
     assert not any(alive(p) for p in pids)
     assert fleet.violations == [] and fleet.check() == []
