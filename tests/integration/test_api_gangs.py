@@ -49,9 +49,11 @@ CMD = ["python3", "train.py"]
         ({"nodes": 4, "gpus_per_node": 4}, "nodes"),  # only 3 nodes registered
         ({"nodes": 2, "gpus_per_node": 8}, "gpus_per_node"),  # no 8-GPU node
         ({"gpu_count": 6}, "gpu_count"),  # not whole 4-GPU nodes, no allow_partial_nodes
-        ({"gpu_count": 16}, "nodes"),  # 4 whole nodes needed, 3 exist
+        ({"gpu_count": 16}, "gpu_count"),  # 4 whole nodes needed, 3 exist
         ({"gpu_count": 6, "nodes": 4}, "nodes"),  # 6 is not a multiple of 4 members
         ({"nodes": 0, "gpus_per_node": 2}, "nodes"),
+        ({"gpu_count": 8, "gpu_type": "A100"}, "gpu_type"),  # no such type, whatever the size
+        ({"gpu_count": 8, "gpu_memory_mb": 10**6}, "gpu_memory_mb"),
     ],
 )
 def test_a_gang_that_can_never_run_is_refused_naming_the_field(

@@ -368,7 +368,7 @@ class TestGangValidation:
         assert derived(6, partial=True)
         with pytest.raises(ValidationFailed) as big:
             derived(16)
-        assert big.value.field == "nodes"
+        assert big.value.field == "gpu_count"  # the field the user set
 
 
 def test_a_cancelled_gang_ends_cancelled_once_every_member_is_gone(

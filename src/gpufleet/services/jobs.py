@@ -80,7 +80,8 @@ def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) ->
     satisfies."""
     res = spec.resources
     nodes = _fleet_shapes(session)
-    if (res.nodes is not None and res.nodes > 1) or res.gpus_per_node is not None:
+    gang = (res.nodes is not None and res.nodes > 1) or res.gpus_per_node is not None
+    if gang and not nodes:
         _check_gang_fits(nodes, spec, fallback_max_gpus)
         return
     if not nodes:
@@ -124,13 +125,12 @@ def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) ->
         ),
     ]
     candidates = list(nodes)
-    largest_total = max(n.total_gpus for n in nodes)
-    if res.gpu_count > largest_total:
-        # more GPUs than any one node: a gang of whole nodes of one type (or, with
-        # allow_partial_nodes, an uneven split), if enough matching nodes could exist
-        _check_gang_fits(nodes, spec, fallback_max_gpus)
-        return
     for field, message, keep in filters:
+        if field == "gpu_count" and (gang or not any(keep(n) for n in candidates)):
+            # more GPUs than any matching node holds: a gang of whole nodes of one type (or,
+            # with allow_partial_nodes, an uneven split): checked by _check_gang_fits below
+            gang = True
+            continue
         candidates = [n for n in candidates if keep(n)]
         if not candidates:
             largest = max(n.total_gpus for n in nodes)
@@ -138,6 +138,8 @@ def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) ->
                 f"{message}; the fleet cannot run this job (largest node: {largest} GPUs)",
                 field=field,
             )
+    if gang:
+        _check_gang_fits(candidates, spec, fallback_max_gpus)
 
 
 def gang_shape(res: Resources, node_gpus: int) -> tuple[int, int] | None:
@@ -162,11 +164,12 @@ def gang_shape(res: Resources, node_gpus: int) -> tuple[int, int] | None:
 
 
 def _check_gang_fits(nodes: list[NodeShape], spec: JobSpec, fallback_max_gpus: int) -> None:
-    """A multi-node job: some GPU type must have enough registered nodes (each matching the
-    type, memory, CPU, memory and selector filters) of enough GPUs for every member. A fleet
+    """A multi-node job: among ``nodes`` (the shapes matching every other field of the job),
+    some GPU type must have enough registered nodes of enough GPUs for every member. A fleet
     with no node yet bounds only ``gpus_per_node`` by ``fallback_max_gpus``. Raises
-    ValidationFailed naming the field: ``gpus_per_node`` (no node that large),
-    ``nodes`` (not that many such nodes), ``gpu_count`` (no allowed split)."""
+    ValidationFailed naming the field the user set: ``gpus_per_node`` (no node that large),
+    ``nodes`` (not that many such nodes), else ``gpu_count`` (no allowed split, or the gang
+    derived from it cannot fit)."""
     res = spec.resources
     if not nodes:
         per_node = res.gpus_per_node or fallback_max_gpus
@@ -176,21 +179,7 @@ def _check_gang_fits(nodes: list[NodeShape], spec: JobSpec, fallback_max_gpus: i
                 field="gpus_per_node",
             )
         return
-    matching = [
-        n
-        for n in nodes
-        if (not res.gpu_types or n.gpu_type in res.gpu_types)
-        and n.gpu_memory_mb >= res.gpu_memory_mb
-        and (not res.cpu or not n.cpu or n.cpu >= res.cpu)
-        and (not res.memory_mb or not n.memory_mb or n.memory_mb >= res.memory_mb)
-        and all(n.label(k) == v for k, v in spec.node_selector.items())
-    ]
-    if not matching:
-        raise ValidationFailed(
-            "no node matches the job's gpu_type, gpu_memory_mb, cpu, memory_mb and"
-            " node_selector; the fleet cannot run this job",
-            field="gpu_type" if res.gpu_types else "node_selector",
-        )
+    matching = nodes  # the caller kept the nodes matching every other field
     counts = _node_counts_by_type(matching)
     problem, field = "", "gpu_count"
     for gpu_type, sizes in sorted(counts.items()):
@@ -205,15 +194,16 @@ def _check_gang_fits(nodes: list[NodeShape], spec: JobSpec, fallback_max_gpus: i
         want_nodes, per_node = shape
         big_enough = sum(c for total, c in sizes.items() if total >= per_node)
         if per_node > max(sizes):
-            problem = f"no {gpu_type} node has {per_node} GPUs (gpus_per_node)"
-            field = "gpus_per_node"
+            problem = f"no {gpu_type} node has {per_node} GPUs for one member"
+            field = "gpus_per_node" if res.gpus_per_node else "gpu_count"
             continue
         if big_enough < want_nodes:
             problem = (
-                f"the job needs {want_nodes} nodes of >= {per_node} {gpu_type} GPUs; the fleet"
-                f" has {big_enough}"
+                f"gpu_count {res.gpu_count} needs {want_nodes} nodes of >= {per_node}"
+                f" {gpu_type} GPUs; the fleet has {big_enough}"
             )
-            field = "nodes"
+            # the field the user set: nodes when given, else the gpu_count it derives from
+            field = "nodes" if res.nodes else "gpu_count"
             continue
         return
     raise ValidationFailed(f"{problem}; the fleet cannot run this job", field=field)
