@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 $(BIN)/gpufleet: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[examples,sim,dev]'
+	$(BIN)/pip install -q -e '.[examples,sim,dev,ddp]'
 	touch $@
 
 install: $(BIN)/gpufleet

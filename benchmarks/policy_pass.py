@@ -7,7 +7,10 @@ Prints a table: pending jobs x nodes (8 GPUs each) -> pass time (median of N run
 with the pending jobs given as a flat tuple (the pass groups and sorts them) and as
 presorted per-team queues (``ClusterSnapshot.queues``, what the simulator passes).
 
-    .venv/bin/python benchmarks/policy_pass.py [--quick]
+    .venv/bin/python benchmarks/policy_pass.py [--quick] [--gangs]
+
+Each size runs twice, interleaved: without gangs and with 10% of pending jobs multi-node
+(16/32/64 GPUs on whole 8-GPU nodes; issue 9). ``--gangs`` runs only 10k pending x 1k nodes.
 """
 
 from __future__ import annotations
@@ -20,14 +23,20 @@ import time
 from gpufleet.domain.types import PriorityClass, Resources
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule, sorted_queues
+from gpufleet.policy.decisions import PlaceGang
 from gpufleet.policy.snapshot import ClusterSnapshot, NodeState, PendingJob, RunningJob, TeamState
 
 TYPES = ("H100", "A100")
 N_TEAMS = 20
 
 
-def build(pending: int, nodes: int, busy: float, seed: int = 0) -> ClusterSnapshot:
+def build(
+    pending: int, nodes: int, busy: float, seed: int = 0, gangs: float = 0.0
+) -> ClusterSnapshot:
+    """``gangs``: share of pending jobs that are multi-node (16, 32 or 64 GPUs = 2, 4 or 8
+    whole nodes); the same share of fully used nodes runs members of 2-node gangs."""
     rng = random.Random(seed)
+    grng = random.Random(seed + 1)  # gang choices: the 0% mix keeps its exact snapshot
     node_states = []
     running = []
     for i in range(nodes):
@@ -52,6 +61,25 @@ def build(pending: int, nodes: int, busy: float, seed: int = 0) -> ClusterSnapsh
         )
         left = used
         k = 0
+        if gangs and used == 8 and grng.random() < gangs:
+            running.append(
+                RunningJob(
+                    f"g{i // 2}-r{i % 2}",
+                    f"gj{i // 2}",
+                    f"t{(i // 2) % N_TEAMS:02d}",
+                    f"n{i:05d}",
+                    PriorityClass.NORMAL,
+                    8,
+                    gpu_type,
+                    started_at_s=5_000.0,
+                    cpu=64.0,
+                    memory_mb=8 * 65536,
+                    expected_duration_s=10_000.0,
+                    rank=i % 2,
+                    gang_size=2,
+                )
+            )
+            left = 0
         while left > 0:
             g = min(left, rng.choice((1, 2, 4, 8)))
             running.append(
@@ -86,13 +114,17 @@ def build(pending: int, nodes: int, busy: float, seed: int = 0) -> ClusterSnapsh
     for j in range(pending):
         g = rng.choice((1, 1, 1, 1, 2, 4, 8))
         types = rng.choice(((), ("H100",), ("A100",), ("H100", "A100")))
+        per_node = g
+        if gangs and grng.random() < gangs:
+            g = grng.choice((16, 32, 64))
+            per_node = 8
         jobs.append(
             PendingJob(
                 f"j{j:06d}",
                 f"t{rng.randrange(N_TEAMS):02d}",
                 rng.choice(list(PriorityClass)),
                 rng.uniform(0, 10_000),
-                Resources(g, types, 0, g * 8.0, g * 65536),
+                Resources(g, types, 0, per_node * 8.0, per_node * 65536),
                 expected_duration_s=rng.uniform(60, 36_000),
                 node_selector={"zone": "z1"} if rng.random() < 0.05 else {},
             )
@@ -100,43 +132,58 @@ def build(pending: int, nodes: int, busy: float, seed: int = 0) -> ClusterSnapsh
     return ClusterSnapshot(10_000.0, tuple(node_states), tuple(jobs), tuple(running), teams)
 
 
-def time_pass(snap: ClusterSnapshot, cfg: PolicyConfig, runs: int) -> tuple[float, int]:
+def time_pass(snap: ClusterSnapshot, cfg: PolicyConfig, runs: int) -> tuple[float, int, float]:
+    """Median wall ms, decisions, median CPU ms of this process (robust on shared cores)."""
     times = []
+    cpu = []
     placed = 0
     for _ in range(runs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = schedule(snap, cfg)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         placed = len(res.decisions)
-    return statistics.median(times) * 1000.0, placed
+    return statistics.median(times) * 1000.0, placed, statistics.median(cpu) * 1000.0
 
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    gang_only = "--gangs" in sys.argv
     cfg = PolicyConfig()
     pendings = (1_000, 10_000) if quick else (1_000, 10_000, 50_000)
     node_counts = (100, 1_000) if quick else (100, 1_000, 5_000)
+    if gang_only:  # the issue-9 point: 10k pending x 1k nodes, 0% and 10% gangs interleaved
+        pendings, node_counts = (10_000,), (1_000,)
     runs = 3 if quick else 5
     print(
-        f"{'pending':>8} {'nodes':>6} {'state':>5} {'flat ms':>9} {'queues ms':>10} "
-        f"{'decisions':>9}"
+        f"{'pending':>8} {'nodes':>6} {'state':>5} {'gangs':>5} {'flat ms':>9} "
+        f"{'queues ms':>10} {'cpu ms':>7} {'decisions':>9} {'gang places':>11}"
     )
     for busy in (0.95, 0.5):
         for p in pendings:
             for n in node_counts:
-                snap = build(p, n, busy)
-                flat, decisions = time_pass(snap, cfg, runs)
-                pre = ClusterSnapshot(
-                    snap.now_s,
-                    snap.nodes,
-                    (),
-                    snap.running,
-                    snap.teams,
-                    queues=sorted_queues(snap.pending, cfg),
-                )
-                presorted, _ = time_pass(pre, cfg, runs)
-                state = "busy" if busy > 0.9 else "idle"
-                print(f"{p:>8} {n:>6} {state:>5} {flat:>9.1f} {presorted:>10.1f} {decisions:>9}")
+                for share in (0.0, 0.1):
+                    row(p, n, busy, share, cfg, runs)
+
+
+def row(p: int, n: int, busy: float, share: float, cfg: PolicyConfig, runs: int) -> None:
+    snap = build(p, n, busy, gangs=share)
+    flat, decisions, _ = time_pass(snap, cfg, runs)
+    n_gangs = sum(isinstance(d, PlaceGang) for d in schedule(snap, cfg).decisions)
+    pre = ClusterSnapshot(
+        snap.now_s,
+        snap.nodes,
+        (),
+        snap.running,
+        snap.teams,
+        queues=sorted_queues(snap.pending, cfg),
+    )
+    presorted, _, cpu = time_pass(pre, cfg, runs)
+    state = "busy" if busy > 0.9 else "idle"
+    print(
+        f"{p:>8} {n:>6} {state:>5} {share:>5.0%} {flat:>9.1f} {presorted:>10.1f} "
+        f"{cpu:>7.1f} {decisions:>9} {n_gangs:>11}"
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,17 @@ pg_isready -h 127.0.0.1 -p 5432
 psql -h 127.0.0.1 -U postgres -d test -tAc 'select 1' >/dev/null
 redis-cli -h 127.0.0.1 -p 6379 ping
 
+# Debian's Chromium for the dashboard's browser tests (Playwright drives it through
+# executable_path=/usr/bin/chromium; no browser is ever downloaded).
+if ! command -v chromium >/dev/null 2>&1; then
+  for _ in $(seq 10); do  # another apt-get may hold the lock
+    $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q chromium && break
+    sleep 6
+  done
+fi
+command -v chromium >/dev/null
+
 # Container runtime for jobs with an `image` (tests need it; they fail, not skip, without it):
 # podman + runc, a local docker-registry on 127.0.0.1:5000 (plain HTTP, loopback only) and the
 # offline-built test images (scripts/build-test-images.sh). The agent passes its own podman

@@ -53,6 +53,13 @@ class Settings(BaseSettings):
         default=30 * 86400, description="Lifetime of node certificates; renewed at 2/3."
     )
 
+    agent_labels: str = Field(
+        default="",
+        description="Labels the agent reports for its node, e.g. 'rack=r1,switch=s3' (commas"
+        " or spaces between items; Kubernetes label syntax); `gpufleet agent --label` flags win"
+        " on a shared key. The gang scheduler prefers nodes of one rack/switch.",
+    )
+
     heartbeat_interval_s: float = 10.0
     suspect_after_missed: int = Field(default=3, description="Missed heartbeats before SUSPECT.")
     confirm_timeout_s: float = Field(default=30.0, description="RESERVED this long -> reconcile.")

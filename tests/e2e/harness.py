@@ -25,7 +25,7 @@ from gpufleet.services import auth
 from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
 
-TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"}
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED", "DEPENDENCY_FAILED"}
 # Scenario agents run jobs as themselves (--job-uids agent) unless a test asks otherwise:
 # the jobs run this interpreter (possibly private to root) and write into pytest's 0700 tmp.
 JOB_UIDS = "agent"
@@ -91,6 +91,7 @@ class Fleet:
         state_dir: Path | None = None,
         env: dict[str, str] | None = None,
         job_uids: str | None = None,
+        args: tuple[str, ...] = (),
     ) -> None:
         state_dir = state_dir or self.tmp / "agents" / node_id
         tls_args, tls_env = agent_tls_args(self.db, self.settings, node_id, state_dir)
@@ -120,6 +121,7 @@ class Fleet:
                 *tls_args,
                 "--job-uids",
                 job_uids or JOB_UIDS,
+                *args,
             ],
             env=env,
             stdout=log,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,9 @@ def test_readme_demo_command_passes(tmp_path: Path) -> None:
     assert done.stdout.count("SUCCEEDED  manifest: ok") == 6
     assert "final test_acc=" in done.stdout
     assert "0 violations" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1].startswith("dashboard: http://")
+    # no terminal: progress as plain lines while it runs (a job's states, with its GPUs)
+    assert re.search(r"digits-8gpu\s+RUNNING on \S+ GPUs \[0, 1, 2", done.stdout), done.stdout
 
 
 def _up_env(data_dir: Path) -> dict[str, str]:

@@ -47,3 +47,26 @@ def test_bad_scenarios_are_one_line_errors(tmp_path: Path, text: str, want: str)
     assert result.exit_code == 2, result.output
     assert want in result.output
     assert "Traceback" not in result.output
+
+
+def test_progress_without_a_terminal_is_plain_lines(tmp_path: Path) -> None:
+    """`sim run` in a pipe (CliRunner is not a terminal) reports each run's progress as
+    plain lines on stderr, ending at 100%, besides the results on stdout."""
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(
+        GOOD_CLUSTER
+        + "teams:\n  - {id: t1, guaranteed_gpus: {H100: 16}}\n"
+        + "workload:\n  synthetic:\n    horizon_h: 6\n    teams:\n"
+        + "      - {id: t1, jobs_per_hour: 400, sizes: {1: 1.0}, median_duration_s: 600}\n"
+        + "engine: {check_invariants: every_pass}\n"
+    )
+    result = CliRunner().invoke(
+        app, ["run", str(cfg), "--out", str(tmp_path / "out"), "--no-plots", "--compare", "fifo"]
+    )
+    assert result.exit_code == 0, result.output
+    progress = [line for line in result.stderr.splitlines() if line.startswith("sim ")]
+    for run in ("main", "fifo"):
+        lines = [line for line in progress if line.startswith(f"sim {run}: ")]
+        assert len(lines) >= 2, progress  # a step before the end, not only the final line
+        assert lines[-1].startswith(f"sim {run}: 100%"), progress
+    assert "report:" in result.stdout

@@ -50,5 +50,5 @@ def test_status_shows_the_gang_shape_and_each_rank(api: FakeApi) -> None:
     api.on("GET", "/v1/jobs/job_1", httpx.Response(200, json=data))
     result = cli("status", "job_1")
     assert result.exit_code == 0, result.stderr
-    for want in ("2 x 2 GPUs", "1 r0/2", "1 r1/2", "run_a", "run_b", "node-b"):
+    for want in ("2 x 2 GPUs", "1 r0", "1 r1", "run_a", "run_b", "node-b"):
         assert want in result.stdout, want

@@ -45,6 +45,7 @@ def test_terminal_states_are_derived_from_the_tables() -> None:
         JobStatus.FAILED,
         JobStatus.CANCELLED,
         JobStatus.EXPIRED,
+        JobStatus.DEPENDENCY_FAILED,
     } == JOB_TERMINAL
     assert {
         RunStatus.SUCCEEDED,

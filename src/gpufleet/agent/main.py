@@ -136,6 +136,7 @@ def run_agent(
     jobs_dir: Path | None = None,
     containment: str = "auto",
     container_runtime: str = "podman",
+    metrics_port: int = 0,
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -169,6 +170,8 @@ def run_agent(
         container_runtime: ``podman``, ``docker`` or ``none``: the engine for jobs with an
             ``image``. When it is not installed the agent says so and such jobs fail to
             start (NO_CONTAINER_RUNTIME, charged to the node).
+        metrics_port: serve Prometheus metrics (``agent.metrics``) on this TCP port of the
+            agent's listen address; 0 = none.
 
     Raises:
         ValueError: ``gpus`` or ``join_token`` is malformed, the assignment log is corrupt,
@@ -299,6 +302,14 @@ def run_agent(
     if bound == 0:
         raise OSError(f"cannot listen on {_join(host, port)}")
     server.start()
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        from gpufleet.agent import metrics
+
+        metrics.INFO.labels(node_id, str(agent_epoch)).set(1)
+        start_http_server(metrics_port, addr=host)
+        logger.info("agent metrics on http://%s/metrics", _join(host, metrics_port))
     link = ControllerLink(
         core=core,
         stub=stub,

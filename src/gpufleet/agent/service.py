@@ -14,6 +14,7 @@ import threading
 
 import grpc
 
+from gpufleet.agent import metrics
 from gpufleet.agent.core import AgentCore, EpochFromTheFuture
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.runtime.container import ImageReporter
@@ -178,23 +179,30 @@ class ControllerLink:
             grpc.RpcError: the controller did not answer.
         """
         images = self.images.images() if self.images is not None else None
-        resp = self.stub.Heartbeat(
-            pb.HeartbeatRequest(
-                node_id=self.node_id,
-                agent_epoch=self.agent_epoch,
-                running=self.core.run_refs(),
-                free_gpus=self.core.free_gpus(),
-                health=self.core.health(),
-                disk_free_mb=self.core.runner.disk_free_mb(),
-                recent_start_failures=self.core.recent_start_failures(),
-                images=[
-                    pb.LocalImage(name=i.name, digest=i.digest, size_bytes=i.size_bytes)
-                    for i in images or ()
-                ],
-                images_reported=images is not None,
-            ),
-            timeout=CALL_TIMEOUT_S,
+        running, free, disk = (
+            self.core.run_refs(),
+            self.core.free_gpus(),
+            self.core.runner.disk_free_mb(),
         )
+        metrics.note_heartbeat(len(running), free, disk)
+        with metrics.heartbeat_timer():
+            resp = self.stub.Heartbeat(
+                pb.HeartbeatRequest(
+                    node_id=self.node_id,
+                    agent_epoch=self.agent_epoch,
+                    running=running,
+                    free_gpus=free,
+                    health=self.core.health(),
+                    disk_free_mb=disk,
+                    recent_start_failures=self.core.recent_start_failures(),
+                    images=[
+                        pb.LocalImage(name=i.name, digest=i.digest, size_bytes=i.size_bytes)
+                        for i in images or ()
+                    ],
+                    images_reported=images is not None,
+                ),
+                timeout=CALL_TIMEOUT_S,
+            )
         self.core.note_leader_epoch(resp.leader_epoch)
         if resp.prepull and self.images is not None:
             logger.info("controller asks to pre-pull %s", ", ".join(resp.prepull))

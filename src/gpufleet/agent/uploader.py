@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from gpufleet.agent import metrics
 from gpufleet.agent.assignment_log import RunRecord
 from gpufleet.agent.workdir import RunPaths
 from gpufleet.domain.manifest import KIND_FOLDERS, MANIFEST_NAME, Manifest, ManifestFile
@@ -77,6 +78,7 @@ def upload_fd(store: ObjectStore, fd: int, key: str) -> tuple[str, int, str]:
     with os.fdopen(fd, "rb") as f:
         reader = _Hashing(f)
         uri = store.put_fileobj(key, reader)  # type: ignore[arg-type]
+    metrics.UPLOAD_BYTES.inc(reader.size)
     return reader.sha.hexdigest(), reader.size, uri
 
 
@@ -158,7 +160,10 @@ def upload_attempt(store: ObjectStore, rec: RunRecord, paths: RunPaths) -> str:
         files=tuple(files),
         stop_reason=rec.stop_reason,
     )
-    return store.put_bytes(f"{prefix}/{MANIFEST_NAME}", manifest.to_json())
+    body = manifest.to_json()
+    uri = store.put_bytes(f"{prefix}/{MANIFEST_NAME}", body)
+    metrics.UPLOAD_BYTES.inc(len(body))
+    return uri
 
 
 class LogStreamer:

@@ -20,6 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpufleet.api import ui
 from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
 from gpufleet.api.middleware import BodyLimit
 from gpufleet.api.schemas import (
@@ -30,6 +31,9 @@ from gpufleet.api.schemas import (
     JobList,
     JobOut,
     JoinTokenCreate,
+    NodeLabelsOut,
+    NodeLabelsPatch,
+    NodeLabelsPut,
     NodeList,
     NodeOut,
     PendingReasonOut,
@@ -47,11 +51,12 @@ from gpufleet.domain.errors import (
     NotFound,
     ValidationFailed,
 )
+from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import JOB_TERMINAL, RUN_TERMINAL
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.queue import Waker
 from gpufleet.rpc import tls
-from gpufleet.services import auth, jobs, limits, node_identity, teams
+from gpufleet.services import auth, jobctl, jobs, limits, node_identity, node_labels, teams
 from gpufleet.services import nodes as node_service
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database, is_unavailable
@@ -206,6 +211,9 @@ def create_app(state: AppState) -> FastAPI:
         log.exception("unhandled error", exc_info=exc)
         return _error(500, "internal_error", "internal error; see the server log", None)
 
+    app.include_router(ui.router(state))  # the web dashboard, /ui
+    ui.mount_static(app)
+
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -236,6 +244,7 @@ def create_app(state: AppState) -> FastAPI:
                 raise ValidationFailed(
                     f"the Idempotency-Key header {what}", field="Idempotency-Key"
                 )
+            depends = body.depends_on
             out = jobs.submit_job(
                 state.db,
                 team_id=who.team_id,
@@ -243,6 +252,13 @@ def create_app(state: AppState) -> FastAPI:
                 spec=body.to_spec(),
                 fallback_max_gpus=state.settings.max_gpus_per_node,
                 default_max_outstanding_jobs=defaults.max_outstanding_jobs,
+                control=jobs.SubmitControl(
+                    array=body.array,
+                    depends_on=[d.model_dump() for d in depends]
+                    if isinstance(depends, list)
+                    else depends,
+                    hold=body.hold,
+                ),
             )
             if out.created:
                 state.waker.wake()
@@ -250,10 +266,18 @@ def create_app(state: AppState) -> FastAPI:
                 response.status_code = 200
                 response.headers["Idempotent-Replayed"] = "true"
             SUBMITS.labels("created" if out.created else "replayed").inc()
+            if out.array_id is not None:
+                return JobCreated(
+                    job_id=out.job_id,
+                    status=out.status,
+                    array_id=out.array_id,
+                    job_ids=list(out.job_ids),
+                )
             return JobCreated(job_id=out.job_id, status=out.status)
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut, responses=errors(404))
     def get(job_id: str, who: Who) -> JobOut:
+        job_id = jobctl.resolve(state.db, None if who.is_admin else who.team_id, job_id)
         with state.db.read() as s:
             job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
             out = _job_out(job, runs)
@@ -268,6 +292,7 @@ def create_app(state: AppState) -> FastAPI:
     @app.get("/v1/jobs/{job_id}/events", responses=errors(404))
     def events(job_id: str, who: Who) -> dict[str, Any]:
         """The audit trail of one job: every transition and decision, with its reason."""
+        job_id = jobctl.resolve(state.db, None if who.is_admin else who.team_id, job_id)
         with state.db.read() as s:
             jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
             return {
@@ -295,10 +320,18 @@ def create_app(state: AppState) -> FastAPI:
         status: str | None = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
         cursor: str | None = None,
+        array_id: Annotated[str | None, Query(max_length=64)] = None,
+        name: Annotated[str | None, Query(max_length=256)] = None,
     ) -> JobList:
         with state.db.read() as s:
             rows, nxt = jobs.list_jobs(
-                s, None if who.is_admin else who.team_id, status=status, limit=limit, cursor=cursor
+                s,
+                None if who.is_admin else who.team_id,
+                status=status,
+                limit=limit,
+                cursor=cursor,
+                array_id=array_id,
+                name=name,
             )
             runs: dict[str, list[JobRunRow]] = {}
             if rows:
@@ -312,6 +345,7 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.delete("/v1/jobs/{job_id}", status_code=202, responses=errors(404, 409))
     def cancel(job_id: str, who: Who) -> dict[str, Any]:
+        job_id = jobctl.resolve(state.db, None if who.is_admin else who.team_id, job_id)
         status = jobs.cancel_job(state.db, None if who.is_admin else who.team_id, job_id)
         state.waker.wake()
         return {"job_id": job_id, "status": status, "cancel_requested": True}
@@ -348,6 +382,7 @@ def create_app(state: AppState) -> FastAPI:
         if follow and limit is not None:
             raise ValidationFailed("limit cannot be used with follow", field="limit")
         team = None if who.is_admin else who.team_id
+        job_id = await asyncio.to_thread(jobctl.resolve, state.db, team, job_id)
 
         def pick() -> tuple[str | None, bool, bool]:
             """(chosen attempt or None, attempt finished, job finished)."""
@@ -447,7 +482,8 @@ def create_app(state: AppState) -> FastAPI:
                         gpu_memory_mb=n.gpu_memory_mb,
                         total_gpus=c.total_gpus,
                         available_gpus=c.available_gpus,
-                        labels=n.labels or {},
+                        labels=effective_labels(n.labels, n.admin_labels),
+                        admin_labels=n.admin_labels or {},
                         address=n.address if who.is_admin else None,
                         last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
                         agent_epoch=n.agent_epoch,
@@ -503,6 +539,33 @@ def create_app(state: AppState) -> FastAPI:
             "node_id": body.node_id,
             "expires_at": jobs.iso(expires),
         }
+
+    @app.put(
+        "/v1/admin/nodes/{node_id}/labels",
+        response_model=NodeLabelsOut,
+        responses=errors(400, 403, 404, 413, 422),
+    )
+    def put_node_labels(node_id: str, body: NodeLabelsPut, _: Admin) -> NodeLabelsOut:
+        """Replace the node's admin labels (topology such as ``rack``, ``switch``). They are
+        kept across agent re-registrations and win over the agent's labels on a shared key;
+        ``gpufleet/`` keys are the agent's. 422 names the bad key (``labels.KEY``)."""
+        return _set_labels(node_id, dict(body.labels), replace=True)
+
+    @app.patch(
+        "/v1/admin/nodes/{node_id}/labels",
+        response_model=NodeLabelsOut,
+        responses=errors(400, 403, 404, 413, 422),
+    )
+    def patch_node_labels(node_id: str, body: NodeLabelsPatch, _: Admin) -> NodeLabelsOut:
+        """Merge-patch the node's admin labels: a value sets, ``null`` removes (the agent's
+        value for that key, if any, shows again)."""
+        return _set_labels(node_id, body.labels, replace=False)
+
+    def _set_labels(node_id: str, changes: dict[str, str | None], replace: bool) -> NodeLabelsOut:
+        set_labels = partial(node_labels.set_admin_labels, node_id=node_id, changes=changes)
+        out = state.db.run_write(partial(set_labels, replace=replace))
+        state.waker.wake()  # a job waiting for a label may fit now
+        return NodeLabelsOut(**out)
 
     @app.post("/v1/admin/nodes/{node_id}/revoke", responses=errors(403, 404))
     def revoke_node(node_id: str, _: Admin) -> dict[str, Any]:
@@ -561,6 +624,9 @@ def create_app(state: AppState) -> FastAPI:
                 state.principals.pop(raw, None)
         return TokenOut(**out)
 
+    from gpufleet.api.jobctl import register_jobctl_routes  # it imports this module
+
+    register_jobctl_routes(app, state, job_out=_job_out)
     return app
 
 
@@ -656,6 +722,22 @@ def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
         cancel_requested=job.cancel_requested,
         result_uri=job.result_uri,
         failure_reason=job.failure_reason,
+        image=spec.get("image"),
+        working_dir=spec.get("working_dir"),
+        cpu=float(spec["resources"].get("cpu") or 0.0),
+        memory_mb=int(spec["resources"].get("memory_mb") or 0),
+        gpu_memory_mb=int(spec["resources"].get("gpu_memory_mb") or 0),
+        expected_duration_s=spec.get("expected_duration_s"),
+        max_runtime_s=(
+            job.max_runtime_s if job.max_runtime_s is not None else spec.get("max_runtime_s")
+        ),
+        preemptible=bool(spec.get("preemptible", True)),
+        node_selector=dict(spec.get("node_selector") or {}),
+        env_keys=sorted(spec.get("env") or {}),
+        array_id=job.array_id,
+        array_index=job.array_index,
+        depends_on=job.depends_on,
+        held=bool(job.held),
         attempts=[
             AttemptOut(
                 run_id=r.id,

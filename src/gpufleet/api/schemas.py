@@ -21,6 +21,13 @@ MAX_ENV_BYTES = 64 * 1024
 Name = Annotated[str, Field(max_length=256)]
 
 
+class DependencyIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["afterok", "afterany", "afternotok"] = "afterok"
+    job_id: str = Field(max_length=256)
+
+
 class JobCreate(BaseModel):
     """POST /v1/jobs body. Unknown fields are rejected (a typo must not be silently ignored)."""
 
@@ -50,6 +57,16 @@ class JobCreate(BaseModel):
     node_selector: dict[str, str] = Field(default_factory=dict)
     preemptible: bool = True
     working_dir: str | None = Field(default=None, max_length=4096)
+    array: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Job array, Slurm syntax: 0-99, 1,3,5, 0-15:4, with %N = max running.",
+    )
+    depends_on: str | list[DependencyIn] | None = Field(
+        default=None,
+        description="afterok:ID[:ID],afterany:ID,afternotok:ID (Slurm syntax) or a list.",
+    )
+    hold: bool = Field(default=False, description="Submit held: not placed until released.")
 
     @model_validator(mode="before")
     @classmethod
@@ -191,6 +208,35 @@ class ErrorOut(BaseModel):
 class JobCreated(BaseModel):
     job_id: str
     status: str
+    array_id: str | None = None
+    """Set for an array submit: ``job_id`` is then its first task."""
+    job_ids: list[str] | None = None
+    """An array's task job ids, by index."""
+
+
+class JobPatch(BaseModel):
+    """PATCH /v1/jobs/{id}: the fields a job may change after submit (omit the others)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    priority: Literal["CRITICAL", "HIGH", "NORMAL", "LOW"] | None = None
+    name: Name | None = None
+    max_runtime_s: float | None = Field(default=None, gt=0)
+
+
+class BulkCancel(BaseModel):
+    """POST /v1/jobs/cancel: the explicit jobs plus, when any filter is given, every job of
+    the team matching all filters. Finished jobs are skipped."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    job_ids: list[Annotated[str, Field(max_length=256)]] = Field(
+        default_factory=list, max_length=10_000
+    )
+    name: Name | None = None
+    state: str | None = Field(default=None, max_length=32)
+    array_id: str | None = Field(default=None, max_length=64)
+    dry_run: bool = False
 
 
 class AttemptOut(BaseModel):
@@ -247,6 +293,23 @@ class JobOut(BaseModel):
     failure_reason: str | None
     attempts: list[AttemptOut]
     pending_reason: PendingReasonOut | None
+    # the spec as submitted, so that `status` shows what will run (env: names only; values
+    # may hold secrets and are never sent back)
+    image: str | None = None
+    working_dir: str | None = None
+    cpu: float = 0.0
+    memory_mb: int = 0
+    gpu_memory_mb: int = 0
+    expected_duration_s: float | None = None
+    max_runtime_s: float | None = None
+    preemptible: bool = True
+    node_selector: dict[str, str] = {}
+    env_keys: list[str] = []
+    array_id: str | None = None
+    array_index: int | None = None
+    depends_on: list[dict[str, str]] | None = None
+    """``[{"type": "afterok", "job_id": ...}]``."""
+    held: bool = False
     node_problems: list[dict[str, Any]] = []
     """Nodes this job waits on that cannot take work now: ``node_id``, ``status`` (SUSPECT,
     QUARANTINED, UNHEALTHY, CORDONED, DRAINING, FENCED) and ``reason``."""
@@ -265,6 +328,10 @@ class NodeOut(BaseModel):
     total_gpus: int
     available_gpus: int
     labels: dict[str, Any]
+    """The effective labels: the agent's, with the admin-set ones over them."""
+    admin_labels: dict[str, str] = {}
+    """The labels an admin set (``PUT/PATCH /v1/admin/nodes/{id}/labels``); they survive the
+    agent's re-registrations and win over its labels on a shared key."""
     address: str | None
     """The agent's gRPC address; admin tokens only (null for others)."""
     last_heartbeat_at: str | None
@@ -279,6 +346,32 @@ class NodeOut(BaseModel):
 
 class NodeList(BaseModel):
     items: list[NodeOut]
+
+
+class NodeLabelsPut(BaseModel):
+    """``PUT /v1/admin/nodes/{id}/labels``: the node's admin labels become exactly these."""
+
+    model_config = ConfigDict(extra="forbid")
+    labels: dict[str, str] = Field(
+        description="key -> value; keys and values follow Kubernetes label syntax "
+        "(a key `[prefix/]name`, name and value up to 63 of A-Z a-z 0-9 - _ .)."
+    )
+
+
+class NodeLabelsPatch(BaseModel):
+    """``PATCH /v1/admin/nodes/{id}/labels``: a JSON merge patch (RFC 7386) of the node's
+    admin labels: a string sets the label, ``null`` removes it, absent keys stay."""
+
+    model_config = ConfigDict(extra="forbid")
+    labels: dict[str, str | None] = Field(description="key -> value, or null to remove")
+
+
+class NodeLabelsOut(BaseModel):
+    node_id: str
+    labels: dict[str, str]
+    """Effective labels (what placement and node_selector see)."""
+    admin_labels: dict[str, str]
+    agent_labels: dict[str, str]
 
 
 class TeamCreate(BaseModel):

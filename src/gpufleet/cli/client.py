@@ -1,10 +1,13 @@
-"""The user-facing client commands: submit, status, list, logs, cancel, why, nodes.
+"""The user-facing client commands: submit, status, list, logs, cancel, why, nodes, top.
 
 Mounted on the root Typer app by :func:`register_client_commands`. Every command talks to the
-REST API through one ``httpx.Client`` built by :func:`make_http_client` (tests swap it for an
-``httpx.MockTransport``). Errors never show a traceback: a 4xx prints the server's message and
-exits 2, an unreachable server or a 5xx exits 1, and ``--wait`` exits 1 unless the job
-SUCCEEDED.
+REST API through the SDK (:mod:`gpufleet.client`) over one ``httpx.Client`` built by
+:func:`make_http_client` (tests swap it for an ``httpx.MockTransport``). Errors never show a
+traceback: a 4xx prints the server's message and exits 2, an unreachable server or a 5xx exits
+1, and ``--wait`` exits with the job's exit code (0 iff it SUCCEEDED).
+
+Start-up cost matters here (a CLI call should cost well under 150 ms of CPU): httpx, the SDK
+and Rich's tables are imported inside the functions that need them, never at module level.
 """
 
 from __future__ import annotations
@@ -15,23 +18,33 @@ import os
 import shlex
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import typer
-import yaml
 from typer.core import TyperCommand
 
 from gpufleet.cli import output
-from gpufleet.cli.config import ClientConfig, ConfigError, require_token, resolve_client_config
-from gpufleet.domain.states import JOB_TERMINAL, JobStatus
+from gpufleet.client.config import (
+    ClientConfig,
+    ConfigError,
+    require_token,
+    resolve_client_config,
+)
+from gpufleet.client.errors import ApiError, GpufleetClientError, TransportError
+
+if TYPE_CHECKING:
+    import httpx
+
+    from gpufleet.client import Client
+
+__all__ = ["ApiError", "ClientError"]
 
 POLL_INTERVAL_S = 1.0
 MAX_POLL_FAILURES = 30  # consecutive unreachable polls tolerated by --wait (a server restart)
+FAILURE_LOG_LINES = 20  # log lines `submit --wait` shows when the job did not succeed
 _COMMAND_KEY = "gpufleet.command"
 _sleep = time.sleep  # swapped out in tests
 
@@ -44,17 +57,11 @@ class ClientError(Exception):
         self.message, self.field, self.exit_code = message, field, exit_code
 
 
-class ApiError(ClientError):
-    """The server answered 4xx/5xx: ``{"error": code, "message": str, "field": str | None}``."""
-
-    def __init__(self, status: int, code: str | None, message: str, field: str | None) -> None:
-        super().__init__(message, field, exit_code=2 if 400 <= status < 500 else 1)
-        self.status, self.code = status, code
-
-
 class OutputFormat(enum.StrEnum):
     table = "table"
+    wide = "wide"
     json = "json"
+    yaml = "yaml"
 
 
 UrlOpt = Annotated[
@@ -63,49 +70,55 @@ UrlOpt = Annotated[
 TokenOpt = Annotated[
     str | None, typer.Option("--token", help="API token (else GPUFLEET_TOKEN, client.yaml).")
 ]
-OutputOpt = Annotated[OutputFormat, typer.Option("--output", "-o", help="table or json.")]
+OutputOpt = Annotated[
+    OutputFormat,
+    typer.Option("--output", "-o", help="table (fits 80 columns), wide, json or yaml."),
+]
+WideOpt = Annotated[
+    bool, typer.Option("--wide", help="Full ids and every column (same as -o wide).")
+]
 
 
-def make_http_client(
-    cfg: ClientConfig, transport: httpx.BaseTransport | None = None
-) -> httpx.Client:
-    """The HTTP client for ``cfg``: base URL, bearer token, 5 s connect / 30 s read timeouts.
+def _fmt(out: OutputFormat, wide: bool = False) -> OutputFormat:
+    return OutputFormat.wide if wide and out is OutputFormat.table else out
+
+
+def make_http_client(cfg: ClientConfig, transport: httpx.BaseTransport | None = None) -> Any:
+    """The ``httpx.Client`` for ``cfg``: base URL, bearer token, 5 s connect / 30 s read.
 
     ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
 
     Raises:
         ConfigError: no token is configured.
     """
+    import httpx
+
+    from gpufleet.client._core import tls_verify
+
     return httpx.Client(
         base_url=cfg.url,
         headers={"Authorization": f"Bearer {require_token(cfg)}", "User-Agent": "gpufleet-cli"},
         timeout=httpx.Timeout(30.0, connect=5.0),
         transport=transport,
+        verify=tls_verify(cfg.url),
     )
 
 
 def _raise_for_error(resp: httpx.Response) -> None:
-    """Turn a 4xx/5xx (already read) into an ApiError carrying the server's message and field."""
-    if resp.status_code < 400:
-        return
-    try:
-        body = resp.json()
-    except ValueError:
-        body = None
-    status = resp.status_code
-    if isinstance(body, dict) and body.get("message"):
-        code, message, field = body.get("error"), str(body["message"]), body.get("field")
-    elif isinstance(body, dict) and isinstance(body.get("detail"), str):  # plain FastAPI errors
-        code, message, field = None, body["detail"], None
-    else:
-        text = resp.text.strip()[:200] or resp.reason_phrase
-        code, message, field = None, f"HTTP {status} from server: {text}", None
-    if status == 401:
-        message += " (check --token or GPUFLEET_TOKEN, or rerun `gpufleet up`)"
-    raise ApiError(status, code, message, field)
+    """Turn a 4xx/5xx (already read) into the SDK's typed error (an :class:`ApiError`)."""
+    if resp.status_code >= 400:
+        from gpufleet.client._core import error_of
+
+        raise error_of(resp)
 
 
 def _call(http: httpx.Client, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    """One request on the ``_session`` client; the JSON object it answers.
+
+    Raises:
+        ApiError: (a typed subclass for) an error answer.
+        ClientError: the answer is not a JSON object.
+    """
     resp = http.request(method, path, **kwargs)
     _raise_for_error(resp)
     try:
@@ -119,9 +132,25 @@ def _call(http: httpx.Client, method: str, path: str, **kwargs: Any) -> dict[str
     return data
 
 
+def _sdk(http: httpx.Client) -> Client:
+    """The SDK client over the ``_session``'s HTTP client."""
+    from gpufleet.client import Client
+
+    return Client(http=http)
+
+
+def _auth_hint(exc: ApiError) -> str:
+    if exc.status == 401:
+        return " (check --token or GPUFLEET_TOKEN, or rerun `gpufleet up`)"
+    return ""
+
+
 @contextmanager
 def _session(url: str | None, token: str | None) -> Iterator[httpx.Client]:
-    """Resolve the config, open the HTTP client, and map every failure to a message + exit."""
+    """Resolve the config, open the HTTP client, and map every failure to a message + exit
+    (4xx and bad input: 2; unreachable server or 5xx: 1; Ctrl-C: 130)."""
+    import httpx
+
     target = url or "the configured URL"
     try:
         cfg = resolve_client_config(url, token)
@@ -131,6 +160,9 @@ def _session(url: str | None, token: str | None) -> Iterator[httpx.Client]:
     except ClientError as exc:
         output.print_error(exc.message, exc.field)
         raise typer.Exit(exc.exit_code) from None
+    except ApiError as exc:
+        output.print_error(exc.message + _auth_hint(exc), exc.field)
+        raise typer.Exit(2 if exc.status < 500 else 1) from None
     except ConfigError as exc:
         output.print_error(str(exc))
         raise typer.Exit(2) from None
@@ -139,7 +171,15 @@ def _session(url: str | None, token: str | None) -> Iterator[httpx.Client]:
             f"cannot reach gpufleet at {target}: is the server running? (gpufleet up)"
         )
         raise typer.Exit(1) from None
-    except httpx.HTTPError as exc:
+    except TransportError as exc:
+        if isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout):
+            output.print_error(
+                f"cannot reach gpufleet at {target}: is the server running? (gpufleet up)"
+            )
+        else:
+            output.print_error(f"request to {target} failed: {exc.message}")
+        raise typer.Exit(1) from None
+    except (httpx.HTTPError, GpufleetClientError) as exc:
         output.print_error(f"request to {target} failed: {exc or type(exc).__name__}")
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
@@ -171,12 +211,55 @@ def _pairs(values: list[str] | None, field: str) -> dict[str, str]:
     return result
 
 
+RESERVED_ENV_PREFIX = "GPUFLEET_"  # the server refuses these names; they hold the CLI's token
+
+
+def export_env(spec: str, environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The submitting shell's variables that ``--export SPEC`` sends, like Slurm's sbatch.
+
+    ``ALL``: every variable but ``GPUFLEET_*`` (the CLI's own settings, its token among them;
+    the server refuses the names). ``NONE``: none. ``VAR,VAR=value``: only the named ones
+    (a name without a value is taken from this shell, skipped with a note when unset), and
+    ``ALL,VAR=value`` adds values to ALL.
+
+    Raises:
+        ClientError: an empty or ``GPUFLEET_*`` name (field ``export``).
+    """
+    items = [i.strip() for i in spec.split(",") if i.strip()]
+    head = items[0].upper() if items else ""
+    if head == "NONE" and len(items) == 1:
+        return {}
+    picked: dict[str, str] = {}
+    if head == "ALL":
+        picked = {k: v for k, v in environ.items() if not k.startswith(RESERVED_ENV_PREFIX)}
+        items = items[1:]
+    elif not items:
+        raise ClientError("--export needs ALL, NONE or VAR[,VAR=value...]", field="export")
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not name or name.upper() in ("ALL", "NONE") or name.startswith(RESERVED_ENV_PREFIX):
+            raise ClientError(
+                f"--export {spec!r}: {name or 'an empty name'!r} cannot be exported "
+                "(use ALL or NONE first, and no GPUFLEET_* names)",
+                field="export",
+            )
+        if sep:
+            picked[name] = value
+        elif name in environ:
+            picked[name] = environ[name]
+        else:
+            typer.echo(f"note: {name} is not set in this shell; not exported", err=True)
+    return picked
+
+
 def load_jobfile(path: Path) -> dict[str, Any]:
     """A job file (YAML or JSON: the REST body's keys) as a dict.
 
     Raises:
         ClientError: missing, unparsable, or not a mapping.
     """
+    import yaml
+
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))  # YAML is a superset of JSON
     except OSError as exc:
@@ -225,6 +308,33 @@ def build_job_body(
     return body
 
 
+def _place_and_env(body: dict[str, Any], workdir: str | None, export: str | None) -> None:
+    """Where the job starts and what it inherits from this shell (in place).
+
+    A process job starts in ``--workdir`` (default: this directory; ``-``: the attempt's own)
+    and, unless ``--export`` says otherwise, gets this shell's PATH (like Slurm's default
+    export: the same python3 of an activated virtualenv). A container job starts where its
+    image says (or in ``--workdir``, a directory inside the image) and gets nothing of this
+    shell unless ``--export`` asks. The job's own ``env`` always wins over exported values.
+    """
+    own_env = dict(body.get("env") or {})
+    if body.get("image"):
+        if workdir and workdir != "-":
+            body["working_dir"] = workdir
+        inherited: dict[str, str] = {}
+    elif workdir != "-":
+        body.setdefault("working_dir", os.path.abspath(workdir or os.getcwd()))
+        inherited = {"PATH": os.environ["PATH"]} if "PATH" in os.environ else {}
+    else:
+        body.pop("working_dir", None)
+        inherited = {}
+    if export is not None:
+        inherited = export_env(export, os.environ)
+    env = {**inherited, **own_env}
+    if env:
+        body["env"] = env
+
+
 def submit(
     ctx: typer.Context,
     jobfile: Annotated[Path | None, typer.Argument(help="YAML/JSON job file.")] = None,
@@ -258,6 +368,14 @@ def submit(
     expected_duration_s: Annotated[float | None, typer.Option(help="Runtime estimate.")] = None,
     max_runtime_s: Annotated[float | None, typer.Option(help="Kill after this long.")] = None,
     env: Annotated[list[str] | None, typer.Option("--env", help="K=V; repeatable.")] = None,
+    export: Annotated[
+        str | None,
+        typer.Option(
+            "--export",
+            help="This shell's variables the job gets, like sbatch: ALL (but GPUFLEET_*), "
+            "NONE, or VAR,VAR=value (only those). Default: PATH (process jobs only).",
+        ),
+    ] = None,
     selector: Annotated[
         list[str] | None, typer.Option("--selector", help="Node label k=v; repeatable.")
     ] = None,
@@ -271,14 +389,38 @@ def submit(
             "shell's PATH, like Slurm; '-' = the attempt's own directory and the agent's PATH)."
         ),
     ] = None,
-    wait: Annotated[bool, typer.Option("--wait", help="Wait; exit 0 iff SUCCEEDED.")] = False,
+    array: Annotated[
+        str | None,
+        typer.Option("--array", help="Job array, Slurm syntax: 0-99%8, 1,3,5, 0-15:4."),
+    ] = None,
+    depends: Annotated[
+        str | None,
+        typer.Option("--depends", help="afterok:ID[:ID],afterany:ID,afternotok:ID."),
+    ] = None,
+    hold: Annotated[bool, typer.Option("--hold", help="Submit held (gpufleet release).")] = False,
+    wait: Annotated[
+        bool, typer.Option("--wait", help="Wait; exit with the job's exit code (0 iff SUCCEEDED).")
+    ] = False,
     follow: Annotated[bool, typer.Option("--follow", help="Stream logs, then wait.")] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Print only the job id (for scripts).")
+    ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Also print the idempotency key.")
+    ] = False,
     out: OutputOpt = OutputFormat.table,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
     """Submit a job: gpufleet submit [JOBFILE] [OPTIONS] -- COMMAND [ARGS]..."""
+    from gpufleet.client import IdempotencyConflict
+
     with _session(url, token) as http:
+        if (wait or follow) and array:
+            raise ClientError(
+                "--wait/--follow take one job; watch an array with `gpufleet array ARRAY_ID`",
+                field="array",
+            )
         flags = {
             "name": name,
             "image": image,
@@ -294,6 +436,9 @@ def submit(
             "max_retries": max_retries,
             "expected_duration_s": expected_duration_s,
             "max_runtime_s": max_runtime_s,
+            "array": array,
+            "depends_on": depends,
+            "hold": hold or None,
         }
         base = load_jobfile(jobfile) if jobfile else {}
         body = build_job_body(
@@ -303,43 +448,80 @@ def submit(
             _pairs(selector, "node_selector"),
             list(ctx.meta.get(_COMMAND_KEY, [])),
         )
-        if body.get("image"):
-            # a container job: its directory and PATH are the image's (or --workdir, a
-            # directory inside the image); never this shell's
-            if workdir and workdir != "-":
-                body["working_dir"] = workdir
-        elif workdir != "-":
-            body.setdefault("working_dir", os.path.abspath(workdir or os.getcwd()))
-            # like Slurm's default export: the job finds the same programs (python3 of an
-            # activated virtualenv, say) as the shell it was submitted from
-            if "PATH" in os.environ and "PATH" not in (body.get("env") or {}):
-                body["env"] = {**(body.get("env") or {}), "PATH": os.environ["PATH"]}
-        else:
-            body.pop("working_dir", None)
+        _place_and_env(body, workdir, export)
         for key in ("cpu", "expected_duration_s", "max_runtime_s"):
             value = body.get(key)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ClientError(f"{key} must be a finite number, not {value}", field=key)
-        if idempotency_key is None:
-            idempotency_key = str(uuid.uuid4())
+        key = idempotency_key or _new_key()
+        if verbose:
+            typer.echo(f"idempotency key: {key}", err=True)
+
+        def retrying(exc: BaseException, used: str) -> None:
             typer.echo(
-                f"idempotency key: {idempotency_key} (retry with --idempotency-key)", err=True
+                output.clean(f"submit not answered ({exc}); retrying with idempotency key {used}"),
+                err=True,
             )
-        resp = http.post("/v1/jobs", json=body, headers={"Idempotency-Key": idempotency_key})
-        _raise_for_error(resp)
-        created = resp.json()
-        if resp.status_code == 200:
-            typer.echo("(replay: a job was already submitted with this idempotency key)", err=True)
-        if out is OutputFormat.json:
-            output.print_json(created)
+
+        api = _sdk(http)
+        try:
+            created = api.submit_body(body, idempotency_key=key, on_retry=retrying)
+        except IdempotencyConflict as exc:
+            raise ClientError(f"{exc.message} (idempotency key {key})", exc.field) from None
+        if created.replayed and not quiet:
+            typer.echo(
+                f"(replay: a job was already submitted with idempotency key {key})", err=True
+            )
+        array_id = created.raw.get("array_id")
+        if quiet:
+            typer.echo(output.clean(str(array_id or created.job_id)))
+        elif out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(created.raw, out.value)
+        elif array_id:
+            n = len(created.raw.get("job_ids") or [])
+            typer.echo(output.clean(str(array_id)))
+            typer.echo(f"array of {n} tasks; first task {created.job_id}", err=True)
         else:
-            typer.echo(output.clean(str(created["job_id"])))
+            typer.echo(output.clean(created.job_id))
         if wait or follow:
-            job = _wait(http, created["job_id"], follow=follow)
-            raise typer.Exit(0 if job["status"] == JobStatus.SUCCEEDED else 1)
+            job = _wait(http, created.job_id, follow=follow, quiet=quiet)
+            raise typer.Exit(_finish(http, job, show_log=not follow))
+
+
+def _new_key() -> str:
+    import uuid
+
+    return str(uuid.uuid4())
+
+
+def exit_code_of(job: dict[str, Any]) -> int:
+    """What ``submit --wait`` exits with: 0 for SUCCEEDED; the last attempt's exit code when
+    the job failed with one (1..255); else 1 (cancelled, expired, never started, killed)."""
+    if job.get("status") == "SUCCEEDED":
+        return 0
+    for run in reversed(job.get("attempts") or []):
+        code = run.get("exit_code")
+        if isinstance(code, int) and code != 0:
+            return code if 0 < code < 256 else 1
+    return 1
+
+
+def _finish(http: httpx.Client, job: dict[str, Any], show_log: bool) -> int:
+    """The exit code for a finished ``--wait``; on failure the log's last lines go to stderr."""
+    code = exit_code_of(job)
+    if code and show_log and job.get("attempts"):
+        try:
+            text = _sdk(http).logs(job["job_id"], tail=FAILURE_LOG_LINES)
+        except GpufleetClientError:
+            text = ""
+        if text.strip():
+            typer.echo(f"--- last {FAILURE_LOG_LINES} log lines of {job['job_id']} ---", err=True)
+            typer.echo(output.clean(text.rstrip("\n")), err=True)
+    return code
 
 
 DEFAULT_TAIL_LINES = 1000
+WAITING_STATES = frozenset({"PENDING", "SCHEDULED", "HELD"})
 
 
 def _stdout_is_tty() -> bool:
@@ -353,40 +535,39 @@ def _stream_logs(
     run_id: str | None,
     tail: int | None = None,
     rank: int = 0,
-) -> None:
-    """Copy the log body to stdout as it arrives (no read timeout while following); only the
-    last ``tail`` lines when given; rank ``rank``'s log of a multi-node job."""
-    params: dict[str, str | int] = {"follow": str(follow).lower()}
-    if run_id:
-        params["run_id"] = run_id
-    if rank:
-        params["rank"] = rank
-    if tail is not None:
-        params["tail"] = tail
-    timeout = httpx.Timeout(30.0, connect=5.0, read=None if follow else 30.0)
-    with http.stream("GET", f"/v1/jobs/{job_id}/logs", params=params, timeout=timeout) as resp:
-        if resp.status_code >= 400:
-            resp.read()
-            _raise_for_error(resp)
-        # a terminal gets the log without control sequences (a job's output could retitle
-        # the window, write the clipboard, hide text...); a pipe or file gets the raw bytes
-        tty = _stdout_is_tty()
-        safe = output.TerminalLogFilter() if tty else None
-        for chunk in resp.iter_bytes():
-            if safe is None:
-                typer.echo(chunk, nl=False)
-            else:
-                typer.echo(safe.feed(chunk), nl=False)
-        if safe is not None:
-            typer.echo(safe.feed(b"", final=True), nl=False)
+) -> int:
+    """Copy the log to stdout as it arrives (no read timeout while following); only the last
+    ``tail`` lines when given; rank ``rank``'s log of a multi-node job. Returns the number of
+    bytes received."""
+    # a terminal gets the log without control sequences (a job's output could retitle the
+    # window, write the clipboard, hide text...); a pipe or file gets the raw bytes
+    safe = output.TerminalLogFilter() if _stdout_is_tty() else None
+    received = 0
+    for chunk in _sdk(http).iter_logs(job_id, follow=follow, run_id=run_id, tail=tail, rank=rank):
+        received += len(chunk)
+        typer.echo(chunk if safe is None else safe.feed(chunk), nl=False)
+    if safe is not None:
+        typer.echo(safe.feed(b"", final=True), nl=False)
+    return received
 
 
-def _wait(http: httpx.Client, job_id: str, follow: bool = False) -> dict[str, Any]:
+def _status_line(job: dict[str, Any]) -> str:
+    reason = (job.get("pending_reason") or {}).get("message")
+    return output.clean(
+        f"job {job['job_id']}: {job['status']}" + (f": {reason}" if reason else "")
+    )
+
+
+def _wait(
+    http: httpx.Client, job_id: str, follow: bool = False, quiet: bool = False
+) -> dict[str, Any]:
     """Poll until the job is terminal; with ``follow``, stream each attempt's logs once it runs.
 
-    Status changes go to stderr; up to MAX_POLL_FAILURES consecutive unreachable polls are
-    tolerated so a server restart does not end the wait.
+    Status changes go to stderr (not with ``quiet``); up to MAX_POLL_FAILURES consecutive
+    unreachable polls are tolerated so a server restart does not end the wait.
     """
+    import httpx
+
     last_status, failures, streamed = None, 0, set()
     while True:
         try:
@@ -400,11 +581,8 @@ def _wait(http: httpx.Client, job_id: str, follow: bool = False) -> dict[str, An
             continue
         if job["status"] != last_status:
             last_status = job["status"]
-            reason = (job.get("pending_reason") or {}).get("message")
-            typer.echo(
-                output.clean(f"job {job_id}: {last_status}" + (f": {reason}" if reason else "")),
-                err=True,
-            )
+            if not quiet:
+                typer.echo(_status_line(job), err=True)
         runs = [r for r in job.get("attempts") or [] if r.get("status") != "ASSIGNED"]
         fresh = [r for r in runs if r.get("run_id") not in streamed]
         if follow and fresh:
@@ -415,8 +593,8 @@ def _wait(http: httpx.Client, job_id: str, follow: bool = False) -> dict[str, An
             except ApiError as exc:  # an attempt with no logs must not end the wait
                 typer.echo(output.clean(f"(no logs for {run_id}: {exc.message})"), err=True)
             continue
-        if job["status"] in JOB_TERMINAL:
-            if job.get("failure_reason"):
+        if job["status"] in output.TERMINAL:
+            if job.get("failure_reason") and not quiet:
                 typer.echo(output.clean(f"failure: {job['failure_reason']}"), err=True)
             return job
         _sleep(POLL_INTERVAL_S)
@@ -426,43 +604,89 @@ def _wait(http: httpx.Client, job_id: str, follow: bool = False) -> dict[str, An
 
 
 def status(
-    job: str, out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None
+    job: str,
+    out: OutputOpt = OutputFormat.table,
+    wide: WideOpt = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
 ) -> None:
     """Show a job: fields, attempts, result, and why it is pending."""
     with _session(url, token) as http:
         data = _call(http, "GET", f"/v1/jobs/{job}")
-        if out is OutputFormat.json:
-            output.print_json(data)
+        out = _fmt(out, wide)
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(data, out.value)
         else:
-            output.print_job(data)
+            output.print_job(data, wide=out is OutputFormat.wide)
+
+
+def fetch_jobs(
+    http: httpx.Client,
+    status_filter: str | None,
+    limit: int,
+    all_pages: bool,
+    array: str | None = None,
+    name: str | None = None,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Jobs newest first: one page of ``limit``, or every page; and the next cursor. ``array``
+    and ``name`` filter by array id and job name."""
+    params: dict[str, Any] = {
+        "limit": limit,
+        **({"status": status_filter.upper()} if status_filter else {}),
+        **({"array_id": array} if array else {}),
+        **({"name": name} if name else {}),
+    }
+    items: list[dict[str, Any]] = []
+    while True:
+        page = _call(http, "GET", "/v1/jobs", params=params)
+        items.extend(page.get("items") or [])
+        cursor = page.get("next_cursor")
+        if not cursor or not all_pages:
+            return items, cursor
+        params["cursor"] = cursor
 
 
 def list_jobs(
     status_filter: Annotated[str | None, typer.Option("--status", help="Only jobs in S.")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="Page size.")] = 50,
     all_pages: Annotated[bool, typer.Option("--all", help="Follow every page.")] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Keep the table on screen, refreshed.")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.2, help="Seconds between refreshes (--watch).")
+    ] = 2.0,
+    count: Annotated[
+        int, typer.Option("--count", min=0, hidden=True, help="Stop after N refreshes.")
+    ] = 0,
+    array: Annotated[str | None, typer.Option("--array", help="Only this array's tasks.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Only jobs of this name.")] = None,
     out: OutputOpt = OutputFormat.table,
+    wide: WideOpt = False,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """List jobs, newest first (one page unless --all)."""
+    """List jobs, newest first (one page unless --all; --watch to keep it refreshed)."""
+    out = _fmt(out, wide)
     with _session(url, token) as http:
-        params: dict[str, Any] = {
-            "limit": limit,
-            **({"status": status_filter.upper()} if status_filter else {}),
-        }
-        items: list[dict[str, Any]] = []
-        while True:
-            page = _call(http, "GET", "/v1/jobs", params=params)
-            items.extend(page.get("items") or [])
-            cursor = page.get("next_cursor")
-            if not cursor or not all_pages:
-                break
-            params["cursor"] = cursor
-        if out is OutputFormat.json:
-            output.print_json({"items": items, "next_cursor": cursor})
+        if watch:
+            from gpufleet.cli import live
+
+            def render() -> Any:
+                items, _ = fetch_jobs(
+                    http, status_filter, limit, all_pages, array=array, name=name
+                )
+                return output.jobs_table(items, wide=out is OutputFormat.wide)
+
+            live.watch(render, interval, count, title="gpufleet list")
             return
-        output.console().print(output.jobs_table(items))
+        items, cursor = fetch_jobs(http, status_filter, limit, all_pages, array=array, name=name)
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data({"items": items, "next_cursor": cursor}, out.value)
+            return
+        output.table_console(wide=out is OutputFormat.wide).print(
+            output.jobs_table(items, wide=out is OutputFormat.wide)
+        )
         if cursor:
             typer.echo("more jobs: pass --all to list every page", err=True)
 
@@ -483,16 +707,29 @@ def logs(
 ) -> None:
     """Print a job's logs: the last 1,000 lines of the latest attempt (--all for the whole
     log, --attempt RUN_ID for another attempt, --rank N for rank N of a multi-node job, -f to
-    keep following)."""
+    keep following; a pending job is waited for)."""
     with _session(url, token) as http:
-        _stream_logs(
-            http,
-            job,
-            follow=follow,
-            run_id=attempt,
-            tail=None if all_lines else tail,
-            rank=rank,
-        )
+        lines = None if all_lines else tail
+        if follow and not attempt:
+            data = _call(http, "GET", f"/v1/jobs/{job}")
+            if data.get("status") in WAITING_STATES and not data.get("attempts"):
+                typer.echo(
+                    _status_line(data) + "\n(waiting for it to start; logs follow)", err=True
+                )
+        received = _stream_logs(http, job, follow=follow, run_id=attempt, tail=lines, rank=rank)
+        if not received and not follow:
+            data = _call(http, "GET", f"/v1/jobs/{job}")
+            if not data.get("attempts"):
+                typer.echo(
+                    _status_line(data)
+                    + (
+                        f"\nno attempt has started yet, so there is no log; "
+                        f"`gpufleet logs -f {job}` waits for it"
+                        if data.get("status") in WAITING_STATES
+                        else "\nit never started, so there is no log"
+                    ),
+                    err=True,
+                )
 
 
 def cancel(
@@ -501,8 +738,8 @@ def cancel(
     """Request cancellation of a job (running attempts get SIGTERM, then SIGKILL)."""
     with _session(url, token) as http:
         data = _call(http, "DELETE", f"/v1/jobs/{job}")
-        if out is OutputFormat.json:
-            output.print_json(data)
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(data, out.value)
         else:
             typer.echo(
                 output.clean(f"cancel requested: {data.get('job_id', job)} ({data.get('status')})")
@@ -512,49 +749,122 @@ def cancel(
 def why(
     job: str, out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None
 ) -> None:
-    """Explain why a job is not running yet."""
+    """Explain why a job is not running yet (with the estimated start when there is one)."""
     with _session(url, token) as http:
         data = _call(http, "GET", f"/v1/jobs/{job}")
         reason, state = data.get("pending_reason"), data.get("status")
-        if out is OutputFormat.json:
-            output.print_json(
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(
                 {
                     "job_id": data.get("job_id"),
                     "status": state,
                     "pending_reason": reason,
                     "node_problems": data.get("node_problems") or [],
-                }
+                },
+                out.value,
             )
-        elif reason:
+            return
+        if reason:
             typer.echo("\n".join(output.pending_lines(reason)))
-        elif state == JobStatus.PENDING:
+        elif state in WAITING_STATES:
             typer.echo(
-                output.clean(f"job {job} is PENDING; the scheduler has not given a reason yet")
+                output.clean(f"job {job} is {state}; the scheduler has not given a reason yet")
             )
         else:
             failure = f": {data['failure_reason']}" if data.get("failure_reason") else ""
             typer.echo(output.clean(f"job {job} is not pending: it is {state}{failure}"))
-        if out is not OutputFormat.json:
-            for line in output.node_problem_lines(data):
-                typer.echo(output.clean(line))
+        for line in output.node_problem_lines(data):
+            typer.echo(output.clean(line))
 
 
-def nodes(out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None) -> None:
+def nodes(
+    out: OutputOpt = OutputFormat.table,
+    wide: WideOpt = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
     """List the fleet's nodes and their free GPUs."""
+    out = _fmt(out, wide)
     with _session(url, token) as http:
         data = _call(http, "GET", "/v1/nodes")
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(data, out.value)
+        else:
+            output.table_console(wide=out is OutputFormat.wide).print(
+                output.nodes_table(data.get("items") or [], wide=out is OutputFormat.wide)
+            )
+
+
+def top(
+    interval: Annotated[float, typer.Option("--interval", min=0.2, help="Seconds.")] = 2.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
+    count: Annotated[
+        int, typer.Option("--count", min=0, hidden=True, help="Stop after N refreshes.")
+    ] = 0,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """A live view of the fleet: GPUs busy, the queue, running jobs and each team's share
+    (all teams with an admin token; your team's jobs otherwise). Ctrl-C quits."""
+    from gpufleet.cli import live
+
+    with _session(url, token) as http:
+        if once or (not _stdout_is_tty() and count == 0):
+            output.table_console().print(live.fleet_view(http))
+            return
+        live.watch(lambda: live.fleet_view(http), interval, count, title="gpufleet top")
+
+
+def node_label(
+    node_id: Annotated[str, typer.Argument(help="The node's id (gpufleet nodes).")],
+    changes: Annotated[
+        list[str] | None,
+        typer.Argument(help="key=value to set, key- to remove (e.g. rack=r1 switch=s3 zone-)."),
+    ] = None,
+    replace: Annotated[
+        bool,
+        typer.Option("--replace", help="The node's admin labels become exactly these (PUT)."),
+    ] = False,
+    out: OutputOpt = OutputFormat.table,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Set or remove a node's admin labels (topology: rack, switch, zone). They survive the
+    agent's re-registrations and win over the labels the agent reports; removing one lets the
+    agent's value, if any, show again. Needs an admin token. Without changes: show them."""
+    from gpufleet.domain.errors import ValidationFailed
+    from gpufleet.domain.labels import parse_label_args
+
+    try:
+        parsed = parse_label_args(changes or [], allow_remove=not replace)
+    except ValidationFailed as exc:
+        output.print_error(exc.message, exc.field)
+        raise typer.Exit(2) from None
+    with _session(url, token) as http:
+        path = f"/v1/admin/nodes/{node_id}/labels"
+        if replace:
+            data = _call(http, "PUT", path, json={"labels": parsed})
+        else:
+            data = _call(http, "PATCH", path, json={"labels": parsed})
         if out is OutputFormat.json:
             output.print_json(data)
-        else:
-            output.console().print(output.nodes_table(data.get("items") or []))
+            return
+        shown = ", ".join(f"{k}={v}" for k, v in sorted((data.get("labels") or {}).items()))
+        admin = ", ".join(f"{k}={v}" for k, v in sorted((data.get("admin_labels") or {}).items()))
+        typer.echo(output.clean(f"node {data.get('node_id')}: labels {shown or '-'}"))
+        typer.echo(output.clean(f"  set by an admin: {admin or '-'}"))
 
 
 def register_client_commands(app: typer.Typer) -> None:
-    """Mount submit, status, list, logs, cancel, why and nodes on the root ``app``."""
+    """Mount submit, status, list, logs, cancel, why, nodes and top on the root ``app``."""
     app.command("submit", cls=_SubmitCommand)(submit)
     app.command("status")(status)
     app.command("list")(list_jobs)
     app.command("logs")(logs)
-    app.command("cancel")(cancel)
+    # `cancel` (one or many jobs) is job control's: see cli/jobctl.py
+    from gpufleet.cli import jobctl  # job control: hold, release, requeue, update, cancel...
+
+    jobctl.register(app)
     app.command("why")(why)
     app.command("nodes")(nodes)
+    app.command("top")(top)

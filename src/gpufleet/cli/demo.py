@@ -3,6 +3,7 @@ workload for two teams to SUCCEEDED, as a user would see it (over the REST API).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import signal
@@ -84,7 +85,7 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
     if note:
         console.print(f"[yellow]note:[/] {note}")
     platform = LocalPlatform(settings, gpus="8xH100-80GB", job_uids=job_uids)
-    ensure_admin_token(platform.db)
+    admin_token = ensure_admin_token(platform.db)
     tokens = {}
     for team in ("vision", "nlp"):
         tokens[team] = platform.db.run_write(
@@ -103,6 +104,11 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
         )
         return _drive(platform, settings, tokens, script)
     finally:
+        console.print(
+            f"dashboard: [bold]{platform.api.url}/ui[/]  (admin token: {admin_token})"
+            + ("" if keep_running else "; gone now: `gpufleet demo --keep-running` keeps it up"),
+            soft_wrap=True,
+        )
         if keep_running:
             console.print(f"platform left running at {platform.api.url}; Ctrl-C to stop")
             try:
@@ -148,7 +154,11 @@ def _drive(platform: Any, settings: Settings, tokens: dict[str, str], script: Pa
         samples = 0
         states: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + 300
-        with Live(_table(jobs, states), console=console, refresh_per_second=4) as live:
+        # a terminal gets a live table; a pipe or CI log (`make demo > log`) gets a plain
+        # line per status change and a summary every 10 s, never minutes of silence
+        live = Live(_table(jobs, states), console=console, refresh_per_second=4)
+        plain = _PlainProgress(jobs) if not console.is_terminal else None
+        with live if plain is None else contextlib.nullcontext():
             while time.monotonic() < deadline:
                 for team, _, job_id in jobs:
                     states[job_id] = http.get(
@@ -163,7 +173,10 @@ def _drive(platform: Any, settings: Settings, tokens: dict[str, str], script: Pa
                         states[job_id]["_last"] = lines[-1] if lines else ""
                 violations += [str(v) for v in check_database(platform.db)[1]]
                 samples += 1
-                live.update(_table(jobs, states))
+                if plain is None:
+                    live.update(_table(jobs, states))
+                else:
+                    plain.update(states)
                 if all(st.get("status") in TERMINAL for st in states.values()):
                     break
                 time.sleep(0.5)
@@ -188,6 +201,40 @@ def _drive(platform: Any, settings: Settings, tokens: dict[str, str], script: Pa
     ok &= not violations
     console.print("[green]demo passed[/]" if ok else "[red]demo failed[/]")
     return 0 if ok else 1
+
+
+class _PlainProgress:
+    """Progress as plain lines: each job's status changes, and every
+    :data:`SUMMARY_EVERY_S` seconds a one-line count by status."""
+
+    SUMMARY_EVERY_S = 10.0
+
+    def __init__(self, jobs: list[tuple[str, str, str]]) -> None:
+        self.jobs = jobs
+        self.seen: dict[str, str] = {}
+        self.started = self.last_summary = time.monotonic()
+
+    def update(self, states: dict[str, dict[str, Any]]) -> None:
+        now = time.monotonic()
+        for team, name, job_id in self.jobs:
+            st = states.get(job_id, {})
+            status = str(st.get("status", "?"))
+            if self.seen.get(job_id) != status:
+                self.seen[job_id] = status
+                att = (st.get("attempts") or [{}])[-1]
+                where = f" on {att['node_id']} GPUs {att.get('gpu_ids')}" if att else ""
+                console.print(
+                    f"{now - self.started:6.1f}s  {team:7} {name:12} {status}{where}",
+                    highlight=False,
+                    markup=False,
+                )
+        if now - self.last_summary >= self.SUMMARY_EVERY_S:
+            self.last_summary = now
+            counts: dict[str, int] = {}
+            for status in self.seen.values():
+                counts[status] = counts.get(status, 0) + 1
+            summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+            console.print(f"{now - self.started:6.1f}s  jobs: {summary}", highlight=False)
 
 
 def _verify(store: ObjectStore, result_uri: str | None) -> str:

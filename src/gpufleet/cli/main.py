@@ -1,35 +1,147 @@
-"""The ``gpufleet`` command: platform processes, admin tools, and the client commands."""
+"""The ``gpufleet`` command: platform processes, admin tools, and the client commands.
+
+Start-up is kept cheap (a client call should cost well under 150 ms of CPU): this module
+imports only Typer, Rich's console and the client commands; everything heavy (settings and
+pydantic, SQLAlchemy, gRPC, the simulator with numpy/matplotlib) is imported inside the
+command that needs it, and the ``admin`` and ``sim`` sub-apps are turned into click commands
+only when called (:class:`_RootGroup`). ``tests/unit/test_cli_start.py`` checks the import set
+of ``gpufleet status``; ``benchmarks/cli_start.py`` prints the CPU times.
+"""
 
 from __future__ import annotations
 
 import enum
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
+from typer.core import TyperCommand, TyperGroup
 
-from gpufleet.cli.client import register_client_commands
+from gpufleet.cli.client import node_label, register_client_commands
 from gpufleet.cli.config import client_config_path, write_client_config
 from gpufleet.cli.output import clean
 from gpufleet.domain.errors import GpufleetError
-from gpufleet.settings import Settings
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
+    from gpufleet.settings import Settings
     from gpufleet.store.db import Database
 
 T = TypeVar("T")
 
-app = typer.Typer(
+# httpx's own command-line tool (httpx._main: click, pygments, rich.syntax) is imported by
+# `import httpx` when its dependencies happen to be installed; this CLI never uses it, and it
+# is a fifth of a client call's start-up. A None entry makes httpx take its "not installed"
+# branch, in this process only.
+if "httpx" not in sys.modules:
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+
+
+class _LazyGroup(TyperGroup):
+    """A sub-app listed in ``--help`` by name and help text, built (imported and turned into
+    a click group) only when it is invoked or its own help is asked for."""
+
+    def __init__(self, name: str, help_text: str, load: Callable[[], TyperGroup]) -> None:
+        super().__init__(name=name, help=help_text)
+        self._load = load
+
+    def make_context(self, info_name: Any, args: Any, parent: Any = None, **extra: Any) -> Any:
+        # the real group parses and runs; this one only stood in for the listing
+        return self._load().make_context(info_name, args, parent=parent, **extra)
+
+
+def _admin_group() -> TyperGroup:
+    group = typer.main.get_group(admin_app)
+    assert isinstance(group, TyperGroup)
+    return group
+
+
+def _sim_group() -> TyperGroup:
+    try:
+        from gpufleet.sim.cli import app as sim_app
+    except ImportError as exc:
+        err.print(
+            f"[red]error:[/] the simulator needs the 'sim' extra ({escape(str(exc))}): "
+            "pip install 'gpufleet[sim]'"
+        )
+        raise typer.Exit(2) from None
+    group = typer.main.get_group(sim_app)
+    assert isinstance(group, TyperGroup)
+    return group
+
+
+LAZY_GROUPS: dict[str, tuple[str, Callable[[], TyperGroup]]] = {
+    "admin": ("Operator commands (run where the database is reachable).", _admin_group),
+    "sim": ("Trace-driven simulator of the scheduling policy.", _sim_group),
+}
+
+
+class _RootGroup(TyperGroup):
+    """The root command: the eager commands plus :data:`LAZY_GROUPS` stand-ins."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        for name, (help_text, load) in LAZY_GROUPS.items():
+            self.commands.setdefault(name, _LazyGroup(name, help_text, load))
+
+
+class _LazyCommand(TyperCommand):
+    """A command listed by name and docstring; Typer builds its parameters (type hints,
+    defaults: the costly part of start-up for 20 commands) only when it is the one run."""
+
+    def __init__(self, name: str, build: Callable[[], TyperCommand], help_text: str) -> None:
+        super().__init__(name=name, help=help_text)
+        self._build = build
+
+    def make_context(self, info_name: Any, args: Any, parent: Any = None, **extra: Any) -> Any:
+        return self._build().make_context(info_name, args, parent=parent, **extra)
+
+
+class _LazyTyper(typer.Typer):
+    """The root app: its commands become click commands on demand (see :class:`_LazyCommand`).
+    ``typer.main.get_command(app)`` (CliRunner in tests) still builds everything eagerly."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import inspect
+
+        infos = list(self.registered_commands)
+        self.registered_commands = []
+        try:
+            root = typer.main.get_command(self)
+        finally:
+            self.registered_commands = infos
+        assert isinstance(root, TyperGroup)
+        groups = dict(root.commands)
+        root.commands.clear()
+        for info in infos:
+            assert info.callback is not None
+            name = info.name or typer.main.get_command_name(info.callback.__name__)
+            build = partial(
+                typer.main.get_command_from_info,
+                info,
+                pretty_exceptions_short=self.pretty_exceptions_short,
+                rich_markup_mode=self.rich_markup_mode,
+            )
+            doc = (inspect.getdoc(info.callback) if info.help is None else info.help) or ""
+            summary = " ".join(doc.split("\n\n")[0].split())  # the listing's one paragraph
+            root.commands[name] = _LazyCommand(name, build, summary)  # type: ignore[arg-type]
+            root.commands[name].hidden = info.hidden
+        root.commands.update(groups)
+        return root(*args, **kwargs)
+
+
+app = _LazyTyper(
+    cls=_RootGroup,
     help="gpufleet: a GPU job platform (queue, fair share, best-fit placement, node agents).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -37,10 +149,39 @@ app = typer.Typer(
 admin_app = typer.Typer(
     help="Operator commands (run where the database is reachable).", no_args_is_help=True
 )
-app.add_typer(admin_app, name="admin")
 register_client_commands(app)
 err = Console(stderr=True)
 out = Console()
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from gpufleet import __version__
+
+        typer.echo(f"gpufleet {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[  # noqa: ARG001 - handled by its eager callback
+        bool,
+        typer.Option(
+            "--version", callback=_show_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+    no_color: Annotated[
+        bool,
+        typer.Option("--no-color", help="No colours (also when NO_COLOR is set)."),
+    ] = False,
+) -> None:
+    """gpufleet: a GPU job platform (queue, fair share, best-fit placement, node agents)."""
+    if no_color:
+        import os
+
+        os.environ["NO_COLOR"] = "1"  # read by every Rich console built from now on
+        err.no_color = out.no_color = True
+
 
 DataDir = Annotated[
     Path | None, typer.Option("--data-dir", help="State directory (GPUFLEET_DATA_DIR).")
@@ -48,6 +189,8 @@ DataDir = Annotated[
 
 
 def _settings(data_dir: Path | None, **overrides: object) -> Settings:
+    from gpufleet.settings import Settings
+
     values = {k: v for k, v in overrides.items() if v is not None}
     if data_dir is not None:
         values["data_dir"] = data_dir
@@ -128,7 +271,7 @@ def up(
     settings = _settings(data_dir, **overrides)
     clash = port_clash(settings, settings.server_port)
     if clash:
-        err.print(f"[red]error:[/] {escape(clash)}")
+        err.print(f"[red]error:[/] {escape(clash)}", soft_wrap=True)  # one line, never wrapped
         raise typer.Exit(1)
     uids = job_uids.value if job_uids is not None else None
     if uids is None:
@@ -144,7 +287,8 @@ def up(
         err.print(
             f"[red]error:[/] {escape(str(exc).split(';')[0])} (another gpufleet up? choose "
             "other ports with --port / --controller-port, or GPUFLEET_SERVER_PORT, "
-            "GPUFLEET_CONTROLLER_ADDRESS, GPUFLEET_JOIN_ADDRESS)"
+            "GPUFLEET_CONTROLLER_ADDRESS, GPUFLEET_JOIN_ADDRESS)",
+            soft_wrap=True,
         )
         platform.stop()
         raise typer.Exit(1) from None
@@ -160,6 +304,7 @@ def up(
         f"gpufleet is up at [bold]{platform.api.url}[/] (data: {settings.resolved_data_dir()})"
     )
     out.print(f"admin token (team 'default'): [bold]{token}[/]  (saved to {cfg_path})")
+    out.print(f"dashboard: [bold]{platform.api.url}/ui[/]  (log in with a token)")
     out.print(
         "try:  gpufleet submit --gpus 1 -- python3 examples/train_digits.py   |  Ctrl-C stops"
     )
@@ -212,6 +357,13 @@ def controller(
     insecure: Annotated[
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
+    metrics_port: Annotated[
+        int,
+        typer.Option(
+            envvar="GPUFLEET_CONTROLLER_METRICS_PORT",
+            help="Serve Prometheus /metrics on this port (0 = none).",
+        ),
+    ] = 0,
 ) -> None:
     """Run the controller: gRPC for agents (mutual TLS, certificates from the fleet CA made
     by `gpufleet admin ca init`), and (while leader) the scheduler loops."""
@@ -233,6 +385,10 @@ def controller(
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
     ctl.start()
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=settings.server_host)
     try:
         _wait_for_signal()
     finally:
@@ -247,7 +403,13 @@ def agent(
     ] = None,
     port: Annotated[int, typer.Option(help="Agent gRPC port (0 = any free port).")] = 0,
     state_dir: Annotated[Path | None, typer.Option(help="Assignment log and run dirs.")] = None,
-    label: Annotated[list[str] | None, typer.Option(help="Node label k=v (repeatable).")] = None,
+    label: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Node label k=v, e.g. rack=r1 (repeatable; also GPUFLEET_AGENT_LABELS="
+            "'rack=r1,switch=s3'). Admin-set labels win over these."
+        ),
+    ] = None,
     runtime: Annotated[
         str, typer.Option(help="Container engine for jobs with an image: podman, docker, none.")
     ] = "podman",
@@ -292,6 +454,13 @@ def agent(
     insecure: Annotated[
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
+    metrics_port: Annotated[
+        int,
+        typer.Option(
+            envvar="GPUFLEET_AGENT_METRICS_PORT",
+            help="Serve Prometheus /metrics on this port of the agent's address (0 = none).",
+        ),
+    ] = 0,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
     import os
@@ -305,13 +474,16 @@ def agent(
     if runtime not in ("podman", "docker", "none"):
         err.print(f"[red]error:[/] --runtime {runtime!r}: use podman, docker or none")
         raise typer.Exit(2)
-    labels = {}
-    for item in label or []:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            err.print(f"[red]error:[/] --label {item!r}: use key=value")
-            raise typer.Exit(2)
-        labels[k] = v
+    from gpufleet.domain.labels import parse_label_args, parse_label_list
+
+    try:  # GPUFLEET_AGENT_LABELS first, then the flags (a flag wins on a shared key)
+        labels = parse_label_list(settings.agent_labels)
+        flags = parse_label_args(label or [], allow_remove=False)
+        labels |= {k: v for k, v in flags.items() if v is not None}
+    except GpufleetError as exc:
+        source = "--label" if settings.agent_labels == "" else "--label / GPUFLEET_AGENT_LABELS"
+        err.print(f"[red]error:[/] {source}: {escape(exc.message)}")
+        raise typer.Exit(2) from None
     try:
         run_agent(
             settings,
@@ -328,6 +500,7 @@ def agent(
             job_uids=job_uids,
             jobs_dir=jobs_dir,
             containment=containment,
+            metrics_port=metrics_port,
         )
     except AgentAlreadyRunning as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")
@@ -375,6 +548,7 @@ token_app = typer.Typer(help="API tokens: create, list, revoke.", no_args_is_hel
 admin_app.add_typer(team_app, name="team")
 admin_app.add_typer(node_app, name="node")
 admin_app.add_typer(token_app, name="token")
+node_app.command("label")(node_label)  # through the REST API, with an admin token
 
 
 def _admin_db(data_dir: Path | None) -> Database:
@@ -884,16 +1058,6 @@ def token_revoke(
         highlight=False,
     )
 
-
-def _mount_sim() -> None:
-    try:
-        from gpufleet.sim.cli import app as sim_app
-    except ImportError:
-        return
-    app.add_typer(sim_app, name="sim", help="Trace-driven simulator of the scheduling policy.")
-
-
-_mount_sim()
 
 if __name__ == "__main__":
     app()

@@ -1,8 +1,11 @@
 """Rendering for the client CLI: Rich tables on stdout, red errors on stderr, plain JSON.
 
 Consoles are built per call so they write to whatever ``sys.stdout``/``sys.stderr`` are at
-that moment (``CliRunner`` swaps them). Every column folds rather than truncates: ids must
-stay copyable.
+that moment (``CliRunner`` swaps them). Default tables fit 80 columns (what pipes and CI logs
+get): ids are shown short (``j-`` and 12 characters, still a unique prefix in practice, like
+git's abbreviated hashes) and free text is truncated with an ellipsis; ``--wide`` shows full
+ids and every column, folding nothing. Colour follows ``NO_COLOR``/``--no-color`` (Rich reads
+``NO_COLOR`` when a console is built).
 
 Text that came from the server (job names, commands, messages, node ids, labels, logs) may
 hold terminal control sequences put there by any user of the fleet; :func:`clean` removes them
@@ -15,6 +18,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+import shlex
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,6 +26,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+# job states with no way out (domain.states derives JOB_TERMINAL; the SDK keeps a copy so
+# that a CLI call imports nothing of the server's code)
+from gpufleet.client.models import TERMINAL_STATES
+
+TERMINAL = TERMINAL_STATES
+
+SHORT_ID_CHARS = 14  # "j-" + 10 time characters + 2 random ones (see domain/ids.py)
+WIDE_WIDTH = 400  # -o wide: rows are as long as their content (up to this many columns)
 
 STATUS_STYLES = {
     "PENDING": "yellow",
@@ -34,6 +47,7 @@ STATUS_STYLES = {
     "PREEMPTED": "magenta",
     "CANCELLED": "dim",
     "EXPIRED": "dim",
+    "DEPENDENCY_FAILED": "red",
     "READY": "green",
     "SUSPECT": "yellow",
     "DRAINING": "magenta",
@@ -99,6 +113,45 @@ def print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2))
 
 
+def print_data(data: Any, fmt: str) -> None:
+    """``data`` as JSON (``fmt`` "json") or YAML ("yaml"), keys in the server's order."""
+    if fmt == "yaml":
+        import yaml
+
+        typer.echo(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), nl=False)
+    else:
+        print_json(data)
+
+
+def table_console(wide: bool = False) -> Console:
+    """Where tables go: the terminal's width (80 in a pipe); wide: as wide as the rows."""
+    return Console(highlight=False, width=WIDE_WIDTH if wide else None)
+
+
+def short_id(value: Any, wide: bool = False) -> str:
+    """A job/run id cut to :data:`SHORT_ID_CHARS` (a prefix the CLI accepts); whole if wide."""
+    text = fmt(value)
+    return text if wide or len(text) <= SHORT_ID_CHARS else text[:SHORT_ID_CHARS]
+
+
+def quoted(argv: list[str] | None) -> str:
+    """A command as a shell line that pastes back (``shlex.join``)."""
+    return clean(shlex.join(str(a) for a in argv or []))
+
+
+def age(iso: str | None, now: datetime | None = None) -> str:
+    """How long ago: ``45s``, ``12m``, ``3.0h``, ``2.1d``; ``-`` when unknown."""
+    if not iso:
+        return "-"
+    try:
+        at = datetime.fromisoformat(iso)
+    except ValueError:
+        return "-"
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    return _span(max(0.0, ((now or datetime.now(UTC)) - at).total_seconds()))
+
+
 def status_text(status: str | None) -> Text:
     return Text(clean(status or "-"), style=STATUS_STYLES.get(status or "", ""))
 
@@ -152,25 +205,92 @@ def _span(seconds: float) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
-def _table(*columns: str, title: str | None = None) -> Table:
-    table = Table(title=title, title_justify="left", header_style="bold")
-    for name in columns:
-        table.add_column(name, overflow="fold")
+def _table(
+    *columns: str,
+    title: str | None = None,
+    wide: bool = False,
+    keep: dict[str, int] | None = None,
+) -> Table:
+    """A borderless table (``kubectl``-like: pastes and greps well). Narrow: the first column
+    (an id) and the ``keep`` columns (name -> width) are never cut, free text is capped
+    (:data:`_NARROW_CAPS`) and everything else gives way with an ellipsis; wide: nothing is
+    cut."""
+    table = Table(
+        title=title,
+        title_justify="left",
+        header_style="bold",
+        box=None,
+        pad_edge=False,
+        padding=(0, 1),
+    )
+    keep = keep or {}
+    for i, name in enumerate(columns):
+        if wide:
+            table.add_column(name, no_wrap=True)
+        elif i == 0:
+            table.add_column(name, no_wrap=True, min_width=SHORT_ID_CHARS)
+        elif name in keep:
+            table.add_column(name, no_wrap=True, min_width=max(keep[name], len(name)))
+        else:
+            cap = _NARROW_CAPS.get(name)
+            table.add_column(name, no_wrap=True, overflow="ellipsis", max_width=cap)
     return table
 
 
-def jobs_table(jobs: list[dict[str, Any]]) -> Table:
-    table = _table("JOB", "NAME", "STATUS", "PRIORITY", "GPUS", "GPU TYPES", "CREATED")
-    for job in jobs:
-        table.add_row(
-            cell(job.get("job_id")),
-            cell(job.get("name")),
-            status_text(job.get("status")),
-            cell(job.get("priority")),
-            cell(job.get("gpu_count")),
-            cell(job.get("gpu_types")),
-            cell_time(job.get("created_at")),
+# widths of free-text columns in a narrow table: with a 14-character id, a 17-character status
+# (DEPENDENCY_FAILED) and an age, a row stays within 80 columns
+_NARROW_CAPS = {"NAME": 20, "GPUS": 12, "MESSAGE": 20, "REASON": 20, "NODE": 16, "GPU TYPE": 12}
+
+
+def _widest(rows: list[dict[str, Any]], key: str) -> int:
+    return max((len(str(r.get(key) or "")) for r in rows), default=0)
+
+
+def gpus_text(job: dict[str, Any]) -> str:
+    """``2 H100`` or ``8 any``; several acceptable types are joined with ``|``."""
+    types = job.get("gpu_types") or []
+    return f"{fmt(job.get('gpu_count'))} {'|'.join(str(t) for t in types) if types else 'any'}"
+
+
+def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
+    """JOB NAME STATUS GPUS AGE (narrow, under 80 columns); wide adds team, priority, node,
+    exit code, created, and shows full ids."""
+    if wide:
+        table = _table(
+            "JOB", "NAME", "TEAM", "STATUS", "PRIORITY", "GPUS", "NODE", "EXIT", "CREATED",
+            wide=True,
+        )  # fmt: skip
+    else:
+        table = _table(
+            "JOB",
+            "NAME",
+            "STATUS",
+            "GPUS",
+            "AGE",
+            keep={"STATUS": _widest(jobs, "status"), "AGE": 6},
         )
+    for job in jobs:
+        last = (job.get("attempts") or [{}])[-1]
+        if wide:
+            table.add_row(
+                cell(job.get("job_id")),
+                cell(job.get("name")),
+                cell(job.get("team")),
+                status_text(job.get("status")),
+                cell(job.get("priority")),
+                Text(clean(gpus_text(job))),
+                cell(last.get("node_id")),
+                cell(last.get("exit_code")),
+                cell_time(job.get("created_at")),
+            )
+        else:
+            table.add_row(
+                Text(short_id(job.get("job_id"))),
+                cell(job.get("name")),
+                status_text(job.get("status")),
+                Text(clean(gpus_text(job))),
+                Text(age(job.get("created_at"))),
+            )
     return table
 
 
@@ -191,7 +311,31 @@ def containment_text(labels: dict[str, Any] | None) -> str:
     return fmt(", ".join(parts) or None)
 
 
-def nodes_table(nodes: list[dict[str, Any]]) -> Table:
+def nodes_table(nodes: list[dict[str, Any]], wide: bool = False) -> Table:
+    """NODE STATUS GPU TYPE FREE HEARTBEAT REASON (narrow); wide adds memory, containment,
+    labels, address and images."""
+    if not wide:
+        table = _table(
+            "NODE",
+            "STATUS",
+            "GPU TYPE",
+            "FREE",
+            "HEARTBEAT",
+            "REASON",
+            keep={"STATUS": _widest(nodes, "status"), "FREE": 5, "HEARTBEAT": 9},
+        )
+        for node in nodes:
+            table.add_row(
+                cell(node.get("node_id")),
+                status_text(node.get("status")),
+                cell(node.get("gpu_type")),
+                Text(f"{fmt(node.get('available_gpus'))}/{fmt(node.get('total_gpus'))}"),
+                Text(age(node.get("last_heartbeat_at")) + " ago")
+                if node.get("last_heartbeat_at")
+                else Text("-"),
+                cell(node.get("status_reason")),
+            )
+        return table
     table = _table(
         "NODE",
         "STATUS",
@@ -204,6 +348,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
         "LAST HEARTBEAT",
         "REASON",
         "IMAGES",
+        wide=True,
     )
     for node in nodes:
         labels = dict(node.get("labels") or {})
@@ -224,7 +369,35 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
     return table
 
 
-def attempts_table(attempts: list[dict[str, Any]]) -> Table:
+def attempts_table(attempts: list[dict[str, Any]], wide: bool = False) -> Table:
+    """The attempts of a job; narrow: RUN # STATUS NODE GPUS EXIT MESSAGE."""
+    if not wide:
+        table = _table(
+            "RUN",
+            "#",
+            "STATUS",
+            "NODE",
+            "GPUS",
+            "EXIT",
+            "MESSAGE",
+            title="Attempts",
+            keep={"#": 1, "STATUS": _widest(attempts, "status"), "EXIT": 4},
+        )
+        for run in attempts:
+            table.add_row(
+                Text(short_id(run.get("run_id"))),
+                cell(
+                    f"{run.get('attempt')} r{run.get('rank')}"
+                    if (run.get("gang_size") or 1) > 1
+                    else run.get("attempt")
+                ),
+                status_text(run.get("status")),
+                cell(run.get("node_id")),
+                cell(run.get("gpu_ids")),
+                cell(run.get("exit_code")),
+                cell(run.get("message")),
+            )
+        return table
     table = _table(
         "RUN",
         "ATTEMPT",
@@ -238,6 +411,7 @@ def attempts_table(attempts: list[dict[str, Any]]) -> Table:
         "START PHASES",
         "MESSAGE",
         title="Attempts",
+        wide=True,
     )
     for run in attempts:
         table.add_row(
@@ -280,13 +454,14 @@ def pending_lines(reason: dict[str, Any]) -> list[str]:
         lines.append(f"  {clean(str(key)) + ':':<16} {fmt(value)}")
     lines.append(f"  queue position:  {fmt(reason.get('position'))}")
     start = reason.get("estimated_start_at")
-    lines.append(f"  estimated start: {fmt_time(start, relative=True) if start else 'unknown'}")
+    if start:  # only when the server has one (backfill's reservation for the job)
+        lines.append(f"  estimated start: {fmt_time(start, relative=True)}")
     return lines
 
 
-def print_job(job: dict[str, Any]) -> None:
+def print_job(job: dict[str, Any], wide: bool = False) -> None:
     """The ``status`` view: fields, attempts, and why the job is pending (if it is)."""
-    out = console()
+    out = table_console(wide)
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column(overflow="fold")
@@ -297,7 +472,7 @@ def print_job(job: dict[str, Any]) -> None:
         ("status", status_text(job.get("status"))),
         ("priority", fmt(job.get("priority"))),
         ("gpus", f"{fmt(job.get('gpu_count'))} x {fmt(job.get('gpu_types') or 'any')}"),
-        ("command", fmt(" ".join(job.get("command") or []))),
+        ("command", quoted(job.get("command"))),
         *(
             [("nodes", f"{fmt(job.get('nodes'))} x {fmt(job.get('gpus_per_node'))} GPUs")]
             if job.get("nodes") or job.get("gpus_per_node")
@@ -309,6 +484,33 @@ def print_job(job: dict[str, Any]) -> None:
         ("finished", fmt_time(job.get("finished_at"))),
         ("result", fmt(job.get("result_uri"))),
     ]
+    # shown when the server sends them (newer servers do)
+    for key, label in (
+        ("image", "image"),
+        ("working_dir", "workdir"),
+        ("cpu", "cpu"),
+        ("memory_mb", "memory MiB"),
+        ("gpu_memory_mb", "GPU memory MiB"),
+        ("expected_duration_s", "expected s"),
+        ("max_runtime_s", "max runtime s"),
+        ("max_retries", "max retries"),
+    ):
+        if job.get(key) not in (None, "", 0, 0.0):
+            rows.append((label, fmt(job.get(key))))
+    if job.get("env_keys"):
+        rows.append(("env", fmt(sorted(job["env_keys"]))))
+    if job.get("node_selector"):
+        rows.append(("selector", fmt(job["node_selector"])))
+    if job.get("preemptible") is False:
+        rows.append(("preemptible", "no"))
+    if job.get("array_id"):
+        rows.append(("array", f"{fmt(job.get('array_id'))} [{fmt(job.get('array_index'))}]"))
+    if job.get("depends_on"):
+        items = [f"{d.get('type')}:{d.get('job_id')}" for d in job["depends_on"]]
+        more = f" ... ({len(items)} in all)" if len(items) > 4 else ""
+        rows.append(("depends", fmt(", ".join(items[:4]) + more)))
+    if job.get("held"):
+        rows.append(("held", "yes (gpufleet release)"))
     if job.get("cancel_requested"):
         rows.append(("cancel", "requested"))
     if job.get("failure_reason"):
@@ -317,7 +519,7 @@ def print_job(job: dict[str, Any]) -> None:
         grid.add_row(key, Text(value) if isinstance(value, str) else value)
     out.print(grid)
     if job.get("attempts"):
-        out.print(attempts_table(job["attempts"]))
+        out.print(attempts_table(job["attempts"], wide=wide))
     if job.get("pending_reason"):
         out.print(Text("Pending: ", style="bold yellow"), end="")
         out.print("\n".join(pending_lines(job["pending_reason"])), markup=False)

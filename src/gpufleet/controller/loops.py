@@ -11,6 +11,7 @@ import logging
 import random
 import threading
 import time
+from collections import ChainMap
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,21 +20,30 @@ from functools import partial
 
 import grpc
 from sqlalchemy import exists, select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, aliased
 
+from gpufleet.controller import metrics
 from gpufleet.controller.agents import AgentClients
 from gpufleet.domain.errors import CapacityConflict, NotLeader, StaleState
 from gpufleet.domain.states import JobStatus, NodeStatus, RunStatus
 from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
-from gpufleet.policy.decisions import HoldForBackfill, Place, PlaceGang, Preempt, WaitReason
+from gpufleet.policy.decisions import (
+    Decision,
+    HoldForBackfill,
+    Place,
+    PlaceGang,
+    Preempt,
+    WaitReason,
+)
 from gpufleet.policy.snapshot import BackfillReservation
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.services import nodes, preemption, runs
 from gpufleet.services.jobs import iso
 from gpufleet.settings import Settings
-from gpufleet.store import allocate
+from gpufleet.store import allocate, gating
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.queries import SpecCache, load_snapshot
@@ -63,6 +73,8 @@ class PassStats:
     conflicts: int = 0
     seconds: float = 0.0
     placed_runs: list[str] = field(default_factory=list)
+    applied: list[Decision] = field(default_factory=list)
+    """Decisions committed in this pass (for the metrics)."""
 
 
 def reason_json(reason: WaitReason, now_s: float) -> dict[str, object]:
@@ -136,6 +148,9 @@ class Scheduler:
                 usage_half_life_s=self.policy.usage_half_life_s,
                 spec_cache=self._specs,
             )
+            # held jobs, unmet dependencies and arrays at their %N limit never reach the policy
+            gated = gating.gate_snapshot(s, snap)
+            snap = gated.snapshot
             if self._stored_epoch != self.leadership.epoch:
                 self._stored, self._stored_epoch = None, self.leadership.epoch
             if self._stored is None:  # first pass of this leader: what earlier leaders wrote
@@ -145,6 +160,14 @@ class Scheduler:
                 # not dict(result): a Result has keys() and would be taken for a mapping
                 self._stored = {row[0]: row[1] for row in s.execute(query)}
         stats.pending = len(snap.pending)
+        if gated.result.failed:
+            try:
+                ended = self.db.run_write(
+                    partial(gating.fail_dependents, failed=gated.result.failed, now=now)
+                )
+                log.info("dependency never satisfiable: %d job(s) DEPENDENCY_FAILED", len(ended))
+            except SQLAlchemyError:  # placements go on; the next pass tries again
+                log.exception("could not end jobs with unsatisfiable dependencies")
         result = schedule(snap, self.policy)
         pending = {p.job_id: p for p in snap.pending}
         backfill: list[BackfillReservation] = []
@@ -170,6 +193,7 @@ class Scheduler:
                             decision.start_at_s,
                         )
                     )
+                stats.applied.append(decision)
             except NotLeader:
                 log.warning("lost leadership during a pass; stopping it")
                 self.leadership.epoch = 0
@@ -183,10 +207,24 @@ class Scheduler:
             self.db.run_write(partial(preemption.release_holds, job_ids=result.released_holds))
         # a job that left the queue (placed, cancelled) is forgotten: if it comes back (a retry)
         # its reason was reset in the database and is computed again as for a new job
-        stored = {j: self._stored.get(j) for j in result.waiting}
+        waiting: Mapping[str, WaitReason] = (
+            ChainMap(dict(gated.result.blocked), result.waiting)  # type: ignore[arg-type]
+            if gated.result.blocked
+            else result.waiting
+        )
+        stored = {j: self._stored.get(j) for j in waiting}
         self._stored = stored
-        self._store_reasons(result.waiting, stored, snap.now_s)
+        self._store_reasons(waiting, stored, snap.now_s)
         stats.seconds = time.perf_counter() - t0
+        metrics.observe_pass(
+            snap,
+            result,
+            stats.applied,
+            seconds=stats.seconds,
+            conflicts=stats.conflicts,
+            config=self.policy,
+            pending_by_id=pending,
+        )
         return stats
 
     def _place(self, decision: Place, seen_epoch: int, stats: PassStats) -> None:
@@ -242,6 +280,7 @@ class Scheduler:
             decision.reason,
         )
         stats.preempted += len(orders)
+        metrics.PREEMPTIONS.labels(decision.reason).inc(len(orders))
         for o in orders:
             if self.stops is not None:
                 self.stops.send(o.address, o.run_id, o.token, "preempt", node_id=o.node_id)
@@ -622,6 +661,7 @@ class StopDriver:
                     continue
                 if not ok:
                     continue
+                metrics.STOPS.labels(reason).inc()
             sent += 1
             self.send(run.address, run.id, run.token, reason, node_id=run.node_id)
         return sent
@@ -681,6 +721,8 @@ class StopDriver:
                 message=f"the agent never had it ({resp.message or 'StopRun: not found'})",
             )
             log.info("StopRun %s: NOT_FOUND -> %s %s", run_id, result, why)
+            if result is not None:
+                metrics.RECONCILE.labels("never_started").inc()
             return None if result is None else STOP_VERIFY_EXTRA_S
         return None
 
@@ -793,9 +835,11 @@ class Reconciler:
             return
         silent_s = self.settings.heartbeat_interval_s * self.settings.suspect_after_missed
         suspects = self.db.run_write(lambda s: nodes.mark_silent_nodes_suspect(s, silent_s))
+        metrics.NODE_TRANSITIONS.labels("SUSPECT").inc(len(suspects))
         for node_id in suspects:
             log.warning("node %s is SUSPECT: no heartbeat for %.0f s", node_id, silent_s)
         for node_id in self.db.run_write(nodes.finish_drains):
+            metrics.NODE_TRANSITIONS.labels("CORDONED").inc()
             log.info("node %s drained: CORDONED", node_id)
         try:
             fenced = self.db.run_write(
@@ -811,6 +855,8 @@ class Reconciler:
             self.leadership.epoch = 0
             return
         for node_id, runs_fenced in fenced.items():
+            metrics.NODE_TRANSITIONS.labels("FENCED").inc()
+            metrics.RECONCILE.labels("fenced_run").inc(len(runs_fenced))
             log.warning(
                 "node %s fenced after %.0f s of silence: %d attempt(s) fenced %s",
                 node_id,
@@ -860,6 +906,7 @@ class Reconciler:
                 )
             )
         for run_id in stuck:
+            metrics.RECONCILE.labels("resent_assignment").inc()
             self.db.run_write(
                 partial(
                     record_event,

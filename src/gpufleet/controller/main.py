@@ -10,6 +10,7 @@ from concurrent import futures
 
 import grpc
 
+from gpufleet.controller import metrics
 from gpufleet.controller.agents import AgentClients
 from gpufleet.controller.identity import BootstrapServicer, ControllerTls, NodeAuthenticator
 from gpufleet.controller.loops import Leadership, Reconciler, Scheduler, StopDriver
@@ -152,6 +153,7 @@ class Controller:
         except Exception:
             log.exception("leader lease")
             epoch = None
+        metrics.note_lease(epoch or 0)
         if (epoch or 0) != self.leadership.epoch:
             log.info("leadership: epoch %s -> %s", self.leadership.epoch, epoch or 0)
             self.leadership.epoch = epoch or 0

@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import grpc
 
+from gpufleet.controller import metrics
 from gpufleet.controller.identity import NodeAuthenticator
 from gpufleet.controller.rpc_errors import guard as _guard
 from gpufleet.domain.types import GpuDevice
@@ -117,6 +118,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             ),
         )
         ok = result == runs.Confirm.CONFIRMED
+        if ok:
+            metrics.record_start(self.db, request.run_id)
         return pb.ConfirmAssignmentResponse(
             result=pb.ConfirmAssignmentResponse.CONFIRMED
             if ok

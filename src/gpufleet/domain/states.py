@@ -27,6 +27,9 @@ class JobStatus(enum.StrEnum):
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
     EXPIRED = "EXPIRED"
+    DEPENDENCY_FAILED = "DEPENDENCY_FAILED"
+    """One of its dependencies can never be satisfied (``afterok`` on a job that did not
+    succeed, ``afternotok`` on one that did): it never ran and never will."""
 
 
 class RunStatus(enum.StrEnum):
@@ -87,8 +90,20 @@ JOB_TRANSITIONS: Final[Mapping[tuple[JobStatus, JobStatus], str]] = MappingProxy
         (J.RUNNING, J.FAILED): "FAILED_NO_RETRIES_LEFT",
         (J.RUNNING, J.CANCELLED): "CANCELLED",
         (J.RUNNING, J.PENDING): "REQUEUED",
+        (J.PENDING, J.DEPENDENCY_FAILED): "DEPENDENCY_NEVER_SATISFIED",
+        # a user's requeue of a finished, unsuccessful job: a new attempt (POST .../requeue).
+        # These edges reopen a finished job; they do not make its state non-terminal (see
+        # REOPEN_TRIGGERS). SUCCEEDED is never reopened: its result is the job's result.
+        (J.FAILED, J.PENDING): "REQUEUED_BY_USER",
+        (J.CANCELLED, J.PENDING): "REQUEUED_BY_USER",
+        (J.EXPIRED, J.PENDING): "REQUEUED_BY_USER",
+        (J.DEPENDENCY_FAILED, J.PENDING): "REQUEUED_BY_USER",
     }
 )
+
+REOPEN_TRIGGERS: Final = frozenset({"REQUEUED_BY_USER"})
+"""Edges out of a finished state taken only on a user's explicit request: a state whose only
+exits are these is still terminal (nothing in the system moves it on by itself)."""
 
 RUN_TRANSITIONS: Final[Mapping[tuple[RunStatus, RunStatus], str]] = MappingProxyType(
     {
@@ -173,7 +188,7 @@ S = TypeVar("S", bound=enum.StrEnum)
 
 
 def _terminal(states: type[S], table: Mapping[tuple[S, S], str]) -> frozenset[S]:
-    has_exit = {frm for frm, _ in table}
+    has_exit = {frm for (frm, _), trigger in table.items() if trigger not in REOPEN_TRIGGERS}
     return frozenset(s for s in states if s not in has_exit)
 
 

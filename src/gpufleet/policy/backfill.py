@@ -19,17 +19,25 @@ from __future__ import annotations
 
 import math
 
+from gpufleet.policy.gang import domain, member_resources
 from gpufleet.policy.placement import FreeIndex, Shadow, node_accepts
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import PendingJob
 
 
 def start_on_node(
-    job: PendingJob, node_id: str, index: FreeIndex, running: RunningIndex, now_s: float
+    job: PendingJob,
+    node_id: str,
+    index: FreeIndex,
+    running: RunningIndex,
+    now_s: float,
+    need: int | None = None,
 ) -> tuple[float, int]:
-    """Earliest estimated start of ``job`` on ``node_id`` and the node's extra GPUs then
-    (``(inf, 0)`` when the running work there has no known end)."""
-    need = job.resources.gpu_count
+    """Earliest estimated start of ``job`` (or of one of its gang members, ``need`` GPUs) on
+    ``node_id`` and the node's extra GPUs then (``(inf, 0)`` when the running work there has
+    no known end)."""
+    if need is None:
+        need = job.resources.gpu_count
     held = index.held_node_for(job.job_id, node_id)
     free = held.free_gpus if held is not None else index.visible_free(node_id)
     avail = free
@@ -77,3 +85,98 @@ def find_reservation(
         return None
     start, _, extra, node_id = best
     return node_id, Shadow(job.job_id, start, need, extra)
+
+
+def extra_at(
+    job: PendingJob, node_id: str, need: int, at_s: float, index: FreeIndex, running: RunningIndex
+) -> int:
+    """GPUs of ``node_id`` free by ``at_s`` beyond the ``need`` a gang member takes there."""
+    held = index.held_node_for(job.job_id, node_id)
+    free = held.free_gpus if held is not None else index.visible_free(node_id)
+    runs = running.by_node.get(node_id, ())
+    return max(0, free + sum(r.gpu_count for end, r in runs if end <= at_s) - need)
+
+
+def find_gang_reservation(
+    job: PendingJob,
+    members: tuple[int, ...],
+    gpu_type: str,
+    index: FreeIndex,
+    running: RunningIndex,
+    now_s: float,
+) -> tuple[float, list[tuple[str, Shadow]]] | None:
+    """A backfill reservation for a gang: one node per member (``members``: GPUs per member,
+    largest first) on ``gpu_type``, all held from the time the last of them drains.
+
+    Each candidate node's earliest start for the member size is computed as for a single
+    job; the gang starts when the ``len(members)``-th earliest node is ready (members are
+    given the earliest nodes, largest member first). Returns ``(start, [(node_id, shadow)])``
+    or None when fewer nodes than members have running work with a known end.
+    """
+    res = job.resources
+    smallest = members[-1]
+    mres = member_resources(res, smallest)
+    starts: list[tuple[float, int, str]] = []
+    for node_id, node in index.nodes.items():
+        if node.gpu_type != gpu_type or not node.schedulable or node_id in index.shadows:
+            continue
+        if node.total_gpus < smallest or not node_accepts(node, mres, job.node_selector):
+            continue
+        if smallest == node.total_gpus:
+            # a whole-node member starts when the node's last attempt ends (the same answer
+            # as start_on_node, without the walk: attempts are sorted by estimated end)
+            if index.hidden_from(node_id, job.job_id):
+                continue
+            own = index.held_node_for(job.job_id, node_id)
+            free = own.free_gpus if own is not None else index.visible_free(node_id)
+            if free >= smallest:
+                start = now_s
+            else:
+                runs = running.by_node.get(node_id, ())
+                if not runs or free + sum(r.gpu_count for _, r in runs) < smallest:
+                    continue
+                start = runs[-1][0]
+        else:
+            start, _ = start_on_node(job, node_id, index, running, now_s, smallest)
+        if start != math.inf:
+            starts.append((start, -node.total_gpus, node_id))
+    if len(starts) < len(members):
+        return None
+    starts.sort()
+    if len(set(members)) == 1:
+        # Uniform members: the gang can start when the k-th earliest node is ready; among the
+        # nodes ready by then, prefer one rack, then the fewest racks (largest first), as
+        # placement does. The start does not move.
+        k = len(members)
+        ready_by = starts[k - 1][0]
+        eligible = [e for e in starts if e[0] <= ready_by]
+        if len(eligible) > k:
+            racks: dict[tuple[str, str], list[tuple[float, int, str]]] = {}
+            for e in eligible:
+                racks.setdefault(domain(index.nodes[e[2]]), []).append(e)
+            whole = sorted((lst[k - 1][0], key) for key, lst in racks.items() if len(lst) >= k)
+            if whole:
+                starts = racks[whole[0][1]][:k]
+            else:
+                order = sorted(racks, key=lambda key: (-len(racks[key]), key))
+                starts = [e for key in order for e in racks[key]][:k]
+    chosen: list[tuple[str, int]] = []
+    used: set[str] = set()
+    for m in members:
+        for _start, neg_total, node_id in starts:
+            if node_id in used or -neg_total < m:
+                continue
+            if m != smallest:
+                s2, _ = start_on_node(job, node_id, index, running, now_s, m)
+                if s2 == math.inf:
+                    continue
+            used.add(node_id)
+            chosen.append((node_id, m))
+            break
+        else:
+            return None
+    gang_start = max(start_on_node(job, nid, index, running, now_s, m)[0] for nid, m in chosen)
+    return gang_start, [
+        (nid, Shadow(job.job_id, gang_start, m, extra_at(job, nid, m, gang_start, index, running)))
+        for nid, m in chosen
+    ]

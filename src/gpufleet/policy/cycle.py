@@ -21,11 +21,32 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
-from gpufleet.policy.backfill import find_reservation, start_on_node
+from gpufleet.domain.types import Resources
+from gpufleet.policy.backfill import (
+    extra_at,
+    find_gang_reservation,
+    find_reservation,
+    start_on_node,
+)
 from gpufleet.policy.config import Backfill, Placement, PolicyConfig
-from gpufleet.policy.decisions import CycleResult, Decision, HoldForBackfill, Place
+from gpufleet.policy.decisions import (
+    CycleResult,
+    Decision,
+    GangMember,
+    HoldForBackfill,
+    Place,
+    PlaceGang,
+)
 from gpufleet.policy.explain import Cause, WaitingReasons
 from gpufleet.policy.fairshare import TeamKey, TeamOrder
+from gpufleet.policy.gang import (
+    Members,
+    explicit_gang,
+    find_gang,
+    gang_members,
+    member_resources,
+    static_fit,
+)
 from gpufleet.policy.placement import FreeIndex, Shadow, node_accepts, selector_key
 from gpufleet.policy.preemption import VictimSearch
 from gpufleet.policy.priority import queue_key, queued_at
@@ -92,6 +113,10 @@ def _live_holds(
             continue
         seen.add(h.node_id)
         live.append((h, job))
+    if released and live:
+        # a gang preemptor holds GPUs on several nodes: one dead hold releases them all
+        gone = set(released)
+        live = [(h, j) for h, j in live if h.job_id not in gone]
     return live, sorted(set(released))
 
 
@@ -126,7 +151,11 @@ class _Pass:
             self.index.capacity_memory_mb,
             cfg,
         )
-        self.held_jobs = {h.job_id: h for h, _ in self.holds}
+        self.hold_nodes: dict[str, list[str]] = {}
+        for h, _ in self.holds:
+            self.hold_nodes.setdefault(h.job_id, []).append(h.node_id)
+        self._gang_kind: dict[tuple[int, tuple[str, ...]], bool] = {}
+        self.gang_fail_memo: set[tuple[object, ...]] = set()
         self.decisions: list[Decision] = []
         self.placed: set[str] = set()
         self.causes: dict[str, Cause] = {}
@@ -161,9 +190,21 @@ class _Pass:
             for r in self.snap.running:
                 if r.stopping and r.stopping_for_job_id is not None:
                     stopping_for.setdefault(r.stopping_for_job_id, []).append(r.run_id)
+        gangs_done: set[str] = set()
         for h, job in self.holds:
-            fn = self.index.held_node_for(job.job_id, h.node_id)
             res = job.resources
+            if self.is_gang(res):
+                if job.job_id in gangs_done or job.job_id in self.placed:
+                    continue
+                gangs_done.add(job.job_id)
+                stopping = tuple(sorted(stopping_for.get(job.job_id, ())))
+                if self.try_place_gang(job) is not None and stopping:
+                    nodes = tuple(self.hold_nodes.get(job.job_id, ()))
+                    self.causes[job.job_id] = ("gang_preemption", nodes, stopping, h.reason)
+                    self.head_done.add(job.team_id)
+                # victims gone but the gang still does not fit: it takes the normal path
+                continue
+            fn = self.index.held_node_for(job.job_id, h.node_id)
             if fn is not None and fn.free_gpus >= res.gpu_count:
                 self._place(job, h.node_id, fn.node.gpu_type, backfilled=False)
             else:
@@ -175,11 +216,18 @@ class _Pass:
         """Reservations of earlier passes stay on their node until their job starts."""
         if self.cfg.backfill is not Backfill.EASY:
             return
+        gang_rs: dict[str, list[BackfillReservation]] = {}
+        for r, job in self.prev_reservations:
+            if self.is_gang(job.resources):
+                gang_rs.setdefault(job.job_id, []).append(r)
         for r, job in self.prev_reservations:
             if job.job_id in self.placed or job.job_id in self.causes:
                 continue
             if self.n_reservations >= self.cfg.max_reservations:
                 break
+            if job.job_id in gang_rs:
+                self.keep_gang_reservation(job, gang_rs[job.job_id])
+                continue
             node = self.index.nodes.get(r.node_id)
             if (
                 node is None
@@ -201,6 +249,178 @@ class _Pass:
             self.causes[job.job_id] = ("waiting_with_reservation", r.node_id, start, extra)
             self.head_done.add(job.team_id)
 
+    def keep_gang_reservation(self, job: PendingJob, rs: list[BackfillReservation]) -> None:
+        """A gang's reservation of an earlier pass: start it if it fits now, else renew the
+        hold on the same nodes with the start recomputed (the last member node to drain)."""
+        cause = self.try_place_gang(job)
+        if cause is None or cause[0] != "no_node_fits_now":
+            return
+        res = job.resources
+        index = self.index
+        starts: list[float] = []
+        for r in rs:
+            node = index.nodes.get(r.node_id)
+            if (
+                node is None
+                or not node.schedulable
+                or r.node_id in index.shadows
+                or not node_accepts(node, member_resources(res, r.gpu_count), job.node_selector)
+            ):
+                return  # gone: the job gets a fresh reservation when its turn comes
+            start, _ = start_on_node(job, r.node_id, index, self.running, self.now, r.gpu_count)
+            if start == float("inf"):
+                return
+            starts.append(start)
+        self._hold_gang(job, [(r.node_id, r.gpu_count) for r in rs], max(starts))
+
+    def _hold_gang(self, job: PendingJob, nodes: list[tuple[str, int]], start: float) -> None:
+        index = self.index
+        ready = 0
+        for nid, m in nodes:
+            extra = extra_at(job, nid, m, start, index, self.running)
+            index.add_shadow(nid, Shadow(job.job_id, start, m, extra))
+            self.decisions.append(HoldForBackfill(job.job_id, nid, m, start))
+            held = index.held_node_for(job.job_id, nid)
+            if (held.free_gpus if held is not None else index.visible_free(nid)) >= m:
+                ready += 1
+        self.n_reservations += 1
+        held_ids = tuple(nid for nid, _ in nodes)
+        self.causes[job.job_id] = ("gang_reservation", held_ids, start, len(nodes), ready)
+        self.head_done.add(job.team_id)
+
+    # -- gangs --------------------------------------------------------------------------
+    def is_gang(self, res: Resources) -> bool:
+        """A multi-node request: explicit, or no acceptable type has a node big enough."""
+        if res.nodes is not None or res.gpus_per_node is not None:
+            return explicit_gang(res)
+        key = (res.gpu_count, res.gpu_types)
+        hit = self._gang_kind.get(key)
+        if hit is None:
+            sizes = [self.index.node_gpus(t) for t in (res.gpu_types or self.index.all_types())]
+            hit = self._gang_kind[key] = (
+                bool(sizes) and max(sizes) > 0 and (res.gpu_count > max(sizes))
+            )
+        return hit
+
+    def members(self, res: Resources, gpu_type: str) -> Members | None:
+        return gang_members(res, self.index.node_gpus(gpu_type))
+
+    def try_place_gang(self, job: PendingJob) -> Cause | None:
+        """Place every member of a gang now, on one GPU type, or none (quota counts all its
+        GPUs); else the cause it waits."""
+        res = job.resources
+        hard_end = self.now + job.max_runtime_s if job.max_runtime_s is not None else None
+        held = self.hold_nodes.get(job.job_id, ())
+        shadows = self.index.shadows
+        use_memo = not held and (
+            not shadows
+            or (
+                job.max_runtime_s is None
+                and all(sh.job_id != job.job_id for sh in shadows.values())
+            )
+        )
+        refusal: Cause | None = None
+        types = res.gpu_types or self.index.gpu_types
+        for t in types:
+            members = self.members(res, t)
+            if members is None:
+                continue
+            memo_key = (
+                t,
+                members,
+                res.gpu_memory_mb,
+                res.cpu,
+                res.memory_mb,
+                selector_key(job.node_selector),
+            )
+            if use_memo and memo_key in self.gang_fail_memo:
+                continue  # (as for single-node jobs: the memo answers before quota)
+            code = self.book.admit(
+                job.team_id, t, res.gpu_count, self.index.free_by_type.get(t, 0)
+            )
+            if code is not None:
+                refusal = refusal or (code, t)
+                continue
+            nodes = find_gang(
+                self.index, res, job.node_selector, t, members, hard_end, job.job_id, held
+            )
+            if nodes is None:
+                if use_memo:
+                    self.gang_fail_memo.add(memo_key)
+                continue
+            self._place_gang(job, t, members, nodes, hard_end)
+            return None
+        if refusal is not None and len(types) == 1:
+            return refusal
+        return refusal or ("no_node_fits_now", "gang")
+
+    def _place_gang(
+        self,
+        job: PendingJob,
+        gpu_type: str,
+        members: Members,
+        nodes: tuple[str, ...],
+        hard_end: float | None,
+    ) -> None:
+        res = job.resources
+        out: list[GangMember] = []
+        for rank, (m, nid) in enumerate(zip(members, nodes, strict=True)):
+            self.index.take(nid, member_resources(res, m), job.job_id, hard_end)
+            out.append(GangMember(rank, nid, m))
+        k = len(members)
+        self.book.charge(job.team_id, gpu_type, res.gpu_count, res.cpu * k, res.memory_mb * k)
+        self.decisions.append(PlaceGang(job.job_id, tuple(out), self.n_reservations > 0))
+        self.placed.add(job.job_id)
+        self.served[job.team_id] = self.served.get(job.team_id, 0) + res.gpu_count
+        self.n_places += 1
+
+    def handle_gang_head(self, job: PendingJob, cause: Cause) -> Cause:
+        """The first blocked job of its team is a gang: never-fits, preemption (all members
+        or none), else a backfill reservation of one node per member."""
+        res = job.resources
+        index = self.index
+        every = {t: m for t in (res.gpu_types or index.all_types()) if (m := self.members(res, t))}
+        sel = job.node_selector
+        labels = bool(sel)
+        if not every or not static_fit(index.shape_counts(False, labels), res, sel, every):
+            return ("never_fits", False)
+        if not static_fit(index.shape_counts(True, labels), res, sel, every):
+            return ("never_fits", True)
+        self.head_done.add(job.team_id)
+        types = [t for t in (res.gpu_types or index.gpu_types) if t in every]
+        cfg = self.cfg
+        held = self.hold_nodes.get(job.job_id, ())
+        if cfg.preemption and self.n_preempts < cfg.max_preemptions_per_cycle:
+            for t in types:
+                members = every[t]
+                free = index.gang_candidates(t, job.node_selector, members[-1], job.job_id, held)
+                found = None
+                if self.book.fits_in_guarantee(job.team_id, t, res.gpu_count):
+                    found = self.victims.find_gang(job, index, t, "reclaim", members, free)
+                if found is None and job.priority.rank > 0:
+                    found = self.victims.find_gang(job, index, t, "priority", members, free)
+                if found:
+                    for pre in found:
+                        self.decisions.append(pre)
+                        index.hold(pre.node_id, job.job_id, pre.gpu_count)
+                        self.n_preempts += 1
+                    victims = tuple(sorted({v for p in found for v in p.victim_run_ids}))
+                    nodes = tuple(p.node_id for p in found)
+                    return ("gang_preemption", nodes, victims, found[0].reason)
+        if cause[0] != "no_node_fits_now":
+            return cause
+        if cfg.backfill is Backfill.EASY and self.n_reservations < cfg.max_reservations:
+            best: tuple[float, int, list[tuple[str, Shadow]]] | None = None
+            for i, t in enumerate(types):
+                found_r = find_gang_reservation(job, every[t], t, index, self.running, self.now)
+                if found_r is not None and (best is None or (found_r[0], i) < best[:2]):
+                    best = (found_r[0], i, found_r[1])
+            if best is not None:
+                start, _, picks = best
+                self._hold_gang(job, [(nid, sh.gpu_count) for nid, sh in picks], start)
+                return self.causes.pop(job.job_id)
+        return cause
+
     # -- phases 3 and 4 -----------------------------------------------------------------
     def _place(self, job: PendingJob, node_id: str, gpu_type: str, backfilled: bool) -> None:
         res = job.resources
@@ -215,6 +435,8 @@ class _Pass:
     def try_place(self, job: PendingJob) -> Cause | None:
         """Place ``job`` now if quota and placement allow; else the cause it waits."""
         res = job.resources
+        if res.gpu_count > 1 and self.is_gang(res):
+            return self.try_place_gang(job)
         memo_key: tuple[object, ...] | None = None
         if job.max_runtime_s is None or not self.index.shadows:
             memo_key = (
@@ -269,6 +491,8 @@ class _Pass:
     def handle_head(self, job: PendingJob, cause: Cause) -> Cause:
         """The first blocked job of its team: preempt for it, or reserve for it."""
         res = job.resources
+        if res.gpu_count > 1 and self.is_gang(res):
+            return self.handle_gang_head(job, cause)
         if not self.index.ever_fits(res, job.node_selector) or not self.index.fits_schedulable(
             res, job.node_selector
         ):

@@ -115,19 +115,30 @@ class WaitingReasons(Mapping[str, WaitReason]):
         d: dict[str, Any] = {"needed_gpus": res.gpu_count, "team": job.team_id}
         est: float | None = None
         if code == "never_fits":
-            if idx.ever_fits(res, job.node_selector) and not idx.fits_schedulable(
-                res, job.node_selector
+            if (
+                bool(cause[1])
+                if len(cause) > 1
+                else idx.ever_fits(res, job.node_selector)
+                and not idx.fits_schedulable(res, job.node_selector)
             ):
                 code = "no_schedulable_node"
                 msg = (
                     f"Only nodes that are unhealthy, cordoned or draining could hold "
                     f"{_shape(job)}; it waits until one is schedulable again."
                 )
+            elif len(cause) > 1:  # a gang
+                msg = (
+                    f"No GPU type has enough nodes to ever hold {_shape(job)} as a gang "
+                    f"(whole nodes of one type, or the nodes x GPUs per node asked for); "
+                    f"resubmit with a smaller or different request."
+                )
             else:
                 msg = (
                     f"No node in the fleet can ever hold {_shape(job)}; "
                     f"resubmit with a smaller or different request."
                 )
+            if len(cause) > 1:
+                d["gang"] = True
             d["gpu_types"] = list(res.gpu_types)
             d["gpu_memory_mb"] = res.gpu_memory_mb
         elif code in ("team_at_guarantee", "over_borrow_limit", "guarantee_protected"):
@@ -163,6 +174,32 @@ class WaitingReasons(Mapping[str, WaitReason]):
                 f"Next in line: {res.gpu_count} GPU(s) on {node_id} are held for this job "
                 f"from t={est:.0f}s, when running work there is expected to end; smaller "
                 f"jobs may use them only if they finish before then."
+            )
+        elif code == "gang_reservation":
+            _, nodes, start_s, needed, ready = cause
+            code = "waiting_with_reservation"
+            est = float(start_s)
+            d.update(
+                nodes=list(nodes),
+                nodes_held=len(nodes),
+                nodes_needed=needed,
+                nodes_ready=ready,
+                reserved_from_s=est,
+            )
+            msg = (
+                f"Next in line: {len(nodes)} of the {needed} nodes this gang needs are held "
+                f"for it ({ready} already free), the last expected to drain at t={est:.0f}s; "
+                f"smaller jobs may use them only if they finish before then."
+            )
+        elif code == "gang_preemption":
+            _, nodes, victims, why = cause
+            code = "waiting_for_preemption"
+            d.update(nodes=list(nodes), victims=list(victims), ground=why)
+            whose = "borrowed by other teams" if why == "reclaim" else "of lower priority"
+            msg = (
+                f"{len(victims)} running attempt(s) {whose} are being stopped on "
+                f"{len(nodes)} node(s) ({', '.join(nodes)}); the GPUs they free are held "
+                f"for this gang."
             )
         elif code == "waiting_for_preemption":
             _, node_id, victims, why = cause
@@ -203,8 +240,12 @@ class WaitingReasons(Mapping[str, WaitReason]):
                 )
             else:
                 code = "no_node_fits_now"
+                gang = len(cause) > 1 and cause[1] == "gang"
+                where = "on several nodes at once (a gang)" if gang else "on one node"
+                if gang:
+                    d["gang"] = True
                 msg = (
-                    f"Waiting for {_shape(job)} on one node; the largest free block that "
+                    f"Waiting for {_shape(job)} {where}; the largest free block that "
                     f"matches is {largest}."
                 )
                 if d["served_instead"]:

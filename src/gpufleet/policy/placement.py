@@ -81,6 +81,8 @@ class FreeIndex:
     def __init__(self, nodes: Iterable[NodeState], holds: Iterable[GpuHold] = ()) -> None:
         self._free: dict[str, _FreeNode] = {}  # created on first change (most never change)
         self._shapes: list[NodeState] | None = None
+        self._node_gpus: dict[str, int] | None = None
+        self._shape_counts: dict[bool, list[tuple[NodeState, int, int]]] = {}
         self.capacity_gpus: dict[str, int] = {}
         self.capacity_cpu = 0.0
         self.capacity_memory_mb = 0
@@ -151,6 +153,32 @@ class FreeIndex:
                 shapes.setdefault(key, n)
             self._shapes = list(shapes.values())
         return any(node_accepts(n, res, selector) for n in self._shapes)
+
+    def shape_counts(
+        self, schedulable_only: bool, with_labels: bool = True
+    ) -> list[tuple[NodeState, int]]:
+        """Distinct node shapes (type, size, memory, CPU, and labels unless ``with_labels``
+        is False: enough for a job without a node selector) with how many nodes have each
+        (all nodes, or the schedulable ones): what gang "could ever fit" checks read. Built
+        once per pass and kind, on first use."""
+        cached = self._shape_counts.get(with_labels)
+        if cached is None:
+            counts: dict[tuple[object, ...], tuple[NodeState, int, int]] = {}
+            for n in self.nodes.values():
+                key = (
+                    n.gpu_type,
+                    n.total_gpus,
+                    n.gpu_memory_mb,
+                    n.cpu_total,
+                    n.memory_total_mb,
+                    tuple(sorted(n.labels.items())) if with_labels else (),
+                )
+                first, every, sched = counts.get(key, (n, 0, 0))
+                counts[key] = (first, every + 1, sched + int(n.schedulable))
+            cached = self._shape_counts[with_labels] = list(counts.values())
+        if schedulable_only:
+            return [(n, sched) for n, _, sched in cached]
+        return [(n, every) for n, every, _ in cached]
 
     def fits_schedulable(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether a schedulable node (ignoring what is free) could hold it."""
@@ -251,6 +279,59 @@ class FreeIndex:
             and (hard_end_s is None or hard_end_s > sh.start_at_s)
         )
 
+    def acceptable(
+        self, node_id: str, res: Resources, hard_end_s: float | None, job_id: str
+    ) -> bool:
+        """Whether ``res`` may use ``node_id`` (CPU, memory, GPU memory, backfill shadow);
+        the free GPU count is checked by the caller."""
+        return self._acceptable(node_id, res, hard_end_s, job_id)
+
+    def node_gpus(self, gpu_type: str) -> int:
+        """GPUs of the largest node of ``gpu_type`` (any state), 0 if none: the size a
+        derived gang splits into. Computed once per pass, on first use."""
+        if self._node_gpus is None:
+            sizes: dict[str, int] = {}
+            for n in self.nodes.values():
+                if n.total_gpus > sizes.get(n.gpu_type, 0):
+                    sizes[n.gpu_type] = n.total_gpus
+            self._node_gpus = sizes
+        return self._node_gpus.get(gpu_type, 0)
+
+    def all_types(self) -> tuple[str, ...]:
+        """Every GPU type of the fleet, schedulable or not, sorted."""
+        self.node_gpus("")
+        assert self._node_gpus is not None
+        return tuple(sorted(self._node_gpus))
+
+    def gang_candidates(
+        self,
+        gpu_type: str,
+        selector: Mapping[str, str],
+        min_free: int,
+        job_id: str,
+        held_nodes: Iterable[str] = (),
+    ) -> list[tuple[int, str]]:
+        """Nodes of ``gpu_type`` matching ``selector`` with at least ``min_free`` GPUs free
+        for ``job_id`` (its holds on ``held_nodes`` count as free), as sorted
+        ``(free, node_id)``."""
+        keys = self._list(gpu_type, selector_key(selector))
+        start = bisect.bisect_left(keys, (min_free, ""))
+        out = keys[start:]
+        own = [
+            (fn.free_gpus, nid)
+            for nid in held_nodes
+            for fn in (self._free.get(nid),)
+            if fn is not None
+            and fn.holder == job_id
+            and fn.node.gpu_type == gpu_type
+            and fn.free_gpus >= min_free
+            and all(fn.node.labels.get(k) == v for k, v in selector.items())
+        ]
+        if not own:
+            return list(out)
+        mine = {nid for _, nid in own}
+        return sorted([e for e in out if e[1] not in mine] + own)
+
     def fits_on(self, node_id: str, res: Resources, job_id: str) -> bool:
         """Whether ``res`` fits the free capacity of ``node_id`` now (own hold included)."""
         fn = self._fn(node_id)
@@ -262,6 +343,13 @@ class FreeIndex:
         if fn.node.cpu_total and fn.cpu_free < res.cpu:
             return False
         return not (fn.node.memory_total_mb and fn.memory_free_mb < res.memory_mb)
+
+    def hidden_from(self, node_id: str, job_id: str) -> int:
+        """Free GPUs of ``node_id`` held for another job than ``job_id`` (0 if none)."""
+        fn = self._free.get(node_id)
+        if fn is None or fn.holder is None or fn.holder == job_id:
+            return 0
+        return fn.held
 
     def held_node_for(self, job_id: str, node_id: str) -> _FreeNode | None:
         fn = self._free.get(node_id)

@@ -21,7 +21,11 @@ Exact minimum cost is a knapsack; the greedy+prune set is what a human operator 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
+from gpufleet.domain.types import Resources
 from gpufleet.policy.decisions import Preempt
+from gpufleet.policy.gang import member_resources
 from gpufleet.policy.placement import FreeIndex, node_accepts
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
@@ -40,6 +44,8 @@ class VictimSearch:
         self._now_s = now_s
         self.taken: set[str] = set()
         self.borrowed: set[str] = set()
+        # Gangs: every member of a multi-node attempt, by job id (a gang is one unit).
+        self._gangs: dict[str, list[RunningJob]] = {}
         per_team_type: dict[tuple[str, str], list[RunningJob]] = {}
         # Candidate victims indexed so a search visits only nodes that have some:
         # borrowed attempts by node (reclaim), a team's attempts by node (priority).
@@ -48,6 +54,8 @@ class VictimSearch:
         for node_runs in running.by_node.values():
             for _, r in node_runs:
                 per_team_type.setdefault((r.team_id, r.gpu_type), []).append(r)
+                if r.gang_size > 1:
+                    self._gangs.setdefault(r.job_id, []).append(r)
                 if r.preemptible and not r.stopping:
                     self._team_nodes.setdefault(r.team_id, {}).setdefault(r.node_id, []).append(r)
         for (team_id, gpu_type), team_runs in per_team_type.items():
@@ -58,6 +66,17 @@ class VictimSearch:
             for r in team_runs:
                 if excess <= 0:
                     break
+                if r.gang_size > 1:
+                    # A gang is borrowed (and reclaimed) as one unit: all its members.
+                    if r.run_id in self.borrowed:
+                        continue  # marked with an earlier member
+                    unit = self._gangs.get(r.job_id, [r])
+                    for m in unit:
+                        self.borrowed.add(m.run_id)
+                        if m.preemptible and not m.stopping:
+                            self._borrowed_nodes.setdefault(m.node_id, []).append(m)
+                    excess -= sum(m.gpu_count for m in unit)
+                    continue
                 self.borrowed.add(r.run_id)
                 if r.preemptible and not r.stopping:
                     self._borrowed_nodes.setdefault(r.node_id, []).append(r)
@@ -71,64 +90,183 @@ class VictimSearch:
             if r.last_checkpoint_s is None
             else max(r.started_at_s, r.last_checkpoint_s)
         )
-        lost = r.gpu_count * max(0.0, self._now_s - since)
+        gpus = r.gpu_count
+        if r.gang_size > 1:  # stopping one member stops the gang: all of its GPUs are lost
+            gpus = sum(m.gpu_count for m in self._gangs.get(r.job_id, [r]))
+        lost = gpus * max(0.0, self._now_s - since)
         return (0 if r.run_id in self.borrowed else 1, r.priority.rank, lost, r.run_id)
+
+    def unit(self, r: RunningJob) -> list[RunningJob]:
+        """The attempts stopped together with ``r``: its gang's members, or ``r`` alone."""
+        if r.gang_size > 1:
+            return self._gangs.get(r.job_id, [r])
+        return [r]
+
+    def _take(self, chosen: list[RunningJob]) -> tuple[str, ...]:
+        """Mark ``chosen`` (and their gangs' members) taken; their run ids, sorted."""
+        ids: set[str] = set()
+        for r in chosen:
+            for m in self.unit(r):
+                self.taken.add(m.run_id)
+                ids.add(m.run_id)
+        return tuple(sorted(ids))
+
+    def _plan(
+        self,
+        job: PendingJob,
+        index: FreeIndex,
+        node_id: str,
+        need: int,
+        reason: str,
+        freed: int = 0,
+    ) -> tuple[SetCost, list[RunningJob]] | None:
+        """The cheapest victim set on ``node_id`` that frees ``need`` GPUs for ``job`` (with
+        ``freed`` GPUs there already promised by victims chosen elsewhere), or None."""
+        if reason == "reclaim":
+            runs = self._borrowed_nodes.get(node_id, ())
+        else:
+            runs = self._team_nodes.get(job.team_id, {}).get(node_id, ())
+        held = index.held_node_for(job.job_id, node_id)
+        free = (held.free_gpus if held is not None else index.visible_free(node_id)) + freed
+        cands = [r for r in runs if self._eligible(r, job, reason)]
+        if free + sum(r.gpu_count for r in cands) < need:
+            return None
+        cands.sort(key=self._cost)
+        chosen: list[RunningJob] = []
+        got = free
+        for r in cands:
+            if got >= need:
+                break
+            chosen.append(r)
+            got += r.gpu_count
+        for r in sorted(chosen, key=self._cost, reverse=True):
+            if got - r.gpu_count >= need:
+                chosen.remove(r)
+                got -= r.gpu_count
+        if not chosen:
+            return None
+        costs = [self._cost(r) for r in chosen]
+        cost: SetCost = (
+            sum(c[0] for c in costs),
+            max(c[1] for c in costs),
+            sum(c[2] for c in costs),
+            len(chosen),
+            node_id,
+        )
+        return cost, chosen
+
+    def _node_ok(
+        self, job: PendingJob, index: FreeIndex, node_id: str, gpu_type: str, res: Resources
+    ) -> bool:
+        node = index.nodes.get(node_id)
+        if node is None or not node.schedulable or node.gpu_type != gpu_type:
+            return False
+        if not node_accepts(node, res, job.node_selector):
+            return False
+        return node_id not in index.shadows  # do not undo a backfill reservation
 
     def find(
         self, job: PendingJob, index: FreeIndex, gpu_type: str, reason: str
     ) -> tuple[Preempt, SetCost] | None:
-        """The cheapest victim set on one node of ``gpu_type`` for ``job``, or None."""
+        """The cheapest victim set on one node of ``gpu_type`` for ``job``, or None. A gang
+        victim is listed with all its members (any node): it stops as one unit."""
         need = job.resources.gpu_count
         best: tuple[SetCost, str, list[RunningJob]] | None = None
         if reason == "reclaim":
-            candidates = self._borrowed_nodes
+            candidates: Mapping[str, object] = self._borrowed_nodes
         else:
             candidates = self._team_nodes.get(job.team_id, {})
         for node_id in sorted(candidates):
-            runs = candidates[node_id]
-            node = index.nodes.get(node_id)
-            if node is None or not node.schedulable or node.gpu_type != gpu_type:
+            if not self._node_ok(job, index, node_id, gpu_type, job.resources):
                 continue
-            if not node_accepts(node, job.resources, job.node_selector):
+            plan = self._plan(job, index, node_id, need, reason)
+            if plan is None:
                 continue
-            held = index.held_node_for(job.job_id, node_id)
-            free = held.free_gpus if held is not None else index.visible_free(node_id)
-            if node_id in index.shadows:
-                continue  # do not undo a backfill reservation made earlier in this pass
-            cands = [r for r in runs if self._eligible(r, job, reason)]
-            if free + sum(r.gpu_count for r in cands) < need:
-                continue
-            cands.sort(key=self._cost)
-            chosen: list[RunningJob] = []
-            got = free
-            for r in cands:
-                if got >= need:
-                    break
-                chosen.append(r)
-                got += r.gpu_count
-            for r in sorted(chosen, key=self._cost, reverse=True):
-                if got - r.gpu_count >= need:
-                    chosen.remove(r)
-                    got -= r.gpu_count
-            if not chosen:
-                continue
-            costs = [self._cost(r) for r in chosen]
-            cost: SetCost = (
-                sum(c[0] for c in costs),
-                max(c[1] for c in costs),
-                sum(c[2] for c in costs),
-                len(chosen),
-                node_id,
-            )
+            cost, chosen = plan
             if best is None or cost < best[0]:
                 best = (cost, node_id, chosen)
         if best is None:
             return None
         cost, node_id, chosen = best
-        for r in chosen:
-            self.taken.add(r.run_id)
-        victims = tuple(sorted(r.run_id for r in chosen))
+        victims = self._take(chosen)
         return Preempt(job.job_id, node_id, victims, reason, need), cost
+
+    def find_gang(
+        self,
+        job: PendingJob,
+        index: FreeIndex,
+        gpu_type: str,
+        reason: str,
+        members: tuple[int, ...],
+        free_nodes: Sequence[tuple[int, str]],
+    ) -> list[Preempt] | None:
+        """Victims for every member of a gang preemptor (all members or nothing): for each
+        member, largest first, the cheapest node of ``gpu_type`` among ``free_nodes``
+        (``(free, node_id)`` that hold it without victims, cost zero, no decision) and the
+        nodes where victims can free it. One ``Preempt`` per node that needs victims; None
+        when some member finds no node (then nothing is marked taken)."""
+        if reason == "reclaim":
+            candidates: Mapping[str, object] = self._borrowed_nodes
+        else:
+            candidates = self._team_nodes.get(job.team_id, {})
+        used: set[str] = set()
+        plans: list[tuple[str, int, list[RunningJob]]] = []
+        taken_before = set(self.taken)
+        freed: dict[str, int] = {}
+        free_sorted = sorted((nid, f) for f, nid in free_nodes)
+        cand_sorted = sorted(candidates)
+        # plans per (node, member size), recomputed only for nodes whose runs a choice took
+        version: dict[str, int] = {}
+        cache: dict[tuple[str, int], tuple[int, tuple[SetCost, list[RunningJob]] | None]] = {}
+        ok_cache: dict[tuple[str, int], bool] = {}
+
+        def node_ok(nid: str, m: int) -> bool:
+            hit = ok_cache.get((nid, m))
+            if hit is None:
+                mres = member_resources(job.resources, m)
+                hit = ok_cache[(nid, m)] = self._node_ok(job, index, nid, gpu_type, mres)
+            return hit
+
+        for m in members:
+            best: tuple[SetCost, str, list[RunningJob]] | None = None
+            for nid, f in free_sorted:
+                if f >= m and nid not in used and node_ok(nid, m):
+                    best = ((0, 0, 0.0, 0, nid), nid, [])
+                    break
+            if best is None:
+                for node_id in cand_sorted:
+                    if node_id in used or not node_ok(node_id, m):
+                        continue
+                    v = version.get(node_id, 0)
+                    hit = cache.get((node_id, m))
+                    if hit is None or hit[0] != v:
+                        plan = self._plan(job, index, node_id, m, reason, freed.get(node_id, 0))
+                        cache[(node_id, m)] = (v, plan)
+                    else:
+                        plan = hit[1]
+                    if plan is None:
+                        continue
+                    if best is None or plan[0] < best[0]:
+                        best = (plan[0], node_id, plan[1])
+            if best is None:
+                self.taken = taken_before
+                return None
+            _, node_id, chosen = best
+            used.add(node_id)
+            for r in chosen:
+                for other in self.unit(r):
+                    if other.node_id != node_id and other.run_id not in self.taken:
+                        freed[other.node_id] = freed.get(other.node_id, 0) + other.gpu_count
+                    self.taken.add(other.run_id)
+                    version[other.node_id] = version.get(other.node_id, 0) + 1
+            plans.append((node_id, m, chosen))
+        out: list[Preempt] = []
+        for node_id, m, chosen in plans:
+            if not chosen:
+                continue
+            ids = sorted({o.run_id for r in chosen for o in self.unit(r)})
+            out.append(Preempt(job.job_id, node_id, tuple(ids), reason, m))
+        return out if out else None
 
     def _eligible(self, r: RunningJob, job: PendingJob, reason: str) -> bool:
         if r.stopping or not r.preemptible or r.run_id in self.taken:

@@ -20,6 +20,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from gpufleet.domain import jobsyntax
 from gpufleet.domain.errors import (
     Conflict,
     IdempotencyKeyReused,
@@ -28,7 +29,8 @@ from gpufleet.domain.errors import (
     StaleState,
     ValidationFailed,
 )
-from gpufleet.domain.ids import new_job_id
+from gpufleet.domain.ids import new_id, new_job_id
+from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, Machine
 from gpufleet.domain.types import JobSpec, Resources
 from gpufleet.store.db import Database
@@ -71,6 +73,26 @@ class Submitted:
     status: str
     created: bool
     """False when an earlier submission with the same key and payload was returned."""
+    array_id: str | None = None
+    job_ids: tuple[str, ...] = ()
+    """An array's task job ids, by index (``job_id`` is the first)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitControl:
+    """What a submit may add to the job spec (not part of the immutable spec, but part of the
+    idempotency payload): a job array, dependencies, a hold. See ``services.jobctl``."""
+
+    array: str | None = None
+    depends_on: str | list[dict[str, Any]] | None = None
+    hold: bool = False
+
+    def canonical(self) -> str:
+        return json.dumps(
+            {"array": self.array, "depends_on": self.depends_on, "hold": self.hold},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
 
 
 def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) -> None:
@@ -257,6 +279,7 @@ def _fleet_shapes(session: Session) -> list[NodeShape]:
             NodeRow.cpu,
             NodeRow.memory_mb,
             NodeRow.labels,
+            NodeRow.admin_labels,
             NodeCapacityRow.total_gpus,
         ).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
     ).all()
@@ -267,7 +290,7 @@ def _fleet_shapes(session: Session) -> list[NodeShape]:
             r.gpu_memory_mb,
             r.cpu,
             r.memory_mb,
-            tuple(sorted((r.labels or {}).items())),
+            tuple(sorted(effective_labels(r.labels, r.admin_labels).items())),
             r.total_gpus,
         )
         counted[shape] = counted.get(shape, 0) + 1
@@ -299,9 +322,12 @@ _outstanding: dict[tuple[str, str], list[float]] = {}
 _outstanding_lock = threading.Lock()
 
 
-def check_outstanding_limit(session: Session, team_id: str, default_limit: int = 0) -> None:
+def check_outstanding_limit(
+    session: Session, team_id: str, default_limit: int = 0, adding: int = 1
+) -> None:
     """Raise LimitExceeded (429) when the team already has ``max_outstanding_jobs`` jobs that
-    are not finished. Admission control, separate from fair share of admitted work.
+    are not finished (or would have more with ``adding`` new ones: an array's tasks).
+    Admission control, separate from fair share of admitted work.
 
     The team's own value wins; NULL takes ``default_limit``; 0 is no limit. Counting a team's
     unfinished jobs costs milliseconds at 10,000 of them, so a count is reused for
@@ -322,9 +348,9 @@ def check_outstanding_limit(session: Session, team_id: str, default_limit: int =
         if (
             hit is not None
             and now - hit[0] < OUTSTANDING_COUNT_TTL_S
-            and hit[1] + 1 < OUTSTANDING_EXACT_FRACTION * limit
+            and hit[1] + adding < OUTSTANDING_EXACT_FRACTION * limit
         ):
-            hit[1] += 1  # this submit, if it commits; an estimate that only grows
+            hit[1] += adding  # this submit, if it commits; an estimate that only grows
             return
     open_jobs = session.execute(
         select(func.count())
@@ -334,11 +360,12 @@ def check_outstanding_limit(session: Session, team_id: str, default_limit: int =
     with _outstanding_lock:
         if len(_outstanding) > 10_000:
             _outstanding.clear()
-        _outstanding[key] = [now, float(open_jobs + 1)]
-    if open_jobs >= limit:
+        _outstanding[key] = [now, float(open_jobs + adding)]
+    if open_jobs + adding > limit:
         raise LimitExceeded(
-            f"team {team_id!r} has {open_jobs} unfinished jobs, its max_outstanding_jobs "
-            f"limit is {limit}; retry when some have finished",
+            f"team {team_id!r} has {open_jobs} unfinished jobs"
+            + (f" and this array adds {adding}" if adding > 1 else "")
+            + f", its max_outstanding_jobs limit is {limit}; retry when some have finished",
             field="max_outstanding_jobs",
             retry_after_s=OUTSTANDING_RETRY_AFTER_S,
         )
@@ -358,8 +385,13 @@ def submit_job(
     spec: JobSpec,
     fallback_max_gpus: int = 8,
     default_max_outstanding_jobs: int = 0,
+    control: SubmitControl | None = None,
 ) -> Submitted:
     """Persist a new PENDING job, or return the earlier one for a repeated key.
+
+    ``control`` adds an array (one job per task, in one transaction; task ``i`` of the key
+    ``K`` is stored under ``K`` for the first task and ``K#i`` for the others), dependencies
+    (resolved to the team's job ids now) and a hold.
 
     Raises:
         IdempotencyKeyReused: same key, different payload (409).
@@ -367,11 +399,20 @@ def submit_job(
         LimitExceeded: the team has too many unfinished jobs (429); its own
             ``max_outstanding_jobs``, else ``default_max_outstanding_jobs`` (0 = no limit).
     """
+    from gpufleet.services import jobctl  # jobctl imports this module
+
     digest = payload_sha256(spec)
+    array = None
+    deps: list[tuple[str, str]] = []
+    if control is not None:
+        array = jobsyntax.parse_array(control.array) if control.array else None
+        deps = jobsyntax.parse_depends(control.depends_on) if control.depends_on else []
+        if control != SubmitControl():
+            digest = hashlib.sha256((digest + control.canonical()).encode()).hexdigest()
 
     def existing(session: Session) -> Submitted | None:
         row = session.execute(
-            select(JobRow.id, JobRow.status, JobRow.payload_sha256).where(
+            select(JobRow.id, JobRow.status, JobRow.payload_sha256, JobRow.array_id).where(
                 JobRow.team_id == team_id, JobRow.idempotency_key == idempotency_key
             )
         ).first()
@@ -382,6 +423,9 @@ def submit_job(
                 f"Idempotency-Key {idempotency_key!r} was used for a different job ({row.id})",
                 field="Idempotency-Key",
             )
+        if row.array_id is not None:
+            tasks = jobctl.array_task_ids(session, team_id, row.array_id)
+            return Submitted(row.id, row.status, False, row.array_id, tuple(t for t, _ in tasks))
         return Submitted(row.id, row.status, created=False)
 
     try:
@@ -391,30 +435,62 @@ def submit_job(
             if found is not None:
                 return found
             check_fits_fleet(session, spec, fallback_max_gpus)
-            check_outstanding_limit(session, team_id, default_max_outstanding_jobs)
-            now = db_now(session)
-            job_id = new_job_id()
-            session.add(
-                JobRow(
-                    id=job_id,
-                    team_id=team_id,
-                    name=spec.name,
-                    idempotency_key=idempotency_key,
-                    payload_sha256=digest,
-                    spec=spec_to_dict(spec),
-                    priority=spec.priority.value,
-                    priority_rank=spec.priority.rank,
-                    gpu_count=spec.resources.gpu_count,
-                    max_runtime_s=spec.max_runtime_s,
-                    status=JobStatus.PENDING,
-                    cancel_requested=False,
-                    fencing_epoch=0,
-                    attempts=0,
-                    created_at=now,
-                    queued_at=now,
-                )
+            check_outstanding_limit(
+                session,
+                team_id,
+                default_max_outstanding_jobs,
+                adding=len(array.indexes) if array is not None else 1,
             )
-        return Submitted(job_id, JobStatus.PENDING, created=True)
+            now = db_now(session)
+            depends_on = jobctl.resolve_dependencies(session, team_id, deps) if deps else None
+            hold = bool(control and control.hold)
+            base = spec_to_dict(spec)
+            array_id = new_id("a") if array is not None else None
+            indexes: tuple[int | None, ...] = array.indexes if array is not None else (None,)
+            ids: list[str] = []
+            for n, index in enumerate(indexes):
+                job_id = new_job_id()
+                ids.append(job_id)
+                stored = base
+                if array is not None and array_id is not None and index is not None:
+                    stored = {
+                        **base,
+                        "env": {**base["env"], **jobsyntax.array_env(array_id, index, array)},
+                    }
+                session.add(
+                    JobRow(
+                        id=job_id,
+                        team_id=team_id,
+                        name=spec.name,
+                        idempotency_key=idempotency_key
+                        if n == 0
+                        else _task_key(idempotency_key, index),
+                        payload_sha256=digest,
+                        spec=stored,
+                        priority=spec.priority.value,
+                        priority_rank=spec.priority.rank,
+                        gpu_count=spec.resources.gpu_count,
+                        max_runtime_s=spec.max_runtime_s,
+                        status=JobStatus.PENDING,
+                        cancel_requested=False,
+                        fencing_epoch=0,
+                        attempts=0,
+                        created_at=now,
+                        queued_at=now,
+                        held=hold,
+                        gated=jobctl.gated_flag(
+                            depends_on, hold, array.max_running if array else None
+                        ),
+                        array_id=array_id,
+                        array_index=index,
+                        array_max_running=array.max_running if array else None,
+                        depends_on=depends_on,
+                        pending_reason=jobctl.held_reason() if hold else None,
+                    )
+                )
+                if n % 200 == 199:
+                    session.flush()
+        return Submitted(ids[0], JobStatus.PENDING, True, array_id, tuple(ids) if array_id else ())
     except IntegrityError:
         # A concurrent retry with the same key committed first: answer with its job.
         with db.read() as session:
@@ -422,6 +498,13 @@ def submit_job(
         if found is None:
             raise
         return found
+
+
+def _task_key(key: str, index: int | None) -> str:
+    """The stored idempotency key of array task ``index`` (the first task keeps ``key``):
+    ``key#index``, or a sha256 of a key too long to take the suffix (the column is 256)."""
+    base = key if len(key) <= 240 else hashlib.sha256(key.encode()).hexdigest()
+    return f"{base}#{index}"
 
 
 JOB_ID = re.compile(r"^j-[0-9a-z]{26}$")
@@ -456,11 +539,18 @@ def list_jobs(
     status: str | None = None,
     limit: int = 50,
     cursor: str | None = None,
+    array_id: str | None = None,
+    name: str | None = None,
 ) -> tuple[list[JobRow], str | None]:
-    """Newest first; ``cursor`` is the last job id of the previous page (ids sort by time)."""
+    """Newest first; ``cursor`` is the last job id of the previous page (ids sort by time).
+    ``array_id``/``name``: only that array's tasks / jobs of that name."""
     q = select(JobRow).order_by(JobRow.id.desc()).limit(limit + 1)
     if team_id is not None:
         q = q.where(JobRow.team_id == team_id)
+    if array_id is not None:
+        q = q.where(JobRow.array_id == array_id)
+    if name is not None:
+        q = q.where(JobRow.name == name)
     if status is not None:
         if status not in JobStatus.__members__:
             raise ValidationFailed(f"unknown status {status!r}", field="status")

@@ -567,8 +567,9 @@ def _job_after_fence(
         return None
     if run.stop_reason == "cancel" or job.cancel_requested:
         return JobStatus.CANCELLED, "cancelled; its node was fenced"
-    if run.stop_reason == "preempt":
-        return JobStatus.PENDING, "preempted; its node was fenced; requeued"
+    if run.stop_reason in ("preempt", "requeue"):
+        what = "preempted" if run.stop_reason == "preempt" else "requeue requested"
+        return JobStatus.PENDING, f"{what}; its node was fenced; requeued"
     if run.stop_reason == "timeout":
         return JobStatus.FAILED, "TIMEOUT: ran past max_runtime_s (its node was then fenced)"
     session.flush()

@@ -202,7 +202,8 @@ def request_stop(
     message: str,
     for_job_id: str | None = None,
 ) -> bool:
-    """Durably mark an active attempt PREEMPTING (reason: cancel | preempt | timeout). GPUs stay
+    """Durably mark an active attempt PREEMPTING (reason: cancel | preempt | timeout |
+    requeue). GPUs stay
     reserved until the agent reports the processes gone. ``for_job_id``: the preemptor the
     GPUs are freed for. Returns False if already stopping or no longer active."""
     now = db_now(session)
@@ -536,6 +537,10 @@ def _decide(
         if job.cancel_requested:
             return RunStatus.PREEMPTED, JobStatus.CANCELLED, f"preempted{by}, then cancelled"
         return RunStatus.PREEMPTED, JobStatus.PENDING, f"preempted{by}; requeued as a new attempt"
+    if stopping and run.stop_reason == "requeue":  # a user's requeue (services.jobctl)
+        if job.cancel_requested:
+            return RunStatus.PREEMPTED, JobStatus.CANCELLED, "requeue requested, then cancelled"
+        return RunStatus.PREEMPTED, JobStatus.PENDING, "requeued by user as a new attempt"
     if stopping and run.stop_reason == "timeout":
         return RunStatus.FAILED, JobStatus.FAILED, "TIMEOUT: ran past max_runtime_s"
     if report.reason == OOM_KILLED and report.outcome != Outcome.NEVER_STARTED:

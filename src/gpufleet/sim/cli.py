@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import typer
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.sim.config import PARTITION_LABEL, Scenario, load_scenario, partition, policy_for
 from gpufleet.sim.engine import Engine
+from gpufleet.sim.metrics import summary
 
 app = typer.Typer(help="Trace-driven simulator running the live scheduling policy.")
 
@@ -43,15 +46,38 @@ def _policy_dict(cfg: PolicyConfig) -> dict[str, Any]:
     return d
 
 
-def run_scenario(sc: Scenario, policy: PolicyConfig) -> tuple[Engine, dict[str, Any]]:
+Progress = Callable[[str, float, float], None]
+"""``progress(run_name, fraction_done 0..1, sim_time_s)``."""
+
+
+def gang_summary(eng: Engine) -> dict[str, Any]:
+    """Multi-node jobs of the run: how many were placed, and their queue delay (first start -
+    submit), overall and per team."""
+    waits: dict[str, list[float]] = {}
+    for js in eng.fleet.jobs.values():
+        if js.first_start_s is None or not js.runs:
+            continue
+        if len(eng.fleet.runs[js.runs[0]].members) > 1:
+            waits.setdefault(js.spec.team_id, []).append(js.first_start_s - js.spec.submit_s)
+    return {
+        "placed": eng.gangs_placed,
+        "queue_delay_s": summary([w for ws in waits.values() for w in ws]),
+        "per_team": {t: summary(ws) for t, ws in sorted(waits.items())},
+    }
+
+
+def run_scenario(
+    sc: Scenario, policy: PolicyConfig, progress: Callable[[float, int], None] | None = None
+) -> tuple[Engine, dict[str, Any]]:
     """Run one policy on the scenario; returns the engine (for plots) and its report."""
     groups, opts = sc.groups, sc.engine
     if not policy.borrowing:
         groups = partition(groups, sc.teams)
         opts = replace(opts, partition_label=PARTITION_LABEL)
     eng = Engine(groups, sc.teams, sc.jobs, policy, opts)
-    eng.run()
+    eng.run(progress)
     rep = eng.rec.report()
+    rep["gangs"] = gang_summary(eng)
     rep["run"] = {
         "policy": _policy_dict(policy),
         "partitioned": not policy.borrowing,
@@ -71,24 +97,37 @@ def run_sim(
     traces_dir: Path | None = None,
     plots: bool = True,
     compare: tuple[str, ...] | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Run the scenario in ``config_path`` (and its ``compare`` baselines); write
     ``out_dir/report.json`` and, with ``plots``, PNGs under ``out_dir/<run>/``.
 
     Returns the report (the same dict as the JSON file). Deterministic for a seed.
+    ``progress`` is told how far each run is (by simulated time against the last arrival).
     """
     sc = load_scenario(config_path, traces_dir=traces_dir, seed=seed)
+    last_arrival = max((j.submit_s for j in sc.jobs), default=0.0) or 1.0
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Any] = {}
+    recorders: dict[str, Any] = {}
     names = ("main", *(compare if compare is not None else sc.compare))
     for name in names:
         policy = sc.policy if name == "main" else policy_for(sc.base_policy, name)
-        eng, rep = run_scenario(sc, policy)
+        hook = None
+        if progress is not None:
+
+            def hook(now_s: float, _events: int, name: str = name) -> None:
+                progress(name, min(1.0, now_s / last_arrival), now_s)
+
+        eng, rep = run_scenario(sc, policy, hook)
+        if progress is not None:
+            progress(name, 1.0, eng.now)
         if plots:
             from gpufleet.sim.plots import write_plots
 
             ent = {t.team_id: float(sum(t.guaranteed_gpus.values())) for t in sc.teams}
             rep["plots"] = write_plots(eng.rec, ent, out_dir / name)
+            recorders[name] = eng.rec
         if "philly" in sc.load_stats:
             from gpufleet.sim.calibration import compare_with_helios
 
@@ -105,6 +144,12 @@ def run_sim(
             "runs": runs,
         }
     )
+    if plots and recorders:
+        from gpufleet.sim.report_html import write_html_report
+
+        ent = {t.team_id: float(sum(t.guaranteed_gpus.values())) for t in sc.teams}
+        write_html_report(recorders, ent, out_dir / "report.html", title=sc.name)
+        report["html"] = "report.html"
     (out_dir / "report.json").write_text(
         json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8"
     )
@@ -120,16 +165,19 @@ def run_cmd(
     no_plots: bool = typer.Option(False, "--no-plots"),
     compare: list[str] | None = typer.Option(None, "--compare", help="baselines to add"),
 ) -> None:
-    """Run a scenario and print the headline metrics of each run."""
+    """Run a scenario and print the headline metrics of each run (progress on stderr: a
+    bar on a terminal, a plain line per 10% otherwise)."""
     try:
-        rep = run_sim(
-            config,
-            out,
-            seed=seed,
-            traces_dir=traces_dir,
-            plots=not no_plots,
-            compare=tuple(compare) if compare else None,
-        )
+        with _progress() as progress:
+            rep = run_sim(
+                config,
+                out,
+                seed=seed,
+                traces_dir=traces_dir,
+                plots=not no_plots,
+                compare=tuple(compare) if compare else None,
+                progress=progress,
+            )
     except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError, OSError) as exc:
         # a bad scenario or path: one line naming what is wrong, never a traceback
         what = f"{type(exc).__name__}: " if not isinstance(exc, ValueError) else ""
@@ -145,6 +193,46 @@ def run_cmd(
             f"preemptions={r['preemption']['count']}"
         )
     typer.echo(f"report: {out / 'report.json'}")
+    if "html" in rep:
+        typer.echo(f"html report: {out / rep['html']}")
+
+
+@contextmanager
+def _progress() -> Iterator[Progress]:
+    """Progress on stderr: Rich bars on a terminal; in a pipe or CI log, one plain line per
+    run and 10% step (``sim main: 40% (simulated 3.2h)``), so a long run is never silent."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if console.is_terminal:
+        from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+        tasks: dict[str, TaskID] = {}
+        with Progress(
+            TextColumn("sim {task.description}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        ) as bars:
+
+            def update(name: str, done: float, _now_s: float) -> None:
+                if name not in tasks:
+                    tasks[name] = bars.add_task(name, total=1.0)
+                bars.update(tasks[name], completed=done)
+
+            yield update
+        return
+    shown: dict[str, int] = {}
+
+    def line(name: str, done: float, now_s: float) -> None:
+        step = int(done * 10)
+        if shown.get(name, -1) < step:
+            shown[name] = step
+            typer.echo(f"sim {name}: {step * 10}% (simulated {now_s / 3600:.1f}h)", err=True)
+
+    yield line
 
 
 @app.command("baselines")

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from gpufleet.domain.errors import ValidationFailed
+from gpufleet.domain.jobsyntax import parse_array, parse_depends
 from gpufleet.domain.types import PriorityClass
 from gpufleet.policy.config import Backfill, Ordering, Placement, PolicyConfig
 from gpufleet.sim.engine import EngineOptions
@@ -143,6 +145,98 @@ def _check_team(path: Path, t: TeamSpec) -> None:
         raise ScenarioError(f"{where}.borrow_limit_gpus must be >= 0 or absent (no limit)")
 
 
+JOB_KEYS = frozenset(
+    {
+        "id",
+        "team",
+        "submit_s",
+        "gpus",
+        "duration_s",
+        "priority",
+        "gpu_types",
+        "expected_duration_s",
+        "max_runtime_s",
+        "failures",
+        "checkpoint_s",
+        "preemptible",
+        "depends_on",
+        "array",
+    }
+)
+
+
+def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
+    """``workload.jobs``: jobs listed one by one, with Slurm-style ``depends_on``
+    (``afterok:ID[:ID],afterany:ID`` or a list of ``{type, job_id}``) and ``array``
+    (``0-9%2``: tasks ``ID[0]``..``ID[9]``, at most 2 running; a dependency on ``ID`` then
+    means every task). Raises ScenarioError naming the job and field."""
+    if not isinstance(items, list):
+        raise ScenarioError(f"{path}: workload.jobs must be a list of jobs")
+    jobs: list[SimJob] = []
+    arrays: dict[str, list[str]] = {}
+    pending_deps: list[tuple[str, list[tuple[str, str]]]] = []
+    for n, item in enumerate(items):
+        where = f"{path}: workload.jobs[{n}]"
+        if not isinstance(item, dict) or "id" not in item:
+            raise ScenarioError(f"{where} must be a mapping with an id")
+        unknown = sorted(set(item) - JOB_KEYS)
+        if unknown:
+            raise ScenarioError(f"{where}: unknown keys {unknown}")
+        job_id = str(item["id"])
+        try:
+            base = SimJob(
+                job_id=job_id,
+                team_id=str(item["team"]),
+                submit_s=float(item.get("submit_s", 0.0)),
+                gpus=int(item.get("gpus", 1)),
+                duration_s=float(item["duration_s"]),
+                priority=PriorityClass(str(item.get("priority", "NORMAL"))),
+                gpu_types=tuple(str(t) for t in item.get("gpu_types") or ()),
+                expected_duration_s=item.get("expected_duration_s"),
+                max_runtime_s=item.get("max_runtime_s"),
+                failures=int(item.get("failures", 0)),
+                checkpoint_s=item.get("checkpoint_s"),
+                preemptible=bool(item.get("preemptible", True)),
+            )
+            deps = parse_depends(item["depends_on"]) if item.get("depends_on") else []
+            array = parse_array(str(item["array"])) if item.get("array") is not None else None
+        except KeyError as exc:
+            raise ScenarioError(f"{where}.{exc.args[0]} is required") from None
+        except ValidationFailed as exc:
+            raise ScenarioError(f"{where}.{exc.field}: {exc.message}") from None
+        except ValueError as exc:
+            raise ScenarioError(f"{where} ({job_id}): {exc}") from None
+        if array is None:
+            jobs.append(base)
+            pending_deps.append((job_id, deps))
+            continue
+        arrays[job_id] = []
+        for index in array.indexes:
+            task = f"{job_id}[{index}]"
+            arrays[job_id].append(task)
+            pending_deps.append((task, deps))
+            jobs.append(
+                replace(
+                    base,
+                    job_id=task,
+                    array_id=job_id,
+                    array_index=index,
+                    array_max_running=array.max_running,
+                )
+            )
+    known = {j.job_id for j in jobs}
+    resolved: dict[str, tuple[tuple[str, str], ...]] = {}
+    for job_id, deps in pending_deps:
+        out: list[tuple[str, str]] = []
+        for kind, ref in deps:
+            targets = arrays.get(ref) or ([ref] if ref in known else [])
+            if not targets:
+                raise ScenarioError(f"{path}: job {job_id}: depends_on names unknown job {ref!r}")
+            out.extend((kind, t) for t in targets if t != job_id)
+        resolved[job_id] = tuple(out)
+    return [replace(j, depends_on=resolved[j.job_id]) for j in jobs]
+
+
 def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> Scenario:
     """Read a scenario YAML. Raises ScenarioError (a ValueError) naming the file and field."""
     try:
@@ -220,13 +314,18 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         keep = set(vc_sizes) if p.get("teams", "known") == "known" and vc_sizes else None
         if isinstance(p.get("teams"), list):
             keep = {str(x) for x in p["teams"]}
+        oversize = str(p.get("oversize", "gang"))
+        if oversize not in ("gang", "clip", "drop"):
+            raise ScenarioError(
+                f"{path}: workload.philly.oversize must be gang, clip or drop, not {oversize!r}"
+            )
         loaded, st = load_philly(
             trace(str(p["path"])),
             start=str(p.get("start", "2017-10-01 00:00:00")),
             end=str(p.get("end", "2017-12-01 00:00:00")),
             teams=keep,
             max_gpus_per_job=max((g.gpus_per_node for g in groups), default=8),
-            oversize=str(p.get("oversize", "clip")),
+            oversize=oversize,
             estimate=str(p.get("estimate", "exact")),
             arrival_speedup=float(p.get("arrival_speedup", 1.0)),
         )
@@ -267,6 +366,8 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
             for t in s["teams"]
         ]
         jobs.extend(synthetic(steams, float(s.get("horizon_h", 24)) * 3600.0, seed))
+    if "jobs" in wl:
+        jobs.extend(explicit_jobs(path, wl["jobs"]))
     jobs.sort(key=lambda j: (j.submit_s, j.job_id))
     pol = raw.get("policy", {}) or {}
     baseline = str(pol.pop("baseline", "fair_share"))

@@ -10,6 +10,8 @@ How decisions are applied (the same contract as the live controller):
   * ``Place``: the reservation step (claim GPU ids, attempt, reservation) then the agent's
     confirm, at once (a zero-latency agent); the attempt ends when its work is done, or it
     fails (``SimJob.failures``) and is retried as a new attempt.
+  * ``PlaceGang``: the same for every member at once (one attempt, one token, one
+    reservation per member node); the members end, fail and are stopped together.
   * ``Preempt``: victims go PREEMPTING now; their GPUs are released only when the stop is
     confirmed, ``grace_s`` later; the preemptor gets a ``GpuHold`` on the node until it is
     placed; victims are requeued keeping their place and checkpointed work.
@@ -20,29 +22,32 @@ How decisions are applied (the same contract as the live controller):
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from gpufleet.domain.invariants import check_invariants
-from gpufleet.domain.states import RunStatus
+from gpufleet.domain.states import JobStatus, RunStatus
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
-from gpufleet.policy.decisions import HoldForBackfill, Place, Preempt
-from gpufleet.policy.placement import node_accepts
+from gpufleet.policy.decisions import HoldForBackfill, Place, PlaceGang, Preempt
+from gpufleet.policy.gang import could_ever_fit
 from gpufleet.policy.priority import queue_key
 from gpufleet.policy.snapshot import (
     BackfillReservation,
     ClusterSnapshot,
     GpuHold,
+    NodeState,
     PendingJob,
     TeamState,
 )
 from gpufleet.policy.usage import decay_factor, interval_gpu_s
 from gpufleet.sim.fleet import InMemoryFleet, SimRun
+from gpufleet.sim.gating import SimGates
 from gpufleet.sim.metrics import Recorder
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 
 _END, _STOPPED, _ARRIVAL, _SAMPLE = 0, 1, 2, 3
+PROGRESS_EVERY_EVENTS = 2000  # how often Engine.run reports progress to its caller
 
 
 class InvariantBroken(AssertionError):
@@ -89,26 +94,33 @@ class Engine:
         self.teams: dict[str, _TeamAcc] = {t.team_id: _TeamAcc(t) for t in teams}
         self.queues: dict[str, list[PendingJob]] = {}
         self._qkey = queue_key(config)
-        self.holds: dict[str, GpuHold] = {}
+        self.holds: dict[tuple[str, str], GpuHold] = {}
+        """One hold per (preemptor, node): a gang preemptor may hold GPUs on several nodes."""
+        self._holds_of: dict[str, list[tuple[str, str]]] = {}
         self.reservations: tuple[BackfillReservation, ...] = ()
         self.now = 0.0
         self._events: list[tuple[float, int, int, str]] = []
         self._seq = 0
-        self._shapes = {
-            (
+        shapes: dict[tuple[object, ...], tuple[NodeState, int]] = {}
+        for n in self.fleet.nodes.values():
+            key = (
                 n.gpu_type,
                 n.total,
                 n.cpu_total,
                 n.memory_total_mb,
                 tuple(sorted(n.labels.items())),
-            ): n.state()
-            for n in self.fleet.nodes.values()
-        }
+            )
+            first, count = shapes.get(key, (n.state(), 0))
+            shapes[key] = (first, count + 1)
+        self._shapes = shapes
+        """Distinct node shapes and how many nodes have each (never-fits checks)."""
         self._jobs_in: list[SimJob] = []
         for j in jobs:
             self._jobs_in.append(j)
             self._push(j.submit_s, _ARRIVAL, j.job_id)
         self._specs = {j.job_id: j for j in self._jobs_in}
+        self.gates = SimGates(self._jobs_in)  # arrays' %N and dependencies (policy.gates)
+        self.dependency_failed: list[str] = []
         if len(self._specs) != len(self._jobs_in):
             raise ValueError("job ids in a workload must be unique")
         self.total_gpus = sum(n.total for n in self.fleet.nodes.values())
@@ -116,6 +128,7 @@ class Engine:
         self.first_reservation_s: dict[str, float] = {}
         """Start time of the first backfill reservation each job got (acceptance tests)."""
         self.passes = 0
+        self.gangs_placed = 0
         self.events = 0
         self.violations = 0
         self._last_t = 0.0
@@ -205,9 +218,10 @@ class Engine:
     def _alloc(self, run: SimRun, sign: int) -> None:
         acc = self._team(run.team_id)
         spec = self.fleet.jobs[run.job_id].spec
+        k = len(run.members)  # CPU and memory are per member
         acc.alloc[run.gpu_type] = acc.alloc.get(run.gpu_type, 0) + sign * spec.gpus
-        acc.cpu += sign * spec.cpu
-        acc.mem += sign * spec.memory_mb
+        acc.cpu += sign * spec.cpu * k
+        acc.mem += sign * spec.memory_mb * k
 
     # -- events ------------------------------------------------------------------------
     def _arrive(self, job_id: str) -> None:
@@ -220,7 +234,7 @@ class Engine:
         self._team(spec.team_id)
         js = self.fleet.submit(spec, self.now)
         pj = self.fleet.pending_view(js)
-        if not any(node_accepts(n, pj.resources, pj.node_selector) for n in self._shapes.values()):
+        if not could_ever_fit(self._shapes.values(), pj.resources, pj.node_selector):
             self.fleet.expire(job_id, self.now)
             self.rec.rejected(js)
             return
@@ -249,14 +263,15 @@ class Engine:
         else:
             self.rec.finished(js)
 
-    def _start(self, job_id: str, node_id: str) -> None:
+    def _start(self, job_id: str, members: tuple[tuple[str, int], ...]) -> None:
+        """Reserve and confirm every member at once (a gang starts only when all do)."""
         js = self.fleet.jobs[job_id]
         pj = self.fleet.pending_view(js)
         self._dequeue(pj)
-        run = self.fleet.reserve(job_id, node_id, self.now)
+        run = self.fleet.reserve_gang(job_id, members, self.now)
         self.fleet.confirm(run)
         self._alloc(run, +1)
-        self.holds.pop(job_id, None)
+        self._drop_holds(job_id)
         spec = js.spec
         remaining = max(0.0, spec.duration_s - js.banked_s)
         if js.failures_left > 0:
@@ -264,15 +279,33 @@ class Engine:
         if remaining != float("inf"):  # a job that never ends (FGD protocol) gets no end
             self._push(self.now + remaining, _END, run.run_id)
 
+    def _drop_holds(self, job_id: str) -> None:
+        for key in self._holds_of.pop(job_id, ()):
+            self.holds.pop(key, None)
+
     def _preempt(self, d: Preempt) -> None:
         for rid in d.victim_run_ids:
-            run = self.fleet.runs[rid]
-            self.fleet.begin_stop(run, d.for_job_id)
-            self._push(self.now + self.opt.grace_s, _STOPPED, rid)
+            run = self.fleet.run_of(rid)  # a gang victim lists every member's run
+            if run.status is RunStatus.PREEMPTING and run.stopping_for == d.for_job_id:
+                continue  # another member of an attempt already being stopped
+            self.fleet.begin_stop(run, d.for_job_id)  # stops every member of a gang
+            self._push(self.now + self.opt.grace_s, _STOPPED, run.run_id)
             self.rec.preempted()
-        self.holds[d.for_job_id] = GpuHold(
-            d.for_job_id, d.node_id, d.gpu_count or 1, self.now, d.reason
-        )
+        key = (d.for_job_id, d.node_id)
+        for old in self._holds_of.get(d.for_job_id, ()):
+            if self.holds[old].since_s < self.now:  # a new preemption replaces older holds
+                self._drop_holds(d.for_job_id)
+                break
+        self.holds[key] = GpuHold(d.for_job_id, d.node_id, d.gpu_count or 1, self.now, d.reason)
+        self._holds_of.setdefault(d.for_job_id, []).append(key)
+
+    def _dependency_failed(self, job_id: str, why: str) -> None:  # noqa: ARG002 - gate API
+        """PENDING -> DEPENDENCY_FAILED: leaves the queue, never ran (counted as rejected)."""
+        js = self.fleet.jobs[job_id]
+        self._dequeue(self.fleet.pending_view(js))
+        self.fleet.end_unrun(job_id, JobStatus.DEPENDENCY_FAILED, self.now)
+        self.dependency_failed.append(job_id)
+        self.rec.rejected(js)
 
     # -- the pass ----------------------------------------------------------------------
     def snapshot(self) -> ClusterSnapshot:
@@ -303,13 +336,17 @@ class Engine:
 
     def schedule_pass(self) -> None:
         self.passes += 1
-        result = schedule(self.snapshot(), self.cfg)
+        snap = self.gates.apply(self.snapshot(), self.fleet.jobs, self._dependency_failed)
+        result = schedule(snap, self.cfg)
         for job_id in result.released_holds:
-            self.holds.pop(job_id, None)
+            self._drop_holds(job_id)
         reservations: list[BackfillReservation] = []
         for d in result.decisions:
             if isinstance(d, Place):
-                self._start(d.job_id, d.node_id)
+                self._start(d.job_id, ((d.node_id, d.gpu_count),))
+            elif isinstance(d, PlaceGang):
+                self.gangs_placed += 1
+                self._start(d.job_id, tuple((m.node_id, m.gpu_count) for m in d.members))
             elif isinstance(d, Preempt):
                 self._preempt(d)
             elif isinstance(d, HoldForBackfill):
@@ -320,7 +357,10 @@ class Engine:
         self.reservations = tuple(reservations)
         self.rec.last_waiting = result.waiting
 
-    def run(self) -> None:
+    def run(self, progress: Callable[[float, int], None] | None = None) -> None:
+        """Run to the end (or the horizon). ``progress(sim_time_s, events_done)`` is called
+        every :data:`PROGRESS_EVERY_EVENTS` events (a CLI shows it; results do not depend
+        on it)."""
         every_event = self.opt.check_invariants == "every_event"
         every_pass = every_event or self.opt.check_invariants == "every_pass"
         sample = self.opt.sample_interval_s
@@ -348,6 +388,8 @@ class Engine:
                     self._arrive(key)
                 if every_event:
                     self._check()
+                if progress is not None and self.events % PROGRESS_EVERY_EVENTS == 0:
+                    progress(self.now, self.events)
             self.schedule_pass()
             if every_pass:
                 self._check()

@@ -59,8 +59,24 @@ class SimNode:
         return self._state
 
 
+@dataclass(frozen=True, slots=True)
+class SimMember:
+    """One member of an attempt: ``gpu_ids`` of ``node_id`` run rank ``rank``. ``run_id`` is
+    the member's own run (the attempt's run id for rank 0, ``<run_id>-<rank>`` for the others),
+    as the live store keeps one job_runs row per member under one token."""
+
+    rank: int
+    node_id: str
+    gpu_ids: tuple[int, ...]
+    run_id: str
+
+
 @dataclass(slots=True)
 class SimRun:
+    """One attempt. A single-node attempt has one member; a gang attempt has one member per
+    node, all under the attempt's one run id and token (reserved, confirmed, stopped and
+    released together). ``node_id``/``gpu_ids`` are rank 0's."""
+
     run_id: str
     job_id: str
     team_id: str
@@ -75,7 +91,12 @@ class SimRun:
     res_status: ReservationStatus = ReservationStatus.RESERVED
     stopping_for: str | None = None
     released_s: float | None = None
-    state: RunningJob | None = None
+    state: tuple[RunningJob, ...] | None = None
+    members: tuple[SimMember, ...] = ()
+
+    @property
+    def gpus(self) -> int:
+        return sum(len(m.gpu_ids) for m in self.members)
 
 
 @dataclass(slots=True)
@@ -127,6 +148,9 @@ class InMemoryFleet:
                 )
         self.jobs: dict[str, SimJobState] = {}
         self.runs: dict[str, SimRun] = {}
+        """Attempts by run id (rank 0's run id for a gang)."""
+        self.member_runs: dict[str, SimRun] = {}
+        """Gang attempts by the run id of a member of rank > 0."""
         self.active_runs: dict[str, SimRun] = {}
         self.touched_jobs: set[str] = set()
         self.touched_runs: set[str] = set()
@@ -135,7 +159,7 @@ class InMemoryFleet:
         self._node_pos = {nid: i for i, nid in enumerate(self.nodes)}
         self._node_list: list[NodeState] = [n.state() for n in self.nodes.values()]
         self._stale_nodes: set[str] = set()
-        self._run_states: dict[str, RunningJob] = {}
+        self._run_states: dict[str, tuple[RunningJob, ...]] = {}
         self._stale_runs: set[str] = set()
         self._run_seq = 0
 
@@ -156,7 +180,16 @@ class InMemoryFleet:
                 team_id=s.team_id,
                 priority=s.priority,
                 submitted_at_s=s.submit_s,
-                resources=Resources(s.gpus, s.gpu_types, 0, s.cpu, s.memory_mb),
+                resources=Resources(
+                    s.gpus,
+                    s.gpu_types,
+                    0,
+                    s.cpu,
+                    s.memory_mb,
+                    nodes=s.nodes,
+                    gpus_per_node=s.gpus_per_node,
+                    allow_partial_nodes=s.allow_partial_nodes,
+                ),
                 expected_duration_s=(
                     max(1.0, s.expected_duration_s - done)
                     if s.expected_duration_s is not None
@@ -171,43 +204,76 @@ class InMemoryFleet:
         return js.pending
 
     def expire(self, job_id: str, now_s: float) -> None:
+        self.end_unrun(job_id, JobStatus.EXPIRED, now_s)
+
+    def end_unrun(self, job_id: str, to: JobStatus, now_s: float) -> None:
+        """A PENDING job ends without running (EXPIRED, DEPENDENCY_FAILED)."""
         js = self.jobs[job_id]
-        check_transition(Machine.JOB, js.status, JobStatus.EXPIRED)
-        js.status = JobStatus.EXPIRED
+        check_transition(Machine.JOB, js.status, to)
+        js.status = to
         js.end_s = now_s
         self.touched_jobs.add(job_id)
+
+    def run_of(self, run_id: str) -> SimRun:
+        """The attempt of a run id: a single-node run, or any member of a gang."""
+        run = self.runs.get(run_id)
+        return run if run is not None else self.member_runs[run_id]
 
     # -- reserve / confirm -------------------------------------------------------------
     def reserve(self, job_id: str, node_id: str, now_s: float) -> SimRun:
         """The allocation transaction: claim free GPU ids, create attempt + reservation, job
         PENDING -> SCHEDULED. Raises if the node does not have the GPUs (a policy bug)."""
+        return self.reserve_gang(job_id, ((node_id, self.jobs[job_id].spec.gpus),), now_s)
+
+    def reserve_gang(
+        self, job_id: str, members: tuple[tuple[str, int], ...], now_s: float
+    ) -> SimRun:
+        """The allocation transaction of a (gang) attempt: every member's GPUs or none (all
+        checked before anything changes), one attempt and token, one reservation per
+        member node. ``members``: ``(node_id, gpus)`` in rank order. Raises if a node lacks
+        the GPUs, a node repeats, or the members do not add up to the job (a policy bug)."""
         js = self.jobs[job_id]
-        node = self.nodes[node_id]
         spec = js.spec
-        if node.status is not NodeStatus.HEALTHY or node.free < spec.gpus:
-            raise RuntimeError(f"policy placed {job_id} on {node_id} without capacity")
+        node_ids = [nid for nid, _ in members]
+        if len(set(node_ids)) != len(node_ids) or sum(g for _, g in members) != spec.gpus:
+            raise RuntimeError(f"policy placed {job_id} as {members}, not {spec.gpus} GPUs")
+        for nid, g in members:
+            node = self.nodes[nid]
+            if node.status is not NodeStatus.HEALTHY or node.free < g:
+                raise RuntimeError(f"policy placed {job_id} on {nid} without capacity")
+        types = {self.nodes[nid].gpu_type for nid in node_ids}
+        if len(types) != 1:
+            raise RuntimeError(f"policy placed {job_id} across GPU types {sorted(types)}")
         check_transition(Machine.JOB, js.status, JobStatus.SCHEDULED)
-        gpu_ids = tuple(i for i, h in enumerate(node.holders) if h is None)[: spec.gpus]
         self._run_seq += 1
         js.epoch += 1
+        run_id = f"r{self._run_seq:07d}"
+        claimed: list[SimMember] = []
+        for rank, (nid, g) in enumerate(members):
+            node = self.nodes[nid]
+            gpu_ids = tuple(i for i, h in enumerate(node.holders) if h is None)[:g]
+            member_id = run_id if rank == 0 else f"{run_id}-{rank}"
+            for i in gpu_ids:
+                node.holders[i] = member_id
+            node.free -= g
+            node.cpu_used += spec.cpu
+            node.memory_used_mb += spec.memory_mb
+            node._state = None
+            self._stale_nodes.add(nid)
+            self.dirty_nodes.add(nid)
+            claimed.append(SimMember(rank, nid, gpu_ids, member_id))
         run = SimRun(
-            run_id=f"r{self._run_seq:07d}",
+            run_id=run_id,
             job_id=job_id,
             team_id=spec.team_id,
-            node_id=node_id,
-            gpu_ids=gpu_ids,
-            gpu_type=node.gpu_type,
+            node_id=claimed[0].node_id,
+            gpu_ids=claimed[0].gpu_ids,
+            gpu_type=types.pop(),
             token=js.epoch,
             reserved_s=now_s,
             work_before_s=js.banked_s,
+            members=tuple(claimed),
         )
-        for g in gpu_ids:
-            node.holders[g] = run.run_id
-        node.free -= spec.gpus
-        node.cpu_used += spec.cpu
-        node.memory_used_mb += spec.memory_mb
-        node._state = None
-        self._stale_nodes.add(node_id)
         js.status = JobStatus.SCHEDULED
         js.current_run_id = run.run_id
         js.runs.append(run.run_id)
@@ -216,8 +282,9 @@ class InMemoryFleet:
         if js.first_start_s is None:
             js.first_start_s = now_s
         self.runs[run.run_id] = run
+        for m in run.members[1:]:
+            self.member_runs[m.run_id] = run
         self.active_runs[run.run_id] = run
-        self.dirty_nodes.add(node_id)
         self.running_tuple = None
         self._stale_runs.add(run.run_id)
         self.touched_jobs.add(job_id)
@@ -237,34 +304,42 @@ class InMemoryFleet:
         self.running_tuple = None
         self._stale_runs.add(run.run_id)
 
-    def running_view(self, run: SimRun) -> RunningJob:
+    def running_view(self, run: SimRun) -> tuple[RunningJob, ...]:
+        """The policy's view of an attempt: one RunningJob per member (same run id, job id
+        and token; ``rank``/``gang_size`` set for a gang)."""
         if run.state is None:
             js = self.jobs[run.job_id]
             s = js.spec
             ckpt: float | None = None
             if s.checkpoint_s:
                 ckpt = run.reserved_s  # last checkpoint is computed by the engine on demand
-            run.state = RunningJob(
-                run_id=run.run_id,
-                job_id=run.job_id,
-                team_id=run.team_id,
-                node_id=run.node_id,
-                priority=s.priority,
-                gpu_count=s.gpus,
-                gpu_type=run.gpu_type,
-                started_at_s=run.reserved_s,
-                cpu=s.cpu,
-                memory_mb=s.memory_mb,
-                expected_duration_s=(
-                    max(1.0, s.expected_duration_s - run.work_before_s)
-                    if s.expected_duration_s is not None
-                    else None
-                ),
-                max_runtime_s=s.max_runtime_s,
-                preemptible=s.preemptible,
-                last_checkpoint_s=ckpt,
-                stopping=run.status is RunStatus.PREEMPTING,
-                stopping_for_job_id=run.stopping_for,
+            size = len(run.members)
+            run.state = tuple(
+                RunningJob(
+                    run_id=m.run_id,
+                    job_id=run.job_id,
+                    team_id=run.team_id,
+                    node_id=m.node_id,
+                    priority=s.priority,
+                    gpu_count=len(m.gpu_ids),
+                    gpu_type=run.gpu_type,
+                    started_at_s=run.reserved_s,
+                    cpu=s.cpu,
+                    memory_mb=s.memory_mb,
+                    expected_duration_s=(
+                        max(1.0, s.expected_duration_s - run.work_before_s)
+                        if s.expected_duration_s is not None
+                        else None
+                    ),
+                    max_runtime_s=s.max_runtime_s,
+                    preemptible=s.preemptible,
+                    last_checkpoint_s=ckpt,
+                    stopping=run.status is RunStatus.PREEMPTING,
+                    stopping_for_job_id=run.stopping_for,
+                    rank=m.rank,
+                    gang_size=size,
+                )
+                for m in run.members
             )
         return run.state
 
@@ -275,7 +350,7 @@ class InMemoryFleet:
         run.status = RunStatus.PREEMPTING
         run.stopping_for = for_job
         run.state = None
-        self.dirty_nodes.add(run.node_id)
+        self.dirty_nodes.update(m.node_id for m in run.members)
         self.running_tuple = None
         self._stale_runs.add(run.run_id)
         self.touched_runs.add(run.run_id)
@@ -290,16 +365,17 @@ class InMemoryFleet:
         run.status = outcome
         run.res_status = ReservationStatus.RELEASED
         run.released_s = now_s
-        node = self.nodes[run.node_id]
-        for g in run.gpu_ids:
-            node.holders[g] = None
-        node.free += len(run.gpu_ids)
-        node.cpu_used -= spec.cpu
-        node.memory_used_mb -= spec.memory_mb
-        node._state = None
-        self._stale_nodes.add(run.node_id)
+        for m in run.members:  # every member at once: a gang is released as one unit
+            node = self.nodes[m.node_id]
+            for g in m.gpu_ids:
+                node.holders[g] = None
+            node.free += len(m.gpu_ids)
+            node.cpu_used -= spec.cpu
+            node.memory_used_mb -= spec.memory_mb
+            node._state = None
+            self._stale_nodes.add(m.node_id)
+            self.dirty_nodes.add(m.node_id)
         del self.active_runs[run.run_id]
-        self.dirty_nodes.add(run.node_id)
         self.running_tuple = None
         self._stale_runs.add(run.run_id)
         elapsed = now_s - run.reserved_s
@@ -345,7 +421,7 @@ class InMemoryFleet:
                 else:
                     self._run_states[rid] = self.running_view(run)
             self._stale_runs.clear()
-            self.running_tuple = tuple(self._run_states.values())
+            self.running_tuple = tuple(m for ms in self._run_states.values() for m in ms)
         return self.running_tuple
 
     def invariant_view(self, full: bool = False) -> InvariantView:
@@ -354,10 +430,14 @@ class InMemoryFleet:
         untouched node, job or attempt cannot have changed since it was last checked).
         ``full`` includes everything."""
         node_ids = set(self.nodes) if full else self.dirty_nodes
-        runs = {r.run_id: r for r in self.active_runs.values() if r.node_id in node_ids}
+        runs = {
+            r.run_id: r
+            for r in self.active_runs.values()
+            if any(m.node_id in node_ids for m in r.members)
+        }
         for rid in self.touched_runs:
             r = self.runs[rid]
-            if r.node_id in node_ids or r.run_id not in self.active_runs:
+            if any(m.node_id in node_ids for m in r.members) or r.run_id not in self.active_runs:
                 runs[rid] = r
         job_ids = set(self.touched_jobs) | {r.job_id for r in runs.values()}
         if full:
@@ -370,18 +450,33 @@ class InMemoryFleet:
             ),
             reservations=tuple(
                 ReservationView(
-                    "res-" + r.run_id, r.run_id, r.job_id, r.node_id, r.gpu_ids, r.res_status
+                    "res-" + m.run_id,
+                    m.run_id,
+                    r.job_id,
+                    m.node_id,
+                    m.gpu_ids,
+                    r.res_status,
                 )
                 for r in runs.values()
-                if r.node_id in node_ids
+                for m in r.members
+                if m.node_id in node_ids
             ),
             jobs=tuple(
                 JobView(j, self.jobs[j].status, self.jobs[j].current_run_id, self.jobs[j].epoch)
                 for j in sorted(job_ids)
             ),
             runs=tuple(
-                RunView(r.run_id, r.job_id, r.status, r.token, r.status is RunStatus.SUCCEEDED)
+                RunView(
+                    m.run_id,
+                    r.job_id,
+                    r.status,
+                    r.token,
+                    r.status is RunStatus.SUCCEEDED,
+                    rank=m.rank,
+                    gang_size=len(r.members),
+                )
                 for r in runs.values()
+                for m in r.members
             ),
         )
         self.touched_jobs.clear()

@@ -45,6 +45,8 @@ class LoadStats:
     dropped_unknown_team: int = 0
     clipped_oversize: int = 0
     dropped_oversize: int = 0
+    gangs: int = 0
+    """Jobs above one node kept whole, as multi-node gangs (``oversize="gang"``)."""
 
 
 def philly_vc_sizes(path: Path) -> dict[str, int]:
@@ -61,7 +63,7 @@ def load_philly(
     end: str = "2017-12-01 00:00:00",
     teams: set[str] | None = None,
     max_gpus_per_job: int = 8,
-    oversize: str = "clip",
+    oversize: str = "gang",
     estimate: str = "exact",
     gpu_type: str = "",
     arrival_speedup: float = 1.0,
@@ -70,9 +72,12 @@ def load_philly(
 
     Args:
         teams: keep only these VCs (e.g. the 11 with known sizes); None keeps all.
-        max_gpus_per_job: the largest node; bigger jobs (16-32 GPUs, gang across nodes in
-            Philly) are ``clip``ped to it with their GPU-time kept (duration scaled up) or
-            ``drop``ped, since gpufleet places a job on one node.
+        max_gpus_per_job: the largest node. Bigger jobs (12-32 GPUs, gangs across nodes in
+            Philly) are, by ``oversize``: ``gang`` (default) kept whole, as multi-node jobs
+            the policy places on whole nodes, as the real cluster ran them (12 and 24 GPUs,
+            not a multiple of 8, may use one partial node: ``allow_partial_nodes``);
+            ``clip``ped to one node with their GPU-time kept (duration scaled up; what the
+            simulator did before gangs existed); or ``drop``ped.
         estimate: ``exact`` tells the scheduler the true duration as expected_duration_s,
             ``none`` tells it nothing.
         arrival_speedup: divide inter-arrival times by this (load x k, durations kept):
@@ -81,7 +86,9 @@ def load_philly(
     """
     t0, t1 = _epoch(start), _epoch(end)
     jobs: list[tuple[float, int, SimJob]] = []
-    rows = outside = unknown = clipped = dropped = 0
+    rows = outside = unknown = clipped = dropped = gangs = 0
+    if oversize not in ("gang", "clip", "drop"):
+        raise ValueError(f"oversize must be gang, clip or drop, not {oversize!r}")
     with _open_text(path) as f:
         for i, r in enumerate(csv.DictReader(f)):
             rows += 1
@@ -95,7 +102,11 @@ def load_philly(
                 continue
             gpus = int(float(r["num_gpus"]))
             duration = max(1.0, float(r["duration"]))
-            if gpus > max_gpus_per_job:
+            partial = False
+            if gpus > max_gpus_per_job and oversize == "gang":
+                gangs += 1
+                partial = gpus % max_gpus_per_job != 0
+            elif gpus > max_gpus_per_job:
                 if oversize == "drop":
                     dropped += 1
                     continue
@@ -111,11 +122,12 @@ def load_philly(
                 duration_s=duration,
                 gpu_types=(gpu_type,) if gpu_type else (),
                 expected_duration_s=duration if estimate == "exact" else None,
+                allow_partial_nodes=partial,
             )
             jobs.append((ts, i, job))
     jobs.sort(key=lambda e: (e[0], e[1]))
     out = [j for _, _, j in jobs]
-    return out, LoadStats(rows, len(out), outside, unknown, clipped, dropped)
+    return out, LoadStats(rows, len(out), outside, unknown, clipped, dropped, gangs)
 
 
 _OPENB_GPU_MEMORY_MB = {

@@ -43,6 +43,8 @@ class SimJob:
             one succeeds; each failure is retried as a new attempt.
         checkpoint_s: checkpoint interval; a preempted attempt keeps work up to its last
             checkpoint (None: it keeps nothing).
+        gpus: GPUs of the whole job (all gang members together); ``cpu``/``memory_mb`` are
+            per member.
     """
 
     job_id: str
@@ -61,6 +63,18 @@ class SimJob:
     checkpoint_s: float | None = None
     preemptible: bool = True
     node_selector: Mapping[str, str] = field(default_factory=dict)
+    depends_on: tuple[tuple[str, str], ...] = ()
+    """``(kind, job_id)`` pairs (``afterok``/``afterany``/``afternotok``), see
+    ``policy.gates``."""
+    array_id: str | None = None
+    """The job array this job is a task of (scenario ``array:``), with its index and ``%N``."""
+    array_index: int = 0
+    array_max_running: int | None = None
+    nodes: int | None = None
+    """Gang shape, as ``Resources``: members (None: derived from ``gpus`` and the node size;
+    a job larger than one node becomes a gang of whole nodes)."""
+    gpus_per_node: int | None = None
+    allow_partial_nodes: bool = False
 
 
 def size_bucket(gpus: int) -> str:

@@ -96,7 +96,8 @@ def reserve(
         JobStatus.SCHEDULED,
         now=now,
         frm=[JobStatus.PENDING],
-        guard={"fencing_epoch": seen_fencing_epoch, "cancel_requested": False},
+        # a hold that landed after the pass's snapshot wins over its placement
+        guard={"fencing_epoch": seen_fencing_epoch, "cancel_requested": False, "held": False},
         values={
             "fencing_epoch": token,
             "current_run_id": run_id,

@@ -21,6 +21,7 @@ from gpufleet.domain.invariants import (
     Violation,
     check_invariants,
 )
+from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import (
     RESERVATION_ACTIVE,
     JobStatus,
@@ -90,12 +91,13 @@ class SpecCache:
 
     def __init__(self) -> None:
         self._facts: dict[str, SpecFacts] = {}
-        self._pending: dict[str, tuple[tuple[int, datetime], PendingJob]] = {}
+        self._pending: dict[str, tuple[tuple[Any, ...], PendingJob]] = {}
 
     def pending_job(self, row: Any, facts: SpecFacts) -> PendingJob:
         """The PendingJob of a row; the same object as last pass while the job's attempt and
         queue time are unchanged (building 10,000 of them is a large part of a pass)."""
-        key = (row.attempts, row.queued_at)
+        # priority and max_runtime_s can change after submit (PATCH /v1/jobs/{id})
+        key = (row.attempts, row.queued_at, row.priority, row.max_runtime_s)
         cached = self._pending.get(row.id)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -106,7 +108,7 @@ class SpecCache:
             submitted_at_s=row.created_at.timestamp(),
             resources=facts.resources,
             expected_duration_s=facts.expected_duration_s,
-            max_runtime_s=facts.max_runtime_s,
+            max_runtime_s=row.max_runtime_s,
             node_selector=facts.node_selector,
             preemptible=facts.preemptible,
             attempt=row.attempts,
@@ -162,6 +164,7 @@ def load_snapshot(
             NodeRow.cpu,
             NodeRow.memory_mb,
             NodeRow.labels,
+            NodeRow.admin_labels,
             NodeRow.status,
             NodeRow.images,
             NodeCapacityRow.total_gpus,
@@ -179,7 +182,7 @@ def load_snapshot(
             cpu_free=n.cpu,
             memory_total_mb=n.memory_mb,
             memory_free_mb=n.memory_mb,
-            labels=dict(n.labels or {}),
+            labels=effective_labels(n.labels, n.admin_labels),
             schedulable=n.status == NodeStatus.HEALTHY,
             status=n.status,
             images=frozenset(normalize_image(str(i.get("name", ""))) for i in n.images or ()),
@@ -197,6 +200,7 @@ def load_snapshot(
             JobRow.created_at,
             JobRow.queued_at,
             JobRow.attempts,
+            JobRow.max_runtime_s,
         ).where(
             JobRow.status == JobStatus.PENDING,
             JobRow.cancel_requested.is_(False),
@@ -217,6 +221,7 @@ def load_snapshot(
         JobRunRow.gang_size,
         JobRow.team_id,
         JobRow.priority,
+        JobRow.max_runtime_s,
     )
     running_rows = list(
         session.execute(
@@ -268,7 +273,7 @@ def load_snapshot(
                 cpu=f.resources.cpu,
                 memory_mb=f.resources.memory_mb,
                 expected_duration_s=f.expected_duration_s,
-                max_runtime_s=f.max_runtime_s,
+                max_runtime_s=run.max_runtime_s,
                 preemptible=f.preemptible,
                 stopping=run.status == RunStatus.PREEMPTING
                 or (run.id not in live_ids and run.job_id in stopping_for),

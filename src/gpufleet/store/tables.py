@@ -117,6 +117,9 @@ class JobRow(Base):
         UniqueConstraint("team_id", "idempotency_key"),
         Index("ix_jobs_status_queue", "status", "priority_rank", "queued_at"),
         Index("ix_jobs_team_id_created", "team_id", "id"),
+        Index("ix_jobs_status_gated", "status", "gated"),
+        Index("ix_jobs_array_id", "array_id"),
+        Index("ix_jobs_team_id_name", "team_id", "name"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -129,7 +132,7 @@ class JobRow(Base):
     priority: Mapped[str] = mapped_column(String(16))
     priority_rank: Mapped[int] = mapped_column(Integer)
     gpu_count: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(24))
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     current_run_id: Mapped[str | None] = mapped_column(String(40))
     fencing_epoch: Mapped[int] = mapped_column(Integer, default=0)
@@ -142,6 +145,18 @@ class JobRow(Base):
     """Copy of ``spec.max_runtime_s``, so the stop driver's scan reads no JSON."""
     retry_after: Mapped[datetime | None]
     """A retry after a failure is not placed before this time (exponential backoff)."""
+    held: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+    """Held by its user (``POST /v1/jobs/{id}/hold``, ``submit --hold``): never placed."""
+    gated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+    """Has a gate the scheduler checks each pass (held, dependencies, an array's max-running
+    limit): only such PENDING rows are read by ``store.gating``."""
+    array_id: Mapped[str | None] = mapped_column(String(40))
+    """The job array this job is a task of (``a-...``), or NULL."""
+    array_index: Mapped[int | None] = mapped_column(Integer)
+    array_max_running: Mapped[int | None] = mapped_column(Integer)
+    """The array's ``%N``: at most N of its tasks SCHEDULED or RUNNING at once."""
+    depends_on: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
+    """``[{"type": "afterok"|"afterany"|"afternotok", "job_id": ...}]``, or NULL."""
     created_at: Mapped[datetime]
     queued_at: Mapped[datetime]
     scheduled_at: Mapped[datetime | None]
@@ -243,6 +258,10 @@ class NodeRow(Base):
     cpu: Mapped[float] = mapped_column(Float, default=0.0)
     memory_mb: Mapped[int] = mapped_column(Integer, default=0)
     labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    """The labels the agent reported at its last registration (replaced by each one)."""
+    admin_labels: Mapped[dict[str, Any] | None]
+    """Labels an admin set (``PUT/PATCH /v1/admin/nodes/{id}/labels``); kept across agent
+    re-registrations and set over the agent's (``domain.labels.effective_labels``)."""
     agent_epoch: Mapped[int] = mapped_column(Integer, default=0)
     inventory_source: Mapped[str] = mapped_column(String(16), default="declared")
     status_reason: Mapped[str | None] = mapped_column(Text)
@@ -358,8 +377,8 @@ class SchedulingEventRow(Base):
     """transition | placed | skipped | preempt | reconcile | ..."""
     machine: Mapped[str | None] = mapped_column(String(16))
     entity_id: Mapped[str | None] = mapped_column(String(128))
-    from_status: Mapped[str | None] = mapped_column(String(16))
-    to_status: Mapped[str | None] = mapped_column(String(16))
+    from_status: Mapped[str | None] = mapped_column(String(24))
+    to_status: Mapped[str | None] = mapped_column(String(24))
     trigger: Mapped[str | None] = mapped_column(String(64))
     job_id: Mapped[str | None] = mapped_column(String(40))
     run_id: Mapped[str | None] = mapped_column(String(40))

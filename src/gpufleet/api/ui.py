@@ -1,0 +1,487 @@
+"""The web dashboard at ``/ui``: server-rendered Jinja2 pages, kept live by htmx polling.
+
+Design:
+
+* **No build step, no CDN.** Templates in ``api/templates``, one stylesheet and the vendored
+  htmx (``api/static/htmx.min.js``, BSD-0 licence beside it) in ``api/static``: the Python
+  package is all an air-gapped cluster needs.
+* **Same auth as the API.** The login form takes an API token and keeps it in an HttpOnly,
+  SameSite=Strict cookie; every page resolves it with ``services.auth.authenticate`` exactly
+  like a bearer token. An admin token sees the whole fleet and every team; a team token sees
+  its own team's jobs only (another team's job page is 404, as in the API), and other teams'
+  GPUs in the grid as "in use", without names. The cookie is SameSite=Strict, so another site
+  cannot make the browser post the cancel form.
+* **Escaping.** Jinja2 autoescape is on for every template: job names, commands, messages,
+  log lines are user text.
+* **Live.** Each page has one ``#live`` region that htmx re-fetches every 2 s (the log tail
+  every 1 s); the server answers those requests (``HX-Request``) with the fragment only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Cookie, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.errors import GpufleetError, NotFound, Unauthenticated
+from gpufleet.domain.manifest import Manifest
+from gpufleet.domain.states import JOB_TERMINAL, JobStatus, ReservationStatus, RunStatus
+from gpufleet.objectstore import ObjectStore, attempt_prefix
+from gpufleet.services import auth, jobs, teams
+from gpufleet.store.dialect import db_now
+from gpufleet.store.tables import (
+    GpuHoldRow,
+    JobRow,
+    JobRunRow,
+    NodeCapacityRow,
+    NodeGpuRow,
+    NodeRow,
+    ReservationRow,
+)
+
+COOKIE = "gpufleet_token"
+Token = Annotated[str | None, Cookie(alias=COOKIE)]
+"""The API token kept by the login form (module level: FastAPI resolves annotations here)."""
+HERE = Path(__file__).parent
+LOG_TAIL_BYTES = 16 * 1024
+"""The job page shows at most this many bytes from the end of the current attempt's log."""
+USAGE_DAYS = 14
+
+_env = Environment(
+    loader=FileSystemLoader(HERE / "templates"),
+    autoescape=select_autoescape(["html"], default=True),
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+def _fmt_ts(value: datetime | None) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value else ""
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return ""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+_env.filters["ts"] = _fmt_ts
+_env.filters["bytes"] = _fmt_bytes
+
+
+def router(state: Any) -> APIRouter:
+    """The ``/ui`` routes over the API's ``AppState`` (database, object store)."""
+    r = APIRouter(prefix="/ui", include_in_schema=False)
+
+    def who(token: str | None) -> auth.Principal | None:
+        if not token:
+            return None
+        try:
+            with state.db.read() as s:
+                return auth.authenticate(s, token)
+        except Unauthenticated:
+            return None
+
+    def page(
+        request: Request, name: str, p: auth.Principal, build: Callable[[Session], dict[str, Any]]
+    ) -> Response:
+        with state.db.read() as s:
+            ctx = build(s)
+        live = request.headers.get("HX-Request") == "true"
+        template = _env.get_template(f"{name}.html")
+        ctx.update(principal=p, page=name, fragment=live, path=request.url.path)
+        return HTMLResponse(template.render(**ctx))
+
+    def login_redirect() -> Response:
+        return RedirectResponse("/ui/login", status_code=303)
+
+    @r.get("")
+    @r.get("/")
+    def home(token: Token = None) -> Response:
+        p = who(token)
+        if p is None:
+            return login_redirect()
+        return RedirectResponse("/ui/fleet" if p.is_admin else "/ui/queue", status_code=303)
+
+    @r.get("/login")
+    def login_form(error: str | None = None) -> Response:
+        return HTMLResponse(_env.get_template("login.html").render(error=error, principal=None))
+
+    @r.post("/login")
+    async def login(request: Request) -> Response:
+        # parsed here rather than with Form(): no python-multipart dependency for one field
+        body = (await request.body()).decode(errors="replace")
+        token = (parse_qs(body).get("token") or [""])[0].strip()
+        if not token:
+            return RedirectResponse("/ui/login?error=invalid", status_code=303)
+        if await run_in_threadpool(who, token) is None:
+            return RedirectResponse("/ui/login?error=invalid", status_code=303)
+        resp = RedirectResponse("/ui/", status_code=303)
+        resp.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/ui")
+        return resp
+
+    @r.post("/logout")
+    def logout() -> Response:
+        resp = RedirectResponse("/ui/login", status_code=303)
+        resp.delete_cookie(COOKIE, path="/ui")
+        return resp
+
+    @r.get("/fleet")
+    def fleet(request: Request, token: Token = None) -> Response:
+        p = who(token)
+        if p is None:
+            return login_redirect()
+        return page(request, "fleet", p, lambda s: fleet_context(s, p))
+
+    @r.get("/queue")
+    def queue(request: Request, token: Token = None) -> Response:
+        p = who(token)
+        if p is None:
+            return login_redirect()
+        return page(request, "queue", p, lambda s: queue_context(s, p))
+
+    @r.get("/usage")
+    def usage(request: Request, token: Token = None) -> Response:
+        p = who(token)
+        if p is None:
+            return login_redirect()
+        return page(request, "usage", p, lambda s: usage_context(s, p))
+
+    @r.get("/jobs/{job_id}")
+    def job(request: Request, job_id: str, token: Token = None) -> Response:
+        p = who(token)
+        if p is None:
+            return login_redirect()
+        try:
+            return page(request, "job", p, lambda s: job_context(s, p, job_id, state.store))
+        except NotFound:
+            return HTMLResponse(
+                _env.get_template("notfound.html").render(principal=p, job_id=job_id),
+                status_code=404,
+            )
+
+    @r.get("/jobs/{job_id}/log")
+    def job_log(job_id: str, token: Token = None) -> Response:
+        p = who(token)
+        if p is None:
+            return Response(status_code=401)
+        try:
+            with state.db.read() as s:
+                _, runs = jobs.get_job(s, None if p.is_admin else p.team_id, job_id)
+        except NotFound:
+            return Response(status_code=404)
+        text = _log_tail(state.store, job_id, runs[-1].id) if runs else ""
+        return HTMLResponse(_env.get_template("log.html").render(log=text))
+
+    @r.post("/jobs/{job_id}/cancel")
+    def cancel(job_id: str, token: Token = None) -> Response:
+        p = who(token)
+        if p is None:
+            return login_redirect()
+        try:
+            jobs.cancel_job(state.db, None if p.is_admin else p.team_id, job_id)
+            state.waker.wake()
+        except NotFound:
+            return Response(status_code=404)
+        except GpufleetError:
+            pass  # already finished: the page shows its final status
+        return RedirectResponse(f"/ui/jobs/{job_id}", status_code=303)
+
+    return r
+
+
+def mount_static(app: Any) -> None:
+    """Serve ``api/static`` (stylesheet, vendored htmx) under ``/ui/static``."""
+    app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")
+
+
+# ---- page data ----------------------------------------------------------------------------
+
+
+def fleet_context(s: Session, p: auth.Principal) -> dict[str, Any]:
+    """Every node with one cell per GPU: free, running (team), held (backfill/preemption),
+    quarantined, or unavailable (node not HEALTHY)."""
+    nodes = s.execute(
+        select(NodeRow, NodeCapacityRow)
+        .join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
+        .order_by(NodeRow.id)
+    ).all()
+    holders: dict[str, tuple[str, str, str, str]] = {}
+    for run_id, job_id, team_id, name, status in s.execute(
+        select(JobRunRow.id, JobRow.id, JobRow.team_id, JobRow.name, JobRunRow.status)
+        .join(JobRow, JobRow.id == JobRunRow.job_id)
+        .join(ReservationRow, ReservationRow.run_id == JobRunRow.id)
+        .where(
+            ReservationRow.status.in_(
+                [
+                    ReservationStatus.RESERVED,
+                    ReservationStatus.CONFIRMED,
+                    ReservationStatus.QUARANTINED,
+                ]
+            )
+        )
+    ):
+        holders[run_id] = (job_id, team_id, name, status)
+    gpus: dict[str, list[tuple[int, str | None]]] = {}
+    for node_id, index, holder in s.execute(
+        select(NodeGpuRow.node_id, NodeGpuRow.gpu_index, NodeGpuRow.holder_run_id).order_by(
+            NodeGpuRow.node_id, NodeGpuRow.gpu_index
+        )
+    ):
+        gpus.setdefault(node_id, []).append((index, holder))
+    held: dict[str, list[tuple[str, int]]] = {}
+    for h in s.scalars(select(GpuHoldRow)):
+        held.setdefault(h.node_id, []).append((h.reason or "preemption", h.gpu_count))
+    for reason, count in s.execute(
+        select(JobRow.pending_reason, JobRow.gpu_count).where(JobRow.status == JobStatus.PENDING)
+    ):
+        if isinstance(reason, dict) and reason.get("code") == "waiting_with_reservation":
+            node = (reason.get("details") or {}).get("node")
+            if isinstance(node, str):
+                held.setdefault(node, []).append(("backfill", int(count)))
+    teams_seen: list[str] = []
+    out: list[dict[str, Any]] = []
+    for n, c in nodes:
+        cells = []
+        to_hold = [reason for reason, k in held.get(n.id, []) for _ in range(k)]
+        indexes = gpus.get(n.id) or [(i, None) for i in range(c.total_gpus)]
+        for index, holder in indexes:
+            info = holders.get(holder) if holder else None
+            if info is not None:
+                job_id, team_id, name, run_status = info
+                mine = p.is_admin or team_id == p.team_id
+                if run_status == RunStatus.FENCED:
+                    cells.append({"index": index, "state": "quarantined", "label": "quarantined"})
+                    continue
+                if mine and team_id not in teams_seen:
+                    teams_seen.append(team_id)
+                cells.append(
+                    {
+                        "index": index,
+                        "state": "running",
+                        "team": team_id if mine else None,
+                        "team_slot": teams_seen.index(team_id) % 6 if mine else None,
+                        "job_id": job_id if mine else None,
+                        "label": f"{team_id}: {name or job_id}" if mine else "in use",
+                        "stopping": run_status == RunStatus.PREEMPTING,
+                    }
+                )
+            elif n.status != "HEALTHY":
+                cells.append({"index": index, "state": "cordoned", "label": n.status.lower()})
+            elif to_hold:
+                reason = to_hold.pop()
+                cells.append({"index": index, "state": "held", "label": f"held ({reason})"})
+            else:
+                cells.append({"index": index, "state": "free", "label": "free"})
+        out.append(
+            {
+                "id": n.id,
+                "status": n.status,
+                "reason": n.status_reason,
+                "gpu_type": n.gpu_type,
+                "gpu_memory_mb": n.gpu_memory_mb,
+                "total": c.total_gpus,
+                "free": c.available_gpus,
+                "last_heartbeat_at": n.last_heartbeat_at,
+                "health": (n.health or {}).get("health") if p.is_admin else None,
+                "cells": cells,
+            }
+        )
+    counts: dict[str, int] = {}
+    for node in out:
+        for cell in node["cells"]:
+            counts[cell["state"]] = counts.get(cell["state"], 0) + 1
+    return {"nodes": out, "counts": counts, "teams": teams_seen}
+
+
+def queue_context(s: Session, p: auth.Principal) -> dict[str, Any]:
+    """Per team: waiting jobs in queue order (priority class, then queue time) with their
+    reason and estimated start; the team's allocation against its guarantee; recent jobs."""
+    team_filter = None if p.is_admin else p.team_id
+    q = (
+        select(JobRow)
+        .where(JobRow.status == JobStatus.PENDING)
+        .order_by(JobRow.team_id, JobRow.priority_rank.desc(), JobRow.queued_at, JobRow.id)
+        .limit(2000)
+    )
+    if team_filter is not None:
+        q = q.where(JobRow.team_id == team_filter)
+    now = db_now(s)
+    queues: dict[str, list[dict[str, Any]]] = {}
+    for j in s.scalars(q):
+        line = queues.setdefault(j.team_id, [])
+        reason = j.pending_reason or {}
+        est = reason.get("estimated_start_at")
+        line.append(
+            {
+                "position": len(line) + 1,
+                "job_id": j.id,
+                "name": j.name,
+                "priority": j.priority,
+                "gpus": j.gpu_count,
+                "waiting_s": max(0.0, (now - j.queued_at).total_seconds()),
+                "code": reason.get("code", "queued"),
+                "message": reason.get(
+                    "message", "Queued; the scheduler has not looked at it yet."
+                ),
+                "estimated_start_at": est,
+                "cancel_requested": j.cancel_requested,
+            }
+        )
+    described = teams.describe_teams(s)
+    shares = []
+    for t in described:
+        if team_filter is not None and t["team"] != team_filter:
+            continue
+        types = sorted(set(t["guaranteed_gpus"]) | set(t["allocated_gpus"]))
+        shares.append(
+            {
+                "team": t["team"],
+                "weight": t["weight"],
+                "usage_gpu_h": t["usage_gpu_s"] / 3600.0,
+                "pending": t["pending_jobs"],
+                "types": [
+                    {
+                        "gpu_type": gt,
+                        "allocated": int(t["allocated_gpus"].get(gt, 0)),
+                        "guaranteed": int(t["guaranteed_gpus"].get(gt, 0)),
+                    }
+                    for gt in types
+                ],
+            }
+        )
+    capacity: dict[str, int] = {}
+    for gpu_type, total in s.execute(
+        select(NodeRow.gpu_type, NodeCapacityRow.total_gpus).join(
+            NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id
+        )
+    ):
+        capacity[gpu_type] = capacity.get(gpu_type, 0) + int(total)
+    recent_q = select(JobRow).order_by(JobRow.id.desc()).limit(30)
+    if team_filter is not None:
+        recent_q = recent_q.where(JobRow.team_id == team_filter)
+    recent = list(s.scalars(recent_q))
+    return {
+        "queues": queues,
+        "shares": shares,
+        "capacity": capacity,
+        "recent": recent,
+    }
+
+
+def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) -> dict[str, Any]:
+    """One job: spec, attempts as a timeline, artifacts from each accepted manifest, events.
+
+    Raises:
+        NotFound: no such job, or another team's (for a team token).
+    """
+    job, runs = jobs.get_job(s, None if p.is_admin else p.team_id, job_id)
+    events = jobs.job_events(s, job_id, limit=500)
+    attempts = []
+    for r in runs:
+        steps = [("reserved", r.created_at)]
+        if r.assigned_at is not None:
+            steps.append(("assigned", r.assigned_at))
+        if r.started_at is not None:
+            steps.append(("running", r.started_at))
+        if r.finished_at is not None:
+            steps.append((r.status.lower(), r.finished_at))
+        files = []
+        if r.manifest_uri:
+            try:
+                m = Manifest.from_json(store.get_bytes(store.key_of(r.manifest_uri)))
+                files = [f for f in m.files if f.kind != "log"] + [
+                    f for f in m.files if f.kind == "log"
+                ]
+            except (OSError, ValueError):
+                files = []
+        attempts.append({"run": r, "steps": steps, "files": files})
+    position = None
+    if job.status == JobStatus.PENDING:
+        position = jobs.queue_position(s, job)
+    return {
+        "job": job,
+        "spec_json": json.dumps(job.spec, indent=2, sort_keys=True),
+        "attempts": attempts,
+        "events": events,
+        "position": position,
+        "reason": job.pending_reason if job.status == JobStatus.PENDING else None,
+        "finished": job.status in JOB_TERMINAL,
+        "log": _log_tail(store, job.id, runs[-1].id) if runs else "",
+    }
+
+
+def usage_context(s: Session, p: auth.Principal) -> dict[str, Any]:
+    """GPU-hours per team and day over the last ``USAGE_DAYS`` days, computed from attempts'
+    start and end times (an attempt still running counts up to now), and each team's decayed
+    charged usage (what fair sharing uses)."""
+    now = db_now(s)
+    start = (now - timedelta(days=USAGE_DAYS - 1)).replace(
+        hour=0, minute=0, second=0, microsecond=0
+    )
+    q = (
+        select(JobRow.team_id, JobRunRow.started_at, JobRunRow.finished_at, JobRunRow.gpu_ids)
+        .join(JobRow, JobRow.id == JobRunRow.job_id)
+        .where(
+            JobRunRow.started_at.is_not(None),
+            (JobRunRow.finished_at.is_(None)) | (JobRunRow.finished_at >= start),
+        )
+    )
+    if not p.is_admin:
+        q = q.where(JobRow.team_id == p.team_id)
+    days = [(start + timedelta(days=i)).date() for i in range(USAGE_DAYS)]
+    hours: dict[str, dict[Any, float]] = {}
+    for team_id, started_at, finished_at, gpu_ids in s.execute(q):
+        if started_at is None:
+            continue
+        a, b = max(started_at, start), finished_at or now
+        per_team = hours.setdefault(team_id, {})
+        while a < b:
+            day_end = (a + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+            seg_end = min(b, day_end)
+            per_team[a.date()] = per_team.get(a.date(), 0.0) + len(gpu_ids or []) * (
+                (seg_end - a).total_seconds() / 3600.0
+            )
+            a = seg_end
+    peak = max((v for t in hours.values() for v in t.values()), default=0.0)
+    rows = [
+        {
+            "team": team,
+            "total": sum(per.values()),
+            "days": [per.get(d, 0.0) for d in days],
+        }
+        for team, per in sorted(hours.items())
+    ]
+    charged = [t for t in teams.describe_teams(s) if p.is_admin or t["team"] == p.team_id]
+    return {"days": days, "rows": rows, "peak": peak or 1.0, "charged": charged}
+
+
+def _log_tail(store: ObjectStore, job_id: str, run_id: str) -> str:
+    """The last ``LOG_TAIL_BYTES`` of an attempt's log, from the start of a line ("" when it
+    has none yet)."""
+    key = f"{attempt_prefix(job_id, run_id)}/logs/output.log"
+    try:
+        size = store.size(key)
+        data = store.get_bytes(key, start=max(0, size - LOG_TAIL_BYTES))
+    except (FileNotFoundError, OSError):
+        return ""
+    text = data.decode(errors="replace")
+    if size > LOG_TAIL_BYTES and "\n" in text:
+        text = text.partition("\n")[2]
+    return text

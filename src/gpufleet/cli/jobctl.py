@@ -1,0 +1,184 @@
+"""Job-control commands: cancel (one or many), hold, release, requeue, update, array.
+
+Every JOB argument is a job id, a unique id prefix or a job name (the server resolves it).
+Mounted by ``cli.client.register_client_commands``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from gpufleet.cli import output
+from gpufleet.cli.client import (
+    ClientError,
+    OutputFormat,
+    OutputOpt,
+    TokenOpt,
+    UrlOpt,
+    _call,
+    _session,
+)
+
+Jobs = Annotated[list[str], typer.Argument(help="Job ids, id prefixes or names.")]
+
+
+def _emit(out: OutputFormat, data: dict[str, Any], line: str) -> None:
+    if out is OutputFormat.json:
+        output.print_json(data)
+    else:
+        typer.echo(output.clean(line))
+
+
+def _each(
+    path: str, jobs: list[str], out: OutputFormat, url: str | None, token: str | None, verb: str
+) -> None:
+    with _session(url, token) as http:
+        results = []
+        for ref in jobs:
+            data = _call(http, "POST", f"/v1/jobs/{ref}/{path}")
+            results.append(data)
+            if out is not OutputFormat.json:
+                typer.echo(output.clean(f"{verb}: {data.get('job_id')} ({data.get('status')})"))
+        if out is OutputFormat.json:
+            output.print_json({"items": results})
+
+
+def hold(jobs: Jobs, out: OutputOpt = OutputFormat.table, url: UrlOpt = None,
+         token: TokenOpt = None) -> None:  # fmt: skip
+    """Hold pending jobs: they are not scheduled until released."""
+    _each("hold", jobs, out, url, token, "held")
+
+
+def release(jobs: Jobs, out: OutputOpt = OutputFormat.table, url: UrlOpt = None,
+            token: TokenOpt = None) -> None:  # fmt: skip
+    """Release held jobs."""
+    _each("release", jobs, out, url, token, "released")
+
+
+def requeue(jobs: Jobs, out: OutputOpt = OutputFormat.table, url: UrlOpt = None,
+            token: TokenOpt = None) -> None:  # fmt: skip
+    """Give jobs a new attempt: running ones are stopped and queued again; FAILED, CANCELLED,
+    EXPIRED and DEPENDENCY_FAILED ones are queued again at once."""
+    _each("requeue", jobs, out, url, token, "requeued")
+
+
+def update(
+    job: Annotated[str, typer.Argument(help="Job id, id prefix or name.")],
+    priority: Annotated[str | None, typer.Option(help="CRITICAL|HIGH|NORMAL|LOW.")] = None,
+    name: Annotated[str | None, typer.Option(help="New name.")] = None,
+    max_runtime_s: Annotated[float | None, typer.Option(help="New max runtime, s.")] = None,
+    out: OutputOpt = OutputFormat.table,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Change a job's priority, name or max runtime (PATCH /v1/jobs/ID)."""
+    body: dict[str, Any] = {}
+    if priority is not None:
+        body["priority"] = priority.upper()
+    if name is not None:
+        body["name"] = name
+    if max_runtime_s is not None:
+        body["max_runtime_s"] = max_runtime_s
+    with _session(url, token) as http:
+        if not body:
+            raise ClientError("nothing to change: pass --priority, --name or --max-runtime-s")
+        data = _call(http, "PATCH", f"/v1/jobs/{job}", json=body)
+        _emit(
+            out,
+            data,
+            f"updated: {data.get('job_id')} priority={data.get('priority')} "
+            f"name={data.get('name')!r} max_runtime_s={data.get('max_runtime_s')}",
+        )
+
+
+def cancel(
+    jobs: Annotated[
+        list[str] | None, typer.Argument(help="Job ids, id prefixes or names.")
+    ] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Every job of this name.")] = None,
+    state: Annotated[
+        str | None, typer.Option("--state", help="Only jobs in this state (e.g. PENDING).")
+    ] = None,
+    array: Annotated[str | None, typer.Option("--array", help="Every task of an array.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    out: OutputOpt = OutputFormat.table,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Cancel jobs: by id (several allowed), --name, --state, --array (filters combine).
+
+    One job id and nothing else cancels at once; anything more lists the jobs and asks first
+    (--yes skips the question)."""
+    refs = list(jobs or [])
+    with _session(url, token) as http:
+        if not refs and not (name or state or array):
+            raise ClientError("name jobs to cancel, or --name/--state/--array", field="jobs")
+        if len(refs) == 1 and not (name or state or array):
+            data = _call(http, "DELETE", f"/v1/jobs/{refs[0]}")
+            _emit(out, data, f"cancel requested: {data.get('job_id')} ({data.get('status')})")
+            return
+        body: dict[str, Any] = {"job_ids": refs}
+        for key, value in (("name", name), ("state", state), ("array_id", array)):
+            if value:
+                body[key] = value
+        if not yes:
+            preview = _call(http, "POST", "/v1/jobs/cancel", json={**body, "dry_run": True})
+            chosen = preview.get("cancelled") or []
+            if not chosen:
+                _emit(out, preview, "nothing to cancel (no unfinished job matches)")
+                return
+            for item in chosen[:20]:
+                typer.echo(output.clean(f"  {item['job_id']}  {item['status']}"), err=True)
+            if len(chosen) > 20:
+                typer.echo(f"  ... and {len(chosen) - 20} more", err=True)
+            if not typer.confirm(f"Cancel {len(chosen)} job(s)?", default=False, err=True):
+                typer.echo("nothing cancelled", err=True)
+                raise typer.Exit(1)
+            # exactly what was shown, not whatever matches the filters a moment later
+            body = {"job_ids": [item["job_id"] for item in chosen]}
+        data = _call(http, "POST", "/v1/jobs/cancel", json=body)
+        if out is OutputFormat.json:
+            output.print_json(data)
+            return
+        for item in data.get("cancelled") or []:
+            typer.echo(output.clean(f"cancel requested: {item['job_id']} ({item['status']})"))
+        skipped = data.get("skipped") or []
+        if skipped:
+            typer.echo(f"{len(skipped)} already finished, skipped", err=True)
+
+
+def array(
+    array_id: Annotated[str, typer.Argument(help="Array id (a-...).")],
+    out: OutputOpt = OutputFormat.table,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Show an array: tasks per state and each task's job id."""
+    with _session(url, token) as http:
+        data = _call(http, "GET", f"/v1/arrays/{array_id}")
+        if out is OutputFormat.json:
+            output.print_json(data)
+            return
+        counts = ", ".join(f"{k} {v}" for k, v in sorted((data.get("counts") or {}).items()))
+        limit = data.get("max_running")
+        typer.echo(
+            output.clean(
+                f"array {array_id}: {len(data.get('tasks') or [])} tasks"
+                + (f", at most {limit} running" if limit else "")
+                + f" ({counts})"
+            )
+        )
+        for t in data.get("tasks") or []:
+            typer.echo(output.clean(f"  [{t['array_index']}] {t['job_id']}  {t['status']}"))
+
+
+def register(app: typer.Typer) -> None:
+    """Mount cancel, hold, release, requeue, update and array on the root ``app``."""
+    app.command("cancel")(cancel)
+    app.command("hold")(hold)
+    app.command("release")(release)
+    app.command("requeue")(requeue)
+    app.command("update")(update)
+    app.command("array")(array)

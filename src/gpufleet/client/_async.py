@@ -1,0 +1,218 @@
+"""The asynchronous client: :class:`AsyncClient` mirrors :class:`~gpufleet.client.Client`."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gpufleet.client import _core
+from gpufleet.client.errors import ApiError, TransportError
+from gpufleet.client.models import Job, JobPage, JobRef, Node, Submitted, job_id_of
+
+if TYPE_CHECKING:
+    import httpx
+
+
+class AsyncClient:
+    """The async twin of :class:`gpufleet.client.Client` (same arguments, methods and errors;
+    ``list`` and ``iter_logs`` are async iterators). Use ``async with AsyncClient() as c:``."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout_s: float = _core.DEFAULT_TIMEOUT_S,
+        http: httpx.AsyncClient | None = None,
+        user_agent: str = _core.USER_AGENT,
+    ) -> None:
+        import httpx
+
+        self._owned = http is None
+        self.http = http or httpx.AsyncClient(
+            **_core.client_options(url, token, timeout_s, user_agent)
+        )
+        self.url = str(self.http.base_url).rstrip("/")
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owned:
+            await self.http.aclose()
+
+    def __repr__(self) -> str:
+        return f"AsyncClient({self.url!r})"
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Any API call; see :meth:`gpufleet.client.Client.request`."""
+        return _core.decode(
+            await self._send(
+                method, path, params=params, json=json, headers=headers, timeout=timeout_s
+            )
+        )
+
+    async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        import httpx
+
+        if kwargs.get("timeout") is None:
+            kwargs.pop("timeout", None)
+        try:
+            resp = await self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}", self.url) from exc
+        if resp.status_code >= 400:
+            raise _core.error_of(resp)
+        return resp
+
+    async def submit(
+        self,
+        command: Sequence[str] | str,
+        *,
+        gpus: int = 1,
+        idempotency_key: str | None = None,
+        on_retry: Callable[[BaseException, str], None] | None = None,
+        **fields: Any,
+    ) -> Submitted:
+        """Submit a job; see :meth:`gpufleet.client.Client.submit`."""
+        return await self.submit_body(
+            _core.submit_body(command, gpus=gpus, **fields),
+            idempotency_key=idempotency_key,
+            on_retry=on_retry,
+        )
+
+    async def submit_body(
+        self,
+        body: Mapping[str, Any],
+        *,
+        idempotency_key: str | None = None,
+        on_retry: Callable[[BaseException, str], None] | None = None,
+    ) -> Submitted:
+        """Submit a ready body; retried on a lost connection or 503 with the same key."""
+        key = idempotency_key or _core.new_idempotency_key()
+        delay = _core.SUBMIT_RETRY_BACKOFF_S
+        for attempt in range(_core.SUBMIT_RETRIES + 1):
+            try:
+                resp = await self._send(
+                    "POST", "/v1/jobs", json=dict(body), headers={"Idempotency-Key": key}
+                )
+                return _core.submitted(resp, key)
+            except (TransportError, ApiError) as exc:
+                cause = exc.__cause__ if isinstance(exc, TransportError) else exc
+                if attempt == _core.SUBMIT_RETRIES or not _core.retryable(cause or exc):
+                    raise
+                if on_retry is not None:
+                    on_retry(exc, key)
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def get(self, job: JobRef) -> Job:
+        return Job.from_dict(await self.request("GET", f"/v1/jobs/{job_id_of(job)}"))
+
+    async def why(self, job: JobRef) -> Job:
+        return await self.get(job)
+
+    async def wait(
+        self,
+        job: JobRef,
+        *,
+        timeout_s: float | None = None,
+        poll_s: float = 1.0,
+        on_change: Callable[[Job], None] | None = None,
+        max_unreachable: int = 30,
+    ) -> Job:
+        """Poll until terminal; see :meth:`gpufleet.client.Client.wait`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        last, misses = None, 0
+        while True:
+            try:
+                current = await self.get(job)
+                misses = 0
+            except (TransportError, ApiError) as exc:
+                if isinstance(exc, ApiError) and exc.status != 503:
+                    raise
+                misses += 1
+                if misses > max_unreachable:
+                    raise
+                await asyncio.sleep(poll_s)
+                continue
+            if current.status != last:
+                last = current.status
+                if on_change is not None:
+                    on_change(current)
+            if current.done:
+                return current
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {current.job_id} is still {current.status}")
+            await asyncio.sleep(poll_s)
+
+    async def logs(
+        self, job: JobRef, *, run_id: str | None = None, tail: int | None = None
+    ) -> str:
+        chunks = [c async for c in self.iter_logs(job, run_id=run_id, tail=tail)]
+        return b"".join(chunks).decode(errors="replace")
+
+    async def iter_logs(
+        self,
+        job: JobRef,
+        *,
+        follow: bool = False,
+        run_id: str | None = None,
+        tail: int | None = None,
+        rank: int = 0,
+    ) -> AsyncIterator[bytes]:
+        import httpx
+
+        params = _core.log_params(follow, run_id, tail, rank)
+        timeout = httpx.Timeout(30.0, connect=_core.CONNECT_TIMEOUT_S, read=None if follow else 30)
+        path = f"/v1/jobs/{job_id_of(job)}/logs"
+        try:
+            async with self.http.stream("GET", path, params=params, timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise _core.error_of(resp)
+                async for chunk in resp.aiter_bytes():
+                    yield chunk
+        except httpx.TransportError as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}", self.url) from exc
+
+    async def cancel(self, job: JobRef) -> dict[str, Any]:
+        data: dict[str, Any] = await self.request("DELETE", f"/v1/jobs/{job_id_of(job)}")
+        return data
+
+    async def list_page(
+        self, *, status: str | None = None, limit: int = 50, cursor: str | None = None
+    ) -> JobPage:
+        return _core.page_of(
+            await self.request("GET", "/v1/jobs", params=_core.list_params(status, limit, cursor))
+        )
+
+    async def list(self, *, status: str | None = None, page_size: int = 100) -> AsyncIterator[Job]:
+        cursor = None
+        while True:
+            page = await self.list_page(status=status, limit=page_size, cursor=cursor)
+            for item in page.items:
+                yield item
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    async def nodes(self) -> builtins.list[Node]:
+        data = await self.request("GET", "/v1/nodes")
+        return [Node.from_dict(n) for n in data.get("items") or []]

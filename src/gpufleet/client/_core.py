@@ -1,0 +1,176 @@
+"""What the sync and async clients share: configuration, request bodies, error mapping."""
+
+from __future__ import annotations
+
+import shlex
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gpufleet.client.config import require_token, resolve_client_config
+from gpufleet.client.errors import ApiError, error_from_response
+from gpufleet.client.models import Job, JobPage, Submitted
+
+if TYPE_CHECKING:
+    import httpx
+
+USER_AGENT = "gpufleet-sdk"
+DEFAULT_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 5.0
+# submit retries on a lost connection or a 503 with the same Idempotency-Key (the server
+# answers a replay with the first job, so a retry never makes a second one)
+SUBMIT_RETRIES = 3
+SUBMIT_RETRY_BACKOFF_S = 0.5
+
+
+def tls_verify(url: str) -> Any:
+    """httpx's ``verify`` for ``url``: the default (system CA bundle) for https; for plain
+    http an empty, strict context. httpx builds its SSL context when a client is made, and
+    loading the CA bundle costs more CPU than the rest of a CLI call; a plain-http client
+    never uses it, and a redirect to https then fails verification instead of skipping it."""
+    if not url.lower().startswith("http://"):
+        return True
+    import ssl
+
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies; trusts no CA: https fails
+
+
+def client_options(
+    url: str | None, token: str | None, timeout_s: float, user_agent: str
+) -> dict[str, Any]:
+    """``httpx.Client``/``AsyncClient`` keyword arguments: base URL, bearer token, timeouts.
+
+    Raises:
+        ConfigError: no token anywhere (argument, GPUFLEET_TOKEN, client.yaml).
+    """
+    import httpx
+
+    cfg = resolve_client_config(url, token)
+    return {
+        "base_url": cfg.url,
+        "headers": {"Authorization": f"Bearer {require_token(cfg)}", "User-Agent": user_agent},
+        "timeout": httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S),
+        "verify": tls_verify(cfg.url),
+    }
+
+
+def error_of(resp: httpx.Response) -> ApiError:
+    """The typed error of an (already read) error answer."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    return error_from_response(
+        resp.status_code,
+        body,
+        resp.text,
+        resp.reason_phrase,
+        resp.headers.get("Retry-After"),
+    )
+
+
+def decode(resp: httpx.Response) -> Any:
+    """JSON for a JSON answer, else the text (logs are text/plain)."""
+    if "json" in resp.headers.get("content-type", ""):
+        return resp.json()
+    return resp.text
+
+
+def submit_body(
+    command: Sequence[str] | str,
+    *,
+    gpus: int = 1,
+    gpu_type: str | Sequence[str] | None = None,
+    name: str | None = None,
+    image: str | None = None,
+    env: Mapping[str, str] | None = None,
+    priority: str | None = None,
+    max_retries: int | None = None,
+    max_runtime_s: float | None = None,
+    expected_duration_s: float | None = None,
+    cpu: float | None = None,
+    memory_mb: int | None = None,
+    gpu_memory_mb: int | None = None,
+    node_selector: Mapping[str, str] | None = None,
+    working_dir: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ``POST /v1/jobs`` body; ``None`` arguments are left to the server's defaults;
+    a string command is split like a shell would (``shlex.split``)."""
+    body: dict[str, Any] = {
+        "command": shlex.split(command) if isinstance(command, str) else list(command),
+        "gpu_count": gpus,
+    }
+    optional = {
+        "gpu_type": gpu_type if isinstance(gpu_type, str | None) else list(gpu_type),
+        "name": name,
+        "image": image,
+        "env": dict(env) if env is not None else None,
+        "priority": priority.upper() if priority else None,
+        "max_retries": max_retries,
+        "max_runtime_s": max_runtime_s,
+        "expected_duration_s": expected_duration_s,
+        "cpu": cpu,
+        "memory_mb": memory_mb,
+        "gpu_memory_mb": gpu_memory_mb,
+        "node_selector": dict(node_selector) if node_selector is not None else None,
+        "working_dir": working_dir,
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
+    body.update(extra or {})
+    return body
+
+
+def new_idempotency_key() -> str:
+    return str(uuid.uuid4())
+
+
+def submitted(resp: httpx.Response, key: str) -> Submitted:
+    data = resp.json()
+    return Submitted(
+        job_id=str(data["job_id"]),
+        status=str(data.get("status")),
+        replayed=resp.status_code == 200,
+        idempotency_key=key,
+        raw=data,
+    )
+
+
+def page_of(data: dict[str, Any]) -> JobPage:
+    return JobPage(
+        items=tuple(Job.from_dict(j) for j in data.get("items") or ()),
+        next_cursor=data.get("next_cursor") or None,
+    )
+
+
+def list_params(status: str | None, limit: int, cursor: str | None) -> dict[str, Any]:
+    params: dict[str, Any] = {"limit": limit}
+    if status:
+        params["status"] = status.upper()
+    if cursor:
+        params["cursor"] = cursor
+    return params
+
+
+def log_params(
+    follow: bool, run_id: str | None, tail: int | None, rank: int = 0
+) -> dict[str, Any]:
+    """Query of GET /v1/jobs/{id}/logs; ``rank``: the member of a multi-node job (0 = rank 0,
+    the default, not sent)."""
+    params: dict[str, Any] = {"follow": "true" if follow else "false"}
+    if run_id:
+        params["run_id"] = run_id
+    if tail is not None:
+        params["tail"] = tail
+    if rank:
+        params["rank"] = rank
+    return params
+
+
+def retryable(exc: BaseException) -> bool:
+    """A submit may be retried with the same key: no answer, or 503 (database down)."""
+    import httpx
+
+    return isinstance(exc, httpx.TransportError) or (
+        isinstance(exc, ApiError) and exc.status == 503
+    )

@@ -1,0 +1,295 @@
+"""The synchronous client."""
+
+from __future__ import annotations
+
+import builtins
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from gpufleet.client import _core
+from gpufleet.client.errors import ApiError, TransportError
+from gpufleet.client.models import Job, JobPage, JobRef, Node, Submitted, job_id_of
+
+if TYPE_CHECKING:
+    import httpx
+
+
+class Client:
+    """A typed client of the gpufleet REST API (``/v1``), over one ``httpx.Client``.
+
+    Args:
+        url: server URL; default ``GPUFLEET_URL``, then the client config file that
+            ``gpufleet up`` writes, then ``http://127.0.0.1:8420``.
+        token: bearer token; default ``GPUFLEET_TOKEN``, then the client config file.
+        timeout_s: read timeout per request, seconds (connect: 5 s); log following has none.
+        http: an ``httpx.Client`` to use instead (its base URL and headers must be set; the
+            caller keeps ownership).
+
+    Raises:
+        ConfigError: no token is configured (and no ``http`` given).
+
+    Every method raises an :class:`~gpufleet.client.errors.ApiError` subclass for an error
+    answer (``NotFound``, ``Conflict``, ``RateLimited``, ``ValidationError`` with ``.field``...)
+    and :class:`~gpufleet.client.errors.TransportError` when the server cannot be reached.
+    Use it as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout_s: float = _core.DEFAULT_TIMEOUT_S,
+        http: httpx.Client | None = None,
+        user_agent: str = _core.USER_AGENT,
+    ) -> None:
+        import httpx
+
+        self._owned = http is None
+        self.http = http or httpx.Client(**_core.client_options(url, token, timeout_s, user_agent))
+        self.url = str(self.http.base_url).rstrip("/")
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._owned:
+            self.http.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.url!r})"
+
+    # --- the generic call -----------------------------------------------------------------
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Any API call: ``request("GET", "/v1/jobs/ID/events")``.
+
+        Returns:
+            The decoded JSON answer, or the text for a non-JSON one.
+
+        Raises:
+            ApiError: (a subclass for) a 4xx/5xx answer.
+            TransportError: no answer.
+        """
+        return _core.decode(
+            self._send(method, path, params=params, json=json, headers=headers, timeout=timeout_s)
+        )
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        import httpx
+
+        if kwargs.get("timeout") is None:
+            kwargs.pop("timeout", None)
+        try:
+            resp = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}", self.url) from exc
+        if resp.status_code >= 400:
+            raise _core.error_of(resp)
+        return resp
+
+    # --- jobs -----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        command: Sequence[str] | str,
+        *,
+        gpus: int = 1,
+        idempotency_key: str | None = None,
+        on_retry: Callable[[BaseException, str], None] | None = None,
+        **fields: Any,
+    ) -> Submitted:
+        """Submit a job.
+
+        Args:
+            command: argv (a list), or a string split like a shell would.
+            gpus: GPUs per job (``gpu_count``).
+            idempotency_key: reuse to make a retried submit return the first job (default:
+                a new uuid4, kept in the answer).
+            on_retry: called with (error, key) before each retry of a lost or 503 submit.
+            **fields: any other job field: ``gpu_type``, ``name``, ``image``, ``env``,
+                ``priority``, ``max_retries``, ``max_runtime_s``, ``expected_duration_s``,
+                ``cpu``, ``memory_mb``, ``gpu_memory_mb``, ``node_selector``, ``working_dir``,
+                or ``extra={...}`` for fields this SDK does not name.
+
+        Raises:
+            ValidationError: a bad field (``.field`` names it).
+            RateLimited: the team's submit rate or unfinished-job limit (``.retry_after_s``).
+            IdempotencyConflict: the key was used with a different payload.
+        """
+        return self.submit_body(
+            _core.submit_body(command, gpus=gpus, **fields),
+            idempotency_key=idempotency_key,
+            on_retry=on_retry,
+        )
+
+    def submit_body(
+        self,
+        body: Mapping[str, Any],
+        *,
+        idempotency_key: str | None = None,
+        on_retry: Callable[[BaseException, str], None] | None = None,
+    ) -> Submitted:
+        """Submit a ready ``POST /v1/jobs`` body (a job file's keys); see :meth:`submit`.
+        A lost connection or a 503 is retried (3 times, 0.5 s apart, doubling) with the same
+        key."""
+        key = idempotency_key or _core.new_idempotency_key()
+        delay = _core.SUBMIT_RETRY_BACKOFF_S
+        for attempt in range(_core.SUBMIT_RETRIES + 1):
+            try:
+                resp = self._send(
+                    "POST", "/v1/jobs", json=dict(body), headers={"Idempotency-Key": key}
+                )
+                return _core.submitted(resp, key)
+            except (TransportError, ApiError) as exc:
+                cause = exc.__cause__ if isinstance(exc, TransportError) else exc
+                if attempt == _core.SUBMIT_RETRIES or not _core.retryable(cause or exc):
+                    raise
+                if on_retry is not None:
+                    on_retry(exc, key)
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def get(self, job: JobRef) -> Job:
+        """The job: status, attempts, pending reason. Raises NotFound."""
+        return Job.from_dict(self.request("GET", f"/v1/jobs/{job_id_of(job)}"))
+
+    def why(self, job: JobRef) -> Job:
+        """The job, for its ``pending_reason`` (code, message, details, queue position,
+        estimated start) and ``raw["node_problems"]``; None reason when it is not pending."""
+        return self.get(job)
+
+    def wait(
+        self,
+        job: JobRef,
+        *,
+        timeout_s: float | None = None,
+        poll_s: float = 1.0,
+        on_change: Callable[[Job], None] | None = None,
+        max_unreachable: int = 30,
+    ) -> Job:
+        """Poll until the job is terminal (SUCCEEDED, FAILED, CANCELLED, EXPIRED...).
+
+        Args:
+            timeout_s: give up after this long (None: never).
+            poll_s: seconds between polls.
+            on_change: called with the job each time its status changes.
+            max_unreachable: consecutive unanswered polls tolerated (a server restart).
+
+        Returns:
+            The terminal job (``.succeeded``, ``.exit_code``, ``.failure_reason``).
+
+        Raises:
+            TimeoutError: still not terminal after ``timeout_s``.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        last, misses = None, 0
+        while True:
+            try:
+                current = self.get(job)
+                misses = 0
+            except (TransportError, ApiError) as exc:
+                if isinstance(exc, ApiError) and exc.status != 503:
+                    raise
+                misses += 1
+                if misses > max_unreachable:
+                    raise
+                time.sleep(poll_s)
+                continue
+            if current.status != last:
+                last = current.status
+                if on_change is not None:
+                    on_change(current)
+            if current.done:
+                return current
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {current.job_id} is still {current.status}")
+            time.sleep(poll_s)
+
+    def logs(self, job: JobRef, *, run_id: str | None = None, tail: int | None = None) -> str:
+        """The log of the latest attempt (or ``run_id``) as text (invalid UTF-8 replaced);
+        ``tail`` keeps the last N lines. Empty when no attempt has started yet."""
+        return b"".join(self.iter_logs(job, run_id=run_id, tail=tail)).decode(errors="replace")
+
+    def iter_logs(
+        self,
+        job: JobRef,
+        *,
+        follow: bool = False,
+        run_id: str | None = None,
+        tail: int | None = None,
+        rank: int = 0,
+    ) -> Iterator[bytes]:
+        """The log as raw byte chunks as they arrive. With ``follow``, waits for a pending job
+        to start and streams every attempt in turn until the job is finished (no read
+        timeout)."""
+        import httpx
+
+        params = _core.log_params(follow, run_id, tail, rank)
+        timeout = httpx.Timeout(30.0, connect=_core.CONNECT_TIMEOUT_S, read=None if follow else 30)
+        with self._stream("GET", f"/v1/jobs/{job_id_of(job)}/logs", params, timeout) as resp:
+            try:
+                yield from resp.iter_bytes()
+            except httpx.TransportError as exc:
+                raise TransportError(f"log stream broke: {exc}", self.url) from exc
+
+    @contextmanager
+    def _stream(
+        self, method: str, path: str, params: Mapping[str, Any], timeout: httpx.Timeout
+    ) -> Iterator[httpx.Response]:
+        import httpx
+
+        try:
+            with self.http.stream(method, path, params=params, timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise _core.error_of(resp)
+                yield resp
+        except httpx.TransportError as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}", self.url) from exc
+
+    def cancel(self, job: JobRef) -> dict[str, Any]:
+        """Ask to cancel: ``{job_id, status, cancel_requested}``; running attempts get SIGTERM,
+        then SIGKILL after the grace period. Raises NotFound, Conflict (already finished)."""
+        data: dict[str, Any] = self.request("DELETE", f"/v1/jobs/{job_id_of(job)}")
+        return data
+
+    def list_page(
+        self, *, status: str | None = None, limit: int = 50, cursor: str | None = None
+    ) -> JobPage:
+        """One page of jobs, newest first (``limit`` 1..500)."""
+        return _core.page_of(
+            self.request("GET", "/v1/jobs", params=_core.list_params(status, limit, cursor))
+        )
+
+    def list(self, *, status: str | None = None, page_size: int = 100) -> Iterator[Job]:
+        """Every job (of the token's team; all teams for an admin token), newest first,
+        fetched a page at a time as the iterator advances."""
+        cursor = None
+        while True:
+            page = self.list_page(status=status, limit=page_size, cursor=cursor)
+            yield from page.items
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    # --- fleet ----------------------------------------------------------------------------
+
+    def nodes(self) -> builtins.list[Node]:
+        """The fleet's nodes with total and free GPUs."""
+        return [Node.from_dict(n) for n in self.request("GET", "/v1/nodes").get("items") or []]

@@ -1,0 +1,188 @@
+"""What the SDK returns: frozen dataclasses over the REST API's JSON.
+
+Each keeps the whole answer in ``raw`` (fields a newer server adds are there before this SDK
+names them). Times are ISO-8601 UTC strings as the server sends them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# the job states with no way out (domain/states.py derives the same set from its table; the
+# SDK keeps its own copy so that it needs nothing of the server's code)
+TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED", "DEPENDENCY_FAILED"})
+
+
+def _str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One try of a job on one node (a JobRun)."""
+
+    run_id: str
+    attempt: int
+    status: str
+    node_id: str | None
+    gpu_ids: tuple[int, ...]
+    exit_code: int | None
+    started_at: str | None
+    finished_at: str | None
+    message: str | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Attempt:
+        return cls(
+            run_id=str(d.get("run_id")),
+            attempt=int(d.get("attempt") or 0),
+            status=str(d.get("status")),
+            node_id=_str(d.get("node_id")),
+            gpu_ids=tuple(d.get("gpu_ids") or ()),
+            exit_code=d.get("exit_code"),
+            started_at=_str(d.get("started_at")),
+            finished_at=_str(d.get("finished_at")),
+            message=_str(d.get("message")),
+            raw=d,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PendingReason:
+    """Why a job waits: a stable ``code``, a sentence, details, queue position (1 = next) and
+    the estimated start (ISO-8601 UTC) when the server can give one."""
+
+    code: str
+    message: str
+    details: dict[str, Any]
+    position: int | None
+    estimated_start_at: str | None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PendingReason:
+        return cls(
+            code=str(d.get("code")),
+            message=str(d.get("message") or d.get("code") or "pending"),
+            details=dict(d.get("details") or {}),
+            position=d.get("position"),
+            estimated_start_at=_str(d.get("estimated_start_at")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A job as ``GET /v1/jobs/{id}`` shows it."""
+
+    job_id: str
+    name: str
+    team: str | None
+    status: str
+    priority: str | None
+    gpu_count: int
+    gpu_types: tuple[str, ...]
+    command: tuple[str, ...]
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    failure_reason: str | None
+    result_uri: str | None
+    attempts: tuple[Attempt, ...]
+    pending_reason: PendingReason | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @property
+    def done(self) -> bool:
+        """The job is in a terminal state."""
+        return self.status in TERMINAL_STATES
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == "SUCCEEDED"
+
+    @property
+    def exit_code(self) -> int | None:
+        """The last attempt's exit code (None: no attempt finished with one)."""
+        for run in reversed(self.attempts):
+            if run.exit_code is not None:
+                return run.exit_code
+        return None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Job:
+        reason = d.get("pending_reason")
+        return cls(
+            job_id=str(d.get("job_id")),
+            name=str(d.get("name") or ""),
+            team=_str(d.get("team")),
+            status=str(d.get("status")),
+            priority=_str(d.get("priority")),
+            gpu_count=int(d.get("gpu_count") or 0),
+            gpu_types=tuple(d.get("gpu_types") or ()),
+            command=tuple(d.get("command") or ()),
+            created_at=_str(d.get("created_at")),
+            started_at=_str(d.get("started_at")),
+            finished_at=_str(d.get("finished_at")),
+            failure_reason=_str(d.get("failure_reason")),
+            result_uri=_str(d.get("result_uri")),
+            attempts=tuple(Attempt.from_dict(a) for a in d.get("attempts") or ()),
+            pending_reason=PendingReason.from_dict(reason) if isinstance(reason, dict) else None,
+            raw=d,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """The answer to a submit: the job's id and status, whether the server replayed an earlier
+    submit with the same idempotency key, and the key used (keep it to retry safely)."""
+
+    job_id: str
+    status: str
+    replayed: bool
+    idempotency_key: str
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class JobPage:
+    """One page of ``GET /v1/jobs`` (newest first); ``next_cursor`` is None on the last."""
+
+    items: tuple[Job, ...]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A node and its free GPUs, as ``GET /v1/nodes`` shows it."""
+
+    node_id: str
+    status: str
+    gpu_type: str | None
+    total_gpus: int
+    available_gpus: int
+    labels: dict[str, Any]
+    last_heartbeat_at: str | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Node:
+        return cls(
+            node_id=str(d.get("node_id")),
+            status=str(d.get("status")),
+            gpu_type=_str(d.get("gpu_type")),
+            total_gpus=int(d.get("total_gpus") or 0),
+            available_gpus=int(d.get("available_gpus") or 0),
+            labels=dict(d.get("labels") or {}),
+            last_heartbeat_at=_str(d.get("last_heartbeat_at")),
+            raw=d,
+        )
+
+
+JobRef = str | Job | Submitted
+"""Anything naming a job: its id (or whatever the server accepts in its place) or an object
+with ``job_id``."""
+
+
+def job_id_of(ref: JobRef) -> str:
+    return ref if isinstance(ref, str) else ref.job_id

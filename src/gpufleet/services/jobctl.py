@@ -1,0 +1,440 @@
+"""Job control (issue 10): arrays, dependencies, hold/release, requeue, PATCH, bulk cancel and
+job references (short id prefixes and names).
+
+Syntax follows Slurm where Slurm has one:
+
+* ``--array 0-99%8``: indexes as ranges (``0-99``), lists (``1,3,5``) and stepped ranges
+  (``0-15:4``), optionally ``%N``: at most N tasks SCHEDULED or RUNNING at once. One array id
+  (``a-...``); every task is an ordinary job with ``array_id``/``array_index``, and its
+  process sees ``GPUFLEET_ARRAY_ID``, ``GPUFLEET_ARRAY_INDEX``, ``GPUFLEET_ARRAY_TASK_COUNT``,
+  ``GPUFLEET_ARRAY_TASK_MIN`` and ``GPUFLEET_ARRAY_TASK_MAX`` (Slurm's ``SLURM_ARRAY_*``).
+* ``--depends afterok:ID[:ID],afterany:ID,afternotok:ID``: all must hold (Slurm's ``,``);
+  Slurm's ``?`` (any of) is not supported. An array id stands for all of its tasks.
+
+Job references: wherever a job id is accepted, a unique prefix of one (4 characters or more
+after ``j-``; the ``j-`` may be left out) or a job name (the team's newest job of that name)
+is accepted too. A prefix matching several jobs, or a reference that is both a prefix of
+one job and the name of another, is a 422 listing the candidates.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.errors import Conflict, NotFound, StaleState, ValidationFailed
+from gpufleet.domain.jobsyntax import MAX_DEPENDENCIES
+from gpufleet.domain.states import JOB_TERMINAL, JobStatus, Machine, RunStatus
+from gpufleet.domain.types import PriorityClass
+from gpufleet.store.db import Database
+from gpufleet.store.dialect import db_now
+from gpufleet.store.tables import JobRow, JobRunRow
+from gpufleet.store.transitions import record_event, transition
+
+MIN_PREFIX = 4
+MAX_BULK = 10_000
+REQUEUE_FROM_FINISHED = (
+    JobStatus.FAILED,
+    JobStatus.CANCELLED,
+    JobStatus.EXPIRED,
+    JobStatus.DEPENDENCY_FAILED,
+)
+"""Finished states a user's requeue reopens (SUCCEEDED is final: its result is the job's)."""
+
+_ID_CHARS = re.compile(r"^(j-)?[0-9a-z]+$")
+_FULL_ID = re.compile(r"^j-[0-9a-z]{26}$")
+_ARRAY_ID = re.compile(r"^a-[0-9a-z]{26}$")
+
+
+def resolve_dependencies(
+    session: Session, team_id: str, deps: Iterable[tuple[str, str]], field: str = "depends_on"
+) -> list[dict[str, str]]:
+    """Resolve each reference to job ids of ``team_id`` (an array id: all its tasks).
+
+    Raises:
+        ValidationFailed: an unknown reference, or another team's job (field ``field``).
+    """
+    out: list[dict[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for kind, ref in deps:
+        if _ARRAY_ID.match(ref):
+            ids = list(
+                session.scalars(
+                    select(JobRow.id)
+                    .where(JobRow.array_id == ref, JobRow.team_id == team_id)
+                    .order_by(JobRow.array_index)
+                )
+            )
+            if not ids:
+                raise ValidationFailed(f"depends_on: no array {ref!r} in your team", field=field)
+        else:
+            try:
+                ids = [resolve_job_ref(session, team_id, ref, field=field)]
+            except NotFound:
+                raise ValidationFailed(
+                    f"depends_on: no job {ref!r} in your team", field=field
+                ) from None
+        for job_id in ids:
+            if (kind, job_id) not in seen:
+                seen.add((kind, job_id))
+                out.append({"type": kind, "job_id": job_id})
+    if len(out) > MAX_DEPENDENCIES * 10:
+        raise ValidationFailed("depends_on: too many jobs after expanding arrays", field=field)
+    return out
+
+
+# --- job references --------------------------------------------------------------------------
+
+
+def resolve_job_ref(
+    session: Session, team_id: str | None, ref: str, *, field: str = "job_id"
+) -> str:
+    """The job id ``ref`` stands for: a full id, a unique id prefix, or a job name (the
+    newest of that name). ``team_id=None`` (admin) looks at every team.
+
+    Raises:
+        NotFound: nothing matches (404).
+        ValidationFailed: ambiguous; the message lists up to 10 candidates (422).
+    """
+    if _FULL_ID.match(ref):
+        row = session.execute(select(JobRow.team_id).where(JobRow.id == ref)).first()
+        if row is None or (team_id is not None and row[0] != team_id):
+            raise NotFound(f"no job {ref!r}", field=field)
+        return ref
+    if not ref or len(ref) > 256 or "\x00" in ref:
+        raise NotFound(f"no job {ref!r}", field=field)
+    by_prefix: list[str] = []
+    low = ref.lower()
+    if _ID_CHARS.match(low) and len(low.removeprefix("j-")) >= MIN_PREFIX:
+        prefix = low if low.startswith("j-") else f"j-{low}"
+        # LIKE, not a range: a range's end depends on the database's collation. The prefix
+        # holds only [0-9a-z-], so nothing needs escaping.
+        q = select(JobRow.id).where(JobRow.id.like(f"{prefix}%"))
+        if team_id is not None:
+            q = q.where(JobRow.team_id == team_id)
+        by_prefix = list(session.scalars(q.order_by(JobRow.id.desc()).limit(11)))
+    q = select(JobRow.id).where(JobRow.name == ref)
+    if team_id is not None:
+        q = q.where(JobRow.team_id == team_id)
+    by_name = session.scalars(q.order_by(JobRow.id.desc()).limit(1)).first()
+    candidates = list(dict.fromkeys(by_prefix + ([by_name] if by_name else [])))
+    if not candidates:
+        raise NotFound(f"no job {ref!r} (no id starts with it, no job has that name)", field=field)
+    if len(candidates) > 1:
+        listed = ", ".join(candidates[:10]) + (" ..." if len(candidates) > 10 else "")
+        what = (
+            "is a prefix of several jobs"
+            if len(by_prefix) > 1
+            else ("is both an id prefix and a job name")
+        )
+        raise ValidationFailed(
+            f"{field} {ref!r} is ambiguous: it {what}: {listed}; use more characters",
+            field=field,
+            code="ambiguous_job_ref",
+        )
+    return candidates[0]
+
+
+def resolve(db: Database, team_id: str | None, ref: str, field: str = "job_id") -> str:
+    """:func:`resolve_job_ref` in its own read transaction. A full id is returned as it is
+    (no query: the caller's own read checks the team)."""
+    if _FULL_ID.match(ref):
+        return ref
+    with db.read() as s:
+        return resolve_job_ref(s, team_id, ref, field=field)
+
+
+# --- hold / release --------------------------------------------------------------------------
+
+
+def _job_for_update(session: Session, team_id: str | None, job_id: str) -> JobRow:
+    job = session.get(JobRow, job_id, with_for_update=True)
+    if job is None or (team_id is not None and job.team_id != team_id):
+        raise NotFound(f"no job {job_id!r}", field="job_id")
+    return job
+
+
+def held_reason() -> dict[str, Any]:
+    return {
+        "code": "held",
+        "message": "held by its user; `gpufleet release` lets it be scheduled",
+        "details": {},
+        "position": None,
+        "estimated_start_at": None,
+    }
+
+
+def hold_job(session: Session, team_id: str | None, job_id: str) -> str:
+    """Hold a PENDING job: it is never placed until released. Holding a held job again is a
+    no-op. Returns the status.
+
+    Raises:
+        Conflict: the job is not PENDING (409 ``job_not_pending``).
+    """
+    job = _job_for_update(session, team_id, job_id)
+    if job.status != JobStatus.PENDING or job.cancel_requested:
+        raise Conflict(
+            f"job {job_id} is {job.status}; only PENDING jobs can be held",
+            field="job_id",
+            code="job_not_pending",
+        )
+    if not job.held:
+        job.held, job.gated, job.pending_reason = True, True, held_reason()
+        record_event(session, "held", message="held by user", job_id=job_id)
+    return job.status
+
+
+def release_job(session: Session, team_id: str | None, job_id: str) -> str:
+    """Release a held job (a job that is not held is left as it is). Returns the status."""
+    job = _job_for_update(session, team_id, job_id)
+    if job.held:
+        job.held = False
+        job.gated = bool(job.depends_on) or job.array_max_running is not None
+        job.pending_reason = None
+        record_event(session, "released", message="released by user", job_id=job_id)
+    return job.status
+
+
+# --- requeue ---------------------------------------------------------------------------------
+
+
+def requeue_job(session: Session, team_id: str | None, job_id: str) -> str:
+    """A new attempt for the job. Returns its status after the request.
+
+    * SCHEDULED or RUNNING: its attempt is stopped through the normal stop path (durable
+      PREEMPTING, StopRun, SIGTERM, grace, SIGKILL, verified); then the job is PENDING again
+      and placed as a new attempt. The stopped attempt does not count against max_retries.
+    * FAILED, CANCELLED, EXPIRED, DEPENDENCY_FAILED: PENDING again at once (failure reason,
+      finish time and any cancel request cleared; back of its priority class).
+
+    Raises:
+        Conflict: PENDING, SUCCEEDED, or an attempt already stopping (409 ``not_requeueable``).
+    """
+    from gpufleet.services.runs import request_stop  # runs imports a lot; keep this module light
+
+    job = _job_for_update(session, team_id, job_id)
+    now = db_now(session)
+    if job.status in (JobStatus.SCHEDULED, JobStatus.RUNNING):
+        run = session.get(JobRunRow, job.current_run_id) if job.current_run_id else None
+        if (
+            run is None
+            or job.cancel_requested
+            or run.status not in (RunStatus.ASSIGNED, RunStatus.RUNNING)
+        ):
+            raise Conflict(
+                f"job {job_id}'s attempt is already stopping; requeue it once it has stopped",
+                field="job_id",
+                code="not_requeueable",
+            )
+        request_stop(session, run.id, run.token, "requeue", message="requeue requested by user")
+        if run.gang_size > 1:  # a gang attempt stops as one unit
+            others = session.scalars(
+                select(JobRunRow).where(
+                    JobRunRow.job_id == job.id,
+                    JobRunRow.token == run.token,
+                    JobRunRow.id != run.id,
+                    JobRunRow.status.in_([RunStatus.ASSIGNED, RunStatus.RUNNING]),
+                )
+            ).all()
+            for other in others:
+                request_stop(
+                    session, other.id, other.token, "requeue", message="requeue requested by user"
+                )
+        return job.status
+    if job.status in REQUEUE_FROM_FINISHED:
+        transition(
+            session,
+            Machine.JOB,
+            job_id,
+            JobStatus.PENDING,
+            now=now,
+            frm=[job.status],
+            values={
+                "cancel_requested": False,
+                "finished_at": None,
+                "failure_reason": None,
+                "retry_after": None,
+                "pending_reason": None,
+                "queued_at": now,
+            },
+            message=f"requeued by user from {job.status}",
+            job_id=job_id,
+        )
+        return JobStatus.PENDING
+    raise Conflict(
+        f"job {job_id} is {job.status}; requeue applies to SCHEDULED, RUNNING, FAILED, "
+        "CANCELLED, EXPIRED and DEPENDENCY_FAILED jobs",
+        field="job_id",
+        code="not_requeueable",
+    )
+
+
+# --- PATCH -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class JobPatch:
+    priority: str | None = None
+    name: str | None = None
+    max_runtime_s: float | None = None
+
+
+def patch_job(session: Session, team_id: str | None, job_id: str, patch: JobPatch) -> JobRow:
+    """Change a job's priority class, name or max_runtime_s, each with an event.
+
+    Any class a submit may use is allowed (teams have no per-class restriction yet; the
+    policy's aging and fair share bound what a class buys). A new priority applies to the
+    next pass (pending) and to preemption decisions (running); a new max_runtime_s applies to
+    the running attempt too (the controller's stop driver reads it), counted from its start.
+
+    Raises:
+        Conflict: priority or max_runtime_s of a finished job (409 ``job_already_finished``).
+        ValidationFailed: max_runtime_s below the job's expected_duration_s (422).
+    """
+    job = _job_for_update(session, team_id, job_id)
+    changes: dict[str, list[Any]] = {}
+    finished = job.status in JOB_TERMINAL
+    if finished and (patch.priority is not None or patch.max_runtime_s is not None):
+        field = "priority" if patch.priority is not None else "max_runtime_s"
+        raise Conflict(
+            f"job {job_id} already finished ({job.status}); only its name can change",
+            field=field,
+            code="job_already_finished",
+        )
+    if patch.priority is not None and patch.priority != job.priority:
+        cls = PriorityClass(patch.priority)
+        changes["priority"] = [job.priority, cls.value]
+        job.priority, job.priority_rank = cls.value, cls.rank
+    if patch.name is not None and patch.name != job.name:
+        changes["name"] = [job.name, patch.name]
+        job.name = patch.name
+    if patch.max_runtime_s is not None and patch.max_runtime_s != job.max_runtime_s:
+        expected = job.spec.get("expected_duration_s")
+        if expected and expected > patch.max_runtime_s:
+            raise ValidationFailed(
+                f"max_runtime_s {patch.max_runtime_s:g} is below the job's expected_duration_s "
+                f"{expected:g}",
+                field="max_runtime_s",
+            )
+        changes["max_runtime_s"] = [job.max_runtime_s, patch.max_runtime_s]
+        job.max_runtime_s = patch.max_runtime_s
+    if changes:
+        spec = dict(job.spec)
+        if "priority" in changes:
+            spec["priority"] = job.priority
+        if "name" in changes:
+            spec["name"] = job.name
+        if "max_runtime_s" in changes:
+            spec["max_runtime_s"] = job.max_runtime_s
+        job.spec = spec  # a new dict: the JSON column sees the change
+        record_event(
+            session,
+            "patched",
+            message="changed by user: "
+            + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()),
+            job_id=job_id,
+            details={k: {"from": old, "to": new} for k, (old, new) in changes.items()},
+        )
+    return job
+
+
+# --- bulk cancel -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Jobs chosen by a bulk request: the explicit references, plus (when any filter is
+    given) every job of the team matching all of ``name``, ``state`` and ``array_id``."""
+
+    job_ids: tuple[str, ...] = ()
+    name: str | None = None
+    state: str | None = None
+    array_id: str | None = None
+
+
+def select_jobs(session: Session, team_id: str | None, sel: Selection) -> list[JobRow]:
+    """The jobs of ``sel`` (newest first, each once).
+
+    Raises:
+        ValidationFailed: no reference nor filter, an unknown state, too many jobs (422).
+        NotFound: an explicit reference matches nothing (404).
+    """
+    if not (sel.job_ids or sel.name or sel.state or sel.array_id):
+        raise ValidationFailed(
+            "name at least one of job_ids, name, state, array_id", field="job_ids"
+        )
+    ids = [resolve_job_ref(session, team_id, r, field="job_ids") for r in sel.job_ids]
+    rows: dict[str, JobRow] = {}
+    if ids:
+        for j in session.scalars(select(JobRow).where(JobRow.id.in_(ids))):
+            rows[j.id] = j
+    if sel.name or sel.state or sel.array_id:
+        q = select(JobRow)
+        if team_id is not None:
+            q = q.where(JobRow.team_id == team_id)
+        if sel.name:
+            q = q.where(JobRow.name == sel.name)
+        if sel.state:
+            state = sel.state.upper()
+            if state not in JobStatus.__members__:
+                raise ValidationFailed(f"unknown state {sel.state!r}", field="state")
+            q = q.where(JobRow.status == state)
+        if sel.array_id:
+            q = q.where(JobRow.array_id == sel.array_id)
+        for j in session.scalars(q.limit(MAX_BULK + 1)):
+            rows[j.id] = j
+    if len(rows) > MAX_BULK:
+        raise ValidationFailed(f"more than {MAX_BULK} jobs selected", field="job_ids")
+    return sorted(rows.values(), key=lambda j: j.id, reverse=True)
+
+
+def bulk_cancel(
+    db: Database, team_id: str | None, sel: Selection, *, dry_run: bool = False
+) -> dict[str, list[dict[str, str]]]:
+    """Cancel the selected jobs (each as ``DELETE /v1/jobs/{id}`` would). Jobs already
+    finished are listed under ``skipped``. With ``dry_run`` nothing changes: ``cancelled``
+    lists what would be cancelled."""
+    from gpufleet.services.jobs import cancel_job
+
+    with db.read() as s:
+        chosen = [(j.id, j.status) for j in select_jobs(s, team_id, sel)]
+    done: list[dict[str, str]] = []
+    skipped: list[dict[str, str]] = []
+    for job_id, status in chosen:
+        if status in JOB_TERMINAL:
+            skipped.append({"job_id": job_id, "status": status})
+            continue
+        if dry_run:
+            done.append({"job_id": job_id, "status": status})
+            continue
+        try:
+            done.append({"job_id": job_id, "status": cancel_job(db, team_id, job_id)})
+        except (Conflict, StaleState) as exc:  # finished meanwhile
+            skipped.append({"job_id": job_id, "status": getattr(exc, "message", str(exc))})
+    return {"cancelled": done, "skipped": skipped}
+
+
+def array_task_ids(session: Session, team_id: str | None, array_id: str) -> list[tuple[str, int]]:
+    """``(job_id, array_index)`` of an array's tasks, by index.
+
+    Raises:
+        NotFound: no such array in the team.
+    """
+    q = select(JobRow.id, JobRow.array_index).where(JobRow.array_id == array_id)
+    if team_id is not None:
+        q = q.where(JobRow.team_id == team_id)
+    rows = [(r[0], int(r[1] or 0)) for r in session.execute(q.order_by(JobRow.array_index))]
+    if not rows:
+        raise NotFound(f"no array {array_id!r}", field="array_id")
+    return rows
+
+
+def gated_flag(
+    depends_on: list[dict[str, str]] | None, held: bool, max_running: int | None
+) -> bool:
+    return bool(depends_on) or held or max_running is not None

@@ -1,0 +1,117 @@
+"""Daily CLI paths on a real platform (controller, API, a real agent, real job processes):
+``submit --wait`` exits with the job's exit code and shows the log's end; ``logs -f`` on a
+pending job waits and follows once it runs; the SDK's wait and logs on a job that ran."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpufleet.client import Client
+from tests.e2e.harness import Fleet
+
+pytestmark = pytest.mark.slow
+
+
+def _env(fleet: Fleet) -> dict[str, str]:
+    return dict(
+        os.environ,
+        GPUFLEET_URL=fleet.api.url,
+        GPUFLEET_TOKEN=fleet.tokens["vision"],
+        GPUFLEET_CONFIG=str(fleet.tmp / "none.yaml"),
+    )
+
+
+def _cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpufleet.cli.main", *args],
+        env=_env(fleet),
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)
+def test_wait_exit_code_log_tail_and_follow_of_a_pending_job(fleet: Fleet) -> None:
+    # no agent yet: the job waits, and `logs -f` says so, then follows once it runs
+    waiting = _cli(fleet, "submit", "-q", "--", "sh", "-c", "echo started; echo done").stdout
+    job_id = waiting.strip()
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "gpufleet.cli.main", "logs", "-f", job_id],
+        env=_env(fleet),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert follower.stderr is not None
+        assert f"job {job_id}: PENDING" in follower.stderr.readline()
+        fleet.start_agent("a1")
+        out, _ = follower.communicate(timeout=90)
+        assert follower.returncode == 0
+        assert out.splitlines() == ["started", "done"]
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+
+    script = "for i in $(seq 1 30); do echo line$i; done; exit 7"
+    failed = _cli(fleet, "submit", "--wait", "--", "sh", "-c", script)
+    assert failed.returncode == 7, failed.stderr
+    tail = failed.stderr.split("log lines of", 1)[1].splitlines()[1:]
+    assert tail == [f"line{i}" for i in range(11, 31)]  # the last 20 lines
+
+    ok = _cli(fleet, "submit", "--wait", "-q", "--", "true")
+    assert ok.returncode == 0 and len(ok.stdout.split()) == 1 and ok.stderr == ""
+
+    # --export: a named variable of the submitting shell, and one set on the command line
+    exported = subprocess.run(
+        [sys.executable, "-m", "gpufleet.cli.main", "submit", "-q", "--wait", "--export",
+         "LR,MODE=fast", "--", "sh", "-c", 'echo "lr=$LR mode=$MODE home=${HOME:-unset}"'],
+        env=_env(fleet) | {"LR": "0.001"},
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr
+    shown = _cli(fleet, "logs", exported.stdout.strip()).stdout
+    assert shown.startswith("lr=0.001 mode=fast"), shown
+
+    with Client(fleet.api.url, fleet.tokens["vision"]) as sdk:
+        made = sdk.submit(["sh", "-c", "echo from-sdk; exit 3"], max_retries=0)
+        done = sdk.wait(made, timeout_s=90, poll_s=0.2)
+        assert (done.status, done.exit_code) == ("FAILED", 3)
+        assert sdk.logs(done, tail=5) == "from-sdk\n"
+        assert b"".join(sdk.iter_logs(made, follow=True)) == b"from-sdk\n"
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)
+def test_the_readme_sdk_example_runs(fleet: Fleet) -> None:
+    """The README's notebook example, pasted as is, against a real platform."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### Python SDK", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    fleet.start_agent("a1")
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=_env(fleet),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SUCCEEDED 0 a1" in done.stdout
+    assert "final test_acc=" in done.stdout
+    assert "404 not_found" in done.stdout

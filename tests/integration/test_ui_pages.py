@@ -1,0 +1,169 @@
+"""The /ui pages over a real database (SQLite and PostgreSQL): the GPU grid's cell states,
+team scoping, login, escaping, usage. The browser tests (tests/e2e) cover the live updates."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gpufleet.api.app import AppState, create_app
+from gpufleet.domain.states import NodeStatus
+from gpufleet.objectstore import ObjectStore
+from gpufleet.queue import InProcWaker
+from gpufleet.services import auth, nodes, runs
+from gpufleet.settings import Settings
+from gpufleet.store import allocate
+from gpufleet.store.db import Database
+from gpufleet.store.tables import GpuHoldRow
+from tests.factories import become_leader, create_node, submit
+
+
+def place(db: Database, job_id: str, node_id: str, gpus: int, epoch: int) -> allocate.Reserved:
+    return db.run_write(
+        lambda s: allocate.reserve(
+            s,
+            job_id=job_id,
+            node_id=node_id,
+            gpu_count=gpus,
+            seen_fencing_epoch=0,
+            leader_holder="test-leader",
+            leader_epoch=epoch,
+            lease_s=60,
+        )
+    )
+
+
+@pytest.fixture
+def ui(
+    db: Database, tmp_path: Path
+) -> Iterator[tuple[TestClient, dict[str, str], dict[str, str]]]:
+    app = create_app(
+        AppState(Settings(data_dir=tmp_path), db, InProcWaker(), ObjectStore(str(tmp_path / "o")))
+    )
+    tokens = {
+        team: db.run_write(lambda s, t=team: auth.create_token(s, t, create_team_if_missing=True))
+        for team in ("vision", "nlp")
+    }
+    tokens["admin"] = db.run_write(
+        lambda s: auth.create_token(s, "ops", is_admin=True, create_team_if_missing=True)
+    )
+    for node_id, gpus in (("n1", 4), ("n2", 4), ("n3", 2)):
+        create_node(db, node_id, gpus=gpus)
+    epoch = become_leader(db)
+    ids: dict[str, str] = {}
+    # n1: vision runs on 2 GPUs, 1 GPU is held for a preemptor, 1 is free
+    ids["vision"] = submit(db, "vision", gpus=2).job_id
+    r = place(db, ids["vision"], "n1", 2, epoch)
+    db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token))
+    ids["held_for"] = submit(db, "nlp", gpus=1).job_id
+    db.run_write(
+        lambda s: s.add(
+            GpuHoldRow(
+                job_id=ids["held_for"],
+                node_id="n1",
+                gpu_count=1,
+                reason="priority",
+                since=datetime.now(UTC),
+            )
+        )
+    )
+    # n2: an nlp attempt fenced with its node: 2 GPUs quarantined, the node unschedulable
+    ids["fenced"] = submit(db, "nlp", gpus=2).job_id
+    place(db, ids["fenced"], "n2", 2, epoch)
+    db.run_write(
+        lambda s: nodes.fence_node(
+            s, "n2", reason="test", max_node_failures=3, node_to=NodeStatus.QUARANTINED
+        )
+    )
+    # n3: cordoned by an operator
+    db.run_write(lambda s: nodes.set_node_status(s, "n3", NodeStatus.CORDONED, message="test"))
+    ids["waiting"] = submit(db, "vision", gpus=4).job_id  # waits: no node has 4 free
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, tokens, ids
+
+
+def login(client: TestClient, token: str) -> None:
+    r = client.post("/ui/login", data={"token": token}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/ui/"
+
+
+def cells(html: str, node_id: str) -> Counter[str]:
+    card = html.split(f'id="node-{node_id}"', 1)[1].split('class="node"', 1)[0]
+    return Counter(re.findall(r'data-state="([a-z]+)"', card))
+
+
+def test_grid_shows_running_held_quarantined_and_unavailable_gpus(
+    ui: tuple[TestClient, dict[str, str], dict[str, str]],
+) -> None:
+    client, tokens, ids = ui
+    login(client, tokens["admin"])
+    html = client.get("/ui/fleet").text
+    assert cells(html, "n1") == {"running": 2, "held": 1, "free": 1}
+    assert cells(html, "n2") == {"quarantined": 2, "cordoned": 2}
+    assert cells(html, "n3") == {"cordoned": 2}
+    assert f'href="/ui/jobs/{ids["vision"]}"' in html
+    # the live region alone, as htmx asks for it
+    live = client.get("/ui/fleet", headers={"HX-Request": "true"}).text
+    assert "<html" not in live and cells(live, "n1")["running"] == 2
+
+
+def test_a_team_sees_its_own_jobs_only(
+    ui: tuple[TestClient, dict[str, str], dict[str, str]],
+) -> None:
+    client, tokens, ids = ui
+    login(client, tokens["nlp"])
+    assert client.get("/ui/", follow_redirects=False).headers["location"] == "/ui/queue"
+    grid = client.get("/ui/fleet").text
+    assert cells(grid, "n1")["running"] == 2
+    assert "vision" not in grid.split('id="live"', 1)[1]  # other teams' GPUs: "in use"
+    assert client.get(f"/ui/jobs/{ids['vision']}").status_code == 404
+    assert client.get(f"/ui/jobs/{ids['vision']}/log").status_code == 404
+    assert client.post(f"/ui/jobs/{ids['vision']}/cancel").status_code == 404
+    assert client.get(f"/ui/jobs/{ids['fenced']}").status_code == 200
+    queue = client.get("/ui/queue").text
+    assert ids["waiting"] not in queue and ids["held_for"] in queue
+
+
+def test_login_refuses_a_bad_token_and_pages_need_one(
+    ui: tuple[TestClient, dict[str, str], dict[str, str]],
+) -> None:
+    client, tokens, _ = ui
+    for path in ("/ui/fleet", "/ui/queue", "/ui/usage", "/ui/jobs/j-x"):
+        r = client.get(path, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/ui/login", path
+    r = client.post("/ui/login", data={"token": "gft_nope"}, follow_redirects=False)
+    assert r.headers["location"] == "/ui/login?error=invalid"
+    assert "not valid" in client.get("/ui/login?error=invalid").text
+    login(client, tokens["vision"])
+    cookie = next(c for c in client.cookies.jar if c.name == "gpufleet_token")
+    assert cookie.path == "/ui" and cookie.has_nonstandard_attr("HttpOnly")
+    assert client.get("/ui/queue").status_code == 200
+    client.post("/ui/logout")
+    assert client.get("/ui/queue", follow_redirects=False).status_code == 303
+
+
+def test_usage_counts_gpu_hours_of_started_attempts(
+    ui: tuple[TestClient, dict[str, str], dict[str, str]],
+) -> None:
+    client, tokens, _ = ui
+    login(client, tokens["admin"])
+    html = client.get("/ui/usage").text
+    assert 'data-team="vision"' in html  # confirmed, running: counts up to now
+    assert 'data-team="nlp"' not in html.split('id="charged"')[0]  # never started
+
+
+def test_cancel_from_the_page(ui: tuple[TestClient, dict[str, str], dict[str, str]]) -> None:
+    client, tokens, ids = ui
+    login(client, tokens["vision"])
+    page = client.get(f"/ui/jobs/{ids['waiting']}").text
+    assert 'id="cancel"' in page and "PENDING" in page
+    r = client.post(f"/ui/jobs/{ids['waiting']}/cancel", follow_redirects=False)
+    assert r.status_code == 303
+    page = client.get(f"/ui/jobs/{ids['waiting']}").text
+    assert 'id="job-status">CANCELLED<' in page and 'id="cancel"' not in page

@@ -1,0 +1,116 @@
+"""Job control in the store, on SQLite and PostgreSQL: references, array submit and replay,
+gates read from rows, hold/release/requeue/PATCH guards."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from sqlalchemy import select
+
+from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
+from gpufleet.domain.types import JobSpec, Resources
+from gpufleet.services import jobctl
+from gpufleet.services.jobs import SubmitControl, submit_job
+from gpufleet.store import gating
+from gpufleet.store.db import Database
+from gpufleet.store.tables import JobRow
+from tests.factories import create_team
+
+
+def sub(db: Database, name: str = "", team: str = "team-a", key: str | None = None,
+        **control: object) -> object:  # fmt: skip
+    return submit_job(
+        db,
+        team_id=team,
+        idempotency_key=key or str(uuid.uuid4()),
+        spec=JobSpec(command=("true",), resources=Resources(1), name=name),
+        control=SubmitControl(**control),  # type: ignore[arg-type]
+    )
+
+
+def test_references_prefixes_names_and_ambiguity(db: Database) -> None:
+    create_team(db)
+    create_team(db, "team-b")
+    a = sub(db, "train").job_id  # type: ignore[attr-defined]
+    b = sub(db, "train").job_id  # type: ignore[attr-defined]
+    other = sub(db, "mine", team="team-b").job_id  # type: ignore[attr-defined]
+    with db.read() as s:
+        assert jobctl.resolve_job_ref(s, "team-a", a) == a
+        assert jobctl.resolve_job_ref(s, "team-a", b[:-2]) == b
+        assert jobctl.resolve_job_ref(s, "team-a", b[2:-2].upper()) == b  # no j-, any case
+        assert jobctl.resolve_job_ref(s, "team-a", "train") == b  # the newest of that name
+        with pytest.raises(ValidationFailed) as err:
+            jobctl.resolve_job_ref(s, "team-a", a[:6])
+        assert err.value.code == "ambiguous_job_ref" and a in err.value.message
+        for ref in (other, other[:-1], "mine", "j-zz", "nothing"):
+            with pytest.raises(NotFound):
+                jobctl.resolve_job_ref(s, "team-a", ref)
+        assert jobctl.resolve_job_ref(s, None, "mine") == other  # admin: every team
+
+
+def test_array_submit_gates_and_replay(db: Database) -> None:
+    create_team(db)
+    key = str(uuid.uuid4())
+    out = sub(db, "sweep", key=key, array="0-5%2")
+    again = sub(db, "sweep", key=key, array="0-5%2")
+    assert again.created is False and again.job_ids == out.job_ids  # type: ignore[attr-defined]
+    with pytest.raises(Conflict):  # same key, another array: another payload
+        sub(db, "sweep", key=key, array="0-6%2")
+    first = out.job_ids[0]  # type: ignore[attr-defined]
+    dep = sub(db, depends_on=f"afterok:{out.array_id}")  # type: ignore[attr-defined]
+    with db.read() as s:
+        row = s.get(JobRow, out.job_ids[3])  # type: ignore[attr-defined]
+        assert row is not None and row.spec["env"]["GPUFLEET_ARRAY_INDEX"] == "3"
+        assert row.array_max_running == 2 and row.gated
+        gates = gating.load_gates(s)
+        result = gating.evaluate(s, gates)
+    assert len(gates) == 7
+    assert result.blocked[dep.job_id].code == "dependency"  # type: ignore[attr-defined]
+    throttled = {j for j, r in result.blocked.items() if r.code == "array_throttled"}
+    assert throttled == set(out.job_ids[2:])  # type: ignore[attr-defined]
+    # a FAILED dependency: the dependent can never run
+    db.run_write(lambda s: s.execute(
+        JobRow.__table__.update().where(JobRow.id == first).values(status="FAILED")))  # fmt: skip
+    with db.read() as s:
+        result = gating.evaluate(s, gating.load_gates(s))
+    assert dep.job_id in result.failed  # type: ignore[attr-defined]
+    with db.read() as s:
+        now = s.get(JobRow, first).created_at  # type: ignore[union-attr]
+    ended = db.run_write(lambda s: gating.fail_dependents(s, result.failed, now))
+    assert ended == [dep.job_id]  # type: ignore[attr-defined]
+    with db.read() as s:
+        assert s.get(JobRow, dep.job_id).status == "DEPENDENCY_FAILED"  # type: ignore[attr-defined,union-attr]
+
+
+def test_hold_release_requeue_patch_guards(db: Database) -> None:
+    create_team(db)
+    job = sub(db, "h").job_id  # type: ignore[attr-defined]
+    db.run_write(lambda s: jobctl.hold_job(s, "team-a", job))
+    db.run_write(lambda s: jobctl.hold_job(s, "team-a", job))  # idempotent
+    with db.read() as s:
+        assert [g.job_id for g in gating.load_gates(s) if g.held] == [job]
+    with pytest.raises(Conflict):
+        db.run_write(lambda s: jobctl.requeue_job(s, "team-a", job))  # PENDING
+    db.run_write(lambda s: jobctl.release_job(s, "team-a", job))
+    with db.read() as s:
+        assert gating.load_gates(s) == []
+    db.run_write(lambda s: jobctl.patch_job(s, "team-a", job, jobctl.JobPatch("HIGH", "h2", 30.0)))
+    with db.read() as s:
+        row = s.get(JobRow, job)
+        assert row is not None
+        assert (row.priority, row.priority_rank, row.name, row.max_runtime_s) == (
+            "HIGH", 2, "h2", 30.0)  # fmt: skip
+        assert row.spec["max_runtime_s"] == 30.0
+    with pytest.raises(NotFound):
+        db.run_write(lambda s: jobctl.hold_job(s, "team-b", job))
+    n = len(db.run_write(lambda s: list(s.scalars(select(JobRow.id)))))
+    assert n == 1
+
+
+def test_array_with_the_longest_idempotency_key(db: Database) -> None:
+    create_team(db)
+    key = "k" * 256  # the API's limit; task keys must still fit the column
+    out = sub(db, key=key, array="0-999:100")
+    assert len(out.job_ids) == 10  # type: ignore[attr-defined]
+    assert sub(db, key=key, array="0-999:100").job_ids == out.job_ids  # type: ignore[attr-defined]

@@ -1,0 +1,86 @@
+"""Output helpers of the CLI and the SDK's own copies of server facts (no server needed)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import yaml
+from rich.console import Console
+
+from gpufleet.cli import output
+from gpufleet.client.config import _plain_mapping
+from gpufleet.client.models import TERMINAL_STATES, Job
+from gpufleet.domain.states import JOB_TERMINAL
+
+
+def test_the_sdk_knows_every_terminal_job_state() -> None:
+    """The SDK keeps its own copy (it imports nothing of the server); it must not miss one.
+    DEPENDENCY_FAILED is listed ahead of the server for job dependencies."""
+    assert {str(s) for s in JOB_TERMINAL} <= TERMINAL_STATES
+    assert TERMINAL_STATES - {str(s) for s in JOB_TERMINAL} <= {"DEPENDENCY_FAILED"}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "token: gf_abc-DEF.123\nurl: http://127.0.0.1:8420\n",
+        "# written by gpufleet up\nurl: https://fleet.example:443/api\n\ntoken: x\n",
+        "",
+    ],
+)
+def test_the_config_fast_path_reads_what_yaml_reads(text: str) -> None:
+    assert _plain_mapping(text) == (yaml.safe_load(text) or {})
+
+
+@pytest.mark.parametrize(
+    "text", ['url: "http://h"\n', "token: null\n", "a: b # c\n", "a: [1]\n", "a:\n  b: c\n"]
+)
+def test_the_config_fast_path_leaves_real_yaml_to_yaml(text: str) -> None:
+    assert _plain_mapping(text) is None
+
+
+def _job(i: int, status: str) -> dict[str, object]:
+    return {
+        "job_id": f"j-01m8pp551385zg6d7ee5qva0j{i}",
+        "name": "a-very-long-experiment-name-" * 3,
+        "status": status,
+        "gpu_count": 8,
+        "gpu_types": ["H100-80GB", "A100-80GB"],
+        "created_at": "2024-05-01T12:00:00+00:00",
+        "attempts": [],
+    }
+
+
+def test_the_jobs_table_fits_80_columns_and_wide_keeps_ids_whole() -> None:
+    jobs = [_job(i, s) for i, s in enumerate(["PENDING", "SUCCEEDED", "DEPENDENCY_FAILED"])]
+    narrow, wide = io.StringIO(), io.StringIO()
+    Console(file=narrow, width=80).print(output.jobs_table(jobs))
+    Console(file=wide, width=output.WIDE_WIDTH).print(output.jobs_table(jobs, wide=True))
+    lines = narrow.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert all(s in narrow.getvalue() for s in ("PENDING", "SUCCEEDED", "DEPENDENCY_FAILED"))
+    assert "j-01m8pp551385 " in narrow.getvalue() and jobs[0]["job_id"] not in narrow.getvalue()
+    assert all(str(j["job_id"]) in wide.getvalue() for j in jobs)
+
+
+def test_commands_are_shell_quoted() -> None:
+    argv = ["python3", "-c", "print('a b')", "x y", "$HOME"]
+    assert output.quoted(argv) == """python3 -c 'print('"'"'a b'"'"')' 'x y' '$HOME'"""
+
+
+def test_job_model_exit_code_is_the_last_attempts() -> None:
+    job = Job.from_dict(
+        {
+            "job_id": "j-1",
+            "status": "FAILED",
+            "attempts": [
+                {"run_id": "r1", "status": "FAILED", "exit_code": 1},
+                {"run_id": "r2", "status": "FAILED", "exit_code": 3},
+                {"run_id": "r3", "status": "FAILED", "exit_code": None},
+            ],
+            "new_field_of_a_newer_server": 1,
+        }
+    )
+    assert (job.exit_code, job.done, job.succeeded) == (3, True, False)
+    assert job.raw["new_field_of_a_newer_server"] == 1
