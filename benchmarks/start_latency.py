@@ -21,6 +21,12 @@ reserved (``job_runs.created_at - jobs.created_at``: queue + scheduling pass + r
 the node's phases from ``job_runs.start_phases`` (pull, create, start; for processes the
 shim's spawn). Percentiles are nearest-rank.
 
+For the ``process`` scenario it also prints the node's CPU per attempt: the agents' own CPU plus
+that of the children they reaped (the shims and the jobs: ``utime + stime + cutime + cstime``
+of ``/proc/<agent>/stat``) over the scenario, divided by the jobs. ``--shim-samples`` runs the
+shim alone (the exact command line the agent builds, around ``true``) and prints its CPU per
+attempt beside that of a bare ``true``, so the difference is the shim's own overhead.
+
 Usage::
 
     scripts/ensure-services.sh            # podman, runc, registry on 127.0.0.1:5000, images
@@ -31,6 +37,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+import os
+import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,6 +64,7 @@ from lifecycle import Platform
 from rich.table import Table
 from sqlalchemy import select
 
+from gpufleet.agent import shim
 from gpufleet.agent.runtime.container import ContainerEngine
 from gpufleet.store.tables import JobRow, JobRunRow
 
@@ -78,6 +89,7 @@ class Row:
     warm: int
     cold: int
     errors: int
+    node_cpu_ms_per_job: float = float("nan")
 
 
 def _p(values: list[float], q: float) -> float:
@@ -93,6 +105,7 @@ def run_scenario(
     before_each: Callable[[int], None] = lambda _i: None,
 ) -> Row:
     console.print(f"{db_name}: {scenario}: {n} jobs ...")
+    cpu0 = agents_cpu_s(plat)
     job_ids: list[str] = []
     client_ms: list[float] = []
     errors = 0
@@ -125,6 +138,8 @@ def run_scenario(
             else:
                 errors += 1
     plat.wait_terminal(job_ids, 120)
+    time.sleep(0.5)  # the last attempts' teardown on the node
+    node_cpu = (agents_cpu_s(plat) - cpu0) * 1000 / max(1, len(job_ids))
     with plat.db.read() as s:
         rows = s.execute(
             select(
@@ -158,7 +173,49 @@ def run_scenario(
         warm=sum(1 for p in phases if p.get("image") == "warm"),
         cold=sum(1 for p in phases if p.get("image") == "cold"),
         errors=errors,
+        node_cpu_ms_per_job=node_cpu,
     )
+
+
+def agents_cpu_s(plat: Platform) -> float:
+    """CPU seconds of the agent processes and of the children they reaped (shims, jobs)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for proc in plat.agents.values():
+        with contextlib.suppress(OSError):
+            raw = Path(f"/proc/{proc.pid}/stat").read_text()
+            fields = raw[raw.rfind(")") + 2 :].split()
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / tick
+
+
+def shim_cpu(n: int, tmp: Path) -> tuple[float, float]:
+    """CPU ms per run of the agent's shim command line around ``true``, and of ``true``
+    alone (both wait for the child, as the agent does)."""
+    true = shutil.which("true") or "/bin/true"
+    out = []
+    for with_shim in (True, False):
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        for i in range(n):
+            d = tmp / f"shim-{int(with_shim)}-{i}"
+            d.mkdir(parents=True)
+            argv = (
+                shim.argv(
+                    exit_file=d / "exit.json",
+                    log_file=d / "output.log",
+                    claim_file=d / "shim.json",
+                    status_fd=1,
+                    cwd=d,
+                    command=[true],
+                )
+                if with_shim
+                else [true]
+            )
+            subprocess.run(argv, stdout=subprocess.PIPE, start_new_session=True, check=True)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        used = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+        out.append(1000 * used / n)
+    return out[0], out[1]
 
 
 def fresh_tags(engine: ContainerEngine, base: str, n: int) -> list[str]:
@@ -174,7 +231,9 @@ def fresh_tags(engine: ContainerEngine, base: str, n: int) -> list[str]:
 
 
 def bench(db_name: str, url: str, args: argparse.Namespace, tmp: Path) -> list[Row]:
-    engine = ContainerEngine("podman", state_dir=tmp / "engine-bench")
+    engine = None
+    if not args.skip_containers:
+        engine = ContainerEngine("podman", state_dir=tmp / "engine-bench")
     plat = Platform(tmp, url)
     rows: list[Row] = []
     tags: list[str] = []
@@ -184,6 +243,8 @@ def bench(db_name: str, url: str, args: argparse.Namespace, tmp: Path) -> list[R
         rows.append(
             run_scenario(db_name, plat, "process", args.samples, lambda _i: {"command": ["true"]})
         )
+        if engine is None:
+            return rows
         engine.ensure_present(BUSYBOX)
         rows.append(
             run_scenario(
@@ -219,17 +280,23 @@ def bench(db_name: str, url: str, args: argparse.Namespace, tmp: Path) -> list[R
             engine.ensure_present(PYTHON)
     finally:
         plat.close()
-        for tag in tags:
-            engine.remove_image(tag)
-        with contextlib.suppress(Exception):
-            names = [p.name for p in tmp.glob("agents/*/runs/*")]
-            if names:
-                subprocess.run(
-                    [*engine.argv0, "rm", "--force", "--ignore", *names],
-                    env=engine.env,
-                    capture_output=True,
-                )
+        if engine is not None:
+            cleanup(engine, tags, tmp)
     return rows
+
+
+def cleanup(engine: ContainerEngine, tags: list[str], tmp: Path) -> None:
+    """Remove the benchmark's image tags and any container left by its attempts."""
+    for tag in tags:
+        engine.remove_image(tag)
+    with contextlib.suppress(Exception):
+        names = [p.name for p in tmp.glob("agents/*/runs/*")]
+        if names:
+            subprocess.run(
+                [*engine.argv0, "rm", "--force", "--ignore", *names],
+                env=engine.env,
+                capture_output=True,
+            )
 
 
 def main() -> None:
@@ -239,6 +306,8 @@ def main() -> None:
     ap.add_argument("--cold-samples", type=int, default=10, help="jobs per cold scenario")
     ap.add_argument("--agents", type=int, default=1)
     ap.add_argument("--skip-python", action="store_true", help="no 318 MB cold scenario")
+    ap.add_argument("--skip-containers", action="store_true", help="the process scenario only")
+    ap.add_argument("--shim-samples", type=int, default=200, help="0: no shim-alone runs")
     ap.add_argument("--postgres-url", default=DEFAULT_POSTGRES_URL)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -265,6 +334,7 @@ def main() -> None:
         "create",
         "start",
         "warm/cold",
+        "node CPU/job",
         "errors",
     ):
         table.add_column(col, justify="left" if col in ("db", "scenario") else "right")
@@ -282,9 +352,17 @@ def main() -> None:
             f"{r.create_p50_ms:.0f}",
             f"{r.start_p50_ms:.1f}",
             f"{r.warm}/{r.cold}",
+            "" if math.isnan(r.node_cpu_ms_per_job) else f"{r.node_cpu_ms_per_job:.1f}",
             str(r.errors),
         )
-    table_console(150).print(table)
+    table_console(160).print(table)
+    if args.shim_samples:
+        with tempfile.TemporaryDirectory(prefix="gpufleet-shim-") as d:
+            with_shim, bare = shim_cpu(args.shim_samples, Path(d))
+        console.print(
+            f"shim alone, {args.shim_samples} runs: {with_shim:.2f} ms CPU per attempt around "
+            f"`true` ({bare:.2f} ms for `true` alone): shim overhead {with_shim - bare:.2f} ms"
+        )
     console.print(machine())
     write_rows_json(args.json, rows)
     sys.exit(1 if any(r.errors for r in rows) else 0)

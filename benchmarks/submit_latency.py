@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -67,6 +68,7 @@ class Row:
     sequential_per_s: float
     concurrent_per_s: float
     clients: int
+    server_cpu_ms: float  # the server process's CPU per sequential submit
     errors: int
 
 
@@ -147,6 +149,14 @@ class Server:
         )
         self.gpufleet, self.startup_s = gpufleet, startup_s
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used (user + system, all its threads); for the
+        PostgreSQL backend's share see vs_slurm.py."""
+        assert self.proc is not None
+        raw = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        fields = raw[raw.rfind(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def __enter__(self) -> Server:
         with open(self.log_path, "wb") as log:
@@ -229,9 +239,11 @@ def measure_database(db: str, database_url: str, args: argparse.Namespace) -> li
 
             console.print(f"{db}: {args.samples} sequential submits at depth {submitted} ...")
             seq = Submitter(server.base_url, token)
+            cpu0 = server.cpu_s()
             began = time.perf_counter()
             latencies = sorted(seq.submit(submitted + i) for i in range(args.samples))
             seq_wall = time.perf_counter() - began
+            server_cpu_ms = 1000 * (server.cpu_s() - cpu0) / args.samples
             seq.close()
             if seq.errors:
                 console.print(f"[red]{seq.errors} failed submits; last: {seq.last_error}")
@@ -254,6 +266,7 @@ def measure_database(db: str, database_url: str, args: argparse.Namespace) -> li
                     sequential_per_s=args.samples / seq_wall,
                     concurrent_per_s=args.samples / conc_wall,
                     clients=args.clients,
+                    server_cpu_ms=server_cpu_ms,
                     errors=seq.errors + conc_errors,
                 )
             )
@@ -265,6 +278,7 @@ def render(rows: list[Row]) -> Table:
     for name in ("database", "queued", "p50 ms", "p95 ms", "p99 ms", "max ms", "seq submits/s"):
         table.add_column(name, justify="left" if name == "database" else "right")
     table.add_column(f"{rows[0].clients if rows else 8}-client submits/s", justify="right")
+    table.add_column("server CPU ms/submit", justify="right")
     table.add_column("errors", justify="right")
     for r in rows:
         table.add_row(
@@ -276,6 +290,7 @@ def render(rows: list[Row]) -> Table:
             f"{r.max_ms:.1f}",
             f"{r.sequential_per_s:,.0f}",
             f"{r.concurrent_per_s:,.0f}",
+            f"{r.server_cpu_ms:.2f}",
             str(r.errors),
         )
     return table

@@ -173,6 +173,15 @@ def reusable_token(db: Database, client_config: Path) -> str | None:
         return None
 
 
+def _best(module: str, fallback: str) -> str:
+    """``module`` if it can be imported, else ``fallback`` (uvicorn's names)."""
+    try:
+        __import__(module)
+    except ImportError:
+        return fallback
+    return module
+
+
 class ApiServer:
     """uvicorn in a thread (``gpufleet up``) or in the foreground (``gpufleet server``)."""
 
@@ -187,6 +196,10 @@ class ApiServer:
             port=self.port,
             log_level="warning",
             access_log=False,
+            # the C event loop and HTTP parser when installed (dependencies of gpufleet):
+            # less CPU per request than asyncio + h11 (benchmarks/README.md)
+            loop=_best("uvloop", "asyncio"),
+            http=_best("httptools", "h11"),
         )
         self.server = uvicorn.Server(config)
         self.url = f"http://{settings.server_host}:{self.port}"

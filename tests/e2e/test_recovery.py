@@ -479,14 +479,35 @@ def test_a_stop_sent_while_the_agent_restarts_lands_within_seconds(fleet: Fleet)
     assert fleet.check() == []
 
 
-def gpufleet_cli(fleet: Fleet, *args: str, timeout: float = 60) -> Any:
-    """Run the real ``gpufleet`` command against the fleet's database."""
+def admin_env(fleet: Fleet) -> dict[str, str]:
+    """The environment of an operator's ``gpufleet admin`` call: the fleet's API and an admin
+    token (made once per fleet)."""
     import os
-    import subprocess
 
-    env = dict(os.environ, GPUFLEET_DATA_DIR=str(fleet.tmp))
+    from gpufleet.services import auth
+
+    if "_admin" not in fleet.tokens:
+        fleet.tokens["_admin"] = fleet.db.run_write(
+            lambda s: auth.create_token(s, "ops", is_admin=True, create_team_if_missing=True)
+        )
+    env = dict(
+        os.environ,
+        GPUFLEET_DATA_DIR=str(fleet.tmp),
+        GPUFLEET_URL=fleet.api.url,
+        GPUFLEET_TOKEN=fleet.tokens["_admin"],
+        GPUFLEET_CONFIG=str(fleet.tmp / "none.yaml"),
+    )
     if fleet.settings.database_url is not None:
         env["GPUFLEET_DATABASE_URL"] = fleet.settings.database_url.get_secret_value()
+    return env
+
+
+def gpufleet_cli(fleet: Fleet, *args: str, timeout: float = 60) -> Any:
+    """Run the real ``gpufleet`` command against the fleet (admin commands: its API, with an
+    admin token)."""
+    import subprocess
+
+    env = admin_env(fleet)
     return subprocess.run(
         [sys.executable, "-m", "gpufleet.cli.main", *args],
         env=env,
@@ -517,11 +538,7 @@ def test_operator_cordon_drain_and_fence_and_why_names_the_nodes(fleet: Fleet) -
         {"node_id": y, "status": "CORDONED", "reason": "fan failure"}
     ]
 
-    import os
-
-    env = dict(os.environ, GPUFLEET_DATA_DIR=str(fleet.tmp))
-    if fleet.settings.database_url is not None:
-        env["GPUFLEET_DATABASE_URL"] = fleet.settings.database_url.get_secret_value()
+    env = admin_env(fleet)
     drain = subprocess.Popen(
         [
             sys.executable,

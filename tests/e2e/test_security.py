@@ -494,11 +494,20 @@ def test_operator_cli_joins_lists_revokes_and_forgets_a_node(fleet: Fleet) -> No
     import os
     import subprocess
 
+    from gpufleet.services import auth
+
+    admin = fleet.db.run_write(
+        lambda s: auth.create_token(s, "ops", is_admin=True, create_team_if_missing=True)
+    )
     env = {
         **os.environ,
         "GPUFLEET_DATA_DIR": str(fleet.tmp),
         "GPUFLEET_DATABASE_URL": fleet.settings.resolved_database_url(),
         "GPUFLEET_OBJECT_STORE_URL": fleet.settings.resolved_object_store_url(),
+        # `admin node ...` goes through the API with an admin token
+        "GPUFLEET_URL": fleet.api.url,
+        "GPUFLEET_TOKEN": admin,
+        "GPUFLEET_CONFIG": str(fleet.tmp / "none.yaml"),
     }
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gpufleet.agent import shim
 from gpufleet.agent.assignment_log import AssignmentLog
 from gpufleet.agent.main import run_agent
 from gpufleet.rpc.protos import fleet_pb2 as pb
@@ -218,19 +219,12 @@ class TestCrashBetweenAssignedAndStarted:
 def _run_shim(state: Path, run_id: str, command: list[str]) -> subprocess.CompletedProcess[bytes]:
     run_dir = state / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    argv = [
-        sys.executable,
-        "-m",
-        "gpufleet.agent.shim",
-        "--exit-file",
-        str(run_dir / "exit.json"),
-        "--log-file",
-        str(run_dir / "output.log"),
-        "--claim-file",
-        str(run_dir / "shim.json"),
-        "--",
-        *command,
-    ]
+    argv = shim.argv(
+        exit_file=run_dir / "exit.json",
+        log_file=run_dir / "output.log",
+        claim_file=run_dir / "shim.json",
+        command=command,
+    )
     return subprocess.run(
         argv,
         start_new_session=True,

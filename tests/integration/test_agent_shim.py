@@ -1,4 +1,5 @@
-"""The per-attempt shim as a real process: exit files, signals, start failures, the claim."""
+"""The per-attempt shim (``sh shim.sh``) as a real process: exit files, signals, start failures,
+the claim, SIGINT left at its default in the command."""
 
 from __future__ import annotations
 
@@ -7,26 +8,20 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gpufleet.agent import shim
 from tests.integration.test_agent_support import live_group_members, wait_until
 
 
-def _shim(tmp: Path, command: list[str], *extra: str) -> subprocess.Popen[bytes]:
-    argv = [
-        sys.executable,
-        "-m",
-        "gpufleet.agent.shim",
-        "--exit-file",
-        str(tmp / "exit.json"),
-        "--log-file",
-        str(tmp / "out.log"),
-        *extra,
-        "--",
-        *command,
-    ]
+def _shim(tmp: Path, command: list[str], **extra: Any) -> subprocess.Popen[bytes]:
+    argv = shim.argv(
+        exit_file=tmp / "exit.json", log_file=tmp / "out.log", command=command, **extra
+    )
     return subprocess.Popen(argv, start_new_session=True)
 
 
@@ -56,35 +51,28 @@ class TestShim:
     def test_group_sigterm_reaches_the_command_but_not_the_shim(self, tmp_path: Path) -> None:
         ready = tmp_path / "ready"
         code = f"import time, pathlib; pathlib.Path({str(ready)!r}).touch(); time.sleep(30)"
-        shim = _shim(tmp_path, [sys.executable, "-c", code])
+        proc = _shim(tmp_path, [sys.executable, "-c", code])
         wait_until(ready.exists)
 
-        os.killpg(shim.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
 
-        assert shim.wait(timeout=30) == 0  # the shim survived to record the exit
+        assert proc.wait(timeout=30) == 0  # the shim survived to record the exit
         assert _exit(tmp_path)["exit_code"] == -signal.SIGTERM
-        assert live_group_members(shim.pid) == []
+        assert live_group_members(proc.pid) == []
 
     def test_command_not_found_is_a_start_error(self, tmp_path: Path) -> None:
         r, w = os.pipe()
-        shim = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpufleet.agent.shim",
-                "--exit-file",
-                str(tmp_path / "e"),
-                "--log-file",
-                str(tmp_path / "l"),
-                "--status-fd",
-                str(w),
-                "--",
-                "/no/such/cmd",
-            ],
-            pass_fds=(w,),
+        proc = subprocess.Popen(
+            shim.argv(
+                exit_file=tmp_path / "e",
+                log_file=tmp_path / "l",
+                status_fd=1,
+                command=["/no/such/cmd"],
+            ),
+            stdout=w,
         )
         os.close(w)
-        assert shim.wait(timeout=30) == 0
+        assert proc.wait(timeout=30) == 0
         status = json.loads(os.read(r, 4096))
         os.close(r)
         assert "No such file" in status["error"]
@@ -97,8 +85,87 @@ class TestShim:
         claim.write_text('{"abandoned": true}')
         marker = tmp_path / "ran"
         code = f"import pathlib; pathlib.Path({str(marker)!r}).touch()"
-        shim = _shim(tmp_path, [sys.executable, "-c", code], "--claim-file", str(claim))
-        assert shim.wait(timeout=30) == 0
+        proc = _shim(tmp_path, [sys.executable, "-c", code], claim_file=claim)
+        assert proc.wait(timeout=30) == 0
         assert not marker.exists()
         assert not (tmp_path / "exit.json").exists()
         assert json.loads(claim.read_text()) == {"abandoned": True}
+
+    def test_the_command_gets_default_signals_and_only_the_given_environment(
+        self, tmp_path: Path
+    ) -> None:
+        code = (
+            "import os, signal, sys; "
+            "print([int(signal.getsignal(s) == signal.SIG_DFL) "
+            "for s in (signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP)], "
+            "signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
+            "sorted(k for k in os.environ if k != 'LC_CTYPE'), "
+            "sorted(os.listdir('/proc/self/fd')))"
+        )
+        env = {"PATH": os.environ["PATH"], "TOKEN": "x"}
+        proc = subprocess.Popen(
+            shim.argv(
+                exit_file=tmp_path / "exit.json",
+                log_file=tmp_path / "out.log",
+                command=[sys.executable, "-c", code],
+            ),
+            start_new_session=True,
+            env=env,
+        )
+        assert proc.wait(timeout=30) == 0
+        assert _exit(tmp_path)["exit_code"] == 0
+        # fds: stdin/stdout/stderr and the one listdir opens; nothing of the shim's
+        want = "[1, 1, 1] True ['PATH', 'TOKEN'] ['0', '1', '2', '3']\n"
+        assert (tmp_path / "out.log").read_text() == want
+
+    def test_a_start_error_naming_quotes_is_valid_json(self, tmp_path: Path) -> None:
+        r, w = os.pipe()
+        odd = '/no/such/"dir\\'
+        proc = subprocess.Popen(
+            shim.argv(
+                exit_file=tmp_path / "e",
+                log_file=tmp_path / "l",
+                status_fd=1,
+                cwd=Path(odd),
+                command=["true"],
+            ),
+            stdout=w,
+        )
+        os.close(w)
+        assert proc.wait(timeout=30) == 0
+        status = json.loads(os.read(r, 4096))
+        os.close(r)
+        assert odd in status["error"]
+        assert odd in json.loads((tmp_path / "e").read_text())["start_error"]
+
+
+def test_a_finished_attempt_costs_no_scan_of_proc(tmp_path: Path, monkeypatch) -> None:
+    """The agent reaps the shim at once, so ``killpg(pgid, 0)`` fails right after the job and
+    the host's /proc is never scanned for the group (containment ``none``)."""
+    from gpufleet.agent import procfs
+    from gpufleet.agent.assignment_log import RunRecord
+    from gpufleet.agent.runtime.base import JobUser, Launch
+    from gpufleet.agent.runtime.containment import Containment
+    from gpufleet.agent.runtime.process import ProcessRuntime
+    from gpufleet.agent.workdir import RunPaths
+
+    def no_scan(pgid: int) -> list[procfs.ProcStat]:
+        raise AssertionError(f"/proc scanned for group {pgid}")
+
+    monkeypatch.setattr(procfs, "group_members", no_scan)
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    paths.work.mkdir(parents=True)
+    rt = ProcessRuntime(Containment("none", {}, "forced"))
+    rec = RunRecord(run_id="r-noscan", command=["true"])
+    me = JobUser(uid=os.getuid(), gid=os.getgid(), switch=False)
+    launch = Launch(
+        paths=paths, command=("true",), env={"PATH": os.environ["PATH"]}, cwd=paths.work, user=me
+    )
+    h = rt.spawn(rec, launch)
+    deadline = time.monotonic() + 30
+    info = None
+    while info is None and time.monotonic() < deadline:
+        info = rt.poll(rec, h, time.monotonic())
+        time.sleep(0.01)
+    assert info is not None and info.exit_code == 0

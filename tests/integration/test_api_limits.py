@@ -25,6 +25,7 @@ from gpufleet.settings import Settings
 from gpufleet.store.db import Database
 from tests.conftest import REDIS_URL
 from tests.factories import create_node
+from tests.integration.server_proc import ServerProcess
 
 JOB = {"command": ["python3", "train.py"], "gpu_count": 1}
 
@@ -210,8 +211,18 @@ class TestQuotaBounds:
 
 @pytest.mark.slow
 def test_admin_team_set_and_list_through_the_cli(tmp_path: Path) -> None:
-    open_database(Settings(data_dir=tmp_path)).dispose()
-    env = {**os.environ, "GPUFLEET_DATA_DIR": str(tmp_path)}
+    db = open_database(Settings(data_dir=tmp_path))
+    admin = db.run_write(
+        lambda s: auth.create_token(s, "ops", is_admin=True, create_team_if_missing=True)
+    )
+    db.dispose()
+    server = ServerProcess(tmp_path, {"GPUFLEET_REDIS_URL": ""}).start()
+    env = {
+        **os.environ,
+        "GPUFLEET_URL": server.url,
+        "GPUFLEET_TOKEN": admin,
+        "GPUFLEET_CONFIG": str(tmp_path / "none.yaml"),
+    }
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -247,7 +258,8 @@ def test_admin_team_set_and_list_through_the_cli(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "submit_rate_per_s" in bad.stderr
     assert "Traceback" not in bad.stderr
     table = cli("team", "list")
-    assert table.returncode == 0 and "5 (9)" in table.stdout
+    assert table.returncode == 0 and "nlp" in table.stdout
+    server.stop()
 
 
 class TestOutstandingCount:

@@ -96,7 +96,24 @@ class TestRest:
 @pytest.mark.slow
 def test_admin_token_cli(tmp_path: Path) -> None:
     open_database(Settings(data_dir=tmp_path)).dispose()
-    env = {**os.environ, "GPUFLEET_DATA_DIR": str(tmp_path)}
+    boot = subprocess.run(
+        [
+            *(sys.executable, "-m", "gpufleet.cli.main", "admin", "token", "create", "--db"),
+            *("--team", "ops", "--name", "root", "--admin", "--data-dir", str(tmp_path)),
+        ],
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert boot.returncode == 0, boot.stderr  # the first admin token: on the database host
+    server = ServerProcess(tmp_path, {"GPUFLEET_REDIS_URL": ""}).start()
+    env = {
+        **os.environ,
+        "GPUFLEET_URL": server.url,
+        "GPUFLEET_TOKEN": boot.stdout.strip().splitlines()[-1],
+        "GPUFLEET_CONFIG": str(tmp_path / "none.yaml"),
+    }
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -111,18 +128,23 @@ def test_admin_token_cli(tmp_path: Path) -> None:
     made = cli("create", "--team", "vision", "--name", "laptop")
     assert made.returncode == 0, made.stderr
     raw = made.stdout.strip().splitlines()[-1]
-    listed = json.loads(cli("list", "-o", "json").stdout)
+    listed = [t for t in json.loads(cli("list", "-o", "json").stdout) if t["team"] != "ops"]
     assert [(t["team"], t["name"], t["revoked_at"]) for t in listed] == [
         ("vision", "laptop", None)
     ]
     assert raw not in cli("list").stdout
     done = cli("revoke", listed[0]["id"])
     assert done.returncode == 0 and "revoked" in done.stdout, done.stderr
-    assert json.loads(cli("list", "-o", "json").stdout)[0]["revoked_at"]
-    assert json.loads(cli("list", "--active", "-o", "json").stdout) == []
+    assert json.loads(cli("list", "--team", "vision", "-o", "json").stdout)[0]["revoked_at"]
+    assert json.loads(cli("list", "--team", "vision", "--active", "-o", "json").stdout) == []
     missing = cli("revoke", "tok-missing")
     assert missing.returncode == 2 and "no token" in missing.stderr
     assert "Traceback" not in missing.stderr
+    # a team token is refused, with a message that says why
+    team_token = cli("create", "--team", "vision").stdout.strip().splitlines()[-1]
+    refused = cli("list", "--token", team_token)
+    assert refused.returncode == 2 and "needs an admin token" in refused.stderr
+    server.stop()
 
 
 @pytest.mark.slow

@@ -91,3 +91,34 @@ def test_compaction_keeps_state_and_tokens_and_drops_old_reported_runs(tmp_path:
     assert again.runs["live"].confirm_result == "CONFIRMED"
     assert again.job_tokens == {"j-old": 7, "j-live": 2}
     assert again.leader_epoch == 3
+
+
+class TestFsyncs:
+    def test_one_fsync_per_attempt_and_every_line_survives_a_crash(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        import gpufleet.agent.assignment_log as mod
+
+        synced: list[int] = []
+        real_fsync = mod.os.fsync
+        monkeypatch.setattr(mod.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+        log = AssignmentLog(tmp_path)
+        synced.clear()
+
+        _assign(log, "r1")
+        log.append("started", "r1", pid=10, shim_pid=9, shim_start_ticks=1, started_at_s=5.0)
+        log.append("confirmed", "r1", result="CONFIRMED")
+        log.append("exited", "r1", exit_code=0, outcome="EXITED", finished_at_s=6.0)
+        log.append("uploaded", "r1", manifest_uri="file:///m")
+        log.append("reported", "r1", result="ACCEPTED")
+
+        assert len(synced) == 1  # the "assigned" line, before the start
+        # no close(): an agent killed here loses nothing (the lines reached the kernel)
+        again = AssignmentLog(tmp_path)
+        assert again.runs["r1"].status == RunStatus.REPORTED
+        log.sync()
+        assert len(synced) == 2  # the deferred lines, made durable on demand
+        log.sync()
+        assert len(synced) == 2  # nothing left to sync
+        log.close()
+        again.close()

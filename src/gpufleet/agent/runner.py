@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -143,10 +142,9 @@ class Runner:
                     )
                 if user.switch:
                     _chown_tree(paths.resume, user.uid, user.gid)
+            # handed to the runtime in memory (the process shim gets it as its environment):
+            # the command's secrets are never written to the node's disk by the agent
             env = build_env(rec, paths, resume_dir, home=user.home, agent_env=os.environ)
-            fd = os.open(paths.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(env, f)
             cwd = paths.work
             if rec.working_dir and not rec.image:  # an image's working_dir is inside it
                 cwd = Path(rec.working_dir)

@@ -12,10 +12,9 @@ or in ``{state_dir}/runs/{run_id}/`` when the agent cannot switch users::
 Agent-only files, in ``{state_dir}/runs/{run_id}/`` (the state dir is 0700)::
 
     output.log     stdout + stderr of the command (streamed to the object store)
-    env.json       the command's environment, mode 0600, deleted by the shim once read
     shim.json      the shim's claim: pid, pgid, start_ticks, boot_id (or the agent's
                    "abandoned" mark)
-    exit.json      the shim's record of the exit code
+    exit.json      the shim's record of the exit code (empty while the command runs)
     shim.log       the shim's own stderr
 """
 

@@ -21,8 +21,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpufleet.api import ui
+from gpufleet.api.admin_nodes import add_admin_node_routes
 from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
 from gpufleet.api.middleware import BodyLimit
+from gpufleet.api.openapi_doc import install_openapi, mount_docs
+from gpufleet.api.reports import add_report_routes
 from gpufleet.api.schemas import (
     AttemptOut,
     ErrorOut,
@@ -98,7 +101,9 @@ def log_key(job_id: str, run_id: str) -> str:
 
 
 async def principal(
-    request: Request, authorization: Annotated[str | None, Header()] = None
+    request: Request,
+    # documented as the bearer security scheme (api/openapi_doc.py), not as a parameter
+    authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> auth.Principal:
     """The caller, from ``Authorization: Bearer <token>``; the team comes from the token.
     A cache hit is answered on the event loop; the database is read in a worker thread."""
@@ -126,22 +131,31 @@ def _authenticate(db: Database, raw: str | None) -> auth.Principal:
 Who = Annotated[auth.Principal, Depends(principal)]
 
 
-def admin(p: Who) -> auth.Principal:
+async def admin(p: Who) -> auth.Principal:  # async: no thread hop for a flag check
     if not p.is_admin:
-        raise Forbidden("this needs an admin token")
+        raise Forbidden(
+            f"this needs an admin token; this token (team {p.team_id!r}) is not one"
+            " (make one with `gpufleet admin token create --team T --admin`)"
+        )
     return p
 
 
 Admin = Annotated[auth.Principal, Depends(admin)]
 
 
-def submit_allowed(request: Request, who: Who) -> auth.Principal:
+async def submit_allowed(request: Request, who: Who) -> auth.Principal:
     """The caller, once its team's submit bucket gave a token. A dependency, so that it runs
-    before the body is validated: a refused flood costs the server little."""
+    before the body is validated: a refused flood costs the server little. Answered on the
+    event loop when the check needs no I/O (cached limits, no rate or an in-process bucket);
+    else in a worker thread."""
     state: AppState = request.app.state.gf
-    assert state.admission is not None  # set by create_app
+    admission = state.admission
+    assert admission is not None  # set by create_app
     try:
-        state.admission.check_submit_rate(who.team_id)
+        if admission.check_needs_io(who.team_id):
+            await run_in_threadpool(admission.check_submit_rate, who.team_id)
+        else:
+            admission.check_submit_rate(who.team_id)
     except LimitExceeded:
         SUBMITS.labels("rate_limited").inc()
         raise
@@ -154,8 +168,18 @@ Submitter = Annotated[auth.Principal, Depends(submit_allowed)]
 def create_app(state: AppState) -> FastAPI:
     # every operation may answer these (bad token, bad input, database down); the others
     # are declared per operation, so that the document lists every status the server sends
-    app = FastAPI(title="gpufleet", version="1", docs_url="/docs", responses=errors(401, 422, 503))
+    app = FastAPI(
+        title="gpufleet",
+        version="1",
+        description="REST API of gpufleet, a GPU job platform. Every error answer is"
+        " `{error, message, field}`; bearer tokens carry the team.",
+        docs_url=None,
+        redoc_url=None,
+        responses=errors(401, 422, 503),
+    )
     app.state.gf = state
+    mount_docs(app)
+    install_openapi(app)
     defaults = limits.TeamLimits.defaults(state.settings)
     if state.admission is None:
         state.admission = limits.SubmitAdmission(
@@ -259,6 +283,7 @@ def create_app(state: AppState) -> FastAPI:
                     else depends,
                     hold=body.hold,
                 ),
+                submitted_by=who.token_id,
             )
             if out.created:
                 state.waker.wake()
@@ -463,6 +488,16 @@ def create_app(state: AppState) -> FastAPI:
 
         return StreamingResponse(stream(), media_type=TEXT)
 
+    add_report_routes(app, db=state.db, store=state.store, principal=principal, errors=errors)
+    add_admin_node_routes(
+        app,
+        db=state.db,
+        settings=state.settings,
+        waker=state.waker,
+        admin=admin,
+        errors=errors,
+    )
+
     @app.get("/v1/nodes", response_model=NodeList)
     def nodes(who: Who) -> NodeList:
         """Nodes and free GPUs. Agent addresses are shown to admin tokens only (``null``
@@ -510,12 +545,18 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.put("/v1/admin/teams/{team_id}", responses=errors(400, 403, 404, 413))
     def set_quota(team_id: str, body: TeamQuotaUpdate, _: Admin) -> dict[str, Any]:
-        upd = teams.QuotaUpdate(**body.model_dump())
-        state.db.run_write(partial(teams.update_quota, team_id=team_id, upd=upd))
+        """Set a team's quota and limits. 422 names the field for a quota that can never be
+        met (a GPU type no node has, with the known types listed; a guarantee above the
+        type's GPUs; a lending limit above the guarantee); ``warnings`` lists quotas that may
+        not be met (guarantees of all teams above a type's GPUs, a fleet with no nodes yet,
+        the deprecated ``lending_limit_gpus``)."""
+        upd = teams.QuotaUpdate(**body.to_update())
+        change = state.db.run_write(partial(teams.update_quota, team_id=team_id, upd=upd))
         admission.forget(team_id)
         state.waker.wake()
         with state.db.read() as s:
-            return next(t for t in teams.describe_teams(s, defaults) if t["team"] == team_id)
+            out = next(t for t in teams.describe_teams(s, defaults) if t["team"] == team_id)
+        return {**out, "warnings": change.warnings}
 
     @app.get("/v1/admin/nodes", responses=errors(403))
     def admin_nodes(_: Admin) -> dict[str, Any]:
@@ -598,7 +639,13 @@ def create_app(state: AppState) -> FastAPI:
     @app.post("/v1/admin/tokens", status_code=201, responses=errors(400, 403, 413))
     def create_token(body: TokenCreate, _: Admin) -> dict[str, str]:
         raw = state.db.run_write(
-            lambda s: auth.create_token(s, body.team, name=body.name, is_admin=body.admin)
+            lambda s: auth.create_token(
+                s,
+                body.team,
+                name=body.name,
+                is_admin=body.admin,
+                create_team_if_missing=body.create_team,
+            )
         )
         return {"team": body.team, "token": raw}
 

@@ -385,6 +385,7 @@ class TokenCreate(BaseModel):
     team: str = Field(min_length=1, max_length=64)
     name: str = Field(default="", max_length=128, pattern=r"^[^\x00]*$")
     admin: bool = False
+    create_team: bool = Field(default=False, description="Create the team if it is missing.")
 
 
 class JoinTokenCreate(BaseModel):
@@ -421,15 +422,55 @@ class TokenList(BaseModel):
 
 
 class TeamQuotaUpdate(BaseModel):
-    """PUT /v1/admin/teams/{team}: fields left out are unchanged; borrow_limit_gpus -1 = none;
-    max_outstanding_jobs 0 and submit_rate_per_s 0 = no limit (a team never set uses the
-    server's defaults)."""
+    """PUT /v1/admin/teams/{team}: fields left out are unchanged. Kueue's names are accepted
+    for the quota: ``nominal_quota`` (= ``guaranteed_gpus``), ``borrowing_limit``
+    (= ``borrow_limit_gpus``; -1 = none) and ``lending_limit`` (Kueue's ``lendingLimit``: the
+    most of the guarantee other teams may borrow). ``lending_limit_gpus`` is deprecated: it
+    meant the part never lent, and is converted (a warning says so). max_outstanding_jobs 0
+    and submit_rate_per_s 0 = no limit (a team never set uses the server's defaults)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     weight: float | None = Field(default=None, gt=0, le=MAX_WEIGHT)
+    nominal_quota: PerType | None = None
     guaranteed_gpus: PerType | None = None
+    borrowing_limit: int | None = Field(default=None, ge=-1, le=MAX_GPUS)
     borrow_limit_gpus: int | None = Field(default=None, ge=-1, le=MAX_GPUS)
-    lending_limit_gpus: PerType | None = None
+    lending_limit: PerType | None = None
+    lending_limit_gpus: PerType | None = Field(
+        default=None,
+        description="Deprecated (use lending_limit): the part of the guarantee never lent.",
+        json_schema_extra={"deprecated": True},
+    )
     max_outstanding_jobs: int | None = Field(default=None, ge=0, le=MAX_OUTSTANDING_JOBS)
     submit_rate_per_s: float | None = Field(default=None, ge=0, le=MAX_SUBMIT_RATE_PER_S)
     submit_burst: int | None = Field(default=None, ge=1, le=MAX_SUBMIT_BURST)
+
+    @model_validator(mode="after")
+    def _one_name_each(self) -> TeamQuotaUpdate:
+        for new, old in (
+            ("nominal_quota", "guaranteed_gpus"),
+            ("borrowing_limit", "borrow_limit_gpus"),
+            ("lending_limit", "lending_limit_gpus"),
+        ):
+            if getattr(self, new) is not None and getattr(self, old) is not None:
+                raise PydanticCustomError(
+                    "one_name", "give {new} or {old}, not both", {"new": new, "old": old}
+                )
+        return self
+
+    def to_update(self) -> dict[str, Any]:
+        """Keyword arguments of ``services.teams.QuotaUpdate``."""
+        return {
+            "weight": self.weight,
+            "guaranteed_gpus": self.nominal_quota
+            if self.nominal_quota is not None
+            else self.guaranteed_gpus,
+            "borrow_limit_gpus": self.borrowing_limit
+            if self.borrowing_limit is not None
+            else self.borrow_limit_gpus,
+            "lending_limit": self.lending_limit,
+            "never_lent_gpus": self.lending_limit_gpus,
+            "max_outstanding_jobs": self.max_outstanding_jobs,
+            "submit_rate_per_s": self.submit_rate_per_s,
+            "submit_burst": self.submit_burst,
+        }

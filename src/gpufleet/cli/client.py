@@ -868,3 +868,6 @@ def register_client_commands(app: typer.Typer) -> None:
     app.command("why")(why)
     app.command("nodes")(nodes)
     app.command("top")(top)
+    from gpufleet.cli import usage  # its own module: it imports from this one
+
+    usage.register(app)

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
 from gpufleet.cli.client import node_label, register_client_commands
@@ -61,9 +60,28 @@ class _LazyGroup(TyperGroup):
 
 
 def _admin_group() -> TyperGroup:
+    _mount_admin_api()
     group = typer.main.get_group(admin_app)
     assert isinstance(group, TyperGroup)
     return group
+
+
+_ADMIN_API_MOUNTED: list[bool] = []
+
+
+def _mount_admin_api() -> None:
+    """``admin team|token|node`` and ``admin prepull`` go through the REST API with an admin
+    token (``cli/admin_api.py``); mounted once, when ``admin`` is first used."""
+    if _ADMIN_API_MOUNTED:
+        return
+    _ADMIN_API_MOUNTED.append(True)
+    from gpufleet.cli import admin_api
+
+    admin_app.add_typer(admin_api.team_app, name="team")
+    admin_app.add_typer(admin_api.node_app, name="node")
+    admin_app.add_typer(admin_api.token_app, name="token")
+    admin_app.command("prepull")(admin_api.node_prepull)
+    admin_api.node_app.command("label")(node_label)  # through the REST API as well
 
 
 def _sim_group() -> TyperGroup:
@@ -81,7 +99,11 @@ def _sim_group() -> TyperGroup:
 
 
 LAZY_GROUPS: dict[str, tuple[str, Callable[[], TyperGroup]]] = {
-    "admin": ("Operator commands (run where the database is reachable).", _admin_group),
+    "admin": (
+        "Operator commands: team, token and node through the API with an admin token;"
+        " check and ca on the database host.",
+        _admin_group,
+    ),
     "sim": ("Trace-driven simulator of the scheduling policy.", _sim_group),
 }
 
@@ -147,7 +169,9 @@ app = _LazyTyper(
     pretty_exceptions_enable=False,
 )
 admin_app = typer.Typer(
-    help="Operator commands (run where the database is reachable).", no_args_is_help=True
+    help="Operator commands: team, token and node through the API with an admin token;"
+    " check and ca on the database host.",
+    no_args_is_help=True,
 )
 register_client_commands(app)
 err = Console(stderr=True)
@@ -542,15 +566,6 @@ def admin_check(data_dir: DataDir = None) -> None:
     out.print("[green]no violations[/]")
 
 
-team_app = typer.Typer(help="Teams and their quotas.", no_args_is_help=True)
-node_app = typer.Typer(help="Operator actions on nodes.", no_args_is_help=True)
-token_app = typer.Typer(help="API tokens: create, list, revoke.", no_args_is_help=True)
-admin_app.add_typer(team_app, name="team")
-admin_app.add_typer(node_app, name="node")
-admin_app.add_typer(token_app, name="token")
-node_app.command("label")(node_label)  # through the REST API, with an admin token
-
-
 def _admin_db(data_dir: Path | None) -> Database:
     """The platform's database; never creates an embedded one that does not exist yet."""
     from gpufleet.processes import open_database
@@ -573,276 +588,6 @@ def _run_admin(data_dir: Path | None, fn: Callable[[Session], T]) -> T:
     except GpufleetError as exc:
         err.print(f"[red]error:[/] {escape(clean(exc.message))}")
         raise typer.Exit(2) from None
-
-
-def _per_type(values: list[str] | None, flag: str) -> dict[str, int] | None:
-    if not values:
-        return None
-    out: dict[str, int] = {}
-    for item in values:
-        gpu_type, sep, n = item.partition("=")
-        if not sep or not gpu_type or not n.isdigit():
-            err.print(f"[red]error:[/] {flag} {item!r}: use TYPE=COUNT, e.g. H100=16")
-            raise typer.Exit(2)
-        out[gpu_type] = int(n)
-    return out
-
-
-def _rate(value: str | None) -> float | None:
-    """``5/s``, ``5`` or ``0.5/s`` as submits per second."""
-    if value is None:
-        return None
-    try:
-        return float(value.strip().removesuffix("/s"))
-    except ValueError:
-        err.print(f"[red]error:[/] --submit-rate {escape(value)!r}: use a rate such as 5/s")
-        raise typer.Exit(2) from None
-
-
-@team_app.command("create")
-def team_create(name: str, weight: float = 1.0, data_dir: DataDir = None) -> None:
-    """Create a team."""
-    from gpufleet.services import auth
-
-    _run_admin(data_dir, partial(auth.create_team, name=name, weight=weight))
-    out.print(f"team {name} created")
-
-
-@team_app.command("set")
-def team_set(
-    name: str,
-    weight: Annotated[float | None, typer.Option(help="Weight for fair share (> 0).")] = None,
-    guarantee: Annotated[
-        list[str] | None, typer.Option(help="Guaranteed GPUs, TYPE=N (repeatable).")
-    ] = None,
-    borrow_limit: Annotated[
-        int | None, typer.Option(help="GPUs above the guarantee it may borrow; -1 = no limit.")
-    ] = None,
-    lending_limit: Annotated[
-        list[str] | None, typer.Option(help="Part of the guarantee never lent, TYPE=N.")
-    ] = None,
-    max_outstanding: Annotated[
-        int | None, typer.Option(help="Unfinished jobs allowed (0 = no limit).")
-    ] = None,
-    submit_rate: Annotated[
-        str | None,
-        typer.Option(help="Job submits per second, token bucket refill, e.g. 5/s (0 = no limit)."),
-    ] = None,
-    submit_burst: Annotated[
-        int | None, typer.Option(help="Submits allowed at once (the token bucket's size).")
-    ] = None,
-    data_dir: DataDir = None,
-) -> None:
-    """Set a team's quota and limits; the scheduler uses the quota from its next pass and
-    the API servers the limits within a second (no restart)."""
-    from gpufleet.services import teams
-
-    upd = teams.QuotaUpdate(
-        weight=weight,
-        guaranteed_gpus=_per_type(guarantee, "--guarantee"),
-        borrow_limit_gpus=borrow_limit,
-        lending_limit_gpus=_per_type(lending_limit, "--lending-limit"),
-        max_outstanding_jobs=max_outstanding,
-        submit_rate_per_s=_rate(submit_rate),
-        submit_burst=submit_burst,
-    )
-    _run_admin(data_dir, partial(teams.update_quota, team_id=name, upd=upd))
-    out.print(f"team {name} updated")
-
-
-@team_app.command("list")
-def team_list(
-    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
-    data_dir: DataDir = None,
-) -> None:
-    """Teams with quota, charged usage (GPU-hours), current allocation and queue length."""
-    import json
-
-    from rich.table import Table
-
-    from gpufleet.services import teams
-    from gpufleet.services.limits import TeamLimits
-
-    with _admin_db(data_dir).read() as s:
-        rows = teams.describe_teams(s, TeamLimits.defaults(_settings(data_dir)))
-    if output == "json":
-        print(json.dumps(rows, indent=2))
-        return
-    table = Table()
-    for col in (
-        "team",
-        "weight",
-        "guaranteed",
-        "never lent",
-        "borrow limit",
-        "allocated",
-        "pending",
-        "max unfinished",
-        "submits/s (burst)",
-        "GPU-h",
-    ):
-        table.add_column(col)
-    for r in rows:
-        cells = (
-            r["team"],
-            f"{r['weight']:g}",
-            ", ".join(f"{k}={v}" for k, v in r["guaranteed_gpus"].items()) or "-",
-            ", ".join(f"{k}={v}" for k, v in r["lending_limit_gpus"].items()) or "-",
-            "unlimited" if r["borrow_limit_gpus"] is None else str(r["borrow_limit_gpus"]),
-            ", ".join(f"{k}={v}" for k, v in r["allocated_gpus"].items()) or "-",
-            str(r["pending_jobs"]),
-            str(r["max_outstanding_jobs"] or "unlimited"),
-            f"{r['submit_rate_per_s']:g} ({r['submit_burst']})"
-            if r["submit_rate_per_s"]
-            else "unlimited",
-            f"{r['usage_gpu_s'] / 3600:.2f}",
-        )
-        table.add_row(*(Text(clean(c)) for c in cells))
-    out.print(table)
-
-
-def _node_action(
-    node_id: str, to: str, message: str, data_dir: Path | None, reason: str | None = None
-) -> None:
-    from gpufleet.domain.states import NodeStatus
-    from gpufleet.services import nodes
-
-    before = _run_admin(
-        data_dir,
-        partial(
-            nodes.set_node_status,
-            node_id=node_id,
-            to=NodeStatus(to),
-            message=message,
-            reason=reason,
-        ),
-    )
-    out.print(
-        Text(clean(f"node {node_id}: {before} -> {to}" + (f" ({reason})" if reason else "")))
-    )
-
-
-Reason = Annotated[str | None, typer.Option("--reason", help="Why (kept on the node, shown).")]
-
-
-@node_app.command("cordon")
-def node_cordon(node_id: str, reason: Reason = None, data_dir: DataDir = None) -> None:
-    """No new placements on the node; running work continues."""
-    _node_action(node_id, "CORDONED", "cordoned by an operator", data_dir, reason)
-
-
-@node_app.command("uncordon")
-def node_uncordon(node_id: str, data_dir: DataDir = None) -> None:
-    """Accept placements again (also ends a FENCED node's exclusion)."""
-    _node_action(node_id, "HEALTHY", "uncordoned by an operator", data_dir)
-
-
-@node_app.command("drain")
-def node_drain(
-    node_id: str,
-    reason: Reason = None,
-    wait: Annotated[
-        bool, typer.Option("--wait/--no-wait", help="Wait until the node is drained.")
-    ] = True,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait (0 = forever).")] = 0.0,
-    data_dir: DataDir = None,
-) -> None:
-    """Cordon the node, then wait (showing what still runs) until its running work has ended;
-    the controller then marks it CORDONED (drained). Exit 1 on timeout."""
-    import time
-
-    from sqlalchemy import select
-
-    from gpufleet.services import nodes
-    from gpufleet.store.tables import NodeRow
-
-    _node_action(node_id, "DRAINING", "drain requested by an operator", data_dir, reason)
-    if not wait:
-        return
-    db = _admin_db(data_dir)
-    deadline = time.monotonic() + timeout if timeout > 0 else None
-    shown = None
-    while True:
-        with db.read() as s:
-            left = nodes.active_runs_on(s, node_id)
-            status = s.execute(
-                select(NodeRow.status).where(NodeRow.id == node_id)
-            ).scalar_one_or_none()
-        if not left:
-            out.print(f"node {node_id}: drained ({status})")
-            return
-        if shown != left:
-            shown = left
-            out.print(
-                f"node {node_id}: waiting for {len(left)} attempt(s): "
-                + ", ".join(f"{job} ({st})" for _, job, st in left)
-            )
-        if deadline is not None and time.monotonic() > deadline:
-            err.print(f"[red]timed out[/]: {len(left)} attempt(s) still on {node_id}")
-            raise typer.Exit(1)
-        time.sleep(1.0)
-
-
-@admin_app.command("prepull")
-def admin_prepull(
-    image: Annotated[str, typer.Argument(help="Image reference, e.g. registry/repo:tag.")],
-    gpu_type: Annotated[
-        str | None, typer.Option("--gpu-type", help="Only nodes of this GPU type.")
-    ] = None,
-    data_dir: DataDir = None,
-) -> None:
-    """Ask healthy nodes that lack IMAGE to pull it now (DD9: warm starts); each agent gets
-    the request in its next heartbeat answer and reports the image in later heartbeats."""
-    from gpufleet.services import nodes
-
-    asked = _run_admin(
-        data_dir, partial(nodes.prepull_images, image=image, gpu_type=gpu_type or None)
-    )
-    if asked:
-        nodes_asked = ", ".join(asked)
-        out.print(f"pre-pull of {escape(image)} asked of {len(asked)} node(s): {nodes_asked}")
-    else:
-        of_type = f" of type {escape(gpu_type)}" if gpu_type else ""
-        out.print(f"no healthy node{of_type} lacks {escape(image)}")
-
-
-@node_app.command("fence")
-def node_fence(
-    node_id: str,
-    confirm_dead: Annotated[
-        bool,
-        typer.Option(
-            "--confirm-dead",
-            help="Required: you vouch the node is dead (powered off, re-installed), so its"
-            " quarantined GPUs can be offered again.",
-        ),
-    ] = False,
-    reason: Reason = None,
-    data_dir: DataDir = None,
-) -> None:
-    """Give a node up: its attempts are fenced (jobs re-placed), its QUARANTINED GPUs are
-    released, and it is FENCED (no placements until ``admin node uncordon``)."""
-    from gpufleet.services import nodes
-
-    if not confirm_dead:
-        err.print(
-            "[red]error:[/] --confirm-dead is required: fencing releases GPUs that processes"
-            " on the node might still use if it is alive"
-        )
-        raise typer.Exit(2)
-    settings = _settings(data_dir)
-    fenced, back = _run_admin(
-        data_dir,
-        partial(
-            nodes.operator_fence,
-            node_id=node_id,
-            reason=reason or "confirmed dead by an operator",
-            max_node_failures=settings.max_node_failures,
-        ),
-    )
-    out.print(f"node {node_id}: FENCED; {len(fenced)} attempt(s) fenced, {back} GPU(s) released")
-    for f in fenced:
-        out.print(f"  {f.job_id}: attempt {f.run_id} fenced; job -> {f.job_status or '-'}")
 
 
 ca_app = typer.Typer(help="The fleet CA (mutual TLS between controllers and agents).")
@@ -868,195 +613,6 @@ def ca_init(data_dir: DataDir = None, pki_dir: PkiDir = None) -> None:
         raise typer.Exit(2) from None
     out.print(f"fleet CA created in {settings.resolved_pki_dir()}")
     print(f"sha256:{ca.fingerprint}")
-
-
-def _duration_s(text: str, flag: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    num, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
-    try:
-        value = float(num) * units[unit]
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        err.print(f"[red]error:[/] {flag} {text!r}: use e.g. 90s, 15m, 2h, 1d")
-        raise typer.Exit(2)
-    return value
-
-
-@node_app.command("join-token")
-def node_join_token(
-    node_id: Annotated[
-        str | None,
-        typer.Option(help="The only node id it may join as (needed to rejoin an existing node)."),
-    ] = None,
-    ttl: Annotated[str, typer.Option(help="Lifetime, e.g. 15m, 2h (10s .. 7d).")] = "15m",
-    data_dir: DataDir = None,
-    pki_dir: PkiDir = None,
-) -> None:
-    """A single-use join token for `gpufleet agent --join-token`; printed on the last line
-    (gfj1.<CA sha256>.<secret>; stored hashed; expires after --ttl)."""
-    from gpufleet.processes import new_join_token
-    from gpufleet.rpc.tls import PkiError
-
-    settings = _settings(data_dir, pki_dir=pki_dir)
-    try:
-        token, expires = new_join_token(
-            _admin_db(data_dir), settings, node_id, _duration_s(ttl, "--ttl")
-        )
-    except PkiError as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}")
-        raise typer.Exit(2) from None
-    except GpufleetError as exc:
-        err.print(f"[red]error:[/] {escape(exc.message)}")
-        raise typer.Exit(2) from None
-    err.print(f"single use, expires {expires}; for node {node_id or '(any new id)'}")
-    print(token)
-
-
-@node_app.command("list")
-def node_list(
-    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
-    data_dir: DataDir = None,
-) -> None:
-    """Nodes and node ids with certificates: state, address, certificate serial and expiry."""
-    import json
-
-    from rich.table import Table
-
-    from gpufleet.services import node_identity
-
-    with _admin_db(data_dir).read() as s:
-        rows = node_identity.describe_nodes(s)
-    if output == "json":
-        print(json.dumps(rows, indent=2))
-        return
-    table = Table()
-    for col in ("node", "state", "address", "cert serial", "cert expires", "revoked certs"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(
-            escape(r["node_id"]),
-            r["status"],
-            escape(r["address"] or "-"),
-            r["cert_serial"] or "-",
-            r["cert_not_after"] or "-",
-            str(r["revoked_certs"]),
-        )
-    out.print(table)
-
-
-@node_app.command("revoke")
-def node_revoke(node_id: str, data_dir: DataDir = None) -> None:
-    """Revoke every certificate of the node: its next call to any controller is refused
-    (within 1 s). It rejoins only with a new join token made for it (--node-id)."""
-    from gpufleet.services import node_identity
-
-    n = _run_admin(data_dir, partial(node_identity.revoke_node, node_id=node_id))
-    out.print(f"node {node_id}: {n} certificate(s) revoked")
-
-
-@node_app.command("forget")
-def node_forget(
-    node_id: str,
-    force: Annotated[
-        bool, typer.Option("--force", help="Forget it even if it sent a heartbeat recently.")
-    ] = False,
-    data_dir: DataDir = None,
-) -> None:
-    """Remove a node that holds no reserved GPUs: certificates revoked, capacity gone. A node
-    that sent a heartbeat in the last few intervals (and is not revoked) needs --force."""
-    from gpufleet.services import node_identity
-
-    settings = _settings(data_dir)
-    n = _run_admin(
-        data_dir,
-        partial(
-            node_identity.forget_node,
-            node_id=node_id,
-            force=force,
-            live_within_s=settings.suspect_after_missed * settings.heartbeat_interval_s,
-        ),
-    )
-    out.print(f"node {node_id} forgotten; {n} certificate(s) revoked")
-
-
-@token_app.command("create")
-def token_create(
-    team: Annotated[str, typer.Option(help="The token's team (created if missing).")],
-    name: str = "",
-    admin: bool = False,
-    data_dir: DataDir = None,
-) -> None:
-    """Create an API token for a team; prints the raw token on the last line (shown once)."""
-    from gpufleet.services import auth
-
-    print(
-        _run_admin(
-            data_dir,
-            partial(
-                auth.create_token,
-                team_id=team,
-                name=name,
-                is_admin=admin,
-                create_team_if_missing=True,
-            ),
-        )
-    )
-
-
-@token_app.command("list")
-def token_list(
-    team: Annotated[str | None, typer.Option(help="Only this team's tokens.")] = None,
-    active: Annotated[bool, typer.Option("--active", help="Hide revoked tokens.")] = False,
-    output: Annotated[str, typer.Option("--output", "-o", help="table or json")] = "table",
-    data_dir: DataDir = None,
-) -> None:
-    """List API tokens: id, team, name, admin, created, revoked (never the token itself)."""
-    import json
-
-    from rich.table import Table
-
-    from gpufleet.services import auth
-
-    with _admin_db(data_dir).read() as s:
-        rows = auth.list_tokens(s, team, include_revoked=not active)
-    if output == "json":
-        print(json.dumps(rows, indent=2))
-        return
-    table = Table()
-    for col in ("id", "team", "name", "admin", "created", "revoked"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        table.add_row(
-            *(
-                Text(clean(str(v)))
-                for v in (
-                    r["id"],
-                    r["team"],
-                    r["name"] or "-",
-                    "yes" if r["admin"] else "no",
-                    r["created_at"] or "-",
-                    r["revoked_at"] or "-",
-                )
-            )
-        )
-    out.print(table)
-
-
-@token_app.command("revoke")
-def token_revoke(
-    token_id: Annotated[str, typer.Argument(help="The token's id (admin token list).")],
-    data_dir: DataDir = None,
-) -> None:
-    """Revoke a token: every API server refuses it within a second."""
-    from gpufleet.services import auth
-
-    got = _run_admin(data_dir, partial(auth.revoke_token, token_id=token_id))
-    out.print(
-        f"token {escape(clean(got['id']))} (team {escape(got['team'])}) revoked at "
-        f"{got['revoked_at']}",
-        highlight=False,
-    )
 
 
 if __name__ == "__main__":

@@ -83,9 +83,7 @@ class AgentClients:
                 self._stubs[(node_id, address)] = found
             return found[1]
 
-    def assign(
-        self, node_id: str, address: str, req: pb.AssignJobRequest
-    ) -> pb.AssignJobResponse:
+    def assign(self, node_id: str, address: str, req: pb.AssignJobRequest) -> pb.AssignJobResponse:
         """Raises grpc.RpcError when the agent cannot be reached (or is not ``node_id``)."""
         stub = self.stub(node_id, address)
         resp: pb.AssignJobResponse = stub.AssignJob(req, timeout=RPC_TIMEOUT_S)

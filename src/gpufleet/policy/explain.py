@@ -162,10 +162,27 @@ class WaitingReasons(Mapping[str, WaitReason]):
                     f"guarantee, the most its borrow limit ({ts.borrow_limit_gpus}) allows."
                 )
             else:
+                keepers = book.kept_back_by_others(job.team_id, gpu_type)
+                kept = sum(k for _, k, _ in keepers)
+                cap = book.capacity(gpu_type)
+                d.update(
+                    kept_back={t: k for t, k, _ in keepers},
+                    capacity=cap,
+                )
+                who = ", ".join(
+                    f"team {t} keeps {k} of its nominal quota of {g}" for t, k, g in keepers
+                )
                 msg = (
                     f"The idle {gpu_type} GPUs are other teams' unused guarantee that they "
-                    f"do not lend; team {job.team_id} is above its own guarantee."
+                    f"do not lend ({who or 'lending limits'}); team {job.team_id} is above "
+                    f"its own guarantee."
                 )
+                if cap and kept >= cap:
+                    msg += (
+                        f" Those guarantees keep back {kept} of the fleet's {cap} {gpu_type} "
+                        "GPUs: this job can never start until an admin lowers their nominal "
+                        "quota or raises their lending limit."
+                    )
         elif code == "waiting_with_reservation":
             _, node_id, start_s, extra = cause
             est = float(start_s)

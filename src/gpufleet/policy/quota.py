@@ -92,6 +92,21 @@ class TeamBook:
         unused = max(0, ts.guaranteed_gpus.get(gpu_type, 0) - self.allocated(team_id, gpu_type))
         return min(unused, keep)
 
+    def kept_back_by_others(self, team_id: str, gpu_type: str) -> list[tuple[str, int, int]]:
+        """(team, GPUs of ``gpu_type`` it keeps back now, its guarantee) for every other team
+        that keeps unused guarantee back from lending (Kueue: nominalQuota - lendingLimit),
+        most first: what ``guarantee_protected`` waits on."""
+        out = [
+            (tid, self._keep(tid, gpu_type), self.guarantee(tid, gpu_type))
+            for tid, ts in self._teams.items()
+            if tid != team_id and gpu_type in ts.lending_limit_gpus
+        ]
+        return sorted((t for t in out if t[1] > 0), key=lambda t: (-t[1], t[0]))
+
+    def capacity(self, gpu_type: str) -> int:
+        """The fleet's GPUs of ``gpu_type`` in this pass's snapshot."""
+        return int(self._cap_gpus.get(gpu_type, 0))
+
     def borrowed_total(self, team_id: str) -> int:
         return sum(
             max(0, n - self.guarantee(team_id, t)) for t, n in self.alloc.get(team_id, {}).items()

@@ -22,8 +22,9 @@ class TeamState:
         guaranteed_gpus: GPUs guaranteed per GPU type (``{"H100": 16}``).
         borrow_limit_gpus: how many GPUs above its guarantee the team may borrow from idle
             capacity; None means unlimited.
-        lending_limit_gpus: per GPU type, the part of the guarantee never lent to others;
-            empty means all of it may be lent.
+        lending_limit_gpus: per GPU type, the part of the guarantee never lent to others
+            (``nominalQuota - lendingLimit`` in Kueue's terms: the store converts the
+            team's Kueue-style ``lendingLimit`` into this); empty means all of it may be lent.
         usage_gpu_s: charged usage in GPU-seconds, decayed with ``policy.usage`` (closed
             attempts plus the elapsed part of running ones); used to break ties between teams
             whose current dominant shares are equal (see docs/design/scheduling-policy.md).

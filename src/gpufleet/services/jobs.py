@@ -386,8 +386,10 @@ def submit_job(
     fallback_max_gpus: int = 8,
     default_max_outstanding_jobs: int = 0,
     control: SubmitControl | None = None,
+    submitted_by: str | None = None,
 ) -> Submitted:
     """Persist a new PENDING job, or return the earlier one for a repeated key.
+    ``submitted_by``: the submitting API token's id (accounting's "user").
 
     ``control`` adds an array (one job per task, in one transaction; task ``i`` of the key
     ``K`` is stored under ``K`` for the first task and ``K#i`` for the others), dependencies
@@ -471,6 +473,7 @@ def submit_job(
                         priority_rank=spec.priority.rank,
                         gpu_count=spec.resources.gpu_count,
                         max_runtime_s=spec.max_runtime_s,
+                        submitted_by=submitted_by,
                         status=JobStatus.PENDING,
                         cancel_requested=False,
                         fencing_epoch=0,

@@ -212,6 +212,16 @@ class SubmitAdmission:
             self._cache[team_id] = (now, limits)
         return limits
 
+    def check_needs_io(self, team_id: str) -> bool:
+        """Whether :meth:`check_submit_rate` for ``team_id`` may block: the team's limits are
+        not cached, or its rate is limited through a shared (Redis) bucket. When False the
+        check is a few dict operations, cheap enough for an event loop."""
+        with self._lock:
+            hit = self._cache.get(team_id)
+        if hit is None or time.monotonic() - hit[0] >= LIMITS_TTL_S:
+            return True
+        return hit[1].submit_rate_per_s > 0 and not isinstance(self.limiter, InProcRateLimiter)
+
     def forget(self, team_id: str) -> None:
         """Drop a team's cached limits (they were changed through this server)."""
         with self._lock:

@@ -1,4 +1,5 @@
-"""Team quotas (weight, guaranteed GPUs per GPU type, borrow limit, lending limit) and
+"""Team quotas (weight, guaranteed GPUs per GPU type, borrow limit, lending limit; named after
+Kueue's nominalQuota, borrowingLimit and lendingLimit, see docs/design/scheduling-policy.md) and
 admission limits (unfinished jobs, submit rate; ``services.limits``).
 
 Changes take effect at the next scheduling pass (the scheduler reads teams from the database
@@ -26,21 +27,43 @@ from gpufleet.services.limits import (
     MAX_WEIGHT,
     TeamLimits,
 )
-from gpufleet.store.tables import JobRow, JobRunRow, NodeRow, TeamRow
+from gpufleet.store.queries import kept_back
+from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow, TeamRow
 
 
 @dataclass(frozen=True, slots=True)
 class QuotaUpdate:
-    """Fields left as None are not changed. ``borrow_limit_gpus = -1`` removes the limit;
+    """Fields left as None are not changed. Names follow Kueue's ClusterQueue quotas:
+
+    - ``guaranteed_gpus`` ~ ``nominalQuota``: GPUs per type the team always gets back
+      (reclaimed by preemption when lent out);
+    - ``borrow_limit_gpus`` ~ ``borrowingLimit`` (one figure over all types here, not per
+      type as in Kueue): GPUs above the guarantee it may borrow; ``-1`` removes the limit;
+    - ``lending_limit`` ~ ``lendingLimit``: per type, the most of the team's unused guarantee
+      other teams may borrow (the rest, ``guarantee - lending_limit``, is never lent); a type
+      without one lends all of it; ``{}`` removes every lending limit.
+    - ``never_lent_gpus``: deprecated, the old meaning of ``lending_limit_gpus`` (the part of
+      the guarantee never lent); converted to ``lending_limit = guarantee - never_lent``.
+
     ``max_outstanding_jobs = 0`` and ``submit_rate_per_s = 0`` mean no limit."""
 
     weight: float | None = None
     guaranteed_gpus: dict[str, int] | None = None
     borrow_limit_gpus: int | None = None
-    lending_limit_gpus: dict[str, int] | None = None
+    lending_limit: dict[str, int] | None = None
+    never_lent_gpus: dict[str, int] | None = None
     max_outstanding_jobs: int | None = None
     submit_rate_per_s: float | None = None
     submit_burst: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaChange:
+    """The updated team and the warnings about quotas that may not be met (never refused:
+    they can become true as the fleet grows)."""
+
+    team: TeamRow
+    warnings: list[str]
 
 
 def _per_type(value: dict[str, int], field: str) -> dict[str, int]:
@@ -62,13 +85,84 @@ def _bounded_int(value: int, field: str, low: int, high: int) -> int:
     return value
 
 
-def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> TeamRow:
-    """Apply ``upd`` to team ``team_id``. Raises NotFound, ValidationFailed (naming the field)."""
+def fleet_capacity(session: Session) -> dict[str, int]:
+    """GPUs per GPU type over every node the scheduler knows (cordoned and unhealthy ones
+    included: they count towards what a guarantee can ever get)."""
+    return {
+        str(t): int(n)
+        for t, n in session.execute(
+            select(NodeRow.gpu_type, func.sum(NodeCapacityRow.total_gpus))
+            .join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
+            .group_by(NodeRow.gpu_type)
+        )
+    }
+
+
+def _check_feasible(
+    session: Session, team_id: str, guaranteed: dict[str, int], field: str
+) -> list[str]:
+    """Refuse a guarantee that can never be met; return warnings for one that may not be.
+
+    Refused (ValidationFailed naming ``field`` and the numbers): a GPU type no node has,
+    while the fleet has nodes (the known types are listed); a guarantee above the type's
+    total GPUs. Warned: any guarantee while the fleet has no nodes yet (nothing to check
+    against), and guarantees of all teams together above a type's total (over-committed:
+    each team's is met only while the others do not claim theirs)."""
+    cap = fleet_capacity(session)
+    wanted = {t: n for t, n in guaranteed.items() if n > 0}
+    if not cap:
+        return (
+            [f"the fleet has no nodes yet: {field} {wanted} cannot be checked against capacity"]
+            if wanted
+            else []
+        )
+    warnings: list[str] = []
+    for gpu_type, n in wanted.items():
+        if gpu_type not in cap:
+            known = ", ".join(f"{t} ({c} GPUs)" for t, c in sorted(cap.items()))
+            raise ValidationFailed(
+                f"{field}[{gpu_type}] = {n}: no node has GPU type {gpu_type!r}, so this"
+                f" guarantee could never be met; the fleet's GPU types are: {known}",
+                field=field,
+            )
+        if n > cap[gpu_type]:
+            raise ValidationFailed(
+                f"{field}[{gpu_type}] = {n} exceeds the {cap[gpu_type]} {gpu_type} GPUs of"
+                " the whole fleet: it could never be met (and would hold other teams' jobs"
+                " back waiting for it)",
+                field=field,
+            )
+    others: dict[str, int] = {}
+    for tid, g in session.execute(select(TeamRow.id, TeamRow.guaranteed_gpus)):
+        if tid != team_id:
+            for t, n in (g or {}).items():
+                others[t] = others.get(t, 0) + int(n)
+    for gpu_type, n in wanted.items():
+        total = n + others.get(gpu_type, 0)
+        if total > cap[gpu_type]:
+            warnings.append(
+                f"{field}[{gpu_type}]: the guarantees of all teams add up to {total}, more"
+                f" than the fleet's {cap[gpu_type]} {gpu_type} GPUs: they cannot all be met"
+                " at once"
+            )
+    return warnings
+
+
+def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> QuotaChange:
+    """Apply ``upd`` to team ``team_id``; returns the team and warnings.
+
+    Raises:
+        NotFound: no such team.
+        ValidationFailed: a bad value, or a quota that can never be met (a GPU type no
+            node has, a guarantee above the type's capacity, a lending limit above the
+            guarantee); the message names the field and the numbers.
+    """
     team = (
         session.get(TeamRow, team_id, with_for_update=True) if TEAM_NAME.match(team_id) else None
     )
     if team is None:
         raise NotFound(f"no team {team_id!r}", field="team")
+    warnings: list[str] = []
     if upd.weight is not None:
         if not (math.isfinite(upd.weight) and 0 < upd.weight <= MAX_WEIGHT):
             raise ValidationFailed(
@@ -76,16 +170,38 @@ def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> TeamRow:
             )
         team.weight = upd.weight
     if upd.guaranteed_gpus is not None:
-        team.guaranteed_gpus = _per_type(upd.guaranteed_gpus, "guaranteed_gpus")
-    if upd.lending_limit_gpus is not None:
-        team.lending_limit_gpus = _per_type(upd.lending_limit_gpus, "lending_limit_gpus")
-    guaranteed = team.guaranteed_gpus or {}
-    for gpu_type, keep in (team.lending_limit_gpus or {}).items():
-        if keep > guaranteed.get(gpu_type, 0):
+        guaranteed = _per_type(upd.guaranteed_gpus, "guaranteed_gpus")
+        warnings += _check_feasible(session, team_id, guaranteed, "guaranteed_gpus")
+        team.guaranteed_gpus = guaranteed
+    guaranteed = dict(team.guaranteed_gpus or {})
+    if upd.lending_limit is not None and upd.never_lent_gpus is not None:
+        raise ValidationFailed(
+            "give lending_limit or the deprecated lending_limit_gpus, not both",
+            field="lending_limit",
+        )
+    if upd.never_lent_gpus is not None:
+        kept = _per_type(upd.never_lent_gpus, "lending_limit_gpus")
+        for gpu_type, keep in kept.items():
+            if keep > guaranteed.get(gpu_type, 0):
+                raise ValidationFailed(
+                    f"lending_limit_gpus[{gpu_type}] = {keep} (the part never lent) exceeds"
+                    f" the guarantee ({guaranteed.get(gpu_type, 0)})",
+                    field="lending_limit_gpus",
+                )
+        team.lending_limit_gpus = {t: guaranteed.get(t, 0) - k for t, k in kept.items()}
+        warnings.append(
+            "lending_limit_gpus is deprecated (it meant the part of the guarantee never"
+            " lent); stored as lending_limit (Kueue's lendingLimit, the most lent out) ="
+            f" {team.lending_limit_gpus}"
+        )
+    if upd.lending_limit is not None:
+        team.lending_limit_gpus = _per_type(upd.lending_limit, "lending_limit")
+    for gpu_type, lend in (team.lending_limit_gpus or {}).items():
+        if lend > guaranteed.get(gpu_type, 0):
             raise ValidationFailed(
-                f"lending_limit_gpus[{gpu_type}] = {keep} exceeds the guarantee "
-                f"({guaranteed.get(gpu_type, 0)})",
-                field="lending_limit_gpus",
+                f"lending_limit[{gpu_type}] = {lend} exceeds the guarantee"
+                f" ({guaranteed.get(gpu_type, 0)}): only a guarantee can be lent",
+                field="lending_limit",
             )
     if upd.borrow_limit_gpus is not None:
         borrow = _bounded_int(upd.borrow_limit_gpus, "borrow_limit_gpus", -1, MAX_GPUS)
@@ -106,7 +222,7 @@ def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> TeamRow:
     if upd.submit_burst is not None:
         team.submit_burst = _bounded_int(upd.submit_burst, "submit_burst", 1, MAX_SUBMIT_BURST)
     session.flush()
-    return team
+    return QuotaChange(team, warnings)
 
 
 def describe_teams(session: Session, defaults: TeamLimits | None = None) -> list[dict[str, Any]]:
@@ -141,10 +257,16 @@ def describe_teams(session: Session, defaults: TeamLimits | None = None) -> list
             "weight": t.weight,
             "guaranteed_gpus": t.guaranteed_gpus or {},
             "borrow_limit_gpus": t.borrow_limit_gpus,
-            "lending_limit_gpus": t.lending_limit_gpus or {},
+            # Kueue's lendingLimit: the most of the guarantee lent out (absent: all of it)
+            "lending_limit": t.lending_limit_gpus or {},
+            # the same, as the part never lent (what `lending_limit_gpus` used to mean)
+            "never_lent_gpus": kept_back(t.guaranteed_gpus or {}, t.lending_limit_gpus or {}),
             "max_outstanding_jobs": limits[t.id][0],
             "submit_rate_per_s": limits[t.id][1],
             "submit_burst": limits[t.id][2],
+            # decayed (half-life usage_half_life_s): the fair-share figure, not accounting
+            # (accounting is GET /v1/usage); ``usage_gpu_s`` is its older name
+            "fair_share_usage_gpu_s": round(t.usage_gpu_s, 3),
             "usage_gpu_s": round(t.usage_gpu_s, 3),
             "allocated_gpus": alloc.get(t.id, {}),
             "pending_jobs": int(pending.get(t.id, 0)),

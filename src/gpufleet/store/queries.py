@@ -298,7 +298,9 @@ def load_snapshot(
             weight=t.weight,
             guaranteed_gpus=dict(t.guaranteed_gpus or {}),
             borrow_limit_gpus=t.borrow_limit_gpus,
-            lending_limit_gpus=dict(t.lending_limit_gpus or {}),
+            # the table stores Kueue's lendingLimit (the most of the guarantee lent out);
+            # the policy works with the part kept back: nominal quota - lendingLimit
+            lending_limit_gpus=kept_back(t.guaranteed_gpus or {}, t.lending_limit_gpus or {}),
             usage_gpu_s=ledger.with_running(now_s, running_by_team.get(t.id, [])),
         )
     holds = tuple(
@@ -394,3 +396,10 @@ def check_database(
     if grace_s is not None and confirm_timeout_s is not None:
         limits = StuckLimits(now_s, grace_s, confirm_timeout_s, margin_s)
     return view, check_invariants(view, limits)
+
+
+def kept_back(guaranteed: dict[str, Any], lending_limit: dict[str, Any]) -> dict[str, int]:
+    """Per GPU type, the part of the guarantee never lent, from Kueue's ``lendingLimit``
+    (``nominalQuota - lendingLimit``, at least 0); a type without a lending limit keeps
+    nothing back (all of its guarantee may be lent)."""
+    return {str(t): max(0, int(guaranteed.get(t, 0)) - int(n)) for t, n in lending_limit.items()}

@@ -143,6 +143,9 @@ class JobRow(Base):
     pending_reason: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     max_runtime_s: Mapped[float | None] = mapped_column(Float)
     """Copy of ``spec.max_runtime_s``, so the stop driver's scan reads no JSON."""
+    submitted_by: Mapped[str | None] = mapped_column(String(64))
+    """Id of the API token that submitted it (accounting's "user"); None for jobs made
+    before it was recorded or outside the API."""
     retry_after: Mapped[datetime | None]
     """A retry after a failure is not placed before this time (exponential backoff)."""
     held: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
@@ -385,3 +388,37 @@ class SchedulingEventRow(Base):
     node_id: Mapped[str | None] = mapped_column(String(128))
     message: Mapped[str | None] = mapped_column(Text)
     details: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class UsageRecordRow(Base):
+    """Accounting: one durable row per ended attempt member (one ``job_runs`` row), written by
+    ``store.accounting`` in the transaction that ends it (``store/transitions.py``). Never
+    decayed, never updated: what a manager bills on (Slurm's sacct/sreport), unlike the
+    decayed fair-share usage on ``teams.usage_gpu_s``."""
+
+    __tablename__ = "usage_records"
+    __table_args__ = (
+        Index("ix_usage_records_end_at", "end_at"),
+        Index("ix_usage_records_team_end_at", "team_id", "end_at"),
+    )
+
+    run_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    """The attempt (``job_runs.id``); one record per run row, so a gang has one per member."""
+    job_id: Mapped[str] = mapped_column(String(40), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    team_id: Mapped[str] = mapped_column(String(64))
+    token_id: Mapped[str | None] = mapped_column(String(64))
+    """The API token that submitted the job (None: unknown)."""
+    user: Mapped[str] = mapped_column(String(128), default="")
+    """The token's owner name (its ``name``, else its id; "" when unknown)."""
+    node_id: Mapped[str] = mapped_column(String(128))
+    gpu_type: Mapped[str] = mapped_column(String(64))
+    gpus: Mapped[int] = mapped_column(Integer)
+    start_at: Mapped[datetime]
+    """When the GPUs were reserved for the attempt (the allocation's start)."""
+    end_at: Mapped[datetime]
+    """When the attempt ended (its terminal transition)."""
+    gpu_seconds: Mapped[float] = mapped_column(Float)
+    """``(end_at - start_at) * gpus`` in GPU-seconds (never negative)."""
+    outcome: Mapped[str] = mapped_column(String(16))
+    """The attempt's terminal status: SUCCEEDED, FAILED, CANCELLED, PREEMPTED or FENCED."""

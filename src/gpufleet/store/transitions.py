@@ -16,7 +16,8 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import StaleState
-from gpufleet.domain.states import Machine, check_transition
+from gpufleet.domain.states import RUN_TERMINAL, Machine, check_transition
+from gpufleet.store import accounting
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
     Base,
@@ -88,6 +89,9 @@ def transition(
             + (f" with {dict(guard)}" if guard else "")
             + f" (wanted -> {to})"
         )
+    if machine is Machine.RUN and to in RUN_TERMINAL:
+        # the one place every attempt ends: its usage record goes in the same transaction
+        accounting.record_attempt_end(session, entity_id, outcome=str(to), end_at=now)
     session.add(
         SchedulingEventRow(
             at=now,

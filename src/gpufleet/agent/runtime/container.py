@@ -552,10 +552,7 @@ class ContainerRuntime:
                 f"env {bad[0]!r}: a container's variable names cannot be empty or hold '=' or "
                 "newlines, and values cannot hold newlines"
             )
-        # the runner's env.json (for a process shim) is not used: the engine reads its own
-        # KEY=value file, deleted right after create
-        with contextlib.suppress(FileNotFoundError):
-            paths.env_file.unlink()
+        # the engine reads a KEY=value file, deleted right after create
         env_file = paths.root / "container.env"
         fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -22,13 +22,12 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from gpufleet.agent import procfs
+from gpufleet.agent import procfs, shim
 from gpufleet.agent.assignment_log import RunRecord
 from gpufleet.agent.fsutil import create_exclusive
 from gpufleet.agent.runtime.base import (
@@ -112,33 +111,40 @@ class ProcessRuntime:
                 raise StartError(
                     f"cannot create the attempt's cgroup: {exc}", node_fault=True
                 ) from exc
-        argv = [sys.executable, "-m", "gpufleet.agent.shim", "--exit-file", str(paths.exit_file)]
-        argv += ["--log-file", str(paths.log), "--claim-file", str(paths.claim)]
-        argv += ["--env-file", str(paths.env_file), "--cwd", str(launch.cwd)]
-        for procs in cgroup.procs_files() if cgroup is not None else ():
-            argv += ["--cgroup-procs", str(procs)]
         command = list(launch.command)
         user = launch.user
+        ids: dict[str, Any] = {}
         if self.containment.kind == "pidns":
             # unshare must run privileged to make the namespace; it switches users itself
-            ids = {"uid": user.uid, "gid": user.gid} if user.switch else {}
-            command = [*self.containment.command_prefix(**ids), *command]
+            prefix_ids = {"uid": user.uid, "gid": user.gid} if user.switch else {}
+            command = [*self.containment.command_prefix(**prefix_ids), *command]
             if user.switch:
-                argv += ["--cwd-as", f"{user.uid}:{user.gid}"]
+                ids["cwd_as"] = (user.uid, user.gid)
         elif user.switch:
-            argv += ["--uid", str(user.uid), "--gid", str(user.gid)]
-            argv += ["--groups", ",".join(str(g) for g in user.groups)]
+            ids.update(uid=user.uid, gid=user.gid, groups=tuple(user.groups))
         read_fd, write_fd = os.pipe()
         try:
             with open(paths.shim_log, "ab") as shim_log:
                 popen = subprocess.Popen(
-                    [*argv, "--status-fd", str(write_fd), "--", *command],
+                    shim.argv(
+                        exit_file=paths.exit_file,
+                        log_file=paths.log,
+                        claim_file=paths.claim,
+                        status_fd=1,  # its stdout: the pipe
+                        cwd=launch.cwd,
+                        # the attempt's own work dir belongs to the job user; a working_dir
+                        # the job chose is entered only as the job user
+                        cwd_check=launch.cwd != paths.work,
+                        cgroup_procs=tuple(cgroup.procs_files()) if cgroup is not None else (),
+                        command=command,
+                        keep_pwd="PWD" in launch.env or "OLDPWD" in launch.env,
+                        **ids,
+                    ),
                     stdin=subprocess.DEVNULL,
-                    stdout=shim_log,
-                    stderr=subprocess.STDOUT,
+                    stdout=write_fd,
+                    stderr=shim_log,
                     start_new_session=True,  # the shim leads its own session and group
-                    pass_fds=(write_fd,),
-                    env=_shim_env(),
+                    env=launch.env,  # the shell's environment is the command's
                 )
         except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL byte in an argument
             os.close(read_fd)
@@ -165,7 +171,7 @@ class ProcessRuntime:
             )
         if status is None:
             logger.warning("run %s: no handshake from the shim in time; watching it", rec.run_id)
-        claim = _read_json(paths.claim) or {}
+        claim = _read_claim(paths.claim) or {}
         ticks = claim.get("start_ticks") or procfs.start_ticks(popen.pid) or 0
         child = int(status["pid"]) if status else popen.pid
         return ProcessHandle(
@@ -190,7 +196,7 @@ class ProcessRuntime:
         if create_exclusive(paths.claim, {"abandoned": True}):
             self._remove_group(rec.run_id)
             return None
-        claim = _read_json(paths.claim) or {}
+        claim = _read_claim(paths.claim) or {}
         if "pid" not in claim:
             return None
         pid = int(claim["pid"])
@@ -271,8 +277,6 @@ class ProcessRuntime:
             return None
         if not h.main_exited:
             return None  # the cgroup is empty; the shim is writing the exit file
-        if h.popen is not None:
-            h.popen.wait()  # reap the shim only now: a zombie leader keeps the pgid from reuse
         h.unkillable = False
         info = self._exit_info(rec, h)
         if h.cgroup is not None:
@@ -304,13 +308,13 @@ class ProcessRuntime:
     @staticmethod
     def _shim_exited(h: ProcessHandle) -> bool:
         if h.popen is not None:
-            # WNOWAIT: see the exit but leave the zombie, so the pgid cannot be reused before
-            # the rest of the group is verified gone.
-            try:
-                info = os.waitid(os.P_PID, h.shim_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                return True
-            return info is not None
+            # Reaps the shim at once. Its zombie used to be kept so that its pid could not be
+            # reused as a pgid, but that made ``killpg(pgid, 0)`` succeed after every attempt
+            # and forced a scan of every /proc/<pid>/stat on the host. Reaping is safe: the
+            # kernel frees the number only once no process uses it as pid *or* pgid (the group
+            # is empty, so nothing is left to signal), and a number reused after that (a wrap
+            # of pid_max) is recognised by its start time (``procfs.leader_reused``).
+            return h.popen.poll() is not None
         return not procfs.is_same_process_alive(h.shim_pid, h.shim_start_ticks)
 
     def _exit_info(self, rec: RunRecord, h: ProcessHandle, *, rebooted: bool = False) -> ExitInfo:
@@ -344,7 +348,7 @@ class ProcessRuntime:
                 note = f"killed with SIGKILL after {rec.stop_grace_s:g} s grace"
             return ExitInfo(
                 exit_code=code,
-                finished_at_s=float(data.get("finished_at_s", time.time())),
+                finished_at_s=float(data.get("finished_at_s") or _mtime(h.exit_file)),
                 never_started=bool(start_error),
                 message=start_error or note,
                 reason="" if start_error else reason,
@@ -368,11 +372,23 @@ def _what(h: ProcessHandle) -> str:
     return f"group {h.pgid}"
 
 
-def _shim_env() -> dict[str, str]:
-    """The shim's own environment: enough to run Python, nothing of the agent's secrets (the
-    command's environment comes from the env file)."""
-    keep = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "TZ")
-    return {k: v for k, v in os.environ.items() if k in keep}
+def _read_claim(path: Path, wait_s: float = 2.0) -> dict[str, Any] | None:
+    """The shim's claim. The shim creates it (``O_EXCL``) and fills it with one ``write``
+    right after, so a claim found empty is one being written: re-read it for up to
+    ``wait_s`` seconds. None if there is no claim (or it stays unreadable)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            raw = path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) or time.monotonic() >= deadline:
+            return data if isinstance(data, dict) else None
+        time.sleep(0.01)
 
 
 def _read_status(fd: int, timeout_s: float) -> dict[str, Any] | None:
@@ -394,6 +410,14 @@ def _read_status(fd: int, timeout_s: float) -> dict[str, Any] | None:
     except ValueError:
         return None
     return data if isinstance(data, dict) else None
+
+
+def _mtime(path: Path) -> float:
+    """When the shim wrote ``path`` (its exit file carries no time of its own)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return time.time()
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 MASTER_PORT, the gang attempt's decided outcome, and GPU holds per (job_id, node_id)
 
 Revision ID: 0005g
-Revises: 0005j
+Revises: 0005u
 Create Date: 2026-11-30 16:30:00
 """
 
@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0005g"
-down_revision: str | None = "0005j"
+down_revision: str | None = "0005u"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

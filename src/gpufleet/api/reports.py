@@ -1,0 +1,245 @@
+"""Routes for accounting (``GET /v1/usage``) and artifacts (``GET /v1/jobs/{id}/artifacts``).
+
+Mounted by ``api.app.create_app`` through :func:`add_report_routes`; the caller passes its
+auth dependency and its OpenAPI error-response helper, so this module needs nothing from
+``app.py``.
+"""
+
+import csv
+import io
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from gpufleet.domain.errors import Forbidden, ValidationFailed
+from gpufleet.objectstore import ObjectStore
+from gpufleet.services import artifacts, auth, jobs
+from gpufleet.store import accounting
+from gpufleet.store.db import Database
+from gpufleet.store.dialect import db_now
+
+CSV = "text/csv; charset=utf-8"
+
+
+class UsageLineOut(BaseModel):
+    """One group: ``key`` is the team, user (token owner), job id or GPU type."""
+
+    key: str
+    team: str | None
+    gpu_seconds: float
+    gpu_hours: float
+    attempts: int
+    jobs: int
+
+
+class UsageOut(BaseModel):
+    """GET /v1/usage: GPU-time of ended attempts inside ``[since, until)``, records clipped to
+    the window (Slurm sreport semantics); not decayed (the fair-share figure is)."""
+
+    since: str | None
+    until: str
+    by: str
+    team: str | None
+    items: list[UsageLineOut]
+    total_gpu_seconds: float
+    total_gpu_hours: float
+
+
+class ArtifactOut(BaseModel):
+    path: str
+    size: int
+    sha256: str
+
+
+class ArtifactList(BaseModel):
+    """The artifacts the job's accepted manifest lists (the attempt that succeeded)."""
+
+    job_id: str
+    run_id: str
+    items: list[ArtifactOut]
+
+
+def parse_time(value: str | None, field: str) -> datetime | None:
+    """An ISO 8601 time (``2026-11-30``, ``2026-11-30T12:00:00Z``); no zone = UTC.
+
+    Raises:
+        ValidationFailed: not a time (names ``field``).
+    """
+    if value is None or value == "":
+        return None
+    try:
+        at = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise ValidationFailed(
+            f"{field}: {value[:40]!r} is not an ISO 8601 time (e.g. 2026-11-01 or"
+            " 2026-11-01T00:00:00Z)",
+            field=field,
+        ) from None
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
+
+
+def usage_csv(out: UsageOut) -> str:
+    """``{by},team,gpu_hours,gpu_seconds,attempts,jobs`` lines (header first)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow([out.by, "team", "gpu_hours", "gpu_seconds", "attempts", "jobs"])
+    for ln in out.items:
+        w.writerow(
+            [
+                ln.key,
+                ln.team or "",
+                f"{ln.gpu_hours:.6f}",
+                f"{ln.gpu_seconds:.3f}",
+                ln.attempts,
+                ln.jobs,
+            ]
+        )
+    return buf.getvalue()
+
+
+def add_report_routes(
+    app: FastAPI,
+    *,
+    db: Database,
+    store: ObjectStore,
+    principal: Callable[..., Any],
+    errors: Callable[..., dict[int | str, dict[str, Any]]],
+) -> None:
+    """Add ``GET /v1/usage``, ``GET /v1/jobs/{job_id}/artifacts`` and
+    ``GET /v1/jobs/{job_id}/artifacts/{path}`` to ``app``."""
+    # a local alias: annotations here are evaluated at once (no postponed annotations)
+    Who = Annotated[auth.Principal, Depends(principal)]
+
+    @app.get(
+        "/v1/usage",
+        response_model=UsageOut,
+        responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}, **errors(403)},
+    )
+    def usage(
+        request: Request,
+        who: Who,
+        team: Annotated[str | None, Query(max_length=64, description="One team only.")] = None,
+        since: Annotated[
+            str | None, Query(max_length=64, description="Window start (ISO 8601, inclusive).")
+        ] = None,
+        until: Annotated[
+            str | None,
+            Query(max_length=64, description="Window end (ISO 8601, exclusive; default now)."),
+        ] = None,
+        by: accounting.GroupBy = accounting.GroupBy.TEAM,
+        format: Annotated[
+            Literal["json", "csv"] | None,
+            Query(description="csv or json (else from the Accept header; default json)."),
+        ] = None,
+    ) -> Any:
+        """GPU-hours of ended attempts by team, user (token owner), job or GPU type, inside
+        ``[since, until)``: each attempt counts from its reservation to its end, clipped to
+        the window (Slurm's sreport cluster utilisation). Team tokens see their own team
+        (403 for another); admin tokens see every team."""
+        start = parse_time(since, "since")
+        end = parse_time(until, "until")
+        if team is not None and not who.is_admin and team != who.team_id:
+            raise Forbidden(
+                f"a token of team {who.team_id!r} sees only its own team's usage, not {team!r}",
+                field="team",
+            )
+        scope = team if who.is_admin else who.team_id
+        if start is not None and end is not None and start >= end:
+            raise ValidationFailed("since must be before until", field="since")
+
+        def read() -> UsageOut:
+            with db.read() as s:
+                upto = end or db_now(s)
+                if start is not None and start >= upto:
+                    raise ValidationFailed("since must be before until (now)", field="since")
+                recs = accounting.usage_records(s, team=scope, since=start, until=upto)
+                lines = accounting.summarize(recs, by, start, upto)
+            total = round(sum(ln.gpu_seconds for ln in lines), 3)
+            return UsageOut(
+                since=jobs.iso(start),
+                until=jobs.iso(upto) or "",
+                by=by.value,
+                team=scope,
+                items=[
+                    UsageLineOut(
+                        key=ln.key,
+                        team=ln.team,
+                        gpu_seconds=ln.gpu_seconds,
+                        gpu_hours=round(ln.gpu_hours, 6),
+                        attempts=ln.attempts,
+                        jobs=ln.jobs,
+                    )
+                    for ln in lines
+                ],
+                total_gpu_seconds=total,
+                total_gpu_hours=round(total / 3600.0, 6),
+            )
+
+        out = read()
+        wants_csv = format == "csv" or (
+            format is None and "text/csv" in request.headers.get("accept", "")
+        )
+        if wants_csv:
+            return Response(usage_csv(out), media_type=CSV)
+        return out
+
+    @app.get(
+        "/v1/jobs/{job_id}/artifacts", response_model=ArtifactList, responses=errors(404, 409)
+    )
+    def list_artifacts(job_id: str, who: Who) -> ArtifactList:
+        """The job's artifacts from its accepted manifest: path, size (bytes), sha256. 409
+        when the job has no accepted manifest (it has not succeeded)."""
+        with db.read() as s:
+            where = artifacts.accepted_manifest(s, store, _team(who), job_id)
+        manifest = artifacts.read_manifest(store, where)
+        return ArtifactList(
+            job_id=where.job_id,
+            run_id=where.run_id,
+            items=[
+                ArtifactOut(path=f.path, size=f.size, sha256=f.sha256)
+                for f in artifacts.artifact_files(manifest)
+            ],
+        )
+
+    @app.get(
+        "/v1/jobs/{job_id}/artifacts/{path:path}",
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "content": {"application/octet-stream": {"schema": {"type": "string"}}},
+                "description": "The artifact's bytes; `X-Gpufleet-Sha256` is the manifest's"
+                " sha256 (the answer is cut short if the stored object does not match it)",
+            },
+            **errors(404, 409),
+        },
+    )
+    async def get_artifact(job_id: str, path: str, who: Who) -> StreamingResponse:
+        """Stream one artifact listed by the accepted manifest. A path the manifest does not
+        list is 404 (the object key comes from the manifest, never from the path)."""
+
+        def find() -> Any:
+            with db.read() as s:
+                where = artifacts.accepted_manifest(s, store, _team(who), job_id)
+            manifest = artifacts.read_manifest(store, where)
+            return artifacts.find_artifact(manifest, where, path)
+
+        f = await run_in_threadpool(find)
+        name = f.path.rsplit("/", 1)[-1].replace('"', "")
+        return StreamingResponse(
+            artifacts.stream_verified(store, f),
+            media_type="application/octet-stream",
+            headers={
+                "Content-Length": str(f.size),
+                "X-Gpufleet-Sha256": f.sha256,
+                "Content-Disposition": f'attachment; filename="{name}"',
+            },
+        )
+
+
+def _team(who: auth.Principal) -> str | None:
+    return None if who.is_admin else who.team_id

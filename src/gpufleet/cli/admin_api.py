@@ -1,0 +1,535 @@
+"""``gpufleet admin team|token|node``: operator commands through the REST API with an admin
+token (URL and token from ``--url``/``--token``, ``GPUFLEET_URL``/``GPUFLEET_TOKEN`` or
+client.yaml, as for every user command), so they work from any machine and respect tokens:
+a team token is refused (403) with a clear message. Only ``admin check``, ``admin ca init``
+and ``admin token create --db`` (the first admin token of a new deployment) read the
+database directly, on the database host.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.text import Text
+
+from gpufleet.cli import output
+from gpufleet.cli.client import ClientError, TokenOpt, UrlOpt, _call, _session
+
+team_app = typer.Typer(help="Teams and their quotas (through the API; admin token).")
+node_app = typer.Typer(help="Operator actions on nodes (through the API; admin token).")
+token_app = typer.Typer(help="API tokens: create, list, revoke (through the API).")
+for _sub in (team_app, node_app, token_app):
+    _sub.info.no_args_is_help = True
+
+Fmt = Annotated[str, typer.Option("--output", "-o", help="table or json")]
+Reason = Annotated[str | None, typer.Option("--reason", help="Why (kept on the node, shown).")]
+
+
+def _echo_warnings(data: dict[str, Any]) -> None:
+    for w in data.get("warnings") or []:
+        typer.echo(output.clean(f"warning: {w}"), err=True)
+
+
+def _table(rows: list[dict[str, Any]], columns: list[tuple[str, Any]]) -> None:
+    table = output._table(*(name for name, _ in columns))
+    for r in rows:
+        table.add_row(*(Text(output.fmt(get(r))) for _, get in columns))
+    output.console().print(table)
+
+
+# --- teams ----------------------------------------------------------------------------------
+
+
+def per_type(values: list[str] | None, flag: str) -> dict[str, int] | None:
+    """``TYPE=N`` options as a mapping (None when not given).
+
+    Raises:
+        ClientError: a malformed item (names the flag).
+    """
+    if not values:
+        return None
+    out: dict[str, int] = {}
+    for item in values:
+        gpu_type, sep, n = item.partition("=")
+        if not sep or not gpu_type or not n.isdigit():
+            raise ClientError(f"{flag} {item!r}: use TYPE=COUNT, e.g. H100=16", field=flag)
+        out[gpu_type] = int(n)
+    return out
+
+
+def rate(value: str | None) -> float | None:
+    """``5/s``, ``5`` or ``0.5/s`` as submits per second."""
+    if value is None:
+        return None
+    try:
+        return float(value.strip().removesuffix("/s"))
+    except ValueError:
+        raise ClientError(
+            f"--submit-rate {value!r}: use a rate such as 5/s", field="--submit-rate"
+        ) from None
+
+
+@team_app.command("create")
+def team_create(
+    name: str, weight: float = 1.0, url: UrlOpt = None, token: TokenOpt = None
+) -> None:
+    """Create a team."""
+    with _session(url, token) as http:
+        _call(http, "POST", "/v1/admin/teams", json={"name": name, "weight": weight})
+        typer.echo(output.clean(f"team {name} created"))
+
+
+@team_app.command("set")
+def team_set(
+    name: str,
+    weight: Annotated[float | None, typer.Option(help="Weight for fair share (> 0).")] = None,
+    nominal_quota: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--nominal-quota",
+            help="Guaranteed GPUs per type, TYPE=N (Kueue's nominalQuota; repeatable).",
+        ),
+    ] = None,
+    guarantee: Annotated[
+        list[str] | None, typer.Option("--guarantee", help="Same as --nominal-quota.")
+    ] = None,
+    borrowing_limit: Annotated[
+        int | None,
+        typer.Option(
+            "--borrowing-limit",
+            "--borrow-limit",
+            help="GPUs above the guarantee it may borrow, all types together (Kueue's"
+            " borrowingLimit); -1 = no limit.",
+        ),
+    ] = None,
+    lending_limit: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--lending-limit",
+            help="TYPE=N: at most N of the unused guarantee may be lent to other teams"
+            " (Kueue's lendingLimit; the rest is never lent). Before 2026-11 this flag"
+            " meant the part never lent: see --never-lent.",
+        ),
+    ] = None,
+    never_lent: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--never-lent",
+            help="Deprecated (the old --lending-limit): TYPE=N of the guarantee never lent;"
+            " sent as --lending-limit TYPE=guarantee-N.",
+        ),
+    ] = None,
+    max_outstanding: Annotated[
+        int | None, typer.Option(help="Unfinished jobs allowed (0 = no limit).")
+    ] = None,
+    submit_rate: Annotated[
+        str | None,
+        typer.Option(help="Job submits per second, token bucket refill, e.g. 5/s (0 = no limit)."),
+    ] = None,
+    submit_burst: Annotated[
+        int | None, typer.Option(help="Submits allowed at once (the token bucket's size).")
+    ] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Set a team's quota and limits (Kueue's names: nominal quota, borrowing limit, lending
+    limit). A quota that can never be met is refused with the numbers; one that may not be
+    met is set with a warning. The scheduler uses it from its next pass."""
+    with _session(url, token) as http:
+        if nominal_quota and guarantee:
+            raise ClientError("give --nominal-quota or --guarantee, not both", "--guarantee")
+        body: dict[str, Any] = {
+            "weight": weight,
+            "nominal_quota": per_type(nominal_quota or guarantee, "--nominal-quota"),
+            "borrowing_limit": borrowing_limit,
+            "lending_limit": per_type(lending_limit, "--lending-limit"),
+            "lending_limit_gpus": per_type(never_lent, "--never-lent"),
+            "max_outstanding_jobs": max_outstanding,
+            "submit_rate_per_s": rate(submit_rate),
+            "submit_burst": submit_burst,
+        }
+        if lending_limit:
+            typer.echo(
+                "note: --lending-limit is Kueue's lendingLimit: the most of the guarantee"
+                " lent to other teams (it used to mean the part never lent; that is"
+                " --never-lent now)",
+                err=True,
+            )
+        if never_lent:
+            typer.echo(
+                "warning: --never-lent is deprecated; use --lending-limit TYPE=N, the most"
+                " of the guarantee lent out (Kueue's lendingLimit)",
+                err=True,
+            )
+        data = _call(
+            http,
+            "PUT",
+            f"/v1/admin/teams/{name}",
+            json={k: v for k, v in body.items() if v is not None},
+        )
+        _echo_warnings(data)
+        typer.echo(output.clean(f"team {name} updated"))
+
+
+def _types(m: dict[str, Any] | None) -> str:
+    return ", ".join(f"{k}={v}" for k, v in (m or {}).items()) or "-"
+
+
+@team_app.command("list")
+def team_list(out: Fmt = "table", url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Teams with quota (nominal quota, borrowing and lending limits), current allocation,
+    queue length and fair-share usage (decayed GPU-hours; accounting is `gpufleet usage`);
+    -o json adds the admission limits (unfinished jobs, submit rate and burst)."""
+    with _session(url, token) as http:
+        rows = _call(http, "GET", "/v1/admin/teams").get("items") or []
+        if out == "json":
+            output.print_json(rows)
+            return
+        _table(
+            rows,
+            [
+                ("team", lambda r: r["team"]),
+                ("weight", lambda r: f"{r['weight']:g}"),
+                ("nominal quota", lambda r: _types(r.get("guaranteed_gpus"))),
+                (
+                    "borrowing limit",
+                    lambda r: (
+                        "none" if r.get("borrow_limit_gpus") is None else r["borrow_limit_gpus"]
+                    ),
+                ),
+                ("lending limit", lambda r: _types(r.get("lending_limit"))),
+                ("allocated", lambda r: _types(r.get("allocated_gpus"))),
+                ("pending", lambda r: r.get("pending_jobs")),
+                (
+                    "fair-share GPU-h (decayed)",
+                    lambda r: (
+                        f"{r.get('fair_share_usage_gpu_s', r.get('usage_gpu_s', 0)) / 3600:.2f}"
+                    ),
+                ),
+            ],
+        )
+
+
+# --- tokens ---------------------------------------------------------------------------------
+
+
+@token_app.command("create")
+def token_create(
+    team: Annotated[str, typer.Option(help="The token's team (created if missing).")],
+    name: Annotated[str, typer.Option(help="Owner name (accounting's 'user').")] = "",
+    admin: bool = False,
+    db: Annotated[
+        bool,
+        typer.Option(
+            "--db",
+            help="Write the database directly, on the database host (the first admin token"
+            " of a deployment, before any API token exists).",
+        ),
+    ] = False,
+    data_dir: Annotated[
+        Path | None, typer.Option("--data-dir", help="With --db: the state directory.")
+    ] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Create an API token; prints the raw token on the last line (shown once)."""
+    if db:
+        from gpufleet.cli.main import _run_admin
+        from gpufleet.services import auth
+
+        def make(s: Any) -> str:
+            return auth.create_token(
+                s, team, name=name, is_admin=admin, create_team_if_missing=True
+            )
+
+        print(_run_admin(data_dir, make))
+        return
+    with _session(url, token) as http:
+        data = _call(
+            http,
+            "POST",
+            "/v1/admin/tokens",
+            json={"team": team, "name": name, "admin": admin, "create_team": True},
+        )
+        print(data["token"])
+
+
+@token_app.command("list")
+def token_list(
+    team: Annotated[str | None, typer.Option(help="Only this team's tokens.")] = None,
+    active: Annotated[bool, typer.Option("--active", help="Hide revoked tokens.")] = False,
+    out: Fmt = "table",
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """List API tokens: id, team, name, admin, created, revoked (never the token itself)."""
+    with _session(url, token) as http:
+        params: dict[str, Any] = {"include_revoked": str(not active).lower()}
+        if team:
+            params["team"] = team
+        rows = _call(http, "GET", "/v1/admin/tokens", params=params).get("items") or []
+        if out == "json":
+            output.print_json(rows)
+            return
+        _table(
+            rows,
+            [
+                ("id", lambda r: r["id"]),
+                ("team", lambda r: r["team"]),
+                ("name", lambda r: r["name"]),
+                ("admin", lambda r: "yes" if r["admin"] else "no"),
+                ("created", lambda r: r["created_at"]),
+                ("revoked", lambda r: r["revoked_at"]),
+            ],
+        )
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[str, typer.Argument(help="The token's id (admin token list).")],
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Revoke a token: every API server refuses it within a second."""
+    with _session(url, token) as http:
+        got = _call(http, "DELETE", f"/v1/admin/tokens/{token_id}")
+        typer.echo(
+            output.clean(f"token {got['id']} (team {got['team']}) revoked at {got['revoked_at']}")
+        )
+
+
+# --- nodes ----------------------------------------------------------------------------------
+
+
+@node_app.command("list")
+def node_list(out: Fmt = "table", url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Nodes and node ids with certificates: state, address, certificate serial and expiry."""
+    with _session(url, token) as http:
+        rows = _call(http, "GET", "/v1/admin/nodes").get("items") or []
+        if out == "json":
+            output.print_json(rows)
+            return
+        _table(
+            rows,
+            [
+                ("node", lambda r: r["node_id"]),
+                ("state", lambda r: r["status"]),
+                ("address", lambda r: r.get("address")),
+                ("cert serial", lambda r: r.get("cert_serial")),
+                ("cert expires", lambda r: r.get("cert_not_after")),
+                ("revoked certs", lambda r: str(r.get("revoked_certs", 0))),
+            ],
+        )
+
+
+def _moved(data: dict[str, Any], reason: str | None = None) -> None:
+    text = f"node {data['node_id']}: {data.get('previous_status')} -> {data['status']}"
+    typer.echo(output.clean(text + (f" ({reason})" if reason else "")))
+
+
+@node_app.command("cordon")
+def node_cordon(
+    node_id: str, reason: Reason = None, url: UrlOpt = None, token: TokenOpt = None
+) -> None:
+    """No new placements on the node; running work continues."""
+    with _session(url, token) as http:
+        _moved(
+            _call(http, "POST", f"/v1/admin/nodes/{node_id}/cordon", json={"reason": reason}),
+            reason,
+        )
+
+
+@node_app.command("uncordon")
+def node_uncordon(node_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Accept placements again (also ends a FENCED node's exclusion)."""
+    with _session(url, token) as http:
+        _moved(_call(http, "POST", f"/v1/admin/nodes/{node_id}/uncordon"))
+
+
+@node_app.command("drain")
+def node_drain(
+    node_id: str,
+    reason: Reason = None,
+    wait: Annotated[
+        bool, typer.Option("--wait/--no-wait", help="Wait until the node is drained.")
+    ] = True,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait (0 = forever).")] = 0.0,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Cordon the node, then wait (showing what still runs) until its running work has ended;
+    the controller then marks it CORDONED (drained). Exit 1 on timeout."""
+    with _session(url, token) as http:
+        data = _call(http, "POST", f"/v1/admin/nodes/{node_id}/drain", json={"reason": reason})
+        _moved(data, reason)
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        shown = None
+        while wait:
+            left = [(r["job_id"], r["status"]) for r in data.get("active_runs") or []]
+            if not left:
+                typer.echo(output.clean(f"node {node_id}: drained ({data['status']})"))
+                return
+            if shown != left:
+                shown = left
+                typer.echo(
+                    output.clean(
+                        f"node {node_id}: waiting for {len(left)} attempt(s): "
+                        + ", ".join(f"{job} ({st})" for job, st in left)
+                    )
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise ClientError(
+                    f"timed out: {len(left)} attempt(s) still on {node_id}", exit_code=1
+                )
+            time.sleep(1.0)
+            data = _call(http, "GET", f"/v1/admin/nodes/{node_id}")
+
+
+@node_app.command("fence")
+def node_fence(
+    node_id: str,
+    confirm_dead: Annotated[
+        bool,
+        typer.Option(
+            "--confirm-dead",
+            help="Required: you vouch the node is dead (powered off, re-installed), so its"
+            " quarantined GPUs can be offered again.",
+        ),
+    ] = False,
+    reason: Reason = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Give a node up: its attempts are fenced (jobs re-placed), its QUARANTINED GPUs are
+    released, and it is FENCED (no placements until ``admin node uncordon``)."""
+    with _session(url, token) as http:
+        if not confirm_dead:
+            raise ClientError(
+                "--confirm-dead is required: fencing releases GPUs that processes on the node"
+                " might still use if it is alive",
+                field="--confirm-dead",
+            )
+        data = _call(
+            http,
+            "POST",
+            f"/v1/admin/nodes/{node_id}/fence",
+            json={"confirm_dead": True, "reason": reason},
+        )
+        fenced = data.get("fenced") or []
+        typer.echo(
+            output.clean(
+                f"node {node_id}: FENCED; {len(fenced)} attempt(s) fenced,"
+                f" {data['released_gpus']} GPU(s) released"
+            )
+        )
+        for f in fenced:
+            typer.echo(
+                output.clean(
+                    f"  {f['job_id']}: attempt {f['run_id']} fenced;"
+                    f" job -> {f.get('job_status') or '-'}"
+                )
+            )
+
+
+@node_app.command("revoke")
+def node_revoke(node_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Revoke every certificate of the node: its next call to any controller is refused
+    (within 1 s). It rejoins only with a new join token made for it (--node-id)."""
+    with _session(url, token) as http:
+        data = _call(http, "POST", f"/v1/admin/nodes/{node_id}/revoke")
+        typer.echo(output.clean(f"node {node_id}: {data['revoked_certs']} certificate(s) revoked"))
+
+
+@node_app.command("forget")
+def node_forget(
+    node_id: str,
+    force: Annotated[
+        bool, typer.Option("--force", help="Forget it even if it sent a heartbeat recently.")
+    ] = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Remove a node that holds no reserved GPUs: certificates revoked, capacity gone. A node
+    that sent a heartbeat in the last few intervals (and is not revoked) needs --force."""
+    with _session(url, token) as http:
+        data = _call(
+            http, "DELETE", f"/v1/admin/nodes/{node_id}", params={"force": str(force).lower()}
+        )
+        typer.echo(
+            output.clean(
+                f"node {node_id} forgotten; {data['revoked_certs']} certificate(s) revoked"
+            )
+        )
+
+
+def duration_s(text: str, flag: str) -> float:
+    """``90s``, ``15m``, ``2h``, ``1d`` (or bare seconds) as seconds.
+
+    Raises:
+        ClientError: not a positive duration.
+    """
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    num, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(num) * units[unit]
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ClientError(f"{flag} {text!r}: use e.g. 90s, 15m, 2h, 1d", field=flag)
+    return value
+
+
+@node_app.command("join-token")
+def node_join_token(
+    node_id: Annotated[
+        str | None,
+        typer.Option(help="The only node id it may join as (needed to rejoin an existing node)."),
+    ] = None,
+    ttl: Annotated[str, typer.Option(help="Lifetime, e.g. 15m, 2h (10s .. 7d).")] = "15m",
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """A single-use join token for `gpufleet agent --join-token`; printed on the last line
+    (gfj1.<CA sha256>.<secret>; stored hashed; expires after --ttl)."""
+    with _session(url, token) as http:
+        body: dict[str, Any] = {"ttl_s": duration_s(ttl, "--ttl")}
+        if node_id:
+            body["node_id"] = node_id
+        data = _call(http, "POST", "/v1/admin/nodes/join-tokens", json=body)
+        typer.echo(
+            output.clean(
+                f"single use, expires {data['expires_at']}; for node {node_id or '(any new id)'}"
+            ),
+            err=True,
+        )
+        print(data["token"])
+
+
+@node_app.command("prepull")
+def node_prepull(
+    image: Annotated[str, typer.Argument(help="Image reference, e.g. registry/repo:tag.")],
+    gpu_type: Annotated[
+        str | None, typer.Option("--gpu-type", help="Only nodes of this GPU type.")
+    ] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Ask healthy nodes that lack IMAGE to pull it now (warm starts); each agent gets the
+    request in its next heartbeat answer."""
+    with _session(url, token) as http:
+        body: dict[str, Any] = {"image": image}
+        if gpu_type:
+            body["gpu_type"] = gpu_type
+        asked = _call(http, "POST", "/v1/admin/prepull", json=body).get("nodes") or []
+        if asked:
+            typer.echo(
+                output.clean(
+                    f"pre-pull of {image} asked of {len(asked)} node(s): {', '.join(asked)}"
+                )
+            )
+        else:
+            of_type = f" of type {gpu_type}" if gpu_type else ""
+            typer.echo(output.clean(f"no healthy node{of_type} lacks {image}"))

@@ -1,0 +1,229 @@
+"""User commands for accounting and artifacts: ``gpufleet usage`` and ``gpufleet artifacts``.
+
+Registered on the root app by ``cli.client.register_client_commands``; both talk to the REST
+API with the client configuration (URL and token), like every user command.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any
+
+import typer
+
+from gpufleet.cli import output
+from gpufleet.cli.client import (
+    ClientError,
+    OutputFormat,
+    TokenOpt,
+    UrlOpt,
+    _call,
+    _raise_for_error,
+    _session,
+)
+from gpufleet.domain.manifest import path_problem
+
+
+class UsageBy(enum.StrEnum):
+    team = "team"
+    user = "user"
+    job = "job"
+    gpu_type = "gpu_type"
+
+
+class UsageFormat(enum.StrEnum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+_AGO = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def when(value: str | None, flag: str, now: datetime | None = None) -> str | None:
+    """An ISO 8601 time for the API: ISO passes through; ``7d``, ``12h``, ``30m``, ``2w``
+    mean that long before now; ``today`` is midnight UTC.
+
+    Raises:
+        ClientError: anything else (names the flag).
+    """
+    if value is None:
+        return None
+    now = now or datetime.now(UTC)
+    text = value.strip()
+    m = _AGO.match(text)
+    if m:
+        at = now - timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
+        return at.isoformat().replace("+00:00", "Z")
+    if text == "today":
+        return now.strftime("%Y-%m-%dT00:00:00Z")
+    try:
+        datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ClientError(
+            f"{flag} {value!r}: use an ISO 8601 time (2026-11-01, 2026-11-01T12:00:00Z),"
+            " 'today', or a span before now such as 7d, 12h, 30m",
+            field=flag,
+        ) from None
+    return text
+
+
+def usage(
+    team: Annotated[str | None, typer.Option(help="Only this team (admin tokens).")] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Window start: ISO 8601, 'today', or 7d/12h ago.")
+    ] = None,
+    until: Annotated[str | None, typer.Option(help="Window end (exclusive; default now).")] = None,
+    by: Annotated[UsageBy, typer.Option("--by", help="team, user, job or gpu_type.")] = (
+        UsageBy.team
+    ),
+    out: Annotated[
+        UsageFormat, typer.Option("--output", "-o", help="table, json or csv.")
+    ] = UsageFormat.table,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """GPU-hours of ended attempts in [--since, --until), by team, user (token owner), job or
+    GPU type: each attempt counts from its reservation to its end, clipped to the window (like
+    Slurm's sreport). Not the decayed fair-share usage of `admin team list`."""
+    with _session(url, token) as http:
+        params: dict[str, Any] = {"by": by.value}
+        for key, val in (
+            ("team", team),
+            ("since", when(since, "--since")),
+            ("until", when(until, "--until")),
+        ):
+            if val is not None:
+                params[key] = val
+        if out is UsageFormat.csv:
+            resp = http.get("/v1/usage", params={**params, "format": "csv"})
+            _raise_for_error(resp)
+            typer.echo(resp.text, nl=False)
+            return
+        data = _call(http, "GET", "/v1/usage", params=params)
+        if out is UsageFormat.json:
+            output.print_json(data)
+            return
+        window = f"{output.fmt_time(data.get('since')) if data.get('since') else 'start'}"
+        window += f" .. {output.fmt_time(data.get('until'))}"
+        table = output._table(
+            by.value, "team", "GPU-hours", "attempts", "jobs", title=f"usage {window}"
+        )
+        for ln in data.get("items") or []:
+            table.add_row(
+                output.cell(ln["key"]),
+                output.cell(ln.get("team") or "-"),
+                output.cell(f"{ln['gpu_hours']:.2f}"),
+                output.cell(ln["attempts"]),
+                output.cell(ln["jobs"]),
+            )
+        table.add_row(
+            output.cell("total"), output.cell(""), output.cell(f"{data['total_gpu_hours']:.2f}")
+        )
+        output.console().print(table)
+
+
+def _target(root: Path, path: str) -> Path:
+    """Where artifact ``path`` goes under ``root``; never outside it.
+
+    Raises:
+        ClientError: an absolute path or one with ``..`` (a server must never send one).
+    """
+    problem = path_problem(path)  # the rule the controller checked the manifest with
+    if problem is not None:
+        raise ClientError(f"refusing artifact path: {problem}", "path")
+    parts = PurePosixPath(path).parts
+    dest = root.joinpath(*parts)
+    if not dest.resolve().is_relative_to(root.resolve()):
+        raise ClientError(f"refusing artifact path {path!r}: outside {root}", "path")
+    return dest
+
+
+def artifacts(
+    job: str,
+    download: Annotated[
+        Path | None,
+        typer.Option("--download", "-d", help="Download every artifact into this directory."),
+    ] = None,
+    out: Annotated[OutputFormat, typer.Option("--output", "-o", help="table or json.")] = (
+        OutputFormat.table
+    ),
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """List a finished job's artifacts (path, size, sha256) from its accepted manifest; with
+    --download DIR, fetch each one and check its size and sha256 (exit 1 on a mismatch; a
+    file is in place only once verified)."""
+    with _session(url, token) as http:
+        data = _call(http, "GET", f"/v1/jobs/{job}/artifacts")
+        items = data.get("items") or []
+        if download is None:
+            if out is OutputFormat.json:
+                output.print_json(data)
+                return
+            table = output._table("path", "size", "sha256")
+            for f in items:
+                table.add_row(
+                    output.cell(f["path"]), output.cell(f["size"]), output.cell(f["sha256"])
+                )
+            output.console().print(table)
+            if not items:
+                typer.echo(f"job {job} stored no artifacts", err=True)
+            return
+        download.mkdir(parents=True, exist_ok=True)
+        for f in items:
+            dest = _target(download, f["path"])
+            _download(http, f"/v1/jobs/{job}/artifacts/{f['path']}", dest, f)
+            typer.echo(output.clean(f"{dest} ({f['size']} bytes, sha256 ok)"))
+
+
+def _download(http: Any, path: str, dest: Path, want: dict[str, Any]) -> None:
+    """Stream ``path`` to ``dest`` via ``dest.part``; rename only when size and sha256 match
+    the listing (and the server's ``X-Gpufleet-Sha256``).
+
+    Raises:
+        ClientError: a mismatch or a short answer (exit 1); the partial file is removed.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    h = hashlib.sha256()
+    size = 0
+    try:
+        with http.stream("GET", path) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                _raise_for_error(resp)
+            header = resp.headers.get("x-gpufleet-sha256")
+            with open(part, "wb") as fh:
+                for chunk in resp.iter_bytes():
+                    h.update(chunk)
+                    size += len(chunk)
+                    fh.write(chunk)
+    except Exception as exc:
+        part.unlink(missing_ok=True)
+        if isinstance(exc, ClientError):
+            raise
+        raise ClientError(
+            f"download of {want['path']} failed: {exc or type(exc).__name__}", exit_code=1
+        ) from None
+    digest = h.hexdigest()
+    if size != want["size"] or digest != want["sha256"] or (header and header != digest):
+        part.unlink(missing_ok=True)
+        raise ClientError(
+            f"{want['path']}: got {size} bytes with sha256 {digest}; the manifest says"
+            f" {want['size']} bytes, sha256 {want['sha256']}",
+            exit_code=1,
+        )
+    os.replace(part, dest)
+
+
+def register(app: typer.Typer) -> None:
+    """Mount ``usage`` and ``artifacts`` on the root ``app``."""
+    app.command("usage")(usage)
+    app.command("artifacts")(artifacts)

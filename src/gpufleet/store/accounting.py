@@ -1,0 +1,165 @@
+"""Accounting: durable usage records of ended attempts, and the usage report over them.
+
+A record is written by :func:`record_attempt_end`, which ``store.transitions.transition``
+calls whenever a ``job_runs`` row reaches a terminal status: the one place every attempt
+ends (completion, cancel, preemption, fence, whatever the path), in the same transaction.
+One record per ``job_runs`` row, so a gang attempt (one row per member node) has one record
+per member with that member's GPUs and GPU type.
+
+The report follows Slurm's ``sreport cluster Utilization`` semantics: an allocation counts
+from the reservation (``start_at``) to the attempt's end (``end_at``), and a report over the
+window ``[since, until)`` counts only the part of each record inside the window (records are
+clipped to it), so consecutive windows add up to the whole and nothing is counted twice.
+Attempts still running are not in the report (like sacct's completed allocations) until they
+end. GPU-seconds are never decayed here; the decayed fair-share figure is ``teams.usage_gpu_s``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpufleet.store.tables import ApiTokenRow, JobRow, JobRunRow, NodeRow, UsageRecordRow
+
+
+def record_attempt_end(session: Session, run_id: str, *, outcome: str, end_at: datetime) -> None:
+    """Insert the usage record of ``run_id``, which has just reached terminal ``outcome`` at
+    ``end_at`` (same transaction). GPU-seconds = ``(end_at - reservation time) * GPUs``.
+    A second call for the same run (cannot happen through the transition table, whose
+    terminal states have no way out) changes nothing."""
+    if session.get(UsageRecordRow, run_id) is not None:
+        return
+    row = session.execute(
+        select(
+            JobRunRow.job_id,
+            JobRunRow.attempt,
+            JobRunRow.node_id,
+            JobRunRow.gpu_ids,
+            JobRunRow.created_at,
+            JobRow.team_id,
+            JobRow.submitted_by,
+            NodeRow.gpu_type,
+            ApiTokenRow.name,
+        )
+        .join(JobRow, JobRow.id == JobRunRow.job_id)
+        .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+        .outerjoin(ApiTokenRow, ApiTokenRow.id == JobRow.submitted_by)
+        .where(JobRunRow.id == run_id)
+    ).one_or_none()
+    if row is None:
+        return
+    gpus = len(row.gpu_ids or [])
+    seconds = max(0.0, (end_at - row.created_at).total_seconds())
+    session.add(
+        UsageRecordRow(
+            run_id=run_id,
+            job_id=row.job_id,
+            attempt=row.attempt,
+            team_id=row.team_id,
+            token_id=row.submitted_by,
+            user=row.name or row.submitted_by or "",
+            node_id=row.node_id,
+            gpu_type=row.gpu_type,
+            gpus=gpus,
+            start_at=row.created_at,
+            end_at=max(end_at, row.created_at),
+            gpu_seconds=seconds * gpus,
+            outcome=outcome,
+        )
+    )
+
+
+class GroupBy(enum.StrEnum):
+    """What a usage report sums by (``--by``)."""
+
+    TEAM = "team"
+    USER = "user"
+    JOB = "job"
+    GPU_TYPE = "gpu_type"
+
+
+@dataclass(frozen=True, slots=True)
+class UsageLine:
+    """One group of a usage report.
+
+    Attributes:
+        key: the team, user (token owner), job id or GPU type.
+        team: the team of the group (None for ``gpu_type`` groups, which span teams).
+        gpu_seconds: GPU-seconds inside the window (records clipped to it).
+        attempts: records that overlap the window.
+        jobs: distinct jobs among them.
+    """
+
+    key: str
+    team: str | None
+    gpu_seconds: float
+    attempts: int
+    jobs: int
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.gpu_seconds / 3600.0
+
+
+def clipped_gpu_seconds(
+    rec: UsageRecordRow, since: datetime | None, until: datetime | None
+) -> float:
+    """GPU-seconds of ``rec`` inside ``[since, until)`` (None: unbounded on that side)."""
+    start = rec.start_at if since is None else max(rec.start_at, since)
+    end = rec.end_at if until is None else min(rec.end_at, until)
+    return max(0.0, (end - start).total_seconds()) * rec.gpus
+
+
+def usage_records(
+    session: Session,
+    *,
+    team: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> list[UsageRecordRow]:
+    """Records of ``team`` (None: every team) that overlap ``[since, until)``, oldest end
+    first."""
+    q = select(UsageRecordRow)
+    if team is not None:
+        q = q.where(UsageRecordRow.team_id == team)
+    if since is not None:
+        q = q.where(UsageRecordRow.end_at > since)
+    if until is not None:
+        q = q.where(UsageRecordRow.start_at < until)
+    return list(session.scalars(q.order_by(UsageRecordRow.end_at, UsageRecordRow.run_id)))
+
+
+def summarize(
+    records: Iterable[UsageRecordRow],
+    by: GroupBy,
+    since: datetime | None,
+    until: datetime | None,
+) -> list[UsageLine]:
+    """Sum clipped GPU-seconds by ``by``; largest first, then by key. A user is a token
+    owner within a team (two teams' tokens of the same name are two lines)."""
+    sums: dict[tuple[str, str | None], list[float]] = {}
+    job_sets: dict[tuple[str, str | None], set[str]] = {}
+    for rec in records:
+        secs = clipped_gpu_seconds(rec, since, until)
+        if by is GroupBy.TEAM:
+            k: tuple[str, str | None] = (rec.team_id, rec.team_id)
+        elif by is GroupBy.USER:
+            k = (rec.user or "(unknown)", rec.team_id)
+        elif by is GroupBy.JOB:
+            k = (rec.job_id, rec.team_id)
+        else:
+            k = (rec.gpu_type, None)
+        acc = sums.setdefault(k, [0.0, 0])
+        acc[0] += secs
+        acc[1] += 1
+        job_sets.setdefault(k, set()).add(rec.job_id)
+    lines = [
+        UsageLine(key, team, round(v[0], 3), int(v[1]), len(job_sets[(key, team)]))
+        for (key, team), v in sums.items()
+    ]
+    return sorted(lines, key=lambda ln: (-ln.gpu_seconds, ln.key, ln.team or ""))
