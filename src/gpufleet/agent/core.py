@@ -30,6 +30,7 @@ Rules, in the order they are checked:
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -151,10 +152,23 @@ class AgentCore:
     def assign(self, req: pb.AssignJobRequest) -> pb.AssignJobResponse:
         """Handle AssignJob: log durably, start once, answer (see module doc).
 
+        Rank 0 of a gang (``gang_size > 1``, ``rank == 0``) gets ``MASTER_PORT`` chosen here,
+        a free TCP port of this node, logged with the assignment (so a re-sent AssignJob
+        answers the same port) and answered in ``master_port``; the controller then
+        assigns ranks 1..n-1 with it.
+
         Raises:
             OSError: the assignment could not be logged (nothing was started).
             EpochFromTheFuture: a new run_id with an unbelievable leader epoch (not logged).
         """
+        resp = self._assign_once(req)
+        rec = self.log.runs.get(req.run_id)
+        port = rec.env.get("MASTER_PORT", "") if rec is not None and req.gang_size > 1 else ""
+        if port.isdigit() and req.rank == 0:
+            resp.master_port = int(port)
+        return resp
+
+    def _assign_once(self, req: pb.AssignJobRequest) -> pb.AssignJobResponse:
         with self._lock:
             rec = self.log.runs.get(req.run_id)
             problem: str | None = None
@@ -182,6 +196,10 @@ class AgentCore:
                     self._refused.add(req.run_id)
                     logger.warning("run %s refused: %s", req.run_id, disk)
                     return _assign(AssignResult.NODE_UNHEALTHY, disk)
+                if req.gang_size > 1 and req.rank == 0 and "MASTER_PORT" not in req.env:
+                    port = str(free_tcp_port())
+                    req.env["MASTER_PORT"] = port
+                    req.env["PET_MASTER_PORT"] = port
                 problem = self._gpu_problem(req.gpu_ids)
                 if problem is None and req.image and self.runner.runtimes.container is None:
                     problem = NO_CONTAINER_RUNTIME  # known before anything is prepared
@@ -489,6 +507,14 @@ class AgentCore:
             while self._node_start_failures and self._node_start_failures[0] < cutoff:
                 self._node_start_failures.popleft()
             return len(self._node_start_failures)
+
+
+def free_tcp_port() -> int:
+    """A TCP port free on this node now (bound to port 0 and released; the rendezvous of
+    rank 0 binds it moments later, as torchrun's own ``--master-port`` choice does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
 
 def _assign(result: int, message: str, pid: int = 0) -> pb.AssignJobResponse:

@@ -388,13 +388,17 @@ def create_app(state: AppState) -> FastAPI:
         who: Who,
         follow: bool = False,
         run_id: str | None = None,
+        rank: Annotated[
+            int, Query(ge=0, le=1023, description="Gang member whose log to send (default 0).")
+        ] = 0,
         offset: Annotated[int | None, Query(ge=0, description="First byte to send.")] = None,
         limit: Annotated[int | None, Query(ge=0, description="At most this many bytes.")] = None,
         tail: Annotated[
             int | None, Query(ge=0, le=MAX_TAIL_LINES, description="Only the last N lines.")
         ] = None,
     ) -> Response:
-        """An attempt's combined stdout/stderr (the latest attempt unless ``run_id``), streamed
+        """An attempt's combined stdout/stderr (the latest attempt unless ``run_id``; of a
+        multi-node job, rank ``rank``'s member, default 0), streamed
         from the object store in chunks. ``offset``/``limit`` select bytes, ``tail`` the last
         lines (not with ``offset``). ``follow`` streams every attempt in turn until the job is
         finished (``offset``/``tail`` apply to the first one; ``limit`` cannot be used)."""
@@ -409,7 +413,15 @@ def create_app(state: AppState) -> FastAPI:
             """(chosen attempt or None, attempt finished, job finished)."""
             with state.db.read() as s:
                 job, runs = jobs.get_job(s, team, job_id)
-                chosen = [r for r in runs if r.id == run_id] if run_id else runs[-1:]
+                if run_id:
+                    chosen = [r for r in runs if r.id == run_id]
+                else:  # the latest attempt's member of this rank (rank 0: the only one)
+                    last = runs[-1].attempt if runs else None
+                    chosen = [r for r in runs if r.attempt == last and r.rank == rank]
+                    if runs and not chosen:
+                        raise NotFound(
+                            f"job {job_id}'s attempt {last} has no rank {rank}", field="rank"
+                        )
                 if run_id and not chosen:
                     raise NotFound(f"job {job_id} has no attempt {run_id}", field="run_id")
                 job_done = job.status in JOB_TERMINAL
@@ -744,6 +756,9 @@ def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
         status=job.status,
         priority=job.priority,
         gpu_count=job.gpu_count,
+        nodes=spec["resources"].get("nodes"),
+        gpus_per_node=spec["resources"].get("gpus_per_node"),
+        allow_partial_nodes=bool(spec["resources"].get("allow_partial_nodes")),
         gpu_types=list(spec["resources"].get("gpu_types") or []),
         command=list(spec["command"]),
         max_retries=int(spec.get("max_retries") or 0),
@@ -785,6 +800,8 @@ def _job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
                 manifest_uri=r.manifest_uri,
                 message=r.message,
                 stop_reason=r.stop_reason,
+                rank=r.rank,
+                gang_size=r.gang_size,
                 start_phases=r.start_phases,
             )
             for r in runs

@@ -38,6 +38,13 @@ class JobCreate(BaseModel):
     command: list[Annotated[str, Field(max_length=16384)]] = Field(min_length=1, max_length=1024)
     image: str | None = Field(default=None, max_length=512)
     gpu_count: int = Field(default=1, ge=1, le=1024)
+    nodes: int | None = Field(default=None, ge=1, le=1024)
+    """Members of a multi-node (gang) job; None derives it (1 when gpu_count fits a node)."""
+    gpus_per_node: int | None = Field(default=None, ge=1, le=1024)
+    """GPUs of each member; with ``nodes``, ``nodes x gpus_per_node`` is ``gpu_count`` (given
+    alone, gpu_count defaults to that product)."""
+    allow_partial_nodes: bool = False
+    """A derived gang may split ``gpu_count`` unevenly over nodes (e.g. 12 as 8 + 4)."""
     gpu_type: str | list[str] | None = None
     gpu_memory_mb: int = Field(default=0, ge=0, le=10_000_000)
     cpu: float = Field(default=0.0, ge=0, le=100_000)
@@ -114,6 +121,36 @@ class JobCreate(BaseModel):
         return v
 
     @model_validator(mode="after")
+    def _gang_shape(self) -> JobCreate:
+        """``nodes x gpus_per_node == gpu_count`` (gpu_count derived when not given);
+        one of them alone must divide gpu_count unless ``allow_partial_nodes``."""
+        n, per = self.nodes, self.gpus_per_node
+
+        def bad(field: str, message: str) -> PydanticCustomError:
+            return PydanticCustomError("gang_shape", message, {"field": field})
+
+        if n and per:
+            if "gpu_count" not in self.model_fields_set:
+                self.gpu_count = n * per
+            elif n * per != self.gpu_count:
+                return_error = f"nodes x gpus_per_node ({n} x {per}) must equal gpu_count"
+                raise bad("gpu_count", f"{return_error} ({self.gpu_count})")
+            if self.gpu_count > 1024:
+                raise bad("nodes", f"nodes x gpus_per_node = {self.gpu_count} is above 1024")
+        elif (n or per) and self.gpu_count % (n or per or 1) and not self.allow_partial_nodes:
+            which = "nodes" if n else "gpus_per_node"
+            raise bad(
+                which,
+                f"gpu_count {self.gpu_count} is not a multiple of {which} {n or per}"
+                " (set allow_partial_nodes for an uneven split)",
+            )
+        if n and n > self.gpu_count:
+            raise bad("nodes", f"nodes {n} is more than gpu_count {self.gpu_count}")
+        if per and per > self.gpu_count:
+            raise bad("gpus_per_node", f"gpus_per_node {per} is more than gpu_count")
+        return self
+
+    @model_validator(mode="after")
     def _runtime_bounds(self) -> JobCreate:
         if (
             self.expected_duration_s
@@ -128,7 +165,14 @@ class JobCreate(BaseModel):
         return JobSpec(
             command=tuple(self.command),
             resources=Resources(
-                self.gpu_count, tuple(types), self.gpu_memory_mb, self.cpu, self.memory_mb
+                self.gpu_count,
+                tuple(types),
+                self.gpu_memory_mb,
+                self.cpu,
+                self.memory_mb,
+                nodes=self.nodes,
+                gpus_per_node=self.gpus_per_node,
+                allow_partial_nodes=self.allow_partial_nodes,
             ),
             priority=PriorityClass(self.priority),
             name=self.name,
@@ -209,6 +253,10 @@ class AttemptOut(BaseModel):
     manifest_uri: str | None
     message: str | None
     stop_reason: str | None
+    rank: int = 0
+    """This member's rank in a gang attempt (0 for a single-node job)."""
+    gang_size: int = 1
+    """Members of the attempt; a gang attempt lists one entry per member (same attempt)."""
     start_phases: dict[str, Any] | None = None
     """How the node started it: runtime, image (warm/cold), pull_s, create_s, start_s."""
 
@@ -228,6 +276,11 @@ class JobOut(BaseModel):
     status: str
     priority: str
     gpu_count: int
+    nodes: int | None = None
+    """Members of a multi-node job as submitted (None: derived at placement; 1 node when
+    gpu_count fits one)."""
+    gpus_per_node: int | None = None
+    allow_partial_nodes: bool = False
     gpu_types: list[str]
     command: list[str]
     max_retries: int

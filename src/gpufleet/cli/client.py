@@ -302,7 +302,8 @@ def build_job_body(
             body[key] = {**(body.get(key) or {}), **extra}
     if isinstance(body.get("gpu_type"), list) and len(body["gpu_type"]) == 1:
         body["gpu_type"] = body["gpu_type"][0]
-    body.setdefault("gpu_count", 1)
+    if not (body.get("nodes") and body.get("gpus_per_node")):
+        body.setdefault("gpu_count", 1)  # else the server derives nodes x gpus_per_node
     body["priority"] = str(body.get("priority") or "NORMAL").upper()
     return body
 
@@ -343,6 +344,22 @@ def submit(
     gpu_type: Annotated[
         list[str] | None, typer.Option("--gpu-type", help="GPU type; repeat in preference order.")
     ] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option("--nodes", help="Nodes of a multi-node (gang) job; one rank per node."),
+    ] = None,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--gpus-per-node", help="GPUs per node of a gang (--nodes N: --gpus = N x G)."
+        ),
+    ] = None,
+    allow_partial_nodes: Annotated[
+        bool,
+        typer.Option(
+            "--allow-partial-nodes", help="A derived gang may split --gpus unevenly over nodes."
+        ),
+    ] = False,
     gpu_memory_mb: Annotated[int | None, typer.Option(help="Min memory per GPU, MiB.")] = None,
     cpu: Annotated[float | None, typer.Option(help="CPU cores.")] = None,
     memory_mb: Annotated[int | None, typer.Option(help="Host memory, MiB.")] = None,
@@ -409,6 +426,9 @@ def submit(
             "image": image,
             "gpu_count": gpus,
             "gpu_type": gpu_type,
+            "nodes": nodes,
+            "gpus_per_node": gpus_per_node,
+            "allow_partial_nodes": allow_partial_nodes or None,
             "gpu_memory_mb": gpu_memory_mb,
             "cpu": cpu,
             "memory_mb": memory_mb,
@@ -509,15 +529,21 @@ def _stdout_is_tty() -> bool:
 
 
 def _stream_logs(
-    http: httpx.Client, job_id: str, follow: bool, run_id: str | None, tail: int | None = None
+    http: httpx.Client,
+    job_id: str,
+    follow: bool,
+    run_id: str | None,
+    tail: int | None = None,
+    rank: int = 0,
 ) -> int:
     """Copy the log to stdout as it arrives (no read timeout while following); only the last
-    ``tail`` lines when given. Returns the number of bytes received."""
+    ``tail`` lines when given; rank ``rank``'s log of a multi-node job. Returns the number of
+    bytes received."""
     # a terminal gets the log without control sequences (a job's output could retitle the
     # window, write the clipboard, hide text...); a pipe or file gets the raw bytes
     safe = output.TerminalLogFilter() if _stdout_is_tty() else None
     received = 0
-    for chunk in _sdk(http).iter_logs(job_id, follow=follow, run_id=run_id, tail=tail):
+    for chunk in _sdk(http).iter_logs(job_id, follow=follow, run_id=run_id, tail=tail, rank=rank):
         received += len(chunk)
         typer.echo(chunk if safe is None else safe.feed(chunk), nl=False)
     if safe is not None:
@@ -669,6 +695,9 @@ def logs(
     job: str,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep streaming.")] = False,
     attempt: Annotated[str | None, typer.Option("--attempt", help="A run_id.")] = None,
+    rank: Annotated[
+        int, typer.Option("--rank", min=0, help="Rank of a multi-node job (default 0).")
+    ] = 0,
     all_lines: Annotated[bool, typer.Option("--all", help="The whole log.")] = False,
     tail: Annotated[
         int, typer.Option("--tail", "-n", min=0, help="Show the last N lines (unless --all).")
@@ -677,8 +706,8 @@ def logs(
     token: TokenOpt = None,
 ) -> None:
     """Print a job's logs: the last 1,000 lines of the latest attempt (--all for the whole
-    log, --attempt RUN_ID for another attempt, -f to keep following; a pending job is
-    waited for)."""
+    log, --attempt RUN_ID for another attempt, --rank N for rank N of a multi-node job, -f to
+    keep following; a pending job is waited for)."""
     with _session(url, token) as http:
         lines = None if all_lines else tail
         if follow and not attempt:
@@ -687,7 +716,7 @@ def logs(
                 typer.echo(
                     _status_line(data) + "\n(waiting for it to start; logs follow)", err=True
                 )
-        received = _stream_logs(http, job, follow=follow, run_id=attempt, tail=lines)
+        received = _stream_logs(http, job, follow=follow, run_id=attempt, tail=lines, rank=rank)
         if not received and not follow:
             data = _call(http, "GET", f"/v1/jobs/{job}")
             if not data.get("attempts"):

@@ -386,7 +386,11 @@ def attempts_table(attempts: list[dict[str, Any]], wide: bool = False) -> Table:
         for run in attempts:
             table.add_row(
                 Text(short_id(run.get("run_id"))),
-                cell(run.get("attempt")),
+                cell(
+                    f"{run.get('attempt')} r{run.get('rank')}"
+                    if (run.get("gang_size") or 1) > 1
+                    else run.get("attempt")
+                ),
                 status_text(run.get("status")),
                 cell(run.get("node_id")),
                 cell(run.get("gpu_ids")),
@@ -412,7 +416,11 @@ def attempts_table(attempts: list[dict[str, Any]], wide: bool = False) -> Table:
     for run in attempts:
         table.add_row(
             cell(run.get("run_id")),
-            cell(run.get("attempt")),
+            cell(
+                f"{run.get('attempt')} r{run.get('rank')}/{run.get('gang_size')}"
+                if (run.get("gang_size") or 1) > 1
+                else run.get("attempt")
+            ),
             status_text(run.get("status")),
             cell(run.get("node_id")),
             cell(run.get("gpu_ids")),
@@ -465,6 +473,11 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
         ("priority", fmt(job.get("priority"))),
         ("gpus", f"{fmt(job.get('gpu_count'))} x {fmt(job.get('gpu_types') or 'any')}"),
         ("command", quoted(job.get("command"))),
+        *(
+            [("nodes", f"{fmt(job.get('nodes'))} x {fmt(job.get('gpus_per_node'))} GPUs")]
+            if job.get("nodes") or job.get("gpus_per_node")
+            else []
+        ),
         ("created", fmt_time(job.get("created_at"))),
         ("scheduled", fmt_time(job.get("scheduled_at"))),
         ("started", fmt_time(job.get("started_at"))),

@@ -189,10 +189,11 @@ class AsyncClient:
         follow: bool = False,
         run_id: str | None = None,
         tail: int | None = None,
+        rank: int = 0,
     ) -> AsyncIterator[bytes]:
         import httpx
 
-        params = _core.log_params(follow, run_id, tail)
+        params = _core.log_params(follow, run_id, tail, rank)
         timeout = httpx.Timeout(30.0, connect=_core.CONNECT_TIMEOUT_S, read=None if follow else 30)
         path = f"/v1/jobs/{job_id_of(job)}/logs"
         try:

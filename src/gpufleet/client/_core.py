@@ -307,12 +307,18 @@ def list_params(
     return params
 
 
-def log_params(follow: bool, run_id: str | None, tail: int | None) -> dict[str, Any]:
+def log_params(
+    follow: bool, run_id: str | None, tail: int | None, rank: int = 0
+) -> dict[str, Any]:
+    """Query of GET /v1/jobs/{id}/logs; ``rank``: the member of a multi-node job (0 = rank 0,
+    the default, not sent)."""
     params: dict[str, Any] = {"follow": "true" if follow else "false"}
     if run_id:
         params["run_id"] = run_id
     if tail is not None:
         params["tail"] = tail
+    if rank:
+        params["rank"] = rank
     return params
 
 

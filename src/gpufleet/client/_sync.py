@@ -254,13 +254,14 @@ class Client:
         follow: bool = False,
         run_id: str | None = None,
         tail: int | None = None,
+        rank: int = 0,
     ) -> Iterator[bytes]:
         """The log as raw byte chunks as they arrive. With ``follow``, waits for a pending job
         to start and streams every attempt in turn until the job is finished (no read
         timeout)."""
         import httpx
 
-        params = _core.log_params(follow, run_id, tail)
+        params = _core.log_params(follow, run_id, tail, rank)
         timeout = httpx.Timeout(30.0, connect=_core.CONNECT_TIMEOUT_S, read=None if follow else 30)
         with self._stream("GET", f"/v1/jobs/{job_id_of(job)}/logs", params, timeout) as resp:
             try:

@@ -19,9 +19,9 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 
 import grpc
-from sqlalchemy import select, update
+from sqlalchemy import exists, select, update
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from gpufleet.controller import metrics
 from gpufleet.controller.agents import AgentClients
@@ -30,7 +30,14 @@ from gpufleet.domain.states import JobStatus, NodeStatus, RunStatus
 from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
-from gpufleet.policy.decisions import Decision, HoldForBackfill, Place, Preempt, WaitReason
+from gpufleet.policy.decisions import (
+    Decision,
+    HoldForBackfill,
+    Place,
+    PlaceGang,
+    Preempt,
+    WaitReason,
+)
 from gpufleet.policy.snapshot import BackfillReservation
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.services import nodes, preemption, runs
@@ -167,7 +174,14 @@ class Scheduler:
         for decision in result.decisions:
             try:
                 if isinstance(decision, Place):
-                    self._place(decision, pending[decision.job_id].attempt, stats)
+                    job = pending[decision.job_id]
+                    if (job.resources.nodes or 1) > 1:
+                        # an explicit multi-node job only ever runs as a gang (PlaceGang)
+                        log.warning("skip %s: job %s asks for a gang", decision, job.job_id)
+                        continue
+                    self._place(decision, job.attempt, stats)
+                elif isinstance(decision, PlaceGang):
+                    self._place_gang(decision, pending[decision.job_id].attempt, stats)
                 elif isinstance(decision, Preempt):
                     self._preempt(decision, stats)
                 elif isinstance(decision, HoldForBackfill):
@@ -230,6 +244,24 @@ class Scheduler:
         stats.placed += 1
         stats.placed_runs.append(reserved.run_id)
         self._pool.submit(self.dispatch, reserved.run_id)
+
+    def _place_gang(self, decision: PlaceGang, seen_epoch: int, stats: PassStats) -> None:
+        """Reserve every member of the gang or none (one transaction), then AssignJob to rank
+        0 only: its agent picks MASTER_PORT, and its answer dispatches ranks 1..n-1."""
+        reserved = self.db.run_write(
+            partial(
+                allocate.reserve_gang,
+                job_id=decision.job_id,
+                members=[(m.rank, m.node_id, m.gpu_count) for m in decision.members],
+                seen_fencing_epoch=seen_epoch,
+                leader_holder=self.leadership.holder,
+                leader_epoch=self.leadership.epoch,
+                lease_s=self.settings.reservation_lease_s,
+            )
+        )
+        stats.placed += 1
+        stats.placed_runs.extend(m.run_id for m in reserved.members)
+        self._pool.submit(self.dispatch, reserved.members[0].run_id)
 
     def _preempt(self, decision: Preempt, stats: PassStats) -> None:
         orders = self.db.run_write(
@@ -366,6 +398,18 @@ class Scheduler:
             )
             return
         self.db.run_write(partial(runs.mark_delivered, run_id=run_id))
+        if (
+            req.gang_size > 1
+            and req.rank == 0
+            and resp.master_port
+            and resp.result in (pb.AssignJobResponse.STARTED, pb.AssignJobResponse.ALREADY_RUNNING)
+        ):
+            # rank 0 runs (or ran) and its agent chose MASTER_PORT: now the other ranks
+            others = self.db.run_write(
+                partial(runs.record_master_port, run_id=run_id, port=resp.master_port)
+            )
+            for other in others:
+                self._pool.submit(self.dispatch, other)
 
     def _assignment(self, run_id: str) -> tuple[str, str, pb.AssignJobRequest] | None:
         """(node_id, agent address, AssignJob request) of an ASSIGNED attempt, else None."""
@@ -380,7 +424,8 @@ class Scheduler:
             if found is None or found[0].status != RunStatus.ASSIGNED:
                 return None
             run, job, node, reservation_id = found
-            # resume from the latest earlier attempt that stored a checkpoint
+            # resume from the latest earlier attempt that stored a checkpoint (of a gang:
+            # every rank resumes from rank 0's, else from the lowest rank that stored one)
             prior = s.execute(
                 select(JobRunRow.checkpoint_prefix)
                 .where(
@@ -388,9 +433,32 @@ class Scheduler:
                     JobRunRow.checkpoint_prefix.is_not(None),
                     JobRunRow.attempt < run.attempt,
                 )
-                .order_by(JobRunRow.attempt.desc())
+                .order_by(JobRunRow.attempt.desc(), JobRunRow.rank)
                 .limit(1)
             ).scalar_one_or_none()
+            env = dict(spec_env(job.spec))
+            if run.gang_size > 1:
+                rank0 = s.execute(
+                    select(JobRunRow.master_port, NodeRow.address)
+                    .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+                    .where(
+                        JobRunRow.job_id == job.id,
+                        JobRunRow.token == run.token,
+                        JobRunRow.rank == 0,
+                    )
+                ).one()
+                if run.rank > 0 and not rank0.master_port:
+                    return None  # rank 0's agent has not chosen MASTER_PORT yet
+                env.update(
+                    gang_env(
+                        rank=run.rank,
+                        gang_size=run.gang_size,
+                        gpus_here=len(run.gpu_ids),
+                        gpu_count=job.gpu_count,
+                        master_addr=host_of(rank0.address),
+                        master_port=rank0.master_port,
+                    )
+                )
         spec = job.spec
         req = pb.AssignJobRequest(
             run_id=run.id,
@@ -400,7 +468,7 @@ class Scheduler:
             leader_epoch=self.leadership.epoch,
             gpu_ids=run.gpu_ids,
             command=spec["command"],
-            env=spec.get("env") or {},
+            env=env,
             image=spec.get("image") or "",
             resume_from_uri=self.store.uri(prior) if prior else "",
             max_runtime_s=float(spec.get("max_runtime_s") or 0),
@@ -408,11 +476,70 @@ class Scheduler:
             working_dir=spec.get("working_dir") or "",
             memory_mb=int((spec.get("resources") or {}).get("memory_mb") or 0),
             cpu=float((spec.get("resources") or {}).get("cpu") or 0),
+            rank=run.rank,
+            gang_size=run.gang_size,
         )
         return node.id, node.address, req
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def spec_env(spec: Mapping[str, object]) -> Mapping[str, str]:
+    env = spec.get("env") or {}
+    assert isinstance(env, dict)
+    return env
+
+
+def host_of(address: str) -> str:
+    """The host part of an agent's ``host:port`` gRPC address (brackets of IPv6 removed)."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.strip("[]") or "127.0.0.1"
+
+
+def gang_env(
+    *,
+    rank: int,
+    gang_size: int,
+    gpus_here: int,
+    gpu_count: int,
+    master_addr: str,
+    master_port: int | None,
+) -> dict[str, str]:
+    """The distributed-training environment of one gang member (docs/design/gangs.md).
+
+    The platform starts ONE process per node (the job's command); so, for a plain script
+    that calls ``torch.distributed.init_process_group("gloo"/"nccl")`` with ``env://``:
+    ``WORLD_SIZE`` = members, ``RANK`` = ``NODE_RANK`` = this member's rank, ``LOCAL_RANK``
+    = 0, ``LOCAL_WORLD_SIZE`` = 1, ``MASTER_ADDR``/``MASTER_PORT`` = rank 0's node and the
+    port its agent chose. A command that is ``torchrun`` (one worker per GPU) finds its
+    arguments in ``PET_NNODES``, ``PET_NODE_RANK``, ``PET_NPROC_PER_NODE`` (this node's
+    GPUs), ``PET_MASTER_ADDR``, ``PET_MASTER_PORT`` and then sets ``WORLD_SIZE``/``RANK``/
+    ``LOCAL_*`` of its workers itself. ``GPUFLEET_GANG_SIZE``/``GPUFLEET_NNODES``,
+    ``GPUFLEET_NODE_RANK``, ``GPUFLEET_GPUS_PER_NODE`` and ``GPUFLEET_WORLD_GPUS`` (all the
+    job's GPUs) name the same facts in the platform's own words. ``master_port`` None
+    (rank 0 before its agent chose it): rank 0's agent adds ``MASTER_PORT`` itself."""
+    env = {
+        "WORLD_SIZE": str(gang_size),
+        "RANK": str(rank),
+        "NODE_RANK": str(rank),
+        "GROUP_RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": master_addr,
+        "GPUFLEET_GANG_SIZE": str(gang_size),
+        "GPUFLEET_NNODES": str(gang_size),
+        "GPUFLEET_NODE_RANK": str(rank),
+        "GPUFLEET_GPUS_PER_NODE": str(gpus_here),
+        "GPUFLEET_WORLD_GPUS": str(gpu_count),
+        "PET_NNODES": str(gang_size),
+        "PET_NODE_RANK": str(rank),
+        "PET_NPROC_PER_NODE": str(max(1, gpus_here)),
+        "PET_MASTER_ADDR": master_addr,
+    }
+    if master_port:
+        env["MASTER_PORT"] = env["PET_MASTER_PORT"] = str(master_port)
+    return env
 
 
 STOP_RETRY_BASE_S = 0.5
@@ -745,6 +872,7 @@ class Reconciler:
         with self.db.read() as s:
             now = db_now(s)
             cutoff = now - timedelta(seconds=self.settings.confirm_timeout_s)
+            rank0 = aliased(JobRunRow)
             stuck = list(
                 s.scalars(
                     select(JobRunRow.id)
@@ -765,6 +893,15 @@ class Reconciler:
                             & (JobRunRow.created_at < now - timedelta(seconds=2))
                         )
                         | (JobRunRow.assigned_at < cutoff),
+                        # ranks 1..n-1 of a gang wait for rank 0's MASTER_PORT (re-sending
+                        # rank 0 assigns them)
+                        (JobRunRow.rank == 0)
+                        | exists().where(
+                            rank0.job_id == JobRunRow.job_id,
+                            rank0.token == JobRunRow.token,
+                            rank0.rank == 0,
+                            rank0.master_port.is_not(None),
+                        ),
                     )
                 )
             )

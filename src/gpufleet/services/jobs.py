@@ -32,7 +32,7 @@ from gpufleet.domain.errors import (
 from gpufleet.domain.ids import new_id, new_job_id
 from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, Machine
-from gpufleet.domain.types import JobSpec
+from gpufleet.domain.types import JobSpec, Resources
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
@@ -53,6 +53,12 @@ def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
     data["env"] = dict(spec.env)
     data["node_selector"] = dict(spec.node_selector)
     data["priority"] = spec.priority.value
+    # a single-node job's stored spec (and so its idempotency payload hash) is what it was
+    # before gangs existed: the gang fields are stored only when set
+    r = data["resources"]
+    for key, unset in (("nodes", None), ("gpus_per_node", None), ("allow_partial_nodes", False)):
+        if r.get(key) == unset:
+            r.pop(key, None)
     return data
 
 
@@ -96,6 +102,10 @@ def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) ->
     satisfies."""
     res = spec.resources
     nodes = _fleet_shapes(session)
+    gang = (res.nodes is not None and res.nodes > 1) or res.gpus_per_node is not None
+    if gang and not nodes:
+        _check_gang_fits(nodes, spec, fallback_max_gpus)
+        return
     if not nodes:
         if res.gpu_count > fallback_max_gpus:
             raise ValidationFailed(
@@ -138,6 +148,11 @@ def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) ->
     ]
     candidates = list(nodes)
     for field, message, keep in filters:
+        if field == "gpu_count" and (gang or not any(keep(n) for n in candidates)):
+            # more GPUs than any matching node holds: a gang of whole nodes of one type (or,
+            # with allow_partial_nodes, an uneven split): checked by _check_gang_fits below
+            gang = True
+            continue
         candidates = [n for n in candidates if keep(n)]
         if not candidates:
             largest = max(n.total_gpus for n in nodes)
@@ -145,6 +160,84 @@ def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) ->
                 f"{message}; the fleet cannot run this job (largest node: {largest} GPUs)",
                 field=field,
             )
+    if gang:
+        _check_gang_fits(candidates, spec, fallback_max_gpus)
+
+
+def gang_shape(res: Resources, node_gpus: int) -> tuple[int, int] | None:
+    """(nodes, gpus per node) of a job on nodes of ``node_gpus`` GPUs: the explicit
+    ``nodes``/``gpus_per_node`` when given, else whole nodes (``gpu_count / node_gpus``)
+    when ``gpu_count`` is a multiple, else with ``allow_partial_nodes`` the fewest nodes
+    (the last one partly used: ``gpus_per_node`` is then the largest member's share).
+    None: no split of ``gpu_count`` onto such nodes is allowed."""
+    if res.nodes and res.gpus_per_node:
+        return res.nodes, res.gpus_per_node
+    if res.gpus_per_node:
+        return -(-res.gpu_count // res.gpus_per_node), res.gpus_per_node
+    if res.nodes:
+        return res.nodes, -(-res.gpu_count // res.nodes)
+    if node_gpus <= 0:
+        return None
+    if res.gpu_count % node_gpus == 0:
+        return res.gpu_count // node_gpus, node_gpus
+    if res.allow_partial_nodes:
+        return -(-res.gpu_count // node_gpus), node_gpus
+    return None
+
+
+def _check_gang_fits(nodes: list[NodeShape], spec: JobSpec, fallback_max_gpus: int) -> None:
+    """A multi-node job: among ``nodes`` (the shapes matching every other field of the job),
+    some GPU type must have enough registered nodes of enough GPUs for every member. A fleet
+    with no node yet bounds only ``gpus_per_node`` by ``fallback_max_gpus``. Raises
+    ValidationFailed naming the field the user set: ``gpus_per_node`` (no node that large),
+    ``nodes`` (not that many such nodes), else ``gpu_count`` (no allowed split, or the gang
+    derived from it cannot fit)."""
+    res = spec.resources
+    if not nodes:
+        per_node = res.gpus_per_node or fallback_max_gpus
+        if per_node > fallback_max_gpus:
+            raise ValidationFailed(
+                f"gpus_per_node {per_node} exceeds the largest node size ({fallback_max_gpus})",
+                field="gpus_per_node",
+            )
+        return
+    matching = nodes  # the caller kept the nodes matching every other field
+    counts = _node_counts_by_type(matching)
+    problem, field = "", "gpu_count"
+    for gpu_type, sizes in sorted(counts.items()):
+        shape = gang_shape(res, max(sizes))
+        if shape is None:
+            problem = (
+                f"gpu_count {res.gpu_count} is not a multiple of the {max(sizes)} GPUs of a"
+                f" {gpu_type} node (pass allow_partial_nodes to split it unevenly, or set"
+                " nodes and gpus_per_node)"
+            )
+            continue
+        want_nodes, per_node = shape
+        big_enough = sum(c for total, c in sizes.items() if total >= per_node)
+        if per_node > max(sizes):
+            problem = f"no {gpu_type} node has {per_node} GPUs for one member"
+            field = "gpus_per_node" if res.gpus_per_node else "gpu_count"
+            continue
+        if big_enough < want_nodes:
+            problem = (
+                f"gpu_count {res.gpu_count} needs {want_nodes} nodes of >= {per_node}"
+                f" {gpu_type} GPUs; the fleet has {big_enough}"
+            )
+            # the field the user set: nodes when given, else the gpu_count it derives from
+            field = "nodes" if res.nodes else "gpu_count"
+            continue
+        return
+    raise ValidationFailed(f"{problem}; the fleet cannot run this job", field=field)
+
+
+def _node_counts_by_type(nodes: list[NodeShape]) -> dict[str, dict[int, int]]:
+    """GPU type -> {GPUs per node: how many registered nodes of that size}."""
+    out: dict[str, dict[int, int]] = {}
+    for n in nodes:
+        by_size = out.setdefault(n.gpu_type, {})
+        by_size[n.total_gpus] = by_size.get(n.total_gpus, 0) + n.count
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +248,8 @@ class NodeShape:
     memory_mb: int
     labels: tuple[tuple[str, str], ...]
     total_gpus: int
+    count: int = 1
+    """Registered nodes of this shape."""
 
     def label(self, key: str) -> str | None:
         return dict(self.labels).get(key)
@@ -188,18 +283,22 @@ def _fleet_shapes(session: Session) -> list[NodeShape]:
             NodeCapacityRow.total_gpus,
         ).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
     ).all()
+    counted: dict[NodeShape, int] = {}
+    for r in rows:
+        shape = NodeShape(
+            r.gpu_type,
+            r.gpu_memory_mb,
+            r.cpu,
+            r.memory_mb,
+            tuple(sorted(effective_labels(r.labels, r.admin_labels).items())),
+            r.total_gpus,
+        )
+        counted[shape] = counted.get(shape, 0) + 1
     shapes = sorted(
-        {
-            NodeShape(
-                r.gpu_type,
-                r.gpu_memory_mb,
-                r.cpu,
-                r.memory_mb,
-                tuple(sorted(effective_labels(r.labels, r.admin_labels).items())),
-                r.total_gpus,
-            )
-            for r in rows
-        },
+        (
+            NodeShape(s.gpu_type, s.gpu_memory_mb, s.cpu, s.memory_mb, s.labels, s.total_gpus, n)
+            for s, n in counted.items()
+        ),
         key=lambda n: (n.gpu_type, n.total_gpus, n.gpu_memory_mb, n.labels),
     )
     with _shapes_lock:
@@ -428,7 +527,9 @@ def get_job(session: Session, team_id: str | None, job_id: str) -> tuple[JobRow,
         raise NotFound(f"no job {job_id!r}", field="job_id")
     runs = list(
         session.scalars(
-            select(JobRunRow).where(JobRunRow.job_id == job_id).order_by(JobRunRow.attempt)
+            select(JobRunRow)
+            .where(JobRunRow.job_id == job_id)
+            .order_by(JobRunRow.attempt, JobRunRow.rank)
         )
     )
     return job, runs

@@ -269,7 +269,7 @@ def heartbeat(
             stop.append(h)
             continue
         run, current, epoch = found
-        authoritative = run.id == current and run.token == h.token == epoch
+        authoritative = (run.id == current or run.gang_size > 1) and run.token == h.token == epoch
         if run.node_id != node_id or not authoritative or run.status not in RUN_ACTIVE:
             if h.state != "EXITED":
                 stop.append(h)
@@ -495,8 +495,28 @@ def fence_node(
             runs.charge_usage(
                 session, job.team_id, res.gpu_count, reserved_at=run.created_at, released_at=now
             )
-        current = job.current_run_id == run.id and job.fencing_epoch == run.token
+        current = runs.is_current(job, run)
         job_to = _job_after_fence(session, job, run, max_node_failures) if current else None
+        if job_to is not None and run.gang_size > 1:
+            # a gang member: the attempt's other members are stopped (verified) first; the
+            # job moves when the last of them ends (runs.finish_gang_if_done)
+            if not any(m.gang_outcome for m in runs.gang_members(session, job.id, run.token)):
+                session.execute(
+                    update(JobRunRow)
+                    .where(JobRunRow.id == run.id)
+                    .values(gang_outcome=str(job_to[0]))
+                )
+            runs.stop_gang(
+                session,
+                job.id,
+                run.token,
+                cause_run_id=run.id,
+                message=f"rank {run.rank}'s node was fenced ({reason}); stopping the gang",
+            )
+            runs.finish_gang_if_done(session, job, run.token, now)
+            session.refresh(job)
+            out.append(Fenced(run.id, job.id, JobStatus(job.status)))
+            continue
         if job_to is not None:
             to, why = job_to
             values: dict[str, object] = {"pending_reason": None}
@@ -726,12 +746,14 @@ def node_problems(session: Session, job: JobRow) -> list[dict[str, str | None]]:
         return {"node_id": n.id, "status": n.status, "reason": n.status_reason}
 
     if job.status in (JobStatus.SCHEDULED, JobStatus.RUNNING) and job.current_run_id:
-        node = session.execute(
+        # every member's node of a gang attempt (they share the job's token)
+        members = session.scalars(
             select(NodeRow)
             .join(JobRunRow, JobRunRow.node_id == NodeRow.id)
-            .where(JobRunRow.id == job.current_run_id)
-        ).scalar_one_or_none()
-        return [one(node)] if node is not None and node.status != NodeStatus.HEALTHY else []
+            .where(JobRunRow.job_id == job.id, JobRunRow.token == job.fencing_epoch)
+            .order_by(NodeRow.id)
+        ).all()
+        return [one(n) for n in members if n.status != NodeStatus.HEALTHY]
     if job.status != JobStatus.PENDING:
         return []
     types = set((job.spec.get("resources") or {}).get("gpu_types") or [])

@@ -63,7 +63,30 @@ def apply_preempt(
         )
         orders.append(StopOrder(run.id, run.token, address, run.node_id))
     gpus = decision.gpu_count or sum(len(r.gpu_ids) for r, _ in rows)
-    hold = session.get(GpuHoldRow, decision.for_job_id)
+    gang = {r.job_id for r, _ in rows if r.gang_size > 1}
+    if gang:  # a gang victim stops as one unit: every live member, whatever the decision says
+        extra = session.execute(
+            select(JobRunRow, NodeRow.address)
+            .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+            .where(
+                JobRunRow.job_id.in_(sorted(gang)),
+                JobRunRow.status.in_([RunStatus.ASSIGNED, RunStatus.RUNNING]),
+                JobRunRow.id.not_in(decision.victim_run_ids),
+            )
+            .order_by(JobRunRow.id)
+        ).all()
+        for run, address in extra:
+            request_stop(
+                session,
+                run.id,
+                run.token,
+                "preempt",
+                message=f"preempted for {decision.for_job_id} with its gang ({decision.reason})",
+                for_job_id=decision.for_job_id,
+            )
+            orders.append(StopOrder(run.id, run.token, address, run.node_id))
+    # one hold per (job, node): a gang preemptor may hold GPUs on several nodes
+    hold = session.get(GpuHoldRow, (decision.for_job_id, decision.node_id))
     if hold is None:
         session.add(
             GpuHoldRow(
@@ -75,7 +98,7 @@ def apply_preempt(
             )
         )
     else:
-        hold.node_id, hold.gpu_count, hold.reason = decision.node_id, gpus, decision.reason
+        hold.gpu_count, hold.reason = gpus, decision.reason
     return orders
 
 

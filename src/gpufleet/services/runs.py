@@ -67,8 +67,7 @@ def confirm_assignment(
         run is None
         or job is None
         or run.token != token
-        or job.current_run_id != run_id
-        or job.fencing_epoch != token
+        or not is_current(job, run)
         or run.status in RUN_TERMINAL
     ):
         return Confirm.REJECTED
@@ -118,7 +117,7 @@ def confirm_assignment(
             run_id=run_id,
             node_id=run.node_id,
         )
-    if job.status == JobStatus.SCHEDULED:
+    if job.status == JobStatus.SCHEDULED and _all_members_running(session, run):
         transition(
             session,
             Machine.JOB,
@@ -132,6 +131,66 @@ def confirm_assignment(
             run_id=run_id,
         )
     return Confirm.CONFIRMED
+
+
+def is_current(job: JobRow, run: JobRunRow) -> bool:
+    """``run`` is (a member of) the job's authoritative attempt: it carries the job's token,
+    and it is ``current_run_id`` or a member of the same gang attempt (rank 0 is
+    ``current_run_id``; every member shares the token, which no other attempt ever has)."""
+    return job.fencing_epoch == run.token and (
+        job.current_run_id == run.id or (run.gang_size > 1 and run.job_id == job.id)
+    )
+
+
+def gang_members(session: Session, job_id: str, token: int) -> list[JobRunRow]:
+    """Every member of the gang attempt of ``job_id`` with ``token``, in rank order."""
+    return list(
+        session.scalars(
+            select(JobRunRow)
+            .where(JobRunRow.job_id == job_id, JobRunRow.token == token)
+            .order_by(JobRunRow.rank)
+        )
+    )
+
+
+def _all_members_running(session: Session, run: JobRunRow) -> bool:
+    """A gang attempt is RUNNING only once every member confirmed its start."""
+    if run.gang_size <= 1:
+        return True
+    session.flush()
+    running = session.execute(
+        select(func.count())
+        .select_from(JobRunRow)
+        .where(
+            JobRunRow.job_id == run.job_id,
+            JobRunRow.token == run.token,
+            JobRunRow.started_at.is_not(None),
+        )
+    ).scalar_one()
+    return int(running) >= run.gang_size
+
+
+GANG_STOP = "gang"
+"""``stop_reason`` of a member stopped because another member of its gang attempt ended
+unsuccessfully (or its node was fenced): the whole attempt stops as one unit."""
+
+
+def stop_gang(
+    session: Session, job_id: str, token: int, *, cause_run_id: str, message: str
+) -> list[str]:
+    """Mark every other still-starting or running member of the gang attempt PREEMPTING
+    (reason ``gang``): durable, so the stop driver sends their StopRun (SIGTERM, grace,
+    SIGKILL) until each agent reports the processes gone. Returns the run ids marked."""
+    marked = []
+    for member in gang_members(session, job_id, token):
+        if member.id == cause_run_id or member.status not in (
+            RunStatus.ASSIGNED,
+            RunStatus.RUNNING,
+        ):
+            continue
+        if request_stop(session, member.id, token, GANG_STOP, message=message):
+            marked.append(member.id)
+    return marked
 
 
 def request_stop(
@@ -170,6 +229,26 @@ def request_stop(
         message=message,
     )
     return True
+
+
+def record_master_port(session: Session, run_id: str, port: int) -> list[str]:
+    """Rank 0's agent chose ``port`` for MASTER_PORT: keep it (the first answer wins; a
+    re-sent AssignJob answers the same port) and return the other members still to assign
+    (ASSIGNED), in rank order."""
+    run = session.get(JobRunRow, run_id)
+    if run is None or run.rank != 0 or run.gang_size <= 1:
+        return []
+    if run.master_port is None:
+        session.execute(
+            update(JobRunRow)
+            .where(JobRunRow.id == run_id, JobRunRow.master_port.is_(None))
+            .values(master_port=port)
+        )
+    return [
+        m.id
+        for m in gang_members(session, run.job_id, run.token)
+        if m.rank > 0 and m.status == RunStatus.ASSIGNED
+    ]
 
 
 def mark_delivered(session: Session, run_id: str) -> None:
@@ -327,9 +406,14 @@ def complete_run(
             assert_leader(session, leader[0], leader[1], now)
         if inferred and (run.started_at is not None or run.status == RunStatus.RUNNING):
             return CompletionResult.STALE, "the attempt was confirmed running; not overridden"
-        current = job.current_run_id == run.id and job.fencing_epoch == run.token
+        current = is_current(job, run)
         run_to, job_to, why = _decide(session, run, job, report, verified, current)
-        blame = "job" if run_to == RunStatus.FAILED else None
+        gang_stopped = (
+            run.gang_size > 1 and run.stop_reason == GANG_STOP and run_to != RunStatus.SUCCEEDED
+        )
+        if gang_stopped:  # not the cause: the attempt's outcome is its cause's
+            job_to, why = None, f"stopped with its gang ({run.message or 'a member ended'})"
+        blame = "job" if run_to == RunStatus.FAILED and not gang_stopped else None
         node_fault = report.node_fault and report.outcome == Outcome.NEVER_STARTED
         if node_fault and run_to == RunStatus.FAILED:
             blame = "node"
@@ -342,7 +426,7 @@ def complete_run(
             # not turn into a cordon only an operator lifts
             "charged_to": "refused"
             if blame == "node" and report.node_refused
-            else ("system" if inferred and blame != "node" else blame),
+            else ("system" if (inferred or gang_stopped) and blame != "node" else blame),
             "finished_at": now,
             "exit_code": report.exit_code if report.outcome != Outcome.NEVER_STARTED else None,
             "manifest_uri": report.manifest_uri or None,
@@ -350,6 +434,10 @@ def complete_run(
         }
         if verified.manifest is not None:
             values["checkpoint_prefix"] = verified.manifest.checkpoint_prefix()
+        if run.gang_size > 1 and current:
+            return _complete_gang_member(
+                session, run, job, report, run_to, job_to, why, values, now, retry_backoff
+            )
         transition(
             session,
             Machine.RUN,
@@ -476,7 +564,8 @@ def retry_delay_s(session: Session, job_id: str, base_s: float, cap_s: float) ->
     uniform jitter in [0.5, 1] (so a burst of failing jobs does not retry in lockstep)."""
     session.flush()
     failures = session.execute(
-        select(func.count())
+        # distinct attempts: two members of one gang attempt failing use one retry
+        select(func.count(func.distinct(JobRunRow.attempt)))
         .select_from(JobRunRow)
         .where(
             JobRunRow.job_id == job_id,
@@ -557,7 +646,7 @@ def _failed_next(session: Session, job: JobRow, current: bool) -> JobStatus | No
     if job.cancel_requested:
         return JobStatus.CANCELLED
     failed_before = session.execute(
-        select(func.count())
+        select(func.count(func.distinct(JobRunRow.attempt)))
         .select_from(JobRunRow)
         .where(
             JobRunRow.job_id == job.id,
@@ -605,3 +694,157 @@ def describe_phases(p: dict[str, Any] | None) -> str:
             f" create {create:.2f} s, start {start:.2f} s)"
         )
     return f" (process, start {float(p.get('start_s', 0)):.3f} s)"
+
+
+def _complete_gang_member(
+    session: Session,
+    run: JobRunRow,
+    job: JobRow,
+    report: Report,
+    run_to: RunStatus,
+    job_to: JobStatus | None,
+    why: str,
+    values: dict[str, Any],
+    now: datetime,
+    retry_backoff: tuple[float, float],
+) -> tuple[CompletionResult, str]:
+    """One member of the job's current gang attempt ended (in complete_run's transaction).
+
+    * The member's run goes terminal. If it ended unsuccessfully and is the first to (not
+      stopped because of the gang), it is the attempt's cause: its decided job status is
+      kept on it (``gang_outcome``) and every other live member is marked PREEMPTING
+      (reason ``gang``); the stop driver stops them (SIGTERM, grace, SIGKILL, verified).
+    * The member's GPUs stay reserved while any other member is live: a gang's GPUs come
+      back together, only once every member is verified gone, so no GPU of a stopping gang
+      is reused while part of it still runs.
+    * The last member to end releases every member's reservation, charges the team, and
+      moves the job: SUCCEEDED when every member succeeded (result: rank 0's manifest),
+      else the cause's outcome (a retry is ONE new gang attempt with a new token).
+    """
+    members = gang_members(session, job.id, run.token)
+    causes = [m for m in members if m.gang_outcome is not None and m.id != run.id]
+    failed = run_to != RunStatus.SUCCEEDED
+    if failed and job_to is not None and not causes:
+        values["gang_outcome"] = str(job_to)
+    transition(
+        session,
+        Machine.RUN,
+        run.id,
+        run_to,
+        now=now,
+        frm=[run.status],
+        guard={"token": report.token},
+        values=values,
+        job_id=job.id,
+        run_id=run.id,
+        node_id=run.node_id,
+        message=f"rank {run.rank}: {why}",
+    )
+    if values.get("charged_to") == "node":
+        _cordon_if_failing(session, run.node_id, now)
+    if failed:
+        stop_gang(
+            session,
+            job.id,
+            run.token,
+            cause_run_id=run.id,
+            message=f"rank {run.rank} of the gang ended ({why}); stopping the whole attempt",
+        )
+    ended = finish_gang_if_done(session, job, run.token, now, retry_backoff=retry_backoff)
+    if ended is None:
+        return CompletionResult.ACCEPTED, f"rank {run.rank}: {why}; waiting for the other ranks"
+    return CompletionResult.ACCEPTED, ended
+
+
+def finish_gang_if_done(
+    session: Session,
+    job: JobRow,
+    token: int,
+    now: datetime,
+    *,
+    retry_backoff: tuple[float, float] = (10.0, 300.0),
+) -> str | None:
+    """If every member of the gang attempt ``token`` of ``job`` has ended: release every
+    member's RESERVED/CONFIRMED reservation (a fenced member's QUARANTINED one waits for its
+    agent's word), charge the team, and move the job (:func:`_end_gang_attempt`). Returns
+    the sentence of the job's move, or None while a member is still live."""
+    session.flush()
+    members = gang_members(session, job.id, token)
+    for m in members:
+        session.refresh(m)
+    if any(m.status not in RUN_TERMINAL for m in members):
+        return None
+    for m in members:  # the last one: every member's GPUs come back together
+        if m.status == RunStatus.FENCED:
+            continue
+        gpus = allocate.release(
+            session, run_id=m.id, now=now, message=f"gang attempt ended (rank {m.rank})"
+        )
+        charge_usage(session, job.team_id, gpus, reserved_at=m.created_at, released_at=now)
+    return _end_gang_attempt(session, job, members, now, retry_backoff)
+
+
+def _end_gang_attempt(
+    session: Session,
+    job: JobRow,
+    members: list[JobRunRow],
+    now: datetime,
+    retry_backoff: tuple[float, float],
+) -> str:
+    """Move the job once every member of its gang attempt has ended."""
+    rank0 = members[0]
+    token = rank0.token
+    job_values: dict[str, object] = {}
+    if all(m.status == RunStatus.SUCCEEDED for m in members):
+        job_to, why = JobStatus.SUCCEEDED, f"all {len(members)} ranks exited 0; manifests verified"
+        job_values = {"finished_at": now, "failure_reason": None, "result_uri": rank0.manifest_uri}
+    else:
+        ended = sorted(
+            (m for m in members if m.gang_outcome is not None),
+            key=lambda m: (m.finished_at or now, m.rank),
+        )
+        cause = ended[0] if ended else None
+        if cause is not None and cause.gang_outcome is not None:
+            job_to = JobStatus(cause.gang_outcome)
+            why = f"rank {cause.rank}: {cause.message or cause.status}"
+        else:  # every member was stopped with the gang (e.g. its cause was fenced)
+            job_to = _failed_next(session, job, True) or JobStatus.PENDING
+            why = "every member of the gang attempt was stopped"
+        if job.cancel_requested and job_to == JobStatus.PENDING:
+            job_to = JobStatus.CANCELLED
+        if job_to == JobStatus.PENDING:
+            job_values = {"pending_reason": None}
+            blame = cause.charged_to if cause is not None else None
+            preempted = cause is not None and cause.status == RunStatus.PREEMPTED
+            if not preempted and blame not in ("node", "refused"):
+                job_values["queued_at"] = now
+            if blame == "job":
+                delay = retry_delay_s(session, job.id, *retry_backoff)
+                retry_at = now + timedelta(seconds=delay)
+                job_values["retry_after"] = retry_at
+                job_values["pending_reason"] = {
+                    "code": "retry_backoff",
+                    "message": f"retrying in {delay:.0f} s after {why}",
+                    "details": {"after": why, "retry_at": iso_utc(retry_at)},
+                    "position": None,
+                    "estimated_start_at": None,
+                }
+        else:
+            job_values = {
+                "finished_at": now,
+                "failure_reason": None if job_to == JobStatus.CANCELLED else why,
+            }
+    transition(
+        session,
+        Machine.JOB,
+        job.id,
+        job_to,
+        now=now,
+        frm=[job.status],
+        guard={"fencing_epoch": token},
+        values=job_values,
+        job_id=job.id,
+        run_id=rank0.id,
+        message=f"gang attempt {rank0.attempt} ended: {why}",
+    )
+    return why

@@ -17,6 +17,7 @@ caller has the agent's word that the processes are gone (or an operator's fence)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -81,40 +82,8 @@ def reserve(
     """
     now = now if now is not None else db_now(session)
     leader.assert_leader(session, leader_holder, leader_epoch, now)
-    cap = NodeCapacityRow.__table__.c
-    took = session.execute(
-        update(NodeCapacityRow)
-        .where(
-            cap.node_id == node_id,
-            cap.available_gpus >= gpu_count,
-            exists().where(NodeRow.id == node_id, NodeRow.status == NodeStatus.HEALTHY),
-        )
-        .values(available_gpus=cap.available_gpus - gpu_count, version=cap.version + 1)
-        .execution_options(synchronize_session=False)
-    )
-    if took.rowcount != 1:  # type: ignore[attr-defined]
-        raise CapacityConflict(f"node {node_id}: fewer than {gpu_count} free GPUs or not HEALTHY")
-
     run_id = new_run_id()
-    free = session.scalars(
-        select(NodeGpuRow.gpu_index)
-        .where(NodeGpuRow.node_id == node_id, NodeGpuRow.holder_run_id.is_(None))
-        .order_by(NodeGpuRow.gpu_index)
-        .limit(gpu_count)
-    ).all()
-    claimed = session.execute(
-        update(NodeGpuRow)
-        .where(
-            NodeGpuRow.node_id == node_id,
-            NodeGpuRow.gpu_index.in_(free),
-            NodeGpuRow.holder_run_id.is_(None),
-        )
-        .values(holder_run_id=run_id)
-        .execution_options(synchronize_session=False)
-    )
-    if len(free) != gpu_count or claimed.rowcount != gpu_count:  # type: ignore[attr-defined]
-        # available said yes but the GPU rows disagree: an invariant is broken; never patch it.
-        raise CapacityConflict(f"node {node_id}: capacity row and GPU rows disagree")
+    free = _take_gpus(session, node_id, gpu_count, run_id)
 
     token = seen_fencing_epoch + 1
     # attempts and fencing_epoch move together (both +1 here, and only here), and the guard
@@ -144,7 +113,7 @@ def reserve(
     # a hold of GPUs for this job (after a preemption) has served its purpose
     session.execute(delete(GpuHoldRow).where(GpuHoldRow.job_id == job_id))
     reservation_id = new_reservation_id()
-    gpu_ids = [int(g) for g in free]
+    gpu_ids = free
     session.add(
         JobRunRow(
             id=run_id,
@@ -174,6 +143,161 @@ def reserve(
     )
     session.flush()
     return Reserved(job_id, run_id, reservation_id, node_id, token, attempt, tuple(gpu_ids))
+
+
+def _take_gpus(session: Session, node_id: str, gpu_count: int, run_id: str) -> list[int]:
+    """Steps 2 and 3 of reserve() on one node: the conditional capacity update, then the
+    GPU rows claimed for ``run_id``. Returns the claimed GPU indexes.
+
+    Raises:
+        CapacityConflict: the node lacks ``gpu_count`` free GPUs now or is not HEALTHY.
+    """
+    cap = NodeCapacityRow.__table__.c
+    took = session.execute(
+        update(NodeCapacityRow)
+        .where(
+            cap.node_id == node_id,
+            cap.available_gpus >= gpu_count,
+            exists().where(NodeRow.id == node_id, NodeRow.status == NodeStatus.HEALTHY),
+        )
+        .values(available_gpus=cap.available_gpus - gpu_count, version=cap.version + 1)
+        .execution_options(synchronize_session=False)
+    )
+    if took.rowcount != 1:  # type: ignore[attr-defined]
+        raise CapacityConflict(f"node {node_id}: fewer than {gpu_count} free GPUs or not HEALTHY")
+    free = session.scalars(
+        select(NodeGpuRow.gpu_index)
+        .where(NodeGpuRow.node_id == node_id, NodeGpuRow.holder_run_id.is_(None))
+        .order_by(NodeGpuRow.gpu_index)
+        .limit(gpu_count)
+    ).all()
+    claimed = session.execute(
+        update(NodeGpuRow)
+        .where(
+            NodeGpuRow.node_id == node_id,
+            NodeGpuRow.gpu_index.in_(free),
+            NodeGpuRow.holder_run_id.is_(None),
+        )
+        .values(holder_run_id=run_id)
+        .execution_options(synchronize_session=False)
+    )
+    if len(free) != gpu_count or claimed.rowcount != gpu_count:  # type: ignore[attr-defined]
+        # available said yes but the GPU rows disagree: an invariant is broken; never patch it.
+        raise CapacityConflict(f"node {node_id}: capacity row and GPU rows disagree")
+    return [int(g) for g in free]
+
+
+@dataclass(frozen=True, slots=True)
+class ReservedGang:
+    """The outcome of one successful reserve_gang(): one :class:`Reserved` per member, in
+    rank order, all with the same token and attempt number."""
+
+    job_id: str
+    token: int
+    attempt: int
+    members: tuple[Reserved, ...]
+
+
+def reserve_gang(
+    session: Session,
+    *,
+    job_id: str,
+    members: Sequence[tuple[int, str, int]],
+    seen_fencing_epoch: int,
+    leader_holder: str,
+    leader_epoch: int,
+    lease_s: float,
+    now: datetime | None = None,
+) -> ReservedGang:
+    """Reserve every member of a gang attempt of ``job_id``, or none: one transaction.
+
+    ``members``: ``(rank, node_id, gpu_count)`` per member; ranks are 0..n-1 and the nodes
+    distinct. The capacity and GPU rows are updated in node-id order whatever the ranks,
+    so two schedulers reserving overlapping gangs lock rows in the same order and never
+    deadlock (PostgreSQL); on SQLite ``BEGIN IMMEDIATE`` serialises writers anyway. Any
+    member that does not fit raises, and the caller's transaction rolls back every member.
+    Every member gets its own JobRun (rank, gang_size) and Reservation under ONE new token;
+    the job's ``current_run_id`` is rank 0's run.
+
+    Raises:
+        NotLeader: the caller's (holder, epoch) no longer holds the lease.
+        CapacityConflict: a member's node lacks the free GPUs now, or is not HEALTHY.
+        StaleState: the job is no longer PENDING at ``seen_fencing_epoch`` (or was cancelled).
+        ValueError: the ranks are not 0..n-1, or two members share a node.
+    """
+    size = len(members)
+    if sorted(m[0] for m in members) != list(range(size)) or size < 1:
+        raise ValueError(f"gang ranks must be 0..{size - 1}: {[m[0] for m in members]}")
+    if len({m[1] for m in members}) != size:
+        raise ValueError("two members of a gang on one node")
+    now = now if now is not None else db_now(session)
+    leader.assert_leader(session, leader_holder, leader_epoch, now)
+    run_ids = {rank: new_run_id() for rank, _, _ in members}
+    gpus: dict[int, list[int]] = {}
+    for rank, node_id, count in sorted(members, key=lambda m: m[1]):  # lock order: node id
+        gpus[rank] = _take_gpus(session, node_id, count, run_ids[rank])
+    token = seen_fencing_epoch + 1
+    attempt = token
+    by_rank = sorted(members)
+    placed = ", ".join(f"rank {r}: {c} GPU(s) {gpus[r]} on {n}" for r, n, c in by_rank)
+    transition(
+        session,
+        Machine.JOB,
+        job_id,
+        JobStatus.SCHEDULED,
+        now=now,
+        frm=[JobStatus.PENDING],
+        guard={"fencing_epoch": seen_fencing_epoch, "cancel_requested": False},
+        values={
+            "fencing_epoch": token,
+            "current_run_id": run_ids[0],
+            "attempts": attempt,
+            "scheduled_at": now,
+            "pending_reason": None,
+        },
+        message=f"reserved a gang of {size} ({placed}), token {token}",
+        job_id=job_id,
+        run_id=run_ids[0],
+        node_id=by_rank[0][1],
+    )
+    session.execute(delete(GpuHoldRow).where(GpuHoldRow.job_id == job_id))
+    out = []
+    for rank, node_id, count in by_rank:
+        run_id, reservation_id = run_ids[rank], new_reservation_id()
+        session.add(
+            JobRunRow(
+                id=run_id,
+                job_id=job_id,
+                attempt=attempt,
+                node_id=node_id,
+                status=RunStatus.ASSIGNED,
+                token=token,
+                gpu_ids=gpus[rank],
+                rank=rank,
+                gang_size=size,
+                created_at=now,
+            )
+        )
+        session.add(
+            ReservationRow(
+                id=reservation_id,
+                run_id=run_id,
+                job_id=job_id,
+                node_id=node_id,
+                gpu_ids=gpus[rank],
+                gpu_count=count,
+                status=ReservationStatus.RESERVED,
+                token=token,
+                leader_epoch=leader_epoch,
+                lease_expires_at=now + timedelta(seconds=lease_s),
+                created_at=now,
+            )
+        )
+        out.append(
+            Reserved(job_id, run_id, reservation_id, node_id, token, attempt, tuple(gpus[rank]))
+        )
+    session.flush()
+    return ReservedGang(job_id, token, attempt, tuple(out))
 
 
 def release(

@@ -64,6 +64,9 @@ def resources_of(spec: dict[str, object]) -> Resources:
         gpu_memory_mb=int(r.get("gpu_memory_mb") or 0),
         cpu=float(r.get("cpu") or 0.0),
         memory_mb=int(r.get("memory_mb") or 0),
+        nodes=int(r["nodes"]) if r.get("nodes") else None,
+        gpus_per_node=int(r["gpus_per_node"]) if r.get("gpus_per_node") else None,
+        allow_partial_nodes=bool(r.get("allow_partial_nodes") or False),
     )
 
 
@@ -205,23 +208,52 @@ def load_snapshot(
             or_(JobRow.retry_after.is_(None), JobRow.retry_after <= now),
         )
     ).all()
-    running_rows = session.execute(
-        select(
-            JobRunRow.id,
-            JobRunRow.job_id,
-            JobRunRow.node_id,
-            JobRunRow.status,
-            JobRunRow.gpu_ids,
-            JobRunRow.started_at,
-            JobRunRow.created_at,
-            JobRunRow.preempted_for_job_id,
-            JobRow.team_id,
-            JobRow.priority,
-            JobRow.max_runtime_s,
-        )
-        .join(JobRow, JobRow.id == JobRunRow.job_id)
-        .where(JobRunRow.status.in_([RunStatus.ASSIGNED, RunStatus.RUNNING, RunStatus.PREEMPTING]))
-    ).all()
+    running_columns = (
+        JobRunRow.id,
+        JobRunRow.job_id,
+        JobRunRow.node_id,
+        JobRunRow.status,
+        JobRunRow.gpu_ids,
+        JobRunRow.started_at,
+        JobRunRow.created_at,
+        JobRunRow.preempted_for_job_id,
+        JobRunRow.rank,
+        JobRunRow.gang_size,
+        JobRow.team_id,
+        JobRow.priority,
+        JobRow.max_runtime_s,
+    )
+    running_rows = list(
+        session.execute(
+            select(*running_columns)
+            .join(JobRow, JobRow.id == JobRunRow.job_id)
+            .where(
+                JobRunRow.status.in_([RunStatus.ASSIGNED, RunStatus.RUNNING, RunStatus.PREEMPTING])
+            )
+        ).all()
+    )
+    reserved_at = dict(
+        session.execute(
+            select(ReservationRow.run_id, ReservationRow.created_at).where(
+                ReservationRow.status.in_(
+                    [ReservationStatus.RESERVED, ReservationStatus.CONFIRMED]
+                )
+            )
+        ).all()
+    )
+    # a gang member that ended keeps its GPUs until its whole attempt has ended
+    # (services.runs.finish_gang_if_done): list it too, so the policy sees who holds them
+    live_ids = {r.id for r in running_rows}
+    held = sorted(run_id for run_id in reserved_at if run_id not in live_ids)
+    stopping_for = {
+        r.job_id: r.preempted_for_job_id for r in running_rows if r.status == RunStatus.PREEMPTING
+    }
+    for start in range(0, len(held), SpecCache.CHUNK):
+        running_rows += session.execute(
+            select(*running_columns)
+            .join(JobRow, JobRow.id == JobRunRow.job_id)
+            .where(JobRunRow.id.in_(held[start : start + SpecCache.CHUNK]))
+        ).all()
     facts = specs.lookup(session, [r.id for r in pending_rows] + [r.job_id for r in running_rows])
     pending = [specs.pending_job(row, facts[row.id]) for row in pending_rows]
     gpu_type_of = {n.node_id: n.gpu_type for n in nodes}
@@ -243,20 +275,16 @@ def load_snapshot(
                 expected_duration_s=f.expected_duration_s,
                 max_runtime_s=run.max_runtime_s,
                 preemptible=f.preemptible,
-                stopping=run.status == RunStatus.PREEMPTING,
-                stopping_for_job_id=run.preempted_for_job_id,
+                stopping=run.status == RunStatus.PREEMPTING
+                or (run.id not in live_ids and run.job_id in stopping_for),
+                stopping_for_job_id=run.preempted_for_job_id
+                if run.id in live_ids
+                else stopping_for.get(run.job_id),
+                rank=run.rank,
+                gang_size=run.gang_size,
             )
         )
     running_by_team: dict[str, list[tuple[int, float]]] = {}
-    reserved_at = dict(
-        session.execute(
-            select(ReservationRow.run_id, ReservationRow.created_at).where(
-                ReservationRow.status.in_(
-                    [ReservationStatus.RESERVED, ReservationStatus.CONFIRMED]
-                )
-            )
-        ).all()
-    )
     for r in running:
         since = reserved_at.get(r.run_id)
         start_s = since.timestamp() if since is not None else r.started_at_s
@@ -277,7 +305,9 @@ def load_snapshot(
         )
     holds = tuple(
         GpuHold(h.job_id, h.node_id, h.gpu_count, h.since.timestamp(), h.reason)
-        for h in session.scalars(select(GpuHoldRow).order_by(GpuHoldRow.job_id))
+        for h in session.scalars(
+            select(GpuHoldRow).order_by(GpuHoldRow.job_id, GpuHoldRow.node_id)
+        )
     )
     return ClusterSnapshot(
         now_s=now_s,
@@ -341,6 +371,8 @@ def load_invariant_view(session: Session) -> InvariantView:
             created_at_s=r.created_at.timestamp(),
             started_at_s=r.started_at.timestamp() if r.started_at else None,
             stop_requested_at_s=r.stop_requested_at.timestamp() if r.stop_requested_at else None,
+            rank=r.rank,
+            gang_size=r.gang_size,
         )
         for r in session.scalars(select(JobRunRow))
     )

@@ -168,15 +168,18 @@ class JobRow(Base):
 
 
 class JobRunRow(Base):
-    """One attempt: one node, one reservation, one fencing token. Never reused."""
+    """One attempt on one node, or one member of a gang attempt: one node, one reservation,
+    the attempt's fencing token (shared by every member of a gang). Never reused."""
 
     __tablename__ = "job_runs"
     __table_args__ = (
-        UniqueConstraint("job_id", "attempt"),
-        # Invariant 3 backstop: at most one active attempt per job.
+        UniqueConstraint("job_id", "attempt", "rank"),
+        # Invariant 3 backstop: at most one active attempt per job (one active member per
+        # rank for a gang; that the members share one attempt is checked by the checker).
         Index(
-            "uq_job_runs_one_active_per_job",
+            "uq_job_runs_one_active_per_rank",
             "job_id",
+            "rank",
             unique=True,
             sqlite_where=text(ACTIVE_RUN_SQL),
             postgresql_where=text(ACTIVE_RUN_SQL),
@@ -210,6 +213,16 @@ class JobRunRow(Base):
     budget), ``refused`` (the agent refused it on a failed health check: the node's, but
     neither a start failure towards auto-cordon nor a node loss) or ``system`` (fencing, a
     refused stale assignment: counts against nothing)."""
+    rank: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """This member's rank in its gang attempt (0 for a single-node job); rank 0 is the
+    job's ``current_run_id`` and hosts ``MASTER_ADDR``."""
+    gang_size: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    """Members of the attempt (1: a single-node job)."""
+    master_port: Mapped[int | None] = mapped_column(Integer)
+    """Rank 0 of a gang: the free port its agent chose for ``MASTER_PORT``."""
+    gang_outcome: Mapped[str | None] = mapped_column(String(16))
+    """A gang member that ended unsuccessfully first (not stopped because of the gang): the
+    job status the whole attempt ends in, applied when its last member ends."""
     start_phases: Mapped[dict[str, Any] | None]
     """How the node started it (seconds): runtime, image warm/cold, pull_s, create_s, start_s."""
     created_at: Mapped[datetime]
@@ -339,7 +352,8 @@ class GpuHoldRow(Base):
     __tablename__ = "gpu_holds"
 
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
-    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), primary_key=True)
+    """A gang preemptor may hold GPUs on several nodes: one row per (job_id, node_id)."""
     gpu_count: Mapped[int] = mapped_column(Integer)
     reason: Mapped[str] = mapped_column(String(16))
     since: Mapped[datetime]

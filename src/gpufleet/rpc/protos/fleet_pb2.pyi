@@ -598,6 +598,8 @@ class AssignJobRequest(_message.Message):
     WORKING_DIR_FIELD_NUMBER: _builtins.int
     MEMORY_MB_FIELD_NUMBER: _builtins.int
     CPU_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    GANG_SIZE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     job_id: _builtins.str
     reservation_id: _builtins.str
@@ -618,6 +620,12 @@ class AssignJobRequest(_message.Message):
     """
     cpu: _builtins.float
     """CPU cores of the attempt (a quota where the node can); 0 = none"""
+    rank: _builtins.int
+    """Gang (multi-node) attempts: this member's rank and the number of members (0 or 1 = a
+    single-node job). The controller puts the distributed-training variables in ``env``;
+    rank 0's agent adds MASTER_PORT (a free port on its node) and answers it.
+    """
+    gang_size: _builtins.int
     @_builtins.property
     def gpu_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -642,10 +650,12 @@ class AssignJobRequest(_message.Message):
         working_dir: _builtins.str = ...,
         memory_mb: _builtins.int = ...,
         cpu: _builtins.float = ...,
+        rank: _builtins.int = ...,
+        gang_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "env", b"env", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "env", b"env", "gang_size", b"gang_size", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "rank", b"rank", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -691,19 +701,23 @@ class AssignJobResponse(_message.Message):
     RESULT_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    MASTER_PORT_FIELD_NUMBER: _builtins.int
     result: Global___AssignJobResponse.Result.ValueType
     message: _builtins.str
     pid: _builtins.int
+    master_port: _builtins.int
+    """rank 0 of a gang: the MASTER_PORT its agent chose (0 otherwise)"""
     def __init__(
         self,
         *,
         result: Global___AssignJobResponse.Result.ValueType = ...,
         message: _builtins.str = ...,
         pid: _builtins.int = ...,
+        master_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "pid", b"pid", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["master_port", b"master_port", "message", b"message", "pid", b"pid", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
