@@ -36,6 +36,9 @@ class TestShim:
             pytest.param("print('out'); import sys; print('err', file=sys.stderr)", 0, id="ok"),
             pytest.param("import sys; sys.exit(3)", 3, id="non-zero exit"),
             pytest.param("import os; os.kill(os.getpid(), 9)", -9, id="killed by a signal"),
+            pytest.param("import sys; sys.exit(200)", 200, id="own exit 200"),
+            pytest.param("import sys; sys.exit(255)", 255, id="own exit 255"),
+            pytest.param("import sys; sys.exit(143)", -15, id="exit 143 reads as SIGTERM"),
         ],
     )
     def test_writes_the_exit_code_and_appends_output(self, tmp_path, code, want_exit_code):
@@ -169,3 +172,17 @@ def test_a_finished_attempt_costs_no_scan_of_proc(tmp_path: Path, monkeypatch) -
         info = rt.poll(rec, h, time.monotonic())
         time.sleep(0.01)
     assert info is not None and info.exit_code == 0
+
+
+def test_the_shim_and_python_agree_on_death_signals() -> None:
+    """shim.sh's case list is exactly 128 + DEATH_SIGNALS (the agent's fallback uses those)."""
+    import re
+
+    text = shim.SHIM_SH.read_text()
+    listed = re.search(r"^\s*((?:1\d\d\|)+1\d\d)\) _gf_code=", text, re.M)
+    assert listed is not None
+    assert {int(n) - 128 for n in listed.group(1).split("|")} == shim.DEATH_SIGNALS
+    assert shim.exit_code_from_status(137) == -9
+    assert shim.exit_code_from_status(200) == 200
+    assert shim.exit_code_from_status(255) == 255
+    assert shim.exit_code_from_status(3) == 3

@@ -113,7 +113,11 @@ class TestWaitExitCode:
             pytest.param("SUCCEEDED", [0], 0, id="succeeded"),
             pytest.param("FAILED", [7], 7, id="the job's own code"),
             pytest.param("FAILED", [3, 7], 7, id="the last attempt's code"),
-            pytest.param("FAILED", [-9], 1, id="killed by a signal: 1"),
+            pytest.param("FAILED", [-9], 137, id="killed by SIGKILL: 128+9"),
+            pytest.param("FAILED", [-15], 143, id="killed by SIGTERM: 128+15"),
+            pytest.param("FAILED", [200], 200, id="the job's own code above 128"),
+            pytest.param("FAILED", [255], 255, id="the job's own 255"),
+            pytest.param("CANCELLED", [-15], 1, id="stopped on request: 1"),
             pytest.param("CANCELLED", [], 1, id="never ran: 1"),
         ],
     )

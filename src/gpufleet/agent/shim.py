@@ -43,9 +43,11 @@ outlives an agent crash (``kill -9``). It:
    found or not executable, a cgroup it cannot join, a working directory it cannot enter);
    then it also writes ``{"exit_code": 127, "start_error": "..."}`` into the exit file;
 5. once the child has ended writes ``{"exit_code": N}`` to the exit file (unless the child
-   filled it with a start error). A status above 128 is read as death by signal
-   ``N - 128`` and recorded as ``-signal`` (as the shell reports it; a command that itself
-   exits with 129-255 is recorded as a signal). The finish time is the file's mtime.
+   filled it with a start error). POSIX ``sh`` cannot tell ``exit 137`` from SIGKILL, so a
+   status ``128 + N`` is read as death by signal ``N`` (recorded as ``-N``) only for the
+   signals a job realistically dies of (:data:`DEATH_SIGNALS`); any other status, ``exit 200``
+   or ``exit 255`` included, is the command's own exit code. The finish time is the file's
+   mtime.
 
 **Durability.** Neither the claim nor the exit file is fsynced. Both are read only by an agent
 restarted on the *same boot* (page cache survives a process crash); after a reboot nothing of
@@ -61,12 +63,41 @@ SIGKILL.
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 SHIM_SH = Path(__file__).with_name("shim.sh")
 """The script (package data)."""
 SH = "/bin/sh"
 START_FAILED_EXIT_CODE = 127
+DEATH_SIGNALS: frozenset[int] = frozenset(
+    int(signal.Signals[name])
+    for name in [
+        "SIGHUP",
+        "SIGINT",
+        "SIGQUIT",
+        "SIGILL",
+        "SIGABRT",
+        "SIGBUS",
+        "SIGFPE",
+        "SIGKILL",
+        "SIGSEGV",
+        "SIGPIPE",
+        "SIGALRM",
+        "SIGTERM",
+        "SIGXCPU",
+        "SIGXFSZ",
+    ]
+)
+"""Signals whose ``128 + N`` status is read as a death by signal (shim.sh has the same list)."""
+
+
+def exit_code_from_status(status: int) -> int:
+    """A shell status (0..255) as an attempt's exit code: ``-N`` when it is ``128 + N`` for
+    N in :data:`DEATH_SIGNALS` (killed by signal N), else the status itself."""
+    return -(status - 128) if status > 128 and status - 128 in DEATH_SIGNALS else status
+
+
 SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
 """util-linux ``setpriv``: switches user and groups when the agent is root."""
 

@@ -496,13 +496,20 @@ def _new_key() -> str:
 
 def exit_code_of(job: dict[str, Any]) -> int:
     """What ``submit --wait`` exits with: 0 for SUCCEEDED; the last attempt's exit code when
-    the job failed with one (1..255); else 1 (cancelled, expired, never started, killed)."""
-    if job.get("status") == "SUCCEEDED":
+    it has one (1..255); ``128 + N`` when it died of signal N (exit code ``-N``, the shell's
+    convention: 137 for SIGKILL, 143 for SIGTERM) unless the job was CANCELLED (its attempt
+    was stopped on request); else 1 (cancelled, expired, never started)."""
+    status = job.get("status")
+    if status == "SUCCEEDED":
         return 0
     for run in reversed(job.get("attempts") or []):
         code = run.get("exit_code")
         if isinstance(code, int) and code != 0:
-            return code if 0 < code < 256 else 1
+            if 0 < code < 256:
+                return code
+            if -128 < code < 0 and status != "CANCELLED":
+                return 128 - code
+            return 1
     return 1
 
 

@@ -331,7 +331,7 @@ class ProcessRuntime:
         if data is None and rc is not None and rc >= 0 and not rebooted:
             # the shim could not write its exit file (disk full) and exited with the code
             # (a negative rc: the shim itself was killed by a signal; handled below)
-            code = -(rc - 128) if rc > 128 else rc
+            code = shim.exit_code_from_status(rc)
             return ExitInfo(
                 exit_code=code,
                 finished_at_s=time.time(),
