@@ -71,6 +71,14 @@ class TestTailStart:
         chunks = list(store.iter_range("k", 10, 5000, chunk_bytes=1000))
         assert b"".join(chunks) == data[10:5000] and max(map(len, chunks)) == 1000
 
+    @pytest.mark.parametrize("start", [10240, 10**6, 2**62, 2**63, 2**70])
+    def test_a_start_past_the_end_reads_nothing(self, tmp_path, start) -> None:
+        store = ObjectStore(str(tmp_path))
+        store.put_bytes("k", bytes(range(256)) * 40)
+        assert list(store.iter_range("k", start)) == []
+        assert list(store.iter_range("k", start, start + 10)) == []
+        assert store.get_bytes("k", start) == b""
+
 
 @pytest.fixture
 def api(db: Database, tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, str], ObjectStore]]:
@@ -115,6 +123,9 @@ class TestLogsApi:
             ({"tail": -1}, "tail"),
             ({"tail": 10**7}, "tail"),
             ({"offset": -5}, "offset"),
+            ({"offset": 2**63}, "offset"),
+            ({"offset": 2**62 + 1}, "offset"),
+            ({"limit": 2**63}, "limit"),
             ({"limit": -1}, "limit"),
             ({"tail": 5, "offset": 3}, "tail"),
             ({"follow": "true", "limit": 3}, "limit"),

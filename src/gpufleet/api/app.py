@@ -71,6 +71,7 @@ MAX_BODY_BYTES = 2 * 1024 * 1024
 LOG_CHUNK_BYTES = 256 * 1024
 """Logs are read from the object store and sent in chunks of at most this many bytes."""
 MAX_TAIL_LINES = 1_000_000
+MAX_BYTE_OFFSET = 2**62  # log offset/limit bound: a 422 naming the field, not a seek error
 TEXT = "text/plain; charset=utf-8"
 
 SUBMITS = Counter("gpufleet_api_submits_total", "Job submissions", ["outcome"])
@@ -391,8 +392,12 @@ def create_app(state: AppState) -> FastAPI:
         rank: Annotated[
             int, Query(ge=0, le=1023, description="Gang member whose log to send (default 0).")
         ] = 0,
-        offset: Annotated[int | None, Query(ge=0, description="First byte to send.")] = None,
-        limit: Annotated[int | None, Query(ge=0, description="At most this many bytes.")] = None,
+        offset: Annotated[
+            int | None, Query(ge=0, le=MAX_BYTE_OFFSET, description="First byte to send.")
+        ] = None,
+        limit: Annotated[
+            int | None, Query(ge=0, le=MAX_BYTE_OFFSET, description="At most this many bytes.")
+        ] = None,
         tail: Annotated[
             int | None, Query(ge=0, le=MAX_TAIL_LINES, description="Only the last N lines.")
         ] = None,

@@ -86,9 +86,10 @@ class ObjectStore:
         return self.uri(key)
 
     def get_bytes(self, key: str, start: int = 0, end: int | None = None) -> bytes:
-        """Read ``key`` (bytes ``[start, end)``). Raises FileNotFoundError if absent."""
+        """Read ``key`` (bytes ``[start, end)``; empty when ``start`` is at or past its end,
+        however large). Raises FileNotFoundError if absent, ValueError for a negative start."""
         with self.fs.open(self._path(key), "rb") as f:
-            f.seek(start)
+            _seek_within(f, start)
             return bytes(f.read() if end is None else f.read(max(0, end - start)))
 
     def iter_range(
@@ -98,11 +99,14 @@ class ObjectStore:
         of at most ``chunk_bytes``: never the whole object in memory. An object replaced while
         it is read (a log re-uploaded) is read as it was when opened.
 
+        A ``start`` at or past the end (however large) yields nothing.
+
         Raises:
             FileNotFoundError: no such object (on the first ``next``).
+            ValueError: a negative ``start``.
         """
         with self.fs.open(self._path(key), "rb") as f:
-            f.seek(start)
+            _seek_within(f, start)
             pos = start
             while end is None or pos < end:
                 want = chunk_bytes if end is None else min(chunk_bytes, end - pos)
@@ -165,3 +169,12 @@ class ObjectStore:
         found = self.fs.find(root)
         base = self._root.rstrip("/") + "/"
         return iter(sorted(p[len(base) :] for p in found if not p.endswith(".part")))
+
+
+def _seek_within(f: BinaryIO, start: int) -> None:
+    """Seek ``f`` to ``start``, or to its end when ``start`` is past it (a huge offset is not an
+    OverflowError/ValueError from the file object: it simply reads nothing)."""
+    if start < 0:
+        raise ValueError(f"negative start {start}")
+    size = int(f.seek(0, 2))
+    f.seek(min(start, size))
