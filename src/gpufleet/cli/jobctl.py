@@ -90,6 +90,20 @@ def update(
         )
 
 
+NO_MATCH_EXIT_CODE = 3
+"""``cancel`` by filter exits with this when no unfinished job matched (2 is a usage error)."""
+
+
+def _nothing_matched(out: OutputFormat, data: dict[str, Any]) -> None:
+    """End a bulk cancel that matched no unfinished job: say so on stderr, exit 3."""
+    if out is OutputFormat.json:
+        output.print_json(data)
+    skipped = len(data.get("skipped") or [])
+    why = f" ({skipped} matched but already finished)" if skipped else ""
+    typer.echo(f"no job matched: nothing to cancel{why}", err=True)
+    raise typer.Exit(NO_MATCH_EXIT_CODE)
+
+
 def cancel(
     jobs: Annotated[
         list[str] | None, typer.Argument(help="Job ids, id prefixes or names.")
@@ -107,7 +121,8 @@ def cancel(
     """Cancel jobs: by id (several allowed), --name, --state, --array (filters combine).
 
     One job id and nothing else cancels at once; anything more lists the jobs and asks first
-    (--yes skips the question)."""
+    (--yes skips the question). Exits 3 with "no job matched" on stderr when no unfinished job
+    matches."""
     refs = list(jobs or [])
     with _session(url, token) as http:
         if not refs and not (name or state or array):
@@ -121,8 +136,7 @@ def cancel(
             preview = fleet.cancel_many(refs, name=name, state=state, array_id=array, dry_run=True)
             chosen = preview.cancelled
             if not chosen:
-                _emit(out, preview.raw, "nothing to cancel (no unfinished job matches)")
-                return
+                _nothing_matched(out, preview.raw)
             for item in chosen[:20]:
                 typer.echo(output.clean(f"  {item['job_id']}  {item['status']}"), err=True)
             if len(chosen) > 20:
@@ -133,6 +147,8 @@ def cancel(
             # exactly what was shown, not whatever matches the filters a moment later
             refs, name, state, array = list(preview.job_ids), None, None, None
         data = fleet.cancel_many(refs, name=name, state=state, array_id=array).raw
+        if not data.get("cancelled"):
+            _nothing_matched(out, data)
         if out is OutputFormat.json:
             output.print_json(data)
             return
