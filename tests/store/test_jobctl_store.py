@@ -49,6 +49,21 @@ def test_references_prefixes_names_and_ambiguity(db: Database) -> None:
         assert jobctl.resolve_job_ref(s, None, "mine") == other  # admin: every team
 
 
+def test_a_too_short_prefix_says_so(db: Database) -> None:
+    create_team(db)
+    a = sub(db, "train").job_id  # type: ignore[attr-defined]
+    with db.read() as s:
+        for ref in (a[:4], a[2:5], "j-01"):  # j- and 2..3 characters: below the minimum
+            with pytest.raises(NotFound) as err:
+                jobctl.resolve_job_ref(s, "team-a", ref)
+            msg = err.value.message
+            assert "too short" in msg and f"at least {jobctl.MIN_PREFIX}" in msg, msg
+            assert "no id starts with it" not in msg
+        with pytest.raises(NotFound) as err:
+            jobctl.resolve_job_ref(s, "team-a", "nothing")
+        assert "too short" not in err.value.message
+
+
 def test_array_submit_gates_and_replay(db: Database) -> None:
     create_team(db)
     key = str(uuid.uuid4())

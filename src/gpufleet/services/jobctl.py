@@ -124,6 +124,12 @@ def resolve_job_ref(
     by_name = session.scalars(q.order_by(JobRow.id.desc()).limit(1)).first()
     candidates = list(dict.fromkeys(by_prefix + ([by_name] if by_name else [])))
     if not candidates:
+        if _ID_CHARS.match(low) and len(low.removeprefix("j-")) < MIN_PREFIX:
+            raise NotFound(
+                f"no job {ref!r}: no job has that name, and an id prefix is too short to look "
+                f"up (at least {MIN_PREFIX} characters after 'j-')",
+                field=field,
+            )
         raise NotFound(f"no job {ref!r} (no id starts with it, no job has that name)", field=field)
     if len(candidates) > 1:
         listed = ", ".join(candidates[:10]) + (" ..." if len(candidates) > 10 else "")
