@@ -245,6 +245,18 @@ def test_artifacts_list_and_verified_download(
         fleet.store.put_bytes(key, b"weights")
 
 
+def test_artifacts_by_id_prefix(client: Client, fleet: Fleet, tmp_path: Path) -> None:
+    """Artifacts take any job reference, like every other job route (a short prefix too)."""
+    for ref in (fleet.succeeded[:-1], fleet.succeeded.removeprefix("j-")[:-2]):
+        listing = client.artifacts(ref)
+        assert listing.job_id == fleet.succeeded
+        (art,) = listing.items
+        dest = client.download_artifact(ref, art, tmp_path / "model.bin")
+        assert dest.read_bytes() == b"weights"
+    with pytest.raises(NotFound):
+        client.artifacts("no-such-job-name")
+
+
 def test_async_client_mirrors_the_sync_methods(fleet: Fleet, tmp_path: Path) -> None:
     async def main() -> None:
         async with AsyncClient(fleet.url, fleet.token) as c:

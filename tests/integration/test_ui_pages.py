@@ -3,7 +3,9 @@ team scoping, login, escaping, usage. The browser tests (tests/e2e) cover the li
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -19,11 +21,12 @@ from gpufleet.domain.states import NodeStatus
 from gpufleet.objectstore import ObjectStore
 from gpufleet.queue import InProcWaker
 from gpufleet.services import auth, nodes, runs
+from gpufleet.services.jobs import submit_job
 from gpufleet.settings import Settings
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
 from gpufleet.store.tables import GpuHoldRow, JobRunRow
-from tests.factories import become_leader, create_node, submit
+from tests.factories import become_leader, create_node, make_spec, submit
 from tests.store.test_runs import write_manifest
 
 
@@ -223,3 +226,21 @@ def test_cancel_from_the_page(ui: tuple[TestClient, dict[str, str], dict[str, st
     assert r.status_code == 303
     page = client.get(f"/ui/jobs/{ids['waiting']}").text
     assert 'id="job-status">CANCELLED<' in page and 'id="cancel"' not in page
+
+
+def test_a_job_page_by_name_or_id_prefix_redirects_to_its_id(
+    ui: tuple[TestClient, dict[str, str], dict[str, str]], db: Database
+) -> None:
+    client, tokens, _ = ui
+    login(client, tokens["vision"])
+    spec = dataclasses.replace(make_spec(), name="trial-page")
+    named = submit_job(db, team_id="vision", idempotency_key=str(uuid.uuid4()), spec=spec).job_id
+    for ref in ("trial-page", named[:-1], named.removeprefix("j-")[:-1]):
+        r = client.get(f"/ui/jobs/{ref}", follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == f"/ui/jobs/{named}", ref
+        assert client.get(f"/ui/jobs/{ref}/log").status_code == 200
+    assert client.get("/ui/jobs/trial-page").status_code == 200  # followed to the page
+    assert client.get("/ui/jobs/no-such-name").status_code == 404
+    # another team's job is not found by name either
+    login(client, tokens["nlp"])
+    assert client.get("/ui/jobs/trial-page").status_code == 404

@@ -34,11 +34,11 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import GpufleetError, NotFound, Unauthenticated
+from gpufleet.domain.errors import GpufleetError, NotFound, Unauthenticated, ValidationFailed
 from gpufleet.domain.manifest import Manifest
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, ReservationStatus, RunStatus
 from gpufleet.objectstore import ObjectStore, attempt_prefix
-from gpufleet.services import auth, jobs, teams
+from gpufleet.services import auth, jobctl, jobs, teams
 from gpufleet.store import accounting
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
@@ -170,8 +170,11 @@ def router(state: Any) -> APIRouter:
         if p is None:
             return login_redirect()
         try:
+            full = jobctl.resolve(state.db, None if p.is_admin else p.team_id, job_id)
+            if full != job_id:  # a name or an id prefix: the page lives at the full id
+                return RedirectResponse(f"/ui/jobs/{full}", status_code=303)
             return page(request, "job", p, lambda s: job_context(s, p, job_id, state.store))
-        except NotFound:
+        except (NotFound, ValidationFailed):  # unknown, or an ambiguous prefix/name
             return HTMLResponse(
                 _env.get_template("notfound.html").render(principal=p, job_id=job_id),
                 status_code=404,
@@ -183,9 +186,10 @@ def router(state: Any) -> APIRouter:
         if p is None:
             return Response(status_code=401)
         try:
+            job_id = jobctl.resolve(state.db, None if p.is_admin else p.team_id, job_id)
             with state.db.read() as s:
                 _, runs = jobs.get_job(s, None if p.is_admin else p.team_id, job_id)
-        except NotFound:
+        except (NotFound, ValidationFailed):
             return Response(status_code=404)
         text = _log_tail(state.store, job_id, runs[-1].id) if runs else ""
         return HTMLResponse(_env.get_template("log.html").render(log=text))
@@ -196,9 +200,10 @@ def router(state: Any) -> APIRouter:
         if p is None:
             return login_redirect()
         try:
+            job_id = jobctl.resolve(state.db, None if p.is_admin else p.team_id, job_id)
             jobs.cancel_job(state.db, None if p.is_admin else p.team_id, job_id)
             state.waker.wake()
-        except NotFound:
+        except (NotFound, ValidationFailed):
             return Response(status_code=404)
         except GpufleetError:
             pass  # already finished: the page shows its final status

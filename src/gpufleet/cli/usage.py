@@ -173,7 +173,7 @@ def artifacts(
         download.mkdir(parents=True, exist_ok=True)
         for art in listing.items:
             dest = _target(download, art.path)
-            _download(fleet, job, art, dest)
+            _download(fleet, listing.job_id, art, dest)  # the job the name resolved to
             typer.echo(output.clean(f"{dest} ({art.size} bytes, sha256 ok)"))
 
 

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import Conflict, NotFound
 from gpufleet.domain.manifest import Manifest, ManifestFile, file_problem
 from gpufleet.objectstore import ObjectStore, attempt_prefix
-from gpufleet.services import jobs
+from gpufleet.services import jobctl, jobs
 
 log = logging.getLogger("gpufleet.artifacts")
 CHUNK_BYTES = 256 * 1024
@@ -36,12 +36,15 @@ class AcceptedManifest:
 def accepted_manifest(
     session: Session, store: ObjectStore, team_id: str | None, job_id: str
 ) -> AcceptedManifest:
-    """The job's accepted manifest (``team_id`` None: any team's job).
+    """The job's accepted manifest (``team_id`` None: any team's job). ``job_id`` is any job
+    reference: a full id, a unique id prefix or a job name (:func:`jobctl.resolve_job_ref`).
 
     Raises:
         NotFound: no such job (or another team's).
+        ValidationFailed: an ambiguous reference (422, field ``job_id``).
         Conflict: the job has no accepted manifest (it has not succeeded), field ``job_id``.
     """
+    job_id = jobctl.resolve_job_ref(session, team_id, job_id)
     job, _runs = jobs.get_job(session, team_id, job_id)
     if not job.result_uri:
         raise Conflict(
