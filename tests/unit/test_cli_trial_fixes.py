@@ -35,3 +35,45 @@ class TestBulkCancelMatchingNothing:
         api.on("POST", "/v1/jobs/cancel", httpx.Response(200, json=body))
         result = cli("cancel", "--name", "later", "--yes")
         assert result.exit_code == 0 and "cancel requested: j-1" in result.stdout
+
+
+def _tail_server(log: bytes):  # type: ignore[no-untyped-def]
+    """A logs handler with the server's ``tail`` semantics (the last N lines)."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        tail = request.url.params.get("tail")
+        if tail is None:
+            return httpx.Response(200, content=log)
+        lines = log.splitlines(keepends=True)
+        n = int(tail)
+        return httpx.Response(200, content=b"".join(lines[-n:] if n else []))
+
+    return handle
+
+
+class TestLogsTruncationNote:
+    @pytest.mark.parametrize(
+        ("total", "args", "note"),
+        [
+            pytest.param(
+                5, ["-n", "3"], "(showing the last 3 lines; --all for everything)", id="cut"
+            ),
+            pytest.param(4, ["-n", "3"], "(showing the last 3 lines", id="one more line"),
+            pytest.param(3, ["-n", "3"], None, id="exactly N lines: whole log"),
+            pytest.param(2, ["-n", "3"], None, id="fewer lines"),
+            pytest.param(5, ["--all"], None, id="--all"),
+            pytest.param(1500, [], "(showing the last 1000 lines", id="default 1000"),
+        ],
+    )
+    def test_note_only_when_truncated(
+        self, api: FakeApi, total: int, args: list[str], note: str | None
+    ) -> None:
+        log = b"".join(f"line {i}\n".encode() for i in range(total))
+        api.on("GET", "/v1/jobs/job_1/logs", _tail_server(log))
+        result = cli("logs", "job_1", *args)
+        assert result.exit_code == 0, result.stderr
+        if note is None:
+            assert "showing the last" not in result.stderr
+        else:
+            assert note in result.stderr and result.stderr.count("\n") == 1
+        assert result.stdout.endswith(f"line {total - 1}\n")

@@ -542,20 +542,38 @@ def _stream_logs(
     run_id: str | None,
     tail: int | None = None,
     rank: int = 0,
+    lines: list[int] | None = None,
 ) -> int:
     """Copy the log to stdout as it arrives (no read timeout while following); only the last
     ``tail`` lines when given; rank ``rank``'s log of a multi-node job. Returns the number of
-    bytes received."""
+    bytes received; ``lines`` (when given) gets the number of lines received appended."""
     # a terminal gets the log without control sequences (a job's output could retitle the
     # window, write the clipboard, hide text...); a pipe or file gets the raw bytes
     safe = output.TerminalLogFilter() if _stdout_is_tty() else None
-    received = 0
+    received, newlines, last = 0, 0, b"\n"
     for chunk in _sdk(http).iter_logs(job_id, follow=follow, run_id=run_id, tail=tail, rank=rank):
         received += len(chunk)
+        newlines += chunk.count(b"\n")
+        last = chunk[-1:] or last
         typer.echo(chunk if safe is None else safe.feed(chunk), nl=False)
     if safe is not None:
         typer.echo(safe.feed(b"", final=True), nl=False)
+    if lines is not None:
+        lines.append(newlines + (0 if last == b"\n" else 1))
     return received
+
+
+def _more_than_shown(
+    http: httpx.Client, job: str, run_id: str | None, rank: int, tail: int, shown_bytes: int
+) -> bool:
+    """Whether the log holds more than the ``tail`` lines (``shown_bytes`` bytes) just shown:
+    its last ``tail + 1`` lines are longer. Reads at most ``shown_bytes + 1`` bytes."""
+    got = 0
+    for chunk in _sdk(http).iter_logs(job, run_id=run_id, tail=tail + 1, rank=rank):
+        got += len(chunk)
+        if got > shown_bytes:
+            return True
+    return False
 
 
 def _status_line(job: dict[str, Any]) -> str:
@@ -723,7 +741,17 @@ def logs(
                 typer.echo(
                     _status_line(data) + "\n(waiting for it to start; logs follow)", err=True
                 )
-        received = _stream_logs(http, job, follow=follow, run_id=attempt, tail=lines, rank=rank)
+        counted: list[int] = []
+        received = _stream_logs(
+            http, job, follow=follow, run_id=attempt, tail=lines, rank=rank, lines=counted
+        )
+        if (
+            not follow
+            and lines
+            and counted[0] >= lines
+            and _more_than_shown(http, job, attempt, rank, lines, received)
+        ):
+            typer.echo(f"(showing the last {lines} lines; --all for everything)", err=True)
         if not received and not follow:
             data = _call(http, "GET", f"/v1/jobs/{job}")
             if not data.get("attempts"):
