@@ -154,7 +154,10 @@ def test_node_and_token_commands_go_through_the_api(admin: Admin) -> None:
     assert [(n["node_id"], n["status"]) for n in nodes] == [("n1", "FENCED")]
     missing = admin.cli("node", "cordon", "nope")
     assert missing.returncode == 2 and "no node 'nope'" in missing.stderr
-    made = admin.cli("token", "create", "--team", "newteam", "--name", "carol")
+    typo = admin.cli("token", "create", "--team", "newteam", "--name", "carol")
+    assert typo.returncode == 2 and "no team 'newteam'" in typo.stderr, typo.stderr
+    assert "known teams:" in typo.stderr and "(field: team)" in typo.stderr
+    made = admin.cli("token", "create", "--team", "newteam", "--name", "carol", "--create-team")
     assert made.returncode == 0 and made.stdout.strip().startswith("gft_")
     listed = json.loads(admin.cli("token", "list", "--team", "newteam", "-o", "json").stdout)
     assert [(t["team"], t["name"]) for t in listed] == [("newteam", "carol")]

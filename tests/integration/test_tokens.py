@@ -99,7 +99,8 @@ def test_admin_token_cli(tmp_path: Path) -> None:
     boot = subprocess.run(
         [
             *(sys.executable, "-m", "gpufleet.cli.main", "admin", "token", "create", "--db"),
-            *("--team", "ops", "--name", "root", "--admin", "--data-dir", str(tmp_path)),
+            *("--team", "ops", "--create-team", "--name", "root", "--admin"),
+            *("--data-dir", str(tmp_path)),
         ],
         text=True,
         capture_output=True,

@@ -218,9 +218,17 @@ def team_list(out: Fmt = "table", url: UrlOpt = None, token: TokenOpt = None) ->
 
 @token_app.command("create")
 def token_create(
-    team: Annotated[str, typer.Option(help="The token's team (created if missing).")],
+    team: Annotated[str, typer.Option(help="The token's team (it must exist).")],
     name: Annotated[str, typer.Option(help="Owner name (accounting's 'user').")] = "",
     admin: bool = False,
+    create_team: Annotated[
+        bool,
+        typer.Option(
+            "--create-team",
+            help="Create the team when it is missing (else a missing team is"
+            " refused, so a typo does not make a new team).",
+        ),
+    ] = False,
     db: Annotated[
         bool,
         typer.Option(
@@ -235,14 +243,15 @@ def token_create(
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """Create an API token; prints the raw token on the last line (shown once)."""
+    """Create an API token; prints the raw token on the last line (shown once). The team must
+    exist unless --create-team (exit 2 naming `team` and listing the known teams)."""
     if db:
         from gpufleet.cli.main import _run_admin
         from gpufleet.services import auth
 
         def make(s: Any) -> str:
             return auth.create_token(
-                s, team, name=name, is_admin=admin, create_team_if_missing=True
+                s, team, name=name, is_admin=admin, create_team_if_missing=create_team
             )
 
         print(_run_admin(data_dir, make))
@@ -252,7 +261,7 @@ def token_create(
             http,
             "POST",
             "/v1/admin/tokens",
-            json={"team": team, "name": name, "admin": admin, "create_team": True},
+            json={"team": team, "name": name, "admin": admin, "create_team": create_team},
         )
         print(data["token"])
 

@@ -70,11 +70,18 @@ def create_token(
     create_team_if_missing: bool = False,
 ) -> str:
     """Create an API token for ``team_id``; returns the raw token (shown once). Raises
-    ValidationFailed for an unknown team unless ``create_team_if_missing``."""
+    ValidationFailed (field ``team``, the message lists the known teams) for an unknown team
+    unless ``create_team_if_missing``."""
     if create_team_if_missing:
         create_team(session, team_id, exist_ok=True)
     if not TEAM_NAME.match(team_id) or session.get(TeamRow, team_id) is None:
-        raise ValidationFailed(f"no team {team_id!r}; create it first", field="team")
+        known = list(session.scalars(select(TeamRow.id).order_by(TeamRow.id).limit(21)))
+        listed = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "")
+        raise ValidationFailed(
+            f"no team {team_id!r} (known teams: {listed or 'none'}); create it first"
+            " (`gpufleet admin team create`, or `token create --create-team`)",
+            field="team",
+        )
     raw = "gft_" + secrets.token_urlsafe(32)
     session.add(
         ApiTokenRow(
