@@ -4,6 +4,8 @@ end without running, prefix-too-short messages (against the fake API of test_cli
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -77,3 +79,40 @@ class TestLogsTruncationNote:
         else:
             assert note in result.stderr and result.stderr.count("\n") == 1
         assert result.stdout.endswith(f"line {total - 1}\n")
+
+
+class TestEmptyReferences:
+    @pytest.mark.parametrize(
+        "argv",
+        [
+            ["status", ""],
+            ["status", "  "],
+            ["logs", ""],
+            ["why", ""],
+            ["cancel", ""],
+            ["cancel", "j-1", ""],
+            ["hold", ""],
+            ["release", ""],
+            ["requeue", ""],
+            ["update", "", "--priority", "HIGH"],
+            ["artifacts", ""],
+            ["admin", "token", "revoke", ""],
+        ],
+    )
+    def test_refused_before_any_request(self, api: FakeApi, argv: list[str]) -> None:
+        from typer.testing import CliRunner
+
+        from gpufleet.cli.main import app
+
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code == 2, result.output
+        assert re.search(
+            r"Invalid value for '(job|jobs|token_id)': must not be empty", result.stderr
+        )
+        assert api.requests == []
+
+    def test_the_sdk_refuses_an_empty_reference(self) -> None:
+        from gpufleet.client import Client
+
+        with Client("http://127.0.0.1:9", "t0ken") as c, pytest.raises(ValueError, match="job"):
+            c.get("")

@@ -16,7 +16,7 @@ import typer
 from rich.text import Text
 
 from gpufleet.cli import output
-from gpufleet.cli.client import ClientError, TokenOpt, UrlOpt, _call, _session
+from gpufleet.cli.client import ClientError, TokenOpt, UrlOpt, _call, _session, nonempty
 
 team_app = typer.Typer(help="Teams and their quotas (through the API; admin token).")
 node_app = typer.Typer(help="Operator actions on nodes (through the API; admin token).")
@@ -298,7 +298,9 @@ def token_list(
 
 @token_app.command("revoke")
 def token_revoke(
-    token_id: Annotated[str, typer.Argument(help="The token's id (admin token list).")],
+    token_id: Annotated[
+        str, typer.Argument(help="The token's id (admin token list).", callback=nonempty)
+    ],
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:

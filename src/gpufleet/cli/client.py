@@ -79,6 +79,18 @@ WideOpt = Annotated[
 ]
 
 
+def nonempty(value: Any) -> Any:
+    """Typer callback: refuse an empty (or blank) reference before any request (an empty path
+    segment would reach another route), naming the argument (exit 2)."""
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, str) and not v.strip():
+            raise typer.BadParameter("must not be empty")
+    return value
+
+
+JobArg = Annotated[str, typer.Argument(help="Job id, id prefix or name.", callback=nonempty)]
+
+
 def _fmt(out: OutputFormat, wide: bool = False) -> OutputFormat:
     return OutputFormat.wide if wide and out is OutputFormat.table else out
 
@@ -629,7 +641,7 @@ def _wait(
 
 
 def status(
-    job: str,
+    job: JobArg,
     out: OutputOpt = OutputFormat.table,
     wide: WideOpt = False,
     url: UrlOpt = None,
@@ -717,7 +729,7 @@ def list_jobs(
 
 
 def logs(
-    job: str,
+    job: JobArg,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep streaming.")] = False,
     attempt: Annotated[str | None, typer.Option("--attempt", help="A run_id.")] = None,
     rank: Annotated[
@@ -768,7 +780,7 @@ def logs(
 
 
 def cancel(
-    job: str, out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None
+    job: JobArg, out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None
 ) -> None:
     """Request cancellation of a job (running attempts get SIGTERM, then SIGKILL)."""
     with _session(url, token) as http:
@@ -782,7 +794,7 @@ def cancel(
 
 
 def why(
-    job: str, out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None
+    job: JobArg, out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None
 ) -> None:
     """Explain why a job is not running yet (with the estimated start when there is one)."""
     with _session(url, token) as http:

@@ -13,15 +13,19 @@ import typer
 from gpufleet.cli import output
 from gpufleet.cli.client import (
     ClientError,
+    JobArg,
     OutputFormat,
     OutputOpt,
     TokenOpt,
     UrlOpt,
     _sdk,
     _session,
+    nonempty,
 )
 
-Jobs = Annotated[list[str], typer.Argument(help="Job ids, id prefixes or names.")]
+Jobs = Annotated[
+    list[str], typer.Argument(help="Job ids, id prefixes or names.", callback=nonempty)
+]
 
 
 def _emit(out: OutputFormat, data: dict[str, Any], line: str) -> None:
@@ -67,7 +71,7 @@ def requeue(jobs: Jobs, out: OutputOpt = OutputFormat.table, url: UrlOpt = None,
 
 
 def update(
-    job: Annotated[str, typer.Argument(help="Job id, id prefix or name.")],
+    job: JobArg,
     priority: Annotated[str | None, typer.Option(help="CRITICAL|HIGH|NORMAL|LOW.")] = None,
     name: Annotated[str | None, typer.Option(help="New name.")] = None,
     max_runtime_s: Annotated[float | None, typer.Option(help="New max runtime, s.")] = None,
@@ -106,7 +110,8 @@ def _nothing_matched(out: OutputFormat, data: dict[str, Any]) -> None:
 
 def cancel(
     jobs: Annotated[
-        list[str] | None, typer.Argument(help="Job ids, id prefixes or names.")
+        list[str] | None,
+        typer.Argument(help="Job ids, id prefixes or names.", callback=nonempty),
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="Every job of this name.")] = None,
     state: Annotated[

@@ -17,6 +17,7 @@ import typer
 from gpufleet.cli import output
 from gpufleet.cli.client import (
     ClientError,
+    JobArg,
     OutputFormat,
     TokenOpt,
     UrlOpt,
@@ -142,7 +143,7 @@ def _target(root: Path, path: str) -> Path:
 
 
 def artifacts(
-    job: str,
+    job: JobArg,
     download: Annotated[
         Path | None,
         typer.Option("--download", "-d", help="Download every artifact into this directory."),

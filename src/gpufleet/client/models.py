@@ -352,4 +352,12 @@ with ``job_id``."""
 
 
 def job_id_of(ref: JobRef) -> str:
-    return ref if isinstance(ref, str) else ref.job_id
+    """The job reference as a path segment.
+
+    Raises:
+        ValueError: an empty (or blank) reference: it would name no job but another route.
+    """
+    job_id = ref if isinstance(ref, str) else ref.job_id
+    if not job_id.strip():
+        raise ValueError("job: a job reference must not be empty")
+    return job_id
