@@ -10,7 +10,7 @@ from sqlalchemy import select
 
 from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
 from gpufleet.domain.types import JobSpec, Resources
-from gpufleet.services import jobctl
+from gpufleet.services import jobctl, jobs
 from gpufleet.services.jobs import SubmitControl, submit_job
 from gpufleet.store import gating
 from gpufleet.store.db import Database
@@ -119,6 +119,13 @@ def test_hold_release_requeue_patch_guards(db: Database) -> None:
         assert row.spec["max_runtime_s"] == 30.0
     with pytest.raises(NotFound):
         db.run_write(lambda s: jobctl.hold_job(s, "team-b", job))
+    db.run_write(lambda s: jobctl.release_job(s, "team-a", job))  # not held: nothing to do
+    assert jobs.cancel_job_outcome(db, "team-a", job) == ("CANCELLED", False)
+    assert jobs.cancel_job_outcome(db, "team-a", job) == ("CANCELLED", True)  # already
+    with pytest.raises(Conflict) as err:  # finished: like hold, not a silent "released"
+        db.run_write(lambda s: jobctl.release_job(s, "team-a", job))
+    assert err.value.code == "job_not_pending"
+    assert "only a held PENDING job can be released" in err.value.message
     n = len(db.run_write(lambda s: list(s.scalars(select(JobRow.id)))))
     assert n == 1
 

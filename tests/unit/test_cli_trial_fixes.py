@@ -116,3 +116,43 @@ class TestEmptyReferences:
 
         with Client("http://127.0.0.1:9", "t0ken") as c, pytest.raises(ValueError, match="job"):
             c.get("")
+
+
+class TestConsistentAnswers:
+    def test_cancel_of_a_cancelled_job_says_already_finished(self, api: FakeApi) -> None:
+        body = {"job_id": "j-1", "status": "CANCELLED", "cancel_requested": True}
+        api.on(
+            "DELETE", "/v1/jobs/j-1", httpx.Response(202, json=body | {"already_finished": True})
+        )
+        result = cli("cancel", "j-1")
+        assert result.exit_code == 0
+        assert "job j-1 already finished (CANCELLED)" in result.stdout
+        assert "cancel requested" not in result.stdout
+
+    def test_release_of_a_finished_job_is_the_servers_409(self, api: FakeApi) -> None:
+        body = {
+            "error": "job_not_pending",
+            "message": "job j-1 is SUCCEEDED; only a held PENDING job can be released",
+            "field": "job_id",
+        }
+        api.on("POST", "/v1/jobs/j-1/release", httpx.Response(409, json=body))
+        result = cli("release", "j-1")
+        assert result.exit_code == 2 and "released" not in result.stdout
+        assert "only a held PENDING job can be released" in result.stderr
+
+    @pytest.mark.parametrize(
+        ("limit", "name", "want"),
+        [
+            (None, "", "name=- max_runtime=unlimited"),
+            (600.0, "later", "name=later max_runtime=600 s"),
+        ],
+    )
+    def test_update_prints_human_values(
+        self, api: FakeApi, limit: float | None, name: str, want: str
+    ) -> None:
+        body = {"job_id": "j-1", "priority": "HIGH", "name": name, "max_runtime_s": limit}
+        api.on("PATCH", "/v1/jobs/j-1", httpx.Response(200, json=body))
+        result = cli("update", "j-1", "--priority", "HIGH")
+        assert result.exit_code == 0, result.stderr
+        assert f"updated: j-1 priority=HIGH {want}" in result.stdout
+        assert "None" not in result.stdout and "'" not in result.stdout

@@ -86,11 +86,13 @@ def update(
         data = (
             _sdk(http).update(job, priority=priority, name=name, max_runtime_s=max_runtime_s).raw
         )
+        limit = data.get("max_runtime_s")
         _emit(
             out,
             data,
             f"updated: {data.get('job_id')} priority={data.get('priority')} "
-            f"name={data.get('name')!r} max_runtime_s={data.get('max_runtime_s')}",
+            f"name={data.get('name') or '-'} "
+            f"max_runtime={'unlimited' if limit is None else f'{limit:g} s'}",
         )
 
 
@@ -134,7 +136,11 @@ def cancel(
             raise ClientError("name jobs to cancel, or --name/--state/--array", field="jobs")
         if len(refs) == 1 and not (name or state or array):
             data = _sdk(http).cancel(refs[0])
-            _emit(out, data, f"cancel requested: {data.get('job_id')} ({data.get('status')})")
+            if data.get("already_finished"):  # a CANCELLED job: the same words as a 409's
+                line = f"job {data.get('job_id')} already finished ({data.get('status')})"
+            else:
+                line = f"cancel requested: {data.get('job_id')} ({data.get('status')})"
+            _emit(out, data, line)
             return
         fleet = _sdk(http)
         if not yes:

@@ -196,8 +196,19 @@ def hold_job(session: Session, team_id: str | None, job_id: str) -> str:
 
 
 def release_job(session: Session, team_id: str | None, job_id: str) -> str:
-    """Release a held job (a job that is not held is left as it is). Returns the status."""
+    """Release a held job (a PENDING job that is not held is left as it is, like holding a
+    held job). Returns the status.
+
+    Raises:
+        Conflict: the job is not PENDING (409 ``job_not_pending``), like :func:`hold_job`.
+    """
     job = _job_for_update(session, team_id, job_id)
+    if job.status != JobStatus.PENDING:
+        raise Conflict(
+            f"job {job_id} is {job.status}; only a held PENDING job can be released",
+            field="job_id",
+            code="job_not_pending",
+        )
     if job.held:
         job.held = False
         job.gated = bool(job.depends_on) or job.array_max_running is not None

@@ -570,7 +570,13 @@ def list_jobs(
 
 
 def cancel_job(db: Database, team_id: str | None, job_id: str) -> str:
-    """Request cancellation; returns the job's status after the request.
+    """:func:`cancel_job_outcome`'s status after the request."""
+    return cancel_job_outcome(db, team_id, job_id)[0]
+
+
+def cancel_job_outcome(db: Database, team_id: str | None, job_id: str) -> tuple[str, bool]:
+    """Request cancellation; returns the job's status after the request and whether it was
+    already CANCELLED before it (nothing done).
 
     PENDING jobs are CANCELLED at once. Jobs with an attempt get ``cancel_requested``; the
     controller stops the attempt (SIGTERM, grace, SIGKILL, verified) and only then releases
@@ -578,12 +584,12 @@ def cancel_job(db: Database, team_id: str | None, job_id: str) -> str:
     that already SUCCEEDED, FAILED or EXPIRED raises Conflict (409 job_already_finished).
     """
 
-    def tx(session: Session) -> str:
+    def tx(session: Session) -> tuple[str, bool]:
         job = session.get(JobRow, job_id, with_for_update=True) if is_job_id(job_id) else None
         if job is None or (team_id is not None and job.team_id != team_id):
             raise NotFound(f"no job {job_id!r}", field="job_id")
         if job.status == JobStatus.CANCELLED:
-            return job.status  # a repeated cancel (a client retry) is not an error
+            return job.status, True  # a repeated cancel (a client retry) is not an error
         if job.status in JOB_TERMINAL:
             raise Conflict(
                 f"job {job_id} already finished ({job.status})",
@@ -603,7 +609,7 @@ def cancel_job(db: Database, team_id: str | None, job_id: str) -> str:
                 message="cancelled by user while pending",
                 job_id=job_id,
             )
-            return JobStatus.CANCELLED
+            return JobStatus.CANCELLED, False
         job.cancel_requested = True
         record_event(
             session,
@@ -613,7 +619,7 @@ def cancel_job(db: Database, team_id: str | None, job_id: str) -> str:
             job_id=job_id,
             run_id=job.current_run_id,
         )
-        return job.status
+        return job.status, False
 
     try:
         return db.run_write(tx)
