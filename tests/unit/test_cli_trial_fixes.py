@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from tests.unit.test_cli_client import FakeApi, cli
+from tests.unit.test_cli_client import FakeApi, attempt, cli, job
 from tests.unit.test_cli_client import api as api  # the `api` fixture, re-exported
 
 
@@ -156,3 +156,26 @@ class TestConsistentAnswers:
         assert result.exit_code == 0, result.stderr
         assert f"updated: j-1 priority=HIGH {want}" in result.stdout
         assert "None" not in result.stdout and "'" not in result.stdout
+
+
+class TestFollowAJobThatNeverRuns:
+    @pytest.mark.parametrize("final", ["CANCELLED", "DEPENDENCY_FAILED"])
+    def test_says_it_ended_without_running_and_exits_1(self, api: FakeApi, final: str) -> None:
+        api.on(
+            "GET",
+            "/v1/jobs/j-1",
+            httpx.Response(200, json=job("j-1", "PENDING", attempts=[])),
+            httpx.Response(200, json=job("j-1", final, attempts=[])),
+        )
+        api.on("GET", "/v1/jobs/j-1/logs", httpx.Response(200, content=b""))
+        result = cli("logs", "-f", "j-1")
+        assert result.exit_code == 1
+        assert "(waiting for it to start; logs follow)\n" in result.stderr
+        assert result.stderr.endswith(f"job j-1 ended {final} without running\n")
+
+    def test_a_job_that_ran_with_no_output_still_exits_0(self, api: FakeApi) -> None:
+        ran = job("j-1", "SUCCEEDED", attempts=[attempt("r1", "SUCCEEDED", exit_code=0)])
+        api.on("GET", "/v1/jobs/j-1", httpx.Response(200, json=ran))
+        api.on("GET", "/v1/jobs/j-1/logs", httpx.Response(200, content=b""))
+        result = cli("logs", "-f", "j-1")
+        assert result.exit_code == 0 and "without running" not in result.stderr

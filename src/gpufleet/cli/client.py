@@ -744,7 +744,8 @@ def logs(
 ) -> None:
     """Print a job's logs: the last 1,000 lines of the latest attempt (--all for the whole
     log, --attempt RUN_ID for another attempt, --rank N for rank N of a multi-node job, -f to
-    keep following; a pending job is waited for)."""
+    keep following; a pending job is waited for; -f on a job that ends without running says
+    so on stderr and exits 1)."""
     with _session(url, token) as http:
         lines = None if all_lines else tail
         if follow and not attempt:
@@ -764,6 +765,17 @@ def logs(
             and _more_than_shown(http, job, attempt, rank, lines, received)
         ):
             typer.echo(f"(showing the last {lines} lines; --all for everything)", err=True)
+        if not received and follow and not attempt:
+            data = _call(http, "GET", f"/v1/jobs/{job}")
+            if not data.get("attempts") and data.get("status") in output.TERMINAL:
+                # cancelled while pending or held, DEPENDENCY_FAILED, EXPIRED: no log will come
+                typer.echo(
+                    output.clean(
+                        f"job {data.get('job_id', job)} ended {data['status']} without running"
+                    ),
+                    err=True,
+                )
+                raise typer.Exit(1)
         if not received and not follow:
             data = _call(http, "GET", f"/v1/jobs/{job}")
             if not data.get("attempts"):
