@@ -59,3 +59,45 @@ def test_a_taken_port_is_named_with_the_option_that_moves_it() -> None:
         port_clash(Settings(controller_address="127.0.0.1:0", join_address="127.0.0.1:0"), 0)
         is None
     )
+
+
+def test_one_up_per_data_dir_and_a_stale_lock_is_taken_over(tmp_path: Path) -> None:
+    from gpufleet.cli import uplock
+
+    first = uplock.claim(tmp_path)
+    first.set_url("http://127.0.0.1:8420")
+    with pytest.raises(uplock.DataDirInUse) as info:
+        uplock.claim(tmp_path)
+    assert str(info.value) == (
+        f"data dir {tmp_path} is in use by gpufleet up (pid {os.getpid()}) at "
+        "http://127.0.0.1:8420"
+    )
+    first.release()
+    # a file left by a dead `up` (no lock held): taken over, whatever pid it names
+    (tmp_path / uplock.LOCK_NAME).write_text('{"pid": 999999999, "url": "http://x"}\n')
+    again = uplock.claim(tmp_path)
+    again.release()
+
+
+def test_a_second_up_refuses_in_one_line_and_keeps_client_yaml(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gpufleet.cli import uplock
+    from gpufleet.cli.config import client_config_path
+    from gpufleet.cli.main import app
+
+    cfg = client_config_path(tmp_path)
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text("url: http://127.0.0.1:8420\ntoken: first\n")
+    held = uplock.claim(tmp_path)
+    held.set_url("http://127.0.0.1:8420")
+    try:
+        result = CliRunner().invoke(
+            app, ["up", "--data-dir", str(tmp_path), "--port", "18431"], env={"COLUMNS": "300"}
+        )
+    finally:
+        held.release()
+    assert result.exit_code == 1, result.output
+    line = f"data dir {tmp_path} is in use by gpufleet up (pid {os.getpid()}) at http://127.0.0.1:8420"
+    assert line in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert cfg.read_text() == "url: http://127.0.0.1:8420\ntoken: first\n"

@@ -277,8 +277,9 @@ def up(
 ) -> None:
     """Start server + controller + one local agent on the embedded defaults (SQLite, local
     object store, a fleet CA made on first start: mutual TLS with no setup) and print the
-    URL and an admin token. Exits 1 when a port is taken or the agent dies before it
-    registers (the end of agent.log is shown); while up, a dead agent is restarted."""
+    URL and an admin token. Exits 1 when a port is taken, when another live `gpufleet up` uses
+    the data dir (``{data_dir}/up.lock``; client.yaml is left alone), or the agent dies before
+    it registers (the end of agent.log is shown); while up, a dead agent is restarted."""
     from gpufleet.processes import (
         LocalPlatform,
         default_job_uids,
@@ -293,6 +294,13 @@ def up(
         overrides["controller_address"] = f"127.0.0.1:{controller_port}"
         overrides["join_address"] = f"127.0.0.1:{controller_port + 1}"
     settings = _settings(data_dir, **overrides)
+    from gpufleet.cli import uplock
+
+    try:  # before anything else: a second `up` must not reuse the agent or rewrite client.yaml
+        lock = uplock.claim(settings.resolved_data_dir())
+    except uplock.DataDirInUse as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(1) from None
     clash = port_clash(settings, settings.server_port)
     if clash:
         err.print(f"[red]error:[/] {escape(clash)}", soft_wrap=True)  # one line, never wrapped
@@ -316,6 +324,7 @@ def up(
         )
         platform.stop()
         raise typer.Exit(1) from None
+    lock.set_url(platform.api.url)
     write_client_config(cfg_path, platform.api.url, token)
     if not platform.wait_for_node():
         agent_log = settings.resolved_data_dir() / "agent.log"
@@ -337,6 +346,7 @@ def up(
         _wait_for_signal()
     finally:
         platform.stop()
+        lock.release()
 
 
 @app.command()
