@@ -126,7 +126,9 @@ def test_admin_token_cli(tmp_path: Path) -> None:
             check=False,
         )
 
-    made = cli("create", "--team", "vision", "--name", "laptop")
+    typo = cli("create", "--team", "vision", "--name", "laptop")  # no such team yet
+    assert typo.returncode == 2 and "known teams: ops" in typo.stderr, typo.stderr
+    made = cli("create", "--team", "vision", "--name", "laptop", "--create-team")
     assert made.returncode == 0, made.stderr
     raw = made.stdout.strip().splitlines()[-1]
     listed = [t for t in json.loads(cli("list", "-o", "json").stdout) if t["team"] != "ops"]
