@@ -118,6 +118,7 @@ class TestWaitExitCode:
             pytest.param("FAILED", [200], 200, id="the job's own code above 128"),
             pytest.param("FAILED", [255], 255, id="the job's own 255"),
             pytest.param("CANCELLED", [-15], 1, id="stopped on request: 1"),
+            pytest.param("EXPIRED", [-9], 1, id="stopped at max_runtime_s: 1"),
             pytest.param("CANCELLED", [], 1, id="never ran: 1"),
         ],
     )

@@ -508,9 +508,9 @@ def _new_key() -> str:
 
 def exit_code_of(job: dict[str, Any]) -> int:
     """What ``submit --wait`` exits with: 0 for SUCCEEDED; the last attempt's exit code when
-    it has one (1..255); ``128 + N`` when it died of signal N (exit code ``-N``, the shell's
-    convention: 137 for SIGKILL, 143 for SIGTERM) unless the job was CANCELLED (its attempt
-    was stopped on request); else 1 (cancelled, expired, never started)."""
+    it has one (1..255); ``128 + N`` when the job FAILED because its attempt died of signal N
+    (exit code ``-N``, the shell's convention: 137 for SIGKILL, 143 for SIGTERM); else 1
+    (cancelled or expired, whose attempt gpufleet itself stopped; never started)."""
     status = job.get("status")
     if status == "SUCCEEDED":
         return 0
@@ -519,7 +519,7 @@ def exit_code_of(job: dict[str, Any]) -> int:
         if isinstance(code, int) and code != 0:
             if 0 < code < 256:
                 return code
-            if -128 < code < 0 and status != "CANCELLED":
+            if -128 < code < 0 and status == "FAILED":
                 return 128 - code
             return 1
     return 1
