@@ -67,6 +67,12 @@ def test_wait_exit_code_log_tail_and_follow_of_a_pending_job(fleet: Fleet) -> No
     tail = failed.stderr.split("log lines of", 1)[1].splitlines()[1:]
     assert tail == [f"line{i}" for i in range(11, 31)]  # the last 20 lines
 
+    # a job's own status above 128 is its exit code; a death by signal N exits 128+N
+    own = _cli(fleet, "submit", "--wait", "-q", "--", "sh", "-c", "exit 200")
+    assert own.returncode == 200, own.stderr
+    killed = _cli(fleet, "submit", "--wait", "-q", "--", "sh", "-c", "kill -KILL $$")
+    assert killed.returncode == 137, killed.stderr
+
     ok = _cli(fleet, "submit", "--wait", "-q", "--", "true")
     assert ok.returncode == 0 and len(ok.stdout.split()) == 1 and ok.stderr == ""
 
