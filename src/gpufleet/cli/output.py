@@ -459,6 +459,18 @@ def pending_lines(reason: dict[str, Any]) -> list[str]:
     return lines
 
 
+def gang_shape(job: dict[str, Any]) -> str:
+    """``"2 x 4 GPUs"`` for a gang; a side the user left to the scheduler is derived from
+    ``gpu_count`` when it divides evenly, else shown as ``-`` (an uneven split)."""
+    nodes, per, total = job.get("nodes"), job.get("gpus_per_node"), job.get("gpu_count")
+    if isinstance(total, int):
+        if per is None and isinstance(nodes, int) and nodes and total % nodes == 0:
+            per = total // nodes
+        elif nodes is None and isinstance(per, int) and per and total % per == 0:
+            nodes = total // per
+    return f"{fmt(nodes)} x {fmt(per)} GPUs"
+
+
 def print_job(job: dict[str, Any], wide: bool = False) -> None:
     """The ``status`` view: fields, attempts, and why the job is pending (if it is)."""
     out = table_console(wide)
@@ -473,11 +485,7 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
         ("priority", fmt(job.get("priority"))),
         ("gpus", f"{fmt(job.get('gpu_count'))} x {fmt(job.get('gpu_types') or 'any')}"),
         ("command", quoted(job.get("command"))),
-        *(
-            [("nodes", f"{fmt(job.get('nodes'))} x {fmt(job.get('gpus_per_node'))} GPUs")]
-            if job.get("nodes") or job.get("gpus_per_node")
-            else []
-        ),
+        *([("nodes", gang_shape(job))] if job.get("nodes") or job.get("gpus_per_node") else []),
         ("created", fmt_time(job.get("created_at"))),
         ("scheduled", fmt_time(job.get("scheduled_at"))),
         ("started", fmt_time(job.get("started_at"))),
