@@ -84,3 +84,23 @@ def test_job_model_exit_code_is_the_last_attempts() -> None:
     )
     assert (job.exit_code, job.done, job.succeeded) == (3, True, False)
     assert job.raw["new_field_of_a_newer_server"] == 1
+
+
+def test_jobs_table_names_teams_when_they_differ_and_marks_held_jobs() -> None:
+    jobs = [_job(i, s) for i, s in enumerate(["PENDING", "SUCCEEDED", "DEPENDENCY_FAILED"])]
+    for job, team in zip(jobs, ("vision", "nlp", "vision"), strict=True):
+        job["team"] = team
+    jobs[0]["held"] = True
+    narrow = io.StringIO()
+    Console(file=narrow, width=80).print(output.jobs_table(jobs))
+    text = narrow.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "TEAM" in text.splitlines()[0] and " nlp " in text and "vision" in text
+    assert "PENDING (held)" in text and "DEPENDENCY_FAILED" in text
+    assert "j-01m8pp551385 " in text
+    one_team = io.StringIO()
+    Console(file=one_team, width=80).print(output.jobs_table(jobs[:1] + jobs[2:]))
+    assert "TEAM" not in one_team.getvalue().splitlines()[0]
+    wide = io.StringIO()
+    Console(file=wide, width=output.WIDE_WIDTH).print(output.jobs_table(jobs, wide=True))
+    assert "PENDING (held)" in wide.getvalue()
