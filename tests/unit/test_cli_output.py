@@ -104,3 +104,19 @@ def test_jobs_table_names_teams_when_they_differ_and_marks_held_jobs() -> None:
     wide = io.StringIO()
     Console(file=wide, width=output.WIDE_WIDTH).print(output.jobs_table(jobs, wide=True))
     assert "PENDING (held)" in wide.getvalue()
+
+
+def test_why_shows_reservation_times_as_utc_not_epochs() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    at = datetime.now(UTC) + timedelta(minutes=2, seconds=10)
+    reason = {
+        "code": "waiting_with_reservation",
+        "message": "Next in line: 8 GPU(s) on n1 are held for this job from in 2m 10s",
+        "details": {"node": "n1", "reserved_from_s": at.timestamp(), "needed_gpus": 8},
+        "position": 1,
+    }
+    text = "\n".join(output.pending_lines(reason))
+    assert str(int(at.timestamp())) not in text
+    assert at.strftime("%Y-%m-%d %H:%M:%SZ") in text and "(in 2m)" in text
+    assert "reserved_from:" in text and "needed_gpus:" in text

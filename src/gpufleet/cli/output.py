@@ -475,11 +475,19 @@ def phases_text(p: dict[str, Any] | None) -> str:
     return f"process {float(p.get('start_s', 0)):.3f}s"
 
 
+# pending-reason details that are times on the scheduler's clock (epoch seconds live)
+EPOCH_DETAILS = frozenset({"reserved_from_s", "held_until_s"})
+
+
 def pending_lines(reason: dict[str, Any]) -> list[str]:
     """The pending reason as lines: sentence, code, details, queue position, estimated start."""
     lines = [clean(str(reason.get("message") or reason.get("code") or "pending"))]
     lines.append(f"  code:            {fmt(reason.get('code'))}")
     for key, value in (reason.get("details") or {}).items():
+        if key in EPOCH_DETAILS and isinstance(value, int | float) and value > 1e9:
+            # the live store's snapshot clock is epoch seconds: show it as a UTC time
+            key = key.removesuffix("_s")
+            value = fmt_time(datetime.fromtimestamp(value, UTC).isoformat(), relative=True)
         lines.append(f"  {clean(str(key)) + ':':<16} {fmt(value)}")
     lines.append(f"  queue position:  {fmt(reason.get('position'))}")
     start = reason.get("estimated_start_at")

@@ -87,6 +87,19 @@ def find_reservation(
     return node_id, Shadow(job.job_id, start, need, extra)
 
 
+def has_reservation_candidate(job: PendingJob, index: FreeIndex) -> bool:
+    """Whether some schedulable node that accepts ``job`` and holds no other reservation
+    exists: when :func:`find_reservation` still finds nothing, every such node's running
+    work has no known end (no ``max_runtime_s``, no ``expected_duration_s``)."""
+    res = job.resources
+    return any(
+        node.schedulable
+        and node_id not in index.shadows
+        and node_accepts(node, res, job.node_selector)
+        for node_id, node in index.nodes.items()
+    )
+
+
 def extra_at(
     job: PendingJob, node_id: str, need: int, at_s: float, index: FreeIndex, running: RunningIndex
 ) -> int:

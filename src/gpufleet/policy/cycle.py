@@ -26,6 +26,7 @@ from gpufleet.policy.backfill import (
     extra_at,
     find_gang_reservation,
     find_reservation,
+    has_reservation_candidate,
     start_on_node,
 )
 from gpufleet.policy.config import Backfill, Placement, PolicyConfig
@@ -527,6 +528,9 @@ class _Pass:
                     HoldForBackfill(job.job_id, node_id, res.gpu_count, shadow.start_at_s)
                 )
                 return ("waiting_with_reservation", node_id, shadow.start_at_s, shadow.extra)
+            if has_reservation_candidate(job, self.index):
+                # a node could hold it, but nothing running there has a known end
+                return (*cause, "unbounded")
         return cause
 
     # -- phase 2 ------------------------------------------------------------------------
@@ -586,6 +590,7 @@ class _Pass:
             self.index,
             self.book,
             self.served,
+            self.now,
         )
         return CycleResult(tuple(self.decisions), waiting, tuple(self.released))
 
