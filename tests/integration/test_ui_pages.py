@@ -277,3 +277,13 @@ def test_queue_and_job_pages_mark_held_jobs(
     assert "PENDING (held)" in row
     page = client.get(f"/ui/jobs/{ids['waiting']}").text
     assert "PENDING (held)" in page
+
+
+def test_usage_of_an_unknown_team_is_404_naming_team(
+    ui: tuple[TestClient, dict[str, str], dict[str, str]],
+) -> None:
+    client, tokens, _ = ui
+    admin = {"Authorization": f"Bearer {tokens['admin']}"}
+    r = client.get("/v1/usage", params={"team": "nosuch"}, headers=admin)
+    assert r.status_code == 404 and r.json()["field"] == "team"
+    assert client.get("/v1/usage", params={"team": "vision"}, headers=admin).status_code == 200

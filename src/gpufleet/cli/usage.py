@@ -7,6 +7,7 @@ API with the client configuration (URL and token), like every user command.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
@@ -73,6 +74,15 @@ def when(value: str | None, flag: str, now: datetime | None = None) -> str | Non
     return text
 
 
+def gpu_hours(value: float) -> str:
+    """GPU-hours with at least 3 significant digits (``0.00417``, ``1.25``, ``1234.50``), so a
+    short job's row is not ``0.00`` while the total is not."""
+    if value <= 0:
+        return "0"
+    decimals = min(6, max(2, 2 - math.floor(math.log10(value))))
+    return f"{value:.{decimals}f}"
+
+
 def usage(
     team: Annotated[str | None, typer.Option(help="Only this team (admin tokens).")] = None,
     since: Annotated[
@@ -108,19 +118,27 @@ def usage(
             return
         span = f"{output.fmt_time(data.get('since')) if data.get('since') else 'start'}"
         span += f" .. {output.fmt_time(data.get('until'))}"
+        by_team = by is UsageBy.team
         table = output._table(
-            by.value, "team", "GPU-hours", "attempts", "jobs", title=f"usage {span}"
+            by.value,
+            *([] if by_team else ["team"]),
+            "GPU-hours",
+            "attempts",
+            "jobs",
+            title=f"usage {span}",
         )
         for ln in data.get("items") or []:
             table.add_row(
                 output.cell(ln["key"]),
-                output.cell(ln.get("team") or "-"),
-                output.cell(f"{ln['gpu_hours']:.2f}"),
+                *([] if by_team else [output.cell(ln.get("team") or "-")]),
+                output.cell(gpu_hours(ln["gpu_hours"])),
                 output.cell(ln["attempts"]),
                 output.cell(ln["jobs"]),
             )
         table.add_row(
-            output.cell("total"), output.cell(""), output.cell(f"{data['total_gpu_hours']:.2f}")
+            output.cell("total"),
+            *([] if by_team else [output.cell("")]),
+            output.cell(gpu_hours(data["total_gpu_hours"])),
         )
         output.console().print(table)
 
