@@ -120,3 +120,68 @@ def test_why_shows_reservation_times_as_utc_not_epochs() -> None:
     assert str(int(at.timestamp())) not in text
     assert at.strftime("%Y-%m-%d %H:%M:%SZ") in text and "(in 2m)" in text
     assert "reserved_from:" in text and "needed_gpus:" in text
+
+
+def _render(table: object, width: int = 80) -> str:
+    buf = io.StringIO()
+    Console(file=buf, width=width).print(table)
+    return buf.getvalue()
+
+
+def test_admin_team_list_headers_fit_80_columns() -> None:
+    from gpufleet.cli.admin_api import admin_table, team_columns
+
+    rows = [
+        {
+            "team": "vision-research",
+            "weight": 2.0,
+            "guaranteed_gpus": {"H100": 16, "A100-80GB": 8},
+            "borrow_limit_gpus": None,
+            "lending_limit": {"H100": 4},
+            "allocated_gpus": {"H100": 12, "A100-80GB": 8},
+            "pending_jobs": 42,
+            "fair_share_usage_gpu_s": 123456.0,
+        }
+    ]
+    text = _render(admin_table(rows, team_columns(False), whole=("team",)))
+    header = text.splitlines()[0].split()
+    assert header == ["team", "weight", "quota", "borrow", "lend", "alloc", "pending", "GPU-h"]
+    assert max(len(line) for line in text.splitlines()) <= 80 and "vision-research" in text
+    wide = _render(admin_table(rows, team_columns(True), wide=True), output.WIDE_WIDTH)
+    assert "fair-share GPU-h (decayed)" in wide and "A100-80GB=8" in wide
+
+
+def test_admin_token_list_never_cuts_ids() -> None:
+    from gpufleet.cli.admin_api import admin_table, token_columns
+
+    rows = [
+        {
+            "id": f"tok-01m8psw7vnw5ej6c82bp4cehn{i}",
+            "team": "a-rather-long-team-name",
+            "name": "continuous-integration-bot",
+            "admin": i == 0,
+            "created_at": "2026-11-30T10:00:00+00:00",
+            "revoked_at": "2026-11-30T11:00:00+00:00" if i else None,
+        }
+        for i in range(3)
+    ]
+    text = _render(admin_table(rows, token_columns(False), whole=("id",)))
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert all(str(r["id"]) in text for r in rows)
+    wide = _render(admin_table(rows, token_columns(True), wide=True), output.WIDE_WIDTH)
+    assert "2026-11-30 10:00:00Z" in wide and "continuous-integration-bot" in wide
+
+
+def test_artifacts_table_keeps_sizes_and_cuts_sha256_when_narrow() -> None:
+    from gpufleet.cli.usage import artifacts_table
+    from gpufleet.client.models import Artifact
+
+    sha = "ab" * 32
+    items = [
+        Artifact(path="checkpoints/" + "deep/" * 12 + "model.pt", size=123456789012, sha256=sha)
+    ]
+    text = _render(artifacts_table(items))
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "123456789012" in text and sha[:12] in text and sha not in text
+    wide = _render(artifacts_table(items, wide=True), output.WIDE_WIDTH)
+    assert sha in wide and str(items[0].path) in wide

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
@@ -21,6 +22,7 @@ from gpufleet.cli.client import (
     OutputFormat,
     TokenOpt,
     UrlOpt,
+    WideOpt,
     _sdk,
     _session,
 )
@@ -143,6 +145,28 @@ def usage(
         output.console().print(table)
 
 
+SHA_CHARS = 12  # a sha256 prefix in the narrow artifacts table (like git's short hashes)
+
+
+def artifacts_table(items: Sequence[Artifact], wide: bool = False) -> Any:
+    """PATH SIZE SHA256: narrow (80 columns) shows the size in bytes whole and the sha256
+    cut to :data:`SHA_CHARS` hex digits, the path giving way with an ellipsis; wide shows
+    every sha256 whole."""
+    if wide:
+        table = output._table("path", "size", "sha256", wide=True)
+    else:
+        width = max([4, *(len(str(f.size)) for f in items)])
+        table = output._table("sha256", "size", "path", keep={"size": width, "sha256": SHA_CHARS})
+    for f in items:
+        if wide:
+            table.add_row(output.cell(f.path), output.cell(f.size), output.cell(f.sha256))
+        else:
+            table.add_row(
+                output.cell(f.sha256[:SHA_CHARS]), output.cell(f.size), output.cell(f.path)
+            )
+    return table
+
+
 def _target(root: Path, path: str) -> Path:
     """Where artifact ``path`` goes under ``root``; never outside it.
 
@@ -165,13 +189,15 @@ def artifacts(
         Path | None,
         typer.Option("--download", "-d", help="Download every artifact into this directory."),
     ] = None,
-    out: Annotated[OutputFormat, typer.Option("--output", "-o", help="table or json.")] = (
-        OutputFormat.table
-    ),
+    out: Annotated[
+        OutputFormat, typer.Option("--output", "-o", help="table, wide or json.")
+    ] = OutputFormat.table,
+    wide: WideOpt = False,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """List a finished job's artifacts (path, size, sha256) from its accepted manifest; with
+    """List a finished job's artifacts (path, size, sha256: the first 12 hex digits in the
+    narrow table, whole with --wide or -o json) from its accepted manifest; with
     --download DIR, fetch each one and check its size and sha256 (exit 1 on a mismatch; a
     file is in place only once verified)."""
     with _session(url, token) as http:
@@ -181,10 +207,8 @@ def artifacts(
             if out is OutputFormat.json:
                 output.print_json(listing.raw)
                 return
-            table = output._table("path", "size", "sha256")
-            for f in listing.items:
-                table.add_row(output.cell(f.path), output.cell(f.size), output.cell(f.sha256))
-            output.console().print(table)
+            wide = wide or out is OutputFormat.wide
+            output.table_console(wide).print(artifacts_table(listing.items, wide))
             if not listing.items:
                 typer.echo(f"job {job} stored no artifacts", err=True)
             return
