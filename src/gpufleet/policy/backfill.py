@@ -100,6 +100,24 @@ def has_reservation_candidate(job: PendingJob, index: FreeIndex) -> bool:
     )
 
 
+def gang_reservation_candidates(
+    job: PendingJob, smallest: int, gpu_type: str, index: FreeIndex
+) -> int:
+    """How many ``gpu_type`` nodes could hold a member of ``smallest`` GPUs of the gang
+    ``job`` and hold no other reservation (when at least as many as the gang has members,
+    a failed :func:`find_gang_reservation` means their running work has no known end)."""
+    mres = member_resources(job.resources, smallest)
+    return sum(
+        1
+        for node_id, node in index.nodes.items()
+        if node.gpu_type == gpu_type
+        and node.schedulable
+        and node_id not in index.shadows
+        and node.total_gpus >= smallest
+        and node_accepts(node, mres, job.node_selector)
+    )
+
+
 def extra_at(
     job: PendingJob, node_id: str, need: int, at_s: float, index: FreeIndex, running: RunningIndex
 ) -> int:

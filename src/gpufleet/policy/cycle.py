@@ -26,6 +26,7 @@ from gpufleet.policy.backfill import (
     extra_at,
     find_gang_reservation,
     find_reservation,
+    gang_reservation_candidates,
     has_reservation_candidate,
     start_on_node,
 )
@@ -420,6 +421,12 @@ class _Pass:
                 start, _, picks = best
                 self._hold_gang(job, [(nid, sh.gpu_count) for nid, sh in picks], start)
                 return self.causes.pop(job.job_id)
+            if any(
+                gang_reservation_candidates(job, every[t][-1], t, index) >= len(every[t])
+                for t in types
+            ):
+                # enough nodes could hold it, but their running work has no known end
+                return (*cause, "unbounded")
         return cause
 
     # -- phases 3 and 4 -----------------------------------------------------------------
