@@ -5,10 +5,6 @@
 * killing one rank's process fails the gang attempt, the other rank is stopped (its process
   verified gone), and the retry, one new gang attempt with new tokens, resumes from the
   checkpoint.
-
-These need the gang live path (``nodes`` / ``gpus_per_node`` on the job spec, member agents
-setting MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK...), which is built on another branch; until it
-is merged the module is skipped on that probe.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from gpufleet.api.schemas import JobCreate
 from gpufleet.domain.manifest import Manifest
 from gpufleet.objectstore import ObjectStore
 from tests.e2e.harness import Fleet
@@ -33,14 +28,7 @@ from tests.e2e.harness import Fleet
 pytest.importorskip("torch", reason="torch is missing: pip install -e '.[ddp]'")
 pytest.importorskip("sklearn", reason="the examples extra (numpy, scikit-learn) is missing")
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        "nodes" not in JobCreate.model_fields,
-        reason="the gang live path is not here: the job schema (JobCreate) has no `nodes` "
-        "field (issue 9, gang-live branch); run after merging it",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = str(REPO / "examples" / "train_ddp.py")

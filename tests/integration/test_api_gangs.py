@@ -52,6 +52,8 @@ CMD = ["python3", "train.py"]
         ({"gpu_count": 16}, "gpu_count"),  # 4 whole nodes needed, 3 exist
         ({"gpu_count": 6, "nodes": 4}, "nodes"),  # 6 is not a multiple of 4 members
         ({"nodes": 0, "gpus_per_node": 2}, "nodes"),
+        ({"nodes": 2}, "gpus_per_node"),  # how many GPUs? (trial: it said "1 is not a multiple")
+        ({"gpus_per_node": 2}, "nodes"),
         ({"gpu_count": 8, "gpu_type": "A100"}, "gpu_type"),  # no such type, whatever the size
         ({"gpu_count": 8, "gpu_memory_mb": 10**6}, "gpu_memory_mb"),
     ],
@@ -81,3 +83,5 @@ def test_the_cli_body_derives_gpu_count_from_nodes_and_gpus_per_node() -> None:
     body = build_job_body({}, flags, {}, {}, ["python3", "examples/train_ddp.py"])
     assert "gpu_count" not in body and (body["nodes"], body["gpus_per_node"]) == (2, 2)
     assert build_job_body({}, {"gpu_count": 4}, {}, {}, ["x"])["gpu_count"] == 4
+    # one side alone: no default gpu_count of 1, so the server names the missing side
+    assert "gpu_count" not in build_job_body({}, {"nodes": 2}, {}, {}, ["x"])

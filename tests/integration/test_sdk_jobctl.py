@@ -277,7 +277,7 @@ def test_async_client_mirrors_the_sync_methods(fleet: Fleet, tmp_path: Path) -> 
             await c.cancel(dep)
             report = await c.usage()
             assert abs(report.total_gpu_seconds - fleet.gpu_seconds["vision"]) < 0.01
-            assert (await c.usage_csv()).startswith("team,team,")
+            assert (await c.usage_csv()).startswith("team,gpu_hours,")
             (art,) = (await c.artifacts(fleet.succeeded)).items
             dest = await c.download_artifact(fleet.succeeded, art, tmp_path / "a.bin")
             assert dest.read_bytes() == b"weights"

@@ -244,3 +244,67 @@ def test_a_job_page_by_name_or_id_prefix_redirects_to_its_id(
     # another team's job is not found by name either
     login(client, tokens["nlp"])
     assert client.get("/ui/jobs/trial-page").status_code == 404
+
+
+def test_job_page_shows_env_names_but_never_values(
+    ui: tuple[TestClient, dict[str, str], dict[str, str]], db: Database
+) -> None:
+    import uuid
+
+    from gpufleet.domain.types import JobSpec, Resources
+    from gpufleet.services.jobs import submit_job
+
+    client, tokens, _ = ui
+    spec = JobSpec(
+        command=("true",),
+        resources=Resources(1),
+        env={"API_SECRET": "s3cr3t-value", "PATH": "/opt/private/bin:/usr/bin"},
+    )
+    job_id = submit_job(db, team_id="vision", idempotency_key=str(uuid.uuid4()), spec=spec).job_id
+    login(client, tokens["vision"])
+    for path in (f"/ui/jobs/{job_id}", "/ui/queue", "/ui/fleet"):
+        html = client.get(path).text
+        assert "s3cr3t-value" not in html and "/opt/private/bin" not in html, path
+    page = client.get(f"/ui/jobs/{job_id}").text
+    assert "API_SECRET" in page and "env_keys" in page
+
+
+def test_login_cookie_is_secure_over_https_and_logout_deletes_it_alike(
+    ui: tuple[TestClient, dict[str, str], dict[str, str]],
+) -> None:
+    client, tokens, _ = ui
+    plain = client.post("/ui/login", data={"token": tokens["vision"]}, follow_redirects=False)
+    assert "secure" not in plain.headers["set-cookie"].lower()
+    https = TestClient(client.app, base_url="https://testserver")
+    r = https.post("/ui/login", data={"token": tokens["vision"]}, follow_redirects=False)
+    set_cookie = r.headers["set-cookie"].lower()
+    assert "secure" in set_cookie and "samesite=strict" in set_cookie and "httponly" in set_cookie
+    out = https.post("/ui/logout", follow_redirects=False).headers["set-cookie"].lower()
+    assert "gpufleet_token=" in out and "max-age=0" in out
+    for attr in ("secure", "samesite=strict", "httponly", "path=/ui"):
+        assert attr in out, attr
+
+
+def test_queue_and_job_pages_mark_held_jobs(
+    ui: tuple[TestClient, dict[str, str], dict[str, str]], db: Database
+) -> None:
+    from gpufleet.services import jobctl
+
+    client, tokens, ids = ui
+    db.run_write(lambda s: jobctl.hold_job(s, "vision", ids["waiting"]))
+    login(client, tokens["vision"])
+    queue = client.get("/ui/queue").text
+    row = queue.split(f'data-job="{ids["waiting"]}"', 1)[1].split("</tr>", 1)[0]
+    assert "PENDING (held)" in row
+    page = client.get(f"/ui/jobs/{ids['waiting']}").text
+    assert "PENDING (held)" in page
+
+
+def test_usage_of_an_unknown_team_is_404_naming_team(
+    ui: tuple[TestClient, dict[str, str], dict[str, str]],
+) -> None:
+    client, tokens, _ = ui
+    admin = {"Authorization": f"Bearer {tokens['admin']}"}
+    r = client.get("/v1/usage", params={"team": "nosuch"}, headers=admin)
+    assert r.status_code == 404 and r.json()["field"] == "team"
+    assert client.get("/v1/usage", params={"team": "vision"}, headers=admin).status_code == 200

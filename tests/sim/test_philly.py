@@ -80,6 +80,7 @@ def philly_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two replays of 68,503 jobs in the class fixture; slow on a loaded host
 class TestPhillyReplay:
     """Oct-Nov 2017, 68,503 jobs of the 11 VCs with known sizes, VC x 8 GPUs each.
 

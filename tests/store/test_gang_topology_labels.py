@@ -1,17 +1,11 @@
 """Admin topology labels reach the gang placement: the labels set through
 ``services.node_labels`` are the ones ``store.queries.load_snapshot`` hands the policy, so a
 2-node gang lands on two nodes of one ``rack`` although other free nodes sort first by id.
-
-Needs the gang-aware policy (``policy.gangs`` with ``RACK_LABEL``, issue 9, gang-sim branch):
-skipped until it is merged.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from functools import partial
-
-import pytest
 
 from gpufleet.domain.types import JobSpec, PriorityClass, Resources
 from gpufleet.policy.cycle import schedule
@@ -22,11 +16,6 @@ from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.queries import load_snapshot
 from tests.factories import create_node, create_team
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("gpufleet.policy.gang") is None,
-    reason="the gang-aware policy (gpufleet.policy.gang, issue 9 gang-sim branch) is not here",
-)
 
 
 def test_admin_rack_labels_steer_a_gang_to_one_rack(db: Database) -> None:

@@ -52,3 +52,12 @@ def test_status_shows_the_gang_shape_and_each_rank(api: FakeApi) -> None:
     assert result.exit_code == 0, result.stderr
     for want in ("2 x 2 GPUs", "1 r0", "1 r1", "run_a", "run_b", "node-b"):
         assert want in result.stdout, want
+
+
+def test_gang_shape_derives_the_side_the_user_left_out() -> None:
+    from gpufleet.cli.output import gang_shape
+
+    assert gang_shape({"gpu_count": 4, "nodes": 2, "gpus_per_node": None}) == "2 x 2 GPUs"
+    assert gang_shape({"gpu_count": 16, "nodes": None, "gpus_per_node": 8}) == "2 x 8 GPUs"
+    assert gang_shape({"gpu_count": 12, "nodes": 2, "gpus_per_node": 6}) == "2 x 6 GPUs"
+    assert gang_shape({"gpu_count": 12, "nodes": None, "gpus_per_node": 8}) == "- x 8 GPUs"

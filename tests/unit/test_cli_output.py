@@ -84,3 +84,104 @@ def test_job_model_exit_code_is_the_last_attempts() -> None:
     )
     assert (job.exit_code, job.done, job.succeeded) == (3, True, False)
     assert job.raw["new_field_of_a_newer_server"] == 1
+
+
+def test_jobs_table_names_teams_when_they_differ_and_marks_held_jobs() -> None:
+    jobs = [_job(i, s) for i, s in enumerate(["PENDING", "SUCCEEDED", "DEPENDENCY_FAILED"])]
+    for job, team in zip(jobs, ("vision", "nlp", "vision"), strict=True):
+        job["team"] = team
+    jobs[0]["held"] = True
+    narrow = io.StringIO()
+    Console(file=narrow, width=80).print(output.jobs_table(jobs))
+    text = narrow.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "TEAM" in text.splitlines()[0] and " nlp " in text and "vision" in text
+    assert "PENDING (held)" in text and "DEPENDENCY_FAILED" in text
+    assert "j-01m8pp551385 " in text
+    one_team = io.StringIO()
+    Console(file=one_team, width=80).print(output.jobs_table(jobs[:1] + jobs[2:]))
+    assert "TEAM" not in one_team.getvalue().splitlines()[0]
+    wide = io.StringIO()
+    Console(file=wide, width=output.WIDE_WIDTH).print(output.jobs_table(jobs, wide=True))
+    assert "PENDING (held)" in wide.getvalue()
+
+
+def test_why_shows_reservation_times_as_utc_not_epochs() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    at = datetime.now(UTC) + timedelta(minutes=2, seconds=10)
+    reason = {
+        "code": "waiting_with_reservation",
+        "message": "Next in line: 8 GPU(s) on n1 are held for this job from in 2m 10s",
+        "details": {"node": "n1", "reserved_from_s": at.timestamp(), "needed_gpus": 8},
+        "position": 1,
+    }
+    text = "\n".join(output.pending_lines(reason))
+    assert str(int(at.timestamp())) not in text
+    assert at.strftime("%Y-%m-%d %H:%M:%SZ") in text and "(in 2m)" in text
+    assert "reserved_from:" in text and "needed_gpus:" in text
+
+
+def _render(table: object, width: int = 80) -> str:
+    buf = io.StringIO()
+    Console(file=buf, width=width).print(table)
+    return buf.getvalue()
+
+
+def test_admin_team_list_headers_fit_80_columns() -> None:
+    from gpufleet.cli.admin_api import admin_table, team_columns
+
+    rows = [
+        {
+            "team": "vision-research",
+            "weight": 2.0,
+            "guaranteed_gpus": {"H100": 16, "A100-80GB": 8},
+            "borrow_limit_gpus": None,
+            "lending_limit": {"H100": 4},
+            "allocated_gpus": {"H100": 12, "A100-80GB": 8},
+            "pending_jobs": 42,
+            "fair_share_usage_gpu_s": 123456.0,
+        }
+    ]
+    text = _render(admin_table(rows, team_columns(False), whole=("team",)))
+    header = text.splitlines()[0].split()
+    assert header == ["team", "weight", "quota", "borrow", "lend", "alloc", "pending", "GPU-h"]
+    assert max(len(line) for line in text.splitlines()) <= 80 and "vision-research" in text
+    wide = _render(admin_table(rows, team_columns(True), wide=True), output.WIDE_WIDTH)
+    assert "fair-share GPU-h (decayed)" in wide and "A100-80GB=8" in wide
+
+
+def test_admin_token_list_never_cuts_ids() -> None:
+    from gpufleet.cli.admin_api import admin_table, token_columns
+
+    rows = [
+        {
+            "id": f"tok-01m8psw7vnw5ej6c82bp4cehn{i}",
+            "team": "a-rather-long-team-name",
+            "name": "continuous-integration-bot",
+            "admin": i == 0,
+            "created_at": "2026-11-30T10:00:00+00:00",
+            "revoked_at": "2026-11-30T11:00:00+00:00" if i else None,
+        }
+        for i in range(3)
+    ]
+    text = _render(admin_table(rows, token_columns(False), whole=("id",)))
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert all(str(r["id"]) in text for r in rows)
+    wide = _render(admin_table(rows, token_columns(True), wide=True), output.WIDE_WIDTH)
+    assert "2026-11-30 10:00:00Z" in wide and "continuous-integration-bot" in wide
+
+
+def test_artifacts_table_keeps_sizes_and_cuts_sha256_when_narrow() -> None:
+    from gpufleet.cli.usage import artifacts_table
+    from gpufleet.client.models import Artifact
+
+    sha = "ab" * 32
+    items = [
+        Artifact(path="checkpoints/" + "deep/" * 12 + "model.pt", size=123456789012, sha256=sha)
+    ]
+    text = _render(artifacts_table(items))
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "123456789012" in text and sha[:12] in text and sha not in text
+    wide = _render(artifacts_table(items, wide=True), output.WIDE_WIDTH)
+    assert sha in wide and str(items[0].path) in wide

@@ -44,3 +44,37 @@ class TestArtifactTarget:
     ) -> None:
         with pytest.raises(ClientError):
             _target(tmp_path, bad)
+
+
+def test_usage_csv_by_team_has_no_duplicate_team_column() -> None:
+    import csv
+    import io
+
+    from gpufleet.api.reports import UsageLineOut, UsageOut, usage_csv
+
+    line = UsageLineOut(
+        key="vision", team="vision", gpu_seconds=15.0, gpu_hours=15 / 3600, attempts=1, jobs=1
+    )
+    out = UsageOut(
+        since=None,
+        until="2026-11-30T00:00:00Z",
+        by="team",
+        team=None,
+        items=[line],
+        total_gpu_seconds=15.0,
+        total_gpu_hours=15 / 3600,
+    )
+    header = usage_csv(out).splitlines()[0].split(",")
+    assert header == ["team", "gpu_hours", "gpu_seconds", "attempts", "jobs"]
+    by_job = usage_csv(out.model_copy(update={"by": "job"}))
+    assert next(csv.DictReader(io.StringIO(by_job)))["team"] == "vision"
+
+
+@pytest.mark.parametrize(
+    ("hours", "want"),
+    [(0.0, "0"), (15 / 3600, "0.00417"), (0.02, "0.0200"), (1.25, "1.25"), (1234.5, "1234.50")],
+)
+def test_gpu_hours_keep_three_significant_digits(hours: float, want: str) -> None:
+    from gpufleet.cli.usage import gpu_hours
+
+    assert gpu_hours(hours) == want

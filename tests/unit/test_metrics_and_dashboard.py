@@ -65,7 +65,7 @@ def exported_names() -> set[str]:
     snap = snapshot()
     metrics.publish(metrics.fleet_view(snap, None))
     names: set[str] = set()
-    for family in REGISTRY.collect():
+    for family in [*REGISTRY.collect(), *agent_metrics.REGISTRY.collect()]:
         names.add(family.name)
         names.update(s.name for s in family.samples)
         # a labelled histogram nobody observed yet has no samples: its series names
@@ -168,3 +168,24 @@ def test_node_status_changes_between_passes_are_counted() -> None:
     assert counter._value.get() == before + 1
     metrics.note_lease(0)
     assert metrics._published.current() is None  # a follower serves no state
+
+
+def test_agent_metrics_only_on_the_agents_port_not_in_the_api_process() -> None:
+    import socket
+
+    import httpx
+    from prometheus_client import generate_latest
+
+    import gpufleet.agent.service  # noqa: F401  (what an API/controller process may import)
+
+    agent_metrics.note_heartbeat(3, 5, {"/state": 7})
+    # what the API's GET /metrics serves: the default registry
+    assert b"gpufleet_agent_" not in generate_latest()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    agent_metrics.serve(port, "127.0.0.1")
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    assert "gpufleet_agent_running_attempts 3.0" in text
+    assert "gpufleet_agent_free_gpus 5.0" in text
+    assert "process_cpu_seconds_total" in text or "python_info" in text

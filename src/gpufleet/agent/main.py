@@ -303,12 +303,10 @@ def run_agent(
         raise OSError(f"cannot listen on {_join(host, port)}")
     server.start()
     if metrics_port:
-        from prometheus_client import start_http_server
-
         from gpufleet.agent import metrics
 
         metrics.INFO.labels(node_id, str(agent_epoch)).set(1)
-        start_http_server(metrics_port, addr=host)
+        metrics.serve(metrics_port, host)
         logger.info("agent metrics on http://%s/metrics", _join(host, metrics_port))
     link = ControllerLink(
         core=core,

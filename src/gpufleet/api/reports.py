@@ -16,12 +16,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from gpufleet.domain.errors import Forbidden, ValidationFailed
+from gpufleet.domain.errors import Forbidden, NotFound, ValidationFailed
 from gpufleet.objectstore import ObjectStore
 from gpufleet.services import artifacts, auth, jobs
 from gpufleet.store import accounting
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
+from gpufleet.store.tables import TeamRow
 
 CSV = "text/csv; charset=utf-8"
 
@@ -84,15 +85,19 @@ def parse_time(value: str | None, field: str) -> datetime | None:
 
 
 def usage_csv(out: UsageOut) -> str:
-    """``{by},team,gpu_hours,gpu_seconds,attempts,jobs`` lines (header first)."""
+    """``{by},team,gpu_hours,gpu_seconds,attempts,jobs`` lines (header first); by team, the
+    key is the team and the column is not repeated: ``team,gpu_hours,...``."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow([out.by, "team", "gpu_hours", "gpu_seconds", "attempts", "jobs"])
+    by_team = out.by == "team"
+    w.writerow(
+        [out.by, *([] if by_team else ["team"]), "gpu_hours", "gpu_seconds", "attempts", "jobs"]
+    )
     for ln in out.items:
         w.writerow(
             [
                 ln.key,
-                ln.team or "",
+                *([] if by_team else [ln.team or ""]),
                 f"{ln.gpu_hours:.6f}",
                 f"{ln.gpu_seconds:.3f}",
                 ln.attempts,
@@ -118,7 +123,10 @@ def add_report_routes(
     @app.get(
         "/v1/usage",
         response_model=UsageOut,
-        responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}, **errors(403)},
+        responses={
+            200: {"content": {"text/csv": {"schema": {"type": "string"}}}},
+            **errors(403, 404),
+        },
     )
     def usage(
         request: Request,
@@ -140,7 +148,8 @@ def add_report_routes(
         """GPU-hours of ended attempts by team, user (token owner), job or GPU type, inside
         ``[since, until)``: each attempt counts from its reservation to its end, clipped to
         the window (Slurm's sreport cluster utilisation). Team tokens see their own team
-        (403 for another); admin tokens see every team."""
+        (403 for another); admin tokens see every team; 404 (``field: team``) for a team
+        that does not exist and has no usage."""
         start = parse_time(since, "since")
         end = parse_time(until, "until")
         if team is not None and not who.is_admin and team != who.team_id:
@@ -158,6 +167,9 @@ def add_report_routes(
                 if start is not None and start >= upto:
                     raise ValidationFailed("since must be before until (now)", field="since")
                 recs = accounting.usage_records(s, team=scope, since=start, until=upto)
+                if team is not None and not recs and s.get(TeamRow, team) is None:
+                    # a typo must not read as "no usage" (a deleted team's history still shows)
+                    raise NotFound(f"no team {team!r}", field="team")
                 lines = accounting.summarize(recs, by, start, upto)
             total = round(sum(ln.gpu_seconds for ln in lines), 3)
             return UsageOut(

@@ -137,6 +137,13 @@ class JobCreate(BaseModel):
                 raise bad("gpu_count", f"{return_error} ({self.gpu_count})")
             if self.gpu_count > 1024:
                 raise bad("nodes", f"nodes x gpus_per_node = {self.gpu_count} is above 1024")
+        elif (n or per) and "gpu_count" not in self.model_fields_set:
+            which, other = ("nodes", "gpus_per_node") if n else ("gpus_per_node", "nodes")
+            raise bad(
+                other,
+                f"{which} {n or per} alone does not say how many GPUs the job needs:"
+                f" also give {other}, or gpu_count (the whole job's GPUs)",
+            )
         elif (n or per) and self.gpu_count % (n or per or 1) and not self.allow_partial_nodes:
             which = "nodes" if n else "gpus_per_node"
             raise bad(

@@ -134,13 +134,13 @@ def router(state: Any) -> APIRouter:
         if await run_in_threadpool(who, token) is None:
             return RedirectResponse("/ui/login?error=invalid", status_code=303)
         resp = RedirectResponse("/ui/", status_code=303)
-        resp.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/ui")
+        resp.set_cookie(COOKIE, token, **_cookie_attrs(request))
         return resp
 
     @r.post("/logout")
-    def logout() -> Response:
+    def logout(request: Request) -> Response:
         resp = RedirectResponse("/ui/login", status_code=303)
-        resp.delete_cookie(COOKIE, path="/ui")
+        resp.delete_cookie(COOKIE, **_cookie_attrs(request))
         return resp
 
     @r.get("/fleet")
@@ -348,6 +348,7 @@ def queue_context(s: Session, p: auth.Principal) -> dict[str, Any]:
                 ),
                 "estimated_start_at": est,
                 "cancel_requested": j.cancel_requested,
+                "held": bool(j.held),
             }
         )
     described = teams.describe_teams(s)
@@ -391,6 +392,27 @@ def queue_context(s: Session, p: auth.Principal) -> dict[str, Any]:
     }
 
 
+def _cookie_attrs(request: Request) -> dict[str, Any]:
+    """The login cookie's attributes, the same for setting and deleting it: HttpOnly,
+    SameSite=Strict, path ``/ui``, and ``Secure`` when the request came over https (its
+    scheme as uvicorn reports it, which honours ``X-Forwarded-Proto`` only from the proxies
+    uvicorn trusts, by default 127.0.0.1)."""
+    return {
+        "httponly": True,
+        "samesite": "strict",
+        "path": "/ui",
+        "secure": request.url.scheme == "https",
+    }
+
+
+def public_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The job spec as the page may show it: ``env`` replaced by its sorted names
+    (``env_keys``), like ``GET /v1/jobs/{id}``; env values may hold secrets."""
+    out = {k: v for k, v in spec.items() if k != "env"}
+    out["env_keys"] = sorted(spec.get("env") or {})
+    return out
+
+
 def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) -> dict[str, Any]:
     """One job: spec, attempts as a timeline, artifacts from each accepted manifest, events.
 
@@ -423,7 +445,7 @@ def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) 
         position = jobs.queue_position(s, job)
     return {
         "job": job,
-        "spec_json": json.dumps(job.spec, indent=2, sort_keys=True),
+        "spec_json": json.dumps(public_spec(job.spec), indent=2, sort_keys=True),
         "attempts": attempts,
         "events": events,
         "position": position,

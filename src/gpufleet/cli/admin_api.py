@@ -13,10 +13,19 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.table import Table
 from rich.text import Text
 
 from gpufleet.cli import output
-from gpufleet.cli.client import ClientError, TokenOpt, UrlOpt, _call, _session, nonempty
+from gpufleet.cli.client import (
+    ClientError,
+    TokenOpt,
+    UrlOpt,
+    WideOpt,
+    _call,
+    _session,
+    nonempty,
+)
 
 team_app = typer.Typer(help="Teams and their quotas (through the API; admin token).")
 node_app = typer.Typer(help="Operator actions on nodes (through the API; admin token).")
@@ -24,7 +33,7 @@ token_app = typer.Typer(help="API tokens: create, list, revoke (through the API)
 for _sub in (team_app, node_app, token_app):
     _sub.info.no_args_is_help = True
 
-Fmt = Annotated[str, typer.Option("--output", "-o", help="table or json")]
+Fmt = Annotated[str, typer.Option("--output", "-o", help="table, wide or json")]
 Reason = Annotated[str | None, typer.Option("--reason", help="Why (kept on the node, shown).")]
 
 
@@ -33,11 +42,55 @@ def _echo_warnings(data: dict[str, Any]) -> None:
         typer.echo(output.clean(f"warning: {w}"), err=True)
 
 
-def _table(rows: list[dict[str, Any]], columns: list[tuple[str, Any]]) -> None:
-    table = output._table(*(name for name, _ in columns))
-    for r in rows:
-        table.add_row(*(Text(output.fmt(get(r))) for _, get in columns))
-    output.console().print(table)
+def _table(
+    rows: list[dict[str, Any]],
+    columns: list[tuple[str, Any]],
+    wide: bool = False,
+    whole: tuple[str, ...] = (),
+) -> None:
+    output.table_console(wide).print(admin_table(rows, columns, wide, whole))
+
+
+NARROW_WIDTH = 80  # what a pipe or CI log gets (docs/design/cli.md)
+
+
+def admin_table(
+    rows: list[dict[str, Any]],
+    columns: list[tuple[str, Any]],
+    wide: bool = False,
+    whole: tuple[str, ...] = (),
+) -> Table:
+    """A borderless table of ``columns`` (header, getter). Narrow (80 columns): no header is
+    ever cut, the first column and the ``whole`` ones (ids to paste into another command) are
+    never cut, the other columns share what is left and give way with an ellipsis; wide:
+    nothing is cut."""
+    whole = (columns[0][0], *whole)  # the first column is an id or a name: never cut
+    cells = [[output.fmt(get(r)) for _, get in columns] for r in rows]
+    natural = [
+        max([len(name), *(len(c[i]) for c in cells)]) for i, (name, _) in enumerate(columns)
+    ]
+    # narrow: short or whole columns keep their width; the rest share what is left of 80
+    free = [
+        i for i, (name, _) in enumerate(columns) if name not in whole and natural[i] > len(name)
+    ]
+    # padding (0, 1) without edges: two spaces between columns
+    left = NARROW_WIDTH - sum(w for i, w in enumerate(natural) if i not in free)
+    left -= 2 * (len(columns) - 1)
+    widths: dict[int, int] = {}
+    for n, i in enumerate(sorted(free, key=lambda i: natural[i])):  # narrowest first
+        widths[i] = max(len(columns[i][0]), min(natural[i], left // (len(free) - n)))
+        left -= widths[i]
+    table = Table(header_style="bold", box=None, pad_edge=False, padding=(0, 1))
+    for i, (name, _) in enumerate(columns):
+        if wide:
+            table.add_column(name, no_wrap=True)
+        elif i in free:
+            table.add_column(name, no_wrap=True, overflow="ellipsis", width=widths[i])
+        else:
+            table.add_column(name, no_wrap=True, width=natural[i])
+    for c in cells:
+        table.add_row(*(Text(v) for v in c))
+    return table
 
 
 # --- teams ----------------------------------------------------------------------------------
@@ -178,39 +231,50 @@ def _types(m: dict[str, Any] | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in (m or {}).items()) or "-"
 
 
+def team_columns(wide: bool) -> list[tuple[str, Any]]:
+    """``admin team list`` columns; narrow headers are short so that 80 columns hold them."""
+
+    def borrow(r: dict[str, Any]) -> Any:
+        return "none" if r.get("borrow_limit_gpus") is None else r["borrow_limit_gpus"]
+
+    def usage_h(r: dict[str, Any]) -> str:
+        return f"{r.get('fair_share_usage_gpu_s', r.get('usage_gpu_s', 0)) / 3600:.2f}"
+
+    names = (
+        ("team", "weight", "nominal quota", "borrowing limit", "lending limit", "allocated",
+         "pending", "fair-share GPU-h (decayed)")
+        if wide
+        else ("team", "weight", "quota", "borrow", "lend", "alloc", "pending", "GPU-h")
+    )  # fmt: skip
+    getters = (
+        lambda r: r["team"],
+        lambda r: f"{r['weight']:g}",
+        lambda r: _types(r.get("guaranteed_gpus")),
+        borrow,
+        lambda r: _types(r.get("lending_limit")),
+        lambda r: _types(r.get("allocated_gpus")),
+        lambda r: r.get("pending_jobs"),
+        usage_h,
+    )
+    return list(zip(names, getters, strict=True))
+
+
 @team_app.command("list")
-def team_list(out: Fmt = "table", url: UrlOpt = None, token: TokenOpt = None) -> None:
+def team_list(
+    out: Fmt = "table", wide: WideOpt = False, url: UrlOpt = None, token: TokenOpt = None
+) -> None:
     """Teams with quota (nominal quota, borrowing and lending limits), current allocation,
     queue length and fair-share usage (decayed GPU-hours; accounting is `gpufleet usage`);
-    -o json adds the admission limits (unfinished jobs, submit rate and burst)."""
+    -o json adds the admission limits (unfinished jobs, submit rate and burst). Narrow
+    headers: quota = nominal quota, borrow/lend = borrowing/lending limit, alloc = allocated,
+    GPU-h = fair-share usage (decayed); --wide spells them out."""
+    wide = wide or out == "wide"
     with _session(url, token) as http:
         rows = _call(http, "GET", "/v1/admin/teams").get("items") or []
         if out == "json":
             output.print_json(rows)
             return
-        _table(
-            rows,
-            [
-                ("team", lambda r: r["team"]),
-                ("weight", lambda r: f"{r['weight']:g}"),
-                ("nominal quota", lambda r: _types(r.get("guaranteed_gpus"))),
-                (
-                    "borrowing limit",
-                    lambda r: (
-                        "none" if r.get("borrow_limit_gpus") is None else r["borrow_limit_gpus"]
-                    ),
-                ),
-                ("lending limit", lambda r: _types(r.get("lending_limit"))),
-                ("allocated", lambda r: _types(r.get("allocated_gpus"))),
-                ("pending", lambda r: r.get("pending_jobs")),
-                (
-                    "fair-share GPU-h (decayed)",
-                    lambda r: (
-                        f"{r.get('fair_share_usage_gpu_s', r.get('usage_gpu_s', 0)) / 3600:.2f}"
-                    ),
-                ),
-            ],
-        )
+        _table(rows, team_columns(wide), wide, whole=("team",))
 
 
 # --- tokens ---------------------------------------------------------------------------------
@@ -271,10 +335,13 @@ def token_list(
     team: Annotated[str | None, typer.Option(help="Only this team's tokens.")] = None,
     active: Annotated[bool, typer.Option("--active", help="Hide revoked tokens.")] = False,
     out: Fmt = "table",
+    wide: WideOpt = False,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """List API tokens: id, team, name, admin, created, revoked (never the token itself)."""
+    """List API tokens: id, team, name, admin, created, revoked (never the token itself).
+    Ids are never cut (paste one into `admin token revoke`); --wide shows times in UTC."""
+    wide = wide or out == "wide"
     with _session(url, token) as http:
         params: dict[str, Any] = {"include_revoked": str(not active).lower()}
         if team:
@@ -283,17 +350,26 @@ def token_list(
         if out == "json":
             output.print_json(rows)
             return
-        _table(
-            rows,
-            [
-                ("id", lambda r: r["id"]),
-                ("team", lambda r: r["team"]),
-                ("name", lambda r: r["name"]),
-                ("admin", lambda r: "yes" if r["admin"] else "no"),
-                ("created", lambda r: r["created_at"]),
-                ("revoked", lambda r: r["revoked_at"]),
-            ],
-        )
+        _table(rows, token_columns(wide), wide, whole=("id",))
+
+
+def token_columns(wide: bool) -> list[tuple[str, Any]]:
+    """``admin token list`` columns: the id is whole (what ``admin token revoke`` takes);
+    narrow shows created/revoked as ages, wide as UTC times."""
+
+    def at(key: str) -> Any:
+        if wide:
+            return lambda r: output.fmt_time(r.get(key)) if r.get(key) else None
+        return lambda r: output.age(r.get(key)) if r.get(key) else None
+
+    return [
+        ("id", lambda r: r["id"]),
+        ("team", lambda r: r["team"]),
+        ("name", lambda r: r["name"]),
+        ("admin", lambda r: "yes" if r["admin"] else "no"),
+        ("created", at("created_at")),
+        ("revoked", at("revoked_at")),
+    ]
 
 
 @token_app.command("revoke")

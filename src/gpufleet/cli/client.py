@@ -314,8 +314,8 @@ def build_job_body(
             body[key] = {**(body.get(key) or {}), **extra}
     if isinstance(body.get("gpu_type"), list) and len(body["gpu_type"]) == 1:
         body["gpu_type"] = body["gpu_type"][0]
-    if not (body.get("nodes") and body.get("gpus_per_node")):
-        body.setdefault("gpu_count", 1)  # else the server derives nodes x gpus_per_node
+    if not (body.get("nodes") or body.get("gpus_per_node")):
+        body.setdefault("gpu_count", 1)  # a gang's count: given, or nodes x gpus_per_node
     body["priority"] = str(body.get("priority") or "NORMAL").upper()
     return body
 

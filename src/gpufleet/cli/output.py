@@ -210,6 +210,7 @@ def _table(
     title: str | None = None,
     wide: bool = False,
     keep: dict[str, int] | None = None,
+    caps: dict[str, int] | None = None,
 ) -> Table:
     """A borderless table (``kubectl``-like: pastes and greps well). Narrow: the first column
     (an id) and the ``keep`` columns (name -> width) are never cut, free text is capped
@@ -232,14 +233,22 @@ def _table(
         elif name in keep:
             table.add_column(name, no_wrap=True, min_width=max(keep[name], len(name)))
         else:
-            cap = _NARROW_CAPS.get(name)
+            cap = (caps or {}).get(name, _NARROW_CAPS.get(name))
             table.add_column(name, no_wrap=True, overflow="ellipsis", max_width=cap)
     return table
 
 
 # widths of free-text columns in a narrow table: with a 14-character id, a 17-character status
 # (DEPENDENCY_FAILED) and an age, a row stays within 80 columns
-_NARROW_CAPS = {"NAME": 20, "GPUS": 12, "MESSAGE": 20, "REASON": 20, "NODE": 16, "GPU TYPE": 12}
+_NARROW_CAPS = {
+    "NAME": 20,
+    "TEAM": 12,
+    "GPUS": 12,
+    "MESSAGE": 20,
+    "REASON": 20,
+    "NODE": 16,
+    "GPU TYPE": 12,
+}
 
 
 def _widest(rows: list[dict[str, Any]], key: str) -> int:
@@ -252,22 +261,41 @@ def gpus_text(job: dict[str, Any]) -> str:
     return f"{fmt(job.get('gpu_count'))} {'|'.join(str(t) for t in types) if types else 'any'}"
 
 
+def job_status(job: dict[str, Any]) -> str:
+    """The status a table shows: ``PENDING (held)`` for a held pending job (``gpufleet hold``:
+    it does not start until released), else the job's status."""
+    status = str(job.get("status") or "-")
+    return f"{status} (held)" if status == "PENDING" and job.get("held") else status
+
+
+def job_status_text(job: dict[str, Any]) -> Text:
+    return Text(
+        clean(job_status(job)),
+        style="dim" if job.get("held") else STATUS_STYLES.get(str(job.get("status")), ""),
+    )
+
+
 def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
-    """JOB NAME STATUS GPUS AGE (narrow, under 80 columns); wide adds team, priority, node,
-    exit code, created, and shows full ids."""
+    """JOB NAME STATUS GPUS AGE (narrow, under 80 columns), with a TEAM column after NAME
+    when the jobs belong to more than one team (an admin's listing); wide adds team, priority,
+    node, exit code, created, and shows full ids. A held pending job shows ``PENDING (held)``."""
     if wide:
         table = _table(
             "JOB", "NAME", "TEAM", "STATUS", "PRIORITY", "GPUS", "NODE", "EXIT", "CREATED",
             wide=True,
         )  # fmt: skip
     else:
+        teams = len({job.get("team") for job in jobs}) > 1
         table = _table(
             "JOB",
             "NAME",
+            *(["TEAM"] if teams else []),
             "STATUS",
             "GPUS",
             "AGE",
-            keep={"STATUS": _widest(jobs, "status"), "AGE": 6},
+            keep={"STATUS": max((len(job_status(j)) for j in jobs), default=0), "AGE": 6},
+            # room for TEAM within 80 columns: 14 + 14 + 10 + 17 + 10 + 6 + 5 gaps = 76
+            caps={"NAME": 14, "TEAM": 10, "GPUS": 10} if teams else None,
         )
     for job in jobs:
         last = (job.get("attempts") or [{}])[-1]
@@ -276,7 +304,7 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
                 cell(job.get("job_id")),
                 cell(job.get("name")),
                 cell(job.get("team")),
-                status_text(job.get("status")),
+                job_status_text(job),
                 cell(job.get("priority")),
                 Text(clean(gpus_text(job))),
                 cell(last.get("node_id")),
@@ -287,7 +315,8 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
             table.add_row(
                 Text(short_id(job.get("job_id"))),
                 cell(job.get("name")),
-                status_text(job.get("status")),
+                *([cell(job.get("team"))] if teams else []),
+                job_status_text(job),
                 Text(clean(gpus_text(job))),
                 Text(age(job.get("created_at"))),
             )
@@ -446,17 +475,37 @@ def phases_text(p: dict[str, Any] | None) -> str:
     return f"process {float(p.get('start_s', 0)):.3f}s"
 
 
+# pending-reason details that are times on the scheduler's clock (epoch seconds live)
+EPOCH_DETAILS = frozenset({"reserved_from_s", "held_until_s"})
+
+
 def pending_lines(reason: dict[str, Any]) -> list[str]:
     """The pending reason as lines: sentence, code, details, queue position, estimated start."""
     lines = [clean(str(reason.get("message") or reason.get("code") or "pending"))]
     lines.append(f"  code:            {fmt(reason.get('code'))}")
     for key, value in (reason.get("details") or {}).items():
+        if key in EPOCH_DETAILS and isinstance(value, int | float) and value > 1e9:
+            # the live store's snapshot clock is epoch seconds: show it as a UTC time
+            key = key.removesuffix("_s")
+            value = fmt_time(datetime.fromtimestamp(value, UTC).isoformat(), relative=True)
         lines.append(f"  {clean(str(key)) + ':':<16} {fmt(value)}")
     lines.append(f"  queue position:  {fmt(reason.get('position'))}")
     start = reason.get("estimated_start_at")
     if start:  # only when the server has one (backfill's reservation for the job)
         lines.append(f"  estimated start: {fmt_time(start, relative=True)}")
     return lines
+
+
+def gang_shape(job: dict[str, Any]) -> str:
+    """``"2 x 4 GPUs"`` for a gang; a side the user left to the scheduler is derived from
+    ``gpu_count`` when it divides evenly, else shown as ``-`` (an uneven split)."""
+    nodes, per, total = job.get("nodes"), job.get("gpus_per_node"), job.get("gpu_count")
+    if isinstance(total, int):
+        if per is None and isinstance(nodes, int) and nodes and total % nodes == 0:
+            per = total // nodes
+        elif nodes is None and isinstance(per, int) and per and total % per == 0:
+            nodes = total // per
+    return f"{fmt(nodes)} x {fmt(per)} GPUs"
 
 
 def print_job(job: dict[str, Any], wide: bool = False) -> None:
@@ -473,11 +522,7 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
         ("priority", fmt(job.get("priority"))),
         ("gpus", f"{fmt(job.get('gpu_count'))} x {fmt(job.get('gpu_types') or 'any')}"),
         ("command", quoted(job.get("command"))),
-        *(
-            [("nodes", f"{fmt(job.get('nodes'))} x {fmt(job.get('gpus_per_node'))} GPUs")]
-            if job.get("nodes") or job.get("gpus_per_node")
-            else []
-        ),
+        *([("nodes", gang_shape(job))] if job.get("nodes") or job.get("gpus_per_node") else []),
         ("created", fmt_time(job.get("created_at"))),
         ("scheduled", fmt_time(job.get("scheduled_at"))),
         ("started", fmt_time(job.get("started_at"))),

@@ -7,7 +7,9 @@ API with the client configuration (URL and token), like every user command.
 from __future__ import annotations
 
 import enum
+import math
 import re
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
@@ -21,6 +23,7 @@ from gpufleet.cli.client import (
     OutputFormat,
     TokenOpt,
     UrlOpt,
+    WideOpt,
     _sdk,
     _session,
 )
@@ -74,6 +77,15 @@ def when(value: str | None, flag: str, now: datetime | None = None) -> str | Non
     return text
 
 
+def gpu_hours(value: float) -> str:
+    """GPU-hours with at least 3 significant digits (``0.00417``, ``1.25``, ``1234.50``), so a
+    short job's row is not ``0.00`` while the total is not."""
+    if value <= 0:
+        return "0"
+    decimals = min(6, max(2, 2 - math.floor(math.log10(value))))
+    return f"{value:.{decimals}f}"
+
+
 def usage(
     team: Annotated[str | None, typer.Option(help="Only this team (admin tokens).")] = None,
     since: Annotated[
@@ -109,21 +121,51 @@ def usage(
             return
         span = f"{output.fmt_time(data.get('since')) if data.get('since') else 'start'}"
         span += f" .. {output.fmt_time(data.get('until'))}"
+        by_team = by is UsageBy.team
         table = output._table(
-            by.value, "team", "GPU-hours", "attempts", "jobs", title=f"usage {span}"
+            by.value,
+            *([] if by_team else ["team"]),
+            "GPU-hours",
+            "attempts",
+            "jobs",
+            title=f"usage {span}",
         )
         for ln in data.get("items") or []:
             table.add_row(
                 output.cell(ln["key"]),
-                output.cell(ln.get("team") or "-"),
-                output.cell(f"{ln['gpu_hours']:.2f}"),
+                *([] if by_team else [output.cell(ln.get("team") or "-")]),
+                output.cell(gpu_hours(ln["gpu_hours"])),
                 output.cell(ln["attempts"]),
                 output.cell(ln["jobs"]),
             )
         table.add_row(
-            output.cell("total"), output.cell(""), output.cell(f"{data['total_gpu_hours']:.2f}")
+            output.cell("total"),
+            *([] if by_team else [output.cell("")]),
+            output.cell(gpu_hours(data["total_gpu_hours"])),
         )
         output.console().print(table)
+
+
+SHA_CHARS = 12  # a sha256 prefix in the narrow artifacts table (like git's short hashes)
+
+
+def artifacts_table(items: Sequence[Artifact], wide: bool = False) -> Any:
+    """PATH SIZE SHA256: narrow (80 columns) shows the size in bytes whole and the sha256
+    cut to :data:`SHA_CHARS` hex digits, the path giving way with an ellipsis; wide shows
+    every sha256 whole."""
+    if wide:
+        table = output._table("path", "size", "sha256", wide=True)
+    else:
+        width = max([4, *(len(str(f.size)) for f in items)])
+        table = output._table("sha256", "size", "path", keep={"size": width, "sha256": SHA_CHARS})
+    for f in items:
+        if wide:
+            table.add_row(output.cell(f.path), output.cell(f.size), output.cell(f.sha256))
+        else:
+            table.add_row(
+                output.cell(f.sha256[:SHA_CHARS]), output.cell(f.size), output.cell(f.path)
+            )
+    return table
 
 
 def _target(root: Path, path: str) -> Path:
@@ -148,13 +190,15 @@ def artifacts(
         Path | None,
         typer.Option("--download", "-d", help="Download every artifact into this directory."),
     ] = None,
-    out: Annotated[OutputFormat, typer.Option("--output", "-o", help="table or json.")] = (
-        OutputFormat.table
-    ),
+    out: Annotated[
+        OutputFormat, typer.Option("--output", "-o", help="table, wide or json.")
+    ] = OutputFormat.table,
+    wide: WideOpt = False,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """List a finished job's artifacts (path, size, sha256) from its accepted manifest; with
+    """List a finished job's artifacts (path, size, sha256: the first 12 hex digits in the
+    narrow table, whole with --wide or -o json) from its accepted manifest; with
     --download DIR, fetch each one and check its size and sha256 (exit 1 on a mismatch; a
     file is in place only once verified)."""
     with _session(url, token) as http:
@@ -164,10 +208,8 @@ def artifacts(
             if out is OutputFormat.json:
                 output.print_json(listing.raw)
                 return
-            table = output._table("path", "size", "sha256")
-            for f in listing.items:
-                table.add_row(output.cell(f.path), output.cell(f.size), output.cell(f.sha256))
-            output.console().print(table)
+            wide = wide or out is OutputFormat.wide
+            output.table_console(wide).print(artifacts_table(listing.items, wide))
             if not listing.items:
                 typer.echo(f"job {job} stored no artifacts", err=True)
             return

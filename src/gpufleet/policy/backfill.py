@@ -87,6 +87,37 @@ def find_reservation(
     return node_id, Shadow(job.job_id, start, need, extra)
 
 
+def has_reservation_candidate(job: PendingJob, index: FreeIndex) -> bool:
+    """Whether some schedulable node that accepts ``job`` and holds no other reservation
+    exists: when :func:`find_reservation` still finds nothing, every such node's running
+    work has no known end (no ``max_runtime_s``, no ``expected_duration_s``)."""
+    res = job.resources
+    return any(
+        node.schedulable
+        and node_id not in index.shadows
+        and node_accepts(node, res, job.node_selector)
+        for node_id, node in index.nodes.items()
+    )
+
+
+def gang_reservation_candidates(
+    job: PendingJob, smallest: int, gpu_type: str, index: FreeIndex
+) -> int:
+    """How many ``gpu_type`` nodes could hold a member of ``smallest`` GPUs of the gang
+    ``job`` and hold no other reservation (when at least as many as the gang has members,
+    a failed :func:`find_gang_reservation` means their running work has no known end)."""
+    mres = member_resources(job.resources, smallest)
+    return sum(
+        1
+        for node_id, node in index.nodes.items()
+        if node.gpu_type == gpu_type
+        and node.schedulable
+        and node_id not in index.shadows
+        and node.total_gpus >= smallest
+        and node_accepts(node, mres, job.node_selector)
+    )
+
+
 def extra_at(
     job: PendingJob, node_id: str, need: int, at_s: float, index: FreeIndex, running: RunningIndex
 ) -> int:

@@ -26,6 +26,8 @@ from gpufleet.policy.backfill import (
     extra_at,
     find_gang_reservation,
     find_reservation,
+    gang_reservation_candidates,
+    has_reservation_candidate,
     start_on_node,
 )
 from gpufleet.policy.config import Backfill, Placement, PolicyConfig
@@ -419,6 +421,12 @@ class _Pass:
                 start, _, picks = best
                 self._hold_gang(job, [(nid, sh.gpu_count) for nid, sh in picks], start)
                 return self.causes.pop(job.job_id)
+            if any(
+                gang_reservation_candidates(job, every[t][-1], t, index) >= len(every[t])
+                for t in types
+            ):
+                # enough nodes could hold it, but their running work has no known end
+                return (*cause, "unbounded")
         return cause
 
     # -- phases 3 and 4 -----------------------------------------------------------------
@@ -527,6 +535,9 @@ class _Pass:
                     HoldForBackfill(job.job_id, node_id, res.gpu_count, shadow.start_at_s)
                 )
                 return ("waiting_with_reservation", node_id, shadow.start_at_s, shadow.extra)
+            if has_reservation_candidate(job, self.index):
+                # a node could hold it, but nothing running there has a known end
+                return (*cause, "unbounded")
         return cause
 
     # -- phase 2 ------------------------------------------------------------------------
@@ -586,6 +597,7 @@ class _Pass:
             self.index,
             self.book,
             self.served,
+            self.now,
         )
         return CycleResult(tuple(self.decisions), waiting, tuple(self.released))
 

@@ -25,6 +25,34 @@ from gpufleet.policy.snapshot import PendingJob
 Cause = tuple[Any, ...]
 
 
+def span(seconds: float) -> str:
+    """A duration for people: ``40 s``, ``2m 10s``, ``1h 05m``, ``3d 4h``."""
+    sec = max(0, round(seconds))
+    if sec < 60:
+        return f"{sec} s"
+    if sec < 3600:
+        return f"{sec // 60}m {sec % 60:02d}s"
+    if sec < 86400:
+        return f"{sec // 3600}h {sec % 3600 // 60:02d}m"
+    return f"{sec // 86400}d {sec % 86400 // 3600}h"
+
+
+def when(at_s: float, now_s: float) -> str:
+    """``at_s`` (snapshot clock, seconds) relative to the snapshot's ``now_s``: ``in 2m 10s``,
+    or ``now`` when it is not in the future. The clock's epoch is the caller's (epoch seconds
+    in the live store, simulated seconds in the simulator), so messages never print it."""
+    delta = at_s - now_s
+    return f"in {span(delta)}" if delta >= 0.5 else "now"
+
+
+# said when a blocked head job gets no backfill reservation because every candidate node's
+# running work has no known end (the policy does not bound it; see docs/design)
+UNBOUNDED = (
+    " No reservation: the running jobs on the candidate nodes have no max_runtime_s (nor "
+    "expected_duration_s), so their end is unknown and later jobs that fit may start first."
+)
+
+
 def _shape(job: PendingJob) -> str:
     r = job.resources
     s = f"{r.gpu_count} GPU(s)"
@@ -49,6 +77,7 @@ class WaitingReasons(Mapping[str, WaitReason]):
         index: FreeIndex,
         book: TeamBook,
         served: Mapping[str, int],
+        now_s: float = 0.0,
     ) -> None:
         self._queues = queues
         self._placed = placed
@@ -57,6 +86,7 @@ class WaitingReasons(Mapping[str, WaitReason]):
         self._index = index
         self._book = book
         self._served = served
+        self._now = now_s
         self._jobs: dict[str, PendingJob] | None = None
         self._positions: dict[str, dict[str, int]] = {}
         self._cache: dict[str, WaitReason] = {}
@@ -188,9 +218,9 @@ class WaitingReasons(Mapping[str, WaitReason]):
             est = float(start_s)
             d.update(node=node_id, reserved_from_s=est, extra_gpus=extra)
             msg = (
-                f"Next in line: {res.gpu_count} GPU(s) on {node_id} are held for this job "
-                f"from t={est:.0f}s, when running work there is expected to end; smaller "
-                f"jobs may use them only if they finish before then."
+                f"Next in line: {res.gpu_count} GPU(s) on {node_id} are held for this job, "
+                f"expected to start {when(est, self._now)} when running work there is "
+                f"expected to end; smaller jobs may use them only if they finish before then."
             )
         elif code == "gang_reservation":
             _, nodes, start_s, needed, ready = cause
@@ -205,7 +235,8 @@ class WaitingReasons(Mapping[str, WaitReason]):
             )
             msg = (
                 f"Next in line: {len(nodes)} of the {needed} nodes this gang needs are held "
-                f"for it ({ready} already free), the last expected to drain at t={est:.0f}s; "
+                f"for it ({ready} already free), the last expected to drain "
+                f"{when(est, self._now)}; "
                 f"smaller jobs may use them only if they finish before then."
             )
         elif code == "gang_preemption":
@@ -251,9 +282,9 @@ class WaitingReasons(Mapping[str, WaitReason]):
                 code = "blocked_by_reservation"
                 d.update(held_for_job=sh.job_id, node=nid, held_until_s=sh.start_at_s)
                 msg = (
-                    f"The free GPUs on {nid} are held for job {sh.job_id} from "
-                    f"t={sh.start_at_s:.0f}s, and this job has no runtime bound that "
-                    f"ends before then."
+                    f"The free GPUs on {nid} are held for job {sh.job_id}, which is expected "
+                    f"to start {when(sh.start_at_s, self._now)}, and this job has no runtime "
+                    f"bound that ends before then."
                 )
             else:
                 code = "no_node_fits_now"
@@ -268,4 +299,7 @@ class WaitingReasons(Mapping[str, WaitReason]):
                 if d["served_instead"]:
                     teams = ", ".join(d["served_instead"])
                     msg += f" GPUs freed this pass went to team(s) {teams}."
+                if "unbounded" in cause[1:]:
+                    d["no_reservation"] = "running_work_unbounded"
+                    msg += UNBOUNDED
         return WaitReason(code, msg, d, position, est)

@@ -185,3 +185,29 @@ class TestPriorityPreemption:
         )
         (pre,) = [d for d in schedule(s).decisions if isinstance(d, Preempt)]
         assert pre.victim_run_ids == ("fresh-ckpt",)
+
+
+class TestWhyWithoutRuntimeBounds:
+    def test_reservation_message_is_relative_to_the_snapshot_clock(self) -> None:
+        big = schedule(backfill_snapshot(None)).waiting["big"]
+        # n1 frees at t=100 and the snapshot's now is t=10: 90 s from now, not an epoch
+        assert "in 1m 30s" in big.message and "t=100" not in big.message
+        assert big.details["reserved_from_s"] == 100.0
+
+    def test_no_reservation_because_running_work_is_unbounded_says_so(self) -> None:
+        s = snap(
+            nodes=[node("n1", free=2)],
+            running=[run("r1", "n1", team="a", gpus=6)],  # no max_runtime_s, no estimate
+            pending=[job("big", team="b", gpus=8, at=0), job("s", team="a", gpus=1, at=1)],
+            teams=[team("a"), team("b")],
+            now=10,
+        )
+        result = schedule(s)
+        assert not [d for d in result.decisions if isinstance(d, HoldForBackfill)]
+        why = result.waiting["big"]
+        assert why.code == "no_node_fits_now"
+        assert "no max_runtime_s" in why.message and "may start first" in why.message
+        assert why.details["no_reservation"] == "running_work_unbounded"
+        # once the running work has a bound, the job gets its reservation instead
+        bounded = replace(s, running=(run("r1", "n1", team="a", gpus=6, max_runtime_s=60),))
+        assert schedule(bounded).waiting["big"].code == "waiting_with_reservation"

@@ -479,3 +479,20 @@ def test_any_pass_places_gangs_whole_and_within_free(case: object) -> None:
             assert d.victim_run_ids
     for nid, n in used.items():
         assert n <= nodes[nid].free_gpus
+
+
+def test_gang_without_reservation_because_running_work_is_unbounded_says_so() -> None:
+    running = [run(f"r{i}", f"n{i}", team="a", gpus=7) for i in range(1, 3)]  # no bound
+    s = snap(
+        [node(f"n{i}", 1) for i in range(1, 3)],
+        [gang("big", 16, team="b", at=0)],
+        running=running,
+        teams=[team("a"), team("b")],
+        now=10,
+    )
+    result = schedule(s)  # type: ignore[arg-type]
+    assert not [d for d in result.decisions if isinstance(d, HoldForBackfill)]
+    why = result.waiting["big"]
+    assert why.code == "no_node_fits_now" and why.details.get("gang")
+    assert "no max_runtime_s" in why.message
+    assert why.details["no_reservation"] == "running_work_unbounded"
