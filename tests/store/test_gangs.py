@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.domain.errors import CapacityConflict, ValidationFailed
+from gpufleet.domain.errors import CapacityConflict, StaleState, ValidationFailed
 from gpufleet.domain.states import JobStatus, RunStatus
 from gpufleet.domain.types import JobSpec, PriorityClass, Resources
 from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.decisions import Preempt
-from gpufleet.services import nodes, preemption, runs
+from gpufleet.services import jobctl, nodes, preemption, runs
 from gpufleet.services.jobs import submit_job
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
@@ -131,6 +131,18 @@ class TestReserveGang:
         assert (job.status, job.fencing_epoch, rows) == (JobStatus.PENDING, 0, [])
         assert free(db) == {"n1": 8, "n2": 1, "n3": 8, "n4": 8}
         assert violations(db) == []
+
+    def test_a_held_gang_is_not_reserved(self, db: Database) -> None:
+        # a hold that lands after the pass's snapshot wins over its gang placement, as for a
+        # single-node job (the gang path once lacked the `held` guard)
+        epoch = fleet(db)
+        job_id = submit_gang(db)
+        db.run_write(lambda s: jobctl.hold_job(s, "team-a", job_id))
+        with pytest.raises(StaleState):
+            reserve_gang(db, job_id, [(0, "n1", 2), (1, "n2", 2)], epoch)
+        job, rows = job_and_runs(db, job_id)
+        assert (job.status, job.fencing_epoch, rows) == (JobStatus.PENDING, 0, [])
+        assert free(db) == {"n1": 8, "n2": 8, "n3": 8, "n4": 8}
 
     def test_bad_ranks_or_a_repeated_node_are_refused(self, db: Database) -> None:
         epoch = fleet(db)

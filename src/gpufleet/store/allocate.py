@@ -96,8 +96,7 @@ def reserve(
         JobStatus.SCHEDULED,
         now=now,
         frm=[JobStatus.PENDING],
-        # a hold that landed after the pass's snapshot wins over its placement
-        guard={"fencing_epoch": seen_fencing_epoch, "cancel_requested": False, "held": False},
+        guard=_job_guard(seen_fencing_epoch),
         values={
             "fencing_epoch": token,
             "current_run_id": run_id,
@@ -112,8 +111,37 @@ def reserve(
     )
     # a hold of GPUs for this job (after a preemption) has served its purpose
     session.execute(delete(GpuHoldRow).where(GpuHoldRow.job_id == job_id))
+    member = _add_member(
+        session, job_id, attempt, token, run_id, node_id, free, 0, 1, leader_epoch, lease_s, now
+    )
+    session.flush()
+    return member
+
+
+def _job_guard(seen_fencing_epoch: int) -> dict[str, object]:
+    """What a reservation requires of the job row (single node and gang alike): the fencing
+    epoch the pass saw, no cancel requested, and not held (a hold that landed after the pass's
+    snapshot wins over its placement)."""
+    return {"fencing_epoch": seen_fencing_epoch, "cancel_requested": False, "held": False}
+
+
+def _add_member(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    token: int,
+    run_id: str,
+    node_id: str,
+    gpu_ids: list[int],
+    rank: int,
+    gang_size: int,
+    leader_epoch: int,
+    lease_s: float,
+    now: datetime,
+) -> Reserved:
+    """The run row and the reservation row of one member of an attempt (a single-node attempt
+    is rank 0 of 1), under the attempt's fencing ``token``; the GPUs are already claimed."""
     reservation_id = new_reservation_id()
-    gpu_ids = free
     session.add(
         JobRunRow(
             id=run_id,
@@ -123,6 +151,8 @@ def reserve(
             status=RunStatus.ASSIGNED,
             token=token,
             gpu_ids=gpu_ids,
+            rank=rank,
+            gang_size=gang_size,
             created_at=now,
         )
     )
@@ -133,7 +163,7 @@ def reserve(
             job_id=job_id,
             node_id=node_id,
             gpu_ids=gpu_ids,
-            gpu_count=gpu_count,
+            gpu_count=len(gpu_ids),
             status=ReservationStatus.RESERVED,
             token=token,
             leader_epoch=leader_epoch,
@@ -141,7 +171,6 @@ def reserve(
             created_at=now,
         )
     )
-    session.flush()
     return Reserved(job_id, run_id, reservation_id, node_id, token, attempt, tuple(gpu_ids))
 
 
@@ -247,7 +276,7 @@ def reserve_gang(
         JobStatus.SCHEDULED,
         now=now,
         frm=[JobStatus.PENDING],
-        guard={"fencing_epoch": seen_fencing_epoch, "cancel_requested": False},
+        guard=_job_guard(seen_fencing_epoch),
         values={
             "fencing_epoch": token,
             "current_run_id": run_ids[0],
@@ -261,41 +290,23 @@ def reserve_gang(
         node_id=by_rank[0][1],
     )
     session.execute(delete(GpuHoldRow).where(GpuHoldRow.job_id == job_id))
-    out = []
-    for rank, node_id, count in by_rank:
-        run_id, reservation_id = run_ids[rank], new_reservation_id()
-        session.add(
-            JobRunRow(
-                id=run_id,
-                job_id=job_id,
-                attempt=attempt,
-                node_id=node_id,
-                status=RunStatus.ASSIGNED,
-                token=token,
-                gpu_ids=gpus[rank],
-                rank=rank,
-                gang_size=size,
-                created_at=now,
-            )
+    out = [
+        _add_member(
+            session,
+            job_id,
+            attempt,
+            token,
+            run_ids[rank],
+            node_id,
+            gpus[rank],
+            rank,
+            size,
+            leader_epoch,
+            lease_s,
+            now,
         )
-        session.add(
-            ReservationRow(
-                id=reservation_id,
-                run_id=run_id,
-                job_id=job_id,
-                node_id=node_id,
-                gpu_ids=gpus[rank],
-                gpu_count=count,
-                status=ReservationStatus.RESERVED,
-                token=token,
-                leader_epoch=leader_epoch,
-                lease_expires_at=now + timedelta(seconds=lease_s),
-                created_at=now,
-            )
-        )
-        out.append(
-            Reserved(job_id, run_id, reservation_id, node_id, token, attempt, tuple(gpus[rank]))
-        )
+        for rank, node_id, _count in by_rank
+    ]
     session.flush()
     return ReservedGang(job_id, token, attempt, tuple(out))
 
