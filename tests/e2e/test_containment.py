@@ -112,7 +112,7 @@ def test_oom_job_fails_with_oom_killed_while_a_neighbour_runs_on(
     assert fleet.job(neighbour)["status"] == "RUNNING"
     assert processes_with(marker), "the neighbour was hit"
 
-    nodes = cli(fleet, "nodes")
+    nodes = cli(fleet, "nodes", "--wide")
     assert nodes.returncode == 0, nodes.stderr
     assert "cgroup-v1, gpufleet-job/uid-per-attempt" in nodes.stdout or (
         "cgroup-v2, gpufleet-job/uid-per-attempt" in nodes.stdout

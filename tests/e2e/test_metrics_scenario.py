@@ -192,7 +192,10 @@ def test_scraped_values_equal_the_database_after_preempt_reclaim_cancel(
         assert fits == {"H100": 0}
         starts = m["gpufleet_time_to_start_seconds_count"]
         assert sum(starts.values()) >= 4
-        assert all(dict(k)["image"] == "none" for k, v in starts.items() if v)
+        # host processes: "none" from the start phases the node reported; "unknown" where a
+        # start was observed without them (e.g. confirmed by the reconciler); never warm/cold
+        labels = {dict(k)["image"] for k, v in starts.items() if v}
+        assert "none" in labels and labels <= {"none", "unknown"}, labels
 
         # the agent's own target: what it holds, its heartbeats, its uploads, its disk
         agent_url = f"http://127.0.0.1:{agent_port}"

@@ -104,7 +104,7 @@ def test_agent_and_admin_labels(fleet: Fleet) -> None:
         dict(next(n for n in snap.nodes if n.node_id == "lab-0").labels)
         == (fleet.node("lab-0")["labels"])
     )
-    table = cli(fleet, fleet.tokens["vision"], "nodes")
+    table = cli(fleet, fleet.tokens["vision"], "nodes", "--wide")
     assert table.returncode == 0, table.stderr
     assert "rack=r1" in table.stdout and "pod=p1" in table.stdout
 

@@ -251,8 +251,9 @@ class TestCliOutput:
             assert "waiting for it to start" in proc.stderr.readline()
             time.sleep(0.5)
             assert proc.poll() is None  # still following
-            fleet.cancel(job_id)  # ends the job: the follow ends with it
-            assert proc.wait(timeout=30) == 0
+            fleet.cancel(job_id)  # ends the job: the follow ends with it, saying so
+            assert proc.wait(timeout=30) == 1
+            assert "ended CANCELLED without running" in proc.stderr.read()
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -184,12 +184,12 @@ _gf_rc=$?
 
 # The exit record: written once the command is gone, read only once this shim is gone (so
 # it is never seen half-written). A status 128+N is death by signal N (recorded as -N) only
-# for the signals a job realistically dies of (HUP INT QUIT ILL ABRT BUS FPE KILL SEGV PIPE ALRM
-# TERM XCPU XFSZ); sh cannot tell `exit 137` from SIGKILL, any other status is the command's
+# for the signals a job realistically dies of (HUP INT QUIT ILL ABRT BUS FPE KILL USR1 SEGV USR2
+# PIPE ALRM TERM XCPU XFSZ); sh cannot tell `exit 137` from SIGKILL, any other status is the command's
 # own exit code. Keep in step with shim.py's SIGNAL_STATUSES.
 [ ! -s "$_gf_exit" ] || exit 0
 case $_gf_rc in
-    129|130|131|132|134|135|136|137|139|141|142|143|152|153) _gf_code=$((128 - _gf_rc)) ;;
+    129|130|131|132|134|135|136|137|138|139|140|141|142|143|152|153) _gf_code=$((128 - _gf_rc)) ;;
     *) _gf_code=$_gf_rc ;;
 esac
 { printf '{"exit_code": %s}' "$_gf_code" > "$_gf_exit"; } 2>/dev/null || exit "$_gf_rc"

@@ -47,7 +47,7 @@ def register_jobctl_routes(
         409 ``job_not_pending`` for any other state; holding a held job is a no-op."""
         return act(jobctl.hold_job, job_id, who)
 
-    @app.post("/v1/jobs/{job_id}/release", response_model=JobOut, responses=errors(404))
+    @app.post("/v1/jobs/{job_id}/release", response_model=JobOut, responses=errors(404, 409))
     def release(job_id: str, who: Who) -> JobOut:
         """Release a held job (no-op for a job that is not held)."""
         return act(jobctl.release_job, job_id, who)
