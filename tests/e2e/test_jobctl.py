@@ -274,7 +274,10 @@ def test_cli_job_control(sqlite_fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -
     # afterok on cancelled tasks can never be satisfied
     assert fleet.wait_status(after, TERMINAL, 30)["status"] == "DEPENDENCY_FAILED"
     r = cli("requeue", after)
-    assert r.exit_code == 0 and "PENDING" in r.stdout
+    # requeued to PENDING; its dependency is still unsatisfiable, so the next pass may end it
+    # DEPENDENCY_FAILED again before the answer is printed
+    assert r.exit_code == 0 and "requeued:" in r.stdout, r.output
+    assert fleet.wait_status(after, TERMINAL, 30)["status"] == "DEPENDENCY_FAILED"
     # its dependencies still cannot be satisfied: it ends the same way again
     assert fleet.wait_status(after, TERMINAL, 30)["status"] == "DEPENDENCY_FAILED"
     r = cli("cancel", after)
