@@ -80,42 +80,17 @@ def reserve(
         CapacityConflict: the node lacks the free GPUs now, or is not HEALTHY.
         StaleState: the job is no longer PENDING at ``seen_fencing_epoch`` (or was cancelled).
     """
-    now = now if now is not None else db_now(session)
-    leader.assert_leader(session, leader_holder, leader_epoch, now)
-    run_id = new_run_id()
-    free = _take_gpus(session, node_id, gpu_count, run_id)
-
-    token = seen_fencing_epoch + 1
-    # attempts and fencing_epoch move together (both +1 here, and only here), and the guard
-    # below pins fencing_epoch to what the caller saw: the new attempt's number is the token
-    attempt = token
-    transition(
+    # a single-node attempt is a gang of one: one reserve path, one job guard, one writer
+    return reserve_gang(
         session,
-        Machine.JOB,
-        job_id,
-        JobStatus.SCHEDULED,
-        now=now,
-        frm=[JobStatus.PENDING],
-        guard=_job_guard(seen_fencing_epoch),
-        values={
-            "fencing_epoch": token,
-            "current_run_id": run_id,
-            "attempts": attempt,
-            "scheduled_at": now,
-            "pending_reason": None,
-        },
-        message=f"reserved {gpu_count} GPU(s) {list(free)} on {node_id}, token {token}",
         job_id=job_id,
-        run_id=run_id,
-        node_id=node_id,
-    )
-    # a hold of GPUs for this job (after a preemption) has served its purpose
-    session.execute(delete(GpuHoldRow).where(GpuHoldRow.job_id == job_id))
-    member = _add_member(
-        session, job_id, attempt, token, run_id, node_id, free, 0, 1, leader_epoch, lease_s, now
-    )
-    session.flush()
-    return member
+        members=[(0, node_id, gpu_count)],
+        seen_fencing_epoch=seen_fencing_epoch,
+        leader_holder=leader_holder,
+        leader_epoch=leader_epoch,
+        lease_s=lease_s,
+        now=now,
+    ).members[0]
 
 
 def _job_guard(seen_fencing_epoch: int) -> dict[str, object]:
@@ -266,9 +241,15 @@ def reserve_gang(
     for rank, node_id, count in sorted(members, key=lambda m: m[1]):  # lock order: node id
         gpus[rank] = _take_gpus(session, node_id, count, run_ids[rank])
     token = seen_fencing_epoch + 1
+    # attempts and fencing_epoch move together (both +1 here, and only here), and the job
+    # guard pins fencing_epoch to what the caller saw: the new attempt's number is the token
     attempt = token
     by_rank = sorted(members)
-    placed = ", ".join(f"rank {r}: {c} GPU(s) {gpus[r]} on {n}" for r, n, c in by_rank)
+    if size == 1:
+        message = f"reserved {by_rank[0][2]} GPU(s) {gpus[0]} on {by_rank[0][1]}, token {token}"
+    else:
+        placed = ", ".join(f"rank {r}: {c} GPU(s) {gpus[r]} on {n}" for r, n, c in by_rank)
+        message = f"reserved a gang of {size} ({placed}), token {token}"
     transition(
         session,
         Machine.JOB,
@@ -284,7 +265,7 @@ def reserve_gang(
             "scheduled_at": now,
             "pending_reason": None,
         },
-        message=f"reserved a gang of {size} ({placed}), token {token}",
+        message=message,
         job_id=job_id,
         run_id=run_ids[0],
         node_id=by_rank[0][1],
