@@ -434,10 +434,13 @@ def complete_run(
         }
         if verified.manifest is not None:
             values["checkpoint_prefix"] = verified.manifest.checkpoint_prefix()
-        if run.gang_size > 1 and current:
-            return _complete_gang_member(
-                session, run, job, report, run_to, job_to, why, values, now, retry_backoff
-            )
+        gang = run.gang_size > 1 and current
+        if gang and run_to != RunStatus.SUCCEEDED and job_to is not None:
+            # the first member to end unsuccessfully is the attempt's cause: its decided job
+            # status is kept on it for the gang's end (finish_gang_if_done)
+            others = gang_members(session, job.id, run.token)
+            if not any(m.gang_outcome is not None and m.id != run.id for m in others):
+                values["gang_outcome"] = str(job_to)
         transition(
             session,
             Machine.RUN,
@@ -450,8 +453,12 @@ def complete_run(
             job_id=job.id,
             run_id=run.id,
             node_id=run.node_id,
-            message=why,
+            message=f"rank {run.rank}: {why}" if gang else why,
         )
+        if gang:
+            return _complete_gang_member(
+                session, run, job, run_to, why, values, now, retry_backoff
+            )
         gpus = allocate.release(
             session, run_id=run.id, now=now, message=f"agent reported {report.outcome.lower()}"
         )
@@ -461,27 +468,20 @@ def complete_run(
         if job_to is not None:
             job_values: dict[str, object] = {}
             if job_to == JobStatus.PENDING:
-                job_values = {"pending_reason": None}
-                if run_to != RunStatus.PREEMPTED and blame != "node":
-                    # a retry after a failure goes to the back of its class; a preempted job
-                    # keeps its place (it did nothing wrong; the simulator does the same)
-                    job_values["queued_at"] = now
-                if blame == "job":  # the job's own failure: back off before the next attempt
-                    delay = retry_delay_s(session, job.id, *retry_backoff)
-                    retry_at = now + timedelta(seconds=delay)
-                    after = (
-                        f"exit code {report.exit_code}"
-                        if report.outcome == Outcome.EXITED and verified.ok
-                        else why
-                    )
-                    job_values["retry_after"] = retry_at
-                    job_values["pending_reason"] = {
-                        "code": "retry_backoff",
-                        "message": f"retrying in {delay:.0f} s after {after}",
-                        "details": {"after": after, "retry_at": iso_utc(retry_at)},
-                        "position": None,
-                        "estimated_start_at": None,
-                    }
+                after = (
+                    f"exit code {report.exit_code}"
+                    if report.outcome == Outcome.EXITED and verified.ok
+                    else why
+                )
+                job_values = _requeue_values(
+                    session,
+                    job.id,
+                    now,
+                    keeps_place=run_to == RunStatus.PREEMPTED or blame == "node",
+                    backs_off=blame == "job",
+                    after=after,
+                    retry_backoff=retry_backoff,
+                )
             else:
                 job_values = {
                     "finished_at": now,
@@ -556,6 +556,38 @@ def _decide(
     else:
         why = f"exited with code {report.exit_code}"
     return RunStatus.FAILED, _failed_next(session, job, current), why
+
+
+def _requeue_values(
+    session: Session,
+    job_id: str,
+    now: datetime,
+    *,
+    keeps_place: bool,
+    backs_off: bool,
+    after: str,
+    retry_backoff: tuple[float, float],
+) -> dict[str, object]:
+    """Job-row values for an attempt that ends with the job back in PENDING (single node and
+    gang alike). A retry after a failure goes to the back of its class (``queued_at``); a
+    preempted job, or one the node failed, keeps its place (``keeps_place``: it did nothing
+    wrong; the simulator does the same). The job's own failure (``backs_off``) waits
+    ``retry_delay_s`` before the next attempt, and its pending reason says so."""
+    values: dict[str, object] = {"pending_reason": None}
+    if not keeps_place:
+        values["queued_at"] = now
+    if backs_off:
+        delay = retry_delay_s(session, job_id, *retry_backoff)
+        retry_at = now + timedelta(seconds=delay)
+        values["retry_after"] = retry_at
+        values["pending_reason"] = {
+            "code": "retry_backoff",
+            "message": f"retrying in {delay:.0f} s after {after}",
+            "details": {"after": after, "retry_at": iso_utc(retry_at)},
+            "position": None,
+            "estimated_start_at": None,
+        }
+    return values
 
 
 def retry_delay_s(session: Session, job_id: str, base_s: float, cap_s: float) -> float:
@@ -700,20 +732,18 @@ def _complete_gang_member(
     session: Session,
     run: JobRunRow,
     job: JobRow,
-    report: Report,
     run_to: RunStatus,
-    job_to: JobStatus | None,
     why: str,
     values: dict[str, Any],
     now: datetime,
     retry_backoff: tuple[float, float],
 ) -> tuple[CompletionResult, str]:
-    """One member of the job's current gang attempt ended (in complete_run's transaction).
+    """One member of the job's current gang attempt ended (in complete_run's transaction,
+    after its run went terminal; the first member to end unsuccessfully carries the
+    attempt's ``gang_outcome``).
 
-    * The member's run goes terminal. If it ended unsuccessfully and is the first to (not
-      stopped because of the gang), it is the attempt's cause: its decided job status is
-      kept on it (``gang_outcome``) and every other live member is marked PREEMPTING
-      (reason ``gang``); the stop driver stops them (SIGTERM, grace, SIGKILL, verified).
+    * If it ended unsuccessfully, every other live member is marked PREEMPTING (reason
+      ``gang``); the stop driver stops them (SIGTERM, grace, SIGKILL, verified).
     * The member's GPUs stay reserved while any other member is live: a gang's GPUs come
       back together, only once every member is verified gone, so no GPU of a stopping gang
       is reused while part of it still runs.
@@ -721,25 +751,7 @@ def _complete_gang_member(
       moves the job: SUCCEEDED when every member succeeded (result: rank 0's manifest),
       else the cause's outcome (a retry is ONE new gang attempt with a new token).
     """
-    members = gang_members(session, job.id, run.token)
-    causes = [m for m in members if m.gang_outcome is not None and m.id != run.id]
     failed = run_to != RunStatus.SUCCEEDED
-    if failed and job_to is not None and not causes:
-        values["gang_outcome"] = str(job_to)
-    transition(
-        session,
-        Machine.RUN,
-        run.id,
-        run_to,
-        now=now,
-        frm=[run.status],
-        guard={"token": report.token},
-        values=values,
-        job_id=job.id,
-        run_id=run.id,
-        node_id=run.node_id,
-        message=f"rank {run.rank}: {why}",
-    )
     if values.get("charged_to") == "node":
         _cordon_if_failing(session, run.node_id, now)
     if failed:
@@ -813,22 +825,17 @@ def _end_gang_attempt(
         if job.cancel_requested and job_to == JobStatus.PENDING:
             job_to = JobStatus.CANCELLED
         if job_to == JobStatus.PENDING:
-            job_values = {"pending_reason": None}
             blame = cause.charged_to if cause is not None else None
             preempted = cause is not None and cause.status == RunStatus.PREEMPTED
-            if not preempted and blame not in ("node", "refused"):
-                job_values["queued_at"] = now
-            if blame == "job":
-                delay = retry_delay_s(session, job.id, *retry_backoff)
-                retry_at = now + timedelta(seconds=delay)
-                job_values["retry_after"] = retry_at
-                job_values["pending_reason"] = {
-                    "code": "retry_backoff",
-                    "message": f"retrying in {delay:.0f} s after {why}",
-                    "details": {"after": why, "retry_at": iso_utc(retry_at)},
-                    "position": None,
-                    "estimated_start_at": None,
-                }
+            job_values = _requeue_values(
+                session,
+                job.id,
+                now,
+                keeps_place=preempted or blame in ("node", "refused"),
+                backs_off=blame == "job",
+                after=why,
+                retry_backoff=retry_backoff,
+            )
         else:
             job_values = {
                 "finished_at": now,
