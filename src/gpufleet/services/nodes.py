@@ -500,12 +500,9 @@ def fence_node(
         if job_to is not None and run.gang_size > 1:
             # a gang member: the attempt's other members are stopped (verified) first; the
             # job moves when the last of them ends (runs.finish_gang_if_done)
-            if not any(m.gang_outcome for m in runs.gang_members(session, job.id, run.token)):
-                session.execute(
-                    update(JobRunRow)
-                    .where(JobRunRow.id == run.id)
-                    .values(gang_outcome=str(job_to[0]))
-                )
+            cause = runs.gang_cause(session, run, job_to[0])
+            if cause:
+                session.execute(update(JobRunRow).where(JobRunRow.id == run.id).values(**cause))
             runs.stop_gang(
                 session,
                 job.id,

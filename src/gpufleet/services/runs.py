@@ -142,6 +142,16 @@ def is_current(job: JobRow, run: JobRunRow) -> bool:
     )
 
 
+def gang_cause(session: Session, run: JobRunRow, job_to: JobStatus) -> dict[str, str]:
+    """``{"gang_outcome": job_to}`` when ``run`` is the first member of its gang attempt to end
+    unsuccessfully (the attempt's cause: its decided job status is kept on it for the gang's
+    end, ``finish_gang_if_done``), else ``{}``. Used by completion and by fencing alike."""
+    others = gang_members(session, run.job_id, run.token)
+    if any(m.gang_outcome is not None and m.id != run.id for m in others):
+        return {}
+    return {"gang_outcome": str(job_to)}
+
+
 def gang_members(session: Session, job_id: str, token: int) -> list[JobRunRow]:
     """Every member of the gang attempt of ``job_id`` with ``token``, in rank order."""
     return list(
@@ -436,11 +446,7 @@ def complete_run(
             values["checkpoint_prefix"] = verified.manifest.checkpoint_prefix()
         gang = run.gang_size > 1 and current
         if gang and run_to != RunStatus.SUCCEEDED and job_to is not None:
-            # the first member to end unsuccessfully is the attempt's cause: its decided job
-            # status is kept on it for the gang's end (finish_gang_if_done)
-            others = gang_members(session, job.id, run.token)
-            if not any(m.gang_outcome is not None and m.id != run.id for m in others):
-                values["gang_outcome"] = str(job_to)
+            values.update(gang_cause(session, run, job_to))
         transition(
             session,
             Machine.RUN,
