@@ -626,7 +626,11 @@ class StopDriver:
                 del self._state[run_id]
         sent = 0
         mono = time.monotonic()
+        by_id = {r.id: r for r in active}
+        done: set[str] = set()
         for run in active:
+            if run.id in done:  # marked with its gang by an earlier member's stop
+                continue
             cancel, max_runtime_s = run.cancel_requested, run.max_runtime_s
             reason = None
             if run.status == RunStatus.PREEMPTING:
@@ -646,9 +650,10 @@ class StopDriver:
                 reason = "timeout"
             if reason is None:
                 continue
+            marked = [run.id]
             if run.status != RunStatus.PREEMPTING:
                 try:
-                    ok = self.db.run_write(
+                    marked = self.db.run_write(
                         partial(
                             runs.request_stop,
                             run_id=run.id,
@@ -659,11 +664,14 @@ class StopDriver:
                     )
                 except StaleState:
                     continue
-                if not ok:
+                if not marked:
                     continue
                 metrics.STOPS.labels(reason).inc()
-            sent += 1
-            self.send(run.address, run.id, run.token, reason, node_id=run.node_id)
+            # a gang's members are all marked at once (runs.request_stop): stop each now
+            for target in [by_id[r] for r in marked if r in by_id]:
+                done.add(target.id)
+                sent += 1
+                self.send(target.address, target.id, target.token, reason, node_id=target.node_id)
         return sent
 
     def send(self, address: str, run_id: str, token: int, reason: str, *, node_id: str) -> None:

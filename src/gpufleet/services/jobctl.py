@@ -248,20 +248,8 @@ def requeue_job(session: Session, team_id: str | None, job_id: str) -> str:
                 field="job_id",
                 code="not_requeueable",
             )
+        # a gang attempt stops as one unit (request_stop marks every live member)
         request_stop(session, run.id, run.token, "requeue", message="requeue requested by user")
-        if run.gang_size > 1:  # a gang attempt stops as one unit
-            others = session.scalars(
-                select(JobRunRow).where(
-                    JobRunRow.job_id == job.id,
-                    JobRunRow.token == run.token,
-                    JobRunRow.id != run.id,
-                    JobRunRow.status.in_([RunStatus.ASSIGNED, RunStatus.RUNNING]),
-                )
-            ).all()
-            for other in others:
-                request_stop(
-                    session, other.id, other.token, "requeue", message="requeue requested by user"
-                )
         return job.status
     if job.status in REQUEUE_FROM_FINISHED:
         transition(

@@ -50,10 +50,14 @@ def apply_preempt(
         .where(JobRunRow.id.in_(decision.victim_run_ids))
         .order_by(JobRunRow.id)
     ).all()
-    for run, address in rows:
-        if run.status not in (RunStatus.ASSIGNED, RunStatus.RUNNING):
+    addresses = {run.id: (address, run.node_id, run.token) for run, address in rows}
+    marked: list[str] = []
+    for run, _ in rows:
+        if run.id in marked or run.status not in (RunStatus.ASSIGNED, RunStatus.RUNNING):
             continue
-        request_stop(
+        # a gang victim stops as one unit: request_stop marks every live member, whatever
+        # members the decision listed
+        marked += request_stop(
             session,
             run.id,
             run.token,
@@ -61,30 +65,18 @@ def apply_preempt(
             message=f"preempted for {decision.for_job_id} ({decision.reason})",
             for_job_id=decision.for_job_id,
         )
-        orders.append(StopOrder(run.id, run.token, address, run.node_id))
-    gpus = decision.gpu_count or sum(len(r.gpu_ids) for r, _ in rows)
-    gang = {r.job_id for r, _ in rows if r.gang_size > 1}
-    if gang:  # a gang victim stops as one unit: every live member, whatever the decision says
-        extra = session.execute(
+    missing = sorted(set(marked) - set(addresses))
+    if missing:  # members the decision did not list
+        for run, address in session.execute(
             select(JobRunRow, NodeRow.address)
             .join(NodeRow, NodeRow.id == JobRunRow.node_id)
-            .where(
-                JobRunRow.job_id.in_(sorted(gang)),
-                JobRunRow.status.in_([RunStatus.ASSIGNED, RunStatus.RUNNING]),
-                JobRunRow.id.not_in(decision.victim_run_ids),
-            )
-            .order_by(JobRunRow.id)
-        ).all()
-        for run, address in extra:
-            request_stop(
-                session,
-                run.id,
-                run.token,
-                "preempt",
-                message=f"preempted for {decision.for_job_id} with its gang ({decision.reason})",
-                for_job_id=decision.for_job_id,
-            )
-            orders.append(StopOrder(run.id, run.token, address, run.node_id))
+            .where(JobRunRow.id.in_(missing))
+        ).all():
+            addresses[run.id] = (address, run.node_id, run.token)
+    for run_id in sorted(marked):
+        address, node_id, token = addresses[run_id]
+        orders.append(StopOrder(run_id, token, address, node_id))
+    gpus = decision.gpu_count or sum(len(r.gpu_ids) for r, _ in rows)
     # one hold per (job, node): a gang preemptor may hold GPUs on several nodes
     hold = session.get(GpuHoldRow, (decision.for_job_id, decision.node_id))
     if hold is None:

@@ -211,34 +211,46 @@ def request_stop(
     *,
     message: str,
     for_job_id: str | None = None,
-) -> bool:
+) -> list[str]:
     """Durably mark an active attempt PREEMPTING (reason: cancel | preempt | timeout |
-    requeue). GPUs stay
-    reserved until the agent reports the processes gone. ``for_job_id``: the preemptor the
-    GPUs are freed for. Returns False if already stopping or no longer active."""
+    requeue | gang). GPUs stay reserved until the agent reports the processes gone.
+    ``for_job_id``: the preemptor the GPUs are freed for.
+
+    A gang attempt stops as one unit: stopping one member (for any reason but ``gang``, which
+    :func:`stop_gang` uses for the members of a failed attempt) marks every other still-live
+    member with the same reason. Returns the run ids marked, ``run_id``'s first; empty if it
+    was already stopping or no longer active."""
     now = db_now(session)
     run = session.get(JobRunRow, run_id)
     if run is None or run.status not in (RunStatus.ASSIGNED, RunStatus.RUNNING):
-        return False
-    transition(
-        session,
-        Machine.RUN,
-        run_id,
-        RunStatus.PREEMPTING,
-        now=now,
-        frm=[run.status],
-        guard={"token": token},
-        values={
-            "stop_reason": reason,
-            "stop_requested_at": now,
-            "preempted_for_job_id": for_job_id,
-        },
-        job_id=run.job_id,
-        run_id=run_id,
-        node_id=run.node_id,
-        message=message,
-    )
-    return True
+        return []
+    targets = [run]
+    if run.gang_size > 1 and reason != GANG_STOP:
+        targets += [
+            m
+            for m in gang_members(session, run.job_id, token)
+            if m.id != run.id and m.status in (RunStatus.ASSIGNED, RunStatus.RUNNING)
+        ]
+    for target in targets:
+        transition(
+            session,
+            Machine.RUN,
+            target.id,
+            RunStatus.PREEMPTING,
+            now=now,
+            frm=[target.status],
+            guard={"token": token},
+            values={
+                "stop_reason": reason,
+                "stop_requested_at": now,
+                "preempted_for_job_id": for_job_id,
+            },
+            job_id=target.job_id,
+            run_id=target.id,
+            node_id=target.node_id,
+            message=message if target is run else f"{message} (with its gang)",
+        )
+    return [t.id for t in targets]
 
 
 def record_master_port(session: Session, run_id: str, port: int) -> list[str]:
