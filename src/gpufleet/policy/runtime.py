@@ -4,8 +4,9 @@ Per node, the running attempts with their estimated end, built once per pass and
 reservation or a victim search needs it.
 
 End estimate of a running attempt (``estimated_end_s``):
-  * ``expected_duration_s`` is the estimate, capped by ``max_runtime_s`` (the hard bound the
-    agent enforces);
+  * ``expected_duration_s`` (the user's) is the estimate, else ``predicted_duration_s`` (the
+    platform's, ``policy.predictor``); either is capped by ``max_runtime_s`` (the hard bound
+    the agent enforces);
   * only a hard bound: the hard bound;
   * neither: ``PolicyConfig.default_runtime_estimate_s`` if set, else +inf (never ends: its
     GPUs are never counted on by a reservation);
@@ -27,8 +28,11 @@ def estimated_end_s(run: RunningJob, now_s: float, config: PolicyConfig) -> floa
     if run.stopping:
         return now_s
     hard = run.started_at_s + run.max_runtime_s if run.max_runtime_s is not None else None
-    if run.expected_duration_s is not None:
-        est = run.started_at_s + run.expected_duration_s
+    guess = run.expected_duration_s
+    if guess is None:
+        guess = run.predicted_duration_s
+    if guess is not None:
+        est = run.started_at_s + guess
         if hard is not None:
             est = min(est, hard)
     elif hard is not None:

@@ -89,6 +89,9 @@ class PendingJob:
     """When the job (re-)entered the queue; None means ``submitted_at_s``."""
     image: str | None = None
     """The job's container image (normalized), or None for a host-process job."""
+    predicted_duration_s: float | None = None
+    """The platform's own estimate of the run time (``policy.predictor``), seconds; used for
+    ordering and backfill when the user gave no ``expected_duration_s``, never for killing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,9 @@ class RunningJob:
     max_runtime_s: float | None = None
     preemptible: bool = True
     last_checkpoint_s: float | None = None
+    predicted_duration_s: float | None = None
+    """The platform's estimate (``policy.predictor``), seconds; used when the user gave no
+    ``expected_duration_s``, capped by ``max_runtime_s``."""
     stopping: bool = False
     """True while PREEMPTING: its GPUs free up soon, but are not free yet."""
     stopping_for_job_id: str | None = None
