@@ -284,6 +284,12 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
     if "philly_vcs" in cluster:
         pv = cluster["philly_vcs"]
         vc_sizes = philly_vc_sizes(trace(str(pv["path"])))
+        capacity = float(pv.get("capacity", 1.0))
+        if not 0.0 < capacity <= 100.0:
+            raise ScenarioError(f"cluster.philly_vcs.capacity must be in (0, 100], not {capacity}")
+        if capacity != 1.0:
+            # every VC scaled alike (at least one node), so its guarantee keeps its share
+            vc_sizes = {vc: max(1, round(n * capacity)) for vc, n in vc_sizes.items()}
         gpn = int(pv.get("gpus_per_node", 8))
         gpu_type = str(pv.get("gpu_type", "GPU"))
         groups.append(
