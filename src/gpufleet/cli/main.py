@@ -534,9 +534,6 @@ def agent(
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
     import os
 
-    from gpufleet.agent.main import AgentAlreadyRunning, run_agent
-    from gpufleet.rpc.tls import PkiError
-
     os.environ.pop("GPUFLEET_JOIN_TOKEN", None)  # read once; never inherited by a job
     _logging()
     settings = _settings(data_dir, controller_address=controller, join_address=join_address)
@@ -553,33 +550,27 @@ def agent(
         source = "--label" if settings.agent_labels == "" else "--label / GPUFLEET_AGENT_LABELS"
         err.print(f"[red]error:[/] {source}: {escape(exc.message)}")
         raise typer.Exit(2) from None
-    try:
-        run_agent(
-            settings,
-            node_id=node_id,
-            gpus=gpus,
-            port=port,
-            state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
-            labels=labels,
-            container_runtime=runtime,
-            insecure=insecure,
-            join_token=join_token,
-            ca_cert=ca_cert,
-            job_user=job_user,
-            job_uids=job_uids,
-            jobs_dir=jobs_dir,
-            containment=containment,
-            metrics_port=metrics_port,
-        )
-    except AgentAlreadyRunning as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}")
-        raise typer.Exit(3) from None
-    except PkiError as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}")
-        raise typer.Exit(4) from None
-    except ValueError as exc:  # e.g. a malformed --gpus spec
-        err.print(f"[red]error:[/] {escape(str(exc))}")
-        raise typer.Exit(2) from None
+    from gpufleet.agent.main import AgentConfig, exec_agent
+
+    # the agent runs in a fresh interpreter (same pid): none of this CLI's imports (Typer,
+    # Rich, pydantic-settings) stay in its memory; errors exit 2/3/4 there (agent/__main__)
+    exec_agent(
+        AgentConfig.from_settings(settings),
+        node_id=node_id,
+        gpus=gpus,
+        port=port,
+        state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
+        labels=labels,
+        container_runtime=runtime,
+        insecure=insecure,
+        join_token=join_token,
+        ca_cert=ca_cert,
+        job_user=job_user,
+        job_uids=job_uids,
+        jobs_dir=jobs_dir,
+        containment=containment,
+        metrics_port=metrics_port,
+    )
 
 
 @admin_app.command("check")
