@@ -7,6 +7,13 @@ round, then the next round) so that load from other processes hits all commands 
 ``--compare BIN`` adds another ``gpufleet`` executable (e.g. an older checkout's venv),
 interleaved with this one, for before/after ratios. The target is < 150 ms of CPU.
 
+Floors, in the same rounds: ``python -c pass`` (the interpreter with ``site``), ``python -S
+-c pass`` (without it), and ``libraries`` (a bare ``import typer, rich.console, rich.table,
+httpx``, httpx's CLI module left out as the CLI does: what a call costs before any gpufleet
+code runs). The gpufleet package is byte-compiled first (as a wheel install is): with
+``PYTHONDONTWRITEBYTECODE`` set, as in some containers, an editable install would otherwise
+compile its modules in every call.
+
     python benchmarks/cli_start.py --rounds 15
     python benchmarks/cli_start.py --compare /path/to/old/.venv/bin/gpufleet
 """
@@ -14,6 +21,7 @@ interleaved with this one, for before/after ratios. The target is < 150 ms of CP
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import resource
 import statistics
@@ -27,6 +35,7 @@ import httpx
 from _common import child_env, console, free_port, machine, stop_processes, table_console
 from rich.table import Table
 
+import gpufleet
 from gpufleet.processes import open_database
 from gpufleet.services import auth
 from gpufleet.settings import Settings
@@ -51,6 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     this = Path(sys.executable).parent / "gpufleet"
     bins = {"this": this} | ({"compare": args.compare} if args.compare else {})
+    compileall.compile_dir(Path(gpufleet.__file__).parent, quiet=1)
 
     with tempfile.TemporaryDirectory(prefix="gf-clistart-") as tmp:
         data = Path(tmp)
@@ -80,8 +90,15 @@ def main() -> None:
                 check=True,
                 text=True,
             ).stdout.strip()
+            # httpx's own CLI module is kept out, as the CLI does (cli/main.py)
+            libs = (
+                "import sys; sys.modules['httpx._main'] = None; "
+                "import typer, rich.console, rich.table, httpx"
+            )
             commands = {
                 "python -c pass": [sys.executable, "-c", "pass"],
+                "python -S -c pass": [sys.executable, "-S", "-c", "pass"],
+                "libraries": [sys.executable, "-c", libs],
                 "--help": ["--help"],
                 "--version": ["--version"],
                 "status JOB": ["status", job],
@@ -94,9 +111,10 @@ def main() -> None:
                 console.print(f"round {r + 1}/{args.rounds}")
                 for name, argv in commands.items():
                     for label, exe in bins.items():
-                        if name.startswith("python") and label != "this":
+                        floor = name.startswith("python") or name == "libraries"
+                        if floor and label != "this":
                             continue
-                        full = argv if name.startswith("python") else [str(exe), *argv]
+                        full = argv if floor else [str(exe), *argv]
                         times.setdefault((name, label), []).append(
                             cpu_ms(full, client_env, check=label == "this")
                         )

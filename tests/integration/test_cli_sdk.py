@@ -37,6 +37,10 @@ from gpufleet.settings import Settings
 from tests.integration.server_proc import ServerProcess
 
 HEAVY = ("numpy", "matplotlib", "sqlalchemy", "grpc", "pydantic_settings", "fastapi")
+# left out by the CLI's own choices (docs/design/cli.md, Start-up cost): httpx's transport
+# stack (plain-http calls go through cli/transport.py), its CA bundle, and what
+# typer.rich_utils would import for Markdown help and pretty tracebacks
+CLI_LEFT_OUT = ("httpcore", "h11", "anyio", "certifi", "markdown_it", "pygments", "pydantic")
 OURS_HEAVY = ("gpufleet.sim", "gpufleet.store", "gpufleet.settings", "gpufleet.services")
 
 
@@ -278,9 +282,9 @@ def _modules_after(server: Server, *args: str) -> set[str]:
         "import atexit, json, sys\n"
         f"out = open({str(dump)!r}, 'w')\n"
         "atexit.register(lambda: out.write(json.dumps(sorted(sys.modules))) and out.close())\n"
-        "from gpufleet.cli.main import app\n"
+        "from gpufleet.cli import main\n"
         f"sys.argv = ['gpufleet', *{list(args)!r}]\n"
-        "app()\n"
+        "main()\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code],
@@ -312,7 +316,12 @@ def test_cli_start_leaves_out_heavy_imports(server: Server, args: tuple[str, ...
     loaded = _modules_after(server, *args)
     tops = {m.split(".")[0] for m in loaded}
     assert not tops & set(HEAVY), sorted(tops & set(HEAVY))
+    assert not tops & set(CLI_LEFT_OUT), sorted(tops & set(CLI_LEFT_OUT))
     assert not {m for m in loaded if m.startswith(OURS_HEAVY)}
+    if args[0] != "submit":  # the SDK's dataclasses: only submit goes through the SDK
+        assert "gpufleet.client.models" not in loaded
+    else:  # it prints the id alone: no Rich
+        assert "rich" not in tops
     if args[0] == "status":
         assert "httpx" in tops  # it did talk to the server
 
@@ -337,3 +346,33 @@ def test_up_on_a_busy_port_says_so_in_one_line(server: Server, tmp_path: Path) -
     lines = up.stderr.strip().splitlines()
     assert len(lines) == 1 and f"port 127.0.0.1:{busy} is not available" in lines[0], up.stderr
     assert "--port" in lines[0] and "Traceback" not in up.stderr
+
+
+def test_the_cli_transport_keeps_one_connection_and_maps_errors(server: Server) -> None:
+    """cli/transport.py against the real server: answers and error statuses come back as
+    httpx responses over one kept-alive connection; an unreachable port is httpx's
+    ConnectError (the SDK's TransportError)."""
+    import httpx
+
+    from gpufleet.cli.transport import StdlibTransport, usable
+
+    assert usable("http://127.0.0.1:1") and not usable("https://example.com")
+    transport = StdlibTransport()
+    headers = {"Authorization": f"Bearer {server.token}"}
+    with httpx.Client(base_url=server.url, transport=transport, headers=headers) as http:
+        created = http.post(
+            "/v1/jobs",
+            json={"command": ["true"], "name": "via-stdlib"},
+            headers={"Idempotency-Key": "via-stdlib-1"},
+        )
+        assert created.status_code == 201, created.text
+        first = transport._conn
+        got = http.get(f"/v1/jobs/{created.json()['job_id']}")
+        assert got.json()["name"] == "via-stdlib"
+        assert http.get("/v1/jobs/j-nope").status_code == 404
+        assert transport._conn is first  # one connection for the three requests
+        with http.stream("GET", "/v1/jobs", params={"limit": 1}) as resp:
+            assert b"".join(resp.iter_bytes()).startswith(b"{")
+    closed = httpx.Client(base_url="http://127.0.0.1:1", transport=StdlibTransport())
+    with pytest.raises(httpx.ConnectError):
+        closed.get("/healthz")

@@ -141,6 +141,24 @@ class TestCompletion:
         with db.read() as s:
             assert s.query(ReservationRow).filter_by(run_id=r.run_id).one().status == "RESERVED"
 
+    def test_a_confirm_records_the_delivery_it_implies(self, db, store) -> None:
+        """The controller skips its own delivery write for a fresh STARTED answer: the
+        confirmation sets ``assigned_at`` with ``started_at``; an earlier delivery is kept."""
+        job_id, epoch = setup(db)
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token))
+        with db.read() as s:
+            run = s.get(JobRunRow, r.run_id)
+            assert run.status == "RUNNING" and run.assigned_at == run.started_at is not None
+        job2 = submit(db, gpus=2)
+        r2 = reserve(db, job2.job_id, "n1", 2, epoch=epoch)
+        db.run_write(lambda s: runs.mark_delivered(s, r2.run_id))
+        time.sleep(0.05)
+        db.run_write(lambda s: runs.confirm_assignment(s, r2.run_id, r2.token))
+        with db.read() as s:
+            run2 = s.get(JobRunRow, r2.run_id)
+            assert run2.assigned_at is not None and run2.assigned_at < run2.started_at
+
     def test_retries_charge_only_the_gpu_time_really_held(self, db, store) -> None:
         job_id, epoch = setup(db, gpus=2, max_retries=1)
         first = reserve(db, job_id, "n1", 2, epoch=epoch)

@@ -18,17 +18,21 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
+import json
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import grpc
 
+from gpufleet.agent import telemetry
 from gpufleet.agent.assignment_log import AssignmentLog, RunStatus
 from gpufleet.agent.core import AgentCore
 from gpufleet.agent.gpu_health import GpuHealth
@@ -51,7 +55,9 @@ from gpufleet.agent.uploader import LogStreamer
 from gpufleet.objectstore import ObjectStore
 from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
-from gpufleet.settings import Settings
+
+if TYPE_CHECKING:
+    from gpufleet.settings import Settings
 
 logger = logging.getLogger("gpufleet.agent")
 
@@ -63,6 +69,91 @@ GRPC_WORKERS = 8
 class AgentAlreadyRunning(RuntimeError):
     """Another live agent holds this state directory (two agents on one assignment log would
     both adopt and report the same runs)."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What the agent reads of :class:`gpufleet.settings.Settings`, resolved. The agent
+    process builds no ``Settings`` (pydantic-settings and pydantic are ~12 MB of its RSS):
+    ``gpufleet agent`` resolves them and hands this over (:func:`exec_agent`).
+
+    Attributes:
+        controller_address: the controller's gRPC ``host:port``.
+        join_address: the join service's ``host:port``.
+        object_store_url: where attempts' outputs go (``file://...`` or an fsspec URL).
+        heartbeat_interval_s: heartbeat period when the controller names none, seconds.
+        default_grace_s: SIGTERM -> SIGKILL grace of a stop with none given, seconds.
+        agent_disk_reserve_mb: free space (MiB) below which the node refuses work.
+    """
+
+    controller_address: str
+    join_address: str
+    object_store_url: str
+    heartbeat_interval_s: float
+    default_grace_s: float
+    agent_disk_reserve_mb: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AgentConfig:
+        """The agent's part of ``settings``; creates the private data dir (mode 0700) when
+        the object store is the local one in it (it holds every team's outputs)."""
+        if settings.object_store_url is None:
+            settings.private_data_dir()
+        return cls(
+            controller_address=settings.controller_address,
+            join_address=settings.resolved_join_address(),
+            object_store_url=settings.resolved_object_store_url(),
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            default_grace_s=settings.default_grace_s,
+            agent_disk_reserve_mb=settings.agent_disk_reserve_mb,
+        )
+
+
+_PATH_ARGS = ("state_dir", "ca_cert", "jobs_dir")
+
+
+def exec_agent(config: AgentConfig, **kwargs: Any) -> None:
+    """Replace this process (same pid) with a fresh interpreter running :func:`run_agent`
+    (``python -m gpufleet.agent``), so the agent's memory holds none of what the caller
+    imported (Typer, Rich, pydantic). ``config`` and ``kwargs`` (``run_agent``'s keyword
+    arguments; paths as ``Path``) travel as JSON through an inherited pipe, never argv or
+    the environment (the join token is among them). Does not return.
+
+    Raises:
+        OSError: the interpreter cannot be executed.
+    """
+    spec = {
+        "config": asdict(config),
+        "kwargs": {
+            k: str(v) if k in _PATH_ARGS and v is not None else v for k, v in kwargs.items()
+        },
+    }
+    data = json.dumps(spec).encode()
+    read_fd, write_fd = os.pipe()
+    if len(data) > 60_000:  # a pipe holds 64 KiB: more would block this write
+        raise ValueError("agent arguments too long (labels?)")
+    os.write(write_fd, data)
+    os.close(write_fd)
+    os.set_inheritable(read_fd, True)
+    argv = [sys.executable, "-m", "gpufleet.agent", "--spec-fd", str(read_fd)]
+    argv += ["--node-id", str(kwargs.get("node_id", ""))]  # for ps; the spec decides
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)
+
+
+def run_from_spec(fd: int) -> None:
+    """The other side of :func:`exec_agent`: read the spec from ``fd`` and run the agent.
+
+    Raises:
+        The exceptions of :func:`run_agent`.
+    """
+    with os.fdopen(fd, "rb") as f:
+        spec = json.loads(f.read())
+    kwargs: dict[str, Any] = {
+        k: Path(v) if k in _PATH_ARGS and v is not None else v for k, v in spec["kwargs"].items()
+    }
+    run_agent(AgentConfig(**spec["config"]), **kwargs)
 
 
 LOCK_NAME = "agent.lock"
@@ -118,7 +209,7 @@ def state_dir_holder(state_dir: Path) -> int | None:
 
 
 def run_agent(
-    settings: Settings,
+    settings: AgentConfig | Settings,
     *,
     node_id: str,
     gpus: str | None,
@@ -141,8 +232,7 @@ def run_agent(
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
     Args:
-        settings: configuration (``controller_address``, ``object_store_url``,
-            ``heartbeat_interval_s``, ``default_grace_s``).
+        settings: configuration: an :class:`AgentConfig`, or ``Settings`` it is read from.
         node_id: this node's id.
         gpus: declared GPU spec (e.g. ``8xH100-80GB``), used when NVML reports no GPU.
         port: TCP port of the agent's gRPC server; 0 picks a free one.
@@ -180,6 +270,9 @@ def run_agent(
         OSError: the state dir is unusable or the port cannot be bound.
         tls.PkiError: no usable node certificate and no (valid) join token.
     """
+    cfg = settings if isinstance(settings, AgentConfig) else AgentConfig.from_settings(settings)
+    if metrics_port:
+        telemetry.enable()  # before recovery: its uploads count
     stop = stop_event if stop_event is not None else threading.Event()
     state_dir = state_dir.expanduser().resolve()
     _lock = lock_state_dir(state_dir)  # held until this process exits
@@ -191,12 +284,12 @@ def run_agent(
             "INSECURE: agent gRPC is plaintext and unauthenticated (--insecure): anyone who "
             "reaches its port can start commands as this user"
         )
-        channel = ControllerChannel(lambda: grpc.insecure_channel(settings.controller_address))
+        channel = ControllerChannel(lambda: grpc.insecure_channel(cfg.controller_address))
     else:
         creds = ensure_credentials(
             state_dir,
             node_id,
-            join_address=settings.resolved_join_address(),
+            join_address=cfg.join_address,
             join_token=join_token,
             ca_cert=ca_cert,
             stop=stop,
@@ -207,15 +300,13 @@ def run_agent(
 
         def secure() -> grpc.Channel:
             return tls.secure_channel(
-                settings.controller_address,
+                cfg.controller_address,
                 tls.channel_credentials(holder.ca_pem, holder.key_pem, holder.chain_pem),
                 tls.CONTROLLER_NAME,
             )
 
         channel = ControllerChannel(secure)
-    if settings.object_store_url is None:
-        settings.private_data_dir()  # the local object store holds every team's outputs
-    store = ObjectStore(settings.resolved_object_store_url())
+    store = ObjectStore(cfg.object_store_url)
     log = AssignmentLog(state_dir)
     log.compact()
     agent_epoch = log.bump_agent_epoch()
@@ -249,8 +340,8 @@ def run_agent(
         runner=runner,
         streamer=streamer,
         inventory=inventory,
-        default_grace_s=settings.default_grace_s,
-        disk_reserve_mb=settings.agent_disk_reserve_mb,
+        default_grace_s=cfg.default_grace_s,
+        disk_reserve_mb=cfg.agent_disk_reserve_mb,
         gpu_health=GpuHealth.for_inventory(inventory.gpus, inventory.source),
     )
     stub = cast(pb_grpc.ControllerStub, channel)
@@ -276,7 +367,7 @@ def run_agent(
     for run_id in found.prune(keep=live):
         logger.error("cgroup of %s holds processes but no live attempt here owns it", run_id)
 
-    host = advertise_host or _default_host(settings.controller_address)
+    host = advertise_host or _default_host(cfg.controller_address)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc"),
         interceptors=[] if creds is None else [tls.RoleInterceptor(tls.ROLE_CONTROLLER, logger)],
@@ -303,8 +394,7 @@ def run_agent(
         raise OSError(f"cannot listen on {_join(host, port)}")
     server.start()
     if metrics_port:
-        from gpufleet.agent import metrics
-
+        metrics = telemetry.enable()
         metrics.INFO.labels(node_id, str(agent_epoch)).set(1)
         metrics.serve(metrics_port, host)
         logger.info("agent metrics on http://%s/metrics", _join(host, metrics_port))
@@ -317,7 +407,7 @@ def run_agent(
         inventory=inventory,
         labels=dict(labels),
         interval_s=heartbeat_interval_s,
-        fallback_interval_s=settings.heartbeat_interval_s,
+        fallback_interval_s=cfg.heartbeat_interval_s,
         registered=registered,
         stop_event=stop,
         images=images,

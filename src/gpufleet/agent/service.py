@@ -14,7 +14,7 @@ import threading
 
 import grpc
 
-from gpufleet.agent import metrics
+from gpufleet.agent import telemetry
 from gpufleet.agent.core import AgentCore, EpochFromTheFuture
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.runtime.container import ImageReporter
@@ -184,8 +184,8 @@ class ControllerLink:
             self.core.free_gpus(),
             self.core.runner.disk_free_mb(),
         )
-        metrics.note_heartbeat(len(running), free, disk)
-        with metrics.heartbeat_timer():
+        telemetry.note_heartbeat(len(running), free, disk)
+        with telemetry.heartbeat_timer():
             resp = self.stub.Heartbeat(
                 pb.HeartbeatRequest(
                     node_id=self.node_id,

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from gpufleet.agent import metrics
+from gpufleet.agent import telemetry
 from gpufleet.agent.assignment_log import RunRecord
 from gpufleet.agent.workdir import RunPaths
 from gpufleet.domain.manifest import KIND_FOLDERS, MANIFEST_NAME, Manifest, ManifestFile
@@ -78,7 +78,7 @@ def upload_fd(store: ObjectStore, fd: int, key: str) -> tuple[str, int, str]:
     with os.fdopen(fd, "rb") as f:
         reader = _Hashing(f)
         uri = store.put_fileobj(key, reader)  # type: ignore[arg-type]
-    metrics.UPLOAD_BYTES.inc(reader.size)
+    telemetry.count_upload(reader.size)
     return reader.sha.hexdigest(), reader.size, uri
 
 
@@ -162,7 +162,7 @@ def upload_attempt(store: ObjectStore, rec: RunRecord, paths: RunPaths) -> str:
     )
     body = manifest.to_json()
     uri = store.put_bytes(f"{prefix}/{MANIFEST_NAME}", body)
-    metrics.UPLOAD_BYTES.inc(len(body))
+    telemetry.count_upload(len(body))
     return uri
 
 

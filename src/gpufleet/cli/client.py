@@ -98,21 +98,30 @@ def _fmt(out: OutputFormat, wide: bool = False) -> OutputFormat:
 def make_http_client(cfg: ClientConfig, transport: httpx.BaseTransport | None = None) -> Any:
     """The ``httpx.Client`` for ``cfg``: base URL, bearer token, 5 s connect / 30 s read.
 
-    ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
+    ``transport`` replaces the network (tests pass an ``httpx.MockTransport``); by default a
+    plain-http URL gets :class:`gpufleet.cli.transport.StdlibTransport` (no httpcore/h11
+    import), anything else httpx's own transport.
 
     Raises:
         ConfigError: no token is configured.
     """
     import httpx
 
-    from gpufleet.client._core import tls_verify
+    from gpufleet.cli import transport as stdlib_transport
 
+    verify: Any = True
+    if transport is None and stdlib_transport.usable(cfg.url):
+        transport = stdlib_transport.StdlibTransport()  # httpx never builds an SSL context
+    elif transport is None:
+        from gpufleet.client._core import tls_verify
+
+        verify = tls_verify(cfg.url)
     return httpx.Client(
         base_url=cfg.url,
         headers={"Authorization": f"Bearer {require_token(cfg)}", "User-Agent": "gpufleet-cli"},
         timeout=httpx.Timeout(30.0, connect=5.0),
         transport=transport,
-        verify=tls_verify(cfg.url),
+        verify=verify,
     )
 
 

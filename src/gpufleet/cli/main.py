@@ -1,11 +1,13 @@
 """The ``gpufleet`` command: platform processes, admin tools, and the client commands.
 
 Start-up is kept cheap (a client call should cost well under 150 ms of CPU): this module
-imports only Typer, Rich's console and the client commands; everything heavy (settings and
-pydantic, SQLAlchemy, gRPC, the simulator with numpy/matplotlib) is imported inside the
-command that needs it, and the ``admin`` and ``sim`` sub-apps are turned into click commands
-only when called (:class:`_RootGroup`). ``tests/unit/test_cli_start.py`` checks the import set
-of ``gpufleet status``; ``benchmarks/cli_start.py`` prints the CPU times.
+imports only Typer and the client commands (Rich when something is printed, see
+:class:`_LazyConsole`); everything heavy (settings and pydantic, SQLAlchemy, gRPC, the
+simulator with numpy/matplotlib) is imported inside the command that needs it, and the
+``admin`` and ``sim`` sub-apps are turned into click commands only when called
+(:class:`_RootGroup`). docs/design/cli.md (Start-up cost) lists the rest;
+``tests/integration/test_cli_sdk.py`` checks the import sets of real calls and
+``benchmarks/cli_start.py`` prints the CPU times.
 """
 
 from __future__ import annotations
@@ -18,11 +20,9 @@ import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from gpufleet.cli.client import node_label, register_client_commands
@@ -31,6 +31,7 @@ from gpufleet.cli.output import clean
 from gpufleet.domain.errors import GpufleetError
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from sqlalchemy.orm import Session
 
     from gpufleet.settings import Settings
@@ -174,8 +175,42 @@ admin_app = typer.Typer(
     no_args_is_help=True,
 )
 register_client_commands(app)
-err = Console(stderr=True)
-out = Console()
+
+
+class _LazyConsole:
+    """A Rich ``Console`` built on first use: most client calls print through
+    :mod:`gpufleet.cli.output` or not at all, and ``import rich.console`` is ~20 ms of a
+    call's CPU. Attribute reads and writes go to the real console."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        object.__setattr__(self, "_kwargs", kwargs)
+        object.__setattr__(self, "_console", None)
+
+    def _get(self) -> Console:
+        console: Console | None = object.__getattribute__(self, "_console")
+        if console is None:
+            from rich.console import Console
+
+            console = Console(**object.__getattribute__(self, "_kwargs"))
+            object.__setattr__(self, "_console", console)
+        return console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._get(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._get(), name, value)
+
+
+def escape(markup: str) -> str:
+    """:func:`rich.markup.escape`, imported when first needed."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(markup)
+
+
+err: Console = _LazyConsole(stderr=True)  # type: ignore[assignment]
+out: Console = _LazyConsole()  # type: ignore[assignment]
 
 
 def _show_version(value: bool) -> None:
@@ -499,9 +534,6 @@ def agent(
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
     import os
 
-    from gpufleet.agent.main import AgentAlreadyRunning, run_agent
-    from gpufleet.rpc.tls import PkiError
-
     os.environ.pop("GPUFLEET_JOIN_TOKEN", None)  # read once; never inherited by a job
     _logging()
     settings = _settings(data_dir, controller_address=controller, join_address=join_address)
@@ -518,33 +550,27 @@ def agent(
         source = "--label" if settings.agent_labels == "" else "--label / GPUFLEET_AGENT_LABELS"
         err.print(f"[red]error:[/] {source}: {escape(exc.message)}")
         raise typer.Exit(2) from None
-    try:
-        run_agent(
-            settings,
-            node_id=node_id,
-            gpus=gpus,
-            port=port,
-            state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
-            labels=labels,
-            container_runtime=runtime,
-            insecure=insecure,
-            join_token=join_token,
-            ca_cert=ca_cert,
-            job_user=job_user,
-            job_uids=job_uids,
-            jobs_dir=jobs_dir,
-            containment=containment,
-            metrics_port=metrics_port,
-        )
-    except AgentAlreadyRunning as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}")
-        raise typer.Exit(3) from None
-    except PkiError as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}")
-        raise typer.Exit(4) from None
-    except ValueError as exc:  # e.g. a malformed --gpus spec
-        err.print(f"[red]error:[/] {escape(str(exc))}")
-        raise typer.Exit(2) from None
+    from gpufleet.agent.main import AgentConfig, exec_agent
+
+    # the agent runs in a fresh interpreter (same pid): none of this CLI's imports (Typer,
+    # Rich, pydantic-settings) stay in its memory; errors exit 2/3/4 there (agent/__main__)
+    exec_agent(
+        AgentConfig.from_settings(settings),
+        node_id=node_id,
+        gpus=gpus,
+        port=port,
+        state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
+        labels=labels,
+        container_runtime=runtime,
+        insecure=insecure,
+        join_token=join_token,
+        ca_cert=ca_cert,
+        job_user=job_user,
+        job_uids=job_uids,
+        jobs_dir=jobs_dir,
+        containment=containment,
+        metrics_port=metrics_port,
+    )
 
 
 @admin_app.command("check")
@@ -625,5 +651,105 @@ def ca_init(data_dir: DataDir = None, pki_dir: PkiDir = None) -> None:
     print(f"sha256:{ca.fingerprint}")
 
 
+class _LightRichUtils:
+    """Import hook for ``typer.rich_utils`` (loaded by Typer for ``--help`` and usage errors):
+    it imports ``rich.markdown`` (markdown-it, Pygments) and ``rich.traceback`` at module
+    level, ~30 ms of CPU, for ``rich_markup_mode="markdown"`` and pretty tracebacks, neither
+    of which this CLI uses. While it is imported, those two modules are stand-ins whose
+    classes import the real module when first used; afterwards they are imported normally."""
+
+    DEFERRED: ClassVar[dict[str, tuple[str, ...]]] = {
+        "rich.markdown": ("Markdown",),
+        "rich.traceback": ("Traceback",),
+    }
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:  # noqa: ARG002
+        if name != "typer.rich_utils":
+            return None
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        real = spec.loader
+        deferred = self.DEFERRED
+
+        class Loader:
+            def create_module(self, spec: Any) -> Any:
+                return real.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                import types
+
+                stubs = {}
+                for mod_name, attrs in deferred.items():
+                    if mod_name in sys.modules:
+                        continue
+                    stub = types.ModuleType(mod_name)
+                    for attr in attrs:
+                        setattr(stub, attr, _deferred_class(mod_name, attr))
+                    stubs[mod_name] = sys.modules[mod_name] = stub
+                try:
+                    real.exec_module(module)
+                finally:
+                    for mod_name, stub in stubs.items():
+                        if sys.modules.get(mod_name) is stub:
+                            del sys.modules[mod_name]
+
+        spec.loader = Loader()  # type: ignore[assignment]
+        return spec
+
+
+def _deferred_class(module: str, name: str) -> type:
+    """A stand-in for ``module.name``: calling it or reading an attribute imports the real
+    class and defers to it."""
+
+    def real() -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+
+    class Deferred(type):
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            return real()(*args, **kwargs)
+
+        def __getattr__(cls, attr: str) -> Any:
+            return getattr(real(), attr)
+
+    return Deferred(name, (), {})
+
+
+def main() -> None:
+    """Run the root app (``gpufleet.cli.main`` is the executable's entry point). After the
+    command the process exits without tearing down its modules (``os._exit`` once the
+    ``atexit`` handlers ran and stdout/stderr are flushed: ~15 ms of a client call's CPU),
+    unless a thread other than the main one is still running."""
+    import os
+
+    if not any(isinstance(f, _LightRichUtils) for f in sys.meta_path):
+        sys.meta_path.insert(0, _LightRichUtils())
+    code: Any = 0
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code
+    if any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
+        sys.exit(code)
+    import atexit
+
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        sys.exit(code)  # let the interpreter report a broken pipe as it always did
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -20,16 +20,18 @@ import json
 import re
 import shlex
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 # job states with no way out (domain.states derives JOB_TERMINAL; the SDK keeps a copy so
 # that a CLI call imports nothing of the server's code)
-from gpufleet.client.models import TERMINAL_STATES
+from gpufleet.client.states import TERMINAL_STATES
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
 
 TERMINAL = TERMINAL_STATES
 
@@ -100,11 +102,15 @@ class TerminalLogFilter:
 
 
 def console() -> Console:
+    from rich.console import Console
+
     return Console(highlight=False)
 
 
 def print_error(message: str, field: str | None = None) -> None:
     """Print ``error: <message> (field: <field>)`` in red on stderr."""
+    from rich.console import Console
+
     text = clean(f"error: {message}" + (f" (field: {field})" if field else ""))
     Console(stderr=True, highlight=False, soft_wrap=True).print(text, style="red", markup=False)
 
@@ -125,6 +131,8 @@ def print_data(data: Any, fmt: str) -> None:
 
 def table_console(wide: bool = False) -> Console:
     """Where tables go: the terminal's width (80 in a pipe); wide: as wide as the rows."""
+    from rich.console import Console
+
     return Console(highlight=False, width=WIDE_WIDTH if wide else None)
 
 
@@ -153,6 +161,8 @@ def age(iso: str | None, now: datetime | None = None) -> str:
 
 
 def status_text(status: str | None) -> Text:
+    from rich.text import Text
+
     return Text(clean(status or "-"), style=STATUS_STYLES.get(status or "", ""))
 
 
@@ -169,6 +179,8 @@ def fmt(value: Any) -> str:
 
 def cell(value: Any) -> Text:
     """:func:`fmt` as a Rich ``Text``: printed as is, never read as markup."""
+    from rich.text import Text
+
     return Text(fmt(value))
 
 
@@ -192,6 +204,8 @@ def fmt_time(iso: str | None, now: datetime | None = None, relative: bool = Fals
 
 
 def cell_time(iso: str | None, relative: bool = False) -> Text:
+    from rich.text import Text
+
     return Text(fmt_time(iso, relative=relative))
 
 
@@ -216,6 +230,8 @@ def _table(
     (an id) and the ``keep`` columns (name -> width) are never cut, free text is capped
     (:data:`_NARROW_CAPS`) and everything else gives way with an ellipsis; wide: nothing is
     cut."""
+    from rich.table import Table
+
     table = Table(
         title=title,
         title_justify="left",
@@ -269,6 +285,8 @@ def job_status(job: dict[str, Any]) -> str:
 
 
 def job_status_text(job: dict[str, Any]) -> Text:
+    from rich.text import Text
+
     return Text(
         clean(job_status(job)),
         style="dim" if job.get("held") else STATUS_STYLES.get(str(job.get("status")), ""),
@@ -279,6 +297,8 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
     """JOB NAME STATUS GPUS AGE (narrow, under 80 columns), with a TEAM column after NAME
     when the jobs belong to more than one team (an admin's listing); wide adds team, priority,
     node, exit code, created, and shows full ids. A held pending job shows ``PENDING (held)``."""
+    from rich.text import Text
+
     if wide:
         table = _table(
             "JOB", "NAME", "TEAM", "STATUS", "PRIORITY", "GPUS", "NODE", "EXIT", "CREATED",
@@ -343,6 +363,8 @@ def containment_text(labels: dict[str, Any] | None) -> str:
 def nodes_table(nodes: list[dict[str, Any]], wide: bool = False) -> Table:
     """NODE STATUS GPU TYPE FREE HEARTBEAT REASON (narrow); wide adds memory, containment,
     labels, address and images."""
+    from rich.text import Text
+
     if not wide:
         table = _table(
             "NODE",
@@ -400,6 +422,8 @@ def nodes_table(nodes: list[dict[str, Any]], wide: bool = False) -> Table:
 
 def attempts_table(attempts: list[dict[str, Any]], wide: bool = False) -> Table:
     """The attempts of a job; narrow: RUN # STATUS NODE GPUS EXIT MESSAGE."""
+    from rich.text import Text
+
     if not wide:
         table = _table(
             "RUN",
@@ -510,6 +534,9 @@ def gang_shape(job: dict[str, Any]) -> str:
 
 def print_job(job: dict[str, Any], wide: bool = False) -> None:
     """The ``status`` view: fields, attempts, and why the job is pending (if it is)."""
+    from rich.table import Table
+    from rich.text import Text
+
     out = table_console(wide)
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")

@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -28,8 +28,10 @@ from gpufleet.cli.client import (
     _session,
 )
 from gpufleet.client.errors import ArtifactMismatch, TransportError
-from gpufleet.client.models import Artifact
 from gpufleet.domain.manifest import path_problem
+
+if TYPE_CHECKING:
+    from gpufleet.client.models import Artifact
 
 
 class UsageBy(enum.StrEnum):

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# the job states with no way out (domain/states.py derives the same set from its table; the
-# SDK keeps its own copy so that it needs nothing of the server's code)
-TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED", "DEPENDENCY_FAILED"})
+from gpufleet.client.states import TERMINAL_STATES
+
+__all__ = ["TERMINAL_STATES"]  # and the dataclasses below
 
 
 def _str(value: Any) -> str | None:

@@ -397,7 +397,13 @@ class Scheduler:
                 message=f"agent refused it: {resp.message}",
             )
             return
-        self.db.run_write(partial(runs.mark_delivered, run_id=run_id))
+        if req.gang_size > 1 or resp.result != pb.AssignJobResponse.STARTED:
+            self.db.run_write(partial(runs.mark_delivered, run_id=run_id))
+        # else: a fresh start, whose ConfirmAssignment (sent by the agent as it answers, and
+        # retried until answered) records the delivery with the start in one transaction;
+        # this write would only queue behind or ahead of it on the same row. Should the
+        # confirmation never come, the reconciler re-sends after 2 s (not the confirm
+        # timeout) and the agent's ALREADY_RUNNING answer is recorded here.
         if (
             req.gang_size > 1
             and req.rank == 0
@@ -426,16 +432,20 @@ class Scheduler:
             run, job, node, reservation_id = found
             # resume from the latest earlier attempt that stored a checkpoint (of a gang:
             # every rank resumes from rank 0's, else from the lowest rank that stored one)
-            prior = s.execute(
-                select(JobRunRow.checkpoint_prefix)
-                .where(
-                    JobRunRow.job_id == job.id,
-                    JobRunRow.checkpoint_prefix.is_not(None),
-                    JobRunRow.attempt < run.attempt,
-                )
-                .order_by(JobRunRow.attempt.desc(), JobRunRow.rank)
-                .limit(1)
-            ).scalar_one_or_none()
+            prior = (
+                s.execute(
+                    select(JobRunRow.checkpoint_prefix)
+                    .where(
+                        JobRunRow.job_id == job.id,
+                        JobRunRow.checkpoint_prefix.is_not(None),
+                        JobRunRow.attempt < run.attempt,
+                    )
+                    .order_by(JobRunRow.attempt.desc(), JobRunRow.rank)
+                    .limit(1)
+                ).scalar_one_or_none()
+                if run.attempt > 1  # a first attempt has nothing to resume from
+                else None
+            )
             env = dict(spec_env(job.spec))
             if run.gang_size > 1:
                 rank0 = s.execute(

@@ -95,7 +95,10 @@ def confirm_assignment(
             now=now,
             frm=[RunStatus.ASSIGNED],
             guard={"token": token},
-            values={"started_at": now},
+            # a confirmation is also the delivery (mark_delivered) when it came first
+            values={"started_at": now}
+            if run.assigned_at is not None
+            else {"started_at": now, "assigned_at": now},
             job_id=job.id,
             run_id=run_id,
             node_id=run.node_id,
