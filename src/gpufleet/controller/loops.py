@@ -129,6 +129,7 @@ class Scheduler:
         self._reasons_refreshed_s = 0.0
         self._stored: dict[str, object] | None = None
         self._stored_epoch = 0
+        self._holding: set[str] = set()
         self.stops: StopDriver | None = None
         """Sends the StopRun of preemption victims (set by the controller's wiring)."""
         """pending_reason per waiting job as this leader last wrote it (saves decoding 10k
@@ -160,6 +161,9 @@ class Scheduler:
                 # not dict(result): a Result has keys() and would be taken for a mapping
                 self._stored = {row[0]: row[1] for row in s.execute(query)}
         stats.pending = len(snap.pending)
+        # jobs that may hold GPUs (only this leader creates holds: those of the snapshot and
+        # of this pass's preemptions); placing any other job need not delete its holds
+        self._holding = {h.job_id for h in snap.holds}
         if gated.result.failed:
             try:
                 ended = self.db.run_write(
@@ -239,6 +243,7 @@ class Scheduler:
                 leader_holder=self.leadership.holder,
                 leader_epoch=self.leadership.epoch,
                 lease_s=self.settings.reservation_lease_s,
+                holds=decision.job_id in self._holding,
             )
         )
         stats.placed += 1
@@ -257,6 +262,7 @@ class Scheduler:
                 leader_holder=self.leadership.holder,
                 leader_epoch=self.leadership.epoch,
                 lease_s=self.settings.reservation_lease_s,
+                holds=decision.job_id in self._holding,
             )
         )
         stats.placed += 1
@@ -264,6 +270,7 @@ class Scheduler:
         self._pool.submit(self.dispatch, reserved.members[0].run_id)
 
     def _preempt(self, decision: Preempt, stats: PassStats) -> None:
+        self._holding.add(decision.for_job_id)
         orders = self.db.run_write(
             partial(
                 preemption.apply_preempt,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, event, text
+from sqlalchemy import ColumnElement, Connection, Engine, event, func, text
 from sqlalchemy.orm import Session
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -67,6 +67,23 @@ def snapshot_engine(engine: Engine) -> Engine:
     if engine.dialect.name == "postgresql":
         return engine.execution_options(isolation_level="REPEATABLE READ")
     return engine
+
+
+def now_sql(session: Session) -> ColumnElement[Any]:
+    """The database clock of :func:`db_now` as a SQL expression, to fold into another
+    statement (a guard ``expires_at > now``, a ``RETURNING`` that tells the caller the time)
+    instead of a statement of its own. Read a returned value with :func:`as_utc`."""
+    if session.get_bind().dialect.name == "sqlite":
+        return func.strftime("%Y-%m-%d %H:%M:%f", "now")
+    return func.clock_timestamp()
+
+
+def as_utc(value: Any) -> datetime:
+    """A clock value returned by a :func:`now_sql` expression, as an aware UTC datetime."""
+    if isinstance(value, str):
+        return datetime.fromisoformat(value).replace(tzinfo=UTC)
+    assert isinstance(value, datetime)
+    return value.astimezone(UTC)
 
 
 def db_now(session: Session) -> datetime:

@@ -2,7 +2,10 @@
 
 Each change: check the edge against the domain's transition table, run a guarded
 ``UPDATE ... WHERE id = :id AND status IN (:allowed_from) [AND guard columns]``, and append a
-SchedulingEvent row in the same transaction. 0 rows matched raises StaleState: the row moved
+SchedulingEvent row in the same transaction (added to the session: the events of one
+transaction go to the database in one batched INSERT at its flush). With one allowed source
+state the UPDATE is the only statement; with several, a ``SELECT ... FOR UPDATE`` first learns
+which one the row is in (the event records it). 0 rows matched raises StaleState: the row moved
 on (another status, token or epoch) and the caller's view was stale.
 """
 
@@ -70,19 +73,27 @@ def transition(
     cols = table.__table__.c
     conds = [cols.id == entity_id, cols.status.in_(sources)]
     conds += [cols[k] == v for k, v in (guard or {}).items()]
-    # Lock the row and learn its current status (PostgreSQL FOR UPDATE; SQLite holds the
-    # database write lock since BEGIN IMMEDIATE), then update under the same conditions.
-    old = session.execute(
-        table.__table__.select().with_only_columns(cols.status).where(*conds).with_for_update()
-    ).scalar_one_or_none()
+    change = (
+        update(table)
+        .where(*conds)
+        .values(status=to, **dict(values or {}))
+        .execution_options(synchronize_session=False)
+    )
+    old: str | None = None
     result = None
-    if old is not None:
-        result = session.execute(
-            update(table)
-            .where(*conds)
-            .values(status=to, **dict(values or {}))
-            .execution_options(synchronize_session=False)
-        )
+    if len(sources) == 1:
+        # one possible source: the guarded UPDATE alone locks, checks and moves the row (one
+        # statement); its row count says whether the row was there in that state
+        old = sources[0]
+        result = session.execute(change)
+    else:
+        # several: lock the row and learn which state it is in (PostgreSQL FOR UPDATE; SQLite
+        # holds the write lock since BEGIN IMMEDIATE), then update under the same conditions
+        old = session.execute(
+            table.__table__.select().with_only_columns(cols.status).where(*conds).with_for_update()
+        ).scalar_one_or_none()
+        if old is not None:
+            result = session.execute(change)
     if old is None or result is None or result.rowcount != 1:  # type: ignore[attr-defined]
         raise StaleState(
             f"{machine.value} {entity_id}: not in {sources}"
@@ -92,15 +103,55 @@ def transition(
     if machine is Machine.RUN and to in RUN_TERMINAL:
         # the one place every attempt ends: its usage record goes in the same transaction
         accounting.record_attempt_end(session, entity_id, outcome=str(to), end_at=now)
+    record_transition(
+        session,
+        machine,
+        entity_id,
+        old,
+        to,
+        now=now,
+        message=message,
+        details=details,
+        job_id=job_id,
+        run_id=run_id,
+        node_id=node_id,
+        trigger=triggers[old],
+    )
+    return str(old)
+
+
+def record_transition(
+    session: Session,
+    machine: Machine,
+    entity_id: str,
+    frm: str,
+    to: str,
+    *,
+    now: datetime,
+    message: str | None = None,
+    details: Mapping[str, Any] | None = None,
+    job_id: str | None = None,
+    run_id: str | None = None,
+    node_id: str | None = None,
+    trigger: str | None = None,
+) -> None:
+    """Append the event of a transition ``frm -> to`` that the caller has just made with a
+    guarded statement of its own (:func:`transition` makes the usual ones). Checks the edge.
+
+    Raises:
+        IllegalTransition: ``frm -> to`` is not in the table.
+    """
+    if trigger is None:
+        trigger = check_transition(machine, frm, to)
     session.add(
         SchedulingEventRow(
             at=now,
             kind="transition",
             machine=machine.value,
             entity_id=entity_id,
-            from_status=old,
+            from_status=frm,
             to_status=to,
-            trigger=triggers[old],
+            trigger=trigger,
             job_id=job_id,
             run_id=run_id,
             node_id=node_id,
@@ -108,7 +159,6 @@ def transition(
             details=dict(details) if details else None,
         )
     )
-    return str(old)
 
 
 def record_event(
