@@ -420,9 +420,25 @@ class Scheduler:
 
     def _assignment(self, run_id: str) -> tuple[str, str, pb.AssignJobRequest] | None:
         """(node_id, agent address, AssignJob request) of an ASSIGNED attempt, else None."""
+        earlier = aliased(JobRunRow)
         with self.db.read() as s:
+            # one statement: the attempt, its job, node and reservation, and the checkpoint to
+            # resume from: the latest earlier attempt's that stored one (of a gang: every rank
+            # resumes from rank 0's, else from the lowest rank that stored one)
+            prior_q = (
+                select(earlier.checkpoint_prefix)
+                .where(
+                    earlier.job_id == JobRunRow.job_id,
+                    earlier.checkpoint_prefix.is_not(None),
+                    earlier.attempt < JobRunRow.attempt,
+                )
+                .order_by(earlier.attempt.desc(), earlier.rank)
+                .limit(1)
+                .correlate(JobRunRow)
+                .scalar_subquery()
+            )
             found = s.execute(
-                select(JobRunRow, JobRow, NodeRow, ReservationRow.id)
+                select(JobRunRow, JobRow, NodeRow, ReservationRow.id, prior_q)
                 .join(JobRow, JobRow.id == JobRunRow.job_id)
                 .join(NodeRow, NodeRow.id == JobRunRow.node_id)
                 .join(ReservationRow, ReservationRow.run_id == JobRunRow.id)
@@ -430,19 +446,7 @@ class Scheduler:
             ).first()
             if found is None or found[0].status != RunStatus.ASSIGNED:
                 return None
-            run, job, node, reservation_id = found
-            # resume from the latest earlier attempt that stored a checkpoint (of a gang:
-            # every rank resumes from rank 0's, else from the lowest rank that stored one)
-            prior = s.execute(
-                select(JobRunRow.checkpoint_prefix)
-                .where(
-                    JobRunRow.job_id == job.id,
-                    JobRunRow.checkpoint_prefix.is_not(None),
-                    JobRunRow.attempt < run.attempt,
-                )
-                .order_by(JobRunRow.attempt.desc(), JobRunRow.rank)
-                .limit(1)
-            ).scalar_one_or_none()
+            run, job, node, reservation_id, prior = found
             env = dict(spec_env(job.spec))
             if run.gang_size > 1:
                 rank0 = s.execute(

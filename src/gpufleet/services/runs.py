@@ -29,15 +29,30 @@ from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.usage import UsageLedger
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
-from gpufleet.store.dialect import db_now
+from gpufleet.store.dialect import as_utc, db_now, now_sql
 from gpufleet.store.leader import assert_leader
 from gpufleet.store.tables import JobRow, JobRunRow, ReservationRow, TeamRow
-from gpufleet.store.transitions import record_event, transition
+from gpufleet.store.transitions import record_event, record_transition, transition
 
 
 class Confirm(enum.StrEnum):
     CONFIRMED = "CONFIRMED"
     REJECTED = "REJECTED"
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmed:
+    """What :func:`confirm_start` did, and the facts the time-to-start metric needs (read in
+    the same statement, so that the metric costs no read of its own): ``queued_at`` and
+    ``started_at`` UTC, ``gpu_count``, ``spec`` (the stored job spec) and ``start_phases``.
+    Only ``result`` is set when REJECTED."""
+
+    result: Confirm
+    queued_at: datetime | None = None
+    started_at: datetime | None = None
+    start_phases: dict[str, Any] | None = None
+    gpu_count: int = 0
+    spec: dict[str, Any] | None = None
 
 
 def confirm_assignment(
@@ -50,43 +65,89 @@ def confirm_assignment(
     start_phases: dict[str, Any] | None = None,
 ) -> Confirm:
     """The agent started ``run_id``: RESERVED -> CONFIRMED, ASSIGNED -> RUNNING, job -> RUNNING.
+    Idempotent; a stale or unknown attempt is REJECTED (the agent then stops it). See
+    :func:`confirm_start`, which this answers the result of."""
+    return confirm_start(
+        session, run_id, token, pid, node_id=node_id, start_phases=start_phases
+    ).result
+
+
+def confirm_start(
+    session: Session,
+    run_id: str,
+    token: int,
+    pid: int | None = None,
+    *,
+    node_id: str | None = None,
+    start_phases: dict[str, Any] | None = None,
+) -> Confirmed:
+    """The agent started ``run_id``: RESERVED -> CONFIRMED, ASSIGNED -> RUNNING, job -> RUNNING.
     Idempotent; a stale or unknown attempt is REJECTED (the agent then stops it).
 
     ``start_phases``: how the node started it (``runtime``, ``image`` warm/cold, ``pull_s``,
     ``create_s``, ``start_s`` in seconds); stored on the attempt and in the event message.
 
+    Statements: one SELECT (run and job, the run locked, the database clock), then one
+    guarded UPDATE per row that moves (run, reservation, job) and the batched event INSERT.
+
     Raises:
         Forbidden: ``node_id`` (the caller's certified node, if given) is not the node the
             attempt was placed on; nothing changes.
     """
-    run = session.get(JobRunRow, run_id, with_for_update=True)
-    if run is not None and node_id is not None and run.node_id != node_id:
+    r, j = JobRunRow, JobRow
+    found = session.execute(
+        select(
+            r.id,
+            r.job_id,
+            r.node_id,
+            r.token,
+            r.status,
+            r.gang_size,
+            r.started_at,
+            r.start_phases,
+            j.fencing_epoch,
+            j.current_run_id,
+            j.status.label("job_status"),
+            j.queued_at,
+            j.gpu_count,
+            j.spec,
+            now_sql(session).label("clock"),
+        )
+        .join(j, j.id == r.job_id)
+        .where(r.id == run_id)
+        .with_for_update(of=r)
+    ).first()
+    if found is not None and node_id is not None and found.node_id != node_id:
         raise Forbidden(f"run {run_id} is not placed on node {node_id!r}", field="run_id")
-    job = session.get(JobRow, run.job_id) if run else None
     if (
-        run is None
-        or job is None
-        or run.token != token
-        or not is_current(job, run)
-        or run.status in RUN_TERMINAL
-    ):
-        return Confirm.REJECTED
-    now = db_now(session)
+        found is None
+        or found.token != token
+        or found.fencing_epoch != found.token
+        or not (found.current_run_id == found.id or found.gang_size > 1)
+        or found.status in RUN_TERMINAL
+    ):  # not the job's current attempt (is_current), or over
+        return Confirmed(Confirm.REJECTED)
+    now = as_utc(found.clock)
+    job_id, run_node = found.job_id, found.node_id
+    started_at = found.started_at
+    values: dict[str, Any] = {}
     if pid:
-        run.pid = pid
-    if start_phases and not run.start_phases:
-        run.start_phases = start_phases
+        values["pid"] = pid
+    phases = found.start_phases
+    if start_phases and not found.start_phases:
+        values["start_phases"] = phases = start_phases
         record_event(
             session,
             "start_phases",
             now=now,
             message="started on the node" + describe_phases(start_phases),
-            job_id=job.id,
+            job_id=job_id,
             run_id=run_id,
-            node_id=run.node_id,
+            node_id=run_node,
             details=start_phases,
         )
-    if run.status == RunStatus.ASSIGNED:
+    if found.status == RunStatus.ASSIGNED:
+        started_at = now
         transition(
             session,
             Machine.RUN,
@@ -95,42 +156,61 @@ def confirm_assignment(
             now=now,
             frm=[RunStatus.ASSIGNED],
             guard={"token": token},
-            values={"started_at": now},
-            job_id=job.id,
+            values={"started_at": now, **values},
+            job_id=job_id,
             run_id=run_id,
-            node_id=run.node_id,
+            node_id=run_node,
             message="agent confirmed the start",
         )
-    res = session.execute(
-        select(ReservationRow).where(ReservationRow.run_id == run_id)
-    ).scalar_one()
-    if res.status == ReservationStatus.RESERVED:
-        transition(
+    elif values:
+        session.execute(update(JobRunRow).where(JobRunRow.id == run_id).values(**values))
+    res_c = ReservationRow.__table__.c
+    confirmed = session.execute(
+        update(ReservationRow)
+        .where(
+            res_c.run_id == run_id,
+            res_c.status == ReservationStatus.RESERVED,
+            res_c.token == token,
+        )
+        .values(status=ReservationStatus.CONFIRMED)
+        .returning(res_c.id)
+        .execution_options(synchronize_session=False)
+    ).scalar_one_or_none()
+    if confirmed is not None:
+        record_transition(
             session,
             Machine.RESERVATION,
-            res.id,
+            confirmed,
+            ReservationStatus.RESERVED,
             ReservationStatus.CONFIRMED,
             now=now,
-            frm=[ReservationStatus.RESERVED],
-            guard={"token": token},
-            job_id=job.id,
+            job_id=job_id,
             run_id=run_id,
-            node_id=run.node_id,
+            node_id=run_node,
         )
-    if job.status == JobStatus.SCHEDULED and _all_members_running(session, run):
+    if found.job_status == JobStatus.SCHEDULED and _all_members_running(
+        session, job_id, token, found.gang_size
+    ):
         transition(
             session,
             Machine.JOB,
-            job.id,
+            job_id,
             JobStatus.RUNNING,
             now=now,
             frm=[JobStatus.SCHEDULED],
             guard={"fencing_epoch": token},
             values={"started_at": now},
-            job_id=job.id,
+            job_id=job_id,
             run_id=run_id,
         )
-    return Confirm.CONFIRMED
+    return Confirmed(
+        Confirm.CONFIRMED,
+        queued_at=found.queued_at,
+        started_at=started_at,
+        start_phases=phases,
+        gpu_count=found.gpu_count,
+        spec=found.spec,
+    )
 
 
 def is_current(job: JobRow, run: JobRunRow) -> bool:
@@ -163,21 +243,21 @@ def gang_members(session: Session, job_id: str, token: int) -> list[JobRunRow]:
     )
 
 
-def _all_members_running(session: Session, run: JobRunRow) -> bool:
+def _all_members_running(session: Session, job_id: str, token: int, gang_size: int) -> bool:
     """A gang attempt is RUNNING only once every member confirmed its start."""
-    if run.gang_size <= 1:
+    if gang_size <= 1:
         return True
     session.flush()
     running = session.execute(
         select(func.count())
         .select_from(JobRunRow)
         .where(
-            JobRunRow.job_id == run.job_id,
-            JobRunRow.token == run.token,
+            JobRunRow.job_id == job_id,
+            JobRunRow.token == token,
             JobRunRow.started_at.is_not(None),
         )
     ).scalar_one()
-    return int(running) >= run.gang_size
+    return int(running) >= gang_size
 
 
 GANG_STOP = "gang"
@@ -276,7 +356,7 @@ def record_master_port(session: Session, run_id: str, port: int) -> list[str]:
 def mark_delivered(session: Session, run_id: str) -> None:
     """The agent answered AssignJob (started or already running): record the delivery."""
     session.execute(
-        update(JobRunRow).where(JobRunRow.id == run_id).values(assigned_at=db_now(session))
+        update(JobRunRow).where(JobRunRow.id == run_id).values(assigned_at=now_sql(session))
     )
 
 

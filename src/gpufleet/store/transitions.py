@@ -2,8 +2,9 @@
 
 Each change: check the edge against the domain's transition table, run a guarded
 ``UPDATE ... WHERE id = :id AND status IN (:allowed_from) [AND guard columns]``, and append a
-SchedulingEvent row in the same transaction (added to the session: the events of one
-transaction go to the database in one batched INSERT at its flush). With one allowed source
+SchedulingEvent row in the same transaction. Events are queued on the session and written at
+commit, all of one transaction in ONE multi-row INSERT (:func:`_write_events`): a
+transaction that moves three rows sends one event statement, not three. With one allowed source
 state the UPDATE is the only statement; with several, a ``SELECT ... FOR UPDATE`` first learns
 which one the row is in (the event records it). 0 rows matched raises StaleState: the row moved
 on (another status, token or epoch) and the caller's view was stale.
@@ -15,13 +16,13 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import event, insert, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import StaleState
 from gpufleet.domain.states import RUN_TERMINAL, Machine, check_transition
 from gpufleet.store import accounting
-from gpufleet.store.dialect import db_now
+from gpufleet.store.dialect import now_sql
 from gpufleet.store.tables import (
     Base,
     JobRow,
@@ -143,21 +144,22 @@ def record_transition(
     """
     if trigger is None:
         trigger = check_transition(machine, frm, to)
-    session.add(
-        SchedulingEventRow(
-            at=now,
-            kind="transition",
-            machine=machine.value,
-            entity_id=entity_id,
-            from_status=frm,
-            to_status=to,
-            trigger=trigger,
-            job_id=job_id,
-            run_id=run_id,
-            node_id=node_id,
-            message=message,
-            details=dict(details) if details else None,
-        )
+    _queue_event(
+        session,
+        {
+            "at": now,
+            "kind": "transition",
+            "machine": machine.value,
+            "entity_id": entity_id,
+            "from_status": frm,
+            "to_status": to,
+            "trigger": trigger,
+            "job_id": job_id,
+            "run_id": run_id,
+            "node_id": node_id,
+            "message": message,
+            "details": dict(details) if details else None,
+        },
     )
 
 
@@ -173,14 +175,46 @@ def record_event(
     details: Mapping[str, Any] | None = None,
 ) -> None:
     """Append a non-transition audit event (a placement decision, a reconcile finding...)."""
-    session.add(
-        SchedulingEventRow(
-            at=now if now is not None else db_now(session),
-            kind=kind,
-            job_id=job_id,
-            run_id=run_id,
-            node_id=node_id,
-            message=message,
-            details=dict(details) if details else None,
-        )
+    _queue_event(
+        session,
+        {
+            # no clock given: the database's, read by the INSERT itself
+            "at": now if now is not None else now_sql(session),
+            "kind": kind,
+            "job_id": job_id,
+            "run_id": run_id,
+            "node_id": node_id,
+            "message": message,
+            "details": dict(details) if details else None,
+        },
     )
+
+
+_EVENTS = "gpufleet.events"
+_EVENT_COLUMNS = tuple(c.name for c in SchedulingEventRow.__table__.c if c.name != "id")
+"""Every row of one multi-row INSERT names the same columns (absent ones are NULL)."""
+
+
+def _queue_event(session: Session, row: dict[str, Any]) -> None:
+    """Queue one ``scheduling_events`` row on ``session``; written at commit."""
+    session.info.setdefault(_EVENTS, []).append({k: row.get(k) for k in _EVENT_COLUMNS})
+
+
+def pending_events(session: Session) -> list[dict[str, Any]]:
+    """The events queued on ``session`` and not yet written (its transaction is open)."""
+    return list(session.info.get(_EVENTS, ()))
+
+
+@event.listens_for(Session, "before_commit")
+def _write_events(session: Session) -> None:
+    """Write the queued events of the committing transaction: one INSERT of all rows (a
+    multi-row VALUES list, no RETURNING), before the commit itself."""
+    rows = session.info.pop(_EVENTS, None)
+    if rows:
+        session.execute(insert(SchedulingEventRow).values(rows))
+
+
+@event.listens_for(Session, "after_rollback")
+def _drop_events(session: Session) -> None:
+    """A rolled-back transaction's events are dropped with it."""
+    session.info.pop(_EVENTS, None)
