@@ -10,8 +10,8 @@ pooled connection, not per transaction, and are not counted).
 
 The life is driven through the code the platform runs, in-process:
 
-1. submit: ``POST /v1/jobs`` on the API app (the token's principal already cached, as for
-   any client's second request);
+1. submit: ``POST /v1/jobs`` on the API app, the token read as on a principal-cache miss
+   (the cache keeps a token 0.5 s), the other caches (fleet shapes, limits) warm;
 2. schedule: one ``Scheduler.run_pass`` of the controller that places the job. The pass's
    own statements (snapshot, gating, clock), shared by every job of the fleet, are NOT the
    job's: counted here is the pass with the job minus the same pass without it (measured
@@ -61,7 +61,7 @@ RESERVE_BUDGET = 4
 """The goal: statements of one ``allocate.reserve`` transaction (single node)."""
 
 # What is reached now (the limits asserted). Above the goals: see docs/design/allocation.md.
-JOB_LIMIT = {"sqlite": 41, "postgresql": 35}
+JOB_LIMIT = {"sqlite": 35, "postgresql": 29}
 RESERVE_LIMIT = {"sqlite": 8, "postgresql": 7}
 RELEASE_LIMIT = {"sqlite": 6, "postgresql": 5}
 
@@ -113,7 +113,8 @@ class Platform:
         self.db = db
         settings = Settings(data_dir=tmp)
         self.store = ObjectStore(str(tmp / "objects"))
-        app = create_app(AppState(settings, db, InProcWaker(), self.store))
+        self.state = AppState(settings, db, InProcWaker(), self.store)
+        app = create_app(self.state)
         self.token = db.run_write(
             lambda s: (
                 auth.create_team(s, "team-a", exist_ok=True),
@@ -133,6 +134,8 @@ class Platform:
         self.client = TestClient(app, raise_server_exceptions=True)
 
     def submit(self) -> str:
+        # the token's principal is cached for 0.5 s: counted as a miss, whatever the timing
+        self.state.principals.clear()
         r = self.client.post(
             "/v1/jobs",
             json={"command": ["true"], "gpu_count": 2},

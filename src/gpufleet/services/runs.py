@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import Forbidden
 from gpufleet.domain.manifest import MANIFEST_NAME, Manifest, file_problem
 from gpufleet.domain.states import (
+    RESERVATION_ACTIVE,
     RUN_TERMINAL,
     JobStatus,
     Machine,
@@ -27,11 +28,11 @@ from gpufleet.domain.states import (
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.usage import UsageLedger
-from gpufleet.store import allocate
+from gpufleet.store import accounting, allocate
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import as_utc, db_now, now_sql
 from gpufleet.store.leader import assert_leader
-from gpufleet.store.tables import JobRow, JobRunRow, ReservationRow, TeamRow
+from gpufleet.store.tables import ApiTokenRow, JobRow, JobRunRow, NodeRow, ReservationRow, TeamRow
 from gpufleet.store.transitions import record_event, record_transition, transition
 
 
@@ -495,11 +496,61 @@ def complete_run(
         verified = verify_manifest(store, job_id, report)
 
     def tx(session: Session) -> tuple[CompletionResult, str]:
-        now = db_now(session)
-        run = session.get(JobRunRow, report.run_id, with_for_update=True)
-        job = session.get(JobRow, job_id, with_for_update=True)
-        assert run is not None
-        assert job is not None
+        # one statement: run and job locked, the database clock, and what the end needs of
+        # the node, the submitting token, the team (read unlocked: charged optimistically)
+        # and the active reservation
+        res_c = ReservationRow.__table__.c
+        row = session.execute(
+            select(
+                JobRunRow,
+                JobRow,
+                now_sql(session).label("clock"),
+                NodeRow.gpu_type,
+                ApiTokenRow.name,
+                TeamRow.usage_gpu_s,
+                TeamRow.usage_as_of,
+                res_c.id.label("res_id"),
+                res_c.status.label("res_status"),
+                res_c.gpu_count.label("res_gpus"),
+                res_c.node_id.label("res_node"),
+            )
+            .join(JobRow, JobRow.id == JobRunRow.job_id)
+            .outerjoin(NodeRow, NodeRow.id == JobRunRow.node_id)
+            .outerjoin(ApiTokenRow, ApiTokenRow.id == JobRow.submitted_by)
+            .outerjoin(TeamRow, TeamRow.id == JobRow.team_id)
+            .outerjoin(
+                ReservationRow,
+                (res_c.run_id == JobRunRow.id) & res_c.status.in_(sorted(RESERVATION_ACTIVE)),
+            )
+            .where(JobRunRow.id == report.run_id)
+            .with_for_update(of=[JobRunRow, JobRow])
+        ).first()
+        assert row is not None
+        run, job = row[0], row[1]
+        now = as_utc(row.clock)
+        usage = (
+            accounting.AttemptFacts(
+                job.id,
+                run.attempt,
+                run.node_id,
+                run.gpu_ids,
+                run.created_at,
+                job.team_id,
+                job.submitted_by,
+                row.gpu_type,
+                row.name,
+            )
+            if row.gpu_type is not None
+            else None
+        )
+        reservation = (
+            allocate.ActiveReservation(
+                row.res_id, job.id, row.res_node, row.res_gpus, row.res_status
+            )
+            if row.res_id is not None
+            else None
+        )
+        team_usage = (row.usage_gpu_s, row.usage_as_of) if row.usage_gpu_s is not None else None
         if run.status in RUN_TERMINAL:
             return CompletionResult.ACCEPTED, f"already committed as {run.status}"
         if run.token != report.token:
@@ -552,15 +603,27 @@ def complete_run(
             run_id=run.id,
             node_id=run.node_id,
             message=f"rank {run.rank}: {why}" if gang else why,
+            usage=usage,
         )
         if gang:
             return _complete_gang_member(
                 session, run, job, run_to, why, values, now, retry_backoff
             )
         gpus = allocate.release(
-            session, run_id=run.id, now=now, message=f"agent reported {report.outcome.lower()}"
+            session,
+            run_id=run.id,
+            now=now,
+            message=f"agent reported {report.outcome.lower()}",
+            known=reservation,
         )
-        charge_usage(session, job.team_id, gpus, reserved_at=run.created_at, released_at=now)
+        charge_usage(
+            session,
+            job.team_id,
+            gpus,
+            reserved_at=run.created_at,
+            released_at=now,
+            known=team_usage,
+        )
         if not current:
             return CompletionResult.STALE, "not the job's current attempt; job unchanged"
         if job_to is not None:
@@ -797,20 +860,50 @@ def charge_usage(
     reserved_at: datetime,
     released_at: datetime,
     half_life_s: float = PolicyConfig().usage_half_life_s,
+    known: tuple[float, datetime | None] | None = None,
 ) -> None:
     """Charge the GPU-time one attempt held, from reservation to release, whatever its
     outcome (succeeded, failed, preempted, cancelled), decayed as ``policy.usage`` defines; so
-    a retry or a preemption costs its team exactly the GPU-time it really held."""
+    a retry or a preemption costs its team exactly the GPU-time it really held.
+
+    ``known``: the team's ``(usage_gpu_s, usage_as_of)`` as the caller read them (unlocked)
+    in this transaction: one UPDATE guarded by those values (optimistic); if another charge
+    changed them meanwhile, the row is locked and read as without ``known``."""
     if gpus <= 0:
         return
+    if known is not None:
+        value, as_of_at = _charged(known[0], known[1], gpus, reserved_at, released_at, half_life_s)
+        t = TeamRow.__table__.c
+        same_as_of = t.usage_as_of.is_(None) if known[1] is None else t.usage_as_of == known[1]
+        hit = session.execute(
+            update(TeamRow)
+            .where(t.id == team_id, t.usage_gpu_s == known[0], same_as_of)
+            .values(usage_gpu_s=value, usage_as_of=as_of_at)
+            .execution_options(synchronize_session=False)
+        )
+        if hit.rowcount == 1:  # type: ignore[attr-defined]
+            return
     team = session.get(TeamRow, team_id, with_for_update=True)
     if team is None:
         return
-    as_of = (team.usage_as_of or released_at).timestamp()
-    ledger = UsageLedger(team.usage_gpu_s, min(as_of, released_at.timestamp()), half_life_s)
+    team.usage_gpu_s, team.usage_as_of = _charged(
+        team.usage_gpu_s, team.usage_as_of, gpus, reserved_at, released_at, half_life_s
+    )
+
+
+def _charged(
+    usage_gpu_s: float,
+    usage_as_of: datetime | None,
+    gpus: int,
+    reserved_at: datetime,
+    released_at: datetime,
+    half_life_s: float,
+) -> tuple[float, datetime]:
+    """A team's (usage_gpu_s, usage_as_of) after charging one attempt (``policy.usage``)."""
+    as_of = (usage_as_of or released_at).timestamp()
+    ledger = UsageLedger(usage_gpu_s, min(as_of, released_at.timestamp()), half_life_s)
     ledger.charge_attempt(gpus, reserved_at.timestamp(), released_at.timestamp())
-    team.usage_gpu_s = ledger.value
-    team.usage_as_of = datetime.fromtimestamp(ledger.as_of_s, UTC)
+    return ledger.value, datetime.fromtimestamp(ledger.as_of_s, UTC)
 
 
 def describe_phases(p: dict[str, Any] | None) -> str:

@@ -33,6 +33,7 @@ from gpufleet.domain.states import (
     NodeStatus,
     ReservationStatus,
     RunStatus,
+    check_transition,
 )
 from gpufleet.domain.types import GpuDevice
 from gpufleet.store import leader
@@ -46,7 +47,7 @@ from gpufleet.store.tables import (
     NodeRow,
     ReservationRow,
 )
-from gpufleet.store.transitions import transition
+from gpufleet.store.transitions import record_transition, transition
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +339,17 @@ def reserve_gang(
     return ReservedGang(job_id, token, attempt, tuple(out))
 
 
+@dataclass(frozen=True, slots=True)
+class ActiveReservation:
+    """A run's active reservation as a caller read it (see :func:`release`)."""
+
+    id: str
+    job_id: str
+    node_id: str
+    gpu_count: int
+    status: str
+
+
 def release(
     session: Session,
     *,
@@ -346,6 +358,7 @@ def release(
     to: ReservationStatus = ReservationStatus.RELEASED,
     message: str,
     only_quarantined: bool = False,
+    known: ActiveReservation | None = None,
 ) -> int:
     """Release the active reservation of ``run_id`` (RESERVED, CONFIRMED or QUARANTINED;
     ``only_quarantined``: only a QUARANTINED one): reservation -> RELEASED (or EXPIRED),
@@ -353,33 +366,70 @@ def release(
     no active reservation: releasing twice is a no-op, not an error).
 
     Call only with the agent's word that the attempt's processes are gone, or on a fence.
+
+    ``known``: the run's active reservation as the caller read it in this transaction (with
+    ``now``): it is moved by one UPDATE guarded by that status, without a read first; if it
+    moved meanwhile, the reservation is read and locked as without ``known``.
     """
     states = [ReservationStatus.QUARANTINED] if only_quarantined else sorted(RESERVATION_ACTIVE)
     res_c = ReservationRow.__table__.c
-    clock = now_sql(session)
-    # the active reservation, locked, with the database clock (one statement)
-    found = session.execute(
-        select(res_c.id, res_c.job_id, res_c.node_id, res_c.gpu_count, res_c.status, clock)
-        .where(res_c.run_id == run_id, res_c.status.in_(states))
-        .with_for_update()
-    ).first()
-    if found is None:
-        return 0
-    res_id, job_id, node_id, gpu_count, was, at = found
-    now = now if now is not None else as_utc(at)
-    transition(
-        session,
-        Machine.RESERVATION,
-        res_id,
-        to,
-        now=now,
-        frm=[was],
-        values={"released_at": now},
-        message=message,
-        job_id=job_id,
-        run_id=run_id,
-        node_id=node_id,
-    )
+    moved = False
+    if known is not None and now is not None and known.status in states:
+        check_transition(Machine.RESERVATION, known.status, to)
+        moved = (
+            session.execute(
+                update(ReservationRow)
+                .where(
+                    res_c.id == known.id,
+                    res_c.run_id == run_id,
+                    res_c.status == known.status,
+                )
+                .values(status=to, released_at=now)
+                .execution_options(synchronize_session=False)
+            ).rowcount  # type: ignore[attr-defined]
+            == 1
+        )
+    if moved:
+        assert known is not None
+        assert now is not None
+        res_id, job_id, node_id, gpu_count = known.id, known.job_id, known.node_id, known.gpu_count
+        record_transition(
+            session,
+            Machine.RESERVATION,
+            res_id,
+            known.status,
+            to,
+            now=now,
+            message=message,
+            job_id=job_id,
+            run_id=run_id,
+            node_id=node_id,
+        )
+    else:
+        clock = now_sql(session)
+        # the active reservation, locked, with the database clock (one statement)
+        found = session.execute(
+            select(res_c.id, res_c.job_id, res_c.node_id, res_c.gpu_count, res_c.status, clock)
+            .where(res_c.run_id == run_id, res_c.status.in_(states))
+            .with_for_update()
+        ).first()
+        if found is None:
+            return 0
+        res_id, job_id, node_id, gpu_count, was, at = found
+        now = now if now is not None else as_utc(at)
+        transition(
+            session,
+            Machine.RESERVATION,
+            res_id,
+            to,
+            now=now,
+            frm=[was],
+            values={"released_at": now},
+            message=message,
+            job_id=job_id,
+            run_id=run_id,
+            node_id=node_id,
+        )
     cap = NodeCapacityRow.__table__.c
     back = session.execute(
         update(NodeCapacityRow)

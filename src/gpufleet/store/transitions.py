@@ -55,6 +55,7 @@ def transition(
     job_id: str | None = None,
     run_id: str | None = None,
     node_id: str | None = None,
+    usage: accounting.AttemptFacts | None = None,
 ) -> str:
     """Move ``entity_id`` of ``machine`` to ``to`` from one of ``frm``; returns the old status.
 
@@ -63,6 +64,8 @@ def transition(
             the table (IllegalTransition otherwise), whatever the row's real state.
         guard: extra equality conditions (e.g. ``{"token": 7}``, ``{"fencing_epoch": 3}``).
         values: other columns to set in the same UPDATE.
+        usage: a run reaching a terminal status: the attempt as the caller read it in this
+            transaction, for its usage record (``accounting.record_attempt_end``).
 
     Raises:
         IllegalTransition: an edge ``frm -> to`` is not in the table.
@@ -103,7 +106,7 @@ def transition(
         )
     if machine is Machine.RUN and to in RUN_TERMINAL:
         # the one place every attempt ends: its usage record goes in the same transaction
-        accounting.record_attempt_end(session, entity_id, outcome=str(to), end_at=now)
+        accounting.record_attempt_end(session, entity_id, outcome=str(to), end_at=now, facts=usage)
     record_transition(
         session,
         machine,
