@@ -69,13 +69,17 @@ def snapshot_engine(engine: Engine) -> Engine:
     return engine
 
 
-def now_sql(session: Session) -> ColumnElement[Any]:
+def now_sql(session: Session, *, stable: bool = False) -> ColumnElement[Any]:
     """The database clock of :func:`db_now` as a SQL expression, to fold into another
     statement (a guard ``expires_at > now``, a ``RETURNING`` that tells the caller the time)
-    instead of a statement of its own. Read a returned value with :func:`as_utc`."""
+    instead of a statement of its own. Read a returned value with :func:`as_utc`.
+
+    ``stable``: every use in one statement gives the same value (PostgreSQL
+    ``statement_timestamp()``, the statement's start; SQLite's ``'now'`` is stable anyway),
+    for two columns that must be equal."""
     if session.get_bind().dialect.name == "sqlite":
         return func.strftime("%Y-%m-%d %H:%M:%f", "now")
-    return func.clock_timestamp()
+    return func.statement_timestamp() if stable else func.clock_timestamp()
 
 
 def as_utc(value: Any) -> datetime:
