@@ -51,13 +51,23 @@ def install_sqlite_hooks(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         mode = conn.get_execution_options().get("sqlite_begin", "DEFERRED")
-        conn.exec_driver_sql(f"BEGIN {mode}")
+        if mode:  # read_engine: none, each statement is its own (autocommit) transaction
+            conn.exec_driver_sql(f"BEGIN {mode}")
 
 
 def write_engine(engine: Engine) -> Engine:
     """The same pool, but transactions begin as writers (SQLite ``BEGIN IMMEDIATE``;
     PostgreSQL READ COMMITTED, row locks taken by the conditional UPDATEs themselves)."""
     return engine.execution_options(sqlite_begin="IMMEDIATE")
+
+
+def read_engine(engine: Engine) -> Engine:
+    """The same pool, for plain reads that need no single snapshot: on SQLite no ``BEGIN``
+    (a statement of its own per session): each statement reads in its own implicit
+    transaction, as each does under PostgreSQL's READ COMMITTED."""
+    if engine.dialect.name == "sqlite":
+        return engine.execution_options(sqlite_begin="")
+    return engine
 
 
 def snapshot_engine(engine: Engine) -> Engine:
