@@ -13,9 +13,11 @@ The life is driven through the code the platform runs, in-process:
 1. submit: ``POST /v1/jobs`` on the API app, the token read as on a principal-cache miss
    (the cache keeps a token 0.5 s), the other caches (fleet shapes, limits) warm;
 2. schedule: one ``Scheduler.run_pass`` of the controller that places the job. The pass's
-   own statements (snapshot, gating, clock), shared by every job of the fleet, are NOT the
-   job's: counted here is the pass with the job minus the same pass without it (measured
-   just before the submit), i.e. what grows with the number of jobs (its reservation);
+   snapshot read (``Database.snapshot()``: load_snapshot, gating, the clock) is shared by
+   every job of the fleet and NOT the job's (it reads the specs of new jobs up to 500 in one
+   statement; the extra it had is printed, not counted); counted is what the pass writes
+   with the job minus what it writes without it (the same pass just before the submit):
+   the statements that grow with the number of jobs, its reservation;
 3. dispatch: ``Scheduler.dispatch`` in the assign pool (the AssignJob request read, the
    delivery record). The agent's AssignJob answer is the one stand-in (the network edge):
    it answers STARTED, as an agent that launched the processes does;
@@ -32,7 +34,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -61,8 +63,8 @@ RESERVE_BUDGET = 4
 """The goal: statements of one ``allocate.reserve`` transaction (single node)."""
 
 # What is reached now (the limits asserted). Above the goals: see docs/design/allocation.md.
-JOB_LIMIT = {"sqlite": 31, "postgresql": 26}
-RESERVE_LIMIT = {"sqlite": 8, "postgresql": 7}
+JOB_LIMIT = {"sqlite": 30, "postgresql": 22}
+RESERVE_LIMIT = {"sqlite": 7, "postgresql": RESERVE_BUDGET}
 RELEASE_LIMIT = {"sqlite": 6, "postgresql": 5}
 
 HOLDER = "budget-leader"
@@ -80,9 +82,11 @@ class StatementCounter:
         self._lock = threading.Lock()
         event.listen(self.engine, "before_cursor_execute", self._on)
 
-    def _on(self, _conn: Any, _cur: Any, statement: str, *_: Any) -> None:
+    def _on(self, conn: Any, _cur: Any, statement: str, *_: Any) -> None:
         name = threading.current_thread().name
         phase = "dispatch" if name.startswith("assign") else self.phase
+        if phase.endswith("pass") and _is_snapshot(conn.get_execution_options()):
+            phase += " snapshot"
         with self._lock:
             self.counts[phase] += 1
             self.sql.setdefault(phase, []).append(" ".join(statement.split())[:160])
@@ -97,6 +101,15 @@ class StatementCounter:
 
     def close(self) -> None:
         event.remove(self.engine, "before_cursor_execute", self._on)
+
+
+def _is_snapshot(options: Mapping[str, Any]) -> bool:
+    """A statement of a ``Database.snapshot()`` session (the scheduling pass's read):
+    REPEATABLE READ on PostgreSQL; on SQLite the engine without a ``sqlite_begin`` option
+    (reads and writes set one)."""
+    return options.get("isolation_level") == "REPEATABLE READ" or (
+        "sqlite_begin" not in options and "isolation_level" not in options
+    )
 
 
 class StartedAgent:
@@ -214,11 +227,19 @@ def one_life(p: Platform, counter: StatementCounter) -> dict[str, int]:
     c = counter.counts
     return {
         "submit": c["submit"],
+        # the statements that apply the placement; the pass's snapshot read is shared by all
+        # jobs (its spec read takes up to 500 new jobs in one statement): not the job's
         "schedule (pass minus empty pass)": c["schedule pass"] - c["empty pass"],
         "dispatch": c["dispatch"],
         "confirm": c["confirm"],
         "complete": c["complete"],
     }
+
+
+def snapshot_extra(counter: StatementCounter) -> int:
+    """Statements the pass's snapshot read had more with the job than without (not the
+    job's: shown, not counted)."""
+    return counter.counts["schedule pass snapshot"] - counter.counts["empty pass snapshot"]
 
 
 def show(title: str, phases: dict[str, int], counter: StatementCounter) -> None:
@@ -240,10 +261,12 @@ def test_one_job_life_fits_the_statement_budget(db: Database, tmp_path: Path) ->
         # token's principal, the fleet shapes, the submit admission, pooled connections
         one_life(p, counter)
         phases = one_life(p, counter)
+        shared = snapshot_extra(counter)
     finally:
         counter.close()
         p.close()
     show(f"statements of one job's life on {db.engine.dialect.name}", phases, counter)
+    print(f"  (not counted: the pass's shared snapshot read had {shared} more with the job)")
     assert check_database(db)[1] == []
     assert sum(phases.values()) <= JOB_LIMIT[db.engine.dialect.name], phases
 
@@ -265,6 +288,7 @@ def _reserve_and_release(db: Database, counter: StatementCounter, epoch: int) ->
                 leader_holder="test-leader",
                 leader_epoch=epoch,
                 lease_s=60,
+                holds=False,  # as the scheduler places a job its snapshot shows no hold of
             )
         )
     with counter.counting("release"):

@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import ApiTokenRow, JobRow, JobRunRow, NodeRow, UsageRecordRow
 
 
@@ -93,22 +94,24 @@ def _add_record(
 ) -> None:
     gpus = len(row.gpu_ids or [])
     seconds = max(0.0, (end_at - row.created_at).total_seconds())
-    session.add(
-        UsageRecordRow(
-            run_id=run_id,
-            job_id=row.job_id,
-            attempt=row.attempt,
-            team_id=row.team_id,
-            token_id=row.submitted_by,
-            user=row.name or row.submitted_by or "",
-            node_id=row.node_id,
-            gpu_type=row.gpu_type,
-            gpus=gpus,
-            start_at=row.created_at,
-            end_at=max(end_at, row.created_at),
-            gpu_seconds=seconds * gpus,
-            outcome=outcome,
-        )
+    queue_insert(  # written at commit with the transaction's events (store.outbox)
+        session,
+        UsageRecordRow.__table__,
+        {
+            "run_id": run_id,
+            "job_id": row.job_id,
+            "attempt": row.attempt,
+            "team_id": row.team_id,
+            "token_id": row.submitted_by,
+            "user": row.name or row.submitted_by or "",
+            "node_id": row.node_id,
+            "gpu_type": row.gpu_type,
+            "gpus": gpus,
+            "start_at": row.created_at,
+            "end_at": max(end_at, row.created_at),
+            "gpu_seconds": seconds * gpus,
+            "outcome": outcome,
+        },
     )
 
 

@@ -38,6 +38,7 @@ from gpufleet.domain.states import (
 from gpufleet.domain.types import GpuDevice
 from gpufleet.store import leader
 from gpufleet.store.dialect import as_utc, now_sql
+from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import (
     GpuHoldRow,
     JobRunRow,
@@ -124,34 +125,40 @@ def _add_member(
     """The run row and the reservation row of one member of an attempt (a single-node attempt
     is rank 0 of 1), under the attempt's fencing ``token``; the GPUs are already claimed."""
     reservation_id = new_reservation_id()
-    session.add(
-        JobRunRow(
-            id=run_id,
-            job_id=job_id,
-            attempt=attempt,
-            node_id=node_id,
-            status=RunStatus.ASSIGNED,
-            token=token,
-            gpu_ids=gpu_ids,
-            rank=rank,
-            gang_size=gang_size,
-            created_at=now,
-        )
+    # queued (store.outbox): written at commit, the run rows before the reservation rows, with
+    # the transaction's events; on PostgreSQL all of them in one statement
+    queue_insert(
+        session,
+        JobRunRow.__table__,
+        {
+            "id": run_id,
+            "job_id": job_id,
+            "attempt": attempt,
+            "node_id": node_id,
+            "status": RunStatus.ASSIGNED,
+            "token": token,
+            "gpu_ids": gpu_ids,
+            "rank": rank,
+            "gang_size": gang_size,
+            "created_at": now,
+        },
     )
-    session.add(
-        ReservationRow(
-            id=reservation_id,
-            run_id=run_id,
-            job_id=job_id,
-            node_id=node_id,
-            gpu_ids=gpu_ids,
-            gpu_count=len(gpu_ids),
-            status=ReservationStatus.RESERVED,
-            token=token,
-            leader_epoch=leader_epoch,
-            lease_expires_at=now + timedelta(seconds=lease_s),
-            created_at=now,
-        )
+    queue_insert(
+        session,
+        ReservationRow.__table__,
+        {
+            "id": reservation_id,
+            "run_id": run_id,
+            "job_id": job_id,
+            "node_id": node_id,
+            "gpu_ids": gpu_ids,
+            "gpu_count": len(gpu_ids),
+            "status": ReservationStatus.RESERVED,
+            "token": token,
+            "leader_epoch": leader_epoch,
+            "lease_expires_at": now + timedelta(seconds=lease_s),
+            "created_at": now,
+        },
     )
     return Reserved(job_id, run_id, reservation_id, node_id, token, attempt, tuple(gpu_ids))
 
@@ -335,7 +342,6 @@ def reserve_gang(
         )
         for rank, node_id, _count in by_rank
     ]
-    session.flush()
     return ReservedGang(job_id, token, attempt, tuple(out))
 
 

@@ -4,11 +4,21 @@ clock, and the migration lock."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import ColumnElement, Connection, Engine, event, func, text
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Engine,
+    FromClause,
+    TableClause,
+    event,
+    func,
+    insert,
+    text,
+)
 from sqlalchemy.orm import Session
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -59,6 +69,25 @@ def write_engine(engine: Engine) -> Engine:
     """The same pool, but transactions begin as writers (SQLite ``BEGIN IMMEDIATE``;
     PostgreSQL READ COMMITTED, row locks taken by the conditional UPDATEs themselves)."""
     return engine.execution_options(sqlite_begin="IMMEDIATE")
+
+
+def insert_together(
+    session: Session, groups: Sequence[tuple[FromClause, list[dict[str, Any]]]]
+) -> None:
+    """INSERT every group's rows (one multi-row VALUES list per table, no RETURNING), in the
+    order given (parents before children). PostgreSQL: ONE statement, the earlier groups as
+    data-modifying CTEs of the last one's INSERT (foreign keys are checked at the end of
+    the statement); SQLite, which has no INSERT in a CTE: one statement per table."""
+    tables = [(cast(TableClause, t), rows) for t, rows in groups if rows]
+    if not tables:
+        return
+    if session.get_bind().dialect.name == "postgresql" and len(tables) > 1:
+        *first, (last, last_rows) = tables
+        ctes = [insert(t).values(rows).cte(f"ins{i}") for i, (t, rows) in enumerate(first)]
+        session.execute(insert(last).values(last_rows).add_cte(*ctes))
+        return
+    for t, rows in tables:
+        session.execute(insert(t).values(rows))
 
 
 def read_engine(engine: Engine) -> Engine:

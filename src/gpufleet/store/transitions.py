@@ -16,13 +16,14 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import event, insert, update
+from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import StaleState
 from gpufleet.domain.states import RUN_TERMINAL, Machine, check_transition
 from gpufleet.store import accounting
 from gpufleet.store.dialect import now_sql
+from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import (
     Base,
     JobRow,
@@ -193,31 +194,10 @@ def record_event(
     )
 
 
-_EVENTS = "gpufleet.events"
 _EVENT_COLUMNS = tuple(c.name for c in SchedulingEventRow.__table__.c if c.name != "id")
 """Every row of one multi-row INSERT names the same columns (absent ones are NULL)."""
 
 
 def _queue_event(session: Session, row: dict[str, Any]) -> None:
     """Queue one ``scheduling_events`` row on ``session``; written at commit."""
-    session.info.setdefault(_EVENTS, []).append({k: row.get(k) for k in _EVENT_COLUMNS})
-
-
-def pending_events(session: Session) -> list[dict[str, Any]]:
-    """The events queued on ``session`` and not yet written (its transaction is open)."""
-    return list(session.info.get(_EVENTS, ()))
-
-
-@event.listens_for(Session, "before_commit")
-def _write_events(session: Session) -> None:
-    """Write the queued events of the committing transaction: one INSERT of all rows (a
-    multi-row VALUES list, no RETURNING), before the commit itself."""
-    rows = session.info.pop(_EVENTS, None)
-    if rows:
-        session.execute(insert(SchedulingEventRow).values(rows))
-
-
-@event.listens_for(Session, "after_rollback")
-def _drop_events(session: Session) -> None:
-    """A rolled-back transaction's events are dropped with it."""
-    session.info.pop(_EVENTS, None)
+    queue_insert(session, SchedulingEventRow.__table__, {k: row.get(k) for k in _EVENT_COLUMNS})
