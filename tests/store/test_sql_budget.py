@@ -63,9 +63,9 @@ RESERVE_BUDGET = 4
 """The goal: statements of one ``allocate.reserve`` transaction (single node)."""
 
 # What is reached now (the limits asserted). Above the goals: see docs/design/allocation.md.
-JOB_LIMIT = {"sqlite": 30, "postgresql": 22}
+JOB_LIMIT = {"sqlite": 30, "postgresql": 21}
 RESERVE_LIMIT = {"sqlite": 7, "postgresql": RESERVE_BUDGET}
-RELEASE_LIMIT = {"sqlite": 6, "postgresql": 5}
+RELEASE_LIMIT = {"sqlite": 6, "postgresql": 4}
 
 HOLDER = "budget-leader"
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import cast
 
-from sqlalchemy import delete, exists, select, update
+from sqlalchemy import Table, delete, exists, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import CapacityConflict, Conflict, StaleState
@@ -37,7 +38,7 @@ from gpufleet.domain.states import (
 )
 from gpufleet.domain.types import GpuDevice
 from gpufleet.store import leader
-from gpufleet.store.dialect import as_utc, now_sql
+from gpufleet.store.dialect import as_utc, execute_with, now_sql
 from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import (
     GpuHoldRow,
@@ -437,20 +438,20 @@ def release(
             node_id=node_id,
         )
     cap = NodeCapacityRow.__table__.c
-    back = session.execute(
-        update(NodeCapacityRow)
+    gpu = NodeGpuRow.__table__.c
+    # the run's GPU rows (locked by nobody else: its reservation row is) freed with the
+    # capacity update, in one statement on PostgreSQL (dialect.execute_with)
+    back = execute_with(
+        session,
+        update(cast(Table, NodeCapacityRow.__table__))
         .where(cap.node_id == node_id, cap.available_gpus + gpu_count <= cap.total_gpus)
-        .values(available_gpus=cap.available_gpus + gpu_count, version=cap.version + 1)
-        .execution_options(synchronize_session=False)
+        .values(available_gpus=cap.available_gpus + gpu_count, version=cap.version + 1),
+        update(cast(Table, NodeGpuRow.__table__))
+        .where(gpu.node_id == node_id, gpu.holder_run_id == run_id)
+        .values(holder_run_id=None),
     )
-    if back.rowcount != 1:  # type: ignore[attr-defined]
+    if back.rowcount != 1:
         raise StaleState(f"node {node_id}: returning {gpu_count} GPUs would exceed total")
-    session.execute(
-        update(NodeGpuRow)
-        .where(NodeGpuRow.node_id == node_id, NodeGpuRow.holder_run_id == run_id)
-        .values(holder_run_id=None)
-        .execution_options(synchronize_session=False)
-    )
     return int(gpu_count)
 
 

@@ -90,6 +90,19 @@ def insert_together(
         session.execute(insert(t).values(rows))
 
 
+def execute_with(session: Session, main: Any, *before: Any) -> Any:
+    """Execute the DML statements ``before`` and then ``main``; returns ``main``'s result
+    (its row count, its RETURNING rows). PostgreSQL: ONE statement, ``before`` as
+    data-modifying CTEs of ``main`` (all on one snapshot: use only for statements on rows
+    that no other statement of the group reads); SQLite: one statement each, in order."""
+    if session.get_bind().dialect.name == "postgresql" and before:
+        ctes = [stmt.cte(f"w{i}") for i, stmt in enumerate(before)]
+        return session.execute(main.add_cte(*ctes))
+    for stmt in before:
+        session.execute(stmt)
+    return session.execute(main)
+
+
 def read_engine(engine: Engine) -> Engine:
     """The same pool, for plain reads that need no single snapshot: on SQLite no ``BEGIN``
     (a statement of its own per session): each statement reads in its own implicit
