@@ -9,7 +9,6 @@ import enum
 import random
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from functools import partial
 from typing import Any
 
 from sqlalchemy import func, or_, select, update
@@ -468,32 +467,12 @@ def complete_run(
         Forbidden: ``report.node_id`` is not the node the attempt was placed on (a node
             reports only for its own runs); nothing changes.
     """
-    with db.read() as session:
-        run = session.get(JobRunRow, report.run_id)
-        if run is None:
-            return CompletionResult.STALE, "unknown run"
-        if run.node_id != report.node_id:
-            raise Forbidden(
-                f"run {report.run_id} is not placed on node {report.node_id!r}", field="run_id"
-            )
-        job_id = run.job_id
-        fenced = run.status == RunStatus.FENCED
-        if run.status in RUN_TERMINAL and not (fenced and not inferred):
-            return CompletionResult.ACCEPTED, f"already committed as {run.status}"
-    if fenced:  # the agent's word that a fenced run's processes are gone: GPUs come back
-        gpus = db.run_write(
-            partial(
-                allocate.release,
-                run_id=report.run_id,
-                now=None,
-                message=f"agent reported the fenced run {report.outcome.lower()}",
-                only_quarantined=True,
-            )
-        )
-        return CompletionResult.STALE, f"the attempt was fenced; {gpus} GPU(s) released"
+    # the manifest is verified before the transaction (object-store I/O), against the job
+    # its key names; the transaction checks that this is the run's job (no read before it)
+    claimed = _claimed_job_id(store, report)
     verified = Verified(True)
-    if report.outcome != Outcome.NEVER_STARTED:
-        verified = verify_manifest(store, job_id, report)
+    if report.outcome != Outcome.NEVER_STARTED and claimed is not None:
+        verified = verify_manifest(store, claimed, report)
 
     def tx(session: Session) -> tuple[CompletionResult, str]:
         # one statement: run and job locked, the database clock, and what the end needs of
@@ -525,8 +504,27 @@ def complete_run(
             .where(JobRunRow.id == report.run_id)
             .with_for_update(of=[JobRunRow, JobRow])
         ).first()
-        assert row is not None
+        if row is None:
+            return CompletionResult.STALE, "unknown run"
         run, job = row[0], row[1]
+        if run.node_id != report.node_id:
+            raise Forbidden(
+                f"run {report.run_id} is not placed on node {report.node_id!r}", field="run_id"
+            )
+        if run.status == RunStatus.FENCED and not inferred:
+            # the agent's word that a fenced run's processes are gone: GPUs come back
+            gpus = allocate.release(
+                session,
+                run_id=run.id,
+                now=None,
+                message=f"agent reported the fenced run {report.outcome.lower()}",
+                only_quarantined=True,
+            )
+            return CompletionResult.STALE, f"the attempt was fenced; {gpus} GPU(s) released"
+        checked = verified
+        if report.outcome != Outcome.NEVER_STARTED and claimed != job.id:
+            # the manifest is not at this run's place: answered without object-store I/O
+            checked = verify_manifest(store, job.id, report)
         now = as_utc(row.clock)
         usage = (
             accounting.AttemptFacts(
@@ -560,7 +558,7 @@ def complete_run(
         if inferred and (run.started_at is not None or run.status == RunStatus.RUNNING):
             return CompletionResult.STALE, "the attempt was confirmed running; not overridden"
         current = is_current(job, run)
-        run_to, job_to, why = _decide(session, run, job, report, verified, current)
+        run_to, job_to, why = _decide(session, run, job, report, checked, current)
         gang_stopped = (
             run.gang_size > 1 and run.stop_reason == GANG_STOP and run_to != RunStatus.SUCCEEDED
         )
@@ -585,8 +583,8 @@ def complete_run(
             "manifest_uri": report.manifest_uri or None,
             "message": why,
         }
-        if verified.manifest is not None:
-            values["checkpoint_prefix"] = verified.manifest.checkpoint_prefix()
+        if checked.manifest is not None:
+            values["checkpoint_prefix"] = checked.manifest.checkpoint_prefix()
         gang = run.gang_size > 1 and current
         if gang and run_to != RunStatus.SUCCEEDED and job_to is not None:
             values.update(gang_cause(session, run, job_to))
@@ -631,7 +629,7 @@ def complete_run(
             if job_to == JobStatus.PENDING:
                 after = (
                     f"exit code {report.exit_code}"
-                    if report.outcome == Outcome.EXITED and verified.ok
+                    if report.outcome == Outcome.EXITED and checked.ok
                     else why
                 )
                 job_values = _requeue_values(
@@ -665,11 +663,26 @@ def complete_run(
             )
         if blame == "node":
             _cordon_if_failing(session, run.node_id, now)
-        if not verified.ok and report.outcome == Outcome.EXITED and report.exit_code == 0:
+        if not checked.ok and report.outcome == Outcome.EXITED and report.exit_code == 0:
             return CompletionResult.REJECTED, why
         return CompletionResult.ACCEPTED, why
 
     return db.run_write(tx)
+
+
+def _claimed_job_id(store: ObjectStore, report: Report) -> str | None:
+    """The job id in the key of the report's manifest (``jobs/{job}/attempts/{run}/...``,
+    ``objectstore.attempt_prefix``), or None when it has no such key."""
+    if not report.manifest_uri:
+        return None
+    try:
+        parts = store.key_of(report.manifest_uri).split("/")
+    except ValueError:
+        return None
+    shaped = len(parts) == 5 and parts[0] == "jobs" and parts[2] == "attempts"
+    if shaped and parts[3] == report.run_id and parts[4] == MANIFEST_NAME:
+        return parts[1]
+    return None
 
 
 def _decide(
