@@ -277,6 +277,10 @@ def create_app(state: AppState) -> FastAPI:
                 spec=body.to_spec(),
                 fallback_max_gpus=state.settings.max_gpus_per_node,
                 default_max_outstanding_jobs=defaults.max_outstanding_jobs,
+                # the team's limits as submit_allowed just looked them up (cached)
+                max_outstanding_jobs=state.admission.limits(who.team_id).max_outstanding_jobs
+                if state.admission is not None
+                else None,
                 control=jobs.SubmitControl(
                     array=body.array,
                     depends_on=[d.model_dump() for d in depends]

@@ -129,6 +129,7 @@ class Scheduler:
         self._reasons_refreshed_s = 0.0
         self._stored: dict[str, object] | None = None
         self._stored_epoch = 0
+        self._holding: set[str] = set()
         self.stops: StopDriver | None = None
         """Sends the StopRun of preemption victims (set by the controller's wiring)."""
         """pending_reason per waiting job as this leader last wrote it (saves decoding 10k
@@ -160,6 +161,9 @@ class Scheduler:
                 # not dict(result): a Result has keys() and would be taken for a mapping
                 self._stored = {row[0]: row[1] for row in s.execute(query)}
         stats.pending = len(snap.pending)
+        # jobs that may hold GPUs (only this leader creates holds: those of the snapshot and
+        # of this pass's preemptions); placing any other job need not delete its holds
+        self._holding = {h.job_id for h in snap.holds}
         if gated.result.failed:
             try:
                 ended = self.db.run_write(
@@ -239,6 +243,7 @@ class Scheduler:
                 leader_holder=self.leadership.holder,
                 leader_epoch=self.leadership.epoch,
                 lease_s=self.settings.reservation_lease_s,
+                holds=decision.job_id in self._holding,
             )
         )
         stats.placed += 1
@@ -257,6 +262,7 @@ class Scheduler:
                 leader_holder=self.leadership.holder,
                 leader_epoch=self.leadership.epoch,
                 lease_s=self.settings.reservation_lease_s,
+                holds=decision.job_id in self._holding,
             )
         )
         stats.placed += 1
@@ -264,6 +270,7 @@ class Scheduler:
         self._pool.submit(self.dispatch, reserved.members[0].run_id)
 
     def _preempt(self, decision: Preempt, stats: PassStats) -> None:
+        self._holding.add(decision.for_job_id)
         orders = self.db.run_write(
             partial(
                 preemption.apply_preempt,
@@ -419,9 +426,25 @@ class Scheduler:
 
     def _assignment(self, run_id: str) -> tuple[str, str, pb.AssignJobRequest] | None:
         """(node_id, agent address, AssignJob request) of an ASSIGNED attempt, else None."""
+        earlier = aliased(JobRunRow)
         with self.db.read() as s:
+            # one statement: the attempt, its job, node and reservation, and the checkpoint to
+            # resume from: the latest earlier attempt's that stored one (of a gang: every rank
+            # resumes from rank 0's, else from the lowest rank that stored one)
+            prior_q = (
+                select(earlier.checkpoint_prefix)
+                .where(
+                    earlier.job_id == JobRunRow.job_id,
+                    earlier.checkpoint_prefix.is_not(None),
+                    earlier.attempt < JobRunRow.attempt,
+                )
+                .order_by(earlier.attempt.desc(), earlier.rank)
+                .limit(1)
+                .correlate(JobRunRow)
+                .scalar_subquery()
+            )
             found = s.execute(
-                select(JobRunRow, JobRow, NodeRow, ReservationRow.id)
+                select(JobRunRow, JobRow, NodeRow, ReservationRow.id, prior_q)
                 .join(JobRow, JobRow.id == JobRunRow.job_id)
                 .join(NodeRow, NodeRow.id == JobRunRow.node_id)
                 .join(ReservationRow, ReservationRow.run_id == JobRunRow.id)
@@ -429,23 +452,7 @@ class Scheduler:
             ).first()
             if found is None or found[0].status != RunStatus.ASSIGNED:
                 return None
-            run, job, node, reservation_id = found
-            # resume from the latest earlier attempt that stored a checkpoint (of a gang:
-            # every rank resumes from rank 0's, else from the lowest rank that stored one)
-            prior = (
-                s.execute(
-                    select(JobRunRow.checkpoint_prefix)
-                    .where(
-                        JobRunRow.job_id == job.id,
-                        JobRunRow.checkpoint_prefix.is_not(None),
-                        JobRunRow.attempt < run.attempt,
-                    )
-                    .order_by(JobRunRow.attempt.desc(), JobRunRow.rank)
-                    .limit(1)
-                ).scalar_one_or_none()
-                if run.attempt > 1  # a first attempt has nothing to resume from
-                else None
-            )
+            run, job, node, reservation_id, prior = found
             env = dict(spec_env(job.spec))
             if run.gang_size > 1:
                 rank0 = s.execute(

@@ -32,6 +32,8 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
@@ -431,32 +433,50 @@ _started: dict[str, None] = {}
 _STARTED_MAX = 10_000
 
 
-def record_start(db: Database, run_id: str) -> None:
+class StartFacts(Protocol):
+    """What the time-to-start metric needs of a confirmed attempt (``runs.Confirmed``)."""
+
+    @property
+    def started_at(self) -> datetime | None: ...
+    @property
+    def start_phases(self) -> dict[str, Any] | None: ...
+    @property
+    def queued_at(self) -> datetime | None: ...
+    @property
+    def gpu_count(self) -> int: ...
+    @property
+    def spec(self) -> dict[str, Any] | None: ...
+
+
+def record_start(db: Database, run_id: str, known: StartFacts | None = None) -> None:
     """After a confirmed start: observe the attempt's time to start once per run id (a
-    repeated ConfirmAssignment is not counted again). One primary-key read; a failure is
-    logged and never fails the confirmation."""
+    repeated ConfirmAssignment is not counted again). ``known``: the facts the confirmation
+    already read (no statement); else one primary-key read. A failure is logged and never
+    fails the confirmation."""
     with _started_lock:
         if run_id in _started:
             return
         _started[run_id] = None
         if len(_started) > _STARTED_MAX:
             _started.pop(next(iter(_started)))
-    try:
-        with db.read() as s:
-            row = s.execute(
-                select(
-                    JobRunRow.started_at,
-                    JobRunRow.start_phases,
-                    JobRow.queued_at,
-                    JobRow.gpu_count,
-                    JobRow.spec,
-                )
-                .join(JobRow, JobRow.id == JobRunRow.job_id)
-                .where(JobRunRow.id == run_id)
-            ).first()
-    except Exception:
-        log.warning("time-to-start of %s not recorded", run_id, exc_info=True)
-        return
+    row: StartFacts | Any = known
+    if row is None:
+        try:
+            with db.read() as s:
+                row = s.execute(
+                    select(
+                        JobRunRow.started_at,
+                        JobRunRow.start_phases,
+                        JobRow.queued_at,
+                        JobRow.gpu_count,
+                        JobRow.spec,
+                    )
+                    .join(JobRow, JobRow.id == JobRunRow.job_id)
+                    .where(JobRunRow.id == run_id)
+                ).first()
+        except Exception:
+            log.warning("time-to-start of %s not recorded", run_id, exc_info=True)
+            return
     if row is None or row.started_at is None or row.queued_at is None:
         return
     nodes = (row.spec.get("resources") or {}).get("nodes") if isinstance(row.spec, dict) else None

@@ -105,7 +105,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         result = _guard(
             context,
             lambda: self.db.run_write(
-                lambda s: runs.confirm_assignment(
+                lambda s: runs.confirm_start(
                     s,
                     request.run_id,
                     request.token,
@@ -117,9 +117,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 )
             ),
         )
-        ok = result == runs.Confirm.CONFIRMED
+        ok = result.result == runs.Confirm.CONFIRMED
         if ok:
-            metrics.record_start(self.db, request.run_id)
+            metrics.record_start(self.db, request.run_id, known=result)
         return pb.ConfirmAssignmentResponse(
             result=pb.ConfirmAssignmentResponse.CONFIRMED
             if ok

@@ -34,7 +34,7 @@ from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, Machine
 from gpufleet.domain.types import JobSpec, Resources
 from gpufleet.store.db import Database
-from gpufleet.store.dialect import db_now
+from gpufleet.store.dialect import db_now, now_sql
 from gpufleet.store.tables import (
     JobRow,
     JobRunRow,
@@ -323,7 +323,11 @@ _outstanding_lock = threading.Lock()
 
 
 def check_outstanding_limit(
-    session: Session, team_id: str, default_limit: int = 0, adding: int = 1
+    session: Session,
+    team_id: str,
+    default_limit: int = 0,
+    adding: int = 1,
+    limit: int | None = None,
 ) -> None:
     """Raise LimitExceeded (429) when the team already has ``max_outstanding_jobs`` jobs that
     are not finished (or would have more with ``adding`` new ones: an array's tasks).
@@ -334,11 +338,15 @@ def check_outstanding_limit(
     ``OUTSTANDING_COUNT_TTL_S`` per process, plus the submits admitted since, while that
     estimate is below ``OUTSTANDING_EXACT_FRACTION`` of the limit; near the limit every submit
     counts exactly. Other replicas' submits and concurrent transactions (READ COMMITTED) may
-    let a few more through: a guard, not an invariant."""
-    own = session.execute(
-        select(TeamRow.max_outstanding_jobs).where(TeamRow.id == team_id)
-    ).scalar_one_or_none()
-    limit = default_limit if own is None else own
+    let a few more through: a guard, not an invariant.
+
+    ``limit``: the team's effective limit when the caller knows it (the API's cached team
+    limits, ``limits.SubmitAdmission``): not read here."""
+    if limit is None:
+        own = session.execute(
+            select(TeamRow.max_outstanding_jobs).where(TeamRow.id == team_id)
+        ).scalar_one_or_none()
+        limit = default_limit if own is None else own
     if not limit:
         return
     key = (str(session.get_bind().engine.url), team_id)
@@ -387,9 +395,14 @@ def submit_job(
     default_max_outstanding_jobs: int = 0,
     control: SubmitControl | None = None,
     submitted_by: str | None = None,
+    max_outstanding_jobs: int | None = None,
 ) -> Submitted:
     """Persist a new PENDING job, or return the earlier one for a repeated key.
     ``submitted_by``: the submitting API token's id (accounting's "user").
+    ``max_outstanding_jobs``: the team's effective limit when the caller knows it (else read).
+
+    A new job is one INSERT (plus the checks' reads when their caches are cold): the key is
+    looked up only when the INSERT hits it (unique per team) or a check refuses the job.
 
     ``control`` adds an array (one job per task, in one transaction; task ``i`` of the key
     ``K`` is stored under ``K`` for the first task and ``K#i`` for the others), dependencies
@@ -433,17 +446,28 @@ def submit_job(
     try:
         # one transaction: the lookup of an earlier submission, the checks and the insert
         with db.write_tx() as session:
-            found = existing(session)
-            if found is not None:
-                return found
-            check_fits_fleet(session, spec, fallback_max_gpus)
-            check_outstanding_limit(
-                session,
-                team_id,
-                default_max_outstanding_jobs,
-                adding=len(array.indexes) if array is not None else 1,
-            )
-            now = db_now(session)
+            if control is not None and control != SubmitControl():
+                # an array, dependencies or a hold: a replay is answered before resolving them
+                found = existing(session)
+                if found is not None:
+                    return found
+            try:
+                check_fits_fleet(session, spec, fallback_max_gpus)
+                check_outstanding_limit(
+                    session,
+                    team_id,
+                    default_max_outstanding_jobs,
+                    adding=len(array.indexes) if array is not None else 1,
+                    limit=max_outstanding_jobs,
+                )
+            except (ValidationFailed, LimitExceeded):
+                found = existing(session)  # a replay is answered, whatever the checks say
+                if found is not None:
+                    return found
+                raise
+            # one job: its times are the database clock, read by the INSERT itself; an
+            # array's tasks share one clock read (their INSERTs are batched)
+            now: Any = db_now(session) if array is not None else now_sql(session, stable=True)
             depends_on = jobctl.resolve_dependencies(session, team_id, deps) if deps else None
             hold = bool(control and control.hold)
             base = spec_to_dict(spec)

@@ -9,7 +9,6 @@ import enum
 import random
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from functools import partial
 from typing import Any
 
 from sqlalchemy import func, or_, select, update
@@ -18,6 +17,7 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import Forbidden
 from gpufleet.domain.manifest import MANIFEST_NAME, Manifest, file_problem
 from gpufleet.domain.states import (
+    RESERVATION_ACTIVE,
     RUN_TERMINAL,
     JobStatus,
     Machine,
@@ -27,17 +27,32 @@ from gpufleet.domain.states import (
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.usage import UsageLedger
-from gpufleet.store import allocate
+from gpufleet.store import accounting, allocate
 from gpufleet.store.db import Database
-from gpufleet.store.dialect import db_now
+from gpufleet.store.dialect import as_utc, db_now, now_sql
 from gpufleet.store.leader import assert_leader
-from gpufleet.store.tables import JobRow, JobRunRow, ReservationRow, TeamRow
-from gpufleet.store.transitions import record_event, transition
+from gpufleet.store.tables import ApiTokenRow, JobRow, JobRunRow, NodeRow, ReservationRow, TeamRow
+from gpufleet.store.transitions import record_event, record_transition, transition
 
 
 class Confirm(enum.StrEnum):
     CONFIRMED = "CONFIRMED"
     REJECTED = "REJECTED"
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmed:
+    """What :func:`confirm_start` did, and the facts the time-to-start metric needs (read in
+    the same statement, so that the metric costs no read of its own): ``queued_at`` and
+    ``started_at`` UTC, ``gpu_count``, ``spec`` (the stored job spec) and ``start_phases``.
+    Only ``result`` is set when REJECTED."""
+
+    result: Confirm
+    queued_at: datetime | None = None
+    started_at: datetime | None = None
+    start_phases: dict[str, Any] | None = None
+    gpu_count: int = 0
+    spec: dict[str, Any] | None = None
 
 
 def confirm_assignment(
@@ -50,43 +65,90 @@ def confirm_assignment(
     start_phases: dict[str, Any] | None = None,
 ) -> Confirm:
     """The agent started ``run_id``: RESERVED -> CONFIRMED, ASSIGNED -> RUNNING, job -> RUNNING.
+    Idempotent; a stale or unknown attempt is REJECTED (the agent then stops it). See
+    :func:`confirm_start`, which this answers the result of."""
+    return confirm_start(
+        session, run_id, token, pid, node_id=node_id, start_phases=start_phases
+    ).result
+
+
+def confirm_start(
+    session: Session,
+    run_id: str,
+    token: int,
+    pid: int | None = None,
+    *,
+    node_id: str | None = None,
+    start_phases: dict[str, Any] | None = None,
+) -> Confirmed:
+    """The agent started ``run_id``: RESERVED -> CONFIRMED, ASSIGNED -> RUNNING, job -> RUNNING.
     Idempotent; a stale or unknown attempt is REJECTED (the agent then stops it).
 
     ``start_phases``: how the node started it (``runtime``, ``image`` warm/cold, ``pull_s``,
     ``create_s``, ``start_s`` in seconds); stored on the attempt and in the event message.
 
+    Statements: one SELECT (run and job, the run locked, the database clock), then one
+    guarded UPDATE per row that moves (run, reservation, job) and the batched event INSERT.
+
     Raises:
         Forbidden: ``node_id`` (the caller's certified node, if given) is not the node the
             attempt was placed on; nothing changes.
     """
-    run = session.get(JobRunRow, run_id, with_for_update=True)
-    if run is not None and node_id is not None and run.node_id != node_id:
+    r, j = JobRunRow, JobRow
+    found = session.execute(
+        select(
+            r.id,
+            r.job_id,
+            r.node_id,
+            r.token,
+            r.status,
+            r.gang_size,
+            r.started_at,
+            r.assigned_at,
+            r.start_phases,
+            j.fencing_epoch,
+            j.current_run_id,
+            j.status.label("job_status"),
+            j.queued_at,
+            j.gpu_count,
+            j.spec,
+            now_sql(session).label("clock"),
+        )
+        .join(j, j.id == r.job_id)
+        .where(r.id == run_id)
+        .with_for_update(of=r)
+    ).first()
+    if found is not None and node_id is not None and found.node_id != node_id:
         raise Forbidden(f"run {run_id} is not placed on node {node_id!r}", field="run_id")
-    job = session.get(JobRow, run.job_id) if run else None
     if (
-        run is None
-        or job is None
-        or run.token != token
-        or not is_current(job, run)
-        or run.status in RUN_TERMINAL
-    ):
-        return Confirm.REJECTED
-    now = db_now(session)
+        found is None
+        or found.token != token
+        or found.fencing_epoch != found.token
+        or not (found.current_run_id == found.id or found.gang_size > 1)
+        or found.status in RUN_TERMINAL
+    ):  # not the job's current attempt (is_current), or over
+        return Confirmed(Confirm.REJECTED)
+    now = as_utc(found.clock)
+    job_id, run_node = found.job_id, found.node_id
+    started_at = found.started_at
+    values: dict[str, Any] = {}
     if pid:
-        run.pid = pid
-    if start_phases and not run.start_phases:
-        run.start_phases = start_phases
+        values["pid"] = pid
+    phases = found.start_phases
+    if start_phases and not found.start_phases:
+        values["start_phases"] = phases = start_phases
         record_event(
             session,
             "start_phases",
             now=now,
             message="started on the node" + describe_phases(start_phases),
-            job_id=job.id,
+            job_id=job_id,
             run_id=run_id,
-            node_id=run.node_id,
+            node_id=run_node,
             details=start_phases,
         )
-    if run.status == RunStatus.ASSIGNED:
+    if found.status == RunStatus.ASSIGNED:
+        started_at = now
         transition(
             session,
             Machine.RUN,
@@ -96,44 +158,63 @@ def confirm_assignment(
             frm=[RunStatus.ASSIGNED],
             guard={"token": token},
             # a confirmation is also the delivery (mark_delivered) when it came first
-            values={"started_at": now}
-            if run.assigned_at is not None
-            else {"started_at": now, "assigned_at": now},
-            job_id=job.id,
+            values={"started_at": now, **values}
+            if found.assigned_at is not None
+            else {"started_at": now, "assigned_at": now, **values},
+            job_id=job_id,
             run_id=run_id,
-            node_id=run.node_id,
+            node_id=run_node,
             message="agent confirmed the start",
         )
-    res = session.execute(
-        select(ReservationRow).where(ReservationRow.run_id == run_id)
-    ).scalar_one()
-    if res.status == ReservationStatus.RESERVED:
-        transition(
+    elif values:
+        session.execute(update(JobRunRow).where(JobRunRow.id == run_id).values(**values))
+    res_c = ReservationRow.__table__.c
+    confirmed = session.execute(
+        update(ReservationRow)
+        .where(
+            res_c.run_id == run_id,
+            res_c.status == ReservationStatus.RESERVED,
+            res_c.token == token,
+        )
+        .values(status=ReservationStatus.CONFIRMED)
+        .returning(res_c.id)
+        .execution_options(synchronize_session=False)
+    ).scalar_one_or_none()
+    if confirmed is not None:
+        record_transition(
             session,
             Machine.RESERVATION,
-            res.id,
+            confirmed,
+            ReservationStatus.RESERVED,
             ReservationStatus.CONFIRMED,
             now=now,
-            frm=[ReservationStatus.RESERVED],
-            guard={"token": token},
-            job_id=job.id,
+            job_id=job_id,
             run_id=run_id,
-            node_id=run.node_id,
+            node_id=run_node,
         )
-    if job.status == JobStatus.SCHEDULED and _all_members_running(session, run):
+    if found.job_status == JobStatus.SCHEDULED and _all_members_running(
+        session, job_id, token, found.gang_size
+    ):
         transition(
             session,
             Machine.JOB,
-            job.id,
+            job_id,
             JobStatus.RUNNING,
             now=now,
             frm=[JobStatus.SCHEDULED],
             guard={"fencing_epoch": token},
             values={"started_at": now},
-            job_id=job.id,
+            job_id=job_id,
             run_id=run_id,
         )
-    return Confirm.CONFIRMED
+    return Confirmed(
+        Confirm.CONFIRMED,
+        queued_at=found.queued_at,
+        started_at=started_at,
+        start_phases=phases,
+        gpu_count=found.gpu_count,
+        spec=found.spec,
+    )
 
 
 def is_current(job: JobRow, run: JobRunRow) -> bool:
@@ -166,21 +247,21 @@ def gang_members(session: Session, job_id: str, token: int) -> list[JobRunRow]:
     )
 
 
-def _all_members_running(session: Session, run: JobRunRow) -> bool:
+def _all_members_running(session: Session, job_id: str, token: int, gang_size: int) -> bool:
     """A gang attempt is RUNNING only once every member confirmed its start."""
-    if run.gang_size <= 1:
+    if gang_size <= 1:
         return True
     session.flush()
     running = session.execute(
         select(func.count())
         .select_from(JobRunRow)
         .where(
-            JobRunRow.job_id == run.job_id,
-            JobRunRow.token == run.token,
+            JobRunRow.job_id == job_id,
+            JobRunRow.token == token,
             JobRunRow.started_at.is_not(None),
         )
     ).scalar_one()
-    return int(running) >= run.gang_size
+    return int(running) >= gang_size
 
 
 GANG_STOP = "gang"
@@ -279,7 +360,7 @@ def record_master_port(session: Session, run_id: str, port: int) -> list[str]:
 def mark_delivered(session: Session, run_id: str) -> None:
     """The agent answered AssignJob (started or already running): record the delivery."""
     session.execute(
-        update(JobRunRow).where(JobRunRow.id == run_id).values(assigned_at=db_now(session))
+        update(JobRunRow).where(JobRunRow.id == run_id).values(assigned_at=now_sql(session))
     )
 
 
@@ -390,39 +471,88 @@ def complete_run(
         Forbidden: ``report.node_id`` is not the node the attempt was placed on (a node
             reports only for its own runs); nothing changes.
     """
-    with db.read() as session:
-        run = session.get(JobRunRow, report.run_id)
-        if run is None:
+    # the manifest is verified before the transaction (object-store I/O), against the job
+    # its key names; the transaction checks that this is the run's job (no read before it)
+    claimed = _claimed_job_id(store, report)
+    verified = Verified(True)
+    if report.outcome != Outcome.NEVER_STARTED and claimed is not None:
+        verified = verify_manifest(store, claimed, report)
+
+    def tx(session: Session) -> tuple[CompletionResult, str]:
+        # one statement: run and job locked, the database clock, and what the end needs of
+        # the node, the submitting token, the team (read unlocked: charged optimistically)
+        # and the active reservation
+        res_c = ReservationRow.__table__.c
+        row = session.execute(
+            select(
+                JobRunRow,
+                JobRow,
+                now_sql(session).label("clock"),
+                NodeRow.gpu_type,
+                ApiTokenRow.name,
+                TeamRow.usage_gpu_s,
+                TeamRow.usage_as_of,
+                res_c.id.label("res_id"),
+                res_c.status.label("res_status"),
+                res_c.gpu_count.label("res_gpus"),
+                res_c.node_id.label("res_node"),
+            )
+            .join(JobRow, JobRow.id == JobRunRow.job_id)
+            .outerjoin(NodeRow, NodeRow.id == JobRunRow.node_id)
+            .outerjoin(ApiTokenRow, ApiTokenRow.id == JobRow.submitted_by)
+            .outerjoin(TeamRow, TeamRow.id == JobRow.team_id)
+            .outerjoin(
+                ReservationRow,
+                (res_c.run_id == JobRunRow.id) & res_c.status.in_(sorted(RESERVATION_ACTIVE)),
+            )
+            .where(JobRunRow.id == report.run_id)
+            .with_for_update(of=[JobRunRow, JobRow])
+        ).first()
+        if row is None:
             return CompletionResult.STALE, "unknown run"
+        run, job = row[0], row[1]
         if run.node_id != report.node_id:
             raise Forbidden(
                 f"run {report.run_id} is not placed on node {report.node_id!r}", field="run_id"
             )
-        job_id = run.job_id
-        fenced = run.status == RunStatus.FENCED
-        if run.status in RUN_TERMINAL and not (fenced and not inferred):
-            return CompletionResult.ACCEPTED, f"already committed as {run.status}"
-    if fenced:  # the agent's word that a fenced run's processes are gone: GPUs come back
-        gpus = db.run_write(
-            partial(
-                allocate.release,
-                run_id=report.run_id,
+        if run.status == RunStatus.FENCED and not inferred:
+            # the agent's word that a fenced run's processes are gone: GPUs come back
+            gpus = allocate.release(
+                session,
+                run_id=run.id,
                 now=None,
                 message=f"agent reported the fenced run {report.outcome.lower()}",
                 only_quarantined=True,
             )
+            return CompletionResult.STALE, f"the attempt was fenced; {gpus} GPU(s) released"
+        checked = verified
+        if report.outcome != Outcome.NEVER_STARTED and claimed != job.id:
+            # the manifest is not at this run's place: answered without object-store I/O
+            checked = verify_manifest(store, job.id, report)
+        now = as_utc(row.clock)
+        usage = (
+            accounting.AttemptFacts(
+                job.id,
+                run.attempt,
+                run.node_id,
+                run.gpu_ids,
+                run.created_at,
+                job.team_id,
+                job.submitted_by,
+                row.gpu_type,
+                row.name,
+            )
+            if row.gpu_type is not None
+            else None
         )
-        return CompletionResult.STALE, f"the attempt was fenced; {gpus} GPU(s) released"
-    verified = Verified(True)
-    if report.outcome != Outcome.NEVER_STARTED:
-        verified = verify_manifest(store, job_id, report)
-
-    def tx(session: Session) -> tuple[CompletionResult, str]:
-        now = db_now(session)
-        run = session.get(JobRunRow, report.run_id, with_for_update=True)
-        job = session.get(JobRow, job_id, with_for_update=True)
-        assert run is not None
-        assert job is not None
+        reservation = (
+            allocate.ActiveReservation(
+                row.res_id, job.id, row.res_node, row.res_gpus, row.res_status
+            )
+            if row.res_id is not None
+            else None
+        )
+        team_usage = (row.usage_gpu_s, row.usage_as_of) if row.usage_gpu_s is not None else None
         if run.status in RUN_TERMINAL:
             return CompletionResult.ACCEPTED, f"already committed as {run.status}"
         if run.token != report.token:
@@ -432,7 +562,7 @@ def complete_run(
         if inferred and (run.started_at is not None or run.status == RunStatus.RUNNING):
             return CompletionResult.STALE, "the attempt was confirmed running; not overridden"
         current = is_current(job, run)
-        run_to, job_to, why = _decide(session, run, job, report, verified, current)
+        run_to, job_to, why = _decide(session, run, job, report, checked, current)
         gang_stopped = (
             run.gang_size > 1 and run.stop_reason == GANG_STOP and run_to != RunStatus.SUCCEEDED
         )
@@ -457,8 +587,8 @@ def complete_run(
             "manifest_uri": report.manifest_uri or None,
             "message": why,
         }
-        if verified.manifest is not None:
-            values["checkpoint_prefix"] = verified.manifest.checkpoint_prefix()
+        if checked.manifest is not None:
+            values["checkpoint_prefix"] = checked.manifest.checkpoint_prefix()
         gang = run.gang_size > 1 and current
         if gang and run_to != RunStatus.SUCCEEDED and job_to is not None:
             values.update(gang_cause(session, run, job_to))
@@ -475,15 +605,27 @@ def complete_run(
             run_id=run.id,
             node_id=run.node_id,
             message=f"rank {run.rank}: {why}" if gang else why,
+            usage=usage,
         )
         if gang:
             return _complete_gang_member(
                 session, run, job, run_to, why, values, now, retry_backoff
             )
         gpus = allocate.release(
-            session, run_id=run.id, now=now, message=f"agent reported {report.outcome.lower()}"
+            session,
+            run_id=run.id,
+            now=now,
+            message=f"agent reported {report.outcome.lower()}",
+            known=reservation,
         )
-        charge_usage(session, job.team_id, gpus, reserved_at=run.created_at, released_at=now)
+        charge_usage(
+            session,
+            job.team_id,
+            gpus,
+            reserved_at=run.created_at,
+            released_at=now,
+            known=team_usage,
+        )
         if not current:
             return CompletionResult.STALE, "not the job's current attempt; job unchanged"
         if job_to is not None:
@@ -491,7 +633,7 @@ def complete_run(
             if job_to == JobStatus.PENDING:
                 after = (
                     f"exit code {report.exit_code}"
-                    if report.outcome == Outcome.EXITED and verified.ok
+                    if report.outcome == Outcome.EXITED and checked.ok
                     else why
                 )
                 job_values = _requeue_values(
@@ -525,11 +667,26 @@ def complete_run(
             )
         if blame == "node":
             _cordon_if_failing(session, run.node_id, now)
-        if not verified.ok and report.outcome == Outcome.EXITED and report.exit_code == 0:
+        if not checked.ok and report.outcome == Outcome.EXITED and report.exit_code == 0:
             return CompletionResult.REJECTED, why
         return CompletionResult.ACCEPTED, why
 
     return db.run_write(tx)
+
+
+def _claimed_job_id(store: ObjectStore, report: Report) -> str | None:
+    """The job id in the key of the report's manifest (``jobs/{job}/attempts/{run}/...``,
+    ``objectstore.attempt_prefix``), or None when it has no such key."""
+    if not report.manifest_uri:
+        return None
+    try:
+        parts = store.key_of(report.manifest_uri).split("/")
+    except ValueError:
+        return None
+    shaped = len(parts) == 5 and parts[0] == "jobs" and parts[2] == "attempts"
+    if shaped and parts[3] == report.run_id and parts[4] == MANIFEST_NAME:
+        return parts[1]
+    return None
 
 
 def _decide(
@@ -720,20 +877,50 @@ def charge_usage(
     reserved_at: datetime,
     released_at: datetime,
     half_life_s: float = PolicyConfig().usage_half_life_s,
+    known: tuple[float, datetime | None] | None = None,
 ) -> None:
     """Charge the GPU-time one attempt held, from reservation to release, whatever its
     outcome (succeeded, failed, preempted, cancelled), decayed as ``policy.usage`` defines; so
-    a retry or a preemption costs its team exactly the GPU-time it really held."""
+    a retry or a preemption costs its team exactly the GPU-time it really held.
+
+    ``known``: the team's ``(usage_gpu_s, usage_as_of)`` as the caller read them (unlocked)
+    in this transaction: one UPDATE guarded by those values (optimistic); if another charge
+    changed them meanwhile, the row is locked and read as without ``known``."""
     if gpus <= 0:
         return
+    if known is not None:
+        value, as_of_at = _charged(known[0], known[1], gpus, reserved_at, released_at, half_life_s)
+        t = TeamRow.__table__.c
+        same_as_of = t.usage_as_of.is_(None) if known[1] is None else t.usage_as_of == known[1]
+        hit = session.execute(
+            update(TeamRow)
+            .where(t.id == team_id, t.usage_gpu_s == known[0], same_as_of)
+            .values(usage_gpu_s=value, usage_as_of=as_of_at)
+            .execution_options(synchronize_session=False)
+        )
+        if hit.rowcount == 1:  # type: ignore[attr-defined]
+            return
     team = session.get(TeamRow, team_id, with_for_update=True)
     if team is None:
         return
-    as_of = (team.usage_as_of or released_at).timestamp()
-    ledger = UsageLedger(team.usage_gpu_s, min(as_of, released_at.timestamp()), half_life_s)
+    team.usage_gpu_s, team.usage_as_of = _charged(
+        team.usage_gpu_s, team.usage_as_of, gpus, reserved_at, released_at, half_life_s
+    )
+
+
+def _charged(
+    usage_gpu_s: float,
+    usage_as_of: datetime | None,
+    gpus: int,
+    reserved_at: datetime,
+    released_at: datetime,
+    half_life_s: float,
+) -> tuple[float, datetime]:
+    """A team's (usage_gpu_s, usage_as_of) after charging one attempt (``policy.usage``)."""
+    as_of = (usage_as_of or released_at).timestamp()
+    ledger = UsageLedger(usage_gpu_s, min(as_of, released_at.timestamp()), half_life_s)
     ledger.charge_attempt(gpus, reserved_at.timestamp(), released_at.timestamp())
-    team.usage_gpu_s = ledger.value
-    team.usage_as_of = datetime.fromtimestamp(ledger.as_of_s, UTC)
+    return ledger.value, datetime.fromtimestamp(ledger.as_of_s, UTC)
 
 
 def describe_phases(p: dict[str, Any] | None) -> str:

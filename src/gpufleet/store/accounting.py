@@ -20,18 +20,51 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import ApiTokenRow, JobRow, JobRunRow, NodeRow, UsageRecordRow
 
 
-def record_attempt_end(session: Session, run_id: str, *, outcome: str, end_at: datetime) -> None:
+@dataclass(frozen=True, slots=True)
+class AttemptFacts:
+    """What a usage record needs of an attempt, when its caller has read it already (the
+    run, its job, the node's GPU type and the submitting token's name): saves the record's
+    two reads."""
+
+    job_id: str
+    attempt: int
+    node_id: str
+    gpu_ids: list[int] | None
+    created_at: datetime
+    team_id: str
+    submitted_by: str | None
+    gpu_type: str
+    name: str | None
+
+
+def record_attempt_end(
+    session: Session,
+    run_id: str,
+    *,
+    outcome: str,
+    end_at: datetime,
+    facts: AttemptFacts | None = None,
+) -> None:
     """Insert the usage record of ``run_id``, which has just reached terminal ``outcome`` at
     ``end_at`` (same transaction). GPU-seconds = ``(end_at - reservation time) * GPUs``.
-    A second call for the same run (cannot happen through the transition table, whose
-    terminal states have no way out) changes nothing."""
+
+    ``facts``: the attempt as the caller read it in this transaction, with the run locked
+    and moved to terminal by the caller's guarded UPDATE (so this is its first and only
+    record): one INSERT, no read. Without: the attempt is read here, and a second call for
+    the same run (cannot happen through the transition table, whose terminal states have no
+    way out) changes nothing."""
+    if facts is not None:
+        _add_record(session, run_id, facts, outcome, end_at)
+        return
     if session.get(UsageRecordRow, run_id) is not None:
         return
     row = session.execute(
@@ -53,24 +86,32 @@ def record_attempt_end(session: Session, run_id: str, *, outcome: str, end_at: d
     ).one_or_none()
     if row is None:
         return
+    _add_record(session, run_id, row, outcome, end_at)
+
+
+def _add_record(
+    session: Session, run_id: str, row: AttemptFacts | Any, outcome: str, end_at: datetime
+) -> None:
     gpus = len(row.gpu_ids or [])
     seconds = max(0.0, (end_at - row.created_at).total_seconds())
-    session.add(
-        UsageRecordRow(
-            run_id=run_id,
-            job_id=row.job_id,
-            attempt=row.attempt,
-            team_id=row.team_id,
-            token_id=row.submitted_by,
-            user=row.name or row.submitted_by or "",
-            node_id=row.node_id,
-            gpu_type=row.gpu_type,
-            gpus=gpus,
-            start_at=row.created_at,
-            end_at=max(end_at, row.created_at),
-            gpu_seconds=seconds * gpus,
-            outcome=outcome,
-        )
+    queue_insert(  # written at commit with the transaction's events (store.outbox)
+        session,
+        UsageRecordRow.__table__,
+        {
+            "run_id": run_id,
+            "job_id": row.job_id,
+            "attempt": row.attempt,
+            "team_id": row.team_id,
+            "token_id": row.submitted_by,
+            "user": row.name or row.submitted_by or "",
+            "node_id": row.node_id,
+            "gpu_type": row.gpu_type,
+            "gpus": gpus,
+            "start_at": row.created_at,
+            "end_at": max(end_at, row.created_at),
+            "gpu_seconds": seconds * gpus,
+            "outcome": outcome,
+        },
     )
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import cast
 
-from sqlalchemy import delete, exists, select, update
+from sqlalchemy import Table, delete, exists, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import CapacityConflict, Conflict, StaleState
@@ -33,19 +34,22 @@ from gpufleet.domain.states import (
     NodeStatus,
     ReservationStatus,
     RunStatus,
+    check_transition,
 )
 from gpufleet.domain.types import GpuDevice
 from gpufleet.store import leader
-from gpufleet.store.dialect import db_now
+from gpufleet.store.dialect import as_utc, execute_with, now_sql
+from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import (
     GpuHoldRow,
     JobRunRow,
+    LeaderLeaseRow,
     NodeCapacityRow,
     NodeGpuRow,
     NodeRow,
     ReservationRow,
 )
-from gpufleet.store.transitions import transition
+from gpufleet.store.transitions import record_transition, transition
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +76,12 @@ def reserve(
     leader_epoch: int,
     lease_s: float,
     now: datetime | None = None,
+    holds: bool = True,
 ) -> Reserved:
     """Reserve ``gpu_count`` GPUs of ``node_id`` for a new attempt of ``job_id``.
+
+    ``holds``: the job may have GPU holds (``gpu_holds`` rows), deleted here; False (the
+    caller's snapshot showed none, and only the leader creates them) saves that statement.
 
     Raises:
         NotLeader: the caller's (holder, epoch) no longer holds the lease.
@@ -90,6 +98,7 @@ def reserve(
         leader_epoch=leader_epoch,
         lease_s=lease_s,
         now=now,
+        holds=holds,
     ).members[0]
 
 
@@ -117,65 +126,105 @@ def _add_member(
     """The run row and the reservation row of one member of an attempt (a single-node attempt
     is rank 0 of 1), under the attempt's fencing ``token``; the GPUs are already claimed."""
     reservation_id = new_reservation_id()
-    session.add(
-        JobRunRow(
-            id=run_id,
-            job_id=job_id,
-            attempt=attempt,
-            node_id=node_id,
-            status=RunStatus.ASSIGNED,
-            token=token,
-            gpu_ids=gpu_ids,
-            rank=rank,
-            gang_size=gang_size,
-            created_at=now,
-        )
+    # queued (store.outbox): written at commit, the run rows before the reservation rows, with
+    # the transaction's events; on PostgreSQL all of them in one statement
+    queue_insert(
+        session,
+        JobRunRow.__table__,
+        {
+            "id": run_id,
+            "job_id": job_id,
+            "attempt": attempt,
+            "node_id": node_id,
+            "status": RunStatus.ASSIGNED,
+            "token": token,
+            "gpu_ids": gpu_ids,
+            "rank": rank,
+            "gang_size": gang_size,
+            "created_at": now,
+        },
     )
-    session.add(
-        ReservationRow(
-            id=reservation_id,
-            run_id=run_id,
-            job_id=job_id,
-            node_id=node_id,
-            gpu_ids=gpu_ids,
-            gpu_count=len(gpu_ids),
-            status=ReservationStatus.RESERVED,
-            token=token,
-            leader_epoch=leader_epoch,
-            lease_expires_at=now + timedelta(seconds=lease_s),
-            created_at=now,
-        )
+    queue_insert(
+        session,
+        ReservationRow.__table__,
+        {
+            "id": reservation_id,
+            "run_id": run_id,
+            "job_id": job_id,
+            "node_id": node_id,
+            "gpu_ids": gpu_ids,
+            "gpu_count": len(gpu_ids),
+            "status": ReservationStatus.RESERVED,
+            "token": token,
+            "leader_epoch": leader_epoch,
+            "lease_expires_at": now + timedelta(seconds=lease_s),
+            "created_at": now,
+        },
     )
     return Reserved(job_id, run_id, reservation_id, node_id, token, attempt, tuple(gpu_ids))
 
 
-def _take_gpus(session: Session, node_id: str, gpu_count: int, run_id: str) -> list[int]:
+def _take_gpus(
+    session: Session,
+    node_id: str,
+    gpu_count: int,
+    run_id: str,
+    lease: tuple[str, int] | None = None,
+) -> tuple[list[int], datetime | None]:
     """Steps 2 and 3 of reserve() on one node: the conditional capacity update, then the
-    GPU rows claimed for ``run_id``. Returns the claimed GPU indexes.
+    GPU rows claimed for ``run_id``, two statements. Returns the claimed GPU indexes, and
+    with ``lease`` the database clock of the capacity update.
+
+    ``lease``: ``(holder, epoch)`` to check in the capacity update itself (step 1 folded
+    into step 2): it matches only while that lease is unexpired on the database clock, and
+    on PostgreSQL share-locks the lease row until commit, as ``leader.assert_leader`` does.
 
     Raises:
+        NotLeader: with ``lease``, the lease is not held (checked only when no row matched).
         CapacityConflict: the node lacks ``gpu_count`` free GPUs now or is not HEALTHY.
     """
     cap = NodeCapacityRow.__table__.c
+    conds = [
+        cap.node_id == node_id,
+        cap.available_gpus >= gpu_count,
+        exists().where(NodeRow.id == node_id, NodeRow.status == NodeStatus.HEALTHY),
+    ]
+    now = now_sql(session)
+    if lease is not None:
+        lease_row = LeaderLeaseRow.__table__.c
+        conds.append(
+            exists(
+                select(lease_row.name)
+                .where(
+                    lease_row.name == leader.LEASE_NAME,
+                    lease_row.holder == lease[0],
+                    lease_row.epoch == lease[1],
+                    lease_row.expires_at > now,
+                )
+                .with_for_update(read=True)
+            )
+        )
     took = session.execute(
         update(NodeCapacityRow)
-        .where(
-            cap.node_id == node_id,
-            cap.available_gpus >= gpu_count,
-            exists().where(NodeRow.id == node_id, NodeRow.status == NodeStatus.HEALTHY),
-        )
+        .where(*conds)
         .values(available_gpus=cap.available_gpus - gpu_count, version=cap.version + 1)
+        .returning(now)
         .execution_options(synchronize_session=False)
-    )
-    if took.rowcount != 1:  # type: ignore[attr-defined]
+    ).first()
+    if took is None:
+        if lease is not None:
+            leader.assert_leader(session, lease[0], lease[1])  # raises NotLeader if it is that
         raise CapacityConflict(f"node {node_id}: fewer than {gpu_count} free GPUs or not HEALTHY")
-    free = session.scalars(
+    # the lowest free GPU indexes, claimed in the same statement (the capacity row, locked
+    # above until commit, serialises every reserve and release of this node)
+    free = (
         select(NodeGpuRow.gpu_index)
         .where(NodeGpuRow.node_id == node_id, NodeGpuRow.holder_run_id.is_(None))
         .order_by(NodeGpuRow.gpu_index)
         .limit(gpu_count)
-    ).all()
-    claimed = session.execute(
+        .scalar_subquery()
+    )
+    claimed = session.scalars(
         update(NodeGpuRow)
         .where(
             NodeGpuRow.node_id == node_id,
@@ -183,12 +232,13 @@ def _take_gpus(session: Session, node_id: str, gpu_count: int, run_id: str) -> l
             NodeGpuRow.holder_run_id.is_(None),
         )
         .values(holder_run_id=run_id)
+        .returning(NodeGpuRow.gpu_index)
         .execution_options(synchronize_session=False)
-    )
-    if len(free) != gpu_count or claimed.rowcount != gpu_count:  # type: ignore[attr-defined]
+    ).all()
+    if len(claimed) != gpu_count:
         # available said yes but the GPU rows disagree: an invariant is broken; never patch it.
         raise CapacityConflict(f"node {node_id}: capacity row and GPU rows disagree")
-    return [int(g) for g in free]
+    return sorted(int(g) for g in claimed), (as_utc(took[0]) if lease is not None else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +262,7 @@ def reserve_gang(
     leader_epoch: int,
     lease_s: float,
     now: datetime | None = None,
+    holds: bool = True,
 ) -> ReservedGang:
     """Reserve every member of a gang attempt of ``job_id``, or none: one transaction.
 
@@ -221,7 +272,7 @@ def reserve_gang(
     deadlock (PostgreSQL); on SQLite ``BEGIN IMMEDIATE`` serialises writers anyway. Any
     member that does not fit raises, and the caller's transaction rolls back every member.
     Every member gets its own JobRun (rank, gang_size) and Reservation under ONE new token;
-    the job's ``current_run_id`` is rank 0's run.
+    the job's ``current_run_id`` is rank 0's run. ``holds``: as for :func:`reserve`.
 
     Raises:
         NotLeader: the caller's (holder, epoch) no longer holds the lease.
@@ -234,12 +285,15 @@ def reserve_gang(
         raise ValueError(f"gang ranks must be 0..{size - 1}: {[m[0] for m in members]}")
     if len({m[1] for m in members}) != size:
         raise ValueError("two members of a gang on one node")
-    now = now if now is not None else db_now(session)
-    leader.assert_leader(session, leader_holder, leader_epoch, now)
     run_ids = {rank: new_run_id() for rank, _, _ in members}
     gpus: dict[int, list[int]] = {}
+    lease: tuple[str, int] | None = (leader_holder, leader_epoch)
     for rank, node_id, count in sorted(members, key=lambda m: m[1]):  # lock order: node id
-        gpus[rank] = _take_gpus(session, node_id, count, run_ids[rank])
+        # the first capacity update also checks the lease and reads the database clock
+        gpus[rank], clock = _take_gpus(session, node_id, count, run_ids[rank], lease)
+        if lease is not None:
+            now, lease = (now if now is not None else clock), None
+    assert now is not None
     token = seen_fencing_epoch + 1
     # attempts and fencing_epoch move together (both +1 here, and only here), and the job
     # guard pins fencing_epoch to what the caller saw: the new attempt's number is the token
@@ -270,7 +324,8 @@ def reserve_gang(
         run_id=run_ids[0],
         node_id=by_rank[0][1],
     )
-    session.execute(delete(GpuHoldRow).where(GpuHoldRow.job_id == job_id))
+    if holds:
+        session.execute(delete(GpuHoldRow).where(GpuHoldRow.job_id == job_id))
     out = [
         _add_member(
             session,
@@ -288,8 +343,18 @@ def reserve_gang(
         )
         for rank, node_id, _count in by_rank
     ]
-    session.flush()
     return ReservedGang(job_id, token, attempt, tuple(out))
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveReservation:
+    """A run's active reservation as a caller read it (see :func:`release`)."""
+
+    id: str
+    job_id: str
+    node_id: str
+    gpu_count: int
+    status: str
 
 
 def release(
@@ -300,6 +365,7 @@ def release(
     to: ReservationStatus = ReservationStatus.RELEASED,
     message: str,
     only_quarantined: bool = False,
+    known: ActiveReservation | None = None,
 ) -> int:
     """Release the active reservation of ``run_id`` (RESERVED, CONFIRMED or QUARANTINED;
     ``only_quarantined``: only a QUARANTINED one): reservation -> RELEASED (or EXPIRED),
@@ -307,47 +373,86 @@ def release(
     no active reservation: releasing twice is a no-op, not an error).
 
     Call only with the agent's word that the attempt's processes are gone, or on a fence.
+
+    ``known``: the run's active reservation as the caller read it in this transaction (with
+    ``now``): it is moved by one UPDATE guarded by that status, without a read first; if it
+    moved meanwhile, the reservation is read and locked as without ``known``.
     """
-    res = session.execute(
-        select(ReservationRow)
-        .where(
-            ReservationRow.run_id == run_id,
-            ReservationRow.status.in_(sorted(RESERVATION_ACTIVE)),
+    states = [ReservationStatus.QUARANTINED] if only_quarantined else sorted(RESERVATION_ACTIVE)
+    res_c = ReservationRow.__table__.c
+    moved = False
+    if known is not None and now is not None and known.status in states:
+        check_transition(Machine.RESERVATION, known.status, to)
+        moved = (
+            session.execute(
+                update(ReservationRow)
+                .where(
+                    res_c.id == known.id,
+                    res_c.run_id == run_id,
+                    res_c.status == known.status,
+                )
+                .values(status=to, released_at=now)
+                .execution_options(synchronize_session=False)
+            ).rowcount  # type: ignore[attr-defined]
+            == 1
         )
-        .with_for_update()
-    ).scalar_one_or_none()
-    if res is None or (only_quarantined and res.status != ReservationStatus.QUARANTINED):
-        return 0
-    now = now if now is not None else db_now(session)
+    if moved:
+        assert known is not None
+        assert now is not None
+        res_id, job_id, node_id, gpu_count = known.id, known.job_id, known.node_id, known.gpu_count
+        record_transition(
+            session,
+            Machine.RESERVATION,
+            res_id,
+            known.status,
+            to,
+            now=now,
+            message=message,
+            job_id=job_id,
+            run_id=run_id,
+            node_id=node_id,
+        )
+    else:
+        clock = now_sql(session)
+        # the active reservation, locked, with the database clock (one statement)
+        found = session.execute(
+            select(res_c.id, res_c.job_id, res_c.node_id, res_c.gpu_count, res_c.status, clock)
+            .where(res_c.run_id == run_id, res_c.status.in_(states))
+            .with_for_update()
+        ).first()
+        if found is None:
+            return 0
+        res_id, job_id, node_id, gpu_count, was, at = found
+        now = now if now is not None else as_utc(at)
+        transition(
+            session,
+            Machine.RESERVATION,
+            res_id,
+            to,
+            now=now,
+            frm=[was],
+            values={"released_at": now},
+            message=message,
+            job_id=job_id,
+            run_id=run_id,
+            node_id=node_id,
+        )
     cap = NodeCapacityRow.__table__.c
-    back = session.execute(
-        update(NodeCapacityRow)
-        .where(cap.node_id == res.node_id, cap.available_gpus + res.gpu_count <= cap.total_gpus)
-        .values(available_gpus=cap.available_gpus + res.gpu_count, version=cap.version + 1)
-        .execution_options(synchronize_session=False)
-    )
-    if back.rowcount != 1:  # type: ignore[attr-defined]
-        raise StaleState(f"node {res.node_id}: returning {res.gpu_count} GPUs would exceed total")
-    session.execute(
-        update(NodeGpuRow)
-        .where(NodeGpuRow.node_id == res.node_id, NodeGpuRow.holder_run_id == run_id)
-        .values(holder_run_id=None)
-        .execution_options(synchronize_session=False)
-    )
-    transition(
+    gpu = NodeGpuRow.__table__.c
+    # the run's GPU rows (locked by nobody else: its reservation row is) freed with the
+    # capacity update, in one statement on PostgreSQL (dialect.execute_with)
+    back = execute_with(
         session,
-        Machine.RESERVATION,
-        res.id,
-        to,
-        now=now,
-        frm=[res.status],
-        values={"released_at": now},
-        message=message,
-        job_id=res.job_id,
-        run_id=run_id,
-        node_id=res.node_id,
+        update(cast(Table, NodeCapacityRow.__table__))
+        .where(cap.node_id == node_id, cap.available_gpus + gpu_count <= cap.total_gpus)
+        .values(available_gpus=cap.available_gpus + gpu_count, version=cap.version + 1),
+        update(cast(Table, NodeGpuRow.__table__))
+        .where(gpu.node_id == node_id, gpu.holder_run_id == run_id)
+        .values(holder_run_id=None),
     )
-    return res.gpu_count
+    if back.rowcount != 1:
+        raise StaleState(f"node {node_id}: returning {gpu_count} GPUs would exceed total")
+    return int(gpu_count)
 
 
 def set_inventory(session: Session, node_id: str, gpus: tuple[GpuDevice, ...]) -> None:

@@ -51,7 +51,9 @@ class Database:
         self.url = url
         self.engine: Engine = create_engine(url, **dialect.engine_options(url))
         dialect.install_sqlite_hooks(self.engine)
-        self._read = sessionmaker(self.engine, expire_on_commit=False, autoflush=False)
+        self._read = sessionmaker(
+            dialect.read_engine(self.engine), expire_on_commit=False, autoflush=False
+        )
         self._snapshot = sessionmaker(
             dialect.snapshot_engine(self.engine), expire_on_commit=False, autoflush=False
         )
@@ -69,7 +71,9 @@ class Database:
     @contextlib.contextmanager
     def read(self) -> Iterator[Session]:
         """A session for reads. Closing it ends its transaction; loaded objects stay usable
-        (detached, not expired)."""
+        (detached, not expired). Its statements need not see one snapshot (PostgreSQL READ
+        COMMITTED; SQLite without ``BEGIN``): use :meth:`snapshot` for that. Never write in
+        it."""
         with self._read() as session:
             yield session
 

@@ -4,11 +4,21 @@ clock, and the migration lock."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Connection, Engine, event, text
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Engine,
+    FromClause,
+    TableClause,
+    event,
+    func,
+    insert,
+    text,
+)
 from sqlalchemy.orm import Session
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -51,13 +61,55 @@ def install_sqlite_hooks(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         mode = conn.get_execution_options().get("sqlite_begin", "DEFERRED")
-        conn.exec_driver_sql(f"BEGIN {mode}")
+        if mode:  # read_engine: none, each statement is its own (autocommit) transaction
+            conn.exec_driver_sql(f"BEGIN {mode}")
 
 
 def write_engine(engine: Engine) -> Engine:
     """The same pool, but transactions begin as writers (SQLite ``BEGIN IMMEDIATE``;
     PostgreSQL READ COMMITTED, row locks taken by the conditional UPDATEs themselves)."""
     return engine.execution_options(sqlite_begin="IMMEDIATE")
+
+
+def insert_together(
+    session: Session, groups: Sequence[tuple[FromClause, list[dict[str, Any]]]]
+) -> None:
+    """INSERT every group's rows (one multi-row VALUES list per table, no RETURNING), in the
+    order given (parents before children). PostgreSQL: ONE statement, the earlier groups as
+    data-modifying CTEs of the last one's INSERT (foreign keys are checked at the end of
+    the statement); SQLite, which has no INSERT in a CTE: one statement per table."""
+    tables = [(cast(TableClause, t), rows) for t, rows in groups if rows]
+    if not tables:
+        return
+    if session.get_bind().dialect.name == "postgresql" and len(tables) > 1:
+        *first, (last, last_rows) = tables
+        ctes = [insert(t).values(rows).cte(f"ins{i}") for i, (t, rows) in enumerate(first)]
+        session.execute(insert(last).values(last_rows).add_cte(*ctes))
+        return
+    for t, rows in tables:
+        session.execute(insert(t).values(rows))
+
+
+def execute_with(session: Session, main: Any, *before: Any) -> Any:
+    """Execute the DML statements ``before`` and then ``main``; returns ``main``'s result
+    (its row count, its RETURNING rows). PostgreSQL: ONE statement, ``before`` as
+    data-modifying CTEs of ``main`` (all on one snapshot: use only for statements on rows
+    that no other statement of the group reads); SQLite: one statement each, in order."""
+    if session.get_bind().dialect.name == "postgresql" and before:
+        ctes = [stmt.cte(f"w{i}") for i, stmt in enumerate(before)]
+        return session.execute(main.add_cte(*ctes))
+    for stmt in before:
+        session.execute(stmt)
+    return session.execute(main)
+
+
+def read_engine(engine: Engine) -> Engine:
+    """The same pool, for plain reads that need no single snapshot: on SQLite no ``BEGIN``
+    (a statement of its own per session): each statement reads in its own implicit
+    transaction, as each does under PostgreSQL's READ COMMITTED."""
+    if engine.dialect.name == "sqlite":
+        return engine.execution_options(sqlite_begin="")
+    return engine
 
 
 def snapshot_engine(engine: Engine) -> Engine:
@@ -67,6 +119,27 @@ def snapshot_engine(engine: Engine) -> Engine:
     if engine.dialect.name == "postgresql":
         return engine.execution_options(isolation_level="REPEATABLE READ")
     return engine
+
+
+def now_sql(session: Session, *, stable: bool = False) -> ColumnElement[Any]:
+    """The database clock of :func:`db_now` as a SQL expression, to fold into another
+    statement (a guard ``expires_at > now``, a ``RETURNING`` that tells the caller the time)
+    instead of a statement of its own. Read a returned value with :func:`as_utc`.
+
+    ``stable``: every use in one statement gives the same value (PostgreSQL
+    ``statement_timestamp()``, the statement's start; SQLite's ``'now'`` is stable anyway),
+    for two columns that must be equal."""
+    if session.get_bind().dialect.name == "sqlite":
+        return func.strftime("%Y-%m-%d %H:%M:%f", "now")
+    return func.statement_timestamp() if stable else func.clock_timestamp()
+
+
+def as_utc(value: Any) -> datetime:
+    """A clock value returned by a :func:`now_sql` expression, as an aware UTC datetime."""
+    if isinstance(value, str):
+        return datetime.fromisoformat(value).replace(tzinfo=UTC)
+    assert isinstance(value, datetime)
+    return value.astimezone(UTC)
 
 
 def db_now(session: Session) -> datetime:

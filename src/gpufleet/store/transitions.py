@@ -2,7 +2,11 @@
 
 Each change: check the edge against the domain's transition table, run a guarded
 ``UPDATE ... WHERE id = :id AND status IN (:allowed_from) [AND guard columns]``, and append a
-SchedulingEvent row in the same transaction. 0 rows matched raises StaleState: the row moved
+SchedulingEvent row in the same transaction. Events are queued on the session and written at
+commit, all of one transaction in ONE multi-row INSERT (:func:`_write_events`): a
+transaction that moves three rows sends one event statement, not three. With one allowed source
+state the UPDATE is the only statement; with several, a ``SELECT ... FOR UPDATE`` first learns
+which one the row is in (the event records it). 0 rows matched raises StaleState: the row moved
 on (another status, token or epoch) and the caller's view was stale.
 """
 
@@ -18,7 +22,8 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import StaleState
 from gpufleet.domain.states import RUN_TERMINAL, Machine, check_transition
 from gpufleet.store import accounting
-from gpufleet.store.dialect import db_now
+from gpufleet.store.dialect import now_sql
+from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import (
     Base,
     JobRow,
@@ -51,6 +56,7 @@ def transition(
     job_id: str | None = None,
     run_id: str | None = None,
     node_id: str | None = None,
+    usage: accounting.AttemptFacts | None = None,
 ) -> str:
     """Move ``entity_id`` of ``machine`` to ``to`` from one of ``frm``; returns the old status.
 
@@ -59,6 +65,8 @@ def transition(
             the table (IllegalTransition otherwise), whatever the row's real state.
         guard: extra equality conditions (e.g. ``{"token": 7}``, ``{"fencing_epoch": 3}``).
         values: other columns to set in the same UPDATE.
+        usage: a run reaching a terminal status: the attempt as the caller read it in this
+            transaction, for its usage record (``accounting.record_attempt_end``).
 
     Raises:
         IllegalTransition: an edge ``frm -> to`` is not in the table.
@@ -70,19 +78,27 @@ def transition(
     cols = table.__table__.c
     conds = [cols.id == entity_id, cols.status.in_(sources)]
     conds += [cols[k] == v for k, v in (guard or {}).items()]
-    # Lock the row and learn its current status (PostgreSQL FOR UPDATE; SQLite holds the
-    # database write lock since BEGIN IMMEDIATE), then update under the same conditions.
-    old = session.execute(
-        table.__table__.select().with_only_columns(cols.status).where(*conds).with_for_update()
-    ).scalar_one_or_none()
+    change = (
+        update(table)
+        .where(*conds)
+        .values(status=to, **dict(values or {}))
+        .execution_options(synchronize_session=False)
+    )
+    old: str | None = None
     result = None
-    if old is not None:
-        result = session.execute(
-            update(table)
-            .where(*conds)
-            .values(status=to, **dict(values or {}))
-            .execution_options(synchronize_session=False)
-        )
+    if len(sources) == 1:
+        # one possible source: the guarded UPDATE alone locks, checks and moves the row (one
+        # statement); its row count says whether the row was there in that state
+        old = sources[0]
+        result = session.execute(change)
+    else:
+        # several: lock the row and learn which state it is in (PostgreSQL FOR UPDATE; SQLite
+        # holds the write lock since BEGIN IMMEDIATE), then update under the same conditions
+        old = session.execute(
+            table.__table__.select().with_only_columns(cols.status).where(*conds).with_for_update()
+        ).scalar_one_or_none()
+        if old is not None:
+            result = session.execute(change)
     if old is None or result is None or result.rowcount != 1:  # type: ignore[attr-defined]
         raise StaleState(
             f"{machine.value} {entity_id}: not in {sources}"
@@ -91,24 +107,64 @@ def transition(
         )
     if machine is Machine.RUN and to in RUN_TERMINAL:
         # the one place every attempt ends: its usage record goes in the same transaction
-        accounting.record_attempt_end(session, entity_id, outcome=str(to), end_at=now)
-    session.add(
-        SchedulingEventRow(
-            at=now,
-            kind="transition",
-            machine=machine.value,
-            entity_id=entity_id,
-            from_status=old,
-            to_status=to,
-            trigger=triggers[old],
-            job_id=job_id,
-            run_id=run_id,
-            node_id=node_id,
-            message=message,
-            details=dict(details) if details else None,
-        )
+        accounting.record_attempt_end(session, entity_id, outcome=str(to), end_at=now, facts=usage)
+    record_transition(
+        session,
+        machine,
+        entity_id,
+        old,
+        to,
+        now=now,
+        message=message,
+        details=details,
+        job_id=job_id,
+        run_id=run_id,
+        node_id=node_id,
+        trigger=triggers[old],
     )
     return str(old)
+
+
+def record_transition(
+    session: Session,
+    machine: Machine,
+    entity_id: str,
+    frm: str,
+    to: str,
+    *,
+    now: datetime,
+    message: str | None = None,
+    details: Mapping[str, Any] | None = None,
+    job_id: str | None = None,
+    run_id: str | None = None,
+    node_id: str | None = None,
+    trigger: str | None = None,
+) -> None:
+    """Append the event of a transition ``frm -> to`` that the caller has just made with a
+    guarded statement of its own (:func:`transition` makes the usual ones). Checks the edge.
+
+    Raises:
+        IllegalTransition: ``frm -> to`` is not in the table.
+    """
+    if trigger is None:
+        trigger = check_transition(machine, frm, to)
+    _queue_event(
+        session,
+        {
+            "at": now,
+            "kind": "transition",
+            "machine": machine.value,
+            "entity_id": entity_id,
+            "from_status": frm,
+            "to_status": to,
+            "trigger": trigger,
+            "job_id": job_id,
+            "run_id": run_id,
+            "node_id": node_id,
+            "message": message,
+            "details": dict(details) if details else None,
+        },
+    )
 
 
 def record_event(
@@ -123,14 +179,25 @@ def record_event(
     details: Mapping[str, Any] | None = None,
 ) -> None:
     """Append a non-transition audit event (a placement decision, a reconcile finding...)."""
-    session.add(
-        SchedulingEventRow(
-            at=now if now is not None else db_now(session),
-            kind=kind,
-            job_id=job_id,
-            run_id=run_id,
-            node_id=node_id,
-            message=message,
-            details=dict(details) if details else None,
-        )
+    _queue_event(
+        session,
+        {
+            # no clock given: the database's, read by the INSERT itself
+            "at": now if now is not None else now_sql(session),
+            "kind": kind,
+            "job_id": job_id,
+            "run_id": run_id,
+            "node_id": node_id,
+            "message": message,
+            "details": dict(details) if details else None,
+        },
     )
+
+
+_EVENT_COLUMNS = tuple(c.name for c in SchedulingEventRow.__table__.c if c.name != "id")
+"""Every row of one multi-row INSERT names the same columns (absent ones are NULL)."""
+
+
+def _queue_event(session: Session, row: dict[str, Any]) -> None:
+    """Queue one ``scheduling_events`` row on ``session``; written at commit."""
+    queue_insert(session, SchedulingEventRow.__table__, {k: row.get(k) for k in _EVENT_COLUMNS})
