@@ -130,7 +130,10 @@ def now_sql(session: Session, *, stable: bool = False) -> ColumnElement[Any]:
     ``statement_timestamp()``, the statement's start; SQLite's ``'now'`` is stable anyway),
     for two columns that must be equal."""
     if session.get_bind().dialect.name == "sqlite":
-        return func.strftime("%Y-%m-%d %H:%M:%f", "now")
+        # SQLite keeps datetimes as text, compared as text: store the clock in SQLAlchemy's
+        # own format (6 fractional digits; %f gives 3), or a value written by this expression
+        # sorts before the same instant bound from Python ('...01.123' < '...01.123000')
+        return func.strftime("%Y-%m-%d %H:%M:%f", "now").concat("000")
     return func.statement_timestamp() if stable else func.clock_timestamp()
 
 
