@@ -38,6 +38,8 @@ MAX_GPU_TYPES = 64
 MAX_OUTSTANDING_JOBS = 10_000_000
 MAX_SUBMIT_RATE_PER_S = 100_000.0
 MAX_SUBMIT_BURST = 1_000_000
+MAX_RUNTIME_S = 366 * 24 * 3600.0
+"""The largest team default or limit of ``max_runtime_s`` (a year), seconds."""
 
 LIMITS_TTL_S = 1.0
 """A team's limits are remembered this long per server: a change applies within it."""
