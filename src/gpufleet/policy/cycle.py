@@ -569,7 +569,9 @@ class _Pass:
             and job.resources.gpu_count not in self.reserved_sizes
         )
 
-    def skip_to_unreserved_size(self, tid: str, q: Sequence[PendingJob], ptr: dict[str, int]) -> bool:
+    def skip_to_unreserved_size(
+        self, tid: str, q: Sequence[PendingJob], ptr: dict[str, int]
+    ) -> bool:
         """The fleet is full (nothing more starts this pass): move the team's pointer to its
         next job of a size no reservation covers yet, within its backfill depth; False when
         there is none (or no reservation is left to give)."""

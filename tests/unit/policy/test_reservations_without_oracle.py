@@ -122,8 +122,7 @@ class TestReservationCount:
         return snap(
             nodes=[node(f"n{i:02d}", free=0) for i in range(n_nodes)],
             running=[
-                predicted(run(f"r{i:02d}", f"n{i:02d}", gpus=8), 100.0 + i)
-                for i in range(n_nodes)
+                predicted(run(f"r{i:02d}", f"n{i:02d}", gpus=8), 100.0 + i) for i in range(n_nodes)
             ],
             pending=[job(f"j{t:02d}", team=f"t{t:02d}", gpus=8) for t in range(n_teams)],
             teams=[team(f"t{t:02d}") for t in range(n_teams)],
