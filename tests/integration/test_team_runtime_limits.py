@@ -20,9 +20,23 @@ from gpufleet.services import auth
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
 from tests.integration.server_proc import ServerProcess
-from tests.integration.test_api_limits import make_client, put_team, tokens  # noqa: F401
+from tests.factories import create_node
+from tests.integration.test_api_limits import make_client, put_team
 
 JOB = {"command": ["python3", "train.py"], "gpu_count": 1}
+
+
+@pytest.fixture
+def tokens(db: Database) -> dict[str, str]:
+    made = {
+        team: db.run_write(lambda s, t=team: auth.create_token(s, t, create_team_if_missing=True))
+        for team in ("vision", "nlp")
+    }
+    made["admin"] = db.run_write(
+        lambda s: auth.create_token(s, "ops", is_admin=True, create_team_if_missing=True)
+    )
+    create_node(db, "n1", gpus=8)
+    return made
 
 
 def submit(client: TestClient, token: str, key: str, **extra: Any) -> Any:
