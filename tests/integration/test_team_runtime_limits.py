@@ -19,8 +19,8 @@ from gpufleet.processes import open_database
 from gpufleet.services import auth
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
-from tests.integration.server_proc import ServerProcess
 from tests.factories import create_node
+from tests.integration.server_proc import ServerProcess
 from tests.integration.test_api_limits import make_client, put_team
 
 JOB = {"command": ["python3", "train.py"], "gpu_count": 1}
