@@ -262,7 +262,13 @@ class _Pass:
             self.n_reservations += 1
             self.reserved_sizes.add(res.gpu_count)
             self.decisions.append(HoldForBackfill(job.job_id, r.node_id, res.gpu_count, start))
-            self.causes[job.job_id] = ("waiting_with_reservation", r.node_id, start, extra)
+            self.causes[job.job_id] = (
+                "waiting_with_reservation",
+                r.node_id,
+                start,
+                extra,
+                self.predicted_start((r.node_id,), start),
+            )
             self.head_done.add(job.team_id)
 
     def keep_gang_reservation(self, job: PendingJob, rs: list[BackfillReservation]) -> None:
@@ -302,7 +308,14 @@ class _Pass:
         self.n_reservations += 1
         self.reserved_sizes.add(job.resources.gpu_count)
         held_ids = tuple(nid for nid, _ in nodes)
-        self.causes[job.job_id] = ("gang_reservation", held_ids, start, len(nodes), ready)
+        self.causes[job.job_id] = (
+            "gang_reservation",
+            held_ids,
+            start,
+            len(nodes),
+            ready,
+            self.predicted_start(held_ids, start),
+        )
         self.head_done.add(job.team_id)
 
     # -- gangs --------------------------------------------------------------------------
@@ -553,11 +566,28 @@ class _Pass:
                 self.decisions.append(
                     HoldForBackfill(job.job_id, node_id, res.gpu_count, shadow.start_at_s)
                 )
-                return ("waiting_with_reservation", node_id, shadow.start_at_s, shadow.extra)
+                return (
+                    "waiting_with_reservation",
+                    node_id,
+                    shadow.start_at_s,
+                    shadow.extra,
+                    self.predicted_start((node_id,), shadow.start_at_s),
+                )
             if has_reservation_candidate(job, self.index):
                 # a node could hold it, but nothing running there has a known end
                 return (*cause, "unbounded")
         return cause
+
+    def predicted_start(self, node_ids: Sequence[str], start_s: float) -> bool:
+        """Whether a reservation's start rests on the platform's predictions: some attempt
+        counted on to end by ``start_s`` has no user estimate but a predicted duration."""
+        for nid in node_ids:
+            for end, r in self.running.by_node.get(nid, ()):
+                if end > start_s:
+                    break
+                if r.expected_duration_s is None and r.predicted_duration_s is not None:
+                    return True
+        return False
 
     def wants_size_reservation(self, job: PendingJob, cause: Cause) -> bool:
         """A blocked job behind its team's first gets a reservation when no job of its size

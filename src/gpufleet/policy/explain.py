@@ -53,6 +53,14 @@ UNBOUNDED = (
 )
 
 
+PREDICTED_NOTE = (
+    " The start is a prediction: some of that running work gave no estimate, so the platform"
+    " predicts its end from past runs of similar jobs (team, user, name, GPUs); a prediction"
+    " never stops a job, and a late one moves this start later."
+)
+"""Added to a reservation's reason when its start rests on ``predicted_duration_s``."""
+
+
 def _shape(job: PendingJob) -> str:
     r = job.resources
     s = f"{r.gpu_count} GPU(s)"
@@ -214,7 +222,7 @@ class WaitingReasons(Mapping[str, WaitReason]):
                         "quota or raises their lending limit."
                     )
         elif code == "waiting_with_reservation":
-            _, node_id, start_s, extra = cause
+            _, node_id, start_s, extra, *basis = cause
             est = float(start_s)
             d.update(node=node_id, reserved_from_s=est, extra_gpus=extra)
             msg = (
@@ -222,8 +230,11 @@ class WaitingReasons(Mapping[str, WaitReason]):
                 f"expected to start {when(est, self._now)} when running work there is "
                 f"expected to end; smaller jobs may use them only if they finish before then."
             )
+            if basis and basis[0]:
+                d["start_basis"] = "predicted"
+                msg += PREDICTED_NOTE
         elif code == "gang_reservation":
-            _, nodes, start_s, needed, ready = cause
+            _, nodes, start_s, needed, ready, *basis = cause
             code = "waiting_with_reservation"
             est = float(start_s)
             d.update(
@@ -239,6 +250,9 @@ class WaitingReasons(Mapping[str, WaitReason]):
                 f"{when(est, self._now)}; "
                 f"smaller jobs may use them only if they finish before then."
             )
+            if basis and basis[0]:
+                d["start_basis"] = "predicted"
+                msg += PREDICTED_NOTE
         elif code == "gang_preemption":
             _, nodes, victims, why = cause
             code = "waiting_for_preemption"
