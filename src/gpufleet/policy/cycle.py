@@ -255,19 +255,25 @@ class _Pass:
             if self.index.fits_on(r.node_id, res, job.job_id):
                 self._place(job, r.node_id, node.gpu_type, backfilled=False)
                 continue
-            start, extra = start_on_node(job, r.node_id, self.index, self.running, self.now)
+            node_id = r.node_id
+            start, extra = start_on_node(job, node_id, self.index, self.running, self.now)
+            # kept on its node unless another node is now expected to be ready earlier
+            # (the work there ran later than estimated): it may move earlier, never later
+            moved = find_reservation(job, self.index, self.running, self.now)
+            if moved is not None and moved[1].start_at_s < start:
+                node_id, start, extra = moved[0], moved[1].start_at_s, moved[1].extra
             if start == float("inf"):
                 continue
-            self.index.add_shadow(r.node_id, Shadow(job.job_id, start, res.gpu_count, extra))
+            self.index.add_shadow(node_id, Shadow(job.job_id, start, res.gpu_count, extra))
             self.n_reservations += 1
             self.reserved_sizes.add(res.gpu_count)
-            self.decisions.append(HoldForBackfill(job.job_id, r.node_id, res.gpu_count, start))
+            self.decisions.append(HoldForBackfill(job.job_id, node_id, res.gpu_count, start))
             self.causes[job.job_id] = (
                 "waiting_with_reservation",
-                r.node_id,
+                node_id,
                 start,
                 extra,
-                self.predicted_start((r.node_id,), start),
+                self.predicted_start((node_id,), start),
             )
             self.head_done.add(job.team_id)
 
@@ -293,7 +299,28 @@ class _Pass:
             if start == float("inf"):
                 return
             starts.append(start)
-        self._hold_gang(job, [(r.node_id, r.gpu_count) for r in rs], max(starts))
+        nodes, start = [(r.node_id, r.gpu_count) for r in rs], max(starts)
+        moved = self.best_gang_reservation(job)
+        if moved is not None and moved[0] < start:  # earlier elsewhere: it moves (never later)
+            nodes, start = [(nid, sh.gpu_count) for nid, sh in moved[1]], moved[0]
+        self._hold_gang(job, nodes, start)
+
+    def best_gang_reservation(
+        self, job: PendingJob
+    ) -> tuple[float, list[tuple[str, Shadow]]] | None:
+        """The earliest gang reservation over the job's GPU types (None: none has enough
+        nodes whose running work has a known end)."""
+        res = job.resources
+        types = res.gpu_types or self.index.gpu_types
+        best: tuple[float, int, list[tuple[str, Shadow]]] | None = None
+        for i, t in enumerate(types):
+            members = self.members(res, t)
+            if members is None:
+                continue
+            found = find_gang_reservation(job, members, t, self.index, self.running, self.now)
+            if found is not None and (best is None or (found[0], i) < best[:2]):
+                best = (found[0], i, found[1])
+        return (best[0], best[2]) if best is not None else None
 
     def _hold_gang(self, job: PendingJob, nodes: list[tuple[str, int]], start: float) -> None:
         index = self.index

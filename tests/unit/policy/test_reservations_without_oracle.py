@@ -50,10 +50,24 @@ class TestPredictedDurations:
         assert result.waiting["big"].code == "waiting_with_reservation"
         assert result.waiting["big"].estimated_start_s == 100.0
 
-    def test_an_overrun_prediction_means_any_moment_not_never(self) -> None:
-        s = full_fleet(100.0)
-        late = replace(s, now_s=150.0)
-        assert holds(schedule(late)) == [HoldForBackfill("big", "n1", 8, 150.0)]
+    def test_an_overrun_prediction_counts_as_running_as_long_again(self) -> None:
+        """r1 was predicted to end at 100 and still runs at 150: heavy tails say it is a long
+        one, so it is expected at 150 + 150 = 300, and the reservation goes to n2 (200)
+        rather than to the straggler's node."""
+        late = replace(full_fleet(100.0), now_s=150.0)
+        assert holds(schedule(late)) == [HoldForBackfill("big", "n2", 8, 200.0)]
+
+    def test_an_overrun_user_estimate_still_means_any_moment(self) -> None:
+        s = full_fleet(None)
+        s = replace(
+            s,
+            now_s=150.0,
+            running=(
+                replace(s.running[0], expected_duration_s=100.0),
+                replace(s.running[1], expected_duration_s=200.0),
+            ),
+        )
+        assert holds(schedule(s)) == [HoldForBackfill("big", "n1", 8, 150.0)]
 
     def test_a_prediction_is_capped_by_the_hard_bound(self) -> None:
         s = full_fleet(1000.0)
@@ -108,12 +122,17 @@ class TestHeadOfFleet:
         assert result.waiting["gang"].code == "waiting_with_reservation"
 
     def test_kept_reservations_count_towards_the_staircase(self) -> None:
-        """'big' kept its node from the last pass: it is renewed there first, and a later
-        8-GPU job is not reserved for as well."""
+        """'big' kept a reservation from the last pass: it is renewed (first, and on n1, now
+        the earliest node), and no other 8-GPU job is reserved for as well."""
         s = replace(staircase(), reservations=(BackfillReservation("big", "n3", 8, 300.0),))
         result = schedule(s)
-        assert ("big", "n3") in [(h.job_id, h.node_id) for h in holds(result)]
+        got = [(h.job_id, h.node_id, h.start_at_s) for h in holds(result)]
+        assert got[0] == ("big", "n1", 100.0)
         assert "big2" not in {h.job_id for h in holds(result)}
+
+    def test_a_kept_reservation_stays_where_nothing_is_earlier(self) -> None:
+        s = replace(staircase(), reservations=(BackfillReservation("big", "n1", 8, 100.0),))
+        assert holds(schedule(s))[0] == HoldForBackfill("big", "n1", 8, 100.0)
 
 
 class TestReservationCount:
