@@ -20,8 +20,10 @@ which is exactly what backfill must not do.
 Reservations persist across passes: the driver feeds each pass's ``HoldForBackfill``
 decisions back as ``ClusterSnapshot.reservations``, and the next pass first renews every one
 on the same node(s) (``cycle._Pass.keep_reservations``), with its start time recomputed from
-the running work of that moment, until the job starts there, its node goes away (then it
-gets a fresh reservation when its turn comes) or the pass's reservations run out. So a late
+the running work of that moment, until the job starts, its node goes away (then it gets a
+fresh reservation when its turn comes) or the pass's reservations run out. It moves only to
+a node (or nodes) ready within half the remaining wait, when the work on its own ran much
+later than estimated; each move restarts the drain, so never for a small gain. So a late
 running job moves the reservation later instead of breaking it, and jobs served earlier in
 later passes cannot take the reserved node.
 """

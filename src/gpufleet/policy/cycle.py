@@ -235,7 +235,10 @@ class _Pass:
         for r, job in self.prev_reservations:
             if self.is_gang(job.resources):
                 gang_rs.setdefault(job.job_id, []).append(r)
-        for r, job in self.prev_reservations:
+        # largest jobs first: a smaller job's reservation moving to a node ready earlier
+        # must not take a node a larger job held (its drain would restart)
+        kept = sorted(self.prev_reservations, key=lambda e: -e[1].resources.gpu_count)
+        for r, job in kept:
             if job.job_id in self.placed or job.job_id in self.causes:
                 continue
             if self.n_reservations >= self.max_reservations:
@@ -257,10 +260,11 @@ class _Pass:
                 continue
             node_id = r.node_id
             start, extra = start_on_node(job, node_id, self.index, self.running, self.now)
-            # kept on its node unless another node is now expected to be ready earlier
-            # (the work there ran later than estimated): it may move earlier, never later
+            # kept on its node unless another node is now expected to be ready in less than
+            # half the wait (the work there ran much later than estimated): it moves earlier,
+            # never later, and never for a small gain (each move would restart the drain)
             moved = find_reservation(job, self.index, self.running, self.now)
-            if moved is not None and moved[1].start_at_s < start:
+            if moved is not None and self.much_earlier(moved[1].start_at_s, start):
                 node_id, start, extra = moved[0], moved[1].start_at_s, moved[1].extra
             if start == float("inf"):
                 continue
@@ -301,9 +305,13 @@ class _Pass:
             starts.append(start)
         nodes, start = [(r.node_id, r.gpu_count) for r in rs], max(starts)
         moved = self.best_gang_reservation(job)
-        if moved is not None and moved[0] < start:  # earlier elsewhere: it moves (never later)
+        if moved is not None and self.much_earlier(moved[0], start):  # as a single job's
             nodes, start = [(nid, sh.gpu_count) for nid, sh in moved[1]], moved[0]
         self._hold_gang(job, nodes, start)
+
+    def much_earlier(self, moved_s: float, kept_s: float) -> bool:
+        """A kept reservation moves only to a start within half its remaining wait."""
+        return moved_s - self.now < (kept_s - self.now) / 2
 
     def best_gang_reservation(
         self, job: PendingJob
