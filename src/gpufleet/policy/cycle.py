@@ -67,6 +67,10 @@ from gpufleet.policy.snapshot import (
 
 __all__ = ["queue_order_key", "schedule", "sorted_queues"]
 
+MOVE_FRACTION = 0.5
+"""A kept reservation moves to another node only when that one is expected to be ready within
+this fraction of the remaining wait."""
+
 
 def queue_order_key(job: PendingJob) -> tuple[int, float, str]:
     """Priority class first, then the time the job (re-)entered the queue, then id (the
@@ -311,7 +315,7 @@ class _Pass:
 
     def much_earlier(self, moved_s: float, kept_s: float) -> bool:
         """A kept reservation moves only to a start within half its remaining wait."""
-        return moved_s - self.now < (kept_s - self.now) / 2
+        return moved_s - self.now < (kept_s - self.now) * MOVE_FRACTION
 
     def best_gang_reservation(
         self, job: PendingJob

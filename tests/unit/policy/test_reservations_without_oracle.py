@@ -47,8 +47,24 @@ class TestPredictedDurations:
     def test_predicted_durations_make_a_reservation(self) -> None:
         result = schedule(full_fleet(100.0))
         assert holds(result) == [HoldForBackfill("big", "n1", 8, 100.0)]
-        assert result.waiting["big"].code == "waiting_with_reservation"
-        assert result.waiting["big"].estimated_start_s == 100.0
+        why = result.waiting["big"]
+        assert why.code == "waiting_with_reservation"
+        assert why.estimated_start_s == 100.0
+        # `gpufleet why` says the start is the platform's prediction, not a promise
+        assert why.details["start_basis"] == "predicted"
+        assert "prediction" in why.message and "never stops a job" in why.message
+
+    def test_a_user_estimate_is_not_called_a_prediction(self) -> None:
+        s = full_fleet(None)
+        s = replace(
+            s,
+            running=tuple(
+                replace(r, expected_duration_s=100.0 * (i + 1)) for i, r in enumerate(s.running)
+            ),
+        )
+        why = schedule(s).waiting["big"]
+        assert why.code == "waiting_with_reservation"
+        assert "start_basis" not in why.details and "prediction" not in why.message
 
     def test_an_overrun_prediction_counts_as_running_as_long_again(self) -> None:
         """r1 was predicted to end at 100 and still runs at 150: heavy tails say it is a long
