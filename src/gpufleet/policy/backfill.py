@@ -21,9 +21,10 @@ Reservations persist across passes: the driver feeds each pass's ``HoldForBackfi
 decisions back as ``ClusterSnapshot.reservations``, and the next pass first renews every one
 on the same node(s) (``cycle._Pass.keep_reservations``), with its start time recomputed from
 the running work of that moment, until the job starts, its node goes away (then it gets a
-fresh reservation when its turn comes) or the pass's reservations run out. It moves only to
-a node (or nodes) ready within half the remaining wait, when the work on its own ran much
-later than estimated; each move restarts the drain, so never for a small gain. So a late
+fresh reservation when its turn comes) or the pass's reservations run out. It moves to a node
+(or nodes) expected to be ready earlier (``cycle.MOVE_FRACTION``), when the work on its own
+ran later than estimated; the largest jobs' are renewed first, so a smaller job's move never
+takes a node a larger job held. So a late
 running job moves the reservation later instead of breaking it, and jobs served earlier in
 later passes cannot take the reserved node.
 """
