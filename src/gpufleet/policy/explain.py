@@ -49,7 +49,8 @@ def when(at_s: float, now_s: float) -> str:
 # running work has no known end (the policy does not bound it; see docs/design)
 UNBOUNDED = (
     " No reservation: the running jobs on the candidate nodes have no max_runtime_s (nor "
-    "expected_duration_s), so their end is unknown and later jobs that fit may start first."
+    "expected_duration_s, nor enough finished runs of their kind for a prediction), so their "
+    "end is unknown and later jobs that fit may start first."
 )
 
 
