@@ -270,6 +270,7 @@ def create_app(state: AppState) -> FastAPI:
                     f"the Idempotency-Key header {what}", field="Idempotency-Key"
                 )
             depends = body.depends_on
+            limits = state.admission.limits(who.team_id) if state.admission is not None else None
             out = jobs.submit_job(
                 state.db,
                 team_id=who.team_id,
@@ -278,9 +279,8 @@ def create_app(state: AppState) -> FastAPI:
                 fallback_max_gpus=state.settings.max_gpus_per_node,
                 default_max_outstanding_jobs=defaults.max_outstanding_jobs,
                 # the team's limits as submit_allowed just looked them up (cached)
-                max_outstanding_jobs=state.admission.limits(who.team_id).max_outstanding_jobs
-                if state.admission is not None
-                else None,
+                max_outstanding_jobs=limits.max_outstanding_jobs if limits is not None else None,
+                runtime_limits=limits.runtime if limits is not None else None,
                 control=jobs.SubmitControl(
                     array=body.array,
                     depends_on=[d.model_dump() for d in depends]

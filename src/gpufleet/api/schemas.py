@@ -12,6 +12,7 @@ from gpufleet.domain.types import JobSpec, PriorityClass, Resources
 from gpufleet.services.limits import (
     MAX_GPUS,
     MAX_OUTSTANDING_JOBS,
+    MAX_RUNTIME_S,
     MAX_SUBMIT_BURST,
     MAX_SUBMIT_RATE_PER_S,
     MAX_WEIGHT,
@@ -434,7 +435,10 @@ class TeamQuotaUpdate(BaseModel):
     (= ``borrow_limit_gpus``; -1 = none) and ``lending_limit`` (Kueue's ``lendingLimit``: the
     most of the guarantee other teams may borrow). ``lending_limit_gpus`` is deprecated: it
     meant the part never lent, and is converted (a warning says so). max_outstanding_jobs 0
-    and submit_rate_per_s 0 = no limit (a team never set uses the server's defaults)."""
+    and submit_rate_per_s 0 = no limit (a team never set uses the server's defaults).
+    ``default_max_runtime_s`` / ``max_runtime_limit_s`` (seconds, Slurm's DefaultTime and
+    MaxTime): the ``max_runtime_s`` given to a job submitted without one, and the most a job
+    may ask for; 0 removes either."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     weight: float | None = Field(default=None, gt=0, le=MAX_WEIGHT)
@@ -451,6 +455,8 @@ class TeamQuotaUpdate(BaseModel):
     max_outstanding_jobs: int | None = Field(default=None, ge=0, le=MAX_OUTSTANDING_JOBS)
     submit_rate_per_s: float | None = Field(default=None, ge=0, le=MAX_SUBMIT_RATE_PER_S)
     submit_burst: int | None = Field(default=None, ge=1, le=MAX_SUBMIT_BURST)
+    default_max_runtime_s: float | None = Field(default=None, ge=0, le=MAX_RUNTIME_S)
+    max_runtime_limit_s: float | None = Field(default=None, ge=0, le=MAX_RUNTIME_S)
 
     @model_validator(mode="after")
     def _one_name_each(self) -> TeamQuotaUpdate:
@@ -480,4 +486,6 @@ class TeamQuotaUpdate(BaseModel):
             "max_outstanding_jobs": self.max_outstanding_jobs,
             "submit_rate_per_s": self.submit_rate_per_s,
             "submit_burst": self.submit_burst,
+            "default_max_runtime_s": self.default_max_runtime_s,
+            "max_runtime_limit_s": self.max_runtime_limit_s,
         }

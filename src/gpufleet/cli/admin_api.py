@@ -185,6 +185,22 @@ def team_set(
     submit_burst: Annotated[
         int | None, typer.Option(help="Submits allowed at once (the token bucket's size).")
     ] = None,
+    default_runtime: Annotated[
+        str | None,
+        typer.Option(
+            "--default-runtime",
+            help="max_runtime_s given to a job submitted without one (Slurm's DefaultTime),"
+            " e.g. 4h; 0 = none.",
+        ),
+    ] = None,
+    max_runtime: Annotated[
+        str | None,
+        typer.Option(
+            "--max-runtime",
+            help="The most max_runtime_s a job may ask for (Slurm's MaxTime), e.g. 7d;"
+            " a submit above it is refused; 0 = no limit.",
+        ),
+    ] = None,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
@@ -203,6 +219,8 @@ def team_set(
             "max_outstanding_jobs": max_outstanding,
             "submit_rate_per_s": rate(submit_rate),
             "submit_burst": submit_burst,
+            "default_max_runtime_s": _runtime(default_runtime, "--default-runtime"),
+            "max_runtime_limit_s": _runtime(max_runtime, "--max-runtime"),
         }
         if lending_limit:
             typer.echo(
@@ -225,6 +243,15 @@ def team_set(
         )
         _echo_warnings(data)
         typer.echo(output.clean(f"team {name} updated"))
+
+
+def _runtime(text: str | None, flag: str) -> float | None:
+    """A run-time flag: ``0``/``none`` (0.0: remove it), else :func:`duration_s`."""
+    if text is None:
+        return None
+    if text.strip().lower() in ("0", "0s", "none"):
+        return 0.0
+    return duration_s(text, flag)
 
 
 def _types(m: dict[str, Any] | None) -> str:
@@ -265,7 +292,8 @@ def team_list(
 ) -> None:
     """Teams with quota (nominal quota, borrowing and lending limits), current allocation,
     queue length and fair-share usage (decayed GPU-hours; accounting is `gpufleet usage`);
-    -o json adds the admission limits (unfinished jobs, submit rate and burst). Narrow
+    -o json adds the admission limits (unfinished jobs, submit rate and burst) and the
+    run-time default and limit (default_max_runtime_s, max_runtime_limit_s). Narrow
     headers: quota = nominal quota, borrow/lend = borrowing/lending limit, alloc = allocated,
     GPU-h = fair-share usage (decayed); --wide spells them out."""
     wide = wide or out == "wide"

@@ -46,6 +46,7 @@ from gpufleet.settings import Settings
 from gpufleet.store import allocate, gating
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
+from gpufleet.store.predictions import HistoryPredictor
 from gpufleet.store.queries import SpecCache, load_snapshot
 from gpufleet.store.tables import JobRow, JobRunRow, NodeRow, ReservationRow
 from gpufleet.store.transitions import record_event
@@ -93,6 +94,9 @@ def reason_json(reason: WaitReason, now_s: float) -> dict[str, object]:
 
 ESTIMATE_SLACK_S = 30.0
 REASONS_REFRESH_S = 2.0
+PREDICTION_REFRESH_S = 10.0
+"""How often the leader reads the attempts that finished since it last looked (one indexed
+query on ``usage_records``) into its duration predictor."""
 
 
 def _estimate_moved(old_iso: object, reason: WaitReason, now_s: float) -> bool:
@@ -126,6 +130,11 @@ class Scheduler:
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="assign")
         self._backfill: tuple[BackfillReservation, ...] = ()
         self._specs = SpecCache()
+        self.predictions = HistoryPredictor()
+        """Run-time predictions from finished attempts (ordering and reservations, never
+        stops): warmed at this process's first pass as leader, refreshed every
+        ``PREDICTION_REFRESH_S``."""
+        self._predictions_read_s: float | None = None
         self._reasons_refreshed_s = 0.0
         self._stored: dict[str, object] | None = None
         self._stored_epoch = 0
@@ -142,12 +151,20 @@ class Scheduler:
             return stats
         with self.db.snapshot() as s:
             now = db_now(s)
+            mono = time.monotonic()
+            if (
+                self._predictions_read_s is None
+                or mono - self._predictions_read_s >= PREDICTION_REFRESH_S
+            ):
+                self.predictions.refresh(s)
+                self._predictions_read_s = mono
             snap = load_snapshot(
                 s,
                 now,
                 reservations=self._backfill,
                 usage_half_life_s=self.policy.usage_half_life_s,
                 spec_cache=self._specs,
+                predictions=self.predictions,
             )
             # held jobs, unmet dependencies and arrays at their %N limit never reach the policy
             gated = gating.gate_snapshot(s, snap)

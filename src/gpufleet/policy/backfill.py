@@ -1,18 +1,32 @@
 """Backfill reservations: when and where will a blocked job fit?
 
-For the first blocked job of a team (up to ``PolicyConfig.max_reservations`` per pass, one per
-node), walk each candidate node's running attempts by estimated end (``runtime``) and find the
-earliest time its free GPUs reach the job's count. The winning node gets a ``Shadow``: from
-then on in the pass, a later job may use the node only
+Who gets one (``cycle``, up to ``max(PolicyConfig.max_reservations, schedulable nodes //
+nodes_per_reservation)`` per pass, one per node): the first blocked job of each team, and any
+later blocked job of a size (GPU count) no reservation of the pass covers yet (so the fleet's
+head job of each size is protected even when its team's first blocked job is small). For each,
+walk each candidate node's running attempts by estimated end (``runtime``: the user's
+estimate, else the platform's prediction, capped by the hard bound) and find the earliest
+time its free GPUs reach the job's count. The winning node gets a ``Shadow``: from then on in
+the pass, a later job may use the node only
 
   * on the node's *extra* GPUs (free now + freed by the start time, minus what the reserved
     job needs), or
   * if its hard bound (``max_runtime_s``) ends before the reservation starts.
 
-A job with only an estimate (``expected_duration_s``) or no bound at all may not use the
-reserved GPUs: an estimate that runs late would delay the reserved job, which is exactly what
-backfill must not do. Reservations are recomputed on every pass (nothing to store or expire),
-so a late running job moves the reservation later instead of breaking it.
+A job with only an estimate (``expected_duration_s``, ``predicted_duration_s``) or no bound at
+all may not use the reserved GPUs: an estimate that runs late would delay the reserved job,
+which is exactly what backfill must not do.
+
+Reservations persist across passes: the driver feeds each pass's ``HoldForBackfill``
+decisions back as ``ClusterSnapshot.reservations``, and the next pass first renews every one
+on the same node(s) (``cycle._Pass.keep_reservations``), with its start time recomputed from
+the running work of that moment, until the job starts, its node goes away (then it gets a
+fresh reservation when its turn comes) or the pass's reservations run out. It moves to a node
+(or nodes) expected to be ready earlier (``cycle.MOVE_FRACTION``), when the work on its own
+ran later than estimated; the largest jobs' are renewed first, so a smaller job's move never
+takes a node a larger job held. So a late
+running job moves the reservation later instead of breaking it, and jobs served earlier in
+later passes cannot take the reserved node.
 """
 
 from __future__ import annotations

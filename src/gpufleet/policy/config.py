@@ -36,8 +36,9 @@ class Backfill(enum.StrEnum):
     """What happens behind a job that cannot be placed now."""
 
     EASY = "easy"
-    """The first blocked job of each team gets a reservation (a node and a time); later jobs
-    may start only where they do not delay it (EASY backfill, Lifka 1995)."""
+    """The first blocked job of each team, and the fleet's first blocked job of each size
+    (GPU count), get a reservation (a node and a time) that persists across passes; later jobs may
+    start only where they do not delay it (EASY backfill, Lifka 1995)."""
     OFF = "off"
     """Strict order: a blocked job blocks its queue (the global queue, or its team's queue
     when borrowing is off). The "no backfill" baseline."""
@@ -73,7 +74,8 @@ class PolicyConfig:
             confined to its guarantee, the "no borrowing" baseline).
         preemption: the policy may name victims (reclaim of loans, priority preemption).
         head_start_s: aging rules per priority tier (see ``DEFAULT_HEAD_START_S``).
-        max_reservations: backfill reservations per pass (at most one per team, one per node).
+        max_reservations: backfill reservations per pass, the floor (one per node; see
+            ``nodes_per_reservation`` for the number that scales with the fleet).
         max_preemptions_per_cycle: Preempt decisions per pass.
         hold_timeout_s: a hold for a preemptor older than this is released (victims that never
             stop must not keep GPUs idle forever).
@@ -84,6 +86,9 @@ class PolicyConfig:
             are tried in one pass (Slurm's ``bf_max_job_test``/``default_queue_depth`` idea):
             bounds a pass at O(teams x depth) when capacity is nearly exhausted; the rest
             are tried again next pass.
+        nodes_per_reservation: the reservations of a pass scale with the fleet: at most
+            ``max(max_reservations, schedulable nodes // nodes_per_reservation)`` (0 = the
+            fixed ``max_reservations``). 88 nodes at the default 4 give 22.
     """
 
     placement: Placement = Placement.BEST_FIT
@@ -101,3 +106,4 @@ class PolicyConfig:
     usage_half_life_s: float = 7 * 24 * 3600.0
     default_runtime_estimate_s: float | None = None
     backfill_depth: int = 100
+    nodes_per_reservation: int = 4

@@ -49,8 +49,17 @@ def when(at_s: float, now_s: float) -> str:
 # running work has no known end (the policy does not bound it; see docs/design)
 UNBOUNDED = (
     " No reservation: the running jobs on the candidate nodes have no max_runtime_s (nor "
-    "expected_duration_s), so their end is unknown and later jobs that fit may start first."
+    "expected_duration_s, nor enough finished runs of their kind for a prediction), so their "
+    "end is unknown and later jobs that fit may start first."
 )
+
+
+PREDICTED_NOTE = (
+    " The start is a prediction: some of that running work gave no estimate, so the platform"
+    " predicts its end from past runs of similar jobs (team, user, name, GPUs); a prediction"
+    " never stops a job, and a late one moves this start later."
+)
+"""Added to a reservation's reason when its start rests on ``predicted_duration_s``."""
 
 
 def _shape(job: PendingJob) -> str:
@@ -214,7 +223,7 @@ class WaitingReasons(Mapping[str, WaitReason]):
                         "quota or raises their lending limit."
                     )
         elif code == "waiting_with_reservation":
-            _, node_id, start_s, extra = cause
+            _, node_id, start_s, extra, *basis = cause
             est = float(start_s)
             d.update(node=node_id, reserved_from_s=est, extra_gpus=extra)
             msg = (
@@ -222,8 +231,11 @@ class WaitingReasons(Mapping[str, WaitReason]):
                 f"expected to start {when(est, self._now)} when running work there is "
                 f"expected to end; smaller jobs may use them only if they finish before then."
             )
+            if basis and basis[0]:
+                d["start_basis"] = "predicted"
+                msg += PREDICTED_NOTE
         elif code == "gang_reservation":
-            _, nodes, start_s, needed, ready = cause
+            _, nodes, start_s, needed, ready, *basis = cause
             code = "waiting_with_reservation"
             est = float(start_s)
             d.update(
@@ -239,6 +251,9 @@ class WaitingReasons(Mapping[str, WaitReason]):
                 f"{when(est, self._now)}; "
                 f"smaller jobs may use them only if they finish before then."
             )
+            if basis and basis[0]:
+                d["start_basis"] = "predicted"
+                msg += PREDICTED_NOTE
         elif code == "gang_preemption":
             _, nodes, victims, why = cause
             code = "waiting_for_preemption"

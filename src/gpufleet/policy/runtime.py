@@ -10,8 +10,13 @@ End estimate of a running attempt (``estimated_end_s``):
   * only a hard bound: the hard bound;
   * neither: ``PolicyConfig.default_runtime_estimate_s`` if set, else +inf (never ends: its
     GPUs are never counted on by a reservation);
-  * an estimate already passed: the hard bound if there is one, else ``now_s`` (it should end
-    any moment; the reservation is recomputed on every pass, so the error heals itself).
+  * a user's estimate already passed: the hard bound if there is one, else ``now_s`` (it
+    should end any moment; the reservation's start is recomputed on every pass, so the error
+    heals itself);
+  * a prediction already passed: ``now_s`` plus the time it has run so far, capped by the
+    hard bound. Run times are heavy-tailed: an attempt that outlived the prediction for its
+    kind is likely a long one, and "any moment" would draw every reservation to the nodes
+    running such stragglers (the earliest start) and hold them there.
   * a stopping (PREEMPTING) attempt: ``now_s``.
 """
 
@@ -29,6 +34,7 @@ def estimated_end_s(run: RunningJob, now_s: float, config: PolicyConfig) -> floa
         return now_s
     hard = run.started_at_s + run.max_runtime_s if run.max_runtime_s is not None else None
     guess = run.expected_duration_s
+    predicted = guess is None and run.predicted_duration_s is not None
     if guess is None:
         guess = run.predicted_duration_s
     if guess is not None:
@@ -42,6 +48,9 @@ def estimated_end_s(run: RunningJob, now_s: float, config: PolicyConfig) -> floa
     else:
         return math.inf
     if est < now_s:
+        if predicted:
+            late = now_s + (now_s - run.started_at_s)
+            return min(late, max(now_s, hard)) if hard is not None else late
         return max(now_s, hard) if hard is not None else now_s
     return est
 

@@ -12,7 +12,7 @@ import json
 import re
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -385,6 +385,45 @@ def forget_outstanding_counts() -> None:
         _outstanding.clear()
 
 
+def apply_runtime_limits(
+    session: Session,
+    team_id: str,
+    spec: JobSpec,
+    known: tuple[float | None, float | None] | None = None,
+) -> JobSpec:
+    """The team's run-time settings applied to ``spec`` (Slurm's DefaultTime/MaxTime per
+    partition): without ``max_runtime_s`` it gets the team's ``default_max_runtime_s`` (if
+    any); one above the team's ``max_runtime_limit_s`` is refused. The hard bound the agent
+    enforces; the duration predictor never kills. ``known``: the team's (default, limit)
+    when the caller has them (the API's limits cache), else they are read.
+
+    Raises:
+        ValidationFailed: ``max_runtime_s`` above the team's limit (422, names the field and
+            the limit).
+    """
+    row = (
+        known
+        if known is not None
+        else session.execute(
+            select(TeamRow.default_max_runtime_s, TeamRow.max_runtime_limit_s).where(
+                TeamRow.id == team_id
+            )
+        ).first()
+    )
+    if row is None:
+        return spec
+    default, limit = row
+    if spec.max_runtime_s is None:
+        return replace(spec, max_runtime_s=default) if default is not None else spec
+    if limit is not None and spec.max_runtime_s > limit:
+        raise ValidationFailed(
+            f"max_runtime_s = {spec.max_runtime_s:g} s exceeds team {team_id!r}'s limit of"
+            f" {limit:g} s (max_runtime_limit_s); ask for at most {limit:g} s",
+            field="max_runtime_s",
+        )
+    return spec
+
+
 def submit_job(
     db: Database,
     *,
@@ -396,10 +435,12 @@ def submit_job(
     control: SubmitControl | None = None,
     submitted_by: str | None = None,
     max_outstanding_jobs: int | None = None,
+    runtime_limits: tuple[float | None, float | None] | None = None,
 ) -> Submitted:
     """Persist a new PENDING job, or return the earlier one for a repeated key.
     ``submitted_by``: the submitting API token's id (accounting's "user").
     ``max_outstanding_jobs``: the team's effective limit when the caller knows it (else read).
+    ``runtime_limits``: the team's (default, maximum) run time when the caller knows them.
 
     A new job is one INSERT (plus the checks' reads when their caches are cold): the key is
     looked up only when the INSERT hits it (unique per team) or a check refuses the job.
@@ -410,7 +451,9 @@ def submit_job(
 
     Raises:
         IdempotencyKeyReused: same key, different payload (409).
-        ValidationFailed: the job can never fit the fleet (422, names the field).
+        ValidationFailed: the job can never fit the fleet, or asks for a ``max_runtime_s``
+            above its team's ``max_runtime_limit_s`` (422, names the field); a job without
+            ``max_runtime_s`` gets the team's ``default_max_runtime_s``.
         LimitExceeded: the team has too many unfinished jobs (429); its own
             ``max_outstanding_jobs``, else ``default_max_outstanding_jobs`` (0 = no limit).
     """
@@ -453,6 +496,7 @@ def submit_job(
                     return found
             try:
                 check_fits_fleet(session, spec, fallback_max_gpus)
+                spec = apply_runtime_limits(session, team_id, spec, runtime_limits)
                 check_outstanding_limit(
                     session,
                     team_id,

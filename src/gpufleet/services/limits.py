@@ -38,6 +38,8 @@ MAX_GPU_TYPES = 64
 MAX_OUTSTANDING_JOBS = 10_000_000
 MAX_SUBMIT_RATE_PER_S = 100_000.0
 MAX_SUBMIT_BURST = 1_000_000
+MAX_RUNTIME_S = 366 * 24 * 3600.0
+"""The largest team default or limit of ``max_runtime_s`` (a year), seconds."""
 
 LIMITS_TTL_S = 1.0
 """A team's limits are remembered this long per server: a change applies within it."""
@@ -51,11 +53,14 @@ class TeamLimits:
         max_outstanding_jobs: unfinished (not terminal) jobs allowed.
         submit_rate_per_s: token-bucket refill, submits per second.
         submit_burst: token-bucket size, submits allowed at once.
+        runtime: the team's (default_max_runtime_s, max_runtime_limit_s), seconds or None
+            each (``services.jobs.apply_runtime_limits``); None = not read.
     """
 
     max_outstanding_jobs: int
     submit_rate_per_s: float
     submit_burst: int
+    runtime: tuple[float | None, float | None] | None = None
 
     @staticmethod
     def defaults(settings: Settings) -> TeamLimits:
@@ -70,12 +75,15 @@ class TeamLimits:
         max_outstanding_jobs: int | None,
         submit_rate_per_s: float | None,
         submit_burst: int | None,
+        default_max_runtime_s: float | None = None,
+        max_runtime_limit_s: float | None = None,
     ) -> TeamLimits:
         """These defaults overridden by a team's own values (None = keep the default)."""
         return TeamLimits(
             self.max_outstanding_jobs if max_outstanding_jobs is None else max_outstanding_jobs,
             self.submit_rate_per_s if submit_rate_per_s is None else submit_rate_per_s,
             self.submit_burst if submit_burst is None else submit_burst,
+            (default_max_runtime_s, max_runtime_limit_s),
         )
 
 
@@ -202,7 +210,11 @@ class SubmitAdmission:
         with self.db.read() as s:
             row = s.execute(
                 select(
-                    TeamRow.max_outstanding_jobs, TeamRow.submit_rate_per_s, TeamRow.submit_burst
+                    TeamRow.max_outstanding_jobs,
+                    TeamRow.submit_rate_per_s,
+                    TeamRow.submit_burst,
+                    TeamRow.default_max_runtime_s,
+                    TeamRow.max_runtime_limit_s,
                 ).where(TeamRow.id == team_id)
             ).first()
         limits = self.defaults if row is None else self.defaults.for_team(*row)

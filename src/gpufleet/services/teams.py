@@ -22,6 +22,7 @@ from gpufleet.services.limits import (
     MAX_GPU_TYPES,
     MAX_GPUS,
     MAX_OUTSTANDING_JOBS,
+    MAX_RUNTIME_S,
     MAX_SUBMIT_BURST,
     MAX_SUBMIT_RATE_PER_S,
     MAX_WEIGHT,
@@ -45,7 +46,11 @@ class QuotaUpdate:
     - ``never_lent_gpus``: deprecated, the old meaning of ``lending_limit_gpus`` (the part of
       the guarantee never lent); converted to ``lending_limit = guarantee - never_lent``.
 
-    ``max_outstanding_jobs = 0`` and ``submit_rate_per_s = 0`` mean no limit."""
+    ``max_outstanding_jobs = 0`` and ``submit_rate_per_s = 0`` mean no limit.
+
+    Run time (Slurm's DefaultTime/MaxTime): ``default_max_runtime_s`` is the
+    ``max_runtime_s`` of a job submitted without one, ``max_runtime_limit_s`` the most a job
+    may ask for (seconds); ``0`` removes either."""
 
     weight: float | None = None
     guaranteed_gpus: dict[str, int] | None = None
@@ -55,6 +60,8 @@ class QuotaUpdate:
     max_outstanding_jobs: int | None = None
     submit_rate_per_s: float | None = None
     submit_burst: int | None = None
+    default_max_runtime_s: float | None = None
+    max_runtime_limit_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +228,26 @@ def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> QuotaChang
         team.submit_rate_per_s = float(rate)
     if upd.submit_burst is not None:
         team.submit_burst = _bounded_int(upd.submit_burst, "submit_burst", 1, MAX_SUBMIT_BURST)
+    for name in ("default_max_runtime_s", "max_runtime_limit_s"):
+        value = getattr(upd, name)
+        if value is not None:
+            if not (math.isfinite(value) and 0 <= value <= MAX_RUNTIME_S):
+                raise ValidationFailed(
+                    f"{name} must be a finite number of seconds from 0 (none) to"
+                    f" {MAX_RUNTIME_S:g}",
+                    field=name,
+                )
+            setattr(team, name, float(value) or None)
+    if (
+        team.default_max_runtime_s is not None
+        and team.max_runtime_limit_s is not None
+        and team.default_max_runtime_s > team.max_runtime_limit_s
+    ):
+        raise ValidationFailed(
+            f"default_max_runtime_s ({team.default_max_runtime_s:g} s) exceeds the team's"
+            f" max_runtime_limit_s ({team.max_runtime_limit_s:g} s)",
+            field="default_max_runtime_s",
+        )
     session.flush()
     return QuotaChange(team, warnings)
 
@@ -264,6 +291,8 @@ def describe_teams(session: Session, defaults: TeamLimits | None = None) -> list
             "max_outstanding_jobs": limits[t.id][0],
             "submit_rate_per_s": limits[t.id][1],
             "submit_burst": limits[t.id][2],
+            "default_max_runtime_s": t.default_max_runtime_s,
+            "max_runtime_limit_s": t.max_runtime_limit_s,
             # decayed (half-life usage_half_life_s): the fair-share figure, not accounting
             # (accounting is GET /v1/usage); ``usage_gpu_s`` is its older name
             "fair_share_usage_gpu_s": round(t.usage_gpu_s, 3),

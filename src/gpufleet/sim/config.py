@@ -315,9 +315,12 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         _check_team(path, teams[-1])
     wl = raw.get("workload", {})
     jobs: list[SimJob] = []
+    no_estimates = False
     if "philly" in wl:
         p = wl["philly"]
         keep = set(vc_sizes) if p.get("teams", "known") == "known" and vc_sizes else None
+        estimate = str(p.get("estimate", "exact"))
+        no_estimates = estimate == "none"
         if isinstance(p.get("teams"), list):
             keep = {str(x) for x in p["teams"]}
         oversize = str(p.get("oversize", "gang"))
@@ -332,7 +335,7 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
             teams=keep,
             max_gpus_per_job=max((g.gpus_per_node for g in groups), default=8),
             oversize=oversize,
-            estimate=str(p.get("estimate", "exact")),
+            estimate=estimate,
             arrival_speedup=float(p.get("arrival_speedup", 1.0)),
         )
         jobs.extend(loaded)
@@ -386,6 +389,7 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         check_invariants=str(eng.get("check_invariants", "every_event")),
         sample_interval_s=float(eng.get("sample_interval_s", 600.0)),
         horizon_s=float(horizon) * 3600.0 if horizon is not None else None,
+        predict_durations=bool(eng.get("predict_durations", no_estimates)),
     )
     return Scenario(
         name=str(raw.get("name", path.stem)),

@@ -31,6 +31,7 @@ from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import HoldForBackfill, Place, PlaceGang, Preempt
 from gpufleet.policy.gang import could_ever_fit
+from gpufleet.policy.predictor import DurationPredictor, JobKey
 from gpufleet.policy.priority import queue_key
 from gpufleet.policy.snapshot import (
     BackfillReservation,
@@ -65,6 +66,11 @@ class EngineOptions:
     """When set, each team is confined to nodes labelled ``{label: team_id}``."""
     horizon_s: float | None = None
     """Stop the clock here (jobs still running are reported as unfinished)."""
+    predict_durations: bool = False
+    """Feed a ``policy.predictor.DurationPredictor`` as the live leader does: every attempt
+    that succeeds is observed (its run time, keyed on team and GPU count: the traces carry
+    no user or job name), and each job gets ``predicted_duration_s`` when it (re-)enters the
+    queue and when an attempt starts (minus the work it banked)."""
 
 
 @dataclass(slots=True)
@@ -91,6 +97,10 @@ class Engine:
         self.cfg = config
         self.opt = options or EngineOptions()
         self.fleet = InMemoryFleet(groups)
+        self.predictor: DurationPredictor | None = None
+        if self.opt.predict_durations:
+            self.predictor = DurationPredictor()
+            self.fleet.predict = self._predict
         self.teams: dict[str, _TeamAcc] = {t.team_id: _TeamAcc(t) for t in teams}
         self.queues: dict[str, list[PendingJob]] = {}
         self._qkey = queue_key(config)
@@ -255,8 +265,16 @@ class Engine:
             return  # it completed during the grace period
         self._release(run, RunStatus.PREEMPTED)
 
+    def _predict(self, spec: SimJob) -> float | None:
+        assert self.predictor is not None
+        p = self.predictor.predict(JobKey(spec.team_id, spec.gpus))
+        return p.seconds if p is not None else None
+
     def _release(self, run: SimRun, outcome: RunStatus) -> None:
         self._alloc(run, -1)
+        if self.predictor is not None and outcome is RunStatus.SUCCEEDED:
+            spec = self.fleet.jobs[run.job_id].spec
+            self.predictor.observe(JobKey(spec.team_id, spec.gpus), self.now - run.reserved_s)
         js, requeued = self.fleet.finish(run, outcome, self.now)
         if requeued:
             self._enqueue(js.spec.job_id)

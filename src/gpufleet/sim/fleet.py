@@ -8,6 +8,7 @@ builds from the database, so ``domain.invariants.check_invariants`` judges both.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpufleet.domain.invariants import InvariantView, JobView, NodeView, ReservationView, RunView
@@ -93,6 +94,8 @@ class SimRun:
     released_s: float | None = None
     state: tuple[RunningJob, ...] | None = None
     members: tuple[SimMember, ...] = ()
+    predicted_s: float | None = None
+    """The platform's prediction of this attempt's run time when it started (None: none)."""
 
     @property
     def gpus(self) -> int:
@@ -162,6 +165,15 @@ class InMemoryFleet:
         self._run_states: dict[str, tuple[RunningJob, ...]] = {}
         self._stale_runs: set[str] = set()
         self._run_seq = 0
+        self.predict: Callable[[SimJob], float | None] | None = None
+        """The engine's duration predictor (None: the scheduler is told no predictions)."""
+
+    def _predicted(self, spec: SimJob, done_s: float) -> float | None:
+        """The prediction for ``spec`` minus the work it already banked (at least 1 s)."""
+        if self.predict is None:
+            return None
+        p = self.predict(spec)
+        return max(1.0, p - done_s) if p is not None else None
 
     # -- jobs --------------------------------------------------------------------------
     def submit(self, spec: SimJob, now_s: float) -> SimJobState:
@@ -200,6 +212,7 @@ class InMemoryFleet:
                 preemptible=s.preemptible,
                 attempt=js.epoch,
                 queued_at_s=js.queued_at_s,
+                predicted_duration_s=self._predicted(s, done),
             )
         return js.pending
 
@@ -273,6 +286,7 @@ class InMemoryFleet:
             reserved_s=now_s,
             work_before_s=js.banked_s,
             members=tuple(claimed),
+            predicted_s=self._predicted(spec, js.banked_s),
         )
         js.status = JobStatus.SCHEDULED
         js.current_run_id = run.run_id
@@ -334,6 +348,7 @@ class InMemoryFleet:
                     max_runtime_s=s.max_runtime_s,
                     preemptible=s.preemptible,
                     last_checkpoint_s=ckpt,
+                    predicted_duration_s=run.predicted_s,
                     stopping=run.status is RunStatus.PREEMPTING,
                     stopping_for_job_id=run.stopping_for,
                     rank=m.rank,

@@ -42,6 +42,7 @@ from gpufleet.policy.snapshot import (
 from gpufleet.policy.usage import UsageLedger
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
+from gpufleet.store.predictions import HistoryPredictor
 from gpufleet.store.tables import (
     GpuHoldRow,
     JobRow,
@@ -93,11 +94,14 @@ class SpecCache:
         self._facts: dict[str, SpecFacts] = {}
         self._pending: dict[str, tuple[tuple[Any, ...], PendingJob]] = {}
 
-    def pending_job(self, row: Any, facts: SpecFacts) -> PendingJob:
-        """The PendingJob of a row; the same object as last pass while the job's attempt and
-        queue time are unchanged (building 10,000 of them is a large part of a pass)."""
+    def pending_job(
+        self, row: Any, facts: SpecFacts, predicted_s: float | None = None
+    ) -> PendingJob:
+        """The PendingJob of a row; the same object as last pass while the job's attempt,
+        queue time and prediction are unchanged (building 10,000 of them is a large part of
+        a pass)."""
         # priority and max_runtime_s can change after submit (PATCH /v1/jobs/{id})
-        key = (row.attempts, row.queued_at, row.priority, row.max_runtime_s)
+        key = (row.attempts, row.queued_at, row.priority, row.max_runtime_s, predicted_s)
         cached = self._pending.get(row.id)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -114,6 +118,7 @@ class SpecCache:
             attempt=row.attempts,
             queued_at_s=row.queued_at.timestamp(),
             image=facts.image,
+            predicted_duration_s=predicted_s,
         )
         self._pending[row.id] = (key, job)
         return job
@@ -146,6 +151,7 @@ def load_snapshot(
     reservations: tuple[BackfillReservation, ...] = (),
     usage_half_life_s: float = 7 * 24 * 3600.0,
     spec_cache: SpecCache | None = None,
+    predictions: HistoryPredictor | None = None,
 ) -> ClusterSnapshot:
     """Everything one scheduling pass needs, in a handful of indexed queries (call inside
     ``Database.snapshot()`` so that they all see one moment).
@@ -154,6 +160,8 @@ def load_snapshot(
         reservations: the backfill reservations of the previous pass (kept by the leader).
         usage_half_life_s: decay of charged usage (``policy.usage``).
         spec_cache: the scheduler's cache of parsed job specs across passes.
+        predictions: the leader's duration predictor (``store.predictions``): fills
+            ``predicted_duration_s`` of pending and running work (None: no predictions).
     """
     now_s = now.timestamp()
     node_rows = session.execute(
@@ -201,6 +209,9 @@ def load_snapshot(
             JobRow.queued_at,
             JobRow.attempts,
             JobRow.max_runtime_s,
+            JobRow.name,
+            JobRow.submitted_by,
+            JobRow.gpu_count,
         ).where(
             JobRow.status == JobStatus.PENDING,
             JobRow.cancel_requested.is_(False),
@@ -222,6 +233,9 @@ def load_snapshot(
         JobRow.team_id,
         JobRow.priority,
         JobRow.max_runtime_s,
+        JobRow.name,
+        JobRow.submitted_by,
+        JobRow.gpu_count,
     )
     running_rows = list(
         session.execute(
@@ -255,7 +269,13 @@ def load_snapshot(
             .where(JobRunRow.id.in_(held[start : start + SpecCache.CHUNK]))
         ).all()
     facts = specs.lookup(session, [r.id for r in pending_rows] + [r.job_id for r in running_rows])
-    pending = [specs.pending_job(row, facts[row.id]) for row in pending_rows]
+
+    def predicted(row: Any) -> float | None:
+        if predictions is None:
+            return None
+        return predictions.predict_s(row.team_id, row.submitted_by, row.name, row.gpu_count)
+
+    pending = [specs.pending_job(row, facts[row.id], predicted(row)) for row in pending_rows]
     gpu_type_of = {n.node_id: n.gpu_type for n in nodes}
     running = []
     for run in running_rows:
@@ -275,6 +295,7 @@ def load_snapshot(
                 expected_duration_s=f.expected_duration_s,
                 max_runtime_s=run.max_runtime_s,
                 preemptible=f.preemptible,
+                predicted_duration_s=predicted(run),
                 stopping=run.status == RunStatus.PREEMPTING
                 or (run.id not in live_ids and run.job_id in stopping_for),
                 stopping_for_job_id=run.preempted_for_job_id

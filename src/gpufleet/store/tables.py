@@ -92,6 +92,12 @@ class TeamRow(Base):
     """Token-bucket refill rate of POST /v1/jobs; NULL = the server's default, 0 = no limit."""
     submit_burst: Mapped[int | None] = mapped_column(Integer, default=None)
     """Token-bucket size (submits allowed at once); NULL = the server's default."""
+    default_max_runtime_s: Mapped[float | None] = mapped_column(Float, default=None)
+    """``max_runtime_s`` given to a job submitted without one (Slurm's DefaultTime); NULL =
+    none (the job runs unbounded)."""
+    max_runtime_limit_s: Mapped[float | None] = mapped_column(Float, default=None)
+    """The most ``max_runtime_s`` a job may ask for (Slurm's MaxTime); a submit above it is
+    refused (422); NULL = no limit."""
     usage_gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
     """Charged GPU-seconds of finished attempts (every attempt, whatever its outcome), decayed
     to ``usage_as_of`` (``policy.usage``: half-life ``usage_half_life_s``)."""

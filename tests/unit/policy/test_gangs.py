@@ -383,13 +383,25 @@ class TestBackfillHold:
 
     def test_hold_is_kept_and_renewed_on_the_same_nodes(self) -> None:
         prev = (
+            BackfillReservation("big", "n1", 8, 250.0),
+            BackfillReservation("big", "n2", 8, 250.0),
+        )
+        result = schedule(drain_snapshot(prev))  # type: ignore[arg-type]
+        holds = [d for d in result.decisions if isinstance(d, HoldForBackfill)]
+        holds = [h for h in holds if h.job_id == "big"]
+        assert [(h.node_id, h.start_at_s) for h in holds] == [("n1", 200.0), ("n2", 200.0)]
+
+    def test_hold_moves_to_nodes_ready_earlier_never_later(self) -> None:
+        """Held on n3/n4 (ready at 400) while n1/n2 are now expected at 200 (the work on the
+        held nodes ran later than estimated): the hold moves earlier."""
+        prev = (
             BackfillReservation("big", "n3", 8, 300.0),
             BackfillReservation("big", "n4", 8, 400.0),
         )
         result = schedule(drain_snapshot(prev))  # type: ignore[arg-type]
         holds = [d for d in result.decisions if isinstance(d, HoldForBackfill)]
         holds = [h for h in holds if h.job_id == "big"]
-        assert [(h.node_id, h.start_at_s) for h in holds] == [("n3", 400.0), ("n4", 400.0)]
+        assert [(h.node_id, h.start_at_s) for h in holds] == [("n1", 200.0), ("n2", 200.0)]
 
     def test_gang_starts_once_its_nodes_drained(self) -> None:
         s = snap(
