@@ -101,3 +101,10 @@ class PolicyConfig:
     usage_half_life_s: float = 7 * 24 * 3600.0
     default_runtime_estimate_s: float | None = None
     backfill_depth: int = 100
+    headroom_wait_s: float | None = 1800.0
+    large_job_node_share: float = 0.5
+    headroom_max_node_share: float = 0.1
+    defrag_wait_s: float | None = 4 * 3600.0
+    defrag_drain_horizon_s: float = 1800.0
+    displacement_budget_share: float = 0.02
+    anti_thrash_s: float = 6 * 3600.0
