@@ -17,6 +17,11 @@ Oldest waiting jobs first, at most ``headroom_max_node_share`` of the schedulabl
 Shields are recomputed every pass (nothing stored): a shielded node gets no new small work, so
 it stays the soonest to drain and the choice is stable.
 
+Both steps extend EASY backfill's promise to the jobs it serves worst, and are active only with
+``Backfill.EASY``: under strict order (``OFF``) the blocked head already holds everything
+behind it (a shield for a job behind it would deadlock the queue), and ``GREEDY`` is the
+baseline that shows what happens without reservations.
+
 **Defragmentation.** A large single-node job that has waited ``defrag_wait_s`` and whose best
 node does not drain within ``defrag_drain_horizon_s`` may displace small jobs: on each node it
 could use, the cheapest set of eligible running attempts whose stop frees its GPUs, and the
@@ -42,7 +47,7 @@ from typing import Protocol
 
 from gpufleet.domain.types import Resources
 from gpufleet.policy.backfill import start_on_node
-from gpufleet.policy.config import Ordering, PolicyConfig
+from gpufleet.policy.config import Backfill, Ordering, PolicyConfig
 from gpufleet.policy.decisions import Decision, Preempt
 from gpufleet.policy.gang import gang_members, member_resources
 from gpufleet.policy.placement import FreeIndex, Shadow, node_accepts
@@ -188,7 +193,7 @@ def protect(p: PassView, recent: Sequence[Displacement]) -> Shielded:
     cfg = p.cfg
     out = Shielded({}, {})
     waits = [w for w in (cfg.headroom_wait_s, cfg.defrag_wait_s) if w is not None]
-    if not waits or not p.queues:
+    if not waits or not p.queues or cfg.backfill is not Backfill.EASY:
         return out
     jobs = _large_waiting(p, min(waits))
     if not jobs:
