@@ -30,7 +30,9 @@ for any preemption. Eligible victims: preemptible, not stopping, not a gang memb
 (below the large-job size), of priority no higher than the preemptor's, not displaced within
 ``anti_thrash_s`` (``ClusterSnapshot.recent_displacements``), and (seed DD4: across teams only
 loans are taken back) of the same team, or borrowed (their team is above its guarantee), or
-any team's when the preemptor's GPUs fit inside its own team's guarantee. Set cost, smallest
+any team's when the preemptor's GPUs fit inside its own team's guarantee. Only when the driver
+passes ``ClusterSnapshot.recent_displacements`` (the simulator does; the live store does not
+yet, so live passes do not defragment). Set cost, smallest
 first: victims not borrowed, highest priority hit, GPU-seconds of work lost since each
 victim's last checkpoint, number of victims, node id. The work lost per hour is capped by
 ``displacement_budget_share`` x fleet GPUs (GPU-hours per hour, over the displacements of the
@@ -187,10 +189,13 @@ def _members(p: PassView, job: PendingJob, gpu_type: str) -> tuple[int, ...] | N
     return (res.gpu_count,)
 
 
-def protect(p: PassView, recent: Sequence[Displacement]) -> Shielded:
+def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
     """Headroom (shields) and defragmentation (``Preempt`` decisions) for this pass; returns
-    the shielded jobs, whose cause the pass reports while they wait."""
+    the shielded jobs, whose cause the pass reports while they wait. ``recent`` None (the
+    driver keeps no displacement history) turns defragmentation off for the pass."""
     cfg = p.cfg
+    can_defrag = cfg.defrag_wait_s is not None and cfg.preemption and recent is not None
+    recent = recent or ()
     out = Shielded({}, {})
     waits = [w for w in (cfg.headroom_wait_s, cfg.defrag_wait_s) if w is not None]
     if not waits or not p.queues or cfg.backfill is not Backfill.EASY:
@@ -216,8 +221,8 @@ def protect(p: PassView, recent: Sequence[Displacement]) -> Shielded:
             if members is None:
                 continue
             if (
-                cfg.defrag_wait_s is not None
-                and cfg.preemption
+                can_defrag
+                and cfg.defrag_wait_s is not None
                 and wait >= cfg.defrag_wait_s
                 and len(members) == 1
                 and p.n_preempts < cfg.max_preemptions_per_cycle

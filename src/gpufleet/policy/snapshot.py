@@ -190,8 +190,9 @@ class ClusterSnapshot:
     team, each sequence already sorted by ``policy.priority.queue_key(config)``. When set, it
     replaces ``pending`` (which is then ignored) and the pass does not sort; jobs the pass
     never reaches cost nothing."""
-    recent_displacements: tuple[Displacement, ...] = ()
+    recent_displacements: tuple[Displacement, ...] | None = None
     """Preemptions of the last ``max(1 h, PolicyConfig.anti_thrash_s)`` (older entries are
     ignored): the state that lets a pure pass keep a per-hour displacement budget and an
-    anti-thrash window. The simulator keeps them in memory; the live store derives them
-    from runs ended with a preemption reason."""
+    anti-thrash window (``policy.defrag``). None means the driver does not track them, and
+    then the pass never defragments (headroom still applies): without this state the budget
+    and the anti-thrash window could not hold. The simulator keeps them in memory."""

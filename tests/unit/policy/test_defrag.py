@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from policy_builders import job, node, run, snap, team
+from policy_builders import job, node, run, team
+from policy_builders import snap as _snap
 
 from gpufleet.domain.types import PriorityClass as P
 from gpufleet.policy.config import PolicyConfig
@@ -23,6 +24,11 @@ def places(result: object) -> dict[str, str]:
 
 def preempts(result: object) -> list[Preempt]:
     return [d for d in result.decisions if isinstance(d, Preempt)]  # type: ignore[attr-defined]
+
+
+def snap(*args: object, **kw: object) -> ClusterSnapshot:
+    """The builders' snapshot with an (empty) displacement history: the driver tracks it."""
+    return replace(_snap(*args, **kw), recent_displacements=())  # type: ignore[arg-type]
 
 
 def fragmented(now: float, **kw: object) -> ClusterSnapshot:
@@ -244,3 +250,13 @@ class TestDefragment:
         )
         assert not preempts(schedule(s, replace(CFG, preemption=False)))
         assert not preempts(schedule(s, replace(CFG, defrag_wait_s=None)))
+
+    def test_off_when_the_driver_keeps_no_displacement_history(self) -> None:
+        now = 3 * HOUR
+        s = snap(
+            [node("n1", 4)], [job("big", gpus=8)], [run(f"a{i}", "n1") for i in range(4)], now=now
+        )
+        assert len(preempts(schedule(s, CFG))) == 1
+        r = schedule(replace(s, recent_displacements=None), CFG)
+        assert not preempts(r)
+        assert r.waiting["big"].code == "waiting_with_headroom"
