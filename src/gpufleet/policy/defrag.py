@@ -123,12 +123,16 @@ def displacement_used_h(recent: Sequence[Displacement], now_s: float) -> float:
 
 
 def _large_waiting(p: PassView, min_wait: float) -> list[tuple[float, PendingJob]]:
-    """Pending large jobs that waited at least ``min_wait`` s, longest first (ties by id)."""
+    """Pending large jobs that waited at least ``min_wait`` s, longest first (ties by id),
+    among the first ``backfill_depth + 1`` jobs of each team's queue (bounded work per pass:
+    O(teams x depth))."""
     cfg, now, index = p.cfg, p.now, p.index
     head = cfg.head_start_s
     out: list[tuple[float, PendingJob]] = []
+    depth = cfg.backfill_depth + 1
     for q in p.queues.values():
-        for j in q:
+        # Only as deep as a pass tries a team's queue: a job further back is not reached.
+        for j in q[:depth] if len(q) > depth else q:
             qa = queued_at(j)
             # Queues are sorted: past this point no job has waited long enough.
             if cfg.ordering is Ordering.FAIR_SHARE and qa - head.get(j.priority, 0.0) > (
