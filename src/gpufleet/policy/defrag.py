@@ -164,26 +164,44 @@ def _drain_key(
     return (start, max(0, need - free), total - free, node_id)
 
 
-def _candidates(
-    p: PassView, job: PendingJob, gpu_type: str, need: int, taken: set[str]
-) -> list[str]:
-    """Schedulable nodes of ``gpu_type`` that accept ``need`` GPUs of ``job`` and carry no
-    other job's reservation, shield or hold."""
-    index = p.index
-    res = member_resources(job.resources, need) if need != job.resources.gpu_count else None
-    res = res or job.resources
-    out = []
-    for nid, node in index.nodes.items():
-        if node.gpu_type != gpu_type or not node.schedulable or nid in taken:
-            continue
-        sh = index.shadows.get(nid)
+class _Drains:
+    """Nodes by how soon they drain for ``need`` GPUs of a type, computed once per pass and
+    (type, need): the order does not depend on the job (jobs waiting for a preemption, the
+    only ones with GPUs of their own, are not candidates)."""
+
+    def __init__(self, p: PassView) -> None:
+        self._p = p
+        self._ranked: dict[tuple[str, int], list[tuple[float, int, int, str]]] = {}
+
+    def ranked(
+        self, job: PendingJob, gpu_type: str, need: int
+    ) -> list[tuple[float, int, int, str]]:
+        key = (gpu_type, need)
+        hit = self._ranked.get(key)
+        if hit is None:
+            p = self._p
+            hit = self._ranked[key] = sorted(
+                _drain_key(p, job, nid, need)
+                for nid, node in p.index.nodes.items()
+                if node.gpu_type == gpu_type and node.schedulable and node.total_gpus >= need
+            )
+        return hit
+
+    def usable(self, job: PendingJob, node_id: str, need: int, taken: set[str]) -> bool:
+        """Whether ``node_id`` accepts ``need`` GPUs of ``job`` and carries no other job's
+        reservation, shield or hold (nor one of this pass's choices, ``taken``)."""
+        if node_id in taken:
+            return False
+        index = self._p.index
+        sh = index.shadows.get(node_id)
         if sh is not None and sh.job_id != job.job_id:
-            continue
-        if index.hidden_from(nid, job.job_id):
-            continue
-        if node_accepts(node, res, job.node_selector):
-            out.append(nid)
-    return out
+            return False
+        if index.hidden_from(node_id, job.job_id):
+            return False
+        res = job.resources
+        if need != res.gpu_count:
+            res = member_resources(res, need)
+        return node_accepts(index.nodes[node_id], res, job.node_selector)
 
 
 def _members(p: PassView, job: PendingJob, gpu_type: str) -> tuple[int, ...] | None:
@@ -215,6 +233,7 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
     since = p.now - cfg.anti_thrash_s
     recently = {d.job_id for d in recent if d.at_s > since}
     taken: set[str] = set()
+    drains = _Drains(p)
     for wait, job in jobs:
         if len(taken) >= max_nodes:
             break
@@ -230,9 +249,12 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
                 and wait >= cfg.defrag_wait_s
                 and len(members) == 1
                 and p.n_preempts < cfg.max_preemptions_per_cycle
+                and used_h < budget_h
             ):
-                cands = _candidates(p, job, t, members[0], taken)
-                keys = sorted(_drain_key(p, job, nid, members[0]) for nid in cands)
+                need = members[0]
+                keys = [
+                    k for k in drains.ranked(job, t, need) if drains.usable(job, k[3], need, taken)
+                ]
                 if keys and keys[0][0] > p.now + cfg.defrag_drain_horizon_s:
                     plan = _cheapest(p, job, [k[3] for k in keys], members[0], recently)
                     if plan is not None and used_h + plan[0][2] / 3600.0 <= budget_h:
@@ -243,7 +265,7 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
                         break
             if cfg.headroom_wait_s is None or wait < cfg.headroom_wait_s:
                 continue
-            picked = _shield_nodes(p, job, t, members, taken)
+            picked = _shield_nodes(drains, job, t, members, taken)
             if picked is None:
                 continue
             if len(taken) + len(picked) > max_nodes and taken:
@@ -267,16 +289,18 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
 
 
 def _shield_nodes(
-    p: PassView, job: PendingJob, gpu_type: str, members: tuple[int, ...], taken: set[str]
+    drains: _Drains, job: PendingJob, gpu_type: str, members: tuple[int, ...], taken: set[str]
 ) -> list[tuple[str, tuple[float, int, int, str]]] | None:
     """One node per member (largest member first), each the soonest to drain for it."""
     picked: list[tuple[str, tuple[float, int, int, str]]] = []
     used = set(taken)
     for m in members:
-        cands = _candidates(p, job, gpu_type, m, used)
-        if not cands:
+        best = next(
+            (k for k in drains.ranked(job, gpu_type, m) if drains.usable(job, k[3], m, used)),
+            None,
+        )
+        if best is None:
             return None
-        best = min(_drain_key(p, job, nid, m) for nid in cands)
         picked.append((best[3], best))
         used.add(best[3])
     return picked
