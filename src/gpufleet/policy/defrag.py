@@ -31,8 +31,8 @@ for any preemption. Eligible victims: preemptible, not stopping, not a gang memb
 ``anti_thrash_s`` (``ClusterSnapshot.recent_displacements``), and (seed DD4: across teams only
 loans are taken back) of the same team, or borrowed (their team is above its guarantee), or
 any team's when the preemptor's GPUs fit inside its own team's guarantee. Only when the driver
-passes ``ClusterSnapshot.recent_displacements`` (the simulator does; the live store does not
-yet, so live passes do not defragment). Set cost, smallest
+passes ``ClusterSnapshot.recent_displacements`` (the simulator and the live store do; None
+means no history, and no defragmentation). Set cost, smallest
 first: victims not borrowed, highest priority hit, GPU-seconds of work lost since each
 victim's last checkpoint, number of victims, node id. The work lost per hour is capped by
 ``displacement_budget_share`` x fleet GPUs (GPU-hours per hour, over the displacements of the

@@ -195,4 +195,5 @@ class ClusterSnapshot:
     ignored): the state that lets a pure pass keep a per-hour displacement budget and an
     anti-thrash window (``policy.defrag``). None means the driver does not track them, and
     then the pass never defragments (headroom still applies): without this state the budget
-    and the anti-thrash window could not hold. The simulator keeps them in memory."""
+    and the anti-thrash window could not hold. The simulator keeps them in memory; the live
+    store reads them from ``job_runs`` (``store.queries.recent_displacements``)."""
