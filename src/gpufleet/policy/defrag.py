@@ -153,15 +153,21 @@ def _large_waiting(p: PassView, min_wait: float) -> list[tuple[float, PendingJob
     return out
 
 
-def _drain_key(
-    p: PassView, job: PendingJob, node_id: str, need: int
-) -> tuple[float, int, int, str]:
-    """(estimated start, GPUs still to free, GPUs in use, node id): smaller drains sooner."""
+DrainKey = tuple[float, float, int, int, str]
+
+
+def _drain_key(p: PassView, job: PendingJob, node_id: str, need: int) -> DrainKey:
+    """(estimated start, age of the oldest attempt running there, GPUs still to free, GPUs
+    in use, node id): smaller drains sooner. Without known ends the age decides: run times
+    are heavy-tailed, so an attempt that has run long is expected to run longer still (and
+    the youngest attempts are also the cheapest to displace)."""
     index = p.index
     start, _ = start_on_node(job, node_id, index, p.running, p.now, need)
     free = index.visible_free(node_id)
     total = index.nodes[node_id].total_gpus
-    return (start, max(0, need - free), total - free, node_id)
+    runs = p.running.by_node.get(node_id, ())
+    oldest = max((p.now - r.started_at_s for _, r in runs), default=0.0)
+    return (start, oldest, max(0, need - free), total - free, node_id)
 
 
 class _Drains:
@@ -171,11 +177,9 @@ class _Drains:
 
     def __init__(self, p: PassView) -> None:
         self._p = p
-        self._ranked: dict[tuple[str, int], list[tuple[float, int, int, str]]] = {}
+        self._ranked: dict[tuple[str, int], list[DrainKey]] = {}
 
-    def ranked(
-        self, job: PendingJob, gpu_type: str, need: int
-    ) -> list[tuple[float, int, int, str]]:
+    def ranked(self, job: PendingJob, gpu_type: str, need: int) -> list[DrainKey]:
         key = (gpu_type, need)
         hit = self._ranked.get(key)
         if hit is None:
@@ -253,10 +257,10 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
             ):
                 need = members[0]
                 keys = [
-                    k for k in drains.ranked(job, t, need) if drains.usable(job, k[3], need, taken)
+                    k for k in drains.ranked(job, t, need) if drains.usable(job, k[4], need, taken)
                 ]
                 if keys and keys[0][0] > p.now + cfg.defrag_drain_horizon_s:
-                    plan = _cheapest(p, job, [k[3] for k in keys], members[0], recently)
+                    plan = _cheapest(p, job, [k[4] for k in keys], members[0], recently)
                     if plan is not None and used_h + plan[0][2] / 3600.0 <= budget_h:
                         cost, node_id, chosen = plan
                         used_h += cost[2] / 3600.0
@@ -290,19 +294,19 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
 
 def _shield_nodes(
     drains: _Drains, job: PendingJob, gpu_type: str, members: tuple[int, ...], taken: set[str]
-) -> list[tuple[str, tuple[float, int, int, str]]] | None:
+) -> list[tuple[str, DrainKey]] | None:
     """One node per member (largest member first), each the soonest to drain for it."""
-    picked: list[tuple[str, tuple[float, int, int, str]]] = []
+    picked: list[tuple[str, DrainKey]] = []
     used = set(taken)
     for m in members:
         best = next(
-            (k for k in drains.ranked(job, gpu_type, m) if drains.usable(job, k[3], m, used)),
+            (k for k in drains.ranked(job, gpu_type, m) if drains.usable(job, k[4], m, used)),
             None,
         )
         if best is None:
             return None
-        picked.append((best[3], best))
-        used.add(best[3])
+        picked.append((best[4], best))
+        used.add(best[4])
     return picked
 
 
