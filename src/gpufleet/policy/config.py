@@ -84,6 +84,25 @@ class PolicyConfig:
             are tried in one pass (Slurm's ``bf_max_job_test``/``default_queue_depth`` idea):
             bounds a pass at O(teams x depth) when capacity is nearly exhausted; the rest
             are tried again next pass.
+        headroom_wait_s: a large job that has waited this long, seconds, gets headroom:
+            the node(s) that drain soonest for it are shielded from smaller jobs
+            (``policy.defrag``, seed DD7); None = no headroom. EASY backfill only.
+        large_job_node_share: a job is *large* when it needs at least this share of the
+            largest node of its GPU type (and at least 2 GPUs); a gang always is.
+        headroom_max_node_share: at most this share of the schedulable nodes is shielded
+            at once.
+        defrag_wait_s: a large single-node job that has waited this long, seconds, with no
+            drain expected within ``defrag_drain_horizon_s``, may displace the cheapest set
+            of small preemptible jobs that frees its GPUs on one node (``Preempt`` reason
+            ``defragment``); None = never. Needs ``preemption`` and a snapshot with
+            ``recent_displacements``.
+        defrag_drain_horizon_s: a drain expected within this many seconds makes
+            defragmentation unnecessary (the job waits for it).
+        displacement_budget_share: defragmentation may lose at most this many GPU-hours of
+            work per hour per GPU of the fleet (0.02 on 704 GPUs = 14 GPU-hours per hour),
+            counted over ``ClusterSnapshot.recent_displacements`` of the last hour.
+        anti_thrash_s: a job displaced (for any reason) within this many seconds is never a
+            defragmentation victim.
     """
 
     placement: Placement = Placement.BEST_FIT
