@@ -165,6 +165,7 @@ class Scheduler:
                 usage_half_life_s=self.policy.usage_half_life_s,
                 spec_cache=self._specs,
                 predictions=self.predictions,
+                displacement_window_s=max(3600.0, self.policy.anti_thrash_s),
             )
             # held jobs, unmet dependencies and arrays at their %N limit never reach the policy
             gated = gating.gate_snapshot(s, snap)

@@ -89,6 +89,25 @@ class PolicyConfig:
         nodes_per_reservation: the reservations of a pass scale with the fleet: at most
             ``max(max_reservations, schedulable nodes // nodes_per_reservation)`` (0 = the
             fixed ``max_reservations``). 88 nodes at the default 4 give 22.
+        headroom_wait_s: a large job that has waited this long, seconds, gets headroom:
+            the node(s) that drain soonest for it are shielded from smaller jobs
+            (``policy.defrag``, seed DD7); None = no headroom. EASY backfill only.
+        large_job_node_share: a job is *large* when it needs at least this share of the
+            largest node of its GPU type (and at least 2 GPUs); a gang always is.
+        headroom_max_node_share: at most this share of the schedulable nodes is shielded
+            at once.
+        defrag_wait_s: a large single-node job that has waited this long, seconds, with no
+            drain expected within ``defrag_drain_horizon_s``, may displace the cheapest set
+            of small preemptible jobs that frees its GPUs on one node (``Preempt`` reason
+            ``defragment``); None = never. Needs ``preemption`` and a snapshot with
+            ``recent_displacements``.
+        defrag_drain_horizon_s: a drain expected within this many seconds makes
+            defragmentation unnecessary (the job waits for it).
+        displacement_budget_share: defragmentation may lose at most this many GPU-hours of
+            work per hour per GPU of the fleet (0.02 on 704 GPUs = 14 GPU-hours per hour),
+            counted over ``ClusterSnapshot.recent_displacements`` of the last hour.
+        anti_thrash_s: a job displaced (for any reason) within this many seconds is never a
+            defragmentation victim.
     """
 
     placement: Placement = Placement.BEST_FIT
@@ -107,3 +126,10 @@ class PolicyConfig:
     default_runtime_estimate_s: float | None = None
     backfill_depth: int = 100
     nodes_per_reservation: int = 4
+    headroom_wait_s: float | None = 1800.0
+    large_job_node_share: float = 0.5
+    headroom_max_node_share: float = 0.1
+    defrag_wait_s: float | None = 4 * 3600.0
+    defrag_drain_horizon_s: float = 1800.0
+    displacement_budget_share: float = 0.02
+    anti_thrash_s: float = 6 * 3600.0

@@ -43,6 +43,7 @@ from gpufleet.policy.decisions import (
     Place,
     PlaceGang,
 )
+from gpufleet.policy.defrag import Shielded, protect
 from gpufleet.policy.explain import Cause, WaitingReasons
 from gpufleet.policy.fairshare import TeamKey, TeamOrder
 from gpufleet.policy.gang import (
@@ -190,6 +191,7 @@ class _Pass:
         self._victims: VictimSearch | None = None
         # Smallest GPU count known not to fit now, per job shape (free only shrinks).
         self.fail_memo: dict[tuple[object, ...], int] = {}
+        self.shielded = Shielded({}, {})  # DD7 headroom for large jobs (policy.defrag)
 
     @property
     def running(self) -> RunningIndex:
@@ -441,6 +443,8 @@ class _Pass:
         self.book.charge(job.team_id, gpu_type, res.gpu_count, res.cpu * k, res.memory_mb * k)
         self.decisions.append(PlaceGang(job.job_id, tuple(out), self.n_reservations > 0))
         self.placed.add(job.job_id)
+        if job.job_id in self.shielded.nodes:  # DD7 headroom (policy.defrag)
+            self.shielded.release(self.index, job.job_id)
         self.served[job.team_id] = self.served.get(job.team_id, 0) + res.gpu_count
         self.n_places += 1
 
@@ -480,6 +484,8 @@ class _Pass:
                     return ("gang_preemption", nodes, victims, found[0].reason)
         if cause[0] != "no_node_fits_now":
             return cause
+        if job.job_id in self.shielded.causes:  # DD7: its headroom is its reservation
+            return self.shielded.causes[job.job_id]
         if cfg.backfill is Backfill.EASY and self.n_reservations < self.max_reservations:
             best: tuple[float, int, list[tuple[str, Shadow]]] | None = None
             for i, t in enumerate(types):
@@ -506,6 +512,8 @@ class _Pass:
         self.book.charge(job.team_id, gpu_type, res.gpu_count, res.cpu, res.memory_mb)
         self.decisions.append(Place(job.job_id, node_id, res.gpu_count, backfilled))
         self.placed.add(job.job_id)
+        if job.job_id in self.shielded.nodes:  # DD7 headroom (policy.defrag)
+            self.shielded.release(self.index, job.job_id)
         self.served[job.team_id] = self.served.get(job.team_id, 0) + res.gpu_count
         self.n_places += 1
 
@@ -515,7 +523,9 @@ class _Pass:
         if res.gpu_count > 1 and self.is_gang(res):
             return self.try_place_gang(job)
         memo_key: tuple[object, ...] | None = None
-        if job.max_runtime_s is None or not self.index.shadows:
+        if (
+            job.max_runtime_s is None or not self.index.shadows
+        ) and job.job_id not in self.shielded.nodes:  # (its own shield may hold it: DD7)
             memo_key = (
                 res.gpu_types,
                 res.gpu_memory_mb,
@@ -596,6 +606,8 @@ class _Pass:
                 return ("waiting_for_preemption", pre.node_id, pre.victim_run_ids, pre.reason)
         if cause[0] != "no_node_fits_now":
             return cause  # quota-blocked: a reservation would not make it admissible
+        if job.job_id in self.shielded.causes:  # DD7: its headroom is its reservation
+            return self.shielded.causes[job.job_id]
         if cfg.backfill is Backfill.EASY and self.n_reservations < self.max_reservations:
             found_r = find_reservation(job, self.index, self.running, self.now)
             if found_r is not None:
@@ -668,6 +680,8 @@ class _Pass:
         cfg = self.cfg
         self.place_holders()
         self.keep_reservations()
+        # DD7: headroom and defragmentation for large jobs that waited (policy.defrag)
+        self.shielded = protect(self, self.snap.recent_displacements)
         order = TeamOrder(self.book, cfg, self.index.gpu_types)
         queues = self.queues
         ptr = dict.fromkeys(queues, 0)
@@ -698,6 +712,8 @@ class _Pass:
                         cause = self.handle_head(job, cause)
                     elif self.wants_size_reservation(job, cause):
                         cause = self.handle_head(job, cause, preempt=False)
+                    if cause[0] == "no_node_fits_now" and job.job_id in self.shielded.causes:
+                        cause = self.shielded.causes[job.job_id]  # DD7 (policy.defrag)
                     self.causes[job.job_id] = cause
                     if cfg.backfill is Backfill.OFF and cause[0] != "never_fits":
                         blocker: Cause = ("behind_blocked_job", job.job_id)

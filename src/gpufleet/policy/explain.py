@@ -9,7 +9,9 @@ on first use.
 Codes (stable, documented in docs/design/scheduling-policy.md):
 ``never_fits``, ``no_schedulable_node``, ``team_at_guarantee``, ``over_borrow_limit``,
 ``guarantee_protected``, ``waiting_with_reservation``, ``waiting_for_preemption``,
-``blocked_by_reservation``, ``no_node_fits_now``, ``behind_blocked_job``, ``not_reached``.
+``blocked_by_reservation``, ``no_node_fits_now``, ``behind_blocked_job``, ``not_reached``,
+``waiting_with_headroom`` (a large job's nodes are shielded from smaller jobs,
+``policy.defrag``).
 """
 
 from __future__ import annotations
@@ -267,10 +269,33 @@ class WaitingReasons(Mapping[str, WaitReason]):
         elif code == "waiting_for_preemption":
             _, node_id, victims, why = cause
             d.update(node=node_id, victims=list(victims), ground=why)
-            whose = "borrowed by other teams" if why == "reclaim" else "of lower priority"
+            if why == "defragment":
+                msg = (
+                    f"This large job has waited long and no node is expected to drain for "
+                    f"it soon: {len(victims)} smaller running attempt(s) are being moved off "
+                    f"{node_id} (defragmentation; they keep their queue place) and the GPUs "
+                    f"they free are held for this job."
+                )
+            else:
+                whose = "borrowed by other teams" if why == "reclaim" else "of lower priority"
+                msg = (
+                    f"{len(victims)} running attempt(s) {whose} are being stopped on "
+                    f"{node_id}; the GPUs they free are held for this job."
+                )
+        elif code == "headroom":
+            _, nodes, start_s, waited = cause
+            code = "waiting_with_headroom"
+            d.update(nodes=list(nodes), waited_s=float(waited), headroom=True)
+            if start_s is not None:
+                est = float(start_s)
+                d["reserved_from_s"] = est
+                drain = f"expected to drain {when(est, self._now)}"
+            else:
+                drain = "whose running work has no known end"
             msg = (
-                f"{len(victims)} running attempt(s) {whose} are being stopped on {node_id}; "
-                f"the GPUs they free are held for this job."
+                f"Large job waiting {span(float(waited))}: smaller jobs may no longer start "
+                f"on {', '.join(nodes)} (the node(s) that drain soonest for it, {drain}); "
+                f"if none drains in time, smaller jobs there may be moved (defragmentation)."
             )
         elif code == "behind_blocked_job":
             d["blocked_job"] = cause[1]

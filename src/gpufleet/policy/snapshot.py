@@ -154,6 +154,26 @@ class BackfillReservation:
 
 
 @dataclass(frozen=True, slots=True)
+class Displacement:
+    """A job stopped by a preemption recently (what the displacement budget and the
+    anti-thrash window of ``policy.defrag`` read).
+
+    Attributes:
+        job_id: the displaced job.
+        at_s: when its attempt was told to stop (snapshot clock, seconds).
+        gpu_hours: work lost, GPU-hours: GPUs x time since the attempt's last checkpoint
+            (or its start).
+        reason: the ``Preempt`` reason (``defragment``, ``reclaim``, ``priority``); only
+            ``defragment`` counts against the budget, every reason against re-displacement.
+    """
+
+    job_id: str
+    at_s: float
+    gpu_hours: float
+    reason: str = "defragment"
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     now_s: float
     nodes: tuple[NodeState, ...]
@@ -170,3 +190,10 @@ class ClusterSnapshot:
     team, each sequence already sorted by ``policy.priority.queue_key(config)``. When set, it
     replaces ``pending`` (which is then ignored) and the pass does not sort; jobs the pass
     never reaches cost nothing."""
+    recent_displacements: tuple[Displacement, ...] | None = None
+    """Preemptions of the last ``max(1 h, PolicyConfig.anti_thrash_s)`` (older entries are
+    ignored): the state that lets a pure pass keep a per-hour displacement budget and an
+    anti-thrash window (``policy.defrag``). None means the driver does not track them, and
+    then the pass never defragments (headroom still applies): without this state the budget
+    and the anti-thrash window could not hold. The simulator keeps them in memory; the live
+    store reads them from ``job_runs`` (``store.queries.recent_displacements``)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.states import JobStatus, RunStatus
@@ -64,6 +64,12 @@ def apply_preempt(
             "preempt",
             message=f"preempted for {decision.for_job_id} ({decision.reason})",
             for_job_id=decision.for_job_id,
+        )
+    if marked:  # the ground, for the displacement budget and anti-thrash window (DD7)
+        session.execute(
+            update(JobRunRow)
+            .where(JobRunRow.id.in_(marked))
+            .values(preempt_reason=decision.reason[:16])
         )
     missing = sorted(set(marked) - set(addresses))
     if missing:  # members the decision did not list

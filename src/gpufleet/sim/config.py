@@ -49,9 +49,14 @@ BASELINES: Mapping[str, Mapping[str, Any]] = {
     "greedy_backfill": {"backfill": Backfill.GREEDY},
     "no_borrowing": {"borrowing": False},
     "no_preemption": {"preemption": False},
+    "no_defrag": {"defrag_wait_s": None},
+    "no_headroom": {"headroom_wait_s": None, "defrag_wait_s": None},
 }
 """Each baseline is the configured policy with one mechanism changed. With borrowing off,
-each team is also confined to its own nodes (a partition sized by its guarantee)."""
+each team is also confined to its own nodes (a partition sized by its guarantee).
+``no_defrag`` keeps headroom but never displaces; ``no_headroom`` has neither (DD7,
+``policy.defrag``); ``greedy_backfill``, ``no_backfill`` and the FIFO baselines have neither
+too, since both are active only with EASY backfill."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,13 +36,14 @@ from gpufleet.policy.priority import queue_key
 from gpufleet.policy.snapshot import (
     BackfillReservation,
     ClusterSnapshot,
+    Displacement,
     GpuHold,
     NodeState,
     PendingJob,
     TeamState,
 )
 from gpufleet.policy.usage import decay_factor, interval_gpu_s
-from gpufleet.sim.fleet import InMemoryFleet, SimRun
+from gpufleet.sim.fleet import InMemoryFleet, SimRun, kept_work
 from gpufleet.sim.gating import SimGates
 from gpufleet.sim.metrics import Recorder
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
@@ -108,6 +109,9 @@ class Engine:
         """One hold per (preemptor, node): a gang preemptor may hold GPUs on several nodes."""
         self._holds_of: dict[str, list[tuple[str, str]]] = {}
         self.reservations: tuple[BackfillReservation, ...] = ()
+        self.displacements: list[Displacement] = []
+        """Preemptions of the recent past (``snapshot.recent_displacements``), pruned to the
+        longer of one hour and ``anti_thrash_s``."""
         self.now = 0.0
         self._events: list[tuple[float, int, int, str]] = []
         self._seq = 0
@@ -308,7 +312,11 @@ class Engine:
                 continue  # another member of an attempt already being stopped
             self.fleet.begin_stop(run, d.for_job_id)  # stops every member of a gang
             self._push(self.now + self.opt.grace_s, _STOPPED, run.run_id)
-            self.rec.preempted()
+            self.rec.preempted(d.reason)
+            spec = self.fleet.jobs[run.job_id].spec
+            elapsed = self.now - run.reserved_s
+            lost_h = spec.gpus * (elapsed - kept_work(elapsed, spec.checkpoint_s)) / 3600.0
+            self.displacements.append(Displacement(run.job_id, self.now, lost_h, d.reason))
         key = (d.for_job_id, d.node_id)
         for old in self._holds_of.get(d.for_job_id, ()):
             if self.holds[old].since_s < self.now:  # a new preemption replaces older holds
@@ -350,7 +358,18 @@ class Engine:
             holds=tuple(self.holds.values()),
             reservations=self.reservations,
             queues=self.queues,
+            recent_displacements=self._recent_displacements(),
         )
+
+    def _recent_displacements(self) -> tuple[Displacement, ...]:
+        keep = max(3600.0, self.cfg.anti_thrash_s)
+        ds = self.displacements
+        i = 0
+        while i < len(ds) and self.now - ds[i].at_s >= keep:
+            i += 1
+        if i:
+            del ds[:i]
+        return tuple(ds)
 
     def schedule_pass(self) -> None:
         self.passes += 1

@@ -124,7 +124,7 @@ class SimJobState:
     pending: PendingJob | None = None
 
 
-def _kept_work(elapsed_s: float, checkpoint_s: float | None) -> float:
+def kept_work(elapsed_s: float, checkpoint_s: float | None) -> float:
     if checkpoint_s is None or checkpoint_s <= 0:
         return 0.0
     return math.floor(elapsed_s / checkpoint_s) * checkpoint_s
@@ -403,7 +403,7 @@ class InMemoryFleet:
             js.end_s = now_s
             js.banked_s = spec.duration_s
             return js, False
-        kept = _kept_work(elapsed, spec.checkpoint_s)
+        kept = kept_work(elapsed, spec.checkpoint_s)
         js.lost_gpu_s += spec.gpus * (elapsed - kept)
         js.banked_s = min(spec.duration_s, js.banked_s + kept)
         check_transition(Machine.JOB, js.status, JobStatus.PENDING)

@@ -69,6 +69,7 @@ class Recorder:
         self.rejected_ids: list[str] = []
         self.pending_sizes: dict[int, int] = {}
         self.preemptions = 0
+        self.preemptions_by_reason: dict[str, int] = {}
         self.t_total = 0.0
         self.alloc_gpu_s = 0.0
         self.t_backlog = 0.0
@@ -121,8 +122,10 @@ class Recorder:
         if pending:
             self.frag_samples.append((frag, free))
 
-    def preempted(self) -> None:
+    def preempted(self, reason: str = "") -> None:
         self.preemptions += 1
+        if reason:
+            self.preemptions_by_reason[reason] = self.preemptions_by_reason.get(reason, 0) + 1
 
     def _record(self, js: SimJobState) -> JobRecord:
         s = js.spec
@@ -227,6 +230,11 @@ class Recorder:
             "preemption": {
                 "count": self.preemptions,
                 "gpu_hours_lost": self.preempt_lost_gpu_s / 3600.0,
+                "by_reason": dict(sorted(self.preemptions_by_reason.items())),
+                # displacement: work lost to preemptions / GPU-time allocated (both GPU-s)
+                "displacement_share": self.preempt_lost_gpu_s / self.alloc_gpu_s
+                if self.alloc_gpu_s
+                else 0.0,
             },
             "fragmentation": {
                 "mean_free_gpus_unusable_by_waiting_jobs": sum(frag) / len(frag) if frag else 0.0,

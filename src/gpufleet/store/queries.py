@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import or_, select
@@ -33,6 +33,7 @@ from gpufleet.domain.types import PriorityClass, Resources
 from gpufleet.policy.snapshot import (
     BackfillReservation,
     ClusterSnapshot,
+    Displacement,
     GpuHold,
     NodeState,
     PendingJob,
@@ -152,6 +153,7 @@ def load_snapshot(
     usage_half_life_s: float = 7 * 24 * 3600.0,
     spec_cache: SpecCache | None = None,
     predictions: HistoryPredictor | None = None,
+    displacement_window_s: float = 6 * 3600.0,
 ) -> ClusterSnapshot:
     """Everything one scheduling pass needs, in a handful of indexed queries (call inside
     ``Database.snapshot()`` so that they all see one moment).
@@ -162,6 +164,9 @@ def load_snapshot(
         spec_cache: the scheduler's cache of parsed job specs across passes.
         predictions: the leader's duration predictor (``store.predictions``): fills
             ``predicted_duration_s`` of pending and running work (None: no predictions).
+        displacement_window_s: how far back preempted runs are read as
+            ``recent_displacements`` (the longer of one hour and the policy's
+            ``anti_thrash_s``), seconds.
     """
     now_s = now.timestamp()
     node_rows = session.execute(
@@ -338,7 +343,38 @@ def load_snapshot(
         teams=teams,
         holds=holds,
         reservations=reservations,
+        recent_displacements=recent_displacements(session, now, displacement_window_s),
     )
+
+
+def recent_displacements(
+    session: Session, now: datetime, window_s: float
+) -> tuple[Displacement, ...]:
+    """Runs told to stop by a preemption in the last ``window_s`` seconds, oldest first, as
+    ``Displacement(job_id, at_s, gpu_hours, reason)``: ``at_s`` is ``stop_requested_at``,
+    ``gpu_hours`` the run's GPUs x time since it started (the live store keeps no checkpoint
+    time), ``reason`` the policy's ground (``job_runs.preempt_reason``; ``preempt`` for runs
+    stopped before that column existed). One indexed range query."""
+    since = now - timedelta(seconds=window_s)
+    rows = session.execute(
+        select(
+            JobRunRow.job_id,
+            JobRunRow.stop_requested_at,
+            JobRunRow.started_at,
+            JobRunRow.created_at,
+            JobRunRow.gpu_ids,
+            JobRunRow.preempt_reason,
+        )
+        .where(JobRunRow.stop_requested_at >= since, JobRunRow.stop_reason == "preempt")
+        .order_by(JobRunRow.stop_requested_at, JobRunRow.id)
+    ).all()
+    out = []
+    for r in rows:
+        at = r.stop_requested_at.timestamp()
+        began = (r.started_at or r.created_at).timestamp()
+        gpu_h = len(r.gpu_ids or ()) * max(0.0, at - began) / 3600.0
+        out.append(Displacement(r.job_id, at, gpu_h, r.preempt_reason or "preempt"))
+    return tuple(out)
 
 
 def load_invariant_view(session: Session) -> InvariantView:

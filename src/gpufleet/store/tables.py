@@ -191,6 +191,7 @@ class JobRunRow(Base):
             postgresql_where=text(ACTIVE_RUN_SQL),
         ),
         Index("ix_job_runs_node_status", "node_id", "status"),
+        Index("ix_job_runs_stop_requested_at", "stop_requested_at"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -211,6 +212,9 @@ class JobRunRow(Base):
     stop_requested_at: Mapped[datetime | None]
     preempted_for_job_id: Mapped[str | None] = mapped_column(String(40))
     """The job these GPUs are being freed for (stop_reason preempt)."""
+    preempt_reason: Mapped[str | None] = mapped_column(String(16))
+    """The policy's ground for a preempt stop: ``reclaim``, ``priority`` or ``defragment``
+    (``Preempt.reason``); read back as ``ClusterSnapshot.recent_displacements``."""
     assigned_at: Mapped[datetime | None]
     """When AssignJob was last answered by the agent (None: not yet delivered)."""
     charged_to: Mapped[str | None] = mapped_column(String(8))

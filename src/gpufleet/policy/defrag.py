@@ -1,0 +1,394 @@
+"""Headroom and defragmentation for large jobs (seed DD7).
+
+Best fit keeps whole nodes free as long as it can, but under contention a stream of small jobs
+fills every node that drains: a job needing a whole node waits far longer than a 1-GPU job
+(on the Philly quarter-capacity table, the 8-GPU p99 was 6.9x the 1-GPU p99). DD7: "prefer
+tail metrics per job size, keep headroom for large jobs as demand shows them coming, and
+recover by controlled preemption". Two steps, run once per pass after the holds and the
+renewed reservations (phase 1) and before the team loop:
+
+**Headroom.** A *large* job (at least ``large_job_node_share`` of its type's node, or a gang)
+that has waited ``headroom_wait_s`` gets the node(s) that drain soonest for it *shielded*: a
+backfill ``Shadow`` on the node, so smaller jobs may use only the GPUs the large job does not
+need (or the node if their hard bound ends before the drain). "Drains soonest" is the
+estimated start (``backfill.start_on_node`` over ``runtime.RunningIndex``); when the running
+work has no known end, the node with the fewest GPUs still to free, then the fewest in use.
+Oldest waiting jobs first, at most ``headroom_max_node_share`` of the schedulable nodes.
+Shields are recomputed every pass (nothing stored): a shielded node gets no new small work, so
+it stays the soonest to drain and the choice is stable.
+
+Both steps extend EASY backfill's promise to the jobs it serves worst, and are active only with
+``Backfill.EASY``: under strict order (``OFF``) the blocked head already holds everything
+behind it (a shield for a job behind it would deadlock the queue), and ``GREEDY`` is the
+baseline that shows what happens without reservations.
+
+**Defragmentation.** A large single-node job that has waited ``defrag_wait_s`` and whose best
+node does not drain within ``defrag_drain_horizon_s`` may displace small jobs: on each node it
+could use, the cheapest set of eligible running attempts whose stop frees its GPUs, and the
+cheapest node wins. One ``Preempt(reason="defragment")``; the freed GPUs are held for it as
+for any preemption. Eligible victims: preemptible, not stopping, not a gang member, small
+(below the large-job size), of priority no higher than the preemptor's, not displaced within
+``anti_thrash_s`` (``ClusterSnapshot.recent_displacements``), and (seed DD4: across teams only
+loans are taken back) of the same team, or borrowed (their team is above its guarantee), or
+any team's when the preemptor's GPUs fit inside its own team's guarantee. Only when the driver
+passes ``ClusterSnapshot.recent_displacements`` (the simulator and the live store do; None
+means no history, and no defragmentation). Set cost, smallest
+first: victims not borrowed, highest priority hit, GPU-seconds of work lost since each
+victim's last checkpoint, number of victims, node id. The work lost per hour is capped by
+``displacement_budget_share`` x fleet GPUs (GPU-hours per hour, over the displacements of the
+last hour plus this pass's). A displaced job keeps its place in its queue and, being small,
+usually restarts at once on another node.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpufleet.domain.types import Resources
+from gpufleet.policy.backfill import start_on_node
+from gpufleet.policy.config import Backfill, Ordering, PolicyConfig
+from gpufleet.policy.decisions import Decision, Preempt
+from gpufleet.policy.gang import gang_members, member_resources
+from gpufleet.policy.placement import FreeIndex, Shadow, node_accepts
+from gpufleet.policy.preemption import VictimSearch
+from gpufleet.policy.priority import queued_at
+from gpufleet.policy.quota import TeamBook
+from gpufleet.policy.runtime import RunningIndex
+from gpufleet.policy.snapshot import Displacement, PendingJob, RunningJob
+
+__all__ = ["DEFRAGMENT", "HEADROOM", "Shielded", "displacement_used_h", "is_large", "protect"]
+
+DEFRAGMENT = "defragment"
+"""The ``Preempt.reason`` (and ``Displacement.reason``) of a defragmentation."""
+HEADROOM = "headroom"
+"""The cause code of a job whose nodes are shielded (``explain``: ``waiting_with_headroom``)."""
+
+Cause = tuple[object, ...]
+DefragCost = tuple[int, int, float, int, str]
+
+
+class PassView(Protocol):
+    """What :func:`protect` reads and writes of the pass (``cycle._Pass``)."""
+
+    cfg: PolicyConfig
+    now: float
+    queues: Mapping[str, Sequence[PendingJob]]
+    index: FreeIndex
+    book: TeamBook
+    decisions: list[Decision]
+    causes: dict[str, Cause]
+    placed: set[str]
+    hold_nodes: dict[str, list[str]]
+    n_preempts: int
+
+    @property
+    def running(self) -> RunningIndex: ...
+
+    @property
+    def victims(self) -> VictimSearch: ...
+
+    def is_gang(self, res: Resources) -> bool: ...
+
+
+@dataclass(slots=True)
+class Shielded:
+    """Large jobs given headroom in this pass: ``job_id -> cause`` and the shielded nodes."""
+
+    causes: dict[str, Cause]
+    nodes: dict[str, list[str]]
+
+    def release(self, index: FreeIndex, job_id: str) -> None:
+        """``job_id`` was placed: its shields on other nodes stop binding smaller jobs."""
+        for nid in self.nodes.pop(job_id, ()):
+            sh = index.shadows.get(nid)
+            if sh is not None and sh.job_id == job_id:
+                del index.shadows[nid]
+        self.causes.pop(job_id, None)
+
+
+def is_large(res: Resources, node_gpus: int, share: float) -> bool:
+    """Whether a request of ``res.gpu_count`` GPUs is *large* on nodes of ``node_gpus`` GPUs:
+    at least ``share`` of the node (rounded up, at least 2 GPUs), or more than a node."""
+    if node_gpus <= 0:
+        return False
+    return res.gpu_count >= max(2, math.ceil(share * node_gpus))
+
+
+def displacement_used_h(recent: Sequence[Displacement], now_s: float) -> float:
+    """GPU-hours of work lost to ``defragment`` preemptions in the hour before ``now_s``."""
+    return sum(d.gpu_hours for d in recent if d.reason == DEFRAGMENT and now_s - d.at_s < 3600.0)
+
+
+def _large_waiting(p: PassView, min_wait: float) -> list[tuple[float, PendingJob]]:
+    """Pending large jobs that waited at least ``min_wait`` s, longest first (ties by id),
+    among the first ``backfill_depth + 1`` jobs of each team's queue (bounded work per pass:
+    O(teams x depth))."""
+    cfg, now, index = p.cfg, p.now, p.index
+    head = cfg.head_start_s
+    out: list[tuple[float, PendingJob]] = []
+    depth = cfg.backfill_depth + 1
+    for q in p.queues.values():
+        # Only as deep as a pass tries a team's queue: a job further back is not reached.
+        for j in q[:depth] if len(q) > depth else q:
+            qa = queued_at(j)
+            # Queues are sorted: past this point no job has waited long enough.
+            if cfg.ordering is Ordering.FAIR_SHARE and qa - head.get(j.priority, 0.0) > (
+                now - min_wait
+            ):
+                break
+            if cfg.ordering is Ordering.FIFO and qa > now - min_wait:
+                break
+            if now - qa < min_wait or j.job_id in p.placed or j.job_id in p.causes:
+                continue
+            if j.job_id in p.hold_nodes:
+                continue  # already waiting for a preemption
+            types = j.resources.gpu_types or index.gpu_types
+            size = max((index.node_gpus(t) for t in types), default=0)
+            if is_large(j.resources, size, cfg.large_job_node_share):
+                out.append((now - qa, j))
+    out.sort(key=lambda e: (-e[0], e[1].job_id))
+    return out
+
+
+DrainKey = tuple[float, float, int, int, str]
+
+
+def _drain_key(p: PassView, job: PendingJob, node_id: str, need: int) -> DrainKey:
+    """(estimated start, age of the oldest attempt running there, GPUs still to free, GPUs
+    in use, node id): smaller drains sooner. Without known ends the age decides: run times
+    are heavy-tailed, so an attempt that has run long is expected to run longer still (and
+    the youngest attempts are also the cheapest to displace)."""
+    index = p.index
+    start, _ = start_on_node(job, node_id, index, p.running, p.now, need)
+    free = index.visible_free(node_id)
+    total = index.nodes[node_id].total_gpus
+    runs = p.running.by_node.get(node_id, ())
+    oldest = max((p.now - r.started_at_s for _, r in runs), default=0.0)
+    return (start, oldest, max(0, need - free), total - free, node_id)
+
+
+class _Drains:
+    """Nodes by how soon they drain for ``need`` GPUs of a type, computed once per pass and
+    (type, need): the order does not depend on the job (jobs waiting for a preemption, the
+    only ones with GPUs of their own, are not candidates)."""
+
+    def __init__(self, p: PassView) -> None:
+        self._p = p
+        self._ranked: dict[tuple[str, int], list[DrainKey]] = {}
+
+    def ranked(self, job: PendingJob, gpu_type: str, need: int) -> list[DrainKey]:
+        key = (gpu_type, need)
+        hit = self._ranked.get(key)
+        if hit is None:
+            p = self._p
+            hit = self._ranked[key] = sorted(
+                _drain_key(p, job, nid, need)
+                for nid, node in p.index.nodes.items()
+                if node.gpu_type == gpu_type and node.schedulable and node.total_gpus >= need
+            )
+        return hit
+
+    def usable(self, job: PendingJob, node_id: str, need: int, taken: set[str]) -> bool:
+        """Whether ``node_id`` accepts ``need`` GPUs of ``job`` and carries no other job's
+        reservation, shield or hold (nor one of this pass's choices, ``taken``)."""
+        if node_id in taken:
+            return False
+        index = self._p.index
+        sh = index.shadows.get(node_id)
+        if sh is not None and sh.job_id != job.job_id:
+            return False
+        if index.hidden_from(node_id, job.job_id):
+            return False
+        res = job.resources
+        if need != res.gpu_count:
+            res = member_resources(res, need)
+        return node_accepts(index.nodes[node_id], res, job.node_selector)
+
+
+def _members(p: PassView, job: PendingJob, gpu_type: str) -> tuple[int, ...] | None:
+    res = job.resources
+    if res.gpu_count > 1 and p.is_gang(res):
+        return gang_members(res, p.index.node_gpus(gpu_type))
+    return (res.gpu_count,)
+
+
+def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
+    """Headroom (shields) and defragmentation (``Preempt`` decisions) for this pass; returns
+    the shielded jobs, whose cause the pass reports while they wait. ``recent`` None (the
+    driver keeps no displacement history) turns defragmentation off for the pass."""
+    cfg = p.cfg
+    can_defrag = cfg.defrag_wait_s is not None and cfg.preemption and recent is not None
+    recent = recent or ()
+    out = Shielded({}, {})
+    waits = [w for w in (cfg.headroom_wait_s, cfg.defrag_wait_s) if w is not None]
+    if not waits or not p.queues or cfg.backfill is not Backfill.EASY:
+        return out
+    jobs = _large_waiting(p, min(waits))
+    if not jobs:
+        return out
+    index = p.index
+    n_sched = sum(1 for n in index.nodes.values() if n.schedulable)
+    max_nodes = max(1, int(cfg.headroom_max_node_share * n_sched))
+    budget_h = cfg.displacement_budget_share * sum(index.capacity_gpus.values())
+    used_h = displacement_used_h(recent, p.now)
+    since = p.now - cfg.anti_thrash_s
+    recently = {d.job_id for d in recent if d.at_s > since}
+    taken: set[str] = set()
+    drains = _Drains(p)
+    for wait, job in jobs:
+        if len(taken) >= max_nodes:
+            break
+        for t in job.resources.gpu_types or index.gpu_types:
+            if p.book.admit(job.team_id, t, job.resources.gpu_count, index.free_by_type.get(t, 0)):
+                continue  # quota refuses it: headroom would idle GPUs for nothing
+            members = _members(p, job, t)
+            if members is None:
+                continue
+            if (
+                can_defrag
+                and cfg.defrag_wait_s is not None
+                and wait >= cfg.defrag_wait_s
+                and len(members) == 1
+                and p.n_preempts < cfg.max_preemptions_per_cycle
+                and used_h < budget_h
+            ):
+                need = members[0]
+                keys = [
+                    k for k in drains.ranked(job, t, need) if drains.usable(job, k[4], need, taken)
+                ]
+                if keys and keys[0][0] > p.now + cfg.defrag_drain_horizon_s:
+                    plan = _cheapest(p, job, [k[4] for k in keys], members[0], recently)
+                    if plan is not None and used_h + plan[0][2] / 3600.0 <= budget_h:
+                        cost, node_id, chosen = plan
+                        used_h += cost[2] / 3600.0
+                        _defragment(p, job, node_id, members[0], chosen)
+                        taken.add(node_id)
+                        break
+            if cfg.headroom_wait_s is None or wait < cfg.headroom_wait_s:
+                continue
+            picked = _shield_nodes(drains, job, t, members, taken)
+            if picked is None:
+                continue
+            if len(taken) + len(picked) > max_nodes and taken:
+                break
+            start = max(k[0] for _, k in picked)
+            for (nid, key), m in zip(picked, members, strict=True):
+                node = index.nodes[nid]
+                begin = key[0] if key[0] != math.inf else p.now
+                index.add_shadow(nid, Shadow(job.job_id, begin, m, max(0, node.total_gpus - m)))
+                taken.add(nid)
+            nodes = [nid for nid, _ in picked]
+            out.nodes[job.job_id] = nodes
+            out.causes[job.job_id] = (
+                HEADROOM,
+                tuple(nodes),
+                None if start == math.inf else start,
+                wait,
+            )
+            break
+    return out
+
+
+def _shield_nodes(
+    drains: _Drains, job: PendingJob, gpu_type: str, members: tuple[int, ...], taken: set[str]
+) -> list[tuple[str, DrainKey]] | None:
+    """One node per member (largest member first), each the soonest to drain for it."""
+    picked: list[tuple[str, DrainKey]] = []
+    used = set(taken)
+    for m in members:
+        best = next(
+            (k for k in drains.ranked(job, gpu_type, m) if drains.usable(job, k[4], m, used)),
+            None,
+        )
+        if best is None:
+            return None
+        picked.append((best[4], best))
+        used.add(best[4])
+    return picked
+
+
+def _eligible(
+    p: PassView, job: PendingJob, r: RunningJob, gpu_type: str, recently: set[str]
+) -> bool:
+    if r.stopping or not r.preemptible or r.gang_size > 1 or r.job_id in recently:
+        return False
+    if r.priority.rank > job.priority.rank:
+        return False
+    vs = p.victims
+    if r.run_id in vs.taken:
+        return False
+    size = p.index.node_gpus(r.gpu_type)
+    if is_large(Resources(gpu_count=r.gpu_count), size, p.cfg.large_job_node_share):
+        return False
+    if r.team_id == job.team_id or r.run_id in vs.borrowed:
+        return True
+    return p.book.fits_in_guarantee(job.team_id, gpu_type, job.resources.gpu_count)
+
+
+def _victim_cost(p: PassView, r: RunningJob) -> tuple[int, int, float, str]:
+    since = (
+        r.started_at_s if r.last_checkpoint_s is None else max(r.started_at_s, r.last_checkpoint_s)
+    )
+    lost = r.gpu_count * max(0.0, p.now - since)
+    return (0 if r.run_id in p.victims.borrowed else 1, r.priority.rank, lost, r.run_id)
+
+
+def _cheapest(
+    p: PassView, job: PendingJob, node_ids: list[str], need: int, recently: set[str]
+) -> tuple[DefragCost, str, list[RunningJob]] | None:
+    """The cheapest eligible victim set over ``node_ids`` that frees ``need`` GPUs on one
+    node: per node, greedy by victim cost then pruned of victims the set does not need."""
+    best: tuple[DefragCost, str, list[RunningJob]] | None = None
+    gpu_type = p.index.nodes[node_ids[0]].gpu_type if node_ids else ""
+
+    def cost_of(r: RunningJob) -> tuple[int, int, float, str]:
+        return _victim_cost(p, r)
+
+    for nid in node_ids:
+        free = p.index.visible_free(nid)
+        runs = [r for _, r in p.running.by_node.get(nid, ())]
+        cands = [r for r in runs if _eligible(p, job, r, gpu_type, recently)]
+        if free + sum(r.gpu_count for r in cands) < need:
+            continue
+        cands.sort(key=cost_of)
+        chosen: list[RunningJob] = []
+        got = free
+        for r in cands:
+            if got >= need:
+                break
+            chosen.append(r)
+            got += r.gpu_count
+        for r in sorted(chosen, key=cost_of, reverse=True):
+            if got - r.gpu_count >= need:
+                chosen.remove(r)
+                got -= r.gpu_count
+        if not chosen:
+            continue
+        costs = [cost_of(r) for r in chosen]
+        cost: DefragCost = (
+            sum(c[0] for c in costs),
+            max(c[1] for c in costs),
+            sum(c[2] for c in costs),
+            len(chosen),
+            nid,
+        )
+        if best is None or cost < best[0]:
+            best = (cost, nid, chosen)
+    return best
+
+
+def _defragment(
+    p: PassView, job: PendingJob, node_id: str, need: int, chosen: list[RunningJob]
+) -> None:
+    victims = tuple(sorted(r.run_id for r in chosen))
+    p.victims.taken.update(victims)
+    p.decisions.append(Preempt(job.job_id, node_id, victims, DEFRAGMENT, need))
+    p.index.hold(node_id, job.job_id, need)
+    sh = p.index.shadows.get(node_id)
+    if sh is not None and sh.job_id == job.job_id:
+        del p.index.shadows[node_id]
+    p.n_preempts += 1
+    p.causes[job.job_id] = ("waiting_for_preemption", node_id, victims, DEFRAGMENT)
