@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -140,7 +141,9 @@ def main() -> None:
                 url = f"sqlite:///{Path(tmp) / 'bench.db'}"
             else:
                 url = stack.enter_context(
-                    fresh_postgres_database(args.postgres_url, "gpufleet_bench_pass")
+                    fresh_postgres_database(
+                        args.postgres_url, f"gpufleet_bench_pass_{os.getpid()}"
+                    )
                 )
             db = Database(url)
             migrate(db)

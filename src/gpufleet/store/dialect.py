@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, event, text
+from sqlalchemy import Connection, Engine, bindparam, event, text
 from sqlalchemy.orm import Session
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -76,6 +76,37 @@ def db_now(session: Session) -> datetime:
         return datetime.fromisoformat(raw).replace(tzinfo=UTC)
     value: datetime = session.execute(text("SELECT clock_timestamp()")).scalar_one()
     return value.astimezone(UTC)
+
+
+def change_floor(session: Session, tables: tuple[str, ...]) -> dict[str, int]:
+    """Per table, the smallest ``change_seq`` (migration 0006s) that a row written after this
+    snapshot can carry: read it in a snapshot, and a later snapshot finds every row inserted
+    or changed since with ``change_seq >= floor`` (and possibly a few more).
+
+    PostgreSQL: the snapshot's ``xmin`` (every transaction id below it had ended when the
+    snapshot was taken). SQLite: one more than the last value of the triggers' counter
+    (writers are serialized). Call inside ``Database.snapshot()``."""
+    if session.get_bind().dialect.name == "sqlite":
+        last = session.execute(
+            text("SELECT coalesce(max(seq), 0) FROM change_seq_counter")
+        ).scalar_one()
+        return dict.fromkeys(tables, int(last) + 1)
+    xmin = session.execute(
+        text("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint")
+    ).scalar_one()
+    return dict.fromkeys(tables, int(xmin))
+
+
+def change_triggers_present(session: Session, tables: tuple[str, ...]) -> bool:
+    """Whether the insert and update triggers that set ``change_seq`` exist on every table
+    (a table that SQLite rebuilt in a migration loses its triggers)."""
+    names = [f"{t}_change_seq_{op}" for t in tables for op in ("ins", "upd")]
+    if session.get_bind().dialect.name == "sqlite":
+        query = "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND name IN :names"
+    else:
+        query = "SELECT count(*) FROM pg_trigger WHERE NOT tgisinternal AND tgname IN :names"
+    stmt = text(query).bindparams(bindparam("names", expanding=True))
+    return int(session.execute(stmt, {"names": names}).scalar_one()) == len(names)
 
 
 @contextlib.contextmanager
