@@ -78,23 +78,22 @@ def db_now(session: Session) -> datetime:
     return value.astimezone(UTC)
 
 
-def change_floor(session: Session, tables: tuple[str, ...]) -> dict[str, int]:
-    """Per table, the smallest ``change_seq`` (migration 0006s) that a row written after this
+def change_floor_sql(session: Session) -> str:
+    """SQL for the smallest ``change_seq`` (migration 0006s) that a row written after this
     snapshot can carry: read it in a snapshot, and a later snapshot finds every row inserted
     or changed since with ``change_seq >= floor`` (and possibly a few more).
 
     PostgreSQL: the snapshot's ``xmin`` (every transaction id below it had ended when the
     snapshot was taken). SQLite: one more than the last value of the triggers' counter
-    (writers are serialized). Call inside ``Database.snapshot()``."""
+    (writers are serialized)."""
     if session.get_bind().dialect.name == "sqlite":
-        last = session.execute(
-            text("SELECT coalesce(max(seq), 0) FROM change_seq_counter")
-        ).scalar_one()
-        return dict.fromkeys(tables, int(last) + 1)
-    xmin = session.execute(
-        text("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint")
-    ).scalar_one()
-    return dict.fromkeys(tables, int(xmin))
+        return "(SELECT coalesce(max(seq), 0) + 1 FROM change_seq_counter)"
+    return "pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+
+
+def change_floor(session: Session) -> int:
+    """:func:`change_floor_sql`'s value (call inside ``Database.snapshot()``)."""
+    return int(session.execute(text(f"SELECT {change_floor_sql(session)}")).scalar_one())
 
 
 def change_triggers_present(session: Session, tables: tuple[str, ...]) -> bool:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.images import normalize_image
@@ -49,7 +49,7 @@ from gpufleet.policy.snapshot import (
     TeamState,
 )
 from gpufleet.policy.usage import UsageLedger
-from gpufleet.store.dialect import change_floor, change_triggers_present
+from gpufleet.store.dialect import change_floor, change_floor_sql, change_triggers_present
 from gpufleet.store.queries import SpecCache, SpecFacts, kept_back, spec_facts
 from gpufleet.store.tables import (
     GpuHoldRow,
@@ -183,7 +183,7 @@ class SnapshotCache:
         self._key: Callable[[PendingJob], QueueKey] = queue_key(config or PolicyConfig())
         self.full_every_s = full_every_s
         self.stats = RefreshStats()
-        self._floor: dict[str, int] | None = None
+        self._floor: int | None = None
         self._epoch: int | None = None
         self._built_at_s = 0.0
         self._reset()
@@ -226,7 +226,6 @@ class SnapshotCache:
         """
         now_s = now.timestamp()
         prev, self._floor = self._floor, None  # set again only once this refresh succeeded
-        floor: dict[str, int] | None = change_floor(session, tuple(WATCHED))
         reason = ""
         if prev is None:
             reason = "first pass" if self._epoch is None else "invalidated"
@@ -234,25 +233,45 @@ class SnapshotCache:
             reason = "leader epoch changed"
         elif now_s - self._built_at_s >= self.full_every_s or now_s < self._built_at_s:
             reason = "periodic"
-        elif any(floor[t] < prev[t] for t in WATCHED):  # type: ignore[index]
-            reason = "change sequence went back"  # a restored or replaced database
-        if reason and not change_triggers_present(session, tuple(WATCHED)):
-            log.error("change_seq triggers missing (migration 0006s): full reads every pass")
-            reason += " (no triggers)"
-            floor = None
-        if reason or prev is None:
+        floor: int | None = None
+        if prev is not None and not reason:
+            floor, changes = self._changes(session, prev)
+            if floor < prev:
+                reason = "change sequence went back"  # a restored or replaced database
+        if reason:
+            floor = change_floor(session)
+            if not change_triggers_present(session, tuple(WATCHED)):
+                log.error("change_seq triggers missing (migration 0006s): full reads every pass")
+                reason += " (no triggers)"
+                floor = None
             self.stats = RefreshStats(full=True, reason=reason)
             self._reset()
             self._full(session)
             self._built_at_s = now_s
         else:
             self.stats = RefreshStats()
-            self._incremental(session, prev)
+            self._incremental(session, prev, changes)  # type: ignore[arg-type]
         self._epoch = epoch
         self._release_backoff(now)
         snap = self._snapshot(session, now, now_s, reservations, usage_half_life_s)
         self._floor = floor
         return snap
+
+    @property
+    def queued(self) -> Container[str]:
+        """The ids of the jobs in the queues of the last :meth:`load`'s snapshot (valid until
+        the next ``load``)."""
+        return self._queued
+
+    def pending_jobs(self, job_ids: Iterable[str]) -> dict[str, PendingJob]:
+        """The cached PendingJob of each of ``job_ids`` that is pending (as of the last
+        :meth:`load`)."""
+        out = {}
+        for job_id in job_ids:
+            entry = self._pending.get(job_id)
+            if entry is not None:
+                out[job_id] = entry[1]
+        return out
 
     # -- reads ---------------------------------------------------------------------------
     def _full(self, session: Session) -> None:
@@ -266,35 +285,35 @@ class SnapshotCache:
         ).scalars()
         self._read_runs(session, {*live, *held})
 
-    def _incremental(self, session: Session, floor: Mapping[str, int]) -> None:
-        changed_nodes = {
-            *session.execute(select(NodeRow.id).where(NodeRow.change_seq >= floor["nodes"]))
-            .scalars()
-            .all(),
-            *session.execute(
-                select(NodeCapacityRow.node_id).where(
-                    NodeCapacityRow.change_seq >= floor["node_capacity"]
-                )
-            ).scalars(),
-        }
-        jobs = self._read_nodes(session, changed_nodes)
-        count = session.execute(select(func.count()).select_from(NodeCapacityRow)).scalar_one()
-        if count != len(self._nodes):  # a node was deleted: read the nodes again
+    @staticmethod
+    def _changes(session: Session, prev: int) -> tuple[int, dict[str, set[str]]]:
+        """This snapshot's floor, the nodes and the jobs whose attempts changed at or after
+        ``prev``, and the number of nodes, in one statement (a round trip costs more than
+        these index range scans)."""
+        rows = session.execute(
+            text(
+                f"SELECT 'floor', CAST({change_floor_sql(session)} AS VARCHAR(40)) "
+                "UNION ALL SELECT 'count', CAST(count(*) AS VARCHAR(40)) FROM node_capacity "
+                "UNION ALL SELECT 'node', id FROM nodes WHERE change_seq >= :f "
+                "UNION ALL SELECT 'node', node_id FROM node_capacity WHERE change_seq >= :f "
+                "UNION ALL SELECT 'run', job_id FROM job_runs WHERE change_seq >= :f "
+                "UNION ALL SELECT 'run', job_id FROM reservations WHERE change_seq >= :f"
+            ),
+            {"f": prev},
+        ).all()
+        out: dict[str, set[str]] = {"floor": set(), "count": set(), "node": set(), "run": set()}
+        for kind, key in rows:
+            out[kind].add(key)
+        return int(out.pop("floor").pop()), out
+
+    def _incremental(self, session: Session, floor: int, changes: dict[str, set[str]]) -> None:
+        jobs = self._read_nodes(session, changes["node"])
+        if int(next(iter(changes["count"]))) != len(self._nodes):
+            # a node was deleted: read the nodes again
             self._nodes = {}
             jobs |= self._read_nodes(session, None)
-        jobs |= self._read_pending(session, floor["jobs"])
-        jobs.update(
-            session.execute(
-                select(JobRunRow.job_id).where(JobRunRow.change_seq >= floor["job_runs"])
-            ).scalars()
-        )
-        jobs.update(
-            session.execute(
-                select(ReservationRow.job_id).where(
-                    ReservationRow.change_seq >= floor["reservations"]
-                )
-            ).scalars()
-        )
+        jobs |= self._read_pending(session, floor)
+        jobs |= changes["run"]
         self._read_runs(session, jobs)
 
     def _read_nodes(self, session: Session, ids: set[str] | None) -> set[str]:
@@ -388,6 +407,8 @@ class SnapshotCache:
         """Read every attempt member of ``job_ids`` that is live or holds an active
         reservation, replacing what the cache had for those jobs."""
         ordered = sorted(set(job_ids))
+        if not ordered:
+            return
         rows: list[Any] = []
         query = (
             select(*_RUN_COLUMNS)
