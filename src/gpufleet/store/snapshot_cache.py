@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import bindparam, select, text
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import BindParameter
 
 from gpufleet.domain.images import normalize_image
 from gpufleet.domain.labels import effective_labels
@@ -147,6 +148,36 @@ _NODE_COLUMNS = (
     NodeCapacityRow.total_gpus,
     NodeCapacityRow.available_gpus,
 )
+
+
+# Built once: constructing a Select costs more than running these small queries on SQLite.
+_IDS: BindParameter[list[str]] = bindparam("ids", expanding=True)
+_NODES = select(*_NODE_COLUMNS).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
+_NODES_BY_ID = _NODES.where(NodeRow.id.in_(_IDS))
+_CHANGED_JOBS = select(*_PENDING_COLUMNS).where(JobRow.change_seq >= bindparam("floor"))
+_RUNS_OF_JOBS = (
+    select(*_RUN_COLUMNS)
+    .join(JobRow, JobRow.id == JobRunRow.job_id)
+    .outerjoin(ReservationRow, ReservationRow.run_id == JobRunRow.id)
+    .where(JobRunRow.job_id.in_(_IDS))
+)
+_SPECS = select(JobRow.id, JobRow.spec).where(JobRow.id.in_(_IDS))
+_TEAMS = select(
+    TeamRow.id,
+    TeamRow.weight,
+    TeamRow.guaranteed_gpus,
+    TeamRow.borrow_limit_gpus,
+    TeamRow.lending_limit_gpus,
+    TeamRow.usage_gpu_s,
+    TeamRow.usage_as_of,
+)
+_HOLDS = select(
+    GpuHoldRow.job_id,
+    GpuHoldRow.node_id,
+    GpuHoldRow.gpu_count,
+    GpuHoldRow.since,
+    GpuHoldRow.reason,
+).order_by(GpuHoldRow.job_id, GpuHoldRow.node_id)
 
 
 @dataclass
@@ -319,15 +350,14 @@ class SnapshotCache:
     def _read_nodes(self, session: Session, ids: set[str] | None) -> set[str]:
         """Read nodes (all when ``ids`` is None); returns the jobs whose attempts must be read
         again because their node's GPU type changed or the node went away."""
-        query = select(*_NODE_COLUMNS).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
         rows: list[Any] = []
         if ids is None:
-            rows = list(session.execute(query))
+            rows = list(session.execute(_NODES))
         else:
             ordered = sorted(ids)
             for start in range(0, len(ordered), CHUNK):
                 chunk = ordered[start : start + CHUNK]
-                rows += session.execute(query.where(NodeRow.id.in_(chunk))).all()
+                rows += session.execute(_NODES_BY_ID, {"ids": chunk}).all()
         self.stats.nodes += len(rows)
         retyped: set[str] = set()
         seen = set()
@@ -367,9 +397,9 @@ class SnapshotCache:
             query = select(*_PENDING_COLUMNS).where(
                 JobRow.status == JobStatus.PENDING, JobRow.cancel_requested.is_(False)
             )
+            rows = session.execute(query).all()
         else:
-            query = select(*_PENDING_COLUMNS).where(JobRow.change_seq >= floor)
-        rows = session.execute(query).all()
+            rows = session.execute(_CHANGED_JOBS, {"floor": floor}).all()
         self.stats.jobs += len(rows)
         new = [
             r.id
@@ -410,14 +440,9 @@ class SnapshotCache:
         if not ordered:
             return
         rows: list[Any] = []
-        query = (
-            select(*_RUN_COLUMNS)
-            .join(JobRow, JobRow.id == JobRunRow.job_id)
-            .outerjoin(ReservationRow, ReservationRow.run_id == JobRunRow.id)
-        )
         for start in range(0, len(ordered), CHUNK):
             chunk = ordered[start : start + CHUNK]
-            rows += session.execute(query.where(JobRunRow.job_id.in_(chunk))).all()
+            rows += session.execute(_RUNS_OF_JOBS, {"ids": chunk}).all()
         rows = [
             r for r in rows if r.status in LIVE_RUN or r.reservation_status in ACTIVE_RESERVATION
         ]
@@ -464,9 +489,7 @@ class SnapshotCache:
     def _lookup_facts(self, session: Session, job_ids: Sequence[str]) -> None:
         for start in range(0, len(job_ids), CHUNK):
             chunk = job_ids[start : start + CHUNK]
-            for job_id, spec in session.execute(
-                select(JobRow.id, JobRow.spec).where(JobRow.id.in_(chunk))
-            ):
+            for job_id, spec in session.execute(_SPECS, {"ids": chunk}):
                 self._facts[job_id] = spec_facts(spec)
 
     # -- queues --------------------------------------------------------------------------
@@ -520,17 +543,7 @@ class SnapshotCache:
             start_s = since if since is not None else r.started_at_s
             running_by_team.setdefault(r.team_id, []).append((r.gpu_count, start_s))
         teams = {}
-        for t in session.execute(
-            select(
-                TeamRow.id,
-                TeamRow.weight,
-                TeamRow.guaranteed_gpus,
-                TeamRow.borrow_limit_gpus,
-                TeamRow.lending_limit_gpus,
-                TeamRow.usage_gpu_s,
-                TeamRow.usage_as_of,
-            )
-        ):
+        for t in session.execute(_TEAMS):
             as_of = (t.usage_as_of or now).timestamp()
             ledger = UsageLedger(t.usage_gpu_s, min(as_of, now_s), usage_half_life_s)
             teams[t.id] = TeamState(
@@ -543,15 +556,7 @@ class SnapshotCache:
             )
         holds = tuple(
             GpuHold(h.job_id, h.node_id, h.gpu_count, h.since.timestamp(), h.reason)
-            for h in session.execute(
-                select(
-                    GpuHoldRow.job_id,
-                    GpuHoldRow.node_id,
-                    GpuHoldRow.gpu_count,
-                    GpuHoldRow.since,
-                    GpuHoldRow.reason,
-                ).order_by(GpuHoldRow.job_id, GpuHoldRow.node_id)
-            )
+            for h in session.execute(_HOLDS)
         )
         queues: dict[str, tuple[PendingJob, ...]] = {}
         for team_id, team in self._teams.items():
