@@ -366,6 +366,16 @@ class TestFullRebuild:
         compare(db, cache, epoch + 1)
         assert (cache.stats.full, cache.stats.reason) == (True, "invalidated")
 
+    def test_a_restarted_database_server_means_a_full_read(self, db: Database) -> None:
+        create_team(db)
+        cache = SnapshotCache(CONFIG, full_every_s=1e9)
+        compare(db, cache)
+        cache._server = "an earlier incarnation"  # as if PostgreSQL had restarted since
+        compare(db, cache)
+        assert (cache.stats.full, cache.stats.reason) == (True, "database server restarted")
+        compare(db, cache)
+        assert not cache.stats.full
+
     def test_periodic_full_read(self, db: Database) -> None:
         create_team(db)
         cache = SnapshotCache(CONFIG, full_every_s=0.0)

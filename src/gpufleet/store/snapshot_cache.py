@@ -15,7 +15,8 @@ count of ``node_capacity``. Gates (``store.gating``) are applied by the caller a
 
 Correctness first: the cache rebuilds from scratch (the same reads as a first pass) when it is
 new, when the leader epoch changes, after any error while refreshing (the caller calls
-:meth:`SnapshotCache.invalidate`), when the change triggers are missing (a table rebuilt by a
+:meth:`SnapshotCache.invalidate`), when the database server restarted or failed over
+(PostgreSQL's start time changed), when the change triggers are missing (a table rebuilt by a
 later SQLite migration loses its triggers: then every pass is a full read, and an error is
 logged), and at least every ``full_every_s`` seconds of database time. A test checks that the
 incremental snapshot equals ``load_snapshot`` after random sequences of writes.
@@ -215,6 +216,7 @@ class SnapshotCache:
         self.full_every_s = full_every_s
         self.stats = RefreshStats()
         self._floor: int | None = None
+        self._server: str | None = None
         self._epoch: int | None = None
         self._built_at_s = 0.0
         self._reset()
@@ -266,11 +268,13 @@ class SnapshotCache:
             reason = "periodic"
         floor: int | None = None
         if prev is not None and not reason:
-            floor, changes = self._changes(session, prev)
-            if floor < prev:
+            floor, server, changes = self._changes(session, prev)
+            if server != self._server:
+                reason = "database server restarted"  # or failed over to a replica
+            elif floor < prev:
                 reason = "change sequence went back"  # a restored or replaced database
         if reason:
-            floor = change_floor(session)
+            floor, self._server = change_floor(session)
             if not change_triggers_present(session, tuple(WATCHED)):
                 log.error("change_seq triggers missing (migration 0006s): full reads every pass")
                 reason += " (no triggers)"
@@ -317,13 +321,15 @@ class SnapshotCache:
         self._read_runs(session, {*live, *held})
 
     @staticmethod
-    def _changes(session: Session, prev: int) -> tuple[int, dict[str, set[str]]]:
-        """This snapshot's floor, the nodes and the jobs whose attempts changed at or after
-        ``prev``, and the number of nodes, in one statement (a round trip costs more than
-        these index range scans)."""
+    def _changes(session: Session, prev: int) -> tuple[int, str, dict[str, set[str]]]:
+        """This snapshot's floor and server incarnation, the nodes and the jobs whose attempts
+        changed at or after ``prev``, and the number of nodes, in one statement (a round trip
+        costs more than these index range scans)."""
+        floor_sql, server_sql = change_floor_sql(session)
         rows = session.execute(
             text(
-                f"SELECT 'floor', CAST({change_floor_sql(session)} AS VARCHAR(40)) "
+                f"SELECT 'floor', CAST({floor_sql} AS VARCHAR(40)) "
+                f"UNION ALL SELECT 'server', CAST({server_sql} AS VARCHAR(64)) "
                 "UNION ALL SELECT 'count', CAST(count(*) AS VARCHAR(40)) FROM node_capacity "
                 "UNION ALL SELECT 'node', id FROM nodes WHERE change_seq >= :f "
                 "UNION ALL SELECT 'node', node_id FROM node_capacity WHERE change_seq >= :f "
@@ -332,10 +338,16 @@ class SnapshotCache:
             ),
             {"f": prev},
         ).all()
-        out: dict[str, set[str]] = {"floor": set(), "count": set(), "node": set(), "run": set()}
+        out: dict[str, set[str]] = {
+            "floor": set(),
+            "server": set(),
+            "count": set(),
+            "node": set(),
+            "run": set(),
+        }
         for kind, key in rows:
             out[kind].add(key)
-        return int(out.pop("floor").pop()), out
+        return int(out.pop("floor").pop()), out.pop("server").pop(), out
 
     def _incremental(self, session: Session, floor: int, changes: dict[str, set[str]]) -> None:
         jobs = self._read_nodes(session, changes["node"])
