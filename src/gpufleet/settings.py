@@ -82,6 +82,12 @@ class Settings(BaseSettings):
     scheduler_tick_s: float = Field(
         default=1.0, description="Scheduler pass period without wake-ups."
     )
+    scheduler_full_snapshot_every_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="The leader reads only changed rows between passes; at least this often"
+        " (seconds) it reads everything again, a safety net (store.snapshot_cache).",
+    )
     default_grace_s: float = Field(default=30.0, description="SIGTERM -> SIGKILL grace for stops.")
     agent_disk_reserve_mb: int = Field(
         default=1024,

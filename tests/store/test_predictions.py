@@ -21,6 +21,7 @@ from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.predictions import HistoryPredictor
 from gpufleet.store.queries import load_snapshot
+from gpufleet.store.snapshot_cache import SnapshotCache, pending_of
 from gpufleet.store.tables import ApiTokenRow, JobRow, JobRunRow
 from tests.factories import become_leader, create_node
 from tests.store.test_runs import write_manifest
@@ -119,3 +120,43 @@ def test_warm_refresh_and_snapshot(db: Database, store: ObjectStore) -> None:
     with db.snapshot() as s:
         plain = load_snapshot(s, db_now(s))
     assert all(j.predicted_duration_s is None for j in plain.pending)
+
+
+def test_the_leaders_incremental_snapshot_carries_predictions(
+    db: Database, store: ObjectStore
+) -> None:
+    """The scheduler reads through ``SnapshotCache``: it must fill the same predictions as
+    ``load_snapshot`` and recompute the cached ones when the predictor learns."""
+    h = History(db, store)
+    for held in (100.0, 200.0, 300.0):
+        h.run(held)
+    pred = HistoryPredictor()
+    db.run_write(pred.refresh)
+    cache = SnapshotCache()
+    waiting = h.submit()
+    running = h.submit()
+    h.start(running, 10.0)
+
+    def both() -> tuple[dict[str, float | None], dict[str, float | None]]:
+        with db.snapshot() as s:
+            now = db_now(s)
+            inc = cache.load(s, now, epoch=1, predictions=pred)
+            full = load_snapshot(s, now, predictions=pred)
+        for snap in (inc, full):
+            assert snap.recent_displacements is not None
+        got = {j.job_id: j.predicted_duration_s for j in pending_of(inc)}
+        assert got == {j.job_id: j.predicted_duration_s for j in full.pending}
+        ran = {r.job_id: r.predicted_duration_s for r in inc.running}
+        assert ran == {r.job_id: r.predicted_duration_s for r in full.running}
+        return got, ran
+
+    first, ran = both()
+    assert first[waiting] is not None and ran[running] == first[waiting]
+    assert not cache.stats.full or cache.stats.reason == "first pass"
+    for held in (5_000.0, 6_000.0, 7_000.0, 8_000.0):
+        h.run(held)
+    assert db.run_write(pred.refresh) == 4
+    second, ran = both()
+    assert not cache.stats.full  # an incremental pass, predictions recomputed in memory
+    assert second[waiting] is not None and second[waiting] > first[waiting]
+    assert ran[running] == second[waiting]

@@ -47,7 +47,7 @@ from gpufleet.store import allocate, gating
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.predictions import HistoryPredictor
-from gpufleet.store.queries import SpecCache, load_snapshot
+from gpufleet.store.snapshot_cache import SnapshotCache
 from gpufleet.store.tables import JobRow, JobRunRow, NodeRow, ReservationRow
 from gpufleet.store.transitions import record_event
 
@@ -111,6 +111,15 @@ def _estimate_moved(old_iso: object, reason: WaitReason, now_s: float) -> bool:
     return abs(old - new) > ESTIMATE_SLACK_S
 
 
+def _job_ids(decisions: Iterable[Decision]) -> list[str]:
+    """The pending jobs named by a pass's decisions."""
+    return [
+        d.for_job_id if isinstance(d, Preempt) else d.job_id
+        for d in decisions
+        if isinstance(d, (Place, PlaceGang, Preempt, HoldForBackfill))
+    ]
+
+
 class Scheduler:
     """One pass: snapshot -> ``policy.schedule`` -> reserve each Place -> AssignJob (after
     commit)."""
@@ -129,12 +138,15 @@ class Scheduler:
         self.policy = policy or PolicyConfig()
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="assign")
         self._backfill: tuple[BackfillReservation, ...] = ()
-        self._specs = SpecCache()
         self.predictions = HistoryPredictor()
         """Run-time predictions from finished attempts (ordering and reservations, never
         stops): warmed at this process's first pass as leader, refreshed every
         ``PREDICTION_REFRESH_S``."""
         self._predictions_read_s: float | None = None
+        self._snapshots = SnapshotCache(
+            self.policy, full_every_s=settings.scheduler_full_snapshot_every_s
+        )
+        """The leader's incremental snapshot (``store.snapshot_cache``)."""
         self._reasons_refreshed_s = 0.0
         self._stored: dict[str, object] | None = None
         self._stored_epoch = 0
@@ -149,36 +161,43 @@ class Scheduler:
         stats = PassStats()
         if not self.leadership.is_leader:
             return stats
-        with self.db.snapshot() as s:
-            now = db_now(s)
-            mono = time.monotonic()
-            if (
-                self._predictions_read_s is None
-                or mono - self._predictions_read_s >= PREDICTION_REFRESH_S
-            ):
-                self.predictions.refresh(s)
-                self._predictions_read_s = mono
-            snap = load_snapshot(
-                s,
-                now,
-                reservations=self._backfill,
-                usage_half_life_s=self.policy.usage_half_life_s,
-                spec_cache=self._specs,
-                predictions=self.predictions,
-                displacement_window_s=max(3600.0, self.policy.anti_thrash_s),
-            )
-            # held jobs, unmet dependencies and arrays at their %N limit never reach the policy
-            gated = gating.gate_snapshot(s, snap)
-            snap = gated.snapshot
-            if self._stored_epoch != self.leadership.epoch:
-                self._stored, self._stored_epoch = None, self.leadership.epoch
-            if self._stored is None:  # first pass of this leader: what earlier leaders wrote
-                query = select(JobRow.id, JobRow.pending_reason).where(
-                    JobRow.status == JobStatus.PENDING
+        try:
+            with self.db.snapshot() as s:
+                now = db_now(s)
+                mono = time.monotonic()
+                if (
+                    self._predictions_read_s is None
+                    or mono - self._predictions_read_s >= PREDICTION_REFRESH_S
+                ):
+                    self.predictions.refresh(s)
+                    self._predictions_read_s = mono
+                # only the rows changed since the last pass are read (a full read on the
+                # first pass of each epoch, and periodically)
+                snap = self._snapshots.load(
+                    s,
+                    now,
+                    epoch=self.leadership.epoch,
+                    reservations=self._backfill,
+                    usage_half_life_s=self.policy.usage_half_life_s,
+                    predictions=self.predictions,
+                    displacement_window_s=max(3600.0, self.policy.anti_thrash_s),
                 )
-                # not dict(result): a Result has keys() and would be taken for a mapping
-                self._stored = {row[0]: row[1] for row in s.execute(query)}
-        stats.pending = len(snap.pending)
+                # held jobs, unmet dependencies and arrays at their %N limit never reach
+                # the policy
+                gated = gating.gate_snapshot(s, snap, self._snapshots.queued)
+                snap = gated.snapshot
+                if self._stored_epoch != self.leadership.epoch:
+                    self._stored, self._stored_epoch = None, self.leadership.epoch
+                if self._stored is None:  # first pass of this leader: what earlier leaders wrote
+                    query = select(JobRow.id, JobRow.pending_reason).where(
+                        JobRow.status == JobStatus.PENDING
+                    )
+                    # not dict(result): a Result has keys() and would be taken for a mapping
+                    self._stored = {row[0]: row[1] for row in s.execute(query)}
+        except BaseException:
+            self._snapshots.invalidate()  # any doubt (a lost connection...): read it all again
+            raise
+        stats.pending = sum(len(q) for q in (snap.queues or {}).values()) or len(snap.pending)
         # jobs that may hold GPUs (only this leader creates holds: those of the snapshot and
         # of this pass's preemptions); placing any other job need not delete its holds
         self._holding = {h.job_id for h in snap.holds}
@@ -191,7 +210,7 @@ class Scheduler:
             except SQLAlchemyError:  # placements go on; the next pass tries again
                 log.exception("could not end jobs with unsatisfiable dependencies")
         result = schedule(snap, self.policy)
-        pending = {p.job_id: p for p in snap.pending}
+        pending = self._snapshots.pending_jobs(_job_ids(result.decisions))
         backfill: list[BackfillReservation] = []
         for decision in result.decisions:
             try:

@@ -14,6 +14,7 @@ from sqlalchemy import (
     Engine,
     FromClause,
     TableClause,
+    bindparam,
     event,
     func,
     insert,
@@ -152,6 +153,43 @@ def db_now(session: Session) -> datetime:
         return datetime.fromisoformat(raw).replace(tzinfo=UTC)
     value: datetime = session.execute(text("SELECT clock_timestamp()")).scalar_one()
     return value.astimezone(UTC)
+
+
+def change_floor_sql(session: Session) -> tuple[str, str]:
+    """SQL for the smallest ``change_seq`` (migration 0006s) that a row written after this
+    snapshot can carry: read it in a snapshot, and a later snapshot finds every row inserted
+    or changed since with ``change_seq >= floor`` (and possibly a few more); and SQL naming
+    the database server's incarnation, which changes when it restarts or a replica takes
+    over (a reader then trusts no floor it kept).
+
+    PostgreSQL: the snapshot's ``xmin`` (every transaction id below it had ended when the
+    snapshot was taken), and the server's start time. SQLite: one more than the last value of
+    the triggers' counter (writers are serialized), and a constant (the file is the server)."""
+    if session.get_bind().dialect.name == "sqlite":
+        return "(SELECT coalesce(max(seq), 0) + 1 FROM change_seq_counter)", "'sqlite'"
+    return (
+        "pg_snapshot_xmin(pg_current_snapshot())::text::bigint",
+        "pg_postmaster_start_time()::text",
+    )
+
+
+def change_floor(session: Session) -> tuple[int, str]:
+    """:func:`change_floor_sql`'s values (call inside ``Database.snapshot()``)."""
+    floor_sql, server_sql = change_floor_sql(session)
+    row = session.execute(text(f"SELECT {floor_sql}, CAST({server_sql} AS VARCHAR(64))")).one()
+    return int(row[0]), str(row[1])
+
+
+def change_triggers_present(session: Session, tables: tuple[str, ...]) -> bool:
+    """Whether the insert and update triggers that set ``change_seq`` exist on every table
+    (a table that SQLite rebuilt in a migration loses its triggers)."""
+    names = [f"{t}_change_seq_{op}" for t in tables for op in ("ins", "upd")]
+    if session.get_bind().dialect.name == "sqlite":
+        query = "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND name IN :names"
+    else:
+        query = "SELECT count(*) FROM pg_trigger WHERE NOT tgisinternal AND tgname IN :names"
+    stmt = text(query).bindparams(bindparam("names", expanding=True))
+    return int(session.execute(stmt, {"names": names}).scalar_one()) == len(names)
 
 
 @contextlib.contextmanager

@@ -84,6 +84,18 @@ class SpecFacts:
     image: str | None = None
 
 
+def spec_facts(spec: dict[str, Any]) -> SpecFacts:
+    """The SpecFacts of a stored job spec."""
+    return SpecFacts(
+        resources=resources_of(spec),
+        expected_duration_s=spec.get("expected_duration_s"),
+        max_runtime_s=spec.get("max_runtime_s"),
+        node_selector=dict(spec.get("node_selector") or {}),
+        preemptible=bool(spec.get("preemptible", True)),
+        image=normalize_image(spec.get("image") or "") or None,
+    )
+
+
 class SpecCache:
     """Parsed job specs kept across scheduling passes (a job's spec never changes), so a pass
     reads and decodes only the specs of jobs it has not seen yet. Entries of jobs absent from
@@ -131,14 +143,7 @@ class SpecCache:
             for job_id, spec in session.execute(
                 select(JobRow.id, JobRow.spec).where(JobRow.id.in_(chunk))
             ):
-                self._facts[job_id] = SpecFacts(
-                    resources=resources_of(spec),
-                    expected_duration_s=spec.get("expected_duration_s"),
-                    max_runtime_s=spec.get("max_runtime_s"),
-                    node_selector=dict(spec.get("node_selector") or {}),
-                    preemptible=bool(spec.get("preemptible", True)),
-                    image=normalize_image(spec.get("image") or "") or None,
-                )
+                self._facts[job_id] = spec_facts(spec)
         wanted = set(job_ids)
         self._facts = {j: f for j, f in self._facts.items() if j in wanted}
         self._pending = {j: p for j, p in self._pending.items() if j in wanted}

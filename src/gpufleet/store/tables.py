@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     CheckConstraint,
     DateTime,
@@ -171,6 +172,9 @@ class JobRow(Base):
     scheduled_at: Mapped[datetime | None]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    change_seq: Mapped[int] = mapped_column(BigInteger, server_default="0", index=True)
+    """Set by a database trigger on insert and on a change of a column the scheduler's
+    snapshot reads (migration 0006s, ``store.snapshot_cache``); never written by the code."""
 
 
 class JobRunRow(Base):
@@ -238,6 +242,9 @@ class JobRunRow(Base):
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    change_seq: Mapped[int] = mapped_column(BigInteger, server_default="0", index=True)
+    """Set by a database trigger on insert and on a change of a column the scheduler's
+    snapshot reads (migration 0006s, ``store.snapshot_cache``); never written by the code."""
 
 
 class ReservationRow(Base):
@@ -258,6 +265,9 @@ class ReservationRow(Base):
     lease_expires_at: Mapped[datetime]
     created_at: Mapped[datetime]
     released_at: Mapped[datetime | None]
+    change_seq: Mapped[int] = mapped_column(BigInteger, server_default="0", index=True)
+    """Set by a database trigger on insert and on a change of a column the scheduler's
+    snapshot reads (migration 0006s, ``store.snapshot_cache``); never written by the code."""
 
 
 class NodeRow(Base):
@@ -287,6 +297,9 @@ class NodeRow(Base):
     """Images an operator asked the node to pull (sent in the next heartbeat answer)."""
     registered_at: Mapped[datetime]
     last_heartbeat_at: Mapped[datetime | None]
+    change_seq: Mapped[int] = mapped_column(BigInteger, server_default="0", index=True)
+    """Set by a database trigger on insert and on a change of a column the scheduler's
+    snapshot reads (migration 0006s, ``store.snapshot_cache``); never written by the code."""
 
 
 class JoinTokenRow(Base):
@@ -339,6 +352,9 @@ class NodeCapacityRow(Base):
     available_gpus: Mapped[int] = mapped_column(Integer)
     version: Mapped[int] = mapped_column(Integer, default=0)
     """Bumped by every reserve and release (a compare-and-swap handle and a change counter)."""
+    change_seq: Mapped[int] = mapped_column(BigInteger, server_default="0", index=True)
+    """Set by a database trigger on insert and on a change of a column the scheduler's
+    snapshot reads (migration 0006s, ``store.snapshot_cache``); never written by the code."""
 
 
 class NodeGpuRow(Base):
@@ -376,6 +392,16 @@ class LeaderLeaseRow(Base):
     holder: Mapped[str] = mapped_column(String(128))
     epoch: Mapped[int] = mapped_column(Integer)
     expires_at: Mapped[datetime]
+
+
+class ChangeSeqCounterRow(Base):
+    """SQLite only: the last ``change_seq`` handed out by the triggers of migration 0006s
+    (one row, id 1). PostgreSQL uses transaction ids instead and leaves it empty."""
+
+    __tablename__ = "change_seq_counter"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger)
 
 
 class SchedulingEventRow(Base):
