@@ -8,7 +8,8 @@ Phases (numbered as in docs/design/scheduling-policy.md):
   2. the team heap (``fairshare``): pop the most under-served team, take its next job;
   3. quota: is the job admissible on one of its GPU types (guarantee / borrow / lend)?
   4. placement: best fit on that type's free index, respecting holds and backfill shadows;
-  5. the first blocked job of each team: reclaim or priority preemption (``preemption``),
+  5. the first blocked job of each team: reclaim or priority preemption (``preemption``; and
+     shortest-remaining-time preemption under the SRTF baseline),
      else a backfill reservation (``backfill``); with backfill OFF it blocks its queue;
   6. reasons for every job left waiting (``explain``, computed lazily).
 
@@ -30,7 +31,7 @@ from gpufleet.policy.backfill import (
     has_reservation_candidate,
     start_on_node,
 )
-from gpufleet.policy.config import Backfill, Placement, PolicyConfig
+from gpufleet.policy.config import Backfill, Ordering, Placement, PolicyConfig
 from gpufleet.policy.decisions import (
     CycleResult,
     Decision,
@@ -401,6 +402,8 @@ class _Pass:
                     found = self.victims.find_gang(job, index, t, "reclaim", members, free)
                 if found is None and job.priority.rank > 0:
                     found = self.victims.find_gang(job, index, t, "priority", members, free)
+                if found is None and cfg.ordering is Ordering.SRTF:
+                    found = self.victims.find_gang(job, index, t, "srtf", members, free)
                 if found:
                     for pre in found:
                         self.decisions.append(pre)
@@ -515,6 +518,8 @@ class _Pass:
                     found = self.victims.find(job, self.index, t, "reclaim")
                 if found is None and job.priority.rank > 0:
                     found = self.victims.find(job, self.index, t, "priority")
+                if found is None and cfg.ordering is Ordering.SRTF:
+                    found = self.victims.find(job, self.index, t, "srtf")
                 if found is not None:
                     break
             if found is not None:

@@ -53,6 +53,14 @@ UNBOUNDED = (
 )
 
 
+_WHOSE = {
+    "reclaim": "borrowed by other teams",
+    "priority": "of lower priority",
+    "srtf": "with more remaining time",
+}
+"""How a waiting reason names the victims of each preemption ground."""
+
+
 def _shape(job: PendingJob) -> str:
     r = job.resources
     s = f"{r.gpu_count} GPU(s)"
@@ -243,7 +251,7 @@ class WaitingReasons(Mapping[str, WaitReason]):
             _, nodes, victims, why = cause
             code = "waiting_for_preemption"
             d.update(nodes=list(nodes), victims=list(victims), ground=why)
-            whose = "borrowed by other teams" if why == "reclaim" else "of lower priority"
+            whose = _WHOSE.get(why, "of lower priority")
             msg = (
                 f"{len(victims)} running attempt(s) {whose} are being stopped on "
                 f"{len(nodes)} node(s) ({', '.join(nodes)}); the GPUs they free are held "
@@ -252,7 +260,7 @@ class WaitingReasons(Mapping[str, WaitReason]):
         elif code == "waiting_for_preemption":
             _, node_id, victims, why = cause
             d.update(node=node_id, victims=list(victims), ground=why)
-            whose = "borrowed by other teams" if why == "reclaim" else "of lower priority"
+            whose = _WHOSE.get(why, "of lower priority")
             msg = (
                 f"{len(victims)} running attempt(s) {whose} are being stopped on {node_id}; "
                 f"the GPUs they free are held for this job."

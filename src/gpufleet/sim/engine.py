@@ -31,6 +31,7 @@ from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import HoldForBackfill, Place, PlaceGang, Preempt
 from gpufleet.policy.gang import could_ever_fit
+from gpufleet.policy.predictor import DurationPredictor, JobKey
 from gpufleet.policy.priority import queue_key
 from gpufleet.policy.snapshot import (
     BackfillReservation,
@@ -41,7 +42,7 @@ from gpufleet.policy.snapshot import (
     TeamState,
 )
 from gpufleet.policy.usage import decay_factor, interval_gpu_s
-from gpufleet.sim.fleet import InMemoryFleet, SimRun
+from gpufleet.sim.fleet import InMemoryFleet, SimJobState, SimRun
 from gpufleet.sim.gating import SimGates
 from gpufleet.sim.metrics import Recorder
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
@@ -94,6 +95,8 @@ class Engine:
         self.teams: dict[str, _TeamAcc] = {t.team_id: _TeamAcc(t) for t in teams}
         self.queues: dict[str, list[PendingJob]] = {}
         self._qkey = queue_key(config)
+        self.predictor = DurationPredictor()
+        """Learned online from finished jobs; fills ``PendingJob.predicted_duration_s``."""
         self.holds: dict[tuple[str, str], GpuHold] = {}
         """One hold per (preemptor, node): a gang preemptor may hold GPUs on several nodes."""
         self._holds_of: dict[str, list[tuple[str, str]]] = {}
@@ -161,7 +164,7 @@ class Engine:
     # -- queues ------------------------------------------------------------------------
     def _enqueue(self, job_id: str) -> None:
         js = self.fleet.jobs[job_id]
-        pj = self.fleet.pending_view(js)
+        pj = self._with_prediction(js)
         q = self.queues.setdefault(pj.team_id, [])
         key = self._qkey(pj)
         lo, hi = 0, len(q)
@@ -196,6 +199,18 @@ class Engine:
             self.rec.pending_sizes[pj.resources.gpu_count] = n
         else:
             del self.rec.pending_sizes[pj.resources.gpu_count]
+
+    def _with_prediction(self, js: SimJobState) -> PendingJob:
+        """The pending view of ``js`` with ``predicted_duration_s`` from the online
+        ``DurationPredictor`` (fed by ``_release`` with the run time of every job that
+        finished), fixed while it waits (it is part of the QSSF queue key); the platform's
+        own estimate, never the trace's duration. Cached as ``js.pending``."""
+        pj = self.fleet.pending_view(js)
+        if pj.predicted_duration_s is None:
+            got = self.predictor.predict(JobKey(pj.team_id, pj.resources.gpu_count))
+            if got is not None:
+                pj = js.pending = replace(pj, predicted_duration_s=got.seconds)
+        return pj
 
     # -- time accounting ---------------------------------------------------------------
     def _advance(self, t: float) -> None:
@@ -262,6 +277,8 @@ class Engine:
             self._enqueue(js.spec.job_id)
         else:
             self.rec.finished(js)
+            if outcome is RunStatus.SUCCEEDED:  # its whole run time, retries included
+                self.predictor.observe(JobKey(js.spec.team_id, js.spec.gpus), js.spec.duration_s)
 
     def _start(self, job_id: str, members: tuple[tuple[str, int], ...]) -> None:
         """Reserve and confirm every member at once (a gang starts only when all do)."""

@@ -46,16 +46,20 @@ def parse_dependencies(raw: Any) -> tuple[gates.Dependency, ...]:
 
 def load_gates(session: Session, pending_ids: set[str] | None = None) -> list[gates.JobGate]:
     """The gates of gated PENDING jobs (only those in ``pending_ids`` when given)."""
-    rows = session.connection().execute(  # Core rows: no ORM loading cost per row
-        select(
-            JobRow.id,
-            JobRow.held,
-            JobRow.depends_on,
-            JobRow.array_id,
-            JobRow.array_index,
-            JobRow.array_max_running,
-        ).where(JobRow.status == JobStatus.PENDING, JobRow.gated.is_(True))
-    ).all()
+    rows = (
+        session.connection()
+        .execute(  # Core rows: no ORM loading cost per row
+            select(
+                JobRow.id,
+                JobRow.held,
+                JobRow.depends_on,
+                JobRow.array_id,
+                JobRow.array_index,
+                JobRow.array_max_running,
+            ).where(JobRow.status == JobStatus.PENDING, JobRow.gated.is_(True))
+        )
+        .all()
+    )
     make = gates.JobGate
     return [
         make(
