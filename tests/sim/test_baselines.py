@@ -30,7 +30,7 @@ ROOT = HERE.parents[1]
 TRACES = Path(os.environ.get("GPUFLEET_TRACES_DIR", ROOT.parent / "shared" / "traces"))
 TABLE = TRACES / "philly_2017" / "philly_jobs_2017-09-04_to_2017-11-30.csv.gz"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,8 @@ def runs() -> dict[str, dict[str, Any]]:
         teams=philly_teams(sizes, 8, "GPU"),
         jobs=jobs,
         policy=PolicyConfig(),
-        engine=EngineOptions(check_invariants="every_pass", sample_interval_s=0.0),
+        # invariants at the end of each run (every pass: test_reference_fifo.py)
+        engine=EngineOptions(check_invariants="end", sample_interval_s=0.0),
     )
     out = {}
     for name in ("fifo_per_team", "sjf", "qssf", "srtf"):
