@@ -40,6 +40,7 @@ def py(code: str, marker: str) -> list[str]:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     from playwright import sync_api as playwright
+
     if not shutil.which(CHROMIUM) and not Path(CHROMIUM).exists():
         pytest.fail(
             f"{CHROMIUM} is missing: apt-get install -y chromium (scripts/ensure-services.sh)"

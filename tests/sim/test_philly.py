@@ -96,16 +96,24 @@ class TestPhillyReplay:
         assert runs["main"]["run"]["partitioned"] is True  # type: ignore[index]
         assert runs["fair_share"]["run"]["partitioned"] is False  # type: ignore[index]
 
-    def test_jct_order_of_magnitude_and_ranking(self, philly_report: dict[str, object]) -> None:
-        cmp = philly_report["runs"]["main"]["philly_vs_published_fifo"]  # type: ignore[index]
+    def test_jct_is_the_tables_run_time_at_full_size(
+        self, philly_report: dict[str, object]
+    ) -> None:
+        """At full VC size this table hardly queues (mean wait ~100 s against a mean JCT of
+        ~11,600 s), so JCT is the jobs' own run time: matching the published JCT scale and
+        ranking checks the job table, not the scheduler. Scheduling is checked at 1/2 and
+        1/4 of the VC sizes (test_reference_fifo.py, test_baselines.py)."""
+        main = philly_report["runs"]["main"]  # type: ignore[index]
+        cmp = main["philly_vs_published_fifo"]
+        assert main["queue_delay_s"]["all"]["mean"] < 0.02 * main["jct_s"]["mean"]
         assert cmp["orders_of_magnitude_apart_jct"] <= 1.0
         assert cmp["spearman_jct"] >= 0.4
 
     @pytest.mark.xfail(
         strict=True,
-        reason="this job table gives each VC far less load than the Helios authors' table "
-        "(6214e9 runs at 9% of its 512 GPUs); placing its 186 gangs on whole free nodes, as "
-        "Helios did, raises the mean wait only from 70 s to 105 s (docs/design/simulator.md)",
+        reason="at full VC size this job table gives each VC far less load than the Helios "
+        "authors' table (6214e9 runs at 9% of its 512 GPUs): the mean wait is ~100 s against "
+        "the published 56,531 s (docs/design/simulator.md); queues form at 1/4 of the sizes",
     )
     def test_queue_delay_order_of_magnitude_and_ranking(
         self, philly_report: dict[str, object]

@@ -30,6 +30,16 @@ class Ordering(enum.StrEnum):
     """One global order by queue time (baseline)."""
     STRICT_PRIORITY = "strict_priority"
     """One global order by priority class, then queue time; no aging, no fairness (baseline)."""
+    QSSF = "qssf"
+    """Quasi-Shortest-Service-First (Hu et al., SC 2021): one global order by predicted
+    service, GPUs x ``predicted_duration_s`` (the platform's history-based estimate, else the
+    user's ``expected_duration_s``); jobs with neither last, by queue time (baseline)."""
+    SRTF = "srtf"
+    """Shortest-Remaining-Time-First: one global order by remaining run time,
+    ``expected_duration_s`` (the simulator passes the remaining work; exact with an oracle),
+    else ``predicted_duration_s``; jobs with neither last. With ``preemption`` on, the first
+    blocked job of a team may also stop attempts of its own team with more remaining time
+    (Tiresias, NSDI 2019; Helios, SC 2021); with it off it is non-preemptive SJF (baseline)."""
 
 
 class Backfill(enum.StrEnum):
@@ -68,7 +78,7 @@ class PolicyConfig:
     Attributes:
         placement: best fit (default) or spread.
         max_decisions_per_cycle: at most this many Place decisions per pass.
-        ordering: fair share (default), FIFO or strict priority.
+        ordering: fair share (default), FIFO, strict priority, QSSF or SRTF (baselines).
         backfill: EASY reservations (default), OFF (strict order) or GREEDY.
         borrowing: teams may use idle GPUs above their guarantee (False = each team is
             confined to its guarantee, the "no borrowing" baseline).

@@ -13,7 +13,8 @@ Phases (numbered as in docs/design/scheduling-policy.md):
      A later blocked job of a size (GPU count) no reservation of the pass covers yet also
      gets one (the fleet's head job of each size, whatever its team's place), so a large
      job is never only backfilled over; the fleet being full does not end the search for
-     it;
+     it; under the SRTF baseline a team's head may also preempt its own jobs with more
+     remaining time;
   6. reasons for every job left waiting (``explain``, computed lazily).
 
 Pure: no I/O, no clock (time is ``snapshot.now_s``), no randomness; ties are broken by ids, so
@@ -34,7 +35,7 @@ from gpufleet.policy.backfill import (
     has_reservation_candidate,
     start_on_node,
 )
-from gpufleet.policy.config import Backfill, Placement, PolicyConfig
+from gpufleet.policy.config import Backfill, Ordering, Placement, PolicyConfig
 from gpufleet.policy.decisions import (
     CycleResult,
     Decision,
@@ -474,6 +475,8 @@ class _Pass:
                     found = self.victims.find_gang(job, index, t, "reclaim", members, free)
                 if found is None and job.priority.rank > 0:
                     found = self.victims.find_gang(job, index, t, "priority", members, free)
+                if found is None and cfg.ordering is Ordering.SRTF:
+                    found = self.victims.find_gang(job, index, t, "srtf", members, free)
                 if found:
                     for pre in found:
                         self.decisions.append(pre)
@@ -596,6 +599,8 @@ class _Pass:
                     found = self.victims.find(job, self.index, t, "reclaim")
                 if found is None and job.priority.rank > 0:
                     found = self.victims.find(job, self.index, t, "priority")
+                if found is None and cfg.ordering is Ordering.SRTF:
+                    found = self.victims.find(job, self.index, t, "srtf")
                 if found is not None:
                     break
             if found is not None:

@@ -47,7 +47,7 @@ class Preempt:
     victim_run_ids: tuple[str, ...]
     """Every run of each victim; a gang victim lists all its members, on any node (a gang is
     stopped as one unit)."""
-    reason: str  # "reclaim" (a team takes back its guarantee) or "priority"
+    reason: str  # "reclaim" (a team takes back its guarantee), "priority" or "srtf" (baseline)
     gpu_count: int = 0
     """GPUs to hold on ``node_id`` for ``for_job_id`` once the victims are gone."""
 

@@ -64,6 +64,14 @@ PREDICTED_NOTE = (
 """Added to a reservation's reason when its start rests on ``predicted_duration_s``."""
 
 
+_WHOSE = {
+    "reclaim": "borrowed by other teams",
+    "priority": "of lower priority",
+    "srtf": "with more remaining time",
+}
+"""How a waiting reason names the victims of each preemption ground."""
+
+
 def _shape(job: PendingJob) -> str:
     r = job.resources
     s = f"{r.gpu_count} GPU(s)"
@@ -260,7 +268,7 @@ class WaitingReasons(Mapping[str, WaitReason]):
             _, nodes, victims, why = cause
             code = "waiting_for_preemption"
             d.update(nodes=list(nodes), victims=list(victims), ground=why)
-            whose = "borrowed by other teams" if why == "reclaim" else "of lower priority"
+            whose = _WHOSE.get(why, "of lower priority")
             msg = (
                 f"{len(victims)} running attempt(s) {whose} are being stopped on "
                 f"{len(nodes)} node(s) ({', '.join(nodes)}); the GPUs they free are held "
@@ -277,7 +285,7 @@ class WaitingReasons(Mapping[str, WaitReason]):
                     f"they free are held for this job."
                 )
             else:
-                whose = "borrowed by other teams" if why == "reclaim" else "of lower priority"
+                whose = _WHOSE.get(why, "of lower priority")
                 msg = (
                     f"{len(victims)} running attempt(s) {whose} are being stopped on "
                     f"{node_id}; the GPUs they free are held for this job."

@@ -8,6 +8,11 @@ Two grounds, both for a job that cannot be placed on free capacity:
   * **priority**: the job displaces strictly lower-priority attempts of its own team. It
     never takes another team's guaranteed GPUs, whatever its class (seed DD4): across teams
     only loans are taken back, and only by reclaim.
+  * **srtf** (only under ``Ordering.SRTF``, a baseline): the job displaces attempts of its own
+    team, of no higher priority, whose estimated remaining time (``runtime.estimated_end_s``
+    minus now) is strictly longer than the job's own (``priority.remaining_s``); per node the
+    longest-remaining victims are taken first. Shortest-remaining-time-first as the Tiresias
+    and Helios simulators run it on Philly, confined to a team like the priority ground.
 
 Which attempts are borrowed: for a team above its guarantee on a type, its youngest attempts
 on that type (last started, first borrowed) covering the excess.
@@ -27,6 +32,7 @@ from gpufleet.domain.types import Resources
 from gpufleet.policy.decisions import Preempt
 from gpufleet.policy.gang import member_resources
 from gpufleet.policy.placement import FreeIndex, node_accepts
+from gpufleet.policy.priority import remaining_s
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import PendingJob, RunningJob
@@ -51,8 +57,11 @@ class VictimSearch:
         # borrowed attempts by node (reclaim), a team's attempts by node (priority).
         self._team_nodes: dict[str, dict[str, list[RunningJob]]] = {}
         self._borrowed_nodes: dict[str, list[RunningJob]] = {}
+        self._end: dict[str, float] = {}
+        """Estimated end of every attempt (the srtf ground compares remaining times)."""
         for node_runs in running.by_node.values():
-            for _, r in node_runs:
+            for end, r in node_runs:
+                self._end[r.run_id] = end
                 per_team_type.setdefault((r.team_id, r.gpu_type), []).append(r)
                 if r.gang_size > 1:
                     self._gangs.setdefault(r.job_id, []).append(r)
@@ -131,7 +140,10 @@ class VictimSearch:
         cands = [r for r in runs if self._eligible(r, job, reason)]
         if free + sum(r.gpu_count for r in cands) < need:
             return None
-        cands.sort(key=self._cost)
+        if reason == "srtf":  # longest remaining first
+            cands.sort(key=lambda r: (-self._end[r.run_id], self._cost(r)))
+        else:
+            cands.sort(key=self._cost)
         chosen: list[RunningJob] = []
         got = free
         for r in cands:
@@ -273,4 +285,10 @@ class VictimSearch:
             return False
         if reason == "reclaim":
             return r.team_id != job.team_id and r.run_id in self.borrowed
+        if reason == "srtf":
+            return (
+                r.team_id == job.team_id
+                and r.priority.rank <= job.priority.rank
+                and self._end[r.run_id] - self._now_s > remaining_s(job)
+            )
         return r.team_id == job.team_id and r.priority.rank < job.priority.rank

@@ -12,10 +12,17 @@ jobs can ever be ordered ahead of it; once those have run, it is the head of its
 Teams are served by guarantee and DRF (``fairshare``), and the head of each team holds a
 backfill reservation when it cannot be placed (``backfill``), so the job then starts by the
 reservation time. See docs/design/scheduling-policy.md for the full argument.
+
+The shortest-first baselines (``Ordering.QSSF``, ``Ordering.SRTF``) sort by an estimate known
+when the job enters the queue (predicted service, remaining run time), then queue time; the
+key is static while the job waits (remaining work changes only while it runs), so the same
+sorted queues serve them. They have no starvation bound: a long job waits as long as shorter
+ones keep arriving, which is why they are baselines and not the product's policy.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from gpufleet.policy.config import Ordering, PolicyConfig
@@ -35,10 +42,34 @@ def aging_credit_s(job: PendingJob, now_s: float, config: PolicyConfig) -> float
     return config.head_start_s.get(job.priority, 0.0) + max(0.0, now_s - queued_at(job))
 
 
+def predicted_service_gpu_s(job: PendingJob) -> float:
+    """QSSF's priority (Hu et al., SC 2021): GPUs x predicted run time, GPU-seconds; the
+    platform's prediction (``predicted_duration_s``) first, else the user's
+    ``expected_duration_s``; +inf when neither is known (such jobs go last, by queue time)."""
+    guess = job.predicted_duration_s
+    if guess is None:
+        guess = job.expected_duration_s
+    return math.inf if guess is None else job.resources.gpu_count * guess
+
+
+def remaining_s(job: PendingJob) -> float:
+    """SRTF's key: the job's remaining run time, seconds: ``expected_duration_s`` (the user's
+    estimate; the simulator passes the remaining work, exact under ``estimate: exact``), else
+    ``predicted_duration_s``; +inf when neither is known."""
+    guess = job.expected_duration_s
+    if guess is None:
+        guess = job.predicted_duration_s
+    return math.inf if guess is None else guess
+
+
 def queue_key(config: PolicyConfig) -> Callable[[PendingJob], QueueKey]:
     """The sort key of jobs inside one queue (smaller first) for ``config.ordering``."""
     if config.ordering is Ordering.FIFO:
         return lambda j: (queued_at(j), 0.0, j.job_id)
+    if config.ordering is Ordering.QSSF:
+        return lambda j: (predicted_service_gpu_s(j), queued_at(j), j.job_id)
+    if config.ordering is Ordering.SRTF:
+        return lambda j: (remaining_s(j), queued_at(j), j.job_id)
     if config.ordering is Ordering.STRICT_PRIORITY:
         return lambda j: (float(-j.priority.rank), queued_at(j), j.job_id)
     head = config.head_start_s

@@ -29,6 +29,22 @@ HELIOS_PHILLY_FIFO: Mapping[str, tuple[float, float]] = {
 }
 HELIOS_PHILLY_FIFO_ALL = (56_531.0, 86_072.0)
 
+HELIOS_PHILLY_SJF: Mapping[str, tuple[float, float]] = {
+    "6214e9": (4_494, 23_337),
+    "7f04ca": (857, 133_271),
+    "11cb48": (5_944, 14_444),
+    "b436b2": (421, 28_610),
+    "ee9e8c": (14_619, 130_493),
+    "e13805": (1_015, 85_949),
+    "6c71a0": (162, 31_030),
+    "2869ce": (7_344, 56_388),
+    "ed69ec": (28, 28_346),
+    "103959": (932, 23_283),
+    "0e4a51": (36_682, 168_747),
+}
+"""The same setup, non-preemptive shortest job first on true durations, strict order."""
+HELIOS_PHILLY_SJF_ALL = (4_731.0, 34_272.0)
+
 
 def _ranks(xs: Sequence[float]) -> list[float]:
     order = sorted(range(len(xs)), key=lambda i: xs[i])
@@ -57,13 +73,16 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     return cov / (vx * vy) if vx and vy else 0.0
 
 
-def _orders_apart(ours: float, theirs: float) -> float:
+def _orders_apart(ours: float | None, theirs: float) -> float | None:
+    if ours is None:
+        return None
     return abs(math.log10(max(ours, 1.0) / max(theirs, 1.0)))
 
 
 def compare_with_helios(run: Mapping[str, Any]) -> dict[str, Any]:
     """Per VC: this run's mean queue delay and JCT beside the published FIFO figures; Spearman
-    rank correlation over the VCs; how many orders of magnitude the all-VC means are apart."""
+    rank correlation over the VCs; how many orders of magnitude the all-VC means are apart
+    (None where this run has no finished job to average)."""
     per_team = run["per_team"]
     vcs = sorted(v for v in HELIOS_PHILLY_FIFO if v in per_team)
     rows = {}
@@ -71,13 +90,13 @@ def compare_with_helios(run: Mapping[str, Any]) -> dict[str, Any]:
         pub_wait, pub_jct = HELIOS_PHILLY_FIFO[vc]
         ours = per_team[vc]
         rows[vc] = {
-            "queue_delay_s": ours["queue_delay_s"].get("mean", 0.0),
+            "queue_delay_s": ours["queue_delay_s"].get("mean"),
             "published_queue_delay_s": pub_wait,
             "jct_s": ours["mean_jct_s"],
             "published_jct_s": pub_jct,
         }
-    all_wait = run["queue_delay_s"]["all"].get("mean", 0.0)
-    all_jct = run["jct_s"].get("mean", 0.0)
+    all_wait = run["queue_delay_s"]["all"].get("mean")  # None: no finished job
+    all_jct = run["jct_s"].get("mean")
     return {
         "source": "Hu et al. SC'21 (HeliosArtifact), FIFO, each VC on its own nodes",
         "per_vc": rows,

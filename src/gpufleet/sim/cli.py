@@ -20,7 +20,7 @@ import typer
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.sim.config import PARTITION_LABEL, Scenario, load_scenario, partition, policy_for
 from gpufleet.sim.engine import Engine
-from gpufleet.sim.metrics import summary
+from gpufleet.sim.metrics import shown, summary
 
 app = typer.Typer(help="Trace-driven simulator running the live scheduling policy.")
 
@@ -187,8 +187,8 @@ def run_cmd(
         qd = r["queue_delay_s"]["all"]
         typer.echo(
             f"{name:16s} alloc(backlog)={r['allocation']['under_backlog']:.3f} "
-            f"wait mean={qd.get('mean', 0):.0f}s p95={qd.get('p95', 0):.0f}s "
-            f"jain={r['fairness']['jain_backlogged_time_weighted']:.3f} "
+            f"wait mean={shown(qd.get('mean'))}s p95={shown(qd.get('p95'))}s "
+            f"jain={shown(r['fairness']['jain_backlogged_time_weighted'], '.3f')} "
             f"longest={r['starvation']['longest_wait_s']:.0f}s "
             f"preemptions={r['preemption']['count']}"
         )

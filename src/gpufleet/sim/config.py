@@ -43,6 +43,24 @@ BASELINES: Mapping[str, Mapping[str, Any]] = {
         "preemption": False,
         "borrowing": False,
     },
+    "sjf": {
+        "ordering": Ordering.SRTF,
+        "backfill": Backfill.OFF,
+        "preemption": False,
+        "borrowing": False,
+    },
+    "qssf": {
+        "ordering": Ordering.QSSF,
+        "backfill": Backfill.OFF,
+        "preemption": False,
+        "borrowing": False,
+    },
+    "srtf": {
+        "ordering": Ordering.SRTF,
+        "backfill": Backfill.GREEDY,
+        "preemption": True,
+        "borrowing": False,
+    },
     "strict_priority": {"ordering": Ordering.STRICT_PRIORITY},
     "spread": {"placement": Placement.SPREAD},
     "no_backfill": {"backfill": Backfill.OFF},
@@ -56,7 +74,15 @@ BASELINES: Mapping[str, Mapping[str, Any]] = {
 each team is also confined to its own nodes (a partition sized by its guarantee).
 ``no_defrag`` keeps headroom but never displaces; ``no_headroom`` has neither (DD7,
 ``policy.defrag``); ``greedy_backfill``, ``no_backfill`` and the FIFO baselines have neither
-too, since both are active only with EASY backfill."""
+too, since both are active only with EASY backfill.
+
+The literature's baselines run, like ``fifo_per_team``, each team alone on its own nodes (the
+Helios setup on Philly, one VC per team), as the Helios simulator runs them:
+``sjf`` non-preemptive shortest job first on the estimate (exact under ``estimate: exact``),
+strict order; ``qssf`` Quasi-Shortest-Service-First on the simulator's own online
+predictions (``Engine.predictor``), strict order; ``srtf`` preemptive shortest remaining
+time first on the estimate (an oracle under ``estimate: exact``), jobs that do not fit
+skipped (greedy), set ``workload.philly.checkpoint_s`` so preempted work is kept."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +368,7 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
             oversize=oversize,
             estimate=estimate,
             arrival_speedup=float(p.get("arrival_speedup", 1.0)),
+            checkpoint_s=float(p["checkpoint_s"]) if p.get("checkpoint_s") is not None else None,
         )
         jobs.extend(loaded)
         stats["philly"] = dataclasses.asdict(st)

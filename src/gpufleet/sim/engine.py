@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from gpufleet.domain.invariants import check_invariants
 from gpufleet.domain.states import JobStatus, RunStatus
-from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.config import Ordering, PolicyConfig
 from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import HoldForBackfill, Place, PlaceGang, Preempt
 from gpufleet.policy.gang import could_ever_fit
@@ -99,7 +99,10 @@ class Engine:
         self.opt = options or EngineOptions()
         self.fleet = InMemoryFleet(groups)
         self.predictor: DurationPredictor | None = None
-        if self.opt.predict_durations:
+        """Learned online from the run time of every attempt that succeeded; fills
+        ``predicted_duration_s`` (``EngineOptions.predict_durations``, and always under the
+        QSSF ordering, which sorts by it)."""
+        if self.opt.predict_durations or config.ordering is Ordering.QSSF:
             self.predictor = DurationPredictor()
             self.fleet.predict = self._predict
         self.teams: dict[str, _TeamAcc] = {t.team_id: _TeamAcc(t) for t in teams}

@@ -42,6 +42,8 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:
+    """n, mean, p50/p95/p99 (nearest rank) and max; only ``{"n": 0}`` for no values (the
+    others are undefined, not 0: read them with ``.get`` and print ``shown``)."""
     v = sorted(values)
     if not v:
         return {"n": 0}
@@ -53,6 +55,12 @@ def summary(values: Sequence[float]) -> dict[str, float]:
         "p99": percentile(v, 99),
         "max": v[-1],
     }
+
+
+def shown(x: float | None, spec: str = ".0f") -> str:
+    """A metric for people: ``format(x, spec)``, or ``n/a`` where it is undefined (None: a
+    mean over no jobs, Jain's index with fewer than two backlogged teams)."""
+    return "n/a" if x is None else format(x, spec)
 
 
 def jain(xs: Sequence[float]) -> float:
@@ -214,9 +222,11 @@ class Recorder:
             },
             "jct_s": summary(jcts),
             "fairness": {
+                # None (printed "n/a"): fewer than two teams were ever backlogged at once,
+                # so there was no contention to be fair about
                 "jain_backlogged_time_weighted": self.jain_dt / self.t_jain
                 if self.t_jain
-                else 1.0,
+                else None,
                 "share_of_time_two_or_more_teams_backlogged": self.t_jain / self.t_total
                 if self.t_total
                 else 0.0,
