@@ -58,6 +58,7 @@ from gpufleet.policy.snapshot import (
     BackfillReservation,
     ClusterSnapshot,
     GpuHold,
+    NodeState,
     PendingJob,
 )
 
@@ -96,7 +97,11 @@ def _live_holds(
 ) -> tuple[list[tuple[GpuHold, PendingJob]], list[str]]:
     if not snapshot.holds:
         return [], []
-    nodes = {n.node_id: n for n in snapshot.nodes}
+    nodes: Mapping[str, NodeState] = (
+        snapshot.fleet_index.nodes
+        if snapshot.fleet_index is not None
+        else {n.node_id: n for n in snapshot.nodes}
+    )
     live: list[tuple[GpuHold, PendingJob]] = []
     released: list[str] = []
     seen: set[str] = set()
@@ -144,7 +149,7 @@ class _Pass:
             for r in sorted(snapshot.reservations, key=lambda r: (r.start_at_s, r.job_id))
             if r.job_id in jobs
         ]
-        self.index = FreeIndex(snapshot.nodes, (h for h, _ in self.holds))
+        self.index = FreeIndex(snapshot.nodes, (h for h, _ in self.holds), snapshot.fleet_index)
         self.book = TeamBook(
             snapshot.teams,
             snapshot.running,

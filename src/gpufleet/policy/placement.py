@@ -71,52 +71,181 @@ def node_accepts(node: NodeState, res: Resources, selector: Mapping[str, str]) -
     return all(node.labels.get(k) == v for k, v in selector.items())
 
 
-class FreeIndex:
-    """Free capacity of schedulable nodes during one pass, by GPU type and selector.
+ShapeKey = tuple[object, ...]
 
-    ``take`` updates the index as the pass places jobs, so later placements in the same pass
-    see the GPUs already given away.
+
+def shape_key(n: NodeState, with_labels: bool = True) -> ShapeKey:
+    """What ``node_accepts`` reads of a node: nodes with equal keys accept the same jobs."""
+    return (
+        n.gpu_type,
+        n.total_gpus,
+        n.gpu_memory_mb,
+        n.cpu_total,
+        n.memory_total_mb,
+        tuple(sorted(n.labels.items())) if with_labels else (),
+    )
+
+
+class FleetIndex:
+    """Free capacity of a fleet by GPU type, kept across passes by a driver that owns the
+    node states (the simulator): ``update`` re-indexes one changed node (a bisect in its
+    type's list) instead of every node being indexed again on every pass.
+
+    Per GPU type, ``lists[type]`` holds ``(free_gpus, node_id)`` of the schedulable nodes
+    with free GPUs, sorted: the free-count buckets in order, so the best fit for ``k`` GPUs
+    is ``bisect_left(lists[type], (k, ""))``. Static facts (capacity of the schedulable
+    nodes, distinct node shapes, schedulable nodes grouped by shape) are computed on first
+    use and again only after a node's shape or schedulability changed.
+
+    Give it to a pass as ``ClusterSnapshot.fleet_index``: it must then describe exactly
+    ``ClusterSnapshot.nodes``. A pass never changes it (``FreeIndex`` copies the lists it
+    updates); the driver must not ``update`` it while a pass runs.
     """
 
-    def __init__(self, nodes: Iterable[NodeState], holds: Iterable[GpuHold] = ()) -> None:
-        self._free: dict[str, _FreeNode] = {}  # created on first change (most never change)
-        self._shapes: list[NodeState] | None = None
-        self._node_gpus: dict[str, int] | None = None
-        self._shape_counts: dict[bool, list[tuple[NodeState, int, int]]] = {}
-        self.capacity_gpus: dict[str, int] = {}
-        self.capacity_cpu = 0.0
-        self.capacity_memory_mb = 0
-        self.free_by_type: dict[str, int] = {}
+    def __init__(self, nodes: Iterable[NodeState]) -> None:
         self.nodes: dict[str, NodeState] = {n.node_id: n for n in nodes}
-        by_type: dict[str, list[tuple[int, str]]] = {}
-        cap = self.capacity_gpus
+        self.lists: dict[str, list[tuple[int, str]]] = {}
+        self.free_by_type: dict[str, int] = {}
+        self._static: _Static | None = None
+        lists = self.lists
         free_by_type = self.free_by_type
+        for n in self.nodes.values():
+            f = n.free_gpus
+            if f > 0 and n.schedulable:
+                t = n.gpu_type
+                free_by_type[t] = free_by_type.get(t, 0) + f
+                lst = lists.get(t)
+                if lst is None:
+                    lst = lists[t] = []
+                lst.append((f, n.node_id))
+        for keys in lists.values():
+            keys.sort()
+
+    @property
+    def static(self) -> _Static:
+        if self._static is None:
+            self._static = _Static(self.nodes)
+        return self._static
+
+    def update(self, node: NodeState) -> None:
+        """Replace the state of a known node (raises KeyError for an unknown one)."""
+        nid = node.node_id
+        old = self.nodes[nid]
+        if old is node:
+            return
+        self.nodes[nid] = node
+        if old.schedulable != node.schedulable or shape_key(old) != shape_key(node):
+            self._static = None
+        if old.schedulable and old.free_gpus > 0:
+            keys = self.lists[old.gpu_type]
+            i = bisect.bisect_left(keys, (old.free_gpus, nid))
+            del keys[i]
+            self.free_by_type[old.gpu_type] -= old.free_gpus
+        f = node.free_gpus
+        if node.schedulable and f > 0:
+            t = node.gpu_type
+            bisect.insort(self.lists.setdefault(t, []), (f, nid))
+            self.free_by_type[t] = self.free_by_type.get(t, 0) + f
+
+
+class _Static:
+    """Facts of a fleet that only a node's shape or schedulability changes: capacity of the
+    schedulable nodes, GPU types, distinct shapes (with node counts), schedulable nodes
+    grouped by shape per GPU type, the largest node per type. Built from ``nodes`` in their
+    order (capacity sums in that order, as a pass without a ``FleetIndex`` adds them)."""
+
+    def __init__(self, nodes: Mapping[str, NodeState]) -> None:
+        self.nodes = nodes
+        cap: dict[str, int] = {}
         cpu = 0.0
         mem = 0
-        for n in self.nodes.values():
+        groups: dict[ShapeKey, tuple[NodeState, list[str]]] = {}
+        for n in nodes.values():
             if not n.schedulable:
                 continue
             t = n.gpu_type
             cap[t] = cap.get(t, 0) + n.total_gpus
             cpu += n.cpu_total
             mem += n.memory_total_mb
-            f = n.free_gpus
-            if f > 0:
-                free_by_type[t] = free_by_type.get(t, 0) + f
-                lst = by_type.get(t)
-                if lst is None:
-                    lst = by_type[t] = []
-                lst.append((f, n.node_id))
+            g = groups.get(k := shape_key(n))
+            if g is None:
+                groups[k] = (n, [n.node_id])
+            else:
+                g[1].append(n.node_id)
+        self.capacity_gpus = cap
         self.capacity_cpu = cpu
         self.capacity_memory_mb = mem
-        for keys in by_type.values():
-            keys.sort()
+        self.gpu_types: tuple[str, ...] = tuple(sorted(cap))
+        self.groups: dict[str, list[tuple[NodeState, list[str]]]] = {}
+        for rep, ids in groups.values():
+            self.groups.setdefault(rep.gpu_type, []).append((rep, ids))
+        self._shapes: list[NodeState] | None = None
+        self._shape_counts: dict[bool, list[tuple[NodeState, int, int]]] = {}
+        self._node_gpus: dict[str, int] | None = None
+
+    def shapes(self) -> list[NodeState]:
+        if self._shapes is None:
+            shapes: dict[ShapeKey, NodeState] = {}
+            for n in self.nodes.values():
+                shapes.setdefault(shape_key(n), n)
+            self._shapes = list(shapes.values())
+        return self._shapes
+
+    def shape_counts(self, with_labels: bool) -> list[tuple[NodeState, int, int]]:
+        cached = self._shape_counts.get(with_labels)
+        if cached is None:
+            counts: dict[ShapeKey, tuple[NodeState, int, int]] = {}
+            for n in self.nodes.values():
+                key = shape_key(n, with_labels)
+                first, every, sched = counts.get(key, (n, 0, 0))
+                counts[key] = (first, every + 1, sched + int(n.schedulable))
+            cached = self._shape_counts[with_labels] = list(counts.values())
+        return cached
+
+    def node_gpus(self) -> dict[str, int]:
+        if self._node_gpus is None:
+            sizes: dict[str, int] = {}
+            for n in self.nodes.values():
+                if n.total_gpus > sizes.get(n.gpu_type, 0):
+                    sizes[n.gpu_type] = n.total_gpus
+            self._node_gpus = sizes
+        return self._node_gpus
+
+
+class FreeIndex:
+    """Free capacity of schedulable nodes during one pass, by GPU type and selector.
+
+    ``take`` updates the index as the pass places jobs, so later placements in the same pass
+    see the GPUs already given away. Built from ``nodes``, or copied from a driver's
+    ``FleetIndex`` of the same nodes (``base``: no per-node work at all).
+    """
+
+    def __init__(
+        self,
+        nodes: Iterable[NodeState],
+        holds: Iterable[GpuHold] = (),
+        base: FleetIndex | None = None,
+    ) -> None:
+        self._free: dict[str, _FreeNode] = {}  # created on first change (most never change)
+        if base is None:
+            base = FleetIndex(nodes)
+            self.nodes: dict[str, NodeState] = base.nodes
+            lists = base.lists
+            self.free_by_type: dict[str, int] = base.free_by_type
+        else:
+            self.nodes = dict(base.nodes)
+            lists = {t: list(keys) for t, keys in base.lists.items()}
+            self.free_by_type = dict(base.free_by_type)
+        static = self._static = base.static
+        self.capacity_gpus: dict[str, int] = static.capacity_gpus
+        self.capacity_cpu = static.capacity_cpu
+        self.capacity_memory_mb = static.capacity_memory_mb
         self._lists: dict[tuple[str, SelectorKey], list[tuple[int, str]]] = {
-            (t, ()): keys for t, keys in by_type.items()
+            (t, ()): keys for t, keys in lists.items()
         }
         self._bucketed: set[tuple[str, str]] = set()
         self.shadows: dict[str, Shadow] = {}
-        self.gpu_types: tuple[str, ...] = tuple(sorted(self.capacity_gpus))
+        self.gpu_types: tuple[str, ...] = static.gpu_types
         for h in holds:
             fn = self._fn(h.node_id)
             if fn is not None and fn.holder is None:
@@ -139,20 +268,7 @@ class FreeIndex:
     def ever_fits(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether any node of the fleet (schedulable or not, busy or idle) could hold it.
         Checked against the distinct node shapes, built on first use."""
-        if self._shapes is None:
-            shapes: dict[tuple[object, ...], NodeState] = {}
-            for n in self.nodes.values():
-                key = (
-                    n.gpu_type,
-                    n.total_gpus,
-                    n.gpu_memory_mb,
-                    n.cpu_total,
-                    n.memory_total_mb,
-                    tuple(sorted(n.labels.items())),
-                )
-                shapes.setdefault(key, n)
-            self._shapes = list(shapes.values())
-        return any(node_accepts(n, res, selector) for n in self._shapes)
+        return any(node_accepts(n, res, selector) for n in self._static.shapes())
 
     def shape_counts(
         self, schedulable_only: bool, with_labels: bool = True
@@ -160,29 +276,30 @@ class FreeIndex:
         """Distinct node shapes (type, size, memory, CPU, and labels unless ``with_labels``
         is False: enough for a job without a node selector) with how many nodes have each
         (all nodes, or the schedulable ones): what gang "could ever fit" checks read. Built
-        once per pass and kind, on first use."""
-        cached = self._shape_counts.get(with_labels)
-        if cached is None:
-            counts: dict[tuple[object, ...], tuple[NodeState, int, int]] = {}
-            for n in self.nodes.values():
-                key = (
-                    n.gpu_type,
-                    n.total_gpus,
-                    n.gpu_memory_mb,
-                    n.cpu_total,
-                    n.memory_total_mb,
-                    tuple(sorted(n.labels.items())) if with_labels else (),
-                )
-                first, every, sched = counts.get(key, (n, 0, 0))
-                counts[key] = (first, every + 1, sched + int(n.schedulable))
-            cached = self._shape_counts[with_labels] = list(counts.values())
+        once per kind, on first use."""
+        cached = self._static.shape_counts(with_labels)
         if schedulable_only:
             return [(n, sched) for n, _, sched in cached]
         return [(n, every) for n, every, _ in cached]
 
+    def accepting(
+        self, res: Resources, selector: Mapping[str, str], gpu_type: str | None = None
+    ) -> list[list[str]]:
+        """The schedulable nodes that could hold ``res`` (ignoring what is free), as lists of
+        node ids sharing one shape (of ``gpu_type``, or of any type): one ``node_accepts``
+        per distinct shape, not per node."""
+        groups = self._static.groups
+        types = (gpu_type,) if gpu_type is not None else self.gpu_types
+        return [
+            ids
+            for t in types
+            for rep, ids in groups.get(t, ())
+            if node_accepts(rep, res, selector)
+        ]
+
     def fits_schedulable(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether a schedulable node (ignoring what is free) could hold it."""
-        return any(n.schedulable and node_accepts(n, res, selector) for n in self.nodes.values())
+        return bool(self.accepting(res, selector))
 
     # -- dynamic questions --------------------------------------------------------------
     def _list(self, gpu_type: str, sk: SelectorKey) -> list[tuple[int, str]]:
@@ -288,20 +405,12 @@ class FreeIndex:
 
     def node_gpus(self, gpu_type: str) -> int:
         """GPUs of the largest node of ``gpu_type`` (any state), 0 if none: the size a
-        derived gang splits into. Computed once per pass, on first use."""
-        if self._node_gpus is None:
-            sizes: dict[str, int] = {}
-            for n in self.nodes.values():
-                if n.total_gpus > sizes.get(n.gpu_type, 0):
-                    sizes[n.gpu_type] = n.total_gpus
-            self._node_gpus = sizes
-        return self._node_gpus.get(gpu_type, 0)
+        derived gang splits into. Computed once, on first use."""
+        return self._static.node_gpus().get(gpu_type, 0)
 
     def all_types(self) -> tuple[str, ...]:
         """Every GPU type of the fleet, schedulable or not, sorted."""
-        self.node_gpus("")
-        assert self._node_gpus is not None
-        return tuple(sorted(self._node_gpus))
+        return tuple(sorted(self._static.node_gpus()))
 
     def gang_candidates(
         self,

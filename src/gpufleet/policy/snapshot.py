@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpufleet.domain.types import PriorityClass, Resources
+
+if TYPE_CHECKING:
+    from gpufleet.policy.placement import FleetIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,3 +168,8 @@ class ClusterSnapshot:
     team, each sequence already sorted by ``policy.priority.queue_key(config)``. When set, it
     replaces ``pending`` (which is then ignored) and the pass does not sort; jobs the pass
     never reaches cost nothing."""
+    fleet_index: FleetIndex | None = None
+    """Optional fast path for drivers that keep their node states between passes (the
+    simulator): a ``policy.placement.FleetIndex`` describing exactly ``nodes``, kept up to
+    date with ``FleetIndex.update`` as nodes change. The pass copies its free lists instead
+    of indexing every node again; decisions are the same as without it."""

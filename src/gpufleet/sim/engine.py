@@ -332,6 +332,7 @@ class Engine:
             holds=tuple(self.holds.values()),
             reservations=self.reservations,
             queues=self.queues,
+            fleet_index=self.fleet.fleet_index,
         )
 
     def schedule_pass(self) -> None:
