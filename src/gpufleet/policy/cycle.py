@@ -506,9 +506,9 @@ class _Pass:
         res = job.resources
         if res.gpu_count > 1 and self.is_gang(res):
             return self.handle_gang_head(job, cause)
-        if not self.index.ever_fits(res, job.node_selector) or not self.index.fits_schedulable(
-            res, job.node_selector
-        ):
+        if not self.index.fits_schedulable(res, job.node_selector):
+            # (no schedulable node could hold it; ``ever_fits`` would add nothing: the cause
+            # is the same whether or not an unschedulable node could)
             return ("never_fits",)
         self.head_done.add(job.team_id)
         types = res.gpu_types or self.index.gpu_types

@@ -148,6 +148,62 @@ class FleetIndex:
             self.free_by_type[t] = self.free_by_type.get(t, 0) + f
 
 
+class ShapeGroups:
+    """Schedulable nodes grouped by shape (``shape_key``, with or without labels)."""
+
+    __slots__ = ("by_type", "of", "reps")
+
+    def __init__(self, nodes: Mapping[str, NodeState], with_labels: bool) -> None:
+        self.reps: list[tuple[NodeState, list[str]]] = []
+        """Per shape: a node of the shape, and every node id of it (in node order)."""
+        self.of: dict[str, int] = {}
+        """Schedulable node id -> its shape (position in ``reps``)."""
+        self.by_type: dict[str, list[int]] = {}
+        """GPU type -> its shapes."""
+        pos: dict[ShapeKey, int] = {}
+        for n in nodes.values():
+            if not n.schedulable:
+                continue
+            k = shape_key(n, with_labels)
+            i = pos.get(k)
+            if i is None:
+                i = pos[k] = len(self.reps)
+                self.reps.append((n, []))
+                self.by_type.setdefault(n.gpu_type, []).append(i)
+            self.reps[i][1].append(n.node_id)
+            self.of[n.node_id] = i
+
+
+class Accepting:
+    """The schedulable nodes whose shape accepts a request (ignoring what is free): a set
+    of shapes, so membership and iteration cost per shape, not per node of the fleet."""
+
+    __slots__ = ("_groups", "shapes")
+
+    def __init__(self, groups: ShapeGroups, shapes: set[int]) -> None:
+        self._groups = groups
+        self.shapes = shapes
+
+    def __bool__(self) -> bool:
+        return bool(self.shapes)
+
+    def __contains__(self, node_id: object) -> bool:
+        return isinstance(node_id, str) and self._groups.of.get(node_id) in self.shapes
+
+    def __len__(self) -> int:
+        reps = self._groups.reps
+        return sum(len(reps[i][1]) for i in self.shapes)
+
+    def groups(self) -> list[tuple[NodeState, list[str]]]:
+        """(a node of the shape, its node ids) per accepted shape, in shape order."""
+        reps = self._groups.reps
+        return [reps[i] for i in sorted(self.shapes)]
+
+    def gpu_types(self) -> list[str]:
+        reps = self._groups.reps
+        return sorted({reps[i][0].gpu_type for i in self.shapes})
+
+
 class _Static:
     """Facts of a fleet that only a node's shape or schedulability changes: capacity of the
     schedulable nodes, GPU types, distinct shapes (with node counts), schedulable nodes
@@ -159,7 +215,6 @@ class _Static:
         cap: dict[str, int] = {}
         cpu = 0.0
         mem = 0
-        groups: dict[ShapeKey, tuple[NodeState, list[str]]] = {}
         for n in nodes.values():
             if not n.schedulable:
                 continue
@@ -167,21 +222,20 @@ class _Static:
             cap[t] = cap.get(t, 0) + n.total_gpus
             cpu += n.cpu_total
             mem += n.memory_total_mb
-            g = groups.get(k := shape_key(n))
-            if g is None:
-                groups[k] = (n, [n.node_id])
-            else:
-                g[1].append(n.node_id)
         self.capacity_gpus = cap
         self.capacity_cpu = cpu
         self.capacity_memory_mb = mem
         self.gpu_types: tuple[str, ...] = tuple(sorted(cap))
-        self.groups: dict[str, list[tuple[NodeState, list[str]]]] = {}
-        for rep, ids in groups.values():
-            self.groups.setdefault(rep.gpu_type, []).append((rep, ids))
+        self._groups: dict[bool, ShapeGroups] = {}
         self._shapes: list[NodeState] | None = None
         self._shape_counts: dict[bool, list[tuple[NodeState, int, int]]] = {}
         self._node_gpus: dict[str, int] | None = None
+
+    def groups(self, with_labels: bool) -> ShapeGroups:
+        g = self._groups.get(with_labels)
+        if g is None:
+            g = self._groups[with_labels] = ShapeGroups(self.nodes, with_labels)
+        return g
 
     def shapes(self) -> list[NodeState]:
         if self._shapes is None:
@@ -246,12 +300,15 @@ class FreeIndex:
         self._bucketed: set[tuple[str, str]] = set()
         self.shadows: dict[str, Shadow] = {}
         self.gpu_types: tuple[str, ...] = static.gpu_types
+        self.holding: dict[str, list[str]] = {}
+        """Job id -> nodes where free GPUs are held for it (``held_node_for`` is not None)."""
         for h in holds:
             fn = self._fn(h.node_id)
             if fn is not None and fn.holder is None:
                 old = fn.visible
                 fn.held = min(fn.free_gpus, h.gpu_count)
                 fn.holder = h.job_id
+                self.holding.setdefault(h.job_id, []).append(h.node_id)
                 self._reindex(fn, old)
 
     def _fn(self, node_id: str) -> _FreeNode | None:
@@ -268,7 +325,12 @@ class FreeIndex:
     def ever_fits(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether any node of the fleet (schedulable or not, busy or idle) could hold it.
         Checked against the distinct node shapes, built on first use."""
+        if not selector:  # labels do not matter: the fewer shapes without them
+            return any(node_accepts(n, res, selector) for n, _, _ in self.shape_counts_all())
         return any(node_accepts(n, res, selector) for n in self._static.shapes())
+
+    def shape_counts_all(self) -> list[tuple[NodeState, int, int]]:
+        return self._static.shape_counts(False)
 
     def shape_counts(
         self, schedulable_only: bool, with_labels: bool = True
@@ -284,18 +346,22 @@ class FreeIndex:
 
     def accepting(
         self, res: Resources, selector: Mapping[str, str], gpu_type: str | None = None
-    ) -> list[list[str]]:
-        """The schedulable nodes that could hold ``res`` (ignoring what is free), as lists of
-        node ids sharing one shape (of ``gpu_type``, or of any type): one ``node_accepts``
-        per distinct shape, not per node."""
-        groups = self._static.groups
+    ) -> Accepting:
+        """The schedulable nodes (of ``gpu_type``, or of any type) that could hold ``res``
+        ignoring what is free: one ``node_accepts`` per distinct shape (labels count only
+        when there is a selector), not per node."""
+        g = self._static.groups(bool(selector))
         types = (gpu_type,) if gpu_type is not None else self.gpu_types
-        return [
-            ids
-            for t in types
-            for rep, ids in groups.get(t, ())
-            if node_accepts(rep, res, selector)
-        ]
+        reps = g.reps
+        return Accepting(
+            g,
+            {
+                i
+                for t in types
+                for i in g.by_type.get(t, ())
+                if node_accepts(reps[i][0], res, selector)
+            },
+        )
 
     def fits_schedulable(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether a schedulable node (ignoring what is free) could hold it."""
@@ -323,6 +389,11 @@ class FreeIndex:
         keys = [(f, nid) for f, nid in base if all(nodes[nid].labels.get(k) == v for k, v in sk)]
         self._lists[(gpu_type, sk)] = keys
         return keys
+
+    def free_list(self, gpu_type: str) -> list[tuple[int, str]]:
+        """``(visible free, node_id)`` of the schedulable nodes of ``gpu_type`` with free
+        GPUs, sorted (read only)."""
+        return self._list(gpu_type, ())
 
     def largest_free_block(self, res: Resources, selector: Mapping[str, str]) -> int:
         sk = selector_key(selector)
@@ -506,6 +577,7 @@ class FreeIndex:
         if job_id is not None and fn.holder == job_id:
             fn.held = 0
             fn.holder = None
+            self.holding[job_id].remove(node_id)
         fn.free_gpus -= res.gpu_count
         fn.held = min(fn.held, fn.free_gpus)
         fn.cpu_free -= res.cpu
@@ -524,6 +596,8 @@ class FreeIndex:
         if fn is None or fn.holder not in (None, job_id):
             return 0
         old = fn.visible
+        if fn.holder is None:
+            self.holding.setdefault(job_id, []).append(node_id)
         fn.holder = job_id
         fn.held = min(fn.free_gpus, max(fn.held, gpus))
         self._reindex(fn, old)

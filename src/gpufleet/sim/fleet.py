@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 
 from gpufleet.domain.invariants import InvariantView, JobView, NodeView, ReservationView, RunView
 from gpufleet.domain.states import (
@@ -434,7 +435,7 @@ class InMemoryFleet:
                 else:
                     self._run_states[rid] = self.running_view(run)
             self._stale_runs.clear()
-            self.running_tuple = tuple(m for ms in self._run_states.values() for m in ms)
+            self.running_tuple = tuple(chain.from_iterable(self._run_states.values()))
         return self.running_tuple
 
     def invariant_view(self, full: bool = False) -> InvariantView:
