@@ -106,6 +106,10 @@ class FleetIndex:
         self.nodes: dict[str, NodeState] = {n.node_id: n for n in nodes}
         self.lists: dict[str, list[tuple[int, str]]] = {}
         self.free_by_type: dict[str, int] = {}
+        self.buckets: dict[tuple[str, str], dict[str, list[tuple[int, str]]]] = {}
+        """(GPU type, label) -> label value -> the type's list restricted to nodes with that
+        value (jobs whose selector names one label: a rack, a zone, a team's partition).
+        Made on a pass's first use of the label and kept up to date from then on."""
         self._static: _Static | None = None
         lists = self.lists
         free_by_type = self.free_by_type
@@ -137,15 +141,38 @@ class FleetIndex:
         if old.schedulable != node.schedulable or shape_key(old) != shape_key(node):
             self._static = None
         if old.schedulable and old.free_gpus > 0:
-            keys = self.lists[old.gpu_type]
-            i = bisect.bisect_left(keys, (old.free_gpus, nid))
-            del keys[i]
-            self.free_by_type[old.gpu_type] -= old.free_gpus
+            t = old.gpu_type
+            entry = (old.free_gpus, nid)
+            keys = self.lists[t]
+            del keys[bisect.bisect_left(keys, entry)]
+            self.free_by_type[t] -= old.free_gpus
+            for (bt, label), by_value in self.buckets.items():
+                v = old.labels.get(label)
+                if bt == t and v is not None:
+                    keys = by_value[v]
+                    del keys[bisect.bisect_left(keys, entry)]
         f = node.free_gpus
         if node.schedulable and f > 0:
             t = node.gpu_type
-            bisect.insort(self.lists.setdefault(t, []), (f, nid))
+            entry = (f, nid)
+            bisect.insort(self.lists.setdefault(t, []), entry)
             self.free_by_type[t] = self.free_by_type.get(t, 0) + f
+            for (bt, label), by_value in self.buckets.items():
+                v = node.labels.get(label)
+                if bt == t and v is not None:
+                    bisect.insort(by_value.setdefault(v, []), entry)
+
+    def bucket(self, gpu_type: str, label: str) -> None:
+        """Start keeping ``buckets[(gpu_type, label)]`` (no-op when already kept)."""
+        if (gpu_type, label) in self.buckets:
+            return
+        by_value: dict[str, list[tuple[int, str]]] = {}
+        nodes = self.nodes
+        for f, nid in self.lists.get(gpu_type, ()):
+            v = nodes[nid].labels.get(label)
+            if v is not None:
+                by_value.setdefault(v, []).append((f, nid))
+        self.buckets[(gpu_type, label)] = by_value
 
 
 class ShapeGroups:
@@ -281,6 +308,7 @@ class FreeIndex:
         base: FleetIndex | None = None,
     ) -> None:
         self._free: dict[str, _FreeNode] = {}  # created on first change (most never change)
+        self._base: FleetIndex | None = base
         if base is None:
             base = FleetIndex(nodes)
             self.nodes: dict[str, NodeState] = base.nodes
@@ -298,6 +326,11 @@ class FreeIndex:
             (t, ()): keys for t, keys in lists.items()
         }
         self._bucketed: set[tuple[str, str]] = set()
+        if self._base is not None:
+            for (t, label), by_value in self._base.buckets.items():
+                self._bucketed.add((t, label))
+                for v, keys in by_value.items():
+                    self._lists[(t, ((label, v),))] = list(keys)
         self.shadows: dict[str, Shadow] = {}
         self.gpu_types: tuple[str, ...] = static.gpu_types
         self.holding: dict[str, list[str]] = {}
@@ -374,10 +407,15 @@ class FreeIndex:
             return keys
         base = self._lists.get((gpu_type, ()), [])
         nodes = self.nodes
-        if len(sk) == 1 and (gpu_type, sk[0][0]) not in self._bucketed:
+        if len(sk) == 1 and (gpu_type, sk[0][0]) in self._bucketed:
+            # bucketed: a value without a list has no free node (``_reindex`` makes them)
+            return self._lists.setdefault((gpu_type, sk), [])
+        if len(sk) == 1:
             # One label (rack, zone, partition): bucket the free nodes by its value once.
             label = sk[0][0]
             self._bucketed.add((gpu_type, label))
+            if self._base is not None:
+                self._base.bucket(gpu_type, label)  # ready for the next pass
             buckets: dict[str, list[tuple[int, str]]] = {}
             for f, nid in base:
                 v = nodes[nid].labels.get(label)
@@ -560,6 +598,13 @@ class FreeIndex:
                 bisect.insort(keys, (new, node_id))
         if (t, ()) not in self._lists and new > 0:
             self._lists[(t, ())] = [(new, node_id)]
+        if new > 0:
+            # a node with visible GPUs joins the bucket of its value even if that bucket
+            # had no list yet (a bucketed label's missing list means "none free")
+            for bt, label in self._bucketed:
+                v = labels.get(label)
+                if bt == t and v is not None and (t, ((label, v),)) not in self._lists:
+                    self._lists[(t, ((label, v),))] = [(new, node_id)]
 
     def take(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import policy_builders as b
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_properties import snapshots
@@ -20,7 +21,7 @@ from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
 from gpufleet.policy.placement import FleetIndex, FreeIndex, Shadow, node_accepts
 from gpufleet.policy.runtime import RunningIndex
-from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob
+from gpufleet.policy.snapshot import ClusterSnapshot, NodeState, PendingJob
 
 
 def scan_reservation(
@@ -92,3 +93,58 @@ def test_find_reservation_equals_a_scan_of_every_node(
             for n in snap.nodes
         )
         assert has_reservation_candidate(job, index) == scan_candidate
+
+
+@st.composite
+def labelled_states(draw: st.DrawFn) -> tuple[list[list[NodeState]], list[PendingJob]]:
+    """Two states of the same labelled nodes (two passes) and jobs, some with a rack or
+    zone selector: one-label buckets kept by the FleetIndex across passes."""
+    n_nodes = draw(st.integers(1, 8))
+    shapes = [
+        (
+            f"n{i}",
+            draw(st.sampled_from(["A100", "H100"])),
+            {"rack": draw(st.sampled_from(["r0", "r1", "r2"])), "zone": f"z{i % 2}"},
+        )
+        for i in range(n_nodes)
+    ]
+    states = [
+        [
+            b.node(nid, draw(st.integers(0, 8)), gpu_type=t, labels=labels)
+            for nid, t, labels in shapes
+        ]
+        for _ in range(2)
+    ]
+    jobs = [
+        b.job(
+            f"j{i:02d}",
+            team=draw(st.sampled_from("ab")),
+            gpus=draw(st.sampled_from([1, 2, 4, 8])),
+            types=draw(st.sampled_from([(), ("A100",), ("H100",)])),
+            selector=draw(
+                st.sampled_from(
+                    [None, {"rack": "r0"}, {"rack": "r1"}, {"rack": "r2"}, {"zone": "z1"}]
+                )
+            ),
+        )
+        for i in range(draw(st.integers(1, 20)))
+    ]
+    return states, jobs
+
+
+@settings(max_examples=200, deadline=None)
+@given(labelled_states())
+def test_fleet_index_buckets_kept_across_passes_decide_as_a_fresh_pass(
+    case: tuple[list[list[NodeState]], list[PendingJob]],
+) -> None:
+    states, jobs = case
+    cfg = PolicyConfig()
+    index = FleetIndex(states[0])
+    for state in states:
+        for n in state:
+            index.update(n)
+        s = b.snap(state, jobs, [], [b.team("a"), b.team("b")], now=100.0)
+        with_index = schedule(replace(s, fleet_index=index), cfg)
+        without = schedule(s, cfg)
+        assert with_index.decisions == without.decisions
+        assert dict(with_index.waiting) == dict(without.waiting)
