@@ -7,10 +7,11 @@ Prints a table: pending jobs x nodes (8 GPUs each) -> pass time (median of N run
 with the pending jobs given as a flat tuple (the pass groups and sorts them) and as
 presorted per-team queues (``ClusterSnapshot.queues``, what the simulator passes).
 
-    .venv/bin/python benchmarks/policy_pass.py [--quick] [--gangs]
+    .venv/bin/python benchmarks/policy_pass.py [--quick] [--gangs] [--target]
 
 Each size runs twice, interleaved: without gangs and with 10% of pending jobs multi-node
-(16/32/64 GPUs on whole 8-GPU nodes; issue 9). ``--gangs`` runs only 10k pending x 1k nodes.
+(16/32/64 GPUs on whole 8-GPU nodes; issue 9). ``--gangs`` runs only 10k pending x 1k nodes;
+``--target`` only 10k pending x 1k and 5k nodes (the pass-cost target: < 100 ms at 5k nodes).
 """
 
 from __future__ import annotations
@@ -149,11 +150,14 @@ def time_pass(snap: ClusterSnapshot, cfg: PolicyConfig, runs: int) -> tuple[floa
 def main() -> None:
     quick = "--quick" in sys.argv
     gang_only = "--gangs" in sys.argv
+    target = "--target" in sys.argv
     cfg = PolicyConfig()
     pendings = (1_000, 10_000) if quick else (1_000, 10_000, 50_000)
     node_counts = (100, 1_000) if quick else (100, 1_000, 5_000)
     if gang_only:  # the issue-9 point: 10k pending x 1k nodes, 0% and 10% gangs interleaved
         pendings, node_counts = (10_000,), (1_000,)
+    if target:
+        pendings, node_counts = (10_000,), (1_000, 5_000)
     runs = 3 if quick else 5
     print(
         f"{'pending':>8} {'nodes':>6} {'state':>5} {'gangs':>5} {'flat ms':>9} "

@@ -24,7 +24,7 @@ from gpufleet.sim.calibration import (
     compare_with_helios,
 )
 from gpufleet.sim.cli import run_scenario
-from gpufleet.sim.config import load_scenario, policy_for
+from gpufleet.sim.config import default_traces_dir, load_scenario, policy_for
 from gpufleet.sim.loaders import load_philly
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ TABLE = "philly_2017/philly_jobs_2017-09-04_to_2017-11-30.csv.gz"
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--traces-dir", type=Path, default=ROOT.parent / "shared" / "traces")
+    ap.add_argument("--traces-dir", type=Path, default=default_traces_dir())
     args = ap.parse_args()
     sc = load_scenario(ROOT / "examples" / "sim" / "philly_fifo_per_vc.yaml", args.traces_dir)
     clipped, _ = load_philly(

@@ -31,10 +31,11 @@ later passes cannot take the reserved node.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from gpufleet.policy.gang import domain, member_resources
-from gpufleet.policy.placement import FreeIndex, Shadow, node_accepts
+from gpufleet.policy.placement import FreeIndex, Shadow
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import PendingJob
 
@@ -79,25 +80,60 @@ def find_reservation(
 
     Ties: earlier start, then preferred GPU type, then fewer extra GPUs (best fit), then
     node id.
-    """
+
+    Candidates are the schedulable nodes without a reservation whose shape accepts the job.
+    Their starts are not computed one node at a time: the nodes that fit now come from the
+    free index (``start = now``), else the fleet-wide list of estimated ends
+    (``RunningIndex.by_end``) is walked until the first candidate has enough GPUs; the walk
+    goes on through the ends at that same instant, and only the nodes ready then are
+    compared, their extra GPUs counted on the way (the figures :func:`start_on_node` gives
+    for one node)."""
     res = job.resources
     need = res.gpu_count
-    prefs = {t: i for i, t in enumerate(res.gpu_types)}
-    best: tuple[float, int, int, str] | None = None
-    for node_id, node in index.nodes.items():
-        if not node.schedulable or node_id in index.shadows:
-            continue
-        if not node_accepts(node, res, job.node_selector):
-            continue
-        start, extra = start_on_node(job, node_id, index, running, now_s)
-        if start == math.inf:
-            continue
-        key = (start, prefs.get(node.gpu_type, 0), extra, node_id)
-        if best is None or key < best:
-            best = key
-    if best is None:
+    shapes = index.accepting(res, job.node_selector)
+    if not shapes:
         return None
-    start, _, extra, node_id = best
+    shadows = index.shadows
+    job_id = job.job_id
+
+    def candidate(node_id: str) -> bool:
+        return node_id not in shadows and node_id in shapes
+
+    def free_for_job(node_id: str) -> int:
+        held = index.held_node_for(job_id, node_id)
+        return held.free_gpus if held is not None else index.visible_free(node_id)
+
+    avail: dict[str, int] = {}  # candidate -> free for the job + GPUs released so far
+    for t in shapes.gpu_types():
+        keys = index.free_list(t)
+        for _, node_id in keys[bisect.bisect_left(keys, (need, "")) :]:
+            if candidate(node_id):
+                avail[node_id] = free_for_job(node_id)
+    for node_id in index.holding.get(job_id, ()):
+        if candidate(node_id) and free_for_job(node_id) >= need:
+            avail[node_id] = free_for_job(node_id)
+    ready = list(avail)
+    start: float | None = now_s if ready else None
+    never = -(1 << 62)
+    for end, node_id, gpus in running.by_end:
+        if start is not None and end > start:
+            break
+        a = avail.get(node_id)
+        if a is None:
+            a = free_for_job(node_id) if candidate(node_id) else never
+        if a < need <= a + gpus:
+            ready.append(node_id)
+            if start is None:
+                start = end
+        avail[node_id] = a + gpus
+    if start is None:
+        return None
+    # every ready node starts at ``start`` with ``avail`` GPUs (free + released by then)
+    prefs = {t: i for i, t in enumerate(res.gpu_types)}
+    nodes = index.nodes
+    _, _, extra, node_id = min(
+        (start, prefs.get(nodes[n].gpu_type, 0), avail[n] - need, n) for n in ready
+    )
     return node_id, Shadow(job.job_id, start, need, extra)
 
 
@@ -105,12 +141,11 @@ def has_reservation_candidate(job: PendingJob, index: FreeIndex) -> bool:
     """Whether some schedulable node that accepts ``job`` and holds no other reservation
     exists: when :func:`find_reservation` still finds nothing, every such node's running
     work has no known end (no ``max_runtime_s``, no ``expected_duration_s``)."""
-    res = job.resources
+    shadows = index.shadows
     return any(
-        node.schedulable
-        and node_id not in index.shadows
-        and node_accepts(node, res, job.node_selector)
-        for node_id, node in index.nodes.items()
+        node_id not in shadows
+        for _, ids in index.accepting(job.resources, job.node_selector).groups()
+        for node_id in ids
     )
 
 
@@ -121,15 +156,8 @@ def gang_reservation_candidates(
     ``job`` and hold no other reservation (when at least as many as the gang has members,
     a failed :func:`find_gang_reservation` means their running work has no known end)."""
     mres = member_resources(job.resources, smallest)
-    return sum(
-        1
-        for node_id, node in index.nodes.items()
-        if node.gpu_type == gpu_type
-        and node.schedulable
-        and node_id not in index.shadows
-        and node.total_gpus >= smallest
-        and node_accepts(node, mres, job.node_selector)
-    )
+    nodes = index.accepting(mres, job.node_selector, gpu_type)
+    return len(nodes) - sum(1 for node_id in index.shadows if node_id in nodes)
 
 
 def extra_at(
@@ -162,11 +190,14 @@ def find_gang_reservation(
     smallest = members[-1]
     mres = member_resources(res, smallest)
     starts: list[tuple[float, int, str]] = []
-    for node_id, node in index.nodes.items():
-        if node.gpu_type != gpu_type or not node.schedulable or node_id in index.shadows:
-            continue
-        if node.total_gpus < smallest or not node_accepts(node, mres, job.node_selector):
-            continue
+    shadows = index.shadows
+    candidates = (
+        (node_id, rep)
+        for rep, ids in index.accepting(mres, job.node_selector, gpu_type).groups()
+        for node_id in ids
+        if node_id not in shadows
+    )
+    for node_id, node in candidates:
         if smallest == node.total_gpus:
             # a whole-node member starts when the node's last attempt ends (the same answer
             # as start_on_node, without the walk: attempts are sorted by estimated end)

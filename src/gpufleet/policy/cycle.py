@@ -64,6 +64,7 @@ from gpufleet.policy.snapshot import (
     BackfillReservation,
     ClusterSnapshot,
     GpuHold,
+    NodeState,
     PendingJob,
 )
 
@@ -107,7 +108,11 @@ def _live_holds(
 ) -> tuple[list[tuple[GpuHold, PendingJob]], list[str]]:
     if not snapshot.holds:
         return [], []
-    nodes = {n.node_id: n for n in snapshot.nodes}
+    nodes: Mapping[str, NodeState] = (
+        snapshot.fleet_index.nodes
+        if snapshot.fleet_index is not None
+        else {n.node_id: n for n in snapshot.nodes}
+    )
     live: list[tuple[GpuHold, PendingJob]] = []
     released: list[str] = []
     seen: set[str] = set()
@@ -155,7 +160,7 @@ class _Pass:
             for r in sorted(snapshot.reservations, key=lambda r: (r.start_at_s, r.job_id))
             if r.job_id in jobs
         ]
-        self.index = FreeIndex(snapshot.nodes, (h for h, _ in self.holds))
+        self.index = FreeIndex(snapshot.nodes, (h for h, _ in self.holds), snapshot.fleet_index)
         self.book = TeamBook(
             snapshot.teams,
             snapshot.running,
@@ -585,9 +590,9 @@ class _Pass:
         res = job.resources
         if res.gpu_count > 1 and self.is_gang(res):
             return self.handle_gang_head(job, cause, preempt)
-        if not self.index.ever_fits(res, job.node_selector) or not self.index.fits_schedulable(
-            res, job.node_selector
-        ):
+        if not self.index.fits_schedulable(res, job.node_selector):
+            # (no schedulable node could hold it; ``ever_fits`` would add nothing: the cause
+            # is the same whether or not an unschedulable node could)
             return ("never_fits",)
         self.head_done.add(job.team_id)
         types = res.gpu_types or self.index.gpu_types

@@ -71,58 +71,277 @@ def node_accepts(node: NodeState, res: Resources, selector: Mapping[str, str]) -
     return all(node.labels.get(k) == v for k, v in selector.items())
 
 
-class FreeIndex:
-    """Free capacity of schedulable nodes during one pass, by GPU type and selector.
+ShapeKey = tuple[object, ...]
 
-    ``take`` updates the index as the pass places jobs, so later placements in the same pass
-    see the GPUs already given away.
+
+def shape_key(n: NodeState, with_labels: bool = True) -> ShapeKey:
+    """What ``node_accepts`` reads of a node: nodes with equal keys accept the same jobs."""
+    return (
+        n.gpu_type,
+        n.total_gpus,
+        n.gpu_memory_mb,
+        n.cpu_total,
+        n.memory_total_mb,
+        tuple(sorted(n.labels.items())) if with_labels else (),
+    )
+
+
+class FleetIndex:
+    """Free capacity of a fleet by GPU type, kept across passes by a driver that owns the
+    node states (the simulator): ``update`` re-indexes one changed node (a bisect in its
+    type's list) instead of every node being indexed again on every pass.
+
+    Per GPU type, ``lists[type]`` holds ``(free_gpus, node_id)`` of the schedulable nodes
+    with free GPUs, sorted: the free-count buckets in order, so the best fit for ``k`` GPUs
+    is ``bisect_left(lists[type], (k, ""))``. Static facts (capacity of the schedulable
+    nodes, distinct node shapes, schedulable nodes grouped by shape) are computed on first
+    use and again only after a node's shape or schedulability changed.
+
+    Give it to a pass as ``ClusterSnapshot.fleet_index``: it must then describe exactly
+    ``ClusterSnapshot.nodes``. A pass never changes it (``FreeIndex`` copies the lists it
+    updates); the driver must not ``update`` it while a pass runs.
     """
 
-    def __init__(self, nodes: Iterable[NodeState], holds: Iterable[GpuHold] = ()) -> None:
-        self._free: dict[str, _FreeNode] = {}  # created on first change (most never change)
-        self._shapes: list[NodeState] | None = None
-        self._node_gpus: dict[str, int] | None = None
-        self._shape_counts: dict[bool, list[tuple[NodeState, int, int]]] = {}
-        self.capacity_gpus: dict[str, int] = {}
-        self.capacity_cpu = 0.0
-        self.capacity_memory_mb = 0
-        self.free_by_type: dict[str, int] = {}
+    def __init__(self, nodes: Iterable[NodeState]) -> None:
         self.nodes: dict[str, NodeState] = {n.node_id: n for n in nodes}
-        by_type: dict[str, list[tuple[int, str]]] = {}
-        cap = self.capacity_gpus
+        self.lists: dict[str, list[tuple[int, str]]] = {}
+        self.free_by_type: dict[str, int] = {}
+        self.buckets: dict[tuple[str, str], dict[str, list[tuple[int, str]]]] = {}
+        """(GPU type, label) -> label value -> the type's list restricted to nodes with that
+        value (jobs whose selector names one label: a rack, a zone, a team's partition).
+        Made on a pass's first use of the label and kept up to date from then on."""
+        self._static: _Static | None = None
+        lists = self.lists
         free_by_type = self.free_by_type
+        for n in self.nodes.values():
+            f = n.free_gpus
+            if f > 0 and n.schedulable:
+                t = n.gpu_type
+                free_by_type[t] = free_by_type.get(t, 0) + f
+                lst = lists.get(t)
+                if lst is None:
+                    lst = lists[t] = []
+                lst.append((f, n.node_id))
+        for keys in lists.values():
+            keys.sort()
+
+    @property
+    def static(self) -> _Static:
+        if self._static is None:
+            self._static = _Static(self.nodes)
+        return self._static
+
+    def update(self, node: NodeState) -> None:
+        """Replace the state of a known node (raises KeyError for an unknown one)."""
+        nid = node.node_id
+        old = self.nodes[nid]
+        if old is node:
+            return
+        self.nodes[nid] = node
+        if old.schedulable != node.schedulable or shape_key(old) != shape_key(node):
+            self._static = None
+        if old.schedulable and old.free_gpus > 0:
+            t = old.gpu_type
+            entry = (old.free_gpus, nid)
+            keys = self.lists[t]
+            del keys[bisect.bisect_left(keys, entry)]
+            self.free_by_type[t] -= old.free_gpus
+            for (bt, label), by_value in self.buckets.items():
+                v = old.labels.get(label)
+                if bt == t and v is not None:
+                    keys = by_value[v]
+                    del keys[bisect.bisect_left(keys, entry)]
+        f = node.free_gpus
+        if node.schedulable and f > 0:
+            t = node.gpu_type
+            entry = (f, nid)
+            bisect.insort(self.lists.setdefault(t, []), entry)
+            self.free_by_type[t] = self.free_by_type.get(t, 0) + f
+            for (bt, label), by_value in self.buckets.items():
+                v = node.labels.get(label)
+                if bt == t and v is not None:
+                    bisect.insort(by_value.setdefault(v, []), entry)
+
+    def bucket(self, gpu_type: str, label: str) -> None:
+        """Start keeping ``buckets[(gpu_type, label)]`` (no-op when already kept)."""
+        if (gpu_type, label) in self.buckets:
+            return
+        by_value: dict[str, list[tuple[int, str]]] = {}
+        nodes = self.nodes
+        for f, nid in self.lists.get(gpu_type, ()):
+            v = nodes[nid].labels.get(label)
+            if v is not None:
+                by_value.setdefault(v, []).append((f, nid))
+        self.buckets[(gpu_type, label)] = by_value
+
+
+class ShapeGroups:
+    """Schedulable nodes grouped by shape (``shape_key``, with or without labels)."""
+
+    __slots__ = ("by_type", "of", "reps")
+
+    def __init__(self, nodes: Mapping[str, NodeState], with_labels: bool) -> None:
+        self.reps: list[tuple[NodeState, list[str]]] = []
+        """Per shape: a node of the shape, and every node id of it (in node order)."""
+        self.of: dict[str, int] = {}
+        """Schedulable node id -> its shape (position in ``reps``)."""
+        self.by_type: dict[str, list[int]] = {}
+        """GPU type -> its shapes."""
+        pos: dict[ShapeKey, int] = {}
+        for n in nodes.values():
+            if not n.schedulable:
+                continue
+            k = shape_key(n, with_labels)
+            i = pos.get(k)
+            if i is None:
+                i = pos[k] = len(self.reps)
+                self.reps.append((n, []))
+                self.by_type.setdefault(n.gpu_type, []).append(i)
+            self.reps[i][1].append(n.node_id)
+            self.of[n.node_id] = i
+
+
+class Accepting:
+    """The schedulable nodes whose shape accepts a request (ignoring what is free): a set
+    of shapes, so membership and iteration cost per shape, not per node of the fleet."""
+
+    __slots__ = ("_groups", "shapes")
+
+    def __init__(self, groups: ShapeGroups, shapes: set[int]) -> None:
+        self._groups = groups
+        self.shapes = shapes
+
+    def __bool__(self) -> bool:
+        return bool(self.shapes)
+
+    def __contains__(self, node_id: object) -> bool:
+        return isinstance(node_id, str) and self._groups.of.get(node_id) in self.shapes
+
+    def __len__(self) -> int:
+        reps = self._groups.reps
+        return sum(len(reps[i][1]) for i in self.shapes)
+
+    def groups(self) -> list[tuple[NodeState, list[str]]]:
+        """(a node of the shape, its node ids) per accepted shape, in shape order."""
+        reps = self._groups.reps
+        return [reps[i] for i in sorted(self.shapes)]
+
+    def gpu_types(self) -> list[str]:
+        reps = self._groups.reps
+        return sorted({reps[i][0].gpu_type for i in self.shapes})
+
+
+class _Static:
+    """Facts of a fleet that only a node's shape or schedulability changes: capacity of the
+    schedulable nodes, GPU types, distinct shapes (with node counts), schedulable nodes
+    grouped by shape per GPU type, the largest node per type. Built from ``nodes`` in their
+    order (capacity sums in that order, as a pass without a ``FleetIndex`` adds them)."""
+
+    def __init__(self, nodes: Mapping[str, NodeState]) -> None:
+        self.nodes = nodes
+        cap: dict[str, int] = {}
         cpu = 0.0
         mem = 0
-        for n in self.nodes.values():
+        for n in nodes.values():
             if not n.schedulable:
                 continue
             t = n.gpu_type
             cap[t] = cap.get(t, 0) + n.total_gpus
             cpu += n.cpu_total
             mem += n.memory_total_mb
-            f = n.free_gpus
-            if f > 0:
-                free_by_type[t] = free_by_type.get(t, 0) + f
-                lst = by_type.get(t)
-                if lst is None:
-                    lst = by_type[t] = []
-                lst.append((f, n.node_id))
+        self.capacity_gpus = cap
         self.capacity_cpu = cpu
         self.capacity_memory_mb = mem
-        for keys in by_type.values():
-            keys.sort()
+        self.gpu_types: tuple[str, ...] = tuple(sorted(cap))
+        self._groups: dict[bool, ShapeGroups] = {}
+        self._shapes: list[NodeState] | None = None
+        self._shape_counts: dict[bool, list[tuple[NodeState, int, int]]] = {}
+        self._node_gpus: dict[str, int] | None = None
+
+    def groups(self, with_labels: bool) -> ShapeGroups:
+        g = self._groups.get(with_labels)
+        if g is None:
+            g = self._groups[with_labels] = ShapeGroups(self.nodes, with_labels)
+        return g
+
+    def shapes(self) -> list[NodeState]:
+        if self._shapes is None:
+            shapes: dict[ShapeKey, NodeState] = {}
+            for n in self.nodes.values():
+                shapes.setdefault(shape_key(n), n)
+            self._shapes = list(shapes.values())
+        return self._shapes
+
+    def shape_counts(self, with_labels: bool) -> list[tuple[NodeState, int, int]]:
+        cached = self._shape_counts.get(with_labels)
+        if cached is None:
+            counts: dict[ShapeKey, tuple[NodeState, int, int]] = {}
+            for n in self.nodes.values():
+                key = shape_key(n, with_labels)
+                first, every, sched = counts.get(key, (n, 0, 0))
+                counts[key] = (first, every + 1, sched + int(n.schedulable))
+            cached = self._shape_counts[with_labels] = list(counts.values())
+        return cached
+
+    def node_gpus(self) -> dict[str, int]:
+        if self._node_gpus is None:
+            sizes: dict[str, int] = {}
+            for n in self.nodes.values():
+                if n.total_gpus > sizes.get(n.gpu_type, 0):
+                    sizes[n.gpu_type] = n.total_gpus
+            self._node_gpus = sizes
+        return self._node_gpus
+
+
+class FreeIndex:
+    """Free capacity of schedulable nodes during one pass, by GPU type and selector.
+
+    ``take`` updates the index as the pass places jobs, so later placements in the same pass
+    see the GPUs already given away. Built from ``nodes``, or copied from a driver's
+    ``FleetIndex`` of the same nodes (``base``: no per-node work at all).
+    """
+
+    def __init__(
+        self,
+        nodes: Iterable[NodeState],
+        holds: Iterable[GpuHold] = (),
+        base: FleetIndex | None = None,
+    ) -> None:
+        self._free: dict[str, _FreeNode] = {}  # created on first change (most never change)
+        self._base: FleetIndex | None = base
+        if base is None:
+            base = FleetIndex(nodes)
+            self.nodes: dict[str, NodeState] = base.nodes
+            lists = base.lists
+            self.free_by_type: dict[str, int] = base.free_by_type
+        else:
+            self.nodes = dict(base.nodes)
+            lists = {t: list(keys) for t, keys in base.lists.items()}
+            self.free_by_type = dict(base.free_by_type)
+        static = self._static = base.static
+        self.capacity_gpus: dict[str, int] = static.capacity_gpus
+        self.capacity_cpu = static.capacity_cpu
+        self.capacity_memory_mb = static.capacity_memory_mb
         self._lists: dict[tuple[str, SelectorKey], list[tuple[int, str]]] = {
-            (t, ()): keys for t, keys in by_type.items()
+            (t, ()): keys for t, keys in lists.items()
         }
         self._bucketed: set[tuple[str, str]] = set()
+        if self._base is not None:
+            for (t, label), by_value in self._base.buckets.items():
+                self._bucketed.add((t, label))
+                for v, keys in by_value.items():
+                    self._lists[(t, ((label, v),))] = list(keys)
         self.shadows: dict[str, Shadow] = {}
-        self.gpu_types: tuple[str, ...] = tuple(sorted(self.capacity_gpus))
+        self.gpu_types: tuple[str, ...] = static.gpu_types
+        self.holding: dict[str, list[str]] = {}
+        """Job id -> nodes where free GPUs are held for it (``held_node_for`` is not None)."""
         for h in holds:
             fn = self._fn(h.node_id)
             if fn is not None and fn.holder is None:
                 old = fn.visible
                 fn.held = min(fn.free_gpus, h.gpu_count)
                 fn.holder = h.job_id
+                self.holding.setdefault(h.job_id, []).append(h.node_id)
                 self._reindex(fn, old)
 
     def _fn(self, node_id: str) -> _FreeNode | None:
@@ -139,20 +358,12 @@ class FreeIndex:
     def ever_fits(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether any node of the fleet (schedulable or not, busy or idle) could hold it.
         Checked against the distinct node shapes, built on first use."""
-        if self._shapes is None:
-            shapes: dict[tuple[object, ...], NodeState] = {}
-            for n in self.nodes.values():
-                key = (
-                    n.gpu_type,
-                    n.total_gpus,
-                    n.gpu_memory_mb,
-                    n.cpu_total,
-                    n.memory_total_mb,
-                    tuple(sorted(n.labels.items())),
-                )
-                shapes.setdefault(key, n)
-            self._shapes = list(shapes.values())
-        return any(node_accepts(n, res, selector) for n in self._shapes)
+        if not selector:  # labels do not matter: the fewer shapes without them
+            return any(node_accepts(n, res, selector) for n, _, _ in self.shape_counts_all())
+        return any(node_accepts(n, res, selector) for n in self._static.shapes())
+
+    def shape_counts_all(self) -> list[tuple[NodeState, int, int]]:
+        return self._static.shape_counts(False)
 
     def shape_counts(
         self, schedulable_only: bool, with_labels: bool = True
@@ -160,29 +371,34 @@ class FreeIndex:
         """Distinct node shapes (type, size, memory, CPU, and labels unless ``with_labels``
         is False: enough for a job without a node selector) with how many nodes have each
         (all nodes, or the schedulable ones): what gang "could ever fit" checks read. Built
-        once per pass and kind, on first use."""
-        cached = self._shape_counts.get(with_labels)
-        if cached is None:
-            counts: dict[tuple[object, ...], tuple[NodeState, int, int]] = {}
-            for n in self.nodes.values():
-                key = (
-                    n.gpu_type,
-                    n.total_gpus,
-                    n.gpu_memory_mb,
-                    n.cpu_total,
-                    n.memory_total_mb,
-                    tuple(sorted(n.labels.items())) if with_labels else (),
-                )
-                first, every, sched = counts.get(key, (n, 0, 0))
-                counts[key] = (first, every + 1, sched + int(n.schedulable))
-            cached = self._shape_counts[with_labels] = list(counts.values())
+        once per kind, on first use."""
+        cached = self._static.shape_counts(with_labels)
         if schedulable_only:
             return [(n, sched) for n, _, sched in cached]
         return [(n, every) for n, every, _ in cached]
 
+    def accepting(
+        self, res: Resources, selector: Mapping[str, str], gpu_type: str | None = None
+    ) -> Accepting:
+        """The schedulable nodes (of ``gpu_type``, or of any type) that could hold ``res``
+        ignoring what is free: one ``node_accepts`` per distinct shape (labels count only
+        when there is a selector), not per node."""
+        g = self._static.groups(bool(selector))
+        types = (gpu_type,) if gpu_type is not None else self.gpu_types
+        reps = g.reps
+        return Accepting(
+            g,
+            {
+                i
+                for t in types
+                for i in g.by_type.get(t, ())
+                if node_accepts(reps[i][0], res, selector)
+            },
+        )
+
     def fits_schedulable(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether a schedulable node (ignoring what is free) could hold it."""
-        return any(n.schedulable and node_accepts(n, res, selector) for n in self.nodes.values())
+        return bool(self.accepting(res, selector))
 
     # -- dynamic questions --------------------------------------------------------------
     def _list(self, gpu_type: str, sk: SelectorKey) -> list[tuple[int, str]]:
@@ -191,10 +407,15 @@ class FreeIndex:
             return keys
         base = self._lists.get((gpu_type, ()), [])
         nodes = self.nodes
-        if len(sk) == 1 and (gpu_type, sk[0][0]) not in self._bucketed:
+        if len(sk) == 1 and (gpu_type, sk[0][0]) in self._bucketed:
+            # bucketed: a value without a list has no free node (``_reindex`` makes them)
+            return self._lists.setdefault((gpu_type, sk), [])
+        if len(sk) == 1:
             # One label (rack, zone, partition): bucket the free nodes by its value once.
             label = sk[0][0]
             self._bucketed.add((gpu_type, label))
+            if self._base is not None:
+                self._base.bucket(gpu_type, label)  # ready for the next pass
             buckets: dict[str, list[tuple[int, str]]] = {}
             for f, nid in base:
                 v = nodes[nid].labels.get(label)
@@ -206,6 +427,11 @@ class FreeIndex:
         keys = [(f, nid) for f, nid in base if all(nodes[nid].labels.get(k) == v for k, v in sk)]
         self._lists[(gpu_type, sk)] = keys
         return keys
+
+    def free_list(self, gpu_type: str) -> list[tuple[int, str]]:
+        """``(visible free, node_id)`` of the schedulable nodes of ``gpu_type`` with free
+        GPUs, sorted (read only)."""
+        return self._list(gpu_type, ())
 
     def largest_free_block(self, res: Resources, selector: Mapping[str, str]) -> int:
         sk = selector_key(selector)
@@ -288,20 +514,12 @@ class FreeIndex:
 
     def node_gpus(self, gpu_type: str) -> int:
         """GPUs of the largest node of ``gpu_type`` (any state), 0 if none: the size a
-        derived gang splits into. Computed once per pass, on first use."""
-        if self._node_gpus is None:
-            sizes: dict[str, int] = {}
-            for n in self.nodes.values():
-                if n.total_gpus > sizes.get(n.gpu_type, 0):
-                    sizes[n.gpu_type] = n.total_gpus
-            self._node_gpus = sizes
-        return self._node_gpus.get(gpu_type, 0)
+        derived gang splits into. Computed once, on first use."""
+        return self._static.node_gpus().get(gpu_type, 0)
 
     def all_types(self) -> tuple[str, ...]:
         """Every GPU type of the fleet, schedulable or not, sorted."""
-        self.node_gpus("")
-        assert self._node_gpus is not None
-        return tuple(sorted(self._node_gpus))
+        return tuple(sorted(self._static.node_gpus()))
 
     def gang_candidates(
         self,
@@ -380,6 +598,13 @@ class FreeIndex:
                 bisect.insort(keys, (new, node_id))
         if (t, ()) not in self._lists and new > 0:
             self._lists[(t, ())] = [(new, node_id)]
+        if new > 0:
+            # a node with visible GPUs joins the bucket of its value even if that bucket
+            # had no list yet (a bucketed label's missing list means "none free")
+            for bt, label in self._bucketed:
+                v = labels.get(label)
+                if bt == t and v is not None and (t, ((label, v),)) not in self._lists:
+                    self._lists[(t, ((label, v),))] = [(new, node_id)]
 
     def take(
         self,
@@ -397,6 +622,7 @@ class FreeIndex:
         if job_id is not None and fn.holder == job_id:
             fn.held = 0
             fn.holder = None
+            self.holding[job_id].remove(node_id)
         fn.free_gpus -= res.gpu_count
         fn.held = min(fn.held, fn.free_gpus)
         fn.cpu_free -= res.cpu
@@ -415,6 +641,8 @@ class FreeIndex:
         if fn is None or fn.holder not in (None, job_id):
             return 0
         old = fn.visible
+        if fn.holder is None:
+            self.holding.setdefault(job_id, []).append(node_id)
         fn.holder = job_id
         fn.held = min(fn.free_gpus, max(fn.held, gpus))
         self._reindex(fn, old)

@@ -64,3 +64,20 @@ class RunningIndex:
             self.by_node.setdefault(r.node_id, []).append((estimated_end_s(r, now_s, config), r))
         for runs in self.by_node.values():
             runs.sort(key=lambda e: (e[0], e[1].run_id))
+        self._by_end: list[tuple[float, str, int]] | None = None
+
+    @property
+    def by_end(self) -> list[tuple[float, str, int]]:
+        """Every attempt with a known end as ``(estimated end, node_id, gpu_count)``, sorted:
+        the fleet-wide order in which GPUs free up (built on first use, once per pass)."""
+        if self._by_end is None:
+            inf = math.inf
+            ends = [
+                (end, r.node_id, r.gpu_count)
+                for runs in self.by_node.values()
+                for end, r in runs
+                if end != inf
+            ]
+            ends.sort()
+            self._by_end = ends
+        return self._by_end

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpufleet.domain.types import PriorityClass, Resources
+
+if TYPE_CHECKING:
+    from gpufleet.policy.placement import FleetIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,3 +201,8 @@ class ClusterSnapshot:
     then the pass never defragments (headroom still applies): without this state the budget
     and the anti-thrash window could not hold. The simulator keeps them in memory; the live
     store reads them from ``job_runs`` (``store.queries.recent_displacements``)."""
+    fleet_index: FleetIndex | None = None
+    """Optional fast path for drivers that keep their node states between passes (the
+    simulator): a ``policy.placement.FleetIndex`` describing exactly ``nodes``, kept up to
+    date with ``FleetIndex.update`` as nodes change. The pass copies its free lists instead
+    of indexing every node again; decisions are the same as without it."""

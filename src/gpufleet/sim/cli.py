@@ -161,7 +161,11 @@ def run_cmd(
     config: Path = typer.Argument(..., exists=True, help="scenario YAML (examples/sim/)"),
     out: Path = typer.Option(Path("sim-out"), "--out", "-o", help="output directory"),
     seed: int = typer.Option(0, help="seed of the synthetic generator"),
-    traces_dir: Path | None = typer.Option(None, help="where the public traces lie"),
+    traces_dir: Path | None = typer.Option(
+        None,
+        help="where the public traces lie (default: $GPUFLEET_TRACES_DIR, else the scenario's "
+        "traces_dir, else ../shared/traces relative to the checkout)",
+    ),
     no_plots: bool = typer.Option(False, "--no-plots"),
     compare: list[str] | None = typer.Option(None, "--compare", help="baselines to add"),
 ) -> None:

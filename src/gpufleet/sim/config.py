@@ -1,14 +1,15 @@
 """Simulation configuration from YAML: cluster, teams, workload, policy, engine, baselines.
 
 See examples/sim/*.yaml and docs/design/simulator.md for the schema. Trace paths are
-relative to ``traces_dir`` (default ``../shared/traces`` next to the repository); the
-files are read where they lie and never copied.
+relative to the traces folder (see :func:`default_traces_dir`); the files are read where
+they lie and never copied.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -152,6 +153,30 @@ SCENARIO_KEYS = frozenset(
 )
 
 
+TRACES_ENV = "GPUFLEET_TRACES_DIR"
+
+
+def checkout_root() -> Path | None:
+    """The repository checkout this package runs from (the nearest folder above the
+    package holding ``pyproject.toml``), or None for an installed copy."""
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "pyproject.toml").is_file():
+            return parent
+    return None
+
+
+def default_traces_dir() -> Path:
+    """Where the public traces lie unless a scenario or caller says otherwise:
+    ``$GPUFLEET_TRACES_DIR`` if set, else ``../shared/traces`` relative to the checkout
+    root (a sibling of the checkout, never a fixed absolute path), else ``shared/traces``
+    relative to the working directory."""
+    env = os.environ.get(TRACES_ENV)
+    if env:
+        return Path(env)
+    root = checkout_root()
+    return (root.parent if root is not None else Path()) / "shared" / "traces"
+
+
 class ScenarioError(ValueError):
     """A scenario file that cannot be run; the message names the file and the field."""
 
@@ -280,7 +305,12 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
     if unknown:
         raise ScenarioError(f"{path}: unknown keys {unknown}; known: {sorted(SCENARIO_KEYS)}")
     base = path.parent
-    tdir = traces_dir or (base / str(raw.get("traces_dir", "../../../shared/traces")))
+    if traces_dir is not None:
+        tdir = traces_dir
+    elif raw.get("traces_dir") is not None and not os.environ.get(TRACES_ENV):
+        tdir = base / str(raw["traces_dir"])  # the scenario's own, relative to its file
+    else:
+        tdir = default_traces_dir()
 
     def trace(p: str) -> Path:
         q = Path(p)

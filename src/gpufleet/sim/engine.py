@@ -78,6 +78,8 @@ class EngineOptions:
 class _TeamAcc:
     spec: TeamSpec
     alloc: dict[str, int] = field(default_factory=dict)
+    gpus: int = 0
+    """``sum(alloc.values())``, kept in step."""
     cpu: float = 0.0
     mem: int = 0
     usage: float = 0.0
@@ -222,12 +224,11 @@ class Engine:
             hl = self.cfg.usage_half_life_s
             f = decay_factor(dt, hl)
             for acc in self.teams.values():
-                g = sum(acc.alloc.values())
-                acc.usage = acc.usage * f + interval_gpu_s(g, self._last_t, t, t, hl)
+                acc.usage = acc.usage * f + interval_gpu_s(acc.gpus, self._last_t, t, t, hl)
             self.rec.integrate(
                 self._last_t,
                 t,
-                {tid: sum(a.alloc.values()) for tid, a in self.teams.items()},
+                {tid: a.gpus for tid, a in self.teams.items()},
                 {tid for tid, a in self.teams.items() if a.pending > 0},
             )
         self._last_t = t
@@ -237,6 +238,7 @@ class Engine:
         spec = self.fleet.jobs[run.job_id].spec
         k = len(run.members)  # CPU and memory are per member
         acc.alloc[run.gpu_type] = acc.alloc.get(run.gpu_type, 0) + sign * spec.gpus
+        acc.gpus += sign * spec.gpus
         acc.cpu += sign * spec.cpu * k
         acc.mem += sign * spec.memory_mb * k
 
@@ -362,6 +364,7 @@ class Engine:
             reservations=self.reservations,
             queues=self.queues,
             recent_displacements=self._recent_displacements(),
+            fleet_index=self.fleet.fleet_index,
         )
 
     def _recent_displacements(self) -> tuple[Displacement, ...]:
@@ -437,4 +440,4 @@ class Engine:
         self.rec.close(self.now, self.fleet)
 
     def teams_alloc(self) -> dict[str, int]:
-        return {tid: sum(a.alloc.values()) for tid, a in self.teams.items()}
+        return {tid: a.gpus for tid, a in self.teams.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 
 from gpufleet.domain.invariants import InvariantView, JobView, NodeView, ReservationView, RunView
 from gpufleet.domain.states import (
@@ -21,6 +22,7 @@ from gpufleet.domain.states import (
     check_transition,
 )
 from gpufleet.domain.types import Resources
+from gpufleet.policy.placement import FleetIndex
 from gpufleet.policy.snapshot import NodeState, PendingJob, RunningJob
 from gpufleet.sim.model import NodeGroup, SimJob
 
@@ -161,6 +163,11 @@ class InMemoryFleet:
         self.running_tuple: tuple[RunningJob, ...] | None = None
         self._node_pos = {nid: i for i, nid in enumerate(self.nodes)}
         self._node_list: list[NodeState] = [n.state() for n in self.nodes.values()]
+        self.fleet_index = FleetIndex(self._node_list)
+        """Free capacity by GPU type, kept in step by ``node_states`` (``ClusterSnapshot.
+        fleet_index``: a pass copies it instead of indexing every node)."""
+        self._runs_on: dict[str, set[str]] = {nid: set() for nid in self.nodes}
+        """Active attempts per node (by run id), for the incremental invariant view."""
         self._stale_nodes: set[str] = set()
         self._run_states: dict[str, tuple[RunningJob, ...]] = {}
         self._stale_runs: set[str] = set()
@@ -299,6 +306,8 @@ class InMemoryFleet:
         for m in run.members[1:]:
             self.member_runs[m.run_id] = run
         self.active_runs[run.run_id] = run
+        for m in run.members:
+            self._runs_on[m.node_id].add(run.run_id)
         self.running_tuple = None
         self._stale_runs.add(run.run_id)
         self.touched_jobs.add(job_id)
@@ -391,6 +400,8 @@ class InMemoryFleet:
             self._stale_nodes.add(m.node_id)
             self.dirty_nodes.add(m.node_id)
         del self.active_runs[run.run_id]
+        for m in run.members:
+            self._runs_on[m.node_id].discard(run.run_id)
         self.running_tuple = None
         self._stale_runs.add(run.run_id)
         elapsed = now_s - run.reserved_s
@@ -421,8 +432,11 @@ class InMemoryFleet:
     # -- checks ------------------------------------------------------------------------
     def node_states(self) -> tuple[NodeState, ...]:
         """All nodes' states, rebuilding only those changed since the last call."""
+        index = self.fleet_index
         for nid in self._stale_nodes:
-            self._node_list[self._node_pos[nid]] = self.nodes[nid].state()
+            state = self.nodes[nid].state()
+            self._node_list[self._node_pos[nid]] = state
+            index.update(state)
         self._stale_nodes.clear()
         return tuple(self._node_list)
 
@@ -436,7 +450,7 @@ class InMemoryFleet:
                 else:
                     self._run_states[rid] = self.running_view(run)
             self._stale_runs.clear()
-            self.running_tuple = tuple(m for ms in self._run_states.values() for m in ms)
+            self.running_tuple = tuple(chain.from_iterable(self._run_states.values()))
         return self.running_tuple
 
     def invariant_view(self, full: bool = False) -> InvariantView:
@@ -445,11 +459,11 @@ class InMemoryFleet:
         untouched node, job or attempt cannot have changed since it was last checked).
         ``full`` includes everything."""
         node_ids = set(self.nodes) if full else self.dirty_nodes
-        runs = {
-            r.run_id: r
-            for r in self.active_runs.values()
-            if any(m.node_id in node_ids for m in r.members)
-        }
+        on_nodes: set[str] = set()
+        for nid in node_ids:
+            on_nodes.update(self._runs_on[nid])
+        # run ids grow with creation, so sorting them is the order of ``active_runs``
+        runs = {rid: self.active_runs[rid] for rid in sorted(on_nodes)}
         for rid in self.touched_runs:
             r = self.runs[rid]
             if any(m.node_id in node_ids for m in r.members) or r.run_id not in self.active_runs:

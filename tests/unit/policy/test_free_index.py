@@ -1,0 +1,150 @@
+"""The indexed lookups give the answers of a scan over every node.
+
+* a ``FleetIndex`` kept up to date with ``update`` (what the simulator does between passes)
+  equals one built from scratch, and a pass given it decides exactly as a pass without it;
+* ``find_reservation`` (free lists, then the fleet-wide walk of estimated ends) picks the
+  node and shadow that computing :func:`start_on_node` for every accepting node picks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import policy_builders as b
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_properties import snapshots
+
+from gpufleet.policy.backfill import find_reservation, has_reservation_candidate, start_on_node
+from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.cycle import schedule
+from gpufleet.policy.placement import FleetIndex, FreeIndex, Shadow, node_accepts
+from gpufleet.policy.runtime import RunningIndex
+from gpufleet.policy.snapshot import ClusterSnapshot, NodeState, PendingJob
+
+
+def scan_reservation(
+    job: PendingJob, index: FreeIndex, running: RunningIndex, now_s: float
+) -> tuple[str, Shadow] | None:
+    """The rule by brute force: every schedulable, unreserved, accepting node."""
+    res = job.resources
+    prefs = {t: i for i, t in enumerate(res.gpu_types)}
+    best: tuple[float, int, int, str] | None = None
+    for node_id, node in index.nodes.items():
+        if not node.schedulable or node_id in index.shadows:
+            continue
+        if not node_accepts(node, res, job.node_selector):
+            continue
+        start, extra = start_on_node(job, node_id, index, running, now_s)
+        if start == math.inf:
+            continue
+        key = (start, prefs.get(node.gpu_type, 0), extra, node_id)
+        if best is None or key < best:
+            best = key
+    if best is None:
+        return None
+    start, _, extra, node_id = best
+    return node_id, Shadow(job.job_id, start, res.gpu_count, extra)
+
+
+@settings(max_examples=200, deadline=None)
+@given(snapshots(), st.data())
+def test_updated_fleet_index_equals_a_fresh_one(
+    sc: tuple[ClusterSnapshot, PolicyConfig], data: st.DataObject
+) -> None:
+    snap, cfg = sc
+    # start from another state of the same nodes (all idle), then update every node
+    idle = [replace(n, free_gpus=n.total_gpus) for n in snap.nodes]
+    index = FleetIndex(idle)
+    order = data.draw(st.permutations(list(snap.nodes)))
+    for n in order:
+        index.update(n)
+    fresh = FleetIndex(snap.nodes)
+    assert {t: keys for t, keys in index.lists.items() if keys} == fresh.lists
+    assert {t: f for t, f in index.free_by_type.items() if f} == fresh.free_by_type
+    with_index = schedule(replace(snap, fleet_index=index), cfg)
+    without = schedule(snap, cfg)
+    assert with_index.decisions == without.decisions
+    assert dict(with_index.waiting) == dict(without.waiting)
+    assert with_index.released_holds == without.released_holds
+
+
+@settings(max_examples=300, deadline=None)
+@given(snapshots(), st.data())
+def test_find_reservation_equals_a_scan_of_every_node(
+    sc: tuple[ClusterSnapshot, PolicyConfig], data: st.DataObject
+) -> None:
+    snap, cfg = sc
+    index = FreeIndex(snap.nodes)
+    running = RunningIndex(snap.running, snap.now_s, cfg)
+    # some nodes already reserved for another job, as later heads of a pass see them
+    for n in snap.nodes:
+        if data.draw(st.booleans()):
+            index.add_shadow(n.node_id, Shadow("other", snap.now_s + 10, 1, 0))
+    for job in snap.pending:
+        assert find_reservation(job, index, running, snap.now_s) == scan_reservation(
+            job, index, running, snap.now_s
+        )
+        scan_candidate = any(
+            n.schedulable
+            and n.node_id not in index.shadows
+            and node_accepts(n, job.resources, job.node_selector)
+            for n in snap.nodes
+        )
+        assert has_reservation_candidate(job, index) == scan_candidate
+
+
+@st.composite
+def labelled_states(draw: st.DrawFn) -> tuple[list[list[NodeState]], list[PendingJob]]:
+    """Two states of the same labelled nodes (two passes) and jobs, some with a rack or
+    zone selector: one-label buckets kept by the FleetIndex across passes."""
+    n_nodes = draw(st.integers(1, 8))
+    shapes = [
+        (
+            f"n{i}",
+            draw(st.sampled_from(["A100", "H100"])),
+            {"rack": draw(st.sampled_from(["r0", "r1", "r2"])), "zone": f"z{i % 2}"},
+        )
+        for i in range(n_nodes)
+    ]
+    states = [
+        [
+            b.node(nid, draw(st.integers(0, 8)), gpu_type=t, labels=labels)
+            for nid, t, labels in shapes
+        ]
+        for _ in range(2)
+    ]
+    jobs = [
+        b.job(
+            f"j{i:02d}",
+            team=draw(st.sampled_from("ab")),
+            gpus=draw(st.sampled_from([1, 2, 4, 8])),
+            types=draw(st.sampled_from([(), ("A100",), ("H100",)])),
+            selector=draw(
+                st.sampled_from(
+                    [None, {"rack": "r0"}, {"rack": "r1"}, {"rack": "r2"}, {"zone": "z1"}]
+                )
+            ),
+        )
+        for i in range(draw(st.integers(1, 20)))
+    ]
+    return states, jobs
+
+
+@settings(max_examples=200, deadline=None)
+@given(labelled_states())
+def test_fleet_index_buckets_kept_across_passes_decide_as_a_fresh_pass(
+    case: tuple[list[list[NodeState]], list[PendingJob]],
+) -> None:
+    states, jobs = case
+    cfg = PolicyConfig()
+    index = FleetIndex(states[0])
+    for state in states:
+        for n in state:
+            index.update(n)
+        s = b.snap(state, jobs, [], [b.team("a"), b.team("b")], now=100.0)
+        with_index = schedule(replace(s, fleet_index=index), cfg)
+        without = schedule(s, cfg)
+        assert with_index.decisions == without.decisions
+        assert dict(with_index.waiting) == dict(without.waiting)
