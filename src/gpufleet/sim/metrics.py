@@ -193,6 +193,7 @@ class Recorder:
             per_team[tid] = {
                 "jobs": len(rs),
                 "queue_delay_s": summary([r.wait_s for r in rs]),
+                "queue_delay_by_size_s": _by_size(rs),
                 "mean_jct_s": sum(r.end_s - r.submit_s for r in rs if r.end_s is not None)
                 / len(rs),
                 "gpu_hours": self.team_gpu_s.get(tid, 0.0) / 3600.0,
@@ -259,3 +260,12 @@ class Recorder:
 
 def _asdict(r: JobRecord) -> dict[str, Any]:
     return {f: getattr(r, f) for f in r.__slots__}
+
+
+def _by_size(recs: list[JobRecord]) -> dict[str, dict[str, float]]:
+    """Queue delay per job size (1/2/4/8+) of some records: within one team, whether its
+    large jobs wait longer than its small ones, apart from how loaded the team is."""
+    out: dict[str, list[float]] = {}
+    for r in recs:
+        out.setdefault(size_bucket(r.gpus), []).append(r.wait_s)
+    return {k: summary(v) for k, v in sorted(out.items())}
