@@ -105,6 +105,35 @@ class TestTeamRuntime:
             made = submit(client, tokens["nlp"], "k1", max_runtime_s=1e6)
             assert made.status_code == 201
 
+    def test_the_maximum_binds_updates_and_is_the_default_without_one(
+        self, db: Database, tokens: dict[str, str], tmp_path: Path
+    ) -> None:
+        """Every path that sets a job's bound obeys the team's maximum: PATCH as submit; and
+        a team with a maximum but no default bounds jobs by the maximum (Slurm's MaxTime)."""
+        with make_client(db, tmp_path) as client:
+            r = put_team(client, tokens["admin"], "nlp", {"max_runtime_limit_s": 3600})
+            assert r.status_code == 200, r.text
+            made = submit(client, tokens["nlp"], "k1", hold=True)
+            assert made.status_code == 201, made.text
+            job_id = made.json()["job_id"]
+            assert job_max_runtime(client, tokens["nlp"], job_id) == 3600.0
+            for who in ("nlp", "admin"):
+                over = client.patch(
+                    f"/v1/jobs/{job_id}",
+                    json={"max_runtime_s": 99_999},
+                    headers={"Authorization": f"Bearer {tokens[who]}"},
+                )
+                assert over.status_code == 422, over.text
+                assert over.json()["field"] == "max_runtime_s" and "3600" in over.json()["message"]
+            assert job_max_runtime(client, tokens["nlp"], job_id) == 3600.0
+            ok = client.patch(
+                f"/v1/jobs/{job_id}",
+                json={"max_runtime_s": 600},
+                headers={"Authorization": f"Bearer {tokens['nlp']}"},
+            )
+            assert ok.status_code == 200, ok.text
+            assert job_max_runtime(client, tokens["nlp"], job_id) == 600.0
+
     @pytest.mark.parametrize(
         ("body", "field"),
         [

@@ -3,6 +3,8 @@ Redis in tests/integration/test_api_limits.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gpufleet.services.limits import InProcRateLimiter, TeamLimits, retry_after_header
@@ -48,5 +50,6 @@ def test_retry_after_is_whole_seconds_at_least_one(seconds: float, want: str) ->
 
 def test_a_team_value_overrides_the_default_and_none_keeps_it() -> None:
     defaults = TeamLimits(10_000, 100.0, 500)
-    assert defaults.for_team(None, None, None) == defaults
-    assert defaults.for_team(0, 5.0, None) == TeamLimits(0, 5.0, 500)
+    # (runtime: the team's own run-time settings, read with its limits: none here)
+    assert defaults.for_team(None, None, None) == replace(defaults, runtime=(None, None))
+    assert defaults.for_team(0, 5.0, None) == TeamLimits(0, 5.0, 500, (None, None))

@@ -8,6 +8,7 @@ database directly, on the database host.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -249,9 +250,9 @@ def _runtime(text: str | None, flag: str) -> float | None:
     """A run-time flag: ``0``/``none`` (0.0: remove it), else :func:`duration_s`."""
     if text is None:
         return None
-    if text.strip().lower() in ("0", "0s", "none"):
+    if text.strip().lower() == "none":
         return 0.0
-    return duration_s(text, flag)
+    return duration_s(text, flag, allow_zero=True)
 
 
 def _types(m: dict[str, Any] | None) -> str:
@@ -580,20 +581,28 @@ def node_forget(
         )
 
 
-def duration_s(text: str, flag: str) -> float:
-    """``90s``, ``15m``, ``2h``, ``1d`` (or bare seconds) as seconds.
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhdw]?)")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def duration_s(text: str, flag: str, allow_zero: bool = False) -> float:
+    """``90s``, ``15m``, ``2h``, ``1d``, ``1w``, ``1d12h`` (or bare seconds) as seconds
+    (units are case-insensitive; a bare number is seconds).
 
     Raises:
-        ClientError: not a positive duration.
+        ClientError: not a finite positive duration (zero too with ``allow_zero``).
     """
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    num, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
-    try:
-        value = float(num) * units[unit]
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ClientError(f"{flag} {text!r}: use e.g. 90s, 15m, 2h, 1d", field=flag)
+    t = text.strip().lower()
+    pos, value = 0, 0.0
+    while pos < len(t):
+        m = _DURATION_PART.match(t, pos)
+        if m is None:
+            value = -1.0
+            break
+        value += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+        pos = m.end()
+    if not t or value < 0 or (value == 0 and not allow_zero):
+        raise ClientError(f"{flag} {text!r}: use e.g. 90s, 15m, 2h, 1d, 1w, 1d12h", field=flag)
     return value
 
 

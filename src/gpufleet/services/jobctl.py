@@ -326,6 +326,12 @@ def patch_job(session: Session, team_id: str | None, job_id: str, patch: JobPatc
                 f"{expected:g}",
                 field="max_runtime_s",
             )
+        # the team's maximum binds an update as it binds a submit
+        from gpufleet.services import jobs  # jobs imports this module
+
+        jobs.check_runtime_limit(
+            job.team_id, patch.max_runtime_s, jobs.team_runtime_limits(session, job.team_id)[1]
+        )
         changes["max_runtime_s"] = [job.max_runtime_s, patch.max_runtime_s]
         job.max_runtime_s = patch.max_runtime_s
     if changes:

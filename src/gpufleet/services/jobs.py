@@ -385,6 +385,27 @@ def forget_outstanding_counts() -> None:
         _outstanding.clear()
 
 
+def team_runtime_limits(session: Session, team_id: str) -> tuple[float | None, float | None]:
+    """The team's (``default_max_runtime_s``, ``max_runtime_limit_s``), seconds or None."""
+    row = session.execute(
+        select(TeamRow.default_max_runtime_s, TeamRow.max_runtime_limit_s).where(
+            TeamRow.id == team_id
+        )
+    ).first()
+    return (row[0], row[1]) if row is not None else (None, None)
+
+
+def check_runtime_limit(team_id: str, max_runtime_s: float, limit: float | None) -> None:
+    """Raises ValidationFailed (422, field ``max_runtime_s``) when ``max_runtime_s`` is above
+    the team's ``limit``; every path that sets a job's hard bound (submit, update) calls it."""
+    if limit is not None and max_runtime_s > limit:
+        raise ValidationFailed(
+            f"max_runtime_s = {max_runtime_s:g} s exceeds the limit of team {team_id} "
+            f"(max_runtime_limit_s = {limit:g} s); ask for at most {limit:g} s",
+            field="max_runtime_s",
+        )
+
+
 def apply_runtime_limits(
     session: Session,
     team_id: str,
@@ -392,35 +413,22 @@ def apply_runtime_limits(
     known: tuple[float | None, float | None] | None = None,
 ) -> JobSpec:
     """The team's run-time settings applied to ``spec`` (Slurm's DefaultTime/MaxTime per
-    partition): without ``max_runtime_s`` it gets the team's ``default_max_runtime_s`` (if
-    any); one above the team's ``max_runtime_limit_s`` is refused. The hard bound the agent
-    enforces; the duration predictor never kills. ``known``: the team's (default, limit)
-    when the caller has them (the API's limits cache), else they are read.
+    partition): without ``max_runtime_s`` it gets the team's ``default_max_runtime_s``, or,
+    when the team has no default, its ``max_runtime_limit_s`` (as Slurm uses MaxTime when
+    DefaultTime is unset: a team with a maximum never runs a job without a bound); one above
+    the team's maximum is refused. The hard bound the agent enforces; the duration predictor
+    never kills. ``known``: the team's (default, limit) when the caller has them (the API's
+    limits cache), else they are read.
 
     Raises:
         ValidationFailed: ``max_runtime_s`` above the team's limit (422, names the field and
             the limit).
     """
-    row = (
-        known
-        if known is not None
-        else session.execute(
-            select(TeamRow.default_max_runtime_s, TeamRow.max_runtime_limit_s).where(
-                TeamRow.id == team_id
-            )
-        ).first()
-    )
-    if row is None:
-        return spec
-    default, limit = row
+    default, limit = known if known is not None else team_runtime_limits(session, team_id)
     if spec.max_runtime_s is None:
-        return replace(spec, max_runtime_s=default) if default is not None else spec
-    if limit is not None and spec.max_runtime_s > limit:
-        raise ValidationFailed(
-            f"max_runtime_s = {spec.max_runtime_s:g} s exceeds team {team_id!r}'s limit of"
-            f" {limit:g} s (max_runtime_limit_s); ask for at most {limit:g} s",
-            field="max_runtime_s",
-        )
+        bound = default if default is not None else limit
+        return replace(spec, max_runtime_s=bound) if bound is not None else spec
+    check_runtime_limit(team_id, spec.max_runtime_s, limit)
     return spec
 
 
