@@ -106,6 +106,9 @@ class TestShim:
             "sorted(os.listdir('/proc/self/fd')))"
         )
         env = {"PATH": os.environ["PATH"], "TOKEN": "x"}
+        # as the agent does at start: a test run under nohup or in the background ignores
+        # HUP/INT/QUIT, which exec would pass on to the job
+        shim.unignore_signals()
         proc = subprocess.Popen(
             shim.argv(
                 exit_file=tmp_path / "exit.json",
@@ -120,6 +123,37 @@ class TestShim:
         # fds: stdin/stdout/stderr and the one listdir opens; nothing of the shim's
         want = "[1, 1, 1] True ['PATH', 'TOKEN'] ['0', '1', '2', '3']\n"
         assert (tmp_path / "out.log").read_text() == want
+
+    def test_signals_ignored_by_whoever_started_the_agent_reach_the_job_as_default(
+        self, tmp_path: Path
+    ) -> None:
+        """Replays an agent started with nohup / as a background job (HUP, INT and QUIT
+        ignored, which exec passes on): after ``unignore_signals`` the job's are default."""
+        names = ("SIGHUP", "SIGINT", "SIGQUIT")
+        saved = {n: signal.getsignal(getattr(signal, n)) for n in names}
+        try:
+            for n in names:
+                signal.signal(getattr(signal, n), signal.SIG_IGN)
+            assert shim.unignore_signals() == list(names)
+            code = (
+                "import signal; print([int(signal.getsignal(s) == signal.SIG_DFL) "
+                "for s in (signal.SIGHUP, signal.SIGQUIT)], "
+                "signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+            )
+            proc = subprocess.Popen(
+                shim.argv(
+                    exit_file=tmp_path / "exit.json",
+                    log_file=tmp_path / "out.log",
+                    command=[sys.executable, "-c", code],
+                ),
+                start_new_session=True,
+                env={"PATH": os.environ["PATH"]},
+            )
+            assert proc.wait(timeout=30) == 0
+            assert (tmp_path / "out.log").read_text() == "[1, 1] True\n"
+        finally:
+            for n, h in saved.items():
+                signal.signal(getattr(signal, n), h)
 
     def test_a_start_error_naming_quotes_is_valid_json(self, tmp_path: Path) -> None:
         r, w = os.pipe()

@@ -32,7 +32,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 import grpc
 
-from gpufleet.agent import telemetry
+from gpufleet.agent import shim, telemetry
 from gpufleet.agent.assignment_log import AssignmentLog, RunStatus
 from gpufleet.agent.core import AgentCore
 from gpufleet.agent.gpu_health import GpuHealth
@@ -173,9 +173,15 @@ def lock_state_dir(state_dir: Path) -> IO[str]:
 
     Raises:
         AgentAlreadyRunning: another process holds it.
+        ValueError: the directory cannot be created or opened (names ``--state-dir``).
     """
-    state_dir.mkdir(parents=True, exist_ok=True)
-    f = open(state_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held for the process lifetime
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        f = open(state_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held for the process lifetime
+    except OSError as exc:  # a bad --state-dir: one line, not a traceback
+        raise ValueError(
+            f"cannot use state dir {state_dir} (--state-dir): {exc.strerror or exc}"
+        ) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -277,6 +283,9 @@ def run_agent(
     state_dir = state_dir.expanduser().resolve()
     _lock = lock_state_dir(state_dir)  # held until this process exits
     _install_signal_handlers(stop)
+    # an agent started under nohup or as a background job inherits ignored HUP/INT/QUIT:
+    # its jobs must not (exec keeps SIG_IGN, and the shim's sh cannot reset it)
+    shim.unignore_signals()
     inventory = load_inventory(node_id, gpus)
     creds: tls.NodeCredentials | None = None
     if insecure:

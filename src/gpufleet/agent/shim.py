@@ -154,3 +154,32 @@ def argv(
     if cwd_as is not None:
         out += ["--setpriv", SETPRIV, "--cwd-as", f"{cwd_as[0]}:{cwd_as[1]}"]
     return [*out, "--", *command]
+
+
+INHERITED_IGNORES = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2")
+"""Signals a job must start with at their default action."""
+
+
+def _ignore_quietly(signum: int, frame: object) -> None:
+    """A handler that does nothing: unlike SIG_IGN, exec resets it to the default action."""
+
+
+def unignore_signals() -> list[str]:
+    """Replace every SIG_IGN this process inherited for ``INHERITED_IGNORES`` (an agent
+    started under ``nohup`` or in a background shell job ignores HUP, INT and QUIT) with a
+    handler that does nothing, so that jobs exec'd from it start with the default action:
+    an ignored disposition survives exec, and a POSIX ``sh`` (the shim) cannot reset a signal
+    ignored on entry. The agent itself still ignores those signals. Returns the names changed.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return []  # only the main thread may set handlers (an agent run inside a test)
+    changed = []
+    for name in INHERITED_IGNORES:
+        sig = getattr(signal, name)
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            signal.signal(sig, _ignore_quietly)
+            changed.append(name)
+    return changed
