@@ -400,13 +400,30 @@ class TestFullRebuild:
         cache = SnapshotCache(CONFIG, full_every_s=1e9)
         compare(db, cache)
         on = "" if db.is_sqlite else " ON jobs"
+        # the PostgreSQL database is shared by the worker's later tests: put it back
+        definition = (
+            None
+            if db.is_sqlite
+            else db.run_write(
+                lambda s: s.execute(
+                    text(
+                        "SELECT pg_get_triggerdef(oid) FROM pg_trigger"
+                        " WHERE tgname = 'jobs_change_seq_upd'"
+                    )
+                ).scalar_one()
+            )
+        )
         db.run_write(lambda s: s.execute(text(f"DROP TRIGGER jobs_change_seq_upd{on}")))
-        cache.invalidate()
-        compare(db, cache)
-        assert cache.stats.full and "no triggers" in cache.stats.reason
-        submit(db)
-        compare(db, cache)
-        assert cache.stats.full
+        try:
+            cache.invalidate()
+            compare(db, cache)
+            assert cache.stats.full and "no triggers" in cache.stats.reason
+            submit(db)
+            compare(db, cache)
+            assert cache.stats.full
+        finally:
+            if definition is not None:
+                db.run_write(lambda s: s.execute(text(definition)))
 
 
 def test_the_migration_watches_the_columns_the_cache_reads() -> None:

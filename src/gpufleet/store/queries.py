@@ -150,6 +150,28 @@ class SpecCache:
         return self._facts
 
 
+RUNNING_COLUMNS = (
+    JobRunRow.id,
+    JobRunRow.job_id,
+    JobRunRow.node_id,
+    JobRunRow.status,
+    JobRunRow.gpu_ids,
+    JobRunRow.started_at,
+    JobRunRow.created_at,
+    JobRunRow.preempted_for_job_id,
+    JobRunRow.rank,
+    JobRunRow.gang_size,
+    JobRow.team_id,
+    JobRow.priority,
+    JobRow.max_runtime_s,
+    JobRow.name,
+    JobRow.submitted_by,
+    JobRow.gpu_count,
+)
+"""What a snapshot reads of a running attempt and its job (``load_snapshot`` and the
+leader's ``store.snapshot_cache``)."""
+
+
 def load_snapshot(
     session: Session,
     now: datetime,
@@ -229,24 +251,7 @@ def load_snapshot(
             or_(JobRow.retry_after.is_(None), JobRow.retry_after <= now),
         )
     ).all()
-    running_columns = (
-        JobRunRow.id,
-        JobRunRow.job_id,
-        JobRunRow.node_id,
-        JobRunRow.status,
-        JobRunRow.gpu_ids,
-        JobRunRow.started_at,
-        JobRunRow.created_at,
-        JobRunRow.preempted_for_job_id,
-        JobRunRow.rank,
-        JobRunRow.gang_size,
-        JobRow.team_id,
-        JobRow.priority,
-        JobRow.max_runtime_s,
-        JobRow.name,
-        JobRow.submitted_by,
-        JobRow.gpu_count,
-    )
+    running_columns = RUNNING_COLUMNS
     running_rows = list(
         session.execute(
             select(*running_columns)

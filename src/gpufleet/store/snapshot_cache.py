@@ -54,6 +54,7 @@ from gpufleet.policy.usage import UsageLedger
 from gpufleet.store.dialect import change_floor, change_floor_sql, change_triggers_present
 from gpufleet.store.predictions import HistoryPredictor
 from gpufleet.store.queries import (
+    RUNNING_COLUMNS,
     SpecCache,
     SpecFacts,
     kept_back,
@@ -130,22 +131,7 @@ _PENDING_COLUMNS = (
     JobRow.gpu_count,
 )
 _RUN_COLUMNS = (
-    JobRunRow.id,
-    JobRunRow.job_id,
-    JobRunRow.node_id,
-    JobRunRow.status,
-    JobRunRow.gpu_ids,
-    JobRunRow.started_at,
-    JobRunRow.created_at,
-    JobRunRow.preempted_for_job_id,
-    JobRunRow.rank,
-    JobRunRow.gang_size,
-    JobRow.team_id,
-    JobRow.priority,
-    JobRow.max_runtime_s,
-    JobRow.name,
-    JobRow.submitted_by,
-    JobRow.gpu_count,
+    *RUNNING_COLUMNS,
     ReservationRow.status.label("reservation_status"),
     ReservationRow.created_at.label("reserved_at"),
 )
