@@ -187,11 +187,15 @@ def run_cmd(
         what = f"{type(exc).__name__}: " if not isinstance(exc, ValueError) else ""
         typer.echo(f"error: {what}{exc}", err=True)
         raise typer.Exit(2) from None
+
+    def seconds(x: float | None) -> str:
+        return "n/a" if x is None else f"{shown(x)}s"  # no unit on "n/a"
+
     for name, r in rep["runs"].items():
         qd = r["queue_delay_s"]["all"]
         typer.echo(
             f"{name:16s} alloc(backlog)={r['allocation']['under_backlog']:.3f} "
-            f"wait mean={shown(qd.get('mean'))}s p95={shown(qd.get('p95'))}s "
+            f"wait mean={seconds(qd.get('mean'))} p95={seconds(qd.get('p95'))} "
             f"jain={shown(r['fairness']['jain_backlogged_time_weighted'], '.3f')} "
             f"longest={r['starvation']['longest_wait_s']:.0f}s "
             f"preemptions={r['preemption']['count']}"

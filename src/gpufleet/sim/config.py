@@ -24,6 +24,7 @@ from gpufleet.policy.config import Backfill, Ordering, Placement, PolicyConfig
 from gpufleet.sim.engine import EngineOptions
 from gpufleet.sim.loaders import (
     SyntheticTeam,
+    _epoch,
     load_openb_fleet,
     load_openb_pods,
     load_philly,
@@ -102,20 +103,54 @@ class Scenario:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
-def _enum_fields(policy: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(policy)
-    for key, enum_type in (
-        ("placement", Placement),
-        ("ordering", Ordering),
-        ("backfill", Backfill),
-    ):
-        if key in out:
-            out[key] = enum_type(str(out[key]))
-    if "head_start_s" in out:
-        out["head_start_s"] = {PriorityClass(k): float(v) for k, v in out["head_start_s"].items()}
-    for key in ("usage_half_life_s", "hold_timeout_s"):
-        if key in out and out[key] in ("inf", None):
+_POLICY_BOUNDS: Mapping[str, dict[str, Any]] = {
+    "max_decisions_per_cycle": {"integer": True, "ge": 1},
+    "max_reservations": {"integer": True, "ge": 0},
+    "max_preemptions_per_cycle": {"integer": True, "ge": 0},
+    "backfill_depth": {"integer": True, "ge": 0},
+    "nodes_per_reservation": {"integer": True, "ge": 0},
+    "hold_timeout_s": {"gt": 0, "inf": True},
+    "usage_half_life_s": {"gt": 0, "inf": True},
+    "default_runtime_estimate_s": {"gt": 0},
+    "headroom_wait_s": {"ge": 0},
+    "large_job_node_share": {"gt": 0, "le": 1},
+    "headroom_max_node_share": {"ge": 0, "le": 1},
+    "defrag_wait_s": {"ge": 0},
+    "defrag_drain_horizon_s": {"ge": 0},
+    "displacement_budget_share": {"ge": 0},
+    "anti_thrash_s": {"ge": 0},
+}
+"""Bounds of the numeric ``policy`` knobs (``_number`` keywords)."""
+
+POLICY_KEYS = frozenset(f.name for f in dataclasses.fields(PolicyConfig)) | {"baseline"}
+
+
+def _policy_knobs(raw: Any, where: str) -> dict[str, Any]:
+    """``policy:`` read into ``PolicyConfig`` keyword arguments (``baseline`` left out)."""
+    pol = _mapping(raw, where, POLICY_KEYS)
+    out: dict[str, Any] = {}
+    for key, value in pol.items():
+        at = f"{where}.{key}"
+        if key == "baseline":
+            continue
+        if key in ("placement", "ordering", "backfill"):
+            enum_type = {"placement": Placement, "ordering": Ordering, "backfill": Backfill}[key]
+            out[key] = enum_type(_choice(value, at, enum_type))
+        elif key in ("borrowing", "preemption"):
+            out[key] = _bool(value, at)
+        elif key == "head_start_s":
+            out[key] = {
+                _priority(k, f"{at} key {_shown(k)}"): _number(v, f"{at}[{k}]", ge=0)
+                for k, v in _mapping(value, at).items()
+            }
+        elif key in ("usage_half_life_s", "hold_timeout_s") and value in ("inf", None):
             out[key] = math.inf
+        elif key in ("default_runtime_estimate_s", "headroom_wait_s", "defrag_wait_s"):
+            out[key] = _opt(value, at, **_POLICY_BOUNDS[key])
+        else:
+            bounds = _POLICY_BOUNDS.get(key, {})
+            x = _number(value, at, **bounds)
+            out[key] = int(x) if bounds.get("integer") else x
     return out
 
 
@@ -181,6 +216,121 @@ class ScenarioError(ValueError):
     """A scenario file that cannot be run; the message names the file and the field."""
 
 
+_MISSING: Any = object()
+
+
+def _shown(raw: Any) -> str:
+    return "null" if raw is None else repr(raw) if isinstance(raw, str) else str(raw)
+
+
+def _number(
+    raw: Any,
+    where: str,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    le: float | None = None,
+    integer: bool = False,
+    inf: bool = False,
+) -> float:
+    """``raw`` as a number within the bounds, else a ScenarioError naming ``where``
+    (``inf``: ``.inf`` / ``inf`` is allowed)."""
+    bounds = [f"> {gt:g}" if gt is not None else "", f">= {ge:g}" if ge is not None else ""]
+    bounds.append(f"<= {le:g}" if le is not None else "")
+    want = f"{'an integer' if integer else 'a number'} {' and '.join(b for b in bounds if b)}"
+    if raw is _MISSING:
+        raise ScenarioError(f"{where} is required")
+    bad = ScenarioError(f"{where} must be {want.strip()}, not {_shown(raw)}")
+    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+        raise bad
+    try:
+        x = float(raw)
+    except ValueError:
+        raise bad from None
+    if math.isnan(x) or (math.isinf(x) and not (inf and x > 0)):
+        raise bad
+    if integer and not math.isinf(x) and x != int(x):
+        raise bad
+    if (gt is not None and not x > gt) or (ge is not None and not x >= ge):
+        raise bad
+    if le is not None and not x <= le:
+        raise bad
+    return x
+
+
+def _int(raw: Any, where: str, *, ge: int | None = None) -> int:
+    return int(_number(raw, where, ge=ge, integer=True))
+
+
+def _opt(raw: Any, where: str, **bounds: Any) -> float | None:
+    """An optional number: absent/null stays None."""
+    return None if raw is None else _number(raw, where, **bounds)
+
+
+def _bool(raw: Any, where: str) -> bool:
+    if not isinstance(raw, bool):
+        raise ScenarioError(f"{where} must be true or false, not {_shown(raw)}")
+    return raw
+
+
+def _text(raw: Any, where: str) -> str:
+    if raw is _MISSING:
+        raise ScenarioError(f"{where} is required")
+    if raw is None or isinstance(raw, dict | list | bool):
+        raise ScenarioError(f"{where} must be a name or text, not {_shown(raw)}")
+    return str(raw)
+
+
+def _choice(raw: Any, where: str, choices: Any) -> str:
+    names = [str(getattr(c, "value", c)) for c in choices]
+    if str(raw) not in names or isinstance(raw, dict | list | bool) or raw is None:
+        raise ScenarioError(f"{where} must be one of {', '.join(names)}, not {_shown(raw)}")
+    return str(raw)
+
+
+def _mapping(raw: Any, where: str, known: Any = None) -> dict[Any, Any]:
+    """A mapping (absent/null: empty); with ``known``, other keys are an error."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{where} must be a mapping, not {_shown(raw)}")
+    if known is not None:
+        unknown = sorted(str(k) for k in set(raw) - set(known))
+        if unknown:
+            raise ScenarioError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+    return raw
+
+
+def _list(raw: Any, where: str) -> list[Any]:
+    if raw is _MISSING:
+        raise ScenarioError(f"{where} is required")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ScenarioError(f"{where} must be a list, not {_shown(raw)}")
+    return raw
+
+
+def _priority(raw: Any, where: str) -> PriorityClass:
+    return PriorityClass(_choice(raw, where, PriorityClass))
+
+
+def _weights(raw: Any, where: str, key: Any) -> tuple[tuple[Any, float], ...]:
+    """``{choice: weight}``: every weight >= 0 and their sum > 0; ``key(k, where)`` reads
+    each choice."""
+    items = tuple(
+        (key(k, f"{where} key {_shown(k)}"), _number(v, f"{where}[{k}]", ge=0))
+        for k, v in _mapping(raw, where).items()
+    )
+    if not items or not sum(w for _, w in items) > 0:
+        raise ScenarioError(f"{where} must have weights >= 0 with a sum > 0, not {_shown(raw)}")
+    return items
+
+
+def _per_type(raw: Any, where: str) -> dict[str, int]:
+    return {str(k): _int(v, f"{where}[{k}]", ge=0) for k, v in _mapping(raw, where).items()}
+
+
 def _check_team(path: Path, t: TeamSpec) -> None:
     where = f"{path}: teams[{t.team_id}]"
     if not math.isfinite(t.weight) or t.weight <= 0:
@@ -242,17 +392,24 @@ def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
         try:
             base = SimJob(
                 job_id=job_id,
-                team_id=str(item["team"]),
-                submit_s=float(item.get("submit_s", 0.0)),
-                gpus=int(item.get("gpus", 1)),
-                duration_s=float(item["duration_s"]),
-                priority=PriorityClass(str(item.get("priority", "NORMAL"))),
-                gpu_types=tuple(str(t) for t in item.get("gpu_types") or ()),
-                expected_duration_s=item.get("expected_duration_s"),
-                max_runtime_s=item.get("max_runtime_s"),
-                failures=int(item.get("failures", 0)),
-                checkpoint_s=item.get("checkpoint_s"),
-                preemptible=bool(item.get("preemptible", True)),
+                team_id=_text(item.get("team", _MISSING), f"{where}.team"),
+                submit_s=_number(item.get("submit_s", 0.0), f"{where}.submit_s", ge=0),
+                gpus=_int(item.get("gpus", 1), f"{where}.gpus", ge=1),
+                duration_s=_number(
+                    item.get("duration_s", _MISSING), f"{where}.duration_s", gt=0, inf=True
+                ),
+                priority=_priority(item.get("priority", "NORMAL"), f"{where}.priority"),
+                gpu_types=tuple(
+                    _text(t, f"{where}.gpu_types[{k}]")
+                    for k, t in enumerate(_list(item.get("gpu_types"), f"{where}.gpu_types"))
+                ),
+                expected_duration_s=_opt(
+                    item.get("expected_duration_s"), f"{where}.expected_duration_s", gt=0
+                ),
+                max_runtime_s=_opt(item.get("max_runtime_s"), f"{where}.max_runtime_s", gt=0),
+                failures=_int(item.get("failures", 0), f"{where}.failures", ge=0),
+                checkpoint_s=_opt(item.get("checkpoint_s"), f"{where}.checkpoint_s", gt=0),
+                preemptible=_bool(item.get("preemptible", True), f"{where}.preemptible"),
             )
             deps = parse_depends(item["depends_on"]) if item.get("depends_on") else []
             array = parse_array(str(item["array"])) if item.get("array") is not None else None
@@ -322,146 +479,262 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
             )
         return found
 
-    cluster = raw.get("cluster", {})
+    def at(field_path: str) -> str:
+        return f"{path}: {field_path}"
+
+    cluster = _mapping(
+        raw.get("cluster"), at("cluster"), ("node_groups", "openb_nodes", "philly_vcs")
+    )
     groups: list[NodeGroup] = []
     teams: list[TeamSpec] = []
     stats: dict[str, Any] = {}
-    for g in cluster.get("node_groups", []):
+    for n, g in enumerate(_list(cluster.get("node_groups"), at("cluster.node_groups"))):
+        w = at(f"cluster.node_groups[{n}]")
+        g = _mapping(g, w, NODE_GROUP_KEYS)
         groups.append(
             NodeGroup(
-                name=str(g["name"]),
-                count=int(g.get("count", 1)),
-                gpus_per_node=int(g["gpus_per_node"]),
-                gpu_type=str(g.get("gpu_type", "GPU")),
-                gpu_memory_mb=int(g.get("gpu_memory_mb", 0)),
-                cpu=float(g.get("cpu", 0)),
-                memory_mb=int(g.get("memory_mb", 0)),
-                labels={str(k): str(v) for k, v in (g.get("labels") or {}).items()},
+                name=_text(g.get("name", _MISSING), f"{w}.name"),
+                count=_int(g.get("count", 1), f"{w}.count", ge=1),
+                gpus_per_node=_int(g.get("gpus_per_node", _MISSING), f"{w}.gpus_per_node", ge=1),
+                gpu_type=_text(g.get("gpu_type", "GPU"), f"{w}.gpu_type"),
+                gpu_memory_mb=_int(g.get("gpu_memory_mb", 0), f"{w}.gpu_memory_mb", ge=0),
+                cpu=_number(g.get("cpu", 0), f"{w}.cpu", ge=0),
+                memory_mb=_int(g.get("memory_mb", 0), f"{w}.memory_mb", ge=0),
+                labels={
+                    str(k): _text(v, f"{w}.labels[{k}]")
+                    for k, v in _mapping(g.get("labels"), f"{w}.labels").items()
+                },
             )
         )
     if "openb_nodes" in cluster:
-        groups.extend(load_openb_fleet(trace(str(cluster["openb_nodes"]))))
+        groups.extend(
+            load_openb_fleet(trace(_text(cluster["openb_nodes"], at("cluster.openb_nodes"))))
+        )
     vc_sizes: dict[str, int] = {}
     if "philly_vcs" in cluster:
-        pv = cluster["philly_vcs"]
-        vc_sizes = philly_vc_sizes(trace(str(pv["path"])))
-        capacity = float(pv.get("capacity", 1.0))
-        if not 0.0 < capacity <= 100.0:
-            raise ScenarioError(f"cluster.philly_vcs.capacity must be in (0, 100], not {capacity}")
+        w = at("cluster.philly_vcs")
+        pv = _mapping(
+            cluster["philly_vcs"], w, ("path", "capacity", "gpus_per_node", "gpu_type", "cpu")
+        )
+        capacity = _number(pv.get("capacity", 1.0), f"{w}.capacity", gt=0, le=100)
+        gpn = _int(pv.get("gpus_per_node", 8), f"{w}.gpus_per_node", ge=1)
+        gpu_type = _text(pv.get("gpu_type", "GPU"), f"{w}.gpu_type")
+        cpu = _number(pv.get("cpu", 96), f"{w}.cpu", ge=0)
+        vc_sizes = philly_vc_sizes(trace(_text(pv.get("path", _MISSING), f"{w}.path")))
         if capacity != 1.0:
             # every VC scaled alike (at least one node), so its guarantee keeps its share
             vc_sizes = {vc: max(1, round(n * capacity)) for vc, n in vc_sizes.items()}
-        gpn = int(pv.get("gpus_per_node", 8))
-        gpu_type = str(pv.get("gpu_type", "GPU"))
-        groups.append(
-            NodeGroup(
-                "philly", sum(vc_sizes.values()), gpn, gpu_type, cpu=float(pv.get("cpu", 96))
-            )
-        )
+        groups.append(NodeGroup("philly", sum(vc_sizes.values()), gpn, gpu_type, cpu=cpu))
         teams.extend(philly_teams(vc_sizes, gpn, gpu_type))
-    for t in raw.get("teams", []):
+    for n, t in enumerate(_list(raw.get("teams"), at("teams"))):
+        w = at(f"teams[{n}]")
+        t = _mapping(t, w, TEAM_KEYS)
+        team_id = _text(t.get("id", _MISSING), f"{w}.id")
+        if any(x.team_id == team_id for x in teams):
+            raise ScenarioError(f"{w}.id: team {team_id!r} is declared twice")
+        borrow = t.get("borrow_limit_gpus")
         teams.append(
             TeamSpec(
-                team_id=str(t["id"]),
-                weight=float(t.get("weight", 1.0)),
-                guaranteed_gpus={
-                    str(k): int(v) for k, v in (t.get("guaranteed_gpus") or {}).items()
-                },
-                borrow_limit_gpus=t.get("borrow_limit_gpus"),
-                lending_limit_gpus={
-                    str(k): int(v) for k, v in (t.get("lending_limit_gpus") or {}).items()
-                },
+                team_id=team_id,
+                weight=_number(t.get("weight", 1.0), f"{w}.weight", gt=0),
+                guaranteed_gpus=_per_type(t.get("guaranteed_gpus"), f"{w}.guaranteed_gpus"),
+                borrow_limit_gpus=(
+                    None if borrow is None else _int(borrow, f"{w}.borrow_limit_gpus", ge=0)
+                ),
+                lending_limit_gpus=_per_type(
+                    t.get("lending_limit_gpus"), f"{w}.lending_limit_gpus"
+                ),
             )
         )
         _check_team(path, teams[-1])
-    wl = raw.get("workload", {})
+    declared = {t.team_id for t in teams}
+
+    def known_team(team_id: str, where: str) -> str:
+        if declared and team_id not in declared:
+            raise ScenarioError(
+                f"{where}: team {team_id!r} is not declared in teams: ({sorted(declared)})"
+            )
+        return team_id
+
+    wl = _mapping(
+        raw.get("workload"), at("workload"), ("philly", "openb_pods", "synthetic", "jobs")
+    )
     jobs: list[SimJob] = []
     no_estimates = False
     if "philly" in wl:
-        p = wl["philly"]
-        keep = set(vc_sizes) if p.get("teams", "known") == "known" and vc_sizes else None
-        estimate = str(p.get("estimate", "exact"))
+        w = at("workload.philly")
+        p = _mapping(wl["philly"], w, PHILLY_KEYS)
+        teams_opt = p.get("teams", "known")
+        keep: set[str] | None = None
+        if isinstance(teams_opt, list):
+            keep = {_text(x, f"{w}.teams[{k}]") for k, x in enumerate(teams_opt)}
+        elif _choice(teams_opt, f"{w}.teams", ("known", "all")) == "known" and vc_sizes:
+            keep = set(vc_sizes)
+        estimate = _choice(p.get("estimate", "exact"), f"{w}.estimate", ("exact", "none"))
         no_estimates = estimate == "none"
-        if isinstance(p.get("teams"), list):
-            keep = {str(x) for x in p["teams"]}
-        oversize = str(p.get("oversize", "gang"))
-        if oversize not in ("gang", "clip", "drop"):
-            raise ScenarioError(
-                f"{path}: workload.philly.oversize must be gang, clip or drop, not {oversize!r}"
-            )
+        oversize = _choice(p.get("oversize", "gang"), f"{w}.oversize", ("gang", "clip", "drop"))
+        start = _date(p.get("start", "2017-10-01 00:00:00"), f"{w}.start")
+        end = _date(p.get("end", "2017-12-01 00:00:00"), f"{w}.end")
+        speedup = _number(p.get("arrival_speedup", 1.0), f"{w}.arrival_speedup", gt=0)
+        checkpoint = _opt(p.get("checkpoint_s"), f"{w}.checkpoint_s", gt=0)
         loaded, st = load_philly(
-            trace(str(p["path"])),
-            start=str(p.get("start", "2017-10-01 00:00:00")),
-            end=str(p.get("end", "2017-12-01 00:00:00")),
+            trace(_text(p.get("path", _MISSING), f"{w}.path")),
+            start=start,
+            end=end,
             teams=keep,
             max_gpus_per_job=max((g.gpus_per_node for g in groups), default=8),
             oversize=oversize,
             estimate=estimate,
-            arrival_speedup=float(p.get("arrival_speedup", 1.0)),
-            checkpoint_s=float(p["checkpoint_s"]) if p.get("checkpoint_s") is not None else None,
+            arrival_speedup=speedup,
+            checkpoint_s=checkpoint,
         )
         jobs.extend(loaded)
         stats["philly"] = dataclasses.asdict(st)
         if keep is not None:
             teams = [t for t in teams if t.team_id in keep]
     if "openb_pods" in wl:
-        op = wl["openb_pods"]
-        inflate = op.get("inflate_to_fleet_share")
+        w = at("workload.openb_pods")
+        op = _mapping(
+            wl["openb_pods"], w, ("path", "arrival_speedup", "lifetime", "inflate_to_fleet_share")
+        )
+        inflate = _opt(op.get("inflate_to_fleet_share"), f"{w}.inflate_to_fleet_share", gt=0)
         fleet_gpus = sum(g.count * g.gpus_per_node for g in groups)
+        speedup = _number(op.get("arrival_speedup", 1.0), f"{w}.arrival_speedup", gt=0)
+        lifetime = _choice(op.get("lifetime", "trace"), f"{w}.lifetime", ("trace", "forever"))
         loaded, st2 = load_openb_pods(
-            trace(str(op["path"])),
-            arrival_speedup=float(op.get("arrival_speedup", 1.0)),
-            lifetime=str(op.get("lifetime", "trace")),
-            inflate_to_gpus=int(float(inflate) * fleet_gpus) if inflate is not None else None,
+            trace(_text(op.get("path", _MISSING), f"{w}.path")),
+            arrival_speedup=speedup,
+            lifetime=lifetime,
+            inflate_to_gpus=int(inflate * fleet_gpus) if inflate is not None else None,
             seed=seed,
         )
         jobs.extend(loaded)
         stats["openb_pods"] = dataclasses.asdict(st2)
     if "synthetic" in wl:
-        s = wl["synthetic"]
+        w = at("workload.synthetic")
+        s = _mapping(wl["synthetic"], w, ("horizon_h", "teams"))
+        horizon_h = _number(s.get("horizon_h", 24), f"{w}.horizon_h", gt=0)
         steams = [
-            SyntheticTeam(
-                team_id=str(t["id"]),
-                jobs_per_hour=float(t["jobs_per_hour"]),
-                sizes=tuple((int(k), float(v)) for k, v in (t.get("sizes") or {1: 1.0}).items()),
-                priorities=tuple(
-                    (PriorityClass(str(k)), float(v))
-                    for k, v in (t.get("priorities") or {"NORMAL": 1.0}).items()
-                ),
-                median_duration_s=float(t.get("median_duration_s", 1800)),
-                sigma=float(t.get("sigma", 1.0)),
-                fail_prob=float(t.get("fail_prob", 0.0)),
-                checkpoint_s=t.get("checkpoint_s", 600.0),
-                bounded=bool(t.get("bounded", False)),
-            )
-            for t in s["teams"]
+            _synthetic_team(t, f"{w}.teams[{n}]", known_team)
+            for n, t in enumerate(_list(s.get("teams", _MISSING), f"{w}.teams"))
         ]
-        jobs.extend(synthetic(steams, float(s.get("horizon_h", 24)) * 3600.0, seed))
+        if not steams:
+            raise ScenarioError(f"{w}.teams must list at least one team")
+        expected = sum(t.jobs_per_hour for t in steams) * horizon_h
+        if expected > MAX_SYNTHETIC_JOBS:
+            raise ScenarioError(
+                f"{w}: jobs_per_hour x horizon_h gives ~{expected:.3g} jobs, more than "
+                f"{MAX_SYNTHETIC_JOBS:,}; lower the rates or the horizon"
+            )
+        jobs.extend(synthetic(steams, horizon_h * 3600.0, seed))
     if "jobs" in wl:
-        jobs.extend(explicit_jobs(path, wl["jobs"]))
+        explicit = explicit_jobs(path, wl["jobs"])
+        for j in explicit:
+            known_team(j.team_id, at(f"workload.jobs ({j.job_id}).team"))
+        jobs.extend(explicit)
     jobs.sort(key=lambda j: (j.submit_s, j.job_id))
-    pol = raw.get("policy", {}) or {}
-    baseline = str(pol.pop("baseline", "fair_share"))
-    base_policy = PolicyConfig(**_enum_fields(pol))
+    w = at("policy")
+    pol = _mapping(raw.get("policy"), w, POLICY_KEYS)
+    baseline = _choice(pol.get("baseline", "fair_share"), f"{w}.baseline", BASELINES)
+    base_policy = PolicyConfig(**_policy_knobs(pol, w))
     policy = policy_for(base_policy, baseline)
-    eng = raw.get("engine", {}) or {}
-    horizon = eng.get("horizon_h")
+    w = at("engine")
+    eng = _mapping(raw.get("engine"), w, ENGINE_KEYS)
+    horizon = _opt(eng.get("horizon_h"), f"{w}.horizon_h", gt=0)
     engine = EngineOptions(
-        grace_s=float(eng.get("grace_s", 30.0)),
-        check_invariants=str(eng.get("check_invariants", "every_event")),
-        sample_interval_s=float(eng.get("sample_interval_s", 600.0)),
-        horizon_s=float(horizon) * 3600.0 if horizon is not None else None,
-        predict_durations=bool(eng.get("predict_durations", no_estimates)),
+        grace_s=_number(eng.get("grace_s", 30.0), f"{w}.grace_s", ge=0),
+        check_invariants=_choice(
+            eng.get("check_invariants", "every_event"),
+            f"{w}.check_invariants",
+            ("every_event", "every_pass", "end"),
+        ),
+        sample_interval_s=_number(
+            eng.get("sample_interval_s", 600.0), f"{w}.sample_interval_s", gt=0
+        ),
+        horizon_s=horizon * 3600.0 if horizon is not None else None,
+        predict_durations=_bool(
+            eng.get("predict_durations", no_estimates), f"{w}.predict_durations"
+        ),
     )
+    compare = raw.get("compare")
+    if isinstance(compare, str):
+        compare = [compare]  # one baseline, written without the list
     return Scenario(
-        name=str(raw.get("name", path.stem)),
+        name=_text(raw.get("name", path.stem), at("name")),
         groups=groups,
         teams=teams,
         jobs=jobs,
         policy=policy,
         engine=engine,
         base_policy=base_policy,
-        compare=tuple(str(c) for c in raw.get("compare", []) or []),
+        compare=tuple(
+            _choice(c, at(f"compare[{k}]"), BASELINES)
+            for k, c in enumerate(_list(compare, at("compare")))
+        ),
         load_stats=stats,
         raw=raw,
+    )
+
+
+MAX_SYNTHETIC_JOBS = 10_000_000
+"""A synthetic workload expected to be larger than this is refused (it would not fit in
+memory, and would look like a hang)."""
+
+NODE_GROUP_KEYS = frozenset(
+    {"name", "count", "gpus_per_node", "gpu_type", "gpu_memory_mb", "cpu", "memory_mb", "labels"}
+)
+TEAM_KEYS = frozenset(
+    {"id", "weight", "guaranteed_gpus", "borrow_limit_gpus", "lending_limit_gpus"}
+)
+PHILLY_KEYS = frozenset(
+    {"path", "start", "end", "teams", "estimate", "oversize", "arrival_speedup", "checkpoint_s"}
+)
+SYNTHETIC_TEAM_KEYS = frozenset(
+    {
+        "id",
+        "jobs_per_hour",
+        "sizes",
+        "priorities",
+        "median_duration_s",
+        "sigma",
+        "fail_prob",
+        "checkpoint_s",
+        "bounded",
+    }
+)
+ENGINE_KEYS = frozenset(
+    {"grace_s", "check_invariants", "sample_interval_s", "horizon_h", "predict_durations"}
+)
+
+
+def _date(raw: Any, where: str) -> str:
+    text = _text(raw, where)
+    try:
+        _epoch(text)
+    except ValueError:
+        raise ScenarioError(
+            f"{where} must be a time 'YYYY-MM-DD HH:MM:SS', not {text!r}"
+        ) from None
+    return text
+
+
+def _synthetic_team(raw: Any, where: str, known_team: Any) -> SyntheticTeam:
+    t = _mapping(raw, where, SYNTHETIC_TEAM_KEYS)
+    team_id = known_team(_text(t.get("id", _MISSING), f"{where}.id"), f"{where}.id")
+    return SyntheticTeam(
+        team_id=team_id,
+        jobs_per_hour=_number(t.get("jobs_per_hour", _MISSING), f"{where}.jobs_per_hour", gt=0),
+        sizes=_weights(
+            t.get("sizes") or {1: 1.0}, f"{where}.sizes", lambda k, w: _int(k, w, ge=1)
+        ),
+        priorities=_weights(
+            t.get("priorities") or {"NORMAL": 1.0}, f"{where}.priorities", _priority
+        ),
+        median_duration_s=_number(
+            t.get("median_duration_s", 1800), f"{where}.median_duration_s", gt=0
+        ),
+        sigma=_number(t.get("sigma", 1.0), f"{where}.sigma", ge=0),
+        fail_prob=_number(t.get("fail_prob", 0.0), f"{where}.fail_prob", ge=0, le=1),
+        checkpoint_s=_opt(t.get("checkpoint_s", 600.0), f"{where}.checkpoint_s", gt=0),
+        bounded=_bool(t.get("bounded", False), f"{where}.bounded"),
     )

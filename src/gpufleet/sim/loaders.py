@@ -275,7 +275,16 @@ def _pick(rng: random.Random, choices: tuple[tuple[_T, float], ...]) -> _T:
 
 def synthetic(teams: list[SyntheticTeam], horizon_s: float, seed: int) -> Iterator[SimJob]:
     """Poisson arrivals per team, job sizes and priorities from weighted choices, log-normal
-    durations; deterministic for a seed (one ``random.Random(seed)``)."""
+    durations; deterministic for a seed (one ``random.Random(seed)``).
+
+    Raises ValueError for a rate that is not a finite number > 0 (the arrivals would never
+    reach the horizon) or a horizon that is not finite."""
+    if not math.isfinite(horizon_s):
+        raise ValueError(f"horizon_s must be finite, not {horizon_s}")
+    for t in teams:
+        if not (math.isfinite(t.jobs_per_hour) and t.jobs_per_hour > 0):
+            rate = t.jobs_per_hour
+            raise ValueError(f"team {t.team_id}: jobs_per_hour must be finite and > 0, not {rate}")
     rng = random.Random(seed)
     out: list[SimJob] = []
     for t in teams:
