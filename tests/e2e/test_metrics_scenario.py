@@ -218,10 +218,16 @@ def test_scraped_values_equal_the_database_after_preempt_reclaim_cancel(
 
         # the agent's own target: what it holds, its heartbeats, its uploads, its disk
         agent_url = f"http://127.0.0.1:{agent_port}"
-        deadline = time.monotonic() + 10
+        # (an answered heartbeat is needed for an RTT sample: on a loaded machine the first
+        # ones may time out, so wait for one rather than take the first scrape)
+        deadline = time.monotonic() + 30
         while True:
             a = scrape(agent_url)
-            if a["gpufleet_agent_running_attempts"][()] == 2 or time.monotonic() > deadline:
+            ready = (
+                a["gpufleet_agent_running_attempts"][()] == 2
+                and a["gpufleet_agent_heartbeat_rtt_seconds_count"][()] > 0
+            )
+            if ready or time.monotonic() > deadline:
                 break
             time.sleep(0.3)
         assert a["gpufleet_agent_running_attempts"][()] == 2  # vision's and nlp's HIGH job

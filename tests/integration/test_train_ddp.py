@@ -188,8 +188,13 @@ class TestTrainDdp:
             assert time.monotonic() < deadline, "training never reached step 30"
             time.sleep(0.05)
         procs[1].kill()
-        assert procs[0].wait(timeout=TIMEOUT_S) == 1
-        assert "distributed step failed at step" in log_of(tmp_path, "kill", 0)
+        code = procs[0].wait(timeout=TIMEOUT_S)
+        # rank 0 fails: normally the broken collective raises and the script exits 1 saying
+        # so; when gloo's own thread sees the closed connection first, torch aborts the
+        # process (SIGABRT) before Python can (seen once in 3 CI runs on a loaded machine)
+        assert code in (1, -signal.SIGABRT), code
+        if code == 1:
+            assert "distributed step failed at step" in log_of(tmp_path, "kill", 0)
         assert not (tmp_path / "kill" / "rank0" / "artifacts" / "metrics.json").exists()
         procs[1].wait(timeout=10)
 
