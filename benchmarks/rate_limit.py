@@ -67,10 +67,15 @@ class Server:
         self.env = child_env({"GPUFLEET_DATA_DIR": str(data_dir), **env})
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def admin(self, *args: str) -> str:
+    def admin(self, *args: str, token: str | None = None) -> str:
+        """``gpufleet admin ARGS``: over REST with ``token`` (an admin token), else written to
+        the database directly (``--db``: the first token, before any exists)."""
+        env = self.env if token is None else {
+            **self.env, "GPUFLEET_URL": self.url, "GPUFLEET_TOKEN": token,
+        }  # fmt: skip
         out = subprocess.run(
             [self.gpufleet, "admin", *args],
-            env=self.env,
+            env=env,
             capture_output=True,
             text=True,
             timeout=60,
@@ -210,12 +215,18 @@ def main() -> int:
             for key in r.scan_iter("gpufleet:rate:*"):
                 r.delete(key)
         server = stack.enter_context(Server(args.gpufleet, tmp, env))
-        tokens = {t: server.admin("token", "create", "--team", t) for t in ("noisy", "quiet")}
+        admin = server.admin(
+            "token", "create", "--team", "ops", "--admin", "--create-team", "--db"
+        )  # fmt: skip
+        tokens = {
+            t: server.admin("token", "create", "--team", t, "--create-team", token=admin)
+            for t in ("noisy", "quiet")
+        }
         server.admin(
             "team", "set", "noisy", "--submit-rate", f"{args.noisy_rate}/s",
-            "--submit-burst", str(args.noisy_burst),
+            "--submit-burst", str(args.noisy_burst), token=admin,
         )  # fmt: skip
-        server.admin("team", "set", "quiet", "--max-outstanding", "0")
+        server.admin("team", "set", "quiet", "--max-outstanding", "0", token=admin)
 
         console.print(f"baseline: quiet alone for {args.seconds:g} s")
         stop = mp.Event()

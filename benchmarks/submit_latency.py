@@ -1,9 +1,10 @@
 """Submission latency of ``POST /v1/jobs`` with N jobs already queued, on SQLite and PostgreSQL.
 
 For each database the script starts a fresh API server as a subprocess (``gpufleet server``,
-which migrates the empty database at start), creates a team and token with
-``gpufleet admin token create --team bench`` (and lifts that team's admission limits with
-``admin team set``), and then, for each queue depth in ascending order:
+which migrates the empty database at start), creates a team and an admin token with
+``gpufleet admin token create --team bench --admin --create-team --db`` (and lifts that team's
+admission limits with ``admin team set`` over REST), and then, for each queue depth in
+ascending order:
 
 1. pre-fills the queue up to that depth over HTTP (8 concurrent clients by default). No controller
    runs, so every job stays PENDING;
@@ -185,7 +186,19 @@ class Server:
     def create_token(self) -> str:
         """``gpufleet admin token create --team bench``: the raw token is the last stdout line."""
         out = subprocess.run(
-            [self.gpufleet, "admin", "token", "create", "--team", "bench"],
+            # written to the database directly (no API token exists yet); an admin token of
+            # team bench, so that it may also lift the team's limits over REST below
+            [
+                self.gpufleet,
+                "admin",
+                "token",
+                "create",
+                "--team",
+                "bench",
+                "--admin",
+                "--create-team",
+                "--db",
+            ],
             env=self.env,
             capture_output=True,
             text=True,
@@ -199,7 +212,7 @@ class Server:
         no_limits = ["--max-outstanding", "0", "--submit-rate", "0"]
         lift = subprocess.run(
             [self.gpufleet, "admin", "team", "set", "bench", *no_limits],
-            env=self.env,
+            env={**self.env, "GPUFLEET_URL": self.base_url, "GPUFLEET_TOKEN": lines[-1]},
             capture_output=True,
             text=True,
             timeout=60,
