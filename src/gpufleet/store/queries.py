@@ -96,6 +96,80 @@ def spec_facts(spec: dict[str, Any]) -> SpecFacts:
     )
 
 
+def node_state(n: Any) -> NodeState:
+    """The policy's view of a node row joined with its capacity (``load_snapshot`` and the
+    leader's ``store.snapshot_cache``)."""
+    return NodeState(
+        node_id=n.id,
+        gpu_type=n.gpu_type,
+        gpu_memory_mb=n.gpu_memory_mb,
+        total_gpus=n.total_gpus,
+        free_gpus=n.available_gpus,
+        cpu_total=n.cpu,
+        cpu_free=n.cpu,
+        memory_total_mb=n.memory_mb,
+        memory_free_mb=n.memory_mb,
+        labels=effective_labels(n.labels, n.admin_labels),
+        schedulable=n.status == NodeStatus.HEALTHY,
+        status=n.status,
+        images=frozenset(normalize_image(str(i.get("name", ""))) for i in n.images or ()),
+    )
+
+
+def pending_job(row: Any, facts: SpecFacts, predicted_s: float | None = None) -> PendingJob:
+    """The policy's view of a PENDING job row (columns of ``_PENDING``-style selects)."""
+    return PendingJob(
+        job_id=row.id,
+        team_id=row.team_id,
+        priority=PriorityClass(row.priority),
+        submitted_at_s=row.created_at.timestamp(),
+        resources=facts.resources,
+        expected_duration_s=facts.expected_duration_s,
+        max_runtime_s=row.max_runtime_s,
+        node_selector=facts.node_selector,
+        preemptible=facts.preemptible,
+        attempt=row.attempts,
+        queued_at_s=row.queued_at.timestamp(),
+        image=facts.image,
+        predicted_duration_s=predicted_s,
+    )
+
+
+def running_job(
+    run: Any,
+    facts: SpecFacts,
+    gpu_type: str,
+    *,
+    live: bool,
+    stopping_for: Mapping[str, str | None],
+    predicted_s: float | None,
+) -> RunningJob:
+    """The policy's view of an attempt member holding GPUs (a row of ``RUNNING_COLUMNS``).
+    ``live``: the member itself still runs; an ended gang member keeps its GPUs until its
+    whole attempt ends and counts as stopping when its job has a PREEMPTING member
+    (``stopping_for``: job id -> the preemptor it stops for)."""
+    return RunningJob(
+        run_id=run.id,
+        job_id=run.job_id,
+        team_id=run.team_id,
+        node_id=run.node_id,
+        priority=PriorityClass(run.priority),
+        gpu_count=len(run.gpu_ids),
+        gpu_type=gpu_type,
+        started_at_s=(run.started_at or run.created_at).timestamp(),
+        cpu=facts.resources.cpu,
+        memory_mb=facts.resources.memory_mb,
+        expected_duration_s=facts.expected_duration_s,
+        max_runtime_s=run.max_runtime_s,
+        preemptible=facts.preemptible,
+        predicted_duration_s=predicted_s,
+        stopping=run.status == RunStatus.PREEMPTING or (not live and run.job_id in stopping_for),
+        stopping_for_job_id=run.preempted_for_job_id if live else stopping_for.get(run.job_id),
+        rank=run.rank,
+        gang_size=run.gang_size,
+    )
+
+
 class SpecCache:
     """Parsed job specs kept across scheduling passes (a job's spec never changes), so a pass
     reads and decodes only the specs of jobs it has not seen yet. Entries of jobs absent from
@@ -118,21 +192,7 @@ class SpecCache:
         cached = self._pending.get(row.id)
         if cached is not None and cached[0] == key:
             return cached[1]
-        job = PendingJob(
-            job_id=row.id,
-            team_id=row.team_id,
-            priority=PriorityClass(row.priority),
-            submitted_at_s=row.created_at.timestamp(),
-            resources=facts.resources,
-            expected_duration_s=facts.expected_duration_s,
-            max_runtime_s=row.max_runtime_s,
-            node_selector=facts.node_selector,
-            preemptible=facts.preemptible,
-            attempt=row.attempts,
-            queued_at_s=row.queued_at.timestamp(),
-            image=facts.image,
-            predicted_duration_s=predicted_s,
-        )
+        job = pending_job(row, facts, predicted_s)
         self._pending[row.id] = (key, job)
         return job
 
@@ -211,24 +271,7 @@ def load_snapshot(
             NodeCapacityRow.available_gpus,
         ).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
     ).all()
-    nodes = [
-        NodeState(
-            node_id=n.id,
-            gpu_type=n.gpu_type,
-            gpu_memory_mb=n.gpu_memory_mb,
-            total_gpus=n.total_gpus,
-            free_gpus=n.available_gpus,
-            cpu_total=n.cpu,
-            cpu_free=n.cpu,
-            memory_total_mb=n.memory_mb,
-            memory_free_mb=n.memory_mb,
-            labels=effective_labels(n.labels, n.admin_labels),
-            schedulable=n.status == NodeStatus.HEALTHY,
-            status=n.status,
-            images=frozenset(normalize_image(str(i.get("name", ""))) for i in n.images or ()),
-        )
-        for n in node_rows
-    ]
+    nodes = [node_state(n) for n in node_rows]
     specs = spec_cache if spec_cache is not None else SpecCache()
     # plain rows, not ORM objects, and no spec: at 10,000 pending, decoding every job's JSON
     # spec each pass costs more than the queries (the spec is immutable: see SpecCache)
@@ -294,30 +337,14 @@ def load_snapshot(
     gpu_type_of = {n.node_id: n.gpu_type for n in nodes}
     running = []
     for run in running_rows:
-        f = facts[run.job_id]
         running.append(
-            RunningJob(
-                run_id=run.id,
-                job_id=run.job_id,
-                team_id=run.team_id,
-                node_id=run.node_id,
-                priority=PriorityClass(run.priority),
-                gpu_count=len(run.gpu_ids),
-                gpu_type=gpu_type_of.get(run.node_id, ""),
-                started_at_s=(run.started_at or run.created_at).timestamp(),
-                cpu=f.resources.cpu,
-                memory_mb=f.resources.memory_mb,
-                expected_duration_s=f.expected_duration_s,
-                max_runtime_s=run.max_runtime_s,
-                preemptible=f.preemptible,
-                predicted_duration_s=predicted(run),
-                stopping=run.status == RunStatus.PREEMPTING
-                or (run.id not in live_ids and run.job_id in stopping_for),
-                stopping_for_job_id=run.preempted_for_job_id
-                if run.id in live_ids
-                else stopping_for.get(run.job_id),
-                rank=run.rank,
-                gang_size=run.gang_size,
+            running_job(
+                run,
+                facts[run.job_id],
+                gpu_type_of.get(run.node_id, ""),
+                live=run.id in live_ids,
+                stopping_for=stopping_for,
+                predicted_s=predicted(run),
             )
         )
     running_by_team: dict[str, list[tuple[int, float]]] = {}

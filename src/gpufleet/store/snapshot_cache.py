@@ -35,10 +35,7 @@ from sqlalchemy import bindparam, select, text
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
 
-from gpufleet.domain.images import normalize_image
-from gpufleet.domain.labels import effective_labels
-from gpufleet.domain.states import JobStatus, NodeStatus, ReservationStatus, RunStatus
-from gpufleet.domain.types import PriorityClass
+from gpufleet.domain.states import JobStatus, ReservationStatus, RunStatus
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.priority import QueueKey, queue_key
 from gpufleet.policy.snapshot import (
@@ -58,7 +55,10 @@ from gpufleet.store.queries import (
     SpecCache,
     SpecFacts,
     kept_back,
+    node_state,
+    pending_job,
     recent_displacements,
+    running_job,
     spec_facts,
 )
 from gpufleet.store.tables import (
@@ -393,21 +393,7 @@ class SnapshotCache:
         for n in rows:
             seen.add(n.id)
             old = self._nodes.get(n.id)
-            node = NodeState(
-                node_id=n.id,
-                gpu_type=n.gpu_type,
-                gpu_memory_mb=n.gpu_memory_mb,
-                total_gpus=n.total_gpus,
-                free_gpus=n.available_gpus,
-                cpu_total=n.cpu,
-                cpu_free=n.cpu,
-                memory_total_mb=n.memory_mb,
-                memory_free_mb=n.memory_mb,
-                labels=effective_labels(n.labels, n.admin_labels),
-                schedulable=n.status == NodeStatus.HEALTHY,
-                status=n.status,
-                images=frozenset(normalize_image(str(i.get("name", ""))) for i in n.images or ()),
-            )
+            node = node_state(n)
             if old is None or old.gpu_type != node.gpu_type:
                 retyped.add(n.id)
             self._nodes[n.id] = node
@@ -441,22 +427,10 @@ class SnapshotCache:
             if row.status != JobStatus.PENDING or row.cancel_requested:
                 continue
             facts = self._facts[row.id]
-            job = PendingJob(
-                job_id=row.id,
-                team_id=row.team_id,
-                priority=PriorityClass(row.priority),
-                submitted_at_s=row.created_at.timestamp(),
-                resources=facts.resources,
-                expected_duration_s=facts.expected_duration_s,
-                max_runtime_s=row.max_runtime_s,
-                node_selector=facts.node_selector,
-                preemptible=facts.preemptible,
-                attempt=row.attempts,
-                queued_at_s=row.queued_at.timestamp(),
-                image=facts.image,
-                predicted_duration_s=self._predict(
-                    row.id, (row.team_id, row.submitted_by, row.name, row.gpu_count)
-                ),
+            job = pending_job(
+                row,
+                facts,
+                self._predict(row.id, (row.team_id, row.submitted_by, row.name, row.gpu_count)),
             )
             self._pending[row.id] = (row.retry_after, job)
             if row.retry_after is None:
@@ -486,30 +460,13 @@ class SnapshotCache:
         self._lookup_facts(session, [r.job_id for r in rows if r.job_id not in self._facts])
         stopping_for = {r.job_id: r.preempted_for_job_id for r in rows if r.status == "PREEMPTING"}
         for run in rows:
-            f = self._facts[run.job_id]
-            live = run.status in LIVE_RUN
-            self._runs[run.id] = RunningJob(
-                run_id=run.id,
-                job_id=run.job_id,
-                team_id=run.team_id,
-                node_id=run.node_id,
-                priority=PriorityClass(run.priority),
-                gpu_count=len(run.gpu_ids),
-                gpu_type=self._nodes[run.node_id].gpu_type if run.node_id in self._nodes else "",
-                started_at_s=(run.started_at or run.created_at).timestamp(),
-                cpu=f.resources.cpu,
-                memory_mb=f.resources.memory_mb,
-                expected_duration_s=f.expected_duration_s,
-                max_runtime_s=run.max_runtime_s,
-                preemptible=f.preemptible,
-                stopping=run.status == RunStatus.PREEMPTING
-                or (not live and run.job_id in stopping_for),
-                stopping_for_job_id=run.preempted_for_job_id
-                if live
-                else stopping_for.get(run.job_id),
-                rank=run.rank,
-                gang_size=run.gang_size,
-                predicted_duration_s=self._predict(
+            self._runs[run.id] = running_job(
+                run,
+                self._facts[run.job_id],
+                self._nodes[run.node_id].gpu_type if run.node_id in self._nodes else "",
+                live=run.status in LIVE_RUN,
+                stopping_for=stopping_for,
+                predicted_s=self._predict(
                     run.job_id, (run.team_id, run.submitted_by, run.name, run.gpu_count)
                 ),
             )
