@@ -53,7 +53,7 @@ from gpufleet.policy.config import Backfill, Ordering, PolicyConfig
 from gpufleet.policy.decisions import Decision, Preempt
 from gpufleet.policy.gang import gang_members, member_resources
 from gpufleet.policy.placement import FreeIndex, Shadow, node_accepts
-from gpufleet.policy.preemption import VictimSearch
+from gpufleet.policy.preemption import VictimSearch, fewest_victims
 from gpufleet.policy.priority import queued_at
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
@@ -354,17 +354,7 @@ def _cheapest(
         if free + sum(r.gpu_count for r in cands) < need:
             continue
         cands.sort(key=cost_of)
-        chosen: list[RunningJob] = []
-        got = free
-        for r in cands:
-            if got >= need:
-                break
-            chosen.append(r)
-            got += r.gpu_count
-        for r in sorted(chosen, key=cost_of, reverse=True):
-            if got - r.gpu_count >= need:
-                chosen.remove(r)
-                got -= r.gpu_count
+        chosen = fewest_victims(cands, free, need, cost_of)
         if not chosen:
             continue
         costs = [cost_of(r) for r in chosen]

@@ -26,7 +26,8 @@ Exact minimum cost is a knapsack; the greedy+prune set is what a human operator 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from gpufleet.domain.types import Resources
 from gpufleet.policy.decisions import Preempt
@@ -39,6 +40,30 @@ from gpufleet.policy.snapshot import PendingJob, RunningJob
 
 VictimKey = tuple[int, int, float, str]
 SetCost = tuple[int, int, float, int, str]
+
+
+def fewest_victims(
+    cands: Sequence[RunningJob],
+    free: int,
+    need: int,
+    cost: Callable[[RunningJob], Any],
+) -> list[RunningJob]:
+    """Victims from ``cands`` (already in the order they should be taken) until ``free`` plus
+    their GPUs reach ``need``, then without any whose GPUs are not needed after all (costliest
+    dropped first). Empty when nothing need stop (or ``cands`` cannot reach ``need``: the
+    caller checks that first). Shared by preemption and defragmentation (``policy.defrag``)."""
+    chosen: list[RunningJob] = []
+    got = free
+    for r in cands:
+        if got >= need:
+            break
+        chosen.append(r)
+        got += r.gpu_count
+    for r in sorted(chosen, key=cost, reverse=True):
+        if got - r.gpu_count >= need:
+            chosen.remove(r)
+            got -= r.gpu_count
+    return chosen
 
 
 class VictimSearch:
@@ -144,17 +169,7 @@ class VictimSearch:
             cands.sort(key=lambda r: (-self._end[r.run_id], self._cost(r)))
         else:
             cands.sort(key=self._cost)
-        chosen: list[RunningJob] = []
-        got = free
-        for r in cands:
-            if got >= need:
-                break
-            chosen.append(r)
-            got += r.gpu_count
-        for r in sorted(chosen, key=self._cost, reverse=True):
-            if got - r.gpu_count >= need:
-                chosen.remove(r)
-                got -= r.gpu_count
+        chosen = fewest_victims(cands, free, need, self._cost)
         if not chosen:
             return None
         costs = [self._cost(r) for r in chosen]
