@@ -41,6 +41,7 @@ from gpufleet.policy.priority import QueueKey, queue_key
 from gpufleet.policy.snapshot import (
     BackfillReservation,
     ClusterSnapshot,
+    Displacement,
     GpuHold,
     NodeState,
     PendingJob,
@@ -302,9 +303,13 @@ class SnapshotCache:
         self._epoch = epoch
         self._repredict()
         self._release_backoff(now)
-        snap = self._snapshot(session, now, now_s, reservations, usage_half_life_s)
-        snap = replace(
-            snap, recent_displacements=recent_displacements(session, now, displacement_window_s)
+        snap = self._snapshot(
+            session,
+            now,
+            now_s,
+            reservations,
+            usage_half_life_s,
+            recent_displacements(session, now, displacement_window_s),
         )
         self._floor = floor
         return snap
@@ -560,6 +565,7 @@ class SnapshotCache:
         now_s: float,
         reservations: tuple[BackfillReservation, ...],
         usage_half_life_s: float,
+        displacements: tuple[Displacement, ...],
     ) -> ClusterSnapshot:
         running_by_team: dict[str, list[tuple[int, float]]] = {}
         for r in self._runs.values():
@@ -596,6 +602,7 @@ class SnapshotCache:
             holds=holds,
             reservations=reservations,
             queues=queues,
+            recent_displacements=displacements,
         )
 
 
