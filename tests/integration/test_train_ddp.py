@@ -33,8 +33,11 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "train_ddp.py"
-ARGS = ["--steps", "300", "--checkpoint-every", "50", "--seed", "7"]
-TIMEOUT_S = 120
+# The whole suite runs beside these tests on two cores: a rank can wait seconds for a core,
+# and three processes import torch at once. The collective timeout stays below the test's so a
+# lost peer shows up as the script's own error in the log, not as a test timeout.
+TIMEOUT_S = 300
+ARGS = ["--steps", "300", "--checkpoint-every", "50", "--seed", "7", "--dist-timeout-s", "240"]
 
 
 def free_port() -> int:
@@ -76,7 +79,9 @@ def rank_env(
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
-        return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = log  # type: ignore[attr-defined]
+    return proc
 
 
 def start_ranks(
@@ -98,7 +103,40 @@ def start_ranks(
 
 
 def wait_all(procs: list[subprocess.Popen[str]]) -> list[int]:
-    return [p.wait(timeout=TIMEOUT_S) for p in procs]
+    """Exit codes of ``procs``; on a timeout every one is killed and the test fails with the
+    logs of every rank (what a rank was doing is the only clue to a hang)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        logs = []
+        for p in procs:
+            p.wait(timeout=10)
+            log: Path = p.log_path  # type: ignore[attr-defined]
+            logs.append(f"--- {log}\n{log.read_text()}")
+        pytest.fail(f"ranks still running after {TIMEOUT_S} s:\n" + "\n".join(logs))
+
+
+PORT_TAKEN = ("address already in use", "EADDRINUSE")
+
+
+def run_ranks(
+    tmp: Path,
+    name: str,
+    world: int,
+    extra: list[str] = (),  # type: ignore[assignment]
+    resume: dict[int, Path] | None = None,
+) -> list[int]:
+    """Start ``world`` ranks and wait for them. The port comes from binding port 0 and closing
+    it, so another process may take it before rank 0 listens: then rank 0 fails at rendezvous
+    saying the address is in use, and the ranks are started again on a new port (twice at most)."""
+    for _ in range(3):
+        codes = wait_all(start_ranks(tmp, name, world, extra, resume))
+        if codes == [0] * world or not any(t in log_of(tmp, name, 0) for t in PORT_TAKEN):
+            return codes
+    return codes
 
 
 def log_of(tmp: Path, name: str, rank: int) -> str:
@@ -123,10 +161,9 @@ def assert_same_model(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Reference runs, shared: one process, and two ranks as two gang members (concurrently)."""
     tmp = tmp_path_factory.mktemp("ddp")
-    one = start_ranks(tmp, "one", 1, ["--step-sleep", "0"])
-    two = start_ranks(tmp, "two", 2, ["--step-sleep", "0"])
-    assert wait_all(one) == [0], log_of(tmp, "one", 0)
-    assert wait_all(two) == [0, 0], log_of(tmp, "two", 0) + log_of(tmp, "two", 1)
+    assert run_ranks(tmp, "one", 1, ["--step-sleep", "0"]) == [0], log_of(tmp, "one", 0)
+    codes = run_ranks(tmp, "two", 2, ["--step-sleep", "0"])
+    assert codes == [0, 0], log_of(tmp, "two", 0) + log_of(tmp, "two", 1)
     return tmp
 
 
@@ -173,8 +210,8 @@ class TestTrainDdp:
         # The retry: only rank 1's member got a checkpoint back (rank 0's node is new);
         # the ranks agree on it, and the result is the uninterrupted run's.
         resume = {1: tmp_path / "stop" / "rank1" / "ckpt"}
-        retry = start_ranks(tmp_path, "retry", 2, ["--step-sleep", "0"], resume=resume)
-        assert wait_all(retry) == [0, 0], log_of(tmp_path, "retry", 0)
+        retry = run_ranks(tmp_path, "retry", 2, ["--step-sleep", "0"], resume=resume)
+        assert retry == [0, 0], log_of(tmp_path, "retry", 0)
         for r in (0, 1):
             assert f"resumed from step {k}" in log_of(tmp_path, "retry", r)
         assert f"took rank 1's checkpoint at step {k} (mine: 0)" in log_of(tmp_path, "retry", 0)
