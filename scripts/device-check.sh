@@ -3,7 +3,7 @@
 # reservation): tests/gpu, which skip everywhere else. Run from the repository root on a GPU
 # machine with the driver, python3 with PyTorch (CUDA build), and the project's dependencies.
 # Where those dependencies cannot be installed from an index, put their wheels in .whl/ (see
-# docs/operations.md, "Checked on a real GPU"); they are installed into /tmp/site.
+# docs/design/runtime.md, "Checked on a real GPU"); they are installed into /tmp/site.
 #
 # Usage: scripts/device-check.sh [LOG_DIR]   (default: $OUT or /tmp/device-check)
 set -u

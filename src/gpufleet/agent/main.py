@@ -10,7 +10,10 @@ Threads (kept few on purpose; each loop is simple and independent):
 * ``agent-logs`` — mirrors live logs to the object store every second.
 
 Stopping the agent (SIGTERM, SIGINT or ``stop_event``) stops the agent only: attempts keep
-running under their shims and are adopted by the next agent started on the same state dir.
+running under their shims and are adopted by the next agent started on the same state dir. The
+stop takes at most ``STOP_THREADS_S`` seconds after the gRPC server's one-second grace: a thread
+still inside a call to a slow controller then is left behind, as a ``kill -9`` would leave it
+(the assignment log is crash-safe and the next start sends again what was not answered).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,6 +68,8 @@ logger = logging.getLogger("gpufleet.agent")
 MONITOR_INTERVAL_S = 0.05
 LOG_SYNC_INTERVAL_S = 1.0
 GRPC_WORKERS = 8
+STOP_THREADS_S = 4.0
+"""Seconds a stopping agent waits for its threads (heartbeat, outbox, log mirror, renewal)."""
 
 
 class AgentAlreadyRunning(RuntimeError):
@@ -453,10 +459,21 @@ def run_agent(
         stop.set()
         core.outbox.wake()
         server.stop(grace=1.0).wait()
+        deadline = time.monotonic() + STOP_THREADS_S
         for t in threads:
-            t.join(timeout=15.0)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        busy = [t.name for t in threads if t.is_alive()]
         channel.close()
-        log.close()
+        if busy:  # leave the log as a crash would: it is replayed at the next start
+            logger.warning(
+                "agent %s: %s still busy after %.0f s; left behind (the next start redoes "
+                "what they were sending)",
+                node_id,
+                ", ".join(busy),
+                STOP_THREADS_S,
+            )
+        else:
+            log.close()
         found.remove_scope()  # only if no attempt is left in it
         if runner.jobs_dir != runner.runs_dir:
             with contextlib.suppress(OSError):
