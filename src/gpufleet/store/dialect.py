@@ -21,6 +21,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ClauseElement
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 5
@@ -75,10 +76,12 @@ def write_engine(engine: Engine) -> Engine:
 def insert_together(
     session: Session, groups: Sequence[tuple[FromClause, list[dict[str, Any]]]]
 ) -> None:
-    """INSERT every group's rows (one multi-row VALUES list per table, no RETURNING), in the
-    order given (parents before children). PostgreSQL: ONE statement, the earlier groups as
-    data-modifying CTEs of the last one's INSERT (foreign keys are checked at the end of
-    the statement); SQLite, which has no INSERT in a CTE: one statement per table."""
+    """INSERT every group's rows (no RETURNING), in the order given (parents before
+    children). PostgreSQL with several tables: ONE statement, a multi-row VALUES list per
+    table, the earlier groups as data-modifying CTEs of the last one's INSERT (foreign keys
+    are checked at the end of the statement). Otherwise (one table, or SQLite, which has no
+    INSERT in a CTE): one executemany per table, whose compiled form SQLAlchemy caches (a
+    multi-row VALUES statement has no cache key, so it is compiled again on every call)."""
     tables = [(cast(TableClause, t), rows) for t, rows in groups if rows]
     if not tables:
         return
@@ -88,7 +91,26 @@ def insert_together(
         session.execute(insert(last).values(last_rows).add_cte(*ctes))
         return
     for t, rows in tables:
-        session.execute(insert(t).values(rows))
+        _insert_many(session, t, rows)
+
+
+def _insert_many(session: Session, table: TableClause, rows: list[dict[str, Any]]) -> None:
+    """One executemany: columns holding the same SQL expression in every row (the database
+    clock of :func:`now_sql`) go into the statement, the rest are bound per row. Rows whose
+    expressions differ fall back to one multi-row VALUES statement."""
+    first = rows[0]
+    exprs = {k: v for k, v in first.items() if isinstance(v, ClauseElement)}
+    if not exprs:
+        session.execute(insert(table), rows)
+        return
+    for row in rows[1:]:
+        for k, v in exprs.items():
+            other = row.get(k)
+            if not isinstance(other, ClauseElement) or not v.compare(other):
+                session.execute(insert(table).values(rows))
+                return
+    params = [{k: v for k, v in row.items() if k not in exprs} for row in rows]
+    session.execute(insert(table).values(exprs), params)
 
 
 def execute_with(session: Session, main: Any, *before: Any) -> Any:
