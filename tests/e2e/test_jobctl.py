@@ -206,6 +206,8 @@ def test_hold_requeue_patch_cancel_and_references(fleet: Fleet) -> None:
     ]
     r = post(fleet, "/v1/jobs/cancel", {"name": "batch", "state": "PENDING", "dry_run": True})
     assert sorted(i["job_id"] for i in r.json()["cancelled"]) == sorted(batch)
+    dry = {"name": "batch", "state": "RUNNING,pending", "dry_run": True}
+    assert post(fleet, "/v1/jobs/cancel", dry).json()["count"] == 3
     assert all(fleet.job(j)["status"] == "PENDING" for j in batch)
     r = post(fleet, "/v1/jobs/cancel", {"name": "batch"})
     assert r.json()["count"] == 3
@@ -269,6 +271,13 @@ def test_cli_job_control(sqlite_fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -
     assert r.exit_code == 0 and "held:" in r.stdout
     r = cli("release", after)
     assert r.exit_code == 0
+    # several states: any of them (repeated or as a comma list); an unknown one is named
+    r = cli("cancel", "--name", "arr", "--state", "RUNNING", "--state", "PENDING", input="n\n")
+    assert r.exit_code == 1 and "Cancel 4 job(s)?" in r.output, r.output
+    r = cli("cancel", "--name", "arr", "--state", "RUNNING,SCHEDULED", input="n\n")
+    assert r.exit_code == 3 and "no job matched" in r.output, r.output
+    r = cli("cancel", "--name", "arr", "--state", "PENDING,BOGUS", "--yes")
+    assert r.exit_code == 2 and "BOGUS" in r.output and "state" in r.output, r.output
     r = cli("cancel", "--array", array_id, "--yes")
     assert r.exit_code == 0 and r.stdout.count("cancel requested") == 4, r.output
     # afterok on cancelled tasks can never be satisfied

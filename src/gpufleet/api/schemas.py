@@ -242,7 +242,11 @@ class BulkCancel(BaseModel):
         default_factory=list, max_length=10_000
     )
     name: Name | None = None
-    state: str | None = Field(default=None, max_length=32)
+    state: str | None = Field(
+        default=None,
+        max_length=256,
+        description="A job state, or several as a comma list (any of them): PENDING,HELD.",
+    )
     array_id: str | None = Field(default=None, max_length=64)
     dry_run: bool = False
 

@@ -117,7 +117,12 @@ def cancel(
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="Every job of this name.")] = None,
     state: Annotated[
-        str | None, typer.Option("--state", help="Only jobs in this state (e.g. PENDING).")
+        list[str] | None,
+        typer.Option(
+            "--state",
+            help="Only jobs in this state (e.g. PENDING); repeat it or give a comma list "
+            "(PENDING,HELD) for any of several.",
+        ),
     ] = None,
     array: Annotated[str | None, typer.Option("--array", help="Every task of an array.")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,

@@ -268,7 +268,7 @@ class AsyncClient:
         jobs: Sequence[JobRef] = (),
         *,
         name: str | None = None,
-        state: str | None = None,
+        state: str | Sequence[str] | None = None,
         array_id: str | None = None,
         dry_run: bool = False,
     ) -> CancelResult:

@@ -174,7 +174,7 @@ def patch_body(
 def cancel_body(
     jobs: Sequence[JobRef],
     name: str | None,
-    state: str | None,
+    state: str | Sequence[str] | None,
     array_id: str | None,
     dry_run: bool,
 ) -> dict[str, Any]:
@@ -186,7 +186,9 @@ def cancel_body(
     if not jobs and not (name or state or array_id):
         raise ValueError("name jobs to cancel, or a name/state/array_id filter")
     body: dict[str, Any] = {"job_ids": [job_id_of(j) for j in jobs], "dry_run": dry_run}
-    filters = {"name": name, "state": state.upper() if state else None, "array_id": array_id}
+    states = [state] if isinstance(state, str) else list(state or ())
+    joined = ",".join(s.strip().upper() for s in states if s.strip())
+    filters = {"name": name, "state": joined or None, "array_id": array_id}
     body.update({k: v for k, v in filters.items() if v})
     return body
 

@@ -371,13 +371,14 @@ class Client:
         jobs: Sequence[JobRef] = (),
         *,
         name: str | None = None,
-        state: str | None = None,
+        state: str | Sequence[str] | None = None,
         array_id: str | None = None,
         dry_run: bool = False,
     ) -> CancelResult:
-        """Cancel ``jobs`` plus every unfinished job matching all of ``name``, ``state`` and
-        ``array_id`` (``POST /v1/jobs/cancel``); finished ones are ``skipped``. With
-        ``dry_run`` nothing is cancelled: ``cancelled`` lists what would be.
+        """Cancel ``jobs`` plus every unfinished job matching all of ``name``, ``state`` (one
+        state, or several: any of them) and ``array_id`` (``POST /v1/jobs/cancel``); finished
+        ones are ``skipped``. With ``dry_run`` nothing is cancelled: ``cancelled`` lists what
+        would be.
 
         Raises:
             ValueError: neither jobs nor a filter. NotFound: a named job does not exist.

@@ -360,12 +360,30 @@ def patch_job(session: Session, team_id: str | None, job_id: str, patch: JobPatc
 @dataclass(frozen=True, slots=True)
 class Selection:
     """Jobs chosen by a bulk request: the explicit references, plus (when any filter is
-    given) every job of the team matching all of ``name``, ``state`` and ``array_id``."""
+    given) every job of the team matching all of ``name``, ``state`` (one state or a comma
+    list: any of them) and ``array_id``."""
 
     job_ids: tuple[str, ...] = ()
     name: str | None = None
     state: str | None = None
     array_id: str | None = None
+
+
+def parse_states(text: str) -> list[str]:
+    """``"PENDING,held"`` -> ``["PENDING", "HELD"]`` (a comma list, as squeue's ``-t``).
+
+    Raises:
+        ValidationFailed: an empty list or an unknown state (422 naming ``state``).
+    """
+    states = [t.strip().upper() for t in text.split(",") if t.strip()]
+    unknown = [t for t in states if t not in JobStatus.__members__]
+    if not states or unknown:
+        raise ValidationFailed(
+            f"unknown state {', '.join(unknown) or text!r}: one or more of "
+            + ", ".join(JobStatus.__members__),
+            field="state",
+        )
+    return states
 
 
 def select_jobs(session: Session, team_id: str | None, sel: Selection) -> list[JobRow]:
@@ -391,10 +409,7 @@ def select_jobs(session: Session, team_id: str | None, sel: Selection) -> list[J
         if sel.name:
             q = q.where(JobRow.name == sel.name)
         if sel.state:
-            state = sel.state.upper()
-            if state not in JobStatus.__members__:
-                raise ValidationFailed(f"unknown state {sel.state!r}", field="state")
-            q = q.where(JobRow.status == state)
+            q = q.where(JobRow.status.in_(parse_states(sel.state)))
         if sel.array_id:
             q = q.where(JobRow.array_id == sel.array_id)
         for j in session.scalars(q.limit(MAX_BULK + 1)):
