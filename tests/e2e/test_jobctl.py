@@ -293,3 +293,15 @@ def test_cli_job_control(sqlite_fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -
     assert r.exit_code == 2 and "already finished" in r.output
     r = cli("submit", "--array", "9-1", "--", "true")
     assert r.exit_code == 2 and "array" in r.output
+    # a time limit as sbatch takes it, at submit and after
+    r = cli("submit", "-q", "--name", "timed", "-t", "1:30:00", "--hold", "--", "true")
+    assert r.exit_code == 0, r.output
+    timed = r.stdout.strip()
+    assert fleet.job(timed)["max_runtime_s"] == 5400
+    r = cli("update", "timed", "--time", "2h")
+    assert r.exit_code == 0 and "max_runtime=7200 s" in r.stdout, r.output
+    r = cli("submit", "-t", "2h", "--max-runtime-s", "5", "--", "true")
+    assert r.exit_code == 2 and "--time" in r.output, r.output
+    r = cli("submit", "-t", "soon", "--", "true")
+    assert r.exit_code == 2 and "--time 'soon'" in r.output, r.output
+    assert cli("cancel", timed).exit_code == 0

@@ -8,7 +8,6 @@ database directly, on the database host.
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,6 +24,7 @@ from gpufleet.cli.client import (
     WideOpt,
     _call,
     _session,
+    duration_s,
     nonempty,
 )
 
@@ -579,31 +579,6 @@ def node_forget(
                 f"node {node_id} forgotten; {data['revoked_certs']} certificate(s) revoked"
             )
         )
-
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhdw]?)")
-_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def duration_s(text: str, flag: str, allow_zero: bool = False) -> float:
-    """``90s``, ``15m``, ``2h``, ``1d``, ``1w``, ``1d12h`` (or bare seconds) as seconds
-    (units are case-insensitive; a bare number is seconds).
-
-    Raises:
-        ClientError: not a finite positive duration (zero too with ``allow_zero``).
-    """
-    t = text.strip().lower()
-    pos, value = 0, 0.0
-    while pos < len(t):
-        m = _DURATION_PART.match(t, pos)
-        if m is None:
-            value = -1.0
-            break
-        value += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-        pos = m.end()
-    if not t or value < 0 or (value == 0 and not allow_zero):
-        raise ClientError(f"{flag} {text!r}: use e.g. 90s, 15m, 2h, 1d, 1w, 1d12h", field=flag)
-    return value
 
 
 @node_app.command("join-token")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -55,6 +56,49 @@ class ClientError(Exception):
     def __init__(self, message: str, field: str | None = None, exit_code: int = 2) -> None:
         super().__init__(message)
         self.message, self.field, self.exit_code = message, field, exit_code
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhdw]?)")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def duration_s(text: str, flag: str, allow_zero: bool = False) -> float:
+    """A duration flag as seconds: ``90s``, ``15m``, ``2h``, ``1d``, ``1w``, ``1d12h`` (units
+    are case-insensitive; a bare number is seconds), or Slurm's ``--time`` forms with a colon
+    or a dash: ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``.
+
+    Raises:
+        ClientError: not a finite positive duration (zero allowed with ``allow_zero``),
+            naming ``flag``.
+    """
+    t = text.strip().lower()
+    value = -1.0
+    if ":" in t or "-" in t[1:]:
+        m = _SLURM_TIME.fullmatch(t)
+        if m is not None:
+            days, a, b, c = (int(g) if g else None for g in m.groups())
+            if days is not None:  # D-HH[:MM[:SS]]
+                value = days * 86400.0 + (a or 0) * 3600 + (b or 0) * 60 + (c or 0)
+            elif c is not None:  # HH:MM:SS
+                value = (a or 0) * 3600.0 + (b or 0) * 60 + c
+            elif b is not None:  # MM:SS
+                value = (a or 0) * 60.0 + b
+    else:
+        pos, value = 0, 0.0
+        while pos < len(t):
+            part = _DURATION_PART.match(t, pos)
+            if part is None:
+                value = -1.0
+                break
+            value += float(part.group(1)) * _DURATION_UNITS[part.group(2)]
+            pos = part.end()
+    if not t or value < 0 or (value == 0 and not allow_zero):
+        raise ClientError(
+            f"{flag} {text!r}: use e.g. 90s, 15m, 2h, 1d12h, or Slurm's 1:30:00 / 2-12:00:00",
+            field=flag,
+        )
+    return value
 
 
 class OutputFormat(enum.StrEnum):
@@ -387,7 +431,18 @@ def submit(
     priority: Annotated[str | None, typer.Option(help="CRITICAL|HIGH|NORMAL|LOW.")] = None,
     max_retries: Annotated[int | None, typer.Option(help="Retries after failure.")] = None,
     expected_duration_s: Annotated[float | None, typer.Option(help="Runtime estimate.")] = None,
-    max_runtime_s: Annotated[float | None, typer.Option(help="Kill after this long.")] = None,
+    max_runtime_s: Annotated[
+        float | None, typer.Option(help="Kill after this long, seconds (or --time).")
+    ] = None,
+    time_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--time",
+            "-t",
+            help="Kill after this long (max_runtime_s), like sbatch: 90m, 2h, 1d12h, 1:30:00, "
+            "2-12:00:00.",
+        ),
+    ] = None,
     env: Annotated[list[str] | None, typer.Option("--env", help="K=V; repeatable.")] = None,
     export: Annotated[
         str | None,
@@ -442,6 +497,10 @@ def submit(
                 "--wait/--follow take one job; watch an array with `gpufleet array ARRAY_ID`",
                 field="array",
             )
+        if time_limit is not None:
+            if max_runtime_s is not None:
+                raise ClientError("give --time or --max-runtime-s, not both", field="--time")
+            max_runtime_s = duration_s(time_limit, "--time")
         flags = {
             "name": name,
             "image": image,

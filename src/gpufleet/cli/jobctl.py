@@ -20,6 +20,7 @@ from gpufleet.cli.client import (
     UrlOpt,
     _sdk,
     _session,
+    duration_s,
     nonempty,
 )
 
@@ -75,14 +76,24 @@ def update(
     priority: Annotated[str | None, typer.Option(help="CRITICAL|HIGH|NORMAL|LOW.")] = None,
     name: Annotated[str | None, typer.Option(help="New name.")] = None,
     max_runtime_s: Annotated[float | None, typer.Option(help="New max runtime, s.")] = None,
+    time_limit: Annotated[
+        str | None,
+        typer.Option("--time", "-t", help="New max runtime as a duration: 2h, 1:30:00."),
+    ] = None,
     out: OutputOpt = OutputFormat.table,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
     """Change a job's priority, name or max runtime (PATCH /v1/jobs/ID)."""
     with _session(url, token) as http:
+        if time_limit is not None:
+            if max_runtime_s is not None:
+                raise ClientError("give --time or --max-runtime-s, not both", field="--time")
+            max_runtime_s = duration_s(time_limit, "--time")
         if priority is None and name is None and max_runtime_s is None:
-            raise ClientError("nothing to change: pass --priority, --name or --max-runtime-s")
+            raise ClientError(
+                "nothing to change: pass --priority, --name, --time or --max-runtime-s"
+            )
         data = (
             _sdk(http).update(job, priority=priority, name=name, max_runtime_s=max_runtime_s).raw
         )
