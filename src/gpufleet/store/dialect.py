@@ -222,7 +222,13 @@ def now_sql(session: Session, *, stable: bool = False) -> ColumnElement[Any]:
     ``stable``: every use in one statement gives the same value (PostgreSQL
     ``statement_timestamp()``, the statement's start; SQLite's ``'now'`` is stable anyway),
     for two columns that must be equal."""
-    if session.get_bind().dialect.name == "sqlite":
+    return now_sql_for(session.get_bind().dialect.name, stable=stable)
+
+
+def now_sql_for(dialect: str, *, stable: bool = False) -> ColumnElement[Any]:
+    """:func:`now_sql` for a dialect name (``sqlite``, ``postgresql``), for statements built
+    once and kept."""
+    if dialect == "sqlite":
         # SQLite keeps datetimes as text, compared as text: store the clock in SQLAlchemy's
         # own format (6 fractional digits; %f gives 3), or a value written by this expression
         # sorts before the same instant bound from Python ('...01.123' < '...01.123000')
