@@ -38,7 +38,7 @@ from gpufleet.domain.states import (
 )
 from gpufleet.domain.types import GpuDevice
 from gpufleet.store import leader
-from gpufleet.store.dialect import as_utc, execute_with, now_sql, now_sql_for
+from gpufleet.store.dialect import as_utc, now_sql_for, statements_with
 from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import (
     GpuHoldRow,
@@ -375,6 +375,50 @@ class ActiveReservation:
     status: str
 
 
+_RELEASE: dict[tuple[str, bool], tuple[Any, list[Any]]] = {}
+
+
+def _release_statements(dialect: str, only_quarantined: bool) -> tuple[Any, list[Any]]:
+    """:func:`release`'s statements, built once per (dialect, states) with bind parameters
+    ``p_run``, ``p_node``, ``p_n`` (as :func:`_take_statements`): the locking read of the
+    run's active reservation with the database clock, and the GPU rows freed with the
+    capacity update (one statement on PostgreSQL, two on SQLite; the capacity update last,
+    its row count is the answer)."""
+    key = (dialect, only_quarantined)
+    hit = _RELEASE.get(key)
+    if hit is not None:
+        return hit
+    states = [ReservationStatus.QUARANTINED] if only_quarantined else sorted(RESERVATION_ACTIVE)
+    res_c = ReservationRow.__table__.c
+    cap = NodeCapacityRow.__table__.c
+    gpu = NodeGpuRow.__table__.c
+    run, node = bindparam("p_run", type_=String), bindparam("p_node", type_=String)
+    n = bindparam("p_n", type_=Integer)
+    lock = (
+        select(
+            res_c.id,
+            res_c.job_id,
+            res_c.node_id,
+            res_c.gpu_count,
+            res_c.status,
+            now_sql_for(dialect),
+        )
+        .where(res_c.run_id == run, res_c.status.in_(states))
+        .with_for_update()
+    )
+    give_back = statements_with(
+        dialect,
+        update(cast(Table, NodeCapacityRow.__table__))
+        .where(cap.node_id == node, cap.available_gpus + n <= cap.total_gpus)
+        .values(available_gpus=cap.available_gpus + n, version=cap.version + 1),
+        update(cast(Table, NodeGpuRow.__table__))
+        .where(gpu.node_id == node, gpu.holder_run_id == run)
+        .values(holder_run_id=None),
+    )
+    _RELEASE[key] = (lock, give_back)
+    return lock, give_back
+
+
 def release(
     session: Session,
     *,
@@ -431,13 +475,9 @@ def release(
             node_id=node_id,
         )
     else:
-        clock = now_sql(session)
         # the active reservation, locked, with the database clock (one statement)
-        found = session.execute(
-            select(res_c.id, res_c.job_id, res_c.node_id, res_c.gpu_count, res_c.status, clock)
-            .where(res_c.run_id == run_id, res_c.status.in_(states))
-            .with_for_update()
-        ).first()
+        lock, _ = _release_statements(session.get_bind().dialect.name, only_quarantined)
+        found = session.execute(lock, {"p_run": run_id}).first()
         if found is None:
             return 0
         res_id, job_id, node_id, gpu_count, was, at = found
@@ -455,20 +495,13 @@ def release(
             run_id=run_id,
             node_id=node_id,
         )
-    cap = NodeCapacityRow.__table__.c
-    gpu = NodeGpuRow.__table__.c
     # the run's GPU rows (locked by nobody else: its reservation row is) freed with the
-    # capacity update, in one statement on PostgreSQL (dialect.execute_with)
-    back = execute_with(
-        session,
-        update(cast(Table, NodeCapacityRow.__table__))
-        .where(cap.node_id == node_id, cap.available_gpus + gpu_count <= cap.total_gpus)
-        .values(available_gpus=cap.available_gpus + gpu_count, version=cap.version + 1),
-        update(cast(Table, NodeGpuRow.__table__))
-        .where(gpu.node_id == node_id, gpu.holder_run_id == run_id)
-        .values(holder_run_id=None),
-    )
-    if back.rowcount != 1:
+    # capacity update, in one statement on PostgreSQL (dialect.statements_with)
+    _, give_back = _release_statements(session.get_bind().dialect.name, only_quarantined)
+    params = {"p_node": node_id, "p_n": gpu_count, "p_run": run_id}
+    for stmt in give_back:
+        back = session.execute(stmt, params)
+    if back.rowcount != 1:  # type: ignore[attr-defined]
         raise StaleState(f"node {node_id}: returning {gpu_count} GPUs would exceed total")
     return int(gpu_count)
 

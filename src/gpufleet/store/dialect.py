@@ -196,6 +196,14 @@ def execute_with(session: Session, main: Any, *before: Any) -> Any:
     return session.execute(main)
 
 
+def statements_with(dialect: str, main: Any, *before: Any) -> list[Any]:
+    """:func:`execute_with`'s statements for a dialect name, to build once and keep: execute
+    them in order with the same parameters; the last one's result is ``main``'s."""
+    if dialect == "postgresql" and before:
+        return [main.add_cte(*(stmt.cte(f"w{i}") for i, stmt in enumerate(before)))]
+    return [*before, main]
+
+
 def read_engine(engine: Engine) -> Engine:
     """The same pool, for plain reads that need no single snapshot: on SQLite no ``BEGIN``
     (a statement of its own per session): each statement reads in its own implicit
