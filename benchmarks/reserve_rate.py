@@ -14,17 +14,28 @@ database, registers N nodes x 8 GPUs (``services.nodes.register_node``), becomes
    until all jobs are placed, so a small fleet is filled and emptied many times.
 
 Rates are operations / wall time of the reserve (or release) parts of the rounds, summed over
-rounds; with threads, a round's wall time is its slowest thread. At the end
+rounds; with threads, a round's wall time is its slowest thread. ``cycles/s`` is reservations /
+(reserve + release wall time): one reserve and its matching release per cycle. ``CPU ms`` is the
+reserving thread's own CPU time per operation (``time.thread_time``), the steadier figure on a
+shared machine (the database server's CPU is not in it). ``--backlog N`` first submits N more
+PENDING jobs that are never reserved, so that the job table holds a realistic queue.
+``--profile PATH`` runs cProfile over the timed calls of the first (database, nodes) pair with
+one thread (CPU time of the thread, waits excluded) and writes the stats to PATH (and prints
+the top functions). At the end
 ``store.queries.check_database`` must report 0 violations.
 
 Usage (see benchmarks/README.md)::
 
     .venv/bin/python benchmarks/reserve_rate.py --db both --nodes 16,1000 --jobs 2000
+    .venv/bin/python benchmarks/reserve_rate.py --db postgres --nodes 100 --backlog 10000 \
+        --threads 1 --profile /tmp/reserve.prof
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import tempfile
 import threading
@@ -54,7 +65,6 @@ from gpufleet.services import auth, nodes
 from gpufleet.services.jobs import submit_job
 from gpufleet.store import allocate, leader
 from gpufleet.store.db import Database
-from gpufleet.store.dialect import db_now
 from gpufleet.store.migrate import migrate
 from gpufleet.store.queries import check_database
 
@@ -84,6 +94,10 @@ class Row:
     release_p99_ms: float
     conflicts: int
     errors: int
+    cycles_per_s: float = 0.0
+    reserve_cpu_ms: float = 0.0
+    release_cpu_ms: float = 0.0
+    backlog: int = 0
     violations: int = -1  # filled once per (db, nodes), on the last row
     notes: list[str] = field(default_factory=list)
 
@@ -120,7 +134,8 @@ def submit_jobs(db: Database, count: int, salt: int) -> list[tuple[str, int]]:
 
 
 def release_now(session: Session, run_id: str) -> int:
-    return allocate.release(session, run_id=run_id, now=db_now(session), message="benchmark")
+    # now=None: the clock is read by the locking SELECT itself, as on the completion path
+    return allocate.release(session, run_id=run_id, now=None, message="benchmark")
 
 
 class Reserver:
@@ -134,6 +149,8 @@ class Reserver:
         self.held: list[str] = []  # run ids
         self.reserve_s: list[float] = []
         self.release_s: list[float] = []
+        self.reserve_cpu_s = self.release_cpu_s = 0.0
+        self.profiler: cProfile.Profile | None = None
         self.conflicts = self.errors = 0
         self.last_error = ""
 
@@ -156,7 +173,9 @@ class Reserver:
                 return
             node_id, free = fit
             self.next += 1
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            if self.profiler is not None:
+                self.profiler.enable()
             try:
                 r = self.db.run_write(
                     partial(
@@ -168,32 +187,46 @@ class Reserver:
                         leader_holder=HOLDER,
                         leader_epoch=self.epoch,
                         lease_s=60,
+                        holds=False,  # as the scheduler for a job its snapshot shows no hold of
                     )
                 )
             except CapacityConflict as exc:
+                self._stop_profile()
                 self.conflicts += 1
                 self.last_error = str(exc)
                 self.buckets[free].append(node_id)
                 continue
             except Exception as exc:  # counted and shown, never hidden
+                self._stop_profile()
                 self.errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 self.buckets[free].append(node_id)
                 continue
+            self._stop_profile()
             self.reserve_s.append(time.perf_counter() - t0)
+            self.reserve_cpu_s += time.thread_time() - c0
             self.held.append(r.run_id)
             self.buckets[free - g].append(node_id)
 
+    def _stop_profile(self) -> None:
+        if self.profiler is not None:
+            self.profiler.disable()
+
     def release_round(self) -> None:
         for run_id in self.held:
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            if self.profiler is not None:
+                self.profiler.enable()
             try:
                 self.db.run_write(partial(release_now, run_id=run_id))
             except Exception as exc:
+                self._stop_profile()
                 self.errors += 1
                 self.last_error = f"release {type(exc).__name__}: {exc}"[:300]
                 continue
+            self._stop_profile()
             self.release_s.append(time.perf_counter() - t0)
+            self.release_cpu_s += time.thread_time() - c0
         self.held.clear()
         every = [n for b in self.buckets for n in b]
         self.buckets = [[] for _ in range(GPUS_PER_NODE + 1)]
@@ -201,13 +234,22 @@ class Reserver:
 
 
 def run_phase(
-    db: Database, name: str, node_ids: list[str], epoch: int, threads: int, jobs: int, salt: int
+    db: Database,
+    name: str,
+    node_ids: list[str],
+    epoch: int,
+    threads: int,
+    jobs: int,
+    salt: int,
+    profiler: cProfile.Profile | None = None,
 ) -> Row:
     console.print(f"{name}: submitting {jobs} jobs (not timed) ...")
     work = submit_jobs(db, jobs, salt)
     reservers = [
         Reserver(db, epoch, node_ids[k::threads], work[k::threads]) for k in range(threads)
     ]
+    if profiler is not None and threads == 1:
+        reservers[0].profiler = profiler
     console.print(f"{name}: reserving with {threads} thread(s) ...")
     reserve_wall = release_wall = 0.0
     rounds = 0
@@ -228,6 +270,8 @@ def run_phase(
     errors = sum(r.errors for r in reservers)
     conflicts = sum(r.conflicts for r in reservers)
     notes = sorted({r.last_error for r in reservers if r.last_error})
+    res_cpu = sum(r.reserve_cpu_s for r in reservers)
+    rel_cpu = sum(r.release_cpu_s for r in reservers)
     for note in notes:
         console.print(f"[red]{name}: {note}")
     return Row(
@@ -246,11 +290,20 @@ def run_phase(
         release_p99_ms=1000 * percentile(rel, 99),
         conflicts=conflicts,
         errors=errors,
+        cycles_per_s=len(res) / (reserve_wall + release_wall) if res else 0.0,
+        reserve_cpu_ms=1000 * res_cpu / len(res) if res else float("nan"),
+        release_cpu_ms=1000 * rel_cpu / len(rel) if rel else float("nan"),
         notes=notes,
     )
 
 
-def measure(db_name: str, url: str, n_nodes: int, args: argparse.Namespace) -> list[Row]:
+def measure(
+    db_name: str,
+    url: str,
+    n_nodes: int,
+    args: argparse.Namespace,
+    profiler: cProfile.Profile | None = None,
+) -> list[Row]:
     db = Database(url)
     try:
         migrate(db)
@@ -262,10 +315,15 @@ def measure(db_name: str, url: str, n_nodes: int, args: argparse.Namespace) -> l
         epoch = db.run_write(lambda s: leader.try_acquire(s, HOLDER, 3600))
         if epoch is None:
             sys.exit("could not take the leader lease of a fresh database")
+        if args.backlog:
+            console.print(f"{db_name} N={n_nodes}: submitting {args.backlog} backlog jobs ...")
+            submit_jobs(db, args.backlog, salt=99)
         rows = [
-            run_phase(db, f"{db_name} N={n_nodes}", node_ids, epoch, t, args.jobs, salt=i)
+            run_phase(db, f"{db_name} N={n_nodes}", node_ids, epoch, t, args.jobs, i, profiler)
             for i, t in enumerate(args.threads)
         ]
+        for r in rows:
+            r.backlog = args.backlog
         _, violations = check_database(db)
         for v in violations[:20]:
             console.print(f"[red]{v}")
@@ -278,8 +336,9 @@ def measure(db_name: str, url: str, n_nodes: int, args: argparse.Namespace) -> l
 def render(rows: list[Row]) -> Table:
     table = Table(title="allocate.reserve / allocate.release, one transaction each")
     cols = (
-        "database", "nodes", "threads", "rounds", "reserves/s", "p50 ms", "p99 ms", "max ms",
-        "releases/s", "rel p50 ms", "rel p99 ms", "conflicts", "errors", "violations",
+        "database", "nodes", "backlog", "threads", "rounds", "cycles/s", "reserves/s",
+        "p50 ms", "p99 ms", "CPU ms", "releases/s", "rel p50 ms", "rel p99 ms", "rel CPU ms",
+        "conflicts", "errors", "violations",
     )  # fmt: skip
     for name in cols:
         table.add_column(name, justify="left" if name == "database" else "right")
@@ -287,15 +346,18 @@ def render(rows: list[Row]) -> Table:
         table.add_row(
             r.db,
             f"{r.nodes:,}",
+            f"{r.backlog:,}",
             str(r.threads),
             str(r.rounds),
+            f"{r.cycles_per_s:,.0f}",
             f"{r.reserve_per_s:,.0f}",
             f"{r.p50_ms:.2f}",
             f"{r.p99_ms:.2f}",
-            f"{r.max_ms:.1f}",
+            f"{r.reserve_cpu_ms:.2f}",
             f"{r.release_per_s:,.0f}",
             f"{r.release_p50_ms:.2f}",
             f"{r.release_p99_ms:.2f}",
+            f"{r.release_cpu_ms:.2f}",
             str(r.conflicts),
             str(r.errors),
             "" if r.violations < 0 else str(r.violations),
@@ -309,6 +371,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int_list, default=[16, 1000], help="fleet sizes (16,1000)")
     p.add_argument("--jobs", type=int, default=2000, help="jobs reserved per thread count")
     p.add_argument("--threads", type=int_list, default=[1, 4, 8], help="reserver threads (1,4,8)")
+    p.add_argument("--backlog", type=int, default=0, help="PENDING jobs never reserved (0)")
+    p.add_argument("--profile", type=Path, help="cProfile the first pair's 1-thread calls here")
     p.add_argument("--postgres-url", default=DEFAULT_POSTGRES_URL, help="an existing database")
     p.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     return p.parse_args(argv)
@@ -317,20 +381,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rows: list[Row] = []
+    # the thread's CPU clock: time spent waiting for the database is not in the profile
+    profiler = cProfile.Profile(time.thread_time) if args.profile else None
+    profiled = profiler
+
+    def take() -> cProfile.Profile | None:  # the first (database, nodes) pair only
+        nonlocal profiler
+        p, profiler = profiler, None
+        return p
+
     for n in args.nodes:
         if args.db in ("sqlite", "both"):
             with tempfile.TemporaryDirectory(prefix="gpufleet-bench-reserve-") as tmp:
-                rows += measure("sqlite", f"sqlite:///{tmp}/gpufleet.db", n, args)
+                rows += measure("sqlite", f"sqlite:///{tmp}/gpufleet.db", n, args, take())
         if args.db in ("postgres", "both"):
             with fresh_postgres_database(args.postgres_url, BENCH_DATABASE) as url:
-                rows += measure("postgresql", url, n, args)
-    table_console(160).print(render(rows))
+                rows += measure("postgresql", url, n, args, take())
+    table_console(200).print(render(rows))
     print(
         f"{args.jobs} jobs (1/2/4/8 GPUs mixed) reserved per row on N nodes x {GPUS_PER_NODE} "
         f"GPUs, best fit per thread on disjoint nodes, then released; client and database on one "
         f"machine ({machine()})."
     )
     write_rows_json(args.json, rows)
+    if profiled is not None and args.profile:
+        profiled.dump_stats(args.profile)
+        stats = pstats.Stats(profiled)
+        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("tottime").print_stats(30)
+        print(f"profile of the first pair's timed calls: {args.profile}")
     bad = any(r.errors or r.violations > 0 for r in rows)
     return 1 if bad else 0
 

@@ -259,9 +259,8 @@ def create_app(state: AppState) -> FastAPI:
     def submit(
         body: JobCreate,
         who: Submitter,
-        response: Response,
         idempotency_key: Annotated[str | None, Header()] = None,
-    ) -> JobCreated:
+    ) -> Response:
         with SUBMIT_SECONDS.time():
             if not idempotency_key or len(idempotency_key) > 256 or "\x00" in idempotency_key:
                 SUBMITS.labels("invalid").inc()
@@ -292,18 +291,21 @@ def create_app(state: AppState) -> FastAPI:
             )
             if out.created:
                 state.waker.wake()
-            else:
-                response.status_code = 200
-                response.headers["Idempotent-Replayed"] = "true"
             SUBMITS.labels("created" if out.created else "replayed").inc()
-            if out.array_id is not None:
-                return JobCreated(
-                    job_id=out.job_id,
-                    status=out.status,
-                    array_id=out.array_id,
-                    job_ids=list(out.job_ids),
-                )
-            return JobCreated(job_id=out.job_id, status=out.status)
+            created = JobCreated(
+                job_id=out.job_id,
+                status=out.status,
+                array_id=out.array_id,
+                job_ids=list(out.job_ids) if out.array_id is not None else None,
+            )
+            # the body serialized here, once: a returned model would be validated again
+            # against response_model and encoded by FastAPI (~10% of a submit's server CPU)
+            return Response(
+                created.model_dump_json(),
+                status_code=201 if out.created else 200,
+                headers=None if out.created else {"Idempotent-Replayed": "true"},
+                media_type="application/json",
+            )
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut, responses=errors(404))
     def get(job_id: str, who: Who) -> JobOut:

@@ -12,11 +12,11 @@ import json
 import re
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import func, select
+from sqlalchemy import Table, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -45,11 +45,20 @@ from gpufleet.store.tables import (
 )
 from gpufleet.store.transitions import record_event, transition
 
+_SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
+_RESOURCES_FIELDS = tuple(f.name for f in fields(Resources))
+
 
 def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
-    data = asdict(spec)
+    """``spec`` as the JSON object stored on the job row and hashed for idempotency: what
+    ``dataclasses.asdict`` gives, with lists for tuples and the priority's value. Built field
+    by field (every field but the four containers below is a scalar): ``asdict`` deep-copies
+    each value, ~0.3 ms per call, twice per submit."""
+    data: dict[str, Any] = {name: getattr(spec, name) for name in _SPEC_FIELDS}
+    r = spec.resources
+    data["resources"] = {name: getattr(r, name) for name in _RESOURCES_FIELDS}
     data["command"] = list(spec.command)
-    data["resources"]["gpu_types"] = list(spec.resources.gpu_types)
+    data["resources"]["gpu_types"] = list(r.gpu_types)
     data["env"] = dict(spec.env)
     data["node_selector"] = dict(spec.node_selector)
     data["priority"] = spec.priority.value
@@ -526,6 +535,8 @@ def submit_job(
             array_id = new_id("a") if array is not None else None
             indexes: tuple[int | None, ...] = array.indexes if array is not None else (None,)
             ids: list[str] = []
+            rows: list[dict[str, Any]] = []
+            gated = jobctl.gated_flag(depends_on, hold, array.max_running if array else None)
             for n, index in enumerate(indexes):
                 job_id = new_job_id()
                 ids.append(job_id)
@@ -535,40 +546,40 @@ def submit_job(
                         **base,
                         "env": {**base["env"], **jobsyntax.array_env(array_id, index, array)},
                     }
-                session.add(
-                    JobRow(
-                        id=job_id,
-                        team_id=team_id,
-                        name=spec.name,
-                        idempotency_key=idempotency_key
+                rows.append(
+                    {
+                        "id": job_id,
+                        "team_id": team_id,
+                        "name": spec.name,
+                        "idempotency_key": idempotency_key
                         if n == 0
                         else _task_key(idempotency_key, index),
-                        payload_sha256=digest,
-                        spec=stored,
-                        priority=spec.priority.value,
-                        priority_rank=spec.priority.rank,
-                        gpu_count=spec.resources.gpu_count,
-                        max_runtime_s=spec.max_runtime_s,
-                        submitted_by=submitted_by,
-                        status=JobStatus.PENDING,
-                        cancel_requested=False,
-                        fencing_epoch=0,
-                        attempts=0,
-                        created_at=now,
-                        queued_at=now,
-                        held=hold,
-                        gated=jobctl.gated_flag(
-                            depends_on, hold, array.max_running if array else None
-                        ),
-                        array_id=array_id,
-                        array_index=index,
-                        array_max_running=array.max_running if array else None,
-                        depends_on=depends_on,
-                        pending_reason=jobctl.held_reason() if hold else None,
-                    )
+                        "payload_sha256": digest,
+                        "spec": stored,
+                        "priority": spec.priority.value,
+                        "priority_rank": spec.priority.rank,
+                        "gpu_count": spec.resources.gpu_count,
+                        "max_runtime_s": spec.max_runtime_s,
+                        "submitted_by": submitted_by,
+                        "status": JobStatus.PENDING,
+                        "cancel_requested": False,
+                        "fencing_epoch": 0,
+                        "attempts": 0,
+                        "held": hold,
+                        "gated": gated,
+                        "array_id": array_id,
+                        "array_index": index,
+                        "array_max_running": array.max_running if array else None,
+                        "depends_on": depends_on,
+                        "pending_reason": jobctl.held_reason() if hold else None,
+                    }
                 )
-                if n % 200 == 199:
-                    session.flush()
+            # Core, not the ORM: no unit of work for rows nobody reads back here (the ORM's
+            # flush was ~1/3 of a submit's CPU); one statement compiled once, the clock
+            # folded in; an array's tasks in batches (executemany, multi-row on PostgreSQL)
+            ins = insert(cast(Table, JobRow.__table__)).values(created_at=now, queued_at=now)
+            for i in range(0, len(rows), 500):
+                session.execute(ins, rows[i : i + 500] if len(rows) > 1 else rows[0])
         return Submitted(ids[0], JobStatus.PENDING, True, array_id, tuple(ids) if array_id else ())
     except IntegrityError:
         # A concurrent retry with the same key committed first: answer with its job.

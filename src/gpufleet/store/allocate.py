@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import cast
+from typing import Any, cast
 
-from sqlalchemy import Table, delete, exists, select, update
+from sqlalchemy import Integer, String, Table, bindparam, delete, exists, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import CapacityConflict, Conflict, StaleState
@@ -38,7 +38,7 @@ from gpufleet.domain.states import (
 )
 from gpufleet.domain.types import GpuDevice
 from gpufleet.store import leader
-from gpufleet.store.dialect import as_utc, execute_with, now_sql
+from gpufleet.store.dialect import as_utc, now_sql_for, statements_with
 from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import (
     GpuHoldRow,
@@ -164,6 +164,64 @@ def _add_member(
     return Reserved(job_id, run_id, reservation_id, node_id, token, attempt, tuple(gpu_ids))
 
 
+_TAKE: dict[tuple[str, bool], tuple[Any, Any]] = {}
+
+
+def _take_statements(dialect: str, with_lease: bool) -> tuple[Any, Any]:
+    """The two statements of :func:`_take_gpus`, built once per (dialect, lease check) with
+    bind parameters ``p_node``, ``p_n``, ``p_run`` (and ``p_holder``, ``p_epoch``): no
+    statement construction or cache-key generation per reservation (SQLAlchemy memoizes the
+    key of a statement object it has seen)."""
+    key = (dialect, with_lease)
+    hit = _TAKE.get(key)
+    if hit is not None:
+        return hit
+    cap = NodeCapacityRow.__table__.c
+    gpu = NodeGpuRow.__table__.c
+    node, n = bindparam("p_node", type_=String), bindparam("p_n", type_=Integer)
+    conds = [
+        cap.node_id == node,
+        cap.available_gpus >= n,
+        exists().where(NodeRow.id == node, NodeRow.status == NodeStatus.HEALTHY),
+    ]
+    now = now_sql_for(dialect)
+    if with_lease:
+        lease_row = LeaderLeaseRow.__table__.c
+        conds.append(
+            exists(
+                select(lease_row.name)
+                .where(
+                    lease_row.name == leader.LEASE_NAME,
+                    lease_row.holder == bindparam("p_holder", type_=String),
+                    lease_row.epoch == bindparam("p_epoch", type_=Integer),
+                    lease_row.expires_at > now,
+                )
+                .with_for_update(read=True)
+            )
+        )
+    take = (
+        update(cast(Table, NodeCapacityRow.__table__))
+        .where(*conds)
+        .values(available_gpus=cap.available_gpus - n, version=cap.version + 1)
+        .returning(now)
+    )
+    free = (
+        select(gpu.gpu_index)
+        .where(gpu.node_id == node, gpu.holder_run_id.is_(None))
+        .order_by(gpu.gpu_index)
+        .limit(n)
+        .scalar_subquery()
+    )
+    claim = (
+        update(cast(Table, NodeGpuRow.__table__))
+        .where(gpu.node_id == node, gpu.gpu_index.in_(free), gpu.holder_run_id.is_(None))
+        .values(holder_run_id=bindparam("p_run", type_=String))
+        .returning(gpu.gpu_index)
+    )
+    _TAKE[key] = (take, claim)
+    return take, claim
+
+
 def _take_gpus(
     session: Session,
     node_id: str,
@@ -183,58 +241,18 @@ def _take_gpus(
         NotLeader: with ``lease``, the lease is not held (checked only when no row matched).
         CapacityConflict: the node lacks ``gpu_count`` free GPUs now or is not HEALTHY.
     """
-    cap = NodeCapacityRow.__table__.c
-    conds = [
-        cap.node_id == node_id,
-        cap.available_gpus >= gpu_count,
-        exists().where(NodeRow.id == node_id, NodeRow.status == NodeStatus.HEALTHY),
-    ]
-    now = now_sql(session)
+    take, claim = _take_statements(session.get_bind().dialect.name, lease is not None)
+    params: dict[str, object] = {"p_node": node_id, "p_n": gpu_count, "p_run": run_id}
     if lease is not None:
-        lease_row = LeaderLeaseRow.__table__.c
-        conds.append(
-            exists(
-                select(lease_row.name)
-                .where(
-                    lease_row.name == leader.LEASE_NAME,
-                    lease_row.holder == lease[0],
-                    lease_row.epoch == lease[1],
-                    lease_row.expires_at > now,
-                )
-                .with_for_update(read=True)
-            )
-        )
-    took = session.execute(
-        update(NodeCapacityRow)
-        .where(*conds)
-        .values(available_gpus=cap.available_gpus - gpu_count, version=cap.version + 1)
-        .returning(now)
-        .execution_options(synchronize_session=False)
-    ).first()
+        params["p_holder"], params["p_epoch"] = lease
+    took = session.execute(take, params).first()
     if took is None:
         if lease is not None:
             leader.assert_leader(session, lease[0], lease[1])  # raises NotLeader if it is that
         raise CapacityConflict(f"node {node_id}: fewer than {gpu_count} free GPUs or not HEALTHY")
     # the lowest free GPU indexes, claimed in the same statement (the capacity row, locked
     # above until commit, serialises every reserve and release of this node)
-    free = (
-        select(NodeGpuRow.gpu_index)
-        .where(NodeGpuRow.node_id == node_id, NodeGpuRow.holder_run_id.is_(None))
-        .order_by(NodeGpuRow.gpu_index)
-        .limit(gpu_count)
-        .scalar_subquery()
-    )
-    claimed = session.scalars(
-        update(NodeGpuRow)
-        .where(
-            NodeGpuRow.node_id == node_id,
-            NodeGpuRow.gpu_index.in_(free),
-            NodeGpuRow.holder_run_id.is_(None),
-        )
-        .values(holder_run_id=run_id)
-        .returning(NodeGpuRow.gpu_index)
-        .execution_options(synchronize_session=False)
-    ).all()
+    claimed = session.scalars(claim, params).all()
     if len(claimed) != gpu_count:
         # available said yes but the GPU rows disagree: an invariant is broken; never patch it.
         raise CapacityConflict(f"node {node_id}: capacity row and GPU rows disagree")
@@ -357,6 +375,50 @@ class ActiveReservation:
     status: str
 
 
+_RELEASE: dict[tuple[str, bool], tuple[Any, list[Any]]] = {}
+
+
+def _release_statements(dialect: str, only_quarantined: bool) -> tuple[Any, list[Any]]:
+    """:func:`release`'s statements, built once per (dialect, states) with bind parameters
+    ``p_run``, ``p_node``, ``p_n`` (as :func:`_take_statements`): the locking read of the
+    run's active reservation with the database clock, and the GPU rows freed with the
+    capacity update (one statement on PostgreSQL, two on SQLite; the capacity update last,
+    its row count is the answer)."""
+    key = (dialect, only_quarantined)
+    hit = _RELEASE.get(key)
+    if hit is not None:
+        return hit
+    states = [ReservationStatus.QUARANTINED] if only_quarantined else sorted(RESERVATION_ACTIVE)
+    res_c = ReservationRow.__table__.c
+    cap = NodeCapacityRow.__table__.c
+    gpu = NodeGpuRow.__table__.c
+    run, node = bindparam("p_run", type_=String), bindparam("p_node", type_=String)
+    n = bindparam("p_n", type_=Integer)
+    lock = (
+        select(
+            res_c.id,
+            res_c.job_id,
+            res_c.node_id,
+            res_c.gpu_count,
+            res_c.status,
+            now_sql_for(dialect),
+        )
+        .where(res_c.run_id == run, res_c.status.in_(states))
+        .with_for_update()
+    )
+    give_back = statements_with(
+        dialect,
+        update(cast(Table, NodeCapacityRow.__table__))
+        .where(cap.node_id == node, cap.available_gpus + n <= cap.total_gpus)
+        .values(available_gpus=cap.available_gpus + n, version=cap.version + 1),
+        update(cast(Table, NodeGpuRow.__table__))
+        .where(gpu.node_id == node, gpu.holder_run_id == run)
+        .values(holder_run_id=None),
+    )
+    _RELEASE[key] = (lock, give_back)
+    return lock, give_back
+
+
 def release(
     session: Session,
     *,
@@ -413,13 +475,9 @@ def release(
             node_id=node_id,
         )
     else:
-        clock = now_sql(session)
         # the active reservation, locked, with the database clock (one statement)
-        found = session.execute(
-            select(res_c.id, res_c.job_id, res_c.node_id, res_c.gpu_count, res_c.status, clock)
-            .where(res_c.run_id == run_id, res_c.status.in_(states))
-            .with_for_update()
-        ).first()
+        lock, _ = _release_statements(session.get_bind().dialect.name, only_quarantined)
+        found = session.execute(lock, {"p_run": run_id}).first()
         if found is None:
             return 0
         res_id, job_id, node_id, gpu_count, was, at = found
@@ -437,20 +495,13 @@ def release(
             run_id=run_id,
             node_id=node_id,
         )
-    cap = NodeCapacityRow.__table__.c
-    gpu = NodeGpuRow.__table__.c
     # the run's GPU rows (locked by nobody else: its reservation row is) freed with the
-    # capacity update, in one statement on PostgreSQL (dialect.execute_with)
-    back = execute_with(
-        session,
-        update(cast(Table, NodeCapacityRow.__table__))
-        .where(cap.node_id == node_id, cap.available_gpus + gpu_count <= cap.total_gpus)
-        .values(available_gpus=cap.available_gpus + gpu_count, version=cap.version + 1),
-        update(cast(Table, NodeGpuRow.__table__))
-        .where(gpu.node_id == node_id, gpu.holder_run_id == run_id)
-        .values(holder_run_id=None),
-    )
-    if back.rowcount != 1:
+    # capacity update, in one statement on PostgreSQL (dialect.statements_with)
+    _, give_back = _release_statements(session.get_bind().dialect.name, only_quarantined)
+    params = {"p_node": node_id, "p_n": gpu_count, "p_run": run_id}
+    for stmt in give_back:
+        back = session.execute(stmt, params)
+    if back.rowcount != 1:  # type: ignore[attr-defined]
         raise StaleState(f"node {node_id}: returning {gpu_count} GPUs would exceed total")
     return int(gpu_count)
 

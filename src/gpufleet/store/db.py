@@ -51,6 +51,7 @@ class Database:
         self.url = url
         self.engine: Engine = create_engine(url, **dialect.engine_options(url))
         dialect.install_sqlite_hooks(self.engine)
+        dialect.install_postgres_hooks(self.engine)
         self._read = sessionmaker(
             dialect.read_engine(self.engine), expire_on_commit=False, autoflush=False
         )

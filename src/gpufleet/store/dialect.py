@@ -4,11 +4,13 @@ clock, and the migration lock."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any, cast
 
 from sqlalchemy import (
+    ClauseElement,
     ColumnElement,
     Connection,
     Engine,
@@ -20,8 +22,8 @@ from sqlalchemy import (
     insert,
     text,
 )
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session
-from sqlalchemy.sql.elements import ClauseElement
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 5
@@ -35,13 +37,48 @@ def engine_options(url: str) -> dict[str, Any]:
         }
     # a database host that drops packets must not hold a request for minutes: connecting
     # fails after PG_CONNECT_TIMEOUT_S and the API answers 503 (the kernel's default is ~2 min)
+    # no pool_pre_ping: it costs a round trip per transaction (install_postgres_hooks pings
+    # only a connection that sat idle in the pool)
     return {
         "pool_size": 10,
         "max_overflow": 20,
-        "pool_pre_ping": True,
         "pool_timeout": 10,
         "connect_args": {"connect_timeout": PG_CONNECT_TIMEOUT_S},
     }
+
+
+PING_AFTER_IDLE_S = 2.0
+"""A pooled PostgreSQL connection that sat idle this long is pinged when checked out."""
+
+
+def install_postgres_hooks(engine: Engine) -> None:
+    """Ping a pooled connection at checkout only when it was idle for ``PING_AFTER_IDLE_S``
+    (SQLAlchemy's "pessimistic" disconnect handling with a custom checkout event, as in its
+    pooling docs, instead of ``pool_pre_ping``, which pings on every checkout: one more
+    round trip per transaction, ~1 in 7 of a reservation's). A dead connection is replaced
+    before use, as with ``pool_pre_ping``; one that died within the last seconds of use fails
+    its statement, which invalidates the pool (SQLAlchemy does that on a disconnect error),
+    and the caller retries as for any lost connection (the API answers 503)."""
+    if engine.dialect.name != "postgresql":
+        return
+    dialect = engine.dialect
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_conn: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.pop("idle_since", None)
+        if since is None or time.monotonic() - since < PING_AFTER_IDLE_S:
+            return
+        try:
+            dialect.do_ping(dbapi_conn)
+        except dialect.loaded_dbapi.Error as err:
+            if dialect.is_disconnect(err, dbapi_conn, None):
+                # the pool discards this connection and checks out another (up to 3 tries)
+                raise DisconnectionError(str(err)) from err
+            raise
 
 
 def install_sqlite_hooks(engine: Engine) -> None:
@@ -73,19 +110,77 @@ def write_engine(engine: Engine) -> Engine:
     return engine.execution_options(sqlite_begin="IMMEDIATE")
 
 
+_ONE_ROW_INSERTS: dict[tuple[Any, ...], Any] = {}
+"""Statements of :func:`insert_together` for one row per table, by (dialect, tables, column
+names): built once, with bind parameters instead of values, so SQLAlchemy compiles each shape
+once (its cache skips multi-row VALUES, and building a statement from values coerces every
+value: together ~20% of a reservation's client CPU on PostgreSQL, benchmarks/README.md)."""
+
+
+def _one_row_insert(
+    dialect: str, tables: list[tuple[TableClause, list[dict[str, Any]]]]
+) -> tuple[Any, dict[str, Any]] | None:
+    """The cached statement and its parameters when every table has exactly one row of plain
+    values (no SQL expression); else None."""
+    params: dict[str, Any] = {}
+    shape: list[tuple[TableClause, tuple[str, ...]]] = []
+    for i, (t, rows) in enumerate(tables):
+        if len(rows) != 1:
+            return None
+        row = rows[0]
+        for k, v in row.items():
+            if isinstance(v, ClauseElement):
+                return None
+            params[f"g{i}_{k}"] = v
+        shape.append((t, tuple(row)))
+    key = (dialect, tuple(shape))
+    stmt = _ONE_ROW_INSERTS.get(key)
+    if stmt is None:
+        inserts = [
+            insert(t).values({k: bindparam(f"g{i}_{k}", type_=t.c[k].type) for k in cols})
+            for i, (t, cols) in enumerate(shape)
+        ]
+        if dialect == "postgresql":
+            *first, last = inserts
+            stmt = last.add_cte(*(ins.cte(f"ins{i}") for i, ins in enumerate(first)))
+        else:
+            stmt = inserts
+        if len(_ONE_ROW_INSERTS) > 256:  # a bound, not expected to be reached
+            _ONE_ROW_INSERTS.clear()
+        _ONE_ROW_INSERTS[key] = stmt
+    return stmt, params
+
+
 def insert_together(
     session: Session, groups: Sequence[tuple[FromClause, list[dict[str, Any]]]]
 ) -> None:
     """INSERT every group's rows (no RETURNING), in the order given (parents before
-    children). PostgreSQL with several tables: ONE statement, a multi-row VALUES list per
-    table, the earlier groups as data-modifying CTEs of the last one's INSERT (foreign keys
-    are checked at the end of the statement). Otherwise (one table, or SQLite, which has no
-    INSERT in a CTE): one executemany per table, whose compiled form SQLAlchemy caches (a
-    multi-row VALUES statement has no cache key, so it is compiled again on every call)."""
+    children), with statements SQLAlchemy compiles once per shape (its cache skips
+    multi-row VALUES statements, which it would compile on every call):
+
+    - one row of plain values per table (a reservation's run, reservation and event; a
+      release's event): a statement built once per shape with bind parameters; on
+      PostgreSQL ONE statement, the earlier tables as data-modifying CTEs of the last one's
+      INSERT (foreign keys are checked at the end of the statement);
+    - else on PostgreSQL with several tables: the same ONE statement with multi-row VALUES
+      lists (compiled each time);
+    - else (one table, or SQLite, which has no INSERT in a CTE): one executemany per table,
+      columns holding the database clock (:func:`now_sql`) inside the statement."""
     tables = [(cast(TableClause, t), rows) for t, rows in groups if rows]
     if not tables:
         return
-    if session.get_bind().dialect.name == "postgresql" and len(tables) > 1:
+    dialect = session.get_bind().dialect.name
+    cached = _one_row_insert(dialect, tables)
+    if cached is not None:
+        stmt, params = cached
+        if isinstance(stmt, list):  # SQLite: one statement per table, in order
+            for i, one in enumerate(stmt):
+                prefix = f"g{i}_"
+                session.execute(one, {k: v for k, v in params.items() if k.startswith(prefix)})
+        else:
+            session.execute(stmt, params)
+        return
+    if dialect == "postgresql" and len(tables) > 1:
         *first, (last, last_rows) = tables
         ctes = [insert(t).values(rows).cte(f"ins{i}") for i, (t, rows) in enumerate(first)]
         session.execute(insert(last).values(last_rows).add_cte(*ctes))
@@ -126,6 +221,14 @@ def execute_with(session: Session, main: Any, *before: Any) -> Any:
     return session.execute(main)
 
 
+def statements_with(dialect: str, main: Any, *before: Any) -> list[Any]:
+    """:func:`execute_with`'s statements for a dialect name, to build once and keep: execute
+    them in order with the same parameters; the last one's result is ``main``'s."""
+    if dialect == "postgresql" and before:
+        return [main.add_cte(*(stmt.cte(f"w{i}") for i, stmt in enumerate(before)))]
+    return [*before, main]
+
+
 def read_engine(engine: Engine) -> Engine:
     """The same pool, for plain reads that need no single snapshot: on SQLite no ``BEGIN``
     (a statement of its own per session): each statement reads in its own implicit
@@ -152,7 +255,13 @@ def now_sql(session: Session, *, stable: bool = False) -> ColumnElement[Any]:
     ``stable``: every use in one statement gives the same value (PostgreSQL
     ``statement_timestamp()``, the statement's start; SQLite's ``'now'`` is stable anyway),
     for two columns that must be equal."""
-    if session.get_bind().dialect.name == "sqlite":
+    return now_sql_for(session.get_bind().dialect.name, stable=stable)
+
+
+def now_sql_for(dialect: str, *, stable: bool = False) -> ColumnElement[Any]:
+    """:func:`now_sql` for a dialect name (``sqlite``, ``postgresql``), for statements built
+    once and kept."""
+    if dialect == "sqlite":
         # SQLite keeps datetimes as text, compared as text: store the clock in SQLAlchemy's
         # own format (6 fractional digits; %f gives 3), or a value written by this expression
         # sorts before the same instant bound from Python ('...01.123' < '...01.123000')
