@@ -355,11 +355,15 @@ class TestFullRebuild:
         cache = SnapshotCache(CONFIG, full_every_s=1e9)
         compare(db, cache, epoch)
         assert (cache.stats.full, cache.stats.reason) == (True, "first pass")
+        # PostgreSQL's floor is the snapshot's xmin, which any open transaction on the server
+        # holds back (another test worker's, a benchmark's): rows written since then may be
+        # read again (safe, and bounded); SQLite's writers are serialized, so its floor is exact
+        slack = 0 if db.is_sqlite else 1
         compare(db, cache, epoch)
-        assert not cache.stats.full and cache.stats.jobs == 0
+        assert not cache.stats.full and cache.stats.jobs <= slack
         submit(db)
         compare(db, cache, epoch)
-        assert not cache.stats.full and cache.stats.jobs == 1
+        assert not cache.stats.full and 1 <= cache.stats.jobs <= 1 + slack
         compare(db, cache, epoch + 1)
         assert (cache.stats.full, cache.stats.reason) == (True, "leader epoch changed")
         cache.invalidate()
