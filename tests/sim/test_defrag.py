@@ -82,6 +82,61 @@ class TestDefragInTheSimulator:
         assert not eng.rec.unfinished
 
 
+def scattered(cfg: PolicyConfig) -> Engine:
+    """Three 8-GPU nodes. Team b (inside its 24-GPU guarantee) starts 24 1-GPU jobs at t=0;
+    every other one ends after 100 s, the rest run 10 h (no estimate, no bound), so from
+    t=100 every node has 4 free GPUs and none drains on a known schedule. Team a (no
+    guarantee: it can only borrow) submits an 8-GPU job at t=200."""
+    jobs = [SimJob(f"b{i:02d}", "b", 0.0, 1, 100.0 if i % 2 == 0 else 36_000.0) for i in range(24)]
+    jobs.append(SimJob("big", "a", 200.0, 8, 1_800.0))
+    # passes run on events: a 10-s job of b every 5 minutes keeps them coming
+    jobs += [SimJob(f"t{k:02d}", "b", 300.0 * k, 1, 10.0) for k in range(1, 25)]
+    eng = Engine(
+        [NodeGroup("n", 3, 8, "A100")],
+        [TeamSpec("a"), TeamSpec("b", guaranteed_gpus={"A100": 24})],
+        jobs,
+        cfg,
+        EngineOptions(grace_s=GRACE_S, check_invariants="every_event"),
+    )
+    eng.run()
+    return eng
+
+
+class TestMigrations:
+    def test_a_borrowing_teams_large_job_starts_within_the_defrag_bound(self) -> None:
+        """Without migrations DD4 forbids taking b's GPUs for a, and a's job waits for b's
+        10-hour jobs; with them, b's four jobs on one node are moved to the free GPUs of the
+        other two, and a's job starts once it has waited ``defrag_wait_s`` (plus one pass
+        interval and the grace period of the stop)."""
+        # the defaults (migrations on, defragmentation after 1 h), with a budget that lets a
+        # fleet of 24 GPUs lose the 4 GPU-hours of a move (the default 0.05 is sized for
+        # hundreds of GPUs)
+        cfg = replace(PolicyConfig(), displacement_budget_share=0.5)
+        assert cfg.defrag_wait_s is not None
+        eng = scattered(cfg)
+        assert eng.violations == 0
+        assert not eng.rec.unfinished
+        big = eng.fleet.jobs["big"]
+        assert big.first_start_s is not None
+        # the first pass after its wait reaches defrag_wait_s (passes come at least every
+        # 300 s here), then the victims' grace period
+        assert big.first_start_s - 200.0 <= cfg.defrag_wait_s + 300.0 + GRACE_S
+        assert eng.rec.preemptions_by_reason == {"defragment": 4}  # one per moved job
+        # b keeps its share: every moved job restarted at once on another node
+        moved = [js for js in eng.fleet.jobs.values() if js.preemptions]
+        assert {js.spec.team_id for js in moved} == {"b"}
+        assert len(moved) == 4
+        for js in moved:
+            first, second = (eng.fleet.runs[r] for r in js.runs)
+            assert second.reserved_s == first.released_s
+            assert second.members[0].node_id != first.members[0].node_id
+
+        off = scattered(replace(cfg, defrag_migrate=False))
+        late = off.fleet.jobs["big"].first_start_s
+        assert late is not None and late >= 36_000.0
+        assert not off.rec.preemptions_by_reason
+
+
 class TestInvariantsWithDefrag:
     @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(workloads())

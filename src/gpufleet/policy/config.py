@@ -114,10 +114,14 @@ class PolicyConfig:
         defrag_drain_horizon_s: a drain expected within this many seconds makes
             defragmentation unnecessary (the job waits for it).
         displacement_budget_share: defragmentation may lose at most this many GPU-hours of
-            work per hour per GPU of the fleet (0.02 on 704 GPUs = 14 GPU-hours per hour),
+            work per hour per GPU of the fleet (0.05 on 704 GPUs = 35 GPU-hours per hour),
             counted over ``ClusterSnapshot.recent_displacements`` of the last hour.
         anti_thrash_s: a job displaced (for any reason) within this many seconds is never a
             defragmentation victim.
+        defrag_migrate: defragmentation may also displace small jobs of teams inside their
+            guarantee when the GPUs free elsewhere (on nodes without a reservation or shield)
+            can hold them at once: a move, not a reclaim (``policy.defrag``); False = only
+            the preemptor's own team's, borrowed, or (preemptor within its guarantee) any.
     """
 
     placement: Placement = Placement.BEST_FIT
@@ -139,7 +143,8 @@ class PolicyConfig:
     headroom_wait_s: float | None = 1800.0
     large_job_node_share: float = 0.5
     headroom_max_node_share: float = 0.1
-    defrag_wait_s: float | None = 4 * 3600.0
+    defrag_wait_s: float | None = 3600.0
     defrag_drain_horizon_s: float = 1800.0
-    displacement_budget_share: float = 0.02
+    displacement_budget_share: float = 0.05
     anti_thrash_s: float = 6 * 3600.0
+    defrag_migrate: bool = True

@@ -30,7 +30,15 @@ for any preemption. Eligible victims: preemptible, not stopping, not a gang memb
 (below the large-job size), of priority no higher than the preemptor's, not displaced within
 ``anti_thrash_s`` (``ClusterSnapshot.recent_displacements``), and (seed DD4: across teams only
 loans are taken back) of the same team, or borrowed (their team is above its guarantee), or
-any team's when the preemptor's GPUs fit inside its own team's guarantee. Only when the driver
+any team's when the preemptor's GPUs fit inside its own team's guarantee, or (``defrag_migrate``)
+any team's when the GPUs free elsewhere now, on nodes without a reservation or shield, can hold
+every such victim of the set: then the victims are *moved*, not taken (they restart at once
+and their team keeps its share; what they lose is the work since their last checkpoint, which
+the cost below minimises and the budget caps). Under contention the teams that submit large
+jobs are often the ones above their guarantee, while the nodes nearest to draining run small
+jobs of teams inside theirs: without migrations such a job can wait days with free GPUs
+scattered over the fleet (the Philly quarter-capacity table, docs/design/simulator.md). Only
+when the driver
 passes ``ClusterSnapshot.recent_displacements`` (the simulator and the live store do; None
 means no history, and no defragmentation). Set cost, smallest
 first: victims not borrowed, highest priority hit, GPU-seconds of work lost since each
@@ -310,8 +318,28 @@ def _shield_nodes(
     return picked
 
 
+def _spare_gpus(p: PassView, gpu_type: str) -> int:
+    """Free GPUs of ``gpu_type`` that a small job could take now: visible free GPUs on nodes
+    carrying no reservation or shield (where it may start at once)."""
+    shadows = p.index.shadows
+    return sum(f for f, nid in p.index.free_list(gpu_type) if nid not in shadows)
+
+
+def _loanable(p: PassView, job: PendingJob, r: RunningJob, gpu_type: str) -> bool:
+    """Whether taking ``r``'s GPUs is a reclaim DD4 allows: the preemptor's own team, a
+    borrowed attempt, or a preemptor within its guarantee."""
+    if r.team_id == job.team_id or r.run_id in p.victims.borrowed:
+        return True
+    return p.book.fits_in_guarantee(job.team_id, gpu_type, job.resources.gpu_count)
+
+
 def _eligible(
-    p: PassView, job: PendingJob, r: RunningJob, gpu_type: str, recently: set[str]
+    p: PassView,
+    job: PendingJob,
+    r: RunningJob,
+    gpu_type: str,
+    recently: set[str],
+    migrate: bool = False,
 ) -> bool:
     if r.stopping or not r.preemptible or r.gang_size > 1 or r.job_id in recently:
         return False
@@ -323,9 +351,7 @@ def _eligible(
     size = p.index.node_gpus(r.gpu_type)
     if is_large(Resources(gpu_count=r.gpu_count), size, p.cfg.large_job_node_share):
         return False
-    if r.team_id == job.team_id or r.run_id in vs.borrowed:
-        return True
-    return p.book.fits_in_guarantee(job.team_id, gpu_type, job.resources.gpu_count)
+    return migrate or _loanable(p, job, r, gpu_type)
 
 
 def _victim_cost(p: PassView, r: RunningJob) -> tuple[int, int, float, str]:
@@ -347,16 +373,22 @@ def _cheapest(
     def cost_of(r: RunningJob) -> tuple[int, int, float, str]:
         return _victim_cost(p, r)
 
+    spare = _spare_gpus(p, gpu_type) if p.cfg.defrag_migrate else 0
     for nid in node_ids:
         free = p.index.visible_free(nid)
         runs = [r for _, r in p.running.by_node.get(nid, ())]
-        cands = [r for r in runs if _eligible(p, job, r, gpu_type, recently)]
+        # GPUs free elsewhere now, where displaced small jobs restart at once (migrations)
+        elsewhere = spare - (free if nid not in p.index.shadows else 0)
+        cands = [r for r in runs if _eligible(p, job, r, gpu_type, recently, elsewhere > 0)]
         if free + sum(r.gpu_count for r in cands) < need:
             continue
         cands.sort(key=cost_of)
         chosen = fewest_victims(cands, free, need, cost_of)
         if not chosen:
             continue
+        moved = sum(r.gpu_count for r in chosen if not _loanable(p, job, r, gpu_type))
+        if moved > elsewhere:
+            continue  # the displaced jobs of teams within their share could not restart now
         costs = [cost_of(r) for r in chosen]
         cost: DefragCost = (
             sum(c[0] for c in costs),

@@ -243,6 +243,39 @@ class TestDefragment:
         (pre,) = preempts(schedule(s2, CFG))
         assert pre.reason == "defragment"
 
+    def test_other_teams_jobs_may_move_when_they_restart_at_once_elsewhere(self) -> None:
+        """Team a is above its guarantee; b's four 1-GPU jobs on n1 are within b's own.
+        Free GPUs are scattered: 4 on n1, 4 on n2, so no node holds a's 8-GPU job. Taking
+        b's GPUs would break DD4, but moving its jobs does not: n2 holds them now, so they
+        are displaced (a migration: b keeps its share) and n1 is freed for the big job."""
+        now = 3 * HOUR
+        s = snap(
+            [node("n1", 4), node("n2", 4)],
+            [job("big", team="a", gpus=8)],
+            [run(f"b{i}", "n1", team="b", started=now - 600.0) for i in range(4)]
+            + [run(f"c{i}", "n2", team="b", started=0.0) for i in range(4)],
+            teams=[team("a", guarantee=0), team("b", guarantee=16)],
+            now=now,
+        )
+        (pre,) = preempts(schedule(s, CFG))
+        assert pre.reason == "defragment" and pre.node_id == "n1"
+        assert pre.victim_run_ids == ("b0", "b1", "b2", "b3")
+        assert not preempts(schedule(s, replace(CFG, defrag_migrate=False)))
+
+    def test_no_migration_without_room_for_the_displaced_jobs(self) -> None:
+        """As above, but n2 has only 3 free GPUs: one of b's jobs could not restart, so its
+        GPUs would be taken, not moved; nothing is displaced."""
+        now = 3 * HOUR
+        s = snap(
+            [node("n1", 4), node("n2", 3)],
+            [job("big", team="a", gpus=8)],
+            [run(f"b{i}", "n1", team="b", started=now - 600.0) for i in range(4)]
+            + [run(f"c{i}", "n2", team="b", started=0.0) for i in range(5)],
+            teams=[team("a", guarantee=0), team("b", guarantee=16)],
+            now=now,
+        )
+        assert not preempts(schedule(s, CFG))
+
     def test_off_without_preemption(self) -> None:
         now = 3 * HOUR
         s = snap(
