@@ -243,7 +243,8 @@ class Scheduler:
                 stats.conflicts += 1  # the world moved; the next pass sees it (assume/forget)
                 log.debug("skip %s: %s", decision, exc)
         # kept in leader memory: a new leader recomputes them from scratch on its first pass
-        self._backfill = tuple(backfill)
+        # (the headroom shields ride along, ``CycleResult.shields``)
+        self._backfill = tuple(backfill) + result.shields
         if result.released_holds or snap.holds:
             self.db.run_write(partial(preemption.release_holds, job_ids=result.released_holds))
         # a job that left the queue (placed, cancelled) is forgotten: if it comes back (a retry)

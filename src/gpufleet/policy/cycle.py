@@ -158,8 +158,15 @@ class _Pass:
         self.prev_reservations: list[tuple[BackfillReservation, PendingJob]] = [
             (r, jobs[r.job_id])
             for r in sorted(snapshot.reservations, key=lambda r: (r.start_at_s, r.job_id))
-            if r.job_id in jobs
+            if r.job_id in jobs and not r.headroom
         ]
+        shields: dict[str, list[str]] = {}
+        for r in snapshot.reservations:
+            if r.headroom:
+                shields.setdefault(r.job_id, []).append(r.node_id)
+        self.prev_shields: Mapping[str, Sequence[str]] = shields
+        """DD7 shields of the previous pass, ``job_id -> node ids`` (member order): kept by
+        ``policy.defrag`` unless another node is ready much earlier."""
         self.index = FreeIndex(snapshot.nodes, (h for h, _ in self.holds), snapshot.fleet_index)
         self.book = TeamBook(
             snapshot.teams,
@@ -752,7 +759,8 @@ class _Pass:
             self.served,
             self.now,
         )
-        return CycleResult(tuple(self.decisions), waiting, tuple(self.released))
+        shields = self.shielded.feed_back(self.index)
+        return CycleResult(tuple(self.decisions), waiting, tuple(self.released), shields)
 
 
 def schedule(snapshot: ClusterSnapshot, config: PolicyConfig | None = None) -> CycleResult:

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufleet.policy.snapshot import BackfillReservation
+
 
 @dataclass(frozen=True, slots=True)
 class Place:
@@ -95,8 +97,13 @@ class CycleResult:
         waiting: a reason for every pending job not placed (may be computed lazily on access).
         released_holds: job ids whose ``GpuHold`` the driver should delete (timed out, or
             the node can no longer take the job).
+        shields: the DD7 headroom shields of the jobs still waiting after the pass (one per
+            node, ``headroom`` True; ``policy.defrag``): not decisions (nothing to apply),
+            state the driver feeds back in the next ``ClusterSnapshot.reservations`` beside
+            the ``HoldForBackfill`` decisions, so a shield stays on its node.
     """
 
     decisions: tuple[Decision, ...]
     waiting: Mapping[str, WaitReason] = field(default_factory=dict)
     released_holds: tuple[str, ...] = ()
+    shields: tuple[BackfillReservation, ...] = ()

@@ -14,8 +14,15 @@ need (or the node if their hard bound ends before the drain). "Drains soonest" i
 estimated start (``backfill.start_on_node`` over ``runtime.RunningIndex``); when the running
 work has no known end, the node with the fewest GPUs still to free, then the fewest in use.
 Oldest waiting jobs first, at most ``headroom_max_node_share`` of the schedulable nodes.
-Shields are recomputed every pass (nothing stored): a shielded node gets no new small work, so
-it stays the soonest to drain and the choice is stable.
+Shields persist across passes as reservations do: the pass returns them
+(``CycleResult.shields``), the driver feeds them back in ``ClusterSnapshot.reservations``
+(``headroom`` True), and the next pass keeps a job's shield on the same node(s) unless they
+became unusable or fresh ones are expected to drain within ``SHIELD_MOVE_FRACTION`` of the
+kept ones' remaining wait. Recomputed every pass, a shield kept moving between nodes whose
+estimated drains were close (an expired prediction is re-estimated every pass), and each node
+it left refilled with small jobs (the 30 longest-waiting large jobs of the Philly
+quarter-capacity table spent 85% of their wait shielded, two of them changing node 181 and
+208 times; docs/design/simulator.md).
 
 Both steps extend EASY backfill's promise to the jobs it serves worst, and are active only with
 ``Backfill.EASY``: under strict order (``OFF``) the blocked head already holds everything
@@ -65,14 +72,25 @@ from gpufleet.policy.preemption import VictimSearch, fewest_victims
 from gpufleet.policy.priority import queued_at
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
-from gpufleet.policy.snapshot import Displacement, PendingJob, RunningJob
+from gpufleet.policy.snapshot import BackfillReservation, Displacement, PendingJob, RunningJob
 
-__all__ = ["DEFRAGMENT", "HEADROOM", "Shielded", "displacement_used_h", "is_large", "protect"]
+__all__ = [
+    "DEFRAGMENT",
+    "HEADROOM",
+    "SHIELD_MOVE_FRACTION",
+    "Shielded",
+    "displacement_used_h",
+    "is_large",
+    "protect",
+]
 
 DEFRAGMENT = "defragment"
 """The ``Preempt.reason`` (and ``Displacement.reason``) of a defragmentation."""
 HEADROOM = "headroom"
 """The cause code of a job whose nodes are shielded (``explain``: ``waiting_with_headroom``)."""
+SHIELD_MOVE_FRACTION = 0.5
+"""A kept shield moves to fresh node(s) only when they are expected to drain within this
+fraction of the kept ones' remaining wait (or the kept drain is unknown and theirs is not)."""
 
 Cause = tuple[object, ...]
 DefragCost = tuple[int, int, float, int, str]
@@ -91,6 +109,7 @@ class PassView(Protocol):
     placed: set[str]
     hold_nodes: dict[str, list[str]]
     n_preempts: int
+    prev_shields: Mapping[str, Sequence[str]]
 
     @property
     def running(self) -> RunningIndex: ...
@@ -115,6 +134,17 @@ class Shielded:
             if sh is not None and sh.job_id == job_id:
                 del index.shadows[nid]
         self.causes.pop(job_id, None)
+
+    def feed_back(self, index: FreeIndex) -> tuple[BackfillReservation, ...]:
+        """The shields still standing, one per node in member order (``headroom`` True),
+        for the driver to pass to the next pass (``CycleResult.shields``)."""
+        out: list[BackfillReservation] = []
+        for job_id in sorted(self.nodes):
+            for nid in self.nodes[job_id]:
+                sh = index.shadows.get(nid)
+                if sh is not None and sh.job_id == job_id:
+                    out.append(BackfillReservation(job_id, nid, sh.gpu_count, sh.start_at_s, True))
+        return tuple(out)
 
 
 def is_large(res: Resources, node_gpus: int, share: float) -> bool:
@@ -246,7 +276,11 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
     recently = {d.job_id for d in recent if d.at_s > since}
     taken: set[str] = set()
     drains = _Drains(p)
+    prev = p.prev_shields
+    # nodes that other waiting jobs shielded last pass: a fresh shield does not take them
+    prev_owner = {nid: jid for jid, nids in prev.items() for nid in nids}
     for wait, job in jobs:
+        others_prev = {nid for nid, jid in prev_owner.items() if jid != job.job_id}
         if len(taken) >= max_nodes:
             break
         for t in job.resources.gpu_types or index.gpu_types:
@@ -277,7 +311,12 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
                         break
             if cfg.headroom_wait_s is None or wait < cfg.headroom_wait_s:
                 continue
-            picked = _shield_nodes(drains, job, t, members, taken)
+            picked = _shield_nodes(drains, job, t, members, taken | others_prev)
+            kept = _kept_shield(p, job, t, members, taken)
+            if kept is not None and (picked is None or not _much_earlier(p.now, picked, kept)):
+                picked = kept
+            if picked is None and others_prev:
+                picked = _shield_nodes(drains, job, t, members, taken)
             if picked is None:
                 continue
             if len(taken) + len(picked) > max_nodes and taken:
@@ -316,6 +355,48 @@ def _shield_nodes(
         picked.append((best[4], best))
         used.add(best[4])
     return picked
+
+
+def _kept_shield(
+    p: PassView, job: PendingJob, gpu_type: str, members: tuple[int, ...], taken: set[str]
+) -> list[tuple[str, DrainKey]] | None:
+    """``job``'s shield of the previous pass, with its drains recomputed, when it still fits
+    ``members`` on nodes of ``gpu_type`` that accept it and carry nothing else (else None)."""
+    nids = p.prev_shields.get(job.job_id)
+    if not nids or len(nids) != len(members):
+        return None
+    index = p.index
+    out: list[tuple[str, DrainKey]] = []
+    used = set(taken)
+    for nid, m in zip(nids, members, strict=True):
+        node = index.nodes.get(nid)
+        if node is None or not node.schedulable or node.gpu_type != gpu_type:
+            return None
+        if nid in used or node.total_gpus < m:
+            return None
+        sh = index.shadows.get(nid)
+        if sh is not None and sh.job_id != job.job_id:
+            return None
+        if index.hidden_from(nid, job.job_id):
+            return None
+        res = job.resources if m == job.resources.gpu_count else member_resources(job.resources, m)
+        if not node_accepts(node, res, job.node_selector):
+            return None
+        out.append((nid, _drain_key(p, job, nid, m)))
+        used.add(nid)
+    return out
+
+
+def _much_earlier(
+    now: float, fresh: list[tuple[str, DrainKey]], kept: list[tuple[str, DrainKey]]
+) -> bool:
+    """Whether ``fresh`` shield nodes drain much earlier than the ``kept`` ones (the last
+    member to drain counts): within ``SHIELD_MOVE_FRACTION`` of the kept remaining wait."""
+    f = max(k[0] for _, k in fresh)
+    k = max(k[0] for _, k in kept)
+    if k == math.inf:
+        return f != math.inf
+    return f - now < (k - now) * SHIELD_MOVE_FRACTION
 
 
 def _spare_gpus(p: PassView, gpu_type: str) -> int:

@@ -149,12 +149,16 @@ class GpuHold:
 
 @dataclass(frozen=True, slots=True)
 class BackfillReservation:
-    """A reservation made by an earlier pass (the fields of ``HoldForBackfill``)."""
+    """A reservation made by an earlier pass (the fields of ``HoldForBackfill``), or, with
+    ``headroom``, a DD7 headroom shield of an earlier pass (``CycleResult.shields``): the
+    next pass keeps a shield on its node(s) unless another is ready much earlier
+    (``policy.defrag``)."""
 
     job_id: str
     node_id: str
     gpu_count: int
     start_at_s: float
+    headroom: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +192,9 @@ class ClusterSnapshot:
     reservations: tuple[BackfillReservation, ...] = ()
     """The ``HoldForBackfill`` decisions of the previous pass, fed back by the driver: a
     reservation, once made, is kept on its node (its time recomputed) until the job starts,
-    so jobs served earlier in later passes cannot push it back."""
+    so jobs served earlier in later passes cannot push it back. The previous pass's
+    ``CycleResult.shields`` (``headroom`` True) ride along, so a headroom shield stays on
+    its node(s) the same way (``policy.defrag``)."""
     queues: Mapping[str, Sequence[PendingJob]] | None = None
     """Optional fast path for drivers that keep their queues sorted: pending jobs grouped by
     team, each sequence already sorted by ``policy.priority.queue_key(config)``. When set, it

@@ -15,7 +15,8 @@ How decisions are applied (the same contract as the live controller):
   * ``Preempt``: victims go PREEMPTING now; their GPUs are released only when the stop is
     confirmed, ``grace_s`` later; the preemptor gets a ``GpuHold`` on the node until it is
     placed; victims are requeued keeping their place and checkpointed work.
-  * ``HoldForBackfill``: remembered and fed back as ``snapshot.reservations`` next pass.
+  * ``HoldForBackfill``: remembered and fed back as ``snapshot.reservations`` next pass,
+    with the pass's headroom shields (``CycleResult.shields``).
   * ``released_holds``: the holds are deleted.
 """
 
@@ -397,7 +398,7 @@ class Engine:
                 reservations.append(
                     BackfillReservation(d.job_id, d.node_id, d.gpu_count, d.start_at_s)
                 )
-        self.reservations = tuple(reservations)
+        self.reservations = tuple(reservations) + result.shields
         self.rec.last_waiting = result.waiting
 
     def run(self, progress: Callable[[float, int], None] | None = None) -> None:

@@ -10,8 +10,8 @@ from policy_builders import snap as _snap
 from gpufleet.domain.types import PriorityClass as P
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
-from gpufleet.policy.decisions import Place, Preempt
-from gpufleet.policy.snapshot import ClusterSnapshot, Displacement
+from gpufleet.policy.decisions import HoldForBackfill, Place, Preempt
+from gpufleet.policy.snapshot import BackfillReservation, ClusterSnapshot, Displacement
 
 HOUR = 3600.0
 # Defragmentation on after 2 h, a budget large enough not to matter unless a test says so.
@@ -105,6 +105,65 @@ class TestHeadroom:
         shielded = [j for j in r.waiting if r.waiting[j].code == "waiting_with_headroom"]
         assert shielded == ["big0"]  # 10% of 10 nodes: the longest-waiting job only
         assert "s" in places(r)
+
+
+def two_draining(now: float, n1_end: float, n2_end: float) -> ClusterSnapshot:
+    """n1 and n2 each run 4 GPUs of work ending at the given times; a big 8-GPU job waits
+    since t=0 (so it has headroom)."""
+    return snap(
+        [node("n1", 4), node("n2", 4)],
+        [job("big", gpus=8, at=0.0)],
+        [
+            run("r1", "n1", gpus=4, started=0.0, max_runtime_s=n1_end),
+            run("r2", "n2", gpus=4, started=0.0, max_runtime_s=n2_end),
+        ],
+        now=now,
+    )
+
+
+class TestStickyShields:
+    """A shield persists across passes like a reservation (``CycleResult.shields`` fed back
+    as ``ClusterSnapshot.reservations``): it stays on its node when another is only a little
+    earlier, and moves when one is ready much earlier."""
+
+    cfg = replace(CFG, defrag_wait_s=None)
+
+    def test_a_shield_stays_on_its_node_when_nothing_much_earlier_appears(self) -> None:
+        r1 = schedule(two_draining(HOUR, HOUR + 1000.0, HOUR + 2000.0), self.cfg)
+        assert r1.waiting["big"].details["nodes"] == ["n1"]
+        assert r1.shields == (BackfillReservation("big", "n1", 8, HOUR + 1000.0, True),)
+        # next pass: n1's work ran late, n2 is now expected to drain a little sooner
+        now = HOUR + 600.0
+        later = two_draining(now, now + 1500.0, now + 1200.0)
+        fresh = schedule(later, self.cfg)
+        assert fresh.waiting["big"].details["nodes"] == ["n2"]  # without the previous shield
+        kept = schedule(replace(later, reservations=r1.shields), self.cfg)
+        assert kept.waiting["big"].details["nodes"] == ["n1"]
+        assert kept.waiting["big"].estimated_start_s == now + 1500.0
+        assert kept.shields == (BackfillReservation("big", "n1", 8, now + 1500.0, True),)
+        assert not any(isinstance(d, HoldForBackfill) for d in kept.decisions)
+
+    def test_a_shield_moves_when_another_node_is_ready_much_earlier(self) -> None:
+        r1 = schedule(two_draining(HOUR, HOUR + 1000.0, HOUR + 2000.0), self.cfg)
+        now = HOUR + 600.0
+        much_earlier = two_draining(now, now + 1500.0, now + 100.0)
+        r2 = schedule(replace(much_earlier, reservations=r1.shields), self.cfg)
+        assert r2.waiting["big"].details["nodes"] == ["n2"]
+        assert r2.shields == (BackfillReservation("big", "n2", 8, now + 100.0, True),)
+
+    def test_a_shield_leaves_a_node_that_became_unschedulable(self) -> None:
+        r1 = schedule(two_draining(HOUR, HOUR + 1000.0, HOUR + 2000.0), self.cfg)
+        s = two_draining(HOUR + 600.0, HOUR + 1000.0, HOUR + 2000.0)
+        s = replace(s, nodes=(replace(s.nodes[0], schedulable=False), s.nodes[1]))
+        r2 = schedule(replace(s, reservations=r1.shields), self.cfg)
+        assert r2.waiting["big"].details["nodes"] == ["n2"]
+
+    def test_a_placed_job_leaves_no_shield(self) -> None:
+        r1 = schedule(two_draining(HOUR, HOUR + 1000.0, HOUR + 2000.0), self.cfg)
+        s = snap([node("n1", 8), node("n2", 4)], [job("big", gpus=8)], now=HOUR + 1100.0)
+        r2 = schedule(replace(s, reservations=r1.shields), self.cfg)
+        assert places(r2) == {"big": "n1"}
+        assert r2.shields == ()
 
 
 class TestDefragment:
