@@ -245,7 +245,7 @@ class BulkCancel(BaseModel):
     state: str | None = Field(
         default=None,
         max_length=256,
-        description="A job state, or several as a comma list (any of them): PENDING,HELD.",
+        description="A job state, or several as a comma list (any of them): PENDING,RUNNING.",
     )
     array_id: str | None = Field(default=None, max_length=64)
     dry_run: bool = False

@@ -132,7 +132,7 @@ def cancel(
         typer.Option(
             "--state",
             help="Only jobs in this state (e.g. PENDING); repeat it or give a comma list "
-            "(PENDING,HELD) for any of several.",
+            "(PENDING,RUNNING) for any of several.",
         ),
     ] = None,
     array: Annotated[str | None, typer.Option("--array", help="Every task of an array.")] = None,

@@ -370,7 +370,7 @@ class Selection:
 
 
 def parse_states(text: str) -> list[str]:
-    """``"PENDING,held"`` -> ``["PENDING", "HELD"]`` (a comma list, as squeue's ``-t``).
+    """``"PENDING,running"`` -> ``["PENDING", "RUNNING"]`` (a comma list, as squeue's ``-t``).
 
     Raises:
         ValidationFailed: an empty list or an unknown state (422 naming ``state``).
