@@ -22,12 +22,12 @@ def workload() -> list[SimJob]:
     return jobs
 
 
-def run(predict: bool) -> Engine:
+def run(predict: bool, cfg: PolicyConfig | None = None) -> Engine:
     eng = Engine(
         [NodeGroup("n", 2, 8, "A100")],
         [TeamSpec("a"), TeamSpec("b")],
         workload(),
-        PolicyConfig(),
+        cfg or PolicyConfig(),
         EngineOptions(check_invariants="every_pass", predict_durations=predict),
     )
     eng.run()
@@ -60,9 +60,11 @@ class TestPredictorFeeding:
     def test_predictions_give_the_large_job_a_reservation(self) -> None:
         """Without estimates EASY backfill can reserve nothing (running work never ends), so
         b's job waits until a's stream dries up; with predictions it is reserved for and
-        starts about when the node's work is predicted to drain."""
-        with_p = run(predict=True)
-        without = run(predict=False)
+        starts about when the node's work is predicted to drain. Reservations alone: DD7
+        headroom and defragmentation are off in both runs."""
+        alone = PolicyConfig(headroom_wait_s=None, defrag_wait_s=None)
+        with_p = run(predict=True, cfg=alone)
+        without = run(predict=False, cfg=alone)
         assert "b-big" in with_p.first_reservation_s
         assert "b-big" not in without.first_reservation_s
         start_with = with_p.fleet.jobs["b-big"].first_start_s
@@ -70,6 +72,18 @@ class TestPredictorFeeding:
         assert start_with is not None and start_without is not None
         assert start_with <= 1000.0 + 2 * 100.0
         assert start_without > 3000.0
+
+    def test_without_predictions_headroom_still_starts_the_large_job(self) -> None:
+        """The default policy without predictions: no reservation, but once b's job has
+        waited ``headroom_wait_s`` a node is shielded from new small jobs (and the shield
+        stays on it across passes), so the job starts when that node's 100 s jobs end."""
+        cfg = PolicyConfig()
+        assert cfg.headroom_wait_s is not None
+        eng = run(predict=False, cfg=cfg)
+        assert "b-big" not in eng.first_reservation_s
+        start = eng.fleet.jobs["b-big"].first_start_s
+        assert start is not None
+        assert 1000.0 + cfg.headroom_wait_s <= start <= 1000.0 + cfg.headroom_wait_s + 2 * 100.0
 
     def test_scenarios_without_estimates_predict_by_default(self, tmp_path: Path) -> None:
         def scenario(estimate: str, extra: str = "") -> Path:
