@@ -277,10 +277,9 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
     taken: set[str] = set()
     drains = _Drains(p)
     prev = p.prev_shields
-    # nodes that other waiting jobs shielded last pass: a fresh shield does not take them
-    prev_owner = {nid: jid for jid, nids in prev.items() for nid in nids}
+    # nodes that waiting jobs shielded last pass: a fresh shield does not take another's
+    prev_nodes = {nid for nids in prev.values() for nid in nids}
     for wait, job in jobs:
-        others_prev = {nid for nid, jid in prev_owner.items() if jid != job.job_id}
         if len(taken) >= max_nodes:
             break
         for t in job.resources.gpu_types or index.gpu_types:
@@ -311,6 +310,7 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
                         break
             if cfg.headroom_wait_s is None or wait < cfg.headroom_wait_s:
                 continue
+            others_prev = prev_nodes.difference(prev.get(job.job_id, ()))
             picked = _shield_nodes(drains, job, t, members, taken | others_prev)
             kept = _kept_shield(p, job, t, members, taken)
             if kept is not None and (picked is None or not _much_earlier(p.now, picked, kept)):

@@ -38,7 +38,7 @@ from gpufleet.domain.states import (
 )
 from gpufleet.domain.types import GpuDevice
 from gpufleet.store import leader
-from gpufleet.store.dialect import as_utc, now_sql_for, statements_with
+from gpufleet.store.dialect import as_utc, execute_all, now_sql_for, statements_with
 from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import (
     GpuHoldRow,
@@ -499,9 +499,8 @@ def release(
     # capacity update, in one statement on PostgreSQL (dialect.statements_with)
     _, give_back = _release_statements(session.get_bind().dialect.name, only_quarantined)
     params = {"p_node": node_id, "p_n": gpu_count, "p_run": run_id}
-    for stmt in give_back:
-        back = session.execute(stmt, params)
-    if back.rowcount != 1:  # type: ignore[attr-defined]
+    back = execute_all(session, give_back, params)
+    if back.rowcount != 1:
         raise StaleState(f"node {node_id}: returning {gpu_count} GPUs would exceed total")
     return int(gpu_count)
 

@@ -111,17 +111,18 @@ def write_engine(engine: Engine) -> Engine:
 
 
 _ONE_ROW_INSERTS: dict[tuple[Any, ...], Any] = {}
-"""Statements of :func:`insert_together` for one row per table, by (dialect, tables, column
+"""PostgreSQL statements of :func:`insert_together` for one row per table, by (tables, column
 names): built once, with bind parameters instead of values, so SQLAlchemy compiles each shape
 once (its cache skips multi-row VALUES, and building a statement from values coerces every
 value: together ~20% of a reservation's client CPU on PostgreSQL, benchmarks/README.md)."""
 
 
 def _one_row_insert(
-    dialect: str, tables: list[tuple[TableClause, list[dict[str, Any]]]]
+    tables: list[tuple[TableClause, list[dict[str, Any]]]],
 ) -> tuple[Any, dict[str, Any]] | None:
-    """The cached statement and its parameters when every table has exactly one row of plain
-    values (no SQL expression); else None."""
+    """PostgreSQL's ONE statement for several tables, built once per shape, and its
+    parameters, when every table has exactly one row of plain values (no SQL expression);
+    else None."""
     params: dict[str, Any] = {}
     shape: list[tuple[TableClause, tuple[str, ...]]] = []
     for i, (t, rows) in enumerate(tables):
@@ -133,18 +134,14 @@ def _one_row_insert(
                 return None
             params[f"g{i}_{k}"] = v
         shape.append((t, tuple(row)))
-    key = (dialect, tuple(shape))
+    key = tuple(shape)
     stmt = _ONE_ROW_INSERTS.get(key)
     if stmt is None:
-        inserts = [
+        *first, last = [
             insert(t).values({k: bindparam(f"g{i}_{k}", type_=t.c[k].type) for k in cols})
             for i, (t, cols) in enumerate(shape)
         ]
-        if dialect == "postgresql":
-            *first, last = inserts
-            stmt = last.add_cte(*(ins.cte(f"ins{i}") for i, ins in enumerate(first)))
-        else:
-            stmt = inserts
+        stmt = last.add_cte(*(ins.cte(f"ins{i}") for i, ins in enumerate(first)))
         if len(_ONE_ROW_INSERTS) > 256:  # a bound, not expected to be reached
             _ONE_ROW_INSERTS.clear()
         _ONE_ROW_INSERTS[key] = stmt
@@ -158,29 +155,21 @@ def insert_together(
     children), with statements SQLAlchemy compiles once per shape (its cache skips
     multi-row VALUES statements, which it would compile on every call):
 
-    - one row of plain values per table (a reservation's run, reservation and event; a
-      release's event): a statement built once per shape with bind parameters; on
-      PostgreSQL ONE statement, the earlier tables as data-modifying CTEs of the last one's
-      INSERT (foreign keys are checked at the end of the statement);
-    - else on PostgreSQL with several tables: the same ONE statement with multi-row VALUES
+    - PostgreSQL with several tables: ONE statement, the earlier tables as data-modifying
+      CTEs of the last one's INSERT (foreign keys are checked at the end of the statement);
+      built once per shape with bind parameters when every table has one row of plain
+      values (a reservation's run, reservation and event), else with multi-row VALUES
       lists (compiled each time);
     - else (one table, or SQLite, which has no INSERT in a CTE): one executemany per table,
       columns holding the database clock (:func:`now_sql`) inside the statement."""
     tables = [(cast(TableClause, t), rows) for t, rows in groups if rows]
     if not tables:
         return
-    dialect = session.get_bind().dialect.name
-    cached = _one_row_insert(dialect, tables)
-    if cached is not None:
-        stmt, params = cached
-        if isinstance(stmt, list):  # SQLite: one statement per table, in order
-            for i, one in enumerate(stmt):
-                prefix = f"g{i}_"
-                session.execute(one, {k: v for k, v in params.items() if k.startswith(prefix)})
-        else:
-            session.execute(stmt, params)
-        return
-    if dialect == "postgresql" and len(tables) > 1:
+    if session.get_bind().dialect.name == "postgresql" and len(tables) > 1:
+        cached = _one_row_insert(tables)
+        if cached is not None:
+            session.execute(*cached)
+            return
         *first, (last, last_rows) = tables
         ctes = [insert(t).values(rows).cte(f"ins{i}") for i, (t, rows) in enumerate(first)]
         session.execute(insert(last).values(last_rows).add_cte(*ctes))
@@ -208,25 +197,23 @@ def _insert_many(session: Session, table: TableClause, rows: list[dict[str, Any]
     session.execute(insert(table).values(exprs), params)
 
 
-def execute_with(session: Session, main: Any, *before: Any) -> Any:
-    """Execute the DML statements ``before`` and then ``main``; returns ``main``'s result
-    (its row count, its RETURNING rows). PostgreSQL: ONE statement, ``before`` as
-    data-modifying CTEs of ``main`` (all on one snapshot: use only for statements on rows
-    that no other statement of the group reads); SQLite: one statement each, in order."""
-    if session.get_bind().dialect.name == "postgresql" and before:
-        ctes = [stmt.cte(f"w{i}") for i, stmt in enumerate(before)]
-        return session.execute(main.add_cte(*ctes))
-    for stmt in before:
-        session.execute(stmt)
-    return session.execute(main)
-
-
 def statements_with(dialect: str, main: Any, *before: Any) -> list[Any]:
-    """:func:`execute_with`'s statements for a dialect name, to build once and keep: execute
-    them in order with the same parameters; the last one's result is ``main``'s."""
+    """The DML statements ``before`` and then ``main`` for a dialect name, to build once and
+    keep: PostgreSQL ONE statement, ``before`` as data-modifying CTEs of ``main`` (all on one
+    snapshot: use only for statements on rows that no other statement of the group reads);
+    SQLite one statement each, in order. Run them with :func:`execute_all`."""
     if dialect == "postgresql" and before:
         return [main.add_cte(*(stmt.cte(f"w{i}") for i, stmt in enumerate(before)))]
     return [*before, main]
+
+
+def execute_all(session: Session, statements: Sequence[Any], params: dict[str, Any]) -> Any:
+    """Execute ``statements`` in order with the same ``params``; returns the last one's
+    result (:func:`statements_with`: ``main``'s row count, its RETURNING rows)."""
+    result = None
+    for stmt in statements:
+        result = session.execute(stmt, params)
+    return result
 
 
 def read_engine(engine: Engine) -> Engine:
