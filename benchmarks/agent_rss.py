@@ -28,6 +28,7 @@ from pathlib import Path
 
 from _common import console, machine, table_console
 from lifecycle import Platform
+from rich.markup import escape
 from rich.table import Table
 
 FLOORS = {
@@ -49,6 +50,21 @@ def status_kb(pid: int) -> dict[str, int]:
     return out
 
 
+def smaps_kb(pid: int) -> dict[str, tuple[int, int]]:
+    """(Rss, Anonymous) kB of ``pid`` per mapped file (``[anon]``, ``[heap]``, ...)."""
+    out: dict[str, tuple[int, int]] = {}
+    name = "[anon]"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        parts = line.split()
+        if parts and "-" in parts[0] and not parts[0].endswith(":"):
+            name = parts[5] if len(parts) > 5 else "[anon]"
+        elif parts and parts[0] in ("Rss:", "Anonymous:"):
+            rss, anon = out.get(name, (0, 0))
+            kb = int(parts[1])
+            out[name] = (rss + kb, anon) if parts[0] == "Rss:" else (rss, anon + kb)
+    return out
+
+
 def floor_kb(code: str) -> dict[str, int]:
     probe = f"{code}\nfrom pathlib import Path\nprint(Path('/proc/self/status').read_text())"
     text = subprocess.run(
@@ -66,6 +82,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=5, help="1-GPU jobs run through each agent")
+    ap.add_argument(
+        "--smaps", type=int, default=0, help="also print the first agent's N largest mappings"
+    )
     args = ap.parse_args()
     rows: list[tuple[str, dict[str, int]]] = []
     for name, code in FLOORS.items():
@@ -88,6 +107,7 @@ def main() -> None:
             platform.wait_terminal(ids, timeout_s=300)
             time.sleep(2.0)  # a heartbeat or two after the last completion
             per_agent = [status_kb(p.pid) for p in platform.agents.values()]
+            maps = smaps_kb(next(iter(platform.agents.values())).pid) if args.smaps else {}
         finally:
             platform.close()
     for key in ("VmRSS",):
@@ -105,6 +125,13 @@ def main() -> None:
         )
     out = table_console(100)
     out.print(table)
+    if maps:
+        top = Table(title="First agent's largest mappings, kB (Anonymous: its private pages)")
+        for col in ("mapping", "Rss", "Anonymous"):
+            top.add_column(col, justify="left" if col == "mapping" else "right")
+        for name, (rss, anon) in sorted(maps.items(), key=lambda kv: -kv[1][0])[: args.smaps]:
+            top.add_row(escape(name.rsplit("/", 1)[-1]), str(rss), str(anon))
+        out.print(top)
     load = os.getloadavg()
     out.print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {machine()}")
 

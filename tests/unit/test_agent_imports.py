@@ -20,6 +20,16 @@ SERVER_SIDE = ("sqlalchemy", "alembic", "fastapi", "starlette", "uvicorn", "psyc
 # what `gpufleet agent` parses its options with, and the settings it resolves there: the agent
 # process itself (exec'd into, agent/__main__.py) holds none of it
 CLI_SIDE = ("typer", "click", "rich", "pydantic", "pydantic_settings", "httpx", "yaml")
+# cryptography (~12 MB): keys, CSRs and certificate checks run in a child (agent.pkichild);
+# fsspec (~3.5 MB): a local object store uses plain files
+AGENT_CHILD_SIDE = ("cryptography", "fsspec")
+
+
+def test_the_agent_module_leaves_certificate_work_to_a_child() -> None:
+    code = "import json, sys, gpufleet.agent.main; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = {m.split(".")[0] for m in json.loads(out.stdout)}
+    assert loaded.isdisjoint(AGENT_CHILD_SIDE), sorted(loaded & set(AGENT_CHILD_SIDE))
 
 
 @pytest.mark.parametrize("module", ["gpufleet.agent.main", "gpufleet.cli.main"])
@@ -93,4 +103,7 @@ def test_a_running_agent_process_holds_no_server_or_cli_library(tmp_path: Path) 
     assert "grpc" in loaded and "gpufleet" in loaded  # it is the agent's module list
     assert loaded.isdisjoint(SERVER_SIDE), sorted(loaded & set(SERVER_SIDE))
     assert loaded.isdisjoint(CLI_SIDE), sorted(loaded & set(CLI_SIDE))
+    # it checked its saved certificate (agent.pkichild) without loading cryptography itself,
+    # and uses its local object store without fsspec
+    assert loaded.isdisjoint(AGENT_CHILD_SIDE), sorted(loaded & set(AGENT_CHILD_SIDE))
     assert "prometheus_client" not in loaded  # no --metrics-port: no metrics stack

@@ -159,3 +159,56 @@ def test_malformed_join_tokens_are_refused(token: str, problem: str) -> None:
 def test_join_token_round_trip() -> None:
     fp = "0123456789abcdef" * 4
     assert tls.parse_join_token(tls.format_join_token(fp, "s3cr-t_")) == (fp, "s3cr-t_")
+
+
+def test_the_agents_certificate_child_agrees_with_the_in_process_checks(
+    ca: tls.FleetCA,
+) -> None:
+    """The agent makes keys and CSRs and checks certificates in a child process (no
+    ``cryptography`` in its own memory): the child's answers are the in-process ones."""
+    from gpufleet.agent import identity
+
+    key_pem, csr_pem = identity.new_csr("n-child", child=True)
+    cert = ca.sign_node_csr(csr_pem, "n-child", 3600)
+    creds = tls.NodeCredentials(key_pem, tls.cert_pem(cert) + ca.cert_pem, ca.cert_pem)
+    problem, facts = identity.inspect(creds, "n-child", child=True)
+    assert problem is None and facts == creds.facts()
+    assert facts.serial == tls.serial_hex(cert) and facts.renew_at() == creds.renew_at()
+    assert identity.inspect(creds, "n-other", child=True)[0] == creds.problem("n-other")
+    broken = tls.NodeCredentials(key_pem, b"garbage", ca.cert_pem)
+    problem, facts = identity.inspect(broken, "n-child", child=True)
+    assert problem is not None and problem.startswith("unreadable") and facts is None
+
+
+def test_fingerprint_of_pem_bytes_needs_no_certificate_parser(ca: tls.FleetCA) -> None:
+    assert tls.fingerprint(ca.cert_pem) == tls.fingerprint(ca.cert) == ca.fingerprint
+    assert tls.fingerprint(b"# a chain\n" + ca.cert_pem + ca.cert_pem) == ca.fingerprint
+    with pytest.raises(ValueError, match="no PEM certificate"):
+        tls.fingerprint(b"not a certificate")
+
+
+class _Ctx:
+    def __init__(self, subject: bytes | None) -> None:
+        self._auth = {} if subject is None else {"x509_subject": [subject]}
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._auth
+
+
+@pytest.mark.parametrize(
+    ("subject", "role"),
+    [
+        (b"CN=gpufleet-controller,OU=controller,O=gpufleet", "controller"),
+        (b"CN=n1,OU=node,O=gpufleet", "node"),
+        (None, None),  # plaintext, or no client certificate
+        (b"CN=n1,OU=controller,O=other", None),  # another org
+        (b"OU=controller,O=gpufleet", None),  # no CN
+        (b"CN=n1\\,OU=controller,OU=node,O=gpufleet", None),  # an escaped comma
+        (b"CN=n1+OU=controller,OU=node,O=gpufleet", None),  # a multi-valued RDN
+        (b"CN=n1,OU=node,OU=controller,O=gpufleet", None),  # a repeated attribute
+    ],
+)
+def test_peer_role_reads_the_verified_subject_unambiguously_or_not_at_all(
+    subject: bytes | None, role: str | None
+) -> None:
+    assert tls.peer_role(_Ctx(subject)) == role  # type: ignore[arg-type]

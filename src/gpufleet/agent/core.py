@@ -97,7 +97,8 @@ class AgentCore:
         self.inventory = inventory
         self.default_grace_s = default_grace_s
         self.outbox: Outbox | None = None  # set by the wiring in main.py
-        self.on_started: Callable[[], None] | None = None  # e.g. refresh the image list
+        # called after each container start (it may have pulled): refresh the image list
+        self.on_started: Callable[[], None] | None = None
         # Keys of log.runs are only added under this lock ("assigned", "tombstone"), so code
         # holding it may iterate log.runs while other threads append lifecycle events.
         self._lock = threading.RLock()
@@ -289,7 +290,7 @@ class AgentCore:
                 start_lock.release()
         self._log_started(rec, h)
         self._enqueue(CONFIRM, rec.run_id)
-        if self.on_started is not None:
+        if rec.image and self.on_started is not None:  # a process start changes no image
             self.on_started()
         logger.info("run %s: started pid %d on GPUs %s", rec.run_id, h.pid, rec.gpu_ids)
         return _assign(AssignResult.STARTED, "", h.pid)

@@ -8,12 +8,19 @@ join that first obtains them, the channel to the controller built on them, and r
 * **Renewal** at 2/3 of the certificate's lifetime, over the mutual-TLS channel (the current
   certificate authenticates the request); new connections, outgoing and incoming, use the new
   certificate at once.
+
+The keys, CSRs and certificate checks are made by ``cryptography`` in a short-lived child
+process (:mod:`gpufleet.agent.pkichild`), so the long-running agent never loads it (~12 MB of
+its memory): it holds its credentials as PEM bytes (for gRPC) and :class:`tls.CertFacts`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +38,8 @@ CALL_TIMEOUT_S = 10.0
 RETRY_MAX_S = 5.0
 OLD_CHANNEL_GRACE_S = 30.0
 """A replaced channel is closed this long after the swap (calls in flight finish on it)."""
+PKI_CHILD_TIMEOUT_S = 120.0
+"""Seconds a certificate child process (key, CSR, checks: ~0.2 s of CPU) may take."""
 
 
 class JoinRefused(tls.PkiError):
@@ -41,6 +50,76 @@ def tls_dir(state_dir: Path) -> Path:
     return state_dir / "tls"
 
 
+def _pki(request: dict[str, Any], *, child: bool | None = None) -> dict[str, Any]:
+    """Answer ``request`` with :mod:`gpufleet.agent.pkichild`: in a child process, unless
+    ``child`` is False or (``child`` None) this process has ``cryptography`` loaded already.
+
+    Raises:
+        tls.PkiError: the child failed (its ``error:`` line or exit status in the message).
+    """
+    if child is None:
+        child = "cryptography" not in sys.modules
+    if not child:
+        from gpufleet.agent import pkichild
+
+        return pkichild.handle(request)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "gpufleet.agent.pkichild"],
+            input=json.dumps(request).encode(),
+            capture_output=True,
+            timeout=PKI_CHILD_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise tls.PkiError(f"certificate helper process failed: {exc}") from None
+    if done.returncode != 0:
+        why = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+        raise tls.PkiError(
+            f"certificate helper process exited {done.returncode}: {why[0]}"
+        ) from None
+    answer: dict[str, Any] = json.loads(done.stdout)
+    return answer
+
+
+def new_csr(node_id: str, *, child: bool | None = None) -> tuple[bytes, bytes]:
+    """A new EC P-256 key for ``node_id`` and its CSR: (key PEM, CSR PEM). ``child``: see
+    :func:`_pki`. Raises tls.PkiError when the helper process fails."""
+    answer = _pki({"op": "csr", "node_id": node_id}, child=child)
+    return str(answer["key_pem"]).encode(), str(answer["csr_pem"]).encode()
+
+
+def inspect(
+    creds: tls.NodeCredentials, node_id: str, *, child: bool | None = None
+) -> tuple[str | None, tls.CertFacts | None]:
+    """(why ``creds`` cannot be used for ``node_id`` now or None, the certificate's facts or
+    None when unreadable): :meth:`tls.NodeCredentials.problem` and ``facts``. ``child``: see
+    :func:`_pki`. Raises tls.PkiError when the helper process fails."""
+    answer = _pki(
+        {
+            "op": "inspect",
+            "node_id": node_id,
+            "key_pem": creds.key_pem.decode(errors="replace"),
+            "chain_pem": creds.chain_pem.decode(errors="replace"),
+            "ca_pem": creds.ca_pem.decode(errors="replace"),
+        },
+        child=child,
+    )
+    facts = answer.get("facts")
+    problem = answer.get("problem")
+    return (
+        None if problem is None else str(problem),
+        None if facts is None else tls.CertFacts.from_json(facts),
+    )
+
+
+def _fingerprint_or_none(pem: bytes) -> str | None:
+    try:
+        return tls.fingerprint(pem)
+    except ValueError:
+        return None
+
+
 def ensure_credentials(
     state_dir: Path,
     node_id: str,
@@ -49,8 +128,9 @@ def ensure_credentials(
     join_token: str | None,
     ca_cert: Path | None,
     stop: threading.Event,
-) -> tls.NodeCredentials | None:
-    """This node's usable credentials: the saved ones, else new ones from a join.
+) -> tuple[tls.NodeCredentials, tls.CertFacts] | None:
+    """This node's usable credentials and their certificate's facts: the saved ones, else
+    new ones from a join.
 
     Returns None only if ``stop`` is set while the controller is unreachable.
 
@@ -61,15 +141,15 @@ def ensure_credentials(
     """
     directory = tls_dir(state_dir)
     saved = tls.NodeCredentials.load(directory)
-    problem = saved.problem(node_id) if saved is not None else "none saved"
+    problem, facts = inspect(saved, node_id) if saved is not None else ("none saved", None)
     if saved is not None and problem is None and join_token:
         pin = tls.parse_join_token(join_token)[0]
-        if tls.fingerprint(saved.ca_pem) != pin:
+        if _fingerprint_or_none(saved.ca_pem) != pin:
             problem = "issued by another fleet CA than the join token's"
-    if saved is not None and problem is None:
+    if saved is not None and problem is None and facts is not None:
         if join_token:
             logger.info("node %s has a valid certificate; the join token is not used", node_id)
-        return saved
+        return saved, facts
     if not join_token:
         raise tls.PkiError(
             f"no usable node certificate in {directory} ({problem}): start the agent with "
@@ -82,8 +162,8 @@ def ensure_credentials(
     ca_pem = _ca_for_join(pin, ca_cert, join_address, stop)
     if ca_pem is None:
         return None
-    key = tls.new_key()
-    request = pb.JoinRequest(token=secret, node_id=node_id, csr_pem=tls.make_csr(key, node_id))
+    key_pem, csr_pem = new_csr(node_id)
+    request = pb.JoinRequest(token=secret, node_id=node_id, csr_pem=csr_pem)
     channel = tls.secure_channel(
         join_address, tls.channel_credentials(ca_pem), tls.CONTROLLER_NAME
     )
@@ -97,19 +177,19 @@ def ensure_credentials(
         channel.close()
     if resp is None:
         return None
-    creds = tls.NodeCredentials(tls.key_pem(key), resp.certificate_pem, resp.ca_pem)
-    bad = creds.problem(node_id)
-    if bad is not None or tls.fingerprint(resp.ca_pem) != pin:
+    creds = tls.NodeCredentials(key_pem, resp.certificate_pem, resp.ca_pem)
+    bad, facts = inspect(creds, node_id)
+    if bad is not None or facts is None or _fingerprint_or_none(resp.ca_pem) != pin:
         raise tls.PkiError(f"the controller answered an unusable certificate: {bad}")
     creds.save(directory)
     logger.info(
         "node %s joined: certificate %s valid until %s, saved in %s",
         node_id,
-        tls.serial_hex(creds.cert),
-        f"{creds.not_after:%Y-%m-%d %H:%M:%S}Z",
+        facts.serial,
+        f"{facts.not_after:%Y-%m-%d %H:%M:%S}Z",
         directory,
     )
-    return creds
+    return creds, facts
 
 
 def _ca_for_join(
@@ -190,49 +270,51 @@ class ControllerChannel:
 class Renewer:
     """Renews the node certificate at 2/3 of its lifetime over the mutual-TLS channel, saves
     it, and calls ``on_renewed(credentials)``. A failed renewal is retried every
-    ``min(60 s, 1/10 of the time left)``."""
+    ``min(60 s, 1/10 of the time left)``. ``facts`` are those of ``creds``' certificate
+    (:func:`ensure_credentials`); the key and CSR are made by :func:`new_csr`."""
 
     def __init__(
         self,
         creds: tls.NodeCredentials,
+        facts: tls.CertFacts,
         node_id: str,
         directory: Path,
         channel: ControllerChannel,
         on_renewed: Callable[[tls.NodeCredentials], None],
         stop: threading.Event,
     ) -> None:
-        self.creds, self.node_id, self.directory = creds, node_id, directory
+        self.creds, self.facts, self.node_id, self.directory = creds, facts, node_id, directory
         self.channel, self.on_renewed, self.stop = channel, on_renewed, stop
         self.thread = threading.Thread(target=self._loop, name="agent-renew", daemon=True)
 
     def _loop(self) -> None:
         while not self.stop.is_set():
             now = dt.datetime.now(dt.UTC)
-            wait_s = (self.creds.renew_at() - now).total_seconds()
+            wait_s = (self.facts.renew_at() - now).total_seconds()
             if wait_s > 0:
                 self.stop.wait(wait_s)
                 continue
             try:
                 self.renew_once()
             except Exception as exc:  # keep the current certificate; try again soon
-                left = (self.creds.not_after - dt.datetime.now(dt.UTC)).total_seconds()
+                left = (self.facts.not_after - dt.datetime.now(dt.UTC)).total_seconds()
                 logger.warning("certificate renewal failed (%s); %.0f s left", exc, left)
                 self.stop.wait(max(1.0, min(60.0, left / 10)))
 
     def renew_once(self) -> None:
-        key = tls.new_key()
+        key_pem, csr_pem = new_csr(self.node_id)
         resp = self.channel.bootstrap().Renew(
-            pb.RenewRequest(csr_pem=tls.make_csr(key, self.node_id)), timeout=CALL_TIMEOUT_S
+            pb.RenewRequest(csr_pem=csr_pem), timeout=CALL_TIMEOUT_S
         )
-        creds = tls.NodeCredentials(tls.key_pem(key), resp.certificate_pem, resp.ca_pem)
-        bad = creds.problem(self.node_id)
-        if bad is not None:
+        creds = tls.NodeCredentials(key_pem, resp.certificate_pem, resp.ca_pem)
+        bad, facts = inspect(creds, self.node_id)
+        if bad is not None or facts is None:
             raise tls.PkiError(f"renewed certificate unusable: {bad}")
         creds.save(self.directory)
-        self.creds = creds
+        self.creds, self.facts = creds, facts
         self.on_renewed(creds)
         logger.info(
             "renewed the node certificate: %s, valid until %s",
-            tls.serial_hex(creds.cert),
-            f"{creds.not_after:%Y-%m-%d %H:%M:%S}Z",
+            facts.serial,
+            f"{facts.not_after:%Y-%m-%d %H:%M:%S}Z",
         )

@@ -301,7 +301,7 @@ def run_agent(
         )
         channel = ControllerChannel(lambda: grpc.insecure_channel(cfg.controller_address))
     else:
-        creds = ensure_credentials(
+        found_creds = ensure_credentials(
             state_dir,
             node_id,
             join_address=cfg.join_address,
@@ -309,8 +309,9 @@ def run_agent(
             ca_cert=ca_cert,
             stop=stop,
         )
-        if creds is None:  # stopped before the controller answered the join
+        if found_creds is None:  # stopped before the controller answered the join
             return
+        creds, facts = found_creds
         holder = creds
 
         def secure() -> grpc.Channel:
@@ -404,7 +405,7 @@ def run_agent(
             server_creds.replace(new.key_pem, new.chain_pem, new.ca_pem)
             channel.reconnect()
 
-        renewer = Renewer(creds, node_id, tls_dir(state_dir), channel, renewed, stop)
+        renewer = Renewer(creds, facts, node_id, tls_dir(state_dir), channel, renewed, stop)
     if bound == 0:
         raise OSError(f"cannot listen on {_join(host, port)}")
     server.start()
@@ -443,8 +444,7 @@ def run_agent(
         _join(host, bound),
         "plaintext"
         if creds is None
-        else f"mutual TLS, certificate {tls.serial_hex(creds.cert)} "
-        f"until {creds.not_after:%Y-%m-%d %H:%M}Z",
+        else f"mutual TLS, certificate {facts.serial} until {facts.not_after:%Y-%m-%d %H:%M}Z",
         state_dir,
         len(inventory.gpus),
         inventory.source,

@@ -2,23 +2,59 @@
 
 One interface over fsspec: a local directory by default (``file:///...``), any fsspec URL
 (e.g. ``s3://bucket/prefix`` with s3fs installed) in production. Objects of an attempt live
-under ``jobs/{job_id}/attempts/{run_id}/``.
+under ``jobs/{job_id}/attempts/{run_id}/``. A local store uses the standard library
+(:class:`_LocalFiles`) and imports no fsspec: ~3.5 MB less in a node agent's memory.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
-
-import fsspec
+from typing import IO, Any, BinaryIO
 
 
 def attempt_prefix(job_id: str, run_id: str) -> str:
     """Key prefix of one attempt, e.g. ``jobs/j-1/attempts/r-1``."""
     return f"jobs/{job_id}/attempts/{run_id}"
+
+
+class _LocalFiles:
+    """The filesystem calls :class:`ObjectStore` makes, on local paths, with the standard
+    library (what fsspec's ``LocalFileSystem`` does for them)."""
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def put_file(self, src: str, dst: str) -> None:
+        shutil.copyfile(src, dst)
+
+    def get_file(self, src: str, dst: str) -> None:
+        shutil.copyfile(src, dst)
+
+    def mv(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def open(self, path: str, mode: str = "rb") -> IO[Any]:
+        return open(path, mode)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def find(self, root: str) -> list[str]:
+        """Files under ``root`` (recursive; ``[root]`` for a file), normalised paths."""
+        if os.path.isfile(root):
+            return [os.path.normpath(root)]
+        return [
+            os.path.normpath(os.path.join(top, name))
+            for top, _dirs, files in os.walk(root)
+            for name in files
+        ]
 
 
 class ObjectStore:
@@ -32,8 +68,15 @@ class ObjectStore:
         if "://" not in base_url:
             base_url = "file://" + str(Path(base_url).expanduser().resolve())
         self.base_url = base_url.rstrip("/")
-        self.fs, self._root = fsspec.core.url_to_fs(self.base_url)
         self._protocol = self.base_url.split("://", 1)[0]
+        local = self.base_url[len("file://") :] if self._protocol == "file" else ""
+        self.fs: Any
+        if local.startswith("/"):
+            self.fs, self._root = _LocalFiles(), os.path.normpath(local)
+        else:
+            import fsspec
+
+            self.fs, self._root = fsspec.core.url_to_fs(self.base_url)
         if self._protocol == "file":
             Path(self._root).mkdir(parents=True, exist_ok=True)
 

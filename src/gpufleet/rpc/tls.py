@@ -1,7 +1,11 @@
 """Fleet PKI and gRPC credentials: certificates in, credentials out.
 
 One module the controller, the agent and the CLI share (``cryptography`` makes the keys and
-certificates, ``grpcio`` does TLS). The shapes:
+certificates, ``grpcio`` does TLS). ``cryptography`` (~12 MB of a process's memory) is imported
+by the functions that use it, never by importing this module: the node agent's long-running
+process does its certificate work in a short-lived child (``gpufleet.agent.pkichild``) and
+uses only what here needs no ``cryptography`` (credentials for gRPC, :class:`RoleInterceptor`,
+:func:`fingerprint` of PEM bytes, :func:`fetch_ca_by_fingerprint`, join tokens). The shapes:
 
 * **Fleet CA** (``{pki_dir}/ca.key`` mode 0600, ``ca.crt``): a self-signed EC P-256 CA. Whoever
   holds ``ca.key`` can mint any identity, so it lives only where controllers run.
@@ -21,6 +25,7 @@ controller's name.
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import hashlib
 import ipaddress
@@ -31,13 +36,13 @@ import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 ORG = "gpufleet"
 ROLE_CONTROLLER = "controller"
@@ -77,10 +82,14 @@ class Identity:
 
 
 def new_key() -> ec.EllipticCurvePrivateKey:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     return ec.generate_private_key(ec.SECP256R1())
 
 
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -89,13 +98,40 @@ def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def cert_pem(cert: x509.Certificate) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
+_PEM_CERT = re.compile(
+    rb"-----BEGIN CERTIFICATE-----([A-Za-z0-9+/=\s]+?)-----END CERTIFICATE-----"
+)
+
+
+def first_der(pem: bytes) -> bytes:
+    """The DER bytes of the first certificate of a PEM text (a chain: its leaf), decoded with
+    the standard library only (the DER is not parsed).
+
+    Raises:
+        ValueError: no PEM certificate block, or one that is not base64.
+    """
+    m = _PEM_CERT.search(pem)
+    if m is None:
+        raise ValueError("no PEM certificate")
+    return base64.b64decode(b"".join(m.group(1).split()), validate=True)
+
+
 def fingerprint(cert: x509.Certificate | bytes) -> str:
-    """sha256 of the certificate's DER, lowercase hex (64 chars). Accepts a cert or PEM."""
+    """sha256 of the certificate's DER, lowercase hex (64 chars). Accepts a cert or PEM (the
+    first certificate of it; read without ``cryptography``).
+
+    Raises:
+        ValueError: PEM bytes without a readable certificate block.
+    """
     if isinstance(cert, bytes):
-        cert = x509.load_pem_x509_certificate(cert)
+        return hashlib.sha256(first_der(cert)).hexdigest()
+    from cryptography.hazmat.primitives import hashes
+
     return cert.fingerprint(hashes.SHA256()).hex()
 
 
@@ -121,6 +157,9 @@ def _now() -> dt.datetime:
 
 
 def _name(role: str, cn: str) -> x509.Name:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
     return x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORG),
@@ -155,6 +194,10 @@ class FleetCA:
         sans: list[x509.GeneralName],
         ttl_s: float,
     ) -> x509.Certificate:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+
         now = _now()
         not_after = min(now + dt.timedelta(seconds=ttl_s), self.cert.not_valid_after_utc)
         return (
@@ -197,6 +240,8 @@ class FleetCA:
 
         SANs: ``controller.gpufleet``, ``localhost``, 127.0.0.1, ::1 and ``hostnames``
         (IP addresses or DNS names)."""
+        from cryptography import x509
+
         key = new_key()
         sans: list[x509.GeneralName] = [
             x509.DNSName(CONTROLLER_NAME),
@@ -225,6 +270,9 @@ class FleetCA:
             ValueError: malformed CSR, bad signature, a key that is not EC P-256, or a node id
                 that cannot be put in a certificate.
         """
+        from cryptography import x509
+        from cryptography.hazmat.primitives.asymmetric import ec
+
         check_node_id(node_id)
         try:
             csr = x509.load_pem_x509_csr(csr_pem)
@@ -263,6 +311,10 @@ def init_ca(pki_dir: Path, *, exist_ok: bool = False) -> FleetCA:
     Raises:
         PkiError: a CA exists already (unless ``exist_ok``, which returns it).
     """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
     key_path, crt_path = ca_paths(pki_dir)
     if key_path.exists() or crt_path.exists():
         if exist_ok:
@@ -311,6 +363,10 @@ def init_ca(pki_dir: Path, *, exist_ok: bool = False) -> FleetCA:
 
 def load_ca(pki_dir: Path) -> FleetCA:
     """Raises PkiError when the CA is missing or unreadable."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     key_path, crt_path = ca_paths(pki_dir)
     if not key_path.exists() or not crt_path.exists():
         raise PkiError(
@@ -342,12 +398,52 @@ def read_ca_cert(pki_dir: Path) -> bytes:
 
 
 def make_csr(key: ec.EllipticCurvePrivateKey, node_id: str) -> bytes:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
     csr = (
         x509.CertificateSigningRequestBuilder()
         .subject_name(_name(ROLE_NODE, node_id))
         .sign(key, hashes.SHA256())
     )
     return csr.public_bytes(serialization.Encoding.PEM)
+
+
+def renew_at(not_before: dt.datetime, not_after: dt.datetime) -> dt.datetime:
+    """When to renew a certificate valid ``[not_before, not_after]`` (UTC): at 2/3 of its
+    lifetime, counted from the issue time (``not_before`` is backdated by ``CLOCK_SKEW_S``)."""
+    issued = min(not_before + dt.timedelta(seconds=CLOCK_SKEW_S), not_after)
+    return issued + (not_after - issued) * 2 / 3
+
+
+@dataclass(frozen=True, slots=True)
+class CertFacts:
+    """What a node process needs to know of its own certificate, as plain values (no
+    ``cryptography`` object): hex serial, validity bounds (UTC)."""
+
+    serial: str
+    not_before: dt.datetime
+    not_after: dt.datetime
+
+    def renew_at(self) -> dt.datetime:
+        """See :func:`renew_at`."""
+        return renew_at(self.not_before, self.not_after)
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "serial": self.serial,
+            "not_before": self.not_before.isoformat(),
+            "not_after": self.not_after.isoformat(),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, str]) -> CertFacts:
+        """Inverse of :meth:`to_json`. Raises KeyError/ValueError on a malformed dict."""
+        return cls(
+            str(data["serial"]),
+            dt.datetime.fromisoformat(data["not_before"]),
+            dt.datetime.fromisoformat(data["not_after"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -360,6 +456,8 @@ class NodeCredentials:
 
     @property
     def cert(self) -> x509.Certificate:
+        from cryptography import x509
+
         return x509.load_pem_x509_certificate(self.chain_pem)
 
     @property
@@ -370,11 +468,14 @@ class NodeCredentials:
     def not_after(self) -> dt.datetime:
         return self.cert.not_valid_after_utc
 
+    def facts(self) -> CertFacts:
+        """Serial and validity of the certificate. Raises ValueError when unreadable."""
+        cert = self.cert
+        return CertFacts(serial_hex(cert), cert.not_valid_before_utc, cert.not_valid_after_utc)
+
     def renew_at(self) -> dt.datetime:
-        """When to renew: at 2/3 of the lifetime, counted from the issue time (``not_before``
-        is backdated by ``CLOCK_SKEW_S``)."""
-        issued = min(self.not_before + dt.timedelta(seconds=CLOCK_SKEW_S), self.not_after)
-        return issued + (self.not_after - issued) * 2 / 3
+        """See :func:`renew_at`."""
+        return renew_at(self.not_before, self.not_after)
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -397,6 +498,9 @@ class NodeCredentials:
 
     def problem(self, node_id: str) -> str | None:
         """Why these credentials cannot be used for ``node_id`` now, or None when they can."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
         try:
             cert = self.cert
             ca = x509.load_pem_x509_certificate(self.ca_pem)
@@ -422,6 +526,8 @@ class NodeCredentials:
 
 def identity_of(cert: x509.Certificate) -> Identity | None:
     """The role and name a (verified) certificate carries, or None if it has neither."""
+    from cryptography.x509.oid import NameOID
+
     try:
         org = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)
         role = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
@@ -447,6 +553,8 @@ def peer_identity(context: grpc.ServicerContext) -> Identity | None:
     pems = auth.get("x509_pem_cert")
     if not pems:
         return None
+    from cryptography import x509
+
     pem = pems[0]
     with _PARSED_LOCK:
         if pem in _PARSED:
@@ -469,10 +577,46 @@ def peer_name(context: grpc.ServicerContext) -> str:
     return f"{context.peer()} ({who})"
 
 
+def peer_subject(context: grpc.ServicerContext) -> dict[str, str] | None:
+    """The attributes of the subject of the client certificate gRPC verified for this call,
+    as gRPC reports it (``x509_subject``, RFC 2253: ``CN=n1,OU=node,O=gpufleet`` ->
+    ``{"CN": "n1", "OU": "node", "O": "gpufleet"}``), read without ``cryptography``.
+
+    None on a plaintext call, without a client certificate, or for a subject that cannot be
+    read unambiguously (an escaped character, a multi-valued RDN, a repeated attribute):
+    the fleet CA issues none of those (node ids are ``NODE_ID``), so such a peer is refused.
+    """
+    subjects = context.auth_context().get("x509_subject")
+    if not subjects:
+        return None
+    text = subjects[0].decode("utf-8", "replace")
+    if "\\" in text or "+" in text or '"' in text:
+        return None
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or key in out:
+            return None
+        out[key] = value
+    return out
+
+
+def peer_role(context: grpc.ServicerContext) -> str | None:
+    """The role (``controller`` / ``node``) of this call's verified client certificate, from
+    :func:`peer_subject` (no ``cryptography``); None when it names none or another org, on a
+    plaintext call, or without a certificate. Agrees with ``peer_identity(context).role``."""
+    subject = peer_subject(context)
+    if subject is None or subject.get("O") != ORG or not subject.get("CN"):
+        return None
+    return subject.get("OU") or None
+
+
 class RoleInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Refuses every call whose client certificate does not carry ``role``
     (PERMISSION_DENIED), except ``exempt`` methods (full names). Logs one line per refusal.
-    Every kind of handler (unary or streaming) is guarded."""
+    Every kind of handler (unary or streaming) is guarded. The role is read from gRPC's
+    view of the verified certificate (:func:`peer_role`), so a process using it needs no
+    ``cryptography``."""
 
     def __init__(self, role: str, logger: Any, exempt: frozenset[str] = frozenset()) -> None:
         self.role, self.log, self.exempt = role, logger, exempt
@@ -485,12 +629,13 @@ class RoleInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is 
 
         def guard(inner: Any) -> Any:
             def checked(request: Any, context: grpc.ServicerContext) -> Any:
-                ident = peer_identity(context)
-                if ident is None or ident.role != self.role:
+                if peer_role(context) != self.role:
+                    subject = context.auth_context().get("x509_subject")
                     self.log.warning(
-                        "refused %s from %s: needs a %s certificate",
+                        "refused %s from %s (%s): needs a %s certificate",
                         method.rsplit("/", 1)[-1],
-                        peer_name(context),
+                        context.peer(),
+                        subject[0].decode("utf-8", "replace") if subject else "no certificate",
                         self.role,
                     )
                     context.abort(
@@ -613,9 +758,8 @@ def fetch_ca_by_fingerprint(address: str, ca_fingerprint: str, timeout_s: float 
     ):
         chain = _unverified_chain(tls)
     for der in chain:
-        cert = x509.load_der_x509_certificate(der)
-        if fingerprint(cert) == ca_fingerprint:
-            return cert_pem(cert)
+        if hashlib.sha256(der).hexdigest() == ca_fingerprint:
+            return ssl.DER_cert_to_PEM_cert(der).encode()
     raise PkiError(
         f"the controller at {address} does not present the CA {ca_fingerprint[:16]}... named "
         "by the join token"
