@@ -200,6 +200,18 @@ def run_cmd(
             f"longest={r['starvation']['longest_wait_s']:.0f}s "
             f"preemptions={r['preemption']['count']}"
         )
+        bq = r["queue_delay_s"]["by_quota"]
+        parts = []
+        for part in ("inside_guarantee", "borrowing"):
+            bs = bq[part]["by_size"]
+            parts.append(
+                f"{part}: jobs={bq[part]['jobs']} 1-GPU p99={seconds(bs.get('1', {}).get('p99'))} "
+                f"8+ p99={seconds(bs.get('8+', {}).get('p99'))} "
+                f"8+/1={shown(bq[part]['p99_8_to_1'], '.1f')}"
+            )
+        typer.echo(
+            f"{'':16s} 8+/1 p99 all={shown(bq['all']['p99_8_to_1'], '.1f')}; " + "; ".join(parts)
+        )
     typer.echo(f"report: {out / 'report.json'}")
     if "html" in rep:
         typer.echo(f"html report: {out / rep['html']}")

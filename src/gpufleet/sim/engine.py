@@ -298,6 +298,11 @@ class Engine:
         self._dequeue(pj)
         run = self.fleet.reserve_gang(job_id, members, self.now)
         self.fleet.confirm(run)
+        acc = self._team(run.team_id)
+        guar = acc.spec.guaranteed_gpus.get(run.gpu_type, 0)
+        run.borrowed = acc.alloc.get(run.gpu_type, 0) + js.spec.gpus > guar
+        if js.first_start_borrowed is None:
+            js.first_start_borrowed = run.borrowed
         self._alloc(run, +1)
         self._drop_holds(job_id)
         spec = js.spec

@@ -98,6 +98,10 @@ class SimRun:
     members: tuple[SimMember, ...] = ()
     predicted_s: float | None = None
     """The platform's prediction of this attempt's run time when it started (None: none)."""
+    borrowed: bool = False
+    """The placement borrowed: it took its team above its guarantee on ``gpu_type`` (the
+    engine sets it from the team's allocation before the start, as ``TeamBook.admit``
+    counts a loan)."""
 
     @property
     def gpus(self) -> int:
@@ -117,6 +121,8 @@ class SimJobState:
     pending_since_s: float = 0.0
     wait_total_s: float = 0.0
     first_start_s: float | None = None
+    first_start_borrowed: bool | None = None
+    """Whether the first attempt's placement borrowed (``SimRun.borrowed``); None: never ran."""
     end_s: float | None = None
     preemptions: int = 0
     lost_gpu_s: float = 0.0

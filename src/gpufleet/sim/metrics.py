@@ -31,6 +31,9 @@ class JobRecord:
     attempts: int
     preemptions: int
     status: str
+    borrowed: bool | None = None
+    """Whether the job's first placement borrowed (took its team above its guarantee on
+    that GPU type); None: it never started."""
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -149,6 +152,7 @@ class Recorder:
             len(js.runs),
             js.preemptions,
             js.status.value,
+            js.first_start_borrowed,
         )
 
     def finished(self, js: SimJobState) -> None:
@@ -220,6 +224,7 @@ class Recorder:
                 "all": summary(waits_all),
                 "by_size": {k: summary(v) for k, v in sorted(by_size.items())},
                 "by_tier": {k: summary(v) for k, v in sorted(by_tier.items())},
+                "by_quota": by_quota(recs),
             },
             "jct_s": summary(jcts),
             "fairness": {
@@ -260,6 +265,37 @@ class Recorder:
 
 def _asdict(r: JobRecord) -> dict[str, Any]:
     return {f: getattr(r, f) for f in r.__slots__}
+
+
+def p99_ratio(by_size: Mapping[str, Mapping[str, float]]) -> float | None:
+    """8+ GPU p99 queue delay / 1-GPU p99 of a ``_by_size`` table; None (``n/a``) when
+    either size has no job or the 1-GPU p99 is 0 (undefined, not infinite)."""
+    big = by_size.get("8+", {}).get("p99")
+    one = by_size.get("1", {}).get("p99")
+    if big is None or one is None or one <= 0:
+        return None
+    return big / one
+
+
+def by_quota(recs: Sequence[JobRecord]) -> dict[str, dict[str, Any]]:
+    """Queue delay by job size, split by whether the job's first placement was inside its
+    team's guarantee (``inside_guarantee``) or borrowed (``borrowing``), with the 8+ / 1-GPU
+    p99 ratio of each part (None where undefined) and of all jobs (``all``).
+
+    Fair share (DD4) serves work inside a guarantee first and lets borrowed work wait for
+    idle capacity: the ``inside_guarantee`` ratio shows how size is treated where fair share
+    does not bind, the ``borrowing`` one how large loans fare against small ones. Jobs that
+    never started are in neither part (finished jobs always started)."""
+    parts: dict[str, list[JobRecord]] = {"inside_guarantee": [], "borrowing": []}
+    for r in recs:
+        if r.borrowed is not None:
+            parts["borrowing" if r.borrowed else "inside_guarantee"].append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for name, rs in parts.items():
+        table = _by_size(list(rs))
+        out[name] = {"jobs": len(rs), "by_size": table, "p99_8_to_1": p99_ratio(table)}
+    out["all"] = {"jobs": len(recs), "p99_8_to_1": p99_ratio(_by_size(list(recs)))}
+    return out
 
 
 def _by_size(recs: list[JobRecord]) -> dict[str, dict[str, float]]:

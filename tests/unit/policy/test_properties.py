@@ -11,7 +11,7 @@ from policy_builders import job, node, run, snap, team
 from gpufleet.domain.types import PriorityClass as P
 from gpufleet.policy.config import Backfill, Ordering, Placement, PolicyConfig
 from gpufleet.policy.cycle import schedule
-from gpufleet.policy.decisions import HoldForBackfill, Place, Preempt
+from gpufleet.policy.decisions import HoldForBackfill, Place, PlaceGang, Preempt
 from gpufleet.policy.snapshot import ClusterSnapshot
 
 
@@ -88,15 +88,22 @@ class TestEveryPass:
         result = schedule(snapshot, cfg)
         nodes = {n.node_id: n for n in snapshot.nodes}
         places = [d for d in result.decisions if isinstance(d, Place)]
+        gangs = [d for d in result.decisions if isinstance(d, PlaceGang)]
         # never more GPUs than free, never on an unschedulable node, never a job twice
+        # (a job larger than a node is placed as a gang: every member counts)
         used: Counter[str] = Counter()
         for p in places:
             assert nodes[p.node_id].schedulable
             used[p.node_id] += p.gpu_count
+        for g in gangs:
+            for m in g.members:
+                assert nodes[m.node_id].schedulable
+                used[m.node_id] += m.gpu_count
         assert all(used[n] <= nodes[n].free_gpus for n in used)
-        assert len({p.job_id for p in places}) == len(places)
+        ids = [p.job_id for p in places] + [g.job_id for g in gangs]
+        assert len(set(ids)) == len(ids)
         # each pending job is placed or has a reason, never both
-        placed = {p.job_id for p in places}
+        placed = set(ids)
         assert set(result.waiting) == {j.job_id for j in snapshot.pending} - placed
         for jid in result.waiting:
             why = result.waiting[jid]
