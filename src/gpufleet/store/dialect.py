@@ -120,7 +120,7 @@ value: together ~20% of a reservation's client CPU on PostgreSQL, and ~10% of th
 controller's CPU per tiny job in the completion's events + usage record, benchmarks/README.md).
 """
 
-_NAMED_PG = postgresql.dialect(paramstyle="named")
+_NAMED_PG = postgresql.dialect(paramstyle="named")  # type: ignore[no-untyped-call]
 _NAMED_PG.bind_typing = BindTyping.NONE
 """PostgreSQL's dialect rendering plain ``:name`` parameters (no ``::TYPE`` casts, which
 ``text()`` would misread), to turn a statement into ``text()``; the server takes each
