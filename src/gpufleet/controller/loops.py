@@ -270,19 +270,18 @@ class Scheduler:
         return stats
 
     def _place(self, decision: Place, seen_epoch: int, stats: PassStats) -> None:
-        reserved = self.db.run_write(
-            partial(
-                allocate.reserve,
-                job_id=decision.job_id,
-                node_id=decision.node_id,
-                gpu_count=decision.gpu_count,
-                # fencing_epoch and attempts move together (+1 per reservation)
-                seen_fencing_epoch=seen_epoch,
-                leader_holder=self.leadership.holder,
-                leader_epoch=self.leadership.epoch,
-                lease_s=self.settings.reservation_lease_s,
-                holds=decision.job_id in self._holding,
-            )
+        # one statement on PostgreSQL, a write transaction on SQLite (allocate.place)
+        reserved = allocate.place(
+            self.db,
+            job_id=decision.job_id,
+            node_id=decision.node_id,
+            gpu_count=decision.gpu_count,
+            # fencing_epoch and attempts move together (+1 per reservation)
+            seen_fencing_epoch=seen_epoch,
+            leader_holder=self.leadership.holder,
+            leader_epoch=self.leadership.epoch,
+            lease_s=self.settings.reservation_lease_s,
+            holds=decision.job_id in self._holding,
         )
         stats.placed += 1
         stats.placed_runs.append(reserved.run_id)

@@ -231,6 +231,12 @@ def _insert_many(session: Session, table: TableClause, rows: list[dict[str, Any]
     session.execute(insert(table).values(exprs), params)
 
 
+def dml_in_cte(dialect: str) -> bool:
+    """Whether INSERT, UPDATE and DELETE may run as WITH queries of one statement
+    (PostgreSQL; SQLite has no data-modifying WITH)."""
+    return dialect == "postgresql"
+
+
 def statements_with(dialect: str, main: Any, *before: Any) -> list[Any]:
     """The DML statements ``before`` and then ``main`` for a dialect name, to build once and
     keep: PostgreSQL ONE statement, ``before`` as data-modifying CTEs of ``main`` (all on one
