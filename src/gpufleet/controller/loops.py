@@ -17,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import partial
+from typing import Any
 
 import grpc
-from sqlalchemy import exists, select, update
+from sqlalchemy import bindparam, exists, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, aliased
 
@@ -867,6 +868,52 @@ def send_stop(
     return resp
 
 
+_STUCK: Any = None
+
+
+def _stuck_assignments() -> Any:
+    """The reconciler's query of undelivered or unconfirmed assignments on nodes that
+    heartbeat, built once (bind parameters ``p_unsent``: created before this and never
+    answered; ``p_cutoff``: answered before this and still not confirmed)."""
+    global _STUCK
+    if _STUCK is None:
+        rank0 = aliased(JobRunRow)
+        _STUCK = (
+            select(JobRunRow.id, JobRunRow.node_id)
+            .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+            .where(
+                JobRunRow.status == RunStatus.ASSIGNED,
+                # nodes that heartbeat: their agent answers (or refuses) the question
+                NodeRow.status.in_(
+                    [
+                        NodeStatus.HEALTHY,
+                        NodeStatus.UNHEALTHY,
+                        NodeStatus.CORDONED,
+                        NodeStatus.DRAINING,
+                    ]
+                ),
+                (
+                    JobRunRow.assigned_at.is_(None)
+                    & (
+                        JobRunRow.created_at
+                        < bindparam("p_unsent", type_=JobRunRow.created_at.type)
+                    )
+                )
+                | (JobRunRow.assigned_at < bindparam("p_cutoff", type_=JobRunRow.created_at.type)),
+                # ranks 1..n-1 of a gang wait for rank 0's MASTER_PORT (re-sending rank 0
+                # assigns them)
+                (JobRunRow.rank == 0)
+                | exists().where(
+                    rank0.job_id == JobRunRow.job_id,
+                    rank0.token == JobRunRow.token,
+                    rank0.rank == 0,
+                    rank0.master_port.is_not(None),
+                ),
+            )
+        )
+    return _STUCK
+
+
 class Reconciler:
     """The failure detector and the reconciler of undelivered work.
 
@@ -896,23 +943,50 @@ class Reconciler:
         if not self.leadership.is_leader:
             return
         silent_s = self.settings.heartbeat_interval_s * self.settings.suspect_after_missed
-        suspects = self.db.run_write(lambda s: nodes.mark_silent_nodes_suspect(s, silent_s))
+        fence_s = max(self.settings.fence_timeout_s, silent_s)
+        # one read decides which write steps have work (usually none): each write
+        # transaction is opened only then (on SQLite each takes the single writer lock)
+        with self.db.read() as s:
+            now = db_now(s)
+            due = nodes.upkeep_due(
+                s,
+                suspect_before=now - timedelta(seconds=silent_s),
+                fence_before=now - timedelta(seconds=fence_s),
+            )
+            stuck: list[tuple[str, str]] = [
+                (r.id, r.node_id)
+                for r in s.execute(
+                    _stuck_assignments(),
+                    {
+                        "p_unsent": now - timedelta(seconds=2),
+                        "p_cutoff": now - timedelta(seconds=self.settings.confirm_timeout_s),
+                    },
+                )
+            ]
+        suspects = (
+            self.db.run_write(lambda s: nodes.mark_silent_nodes_suspect(s, silent_s))
+            if due.suspect
+            else []
+        )
         metrics.NODE_TRANSITIONS.labels("SUSPECT").inc(len(suspects))
         for node_id in suspects:
             log.warning("node %s is SUSPECT: no heartbeat for %.0f s", node_id, silent_s)
-        for node_id in self.db.run_write(nodes.finish_drains):
+        for node_id in self.db.run_write(nodes.finish_drains) if due.drains else []:
             metrics.NODE_TRANSITIONS.labels("CORDONED").inc()
             log.info("node %s drained: CORDONED", node_id)
+        # a node just marked SUSPECT is silent for fence_s only later
+        fenced: dict[str, list[nodes.Fenced]] = {}
         try:
-            fenced = self.db.run_write(
-                partial(
-                    nodes.fence_silent_nodes,
-                    silent_for_s=max(self.settings.fence_timeout_s, silent_s),
-                    max_node_failures=self.settings.max_node_failures,
-                    leader_holder=self.leadership.holder,
-                    leader_epoch=self.leadership.epoch,
+            if due.fence:
+                fenced = self.db.run_write(
+                    partial(
+                        nodes.fence_silent_nodes,
+                        silent_for_s=fence_s,
+                        max_node_failures=self.settings.max_node_failures,
+                        leader_holder=self.leadership.holder,
+                        leader_epoch=self.leadership.epoch,
+                    )
                 )
-            )
         except NotLeader:
             self.leadership.epoch = 0
             return
@@ -931,43 +1005,9 @@ class Reconciler:
             )
         if fenced:
             self.on_change()
-        with self.db.read() as s:
-            now = db_now(s)
-            cutoff = now - timedelta(seconds=self.settings.confirm_timeout_s)
-            rank0 = aliased(JobRunRow)
-            stuck = list(
-                s.scalars(
-                    select(JobRunRow.id)
-                    .join(NodeRow, NodeRow.id == JobRunRow.node_id)
-                    .where(
-                        JobRunRow.status == RunStatus.ASSIGNED,
-                        # nodes that heartbeat: their agent answers (or refuses) the question
-                        NodeRow.status.in_(
-                            [
-                                NodeStatus.HEALTHY,
-                                NodeStatus.UNHEALTHY,
-                                NodeStatus.CORDONED,
-                                NodeStatus.DRAINING,
-                            ]
-                        ),
-                        (
-                            JobRunRow.assigned_at.is_(None)
-                            & (JobRunRow.created_at < now - timedelta(seconds=2))
-                        )
-                        | (JobRunRow.assigned_at < cutoff),
-                        # ranks 1..n-1 of a gang wait for rank 0's MASTER_PORT (re-sending
-                        # rank 0 assigns them)
-                        (JobRunRow.rank == 0)
-                        | exists().where(
-                            rank0.job_id == JobRunRow.job_id,
-                            rank0.token == JobRunRow.token,
-                            rank0.rank == 0,
-                            rank0.master_port.is_not(None),
-                        ),
-                    )
-                )
-            )
-        for run_id in stuck:
+        for run_id, node_id in stuck:
+            if node_id in fenced:  # read before this pass fenced its node: not re-sent
+                continue
             metrics.RECONCILE.labels("resent_assignment").inc()
             self.db.run_write(
                 partial(
