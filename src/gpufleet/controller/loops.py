@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import grpc
-from sqlalchemy import bindparam, exists, select, update
+from sqlalchemy import Table, bindparam, exists, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, aliased
 
@@ -119,6 +119,26 @@ def _job_ids(decisions: Iterable[Decision]) -> list[str]:
         for d in decisions
         if isinstance(d, (Place, PlaceGang, Preempt, HoldForBackfill))
     ]
+
+
+_STORE_REASON: Any = None
+
+
+def _store_reason() -> Any:
+    """``pending_reason`` of a PENDING job, built once (``p_id``, ``p_reason``), for one
+    executemany per pass."""
+    global _STORE_REASON
+    if _STORE_REASON is None:
+        jobs = cast(Table, JobRow.__table__)
+        _STORE_REASON = (
+            update(jobs)
+            .where(
+                jobs.c.id == bindparam("p_id", type_=jobs.c.id.type),
+                jobs.c.status == JobStatus.PENDING,
+            )
+            .values(pending_reason=bindparam("p_reason", type_=jobs.c.pending_reason.type))
+        )
+    return _STORE_REASON
 
 
 class Scheduler:
@@ -377,12 +397,11 @@ class Scheduler:
             return
 
         def tx(s: Session) -> None:
-            for job_id, new in changed.items():
-                s.execute(
-                    update(JobRow)
-                    .where(JobRow.id == job_id, JobRow.status == JobStatus.PENDING)
-                    .values(pending_reason=new)
-                )
+            # one executemany of a statement built once, not one statement built per job
+            s.execute(
+                _store_reason(),
+                [{"p_id": job_id, "p_reason": new} for job_id, new in changed.items()],
+            )
             for job_id, reason in new_codes:
                 record_event(
                     s,
