@@ -121,6 +121,38 @@ def _job_ids(decisions: Iterable[Decision]) -> list[str]:
     ]
 
 
+_ASSIGNMENT: Any = None
+
+
+def _assignment_query() -> Any:
+    """ONE statement, built once (``p_run``): the attempt, its job, node and reservation, and
+    the checkpoint to resume from: the latest earlier attempt's that stored one (of a gang:
+    every rank resumes from rank 0's, else from the lowest rank that stored one)."""
+    global _ASSIGNMENT
+    if _ASSIGNMENT is None:
+        earlier = aliased(JobRunRow)
+        prior_q = (
+            select(earlier.checkpoint_prefix)
+            .where(
+                earlier.job_id == JobRunRow.job_id,
+                earlier.checkpoint_prefix.is_not(None),
+                earlier.attempt < JobRunRow.attempt,
+            )
+            .order_by(earlier.attempt.desc(), earlier.rank)
+            .limit(1)
+            .correlate(JobRunRow)
+            .scalar_subquery()
+        )
+        _ASSIGNMENT = (
+            select(JobRunRow, JobRow, NodeRow, ReservationRow.id, prior_q)
+            .join(JobRow, JobRow.id == JobRunRow.job_id)
+            .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+            .join(ReservationRow, ReservationRow.run_id == JobRunRow.id)
+            .where(JobRunRow.id == bindparam("p_run", type_=JobRunRow.id.type))
+        )
+    return _ASSIGNMENT
+
+
 _STORE_REASON: Any = None
 
 
@@ -483,30 +515,8 @@ class Scheduler:
 
     def _assignment(self, run_id: str) -> tuple[str, str, pb.AssignJobRequest] | None:
         """(node_id, agent address, AssignJob request) of an ASSIGNED attempt, else None."""
-        earlier = aliased(JobRunRow)
         with self.db.read() as s:
-            # one statement: the attempt, its job, node and reservation, and the checkpoint to
-            # resume from: the latest earlier attempt's that stored one (of a gang: every rank
-            # resumes from rank 0's, else from the lowest rank that stored one)
-            prior_q = (
-                select(earlier.checkpoint_prefix)
-                .where(
-                    earlier.job_id == JobRunRow.job_id,
-                    earlier.checkpoint_prefix.is_not(None),
-                    earlier.attempt < JobRunRow.attempt,
-                )
-                .order_by(earlier.attempt.desc(), earlier.rank)
-                .limit(1)
-                .correlate(JobRunRow)
-                .scalar_subquery()
-            )
-            found = s.execute(
-                select(JobRunRow, JobRow, NodeRow, ReservationRow.id, prior_q)
-                .join(JobRow, JobRow.id == JobRunRow.job_id)
-                .join(NodeRow, NodeRow.id == JobRunRow.node_id)
-                .join(ReservationRow, ReservationRow.run_id == JobRunRow.id)
-                .where(JobRunRow.id == run_id)
-            ).first()
+            found = s.execute(_assignment_query(), {"p_run": run_id}).first()
             if found is None or found[0].status != RunStatus.ASSIGNED:
                 return None
             run, job, node, reservation_id, prior = found
