@@ -8,6 +8,10 @@ transaction that moves three rows sends one event statement, not three. With one
 state the UPDATE is the only statement; with several, a ``SELECT ... FOR UPDATE`` first learns
 which one the row is in (the event records it). 0 rows matched raises StaleState: the row moved
 on (another status, token or epoch) and the caller's view was stale.
+
+One other statement moves a status: PostgreSQL's one-statement reservation
+(``store/reserve_once.py``) makes the job's PENDING -> SCHEDULED edge inside its single
+statement, guarded the same way and checked against the same transition table.
 """
 
 from __future__ import annotations
