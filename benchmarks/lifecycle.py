@@ -93,7 +93,51 @@ class Row:
     violations: int
     client_p50_ms: float | None = None
     client_p99_ms: float | None = None
+    cpu_ms_per_job: dict[str, float] = field(default_factory=dict)
+    """Throughput scenario: CPU ms per job by part (:func:`cpu_by_part`)."""
     notes: list[str] = field(default_factory=list)
+
+
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+PARTS = ("controller", "grpc-core", "api", "agents+jobs", "bench")
+
+
+def _cpu_s(stat_path: str, children: bool = False) -> float:
+    """utime + stime (+ the waited-for children's with ``children``) of a /proc stat file."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    if children:
+        ticks += int(fields[13]) + int(fields[14])  # cutime, cstime
+    return ticks * _TICK_S
+
+
+def _part_of(name: str | None) -> str:
+    """Which part a thread of this process belongs to, by its Python thread name (None: a
+    thread without a Python object, gRPC core's pollers and timers)."""
+    if name is None:
+        return "grpc-core"
+    if name.startswith(("ctl-", "assign", "stop")):
+        return "controller"
+    if name == "api" or name.startswith("AnyIO worker"):
+        return "api"
+    return "bench"  # MainThread, the submitting clients, the invariant checks
+
+
+def cpu_by_part(plat: Platform) -> dict[str, float]:
+    """CPU seconds so far by part: this process's threads (``/proc/self/task``, named through
+    ``threading``'s native ids) and the agents with the jobs they waited for."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = dict.fromkeys(PARTS, 0.0)
+    for tid in os.listdir("/proc/self/task"):
+        part = _part_of(names.get(int(tid)))
+        out[part] += _cpu_s(f"/proc/self/task/{tid}/stat")
+    for proc in plat.agents.values():
+        out["agents+jobs"] += _cpu_s(f"/proc/{proc.pid}/stat", children=True)
+    return out
 
 
 class Platform:
@@ -291,15 +335,24 @@ def throughput(db_name: str, plat: Platform, args: argparse.Namespace) -> Row:
 
     plat.start_sampling(0.5)
     began = time.perf_counter()
+    cpu0 = cpu_by_part(plat)
     with ThreadPoolExecutor(args.clients) as pool:
         for f in [pool.submit(work, k) for k in range(args.clients)]:
             f.result()
     console.print(f"{db_name}: submitted in {time.perf_counter() - began:.1f} s; waiting ...")
     plat.wait_terminal(job_ids, args.timeout)
     wall = time.perf_counter() - began
+    cpu1 = cpu_by_part(plat)
     plat.stop_sampling()
     rows = plat.job_rows(job_ids)
-    return summarize(db_name, "throughput", plat, rows, errors, wall)
+    row = summarize(db_name, "throughput", plat, rows, errors, wall)
+    n = max(1, len(job_ids))
+    row.cpu_ms_per_job = {p: round(1000 * (cpu1[p] - cpu0[p]) / n, 2) for p in PARTS}
+    console.print(
+        f"{db_name}: CPU ms per job over the throughput phase: "
+        + ", ".join(f"{p} {v:.1f}" for p, v in row.cpu_ms_per_job.items())
+    )
+    return row
 
 
 def idle_fleet(db_name: str, plat: Platform, args: argparse.Namespace) -> Row:

@@ -9,7 +9,9 @@ database, registers N nodes x 8 GPUs (``services.nodes.register_node``), becomes
 2. places them in rounds. In a round every thread reserves, in job order, on a best-fit node
    chosen in Python (fewest free GPUs that still fit) among the nodes it owns (thread k owns
    nodes k, k+T, ...: concurrent reservers never aim at the same node) until its next job
-   fits none of its nodes; each ``db.run_write(partial(allocate.reserve, ...))`` is timed.
+   fits none of its nodes; each reservation is timed, made as the scheduler makes it
+   (``allocate.place``: one statement on PostgreSQL, ``db.run_write(allocate.reserve)`` on
+   SQLite and in code from before ``place`` existed).
    Then every thread releases what it holds (``allocate.release``, timed). Rounds repeat
    until all jobs are placed, so a small fleet is filled and emptied many times.
 
@@ -45,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from _common import (
     DEFAULT_POSTGRES_URL,
@@ -133,6 +136,16 @@ def submit_jobs(db: Database, count: int, salt: int) -> list[tuple[str, int]]:
     return out
 
 
+def place(db: Database, **kw: Any) -> allocate.Reserved:
+    """A reservation as the scheduler applies it: ``allocate.place`` (one statement on
+    PostgreSQL); code from before it existed (an older ``src`` on ``PYTHONPATH``, for
+    interleaved before/after runs): ``db.run_write(allocate.reserve)``, as its scheduler did."""
+    fn = getattr(allocate, "place", None)
+    if fn is not None:
+        return fn(db, **kw)  # type: ignore[no-any-return]
+    return db.run_write(partial(allocate.reserve, **kw))
+
+
 def release_now(session: Session, run_id: str) -> int:
     # now=None: the clock is read by the locking SELECT itself, as on the completion path
     return allocate.release(session, run_id=run_id, now=None, message="benchmark")
@@ -177,18 +190,16 @@ class Reserver:
             if self.profiler is not None:
                 self.profiler.enable()
             try:
-                r = self.db.run_write(
-                    partial(
-                        allocate.reserve,
-                        job_id=job_id,
-                        node_id=node_id,
-                        gpu_count=g,
-                        seen_fencing_epoch=0,
-                        leader_holder=HOLDER,
-                        leader_epoch=self.epoch,
-                        lease_s=60,
-                        holds=False,  # as the scheduler for a job its snapshot shows no hold of
-                    )
+                r = place(
+                    self.db,
+                    job_id=job_id,
+                    node_id=node_id,
+                    gpu_count=g,
+                    seen_fencing_epoch=0,
+                    leader_holder=HOLDER,
+                    leader_epoch=self.epoch,
+                    lease_s=60,
+                    holds=False,  # as the scheduler for a job its snapshot shows no hold of
                 )
             except CapacityConflict as exc:
                 self._stop_profile()

@@ -175,3 +175,133 @@ def test_a_node_changes_its_gpu_count_only_while_nothing_is_reserved(db: Databas
         cap = s.get(NodeCapacityRow, "n1")
         assert (cap.total_gpus, cap.available_gpus) == (4, 4)
     assert violations(db) == []
+
+
+def place(
+    db: Database, job_id: str, node_id: str, n: int, *, epoch: int, seen: int = 0, **kw: object
+) -> allocate.Reserved:
+    """The scheduler's entry point: one statement on PostgreSQL, a transaction on SQLite."""
+    return allocate.place(
+        db,
+        job_id=job_id,
+        node_id=node_id,
+        gpu_count=n,
+        seen_fencing_epoch=seen,
+        leader_holder=str(kw.get("holder", "test-leader")),
+        leader_epoch=epoch,
+        lease_s=60,
+        holds=bool(kw.get("holds", False)),
+    )
+
+
+def _state(db: Database) -> tuple[object, ...]:
+    """What a failed placement must leave untouched: capacity, GPU holders, runs,
+    reservations, events."""
+    from sqlalchemy import func, select
+
+    from gpufleet.store.tables import (
+        JobRunRow,
+        NodeGpuRow,
+        ReservationRow,
+        SchedulingEventRow,
+    )
+
+    with db.read() as s:
+        return (
+            s.get(NodeCapacityRow, "n1").available_gpus,
+            tuple(s.scalars(select(NodeGpuRow.holder_run_id).order_by(NodeGpuRow.gpu_index))),
+            s.scalar(select(func.count()).select_from(JobRunRow)),
+            s.scalar(select(func.count()).select_from(ReservationRow)),
+            s.scalar(select(func.count()).select_from(SchedulingEventRow)),
+        )
+
+
+class TestPlace:
+    """``allocate.place``: the same outcomes as ``reserve`` in a transaction, all or nothing
+    (on PostgreSQL one statement in autocommit, ``store.reserve_once``)."""
+
+    def test_places_like_reserve(self, db: Database) -> None:
+        create_team(db)
+        create_node(db, "n1", gpus=8)
+        epoch = become_leader(db)
+        a = place(db, submit(db, gpus=3).job_id, "n1", 3, epoch=epoch)
+        b = place(db, submit(db, gpus=2).job_id, "n1", 2, epoch=epoch, holds=True)
+        assert (a.gpu_ids, b.gpu_ids) == ((0, 1, 2), (3, 4))
+        assert (a.token, a.attempt) == (1, 1)
+        with db.read() as s:
+            assert s.get(NodeCapacityRow, "n1").available_gpus == 3
+            row = s.get(JobRow, a.job_id)
+            assert (row.status, row.current_run_id, row.fencing_epoch, row.attempts) == (
+                "SCHEDULED",
+                a.run_id,
+                1,
+                1,
+            )
+            assert row.scheduled_at is not None and row.pending_reason is None
+        assert violations(db) == []
+
+    @pytest.mark.parametrize(
+        ("case", "want"),
+        [
+            pytest.param("stale epoch", StaleState, id="the job moved past the seen epoch"),
+            pytest.param("held", StaleState, id="a hold that landed after the pass wins"),
+            pytest.param("not leader", NotLeader, id="a deposed leader's epoch"),
+            pytest.param("full", CapacityConflict, id="too few free GPUs"),
+            pytest.param("unhealthy", CapacityConflict, id="the node is not HEALTHY"),
+        ],
+    )
+    def test_a_refused_placement_changes_nothing(
+        self, db: Database, case: str, want: type[Exception]
+    ) -> None:
+        create_team(db)
+        create_node(db, "n1", gpus=8)
+        epoch = become_leader(db)
+        place(db, submit(db, gpus=4).job_id, "n1", 4, epoch=epoch)
+        job = submit(db, gpus=4 if case != "full" else 5)
+        seen = 0
+        if case == "stale epoch":
+            seen = 7
+        elif case == "held":
+            db.run_write(
+                lambda s: s.get(JobRow, job.job_id).__setattr__("held", True)  # type: ignore[union-attr]
+            )
+        elif case == "not leader":
+            epoch += 1
+        elif case == "unhealthy":
+            db.run_write(lambda s: set_node_status(s, "n1", NodeStatus.CORDONED, message="t"))
+        before = _state(db)
+        with pytest.raises(want):
+            place(db, job.job_id, "n1", 4 if case != "full" else 5, epoch=epoch, seen=seen)
+        assert _state(db) == before
+        with db.read() as s:
+            assert s.get(JobRow, job.job_id).status == JobStatus.PENDING
+        assert violations(db) == []
+
+
+def test_racing_placements_exactly_the_right_number_win(db: Database) -> None:
+    """Six threads place 2-GPU jobs on one 8-GPU node at once: exactly four win, with
+    disjoint GPUs, and the rest see a capacity conflict."""
+    create_team(db)
+    create_node(db, "n1", gpus=8)
+    epoch = become_leader(db)
+    jobs = [submit(db, gpus=2).job_id for _ in range(6)]
+    won: list[allocate.Reserved] = []
+    lost: list[Exception] = []
+    start = threading.Barrier(len(jobs))
+
+    def go(job_id: str) -> None:
+        start.wait()
+        try:
+            won.append(place(db, job_id, "n1", 2, epoch=epoch))
+        except CapacityConflict as exc:
+            lost.append(exc)
+
+    threads = [threading.Thread(target=go, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (len(won), len(lost)) == (4, 2)
+    held = [g for r in won for g in r.gpu_ids]
+    assert sorted(held) == list(range(8))
+    assert violations(db) == []

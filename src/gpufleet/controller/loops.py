@@ -17,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import partial
+from typing import Any, cast
 
 import grpc
-from sqlalchemy import exists, select, update
+from sqlalchemy import Table, bindparam, exists, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, aliased
 
@@ -118,6 +119,58 @@ def _job_ids(decisions: Iterable[Decision]) -> list[str]:
         for d in decisions
         if isinstance(d, (Place, PlaceGang, Preempt, HoldForBackfill))
     ]
+
+
+_ASSIGNMENT: Any = None
+
+
+def _assignment_query() -> Any:
+    """ONE statement, built once (``p_run``): the attempt, its job, node and reservation, and
+    the checkpoint to resume from: the latest earlier attempt's that stored one (of a gang:
+    every rank resumes from rank 0's, else from the lowest rank that stored one)."""
+    global _ASSIGNMENT
+    if _ASSIGNMENT is None:
+        earlier = aliased(JobRunRow)
+        prior_q = (
+            select(earlier.checkpoint_prefix)
+            .where(
+                earlier.job_id == JobRunRow.job_id,
+                earlier.checkpoint_prefix.is_not(None),
+                earlier.attempt < JobRunRow.attempt,
+            )
+            .order_by(earlier.attempt.desc(), earlier.rank)
+            .limit(1)
+            .correlate(JobRunRow)
+            .scalar_subquery()
+        )
+        _ASSIGNMENT = (
+            select(JobRunRow, JobRow, NodeRow, ReservationRow.id, prior_q)
+            .join(JobRow, JobRow.id == JobRunRow.job_id)
+            .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+            .join(ReservationRow, ReservationRow.run_id == JobRunRow.id)
+            .where(JobRunRow.id == bindparam("p_run", type_=JobRunRow.id.type))
+        )
+    return _ASSIGNMENT
+
+
+_STORE_REASON: Any = None
+
+
+def _store_reason() -> Any:
+    """``pending_reason`` of a PENDING job, built once (``p_id``, ``p_reason``), for one
+    executemany per pass."""
+    global _STORE_REASON
+    if _STORE_REASON is None:
+        jobs = cast(Table, JobRow.__table__)
+        _STORE_REASON = (
+            update(jobs)
+            .where(
+                jobs.c.id == bindparam("p_id", type_=jobs.c.id.type),
+                jobs.c.status == JobStatus.PENDING,
+            )
+            .values(pending_reason=bindparam("p_reason", type_=jobs.c.pending_reason.type))
+        )
+    return _STORE_REASON
 
 
 class Scheduler:
@@ -270,19 +323,18 @@ class Scheduler:
         return stats
 
     def _place(self, decision: Place, seen_epoch: int, stats: PassStats) -> None:
-        reserved = self.db.run_write(
-            partial(
-                allocate.reserve,
-                job_id=decision.job_id,
-                node_id=decision.node_id,
-                gpu_count=decision.gpu_count,
-                # fencing_epoch and attempts move together (+1 per reservation)
-                seen_fencing_epoch=seen_epoch,
-                leader_holder=self.leadership.holder,
-                leader_epoch=self.leadership.epoch,
-                lease_s=self.settings.reservation_lease_s,
-                holds=decision.job_id in self._holding,
-            )
+        # one statement on PostgreSQL, a write transaction on SQLite (allocate.place)
+        reserved = allocate.place(
+            self.db,
+            job_id=decision.job_id,
+            node_id=decision.node_id,
+            gpu_count=decision.gpu_count,
+            # fencing_epoch and attempts move together (+1 per reservation)
+            seen_fencing_epoch=seen_epoch,
+            leader_holder=self.leadership.holder,
+            leader_epoch=self.leadership.epoch,
+            lease_s=self.settings.reservation_lease_s,
+            holds=decision.job_id in self._holding,
         )
         stats.placed += 1
         stats.placed_runs.append(reserved.run_id)
@@ -377,12 +429,11 @@ class Scheduler:
             return
 
         def tx(s: Session) -> None:
-            for job_id, new in changed.items():
-                s.execute(
-                    update(JobRow)
-                    .where(JobRow.id == job_id, JobRow.status == JobStatus.PENDING)
-                    .values(pending_reason=new)
-                )
+            # one executemany of a statement built once, not one statement built per job
+            s.execute(
+                _store_reason(),
+                [{"p_id": job_id, "p_reason": new} for job_id, new in changed.items()],
+            )
             for job_id, reason in new_codes:
                 record_event(
                     s,
@@ -464,30 +515,8 @@ class Scheduler:
 
     def _assignment(self, run_id: str) -> tuple[str, str, pb.AssignJobRequest] | None:
         """(node_id, agent address, AssignJob request) of an ASSIGNED attempt, else None."""
-        earlier = aliased(JobRunRow)
         with self.db.read() as s:
-            # one statement: the attempt, its job, node and reservation, and the checkpoint to
-            # resume from: the latest earlier attempt's that stored one (of a gang: every rank
-            # resumes from rank 0's, else from the lowest rank that stored one)
-            prior_q = (
-                select(earlier.checkpoint_prefix)
-                .where(
-                    earlier.job_id == JobRunRow.job_id,
-                    earlier.checkpoint_prefix.is_not(None),
-                    earlier.attempt < JobRunRow.attempt,
-                )
-                .order_by(earlier.attempt.desc(), earlier.rank)
-                .limit(1)
-                .correlate(JobRunRow)
-                .scalar_subquery()
-            )
-            found = s.execute(
-                select(JobRunRow, JobRow, NodeRow, ReservationRow.id, prior_q)
-                .join(JobRow, JobRow.id == JobRunRow.job_id)
-                .join(NodeRow, NodeRow.id == JobRunRow.node_id)
-                .join(ReservationRow, ReservationRow.run_id == JobRunRow.id)
-                .where(JobRunRow.id == run_id)
-            ).first()
+            found = s.execute(_assignment_query(), {"p_run": run_id}).first()
             if found is None or found[0].status != RunStatus.ASSIGNED:
                 return None
             run, job, node, reservation_id, prior = found
@@ -868,6 +897,52 @@ def send_stop(
     return resp
 
 
+_STUCK: Any = None
+
+
+def _stuck_assignments() -> Any:
+    """The reconciler's query of undelivered or unconfirmed assignments on nodes that
+    heartbeat, built once (bind parameters ``p_unsent``: created before this and never
+    answered; ``p_cutoff``: answered before this and still not confirmed)."""
+    global _STUCK
+    if _STUCK is None:
+        rank0 = aliased(JobRunRow)
+        _STUCK = (
+            select(JobRunRow.id, JobRunRow.node_id)
+            .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+            .where(
+                JobRunRow.status == RunStatus.ASSIGNED,
+                # nodes that heartbeat: their agent answers (or refuses) the question
+                NodeRow.status.in_(
+                    [
+                        NodeStatus.HEALTHY,
+                        NodeStatus.UNHEALTHY,
+                        NodeStatus.CORDONED,
+                        NodeStatus.DRAINING,
+                    ]
+                ),
+                (
+                    JobRunRow.assigned_at.is_(None)
+                    & (
+                        JobRunRow.created_at
+                        < bindparam("p_unsent", type_=JobRunRow.created_at.type)
+                    )
+                )
+                | (JobRunRow.assigned_at < bindparam("p_cutoff", type_=JobRunRow.created_at.type)),
+                # ranks 1..n-1 of a gang wait for rank 0's MASTER_PORT (re-sending rank 0
+                # assigns them)
+                (JobRunRow.rank == 0)
+                | exists().where(
+                    rank0.job_id == JobRunRow.job_id,
+                    rank0.token == JobRunRow.token,
+                    rank0.rank == 0,
+                    rank0.master_port.is_not(None),
+                ),
+            )
+        )
+    return _STUCK
+
+
 class Reconciler:
     """The failure detector and the reconciler of undelivered work.
 
@@ -897,23 +972,50 @@ class Reconciler:
         if not self.leadership.is_leader:
             return
         silent_s = self.settings.heartbeat_interval_s * self.settings.suspect_after_missed
-        suspects = self.db.run_write(lambda s: nodes.mark_silent_nodes_suspect(s, silent_s))
+        fence_s = max(self.settings.fence_timeout_s, silent_s)
+        # one read decides which write steps have work (usually none): each write
+        # transaction is opened only then (on SQLite each takes the single writer lock)
+        with self.db.read() as s:
+            now = db_now(s)
+            due = nodes.upkeep_due(
+                s,
+                suspect_before=now - timedelta(seconds=silent_s),
+                fence_before=now - timedelta(seconds=fence_s),
+            )
+            stuck: list[tuple[str, str]] = [
+                (r.id, r.node_id)
+                for r in s.execute(
+                    _stuck_assignments(),
+                    {
+                        "p_unsent": now - timedelta(seconds=2),
+                        "p_cutoff": now - timedelta(seconds=self.settings.confirm_timeout_s),
+                    },
+                )
+            ]
+        suspects = (
+            self.db.run_write(lambda s: nodes.mark_silent_nodes_suspect(s, silent_s))
+            if due.suspect
+            else []
+        )
         metrics.NODE_TRANSITIONS.labels("SUSPECT").inc(len(suspects))
         for node_id in suspects:
             log.warning("node %s is SUSPECT: no heartbeat for %.0f s", node_id, silent_s)
-        for node_id in self.db.run_write(nodes.finish_drains):
+        for node_id in self.db.run_write(nodes.finish_drains) if due.drains else []:
             metrics.NODE_TRANSITIONS.labels("CORDONED").inc()
             log.info("node %s drained: CORDONED", node_id)
+        # a node just marked SUSPECT is silent for fence_s only later
+        fenced: dict[str, list[nodes.Fenced]] = {}
         try:
-            fenced = self.db.run_write(
-                partial(
-                    nodes.fence_silent_nodes,
-                    silent_for_s=max(self.settings.fence_timeout_s, silent_s),
-                    max_node_failures=self.settings.max_node_failures,
-                    leader_holder=self.leadership.holder,
-                    leader_epoch=self.leadership.epoch,
+            if due.fence:
+                fenced = self.db.run_write(
+                    partial(
+                        nodes.fence_silent_nodes,
+                        silent_for_s=fence_s,
+                        max_node_failures=self.settings.max_node_failures,
+                        leader_holder=self.leadership.holder,
+                        leader_epoch=self.leadership.epoch,
+                    )
                 )
-            )
         except NotLeader:
             self.leadership.epoch = 0
             return
@@ -932,43 +1034,9 @@ class Reconciler:
             )
         if fenced:
             self.on_change()
-        with self.db.read() as s:
-            now = db_now(s)
-            cutoff = now - timedelta(seconds=self.settings.confirm_timeout_s)
-            rank0 = aliased(JobRunRow)
-            stuck = list(
-                s.scalars(
-                    select(JobRunRow.id)
-                    .join(NodeRow, NodeRow.id == JobRunRow.node_id)
-                    .where(
-                        JobRunRow.status == RunStatus.ASSIGNED,
-                        # nodes that heartbeat: their agent answers (or refuses) the question
-                        NodeRow.status.in_(
-                            [
-                                NodeStatus.HEALTHY,
-                                NodeStatus.UNHEALTHY,
-                                NodeStatus.CORDONED,
-                                NodeStatus.DRAINING,
-                            ]
-                        ),
-                        (
-                            JobRunRow.assigned_at.is_(None)
-                            & (JobRunRow.created_at < now - timedelta(seconds=2))
-                        )
-                        | (JobRunRow.assigned_at < cutoff),
-                        # ranks 1..n-1 of a gang wait for rank 0's MASTER_PORT (re-sending
-                        # rank 0 assigns them)
-                        (JobRunRow.rank == 0)
-                        | exists().where(
-                            rank0.job_id == JobRunRow.job_id,
-                            rank0.token == JobRunRow.token,
-                            rank0.rank == 0,
-                            rank0.master_port.is_not(None),
-                        ),
-                    )
-                )
-            )
-        for run_id in stuck:
+        for run_id, node_id in stuck:
+            if node_id in fenced:  # read before this pass fenced its node: not re-sent
+                continue
             metrics.RECONCILE.labels("resent_assignment").inc()
             self.db.run_write(
                 partial(

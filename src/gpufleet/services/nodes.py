@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, exists, func, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import NotFound, ValidationFailed
@@ -348,6 +348,49 @@ def active_runs_on(session: Session, node_id: str) -> list[tuple[str, str, str]]
             .order_by(JobRunRow.id)
         )
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class UpkeepDue:
+    """Which of the failure detector's write steps have anything to do (:func:`upkeep_due`)."""
+
+    suspect: bool
+    """A HEALTHY or UNHEALTHY node is silent past the suspect cutoff."""
+    drains: bool
+    """A node is DRAINING."""
+    fence: bool
+    """A SUSPECT, CORDONED or DRAINING node is silent past the fence cutoff."""
+
+
+_UPKEEP_DUE: Any = None
+
+
+def upkeep_due(session: Session, *, suspect_before: datetime, fence_before: datetime) -> UpkeepDue:
+    """One read of the nodes: whether :func:`mark_silent_nodes_suspect` (heartbeat before
+    ``suspect_before``), :func:`finish_drains` and :func:`fence_silent_nodes` (heartbeat
+    before ``fence_before``) would find a node, so that the reconciler opens their write
+    transactions only then (on SQLite each takes the single writer lock). Each step checks
+    again in its own transaction; a node that turns due just after this read waits for the
+    next pass."""
+    global _UPKEEP_DUE
+    if _UPKEEP_DUE is None:
+        suspect_at = bindparam("p_suspect", type_=NodeRow.last_heartbeat_at.type)
+        fence_at = bindparam("p_fence", type_=NodeRow.last_heartbeat_at.type)
+        _UPKEEP_DUE = select(
+            exists().where(
+                NodeRow.status.in_([NodeStatus.HEALTHY, NodeStatus.UNHEALTHY]),
+                NodeRow.last_heartbeat_at < suspect_at,
+            ),
+            exists().where(NodeRow.status == NodeStatus.DRAINING),
+            exists().where(
+                NodeRow.status.in_([NodeStatus.SUSPECT, NodeStatus.CORDONED, NodeStatus.DRAINING]),
+                NodeRow.last_heartbeat_at < fence_at,
+            ),
+        )
+    row = session.execute(
+        _UPKEEP_DUE, {"p_suspect": suspect_before, "p_fence": fence_before}
+    ).one()
+    return UpkeepDue(bool(row[0]), bool(row[1]), bool(row[2]))
 
 
 def finish_drains(session: Session) -> list[str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import bindparam, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Forbidden
@@ -29,7 +29,7 @@ from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.usage import UsageLedger
 from gpufleet.store import accounting, allocate
 from gpufleet.store.db import Database
-from gpufleet.store.dialect import as_utc, db_now, now_sql
+from gpufleet.store.dialect import as_utc, db_now, now_sql, now_sql_for
 from gpufleet.store.leader import assert_leader
 from gpufleet.store.tables import ApiTokenRow, JobRow, JobRunRow, NodeRow, ReservationRow, TeamRow
 from gpufleet.store.transitions import record_event, record_transition, transition
@@ -72,6 +72,41 @@ def confirm_assignment(
     ).result
 
 
+_CONFIRM_READ: dict[str, Any] = {}
+
+
+def _confirm_read(dialect: str) -> Any:
+    """:func:`confirm_start`'s one read (run and job, the run locked, the database clock),
+    built once per dialect (``p_run``)."""
+    stmt = _CONFIRM_READ.get(dialect)
+    if stmt is None:
+        r, j = JobRunRow, JobRow
+        stmt = _CONFIRM_READ[dialect] = (
+            select(
+                r.id,
+                r.job_id,
+                r.node_id,
+                r.token,
+                r.status,
+                r.gang_size,
+                r.started_at,
+                r.assigned_at,
+                r.start_phases,
+                j.fencing_epoch,
+                j.current_run_id,
+                j.status.label("job_status"),
+                j.queued_at,
+                j.gpu_count,
+                j.spec,
+                now_sql_for(dialect).label("clock"),
+            )
+            .join(j, j.id == r.job_id)
+            .where(r.id == bindparam("p_run", type_=r.id.type))
+            .with_for_update(of=r)
+        )
+    return stmt
+
+
 def confirm_start(
     session: Session,
     run_id: str,
@@ -94,29 +129,8 @@ def confirm_start(
         Forbidden: ``node_id`` (the caller's certified node, if given) is not the node the
             attempt was placed on; nothing changes.
     """
-    r, j = JobRunRow, JobRow
     found = session.execute(
-        select(
-            r.id,
-            r.job_id,
-            r.node_id,
-            r.token,
-            r.status,
-            r.gang_size,
-            r.started_at,
-            r.assigned_at,
-            r.start_phases,
-            j.fencing_epoch,
-            j.current_run_id,
-            j.status.label("job_status"),
-            j.queued_at,
-            j.gpu_count,
-            j.spec,
-            now_sql(session).label("clock"),
-        )
-        .join(j, j.id == r.job_id)
-        .where(r.id == run_id)
-        .with_for_update(of=r)
+        _confirm_read(session.get_bind().dialect.name), {"p_run": run_id}
     ).first()
     if found is not None and node_id is not None and found.node_id != node_id:
         raise Forbidden(f"run {run_id} is not placed on node {node_id!r}", field="run_id")
@@ -442,6 +456,44 @@ def verify_manifest(store: ObjectStore, job_id: str, report: Report) -> Verified
     return Verified(True, manifest=manifest)
 
 
+_COMPLETION_READ: dict[str, Any] = {}
+
+
+def _completion_read(dialect: str) -> Any:
+    """:func:`complete_run`'s one read, built once per dialect (``p_run``): run and job
+    locked, the database clock, and what the end needs of the node, the submitting token, the
+    team (read unlocked: charged optimistically) and the active reservation."""
+    stmt = _COMPLETION_READ.get(dialect)
+    if stmt is None:
+        res_c = ReservationRow.__table__.c
+        stmt = _COMPLETION_READ[dialect] = (
+            select(
+                JobRunRow,
+                JobRow,
+                now_sql_for(dialect).label("clock"),
+                NodeRow.gpu_type,
+                ApiTokenRow.name,
+                TeamRow.usage_gpu_s,
+                TeamRow.usage_as_of,
+                res_c.id.label("res_id"),
+                res_c.status.label("res_status"),
+                res_c.gpu_count.label("res_gpus"),
+                res_c.node_id.label("res_node"),
+            )
+            .join(JobRow, JobRow.id == JobRunRow.job_id)
+            .outerjoin(NodeRow, NodeRow.id == JobRunRow.node_id)
+            .outerjoin(ApiTokenRow, ApiTokenRow.id == JobRow.submitted_by)
+            .outerjoin(TeamRow, TeamRow.id == JobRow.team_id)
+            .outerjoin(
+                ReservationRow,
+                (res_c.run_id == JobRunRow.id) & res_c.status.in_(sorted(RESERVATION_ACTIVE)),
+            )
+            .where(JobRunRow.id == bindparam("p_run", type_=JobRunRow.id.type))
+            .with_for_update(of=[JobRunRow, JobRow])
+        )
+    return stmt
+
+
 def complete_run(
     db: Database,
     store: ObjectStore,
@@ -482,31 +534,8 @@ def complete_run(
         # one statement: run and job locked, the database clock, and what the end needs of
         # the node, the submitting token, the team (read unlocked: charged optimistically)
         # and the active reservation
-        res_c = ReservationRow.__table__.c
         row = session.execute(
-            select(
-                JobRunRow,
-                JobRow,
-                now_sql(session).label("clock"),
-                NodeRow.gpu_type,
-                ApiTokenRow.name,
-                TeamRow.usage_gpu_s,
-                TeamRow.usage_as_of,
-                res_c.id.label("res_id"),
-                res_c.status.label("res_status"),
-                res_c.gpu_count.label("res_gpus"),
-                res_c.node_id.label("res_node"),
-            )
-            .join(JobRow, JobRow.id == JobRunRow.job_id)
-            .outerjoin(NodeRow, NodeRow.id == JobRunRow.node_id)
-            .outerjoin(ApiTokenRow, ApiTokenRow.id == JobRow.submitted_by)
-            .outerjoin(TeamRow, TeamRow.id == JobRow.team_id)
-            .outerjoin(
-                ReservationRow,
-                (res_c.run_id == JobRunRow.id) & res_c.status.in_(sorted(RESERVATION_ACTIVE)),
-            )
-            .where(JobRunRow.id == report.run_id)
-            .with_for_update(of=[JobRunRow, JobRow])
+            _completion_read(session.get_bind().dialect.name), {"p_run": report.run_id}
         ).first()
         if row is None:
             return CompletionResult.STALE, "unknown run"

@@ -20,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any, cast
 
 from sqlalchemy import Integer, String, Table, bindparam, delete, exists, select, update
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import CapacityConflict, Conflict, StaleState
+from gpufleet.domain.errors import CapacityConflict, Conflict, NotLeader, StaleState
 from gpufleet.domain.ids import new_reservation_id, new_run_id
 from gpufleet.domain.states import (
     RESERVATION_ACTIVE,
@@ -37,8 +38,9 @@ from gpufleet.domain.states import (
     check_transition,
 )
 from gpufleet.domain.types import GpuDevice
-from gpufleet.store import leader
-from gpufleet.store.dialect import as_utc, execute_all, now_sql_for, statements_with
+from gpufleet.store import leader, reserve_once
+from gpufleet.store.db import Database
+from gpufleet.store.dialect import as_utc, dml_in_cte, execute_all, now_sql_for, statements_with
 from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import (
     GpuHoldRow,
@@ -100,6 +102,78 @@ def reserve(
         now=now,
         holds=holds,
     ).members[0]
+
+
+def place(
+    db: Database,
+    *,
+    job_id: str,
+    node_id: str,
+    gpu_count: int,
+    seen_fencing_epoch: int,
+    leader_holder: str,
+    leader_epoch: int,
+    lease_s: float,
+    holds: bool = True,
+) -> Reserved:
+    """:func:`reserve` as the scheduler applies a placement: in a transaction of its own. Where
+    the database runs INSERT/UPDATE inside WITH (PostgreSQL), ONE statement in autocommit,
+    one round trip (``store.reserve_once``: the same locks, guards, rows and event); else
+    ``db.run_write(reserve)``. A capacity conflict found by the one statement is decided
+    again by the transaction of several statements (its snapshot may predate a release that
+    committed while it waited for the node's rows).
+
+    Raises:
+        NotLeader, CapacityConflict, StaleState: as :func:`reserve`.
+    """
+    in_tx = partial(
+        _reserve_in_tx,
+        job_id=job_id,
+        node_id=node_id,
+        gpu_count=gpu_count,
+        seen_fencing_epoch=seen_fencing_epoch,
+        leader_holder=leader_holder,
+        leader_epoch=leader_epoch,
+        lease_s=lease_s,
+        holds=holds,
+    )
+    if not dml_in_cte(db.engine.dialect.name):
+        return db.run_write(in_tx)
+    run_id, reservation_id, token = new_run_id(), new_reservation_id(), seen_fencing_epoch + 1
+    row = db.run_statement(
+        reserve_once.STATEMENTS[holds],
+        {
+            "p_job": job_id,
+            "p_node": node_id,
+            "p_n": gpu_count,
+            "p_run": run_id,
+            "p_res": reservation_id,
+            "p_seen": seen_fencing_epoch,
+            "p_token": token,
+            "p_holder": leader_holder,
+            "p_epoch": leader_epoch,
+            "p_lease_name": leader.LEASE_NAME,
+            "p_lease_s": float(lease_s),
+            "p_head": f"reserved {gpu_count} GPU(s) [",
+            "p_tail": f"] on {node_id}, token {token}",
+        },
+    )
+    assert row is not None
+    if not row.lease_ok:
+        raise NotLeader(f"not leader at epoch {leader_epoch} (holder {leader_holder})")
+    if not row.job_ok:
+        raise StaleState(
+            f"job {job_id}: not PENDING at fencing epoch {seen_fencing_epoch}"
+            " (or cancel requested, or held)"
+        )
+    if row.now is None:
+        return db.run_write(in_tx)  # a real conflict raises CapacityConflict there
+    gpu_ids = tuple(int(g) for g in row.gpu_ids)
+    return Reserved(job_id, run_id, reservation_id, node_id, token, token, gpu_ids)
+
+
+def _reserve_in_tx(session: Session, **kw: Any) -> Reserved:
+    return reserve(session, **kw)
 
 
 def _job_guard(seen_fencing_epoch: int) -> dict[str, object]:

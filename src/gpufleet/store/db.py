@@ -13,9 +13,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, Executable, Row, create_engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
@@ -64,6 +64,7 @@ class Database:
         self._write = sessionmaker(
             dialect.write_engine(self.engine), expire_on_commit=False, autoflush=False
         )
+        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     @property
     def is_sqlite(self) -> bool:
@@ -102,6 +103,24 @@ class Database:
             try:
                 with self.write_tx() as session:
                     return fn(session)
+            except (OperationalError, DBAPIError) as exc:
+                if i == attempts - 1 or not _is_retryable(exc):
+                    raise
+                time.sleep(0.01 * (2**i))
+        raise AssertionError("unreachable")
+
+    def run_statement(
+        self, statement: Executable, params: dict[str, Any], *, attempts: int = 5
+    ) -> Row[Any] | None:
+        """Run ONE statement in autocommit (no BEGIN or COMMIT round trips: a statement is a
+        transaction of its own, all or nothing) and return its first row; serialization
+        failures and deadlocks are retried as in :meth:`run_write`. For PostgreSQL's
+        several-step statements (``store.reserve_once``); never call it with a statement
+        that must share a transaction with others."""
+        for i in range(attempts):
+            try:
+                with self._autocommit.connect() as conn:
+                    return conn.execute(statement, params).first()
             except (OperationalError, DBAPIError) as exc:
                 if i == attempts - 1 or not _is_retryable(exc):
                     raise

@@ -22,6 +22,8 @@ from sqlalchemy import (
     insert,
     text,
 )
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine.interfaces import BindTyping
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session
 
@@ -110,41 +112,73 @@ def write_engine(engine: Engine) -> Engine:
     return engine.execution_options(sqlite_begin="IMMEDIATE")
 
 
-_ONE_ROW_INSERTS: dict[tuple[Any, ...], Any] = {}
-"""PostgreSQL statements of :func:`insert_together` for one row per table, by (tables, column
+_CTE_INSERTS: dict[tuple[Any, ...], Any] = {}
+"""PostgreSQL statements of :func:`insert_together`, by shape (tables, rows per table, column
 names): built once, with bind parameters instead of values, so SQLAlchemy compiles each shape
 once (its cache skips multi-row VALUES, and building a statement from values coerces every
-value: together ~20% of a reservation's client CPU on PostgreSQL, benchmarks/README.md)."""
+value: together ~20% of a reservation's client CPU on PostgreSQL, and ~10% of the
+controller's CPU per tiny job in the completion's events + usage record, benchmarks/README.md).
+"""
+
+_NAMED_PG = postgresql.dialect(paramstyle="named")  # type: ignore[no-untyped-call]
+_NAMED_PG.bind_typing = BindTyping.NONE
+"""PostgreSQL's dialect rendering plain ``:name`` parameters (no ``::TYPE`` casts, which
+``text()`` would misread), to turn a statement into ``text()``; the server takes each
+parameter's type from its INSERT column."""
+
+_CTE_SHAPES_MAX = 256
+"""A bound on the kept shapes (a transaction writes a handful of shapes; not expected to be
+reached)."""
 
 
-def _one_row_insert(
+def _cte_insert(
     tables: list[tuple[TableClause, list[dict[str, Any]]]],
 ) -> tuple[Any, dict[str, Any]] | None:
     """PostgreSQL's ONE statement for several tables, built once per shape, and its
-    parameters, when every table has exactly one row of plain values (no SQL expression);
-    else None."""
+    parameters, when every row of a table names the same columns with plain values (no SQL
+    expression) and the rows name every column that has a Python-side default; else None."""
     params: dict[str, Any] = {}
-    shape: list[tuple[TableClause, tuple[str, ...]]] = []
+    shape: list[tuple[TableClause, int, tuple[str, ...]]] = []
     for i, (t, rows) in enumerate(tables):
-        if len(rows) != 1:
-            return None
-        row = rows[0]
-        for k, v in row.items():
-            if isinstance(v, ClauseElement):
+        cols = tuple(rows[0])
+        if any(c.default is not None and c.name not in rows[0] for c in t.c):
+            return None  # a Python-side default the compiled text would not apply
+        for r, row in enumerate(rows):
+            if tuple(row) != cols:
                 return None
-            params[f"g{i}_{k}"] = v
-        shape.append((t, tuple(row)))
+            for k, v in row.items():
+                if isinstance(v, ClauseElement):
+                    return None
+                params[f"g{i}_{r}_{k}"] = v
+        shape.append((t, len(rows), cols))
     key = tuple(shape)
-    stmt = _ONE_ROW_INSERTS.get(key)
+    stmt = _CTE_INSERTS.get(key)
     if stmt is None:
         *first, last = [
-            insert(t).values({k: bindparam(f"g{i}_{k}", type_=t.c[k].type) for k in cols})
-            for i, (t, cols) in enumerate(shape)
+            insert(t).values(
+                [
+                    {k: bindparam(f"g{i}_{r}_{k}", type_=t.c[k].type) for k in cols}
+                    for r in range(n)
+                ]
+            )
+            for i, (t, n, cols) in enumerate(shape)
         ]
-        stmt = last.add_cte(*(ins.cte(f"ins{i}") for i, ins in enumerate(first)))
-        if len(_ONE_ROW_INSERTS) > 256:  # a bound, not expected to be reached
-            _ONE_ROW_INSERTS.clear()
-        _ONE_ROW_INSERTS[key] = stmt
+        core = last.add_cte(*(ins.cte(f"ins{i}") for i, ins in enumerate(first)))
+        # SQLAlchemy gives a multi-row VALUES statement no cache key (it would compile it on
+        # every execution, bind parameters or not): compile it once here into SQL text, whose
+        # cache key is its string, with the columns' types on its parameters
+        sql = str(core.compile(dialect=_NAMED_PG))
+        stmt = text(sql).bindparams(
+            *(
+                bindparam(f"g{i}_{r}_{k}", type_=t.c[k].type)
+                for i, (t, n, cols) in enumerate(shape)
+                for r in range(n)
+                for k in cols
+            )
+        )
+        if len(_CTE_INSERTS) >= _CTE_SHAPES_MAX:
+            _CTE_INSERTS.clear()
+        _CTE_INSERTS[key] = stmt
     return stmt, params
 
 
@@ -157,16 +191,16 @@ def insert_together(
 
     - PostgreSQL with several tables: ONE statement, the earlier tables as data-modifying
       CTEs of the last one's INSERT (foreign keys are checked at the end of the statement);
-      built once per shape with bind parameters when every table has one row of plain
-      values (a reservation's run, reservation and event), else with multi-row VALUES
-      lists (compiled each time);
+      built once per shape (tables, rows per table, columns) with bind parameters when the
+      rows hold plain values (a reservation's run, reservation and event; a completion's
+      events and usage record), else with multi-row VALUES lists (compiled each time);
     - else (one table, or SQLite, which has no INSERT in a CTE): one executemany per table,
       columns holding the database clock (:func:`now_sql`) inside the statement."""
     tables = [(cast(TableClause, t), rows) for t, rows in groups if rows]
     if not tables:
         return
     if session.get_bind().dialect.name == "postgresql" and len(tables) > 1:
-        cached = _one_row_insert(tables)
+        cached = _cte_insert(tables)
         if cached is not None:
             session.execute(*cached)
             return
@@ -195,6 +229,12 @@ def _insert_many(session: Session, table: TableClause, rows: list[dict[str, Any]
                 return
     params = [{k: v for k, v in row.items() if k not in exprs} for row in rows]
     session.execute(insert(table).values(exprs), params)
+
+
+def dml_in_cte(dialect: str) -> bool:
+    """Whether INSERT, UPDATE and DELETE may run as WITH queries of one statement
+    (PostgreSQL; SQLite has no data-modifying WITH)."""
+    return dialect == "postgresql"
 
 
 def statements_with(dialect: str, main: Any, *before: Any) -> list[Any]:

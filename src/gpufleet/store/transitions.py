@@ -8,15 +8,19 @@ transaction that moves three rows sends one event statement, not three. With one
 state the UPDATE is the only statement; with several, a ``SELECT ... FOR UPDATE`` first learns
 which one the row is in (the event records it). 0 rows matched raises StaleState: the row moved
 on (another status, token or epoch) and the caller's view was stale.
+
+One other statement moves a status: PostgreSQL's one-statement reservation
+(``store/reserve_once.py``) makes the job's PENDING -> SCHEDULED edge inside its single
+statement, guarded the same way and checked against the same transition table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import update
+from sqlalchemy import ClauseElement, Table, bindparam, null, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import StaleState
@@ -74,31 +78,28 @@ def transition(
     """
     sources = sorted(set(frm))
     triggers = {s: check_transition(machine, s, to) for s in sources}
-    table = _TABLES[machine]
-    cols = table.__table__.c
-    conds = [cols.id == entity_id, cols.status.in_(sources)]
-    conds += [cols[k] == v for k, v in (guard or {}).items()]
-    change = (
-        update(table)
-        .where(*conds)
-        .values(status=to, **dict(values or {}))
-        .execution_options(synchronize_session=False)
-    )
+    guard = guard or {}
+    values = values or {}
+    lock, change = _statements(machine, tuple(sources), guard, values)
+    params = {
+        "p_id": entity_id,
+        "p_to": to,
+        **{f"g_{k}": v for k, v in guard.items()},
+        **{f"v_{k}": v for k, v in values.items() if _bound(v)},
+    }
     old: str | None = None
     result = None
-    if len(sources) == 1:
+    if lock is None:
         # one possible source: the guarded UPDATE alone locks, checks and moves the row (one
         # statement); its row count says whether the row was there in that state
         old = sources[0]
-        result = session.execute(change)
+        result = session.execute(change, params)
     else:
         # several: lock the row and learn which state it is in (PostgreSQL FOR UPDATE; SQLite
         # holds the write lock since BEGIN IMMEDIATE), then update under the same conditions
-        old = session.execute(
-            table.__table__.select().with_only_columns(cols.status).where(*conds).with_for_update()
-        ).scalar_one_or_none()
+        old = session.execute(lock, params).scalar_one_or_none()
         if old is not None:
-            result = session.execute(change)
+            result = session.execute(change, params)
     if old is None or result is None or result.rowcount != 1:  # type: ignore[attr-defined]
         raise StaleState(
             f"{machine.value} {entity_id}: not in {sources}"
@@ -123,6 +124,62 @@ def transition(
         trigger=triggers[old],
     )
     return str(old)
+
+
+_STATEMENTS: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+""":func:`transition`'s statements by shape (machine, source states, guard and value column
+names), built once with bind parameters (``p_id``, ``p_to``, ``g_<column>``, ``v_<column>``):
+no statement construction or cache-key generation per transition (SQLAlchemy memoizes the
+key of a statement object it has seen), and Core statements on the table, which skip the
+ORM's bulk-UPDATE handling (with ``synchronize_session=False`` it did nothing else here)."""
+
+
+def _bound(value: Any) -> bool:
+    """Whether a value is passed as a bind parameter: not None (SQL NULL in the statement, as
+    ``values(col=None)`` writes it; a JSON column would store a None parameter as JSON
+    ``null``) and not a SQL expression."""
+    return value is not None and not isinstance(value, ClauseElement)
+
+
+def _statements(
+    machine: Machine,
+    sources: tuple[str, ...],
+    guard: Mapping[str, Any],
+    values: Mapping[str, Any],
+) -> tuple[Any, Any]:
+    """(the locking read of the status, or None with one source state; the guarded UPDATE)
+    of one shape. A guard on None or a value that is a SQL expression is built for this call
+    only (not kept): ``= NULL`` would never match, and an expression is no parameter."""
+    keep = all(v is not None for v in guard.values()) and not any(
+        isinstance(v, ClauseElement) for v in values.values()
+    )
+    key = (machine, sources, tuple(guard), tuple((k, _bound(v)) for k, v in values.items()))
+    hit = _STATEMENTS.get(key) if keep else None
+    if hit is not None:
+        return hit
+    table = cast(Table, _TABLES[machine].__table__)
+    cols = table.c
+    conds = [cols.id == bindparam("p_id", type_=cols.id.type), cols.status.in_(sources)]
+    conds += [
+        cols[k] == bindparam(f"g_{k}", type_=cols[k].type) if keep else cols[k] == v
+        for k, v in guard.items()
+    ]
+    sets: dict[str, Any] = {"status": bindparam("p_to", type_=cols.status.type)}
+    sets.update(
+        {
+            k: bindparam(f"v_{k}", type_=cols[k].type)
+            if _bound(v)
+            else (null() if v is None else v)
+            for k, v in values.items()
+        }
+    )
+    change = update(table).where(*conds).values(sets)
+    lock = None if len(sources) == 1 else select(cols.status).where(*conds).with_for_update()
+    if keep:
+        if len(_STATEMENTS) >= 512:  # a bound: call sites have a few dozen shapes
+            _STATEMENTS.clear()
+        _STATEMENTS[key] = (lock, change)
+    return lock, change
 
 
 def record_transition(
