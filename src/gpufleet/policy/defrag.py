@@ -68,7 +68,7 @@ from gpufleet.policy.backfill import start_on_node
 from gpufleet.policy.config import Backfill, Ordering, PolicyConfig
 from gpufleet.policy.decisions import Decision, Preempt
 from gpufleet.policy.gang import gang_members, member_resources
-from gpufleet.policy.placement import Accepting, FreeIndex, Shadow, node_accepts
+from gpufleet.policy.placement import Accepting, FreeIndex, Shadow, node_accepts, selector_key
 from gpufleet.policy.preemption import VictimSearch, fewest_victims
 from gpufleet.policy.priority import queued_at
 from gpufleet.policy.quota import TeamBook
@@ -241,9 +241,10 @@ class _Drains:
         self._p = p
         self._taken = taken
         self._ranked: dict[tuple[str, int], list[DrainKey]] = {}
-        self._cursor: dict[tuple[str, int], int] = {}
+        self._accepted: dict[tuple[object, ...], list[DrainKey]] = {}
+        self._cursor: dict[tuple[object, ...], int] = {}
         self._age: dict[str, float] = {}
-        self._accepts: dict[tuple[str, int], Accepting] = {}
+        self._accepts: dict[tuple[str, int], tuple[tuple[object, ...], Accepting]] = {}
 
     def ranked(self, job: PendingJob, gpu_type: str, need: int) -> list[DrainKey]:
         key = (gpu_type, need)
@@ -290,10 +291,29 @@ class _Drains:
         out.sort()
         return out
 
+    def _accepting(self, job: PendingJob, need: int) -> tuple[tuple[object, ...], Accepting]:
+        """The nodes whose shape accepts ``need`` GPUs of ``job`` and the request's key."""
+        key = (job.job_id, need)
+        hit = self._accepts.get(key)
+        if hit is None:
+            res = job.resources
+            if need != res.gpu_count:
+                res = member_resources(res, need)
+            sk = selector_key(job.node_selector)
+            request = (res.gpu_types, need, res.gpu_memory_mb, res.cpu, res.memory_mb, sk)
+            hit = self._accepts[key] = (request, self._p.index.accepting(res, job.node_selector))
+        return hit
+
     def live(self, job: PendingJob, gpu_type: str, need: int) -> Iterator[DrainKey]:
-        """``ranked`` from the first node not yet taken in this pass."""
-        keys = self.ranked(job, gpu_type, need)
-        key = (gpu_type, need)
+        """``ranked`` restricted to the nodes that accept ``job`` (a selector's zone, say;
+        kept per request), from the first one not yet taken in this pass."""
+        request, acc = self._accepting(job, need)
+        key = (gpu_type, need, request)
+        keys = self._accepted.get(key)
+        if keys is None:
+            keys = self._accepted[key] = [
+                k for k in self.ranked(job, gpu_type, need) if k[4] in acc
+            ]
         i = self._cursor.get(key, 0)
         taken = self._taken
         n = len(keys)
@@ -314,14 +334,8 @@ class _Drains:
             return False
         if index.hidden_from(node_id, job.job_id):
             return False
-        key = (job.job_id, need)
-        acc = self._accepts.get(key)
-        if acc is None:
-            res = job.resources
-            if need != res.gpu_count:
-                res = member_resources(res, need)
-            acc = self._accepts[key] = index.accepting(res, job.node_selector)
-        return node_id in acc  # (ranked nodes are schedulable and of the type asked)
+        # (ranked nodes are schedulable and of the type asked)
+        return node_id in self._accepting(job, need)[1]
 
 
 def _members(p: PassView, job: PendingJob, gpu_type: str) -> tuple[int, ...] | None:
