@@ -76,7 +76,6 @@ from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import (
     BackfillReservation,
     Displacement,
-    NodeState,
     PendingJob,
     RunningJob,
 )
@@ -243,7 +242,10 @@ class _Drains:
         self._ranked: dict[tuple[str, int], list[DrainKey]] = {}
         self._accepted: dict[tuple[object, ...], list[DrainKey]] = {}
         self._cursor: dict[tuple[object, ...], int] = {}
-        self._age: dict[str, float] = {}
+        self._nodes: dict[
+            str, list[tuple[str, int, Sequence[tuple[float, RunningJob]], float]]
+        ] = {}
+        """GPU type -> its schedulable nodes: (id, GPUs, attempts by end, oldest's age)."""
         self._accepts: dict[tuple[str, int], tuple[tuple[object, ...], Accepting]] = {}
 
     def ranked(self, job: PendingJob, gpu_type: str, need: int) -> list[DrainKey]:
@@ -251,28 +253,39 @@ class _Drains:
         hit = self._ranked.get(key)
         if hit is None:
             p = self._p
-            nodes = [
-                (nid, node)
-                for nid, node in p.index.nodes.items()
-                if node.gpu_type == gpu_type and node.schedulable and node.total_gpus >= need
-            ]
             if p.index.holding.get(job.job_id):
-                hit = sorted(_drain_key(p, job, nid, need) for nid, _ in nodes)
+                hit = sorted(
+                    _drain_key(p, job, nid, need)
+                    for nid, node in p.index.nodes.items()
+                    if node.gpu_type == gpu_type and node.schedulable and node.total_gpus >= need
+                )
             else:
-                hit = self._keys(nodes, need)
+                hit = self._keys(gpu_type, need)
             self._ranked[key] = hit
         return hit
 
-    def _keys(self, nodes: list[tuple[str, NodeState]], need: int) -> list[DrainKey]:
-        """``_drain_key`` of ``nodes`` for a job without GPUs held for it, sorted (the same
-        figures, the start walked inline and each node's oldest attempt computed once)."""
+    def _keys(self, gpu_type: str, need: int) -> list[DrainKey]:
+        """``_drain_key`` of the schedulable nodes of ``gpu_type`` with ``need`` GPUs for a
+        job without GPUs held for it, sorted (the same figures: the start walked inline, and
+        each node's attempts and oldest attempt looked up once for every size)."""
         p = self._p
-        index, now, by_node, ages = p.index, p.now, p.running.by_node, self._age
+        index, now = p.index, p.now
+        nodes = self._nodes.get(gpu_type)
+        if nodes is None:
+            by_node = p.running.by_node
+            nodes = self._nodes[gpu_type] = []
+            for nid, node in index.nodes.items():
+                if node.gpu_type == gpu_type and node.schedulable:
+                    attempts = by_node.get(nid, ())
+                    age = max((now - r.started_at_s for _, r in attempts), default=0.0)
+                    nodes.append((nid, node.total_gpus, attempts, age))
         inf = math.inf
+        visible_free = index.visible_free
         out: list[DrainKey] = []
-        for nid, node in nodes:
-            free = index.visible_free(nid)
-            runs = by_node.get(nid, ())
+        for nid, total, runs, age in nodes:
+            if total < need:
+                continue
+            free = visible_free(nid)
             start = now
             if free < need:
                 start = inf
@@ -284,10 +297,7 @@ class _Drains:
                     if avail >= need:
                         start = end
                         break
-            age = ages.get(nid)
-            if age is None:
-                age = ages[nid] = max((now - r.started_at_s for _, r in runs), default=0.0)
-            out.append((start, age, max(0, need - free), node.total_gpus - free, nid))
+            out.append((start, age, max(0, need - free), total - free, nid))
         out.sort()
         return out
 
@@ -311,9 +321,11 @@ class _Drains:
         key = (gpu_type, need, request)
         keys = self._accepted.get(key)
         if keys is None:
-            keys = self._accepted[key] = [
-                k for k in self.ranked(job, gpu_type, need) if k[4] in acc
-            ]
+            keys = self.ranked(job, gpu_type, need)
+            of, shapes = acc.groups_of(), acc.shapes
+            if any(of_type not in shapes for of_type in acc.type_shapes(gpu_type)):
+                keys = [k for k in keys if of.get(k[4]) in shapes]
+            self._accepted[key] = keys
         i = self._cursor.get(key, 0)
         taken = self._taken
         n = len(keys)

@@ -17,7 +17,7 @@ Two kinds of promises narrow what a job may use on a node:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpufleet.domain.types import Resources
@@ -235,6 +235,14 @@ class Accepting:
     def __len__(self) -> int:
         reps = self._groups.reps
         return sum(len(reps[i][1]) for i in self.shapes)
+
+    def groups_of(self) -> Mapping[str, int]:
+        """Schedulable node id -> its shape (read only; ``shapes`` holds the accepted)."""
+        return self._groups.of
+
+    def type_shapes(self, gpu_type: str) -> Sequence[int]:
+        """Every shape of ``gpu_type`` (accepted or not)."""
+        return self._groups.by_type.get(gpu_type, ())
 
     def groups(self) -> list[tuple[NodeState, list[str]]]:
         """(a node of the shape, its node ids) per accepted shape, in shape order."""
