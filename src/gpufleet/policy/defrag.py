@@ -57,8 +57,9 @@ usually restarts at once on another node.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,12 +68,17 @@ from gpufleet.policy.backfill import start_on_node
 from gpufleet.policy.config import Backfill, Ordering, PolicyConfig
 from gpufleet.policy.decisions import Decision, Preempt
 from gpufleet.policy.gang import gang_members, member_resources
-from gpufleet.policy.placement import FreeIndex, Shadow, node_accepts
+from gpufleet.policy.placement import Accepting, FreeIndex, Shadow, node_accepts, selector_key
 from gpufleet.policy.preemption import VictimSearch, fewest_victims
 from gpufleet.policy.priority import queued_at
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
-from gpufleet.policy.snapshot import BackfillReservation, Displacement, PendingJob, RunningJob
+from gpufleet.policy.snapshot import (
+    BackfillReservation,
+    Displacement,
+    PendingJob,
+    RunningJob,
+)
 
 __all__ = [
     "DEFRAGMENT",
@@ -208,42 +214,140 @@ def _drain_key(p: PassView, job: PendingJob, node_id: str, need: int) -> DrainKe
     return (start, oldest, max(0, need - free), total - free, node_id)
 
 
+class _Without:
+    """``base`` less ``excluded``, for membership tests only (no copy of ``base``)."""
+
+    __slots__ = ("base", "excluded")
+
+    def __init__(self, base: Container[str], excluded: Container[str]) -> None:
+        self.base = base
+        self.excluded = excluded
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self.base and node_id not in self.excluded
+
+
 class _Drains:
     """Nodes by how soon they drain for ``need`` GPUs of a type, computed once per pass and
     (type, need): the order does not depend on the job (jobs waiting for a preemption, the
-    only ones with GPUs of their own, are not candidates)."""
+    only ones with GPUs of their own, are not candidates).
 
-    def __init__(self, p: PassView) -> None:
+    ``taken`` is :func:`protect`'s set of nodes chosen in this pass (it only grows): a taken
+    node is never usable again, so each ranking keeps a cursor past its taken prefix and a
+    search does not walk the nodes earlier jobs took (it did, quadratic in shields)."""
+
+    def __init__(self, p: PassView, taken: set[str]) -> None:
         self._p = p
+        self._taken = taken
         self._ranked: dict[tuple[str, int], list[DrainKey]] = {}
+        self._accepted: dict[tuple[object, ...], list[DrainKey]] = {}
+        self._cursor: dict[tuple[object, ...], int] = {}
+        self._nodes: dict[
+            str, list[tuple[str, int, Sequence[tuple[float, RunningJob]], float]]
+        ] = {}
+        """GPU type -> its schedulable nodes: (id, GPUs, attempts by end, oldest's age)."""
+        self._accepts: dict[tuple[str, int], tuple[tuple[object, ...], Accepting]] = {}
 
     def ranked(self, job: PendingJob, gpu_type: str, need: int) -> list[DrainKey]:
         key = (gpu_type, need)
         hit = self._ranked.get(key)
         if hit is None:
             p = self._p
-            hit = self._ranked[key] = sorted(
-                _drain_key(p, job, nid, need)
-                for nid, node in p.index.nodes.items()
-                if node.gpu_type == gpu_type and node.schedulable and node.total_gpus >= need
-            )
+            if p.index.holding.get(job.job_id):
+                hit = sorted(
+                    _drain_key(p, job, nid, need)
+                    for nid, node in p.index.nodes.items()
+                    if node.gpu_type == gpu_type and node.schedulable and node.total_gpus >= need
+                )
+            else:
+                hit = self._keys(gpu_type, need)
+            self._ranked[key] = hit
         return hit
 
-    def usable(self, job: PendingJob, node_id: str, need: int, taken: set[str]) -> bool:
+    def _keys(self, gpu_type: str, need: int) -> list[DrainKey]:
+        """``_drain_key`` of the schedulable nodes of ``gpu_type`` with ``need`` GPUs for a
+        job without GPUs held for it, sorted (the same figures: the start walked inline, and
+        each node's attempts and oldest attempt looked up once for every size)."""
+        p = self._p
+        index, now = p.index, p.now
+        nodes = self._nodes.get(gpu_type)
+        if nodes is None:
+            by_node = p.running.by_node
+            nodes = self._nodes[gpu_type] = []
+            for nid, node in index.nodes.items():
+                if node.gpu_type == gpu_type and node.schedulable:
+                    attempts = by_node.get(nid, ())
+                    age = max((now - r.started_at_s for _, r in attempts), default=0.0)
+                    nodes.append((nid, node.total_gpus, attempts, age))
+        inf = math.inf
+        visible_free = index.visible_free
+        out: list[DrainKey] = []
+        for nid, total, runs, age in nodes:
+            if total < need:
+                continue
+            free = visible_free(nid)
+            start = now
+            if free < need:
+                start = inf
+                avail = free
+                for end, run in runs:
+                    if end == inf:
+                        break
+                    avail += run.gpu_count
+                    if avail >= need:
+                        start = end
+                        break
+            out.append((start, age, max(0, need - free), total - free, nid))
+        out.sort()
+        return out
+
+    def _accepting(self, job: PendingJob, need: int) -> tuple[tuple[object, ...], Accepting]:
+        """The nodes whose shape accepts ``need`` GPUs of ``job`` and the request's key."""
+        key = (job.job_id, need)
+        hit = self._accepts.get(key)
+        if hit is None:
+            res = job.resources
+            if need != res.gpu_count:
+                res = member_resources(res, need)
+            sk = selector_key(job.node_selector)
+            request = (res.gpu_types, need, res.gpu_memory_mb, res.cpu, res.memory_mb, sk)
+            hit = self._accepts[key] = (request, self._p.index.accepting(res, job.node_selector))
+        return hit
+
+    def live(self, job: PendingJob, gpu_type: str, need: int) -> Iterator[DrainKey]:
+        """``ranked`` restricted to the nodes that accept ``job`` (a selector's zone, say;
+        kept per request), from the first one not yet taken in this pass."""
+        request, acc = self._accepting(job, need)
+        key = (gpu_type, need, request)
+        keys = self._accepted.get(key)
+        if keys is None:
+            keys = self.ranked(job, gpu_type, need)
+            of, shapes = acc.groups_of(), acc.shapes
+            if any(of_type not in shapes for of_type in acc.type_shapes(gpu_type)):
+                keys = [k for k in keys if of.get(k[4]) in shapes]
+            self._accepted[key] = keys
+        i = self._cursor.get(key, 0)
+        taken = self._taken
+        n = len(keys)
+        while i < n and keys[i][4] in taken:
+            i += 1
+        self._cursor[key] = i
+        return itertools.islice(keys, i, None)
+
+    def usable(self, job: PendingJob, node_id: str, need: int, *taken: Container[str]) -> bool:
         """Whether ``node_id`` accepts ``need`` GPUs of ``job`` and carries no other job's
-        reservation, shield or hold (nor one of this pass's choices, ``taken``)."""
-        if node_id in taken:
-            return False
+        reservation, shield or hold (nor one of this pass's choices, in any of ``taken``)."""
+        for t in taken:
+            if node_id in t:
+                return False
         index = self._p.index
         sh = index.shadows.get(node_id)
         if sh is not None and sh.job_id != job.job_id:
             return False
         if index.hidden_from(node_id, job.job_id):
             return False
-        res = job.resources
-        if need != res.gpu_count:
-            res = member_resources(res, need)
-        return node_accepts(index.nodes[node_id], res, job.node_selector)
+        # (ranked nodes are schedulable and of the type asked)
+        return node_id in self._accepting(job, need)[1]
 
 
 def _members(p: PassView, job: PendingJob, gpu_type: str) -> tuple[int, ...] | None:
@@ -275,10 +379,11 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
     since = p.now - cfg.anti_thrash_s
     recently = {d.job_id for d in recent if d.at_s > since}
     taken: set[str] = set()
-    drains = _Drains(p)
+    drains = _Drains(p, taken)
     prev = p.prev_shields
     # nodes that waiting jobs shielded last pass: a fresh shield does not take another's
     prev_nodes = {nid for nids in prev.values() for nid in nids}
+    no_prev: Container[str] = frozenset()
     for wait, job in jobs:
         if len(taken) >= max_nodes:
             break
@@ -297,10 +402,21 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
                 and used_h < budget_h
             ):
                 need = members[0]
-                keys = [
-                    k for k in drains.ranked(job, t, need) if drains.usable(job, k[4], need, taken)
-                ]
-                if keys and keys[0][0] > p.now + cfg.defrag_drain_horizon_s:
+                first = next(
+                    (
+                        k
+                        for k in drains.live(job, t, need)
+                        if drains.usable(job, k[4], need, taken)
+                    ),
+                    None,
+                )
+                if first is not None and first[0] > p.now + cfg.defrag_drain_horizon_s:
+                    # (every usable node only when the soonest does not drain in time)
+                    keys = [
+                        k
+                        for k in drains.live(job, t, need)
+                        if drains.usable(job, k[4], need, taken)
+                    ]
                     plan = _cheapest(p, job, [k[4] for k in keys], members[0], recently)
                     if plan is not None and used_h + plan[0][2] / 3600.0 <= budget_h:
                         cost, node_id, chosen = plan
@@ -310,12 +426,18 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
                         break
             if cfg.headroom_wait_s is None or wait < cfg.headroom_wait_s:
                 continue
-            others_prev = prev_nodes.difference(prev.get(job.job_id, ()))
-            picked = _shield_nodes(drains, job, t, members, taken | others_prev)
+            own_prev = prev.get(job.job_id, ())
+            # other jobs' shielded nodes of the last pass (prev_nodes less this job's own)
+            others_prev = (
+                _Without(prev_nodes, frozenset(own_prev))
+                if any(nid not in own_prev for nid in prev_nodes)
+                else no_prev
+            )
+            picked = _shield_nodes(drains, job, t, members, taken, others_prev)
             kept = _kept_shield(p, job, t, members, taken)
             if kept is not None and (picked is None or not _much_earlier(p.now, picked, kept)):
                 picked = kept
-            if picked is None and others_prev:
+            if picked is None and others_prev is not no_prev:
                 picked = _shield_nodes(drains, job, t, members, taken)
             if picked is None:
                 continue
@@ -340,14 +462,24 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
 
 
 def _shield_nodes(
-    drains: _Drains, job: PendingJob, gpu_type: str, members: tuple[int, ...], taken: set[str]
+    drains: _Drains,
+    job: PendingJob,
+    gpu_type: str,
+    members: tuple[int, ...],
+    taken: set[str],
+    others: Container[str] = frozenset(),
 ) -> list[tuple[str, DrainKey]] | None:
-    """One node per member (largest member first), each the soonest to drain for it."""
+    """One node per member (largest member first), each the soonest to drain for it, on
+    nodes in neither ``taken`` nor ``others``."""
     picked: list[tuple[str, DrainKey]] = []
-    used = set(taken)
+    used: set[str] = set()
     for m in members:
         best = next(
-            (k for k in drains.ranked(job, gpu_type, m) if drains.usable(job, k[4], m, used)),
+            (
+                k
+                for k in drains.live(job, gpu_type, m)
+                if drains.usable(job, k[4], m, taken, others, used)
+            ),
             None,
         )
         if best is None:
@@ -367,12 +499,12 @@ def _kept_shield(
         return None
     index = p.index
     out: list[tuple[str, DrainKey]] = []
-    used = set(taken)
+    used: set[str] = set()
     for nid, m in zip(nids, members, strict=True):
         node = index.nodes.get(nid)
         if node is None or not node.schedulable or node.gpu_type != gpu_type:
             return None
-        if nid in used or node.total_gpus < m:
+        if nid in taken or nid in used or node.total_gpus < m:
             return None
         sh = index.shadows.get(nid)
         if sh is not None and sh.job_id != job.job_id:

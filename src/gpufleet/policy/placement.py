@@ -17,7 +17,7 @@ Two kinds of promises narrow what a job may use on a node:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpufleet.domain.types import Resources
@@ -175,12 +175,27 @@ class FleetIndex:
         self.buckets[(gpu_type, label)] = by_value
 
 
+def labels_shape_key(n: NodeState, label_keys: tuple[str, ...]) -> ShapeKey:
+    """``shape_key`` with only the labels ``label_keys`` (a selector's keys): what
+    ``node_accepts`` reads of a node for a selector naming those labels."""
+    return (
+        n.gpu_type,
+        n.total_gpus,
+        n.gpu_memory_mb,
+        n.cpu_total,
+        n.memory_total_mb,
+        tuple(n.labels.get(k) for k in label_keys),
+    )
+
+
 class ShapeGroups:
-    """Schedulable nodes grouped by shape (``shape_key``, with or without labels)."""
+    """Schedulable nodes grouped by shape (``labels_shape_key``: the static fields and the
+    values of the labels ``label_keys`` only, so a selector on a zone does not split the
+    fleet into a shape per rack)."""
 
     __slots__ = ("by_type", "of", "reps")
 
-    def __init__(self, nodes: Mapping[str, NodeState], with_labels: bool) -> None:
+    def __init__(self, nodes: Mapping[str, NodeState], label_keys: tuple[str, ...]) -> None:
         self.reps: list[tuple[NodeState, list[str]]] = []
         """Per shape: a node of the shape, and every node id of it (in node order)."""
         self.of: dict[str, int] = {}
@@ -191,7 +206,7 @@ class ShapeGroups:
         for n in nodes.values():
             if not n.schedulable:
                 continue
-            k = shape_key(n, with_labels)
+            k = labels_shape_key(n, label_keys)
             i = pos.get(k)
             if i is None:
                 i = pos[k] = len(self.reps)
@@ -220,6 +235,14 @@ class Accepting:
     def __len__(self) -> int:
         reps = self._groups.reps
         return sum(len(reps[i][1]) for i in self.shapes)
+
+    def groups_of(self) -> Mapping[str, int]:
+        """Schedulable node id -> its shape (read only; ``shapes`` holds the accepted)."""
+        return self._groups.of
+
+    def type_shapes(self, gpu_type: str) -> Sequence[int]:
+        """Every shape of ``gpu_type`` (accepted or not)."""
+        return self._groups.by_type.get(gpu_type, ())
 
     def groups(self) -> list[tuple[NodeState, list[str]]]:
         """(a node of the shape, its node ids) per accepted shape, in shape order."""
@@ -253,15 +276,18 @@ class _Static:
         self.capacity_cpu = cpu
         self.capacity_memory_mb = mem
         self.gpu_types: tuple[str, ...] = tuple(sorted(cap))
-        self._groups: dict[bool, ShapeGroups] = {}
+        self._groups: dict[tuple[str, ...], ShapeGroups] = {}
+        self.accepting: dict[tuple[object, ...], Accepting] = {}
+        """``FreeIndex.accepting`` answers by request (static facts: they hold as long as
+        this object does)."""
         self._shapes: list[NodeState] | None = None
         self._shape_counts: dict[bool, list[tuple[NodeState, int, int]]] = {}
         self._node_gpus: dict[str, int] | None = None
 
-    def groups(self, with_labels: bool) -> ShapeGroups:
-        g = self._groups.get(with_labels)
+    def groups(self, label_keys: tuple[str, ...]) -> ShapeGroups:
+        g = self._groups.get(label_keys)
         if g is None:
-            g = self._groups[with_labels] = ShapeGroups(self.nodes, with_labels)
+            g = self._groups[label_keys] = ShapeGroups(self.nodes, label_keys)
         return g
 
     def shapes(self) -> list[NodeState]:
@@ -381,12 +407,27 @@ class FreeIndex:
         self, res: Resources, selector: Mapping[str, str], gpu_type: str | None = None
     ) -> Accepting:
         """The schedulable nodes (of ``gpu_type``, or of any type) that could hold ``res``
-        ignoring what is free: one ``node_accepts`` per distinct shape (labels count only
-        when there is a selector), not per node."""
-        g = self._static.groups(bool(selector))
+        ignoring what is free: one ``node_accepts`` per distinct shape (only the labels the
+        selector names count), not per node; the answer is kept per request while the
+        fleet's static facts hold (read only)."""
+        sk = selector_key(selector)
+        key: tuple[object, ...] = (
+            res.gpu_types,
+            res.gpu_count,
+            res.gpu_memory_mb,
+            res.cpu,
+            res.memory_mb,
+            sk,
+            gpu_type,
+        )
+        static = self._static
+        hit = static.accepting.get(key)
+        if hit is not None:
+            return hit
+        g = static.groups(tuple(k for k, _ in sk))
         types = (gpu_type,) if gpu_type is not None else self.gpu_types
         reps = g.reps
-        return Accepting(
+        hit = Accepting(
             g,
             {
                 i
@@ -395,6 +436,10 @@ class FreeIndex:
                 if node_accepts(reps[i][0], res, selector)
             },
         )
+        if len(static.accepting) >= 4096:  # distinct requests of a long simulation
+            static.accepting.clear()
+        static.accepting[key] = hit
+        return hit
 
     def fits_schedulable(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether a schedulable node (ignoring what is free) could hold it."""
