@@ -5,17 +5,18 @@ requeued as new attempts that resume from their checkpoints."""
 from __future__ import annotations
 
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
 import pytest
 
+from gpufleet.agent.runner import JOBS_ROOT
 from gpufleet.services import teams
 from tests.e2e.harness import TERMINAL, Fleet
 
 pytestmark = pytest.mark.slow
 TRAIN = str(Path(__file__).resolve().parents[2] / "examples" / "train_digits.py")
+CKPT_NAME = "ckpt.npz"  # what examples/train_digits.py writes in GPUFLEET_CHECKPOINT_DIR
 
 
 def training(steps: int, gpus: int, priority: str, **extra: object) -> dict[str, object]:
@@ -37,6 +38,13 @@ def training(steps: int, gpus: int, priority: str, **extra: object) -> dict[str,
     }
 
 
+def checkpointed(fleet: Fleet, run_id: str) -> bool:
+    """Whether attempt `run_id` has written ``ckpt.npz`` in its checkpoint directory (under
+    the agent's state dir, or the job-visible root when the agent switches users)."""
+    pattern = f"**/{run_id}/checkpoints/{CKPT_NAME}"
+    return any(next(root.glob(pattern), None) for root in (fleet.tmp, JOBS_ROOT) if root.is_dir())
+
+
 def logs(fleet: Fleet, job_id: str, run_id: str, team: str = "vision") -> str:
     with fleet.http(team) as c:
         return c.get(f"/v1/jobs/{job_id}/logs", params={"run_id": run_id}).text
@@ -48,7 +56,9 @@ def test_critical_job_preempts_lower_priority_work_which_resumes(fleet: Fleet) -
     low = [fleet.submit(training(400, 4, "LOW")) for _ in range(2)]
     for job_id in low:
         fleet.wait_status(job_id, {"RUNNING"})
-    time.sleep(2.0)  # let them pass a checkpoint
+        run_id = fleet.job(job_id)["attempts"][0]["run_id"]
+        # preempt only once each has written a checkpoint (a fixed sleep raced a loaded machine)
+        fleet.wait_for(lambda r=run_id: checkpointed(fleet, r), 60, f"{job_id}'s first checkpoint")
     critical = fleet.submit(training(30, 8, "CRITICAL"))
     done = fleet.wait_status(critical, TERMINAL, timeout_s=90)
     assert done["status"] == "SUCCEEDED"
