@@ -580,6 +580,17 @@ class Nemesis:
         elif kind == "full_disk":
             with self.busy_lock:
                 self.busy.add(FULL_DISK_NODE)
+            # the fault tests a heartbeating node's reaction: an earlier fault (a killed
+            # leader, a paused controller) may still have it SUSPECT or QUARANTINED, which a
+            # health report does not move (only HEALTHY/SUSPECT -> UNHEALTHY)
+            try:
+                c.wait_for(
+                    lambda: c.has_leader() and c.node_statuses().get(FULL_DISK_NODE) == "HEALTHY",
+                    RECOVERY_BOUND_S,
+                    f"{FULL_DISK_NODE} HEALTHY under a leader before its disk fills",
+                )
+            except AssertionError as exc:
+                self.hist.violation(str(exc))
             subprocess.run(
                 ["dd", "if=/dev/zero", f"of={self.filler}", "bs=64k", "count=200"],
                 capture_output=True,

@@ -80,7 +80,7 @@ def test_array_limit_and_dependencies(fleet: Fleet) -> None:
     # while a runs, b waits, and `why` names the blocker and its state
     fleet.wait_for(
         lambda: (fleet.job(b["job_id"]).get("pending_reason") or {}).get("code") == "dependency",
-        30,
+        60,  # a scheduling pass after a's start; 30 s timed out once on a loaded machine
         "b's dependency reason",
     )
     reason = fleet.job(b["job_id"])["pending_reason"]
