@@ -511,14 +511,34 @@ class FreeIndex:
         start = bisect.bisect_left(keys, (res.gpu_count, ""))
         step = 1 if how is Placement.BEST_FIT else -1
         i, end = (start, len(keys)) if step == 1 else (len(keys) - 1, start - 1)
+        # Inlined ``_acceptable``, the shadow test first: most rejected nodes are another
+        # job's backfill shadow or shield (~93% of the nodes walked at 10k x 5k).
+        shadows, free_nodes, nodes = self.shadows, self._free, self.nodes
+        gpus, cpu, mem, gmem = res.gpu_count, res.cpu, res.memory_mb, res.gpu_memory_mb
         while i != end:
             free, node_id = keys[i]
-            if not self._acceptable(node_id, res, hard_end_s, job_id):
-                i += step
+            i += step
+            sh = shadows.get(node_id)
+            if (
+                sh is not None
+                and sh.job_id != job_id
+                and gpus > sh.extra
+                and (hard_end_s is None or hard_end_s > sh.start_at_s)
+            ):
                 continue
-            if not image or image in self.nodes[node_id].images:
+            node = nodes[node_id]
+            fn = free_nodes.get(node_id)
+            if node.cpu_total and (fn.cpu_free if fn is not None else node.cpu_free) < cpu:
+                continue
+            if node.memory_total_mb and (
+                fn.memory_free_mb if fn is not None else node.memory_free_mb
+            ) < mem:
+                continue
+            if node.gpu_memory_mb < gmem:
+                continue
+            if not image or image in node.images:
                 return free, node_id
-            j = i + step
+            j = i  # (already one past node_id)
             while j != end and keys[j][0] == free:  # equally good nodes only
                 other = keys[j][1]
                 if image in self.nodes[other].images and self._acceptable(
