@@ -638,6 +638,11 @@ class FreeIndex:
         fn = self._free.get(node_id)
         return fn if fn is not None and fn.holder == job_id else None
 
+    def changed_nodes(self) -> Mapping[str, _FreeNode]:
+        """Node id -> its free capacity, for the nodes changed in this pass (read only): a
+        schedulable node without an entry has ``NodeState.free_gpus`` visible."""
+        return self._free
+
     def visible_free(self, node_id: str) -> int:
         fn = self._free.get(node_id)
         if fn is not None:
