@@ -658,8 +658,14 @@ class FreeIndex:
         new = fn.visible
         self.free_by_type[t] = self.free_by_type.get(t, 0) - old_visible + new
         for (lt, sk), keys in self._lists.items():
-            if lt != t or (sk and not all(labels.get(k) == v for k, v in sk)):
+            if lt != t:
                 continue
+            if sk:
+                if len(sk) == 1:  # (most: a bucketed label's value; no generator)
+                    if labels.get(sk[0][0]) != sk[0][1]:
+                        continue
+                elif not all(labels.get(k) == v for k, v in sk):
+                    continue
             if old_visible > 0:
                 i = bisect.bisect_left(keys, (old_visible, node_id))
                 if i < len(keys) and keys[i] == (old_visible, node_id):
