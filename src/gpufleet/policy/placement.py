@@ -203,17 +203,27 @@ class ShapeGroups:
         self.by_type: dict[str, list[int]] = {}
         """GPU type -> its shapes."""
         pos: dict[ShapeKey, int] = {}
+        reps, of = self.reps, self.of
         for n in nodes.values():
             if not n.schedulable:
                 continue
-            k = labels_shape_key(n, label_keys)
+            # ``labels_shape_key`` inlined (one per schedulable node)
+            k = (
+                n.gpu_type,
+                n.total_gpus,
+                n.gpu_memory_mb,
+                n.cpu_total,
+                n.memory_total_mb,
+                tuple([n.labels.get(lk) for lk in label_keys]) if label_keys else (),
+            )
             i = pos.get(k)
             if i is None:
-                i = pos[k] = len(self.reps)
-                self.reps.append((n, []))
+                i = pos[k] = len(reps)
+                reps.append((n, [n.node_id]))
                 self.by_type.setdefault(n.gpu_type, []).append(i)
-            self.reps[i][1].append(n.node_id)
-            self.of[n.node_id] = i
+            else:
+                reps[i][1].append(n.node_id)
+            of[n.node_id] = i
 
 
 class Accepting:
