@@ -540,9 +540,10 @@ class FreeIndex:
             fn = free_nodes.get(node_id)
             if node.cpu_total and (fn.cpu_free if fn is not None else node.cpu_free) < cpu:
                 continue
-            if node.memory_total_mb and (
-                fn.memory_free_mb if fn is not None else node.memory_free_mb
-            ) < mem:
+            if (
+                node.memory_total_mb
+                and (fn.memory_free_mb if fn is not None else node.memory_free_mb) < mem
+            ):
                 continue
             if node.gpu_memory_mb < gmem:
                 continue
