@@ -277,15 +277,18 @@ class _Drains:
             for nid, node in index.nodes.items():
                 if node.gpu_type == gpu_type and node.schedulable:
                     attempts = by_node.get(nid, ())
-                    age = max((now - r.started_at_s for _, r in attempts), default=0.0)
+                    # now - min(start) == max(now - start): rounding is monotonic
+                    age = now - min([r.started_at_s for _, r in attempts]) if attempts else 0.0
                     nodes.append((nid, node.total_gpus, attempts, age))
         inf = math.inf
-        visible_free = index.visible_free
+        # ``index.visible_free`` inlined (a node never changed in this pass has no entry)
+        changed = index.changed_nodes()
         out: list[DrainKey] = []
         for nid, total, runs, age in nodes:
             if total < need:
                 continue
-            free = visible_free(nid)
+            fn = changed.get(nid)
+            free = fn.visible if fn is not None else index.nodes[nid].free_gpus
             start = now
             if free < need:
                 start = inf

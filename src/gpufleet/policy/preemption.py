@@ -84,14 +84,27 @@ class VictimSearch:
         self._borrowed_nodes: dict[str, list[RunningJob]] = {}
         self._end: dict[str, float] = {}
         """Estimated end of every attempt (the srtf ground compares remaining times)."""
+        ends, team_nodes = self._end, self._team_nodes
         for node_runs in running.by_node.values():
             for end, r in node_runs:
-                self._end[r.run_id] = end
-                per_team_type.setdefault((r.team_id, r.gpu_type), []).append(r)
+                ends[r.run_id] = end
+                tt = (r.team_id, r.gpu_type)
+                same = per_team_type.get(tt)
+                if same is None:
+                    per_team_type[tt] = [r]
+                else:
+                    same.append(r)
                 if r.gang_size > 1:
                     self._gangs.setdefault(r.job_id, []).append(r)
                 if r.preemptible and not r.stopping:
-                    self._team_nodes.setdefault(r.team_id, {}).setdefault(r.node_id, []).append(r)
+                    by_node = team_nodes.get(r.team_id)
+                    if by_node is None:
+                        by_node = team_nodes[r.team_id] = {}
+                    on = by_node.get(r.node_id)
+                    if on is None:
+                        by_node[r.node_id] = [r]
+                    else:
+                        on.append(r)
         for (team_id, gpu_type), team_runs in per_team_type.items():
             excess = book.initial_excess(team_id, gpu_type)
             if excess <= 0:

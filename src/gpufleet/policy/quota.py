@@ -114,7 +114,10 @@ class TeamBook:
 
     def under_guarantee(self, team_id: str, gpu_types: Iterable[str]) -> bool:
         """The team uses less than its guarantee on one of ``gpu_types``."""
-        return any(self.allocated(team_id, t) < self.guarantee(team_id, t) for t in gpu_types)
+        alloc = self.alloc.get(team_id, {})
+        guaranteed = self.team(team_id).guaranteed_gpus
+        # (asked on every team pop: the two dicts read once, no method calls per type)
+        return any(alloc.get(t, 0) < guaranteed.get(t, 0) for t in gpu_types)
 
     def fits_in_guarantee(self, team_id: str, gpu_type: str, gpus: int) -> bool:
         return self.allocated(team_id, gpu_type) + gpus <= self.guarantee(team_id, gpu_type)
@@ -149,13 +152,21 @@ class TeamBook:
     def dominant_share(self, team_id: str) -> float:
         """Weighted dominant share: the largest of the team's shares of each GPU type, of CPU
         and of memory, divided by its weight (DRF: Ghodsi et al., NSDI 2011)."""
+        # (asked on every team pop: ``if s > share`` is what ``max(share, s)`` does)
         share = 0.0
+        cap_gpus = self._cap_gpus
         for t, n in self.alloc.get(team_id, {}).items():
-            cap = self._cap_gpus.get(t, 0)
+            cap = cap_gpus.get(t, 0)
             if cap:
-                share = max(share, n / cap)
+                s = n / cap
+                if s > share:
+                    share = s
         if self._cap_cpu:
-            share = max(share, self.cpu.get(team_id, 0.0) / self._cap_cpu)
+            s = self.cpu.get(team_id, 0.0) / self._cap_cpu
+            if s > share:
+                share = s
         if self._cap_mem:
-            share = max(share, self.mem.get(team_id, 0) / self._cap_mem)
+            s = self.mem.get(team_id, 0) / self._cap_mem
+            if s > share:
+                share = s
         return share / max(self.team(team_id).weight, 1e-9)

@@ -55,15 +55,26 @@ def estimated_end_s(run: RunningJob, now_s: float, config: PolicyConfig) -> floa
     return est
 
 
+def _end_key(e: tuple[float, RunningJob]) -> tuple[float, str]:
+    return (e[0], e[1].run_id)
+
+
 class RunningIndex:
     """Running attempts grouped by node, each group sorted by estimated end."""
 
     def __init__(self, running: Iterable[RunningJob], now_s: float, config: PolicyConfig):
-        self.by_node: dict[str, list[tuple[float, RunningJob]]] = {}
+        by_node: dict[str, list[tuple[float, RunningJob]]] = {}
+        self.by_node = by_node
         for r in running:
-            self.by_node.setdefault(r.node_id, []).append((estimated_end_s(r, now_s, config), r))
-        for runs in self.by_node.values():
-            runs.sort(key=lambda e: (e[0], e[1].run_id))
+            e = (estimated_end_s(r, now_s, config), r)
+            runs = by_node.get(r.node_id)
+            if runs is None:
+                by_node[r.node_id] = [e]
+            else:
+                runs.append(e)
+        for runs in by_node.values():
+            if len(runs) > 1:  # (most nodes run one or two attempts)
+                runs.sort(key=_end_key)
         self._by_end: list[tuple[float, str, int]] | None = None
 
     @property
