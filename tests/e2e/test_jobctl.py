@@ -67,7 +67,9 @@ def test_array_limit_and_dependencies(fleet: Fleet) -> None:
     assert created["job_id"] == task_ids[0]
 
     # a chain of 3 (afterok) and a failed job with an afterok and an afternotok dependent
-    a = submit(fleet, {"name": "chain-a", "command": ["sleep", "0.5"]})["job_id"]
+    # a runs long enough for b's reason to be seen: with 0.5 s, b was often placed (a done)
+    # before a poll of the API saw it waiting
+    a = submit(fleet, {"name": "chain-a", "command": ["sleep", "5"]})["job_id"]
     b = submit(fleet, {"name": "chain-b", "command": ["true"], "depends_on": f"afterok:{a}"})
     c = submit(
         fleet,
@@ -78,12 +80,15 @@ def test_array_limit_and_dependencies(fleet: Fleet) -> None:
     cleanup = submit(fleet, {"command": ["true"], "depends_on": f"afternotok:{bad}"})["job_id"]
 
     # while a runs, b waits, and `why` names the blocker and its state
-    fleet.wait_for(
-        lambda: (fleet.job(b["job_id"]).get("pending_reason") or {}).get("code") == "dependency",
-        60,  # a scheduling pass after a's start; 30 s timed out once on a loaded machine
-        "b's dependency reason",
-    )
-    reason = fleet.job(b["job_id"])["pending_reason"]
+    seen: list[dict[str, Any]] = []  # the reason as one read saw it (b moves on once a ends)
+
+    def b_waits_on_a() -> bool:
+        reason = fleet.job(b["job_id"]).get("pending_reason") or {}
+        seen[:] = [reason]
+        return reason.get("code") == "dependency"
+
+    fleet.wait_for(b_waits_on_a, 60, "b's dependency reason")
+    reason = seen[0]
     assert reason["details"]["job_id"] == a and reason["details"]["type"] == "afterok"
     assert a in reason["message"]
 
