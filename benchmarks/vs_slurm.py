@@ -141,26 +141,25 @@ class CpuGroup:
                 time.sleep(0.1)
 
 
-def rss_mb(pid: int) -> float:
+def _proc_mb(pid: int, file: str, field: str) -> float:
+    """The kB figure ``field`` of ``/proc/<pid>/<file>`` in MB; 0 for a process gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
     return 0.0
+
+
+def rss_mb(pid: int) -> float:
+    return _proc_mb(pid, "status", "VmRSS:")
 
 
 def pss_mb(pid: int) -> float:
-    """Proportional set size of `pid` in MB (`/proc/<pid>/smaps_rollup`): each shared page counts
-    1/N in each of the N processes mapping it, so a sum over processes counts it once."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    """Proportional set size (``smaps_rollup``): each shared page counts 1/N in each of the N
+    processes mapping it, so a sum over processes counts it once."""
+    return _proc_mb(pid, "smaps_rollup", "Pss:")
 
 
 def proc_cpu_s(pid: int) -> float:

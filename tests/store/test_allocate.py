@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -131,21 +132,19 @@ class TestReserve:
             assert s.get(NodeCapacityRow, "n1").available_gpus == 8
 
 
-def test_racing_reservers_exactly_the_right_number_win(db: Database) -> None:
-    """16 threads (each its own connection) race for 1-GPU... 3-GPU slices of one 8-GPU node:
-    exactly floor(8/3) = 2 win, and no GPU is held twice."""
-    create_team(db)
-    create_node(db, "n1", gpus=8)
-    epoch = become_leader(db)
-    jobs = [submit(db, gpus=3).job_id for _ in range(16)]
+def race(
+    jobs: list[str], reserve_one: Callable[[str], allocate.Reserved]
+) -> tuple[list[allocate.Reserved], list[CapacityConflict]]:
+    """``reserve_one`` for every job at once (one thread each, released by a barrier): the
+    reservations won and the capacity conflicts lost."""
     barrier = threading.Barrier(len(jobs))
     won: list[allocate.Reserved] = []
-    lost: list[Exception] = []
+    lost: list[CapacityConflict] = []
 
     def go(job_id: str) -> None:
         barrier.wait()
         try:
-            won.append(reserve(db, job_id, "n1", 3, epoch=epoch))
+            won.append(reserve_one(job_id))
         except CapacityConflict as exc:
             lost.append(exc)
 
@@ -154,6 +153,17 @@ def test_racing_reservers_exactly_the_right_number_win(db: Database) -> None:
         t.start()
     for t in threads:
         t.join()
+    return won, lost
+
+
+def test_racing_reservers_exactly_the_right_number_win(db: Database) -> None:
+    """16 threads (each its own connection) race for 1-GPU... 3-GPU slices of one 8-GPU node:
+    exactly floor(8/3) = 2 win, and no GPU is held twice."""
+    create_team(db)
+    create_node(db, "n1", gpus=8)
+    epoch = become_leader(db)
+    jobs = [submit(db, gpus=3).job_id for _ in range(16)]
+    won, lost = race(jobs, lambda job_id: reserve(db, job_id, "n1", 3, epoch=epoch))
     assert len(won) == 2 and len(lost) == 14
     held = [g for r in won for g in r.gpu_ids]
     assert len(held) == len(set(held)) == 6
@@ -285,22 +295,7 @@ def test_racing_placements_exactly_the_right_number_win(db: Database) -> None:
     create_node(db, "n1", gpus=8)
     epoch = become_leader(db)
     jobs = [submit(db, gpus=2).job_id for _ in range(6)]
-    won: list[allocate.Reserved] = []
-    lost: list[Exception] = []
-    start = threading.Barrier(len(jobs))
-
-    def go(job_id: str) -> None:
-        start.wait()
-        try:
-            won.append(place(db, job_id, "n1", 2, epoch=epoch))
-        except CapacityConflict as exc:
-            lost.append(exc)
-
-    threads = [threading.Thread(target=go, args=(j,)) for j in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    won, lost = race(jobs, lambda job_id: place(db, job_id, "n1", 2, epoch=epoch))
     assert (len(won), len(lost)) == (4, 2)
     held = [g for r in won for g in r.gpu_ids]
     assert sorted(held) == list(range(8))

@@ -20,6 +20,7 @@ Two traps shape this module:
 from __future__ import annotations
 
 import os
+from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,19 +69,14 @@ def is_same_process_alive(pid: int, expected_start_ticks: int) -> bool:
     return st is not None and st.state not in "ZX" and st.start_ticks == expected_start_ticks
 
 
-_BOOT_ID: str | None = None
-
-
+@cache
 def boot_id() -> str:
     """This boot's random id ("" where unavailable). Read once per process: it cannot change
     while the process runs, and the monitor asks for it at every poll of every attempt."""
-    global _BOOT_ID
-    if _BOOT_ID is None:
-        try:
-            _BOOT_ID = (PROC / "sys/kernel/random/boot_id").read_text().strip()
-        except OSError:
-            return ""
-    return _BOOT_ID
+    try:
+        return (PROC / "sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def leader_reused(pgid: int, leader_start_ticks: int) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from functools import partial
+from functools import cache, partial
 from typing import Any, cast
 
 import grpc
@@ -121,56 +121,46 @@ def _job_ids(decisions: Iterable[Decision]) -> list[str]:
     ]
 
 
-_ASSIGNMENT: Any = None
-
-
+@cache
 def _assignment_query() -> Any:
     """ONE statement, built once (``p_run``): the attempt, its job, node and reservation, and
     the checkpoint to resume from: the latest earlier attempt's that stored one (of a gang:
     every rank resumes from rank 0's, else from the lowest rank that stored one)."""
-    global _ASSIGNMENT
-    if _ASSIGNMENT is None:
-        earlier = aliased(JobRunRow)
-        prior_q = (
-            select(earlier.checkpoint_prefix)
-            .where(
-                earlier.job_id == JobRunRow.job_id,
-                earlier.checkpoint_prefix.is_not(None),
-                earlier.attempt < JobRunRow.attempt,
-            )
-            .order_by(earlier.attempt.desc(), earlier.rank)
-            .limit(1)
-            .correlate(JobRunRow)
-            .scalar_subquery()
+    earlier = aliased(JobRunRow)
+    prior_q = (
+        select(earlier.checkpoint_prefix)
+        .where(
+            earlier.job_id == JobRunRow.job_id,
+            earlier.checkpoint_prefix.is_not(None),
+            earlier.attempt < JobRunRow.attempt,
         )
-        _ASSIGNMENT = (
-            select(JobRunRow, JobRow, NodeRow, ReservationRow.id, prior_q)
-            .join(JobRow, JobRow.id == JobRunRow.job_id)
-            .join(NodeRow, NodeRow.id == JobRunRow.node_id)
-            .join(ReservationRow, ReservationRow.run_id == JobRunRow.id)
-            .where(JobRunRow.id == bindparam("p_run", type_=JobRunRow.id.type))
-        )
-    return _ASSIGNMENT
+        .order_by(earlier.attempt.desc(), earlier.rank)
+        .limit(1)
+        .correlate(JobRunRow)
+        .scalar_subquery()
+    )
+    return (
+        select(JobRunRow, JobRow, NodeRow, ReservationRow.id, prior_q)
+        .join(JobRow, JobRow.id == JobRunRow.job_id)
+        .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+        .join(ReservationRow, ReservationRow.run_id == JobRunRow.id)
+        .where(JobRunRow.id == bindparam("p_run", type_=JobRunRow.id.type))
+    )
 
 
-_STORE_REASON: Any = None
-
-
+@cache
 def _store_reason() -> Any:
     """``pending_reason`` of a PENDING job, built once (``p_id``, ``p_reason``), for one
     executemany per pass."""
-    global _STORE_REASON
-    if _STORE_REASON is None:
-        jobs = cast(Table, JobRow.__table__)
-        _STORE_REASON = (
-            update(jobs)
-            .where(
-                jobs.c.id == bindparam("p_id", type_=jobs.c.id.type),
-                jobs.c.status == JobStatus.PENDING,
-            )
-            .values(pending_reason=bindparam("p_reason", type_=jobs.c.pending_reason.type))
+    jobs = cast(Table, JobRow.__table__)
+    return (
+        update(jobs)
+        .where(
+            jobs.c.id == bindparam("p_id", type_=jobs.c.id.type),
+            jobs.c.status == JobStatus.PENDING,
         )
-    return _STORE_REASON
+        .values(pending_reason=bindparam("p_reason", type_=jobs.c.pending_reason.type))
+    )
 
 
 class Scheduler:
@@ -897,50 +887,42 @@ def send_stop(
     return resp
 
 
-_STUCK: Any = None
-
-
+@cache
 def _stuck_assignments() -> Any:
     """The reconciler's query of undelivered or unconfirmed assignments on nodes that
     heartbeat, built once (bind parameters ``p_unsent``: created before this and never
     answered; ``p_cutoff``: answered before this and still not confirmed)."""
-    global _STUCK
-    if _STUCK is None:
-        rank0 = aliased(JobRunRow)
-        _STUCK = (
-            select(JobRunRow.id, JobRunRow.node_id)
-            .join(NodeRow, NodeRow.id == JobRunRow.node_id)
-            .where(
-                JobRunRow.status == RunStatus.ASSIGNED,
-                # nodes that heartbeat: their agent answers (or refuses) the question
-                NodeRow.status.in_(
-                    [
-                        NodeStatus.HEALTHY,
-                        NodeStatus.UNHEALTHY,
-                        NodeStatus.CORDONED,
-                        NodeStatus.DRAINING,
-                    ]
-                ),
-                (
-                    JobRunRow.assigned_at.is_(None)
-                    & (
-                        JobRunRow.created_at
-                        < bindparam("p_unsent", type_=JobRunRow.created_at.type)
-                    )
-                )
-                | (JobRunRow.assigned_at < bindparam("p_cutoff", type_=JobRunRow.created_at.type)),
-                # ranks 1..n-1 of a gang wait for rank 0's MASTER_PORT (re-sending rank 0
-                # assigns them)
-                (JobRunRow.rank == 0)
-                | exists().where(
-                    rank0.job_id == JobRunRow.job_id,
-                    rank0.token == JobRunRow.token,
-                    rank0.rank == 0,
-                    rank0.master_port.is_not(None),
-                ),
+    rank0 = aliased(JobRunRow)
+    return (
+        select(JobRunRow.id, JobRunRow.node_id)
+        .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+        .where(
+            JobRunRow.status == RunStatus.ASSIGNED,
+            # nodes that heartbeat: their agent answers (or refuses) the question
+            NodeRow.status.in_(
+                [
+                    NodeStatus.HEALTHY,
+                    NodeStatus.UNHEALTHY,
+                    NodeStatus.CORDONED,
+                    NodeStatus.DRAINING,
+                ]
+            ),
+            (
+                JobRunRow.assigned_at.is_(None)
+                & (JobRunRow.created_at < bindparam("p_unsent", type_=JobRunRow.created_at.type))
             )
+            | (JobRunRow.assigned_at < bindparam("p_cutoff", type_=JobRunRow.created_at.type)),
+            # ranks 1..n-1 of a gang wait for rank 0's MASTER_PORT (re-sending rank 0
+            # assigns them)
+            (JobRunRow.rank == 0)
+            | exists().where(
+                rank0.job_id == JobRunRow.job_id,
+                rank0.token == JobRunRow.token,
+                rank0.rank == 0,
+                rank0.master_port.is_not(None),
+            ),
         )
-    return _STUCK
+    )
 
 
 class Reconciler:

@@ -76,14 +76,12 @@ ShapeKey = tuple[object, ...]
 
 def shape_key(n: NodeState, with_labels: bool = True) -> ShapeKey:
     """What ``node_accepts`` reads of a node: nodes with equal keys accept the same jobs."""
-    return (
-        n.gpu_type,
-        n.total_gpus,
-        n.gpu_memory_mb,
-        n.cpu_total,
-        n.memory_total_mb,
-        tuple(sorted(n.labels.items())) if with_labels else (),
-    )
+    return (*_static_shape(n), tuple(sorted(n.labels.items())) if with_labels else ())
+
+
+def _static_shape(n: NodeState) -> ShapeKey:
+    """The fields of a node's shape other than its labels."""
+    return (n.gpu_type, n.total_gpus, n.gpu_memory_mb, n.cpu_total, n.memory_total_mb)
 
 
 class FleetIndex:
@@ -178,14 +176,7 @@ class FleetIndex:
 def labels_shape_key(n: NodeState, label_keys: tuple[str, ...]) -> ShapeKey:
     """``shape_key`` with only the labels ``label_keys`` (a selector's keys): what
     ``node_accepts`` reads of a node for a selector naming those labels."""
-    return (
-        n.gpu_type,
-        n.total_gpus,
-        n.gpu_memory_mb,
-        n.cpu_total,
-        n.memory_total_mb,
-        tuple(n.labels.get(k) for k in label_keys),
-    )
+    return (*_static_shape(n), tuple([n.labels.get(k) for k in label_keys]))
 
 
 class ShapeGroups:
@@ -207,15 +198,7 @@ class ShapeGroups:
         for n in nodes.values():
             if not n.schedulable:
                 continue
-            # ``labels_shape_key`` inlined (one per schedulable node)
-            k = (
-                n.gpu_type,
-                n.total_gpus,
-                n.gpu_memory_mb,
-                n.cpu_total,
-                n.memory_total_mb,
-                tuple([n.labels.get(lk) for lk in label_keys]) if label_keys else (),
-            )
+            k = labels_shape_key(n, label_keys)
             i = pos.get(k)
             if i is None:
                 i = pos[k] = len(reps)

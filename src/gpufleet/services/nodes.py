@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
 from typing import Any
 
 from sqlalchemy import bindparam, exists, func, select, update
@@ -362,7 +363,31 @@ class UpkeepDue:
     """A SUSPECT, CORDONED or DRAINING node is silent past the fence cutoff."""
 
 
-_UPKEEP_DUE: Any = None
+def _silent_suspectable(cutoff: Any) -> Any:
+    """A HEALTHY or UNHEALTHY node with no heartbeat since ``cutoff`` (a datetime or a bind
+    parameter): what :func:`mark_silent_nodes_suspect` moves to SUSPECT."""
+    return NodeRow.status.in_([NodeStatus.HEALTHY, NodeStatus.UNHEALTHY]) & (
+        NodeRow.last_heartbeat_at < cutoff
+    )
+
+
+def _silent_fenceable(cutoff: Any) -> Any:
+    """A SUSPECT, CORDONED or DRAINING node with no heartbeat since ``cutoff``: what
+    :func:`fence_silent_nodes` fences."""
+    return NodeRow.status.in_([NodeStatus.SUSPECT, NodeStatus.CORDONED, NodeStatus.DRAINING]) & (
+        NodeRow.last_heartbeat_at < cutoff
+    )
+
+
+@cache
+def _upkeep_due_query() -> Any:
+    """:func:`upkeep_due`'s one read, built once (``p_suspect``, ``p_fence``)."""
+    at = NodeRow.last_heartbeat_at.type
+    return select(
+        exists().where(_silent_suspectable(bindparam("p_suspect", type_=at))),
+        exists().where(NodeRow.status == NodeStatus.DRAINING),
+        exists().where(_silent_fenceable(bindparam("p_fence", type_=at))),
+    )
 
 
 def upkeep_due(session: Session, *, suspect_before: datetime, fence_before: datetime) -> UpkeepDue:
@@ -372,23 +397,8 @@ def upkeep_due(session: Session, *, suspect_before: datetime, fence_before: date
     transactions only then (on SQLite each takes the single writer lock). Each step checks
     again in its own transaction; a node that turns due just after this read waits for the
     next pass."""
-    global _UPKEEP_DUE
-    if _UPKEEP_DUE is None:
-        suspect_at = bindparam("p_suspect", type_=NodeRow.last_heartbeat_at.type)
-        fence_at = bindparam("p_fence", type_=NodeRow.last_heartbeat_at.type)
-        _UPKEEP_DUE = select(
-            exists().where(
-                NodeRow.status.in_([NodeStatus.HEALTHY, NodeStatus.UNHEALTHY]),
-                NodeRow.last_heartbeat_at < suspect_at,
-            ),
-            exists().where(NodeRow.status == NodeStatus.DRAINING),
-            exists().where(
-                NodeRow.status.in_([NodeStatus.SUSPECT, NodeStatus.CORDONED, NodeStatus.DRAINING]),
-                NodeRow.last_heartbeat_at < fence_at,
-            ),
-        )
     row = session.execute(
-        _UPKEEP_DUE, {"p_suspect": suspect_before, "p_fence": fence_before}
+        _upkeep_due_query(), {"p_suspect": suspect_before, "p_fence": fence_before}
     ).one()
     return UpkeepDue(bool(row[0]), bool(row[1]), bool(row[2]))
 
@@ -423,14 +433,7 @@ def mark_silent_nodes_suspect(session: Session, silent_for_s: float) -> list[str
     from datetime import timedelta
 
     cutoff: datetime = now - timedelta(seconds=silent_for_s)
-    ids = list(
-        session.scalars(
-            select(NodeRow.id).where(
-                NodeRow.status.in_([NodeStatus.HEALTHY, NodeStatus.UNHEALTHY]),
-                NodeRow.last_heartbeat_at < cutoff,
-            )
-        )
-    )
+    ids = list(session.scalars(select(NodeRow.id).where(_silent_suspectable(cutoff))))
     for node_id in ids:
         transition(
             session,
@@ -684,8 +687,7 @@ def fence_silent_nodes(
     cutoff = now - timedelta(seconds=silent_for_s)
     rows = session.execute(
         select(NodeRow.id, NodeRow.status).where(
-            NodeRow.last_heartbeat_at < cutoff,
-            NodeRow.status.in_([NodeStatus.SUSPECT, NodeStatus.CORDONED, NodeStatus.DRAINING]),
+            _silent_fenceable(cutoff),
         )
     ).all()
     out: dict[str, list[Fenced]] = {}

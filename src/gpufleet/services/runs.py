@@ -9,6 +9,7 @@ import enum
 import random
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import cache
 from typing import Any
 
 from sqlalchemy import bindparam, func, or_, select, update
@@ -72,39 +73,34 @@ def confirm_assignment(
     ).result
 
 
-_CONFIRM_READ: dict[str, Any] = {}
-
-
+@cache
 def _confirm_read(dialect: str) -> Any:
     """:func:`confirm_start`'s one read (run and job, the run locked, the database clock),
     built once per dialect (``p_run``)."""
-    stmt = _CONFIRM_READ.get(dialect)
-    if stmt is None:
-        r, j = JobRunRow, JobRow
-        stmt = _CONFIRM_READ[dialect] = (
-            select(
-                r.id,
-                r.job_id,
-                r.node_id,
-                r.token,
-                r.status,
-                r.gang_size,
-                r.started_at,
-                r.assigned_at,
-                r.start_phases,
-                j.fencing_epoch,
-                j.current_run_id,
-                j.status.label("job_status"),
-                j.queued_at,
-                j.gpu_count,
-                j.spec,
-                now_sql_for(dialect).label("clock"),
-            )
-            .join(j, j.id == r.job_id)
-            .where(r.id == bindparam("p_run", type_=r.id.type))
-            .with_for_update(of=r)
+    r, j = JobRunRow, JobRow
+    return (
+        select(
+            r.id,
+            r.job_id,
+            r.node_id,
+            r.token,
+            r.status,
+            r.gang_size,
+            r.started_at,
+            r.assigned_at,
+            r.start_phases,
+            j.fencing_epoch,
+            j.current_run_id,
+            j.status.label("job_status"),
+            j.queued_at,
+            j.gpu_count,
+            j.spec,
+            now_sql_for(dialect).label("clock"),
         )
-    return stmt
+        .join(j, j.id == r.job_id)
+        .where(r.id == bindparam("p_run", type_=r.id.type))
+        .with_for_update(of=r)
+    )
 
 
 def confirm_start(
@@ -456,42 +452,37 @@ def verify_manifest(store: ObjectStore, job_id: str, report: Report) -> Verified
     return Verified(True, manifest=manifest)
 
 
-_COMPLETION_READ: dict[str, Any] = {}
-
-
+@cache
 def _completion_read(dialect: str) -> Any:
     """:func:`complete_run`'s one read, built once per dialect (``p_run``): run and job
     locked, the database clock, and what the end needs of the node, the submitting token, the
     team (read unlocked: charged optimistically) and the active reservation."""
-    stmt = _COMPLETION_READ.get(dialect)
-    if stmt is None:
-        res_c = ReservationRow.__table__.c
-        stmt = _COMPLETION_READ[dialect] = (
-            select(
-                JobRunRow,
-                JobRow,
-                now_sql_for(dialect).label("clock"),
-                NodeRow.gpu_type,
-                ApiTokenRow.name,
-                TeamRow.usage_gpu_s,
-                TeamRow.usage_as_of,
-                res_c.id.label("res_id"),
-                res_c.status.label("res_status"),
-                res_c.gpu_count.label("res_gpus"),
-                res_c.node_id.label("res_node"),
-            )
-            .join(JobRow, JobRow.id == JobRunRow.job_id)
-            .outerjoin(NodeRow, NodeRow.id == JobRunRow.node_id)
-            .outerjoin(ApiTokenRow, ApiTokenRow.id == JobRow.submitted_by)
-            .outerjoin(TeamRow, TeamRow.id == JobRow.team_id)
-            .outerjoin(
-                ReservationRow,
-                (res_c.run_id == JobRunRow.id) & res_c.status.in_(sorted(RESERVATION_ACTIVE)),
-            )
-            .where(JobRunRow.id == bindparam("p_run", type_=JobRunRow.id.type))
-            .with_for_update(of=[JobRunRow, JobRow])
+    res_c = ReservationRow.__table__.c
+    return (
+        select(
+            JobRunRow,
+            JobRow,
+            now_sql_for(dialect).label("clock"),
+            NodeRow.gpu_type,
+            ApiTokenRow.name,
+            TeamRow.usage_gpu_s,
+            TeamRow.usage_as_of,
+            res_c.id.label("res_id"),
+            res_c.status.label("res_status"),
+            res_c.gpu_count.label("res_gpus"),
+            res_c.node_id.label("res_node"),
         )
-    return stmt
+        .join(JobRow, JobRow.id == JobRunRow.job_id)
+        .outerjoin(NodeRow, NodeRow.id == JobRunRow.node_id)
+        .outerjoin(ApiTokenRow, ApiTokenRow.id == JobRow.submitted_by)
+        .outerjoin(TeamRow, TeamRow.id == JobRow.team_id)
+        .outerjoin(
+            ReservationRow,
+            (res_c.run_id == JobRunRow.id) & res_c.status.in_(sorted(RESERVATION_ACTIVE)),
+        )
+        .where(JobRunRow.id == bindparam("p_run", type_=JobRunRow.id.type))
+        .with_for_update(of=[JobRunRow, JobRow])
+    )
 
 
 def complete_run(

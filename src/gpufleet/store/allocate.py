@@ -127,7 +127,7 @@ def place(
         NotLeader, CapacityConflict, StaleState: as :func:`reserve`.
     """
     in_tx = partial(
-        _reserve_in_tx,
+        reserve,
         job_id=job_id,
         node_id=node_id,
         gpu_count=gpu_count,
@@ -170,10 +170,6 @@ def place(
         return db.run_write(in_tx)  # a real conflict raises CapacityConflict there
     gpu_ids = tuple(int(g) for g in row.gpu_ids)
     return Reserved(job_id, run_id, reservation_id, node_id, token, token, gpu_ids)
-
-
-def _reserve_in_tx(session: Session, **kw: Any) -> Reserved:
-    return reserve(session, **kw)
 
 
 def _job_guard(seen_fencing_epoch: int) -> dict[str, object]:
