@@ -24,8 +24,21 @@ in_registry() {  # repo tag
     -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' >/dev/null 2>&1
 }
 
+registry_label() {  # repo tag label: the label's value in the registry's image config, or ""
+  local digest
+  digest="$(curl -sf "http://$REGISTRY/v2/$1/manifests/$2" \
+    -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
+    -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)["config"]["digest"])')" || return 0
+  curl -sf "http://$REGISTRY/v2/$1/blobs/$digest" | python3 -c \
+    'import json, sys; print((json.load(sys.stdin).get("config") or {}).get("Labels", {}).get(sys.argv[1], ""))' \
+    "$3" || true
+}
+
 push() {  # local-ref repo tag
   "${PODMAN[@]}" push --tls-verify=false "$1" "$REGISTRY/$2:$3" >/dev/null
+  # a copy pulled earlier under the registry's name would otherwise stay and start "warm"
+  "${PODMAN[@]}" tag "$1" "$REGISTRY/$2:$3"
   echo "pushed $REGISTRY/$2:$3"
 }
 
@@ -51,7 +64,12 @@ if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/busybox 1; then
   push localhost/gpufleet/busybox:1 gpufleet/busybox 1
 fi
 
-if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/python 3.11; then
+# The README example needs numpy and scikit-learn in the image: an image built before the
+# virtualenv had them (the label says "no") is rebuilt once they are there.
+EXAMPLES=no
+if [ -n "$SITE" ] && [ -d "$SITE/sklearn" ]; then EXAMPLES=yes; fi
+if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/python 3.11 ||
+  { [ "$EXAMPLES" = yes ] && [ "$(registry_label gpufleet/python 3.11 gpufleet.examples)" != yes ]; }; then
   R="$WORK/py"
   busybox_root "$R"
   PY="$(readlink -f /usr/bin/python3.11)"
@@ -61,7 +79,7 @@ if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/python 3.11; then
   tar -C /usr/lib --exclude='python3.11/test' --exclude='__pycache__' \
     --exclude='python3.11/idlelib' --exclude='python3.11/tkinter' -cf - python3.11 |
     tar -C "$R/usr/lib" -xf -
-  if [ -n "$SITE" ] && [ -d "$SITE/sklearn" ]; then
+  if [ "$EXAMPLES" = yes ]; then
     for p in numpy numpy.libs scipy scipy.libs sklearn scikit_learn.libs joblib cloudpickle threadpoolctl.py narwhals; do
       [ -e "$SITE/$p" ] && cp -a "$SITE/$p" "$R/usr/local/lib/python3.11/dist-packages/"
     done
@@ -80,8 +98,15 @@ if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/python 3.11; then
   mkdir -p "$R/opt/gpufleet"; cp examples/train_digits.py "$R/opt/gpufleet/"
   tar -C "$R" -cf "$WORK/py.tar" .
   "${PODMAN[@]}" import --change 'CMD ["/usr/bin/python3"]' --change 'ENV PYTHONDONTWRITEBYTECODE=1' \
+    --change "LABEL gpufleet.examples=$EXAMPLES" \
     "$WORK/py.tar" localhost/gpufleet/python:3.11 >/dev/null
   "${PODMAN[@]}" run --rm --network none localhost/gpufleet/python:3.11 \
     python3 -c 'import json, ssl, sqlite3; print("python ok")'
+  if [ "$EXAMPLES" = yes ]; then
+    "${PODMAN[@]}" run --rm --network none localhost/gpufleet/python:3.11 \
+      python3 -c 'import numpy, sklearn; print("examples ok")'
+  else
+    echo "note: no virtualenv with scikit-learn (run make install first): gpufleet/python:3.11 has no numpy/scikit-learn; it is rebuilt with them once they are installed" >&2
+  fi
   push localhost/gpufleet/python:3.11 gpufleet/python 3.11
 fi
