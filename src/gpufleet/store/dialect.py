@@ -106,6 +106,16 @@ def install_sqlite_hooks(engine: Engine) -> None:
             conn.exec_driver_sql(f"BEGIN {mode}")
 
 
+def one_write_engine(engine: Engine) -> Engine:
+    """The same pool, for a write that is ONE statement (reads before it need not be atomic
+    with it): on SQLite no ``BEGIN`` (the statement is its own transaction in autocommit, all
+    or nothing, and takes the write lock only while it runs); PostgreSQL as
+    :func:`write_engine` (its driver begins a transaction without a statement of ours)."""
+    if engine.dialect.name == "sqlite":
+        return engine.execution_options(sqlite_begin="")
+    return write_engine(engine)
+
+
 def write_engine(engine: Engine) -> Engine:
     """The same pool, but transactions begin as writers (SQLite ``BEGIN IMMEDIATE``;
     PostgreSQL READ COMMITTED, row locks taken by the conditional UPDATEs themselves)."""
