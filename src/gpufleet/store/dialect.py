@@ -241,6 +241,14 @@ def _insert_many(session: Session, table: TableClause, rows: list[dict[str, Any]
     session.execute(insert(table).values(exprs), params)
 
 
+def capacity_follows_gpu_rows(dialect: str) -> bool:
+    """Whether a node's ``node_capacity.available_gpus`` (and ``version``) moves by itself
+    when its GPU rows are claimed or freed: SQLite, by the trigger of migration 0007a, so that
+    a claim or a release is one UPDATE of ``node_gpus``; PostgreSQL updates the capacity row
+    explicitly, in the same statement (data-modifying WITH)."""
+    return dialect == "sqlite"
+
+
 def dml_in_cte(dialect: str) -> bool:
     """Whether INSERT, UPDATE and DELETE may run as WITH queries of one statement
     (PostgreSQL; SQLite has no data-modifying WITH)."""
