@@ -66,8 +66,8 @@ RESERVE_BUDGET = 4
 # statement in autocommit, store.reserve_once; SQLite: a BEGIN IMMEDIATE per write
 # transaction and no multi-table statement, over the budgets; see docs/design/allocation.md,
 # "Statement budget"). Lower them as the counts come down, never raise them.
-JOB_LIMIT = {"sqlite": 24, "postgresql": 16}
-RESERVE_LIMIT = {"sqlite": 6, "postgresql": 1}
+JOB_LIMIT = {"sqlite": 21, "postgresql": 16}
+RESERVE_LIMIT = {"sqlite": 4, "postgresql": 1}
 RELEASE_LIMIT = {"sqlite": 5, "postgresql": 4}
 
 HOLDER = "budget-leader"
