@@ -4,6 +4,7 @@ clock, and the migration lock."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
@@ -210,6 +211,17 @@ _VIEW_INSERTS: dict[tuple[Any, ...], Any] = {}
 :data:`_CTE_INSERTS`)."""
 
 
+@functools.cache
+def _defaulted(table: TableClause) -> frozenset[str]:
+    """The columns of ``table`` with a default that a row written through the view must name
+    (``change_seq`` is not the view's)."""
+    return frozenset(
+        c.name
+        for c in table.c
+        if (c.default is not None or c.server_default is not None) and c.name != "change_seq"
+    )
+
+
 def _view_insert(
     tables: list[tuple[TableClause, list[dict[str, Any]]]],
 ) -> list[tuple[Any, dict[str, Any]]] | None:
@@ -222,16 +234,13 @@ def _view_insert(
     for t, group in tables:
         if t.name not in SQLITE_INSERT_TABLES:
             return None
-        defaulted = [
-            c.name
-            for c in t.c
-            if (c.default is not None or c.server_default is not None) and c.name != "change_seq"
-        ]
+        defaulted = _defaulted(t)
         for row in group:
-            if any(k not in row for k in defaulted) or any(
-                isinstance(v, ClauseElement) for v in row.values()
-            ):
+            if not defaulted.issubset(row):
                 return None
+            for v in row.values():
+                if isinstance(v, ClauseElement):
+                    return None
             rows.append((t, row))
     columns: list[tuple[TableClause, str]] = list(
         dict.fromkeys((t, k) for t, row in rows for k in row)
