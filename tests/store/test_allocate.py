@@ -6,6 +6,8 @@ import threading
 from collections.abc import Callable
 
 import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import CapacityConflict, NotLeader, StaleState
 from gpufleet.domain.states import JobStatus, NodeStatus
@@ -130,6 +132,87 @@ class TestReserve:
         assert (returned, again) == (8, 0)
         with db.read() as s:
             assert s.get(NodeCapacityRow, "n1").available_gpus == 8
+
+
+def test_a_claim_takes_all_its_gpus_or_none_when_capacity_and_gpu_rows_disagree(
+    db: Database,
+) -> None:
+    """Capacity says 8 free while 2 GPU rows are held (a broken invariant, made by hand): a
+    reservation of 8 claims no GPU and moves nothing (SQLite: the one guarded UPDATE of the GPU
+    rows claims none; PostgreSQL: the capacity update is rolled back with the claim)."""
+    from sqlalchemy import update
+
+    from gpufleet.store.tables import NodeGpuRow
+
+    create_team(db)
+    create_node(db, "n1", gpus=8)
+    epoch = become_leader(db)
+    job = submit(db, gpus=8)
+
+    def corrupt(s: Session) -> None:
+        s.execute(update(NodeGpuRow).where(NodeGpuRow.gpu_index < 2).values(holder_run_id="r-x"))
+        s.execute(update(NodeCapacityRow).values(available_gpus=8))
+
+    db.run_write(corrupt)
+    with pytest.raises(CapacityConflict):
+        reserve(db, job.job_id, "n1", 8, epoch=epoch)
+    with db.read() as s:
+        assert s.get(NodeCapacityRow, "n1").available_gpus == 8
+        holders = s.scalars(select(NodeGpuRow.holder_run_id).order_by(NodeGpuRow.gpu_index))
+        assert list(holders) == ["r-x", "r-x"] + [None] * 6
+        assert s.get(JobRow, job.job_id).status == JobStatus.PENDING
+
+
+def test_sqlite_capacity_follows_the_gpu_rows(db: Database) -> None:
+    """SQLite (migration 0007a's trigger): claiming or freeing GPU rows moves the node's free
+    count in the same statement, and never past its bounds; PostgreSQL has no trigger (its
+    statements move the capacity row themselves)."""
+    from sqlalchemy import text, update
+    from sqlalchemy.exc import IntegrityError
+
+    from gpufleet.store.tables import NodeGpuRow
+
+    create_node(db, "n1", gpus=4)
+    gpus = NodeGpuRow.__table__.c
+
+    def hold(run: str | None, *, where: object) -> None:
+        db.run_write(
+            lambda s: s.execute(update(NodeGpuRow).where(where).values(holder_run_id=run))
+        )
+
+    def free() -> int:
+        with db.read() as s:
+            return s.get(NodeCapacityRow, "n1").available_gpus
+
+    with db.read() as s:
+        trigger = s.execute(
+            text(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'trigger'"
+                " AND name = 'node_gpus_capacity'"
+                if db.is_sqlite
+                else "SELECT count(*) FROM pg_trigger WHERE tgname = 'node_gpus_capacity'"
+            )
+        ).scalar_one()
+    assert trigger == (1 if db.is_sqlite else 0)
+    if not db.is_sqlite:
+        return
+    hold("r-a", where=gpus.gpu_index < 3)
+    assert free() == 1
+    hold("r-b", where=gpus.holder_run_id == "r-a")  # a holder replaced: no GPU comes back
+    assert free() == 1
+    hold(None, where=gpus.gpu_index == 0)
+    assert free() == 2
+    # corrupt the count by hand: freeing two more would pass the total, and is refused whole
+    db.run_write(lambda s: s.execute(update(NodeCapacityRow).values(available_gpus=4)))
+    with pytest.raises(IntegrityError):
+        hold(None, where=gpus.holder_run_id == "r-b")
+    with db.read() as s:
+        assert list(s.scalars(select(NodeGpuRow.holder_run_id).order_by(gpus.gpu_index))) == [
+            None,
+            "r-b",
+            "r-b",
+            None,
+        ]
 
 
 def race(

@@ -141,6 +141,74 @@ class TestCompletion:
         with db.read() as s:
             assert s.query(ReservationRow).filter_by(run_id=r.run_id).one().status == "RESERVED"
 
+    def test_a_first_confirm_moves_each_row_once_and_a_repeat_only_updates(
+        self, db, store
+    ) -> None:
+        """The first confirmation (one guarded UPDATE of the run, RETURNING) and a repeated one
+        (the read decides): one event per transition, the repeat's pid kept, the rows moved
+        once."""
+        from sqlalchemy import select
+
+        from gpufleet.store.tables import SchedulingEventRow
+
+        job_id, epoch = setup(db)
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        phases = {"runtime": "process", "start_s": 0.25}
+
+        def confirm(pid: int, **kw) -> runs.Confirmed:
+            return db.run_write(
+                lambda s: runs.confirm_start(s, r.run_id, r.token, pid, node_id="n1", **kw)
+            )
+
+        first = confirm(41, start_phases=phases)
+        assert first.result == runs.Confirm.CONFIRMED
+        assert first.start_phases == phases and first.gpu_count == 2
+        assert first.spec is not None and first.queued_at is not None
+        again = confirm(42, start_phases={"runtime": "other"})
+        assert again.result == runs.Confirm.CONFIRMED and again.start_phases == phases
+        with db.read() as s:
+            run = s.get(JobRunRow, r.run_id)
+            assert (run.status, run.pid, run.start_phases) == ("RUNNING", 42, phases)
+            assert run.started_at == first.started_at == run.assigned_at
+            assert s.get(JobRow, job_id).status == "RUNNING"
+            assert s.query(ReservationRow).filter_by(run_id=r.run_id).one().status == "CONFIRMED"
+            moves = s.execute(
+                select(
+                    SchedulingEventRow.kind,
+                    SchedulingEventRow.machine,
+                    SchedulingEventRow.to_status,
+                ).where(
+                    SchedulingEventRow.job_id == job_id, SchedulingEventRow.at >= run.started_at
+                )
+            ).all()
+        assert sorted(moves, key=str) == sorted(
+            [
+                ("start_phases", None, None),
+                ("transition", "run", "RUNNING"),
+                ("transition", "reservation", "CONFIRMED"),
+                ("transition", "job", "RUNNING"),
+            ],
+            key=str,
+        )
+
+    def test_a_confirm_of_an_attempt_no_longer_current_changes_nothing(self, db, store) -> None:
+        from sqlalchemy import update
+
+        job_id, epoch = setup(db)
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        # the job moved on (its fencing epoch is no longer this attempt's token)
+        db.run_write(
+            lambda s: s.execute(update(JobRow).where(JobRow.id == job_id).values(fencing_epoch=9))
+        )
+        assert (
+            db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token, 7))
+            == runs.Confirm.REJECTED
+        )
+        with db.read() as s:
+            run = s.get(JobRunRow, r.run_id)
+            assert (run.status, run.pid, run.started_at) == ("ASSIGNED", None, None)
+            assert s.query(ReservationRow).filter_by(run_id=r.run_id).one().status == "RESERVED"
+
     def test_a_confirm_records_the_delivery_it_implies(self, db, store) -> None:
         """The controller skips its own delivery write for a fresh STARTED answer: the
         confirmation sets ``assigned_at`` with ``started_at``; an earlier delivery is kept."""

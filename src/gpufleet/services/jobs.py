@@ -504,8 +504,11 @@ def submit_job(
         return Submitted(row.id, row.status, created=False)
 
     try:
-        # one transaction: the lookup of an earlier submission, the checks and the insert
-        with db.write_tx() as session:
+        # the lookup of an earlier submission, the checks and the insert: one job is ONE
+        # INSERT, a transaction of its own (db.one_write: no BEGIN IMMEDIATE on SQLite; the
+        # checks' reads need not be atomic with it, a concurrent replay of the key hits the
+        # unique index, answered below); an array's batches are one transaction
+        with db.write_tx() if array is not None else db.one_write() as session:
             if control is not None and control != SubmitControl():
                 # an array, dependencies or a hold: a replay is answered before resolving them
                 found = existing(session)

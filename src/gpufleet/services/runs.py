@@ -10,9 +10,9 @@ import random
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import bindparam, func, or_, select, update
+from sqlalchemy import Table, bindparam, exists, func, literal_column, or_, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Forbidden
@@ -24,6 +24,7 @@ from gpufleet.domain.states import (
     Machine,
     ReservationStatus,
     RunStatus,
+    check_transition,
 )
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.policy.config import PolicyConfig
@@ -103,6 +104,75 @@ def _confirm_read(dialect: str) -> Any:
     )
 
 
+@cache
+def _confirm_first(dialect: str, pid: bool, phases: bool, node: bool) -> Any:
+    """:func:`confirm_start`'s first statement for a first confirmation, built once per
+    (dialect, pid given, start phases given, node checked) with ``p_run``, ``p_token`` (and
+    ``p_pid``, ``p_phases``, ``p_node``): the run ASSIGNED -> RUNNING only if it is still
+    ASSIGNED under ``token``, on the caller's node, and the job's current attempt at that
+    token (the checks the read makes, in its WHERE clause), RETURNING what the rest of the
+    confirmation and the time-to-start metric need of the run and its job, and the database
+    clock (as the new ``started_at``): the read and the run's UPDATE in one statement."""
+    # the edge is the transition table's (IllegalTransition here, before anything is written)
+    check_transition(Machine.RUN, RunStatus.ASSIGNED, RunStatus.RUNNING)
+    r, j = JobRunRow.__table__.c, JobRow.__table__.c
+    now = now_sql_for(dialect, stable=True)  # one value for started_at and assigned_at
+    sets: dict[str, Any] = {
+        "status": RunStatus.RUNNING,
+        "started_at": now,
+        # a confirmation is also the delivery (mark_delivered) when it came first
+        "assigned_at": func.coalesce(r.assigned_at, now),
+    }
+    conds = [
+        r.id == bindparam("p_run", type_=r.id.type),
+        r.status == RunStatus.ASSIGNED,
+        r.token == bindparam("p_token", type_=r.token.type),
+        # is_current: the job's fencing epoch is this token and the run its current attempt
+        # (any member of a gang attempt)
+        exists()
+        .where(
+            j.id == r.job_id,
+            j.fencing_epoch == r.token,
+            or_(j.current_run_id == r.id, r.gang_size > 1),
+        )
+        .correlate(JobRunRow.__table__),
+    ]
+    if pid:
+        sets["pid"] = bindparam("p_pid", type_=r.pid.type)
+    if phases:
+        sets["start_phases"] = bindparam("p_phases", type_=r.start_phases.type)
+        conds.append(r.start_phases.is_(None))  # else the read decides (no second event)
+    if node:
+        conds.append(r.node_id == bindparam("p_node", type_=r.node_id.type))
+
+    def of_job(col: Any) -> Any:
+        # the run's column named with its table: SQLite's compiler leaves the names of a
+        # RETURNING clause unqualified, and an unqualified job_id inside the subquery would
+        # mean a column of jobs if it ever had one
+        return (
+            select(col)
+            .where(j.id == literal_column("job_runs.job_id"))
+            .scalar_subquery()
+            .label(col.name if col is not j.status else "job_status")
+        )
+
+    return (
+        update(cast(Table, JobRunRow.__table__))
+        .where(*conds)
+        .values(sets)
+        .returning(
+            r.job_id,
+            r.node_id,
+            r.gang_size,
+            r.started_at,
+            of_job(j.status),
+            of_job(j.queued_at),
+            of_job(j.gpu_count),
+            of_job(j.spec),
+        )
+    )
+
+
 def confirm_start(
     session: Session,
     run_id: str,
@@ -118,13 +188,73 @@ def confirm_start(
     ``start_phases``: how the node started it (``runtime``, ``image`` warm/cold, ``pull_s``,
     ``create_s``, ``start_s`` in seconds); stored on the attempt and in the event message.
 
-    Statements: one SELECT (run and job, the run locked, the database clock), then one
-    guarded UPDATE per row that moves (run, reservation, job) and the batched event INSERT.
+    Statements: a first confirmation of the current attempt (the usual one) is the run's
+    guarded UPDATE ASSIGNED -> RUNNING with every check in its WHERE clause, RETURNING what
+    the rest needs (:func:`_confirm_first`), then one guarded UPDATE per other row that moves
+    (reservation, job) and the batched event INSERT. When that UPDATE matches nothing (an
+    unknown, stale or finished attempt, another node's, a repeated confirmation), one SELECT
+    (run and job, the run locked, the database clock) decides as before: REJECTED, Forbidden,
+    or a repeated confirmation (pid, start phases, the reservation and the job moved if they
+    are not yet).
 
     Raises:
         Forbidden: ``node_id`` (the caller's certified node, if given) is not the node the
             attempt was placed on; nothing changes.
     """
+    dialect = session.get_bind().dialect.name
+    params: dict[str, Any] = {"p_run": run_id, "p_token": token}
+    if pid:
+        params["p_pid"] = pid
+    if start_phases:
+        params["p_phases"] = start_phases
+    if node_id is not None:
+        params["p_node"] = node_id
+    first = session.execute(
+        _confirm_first(dialect, bool(pid), bool(start_phases), node_id is not None), params
+    ).first()
+    if first is not None:
+        now = first.started_at
+        if start_phases:
+            record_event(
+                session,
+                "start_phases",
+                now=now,
+                message="started on the node" + describe_phases(start_phases),
+                job_id=first.job_id,
+                run_id=run_id,
+                node_id=first.node_id,
+                details=start_phases,
+            )
+        record_transition(
+            session,
+            Machine.RUN,
+            run_id,
+            RunStatus.ASSIGNED,
+            RunStatus.RUNNING,
+            now=now,
+            message="agent confirmed the start",
+            job_id=first.job_id,
+            run_id=run_id,
+            node_id=first.node_id,
+        )
+        _confirm_the_rest(
+            session,
+            run_id,
+            token,
+            first.job_id,
+            first.node_id,
+            first.gang_size,
+            first.job_status,
+            now,
+        )
+        return Confirmed(
+            Confirm.CONFIRMED,
+            queued_at=first.queued_at,
+            started_at=now,
+            start_phases=start_phases or None,
+            gpu_count=first.gpu_count,
+            spec=first.spec,
+        )
     found = session.execute(
         _confirm_read(session.get_bind().dialect.name), {"p_run": run_id}
     ).first()
@@ -178,6 +308,32 @@ def confirm_start(
         )
     elif values:
         session.execute(update(JobRunRow).where(JobRunRow.id == run_id).values(**values))
+    _confirm_the_rest(
+        session, run_id, token, job_id, run_node, found.gang_size, found.job_status, now
+    )
+    return Confirmed(
+        Confirm.CONFIRMED,
+        queued_at=found.queued_at,
+        started_at=started_at,
+        start_phases=phases,
+        gpu_count=found.gpu_count,
+        spec=found.spec,
+    )
+
+
+def _confirm_the_rest(
+    session: Session,
+    run_id: str,
+    token: int,
+    job_id: str,
+    run_node: str,
+    gang_size: int,
+    job_status: str,
+    now: datetime,
+) -> None:
+    """A confirmation after its run moved: the reservation RESERVED -> CONFIRMED (if still
+    RESERVED under ``token``) and the job SCHEDULED -> RUNNING (once every member of a gang
+    runs), each a guarded UPDATE, with their events."""
     res_c = ReservationRow.__table__.c
     confirmed = session.execute(
         update(ReservationRow)
@@ -202,8 +358,8 @@ def confirm_start(
             run_id=run_id,
             node_id=run_node,
         )
-    if found.job_status == JobStatus.SCHEDULED and _all_members_running(
-        session, job_id, token, found.gang_size
+    if job_status == JobStatus.SCHEDULED and _all_members_running(
+        session, job_id, token, gang_size
     ):
         transition(
             session,
@@ -217,14 +373,6 @@ def confirm_start(
             job_id=job_id,
             run_id=run_id,
         )
-    return Confirmed(
-        Confirm.CONFIRMED,
-        queued_at=found.queued_at,
-        started_at=started_at,
-        start_phases=phases,
-        gpu_count=found.gpu_count,
-        spec=found.spec,
-    )
 
 
 def is_current(job: JobRow, run: JobRunRow) -> bool:

@@ -6,7 +6,9 @@ rows, job row), any 0-row step raising so that the whole transaction rolls back:
   2. ``UPDATE node_capacity SET available = available - n, version = version + 1
      WHERE node_id = :id AND available >= n AND <node HEALTHY>``  (0 rows: CapacityConflict);
   3. claim GPU ids: ``UPDATE node_gpus SET holder_run_id = :run WHERE ... AND holder IS NULL``,
-     rowcount must equal n;
+     rowcount must equal n (on SQLite steps 2 and 3 are this one UPDATE, guarded by step 2's
+     checks and by n free GPU rows, the capacity row following it by a trigger, migration
+     0007a: ``dialect.capacity_follows_gpu_rows``);
   4. the job PENDING -> SCHEDULED with ``fencing_epoch = fencing_epoch + 1`` (the new token),
      guarded by the epoch the caller saw and ``cancel_requested = false``;
   5. insert the JobRun (ASSIGNED) and the Reservation (RESERVED, lease, token, leader epoch).
@@ -23,7 +25,7 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import Any, cast
 
-from sqlalchemy import Integer, String, Table, bindparam, delete, exists, select, update
+from sqlalchemy import Integer, String, Table, bindparam, delete, exists, func, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import CapacityConflict, Conflict, NotLeader, StaleState
@@ -40,7 +42,14 @@ from gpufleet.domain.states import (
 from gpufleet.domain.types import GpuDevice
 from gpufleet.store import leader, reserve_once
 from gpufleet.store.db import Database
-from gpufleet.store.dialect import as_utc, dml_in_cte, execute_all, now_sql_for, statements_with
+from gpufleet.store.dialect import (
+    as_utc,
+    capacity_follows_gpu_rows,
+    dml_in_cte,
+    execute_all,
+    now_sql_for,
+    statements_with,
+)
 from gpufleet.store.outbox import queue_insert
 from gpufleet.store.tables import (
     GpuHoldRow,
@@ -234,12 +243,13 @@ def _add_member(
     return Reserved(job_id, run_id, reservation_id, node_id, token, attempt, tuple(gpu_ids))
 
 
-_TAKE: dict[tuple[str, bool], tuple[Any, Any]] = {}
+_TAKE: dict[tuple[str, bool], tuple[Any | None, Any]] = {}
 
 
-def _take_statements(dialect: str, with_lease: bool) -> tuple[Any, Any]:
-    """The two statements of :func:`_take_gpus`, built once per (dialect, lease check) with
-    bind parameters ``p_node``, ``p_n``, ``p_run`` (and ``p_holder``, ``p_epoch``): no
+def _take_statements(dialect: str, with_lease: bool) -> tuple[Any | None, Any]:
+    """The statements of :func:`_take_gpus` (the capacity update, None where the capacity
+    follows the GPU rows by itself, and the GPU claim), built once per (dialect, lease check)
+    with bind parameters ``p_node``, ``p_n``, ``p_run`` (and ``p_holder``, ``p_epoch``): no
     statement construction or cache-key generation per reservation (SQLAlchemy memoizes the
     key of a statement object it has seen)."""
     key = (dialect, with_lease)
@@ -269,12 +279,6 @@ def _take_statements(dialect: str, with_lease: bool) -> tuple[Any, Any]:
                 .with_for_update(read=True)
             )
         )
-    take = (
-        update(cast(Table, NodeCapacityRow.__table__))
-        .where(*conds)
-        .values(available_gpus=cap.available_gpus - n, version=cap.version + 1)
-        .returning(now)
-    )
     free = (
         select(gpu.gpu_index)
         .where(gpu.node_id == node, gpu.holder_run_id.is_(None))
@@ -282,12 +286,38 @@ def _take_statements(dialect: str, with_lease: bool) -> tuple[Any, Any]:
         .limit(n)
         .scalar_subquery()
     )
-    claim = (
-        update(cast(Table, NodeGpuRow.__table__))
-        .where(gpu.node_id == node, gpu.gpu_index.in_(free), gpu.holder_run_id.is_(None))
-        .values(holder_run_id=bindparam("p_run", type_=String))
-        .returning(gpu.gpu_index)
+    claim = update(cast(Table, NodeGpuRow.__table__)).values(
+        holder_run_id=bindparam("p_run", type_=String)
     )
+    if capacity_follows_gpu_rows(dialect):
+        # ONE statement: the capacity row moves with the GPU rows (trigger, migration 0007a);
+        # every check of the capacity update is a guard of the claim, and the claim happens
+        # only when n GPU rows are free, so it claims n rows or none (the uncorrelated
+        # subqueries are evaluated once, before any row changes)
+        free_now = (
+            select(func.count())
+            .select_from(NodeGpuRow.__table__)
+            .where(gpu.node_id == node, gpu.holder_run_id.is_(None))
+            .scalar_subquery()
+        )
+        claim = claim.where(
+            gpu.node_id == node,
+            gpu.gpu_index.in_(free),
+            gpu.holder_run_id.is_(None),
+            free_now >= n,
+            exists().where(*conds),
+        ).returning(gpu.gpu_index, now)
+        _TAKE[key] = (None, claim)
+        return None, claim
+    take = (
+        update(cast(Table, NodeCapacityRow.__table__))
+        .where(*conds)
+        .values(available_gpus=cap.available_gpus - n, version=cap.version + 1)
+        .returning(now)
+    )
+    claim = claim.where(
+        gpu.node_id == node, gpu.gpu_index.in_(free), gpu.holder_run_id.is_(None)
+    ).returning(gpu.gpu_index)
     _TAKE[key] = (take, claim)
     return take, claim
 
@@ -300,8 +330,10 @@ def _take_gpus(
     lease: tuple[str, int] | None = None,
 ) -> tuple[list[int], datetime | None]:
     """Steps 2 and 3 of reserve() on one node: the conditional capacity update, then the
-    GPU rows claimed for ``run_id``, two statements. Returns the claimed GPU indexes, and
-    with ``lease`` the database clock of the capacity update.
+    GPU rows claimed for ``run_id``, two statements; one where the capacity follows the GPU
+    rows (SQLite, ``dialect.capacity_follows_gpu_rows``): the claim guarded by every check of
+    the capacity update. Returns the claimed GPU indexes, and with ``lease`` the database
+    clock of the capacity update.
 
     ``lease``: ``(holder, epoch)`` to check in the capacity update itself (step 1 folded
     into step 2): it matches only while that lease is unexpired on the database clock, and
@@ -315,6 +347,18 @@ def _take_gpus(
     params: dict[str, object] = {"p_node": node_id, "p_n": gpu_count, "p_run": run_id}
     if lease is not None:
         params["p_holder"], params["p_epoch"] = lease
+    if take is None:
+        got = session.execute(claim, params).all()
+        if not got:
+            if lease is not None:
+                leader.assert_leader(session, lease[0], lease[1])
+            raise CapacityConflict(
+                f"node {node_id}: fewer than {gpu_count} free GPUs or not HEALTHY"
+            )
+        if len(got) != gpu_count:  # cannot happen (guarded); never patch it: roll back
+            raise CapacityConflict(f"node {node_id}: claimed {len(got)} of {gpu_count} GPUs")
+        clock = as_utc(got[0][1]) if lease is not None else None
+        return sorted(int(g[0]) for g in got), clock
     took = session.execute(take, params).first()
     if took is None:
         if lease is not None:
@@ -453,7 +497,8 @@ def _release_statements(dialect: str, only_quarantined: bool) -> tuple[Any, list
     ``p_run``, ``p_node``, ``p_n`` (as :func:`_take_statements`): the locking read of the
     run's active reservation with the database clock, and the GPU rows freed with the
     capacity update (one statement on PostgreSQL, two on SQLite; the capacity update last,
-    its row count is the answer)."""
+    its row count is the answer; on SQLite one: the GPU rows freed, the capacity row
+    following them, their row count the answer)."""
     key = (dialect, only_quarantined)
     hit = _RELEASE.get(key)
     if hit is not None:
@@ -476,14 +521,21 @@ def _release_statements(dialect: str, only_quarantined: bool) -> tuple[Any, list
         .where(res_c.run_id == run, res_c.status.in_(states))
         .with_for_update()
     )
-    give_back = statements_with(
-        dialect,
-        update(cast(Table, NodeCapacityRow.__table__))
-        .where(cap.node_id == node, cap.available_gpus + n <= cap.total_gpus)
-        .values(available_gpus=cap.available_gpus + n, version=cap.version + 1),
+    free = (
         update(cast(Table, NodeGpuRow.__table__))
         .where(gpu.node_id == node, gpu.holder_run_id == run)
-        .values(holder_run_id=None),
+        .values(holder_run_id=None)
+    )
+    give_back = (
+        [free]  # the capacity row follows (trigger, migration 0007a)
+        if capacity_follows_gpu_rows(dialect)
+        else statements_with(
+            dialect,
+            update(cast(Table, NodeCapacityRow.__table__))
+            .where(cap.node_id == node, cap.available_gpus + n <= cap.total_gpus)
+            .values(available_gpus=cap.available_gpus + n, version=cap.version + 1),
+            free,
+        )
     )
     _RELEASE[key] = (lock, give_back)
     return lock, give_back
@@ -570,7 +622,14 @@ def release(
     _, give_back = _release_statements(session.get_bind().dialect.name, only_quarantined)
     params = {"p_node": node_id, "p_n": gpu_count, "p_run": run_id}
     back = execute_all(session, give_back, params)
-    if back.rowcount != 1:
+    if capacity_follows_gpu_rows(session.get_bind().dialect.name):
+        # the capacity moved with each GPU row freed (CHECK available <= total bounds it)
+        if back.rowcount != gpu_count:
+            raise StaleState(
+                f"node {node_id}: run {run_id} held {back.rowcount} GPU rows, its"
+                f" reservation {gpu_count}"
+            )
+    elif back.rowcount != 1:
         raise StaleState(f"node {node_id}: returning {gpu_count} GPUs would exceed total")
     return int(gpu_count)
 

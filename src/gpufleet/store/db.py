@@ -20,7 +20,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
-from gpufleet.store import dialect
+from gpufleet.store import dialect, outbox
 
 T = TypeVar("T")
 
@@ -64,6 +64,9 @@ class Database:
         self._write = sessionmaker(
             dialect.write_engine(self.engine), expire_on_commit=False, autoflush=False
         )
+        self._one_write = sessionmaker(
+            dialect.one_write_engine(self.engine), expire_on_commit=False, autoflush=False
+        )
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     @property
@@ -95,6 +98,18 @@ class Database:
         in growing steps (up to 100 ms) instead of waking it when the lock frees."""
         with self._writer_gate, self._write() as session, session.begin():
             yield session
+
+    @contextlib.contextmanager
+    def one_write(self) -> Iterator[Session]:
+        """A write of ONE statement, with reads before it that need not be atomic with it (as
+        under PostgreSQL's READ COMMITTED): on SQLite without ``BEGIN IMMEDIATE``, a statement
+        in autocommit being a transaction of its own; elsewhere as :meth:`write_tx`. Send at
+        most one INSERT/UPDATE/DELETE in it and queue no rows (``store.outbox``): a second
+        write would commit on its own, not with the first (checked at its end)."""
+        with self._writer_gate, self._one_write() as session, session.begin():
+            yield session
+            if outbox.pending_tables(session):
+                raise AssertionError("one_write: rows queued for a second statement")
 
     def run_write(self, fn: Callable[[Session], T], *, attempts: int = 5) -> T:
         """Run ``fn`` in a write transaction, retrying serialization failures and deadlocks

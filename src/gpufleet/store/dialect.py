@@ -4,6 +4,7 @@ clock, and the migration lock."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
@@ -106,6 +107,16 @@ def install_sqlite_hooks(engine: Engine) -> None:
             conn.exec_driver_sql(f"BEGIN {mode}")
 
 
+def one_write_engine(engine: Engine) -> Engine:
+    """The same pool, for a write that is ONE statement (reads before it need not be atomic
+    with it): on SQLite no ``BEGIN`` (the statement is its own transaction in autocommit, all
+    or nothing, and takes the write lock only while it runs); PostgreSQL as
+    :func:`write_engine` (its driver begins a transaction without a statement of ours)."""
+    if engine.dialect.name == "sqlite":
+        return engine.execution_options(sqlite_begin="")
+    return write_engine(engine)
+
+
 def write_engine(engine: Engine) -> Engine:
     """The same pool, but transactions begin as writers (SQLite ``BEGIN IMMEDIATE``;
     PostgreSQL READ COMMITTED, row locks taken by the conditional UPDATEs themselves)."""
@@ -182,6 +193,93 @@ def _cte_insert(
     return stmt, params
 
 
+SQLITE_INSERT_ROWS = "insert_rows"
+"""SQLite's view whose INSTEAD OF INSERT trigger writes each row into the table its ``tbl``
+column names (migration 0007a): several tables' rows in ONE statement, the SQLite form of
+PostgreSQL's data-modifying WITH. Its columns are ``<table>__<column>``."""
+
+SQLITE_INSERT_TABLES = frozenset(
+    {"job_runs", "reservations", "scheduling_events", "usage_records"}
+)
+"""The tables :data:`SQLITE_INSERT_ROWS` writes."""
+
+SQLITE_MAX_VARIABLES = 32_766
+"""SQLite's limit on bound parameters per statement (3.32+): a larger batch is split."""
+
+_VIEW_INSERTS: dict[tuple[Any, ...], Any] = {}
+"""SQLite statements of :func:`insert_together` through the view, by shape (as
+:data:`_CTE_INSERTS`)."""
+
+
+@functools.cache
+def _defaulted(table: TableClause) -> frozenset[str]:
+    """The columns of ``table`` with a default that a row written through the view must name
+    (``change_seq`` is not the view's)."""
+    return frozenset(
+        c.name
+        for c in table.c
+        if (c.default is not None or c.server_default is not None) and c.name != "change_seq"
+    )
+
+
+def _view_insert(
+    tables: list[tuple[TableClause, list[dict[str, Any]]]],
+) -> list[tuple[Any, dict[str, Any]]] | None:
+    """SQLite's statements for several tables through :data:`SQLITE_INSERT_ROWS` (one, unless
+    the rows bind more than :data:`SQLITE_MAX_VARIABLES` values), each built once per shape,
+    and their parameters; None when a table is not one the view writes, a row holds an SQL
+    expression, or a row leaves out a column that has a default (the view's trigger writes
+    every column of its table: an absent one would be NULL, not its default)."""
+    rows: list[tuple[TableClause, dict[str, Any]]] = []
+    for t, group in tables:
+        if t.name not in SQLITE_INSERT_TABLES:
+            return None
+        defaulted = _defaulted(t)
+        for row in group:
+            if not defaulted.issubset(row):
+                return None
+            for v in row.values():
+                if isinstance(v, ClauseElement):
+                    return None
+            rows.append((t, row))
+    columns: list[tuple[TableClause, str]] = list(
+        dict.fromkeys((t, k) for t, row in rows for k in row)
+    )
+    per_statement = max(1, SQLITE_MAX_VARIABLES // (len(columns) + 1))
+    out = []
+    for start in range(0, len(rows), per_statement):
+        chunk = rows[start : start + per_statement]
+        key = (tuple((t, tuple(row)) for t, row in chunk), tuple(columns))
+        stmt = _VIEW_INSERTS.get(key)
+        if stmt is None:
+            names = ", ".join(['"tbl"'] + [f'"{t.name}__{c}"' for t, c in columns])
+            values = ", ".join(
+                "("
+                + ", ".join(
+                    [f":r{i}_tbl"]
+                    + [f":r{i}_{c}" if t is rt and c in row else "NULL" for t, c in columns]
+                )
+                + ")"
+                for i, (rt, row) in enumerate(chunk)
+            )
+            stmt = text(f"INSERT INTO {SQLITE_INSERT_ROWS} ({names}) VALUES {values}").bindparams(
+                *(
+                    bindparam(f"r{i}_{c}", type_=t.c[c].type)
+                    for i, (t, row) in enumerate(chunk)
+                    for c in row
+                )
+            )
+            if len(_VIEW_INSERTS) >= _CTE_SHAPES_MAX:
+                _VIEW_INSERTS.clear()
+            _VIEW_INSERTS[key] = stmt
+        params: dict[str, Any] = {}
+        for i, (t, row) in enumerate(chunk):
+            params[f"r{i}_tbl"] = t.name
+            params.update({f"r{i}_{c}": v for c, v in row.items()})
+        out.append((stmt, params))
+    return out
+
+
 def insert_together(
     session: Session, groups: Sequence[tuple[FromClause, list[dict[str, Any]]]]
 ) -> None:
@@ -194,7 +292,11 @@ def insert_together(
       built once per shape (tables, rows per table, columns) with bind parameters when the
       rows hold plain values (a reservation's run, reservation and event; a completion's
       events and usage record), else with multi-row VALUES lists (compiled each time);
-    - else (one table, or SQLite, which has no INSERT in a CTE): one executemany per table,
+    - SQLite with several tables: ONE statement (per 32,766 bound values), an INSERT of
+      every row into the view :data:`SQLITE_INSERT_ROWS`, whose INSTEAD OF trigger writes
+      each into its table, in order (migration 0007a), when the rows hold plain values and
+      name every column with a default;
+    - else (one table, or rows that cannot go the ways above): one executemany per table,
       columns holding the database clock (:func:`now_sql`) inside the statement."""
     tables = [(cast(TableClause, t), rows) for t, rows in groups if rows]
     if not tables:
@@ -208,6 +310,12 @@ def insert_together(
         ctes = [insert(t).values(rows).cte(f"ins{i}") for i, (t, rows) in enumerate(first)]
         session.execute(insert(last).values(last_rows).add_cte(*ctes))
         return
+    if len(tables) > 1:
+        through_view = _view_insert(tables)
+        if through_view is not None:
+            for stmt, params in through_view:
+                session.execute(stmt, params)
+            return
     for t, rows in tables:
         _insert_many(session, t, rows)
 
@@ -229,6 +337,14 @@ def _insert_many(session: Session, table: TableClause, rows: list[dict[str, Any]
                 return
     params = [{k: v for k, v in row.items() if k not in exprs} for row in rows]
     session.execute(insert(table).values(exprs), params)
+
+
+def capacity_follows_gpu_rows(dialect: str) -> bool:
+    """Whether a node's ``node_capacity.available_gpus`` (and ``version``) moves by itself
+    when its GPU rows are claimed or freed: SQLite, by the trigger of migration 0007a, so that
+    a claim or a release is one UPDATE of ``node_gpus``; PostgreSQL updates the capacity row
+    explicitly, in the same statement (data-modifying WITH)."""
+    return dialect == "sqlite"
 
 
 def dml_in_cte(dialect: str) -> bool:

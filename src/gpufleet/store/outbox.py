@@ -33,6 +33,11 @@ def pending(session: Session, table: FromClause) -> list[dict[str, Any]]:
     return list(session.info.get(_QUEUED, {}).get(table, ()))
 
 
+def pending_tables(session: Session) -> list[FromClause]:
+    """The tables with rows queued on ``session`` and not yet written."""
+    return [t for t, rows in session.info.get(_QUEUED, {}).items() if rows]
+
+
 def write_queued(session: Session) -> None:
     """Write the rows queued on ``session`` now (after the ORM's pending rows)."""
     queued = session.info.pop(_QUEUED, None)
