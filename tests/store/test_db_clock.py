@@ -29,6 +29,11 @@ def test_clock_written_in_sql_equals_itself_bound_from_python(db: Database) -> N
         for _ in range(3)
     ]
     with db.read() as s:
+        # the queue's order: the time each entered it, then id (SQLite's clock has millisecond
+        # resolution, so back-to-back submits can share a queued_at)
+        rows = [s.get(JobRow, job_id) for job_id in ids]
+        ids = [r.id for r in sorted(rows, key=lambda r: (r.queued_at, r.id)) if r is not None]
+        assert len(ids) == 3
         for i, job_id in enumerate(ids):
             job = s.get(JobRow, job_id)
             assert job is not None

@@ -719,8 +719,10 @@ def cancel_job_outcome(db: Database, team_id: str | None, job_id: str) -> tuple[
 
 def queue_position(session: Session, job: JobRow) -> int:
     """1-based position of a PENDING job in its team's queue: priority class, then the time
-    it (re-)entered the queue. (The policy's aging credit can reorder jobs of different
-    classes that waited long; this is the order without it.)"""
+    it (re-)entered the queue, then id, as ``policy.cycle.queue_order_key`` (SQLite's clock
+    has millisecond resolution, so two submits can share a ``queued_at``). (The policy's
+    aging credit can reorder jobs of different classes that waited long; this is the order
+    without it.)"""
     ahead = session.execute(
         select(func.count())
         .select_from(JobRow)
@@ -729,7 +731,13 @@ def queue_position(session: Session, job: JobRow) -> int:
             JobRow.status == JobStatus.PENDING,
             JobRow.cancel_requested.is_(False),
             (JobRow.priority_rank > job.priority_rank)
-            | ((JobRow.priority_rank == job.priority_rank) & (JobRow.queued_at < job.queued_at)),
+            | (
+                (JobRow.priority_rank == job.priority_rank)
+                & (
+                    (JobRow.queued_at < job.queued_at)
+                    | ((JobRow.queued_at == job.queued_at) & (JobRow.id < job.id))
+                )
+            ),
         )
     ).scalar_one()
     return int(ahead) + 1
