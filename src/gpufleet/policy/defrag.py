@@ -375,8 +375,7 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
     if not jobs:
         return out
     index = p.index
-    n_sched = sum(1 for n in index.nodes.values() if n.schedulable)
-    max_nodes = max(1, int(cfg.headroom_max_node_share * n_sched))
+    max_nodes = max(1, int(cfg.headroom_max_node_share * index.n_schedulable))
     budget_h = cfg.displacement_budget_share * sum(index.capacity_gpus.values())
     used_h = displacement_used_h(recent, p.now)
     since = p.now - cfg.anti_thrash_s

@@ -258,9 +258,11 @@ class _Static:
         cap: dict[str, int] = {}
         cpu = 0.0
         mem = 0
+        n_schedulable = 0
         for n in nodes.values():
             if not n.schedulable:
                 continue
+            n_schedulable += 1
             t = n.gpu_type
             cap[t] = cap.get(t, 0) + n.total_gpus
             cpu += n.cpu_total
@@ -268,6 +270,7 @@ class _Static:
         self.capacity_gpus = cap
         self.capacity_cpu = cpu
         self.capacity_memory_mb = mem
+        self.n_schedulable = n_schedulable
         self.gpu_types: tuple[str, ...] = tuple(sorted(cap))
         self._groups: dict[tuple[str, ...], ShapeGroups] = {}
         self.accepting: dict[tuple[object, ...], Accepting] = {}
@@ -341,6 +344,8 @@ class FreeIndex:
         self.capacity_gpus: dict[str, int] = static.capacity_gpus
         self.capacity_cpu = static.capacity_cpu
         self.capacity_memory_mb = static.capacity_memory_mb
+        self.n_schedulable: int = static.n_schedulable
+        """How many nodes are schedulable (a static fact: no count per pass)."""
         self._lists: dict[tuple[str, SelectorKey], list[tuple[int, str]]] = {
             (t, ()): keys for t, keys in lists.items()
         }
