@@ -347,12 +347,19 @@ class _Drains:
             nodes = self._nodes[gpu_type] = []
             for nid, node in index.nodes.items():
                 if node.gpu_type == gpu_type and node.schedulable:
-                    attempts = by_node.get(nid, ())
+                    attempts = by_node.get(nid)
+                    if attempts is None:
+                        nodes.append((nid, node.total_gpus, (), 0.0))
+                        continue
                     # now - min(start) == max(now - start): rounding is monotonic
-                    if len(attempts) > 1:
-                        age = now - min([r.started_at_s for _, r in attempts])
+                    n = len(attempts)
+                    if n == 1:
+                        age = now - attempts[0][1].started_at_s
+                    elif n == 2:  # (``min`` of two, without the call: the same value)
+                        a, b = attempts[0][1].started_at_s, attempts[1][1].started_at_s
+                        age = now - (b if b < a else a)
                     else:
-                        age = now - attempts[0][1].started_at_s if attempts else 0.0
+                        age = now - min([r.started_at_s for _, r in attempts])
                     nodes.append((nid, node.total_gpus, attempts, age))
         inf = math.inf
         # ``index.visible_free`` inlined (a node never changed in this pass has no entry)

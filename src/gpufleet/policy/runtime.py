@@ -82,22 +82,18 @@ class RunningIndex:
                     runs.reverse()
             elif n > 2:
                 runs.sort(key=_end_key)
-        self._by_end: list[tuple[float, str, int]] | None = None
+        self._by_end: list[tuple[float, RunningJob]] | None = None
 
     @property
-    def by_end(self) -> list[tuple[float, str, int]]:
-        """Every attempt with a known end as ``(estimated end, node_id, gpu_count)``, sorted
-        by end (attempts ending at the same instant in no particular order: the one reader,
+    def by_end(self) -> list[tuple[float, RunningJob]]:
+        """Every attempt with a known end as its ``by_node`` entry ``(estimated end,
+        attempt)`` (the same tuples: no copy per attempt), sorted by end (attempts ending at
+        the same instant in no particular order: the one reader,
         ``backfill.find_reservation``, takes every attempt of an instant together): the
         fleet-wide order in which GPUs free up (built on first use, once per pass)."""
         if self._by_end is None:
             inf = math.inf
-            ends = [
-                (end, r.node_id, r.gpu_count)
-                for runs in self.by_node.values()
-                for end, r in runs
-                if end != inf
-            ]
+            ends = [e for runs in self.by_node.values() for e in runs if e[0] != inf]
             ends.sort(key=itemgetter(0))
             self._by_end = ends
         return self._by_end
