@@ -293,10 +293,6 @@ class _Drains:
         """Rankings computed ahead (with another size of their type), not asked for yet."""
         self._accepted: dict[tuple[object, ...], list[DrainKey] | _Accepted] = {}
         self._cursor: dict[tuple[object, ...], int] = {}
-        self._nodes: dict[
-            str, list[tuple[str, int, Sequence[tuple[float, RunningJob]], float]]
-        ] = {}
-        """GPU type -> its schedulable nodes: (id, GPUs, attempts by end, oldest's age)."""
         self._accepts: dict[tuple[str, int], tuple[tuple[object, ...], Accepting]] = {}
 
     def held(self) -> None:
@@ -338,59 +334,58 @@ class _Drains:
         """``_drain_key`` of the schedulable nodes of ``gpu_type`` with ``need`` GPUs for a
         job without GPUs held for it, sorted, for each of ``needs`` (ascending) in one walk
         of the nodes (the same figures: the start walked inline, each node's attempts walked
-        once for every size, and its oldest attempt looked up once)."""
+        once for every size, and its oldest attempt looked up once; the nodes of the type
+        come from the fleet's shape groups, not from a scan of every node)."""
         p = self._p
         index, now = p.index, p.now
-        nodes = self._nodes.get(gpu_type)
-        if nodes is None:
-            by_node = p.running.by_node
-            nodes = self._nodes[gpu_type] = []
-            for nid, node in index.nodes.items():
-                if node.gpu_type == gpu_type and node.schedulable:
-                    attempts = by_node.get(nid)
-                    if attempts is None:
-                        nodes.append((nid, node.total_gpus, (), 0.0))
-                        continue
-                    # now - min(start) == max(now - start): rounding is monotonic
-                    n = len(attempts)
-                    if n == 1:
-                        age = now - attempts[0][1].started_at_s
-                    elif n == 2:  # (``min`` of two, without the call: the same value)
-                        a, b = attempts[0][1].started_at_s, attempts[1][1].started_at_s
-                        age = now - (b if b < a else a)
-                    else:
-                        age = now - min([r.started_at_s for _, r in attempts])
-                    nodes.append((nid, node.total_gpus, attempts, age))
+        by_node = p.running.by_node
         inf = math.inf
         # ``index.visible_free`` inlined (a node never changed in this pass has no entry)
         changed = index.changed_nodes()
         states = index.nodes
         outs: list[tuple[int, list[DrainKey]]] = [(need, []) for need in needs]
-        for nid, total, runs, age in nodes:
-            fn = changed.get(nid)
-            free = fn.visible if fn is not None else states[nid].free_gpus
-            avail = free
-            j = 0
-            n_runs = len(runs)
-            end = now
-            for need, out in outs:
-                if total < need:
-                    break  # (sizes ascending: no larger one fits either)
-                if free >= need:
-                    start = now
-                    short = 0
+        # (the nodes in shape order, not node order: every key ends with its node id)
+        for rep, ids in index.schedulable_shapes(gpu_type):
+            total = rep.total_gpus
+            for nid in ids:
+                runs = by_node.get(nid)
+                if runs is None:
+                    runs = []
+                    age = 0.0
                 else:
-                    short = need - free
-                    # the walk of the smaller sizes goes on: GPUs free up in end order
-                    while avail < need and j < n_runs:
-                        end, run = runs[j]
-                        if end == inf:
-                            j = n_runs
-                            break
-                        avail += run.gpu_count
-                        j += 1
-                    start = end if avail >= need else inf
-                out.append((start, age, short, total - free, nid))
+                    # now - min(start) == max(now - start): rounding is monotonic
+                    n_runs = len(runs)
+                    if n_runs == 1:
+                        age = now - runs[0][1].started_at_s
+                    elif n_runs == 2:  # (``min`` of two, without the call: the same value)
+                        a, b = runs[0][1].started_at_s, runs[1][1].started_at_s
+                        age = now - (b if b < a else a)
+                    else:
+                        age = now - min([r.started_at_s for _, r in runs])
+                fn = changed.get(nid)
+                free = fn.visible if fn is not None else states[nid].free_gpus
+                avail = free
+                j = 0
+                n_runs = len(runs)
+                end = now
+                for need, out in outs:
+                    if total < need:
+                        break  # (sizes ascending: no larger one fits either)
+                    if free >= need:
+                        start = now
+                        short = 0
+                    else:
+                        short = need - free
+                        # the walk of the smaller sizes goes on: GPUs free up in end order
+                        while avail < need and j < n_runs:
+                            end, run = runs[j]
+                            if end == inf:
+                                j = n_runs
+                                break
+                            avail += run.gpu_count
+                            j += 1
+                        start = end if avail >= need else inf
+                    out.append((start, age, short, total - free, nid))
         for _, out in outs:
             out.sort()
         return dict(outs)

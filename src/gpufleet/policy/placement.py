@@ -456,6 +456,13 @@ class FreeIndex:
         static.accepting[key] = hit
         return hit
 
+    def schedulable_shapes(self, gpu_type: str) -> list[tuple[NodeState, list[str]]]:
+        """The schedulable nodes of ``gpu_type`` as (a node of the shape, its node ids) per
+        shape (without labels), in shape order (read only)."""
+        g = self._static.groups(())
+        reps = g.reps
+        return [reps[i] for i in g.by_type.get(gpu_type, ())]
+
     def fits_schedulable(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether a schedulable node (ignoring what is free) could hold it."""
         return bool(self.accepting(res, selector))
