@@ -246,9 +246,10 @@ class VictimSearch:
         best: tuple[SetCost, str, list[RunningJob]] | None = None
         # ``_node_ok`` by shape: the schedulable nodes of ``gpu_type`` that accept the job
         accepting = index.accepting(job.resources, job.node_selector, gpu_type)
+        of, shapes = accepting.groups_of(), accepting.shapes  # (``in accepting``, inlined)
         shadows = index.shadows  # (do not undo a backfill reservation)
         for node_id in self._sorted_candidates(job.team_id, reason):
-            if node_id not in accepting or node_id in shadows:
+            if of.get(node_id) not in shapes or node_id in shadows:
                 continue
             plan = self._plan(job, index, node_id, need, reason)
             if plan is None:
