@@ -206,6 +206,14 @@ class VictimSearch:
             runs = self._nodes_of(job.team_id).get(node_id, ())
         held = index.held_node_for(job.job_id, node_id)
         free = (held.free_gpus if held is not None else index.visible_free(node_id)) + freed
+        if free < need:
+            # (when all the node's candidates could not free enough, the eligible ones
+            # cannot either: no eligibility test per attempt)
+            total = free
+            for r in runs:
+                total += r.gpu_count
+            if total < need:
+                return None
         cands = [r for r in runs if self._eligible(r, job, reason)]
         if free + sum(r.gpu_count for r in cands) < need:
             return None
