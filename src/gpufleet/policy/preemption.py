@@ -97,6 +97,7 @@ class VictimSearch:
         self._team_nodes: dict[str, dict[str, list[RunningJob]]] = {}
         self._borrowed_nodes: dict[str, list[RunningJob]] = {}
         self._sorted: dict[tuple[bool, str], list[str]] = {}
+        self._gpus: dict[tuple[bool, str], dict[str, int]] = {}
         self._end: dict[str, float] | None = None
         """Estimated end of every attempt (the srtf ground compares remaining times; built on
         first use)."""
@@ -154,6 +155,18 @@ class VictimSearch:
             hit = self._sorted[key] = sorted(
                 self._borrowed_nodes if reason == "reclaim" else self._nodes_of(team_id)
             )
+        return hit
+
+    def _candidate_gpus(self, team_id: str, reason: str) -> dict[str, int]:
+        """GPUs of the candidate victims per node (as ``_sorted_candidates``; once per pass
+        and team)."""
+        key = (reason == "reclaim", "" if reason == "reclaim" else team_id)
+        hit = self._gpus.get(key)
+        if hit is None:
+            by_node = self._borrowed_nodes if reason == "reclaim" else self._nodes_of(team_id)
+            hit = self._gpus[key] = {
+                node_id: sum(r.gpu_count for r in runs) for node_id, runs in by_node.items()
+            }
         return hit
 
     def _ends(self) -> dict[str, float]:
@@ -256,8 +269,19 @@ class VictimSearch:
         accepting = index.accepting(job.resources, job.node_selector, gpu_type)
         of, shapes = accepting.groups_of(), accepting.shapes  # (``in accepting``, inlined)
         shadows = index.shadows  # (do not undo a backfill reservation)
+        changed, nodes, job_id = index.changed_nodes(), index.nodes, job.job_id
+        gpus = self._candidate_gpus(job.team_id, reason)
         for node_id in self._sorted_candidates(job.team_id, reason):
             if of.get(node_id) not in shapes or node_id in shadows:
+                continue
+            # ``_plan``'s first test inlined: the GPUs free for the job there (its own hold
+            # included; the node is schedulable) plus every candidate's must reach the need
+            fn = changed.get(node_id)
+            if fn is None:
+                free = nodes[node_id].free_gpus
+            else:
+                free = fn.free_gpus if fn.holder == job_id else fn.visible
+            if free + gpus[node_id] < need:
                 continue
             plan = self._plan(job, index, node_id, need, reason)
             if plan is None:
