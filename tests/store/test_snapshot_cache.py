@@ -31,6 +31,7 @@ from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule, sorted_queues
 from gpufleet.policy.decisions import Preempt
+from gpufleet.policy.placement import FleetIndex
 from gpufleet.policy.snapshot import ClusterSnapshot
 from gpufleet.services import jobctl, nodes, preemption, runs
 from gpufleet.services.jobs import cancel_job, submit_job
@@ -66,8 +67,35 @@ def normalized(snap: ClusterSnapshot) -> dict[str, Any]:
     }
 
 
+def assert_indexed(snap: ClusterSnapshot) -> None:
+    """The cache's FleetIndex, kept across refreshes, describes exactly ``snap.nodes``: the
+    free lists, the kept label buckets and the static facts of one built from scratch."""
+    kept = snap.fleet_index
+    assert kept is not None
+    fresh = FleetIndex(snap.nodes)
+    assert list(kept.nodes.items()) == list(fresh.nodes.items())
+    assert {t: keys for t, keys in kept.lists.items() if keys} == fresh.lists
+    assert {t: n for t, n in kept.free_by_type.items() if n} == fresh.free_by_type
+    for t, label in kept.buckets:
+        fresh.bucket(t, label)
+        assert {v: keys for v, keys in kept.buckets[(t, label)].items() if keys} == (
+            fresh.buckets[(t, label)]
+        )
+    k, f = kept.static, fresh.static
+    assert (k.capacity_gpus, k.capacity_cpu, k.capacity_memory_mb, k.n_schedulable) == (
+        f.capacity_gpus,
+        f.capacity_cpu,
+        f.capacity_memory_mb,
+        f.n_schedulable,
+    )
+    assert [(n.node_id, every, sched) for n, every, sched in k.shape_counts(True)] == [
+        (n.node_id, every, sched) for n, every, sched in f.shape_counts(True)
+    ]
+
+
 def assert_same(incremental: ClusterSnapshot, full: ClusterSnapshot) -> None:
     assert normalized(incremental) == normalized(full)
+    assert_indexed(incremental)
     for team, state in full.teams.items():
         assert math.isclose(
             incremental.teams[team].usage_gpu_s, state.usage_gpu_s, rel_tol=1e-9, abs_tol=1e-6

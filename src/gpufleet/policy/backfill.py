@@ -115,9 +115,10 @@ def find_reservation(
     ready = list(avail)
     start: float | None = now_s if ready else None
     never = -(1 << 62)
-    for end, node_id, gpus in running.by_end:
+    for end, run in running.by_end:
         if start is not None and end > start:
             break
+        node_id, gpus = run.node_id, run.gpu_count
         a = avail.get(node_id)
         if a is None:
             a = free_for_job(node_id) if candidate(node_id) else never

@@ -193,9 +193,8 @@ class _Pass:
         self.n_reservations = 0
         self.max_reservations = cfg.max_reservations
         if cfg.nodes_per_reservation > 0:
-            schedulable = sum(1 for n in snapshot.nodes if n.schedulable)
             self.max_reservations = max(
-                cfg.max_reservations, schedulable // cfg.nodes_per_reservation
+                cfg.max_reservations, self.index.n_schedulable // cfg.nodes_per_reservation
             )
         self.reserved_sizes: set[int] = set()
         """GPU counts of the jobs holding a reservation in this pass: a later blocked job

@@ -227,6 +227,48 @@ class _Without:
         return node_id in self.base and node_id not in self.excluded
 
 
+class _Accepted:
+    """A drain ranking restricted to the nodes of some shapes, filtered only as far as it is
+    read (shield searches read a few nodes past their cursor, not the whole ranking)."""
+
+    __slots__ = ("_of", "_pos", "_shapes", "_src", "got")
+
+    def __init__(self, src: list[DrainKey], of: Mapping[str, int], shapes: set[int]) -> None:
+        self.got: list[DrainKey] = []
+        self._src = src
+        self._pos = 0
+        self._of = of
+        self._shapes = shapes
+
+    def more(self) -> bool:
+        """Append the next accepted key to ``got``; False at the end of the ranking."""
+        src, of, shapes = self._src, self._of, self._shapes
+        i, n = self._pos, len(src)
+        while i < n:
+            k = src[i]
+            i += 1
+            if of.get(k[4]) in shapes:
+                self.got.append(k)
+                self._pos = i
+                return True
+        self._pos = n
+        return False
+
+    def has(self, i: int) -> bool:
+        """Whether the filtered ranking has a key at position ``i``."""
+        got = self.got
+        while i >= len(got):
+            if not self.more():
+                return False
+        return True
+
+    def iter_from(self, i: int) -> Iterator[DrainKey]:
+        got = self.got
+        while i < len(got) or self.more():
+            yield got[i]
+            i += 1
+
+
 class _Drains:
     """Nodes by how soon they drain for ``need`` GPUs of a type, computed once per pass and
     (type, need): the order does not depend on the job (jobs waiting for a preemption, the
@@ -234,75 +276,119 @@ class _Drains:
 
     ``taken`` is :func:`protect`'s set of nodes chosen in this pass (it only grows): a taken
     node is never usable again, so each ranking keeps a cursor past its taken prefix and a
-    search does not walk the nodes earlier jobs took (it did, quadratic in shields)."""
+    search does not walk the nodes earlier jobs took (it did, quadratic in shields).
 
-    def __init__(self, p: PassView, taken: set[str]) -> None:
+    ``needs``: per GPU type, the sizes the pass's large waiting jobs may ask for: the first
+    ranking asked for a type is computed for all of them in one walk of the type's nodes.
+    A ranking made that way but not asked for yet is dropped when the pass holds GPUs
+    (``held``), so each ranking still reads the free GPUs of the moment it is first asked for.
+    """
+
+    def __init__(self, p: PassView, taken: set[str], needs: Mapping[str, set[int]]) -> None:
         self._p = p
         self._taken = taken
+        self._needs = needs
         self._ranked: dict[tuple[str, int], list[DrainKey]] = {}
-        self._accepted: dict[tuple[object, ...], list[DrainKey]] = {}
+        self._unread: set[tuple[str, int]] = set()
+        """Rankings computed ahead (with another size of their type), not asked for yet."""
+        self._accepted: dict[tuple[object, ...], list[DrainKey] | _Accepted] = {}
         self._cursor: dict[tuple[object, ...], int] = {}
-        self._nodes: dict[
-            str, list[tuple[str, int, Sequence[tuple[float, RunningJob]], float]]
-        ] = {}
-        """GPU type -> its schedulable nodes: (id, GPUs, attempts by end, oldest's age)."""
         self._accepts: dict[tuple[str, int], tuple[tuple[object, ...], Accepting]] = {}
+
+    def held(self) -> None:
+        """The pass held GPUs (a defragmentation): rankings computed ahead are stale."""
+        for key in self._unread:
+            del self._ranked[key]
+        self._unread.clear()
 
     def ranked(self, job: PendingJob, gpu_type: str, need: int) -> list[DrainKey]:
         key = (gpu_type, need)
+        p = self._p
         hit = self._ranked.get(key)
+        if hit is not None and key in self._unread:
+            self._unread.discard(key)
+            if p.index.holding.get(job.job_id):
+                hit = None  # (asked first by a job with GPUs of its own: ranked for it)
         if hit is None:
-            p = self._p
             if p.index.holding.get(job.job_id):
                 hit = sorted(
                     _drain_key(p, job, nid, need)
                     for nid, node in p.index.nodes.items()
                     if node.gpu_type == gpu_type and node.schedulable and node.total_gpus >= need
                 )
+                self._ranked[key] = hit
             else:
-                hit = self._keys(gpu_type, need)
-            self._ranked[key] = hit
+                ranked = self._ranked
+                sizes = {need}
+                for n in self._needs.get(gpu_type, ()):
+                    if (gpu_type, n) not in ranked:
+                        sizes.add(n)
+                for n, keys in self._keys(gpu_type, sorted(sizes)).items():
+                    self._ranked[(gpu_type, n)] = keys
+                    if n != need:
+                        self._unread.add((gpu_type, n))
+                hit = self._ranked[key]
         return hit
 
-    def _keys(self, gpu_type: str, need: int) -> list[DrainKey]:
+    def _keys(self, gpu_type: str, needs: list[int]) -> dict[int, list[DrainKey]]:
         """``_drain_key`` of the schedulable nodes of ``gpu_type`` with ``need`` GPUs for a
-        job without GPUs held for it, sorted (the same figures: the start walked inline, and
-        each node's attempts and oldest attempt looked up once for every size)."""
+        job without GPUs held for it, sorted, for each of ``needs`` (ascending) in one walk
+        of the nodes (the same figures: the start walked inline, each node's attempts walked
+        once for every size, and its oldest attempt looked up once; the nodes of the type
+        come from the fleet's shape groups, not from a scan of every node)."""
         p = self._p
         index, now = p.index, p.now
-        nodes = self._nodes.get(gpu_type)
-        if nodes is None:
-            by_node = p.running.by_node
-            nodes = self._nodes[gpu_type] = []
-            for nid, node in index.nodes.items():
-                if node.gpu_type == gpu_type and node.schedulable:
-                    attempts = by_node.get(nid, ())
-                    # now - min(start) == max(now - start): rounding is monotonic
-                    age = now - min([r.started_at_s for _, r in attempts]) if attempts else 0.0
-                    nodes.append((nid, node.total_gpus, attempts, age))
+        by_node = p.running.by_node
         inf = math.inf
         # ``index.visible_free`` inlined (a node never changed in this pass has no entry)
         changed = index.changed_nodes()
-        out: list[DrainKey] = []
-        for nid, total, runs, age in nodes:
-            if total < need:
-                continue
-            fn = changed.get(nid)
-            free = fn.visible if fn is not None else index.nodes[nid].free_gpus
-            start = now
-            if free < need:
-                start = inf
+        states = index.nodes
+        outs: list[tuple[int, list[DrainKey]]] = [(need, []) for need in needs]
+        # (the nodes in shape order, not node order: every key ends with its node id)
+        for rep, ids in index.schedulable_shapes(gpu_type):
+            total = rep.total_gpus
+            for nid in ids:
+                runs = by_node.get(nid)
+                if runs is None:
+                    runs = []
+                    age = 0.0
+                else:
+                    # now - min(start) == max(now - start): rounding is monotonic
+                    n_runs = len(runs)
+                    if n_runs == 1:
+                        age = now - runs[0][1].started_at_s
+                    elif n_runs == 2:  # (``min`` of two, without the call: the same value)
+                        a, b = runs[0][1].started_at_s, runs[1][1].started_at_s
+                        age = now - (b if b < a else a)
+                    else:
+                        age = now - min([r.started_at_s for _, r in runs])
+                fn = changed.get(nid)
+                free = fn.visible if fn is not None else states[nid].free_gpus
                 avail = free
-                for end, run in runs:
-                    if end == inf:
-                        break
-                    avail += run.gpu_count
-                    if avail >= need:
-                        start = end
-                        break
-            out.append((start, age, max(0, need - free), total - free, nid))
-        out.sort()
-        return out
+                j = 0
+                n_runs = len(runs)
+                end = now
+                for need, out in outs:
+                    if total < need:
+                        break  # (sizes ascending: no larger one fits either)
+                    if free >= need:
+                        start = now
+                        short = 0
+                    else:
+                        short = need - free
+                        # the walk of the smaller sizes goes on: GPUs free up in end order
+                        while avail < need and j < n_runs:
+                            end, run = runs[j]
+                            if end == inf:
+                                j = n_runs
+                                break
+                            avail += run.gpu_count
+                            j += 1
+                        start = end if avail >= need else inf
+                    out.append((start, age, short, total - free, nid))
+        for _, out in outs:
+            out.sort()
+        return dict(outs)
 
     def _accepting(self, job: PendingJob, need: int) -> tuple[tuple[object, ...], Accepting]:
         """The nodes whose shape accepts ``need`` GPUs of ``job`` and the request's key."""
@@ -327,10 +413,16 @@ class _Drains:
             keys = self.ranked(job, gpu_type, need)
             of, shapes = acc.groups_of(), acc.shapes
             if any(of_type not in shapes for of_type in acc.type_shapes(gpu_type)):
-                keys = [k for k in keys if of.get(k[4]) in shapes]
+                keys = _Accepted(keys, of, shapes)
             self._accepted[key] = keys
         i = self._cursor.get(key, 0)
         taken = self._taken
+        if isinstance(keys, _Accepted):
+            got = keys.got
+            while keys.has(i) and got[i][4] in taken:
+                i += 1
+            self._cursor[key] = i
+            return keys.iter_from(i)
         n = len(keys)
         while i < n and keys[i][4] in taken:
             i += 1
@@ -375,14 +467,19 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
     if not jobs:
         return out
     index = p.index
-    n_sched = sum(1 for n in index.nodes.values() if n.schedulable)
-    max_nodes = max(1, int(cfg.headroom_max_node_share * n_sched))
+    max_nodes = max(1, int(cfg.headroom_max_node_share * index.n_schedulable))
     budget_h = cfg.displacement_budget_share * sum(index.capacity_gpus.values())
     used_h = displacement_used_h(recent, p.now)
     since = p.now - cfg.anti_thrash_s
     recently = {d.job_id for d in recent if d.at_s > since}
     taken: set[str] = set()
-    drains = _Drains(p, taken)
+    needs: dict[str, set[int]] = {}
+    for _, job in jobs:
+        for t in job.resources.gpu_types or index.gpu_types:
+            members = _members(p, job, t)
+            if members is not None:
+                needs.setdefault(t, set()).update(members)
+    drains = _Drains(p, taken, needs)
     prev = p.prev_shields
     # nodes that waiting jobs shielded last pass: a fresh shield does not take another's
     prev_nodes = {nid for nids in prev.values() for nid in nids}
@@ -425,6 +522,7 @@ def protect(p: PassView, recent: Sequence[Displacement] | None) -> Shielded:
                         cost, node_id, chosen = plan
                         used_h += cost[2] / 3600.0
                         _defragment(p, job, node_id, members[0], chosen)
+                        drains.held()
                         taken.add(node_id)
                         break
             if cfg.headroom_wait_s is None or wait < cfg.headroom_wait_s:

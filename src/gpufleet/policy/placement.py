@@ -182,23 +182,39 @@ def labels_shape_key(n: NodeState, label_keys: tuple[str, ...]) -> ShapeKey:
 class ShapeGroups:
     """Schedulable nodes grouped by shape (``labels_shape_key``: the static fields and the
     values of the labels ``label_keys`` only, so a selector on a zone does not split the
-    fleet into a shape per rack)."""
+    fleet into a shape per rack).
+
+    ``static``: the grouping of the same nodes without labels (``label_keys`` empty), when
+    built already: a node's shape is then its static shape's position there and the label
+    values, no shape fields read again (the same groups, in the same order)."""
 
     __slots__ = ("by_type", "of", "reps")
 
-    def __init__(self, nodes: Mapping[str, NodeState], label_keys: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        nodes: Mapping[str, NodeState],
+        label_keys: tuple[str, ...],
+        static: ShapeGroups | None = None,
+    ) -> None:
         self.reps: list[tuple[NodeState, list[str]]] = []
         """Per shape: a node of the shape, and every node id of it (in node order)."""
         self.of: dict[str, int] = {}
         """Schedulable node id -> its shape (position in ``reps``)."""
         self.by_type: dict[str, list[int]] = {}
         """GPU type -> its shapes."""
-        pos: dict[ShapeKey, int] = {}
+        pos: dict[object, int] = {}
         reps, of = self.reps, self.of
+        static_of = static.of if static is not None and label_keys else None
         for n in nodes.values():
             if not n.schedulable:
                 continue
-            k = labels_shape_key(n, label_keys)
+            if not label_keys:
+                k: object = _static_shape(n)  # (``labels_shape_key`` less its empty tuple)
+            elif static_of is None:
+                k = labels_shape_key(n, label_keys)
+            else:
+                labels = n.labels
+                k = (static_of[n.node_id], *[labels.get(x) for x in label_keys])
             i = pos.get(k)
             if i is None:
                 i = pos[k] = len(reps)
@@ -258,9 +274,11 @@ class _Static:
         cap: dict[str, int] = {}
         cpu = 0.0
         mem = 0
+        n_schedulable = 0
         for n in nodes.values():
             if not n.schedulable:
                 continue
+            n_schedulable += 1
             t = n.gpu_type
             cap[t] = cap.get(t, 0) + n.total_gpus
             cpu += n.cpu_total
@@ -268,6 +286,7 @@ class _Static:
         self.capacity_gpus = cap
         self.capacity_cpu = cpu
         self.capacity_memory_mb = mem
+        self.n_schedulable = n_schedulable
         self.gpu_types: tuple[str, ...] = tuple(sorted(cap))
         self._groups: dict[tuple[str, ...], ShapeGroups] = {}
         self.accepting: dict[tuple[object, ...], Accepting] = {}
@@ -280,7 +299,8 @@ class _Static:
     def groups(self, label_keys: tuple[str, ...]) -> ShapeGroups:
         g = self._groups.get(label_keys)
         if g is None:
-            g = self._groups[label_keys] = ShapeGroups(self.nodes, label_keys)
+            static = self.groups(()) if label_keys else None
+            g = self._groups[label_keys] = ShapeGroups(self.nodes, label_keys, static)
         return g
 
     def shapes(self) -> list[NodeState]:
@@ -341,6 +361,8 @@ class FreeIndex:
         self.capacity_gpus: dict[str, int] = static.capacity_gpus
         self.capacity_cpu = static.capacity_cpu
         self.capacity_memory_mb = static.capacity_memory_mb
+        self.n_schedulable: int = static.n_schedulable
+        """How many nodes are schedulable (a static fact: no count per pass)."""
         self._lists: dict[tuple[str, SelectorKey], list[tuple[int, str]]] = {
             (t, ()): keys for t, keys in lists.items()
         }
@@ -433,6 +455,13 @@ class FreeIndex:
             static.accepting.clear()
         static.accepting[key] = hit
         return hit
+
+    def schedulable_shapes(self, gpu_type: str) -> list[tuple[NodeState, list[str]]]:
+        """The schedulable nodes of ``gpu_type`` as (a node of the shape, its node ids) per
+        shape (without labels), in shape order (read only)."""
+        g = self._static.groups(())
+        reps = g.reps
+        return [reps[i] for i in g.by_type.get(gpu_type, ())]
 
     def fits_schedulable(self, res: Resources, selector: Mapping[str, str]) -> bool:
         """Whether a schedulable node (ignoring what is free) could hold it."""

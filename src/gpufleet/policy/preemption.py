@@ -26,7 +26,7 @@ Exact minimum cost is a knapsack; the greedy+prune set is what a human operator 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpufleet.domain.types import Resources
@@ -77,59 +77,103 @@ class VictimSearch:
         self.borrowed: set[str] = set()
         # Gangs: every member of a multi-node attempt, by job id (a gang is one unit).
         self._gangs: dict[str, list[RunningJob]] = {}
-        per_team_type: dict[tuple[str, str], list[RunningJob]] = {}
-        # Candidate victims indexed so a search visits only nodes that have some:
-        # borrowed attempts by node (reclaim), a team's attempts by node (priority).
-        self._team_nodes: dict[str, dict[str, list[RunningJob]]] = {}
-        self._borrowed_nodes: dict[str, list[RunningJob]] = {}
-        self._end: dict[str, float] = {}
-        """Estimated end of every attempt (the srtf ground compares remaining times)."""
-        ends, team_nodes = self._end, self._team_nodes
+        # Every attempt by team, in the running index's order (node, then end): one cheap
+        # grouping; the per-team indexes below are built from it only when a search asks.
+        by_team: dict[str, list[RunningJob]] = {}
+        self._by_team = by_team
+        gangs = self._gangs
         for node_runs in running.by_node.values():
-            for end, r in node_runs:
-                ends[r.run_id] = end
-                tt = (r.team_id, r.gpu_type)
-                same = per_team_type.get(tt)
+            for _, r in node_runs:
+                same = by_team.get(r.team_id)
                 if same is None:
-                    per_team_type[tt] = [r]
+                    by_team[r.team_id] = [r]
                 else:
                     same.append(r)
                 if r.gang_size > 1:
-                    self._gangs.setdefault(r.job_id, []).append(r)
+                    gangs.setdefault(r.job_id, []).append(r)
+        # Candidate victims indexed so a search visits only nodes that have some:
+        # borrowed attempts by node (reclaim), a team's attempts by node (priority; built on
+        # the team's first search).
+        self._team_nodes: dict[str, dict[str, list[RunningJob]]] = {}
+        self._borrowed_nodes: dict[str, list[RunningJob]] = {}
+        self._sorted: dict[tuple[bool, str], list[str]] = {}
+        self._gpus: dict[tuple[bool, str], dict[str, int]] = {}
+        self._end: dict[str, float] | None = None
+        """Estimated end of every attempt (the srtf ground compares remaining times; built on
+        first use)."""
+        for team_id, team_all in by_team.items():
+            types: dict[str, None] = {}
+            for r in team_all:
+                types[r.gpu_type] = None
+            for gpu_type in types:
+                excess = book.initial_excess(team_id, gpu_type)
+                if excess <= 0:
+                    continue
+                team_runs = [r for r in team_all if r.gpu_type == gpu_type]
+                team_runs.sort(key=lambda r: (r.started_at_s, r.run_id), reverse=True)
+                for r in team_runs:
+                    if excess <= 0:
+                        break
+                    if r.gang_size > 1:
+                        # A gang is borrowed (and reclaimed) as one unit: all its members.
+                        if r.run_id in self.borrowed:
+                            continue  # marked with an earlier member
+                        unit = self._gangs.get(r.job_id, [r])
+                        for m in unit:
+                            self.borrowed.add(m.run_id)
+                            if m.preemptible and not m.stopping:
+                                self._borrowed_nodes.setdefault(m.node_id, []).append(m)
+                        excess -= sum(m.gpu_count for m in unit)
+                        continue
+                    self.borrowed.add(r.run_id)
+                    if r.preemptible and not r.stopping:
+                        self._borrowed_nodes.setdefault(r.node_id, []).append(r)
+                    excess -= r.gpu_count
+        for runs in self._borrowed_nodes.values():
+            runs.sort(key=lambda r: r.run_id)
+
+    def _nodes_of(self, team_id: str) -> dict[str, list[RunningJob]]:
+        """The team's preemptible attempts not stopping, by node (built on first use)."""
+        by_node = self._team_nodes.get(team_id)
+        if by_node is None:
+            by_node = self._team_nodes[team_id] = {}
+            for r in self._by_team.get(team_id, ()):
                 if r.preemptible and not r.stopping:
-                    by_node = team_nodes.get(r.team_id)
-                    if by_node is None:
-                        by_node = team_nodes[r.team_id] = {}
                     on = by_node.get(r.node_id)
                     if on is None:
                         by_node[r.node_id] = [r]
                     else:
                         on.append(r)
-        for (team_id, gpu_type), team_runs in per_team_type.items():
-            excess = book.initial_excess(team_id, gpu_type)
-            if excess <= 0:
-                continue
-            team_runs.sort(key=lambda r: (r.started_at_s, r.run_id), reverse=True)
-            for r in team_runs:
-                if excess <= 0:
-                    break
-                if r.gang_size > 1:
-                    # A gang is borrowed (and reclaimed) as one unit: all its members.
-                    if r.run_id in self.borrowed:
-                        continue  # marked with an earlier member
-                    unit = self._gangs.get(r.job_id, [r])
-                    for m in unit:
-                        self.borrowed.add(m.run_id)
-                        if m.preemptible and not m.stopping:
-                            self._borrowed_nodes.setdefault(m.node_id, []).append(m)
-                    excess -= sum(m.gpu_count for m in unit)
-                    continue
-                self.borrowed.add(r.run_id)
-                if r.preemptible and not r.stopping:
-                    self._borrowed_nodes.setdefault(r.node_id, []).append(r)
-                excess -= r.gpu_count
-        for runs in self._borrowed_nodes.values():
-            runs.sort(key=lambda r: r.run_id)
+        return by_node
+
+    def _sorted_candidates(self, team_id: str, reason: str) -> list[str]:
+        """The nodes with candidate victims for ``reason`` (reclaim: borrowed attempts of any
+        team; else ``team_id``'s attempts), sorted (once per pass and team)."""
+        key = (reason == "reclaim", "" if reason == "reclaim" else team_id)
+        hit = self._sorted.get(key)
+        if hit is None:
+            hit = self._sorted[key] = sorted(
+                self._borrowed_nodes if reason == "reclaim" else self._nodes_of(team_id)
+            )
+        return hit
+
+    def _candidate_gpus(self, team_id: str, reason: str) -> dict[str, int]:
+        """GPUs of the candidate victims per node (as ``_sorted_candidates``; once per pass
+        and team)."""
+        key = (reason == "reclaim", "" if reason == "reclaim" else team_id)
+        hit = self._gpus.get(key)
+        if hit is None:
+            by_node = self._borrowed_nodes if reason == "reclaim" else self._nodes_of(team_id)
+            hit = self._gpus[key] = {
+                node_id: sum(r.gpu_count for r in runs) for node_id, runs in by_node.items()
+            }
+        return hit
+
+    def _ends(self) -> dict[str, float]:
+        if self._end is None:
+            by_node = self._running.by_node
+            self._end = {r.run_id: end for runs in by_node.values() for end, r in runs}
+        return self._end
 
     def _cost(self, r: RunningJob) -> VictimKey:
         since = (
@@ -172,14 +216,23 @@ class VictimSearch:
         if reason == "reclaim":
             runs = self._borrowed_nodes.get(node_id, ())
         else:
-            runs = self._team_nodes.get(job.team_id, {}).get(node_id, ())
+            runs = self._nodes_of(job.team_id).get(node_id, ())
         held = index.held_node_for(job.job_id, node_id)
         free = (held.free_gpus if held is not None else index.visible_free(node_id)) + freed
+        if free < need:
+            # (when all the node's candidates could not free enough, the eligible ones
+            # cannot either: no eligibility test per attempt)
+            total = free
+            for r in runs:
+                total += r.gpu_count
+            if total < need:
+                return None
         cands = [r for r in runs if self._eligible(r, job, reason)]
         if free + sum(r.gpu_count for r in cands) < need:
             return None
         if reason == "srtf":  # longest remaining first
-            cands.sort(key=lambda r: (-self._end[r.run_id], self._cost(r)))
+            ends = self._ends()
+            cands.sort(key=lambda r: (-ends[r.run_id], self._cost(r)))
         else:
             cands.sort(key=self._cost)
         chosen = fewest_victims(cands, free, need, self._cost)
@@ -212,12 +265,23 @@ class VictimSearch:
         victim is listed with all its members (any node): it stops as one unit."""
         need = job.resources.gpu_count
         best: tuple[SetCost, str, list[RunningJob]] | None = None
-        if reason == "reclaim":
-            candidates: Mapping[str, object] = self._borrowed_nodes
-        else:
-            candidates = self._team_nodes.get(job.team_id, {})
-        for node_id in sorted(candidates):
-            if not self._node_ok(job, index, node_id, gpu_type, job.resources):
+        # ``_node_ok`` by shape: the schedulable nodes of ``gpu_type`` that accept the job
+        accepting = index.accepting(job.resources, job.node_selector, gpu_type)
+        of, shapes = accepting.groups_of(), accepting.shapes  # (``in accepting``, inlined)
+        shadows = index.shadows  # (do not undo a backfill reservation)
+        changed, nodes, job_id = index.changed_nodes(), index.nodes, job.job_id
+        gpus = self._candidate_gpus(job.team_id, reason)
+        for node_id in self._sorted_candidates(job.team_id, reason):
+            if of.get(node_id) not in shapes or node_id in shadows:
+                continue
+            # ``_plan``'s first test inlined: the GPUs free for the job there (its own hold
+            # included; the node is schedulable) plus every candidate's must reach the need
+            fn = changed.get(node_id)
+            if fn is None:
+                free = nodes[node_id].free_gpus
+            else:
+                free = fn.free_gpus if fn.holder == job_id else fn.visible
+            if free + gpus[node_id] < need:
                 continue
             plan = self._plan(job, index, node_id, need, reason)
             if plan is None:
@@ -245,16 +309,12 @@ class VictimSearch:
         (``(free, node_id)`` that hold it without victims, cost zero, no decision) and the
         nodes where victims can free it. One ``Preempt`` per node that needs victims; None
         when some member finds no node (then nothing is marked taken)."""
-        if reason == "reclaim":
-            candidates: Mapping[str, object] = self._borrowed_nodes
-        else:
-            candidates = self._team_nodes.get(job.team_id, {})
         used: set[str] = set()
         plans: list[tuple[str, int, list[RunningJob]]] = []
         taken_before = set(self.taken)
         freed: dict[str, int] = {}
         free_sorted = sorted((nid, f) for f, nid in free_nodes)
-        cand_sorted = sorted(candidates)
+        cand_sorted = self._sorted_candidates(job.team_id, reason)
         # plans per (node, member size), recomputed only for nodes whose runs a choice took
         version: dict[str, int] = {}
         cache: dict[tuple[str, int], tuple[int, tuple[SetCost, list[RunningJob]] | None]] = {}
@@ -317,6 +377,6 @@ class VictimSearch:
             return (
                 r.team_id == job.team_id
                 and r.priority.rank <= job.priority.rank
-                and self._end[r.run_id] - self._now_s > remaining_s(job)
+                and self._ends()[r.run_id] - self._now_s > remaining_s(job)
             )
         return r.team_id == job.team_id and r.priority.rank < job.priority.rank

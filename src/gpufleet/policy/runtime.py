@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from operator import itemgetter
 
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.snapshot import RunningJob
@@ -65,30 +66,34 @@ class RunningIndex:
     def __init__(self, running: Iterable[RunningJob], now_s: float, config: PolicyConfig):
         by_node: dict[str, list[tuple[float, RunningJob]]] = {}
         self.by_node = by_node
+        end_of = estimated_end_s
         for r in running:
-            e = (estimated_end_s(r, now_s, config), r)
+            e = (end_of(r, now_s, config), r)
             runs = by_node.get(r.node_id)
             if runs is None:
                 by_node[r.node_id] = [e]
             else:
                 runs.append(e)
         for runs in by_node.values():
-            if len(runs) > 1:  # (most nodes run one or two attempts)
+            n = len(runs)
+            if n == 2:  # (most nodes run one or two attempts: no sort call for two)
+                a, b = runs
+                if a[0] > b[0] or (a[0] == b[0] and a[1].run_id > b[1].run_id):
+                    runs.reverse()
+            elif n > 2:
                 runs.sort(key=_end_key)
-        self._by_end: list[tuple[float, str, int]] | None = None
+        self._by_end: list[tuple[float, RunningJob]] | None = None
 
     @property
-    def by_end(self) -> list[tuple[float, str, int]]:
-        """Every attempt with a known end as ``(estimated end, node_id, gpu_count)``, sorted:
-        the fleet-wide order in which GPUs free up (built on first use, once per pass)."""
+    def by_end(self) -> list[tuple[float, RunningJob]]:
+        """Every attempt with a known end as its ``by_node`` entry ``(estimated end,
+        attempt)`` (the same tuples: no copy per attempt), sorted by end (attempts ending at
+        the same instant in no particular order: the one reader,
+        ``backfill.find_reservation``, takes every attempt of an instant together): the
+        fleet-wide order in which GPUs free up (built on first use, once per pass)."""
         if self._by_end is None:
             inf = math.inf
-            ends = [
-                (end, r.node_id, r.gpu_count)
-                for runs in self.by_node.values()
-                for end, r in runs
-                if end != inf
-            ]
-            ends.sort()
+            ends = [e for runs in self.by_node.values() for e in runs if e[0] != inf]
+            ends.sort(key=itemgetter(0))
             self._by_end = ends
         return self._by_end

@@ -37,6 +37,7 @@ from sqlalchemy.sql.elements import BindParameter
 
 from gpufleet.domain.states import JobStatus, ReservationStatus, RunStatus
 from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.placement import FleetIndex
 from gpufleet.policy.priority import QueueKey, queue_key
 from gpufleet.policy.snapshot import (
     BackfillReservation,
@@ -232,6 +233,10 @@ class SnapshotCache:
         self._backoff: set[str] = set()
         self._teams: dict[str, _Team] = {}
         self._nodes: dict[str, NodeState] = {}
+        self._fleet: FleetIndex | None = None
+        """Free lists and static facts of ``_nodes``, kept across passes as the simulator
+        keeps its own (``ClusterSnapshot.fleet_index``): changed nodes are re-indexed one by
+        one; None (made again at the next snapshot) after a node came or went."""
         self._runs: dict[str, RunningJob] = {}
         self._reserved_at_s: dict[str, float] = {}
         self._runs_of_job: dict[str, set[str]] = {}
@@ -376,6 +381,7 @@ class SnapshotCache:
         if int(next(iter(changes["count"]))) != len(self._nodes):
             # a node was deleted: read the nodes again
             self._nodes = {}
+            self._fleet = None
             jobs |= self._read_nodes(session, None)
         jobs |= self._read_pending(session, floor)
         jobs |= changes["run"]
@@ -402,9 +408,15 @@ class SnapshotCache:
             if old is None or old.gpu_type != node.gpu_type:
                 retyped.add(n.id)
             self._nodes[n.id] = node
+            if self._fleet is not None:
+                if old is None:
+                    self._fleet = None  # a new node: index them all again (in their order)
+                else:
+                    self._fleet.update(node)
         if ids is not None:
             for gone in ids - seen:
-                self._nodes.pop(gone, None)
+                if self._nodes.pop(gone, None) is not None:
+                    self._fleet = None
                 retyped.add(gone)
         if not retyped or not self._runs:
             return set()
@@ -593,6 +605,8 @@ class SnapshotCache:
             if team.frozen is None:
                 team.frozen = tuple(team.queue)
             queues[team_id] = team.frozen
+        if self._fleet is None:
+            self._fleet = FleetIndex(self._nodes.values())
         return ClusterSnapshot(
             now_s=now_s,
             nodes=tuple(self._nodes.values()),
@@ -603,6 +617,7 @@ class SnapshotCache:
             reservations=reservations,
             queues=queues,
             recent_displacements=displacements,
+            fleet_index=self._fleet,
         )
 
 

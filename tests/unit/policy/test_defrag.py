@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 from policy_builders import job, node, run, team
@@ -9,8 +10,9 @@ from policy_builders import snap as _snap
 
 from gpufleet.domain.types import PriorityClass as P
 from gpufleet.policy.config import PolicyConfig
-from gpufleet.policy.cycle import schedule
+from gpufleet.policy.cycle import _Pass, schedule
 from gpufleet.policy.decisions import HoldForBackfill, Place, Preempt
+from gpufleet.policy.defrag import _drain_key, _Drains
 from gpufleet.policy.snapshot import BackfillReservation, ClusterSnapshot, Displacement
 
 HOUR = 3600.0
@@ -352,3 +354,76 @@ class TestDefragment:
         r = schedule(replace(s, recent_displacements=None), CFG)
         assert not preempts(r)
         assert r.waiting["big"].code == "waiting_with_headroom"
+
+
+class TestDrainRankings:
+    """``_Drains`` makes the rankings of every size of a type in one walk (``_keys``): each
+    must equal the per-node ``_drain_key`` of every schedulable node of the type, sorted,
+    as of the moment the size is first asked for (a ranking made ahead of a hold is made
+    again after it)."""
+
+    @staticmethod
+    def fleet(seed: int) -> ClusterSnapshot:
+        rng = random.Random(seed)
+        nodes, running = [], []
+        for i in range(24):
+            gpu_type = ("A100", "H100")[i % 2]
+            total = rng.choice((4, 8))
+            used = rng.randint(0, total)
+            nodes.append(
+                node(
+                    f"n{i:02d}",
+                    total - used,
+                    total=total,
+                    gpu_type=gpu_type,
+                    schedulable=rng.random() > 0.1,
+                )
+            )
+            left, k = used, 0
+            while left:
+                g = min(left, rng.choice((1, 2, 4)))
+                ends = rng.choice((None, HOUR, 3 * HOUR, 0.5 * HOUR))
+                running.append(
+                    run(
+                        f"r{i}-{k}",
+                        f"n{i:02d}",
+                        gpus=g,
+                        gpu_type=gpu_type,
+                        started=rng.uniform(0, HOUR),
+                        expected_s=ends,
+                    )
+                )
+                left -= g
+                k += 1
+        return snap(nodes, [job("big", gpus=8, at=0.0)], running, now=2 * HOUR)
+
+    def expected(self, p: object, big: object, gpu_type: str, need: int) -> list[object]:
+        return sorted(
+            _drain_key(p, big, nid, need)  # type: ignore[arg-type]
+            for nid, n in p.index.nodes.items()  # type: ignore[attr-defined]
+            if n.gpu_type == gpu_type and n.schedulable and n.total_gpus >= need
+        )
+
+    def test_every_size_equals_the_per_node_keys_also_after_a_hold(self) -> None:
+        for seed in range(20):
+            s = self.fleet(seed)
+            p = _Pass(s, CFG)
+            big = s.pending[0]
+            drains = _Drains(p, set(), {"A100": {2, 4, 8}, "H100": {2, 4, 8}})
+            assert drains.ranked(big, "A100", 4) == self.expected(p, big, "A100", 4)
+            # a hold changes the free GPUs: sizes made ahead are made again when asked
+            held = next(
+                (
+                    nid
+                    for nid, n in p.index.nodes.items()
+                    if n.gpu_type == "A100" and n.schedulable and n.free_gpus > 0
+                ),
+                None,
+            )
+            if held is not None:
+                p.index.hold(held, "someone-else", 8)
+                drains.held()
+            for need in (2, 8):
+                assert drains.ranked(big, "A100", need) == self.expected(p, big, "A100", need)
+            for need in (8, 2, 4):
+                assert drains.ranked(big, "H100", need) == self.expected(p, big, "H100", need)
