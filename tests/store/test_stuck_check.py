@@ -4,6 +4,7 @@ columns (never a status), so no test waits."""
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 from sqlalchemy import update
@@ -44,7 +45,8 @@ def test_an_attempt_stopping_too_long_is_a_violation_naming_the_job(db: Database
     _age(db, r.run_id, "stop_requested_at", 61)
     ((inv, subject, severity, message),) = _findings(db)
     assert (inv, subject, severity) == (6, job_id, "violation")
-    assert r.run_id in message and "stopping for 61 s" in message
+    stopping = re.search(r"stopping for (\d+) s", message)
+    assert r.run_id in message and stopping and 61 <= int(stopping.group(1)) <= 63, message
     assert check_database(db)[1] == []  # without limits: invariants 1-4 only
 
 
@@ -55,7 +57,9 @@ def test_an_unconfirmed_attempt_past_the_confirm_timeout_is_a_warning(db: Databa
     _age(db, r.run_id, "created_at", 90)
     ((inv, subject, severity, message),) = _findings(db)
     assert (inv, subject, severity) == (6, job_id, "warning")
-    assert "unconfirmed for 90 s" in message
+    # aged 90 s in one transaction, read in the next: a loaded machine may add a second
+    found = re.search(r"unconfirmed for (\d+) s \(confirm timeout 30 s\)", message)
+    assert found and 90 <= int(found.group(1)) <= 92, message
 
 
 def test_gpus_held_for_a_run_the_agent_does_not_list_is_a_warning(db: Database) -> None:
