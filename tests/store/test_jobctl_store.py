@@ -8,7 +8,7 @@ import uuid
 import pytest
 from sqlalchemy import select
 
-from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
+from gpufleet.domain.errors import Conflict, IdempotencyKeyReused, NotFound, ValidationFailed
 from gpufleet.domain.types import JobSpec, Resources
 from gpufleet.services import jobctl, jobs
 from gpufleet.services.jobs import SubmitControl, submit_job
@@ -136,3 +136,18 @@ def test_array_with_the_longest_idempotency_key(db: Database) -> None:
     out = sub(db, key=key, array="0-999:100")
     assert len(out.job_ids) == 10  # type: ignore[attr-defined]
     assert sub(db, key=key, array="0-999:100").job_ids == out.job_ids  # type: ignore[attr-defined]
+
+
+def test_an_array_whose_task_key_is_another_jobs_key_is_a_conflict_naming_the_header(
+    db: Database,
+) -> None:
+    """Task i of an array is stored under ``key#i``; when an earlier job already has that key
+    the submission is a 409 naming Idempotency-Key (it was a 500), and nothing is written."""
+    create_team(db)
+    other = sub(db, key="k1#2")
+    with pytest.raises(IdempotencyKeyReused) as err:
+        sub(db, key="k1", array="0-3")
+    assert err.value.field == "Idempotency-Key" and other.job_id in str(err.value)
+    with db.read() as s:
+        keys = s.scalars(select(JobRow.idempotency_key)).all()
+    assert keys == ["k1#2"]

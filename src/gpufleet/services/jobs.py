@@ -584,10 +584,25 @@ def submit_job(
             for i in range(0, len(rows), 500):
                 session.execute(ins, rows[i : i + 500] if len(rows) > 1 else rows[0])
         return Submitted(ids[0], JobStatus.PENDING, True, array_id, tuple(ids) if array_id else ())
-    except IntegrityError:
+    except IntegrityError as err:
         # A concurrent retry with the same key committed first: answer with its job.
         with db.read() as session:
             found = existing(session)
+            taken = None
+            if found is None and array is not None:
+                # an array task's stored key (key#index) is another job's key
+                task_keys = [_task_key(idempotency_key, i) for i in array.indexes[1:]]
+                taken = session.execute(
+                    select(JobRow.idempotency_key, JobRow.id)
+                    .where(JobRow.team_id == team_id, JobRow.idempotency_key.in_(task_keys))
+                    .limit(1)
+                ).first()
+        if taken is not None:
+            raise IdempotencyKeyReused(
+                f"Idempotency-Key {idempotency_key!r}: array task key {taken[0]!r} is already "
+                f"the key of job {taken[1]}; use another key for this array",
+                field="Idempotency-Key",
+            ) from err
         if found is None:
             raise
         return found
