@@ -83,3 +83,43 @@ def test_every_member_succeeding_is_one_accepted_completion() -> None:
         done, runs=tuple(dataclasses.replace(r, rank=0) for r in done.runs)
     )
     assert 4 in codes(twice)
+
+
+def test_a_retried_gang_whose_rank_0_succeeded_each_time_is_not_two_results() -> None:
+    """Rank 1 failed in both attempts while rank 0 exited 0: the job FAILED, neither attempt
+    is a result (a new-user run of `gpufleet admin check` reported '2 accepted completions')."""
+    view = gang()
+
+    def attempt(token: int, rank1: str) -> tuple[RunView, ...]:
+        return (
+            dataclasses.replace(
+                view.runs[0],
+                run_id=f"a{token}r0",
+                token=token,
+                status="SUCCEEDED",
+                completion_accepted=True,
+            ),
+            dataclasses.replace(
+                view.runs[1],
+                run_id=f"a{token}r1",
+                token=token,
+                status=rank1,
+                completion_accepted=rank1 == "SUCCEEDED",
+            ),
+        )
+
+    ended = dataclasses.replace(
+        view,
+        jobs=(JobView("j1", "FAILED", "a2r0", 2),),
+        reservations=(),
+        nodes=tuple(dataclasses.replace(n, available_gpus=2, gpu_holders={}) for n in view.nodes),
+        runs=(*attempt(1, "FAILED"), *attempt(2, "FAILED")),
+    )
+    assert check_invariants(ended) == []
+    # a first attempt that was a whole result, then another one: two results
+    twice = dataclasses.replace(
+        ended,
+        jobs=(JobView("j1", "SUCCEEDED", "a2r0", 2),),
+        runs=(*attempt(1, "SUCCEEDED"), *attempt(2, "SUCCEEDED")),
+    )
+    assert codes(twice) == [4]

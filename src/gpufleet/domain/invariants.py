@@ -118,7 +118,8 @@ def check_invariants(view: InvariantView, stuck: StuckLimits | None = None) -> l
        ``gang_size`` of them; and it is all-or-nothing: fewer live members than
        ``gang_size`` only while a member is stopping (PREEMPTING) or has ended (the rest
        are then being stopped, or end on their own).
-    4. At most one accepted completion per job (a gang's: rank 0's).
+    4. At most one accepted completion per job (a gang's: an attempt whose members all
+       succeeded; rank 0's result).
     """
     out: list[Violation] = []
     active = [r for r in view.reservations if r.status in RESERVATION_ACTIVE]
@@ -310,11 +311,19 @@ def _one_gang_attempt(
 
 
 def _one_accepted_completion(runs: Iterable[RunView]) -> Iterable[Violation]:
-    accepted: dict[str, int] = defaultdict(int)
+    """Invariant 4. An attempt (a job's runs of one token) is the job's result when its rank
+    0 and every other member succeeded; a gang attempt whose rank 0 exited 0 while another
+    member failed is no result (the job retries or fails), so it does not count."""
+    attempts: dict[tuple[str, int], list[RunView]] = defaultdict(list)
     for run in runs:
-        # a gang's members each end SUCCEEDED; the job's one result is rank 0's
-        if run.completion_accepted and run.rank == 0:
-            accepted[run.job_id] += 1
+        attempts[(run.job_id, run.token)].append(run)
+    accepted: dict[str, int] = defaultdict(int)
+    for (job_id, token), members in sorted(attempts.items()):
+        results = sum(1 for r in members if r.completion_accepted and r.rank == 0)
+        if results > 1:
+            yield Violation(4, job_id, f"attempt {token} has {results} accepted rank-0 results")
+        if results and all(r.completion_accepted for r in members):
+            accepted[job_id] += 1
     for job_id, count in sorted(accepted.items()):
         if count > 1:
             yield Violation(4, job_id, f"{count} accepted completions")
