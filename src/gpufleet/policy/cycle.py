@@ -208,7 +208,10 @@ class _Pass:
     @property
     def running(self) -> RunningIndex:
         if self._running is None:
-            self._running = RunningIndex(self.snap.running, self.now, self.cfg)
+            kept = self.snap.running_index
+            self._running = (
+                kept if kept is not None else RunningIndex(self.snap.running, self.now, self.cfg)
+            )
         return self._running
 
     @property

@@ -22,6 +22,7 @@ End estimate of a running attempt (``estimated_end_s``):
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
 from operator import itemgetter
@@ -97,3 +98,113 @@ class RunningIndex:
             ends.sort(key=itemgetter(0))
             self._by_end = ends
         return self._by_end
+
+    @classmethod
+    def kept(cls, by_node: dict[str, list[tuple[float, RunningJob]]]) -> RunningIndex:
+        """An index over ``by_node`` as a ``RunningKeeper`` keeps it (no per-attempt work)."""
+        index = cls.__new__(cls)
+        index.by_node = by_node
+        index._by_end = None
+        return index
+
+
+class RunningKeeper:
+    """A ``RunningIndex`` kept by a driver across passes (the live leader's snapshot cache):
+    a node's attempts are ordered again only when one of them changed or one's end depends
+    on the time of the pass.
+
+    An attempt's end (``estimated_end_s``) is the same number on every pass while that
+    number is not before the pass's ``now_s``: only a stopping attempt and an estimate that
+    already passed depend on ``now_s``. So the keeper holds each attempt's estimate at
+    ``now_s = -inf`` (its own estimate, or +inf), watches the earliest of them in a heap,
+    and once one passed (time only moves on) counts the attempt's node as *volatile*:
+    re-keyed on every pass from then on, with the nodes whose attempts were added, replaced
+    or removed. Every other node keeps its sorted list. ``index(now_s)`` is then equal to
+    ``RunningIndex(the attempts, now_s, config)`` (the same ``by_node`` lists; the dict's
+    order may differ, which no reader depends on: they look nodes up or sort).
+
+    ``config`` must be the pass's (``default_runtime_estimate_s``); the attempts handed to a
+    pass (``ClusterSnapshot.running``) must be exactly those added and not removed.
+    """
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self._cfg = config
+        self._runs: dict[str, dict[str, RunningJob]] = {}  # node -> run id -> attempt
+        self._node_of: dict[str, str] = {}  # run id -> node
+        self._by_node: dict[str, list[tuple[float, RunningJob]]] = {}
+        self._dirty: set[str] = set()
+        self._volatile: dict[str, int] = {}  # node -> attempts whose end depends on now
+        self._now_dependent: set[str] = set()  # run ids counted in ``_volatile``
+        # (own estimate, serial, run id, attempt): the serial keeps two entries of one run id
+        # from comparing their attempts
+        self._heap: list[tuple[float, int, str, RunningJob]] = []
+        self._serial = 0
+        self._now = -math.inf
+
+    def add(self, run: RunningJob) -> None:
+        """Add ``run``, or replace the attempt of its run id (run ids are unique among the
+        attempts: one per member of a gang, as the store keeps them)."""
+        self.remove(run.run_id)
+        node = run.node_id
+        self._runs.setdefault(node, {})[run.run_id] = run
+        self._node_of[run.run_id] = node
+        self._dirty.add(node)
+        own = estimated_end_s(run, -math.inf, self._cfg)  # (its own estimate, or +inf)
+        if run.stopping:
+            self._mark(run.run_id, node)
+        elif own != math.inf:  # (one already passed is marked by the next ``index``)
+            self._serial += 1
+            heapq.heappush(self._heap, (own, self._serial, run.run_id, run))
+
+    def remove(self, run_id: str) -> None:
+        node = self._node_of.pop(run_id, None)
+        if node is None:
+            return
+        runs = self._runs[node]
+        del runs[run_id]
+        if not runs:
+            del self._runs[node]
+        self._dirty.add(node)
+        if run_id in self._now_dependent:
+            self._now_dependent.discard(run_id)
+            left = self._volatile[node] - 1
+            if left:
+                self._volatile[node] = left
+            else:
+                del self._volatile[node]
+        # (its heap entry, if any, is dropped when it surfaces: the attempt is not current)
+
+    def _mark(self, run_id: str, node: str) -> None:
+        if run_id in self._now_dependent:
+            return  # (the same attempt added again: one heap entry each time)
+        self._now_dependent.add(run_id)
+        self._volatile[node] = self._volatile.get(node, 0) + 1
+
+    def index(self, now_s: float) -> RunningIndex:
+        """The running index of the kept attempts at ``now_s`` (a fresh ``RunningIndex``
+        object over a copy of the kept dict: the pass reads it, the keeper changes its own)."""
+        if now_s < self._now:  # (the clock went back: every node is keyed again)
+            every = [r for by_id in self._runs.values() for r in by_id.values()]
+            self._runs, self._node_of, self._by_node = {}, {}, {}
+            self._volatile, self._now_dependent, self._heap = {}, set(), []
+            for r in every:
+                self.add(r)
+        self._now = now_s
+        heap = self._heap
+        while heap and heap[0][0] < now_s:
+            _, _, run_id, run = heapq.heappop(heap)
+            node = self._node_of.get(run_id)
+            if node is not None and self._runs[node][run_id] is run:
+                self._mark(run_id, node)
+        cfg, by_node = self._cfg, self._by_node
+        for node in self._dirty.union(self._volatile):
+            runs = self._runs.get(node)
+            if runs is None:
+                by_node.pop(node, None)
+                continue
+            keyed = [(estimated_end_s(r, now_s, cfg), r) for r in runs.values()]
+            if len(keyed) > 1:
+                keyed.sort(key=_end_key)
+            by_node[node] = keyed
+        self._dirty.clear()
+        return RunningIndex.kept(dict(by_node))
