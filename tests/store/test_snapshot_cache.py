@@ -95,8 +95,8 @@ def assert_indexed(snap: ClusterSnapshot) -> None:
     ]
     # the running index kept across refreshes (``RunningKeeper``) is the one a pass would
     # build from the snapshot's attempts at its time
-    kept_running = snap.running_index
-    assert kept_running is not None
+    assert snap.running_keeper is not None
+    kept_running = snap.running_keeper.index(snap.now_s)
     fresh_running = RunningIndex(snap.running, snap.now_s, CONFIG)
     assert kept_running.by_node == fresh_running.by_node
     by_end = lambda e: (e[0], e[1].run_id)  # noqa: E731

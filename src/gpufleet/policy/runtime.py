@@ -109,7 +109,7 @@ class RunningIndex:
 
 
 class RunningKeeper:
-    """A ``RunningIndex`` kept by a driver across passes (the live leader's snapshot cache):
+    """A ``RunningIndex`` kept by a driver across passes (``ClusterSnapshot.running_keeper``):
     a node's attempts are ordered again only when one of them changed or one's end depends
     on the time of the pass.
 

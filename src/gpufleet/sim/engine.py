@@ -102,7 +102,7 @@ class Engine:
         self.cfg = config
         self.opt = options or EngineOptions()
         self.fleet = InMemoryFleet(groups)
-        self.fleet.keep_running(RunningKeeper(config))  # (ClusterSnapshot.running_index)
+        self.fleet.keep_running(RunningKeeper(config))  # (ClusterSnapshot.running_keeper)
         self.predictor: DurationPredictor | None = None
         """Learned online from the run time of every attempt that succeeded; fills
         ``predicted_duration_s`` (``EngineOptions.predict_durations``, and always under the
@@ -363,7 +363,6 @@ class Engine:
             for tid, a in self.teams.items()
         }
         running = self.fleet.running_states()  # (brings the running keeper up to date)
-        keeper = self.fleet.running_keeper
         return ClusterSnapshot(
             now_s=self.now,
             nodes=self.fleet.node_states(),
@@ -375,7 +374,7 @@ class Engine:
             queues=self.queues,
             recent_displacements=self._recent_displacements(),
             fleet_index=self.fleet.fleet_index,
-            running_index=keeper.index(self.now) if keeper is not None else None,
+            running_keeper=self.fleet.running_keeper,
         )
 
     def _recent_displacements(self) -> tuple[Displacement, ...]:

@@ -180,7 +180,7 @@ class InMemoryFleet:
         self._stale_runs: set[str] = set()
         self.running_keeper: RunningKeeper | None = None
         """The attempts of ``running_states`` ordered by estimated end per node, kept in step
-        with them (``keep_running``; ``ClusterSnapshot.running_index``)."""
+        with them (``keep_running``; ``ClusterSnapshot.running_keeper``)."""
         self._run_seq = 0
         self.predict: Callable[[SimJob], float | None] | None = None
         """The engine's duration predictor (None: the scheduler is told no predictions)."""

@@ -242,7 +242,7 @@ class SnapshotCache:
         self._runs: dict[str, RunningJob] = {}
         self._running = RunningKeeper(self._config)
         """``_runs`` ordered by estimated end per node, kept across passes
-        (``ClusterSnapshot.running_index``): only changed attempts' nodes, and nodes running an
+        (``ClusterSnapshot.running_keeper``): only changed attempts' nodes, and nodes running an
         attempt whose estimate passed or that is stopping, are ordered again."""
         self._reserved_at_s: dict[str, float] = {}
         self._runs_of_job: dict[str, set[str]] = {}
@@ -627,7 +627,7 @@ class SnapshotCache:
             queues=queues,
             recent_displacements=displacements,
             fleet_index=self._fleet,
-            running_index=self._running.index(now_s),
+            running_keeper=self._running,
         )
 
 

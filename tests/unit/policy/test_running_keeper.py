@@ -81,7 +81,7 @@ def test_a_pass_with_a_kept_index_decides_as_without(
     for r in snap.running:
         keeper.add(r)
     keeper.index(snap.now_s - earlier)  # (kept from an earlier pass)
-    with_kept = schedule(replace(snap, running_index=keeper.index(snap.now_s)), cfg)
+    with_kept = schedule(replace(snap, running_keeper=keeper), cfg)
     without = schedule(snap, cfg)
     assert with_kept.decisions == without.decisions
     assert with_kept.released_holds == without.released_holds
