@@ -34,7 +34,6 @@ from gpufleet.policy.decisions import HoldForBackfill, Place, PlaceGang, Preempt
 from gpufleet.policy.gang import could_ever_fit
 from gpufleet.policy.predictor import DurationPredictor, JobKey
 from gpufleet.policy.priority import queue_key
-from gpufleet.policy.runtime import RunningKeeper
 from gpufleet.policy.snapshot import (
     BackfillReservation,
     ClusterSnapshot,
@@ -102,7 +101,6 @@ class Engine:
         self.cfg = config
         self.opt = options or EngineOptions()
         self.fleet = InMemoryFleet(groups)
-        self.fleet.keep_running(RunningKeeper(config))  # (ClusterSnapshot.running_keeper)
         self.predictor: DurationPredictor | None = None
         """Learned online from the run time of every attempt that succeeded; fills
         ``predicted_duration_s`` (``EngineOptions.predict_durations``, and always under the
@@ -362,19 +360,17 @@ class Engine:
             )
             for tid, a in self.teams.items()
         }
-        running = self.fleet.running_states()  # (brings the running keeper up to date)
         return ClusterSnapshot(
             now_s=self.now,
             nodes=self.fleet.node_states(),
             pending=(),
-            running=running,
+            running=self.fleet.running_states(),
             teams=teams,
             holds=tuple(self.holds.values()),
             reservations=self.reservations,
             queues=self.queues,
             recent_displacements=self._recent_displacements(),
             fleet_index=self.fleet.fleet_index,
-            running_keeper=self.fleet.running_keeper,
         )
 
     def _recent_displacements(self) -> tuple[Displacement, ...]:

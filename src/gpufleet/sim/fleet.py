@@ -23,7 +23,6 @@ from gpufleet.domain.states import (
 )
 from gpufleet.domain.types import Resources
 from gpufleet.policy.placement import FleetIndex
-from gpufleet.policy.runtime import RunningKeeper
 from gpufleet.policy.snapshot import NodeState, PendingJob, RunningJob
 from gpufleet.sim.model import NodeGroup, SimJob
 
@@ -178,9 +177,6 @@ class InMemoryFleet:
         self._stale_nodes: set[str] = set()
         self._run_states: dict[str, tuple[RunningJob, ...]] = {}
         self._stale_runs: set[str] = set()
-        self.running_keeper: RunningKeeper | None = None
-        """The attempts of ``running_states`` ordered by estimated end per node, kept in step
-        with them (``keep_running``; ``ClusterSnapshot.running_keeper``)."""
         self._run_seq = 0
         self.predict: Callable[[SimJob], float | None] | None = None
         """The engine's duration predictor (None: the scheduler is told no predictions)."""
@@ -453,28 +449,15 @@ class InMemoryFleet:
     def running_states(self) -> tuple[RunningJob, ...]:
         """Active attempts' states, rebuilding only those changed since the last call."""
         if self.running_tuple is None:
-            keeper = self.running_keeper
             for rid in sorted(self._stale_runs):
                 run = self.active_runs.get(rid)
-                if keeper is not None:
-                    for m in self._run_states.get(rid, ()):
-                        keeper.remove(m.run_id)
                 if run is None:
                     self._run_states.pop(rid, None)
                 else:
-                    states = self._run_states[rid] = self.running_view(run)
-                    if keeper is not None:
-                        for m in states:
-                            keeper.add(m)
+                    self._run_states[rid] = self.running_view(run)
             self._stale_runs.clear()
             self.running_tuple = tuple(chain.from_iterable(self._run_states.values()))
         return self.running_tuple
-
-    def keep_running(self, keeper: RunningKeeper) -> None:
-        """Keep ``keeper`` in step with ``running_states`` from now on."""
-        for m in self.running_states():
-            keeper.add(m)
-        self.running_keeper = keeper
 
     def invariant_view(self, full: bool = False) -> InvariantView:
         """The InvariantView of what changed since the last check: nodes touched since then
