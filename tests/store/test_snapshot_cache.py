@@ -32,7 +32,6 @@ from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule, sorted_queues
 from gpufleet.policy.decisions import Preempt
 from gpufleet.policy.placement import FleetIndex
-from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import ClusterSnapshot
 from gpufleet.services import jobctl, nodes, preemption, runs
 from gpufleet.services.jobs import cancel_job, submit_job
@@ -70,8 +69,7 @@ def normalized(snap: ClusterSnapshot) -> dict[str, Any]:
 
 def assert_indexed(snap: ClusterSnapshot) -> None:
     """The cache's FleetIndex, kept across refreshes, describes exactly ``snap.nodes``: the
-    free lists, the kept label buckets and the static facts of one built from scratch; its
-    running index is the one built from ``snap.running``."""
+    free lists, the kept label buckets and the static facts of one built from scratch."""
     kept = snap.fleet_index
     assert kept is not None
     fresh = FleetIndex(snap.nodes)
@@ -93,14 +91,6 @@ def assert_indexed(snap: ClusterSnapshot) -> None:
     assert [(n.node_id, every, sched) for n, every, sched in k.shape_counts(True)] == [
         (n.node_id, every, sched) for n, every, sched in f.shape_counts(True)
     ]
-    # the running index kept across refreshes (``RunningKeeper``) is the one a pass would
-    # build from the snapshot's attempts at its time
-    assert snap.running_keeper is not None
-    kept_running = snap.running_keeper.index(snap.now_s)
-    fresh_running = RunningIndex(snap.running, snap.now_s, CONFIG)
-    assert kept_running.by_node == fresh_running.by_node
-    by_end = lambda e: (e[0], e[1].run_id)  # noqa: E731
-    assert sorted(kept_running.by_end, key=by_end) == sorted(fresh_running.by_end, key=by_end)
 
 
 def assert_same(incremental: ClusterSnapshot, full: ClusterSnapshot) -> None:

@@ -208,12 +208,7 @@ class _Pass:
     @property
     def running(self) -> RunningIndex:
         if self._running is None:
-            kept = self.snap.running_keeper
-            self._running = (
-                kept.index(self.now)
-                if kept is not None
-                else RunningIndex(self.snap.running, self.now, self.cfg)
-            )
+            self._running = RunningIndex(self.snap.running, self.now, self.cfg)
         return self._running
 
     @property

@@ -14,7 +14,6 @@ from gpufleet.domain.types import PriorityClass, Resources
 
 if TYPE_CHECKING:
     from gpufleet.policy.placement import FleetIndex
-    from gpufleet.policy.runtime import RunningKeeper
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,10 +212,3 @@ class ClusterSnapshot:
     simulator): a ``policy.placement.FleetIndex`` describing exactly ``nodes``, kept up to
     date with ``FleetIndex.update`` as nodes change. The pass copies its free lists instead
     of indexing every node again; decisions are the same as without it."""
-    running_keeper: RunningKeeper | None = None
-    """Optional fast path for drivers that keep their running attempts between passes (the
-    simulator, the live leader's snapshot cache): a ``policy.runtime.RunningKeeper`` made
-    with the pass's config and holding exactly ``running``. A pass that needs the running
-    index asks it for ``index(now_s)`` instead of ordering every attempt by its estimated
-    end again (a pass that does not costs nothing); decisions are the same as without it.
-    The driver must not change it while a pass runs."""

@@ -39,7 +39,6 @@ from gpufleet.domain.states import JobStatus, ReservationStatus, RunStatus
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.placement import FleetIndex
 from gpufleet.policy.priority import QueueKey, queue_key
-from gpufleet.policy.runtime import RunningKeeper
 from gpufleet.policy.snapshot import (
     BackfillReservation,
     ClusterSnapshot,
@@ -214,8 +213,7 @@ class SnapshotCache:
     """
 
     def __init__(self, config: PolicyConfig | None = None, *, full_every_s: float = 60.0) -> None:
-        self._config = config or PolicyConfig()
-        self._key: Callable[[PendingJob], QueueKey] = queue_key(self._config)
+        self._key: Callable[[PendingJob], QueueKey] = queue_key(config or PolicyConfig())
         self.full_every_s = full_every_s
         self.stats = RefreshStats()
         self._floor: int | None = None
@@ -240,10 +238,6 @@ class SnapshotCache:
         keeps its own (``ClusterSnapshot.fleet_index``): changed nodes are re-indexed one by
         one; None (made again at the next snapshot) after a node came or went."""
         self._runs: dict[str, RunningJob] = {}
-        self._running = RunningKeeper(self._config)
-        """``_runs`` ordered by estimated end per node, kept across passes
-        (``ClusterSnapshot.running_keeper``): only changed attempts' nodes, and nodes running an
-        attempt whose estimate passed or that is stopping, are ordered again."""
         self._reserved_at_s: dict[str, float] = {}
         self._runs_of_job: dict[str, set[str]] = {}
         # what a prediction is keyed on, per job: (team, submitter, name, GPU count)
@@ -479,7 +473,6 @@ class SnapshotCache:
         for job_id in ordered:
             for run_id in self._runs_of_job.pop(job_id, ()):
                 self._runs.pop(run_id, None)
-                self._running.remove(run_id)
                 self._reserved_at_s.pop(run_id, None)
         self._lookup_facts(session, [r.job_id for r in rows if r.job_id not in self._facts])
         stopping_for = {r.job_id: r.preempted_for_job_id for r in rows if r.status == "PREEMPTING"}
@@ -494,7 +487,6 @@ class SnapshotCache:
                     run.job_id, (run.team_id, run.submitted_by, run.name, run.gpu_count)
                 ),
             )
-            self._running.add(self._runs[run.id])
             self._runs_of_job.setdefault(run.job_id, set()).add(run.id)
             if run.reservation_status in ACTIVE_RESERVATION:
                 self._reserved_at_s[run.id] = run.reserved_at.timestamp()
@@ -540,7 +532,6 @@ class SnapshotCache:
             new = p.predict_s(*self._pkeys[run.job_id])
             if new != run.predicted_duration_s:
                 self._runs[run_id] = replace(run, predicted_duration_s=new)
-                self._running.add(self._runs[run_id])
 
     # -- queues --------------------------------------------------------------------------
     def _enqueue(self, job: PendingJob) -> None:
@@ -627,7 +618,6 @@ class SnapshotCache:
             queues=queues,
             recent_displacements=displacements,
             fleet_index=self._fleet,
-            running_keeper=self._running,
         )
 
 
