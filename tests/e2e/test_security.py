@@ -588,6 +588,27 @@ def test_operator_cli_joins_lists_revokes_and_forgets_a_node(fleet: Fleet) -> No
         }
         assert (listed["n5"]["status"], listed["n5"]["cert_serial"]) == ("FORGOTTEN", None)
         assert all(n["node_id"] != "n5" for n in fleet.get("/v1/nodes")["items"])
+        first_serial = tls.serial_hex(creds_of(fleet, "n5").cert)
+
+        # the node comes back with a new join token for its id, its old (revoked)
+        # certificate still saved in its state dir: the agent joins again instead of
+        # presenting the revoked one forever (a new user's run retried it for minutes)
+        fleet.kill_agent("n5")
+        made = cli("admin", "node", "join-token", "--node-id", "n5", "--ttl", "2m")
+        assert made.returncode == 0, made.stderr
+        agent = subprocess.Popen(
+            list(agent.args),  # the same command line
+            env={**env, "GPUFLEET_JOIN_TOKEN": made.stdout.strip().splitlines()[-1]},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        fleet.agents["n5"] = agent
+        fleet.wait_for(
+            lambda: listing().get("n5", {}).get("status") == "HEALTHY", 30, "n5 to rejoin"
+        )
+        back = listing()["n5"]
+        assert back["cert_serial"] == tls.serial_hex(creds_of(fleet, "n5").cert) != first_serial
+        assert "refused this node's certificate" in (fleet.tmp / "agent-n5.log").read_text()
     finally:
         fleet.kill_agent("n5")
 

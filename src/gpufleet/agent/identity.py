@@ -156,9 +156,41 @@ def ensure_credentials(
             f"--join-token (from `gpufleet admin node join-token --node-id {node_id}`), "
             "or --insecure for plaintext"
         )
-    pin, secret = tls.parse_join_token(join_token)
     if saved is not None:
         logger.warning("node certificate in %s unusable (%s): joining again", directory, problem)
+    return join(
+        state_dir,
+        node_id,
+        join_address=join_address,
+        join_token=join_token,
+        ca_cert=ca_cert,
+        stop=stop,
+    )
+
+
+def join(
+    state_dir: Path,
+    node_id: str,
+    *,
+    join_address: str,
+    join_token: str,
+    ca_cert: Path | None,
+    stop: threading.Event,
+) -> tuple[tls.NodeCredentials, tls.CertFacts] | None:
+    """Join with ``join_token``: a new key, a certificate for it from the controller's join
+    service, saved in ``state_dir``'s TLS directory (replacing what was there). Also used
+    when the controller refuses a saved certificate as revoked (``admin node forget``) and
+    the agent was started with a new token.
+
+    Returns None only if ``stop`` is set while the controller is unreachable.
+
+    Raises:
+        tls.PkiError: a CA that does not match the token; an unusable answer.
+        JoinRefused: the controller refused the token (spent, expired, another node's).
+        ValueError: a malformed join token.
+    """
+    directory = tls_dir(state_dir)
+    pin, secret = tls.parse_join_token(join_token)
     ca_pem = _ca_for_join(pin, ca_cert, join_address, stop)
     if ca_pem is None:
         return None

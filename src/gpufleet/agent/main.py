@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 import grpc
 
-from gpufleet.agent import shim, telemetry
+from gpufleet.agent import identity, shim, telemetry
 from gpufleet.agent.assignment_log import AssignmentLog, RunStatus
 from gpufleet.agent.core import AgentCore
 from gpufleet.agent.gpu_health import GpuHealth
@@ -294,6 +295,7 @@ def run_agent(
     shim.unignore_signals()
     inventory = load_inventory(node_id, gpus)
     creds: tls.NodeCredentials | None = None
+    joined_now = True  # the credentials in use were just made by a join (or there are none)
     if insecure:
         logger.warning(
             "INSECURE: agent gRPC is plaintext and unauthenticated (--insecure): anyone who "
@@ -301,6 +303,7 @@ def run_agent(
         )
         channel = ControllerChannel(lambda: grpc.insecure_channel(cfg.controller_address))
     else:
+        saved = tls.NodeCredentials.load(tls_dir(state_dir))
         found_creds = ensure_credentials(
             state_dir,
             node_id,
@@ -313,6 +316,9 @@ def run_agent(
             return
         creds, facts = found_creds
         holder = creds
+        # a saved certificate was used (not one just joined): a revoked one may be replaced
+        # by joining again with the token given at start
+        joined_now = saved is None or saved.chain_pem != creds.chain_pem
 
         def secure() -> grpc.Channel:
             return tls.secure_channel(
@@ -391,6 +397,7 @@ def run_agent(
     )
     pb_grpc.add_AgentServicer_to_server(AgentServicer(core, agent_epoch), server)
     renewer: Renewer | None = None
+    rejoin_after_revocation: Callable[[], bool] | None = None
     if creds is None:
         bound = server.add_insecure_port(_join(host, port))
     else:
@@ -406,6 +413,36 @@ def run_agent(
             channel.reconnect()
 
         renewer = Renewer(creds, facts, node_id, tls_dir(state_dir), channel, renewed, stop)
+        if join_token and not joined_now:
+
+            def rejoin() -> bool:
+                """The saved certificate was refused as revoked (the node was revoked or
+                forgotten): join again with the token given at start, if it is a new one."""
+                assert renewer is not None
+                try:
+                    got = identity.join(
+                        state_dir,
+                        node_id,
+                        join_address=cfg.join_address,
+                        join_token=join_token,
+                        ca_cert=ca_cert,
+                        stop=stop,
+                    )
+                except (tls.PkiError, identity.JoinRefused, ValueError) as exc:
+                    logger.error(
+                        "cannot join again with the join token given at start (%s): get a "
+                        "new one with `gpufleet admin node join-token --node-id %s`",
+                        exc,
+                        node_id,
+                    )
+                    return False
+                if got is None:
+                    return False
+                renewer.creds, renewer.facts = got
+                renewed(got[0])
+                return True
+
+            rejoin_after_revocation = rejoin
     if bound == 0:
         raise OSError(f"cannot listen on {_join(host, port)}")
     server.start()
@@ -427,6 +464,7 @@ def run_agent(
         registered=registered,
         stop_event=stop,
         images=images,
+        rejoin=rejoin_after_revocation,
     )
     monitor = threading.Thread(
         target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True

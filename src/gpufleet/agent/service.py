@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import grpc
 
@@ -90,6 +91,9 @@ class ControllerLink:
         registered: set after the first successful registration.
         stop_event: ends the heartbeat thread.
         images: the node's image list and pre-pulls (None: no container runtime).
+        rejoin: called once when the controller refuses this node's certificate as revoked
+            (PERMISSION_DENIED at registration); True when it joined again with new
+            credentials (a join token given at start), so registration is retried at once.
     """
 
     def __init__(
@@ -107,8 +111,10 @@ class ControllerLink:
         registered: threading.Event,
         stop_event: threading.Event,
         images: ImageReporter | None = None,
+        rejoin: Callable[[], bool] | None = None,
     ) -> None:
         self.core = core
+        self.rejoin = rejoin
         self.images = images
         self.stub = stub
         self.node_id = node_id
@@ -145,6 +151,13 @@ class ControllerLink:
                 resp = self.stub.RegisterNode(request, timeout=CALL_TIMEOUT_S)
             except grpc.RpcError as exc:
                 attempts += 1
+                code = _code(exc)
+                if code.startswith("PERMISSION_DENIED") and "revoked" in code and self.rejoin:
+                    rejoin, self.rejoin = self.rejoin, None  # a join token is spent once
+                    logger.error("controller refused this node's certificate: %s", code)
+                    if rejoin():
+                        delay = 0.1
+                        continue
                 if attempts in (1, 10) or attempts % 100 == 0:
                     if _code(exc).split(":")[0] in _REFUSALS:
                         # the controller answered: say what it objects to, not "unreachable"
