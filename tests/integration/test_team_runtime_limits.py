@@ -133,6 +133,13 @@ class TestTeamRuntime:
             )
             assert ok.status_code == 200, ok.text
             assert job_max_runtime(client, tokens["nlp"], job_id) == 600.0
+            # a name with NUL is refused by PATCH as by submit (it was stored on SQLite)
+            nul = client.patch(
+                f"/v1/jobs/{job_id}",
+                json={"name": "x\u0000"},
+                headers={"Authorization": f"Bearer {tokens['nlp']}"},
+            )
+            assert nul.status_code == 422 and nul.json()["field"] == "name", nul.text
 
     @pytest.mark.parametrize(
         ("body", "field"),

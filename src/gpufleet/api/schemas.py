@@ -19,7 +19,8 @@ from gpufleet.services.limits import (
 )
 
 MAX_ENV_BYTES = 64 * 1024
-Name = Annotated[str, Field(max_length=256)]
+Name = Annotated[str, Field(max_length=256, pattern=r"^[^\x00]*$")]
+"""A job name (or a filter on names): no NUL, which PostgreSQL text cannot hold."""
 
 
 class DependencyIn(BaseModel):
