@@ -128,9 +128,11 @@ def ensure_credentials(
     join_token: str | None,
     ca_cert: Path | None,
     stop: threading.Event,
+    rejoin: bool = False,
 ) -> tuple[tls.NodeCredentials, tls.CertFacts] | None:
     """This node's usable credentials and their certificate's facts: the saved ones, else
-    new ones from a join.
+    new ones from a join; with ``rejoin``, new ones from a join whatever is saved (the
+    controller refused the saved certificate as revoked).
 
     Returns None only if ``stop`` is set while the controller is unreachable.
 
@@ -142,6 +144,8 @@ def ensure_credentials(
     directory = tls_dir(state_dir)
     saved = tls.NodeCredentials.load(directory)
     problem, facts = inspect(saved, node_id) if saved is not None else ("none saved", None)
+    if saved is not None and rejoin:
+        problem = "refused by the controller as revoked"
     if saved is not None and problem is None and join_token:
         pin = tls.parse_join_token(join_token)[0]
         if _fingerprint_or_none(saved.ca_pem) != pin:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
@@ -304,7 +305,8 @@ def run_agent(
         channel = ControllerChannel(lambda: grpc.insecure_channel(cfg.controller_address))
     else:
         saved = tls.NodeCredentials.load(tls_dir(state_dir))
-        found_creds = ensure_credentials(
+        credentials = partial(
+            ensure_credentials,
             state_dir,
             node_id,
             join_address=cfg.join_address,
@@ -312,6 +314,7 @@ def run_agent(
             ca_cert=ca_cert,
             stop=stop,
         )
+        found_creds = credentials()
         if found_creds is None:  # stopped before the controller answered the join
             return
         creds, facts = found_creds
@@ -420,14 +423,7 @@ def run_agent(
                 forgotten): join again with the token given at start, if it is a new one."""
                 assert renewer is not None
                 try:
-                    got = identity.join(
-                        state_dir,
-                        node_id,
-                        join_address=cfg.join_address,
-                        join_token=join_token,
-                        ca_cert=ca_cert,
-                        stop=stop,
-                    )
+                    got = credentials(rejoin=True)
                 except (tls.PkiError, identity.JoinRefused, ValueError) as exc:
                     logger.error(
                         "cannot join again with the join token given at start (%s): get a "
