@@ -215,16 +215,7 @@ def confirm_start(
     if first is not None:
         now = first.started_at
         if start_phases:
-            record_event(
-                session,
-                "start_phases",
-                now=now,
-                message="started on the node" + describe_phases(start_phases),
-                job_id=first.job_id,
-                run_id=run_id,
-                node_id=first.node_id,
-                details=start_phases,
-            )
+            _record_start_phases(session, now, first.job_id, run_id, first.node_id, start_phases)
         record_transition(
             session,
             Machine.RUN,
@@ -277,16 +268,7 @@ def confirm_start(
     phases = found.start_phases
     if start_phases and not found.start_phases:
         values["start_phases"] = phases = start_phases
-        record_event(
-            session,
-            "start_phases",
-            now=now,
-            message="started on the node" + describe_phases(start_phases),
-            job_id=job_id,
-            run_id=run_id,
-            node_id=run_node,
-            details=start_phases,
-        )
+        _record_start_phases(session, now, job_id, run_id, run_node, start_phases)
     if found.status == RunStatus.ASSIGNED:
         started_at = now
         transition(
@@ -318,6 +300,27 @@ def confirm_start(
         start_phases=phases,
         gpu_count=found.gpu_count,
         spec=found.spec,
+    )
+
+
+def _record_start_phases(
+    session: Session,
+    now: datetime,
+    job_id: str,
+    run_id: str,
+    node_id: str,
+    start_phases: dict[str, Any],
+) -> None:
+    """The attempt's ``start_phases`` event (how the node started it), once per attempt."""
+    record_event(
+        session,
+        "start_phases",
+        now=now,
+        message="started on the node" + describe_phases(start_phases),
+        job_id=job_id,
+        run_id=run_id,
+        node_id=node_id,
+        details=start_phases,
     )
 
 
