@@ -4,9 +4,13 @@ on SQLite and real PostgreSQL (docs/design/allocation.md, "Statement budget").
 A budget on statements is a check of the design, not a timing: a job's life is a fixed
 number of short transactions, each a fixed number of statements, whatever the machine.
 Statements are counted with a ``before_cursor_execute`` listener on the database's engine
-(every statement sent to the server, including SQLite's explicit ``BEGIN``; COMMIT and
-ROLLBACK are driver calls, not counted; the connection set-up PRAGMAs of SQLite run once per
-pooled connection, not per transaction, and are not counted).
+(every statement SQLAlchemy sends, including SQLite's explicit ``BEGIN``, which our engine
+issues as a statement; COMMIT and ROLLBACK are driver calls, not counted, and neither is the
+``BEGIN`` that psycopg sends by itself at the start of each PostgreSQL transaction: a
+reviewer's count of those gave 5 BEGINs in one PostgreSQL job life, so counted as SQLite's
+are, PostgreSQL's life is 20, still within the budget; docs/design/allocation.md; the
+connection set-up PRAGMAs of SQLite run once per pooled connection, not per transaction,
+and are not counted).
 
 The life is driven through the code the platform runs, in-process:
 
