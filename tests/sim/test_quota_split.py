@@ -57,8 +57,12 @@ def test_split_by_quota_on_a_hand_built_scenario(tmp_path: Path) -> None:
     assert "borrowing: jobs=2 1-GPU p99=997s 8+ p99=0s 8+/1=0.0" in result.output
 
 
-def _rec(job_id: str, gpus: int, wait: float, borrowed: bool | None) -> JobRecord:
-    return JobRecord(job_id, "t", "NORMAL", gpus, 0.0, 0.0, 1.0, wait, 1, 0, "SUCCEEDED", borrowed)
+def _rec(
+    job_id: str, gpus: int, wait: float, borrowed: bool | None, gang: bool = False
+) -> JobRecord:
+    return JobRecord(
+        job_id, "t", "NORMAL", gpus, 0.0, 0.0, 1.0, wait, 1, 0, "SUCCEEDED", borrowed, gang
+    )
 
 
 def test_undefined_ratios_are_none() -> None:
@@ -77,8 +81,57 @@ def test_undefined_ratios_are_none() -> None:
     assert bq["inside_guarantee"]["jobs"] == 1 and bq["borrowing"]["jobs"] == 2
     assert bq["all"]["jobs"] == 4
     assert bq["all"]["p99_8_to_1"] == 14.0  # 8+ p99 70 / 1-GPU p99 5
+    assert bq["all"]["gangs"] == {"n": 0} and bq["all"]["p99_gang_to_1"] is None
+    empty = {"jobs": 0, "gangs": {"n": 0}, "p99_8_to_1": None, "p99_gang_to_1": None}
     assert by_quota([]) == {
-        "inside_guarantee": {"jobs": 0, "by_size": {}, "p99_8_to_1": None},
-        "borrowing": {"jobs": 0, "by_size": {}, "p99_8_to_1": None},
-        "all": {"jobs": 0, "p99_8_to_1": None},
+        "inside_guarantee": {**empty, "by_size": {}},
+        "borrowing": {**empty, "by_size": {}},
+        "all": empty,
     }
+
+
+# Two 8-GPU nodes, no guarantees (everything borrows). A 16-GPU job is a gang of both nodes:
+#   a1  t=0   1 GPU, 1000 s                                    wait 0
+#   g16 t=1   16 GPUs: waits for a1 (a reservation holds both nodes)   wait 999
+#   b8  t=2   8 GPUs, one node: behind g16's reservation, starts at g16's end (t=1100)
+#                                                              wait 1098
+GANG = """
+name: tiny-gang-split
+cluster:
+  node_groups: [{name: n, count: 2, gpus_per_node: 8}]
+teams:
+  - {id: t}
+workload:
+  jobs:
+    - {id: a1, team: t, submit_s: 0, gpus: 1, duration_s: 1000}
+    - {id: g16, team: t, submit_s: 1, gpus: 16, duration_s: 100}
+    - {id: b8, team: t, submit_s: 2, gpus: 8, duration_s: 100}
+policy: {preemption: false}
+"""
+
+
+def test_gangs_are_reported_apart_with_their_ratio(tmp_path: Path) -> None:
+    """Multi-node gangs get their own queue-delay summary and p99 ratio over 1-GPU jobs
+    (``queue_delay_s.gangs``, ``by_quota[...]["p99_gang_to_1"]``); an 8-GPU job on one node
+    is 8+ but not a gang."""
+    cfg = tmp_path / "gang.yaml"
+    cfg.write_text(GANG, encoding="utf-8")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["run", str(cfg), "--out", str(out), "--no-plots"])
+    assert result.exit_code == 0, result.output
+    qd = json.loads((out / "report.json").read_text(encoding="utf-8"))["runs"]["main"][
+        "queue_delay_s"
+    ]
+    assert qd["gangs"]["n"] == 1 and qd["gangs"]["p99"] == 999.0
+    assert qd["by_size"]["8+"]["n"] == 2
+    assert qd["by_quota"]["all"]["p99_gang_to_1"] is None  # the 1-GPU p99 is 0
+    recs = [
+        _rec("a", 1, 10.0, True),
+        _rec("g", 16, 40.0, True, gang=True),
+        _rec("b", 8, 5.0, True),
+    ]
+    bq = by_quota(recs)
+    assert bq["borrowing"]["gangs"]["p99"] == 40.0
+    assert bq["borrowing"]["p99_gang_to_1"] == 4.0
+    assert bq["borrowing"]["p99_8_to_1"] == 4.0  # 8+ includes the gang
+    assert "gang/1=n/a" in result.output

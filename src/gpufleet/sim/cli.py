@@ -207,10 +207,12 @@ def run_cmd(
             parts.append(
                 f"{part}: jobs={bq[part]['jobs']} 1-GPU p99={seconds(bs.get('1', {}).get('p99'))} "
                 f"8+ p99={seconds(bs.get('8+', {}).get('p99'))} "
-                f"8+/1={shown(bq[part]['p99_8_to_1'], '.1f')}"
+                f"8+/1={shown(bq[part]['p99_8_to_1'], '.1f')} "
+                f"gang/1={shown(bq[part]['p99_gang_to_1'], '.1f')}"
             )
         typer.echo(
-            f"{'':16s} 8+/1 p99 all={shown(bq['all']['p99_8_to_1'], '.1f')}; " + "; ".join(parts)
+            f"{'':16s} 8+/1 p99 all={shown(bq['all']['p99_8_to_1'], '.1f')} "
+            f"gang/1={shown(bq['all']['p99_gang_to_1'], '.1f')}; " + "; ".join(parts)
         )
     typer.echo(f"report: {out / 'report.json'}")
     if "html" in rep:

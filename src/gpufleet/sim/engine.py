@@ -303,6 +303,7 @@ class Engine:
         run.borrowed = acc.alloc.get(run.gpu_type, 0) + js.spec.gpus > guar
         if js.first_start_borrowed is None:
             js.first_start_borrowed = run.borrowed
+            js.gang = len(run.members) > 1
         self._alloc(run, +1)
         self._drop_holds(job_id)
         spec = js.spec

@@ -123,6 +123,8 @@ class SimJobState:
     first_start_s: float | None = None
     first_start_borrowed: bool | None = None
     """Whether the first attempt's placement borrowed (``SimRun.borrowed``); None: never ran."""
+    gang: bool = False
+    """Whether the job ran as a multi-node gang (its first attempt had more than one member)."""
     end_s: float | None = None
     preemptions: int = 0
     lost_gpu_s: float = 0.0

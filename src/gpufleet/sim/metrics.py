@@ -34,6 +34,8 @@ class JobRecord:
     borrowed: bool | None = None
     """Whether the job's first placement borrowed (took its team above its guarantee on
     that GPU type); None: it never started."""
+    gang: bool = False
+    """Whether the job ran as a multi-node gang (more than one member node)."""
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -153,6 +155,7 @@ class Recorder:
             js.preemptions,
             js.status.value,
             js.first_start_borrowed,
+            js.gang,
         )
 
     def finished(self, js: SimJobState) -> None:
@@ -223,6 +226,7 @@ class Recorder:
             "queue_delay_s": {
                 "all": summary(waits_all),
                 "by_size": {k: summary(v) for k, v in sorted(by_size.items())},
+                "gangs": summary([r.wait_s for r in recs if r.gang]),
                 "by_tier": {k: summary(v) for k, v in sorted(by_tier.items())},
                 "by_quota": by_quota(recs),
             },
@@ -270,17 +274,22 @@ def _asdict(r: JobRecord) -> dict[str, Any]:
 def p99_ratio(by_size: Mapping[str, Mapping[str, float]]) -> float | None:
     """8+ GPU p99 queue delay / 1-GPU p99 of a ``_by_size`` table; None (``n/a``) when
     either size has no job or the 1-GPU p99 is 0 (undefined, not infinite)."""
-    big = by_size.get("8+", {}).get("p99")
+    return _over_one(by_size.get("8+", {}).get("p99"), by_size)
+
+
+def _over_one(p99: float | None, by_size: Mapping[str, Mapping[str, float]]) -> float | None:
     one = by_size.get("1", {}).get("p99")
-    if big is None or one is None or one <= 0:
+    if p99 is None or one is None or one <= 0:
         return None
-    return big / one
+    return p99 / one
 
 
 def by_quota(recs: Sequence[JobRecord]) -> dict[str, dict[str, Any]]:
     """Queue delay by job size, split by whether the job's first placement was inside its
     team's guarantee (``inside_guarantee``) or borrowed (``borrowing``), with the 8+ / 1-GPU
-    p99 ratio of each part (None where undefined) and of all jobs (``all``).
+    p99 ratio of each part (None where undefined) and of all jobs (``all``); ``gangs`` is the
+    queue delay of the multi-node gangs among them (a subset of 8+ on 8-GPU nodes) and
+    ``p99_gang_to_1`` their p99 over the same part's 1-GPU p99.
 
     Fair share (DD4) serves work inside a guarantee first and lets borrowed work wait for
     idle capacity: the ``inside_guarantee`` ratio shows how size is treated where fair share
@@ -291,10 +300,17 @@ def by_quota(recs: Sequence[JobRecord]) -> dict[str, dict[str, Any]]:
         if r.borrowed is not None:
             parts["borrowing" if r.borrowed else "inside_guarantee"].append(r)
     out: dict[str, dict[str, Any]] = {}
-    for name, rs in parts.items():
-        table = _by_size(list(rs))
-        out[name] = {"jobs": len(rs), "by_size": table, "p99_8_to_1": p99_ratio(table)}
-    out["all"] = {"jobs": len(recs), "p99_8_to_1": p99_ratio(_by_size(list(recs)))}
+    for name, rs in [*parts.items(), ("all", list(recs))]:
+        table = _by_size(rs)
+        gangs = summary([r.wait_s for r in rs if r.gang])
+        out[name] = {
+            "jobs": len(rs),
+            "by_size": table,
+            "gangs": gangs,
+            "p99_8_to_1": p99_ratio(table),
+            "p99_gang_to_1": _over_one(gangs.get("p99"), table),
+        }
+    del out["all"]["by_size"]  # the same as queue_delay_s.by_size
     return out
 
 
