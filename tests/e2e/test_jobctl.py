@@ -276,8 +276,9 @@ def test_cli_job_control(sqlite_fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -
     assert r.exit_code == 0 and "held:" in r.stdout
     r = cli("release", after)
     assert r.exit_code == 0
-    # several states: any of them (repeated or as a comma list); an unknown one is named
-    r = cli("cancel", "--name", "arr", "--state", "RUNNING", "--state", "PENDING", input="n\n")
+    # several states: any of them (repeated or as a comma list); an unknown one is named;
+    # --status is the same option (as on `list`)
+    r = cli("cancel", "--name", "arr", "--state", "RUNNING", "--status", "PENDING", input="n\n")
     assert r.exit_code == 1 and "Cancel 4 job(s)?" in r.output, r.output
     r = cli("cancel", "--name", "arr", "--state", "RUNNING,SCHEDULED", input="n\n")
     assert r.exit_code == 3 and "no job matched" in r.output, r.output

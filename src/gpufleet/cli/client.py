@@ -752,7 +752,9 @@ def fetch_jobs(
 
 
 def list_jobs(
-    status_filter: Annotated[str | None, typer.Option("--status", help="Only jobs in S.")] = None,
+    status_filter: Annotated[
+        str | None, typer.Option("--status", "--state", help="Only jobs in S.")
+    ] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="Page size.")] = 50,
     all_pages: Annotated[bool, typer.Option("--all", help="Follow every page.")] = False,
     watch: Annotated[

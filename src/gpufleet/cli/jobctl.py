@@ -131,6 +131,7 @@ def cancel(
         list[str] | None,
         typer.Option(
             "--state",
+            "--status",
             help="Only jobs in this state (e.g. PENDING); repeat it or give a comma list "
             "(PENDING,RUNNING) for any of several.",
         ),
