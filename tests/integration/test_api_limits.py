@@ -150,6 +150,8 @@ class TestSharedBucket:
 BAD_QUOTA = [
     pytest.param({"weight": 1e9}, "weight", id="weight above the maximum"),
     pytest.param({"weight": 0}, "weight", id="zero weight"),
+    pytest.param({"weight": 5e-324}, "weight", id="subnormal weight"),
+    pytest.param({"max_runtime_limit_s": 1e-300}, "max_runtime_limit_s", id="1e-300 s limit"),
     pytest.param({"guaranteed_gpus": {"H100": 10**7}}, "guaranteed_gpus", id="10M GPUs"),
     pytest.param({"guaranteed_gpus": {"H100": -1}}, "guaranteed_gpus", id="negative guarantee"),
     pytest.param({"guaranteed_gpus": {"H100": 1.5}}, "guaranteed_gpus", id="fractional GPUs"),
@@ -196,6 +198,9 @@ class TestQuotaBounds:
         [
             (teams.QuotaUpdate(weight=float("inf")), "weight"),
             (teams.QuotaUpdate(weight=float("nan")), "weight"),
+            (teams.QuotaUpdate(weight=1e-7), "weight"),
+            (teams.QuotaUpdate(max_runtime_limit_s=1e-300), "max_runtime_limit_s"),
+            (teams.QuotaUpdate(default_max_runtime_s=0.5), "default_max_runtime_s"),
             (teams.QuotaUpdate(guaranteed_gpus={"H100": 10**7}), "guaranteed_gpus"),
             (teams.QuotaUpdate(borrow_limit_gpus=10**9), "borrow_limit_gpus"),
             (teams.QuotaUpdate(submit_rate_per_s=float("inf")), "submit_rate_per_s"),

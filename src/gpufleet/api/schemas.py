@@ -16,6 +16,7 @@ from gpufleet.services.limits import (
     MAX_SUBMIT_BURST,
     MAX_SUBMIT_RATE_PER_S,
     MAX_WEIGHT,
+    MIN_WEIGHT,
 )
 
 MAX_ENV_BYTES = 64 * 1024
@@ -390,7 +391,7 @@ class NodeLabelsOut(BaseModel):
 class TeamCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     name: str = Field(min_length=1, max_length=64)
-    weight: float = Field(default=1.0, gt=0, le=MAX_WEIGHT)
+    weight: float = Field(default=1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT)
 
 
 class TokenCreate(BaseModel):
@@ -446,7 +447,7 @@ class TeamQuotaUpdate(BaseModel):
     may ask for; 0 removes either."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-    weight: float | None = Field(default=None, gt=0, le=MAX_WEIGHT)
+    weight: float | None = Field(default=None, ge=MIN_WEIGHT, le=MAX_WEIGHT)
     nominal_quota: PerType | None = None
     guaranteed_gpus: PerType | None = None
     borrowing_limit: int | None = Field(default=None, ge=-1, le=MAX_GPUS)

@@ -33,6 +33,9 @@ log = logging.getLogger("gpufleet.api")
 
 # sanity bounds of a team's quota and limits (a typo must not become 1e308 GPUs)
 MAX_WEIGHT = 1_000_000.0
+MIN_WEIGHT = 1 / MAX_WEIGHT
+"""The smallest team weight: weights span twelve orders of magnitude, no more (a subnormal
+weight would make every dominant share infinite; the policy clamps at 1e-9 anyway)."""
 MAX_GPUS = 1_000_000
 MAX_GPU_TYPES = 64
 MAX_OUTSTANDING_JOBS = 10_000_000
@@ -40,6 +43,9 @@ MAX_SUBMIT_RATE_PER_S = 100_000.0
 MAX_SUBMIT_BURST = 1_000_000
 MAX_RUNTIME_S = 366 * 24 * 3600.0
 """The largest team default or limit of ``max_runtime_s`` (a year), seconds."""
+MIN_RUNTIME_S = 1.0
+"""The smallest team default or limit of ``max_runtime_s`` other than 0 (none), seconds: a
+limit of 1e-300 s is a typo, not a policy."""
 
 LIMITS_TTL_S = 1.0
 """A team's limits are remembered this long per server: a change applies within it."""

@@ -26,6 +26,8 @@ from gpufleet.services.limits import (
     MAX_SUBMIT_BURST,
     MAX_SUBMIT_RATE_PER_S,
     MAX_WEIGHT,
+    MIN_RUNTIME_S,
+    MIN_WEIGHT,
     TeamLimits,
 )
 from gpufleet.store.queries import kept_back
@@ -171,9 +173,10 @@ def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> QuotaChang
         raise NotFound(f"no team {team_id!r}", field="team")
     warnings: list[str] = []
     if upd.weight is not None:
-        if not (math.isfinite(upd.weight) and 0 < upd.weight <= MAX_WEIGHT):
+        if not (math.isfinite(upd.weight) and MIN_WEIGHT <= upd.weight <= MAX_WEIGHT):
             raise ValidationFailed(
-                f"weight must be a finite number > 0 and <= {MAX_WEIGHT:g}", field="weight"
+                f"weight must be a finite number >= {MIN_WEIGHT:g} and <= {MAX_WEIGHT:g}",
+                field="weight",
             )
         team.weight = upd.weight
     if upd.guaranteed_gpus is not None:
@@ -231,10 +234,12 @@ def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> QuotaChang
     for name in ("default_max_runtime_s", "max_runtime_limit_s"):
         value = getattr(upd, name)
         if value is not None:
-            if not (math.isfinite(value) and 0 <= value <= MAX_RUNTIME_S):
+            if not (
+                math.isfinite(value) and (value == 0 or MIN_RUNTIME_S <= value <= MAX_RUNTIME_S)
+            ):
                 raise ValidationFailed(
-                    f"{name} must be a finite number of seconds from 0 (none) to"
-                    f" {MAX_RUNTIME_S:g}",
+                    f"{name} must be 0 (none) or a finite number of seconds from"
+                    f" {MIN_RUNTIME_S:g} to {MAX_RUNTIME_S:g}",
                     field=name,
                 )
             setattr(team, name, float(value) or None)
