@@ -418,6 +418,26 @@ class LocalPlatform:
             time.sleep(0.1)
         return False
 
+    def _stop_adopted_agent(self, timeout_s: float = 10.0) -> None:
+        """Stop an agent this ``up`` reused (left running by an earlier ``up`` killed hard)
+        as it stops its own child: SIGTERM, then SIGKILL after ``timeout_s`` seconds. The
+        agent is the live holder of the node's state-dir lock, so the pid is its own."""
+        from gpufleet.agent.main import state_dir_holder
+
+        pid = state_dir_holder(self._state_dir())
+        if pid is None or pid <= 0:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if state_dir_holder(self._state_dir()) != pid:
+                    return
+                time.sleep(0.1)
+
     def stop(self) -> None:
         self._stopping.set()
         with self._agent_lock:  # no restart after this
@@ -430,6 +450,8 @@ class LocalPlatform:
                 self.agent.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.agent.kill()
+        elif self.agent is None:
+            self._stop_adopted_agent()
         self.api.stop()
         self.controller.stop()
         self.db.dispose()

@@ -255,6 +255,60 @@ def test_readme_quickstart_up_submit_and_a_killed_agent_is_restarted(tmp_path: P
     assert dead.returncode == 1 and "did not register" in dead.stderr, dead.stdout + dead.stderr
 
 
+def test_an_agent_reused_after_up_was_killed_hard_is_stopped_with_the_next_up(
+    tmp_path: Path,
+) -> None:
+    """`kill -9` of `gpufleet up` leaves its agent running (it keeps the jobs); the next `up`
+    on the same data dir reuses that agent, and stopping this `up` (Ctrl-C, SIGTERM) stops
+    it too, as it stops an agent it started: no agent is left behind."""
+    import signal
+
+    from gpufleet.agent.main import state_dir_holder
+
+    env = _up_env(tmp_path)
+    api, ctl = _two_free_ports(), _two_free_ports()
+    state_dir = tmp_path / "agents" / "local-0"
+    cmd = [sys.executable, "-m", "gpufleet.cli.main", "up", "--port", str(api),
+           "--controller-port", str(ctl)]  # fmt: skip
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        with open(out, "wb") as so, open(err, "wb") as se:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=so, stderr=se)
+        _wait_for(
+            lambda: (
+                "gpufleet is up" in (tmp_path / f"{name}.out").read_text()
+                or proc.poll() is not None
+            ),
+            60,
+            f"gpufleet up ({name})",
+        )
+        assert proc.poll() is None, (tmp_path / f"{name}.err").read_text()[-3000:]
+        return proc
+
+    first = start("first")
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        agent = state_dir_holder(state_dir)
+        assert agent is not None and agent > 0
+        first.kill()
+        first.wait(timeout=30)
+        assert state_dir_holder(state_dir) == agent  # the agent outlived `up`
+        second = start("second")
+        assert "reusing it" in (tmp_path / "second.err").read_text()
+        assert state_dir_holder(state_dir) == agent
+        second.send_signal(signal.SIGINT)
+        assert second.wait(timeout=60) == 0, (tmp_path / "second.err").read_text()[-3000:]
+        assert state_dir_holder(state_dir) is None  # the reused agent was stopped too
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        left = state_dir_holder(state_dir)
+        if left is not None and left > 0:
+            os.kill(left, signal.SIGKILL)
+
+
 def test_up_reports_an_agent_that_dies_at_once_and_refuses_bad_options(tmp_path: Path) -> None:
     env = _up_env(tmp_path)
     dead = subprocess.run(
