@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from gpufleet.cli.client import ClientError, exit_code_of, export_env
+from gpufleet.client._core import SUBMIT_RETRY_DELAYS_S
 from tests.unit.test_cli_client import FakeApi, attempt, cli, job
 from tests.unit.test_cli_client import api as api  # the `api` fixture, re-exported
 
@@ -87,6 +88,35 @@ class TestIdempotencyKeyVisibility:
         assert result.exit_code == 0, result.stderr
         keys = {r.headers["Idempotency-Key"] for r in api.requests}
         assert len(keys) == 1 and keys.pop() in result.stderr
+
+    def test_a_server_down_for_15_s_gets_the_submit_with_one_key(
+        self, api: FakeApi, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A restart of ``gpufleet up`` (API down for seconds) does not lose a submit: it is
+        retried for ~20 s with the same key, then given up with exit 1."""
+        slept: list[float] = []
+        monkeypatch.setattr("gpufleet.client._sync.time.sleep", slept.append)
+
+        def refuse(request: httpx.Request) -> httpx.Response:
+            if sum(slept) < 15:
+                raise httpx.ConnectError("connection refused", request=request)
+            return httpx.Response(201, json={"job_id": "j-1", "status": "PENDING"})
+
+        api.on("POST", "/v1/jobs", refuse)
+        result = cli("submit", "--", "true")
+        assert result.exit_code == 0, result.stderr
+        assert sum(slept) >= 15 and len({r.headers["Idempotency-Key"] for r in api.requests}) == 1
+        slept.clear()
+        down = [0]
+
+        def always_refuse(request: httpx.Request) -> httpx.Response:
+            down[0] += 1
+            raise httpx.ConnectError("connection refused", request=request)
+
+        api.on("POST", "/v1/jobs", always_refuse)
+        result = cli("submit", "--", "true")
+        assert result.exit_code == 1 and "cannot reach gpufleet" in result.stderr
+        assert down[0] == len(SUBMIT_RETRY_DELAYS_S) + 1 and 19 <= sum(slept) <= 21
 
     def test_conflict_names_the_key(self, api: FakeApi) -> None:
         api.on(

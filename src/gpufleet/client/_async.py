@@ -119,8 +119,7 @@ class AsyncClient:
     ) -> Submitted:
         """Submit a ready body; retried on a lost connection or 503 with the same key."""
         key = idempotency_key or _core.new_idempotency_key()
-        delay = _core.SUBMIT_RETRY_BACKOFF_S
-        for attempt in range(_core.SUBMIT_RETRIES + 1):
+        for delay in (*_core.SUBMIT_RETRY_DELAYS_S, None):
             try:
                 resp = await self._send(
                     "POST", "/v1/jobs", json=dict(body), headers={"Idempotency-Key": key}
@@ -128,12 +127,11 @@ class AsyncClient:
                 return _core.submitted(resp, key)
             except (TransportError, ApiError) as exc:
                 cause = exc.__cause__ if isinstance(exc, TransportError) else exc
-                if attempt == _core.SUBMIT_RETRIES or not _core.retryable(cause or exc):
+                if delay is None or not _core.retryable(cause or exc):
                     raise
                 if on_retry is not None:
                     on_retry(exc, key)
                 await asyncio.sleep(delay)
-                delay *= 2
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def get(self, job: JobRef) -> Job:

@@ -21,10 +21,10 @@ if TYPE_CHECKING:
 USER_AGENT = "gpufleet-sdk"
 DEFAULT_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5.0
-# submit retries on a lost connection or a 503 with the same Idempotency-Key (the server
-# answers a replay with the first job, so a retry never makes a second one)
-SUBMIT_RETRIES = 3
-SUBMIT_RETRY_BACKOFF_S = 0.5
+SUBMIT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0)
+"""Seconds between the tries of a submit that got no answer or a 503, with the same
+Idempotency-Key (the server answers a replay with the first job, so a retry never makes a
+second one): 19.5 s in all, longer than a restart of ``gpufleet up`` or a leader failover."""
 
 
 def tls_verify(url: str) -> Any:

@@ -166,11 +166,10 @@ class Client:
         on_retry: Callable[[BaseException, str], None] | None = None,
     ) -> Submitted:
         """Submit a ready ``POST /v1/jobs`` body (a job file's keys); see :meth:`submit`.
-        A lost connection or a 503 is retried (3 times, 0.5 s apart, doubling) with the same
-        key."""
+        A lost connection or a 503 is retried for ~20 s (``SUBMIT_RETRY_DELAYS_S``: 0.5 s,
+        doubling to 4 s) with the same key."""
         key = idempotency_key or _core.new_idempotency_key()
-        delay = _core.SUBMIT_RETRY_BACKOFF_S
-        for attempt in range(_core.SUBMIT_RETRIES + 1):
+        for delay in (*_core.SUBMIT_RETRY_DELAYS_S, None):
             try:
                 resp = self._send(
                     "POST", "/v1/jobs", json=dict(body), headers={"Idempotency-Key": key}
@@ -178,12 +177,11 @@ class Client:
                 return _core.submitted(resp, key)
             except (TransportError, ApiError) as exc:
                 cause = exc.__cause__ if isinstance(exc, TransportError) else exc
-                if attempt == _core.SUBMIT_RETRIES or not _core.retryable(cause or exc):
+                if delay is None or not _core.retryable(cause or exc):
                     raise
                 if on_retry is not None:
                     on_retry(exc, key)
                 time.sleep(delay)
-                delay *= 2
         raise AssertionError("unreachable")  # pragma: no cover
 
     def get(self, job: JobRef) -> Job:
