@@ -119,6 +119,8 @@ _POLICY_BOUNDS: Mapping[str, dict[str, Any]] = {
     "defrag_drain_horizon_s": {"ge": 0},
     "displacement_budget_share": {"ge": 0},
     "anti_thrash_s": {"ge": 0},
+    "loan_reclaim_exempt_s": {"ge": 0, "inf": True},
+    "loan_age_wait_s": {"ge": 0},
 }
 """Bounds of the numeric ``policy`` knobs (``_number`` keywords)."""
 
@@ -145,7 +147,12 @@ def _policy_knobs(raw: Any, where: str) -> dict[str, Any]:
             }
         elif key in ("usage_half_life_s", "hold_timeout_s") and value in ("inf", None):
             out[key] = math.inf
-        elif key in ("default_runtime_estimate_s", "headroom_wait_s", "defrag_wait_s"):
+        elif key in (
+            "default_runtime_estimate_s",
+            "headroom_wait_s",
+            "defrag_wait_s",
+            "loan_reclaim_exempt_s",
+        ):
             out[key] = _opt(value, at, **_POLICY_BOUNDS[key])
         else:
             bounds = _POLICY_BOUNDS.get(key, {})

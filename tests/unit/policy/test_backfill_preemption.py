@@ -144,6 +144,76 @@ class TestReclaim:
         assert kinds(result) == [("Place", "a2", "n2")]
 
 
+class TestAgedLoanExemption:
+    """``PolicyConfig.loan_reclaim_exempt_s``: a whole-node loan whose job waited
+    ``loan_age_wait_s`` before it started is not a reclaim victim during its exempt window."""
+
+    CFG = PolicyConfig(loan_reclaim_exempt_s=14_400.0, loan_age_wait_s=3600.0)
+
+    @staticmethod
+    def fleet(
+        now: float, waited: float = 7200.0, gpus: int = 8, other_loan: bool = False
+    ) -> object:
+        """a (guarantee 8) runs its own 8 GPUs on n1 and a loan on n2 that started at t=7,200
+        after ``waited`` s in the queue; b (guarantee 8) comes back for 8 GPUs. With
+        ``other_loan``, c (no guarantee) borrows all of n3."""
+        loan = replace(
+            run("a-loan", "n2", team="a", gpus=gpus, started=7200), queued_at_s=7200 - waited
+        )
+        running = [run("a-own", "n1", team="a", gpus=8, started=0), loan]
+        nodes = [node("n1", free=0), node("n2", free=8 - gpus)]
+        if other_loan:
+            running.append(run("c-loan", "n3", team="c", gpus=8, started=7000))
+            nodes.append(node("n3", free=0))
+        return snap(
+            nodes=nodes,
+            running=running,
+            pending=[job("b1", team="b", gpus=8, at=now - 10)],
+            teams=[team("a", guarantee=8), team("b", guarantee=8), team("c")],
+            now=now,
+        )
+
+    @staticmethod
+    def preempts(result: object) -> list[Preempt]:
+        return [d for d in result.decisions if isinstance(d, Preempt)]  # type: ignore[attr-defined]
+
+    @pytest.mark.parametrize(
+        ("now", "want"),
+        [
+            pytest.param(7200 + 60, [], id="inside the window: not a victim"),
+            pytest.param(7200 + 14_399, [], id="last second of the window"),
+            pytest.param(7200 + 14_400, ["a-loan"], id="window over: reclaimed"),
+        ],
+    )
+    def test_aged_whole_node_loan_is_exempt_for_its_window(
+        self, now: float, want: list[str]
+    ) -> None:
+        result = schedule(self.fleet(now), self.CFG)  # type: ignore[arg-type]
+        assert [v for p in self.preempts(result) for v in p.victim_run_ids] == want
+        assert self.preempts(schedule(self.fleet(now)))[0].victim_run_ids == ("a-loan",)  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize(
+        ("waited", "gpus"),
+        [
+            pytest.param(600.0, 8, id="started after a short wait"),
+            pytest.param(7200.0, 4, id="half a node"),
+        ],
+    )
+    def test_young_or_small_loans_are_not_exempt(self, waited: float, gpus: int) -> None:
+        s = self.fleet(7200 + 60, waited=waited, gpus=gpus)
+        (pre,) = self.preempts(schedule(s, self.CFG))  # type: ignore[arg-type]
+        assert pre.victim_run_ids == ("a-loan",)
+
+    def test_infinite_window_and_other_loans_still_reclaimed(self) -> None:
+        """With ``math.inf`` only completion returns the aged loan; b reclaims c's loan."""
+        cfg = replace(self.CFG, loan_reclaim_exempt_s=float("inf"))
+        s = self.fleet(7200 + 10**7, other_loan=True)
+        (pre,) = self.preempts(schedule(s, cfg))  # type: ignore[arg-type]
+        assert pre.victim_run_ids == ("c-loan",)
+        (off,) = self.preempts(schedule(s))  # type: ignore[arg-type]
+        assert off.victim_run_ids == ("a-loan",)  # (the cheapest: least work lost)
+
+
 class TestPriorityPreemption:
     @pytest.mark.parametrize(
         ("victim_priority", "preemptible", "want_preempt"),
