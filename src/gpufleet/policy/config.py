@@ -130,6 +130,9 @@ class PolicyConfig:
             back only by completing; None = no exemption (``policy.preemption``).
             Defragmentation never displaces large jobs anyway.
         loan_age_wait_s: the queue wait, seconds, that makes a large loan *aged* (above).
+        loan_age_order: (trial) a team whose head would borrow, needs a whole node (or a
+            gang) and waited ``loan_age_wait_s`` is ordered between the fair-share tiers,
+            oldest head first (``policy.fairshare``).
     """
 
     placement: Placement = Placement.BEST_FIT
@@ -158,3 +161,4 @@ class PolicyConfig:
     defrag_migrate: bool = True
     loan_reclaim_exempt_s: float | None = None
     loan_age_wait_s: float = 3600.0
+    loan_age_order: bool = False

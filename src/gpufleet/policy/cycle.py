@@ -708,7 +708,7 @@ class _Pass:
         self.keep_reservations()
         # DD7: headroom and defragmentation for large jobs that waited (policy.defrag)
         self.shielded = protect(self, self.snap.recent_displacements)
-        order = TeamOrder(self.book, cfg, self.index.gpu_types)
+        order = TeamOrder(self.book, cfg, self.index.gpu_types, self.now, self.index.node_gpus)
         queues = self.queues
         ptr = dict.fromkeys(queues, 0)
         heap: list[tuple[TeamKey, str]] = []

@@ -138,7 +138,7 @@ def _policy_knobs(raw: Any, where: str) -> dict[str, Any]:
         if key in ("placement", "ordering", "backfill"):
             enum_type = {"placement": Placement, "ordering": Ordering, "backfill": Backfill}[key]
             out[key] = enum_type(_choice(value, at, enum_type))
-        elif key in ("borrowing", "preemption", "defrag_migrate"):
+        elif key in ("borrowing", "preemption", "defrag_migrate", "loan_age_order"):
             out[key] = _bool(value, at)
         elif key == "head_start_s":
             out[key] = {
