@@ -122,17 +122,6 @@ class PolicyConfig:
             guarantee when the GPUs free elsewhere (on nodes without a reservation or shield)
             can hold them at once: a move, not a reclaim (``policy.defrag``); False = only
             the preemptor's own team's, borrowed, or (preemptor within its guarantee) any.
-        loan_reclaim_exempt_s: a borrowed attempt of an *aged large loan* (a job needing at
-            least the largest node of its GPU type, or a multi-node gang, that had waited at
-            least ``loan_age_wait_s`` in the queue before the attempt started) is not a
-            reclaim victim during its first this-many seconds of running (Slurm's
-            ``PreemptExemptTime``, for loans only); ``math.inf`` = such a loan gives its GPUs
-            back only by completing; None = no exemption (``policy.preemption``).
-            Defragmentation never displaces large jobs anyway.
-        loan_age_wait_s: the queue wait, seconds, that makes a large loan *aged* (above).
-        loan_age_order: (trial) a team whose head would borrow, needs a whole node (or a
-            gang) and waited ``loan_age_wait_s`` is ordered between the fair-share tiers,
-            oldest head first (``policy.fairshare``).
     """
 
     placement: Placement = Placement.BEST_FIT
@@ -159,6 +148,3 @@ class PolicyConfig:
     displacement_budget_share: float = 0.05
     anti_thrash_s: float = 6 * 3600.0
     defrag_migrate: bool = True
-    loan_reclaim_exempt_s: float | None = None
-    loan_age_wait_s: float = 3600.0
-    loan_age_order: bool = False

@@ -24,7 +24,7 @@ the same snapshot and config give the same result.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from gpufleet.domain.types import Resources
 from gpufleet.policy.backfill import (
@@ -56,7 +56,7 @@ from gpufleet.policy.gang import (
     static_fit,
 )
 from gpufleet.policy.placement import FreeIndex, Shadow, node_accepts, selector_key
-from gpufleet.policy.preemption import VictimSearch, reclaim_exempt
+from gpufleet.policy.preemption import VictimSearch
 from gpufleet.policy.priority import queue_key, queued_at
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
@@ -66,7 +66,6 @@ from gpufleet.policy.snapshot import (
     GpuHold,
     NodeState,
     PendingJob,
-    RunningJob,
 )
 
 __all__ = ["queue_order_key", "schedule", "sorted_queues"]
@@ -215,16 +214,7 @@ class _Pass:
     @property
     def victims(self) -> VictimSearch:
         if self._victims is None:
-            exempt: Callable[[RunningJob], bool] | None = None
-            cfg = self.cfg
-            if cfg.loan_reclaim_exempt_s is not None:
-                index, now = self.index, self.now
-
-                def aged(r: RunningJob) -> bool:  # aged large loans (policy.preemption)
-                    return reclaim_exempt(r, index.node_gpus(r.gpu_type), now, cfg)
-
-                exempt = aged
-            self._victims = VictimSearch(self.running, self.book, self.now, exempt)
+            self._victims = VictimSearch(self.running, self.book, self.now)
         return self._victims
 
     # -- phase 1 ------------------------------------------------------------------------
@@ -708,7 +698,7 @@ class _Pass:
         self.keep_reservations()
         # DD7: headroom and defragmentation for large jobs that waited (policy.defrag)
         self.shielded = protect(self, self.snap.recent_displacements)
-        order = TeamOrder(self.book, cfg, self.index.gpu_types, self.now, self.index.node_gpus)
+        order = TeamOrder(self.book, cfg, self.index.gpu_types)
         queues = self.queues
         ptr = dict.fromkeys(queues, 0)
         heap: list[tuple[TeamKey, str]] = []

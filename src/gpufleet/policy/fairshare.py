@@ -9,10 +9,6 @@ Fair share (the default) serves, in order:
   3. ties (typically teams that run nothing) by decayed usage in GPU-seconds over weight,
      then team id.
 
-With ``PolicyConfig.loan_age_order`` (a trial, off by default) a team at or above its
-guarantee whose head needs a whole node (or a gang) and has waited ``loan_age_wait_s`` comes
-between the two tiers, oldest head first (aged loans).
-
 Why current allocation first and decayed usage second: DRF on the current allocation is what
 makes the guarantee and the loan reclaimable *now* and is strategy-proof; decayed usage alone
 would let a team that just finished a burst be starved for days after. Used as the
@@ -26,10 +22,8 @@ FIFO and strict-priority baselines use the same heap keyed by the head job only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from gpufleet.policy.config import Ordering, PolicyConfig
-from gpufleet.policy.priority import queue_key, queued_at
+from gpufleet.policy.priority import queue_key
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.snapshot import PendingJob
 
@@ -39,20 +33,11 @@ TeamKey = tuple[float, float, float, str, str]
 class TeamOrder:
     """Computes the heap key of a team given its current head job."""
 
-    def __init__(
-        self,
-        book: TeamBook,
-        config: PolicyConfig,
-        all_types: tuple[str, ...],
-        now_s: float = 0.0,
-        node_gpus: Callable[[str], int] | None = None,
-    ):
+    def __init__(self, book: TeamBook, config: PolicyConfig, all_types: tuple[str, ...]):
         self._book = book
         self._cfg = config
         self._qkey = queue_key(config)
         self._all_types = all_types
-        self._now_s = now_s
-        self._node_gpus = node_gpus
 
     def key(self, team_id: str, head: PendingJob) -> TeamKey:
         if self._cfg.ordering is not Ordering.FAIR_SHARE:
@@ -61,12 +46,6 @@ class TeamOrder:
         book = self._book
         types = head.resources.gpu_types or self._all_types
         tier = 0.0 if book.under_guarantee(team_id, types) else 1.0
-        cfg = self._cfg
-        if tier and cfg.loan_age_order and self._node_gpus is not None:
-            size = max((self._node_gpus(t) for t in types), default=0)
-            qa = queued_at(head)
-            if head.resources.gpu_count >= size > 0 and self._now_s - qa >= cfg.loan_age_wait_s:
-                return (0.5, qa, 0.0, head.job_id, team_id)  # an aged loan: oldest first
         ts = book.team(team_id)
         usage = ts.usage_gpu_s / max(ts.weight, 1e-9)
         return (tier, book.dominant_share(team_id), usage, team_id, "")

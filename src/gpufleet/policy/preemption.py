@@ -17,13 +17,6 @@ Two grounds, both for a job that cannot be placed on free capacity:
 Which attempts are borrowed: for a team above its guarantee on a type, its youngest attempts
 on that type (last started, first borrowed) covering the excess.
 
-Aged large loans (``PolicyConfig.loan_reclaim_exempt_s``, off by default): a borrowed attempt
-that needs a whole node (or is a gang) and whose job had waited ``loan_age_wait_s`` before it
-started is not a reclaim victim during its first ``loan_reclaim_exempt_s`` of running
-(Slurm's ``PreemptExemptTime``). It still counts as borrowed (the team's excess and which of
-its other attempts are borrowed do not change); the lender takes other loans, or waits for
-the loan to complete (DD4: a loan comes back by completion or by preemption).
-
 Cost of a victim set, smallest first: attempts that are not borrowed, then the highest
 priority hit, then GPU-seconds of progress lost since each victim's last checkpoint, then the
 number of victims, then node id. Per node, victims are taken greedily by (borrowed first,
@@ -37,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpufleet.domain.types import Resources
-from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.decisions import Preempt
 from gpufleet.policy.gang import member_resources
 from gpufleet.policy.placement import FreeIndex, node_accepts
@@ -74,34 +66,10 @@ def fewest_victims(
     return chosen
 
 
-def reclaim_exempt(r: RunningJob, node_gpus: int, now_s: float, cfg: PolicyConfig) -> bool:
-    """Whether attempt ``r``, if borrowed, is an aged large loan inside its exempt window:
-    a gang or at least ``node_gpus`` GPUs (the largest node of its type), whose job waited at
-    least ``cfg.loan_age_wait_s`` before the start, started less than
-    ``cfg.loan_reclaim_exempt_s`` ago. False when the knob is off or the wait is unknown."""
-    window = cfg.loan_reclaim_exempt_s
-    if window is None or r.queued_at_s is None:
-        return False
-    if r.gang_size == 1 and r.gpu_count < node_gpus:
-        return False
-    if r.started_at_s - r.queued_at_s < cfg.loan_age_wait_s:
-        return False
-    return now_s - r.started_at_s < window
-
-
 class VictimSearch:
-    """Per-pass victim search over the running attempts (built lazily, used rarely).
+    """Per-pass victim search over the running attempts (built lazily, used rarely)."""
 
-    ``exempt``: borrowed attempts for which it returns True are not reclaim victims (they
-    stay borrowed; ``reclaim_exempt``); None = none is."""
-
-    def __init__(
-        self,
-        running: RunningIndex,
-        book: TeamBook,
-        now_s: float,
-        exempt: Callable[[RunningJob], bool] | None = None,
-    ) -> None:
+    def __init__(self, running: RunningIndex, book: TeamBook, now_s: float) -> None:
         self._running = running
         self._book = book
         self._now_s = now_s
@@ -151,15 +119,14 @@ class VictimSearch:
                         if r.run_id in self.borrowed:
                             continue  # marked with an earlier member
                         unit = self._gangs.get(r.job_id, [r])
-                        kept = exempt is not None and exempt(r)
                         for m in unit:
                             self.borrowed.add(m.run_id)
-                            if m.preemptible and not m.stopping and not kept:
+                            if m.preemptible and not m.stopping:
                                 self._borrowed_nodes.setdefault(m.node_id, []).append(m)
                         excess -= sum(m.gpu_count for m in unit)
                         continue
                     self.borrowed.add(r.run_id)
-                    if r.preemptible and not r.stopping and (exempt is None or not exempt(r)):
+                    if r.preemptible and not r.stopping:
                         self._borrowed_nodes.setdefault(r.node_id, []).append(r)
                     excess -= r.gpu_count
         for runs in self._borrowed_nodes.values():

@@ -128,10 +128,6 @@ class RunningJob:
     gang_size: int = 1
     """Members of the attempt; > 1 means a gang whose members share ``job_id`` and are
     preempted, charged and reclaimed as one unit."""
-    queued_at_s: float | None = None
-    """When the job entered the queue this attempt started from (``PendingJob.queued_at_s``,
-    else its submit time), so ``started_at_s - queued_at_s`` is the wait before the start;
-    None = unknown (then the attempt is never an aged loan, ``policy.preemption``)."""
 
 
 @dataclass(frozen=True, slots=True)

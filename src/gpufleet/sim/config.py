@@ -119,8 +119,6 @@ _POLICY_BOUNDS: Mapping[str, dict[str, Any]] = {
     "defrag_drain_horizon_s": {"ge": 0},
     "displacement_budget_share": {"ge": 0},
     "anti_thrash_s": {"ge": 0},
-    "loan_reclaim_exempt_s": {"ge": 0, "inf": True},
-    "loan_age_wait_s": {"ge": 0},
 }
 """Bounds of the numeric ``policy`` knobs (``_number`` keywords)."""
 
@@ -138,7 +136,7 @@ def _policy_knobs(raw: Any, where: str) -> dict[str, Any]:
         if key in ("placement", "ordering", "backfill"):
             enum_type = {"placement": Placement, "ordering": Ordering, "backfill": Backfill}[key]
             out[key] = enum_type(_choice(value, at, enum_type))
-        elif key in ("borrowing", "preemption", "defrag_migrate", "loan_age_order"):
+        elif key in ("borrowing", "preemption", "defrag_migrate"):
             out[key] = _bool(value, at)
         elif key == "head_start_s":
             out[key] = {
@@ -147,12 +145,7 @@ def _policy_knobs(raw: Any, where: str) -> dict[str, Any]:
             }
         elif key in ("usage_half_life_s", "hold_timeout_s") and value in ("inf", None):
             out[key] = math.inf
-        elif key in (
-            "default_runtime_estimate_s",
-            "headroom_wait_s",
-            "defrag_wait_s",
-            "loan_reclaim_exempt_s",
-        ):
+        elif key in ("default_runtime_estimate_s", "headroom_wait_s", "defrag_wait_s"):
             out[key] = _opt(value, at, **_POLICY_BOUNDS[key])
         else:
             bounds = _POLICY_BOUNDS.get(key, {})

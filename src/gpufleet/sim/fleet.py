@@ -343,8 +343,6 @@ class InMemoryFleet:
             if s.checkpoint_s:
                 ckpt = run.reserved_s  # last checkpoint is computed by the engine on demand
             size = len(run.members)
-            # (queued_at_s changes only when the job queues again, after this attempt)
-            queued = js.queued_at_s if js.queued_at_s is not None else s.submit_s
             run.state = tuple(
                 RunningJob(
                     run_id=m.run_id,
@@ -370,7 +368,6 @@ class InMemoryFleet:
                     stopping_for_job_id=run.stopping_for,
                     rank=m.rank,
                     gang_size=size,
-                    queued_at_s=queued,
                 )
                 for m in run.members
             )
