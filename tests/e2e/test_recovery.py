@@ -584,3 +584,42 @@ def test_operator_cordon_drain_and_fence_and_why_names_the_nodes(fleet: Fleet) -
     assert r.returncode == 0, r.stderr
     assert fleet.wait_status(k, TERMINAL, timeout_s=60)["status"] == "SUCCEEDED"
     assert fleet.check() == []
+
+
+def test_an_agent_restarted_with_another_gpu_count_while_busy_drains_and_keeps_its_job(
+    fleet: Fleet,
+) -> None:
+    """An agent restarted with a different GPU count while its node runs work (a typo in
+    --gpus, a GPU fallen off the bus) registers: the node keeps its recorded GPUs and goes
+    DRAINING with the reason, nothing new lands there, and the running attempt ends with its
+    own exit code (it used to be refused registration until the node was quarantined and its
+    work fenced and run again, losing the exit code). Once drained (CORDONED), the next restart
+    takes the new count, and uncordon makes the node usable."""
+    fleet.start_agent("a1", gpus="4xH100-80GB")
+    done = fleet.tmp / "go"
+    code = (
+        f"import os, time\nwhile not os.path.exists({str(done)!r}): time.sleep(0.1)\n"
+        "raise SystemExit(7)"
+    )
+    j = fleet.submit({"command": py(code, marker_of(fleet)), "gpu_count": 2, "max_retries": 0})
+    fleet.wait_status(j, {"RUNNING"})
+    fleet.kill_agent("a1")  # the job keeps running under its shim
+    fleet.start_agent("a1", gpus="2xH100-80GB", wait=False)
+    fleet.wait_for(lambda: fleet.node("a1")["status"] == "DRAINING", 30, "a1 DRAINING")
+    node = fleet.node("a1")
+    assert node["total_gpus"] == 4 and "2 GPUs" in (node["status_reason"] or ""), node
+    late = fleet.submit({"command": py("pass", marker_of(fleet)), "gpu_count": 1})
+    done.write_text("")
+    ended = fleet.wait_status(j, TERMINAL, timeout_s=60)
+    assert ended["status"] == "FAILED" and len(ended["attempts"]) == 1, ended
+    assert ended["attempts"][0]["exit_code"] == 7, ended
+    fleet.wait_for(lambda: fleet.node("a1")["status"] == "CORDONED", 30, "drained a1")
+    assert fleet.job(late)["status"] == "PENDING"  # nothing new on a draining node
+    fleet.kill_agent("a1", signal.SIGTERM)
+    fleet.start_agent("a1", gpus="2xH100-80GB", wait=False)
+    fleet.wait_for(lambda: fleet.node("a1")["total_gpus"] == 2, 30, "the new count")
+    assert fleet.node("a1")["status"] == "CORDONED"
+    r = gpufleet_cli(fleet, "admin", "node", "uncordon", "a1")
+    assert r.returncode == 0, r.stderr
+    assert fleet.wait_status(late, TERMINAL, timeout_s=60)["status"] == "SUCCEEDED"
+    assert fleet.check() == []

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import bindparam, exists, func, select, update
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import NotFound, ValidationFailed
+from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
 from gpufleet.domain.states import (
     RUN_ACTIVE,
     JobStatus,
@@ -85,7 +85,8 @@ def fence_lost_agent_state(
 
 def register_node(session: Session, inv: NodeInventory, *, max_node_failures: int = 3) -> None:
     """Insert or refresh a node. A re-registration may change address, labels and epoch;
-    a changed GPU count is refused while GPUs are reserved (an operator must drain first).
+    a changed GPU count while GPUs are reserved is not recorded: the node keeps its GPUs and
+    is drained (``_drain_for_inventory``), and the next registration after the drain records it.
 
     Agent epochs: a restarted agent registers with a higher epoch (its state dir keeps a
     counter); the same epoch again is a retried registration. A *lower* epoch means the
@@ -143,20 +144,27 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
             ),
             max_node_failures=max_node_failures,
         )
-    allocate.set_inventory(session, inv.node_id, inv.gpus)
+    try:
+        allocate.set_inventory(session, inv.node_id, inv.gpus)
+        kept_inventory = None
+    except Conflict as refused:  # GPUs are reserved: keep the recorded ones, drain
+        kept_inventory = str(refused)
     node.address, node.labels, node.cpu, node.memory_mb = (
         inv.address,
         inv.labels,
         inv.cpu,
         inv.memory_mb,
     )
-    node.gpu_type, node.gpu_memory_mb = gpu_type, mem
+    if kept_inventory is None:
+        node.gpu_type, node.gpu_memory_mb = gpu_type, mem
     node.agent_epoch, node.inventory_source, node.last_heartbeat_at = (
         inv.agent_epoch,
         inv.inventory_source,
         now,
     )
-    if node.status == NodeStatus.SUSPECT:
+    if kept_inventory is not None:
+        _drain_for_inventory(session, node, kept_inventory, now)
+    elif node.status == NodeStatus.SUSPECT:
         back_to_healthy(
             session, node.id, frm=NodeStatus.SUSPECT, now=now, message="agent re-registered"
         )
@@ -166,6 +174,33 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
         now=now,
         node_id=inv.node_id,
         message=f"re-registered, agent epoch {inv.agent_epoch}",
+    )
+
+
+DRAINABLE = (NodeStatus.HEALTHY, NodeStatus.SUSPECT, NodeStatus.UNHEALTHY, NodeStatus.CORDONED)
+
+
+def _drain_for_inventory(session: Session, node: NodeRow, refused: str, now: datetime) -> None:
+    """A re-registering agent reports another GPU count while GPUs of its node are reserved
+    (a typo in ``--gpus``, a GPU fallen off the bus): the node keeps its recorded GPUs, so
+    the running attempts keep their reservations and report their ends, and goes DRAINING
+    (Slurm drains a node whose resources shrink). Once drained (CORDONED), the agent's next
+    registration records the new count; an operator uncordons it. A node QUARANTINED, FENCED
+    or already DRAINING keeps its status."""
+    why = f"{refused}; the new count is taken at the agent's next start after the drain"
+    if node.status not in DRAINABLE:
+        record_event(session, "node_inventory_kept", now=now, node_id=node.id, message=why)
+        return
+    transition(
+        session,
+        Machine.NODE,
+        node.id,
+        NodeStatus.DRAINING,
+        now=now,
+        frm=[node.status],
+        values={"status_reason": why},
+        message=why,
+        node_id=node.id,
     )
 
 
