@@ -112,17 +112,18 @@ policy: {preemption: false}
 
 def test_gangs_are_reported_apart_with_their_ratio(tmp_path: Path) -> None:
     """Multi-node gangs get their own queue-delay summary and p99 ratio over 1-GPU jobs
-    (``queue_delay_s.gangs``, ``by_quota[...]["p99_gang_to_1"]``); an 8-GPU job on one node
+    (``gangs.queue_delay_s``, ``by_quota[...]["p99_gang_to_1"]``); an 8-GPU job on one node
     is 8+ but not a gang."""
     cfg = tmp_path / "gang.yaml"
     cfg.write_text(GANG, encoding="utf-8")
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["run", str(cfg), "--out", str(out), "--no-plots"])
     assert result.exit_code == 0, result.output
-    qd = json.loads((out / "report.json").read_text(encoding="utf-8"))["runs"]["main"][
-        "queue_delay_s"
-    ]
-    assert qd["gangs"]["n"] == 1 and qd["gangs"]["p99"] == 999.0
+    run = json.loads((out / "report.json").read_text(encoding="utf-8"))["runs"]["main"]
+    qd, gangs = run["queue_delay_s"], run["gangs"]
+    assert gangs["queue_delay_s"]["n"] == 1 and gangs["queue_delay_s"]["p99"] == 999.0
+    assert gangs["placed"] == gangs["placements"] == 1
+    assert qd["by_quota"]["all"]["gangs"] == gangs["queue_delay_s"]
     assert qd["by_size"]["8+"]["n"] == 2
     assert qd["by_quota"]["all"]["p99_gang_to_1"] is None  # the 1-GPU p99 is 0
     recs = [

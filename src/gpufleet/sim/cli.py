@@ -51,16 +51,17 @@ Progress = Callable[[str, float, float], None]
 
 
 def gang_summary(eng: Engine) -> dict[str, Any]:
-    """Multi-node jobs of the run: how many were placed, and their queue delay (first start -
-    submit), overall and per team."""
+    """Multi-node jobs of the run: how many ran as gangs (``placed``: jobs; ``placements``:
+    gang starts, restarts after a preemption or failure included) and the queue delay of the
+    finished ones (time queued in all, as every ``queue_delay_s`` of the report), overall and
+    per team."""
     waits: dict[str, list[float]] = {}
-    for js in eng.fleet.jobs.values():
-        if js.first_start_s is None or not js.runs:
-            continue
-        if len(eng.fleet.runs[js.runs[0]].members) > 1:
-            waits.setdefault(js.spec.team_id, []).append(js.first_start_s - js.spec.submit_s)
+    for r in eng.rec.records:
+        if r.gang:
+            waits.setdefault(r.team_id, []).append(r.wait_s)
     return {
-        "placed": eng.gangs_placed,
+        "placed": sum(js.gang for js in eng.fleet.jobs.values()),
+        "placements": eng.gangs_placed,
         "queue_delay_s": summary([w for ws in waits.values() for w in ws]),
         "per_team": {t: summary(ws) for t, ws in sorted(waits.items())},
     }

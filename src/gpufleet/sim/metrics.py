@@ -226,7 +226,6 @@ class Recorder:
             "queue_delay_s": {
                 "all": summary(waits_all),
                 "by_size": {k: summary(v) for k, v in sorted(by_size.items())},
-                "gangs": summary([r.wait_s for r in recs if r.gang]),
                 "by_tier": {k: summary(v) for k, v in sorted(by_tier.items())},
                 "by_quota": by_quota(recs),
             },
@@ -288,8 +287,9 @@ def by_quota(recs: Sequence[JobRecord]) -> dict[str, dict[str, Any]]:
     """Queue delay by job size, split by whether the job's first placement was inside its
     team's guarantee (``inside_guarantee``) or borrowed (``borrowing``), with the 8+ / 1-GPU
     p99 ratio of each part (None where undefined) and of all jobs (``all``); ``gangs`` is the
-    queue delay of the multi-node gangs among them (a subset of 8+ on 8-GPU nodes) and
-    ``p99_gang_to_1`` their p99 over the same part's 1-GPU p99.
+    queue delay of the multi-node gangs among them (a subset of 8+ on 8-GPU nodes; for all
+    jobs the same as the report's ``gangs.queue_delay_s``) and ``p99_gang_to_1`` their p99
+    over the same part's 1-GPU p99.
 
     Fair share (DD4) serves work inside a guarantee first and lets borrowed work wait for
     idle capacity: the ``inside_guarantee`` ratio shows how size is treated where fair share
