@@ -260,16 +260,18 @@ def test_an_agent_reused_after_up_was_killed_hard_is_stopped_with_the_next_up(
 ) -> None:
     """`kill -9` of `gpufleet up` leaves its agent running (it keeps the jobs); the next `up`
     on the same data dir reuses that agent, and stopping this `up` (Ctrl-C, SIGTERM) stops
-    it too, as it stops an agent it started: no agent is left behind."""
+    it too, as it stops an agent it started: no agent is left behind. With a --data-dir the
+    shell's GPUFLEET_DATA_DIR does not name, `up` says how other shells find its config."""
     import signal
 
     from gpufleet.agent.main import state_dir_holder
 
     env = _up_env(tmp_path)
+    data = tmp_path / "elsewhere"
     api, ctl = _two_free_ports(), _two_free_ports()
-    state_dir = tmp_path / "agents" / "local-0"
-    cmd = [sys.executable, "-m", "gpufleet.cli.main", "up", "--port", str(api),
-           "--controller-port", str(ctl)]  # fmt: skip
+    state_dir = data / "agents" / "local-0"
+    cmd = [sys.executable, "-m", "gpufleet.cli.main", "up", "--data-dir", str(data),
+           "--port", str(api), "--controller-port", str(ctl)]  # fmt: skip
 
     def start(name: str) -> subprocess.Popen[bytes]:
         out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
@@ -296,6 +298,14 @@ def test_an_agent_reused_after_up_was_killed_hard_is_stopped_with_the_next_up(
         assert state_dir_holder(state_dir) == agent  # the agent outlived `up`
         second = start("second")
         assert "reusing it" in (tmp_path / "second.err").read_text()
+        hint = f"export GPUFLEET_CONFIG={data / 'client.yaml'}"
+        assert hint in (tmp_path / "second.out").read_text()
+        listed = subprocess.run(
+            [sys.executable, "-m", "gpufleet.cli.main", "list"],
+            env={**env, "GPUFLEET_CONFIG": str(data / "client.yaml")},
+            text=True, capture_output=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert listed.returncode == 0, listed.stderr
         assert state_dir_holder(state_dir) == agent
         second.send_signal(signal.SIGINT)
         assert second.wait(timeout=60) == 0, (tmp_path / "second.err").read_text()[-3000:]

@@ -26,7 +26,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from gpufleet.cli.client import node_label, register_client_commands
-from gpufleet.cli.config import client_config_path, write_client_config
+from gpufleet.cli.config import client_config_path, default_config_path, write_client_config
 from gpufleet.cli.output import clean
 from gpufleet.domain.errors import GpufleetError
 
@@ -372,6 +372,9 @@ def up(
         f"gpufleet is up at [bold]{platform.api.url}[/] (data: {settings.resolved_data_dir()})"
     )
     out.print(f"admin token (team 'default'): [bold]{token}[/]  (saved to {cfg_path})")
+    if default_config_path().expanduser().resolve() != cfg_path.expanduser().resolve():
+        # a --data-dir the shell's GPUFLEET_DATA_DIR does not name: the CLI would not find it
+        out.print(f"in other shells:  [bold]export GPUFLEET_CONFIG={cfg_path}[/]", soft_wrap=True)
     out.print(f"dashboard: [bold]{platform.api.url}/ui[/]  (log in with a token)")
     out.print(
         "try:  gpufleet submit --gpus 1 -- python3 examples/train_digits.py   |  Ctrl-C stops"
