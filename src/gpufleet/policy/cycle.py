@@ -395,13 +395,9 @@ class _Pass:
         res = job.resources
         hard_end = self.now + job.max_runtime_s if job.max_runtime_s is not None else None
         held = self.hold_nodes.get(job.job_id, ())
-        shadows = self.index.shadows
+        index = self.index
         use_memo = not held and (
-            not shadows
-            or (
-                job.max_runtime_s is None
-                and all(sh.job_id != job.job_id for sh in shadows.values())
-            )
+            not index.shadows or (job.max_runtime_s is None and not index.has_shadow(job.job_id))
         )
         refusal: Cause | None = None
         types = res.gpu_types or self.index.gpu_types
