@@ -180,8 +180,8 @@ def _member_starts(
     running: RunningIndex,
     now_s: float,
 ) -> list[tuple[float, int, str]]:
-    """``(earliest start, -node GPUs, node_id)`` of a member of ``smallest`` GPUs on every
-    node of ``nodes`` without another reservation that has one."""
+    """``(earliest start, -node GPUs, node_id)`` of a member of ``smallest`` GPUs on each
+    node of ``nodes`` without a reservation, where the running work has a known end."""
     starts: list[tuple[float, int, str]] = []
     shadows = index.shadows
     candidates = (
