@@ -21,7 +21,9 @@ Rows (``--rows``, by position): 0 1k busy, 1 1k idle, 2 5k busy, 3 5k busy 10% g
 idle, 5 5k idle 10% gangs. The "indexed" column is this checkout's pass with a
 ``FleetIndex`` made before the timing (``ClusterSnapshot.fleet_index``: what the simulator
 and the live leader's snapshot cache keep across passes); its ratio is against "before"
-without one.
+without one. "before idx" is the other commit's pass with its own ``FleetIndex``, and
+"idx/before idx" compares the two indexed passes (what ``policy_pass.py``'s "index cpu"
+column times).
 """
 
 from __future__ import annotations
@@ -95,18 +97,22 @@ def main() -> None:
     print("load average", os.getloadavg())
     print(
         f"{'nodes':>6} {'state':>5} {'gangs':>5} {'before min/med':>15} {'after min/med':>15} "
-        f"{'indexed min/med':>15} {'after/before':>13} {'indexed/before':>15} {'dec':>5}"
+        f"{'indexed min/med':>15} {'after/before':>13} {'indexed/before':>15} "
+        f"{'before idx min/med':>18} {'idx/before idx':>14} {'dec':>5}"
     )
     for i in args.rows.split(","):
         nodes, busy, gangs = ROWS[int(i)]
         ins = {k: inputs(k, nodes, busy, gangs) for k in ("gpufleet_before", "gpufleet")}
         snap, cfg, sched = ins["gpufleet"]
         ins["indexed"] = (replace(snap, fleet_index=FleetIndex(snap.nodes)), cfg, sched)
+        snap, cfg, sched = ins["gpufleet_before"]
+        before_index = importlib.import_module("gpufleet_before.policy.placement").FleetIndex
+        ins["before_indexed"] = (replace(snap, fleet_index=before_index(snap.nodes)), cfg, sched)
         digests = {k: digest(s(snp, c)) for k, (snp, c, s) in ins.items()}
         if len(set(digests.values())) != 1:
             raise SystemExit(f"results differ: {digests}")
         cpu: dict[str, list[float]] = {k: [] for k in ins}
-        order = ["gpufleet_before", "gpufleet", "indexed"]
+        order = ["gpufleet_before", "gpufleet", "before_indexed", "indexed"]
         for run in range(args.runs):
             for k in order if run % 2 == 0 else order[::-1]:
                 snp, c, s = ins[k]
@@ -115,12 +121,15 @@ def main() -> None:
                 s(snp, c)
                 cpu[k].append((time.process_time() - t0) * 1000.0)
         b, a, x = cpu["gpufleet_before"], cpu["gpufleet"], cpu["indexed"]
+        bx = cpu["before_indexed"]
         med = statistics.median
         print(
             f"{nodes:>6} {'busy' if busy > 0.9 else 'idle':>5} {gangs:>5.0%} "
             f"{min(b):>6.1f} / {med(b):>6.1f} {min(a):>6.1f} / {med(a):>6.1f} "
             f"{min(x):>6.1f} / {med(x):>6.1f} {min(a) / min(b):>6.2f} {med(a) / med(b):>6.2f} "
-            f"{min(x) / min(b):>7.2f} {med(x) / med(b):>7.2f} {digests['gpufleet'][1]:>5}",
+            f"{min(x) / min(b):>7.2f} {med(x) / med(b):>7.2f} "
+            f"{min(bx):>6.1f} / {med(bx):>6.1f} {min(x) / min(bx):>6.2f} {med(x) / med(bx):>6.2f} "
+            f"{digests['gpufleet'][1]:>5}",
             flush=True,
         )
     print("load average", os.getloadavg(), "- results identical in every row")

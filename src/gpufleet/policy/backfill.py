@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from itertools import chain
 
 from gpufleet.policy.gang import domain, member_resources
-from gpufleet.policy.placement import FreeIndex, Shadow
+from gpufleet.policy.placement import Accepting, FreeIndex, Shadow
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import PendingJob
 
@@ -171,32 +172,20 @@ def extra_at(
     return max(0, free + sum(r.gpu_count for end, r in runs if end <= at_s) - need)
 
 
-def find_gang_reservation(
+def _member_starts(
     job: PendingJob,
-    members: tuple[int, ...],
-    gpu_type: str,
+    smallest: int,
+    nodes: Accepting,
     index: FreeIndex,
     running: RunningIndex,
     now_s: float,
-) -> tuple[float, list[tuple[str, Shadow]]] | None:
-    """A backfill reservation for a gang: one node per member (``members``: GPUs per member,
-    largest first) on ``gpu_type``, all held from the time the last of them drains.
-
-    Each candidate node's earliest start for the member size is computed as for a single
-    job; the gang starts when the ``len(members)``-th earliest node is ready (members are
-    given the earliest nodes, largest member first). Returns ``(start, [(node_id, shadow)])``
-    or None when fewer nodes than members have running work with a known end.
-    """
-    res = job.resources
-    smallest = members[-1]
-    mres = member_resources(res, smallest)
+) -> list[tuple[float, int, str]]:
+    """``(earliest start, -node GPUs, node_id)`` of a member of ``smallest`` GPUs on each
+    node of ``nodes`` without a reservation, where the running work has a known end."""
     starts: list[tuple[float, int, str]] = []
     shadows = index.shadows
     candidates = (
-        (node_id, rep)
-        for rep, ids in index.accepting(mres, job.node_selector, gpu_type).groups()
-        for node_id in ids
-        if node_id not in shadows
+        (node_id, rep) for rep, ids in nodes.groups() for node_id in ids if node_id not in shadows
     )
     for node_id, node in candidates:
         if smallest == node.total_gpus:
@@ -217,10 +206,89 @@ def find_gang_reservation(
             start, _ = start_on_node(job, node_id, index, running, now_s, smallest)
         if start != math.inf:
             starts.append((start, -node.total_gpus, node_id))
+    return starts
+
+
+def _whole_node_starts(
+    job: PendingJob,
+    size: int,
+    k: int,
+    gpu_type: str,
+    nodes: Accepting,
+    index: FreeIndex,
+    running: RunningIndex,
+    now_s: float,
+) -> list[tuple[float, int, str]]:
+    """What :func:`_member_starts` gives for members of whole nodes (``nodes`` all of
+    ``size`` GPUs of ``gpu_type``), as far as a gang of ``k`` such members reads it: every
+    node ready by the ``k``-th earliest start (all of them when fewer). Without a visit to
+    every candidate: the nodes ready now come from the free list and the job's own holds,
+    the others are ready when their last attempt ends, read from ``running.drained`` in
+    that order (estimated ends are never before ``now_s``) until past the ``k``-th."""
+    shadows, job_id = index.shadows, job.job_id
+
+    def free_for_job(node_id: str) -> int | None:
+        """None: not a candidate, or GPUs of it are held for another job."""
+        if node_id in shadows or node_id not in nodes or index.hidden_from(node_id, job_id):
+            return None
+        own = index.held_node_for(job_id, node_id)
+        return own.free_gpus if own is not None else index.visible_free(node_id)
+
+    keys = index.free_list(gpu_type)
+    ready_now = {
+        node_id
+        for node_id in chain(
+            (n for _, n in keys[bisect.bisect_left(keys, (size, "")) :]),
+            index.holding.get(job_id, ()),
+        )
+        if (free := free_for_job(node_id)) is not None and free >= size
+    }
+    starts = [(now_s, -size, node_id) for node_id in ready_now]
+    ready_by = now_s if len(starts) >= k else math.inf
+    for end, node_id, gpus in running.drained:
+        if end > ready_by:
+            break
+        if node_id in ready_now:
+            continue
+        free = free_for_job(node_id)
+        if free is None or free + gpus < size:
+            continue
+        starts.append((end, -size, node_id))
+        if len(starts) == k:
+            ready_by = end
+    return starts
+
+
+def find_gang_reservation(
+    job: PendingJob,
+    members: tuple[int, ...],
+    gpu_type: str,
+    index: FreeIndex,
+    running: RunningIndex,
+    now_s: float,
+) -> tuple[float, list[tuple[str, Shadow]]] | None:
+    """A backfill reservation for a gang: one node per member (``members``: GPUs per member,
+    largest first) on ``gpu_type``, all held from the time the last of them drains.
+
+    Each candidate node's earliest start for the member size is computed as for a single
+    job; the gang starts when the ``len(members)``-th earliest node is ready (members are
+    given the earliest nodes, largest member first). Returns ``(start, [(node_id, shadow)])``
+    or None when fewer nodes than members have running work with a known end. Members of
+    one size that fill whole nodes (a derived gang's) read only the nodes ready by the
+    ``len(members)``-th start (:func:`_whole_node_starts`), not every candidate node.
+    """
+    smallest = members[-1]
+    nodes = index.accepting(member_resources(job.resources, smallest), job.node_selector, gpu_type)
+    uniform = len(set(members)) == 1
+    if uniform and all(rep.total_gpus == smallest for rep, _ in nodes.groups()):
+        k = len(members)
+        starts = _whole_node_starts(job, smallest, k, gpu_type, nodes, index, running, now_s)
+    else:
+        starts = _member_starts(job, smallest, nodes, index, running, now_s)
     if len(starts) < len(members):
         return None
     starts.sort()
-    if len(set(members)) == 1:
+    if uniform:
         # Uniform members: the gang can start when the k-th earliest node is ready; among the
         # nodes ready by then, prefer one rack, then the fewest racks (largest first), as
         # placement does. The start does not move.

@@ -395,16 +395,12 @@ class _Pass:
         res = job.resources
         hard_end = self.now + job.max_runtime_s if job.max_runtime_s is not None else None
         held = self.hold_nodes.get(job.job_id, ())
-        shadows = self.index.shadows
+        index = self.index
         use_memo = not held and (
-            not shadows
-            or (
-                job.max_runtime_s is None
-                and all(sh.job_id != job.job_id for sh in shadows.values())
-            )
+            not index.shadows or (job.max_runtime_s is None and not index.has_shadow(job.job_id))
         )
         refusal: Cause | None = None
-        types = res.gpu_types or self.index.gpu_types
+        types = res.gpu_types or index.gpu_types
         for t in types:
             members = self.members(res, t)
             if members is None:
@@ -419,14 +415,12 @@ class _Pass:
             )
             if use_memo and memo_key in self.gang_fail_memo:
                 continue  # (as for single-node jobs: the memo answers before quota)
-            code = self.book.admit(
-                job.team_id, t, res.gpu_count, self.index.free_by_type.get(t, 0)
-            )
+            code = self.book.admit(job.team_id, t, res.gpu_count, index.free_by_type.get(t, 0))
             if code is not None:
                 refusal = refusal or (code, t)
                 continue
             nodes = find_gang(
-                self.index, res, job.node_selector, t, members, hard_end, job.job_id, held
+                index, res, job.node_selector, t, members, hard_end, job.job_id, held
             )
             if nodes is None:
                 if use_memo:

@@ -138,7 +138,7 @@ class Shielded:
         for nid in self.nodes.pop(job_id, ()):
             sh = index.shadows.get(nid)
             if sh is not None and sh.job_id == job_id:
-                del index.shadows[nid]
+                index.drop_shadow(nid)
         self.causes.pop(job_id, None)
 
     def feed_back(self, index: FreeIndex) -> tuple[BackfillReservation, ...]:
@@ -725,6 +725,6 @@ def _defragment(
     p.index.hold(node_id, job.job_id, need)
     sh = p.index.shadows.get(node_id)
     if sh is not None and sh.job_id == job.job_id:
-        del p.index.shadows[node_id]
+        p.index.drop_shadow(node_id)
     p.n_preempts += 1
     p.causes[job.job_id] = ("waiting_for_preemption", node_id, victims, DEFRAGMENT)

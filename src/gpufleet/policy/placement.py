@@ -373,6 +373,9 @@ class FreeIndex:
                 for v, keys in by_value.items():
                     self._lists[(t, ((label, v),))] = list(keys)
         self.shadows: dict[str, Shadow] = {}
+        """Node id -> its backfill reservation or shield (read only: ``add_shadow`` and
+        ``drop_shadow`` change it, and keep ``_shadowed_jobs`` in step)."""
+        self._shadowed_jobs: dict[str, int] = {}  # job id -> nodes it has a shadow on
         self.gpu_types: tuple[str, ...] = static.gpu_types
         self.holding: dict[str, list[str]] = {}
         """Job id -> nodes where free GPUs are held for it (``held_node_for`` is not None)."""
@@ -728,7 +731,7 @@ class FreeIndex:
         fn.memory_free_mb -= res.memory_mb
         sh = self.shadows.get(node_id)
         if sh is not None and sh.job_id == job_id:
-            del self.shadows[node_id]
+            self.drop_shadow(node_id)
         elif sh is not None and (hard_end_s is None or hard_end_s > sh.start_at_s):
             sh.extra = max(0, sh.extra - res.gpu_count)
         self._reindex(fn, old)
@@ -748,4 +751,20 @@ class FreeIndex:
         return fn.held
 
     def add_shadow(self, node_id: str, shadow: Shadow) -> None:
+        if node_id in self.shadows:
+            self.drop_shadow(node_id)
         self.shadows[node_id] = shadow
+        jobs = self._shadowed_jobs
+        jobs[shadow.job_id] = jobs.get(shadow.job_id, 0) + 1
+
+    def drop_shadow(self, node_id: str) -> None:
+        job_id = self.shadows.pop(node_id).job_id
+        jobs = self._shadowed_jobs
+        if jobs[job_id] == 1:
+            del jobs[job_id]
+        else:
+            jobs[job_id] -= 1
+
+    def has_shadow(self, job_id: str) -> bool:
+        """Whether some node carries a shadow of ``job_id`` (no walk of the shadows)."""
+        return job_id in self._shadowed_jobs

@@ -29,10 +29,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpufleet.domain.types import Resources
 from gpufleet.policy.decisions import Preempt
 from gpufleet.policy.gang import member_resources
-from gpufleet.policy.placement import FreeIndex, node_accepts
+from gpufleet.policy.placement import FreeIndex
 from gpufleet.policy.priority import remaining_s
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
@@ -248,16 +247,6 @@ class VictimSearch:
         )
         return cost, chosen
 
-    def _node_ok(
-        self, job: PendingJob, index: FreeIndex, node_id: str, gpu_type: str, res: Resources
-    ) -> bool:
-        node = index.nodes.get(node_id)
-        if node is None or not node.schedulable or node.gpu_type != gpu_type:
-            return False
-        if not node_accepts(node, res, job.node_selector):
-            return False
-        return node_id not in index.shadows  # do not undo a backfill reservation
-
     def find(
         self, job: PendingJob, index: FreeIndex, gpu_type: str, reason: str
     ) -> tuple[Preempt, SetCost] | None:
@@ -265,7 +254,8 @@ class VictimSearch:
         victim is listed with all its members (any node): it stops as one unit."""
         need = job.resources.gpu_count
         best: tuple[SetCost, str, list[RunningJob]] | None = None
-        # ``_node_ok`` by shape: the schedulable nodes of ``gpu_type`` that accept the job
+        # the schedulable nodes of ``gpu_type`` whose shape accepts the job (``node_accepts``
+        # once per shape), without a backfill reservation
         accepting = index.accepting(job.resources, job.node_selector, gpu_type)
         of, shapes = accepting.groups_of(), accepting.shapes  # (``in accepting``, inlined)
         shadows = index.shadows  # (do not undo a backfill reservation)
@@ -318,14 +308,16 @@ class VictimSearch:
         # plans per (node, member size), recomputed only for nodes whose runs a choice took
         version: dict[str, int] = {}
         cache: dict[tuple[str, int], tuple[int, tuple[SetCost, list[RunningJob]] | None]] = {}
-        ok_cache: dict[tuple[str, int], bool] = {}
+        # the schedulable nodes of ``gpu_type`` whose shape accepts a member (``node_accepts``
+        # once per shape), without a backfill reservation
+        accepting = {
+            m: index.accepting(member_resources(job.resources, m), job.node_selector, gpu_type)
+            for m in set(members)
+        }
+        shadows = index.shadows
 
         def node_ok(nid: str, m: int) -> bool:
-            hit = ok_cache.get((nid, m))
-            if hit is None:
-                mres = member_resources(job.resources, m)
-                hit = ok_cache[(nid, m)] = self._node_ok(job, index, nid, gpu_type, mres)
-            return hit
+            return nid in accepting[m] and nid not in shadows
 
         for m in members:
             best: tuple[SetCost, str, list[RunningJob]] | None = None

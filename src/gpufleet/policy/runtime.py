@@ -83,6 +83,7 @@ class RunningIndex:
             elif n > 2:
                 runs.sort(key=_end_key)
         self._by_end: list[tuple[float, RunningJob]] | None = None
+        self._drained: list[tuple[float, str, int]] | None = None
 
     @property
     def by_end(self) -> list[tuple[float, RunningJob]]:
@@ -97,3 +98,18 @@ class RunningIndex:
             ends.sort(key=itemgetter(0))
             self._by_end = ends
         return self._by_end
+
+    @property
+    def drained(self) -> list[tuple[float, str, int]]:
+        """``(last estimated end, node_id, GPUs its attempts hold)`` of every node whose
+        attempts all have a known end, sorted by end then node id: when each node is
+        expected to run nothing (built on first use, once per pass; the reader is
+        ``backfill.find_gang_reservation``'s whole-node members)."""
+        if self._drained is None:
+            inf = math.inf
+            self._drained = sorted(
+                (runs[-1][0], node_id, sum(r.gpu_count for _, r in runs))
+                for node_id, runs in self.by_node.items()
+                if runs[-1][0] != inf
+            )
+        return self._drained

@@ -3,7 +3,9 @@
 * a ``FleetIndex`` kept up to date with ``update`` (what the simulator does between passes)
   equals one built from scratch, and a pass given it decides exactly as a pass without it;
 * ``find_reservation`` (free lists, then the fleet-wide walk of estimated ends) picks the
-  node and shadow that computing :func:`start_on_node` for every accepting node picks.
+  node and shadow that computing :func:`start_on_node` for every accepting node picks;
+* a gang of whole-node members reads the same starts from the free lists and the nodes'
+  last estimated ends as from every accepting node.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_properties import snapshots
 
-from gpufleet.policy.backfill import find_reservation, has_reservation_candidate, start_on_node
+from gpufleet.policy.backfill import (
+    _member_starts,
+    _whole_node_starts,
+    find_reservation,
+    has_reservation_candidate,
+    start_on_node,
+)
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
 from gpufleet.policy.placement import FleetIndex, FreeIndex, Shadow, node_accepts
@@ -148,3 +156,54 @@ def test_fleet_index_buckets_kept_across_passes_decide_as_a_fresh_pass(
         without = schedule(s, cfg)
         assert with_index.decisions == without.decisions
         assert dict(with_index.waiting) == dict(without.waiting)
+
+
+@st.composite
+def drained_fleets(draw: st.DrawFn) -> tuple[FreeIndex, RunningIndex, PendingJob, int, float]:
+    """Whole 8-GPU nodes of one type, some partly taken, held for the job or another one,
+    or reserved, with attempts ending now, later, or never: what a gang head of 8-GPU
+    members meets late in a pass."""
+    now = 100.0
+    nodes, running = [], []
+    for i in range(draw(st.integers(1, 12))):
+        free = draw(st.sampled_from([0, 0, 2, 8]))
+        nodes.append(b.node(f"n{i}", free))
+        left = 8 - free
+        while left > 0:
+            gpus = draw(st.integers(1, left))
+            started = draw(st.sampled_from([0.0, 50.0, 90.0]))
+            expected = draw(st.sampled_from([None, 10.0, 100.0, 150.0]))
+            bound = draw(st.sampled_from([None, 200.0]))
+            running.append(
+                b.run(f"x{i}-{left}", f"n{i}", gpus=gpus, started=started, expected_s=expected)
+            )
+            running[-1] = replace(running[-1], max_runtime_s=bound)
+            left -= gpus
+    index = FreeIndex(nodes)
+    for n in nodes:
+        what = draw(st.sampled_from(["", "", "take", "hold", "hold_other", "shadow"]))
+        if what == "take" and n.free_gpus:
+            index.take(n.node_id, b.job("t", gpus=1).resources)
+        elif what in ("hold", "hold_other") and n.free_gpus:
+            index.hold(n.node_id, "big" if what == "hold" else "other", 8)
+        elif what == "shadow":
+            index.add_shadow(n.node_id, Shadow("other", now + 10, 8, 0))
+    job = b.job("big", gpus=16)
+    k = draw(st.integers(1, 4))
+    return index, RunningIndex(running, now, PolicyConfig()), job, k, now
+
+
+@settings(max_examples=300, deadline=None)
+@given(drained_fleets())
+def test_whole_node_starts_are_the_per_node_starts_a_gang_reads(
+    case: tuple[FreeIndex, RunningIndex, PendingJob, int, float],
+) -> None:
+    """``_whole_node_starts`` (free lists, then nodes by last estimated end) gives the
+    first starts of ``_member_starts`` (every node computed): all those ready by the k-th
+    earliest, or all of them when fewer than k."""
+    index, running, job, k, now = case
+    nodes = index.accepting(replace(job.resources, gpu_count=8), {}, "A100")
+    every = sorted(_member_starts(job, 8, nodes, index, running, now))
+    if len(every) >= k:
+        every = [e for e in every if e[0] <= every[k - 1][0]]
+    assert sorted(_whole_node_starts(job, 8, k, "A100", nodes, index, running, now)) == every
