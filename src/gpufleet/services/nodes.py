@@ -191,17 +191,7 @@ def _drain_for_inventory(session: Session, node: NodeRow, refused: str, now: dat
     if node.status not in DRAINABLE:
         record_event(session, "node_inventory_kept", now=now, node_id=node.id, message=why)
         return
-    transition(
-        session,
-        Machine.NODE,
-        node.id,
-        NodeStatus.DRAINING,
-        now=now,
-        frm=[node.status],
-        values={"status_reason": why},
-        message=why,
-        node_id=node.id,
-    )
+    set_node_status(session, node.id, NodeStatus.DRAINING, message=why)
 
 
 @dataclass(frozen=True, slots=True)
