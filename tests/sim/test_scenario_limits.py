@@ -232,6 +232,27 @@ class TestUnfinishedJobsAreShown:
         assert "finished=0 never_fit=2 unfinished=0" in nob
         assert report(tmp_path)["warnings"] == [want.removeprefix("warning: ")]
 
+    @pytest.mark.parametrize(
+        ("job", "want"),
+        [
+            pytest.param(SimJob("j", "a", 0.0, 25, 1.0), "more GPUs than the fleet's 24"),
+            pytest.param(
+                SimJob("j", "a", 0.0, 12, 1.0),
+                "a gang of whole nodes only: 12 GPUs on 8-GPU nodes",
+                id="12 GPUs on 8-GPU nodes",
+            ),
+            pytest.param(
+                SimJob("j", "a", 0.0, 1, 1.0, gpu_types=("H100",)),
+                "a GPU type the fleet lacks",
+                id="missing GPU type",
+            ),
+        ],
+    )
+    def test_never_fit_causes(self, job: SimJob, want: str) -> None:
+        eng = Engine([NodeGroup("n", 3, 8, "GPU")], [TeamSpec("a")], [job], PolicyConfig())
+        eng.run()
+        assert eng.rejected_causes == {want: 1}
+
     def test_no_warnings_key_when_every_job_finished(self, tmp_path: Path) -> None:
         result = run_cli(tmp_path, write(tmp_path, one_node([JOB])))
         assert result.exit_code == 0, result.output

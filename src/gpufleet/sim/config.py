@@ -660,7 +660,7 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         speedup = _number(p.get("arrival_speedup", 1.0), f"{w}.arrival_speedup", gt=0)
         checkpoint = _opt(p.get("checkpoint_s"), f"{w}.checkpoint_s", gt=0)
         if _epoch(end) <= _epoch(start):
-            raise ScenarioError(f"{w}.end ({end}) must be after {w}.start ({start})")
+            raise ScenarioError(f"{w}.end ({end}) must be after its start ({start})")
         loaded, st = read_trace(
             f"{w}.path",
             p.get("path", _MISSING),

@@ -289,6 +289,9 @@ class Engine:
                 return "teams without guarantees get no partition nodes"
             if spec.gpus > mine:
                 return "larger than its team's partition"
+        largest = max(n.total_gpus for n, _ in self._shapes.values())
+        if spec.nodes is None and spec.gpus > largest and spec.gpus % largest:
+            return f"a gang of whole nodes only: {spec.gpus} GPUs on {largest}-GPU nodes"
         return "no node or set of nodes can hold it"
 
     def _run_end(self, run_id: str) -> None:
