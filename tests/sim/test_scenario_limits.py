@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.sim import cli as sim_cli
 from gpufleet.sim.cli import app, run_sim
-from gpufleet.sim.config import ScenarioError, load_scenario
+from gpufleet.sim.config import BASELINES, ScenarioError, load_scenario
 from gpufleet.sim.engine import Engine, EngineOptions
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 
@@ -404,3 +404,14 @@ def test_plots_of_a_small_scenario_warn_nothing(tmp_path: Path) -> None:
         warnings.simplefilter("error")
         rep = run_sim(path, tmp_path / "out", plots=True, compare=("no_borrowing",))
     assert rep["html"] == "report.html"
+
+
+def test_the_design_doc_lists_every_baseline() -> None:
+    """Item 7: ``sim baselines`` and the compare list of docs/design/simulator.md agree."""
+    doc = Path(__file__).parents[2] / "docs" / "design" / "simulator.md"
+    lines = doc.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("* **compare**"))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("  "))
+    compare = "\n".join(lines[start:end])  # the bullet and its indented continuation
+    missing = [name for name in BASELINES if f"`{name}`" not in compare]
+    assert not missing, missing
