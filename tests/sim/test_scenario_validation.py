@@ -162,11 +162,10 @@ def test_cli_prints_one_line_naming_the_field(
 
 
 def test_cli_prints_n_a_without_a_unit(tmp_path: Path) -> None:
-    """No job waits at all (one tiny job): the wait percentiles may be undefined or 0; either
-    way the line never reads ``n/as``."""
-    path = scenario(
-        tmp_path, {f"{SYN}.teams": [{"id": "nb", "jobs_per_hour": 0.001}], f"{SYN}.horizon_h": 1}
-    )
+    """No job finishes (the only one can never fit): the wait percentiles are undefined, and
+    the line never reads ``n/as``."""
+    big = {"id": "big", "team": "nb", "gpus": 1000, "duration_s": 10}
+    path = scenario(tmp_path, {"workload": {"jobs": [big]}})
     result = CliRunner().invoke(
         app, ["run", str(path), "--no-plots", "--out", str(tmp_path / "o")]
     )

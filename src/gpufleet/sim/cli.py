@@ -18,7 +18,14 @@ from typing import Any
 import typer
 
 from gpufleet.policy.config import PolicyConfig
-from gpufleet.sim.config import PARTITION_LABEL, Scenario, load_scenario, partition, policy_for
+from gpufleet.sim.config import (
+    PARTITION_LABEL,
+    Scenario,
+    ScenarioError,
+    load_scenario,
+    partition,
+    policy_for,
+)
 from gpufleet.sim.engine import Engine
 from gpufleet.sim.metrics import shown, summary
 
@@ -67,6 +74,28 @@ def gang_summary(eng: Engine) -> dict[str, Any]:
     }
 
 
+def run_warnings(name: str, eng: Engine, rep: dict[str, Any]) -> list[str]:
+    """Jobs a run did not finish, as warnings naming the cause where it is known: jobs that
+    can never fit (by cause), whose dependency failed, or still unfinished at the end."""
+    out = []
+    for cause, n in sorted(eng.rejected_causes.items()):
+        out.append(f"run {name}: {n} job{'s' * (n != 1)} can never fit ({cause})")
+    if eng.dependency_failed:
+        n = len(eng.dependency_failed)
+        out.append(f"run {name}: {n} job{'s' * (n != 1)} never ran (a dependency failed)")
+    n = rep["jobs"]["unfinished"]
+    if n:
+        horizon = eng.opt.horizon_s
+        why = (
+            "the clock stopped at engine.horizon_h"
+            if horizon is not None and eng.now >= horizon
+            else "nothing was left to happen: a dependency that never resolves, or a job "
+            "that never ends"
+        )
+        out.append(f"run {name}: {n} job{'s' * (n != 1)} unfinished ({why})")
+    return out
+
+
 def run_scenario(
     sc: Scenario, policy: PolicyConfig, progress: Callable[[float, int], None] | None = None
 ) -> tuple[Engine, dict[str, Any]]:
@@ -103,7 +132,8 @@ def run_sim(
     """Run the scenario in ``config_path`` (and its ``compare`` baselines); write
     ``out_dir/report.json`` and, with ``plots``, PNGs under ``out_dir/<run>/``.
 
-    Returns the report (the same dict as the JSON file). Deterministic for a seed.
+    Returns the report (the same dict as the JSON file). Deterministic for a seed. Runs that
+    did not finish every job add lines to ``warnings`` (absent when all finished).
     ``progress`` is told how far each run is (by simulated time against the last arrival).
     """
     sc = load_scenario(config_path, traces_dir=traces_dir, seed=seed)
@@ -111,6 +141,7 @@ def run_sim(
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Any] = {}
     recorders: dict[str, Any] = {}
+    warnings: list[str] = []
     names = ("main", *(compare if compare is not None else sc.compare))
     for name in names:
         policy = sc.policy if name == "main" else policy_for(sc.base_policy, name)
@@ -123,6 +154,7 @@ def run_sim(
         eng, rep = run_scenario(sc, policy, hook)
         if progress is not None:
             progress(name, 1.0, eng.now)
+        warnings.extend(run_warnings(name, eng, rep))
         if plots:
             from gpufleet.sim.plots import write_plots
 
@@ -145,6 +177,8 @@ def run_sim(
             "runs": runs,
         }
     )
+    if warnings:
+        report["warnings"] = warnings  # only when some run did not finish every job
     if plots and recorders:
         from gpufleet.sim.report_html import write_html_report
 
@@ -172,6 +206,9 @@ def run_cmd(
 ) -> None:
     """Run a scenario and print the headline metrics of each run (progress on stderr: a
     bar on a terminal, a plain line per 10% otherwise)."""
+    if out.exists() and not out.is_dir():
+        typer.echo(f"error: --out {out}: exists and is not a folder", err=True)
+        raise typer.Exit(2)
     try:
         with _progress() as progress:
             rep = run_sim(
@@ -183,9 +220,19 @@ def run_cmd(
                 compare=tuple(compare) if compare else None,
                 progress=progress,
             )
-    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError, OSError) as exc:
-        # a bad scenario or path: one line naming what is wrong, never a traceback
-        what = f"{type(exc).__name__}: " if not isinstance(exc, ValueError) else ""
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        ZeroDivisionError,
+        OSError,
+        OverflowError,
+        MemoryError,
+    ) as exc:
+        # a bad scenario or path: one line naming what is wrong, never a traceback (the
+        # scenario's validation names the field; this is the last resort)
+        what = "" if isinstance(exc, ScenarioError) else f"{config}: {type(exc).__name__}: "
         typer.echo(f"error: {what}{exc}", err=True)
         raise typer.Exit(2) from None
 
@@ -194,12 +241,14 @@ def run_cmd(
 
     for name, r in rep["runs"].items():
         qd = r["queue_delay_s"]["all"]
+        jobs = r["jobs"]
         typer.echo(
-            f"{name:16s} alloc(backlog)={r['allocation']['under_backlog']:.3f} "
+            f"{name:16s} alloc(backlog)={shown(r['allocation']['under_backlog'], '.3f')} "
             f"wait mean={seconds(qd.get('mean'))} p95={seconds(qd.get('p95'))} "
             f"jain={shown(r['fairness']['jain_backlogged_time_weighted'], '.3f')} "
-            f"longest={r['starvation']['longest_wait_s']:.0f}s "
-            f"preemptions={r['preemption']['count']}"
+            f"longest={seconds(r['starvation']['longest_wait_s'])} "
+            f"preemptions={r['preemption']['count']} jobs: finished={jobs['finished']} "
+            f"never_fit={jobs['rejected_never_fit']} unfinished={jobs['unfinished']}"
         )
         bq = r["queue_delay_s"]["by_quota"]
         parts = []
@@ -215,6 +264,8 @@ def run_cmd(
             f"{'':16s} 8+/1 p99 all={shown(bq['all']['p99_8_to_1'], '.1f')} "
             f"gang/1={shown(bq['all']['p99_gang_to_1'], '.1f')}; " + "; ".join(parts)
         )
+    for line in rep.get("warnings", ()):
+        typer.echo(f"warning: {line}", err=True)
     typer.echo(f"report: {out / 'report.json'}")
     if "html" in rep:
         typer.echo(f"html report: {out / rep['html']}")

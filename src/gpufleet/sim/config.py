@@ -7,13 +7,15 @@ they lie and never copied.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -35,6 +37,22 @@ from gpufleet.sim.loaders import (
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 
 PARTITION_LABEL = "gpufleet.sim/partition"
+
+_T = TypeVar("_T")
+
+MAX_GPUS_PER_NODE = 1024
+"""The largest node a scenario may declare (the API's limit on a job's GPUs per node)."""
+MAX_NODES = 100_000
+"""The most nodes of a scenario's fleet, per node group and in all."""
+MAX_JOB_GPUS = 1_000_000
+"""The most GPUs one job may ask for; a job larger than its fleet is counted as never
+fitting (``jobs.rejected_never_fit``)."""
+MAX_TIME_S = 10 * 365 * 86400.0
+"""Ten years: the latest submit time, and the longest duration, horizon or interval, in a
+scenario (beyond it a run is a mistake, not a study; ``duration_s: .inf`` is allowed)."""
+MAX_SIGMA = 5.0
+"""The widest lognormal of synthetic durations (``sigma``): at 5, one job in a thousand
+already runs ~5 million times the median."""
 
 BASELINES: Mapping[str, Mapping[str, Any]] = {
     "fair_share": {},
@@ -235,8 +253,9 @@ def _number(
 ) -> float:
     """``raw`` as a number within the bounds, else a ScenarioError naming ``where``
     (``inf``: ``.inf`` / ``inf`` is allowed)."""
-    bounds = [f"> {gt:g}" if gt is not None else "", f">= {ge:g}" if ge is not None else ""]
-    bounds.append(f"<= {le:g}" if le is not None else "")
+    bounds = [f"> {_num(gt)}" if gt is not None else ""]
+    bounds.append(f">= {_num(ge)}" if ge is not None else "")
+    bounds.append(f"<= {_num(le)}" if le is not None else "")
     want = f"{'an integer' if integer else 'a number'} {' and '.join(b for b in bounds if b)}"
     if raw is _MISSING:
         raise ScenarioError(f"{where} is required")
@@ -253,13 +272,18 @@ def _number(
         raise bad
     if (gt is not None and not x > gt) or (ge is not None and not x >= ge):
         raise bad
-    if le is not None and not x <= le:
+    if le is not None and not x <= le and not (inf and x == math.inf):
         raise bad
     return x
 
 
-def _int(raw: Any, where: str, *, ge: int | None = None) -> int:
-    return int(_number(raw, where, ge=ge, integer=True))
+def _num(x: float) -> str:
+    """A bound for people: ``100``, ``1,000,000``, ``0.5``."""
+    return f"{int(x):,}" if x == int(x) else f"{x:g}"
+
+
+def _int(raw: Any, where: str, *, ge: int | None = None, le: float | None = None) -> int:
+    return int(_number(raw, where, ge=ge, le=le, integer=True))
 
 
 def _opt(raw: Any, where: str, **bounds: Any) -> float | None:
@@ -381,6 +405,7 @@ def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
     jobs: list[SimJob] = []
     arrays: dict[str, list[str]] = {}
     pending_deps: list[tuple[str, list[tuple[str, str]]]] = []
+    seen: dict[str, int] = {}
     for n, item in enumerate(items):
         where = f"{path}: workload.jobs[{n}]"
         if not isinstance(item, dict) or "id" not in item:
@@ -388,15 +413,27 @@ def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
         unknown = sorted(set(item) - JOB_KEYS)
         if unknown:
             raise ScenarioError(f"{where}: unknown keys {unknown}")
-        job_id = str(item["id"])
+        job_id = _text(item["id"], f"{where}.id")
+        if job_id in seen:
+            raise ScenarioError(
+                f"{where}.id: job id {job_id!r} is used twice (first at workload.jobs"
+                f"[{seen[job_id]}])"
+            )
+        seen[job_id] = n
         try:
             base = SimJob(
                 job_id=job_id,
                 team_id=_text(item.get("team", _MISSING), f"{where}.team"),
-                submit_s=_number(item.get("submit_s", 0.0), f"{where}.submit_s", ge=0),
-                gpus=_int(item.get("gpus", 1), f"{where}.gpus", ge=1),
+                submit_s=_number(
+                    item.get("submit_s", 0.0), f"{where}.submit_s", ge=0, le=MAX_TIME_S
+                ),
+                gpus=_int(item.get("gpus", 1), f"{where}.gpus", ge=1, le=MAX_JOB_GPUS),
                 duration_s=_number(
-                    item.get("duration_s", _MISSING), f"{where}.duration_s", gt=0, inf=True
+                    item.get("duration_s", _MISSING),
+                    f"{where}.duration_s",
+                    gt=0,
+                    le=MAX_TIME_S,
+                    inf=True,
                 ),
                 priority=_priority(item.get("priority", "NORMAL"), f"{where}.priority"),
                 gpu_types=tuple(
@@ -404,11 +441,18 @@ def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
                     for k, t in enumerate(_list(item.get("gpu_types"), f"{where}.gpu_types"))
                 ),
                 expected_duration_s=_opt(
-                    item.get("expected_duration_s"), f"{where}.expected_duration_s", gt=0
+                    item.get("expected_duration_s"),
+                    f"{where}.expected_duration_s",
+                    gt=0,
+                    le=MAX_TIME_S,
                 ),
-                max_runtime_s=_opt(item.get("max_runtime_s"), f"{where}.max_runtime_s", gt=0),
+                max_runtime_s=_opt(
+                    item.get("max_runtime_s"), f"{where}.max_runtime_s", gt=0, le=MAX_TIME_S
+                ),
                 failures=_int(item.get("failures", 0), f"{where}.failures", ge=0),
-                checkpoint_s=_opt(item.get("checkpoint_s"), f"{where}.checkpoint_s", gt=0),
+                checkpoint_s=_opt(
+                    item.get("checkpoint_s"), f"{where}.checkpoint_s", gt=0, le=MAX_TIME_S
+                ),
                 preemptible=_bool(item.get("preemptible", True), f"{where}.preemptible"),
             )
             deps = parse_depends(item["depends_on"]) if item.get("depends_on") else []
@@ -417,6 +461,8 @@ def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
             raise ScenarioError(f"{where}.{exc.args[0]} is required") from None
         except ValidationFailed as exc:
             raise ScenarioError(f"{where}.{exc.field}: {exc.message}") from None
+        except ScenarioError:
+            raise  # it names the file and the field already
         except ValueError as exc:
             raise ScenarioError(f"{where} ({job_id}): {exc}") from None
         if array is None:
@@ -455,7 +501,16 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
     try:
         raw: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ScenarioError(f"{path}: not valid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ScenarioError(f"{path}: not valid YAML{where}: {problem}") from None
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(
+            f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start]:#04x})"
+        ) from None
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read the scenario: {exc.strerror or exc}") from None
     if not isinstance(raw, dict):
         raise ScenarioError(f"{path}: a scenario is a mapping (name, cluster, teams, workload...)")
     unknown = sorted(set(raw) - SCENARIO_KEYS)
@@ -469,15 +524,29 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
     else:
         tdir = default_traces_dir()
 
-    def trace(p: str) -> Path:
-        q = Path(p)
+    def read_trace(where: str, raw_path: Any, load: Callable[[Path], _T]) -> _T:
+        """``load`` the trace file the field ``where`` names; a missing file, a folder or
+        a file of another kind (a column missing, not CSV, not gzip) is a ScenarioError
+        naming the field and the file."""
+        q = Path(_text(raw_path, where))
         found = q if q.is_absolute() else tdir / q
         if not found.exists():
             raise ScenarioError(
-                f"{path}: trace file {found} not found; pass --traces-dir (the folder that "
+                f"{where}: trace file {found} not found; pass --traces-dir (the folder that "
                 "holds philly_2017/, alibaba_openb_2023/, ...)"
             )
-        return found
+        if not found.is_file():
+            raise ScenarioError(f"{where}: {found} is a folder, not a trace file")
+        try:
+            return load(found)
+        except KeyError as exc:
+            raise ScenarioError(
+                f"{where}: {found} has no column {exc.args[0]!r}; is it the right file?"
+            ) from None
+        except ScenarioError:
+            raise
+        except (ValueError, OSError, csv.Error, EOFError) as exc:
+            raise ScenarioError(f"{where}: cannot read {found}: {exc}") from None
 
     def at(field_path: str) -> str:
         return f"{path}: {field_path}"
@@ -494,8 +563,13 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         groups.append(
             NodeGroup(
                 name=_text(g.get("name", _MISSING), f"{w}.name"),
-                count=_int(g.get("count", 1), f"{w}.count", ge=1),
-                gpus_per_node=_int(g.get("gpus_per_node", _MISSING), f"{w}.gpus_per_node", ge=1),
+                count=_int(g.get("count", 1), f"{w}.count", ge=1, le=MAX_NODES),
+                gpus_per_node=_int(
+                    g.get("gpus_per_node", _MISSING),
+                    f"{w}.gpus_per_node",
+                    ge=1,
+                    le=MAX_GPUS_PER_NODE,
+                ),
                 gpu_type=_text(g.get("gpu_type", "GPU"), f"{w}.gpu_type"),
                 gpu_memory_mb=_int(g.get("gpu_memory_mb", 0), f"{w}.gpu_memory_mb", ge=0),
                 cpu=_number(g.get("cpu", 0), f"{w}.cpu", ge=0),
@@ -508,7 +582,7 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         )
     if "openb_nodes" in cluster:
         groups.extend(
-            load_openb_fleet(trace(_text(cluster["openb_nodes"], at("cluster.openb_nodes"))))
+            read_trace(at("cluster.openb_nodes"), cluster["openb_nodes"], load_openb_fleet)
         )
     vc_sizes: dict[str, int] = {}
     if "philly_vcs" in cluster:
@@ -517,15 +591,23 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
             cluster["philly_vcs"], w, ("path", "capacity", "gpus_per_node", "gpu_type", "cpu")
         )
         capacity = _number(pv.get("capacity", 1.0), f"{w}.capacity", gt=0, le=100)
-        gpn = _int(pv.get("gpus_per_node", 8), f"{w}.gpus_per_node", ge=1)
+        gpn = _int(pv.get("gpus_per_node", 8), f"{w}.gpus_per_node", ge=1, le=MAX_GPUS_PER_NODE)
         gpu_type = _text(pv.get("gpu_type", "GPU"), f"{w}.gpu_type")
         cpu = _number(pv.get("cpu", 96), f"{w}.cpu", ge=0)
-        vc_sizes = philly_vc_sizes(trace(_text(pv.get("path", _MISSING), f"{w}.path")))
+        vc_sizes = read_trace(f"{w}.path", pv.get("path", _MISSING), philly_vc_sizes)
         if capacity != 1.0:
             # every VC scaled alike (at least one node), so its guarantee keeps its share
             vc_sizes = {vc: max(1, round(n * capacity)) for vc, n in vc_sizes.items()}
         groups.append(NodeGroup("philly", sum(vc_sizes.values()), gpn, gpu_type, cpu=cpu))
         teams.extend(philly_teams(vc_sizes, gpn, gpu_type))
+    if not groups:
+        raise ScenarioError(
+            f"{path}: cluster has no nodes; give cluster.node_groups, cluster.openb_nodes or "
+            "cluster.philly_vcs"
+        )
+    nodes = sum(g.count for g in groups)
+    if nodes > MAX_NODES:
+        raise ScenarioError(f"{path}: cluster has {nodes:,} nodes in all, more than {MAX_NODES:,}")
     for n, t in enumerate(_list(raw.get("teams"), at("teams"))):
         w = at(f"teams[{n}]")
         t = _mapping(t, w, TEAM_KEYS)
@@ -577,16 +659,22 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         end = _date(p.get("end", "2017-12-01 00:00:00"), f"{w}.end")
         speedup = _number(p.get("arrival_speedup", 1.0), f"{w}.arrival_speedup", gt=0)
         checkpoint = _opt(p.get("checkpoint_s"), f"{w}.checkpoint_s", gt=0)
-        loaded, st = load_philly(
-            trace(_text(p.get("path", _MISSING), f"{w}.path")),
-            start=start,
-            end=end,
-            teams=keep,
-            max_gpus_per_job=max((g.gpus_per_node for g in groups), default=8),
-            oversize=oversize,
-            estimate=estimate,
-            arrival_speedup=speedup,
-            checkpoint_s=checkpoint,
+        if _epoch(end) <= _epoch(start):
+            raise ScenarioError(f"{w}.end ({end}) must be after its start ({start})")
+        loaded, st = read_trace(
+            f"{w}.path",
+            p.get("path", _MISSING),
+            partial(
+                load_philly,
+                start=start,
+                end=end,
+                teams=keep,
+                max_gpus_per_job=max((g.gpus_per_node for g in groups), default=8),
+                oversize=oversize,
+                estimate=estimate,
+                arrival_speedup=speedup,
+                checkpoint_s=checkpoint,
+            ),
         )
         jobs.extend(loaded)
         stats["philly"] = dataclasses.asdict(st)
@@ -601,19 +689,23 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         fleet_gpus = sum(g.count * g.gpus_per_node for g in groups)
         speedup = _number(op.get("arrival_speedup", 1.0), f"{w}.arrival_speedup", gt=0)
         lifetime = _choice(op.get("lifetime", "trace"), f"{w}.lifetime", ("trace", "forever"))
-        loaded, st2 = load_openb_pods(
-            trace(_text(op.get("path", _MISSING), f"{w}.path")),
-            arrival_speedup=speedup,
-            lifetime=lifetime,
-            inflate_to_gpus=int(inflate * fleet_gpus) if inflate is not None else None,
-            seed=seed,
+        loaded, st2 = read_trace(
+            f"{w}.path",
+            op.get("path", _MISSING),
+            partial(
+                load_openb_pods,
+                arrival_speedup=speedup,
+                lifetime=lifetime,
+                inflate_to_gpus=int(inflate * fleet_gpus) if inflate is not None else None,
+                seed=seed,
+            ),
         )
         jobs.extend(loaded)
         stats["openb_pods"] = dataclasses.asdict(st2)
     if "synthetic" in wl:
         w = at("workload.synthetic")
         s = _mapping(wl["synthetic"], w, ("horizon_h", "teams"))
-        horizon_h = _number(s.get("horizon_h", 24), f"{w}.horizon_h", gt=0)
+        horizon_h = _number(s.get("horizon_h", 24), f"{w}.horizon_h", gt=0, le=MAX_TIME_S / 3600.0)
         steams = [
             _synthetic_team(t, f"{w}.teams[{n}]", known_team)
             for n, t in enumerate(_list(s.get("teams", _MISSING), f"{w}.teams"))
@@ -632,6 +724,23 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         for j in explicit:
             known_team(j.team_id, at(f"workload.jobs ({j.job_id}).team"))
         jobs.extend(explicit)
+    if not jobs:
+        given = [f"workload.{k}" for k in ("philly", "openb_pods", "synthetic", "jobs") if k in wl]
+        raise ScenarioError(
+            f"{path}: {' and '.join(given)} gives no jobs"
+            + (" (check its start, end and teams)" if "philly" in wl else "")
+            + (" (raise jobs_per_hour or horizon_h)" if "synthetic" in wl else "")
+            if given
+            else f"{path}: workload has no jobs; give workload.jobs, workload.synthetic, "
+            "workload.philly or workload.openb_pods"
+        )
+    ids: set[str] = set()
+    for j in jobs:
+        if j.job_id in ids:
+            raise ScenarioError(
+                f"{path}: workload: job id {j.job_id!r} is used twice (by two workload sources)"
+            )
+        ids.add(j.job_id)
     jobs.sort(key=lambda j: (j.submit_s, j.job_id))
     w = at("policy")
     pol = _mapping(raw.get("policy"), w, POLICY_KEYS)
@@ -640,16 +749,16 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
     policy = policy_for(base_policy, baseline)
     w = at("engine")
     eng = _mapping(raw.get("engine"), w, ENGINE_KEYS)
-    horizon = _opt(eng.get("horizon_h"), f"{w}.horizon_h", gt=0)
+    horizon = _opt(eng.get("horizon_h"), f"{w}.horizon_h", gt=0, le=MAX_TIME_S / 3600.0)
     engine = EngineOptions(
-        grace_s=_number(eng.get("grace_s", 30.0), f"{w}.grace_s", ge=0),
+        grace_s=_number(eng.get("grace_s", 30.0), f"{w}.grace_s", ge=0, le=MAX_TIME_S),
         check_invariants=_choice(
             eng.get("check_invariants", "every_event"),
             f"{w}.check_invariants",
             ("every_event", "every_pass", "end"),
         ),
         sample_interval_s=_number(
-            eng.get("sample_interval_s", 600.0), f"{w}.sample_interval_s", gt=0
+            eng.get("sample_interval_s", 600.0), f"{w}.sample_interval_s", ge=1, le=MAX_TIME_S
         ),
         horizon_s=horizon * 3600.0 if horizon is not None else None,
         predict_durations=_bool(
@@ -725,16 +834,20 @@ def _synthetic_team(raw: Any, where: str, known_team: Any) -> SyntheticTeam:
         team_id=team_id,
         jobs_per_hour=_number(t.get("jobs_per_hour", _MISSING), f"{where}.jobs_per_hour", gt=0),
         sizes=_weights(
-            t.get("sizes") or {1: 1.0}, f"{where}.sizes", lambda k, w: _int(k, w, ge=1)
+            t.get("sizes") or {1: 1.0},
+            f"{where}.sizes",
+            lambda k, w: _int(k, w, ge=1, le=MAX_JOB_GPUS),
         ),
         priorities=_weights(
             t.get("priorities") or {"NORMAL": 1.0}, f"{where}.priorities", _priority
         ),
         median_duration_s=_number(
-            t.get("median_duration_s", 1800), f"{where}.median_duration_s", gt=0
+            t.get("median_duration_s", 1800), f"{where}.median_duration_s", gt=0, le=MAX_TIME_S
         ),
-        sigma=_number(t.get("sigma", 1.0), f"{where}.sigma", ge=0),
+        sigma=_number(t.get("sigma", 1.0), f"{where}.sigma", ge=0, le=MAX_SIGMA),
         fail_prob=_number(t.get("fail_prob", 0.0), f"{where}.fail_prob", ge=0, le=1),
-        checkpoint_s=_opt(t.get("checkpoint_s", 600.0), f"{where}.checkpoint_s", gt=0),
+        checkpoint_s=_opt(
+            t.get("checkpoint_s", 600.0), f"{where}.checkpoint_s", gt=0, le=MAX_TIME_S
+        ),
         bounded=_bool(t.get("bounded", False), f"{where}.bounded"),
     )

@@ -23,6 +23,7 @@ How decisions are applied (the same contract as the live controller):
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
@@ -67,7 +68,8 @@ class EngineOptions:
     partition_label: str | None = None
     """When set, each team is confined to nodes labelled ``{label: team_id}``."""
     horizon_s: float | None = None
-    """Stop the clock here (jobs still running are reported as unfinished)."""
+    """Stop the clock here (jobs still running or waiting are reported as unfinished; a job
+    still waiting has waited until the horizon)."""
     predict_durations: bool = False
     """Feed a ``policy.predictor.DurationPredictor`` as the live leader does: every attempt
     that succeeds is observed (its run time, keyed on team and GPU count: the traces carry
@@ -141,6 +143,8 @@ class Engine:
         self._specs = {j.job_id: j for j in self._jobs_in}
         self.gates = SimGates(self._jobs_in)  # arrays' %N and dependencies (policy.gates)
         self.dependency_failed: list[str] = []
+        self.rejected_causes: dict[str, int] = {}
+        """Jobs that could never fit, by cause (words, for warnings)."""
         if len(self._specs) != len(self._jobs_in):
             raise ValueError("job ids in a workload must be unique")
         self.total_gpus = sum(n.total for n in self.fleet.nodes.values())
@@ -153,6 +157,8 @@ class Engine:
         self.violations = 0
         self._last_t = 0.0
         self._usage_t = 0.0
+        self._next_sample_i = 0
+        """Index of the next sample due (``EngineOptions.sample_interval_s`` apart from 0)."""
 
     # -- plumbing ----------------------------------------------------------------------
     def teams_entitlement(self) -> dict[str, float]:
@@ -254,11 +260,39 @@ class Engine:
         self._team(spec.team_id)
         js = self.fleet.submit(spec, self.now)
         pj = self.fleet.pending_view(js)
-        if not could_ever_fit(self._shapes.values(), pj.resources, pj.node_selector):
+        # a job larger than the whole fleet is refused before the policy splits it
+        if pj.resources.gpu_count > self.total_gpus or not could_ever_fit(
+            self._shapes.values(), pj.resources, pj.node_selector
+        ):
             self.fleet.expire(job_id, self.now)
             self.rec.rejected(js)
+            cause = self._never_fit_cause(spec)
+            self.rejected_causes[cause] = self.rejected_causes.get(cause, 0) + 1
             return
         self._enqueue(job_id)
+
+    def _never_fit_cause(self, spec: SimJob) -> str:
+        """Why a job can never fit, in words (``rejected_causes``)."""
+        if spec.gpus > self.total_gpus:
+            return f"more GPUs than the fleet's {self.total_gpus}"
+        types = {n.gpu_type for n, _ in self._shapes.values()}
+        if spec.gpu_types and not types & set(spec.gpu_types):
+            return "a GPU type the fleet lacks"
+        label = self.opt.partition_label
+        if label is not None:
+            mine = sum(
+                n.total_gpus * k
+                for n, k in self._shapes.values()
+                if n.labels.get(label) == spec.team_id
+            )
+            if mine == 0:
+                return "teams without guarantees get no partition nodes"
+            if spec.gpus > mine:
+                return "larger than its team's partition"
+        largest = max(n.total_gpus for n, _ in self._shapes.values())
+        if spec.nodes is None and spec.gpus > largest and spec.gpus % largest:
+            return f"a gang of whole nodes only: {spec.gpus} GPUs on {largest}-GPU nodes"
+        return "no node or set of nodes can hold it"
 
     def _run_end(self, run_id: str) -> None:
         run = self.fleet.runs[run_id]
@@ -413,18 +447,16 @@ class Engine:
         on it)."""
         every_event = self.opt.check_invariants == "every_event"
         every_pass = every_event or self.opt.check_invariants == "every_pass"
-        sample = self.opt.sample_interval_s
-        next_sample = 0.0
         horizon = self.opt.horizon_s
         while self._events:
             t = self._events[0][0]
             if horizon is not None and t > horizon:
+                # the clock runs to the horizon: jobs still waiting wait until then
+                self._sample_until(horizon)
+                self._advance(horizon)
+                self.now = horizon
                 break
-            while sample > 0 and next_sample <= t:
-                self._advance(next_sample)
-                self.now = next_sample
-                self.rec.sample(self.now, self.fleet, self.teams_alloc())
-                next_sample += sample
+            self._sample_until(t)
             self._advance(t)
             self.now = t
             while self._events and self._events[0][0] == t:
@@ -445,6 +477,29 @@ class Engine:
                 self._check()
         self._check(full=True)
         self.rec.close(self.now, self.fleet)
+
+    def _sample_until(self, t: float) -> None:
+        """Take the samples due at or before ``t`` (sample ``i`` is due at ``i *
+        sample_interval_s``). Nothing changes between two events, so all the samples due in
+        one stretch are the same: one sample stands for all of them (O(1) per stretch, however
+        long it is or however short the interval)."""
+        step = self.opt.sample_interval_s
+        first = self._next_sample_i
+        if step <= 0 or first * step > t:
+            return
+        last = max(first, math.floor(t / step))  # the last sample due, up to rounding
+        while last * step > t:
+            last -= 1
+        while (last + 1) * step <= t:
+            last += 1
+        self.rec.sample(
+            first * step,
+            self.fleet,
+            self.teams_alloc(),
+            count=last - first + 1,
+            last_s=last * step,
+        )
+        self._next_sample_i = last + 1
 
     def teams_alloc(self) -> dict[str, int]:
         return {tid: a.gpus for tid, a in self.teams.items()}

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.domain.states import NodeStatus
+from gpufleet.domain.states import JobStatus, NodeStatus
 from gpufleet.policy.decisions import WaitReason
 from gpufleet.sim.fleet import InMemoryFleet, SimJobState
 from gpufleet.sim.model import size_bucket
@@ -91,7 +91,11 @@ class Recorder:
         self.jain_dt = 0.0
         self.samples: list[tuple[float, int, int, dict[str, int]]] = []
         self.free_hist: dict[int, int] = {}
-        self.frag_samples: list[tuple[int, int]] = []
+        self.frag_samples = 0
+        """Samples taken while jobs were waiting; ``frag_sum``/``free_sum`` add up their
+        free GPUs unusable by the waiting jobs / free GPUs (integers: exact sums)."""
+        self.frag_sum = 0
+        self.free_sum = 0
         self.last_waiting: Mapping[str, WaitReason] = {}
         self.unfinished: list[JobRecord] = []
         self.team_gpu_s: dict[str, float] = {}
@@ -119,21 +123,36 @@ class Recorder:
             self.jain_dt += jain(xs) * dt
             self.t_jain += dt
 
-    def sample(self, now: float, fleet: InMemoryFleet, team_alloc: Mapping[str, int]) -> None:
+    def sample(
+        self,
+        now: float,
+        fleet: InMemoryFleet,
+        team_alloc: Mapping[str, int],
+        count: int = 1,
+        last_s: float | None = None,
+    ) -> None:
+        """Sample the fleet at ``now``. ``count`` > 1: the sample stands for ``count`` samples
+        due up to ``last_s`` while nothing changed (weighted as that many; the time series
+        gets a point at ``now`` and one at ``last_s``)."""
         pending = sum(self.pending_sizes.values())
         used = sum(team_alloc.values())
-        self.samples.append((now, used, pending, {t: g for t, g in team_alloc.items() if g}))
+        point = {t: g for t, g in team_alloc.items() if g}
+        self.samples.append((now, used, pending, point))
+        if count > 1 and last_s is not None:
+            self.samples.append((last_s, used, pending, dict(point)))
         smallest = min(self.pending_sizes) if self.pending_sizes else 0
         frag = free = 0
         for n in fleet.nodes.values():
             if n.status is not NodeStatus.HEALTHY:
                 continue
-            self.free_hist[n.free] = self.free_hist.get(n.free, 0) + 1
+            self.free_hist[n.free] = self.free_hist.get(n.free, 0) + count
             free += n.free
             if pending and 0 < n.free < smallest:
                 frag += n.free
         if pending:
-            self.frag_samples.append((frag, free))
+            self.frag_samples += count
+            self.frag_sum += frag * count
+            self.free_sum += free * count
 
     def preempted(self, reason: str = "") -> None:
         self.preemptions += 1
@@ -169,8 +188,9 @@ class Recorder:
         for job_id, js in fleet.jobs.items():
             if job_id not in done:
                 rec = self._record(js)
-                if js.first_start_s is None:
-                    rec = JobRecord(**{**_asdict(rec), "wait_s": now - js.spec.submit_s})
+                if js.status is JobStatus.PENDING:  # still waiting: its wait counts up to now
+                    wait = js.wait_total_s + now - js.pending_since_s
+                    rec = JobRecord(**{**_asdict(rec), "wait_s": wait})
                 self.unfinished.append(rec)
         self.final_allocated = sum(n.total - n.free for n in fleet.nodes.values())
         self.preempt_lost_gpu_s = sum(js.preempt_lost_gpu_s for js in fleet.jobs.values())
@@ -192,8 +212,6 @@ class Recorder:
             by_team.setdefault(r.team_id, []).append(r)
         jcts = [r.end_s - r.submit_s for r in recs if r.end_s is not None]
         longest = max(recs + self.unfinished, key=lambda r: (r.wait_s, r.job_id), default=None)
-        frag = [f for f, _ in self.frag_samples]
-        free = [fr for _, fr in self.frag_samples]
         hist_total = sum(self.free_hist.values()) or 1
         per_team = {}
         for tid, rs in sorted(by_team.items()):
@@ -214,13 +232,14 @@ class Recorder:
             },
             "allocation": {
                 "total_gpus": self.total_gpus,
+                # None (printed "n/a"): no time passed / no job ever waited
                 "overall": self.alloc_gpu_s / (self.total_gpus * self.t_total)
                 if self.t_total
-                else 0.0,
+                else None,
                 "under_backlog": self.alloc_backlog_gpu_s / (self.total_gpus * self.t_backlog)
                 if self.t_backlog
-                else 0.0,
-                "backlog_time_share": self.t_backlog / self.t_total if self.t_total else 0.0,
+                else None,
+                "backlog_time_share": self.t_backlog / self.t_total if self.t_total else None,
                 "final_share": self.final_allocated / self.total_gpus if self.total_gpus else 0.0,
             },
             "queue_delay_s": {
@@ -238,10 +257,10 @@ class Recorder:
                 else None,
                 "share_of_time_two_or_more_teams_backlogged": self.t_jain / self.t_total
                 if self.t_total
-                else 0.0,
+                else None,
             },
             "starvation": {
-                "longest_wait_s": longest.wait_s if longest else 0.0,
+                "longest_wait_s": longest.wait_s if longest else None,
                 "longest_wait_job": longest.job_id if longest else None,
                 "longest_wait_finished": bool(longest and longest.end_s is not None),
                 "max_wait_by_tier_s": {k: max(v) for k, v in sorted(by_tier.items())},
@@ -256,8 +275,13 @@ class Recorder:
                 else 0.0,
             },
             "fragmentation": {
-                "mean_free_gpus_unusable_by_waiting_jobs": sum(frag) / len(frag) if frag else 0.0,
-                "mean_free_gpus_while_backlogged": sum(free) / len(free) if free else 0.0,
+                # None: no sample was taken while jobs waited
+                "mean_free_gpus_unusable_by_waiting_jobs": self.frag_sum / self.frag_samples
+                if self.frag_samples
+                else None,
+                "mean_free_gpus_while_backlogged": self.free_sum / self.frag_samples
+                if self.frag_samples
+                else None,
             },
             "free_gpus_per_node_share": {
                 str(k): v / hist_total for k, v in sorted(self.free_hist.items())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -15,6 +16,20 @@ from gpufleet.sim.metrics import JobRecord, Recorder
 from gpufleet.sim.model import size_bucket
 
 _META = {"Software": None}
+
+
+def legend(ax: Axes, **kwargs: Any) -> None:
+    """``ax.legend`` only when something on ``ax`` has a label (a panel of a size no job had
+    stays without one, instead of matplotlib warning "No artists with labels")."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
+def ylim_from_zero(ax: Axes, top: float) -> None:
+    """``ax.set_ylim(0, top)`` when that is a range (not 0..0, which matplotlib warns
+    about and widens)."""
+    if top > 0:
+        ax.set_ylim(0, top)
 
 
 def _cdf(ax: Axes, values: list[float], label: str) -> None:
@@ -40,7 +55,7 @@ def write_plots(rec: Recorder, guarantees: dict[str, float], out_dir: Path) -> l
     ax.set_xlabel("hours")
     ax.set_ylabel("GPUs")
     ax.set_title("GPU allocation over time")
-    ax.legend(loc="upper left")
+    legend(ax, loc="upper left")
     fig.tight_layout()
     names.append(_save(fig, out_dir, "allocation_over_time.png"))
 
@@ -59,7 +74,7 @@ def write_plots(rec: Recorder, guarantees: dict[str, float], out_dir: Path) -> l
         ax.set_xscale("log")
         ax.set_xlabel("queue delay, s (<1 s shown as 1 s)")
         ax.set_title(f"Queue-delay CDF {title}")
-        ax.legend(fontsize=7)
+        legend(ax, fontsize=7)
     a1.set_ylabel("share of jobs")
     fig.tight_layout()
     names.append(_save(fig, out_dir, "queue_delay_cdf.png"))

@@ -19,8 +19,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from gpufleet.sim.metrics import Recorder, percentile
+from gpufleet.sim.metrics import Recorder, percentile, shown
 from gpufleet.sim.model import size_bucket
+from gpufleet.sim.plots import legend, ylim_from_zero
 
 SIZES = ("1", "2", "4", "8+")
 
@@ -76,7 +77,7 @@ def _write(
         ax.set_xscale("log")
         ax.set_title(f"{size} GPU jobs")
         ax.set_xlabel("queue delay (s, log; <1 s drawn at 1 s)")
-        ax.legend(fontsize=7)
+        legend(ax, fontsize=7)
     axes[0].set_ylabel("fraction of jobs started (0-1)")
     fig.suptitle("Queue-delay CDF by job size")
     fig.tight_layout()
@@ -93,9 +94,9 @@ def _write(
     ax.axhline(total, color="k", ls="--", lw=0.6, label=f"fleet ({total} GPUs)")
     ax.set_xlabel("simulated time (hours)")
     ax.set_ylabel("allocated GPUs")
-    ax.set_ylim(0, total * 1.05)
+    ylim_from_zero(ax, total * 1.05)
     ax.set_title("GPU allocation over time")
-    ax.legend(fontsize=7, loc="lower right")
+    legend(ax, fontsize=7, loc="lower right")
     fig.tight_layout()
     sections.append(("Allocation over time", _svg(fig)))
 
@@ -123,13 +124,13 @@ def _write(
                     label=name,
                 )
             ax.axhline(guarantees[tid], color="k", ls="--", lw=0.6, label="guarantee")
-            ax.set_ylim(0, peak * 1.05)
+            ylim_from_zero(ax, peak * 1.05)
             ax.set_title(tid, fontsize=9)
             ax.set_xlabel("hours", fontsize=7)
             if i % cols == 0:
                 ax.set_ylabel("allocated GPUs", fontsize=7)
             ax.tick_params(labelsize=6)
-        grid[0][0].legend(fontsize=6)
+        legend(grid[0][0], fontsize=6)
         for j in range(len(teams), rows * cols):
             grid[j // cols][j % cols].axis("off")
         fig.suptitle("Allocation per team (lines) vs guarantee (dashed)")
@@ -139,10 +140,10 @@ def _write(
     rows_html = []
     for name in names:
         waits = sorted(r.wait_s for r in runs[name].records)
-        p50, p95, p99 = (percentile(waits, q) if waits else 0.0 for q in (50, 95, 99))
+        p50, p95, p99 = (shown(percentile(waits, q) if waits else None) for q in (50, 95, 99))
         rows_html.append(
             f"<tr><td>{html.escape(name)}</td><td>{len(waits)}</td>"
-            f"<td>{p50:.0f}</td><td>{p95:.0f}</td><td>{p99:.0f}</td></tr>"
+            f"<td>{p50}</td><td>{p95}</td><td>{p99}</td></tr>"
         )
     body = "".join(f"<h2>{html.escape(h)}</h2><figure>{svg}</figure>" for h, svg in sections)
     page = f"""<!doctype html>
