@@ -134,6 +134,8 @@ class TeamBook:
         refusal code (``team_at_guarantee``, ``over_borrow_limit``, ``guarantee_protected``)."""
         alloc = self.allocated(team_id, gpu_type)
         guar = self.guarantee(team_id, gpu_type)
+        if alloc + gpus <= guar:  # (the usual answer: nothing borrowed, no more calls)
+            return None
         new_borrow = max(0, alloc + gpus - guar) - max(0, alloc - guar)
         if new_borrow <= 0:
             return None
@@ -148,12 +150,13 @@ class TeamBook:
         return None
 
     def charge(self, team_id: str, gpu_type: str, gpus: int, cpu: float, memory_mb: int) -> None:
-        before = self._keep(team_id, gpu_type)
+        protected = gpu_type in self._protected
+        before = self._keep(team_id, gpu_type) if protected else 0
         a = self.alloc.setdefault(team_id, {})
         a[gpu_type] = a.get(gpu_type, 0) + gpus
         self.cpu[team_id] = self.cpu.get(team_id, 0.0) + cpu
         self.mem[team_id] = self.mem.get(team_id, 0) + memory_mb
-        if gpu_type in self._protected:
+        if protected:
             self._protected[gpu_type] += self._keep(team_id, gpu_type) - before
         share = self._largest_share.get(team_id)
         if gpus < 0 or cpu < 0 or memory_mb < 0:  # (never in a pass: computed again if so)
