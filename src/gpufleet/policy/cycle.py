@@ -571,6 +571,8 @@ class _Pass:
             )
             if better:
                 best = (found[0], found[1], t)
+                if found[0] == res.gpu_count and self.cfg.placement is Placement.BEST_FIT:
+                    break  # an exact fit: no node of a later type fits strictly better
         if best is not None:
             self._place(job, best[1], best[2], backfilled=self.n_reservations > 0)
             return None

@@ -62,6 +62,10 @@ class TeamBook:
         self._cap_cpu = capacity_cpu
         self._cap_mem = capacity_memory_mb
         self._defaults: dict[str, TeamState] = {}
+        self._largest_share: dict[str, float] = {}
+        """Team id -> its largest share of any resource before the weight (the dominant
+        share's numerator), computed on first use and raised by ``charge``: allocations
+        only grow during a pass, so the largest share is the old one or a charged one."""
         # Unlent guarantee per type: sum over teams of min(unused guarantee, lending limit).
         self._protected: dict[str, int] = {}
         for tid, ts in teams.items():
@@ -116,8 +120,11 @@ class TeamBook:
         """The team uses less than its guarantee on one of ``gpu_types``."""
         alloc = self.alloc.get(team_id, {})
         guaranteed = self.team(team_id).guaranteed_gpus
-        # (asked on every team pop: the two dicts read once, no method calls per type)
-        return any(alloc.get(t, 0) < guaranteed.get(t, 0) for t in gpu_types)
+        # (asked on every team pop: the two dicts read once, a loop without a generator)
+        for t in gpu_types:  # noqa: SIM110 - any() with a generator costs more per pop
+            if alloc.get(t, 0) < guaranteed.get(t, 0):
+                return True
+        return False
 
     def fits_in_guarantee(self, team_id: str, gpu_type: str, gpus: int) -> bool:
         return self.allocated(team_id, gpu_type) + gpus <= self.guarantee(team_id, gpu_type)
@@ -127,6 +134,8 @@ class TeamBook:
         refusal code (``team_at_guarantee``, ``over_borrow_limit``, ``guarantee_protected``)."""
         alloc = self.allocated(team_id, gpu_type)
         guar = self.guarantee(team_id, gpu_type)
+        if alloc + gpus <= guar:  # (the usual answer: nothing borrowed, no more calls)
+            return None
         new_borrow = max(0, alloc + gpus - guar) - max(0, alloc - guar)
         if new_borrow <= 0:
             return None
@@ -141,18 +150,39 @@ class TeamBook:
         return None
 
     def charge(self, team_id: str, gpu_type: str, gpus: int, cpu: float, memory_mb: int) -> None:
-        before = self._keep(team_id, gpu_type)
+        protected = gpu_type in self._protected
+        before = self._keep(team_id, gpu_type) if protected else 0
         a = self.alloc.setdefault(team_id, {})
         a[gpu_type] = a.get(gpu_type, 0) + gpus
         self.cpu[team_id] = self.cpu.get(team_id, 0.0) + cpu
         self.mem[team_id] = self.mem.get(team_id, 0) + memory_mb
-        if gpu_type in self._protected:
+        if protected:
             self._protected[gpu_type] += self._keep(team_id, gpu_type) - before
+        share = self._largest_share.get(team_id)
+        if gpus < 0 or cpu < 0 or memory_mb < 0:  # (never in a pass: computed again if so)
+            self._largest_share.pop(team_id, None)
+        elif share is not None:  # the shares this charge raised, as ``_largest`` computes them
+            cap = self._cap_gpus.get(gpu_type, 0)
+            for s in (
+                a[gpu_type] / cap if cap else 0.0,
+                self.cpu[team_id] / self._cap_cpu if self._cap_cpu else 0.0,
+                self.mem[team_id] / self._cap_mem if self._cap_mem else 0.0,
+            ):
+                if s > share:
+                    share = s
+            self._largest_share[team_id] = share
 
     def dominant_share(self, team_id: str) -> float:
         """Weighted dominant share: the largest of the team's shares of each GPU type, of CPU
         and of memory, divided by its weight (DRF: Ghodsi et al., NSDI 2011)."""
-        # (asked on every team pop: ``if s > share`` is what ``max(share, s)`` does)
+        share = self._largest_share.get(team_id)
+        if share is None:
+            share = self._largest_share[team_id] = self._largest(team_id)
+        return share / max(self.team(team_id).weight, 1e-9)
+
+    def _largest(self, team_id: str) -> float:
+        """The team's largest share of a GPU type, of CPU or of memory (0.0 if none)."""
+        # (``if s > share`` is what ``max(share, s)`` does)
         share = 0.0
         cap_gpus = self._cap_gpus
         for t, n in self.alloc.get(team_id, {}).items():
@@ -169,4 +199,4 @@ class TeamBook:
             s = self.mem.get(team_id, 0) / self._cap_mem
             if s > share:
                 share = s
-        return share / max(self.team(team_id).weight, 1e-9)
+        return share
