@@ -388,6 +388,17 @@ class TestErrorTexts:
         assert len(result.output.strip().splitlines()) == 1, result.output
         assert "not valid YAML at line" in result.output
 
+    def test_a_key_given_twice_is_refused(self, tmp_path: Path) -> None:
+        """PyYAML keeps the last of two equal keys; a scenario with two ``workload:``
+        sections would run one of them silently."""
+        path = tmp_path / "twice.yaml"
+        path.write_text("name: x\nworkload: {jobs: []}\nworkload: {jobs: []}\n", "utf-8")
+        result = run_cli(tmp_path, path)
+        assert result.exit_code == 2
+        assert "at line 3, column 1: found the key 'workload' twice (first at line 2)" in (
+            result.output
+        )
+
     def test_out_an_existing_file_names_out(self, tmp_path: Path) -> None:
         (tmp_path / "out").write_text("", encoding="utf-8")
         result = run_cli(tmp_path, write(tmp_path, one_node([JOB])))

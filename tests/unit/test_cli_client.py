@@ -257,6 +257,18 @@ class TestSubmit:
             "working_dir": os.getcwd(),
         }
 
+    def test_a_jobfile_with_a_key_twice_is_refused_before_any_request(
+        self, api: FakeApi, tmp_path: Path
+    ) -> None:
+        """YAML parsers keep the last of two equal keys; a job file that says ``command``
+        twice is refused, naming the key and both lines, and nothing is sent."""
+        jobfile = tmp_path / "job.yaml"
+        jobfile.write_text("command: [echo, a]\ngpu_count: 1\ncommand: [echo, b]\n")
+        result = cli("submit", str(jobfile))
+        assert result.exit_code == 2 and api.requests == []
+        assert "found the key 'command' twice (first at line 1)" in result.stderr
+        assert "at line 3, column 1" in result.stderr
+
     def test_workdir_flag_sets_or_drops_the_working_dir(
         self, api: FakeApi, tmp_path: Path
     ) -> None:

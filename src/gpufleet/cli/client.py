@@ -325,13 +325,15 @@ def load_jobfile(path: Path) -> dict[str, Any]:
     """
     import yaml
 
+    from gpufleet.domain.yamlfile import load_yaml, yaml_problem
+
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))  # YAML is a superset of JSON
+        data = load_yaml(path.read_text(encoding="utf-8"))  # YAML is a superset of JSON
     except OSError as exc:
         hint = " (put the job's command after `--`)" if not path.exists() else ""
         raise ClientError(f"cannot read job file {path}: {exc.strerror}{hint}") from None
     except yaml.YAMLError as exc:
-        raise ClientError(f"job file {path} is not valid YAML/JSON: {exc}") from None
+        raise ClientError(f"job file {path} is not valid YAML/JSON {yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ClientError(f"job file {path} must be a mapping of job fields")
     return data

@@ -22,6 +22,7 @@ import yaml
 from gpufleet.domain.errors import ValidationFailed
 from gpufleet.domain.jobsyntax import parse_array, parse_depends
 from gpufleet.domain.types import PriorityClass
+from gpufleet.domain.yamlfile import load_yaml, yaml_problem
 from gpufleet.policy.config import Backfill, Ordering, Placement, PolicyConfig
 from gpufleet.sim.engine import EngineOptions
 from gpufleet.sim.loaders import (
@@ -499,12 +500,9 @@ def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
 def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> Scenario:
     """Read a scenario YAML. Raises ScenarioError (a ValueError) naming the file and field."""
     try:
-        raw: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw: dict[str, Any] = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ScenarioError(f"{path}: not valid YAML{where}: {problem}") from None
+        raise ScenarioError(f"{path}: not valid YAML {yaml_problem(exc)}") from None
     except UnicodeDecodeError as exc:
         raise ScenarioError(
             f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start]:#04x})"
