@@ -254,14 +254,20 @@ def test_racing_reservers_exactly_the_right_number_win(db: Database) -> None:
 
 
 def test_a_node_changes_its_gpu_count_only_while_nothing_is_reserved(db: Database) -> None:
-    from gpufleet.domain.errors import Conflict
+    """A registration with another GPU count while GPUs are reserved keeps the recorded GPUs
+    (the reservation stays whole) and drains the node; after the release, the next
+    registration records the new count."""
+    from gpufleet.store.tables import NodeRow
 
     create_team(db)
     create_node(db, "n1", gpus=8)
     epoch = become_leader(db)
     got = reserve(db, submit(db, gpus=2).job_id, "n1", 2, epoch=epoch)
-    with pytest.raises(Conflict):
-        create_node(db, "n1", gpus=4)
+    create_node(db, "n1", gpus=4)
+    with db.read() as s:
+        cap, node = s.get(NodeCapacityRow, "n1"), s.get(NodeRow, "n1")
+        assert (cap.total_gpus, cap.available_gpus) == (8, 6)
+        assert node.status == NodeStatus.DRAINING and "now reports 4 GPUs" in node.status_reason
     db.run_write(lambda s: allocate.release(s, run_id=got.run_id, now=db_now(s), message="t"))
     create_node(db, "n1", gpus=4)
     with db.read() as s:
