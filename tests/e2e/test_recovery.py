@@ -593,8 +593,9 @@ def test_an_agent_restarted_with_another_gpu_count_while_busy_drains_and_keeps_i
     --gpus, a GPU fallen off the bus) registers: the node keeps its recorded GPUs and goes
     DRAINING with the reason, nothing new lands there, and the running attempt ends with its
     own exit code (it used to be refused registration until the node was quarantined and its
-    work fenced and run again, losing the exit code). Once drained (CORDONED), the next restart
-    takes the new count, and uncordon makes the node usable."""
+    work fenced and run again, losing the exit code). Once drained (CORDONED), uncordon is
+    refused until the agent registers again; the next restart takes the new count, and
+    uncordon makes the node usable."""
     fleet.start_agent("a1", gpus="4xH100-80GB")
     done = fleet.tmp / "go"
     code = (
@@ -607,7 +608,7 @@ def test_an_agent_restarted_with_another_gpu_count_while_busy_drains_and_keeps_i
     fleet.start_agent("a1", gpus="2xH100-80GB", wait=False)
     fleet.wait_for(lambda: fleet.node("a1")["status"] == "DRAINING", 30, "a1 DRAINING")
     node = fleet.node("a1")
-    assert node["total_gpus"] == 4 and "2 GPUs" in (node["status_reason"] or ""), node
+    assert node["total_gpus"] == 4 and "now reports 2" in (node["status_reason"] or ""), node
     late = fleet.submit({"command": py("pass", marker_of(fleet)), "gpu_count": 1})
     done.write_text("")
     ended = fleet.wait_status(j, TERMINAL, timeout_s=60)
@@ -615,6 +616,9 @@ def test_an_agent_restarted_with_another_gpu_count_while_busy_drains_and_keeps_i
     assert ended["attempts"][0]["exit_code"] == 7, ended
     fleet.wait_for(lambda: fleet.node("a1")["status"] == "CORDONED", 30, "drained a1")
     assert fleet.job(late)["status"] == "PENDING"  # nothing new on a draining node
+    # the recorded GPUs are not the agent's until it registers again: no uncordon before
+    r = gpufleet_cli(fleet, "admin", "node", "uncordon", "a1")
+    assert r.returncode != 0 and "restart its agent" in r.stdout + r.stderr, r
     fleet.kill_agent("a1", signal.SIGTERM)
     fleet.start_agent("a1", gpus="2xH100-80GB", wait=False)
     fleet.wait_for(lambda: fleet.node("a1")["total_gpus"] == 2, 30, "the new count")

@@ -267,13 +267,113 @@ def test_a_node_changes_its_gpu_count_only_while_nothing_is_reserved(db: Databas
     with db.read() as s:
         cap, node = s.get(NodeCapacityRow, "n1"), s.get(NodeRow, "n1")
         assert (cap.total_gpus, cap.available_gpus) == (8, 6)
-        assert node.status == NodeStatus.DRAINING and "now reports 4 GPUs" in node.status_reason
+        assert node.status == NodeStatus.DRAINING and "now reports 4 H100 GPU(s)" in (
+            node.status_reason
+        )
     db.run_write(lambda s: allocate.release(s, run_id=got.run_id, now=db_now(s), message="t"))
     create_node(db, "n1", gpus=4)
     with db.read() as s:
         cap = s.get(NodeCapacityRow, "n1")
         assert (cap.total_gpus, cap.available_gpus) == (4, 4)
     assert violations(db) == []
+
+
+def _node(db: Database, node_id: str = "n1") -> tuple[str, str | None, str, int]:
+    from gpufleet.store.tables import NodeRow
+
+    with db.read() as s:
+        node, cap = s.get(NodeRow, node_id), s.get(NodeCapacityRow, node_id)
+        return node.status, node.status_reason, node.gpu_type, cap.total_gpus
+
+
+def _status(db: Database, to: NodeStatus, reason: str | None = None) -> str:
+    return db.run_write(
+        lambda s: set_node_status(s, "n1", to, message="by an operator", reason=reason)
+    )
+
+
+def test_a_node_drained_for_a_gpu_change_is_uncordoned_only_after_its_agent_registers(
+    db: Database,
+) -> None:
+    """Uncordoning a node drained for a change of GPUs before its agent registered again
+    would offer GPUs the agent does not have: refused (409) until the next registration."""
+    from gpufleet.domain.errors import Conflict
+
+    create_team(db)
+    create_node(db, "n1", gpus=8)
+    got = reserve(db, submit(db, gpus=2).job_id, "n1", 2, epoch=become_leader(db))
+    create_node(db, "n1", gpus=4)
+    db.run_write(lambda s: allocate.release(s, run_id=got.run_id, now=db_now(s), message="t"))
+    _status(db, NodeStatus.CORDONED, reason="drained")  # as the reconciler's drain would
+    status, reason, _, total = _node(db)
+    assert (status, total) == (NodeStatus.CORDONED, 8)
+    assert (reason or "").startswith("drained; node n1 now reports 4"), reason
+    with pytest.raises(Conflict, match="restart its agent"):
+        _status(db, NodeStatus.HEALTHY)
+    create_node(db, "n1", gpus=4)
+    status, reason, _, total = _node(db)
+    assert (status, total) == (NodeStatus.CORDONED, 4) and "uncordon it" in (reason or "")
+    _status(db, NodeStatus.HEALTHY)
+    assert _node(db)[:2] == (NodeStatus.HEALTHY, None)
+
+
+def test_an_agent_back_at_its_recorded_gpus_ends_the_drain(db: Database) -> None:
+    create_team(db)
+    create_node(db, "n1", gpus=8)
+    reserve(db, submit(db, gpus=2).job_id, "n1", 2, epoch=become_leader(db))
+    create_node(db, "n1", gpus=4)
+    assert _node(db)[0] == NodeStatus.DRAINING
+    create_node(db, "n1", gpus=8)
+    assert _node(db) == (NodeStatus.HEALTHY, None, "H100", 8)
+
+
+def test_a_gpu_type_change_while_reserved_drains_and_keeps_the_type(db: Database) -> None:
+    """The same GPU count of another type is a change of GPUs too: recorded at once when
+    nothing is reserved (the GPU rows replaced), kept and drained otherwise."""
+    from gpufleet.store.tables import NodeGpuRow
+
+    create_team(db)
+    create_node(db, "n1", gpus=8)
+    got = reserve(db, submit(db, gpus=2).job_id, "n1", 2, epoch=become_leader(db))
+    create_node(db, "n1", gpus=8, gpu_type="A100")
+    status, reason, gpu_type, _ = _node(db)
+    assert (status, gpu_type) == (NodeStatus.DRAINING, "H100") and "A100" in (reason or "")
+    db.run_write(lambda s: allocate.release(s, run_id=got.run_id, now=db_now(s), message="t"))
+    create_node(db, "n1", gpus=8, gpu_type="A100")
+    assert _node(db)[2:] == ("A100", 8)
+    with db.read() as s:
+        types = set(s.scalars(select(NodeGpuRow.gpu_type).where(NodeGpuRow.node_id == "n1")))
+    assert types == {"A100"}
+    assert violations(db) == []
+
+
+def test_an_operators_cordon_reason_is_kept_and_a_quarantined_node_is_refused(
+    db: Database,
+) -> None:
+    """A cordoned node drained for a change of GPUs keeps the operator's reason in front;
+    a QUARANTINED node (its GPUs not known free) is refused the change, as before."""
+    from gpufleet.domain.errors import Conflict
+    from gpufleet.services.nodes import fence_node
+
+    create_team(db)
+    create_node(db, "n1", gpus=8)
+    reserve(db, submit(db, gpus=2).job_id, "n1", 2, epoch=become_leader(db))
+    _status(db, NodeStatus.CORDONED, reason="fan failure")
+    create_node(db, "n1", gpus=4)
+    status, reason, _, total = _node(db)
+    assert (status, total) == (NodeStatus.DRAINING, 8)
+    assert (reason or "").startswith("fan failure; node n1 now reports 4 H100 GPU(s)")
+    create_node(db, "n2", gpus=8)
+    reserve(db, submit(db, gpus=2).job_id, "n2", 2, epoch=become_leader(db))
+    db.run_write(
+        lambda s: fence_node(
+            s, "n2", reason="gone", max_node_failures=3, node_to=NodeStatus.QUARANTINED
+        )
+    )
+    assert _node(db, "n2")[0] == NodeStatus.QUARANTINED
+    with pytest.raises(Conflict, match="while GPUs are reserved"):
+        create_node(db, "n2", gpus=2)
+    assert _node(db, "n2")[3] == 8
 
 
 def place(

@@ -85,8 +85,9 @@ def fence_lost_agent_state(
 
 def register_node(session: Session, inv: NodeInventory, *, max_node_failures: int = 3) -> None:
     """Insert or refresh a node. A re-registration may change address, labels and epoch;
-    a changed GPU count while GPUs are reserved is not recorded: the node keeps its GPUs and
-    is drained (``_drain_for_inventory``), and the next registration after the drain records it.
+    a changed GPU count or type while GPUs are reserved is not recorded: the node keeps its
+    GPUs and is drained (``_drain_for_inventory``; refused as before when QUARANTINED or
+    FENCED), and the next registration after the drain records it.
 
     Agent epochs: a restarted agent registers with a higher epoch (its state dir keeps a
     counter); the same epoch again is a retried registration. A *lower* epoch means the
@@ -145,9 +146,11 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
             max_node_failures=max_node_failures,
         )
     try:
-        allocate.set_inventory(session, inv.node_id, inv.gpus)
+        allocate.set_inventory(session, inv.node_id, inv.gpus, retype=node.gpu_type != gpu_type)
         kept_inventory = None
-    except Conflict as refused:  # GPUs are reserved: keep the recorded ones, drain
+    except Conflict as refused:  # GPUs are reserved
+        if node.status not in KEEPS_INVENTORY:
+            raise  # QUARANTINED, FENCED: refused until its GPUs are given back, as before
         kept_inventory = str(refused)
     node.address, node.labels, node.cpu, node.memory_mb = (
         inv.address,
@@ -163,8 +166,8 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
         now,
     )
     if kept_inventory is not None:
-        _drain_for_inventory(session, node, kept_inventory, now)
-    elif node.status == NodeStatus.SUSPECT:
+        _drain_for_inventory(session, node, kept_inventory)
+    elif not _end_inventory_drain(session, node, now) and node.status == NodeStatus.SUSPECT:
         back_to_healthy(
             session, node.id, frm=NodeStatus.SUSPECT, now=now, message="agent re-registered"
         )
@@ -177,21 +180,64 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
     )
 
 
-DRAINABLE = (NodeStatus.HEALTHY, NodeStatus.SUSPECT, NodeStatus.UNHEALTHY, NodeStatus.CORDONED)
+KEEPS_INVENTORY = (
+    NodeStatus.HEALTHY,
+    NodeStatus.SUSPECT,
+    NodeStatus.UNHEALTHY,
+    NodeStatus.CORDONED,
+    NodeStatus.DRAINING,
+)
+"""Statuses in which a re-registration reporting other GPUs while GPUs are reserved keeps the
+recorded GPUs and drains the node; in the others (QUARANTINED, FENCED) it is refused."""
+
+INVENTORY_DRAIN = "its agent's next start after the drain records the new GPUs"
+"""The end of the reason of a node drained for a changed inventory: while the reason ends so,
+the recorded GPUs are not the agent's, and the node may not be uncordoned."""
 
 
-def _drain_for_inventory(session: Session, node: NodeRow, refused: str, now: datetime) -> None:
-    """A re-registering agent reports another GPU count while GPUs of its node are reserved
-    (a typo in ``--gpus``, a GPU fallen off the bus): the node keeps its recorded GPUs, so
-    the running attempts keep their reservations and report their ends, and goes DRAINING
-    (Slurm drains a node whose resources shrink). Once drained (CORDONED), the agent's next
-    registration records the new count; an operator uncordons it. A node QUARANTINED, FENCED
-    or already DRAINING keeps its status."""
-    why = f"{refused}; the new count is taken at the agent's next start after the drain"
-    if node.status not in DRAINABLE:
-        record_event(session, "node_inventory_kept", now=now, node_id=node.id, message=why)
+def _drain_for_inventory(session: Session, node: NodeRow, refused: str) -> None:
+    """A re-registering agent reports another GPU count or type while GPUs of its node are
+    reserved (a typo in ``--gpus``, a GPU fallen off the bus): the node keeps its recorded
+    GPUs, so the running attempts keep their reservations and report their ends, and goes
+    DRAINING (Slurm drains a node whose resources shrink), an operator's reason kept in
+    front. Once drained (CORDONED), the agent's next start records the new GPUs and lets the
+    node be uncordoned (``_end_inventory_drain``); until then ``set_node_status`` refuses to
+    uncordon it, since the scheduler would place jobs on GPUs the agent does not have."""
+    before = node.status_reason
+    if before and before.endswith(INVENTORY_DRAIN):
+        before = None  # an earlier drain for the same reason: say it once
+    why = f"{refused}; {INVENTORY_DRAIN}"
+    if before and node.status in (NodeStatus.CORDONED, NodeStatus.DRAINING):
+        why = f"{before}; {why}"
+    if node.status == NodeStatus.DRAINING:
+        session.execute(update(NodeRow).where(NodeRow.id == node.id).values(status_reason=why))
         return
     set_node_status(session, node.id, NodeStatus.DRAINING, message=why)
+
+
+def _end_inventory_drain(session: Session, node: NodeRow, now: datetime) -> bool:
+    """The agent's GPUs are recorded (again): a drain started by ``_drain_for_inventory``
+    ends. Still DRAINING (the agent came back with its recorded GPUs before the drain
+    finished): HEALTHY again. CORDONED (drained, now recorded): it stays cordoned, and its
+    reason says it may be uncordoned. True when the node was in such a drain."""
+    if not (node.status_reason or "").endswith(INVENTORY_DRAIN):
+        return False
+    if node.status == NodeStatus.DRAINING:
+        transition(
+            session,
+            Machine.NODE,
+            node.id,
+            NodeStatus.HEALTHY,
+            now=now,
+            frm=[NodeStatus.DRAINING],
+            values={"status_reason": None},
+            message="its agent reports the recorded GPUs again: drain ended",
+            node_id=node.id,
+        )
+    else:
+        reason = "drained for a change of GPUs, now recorded: uncordon it to use them"
+        session.execute(update(NodeRow).where(NodeRow.id == node.id).values(status_reason=reason))
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,11 +392,21 @@ def set_node_status(
         NotFound: no such node.
         IllegalTransition: the node's status has no edge to ``to`` (e.g. QUARANTINED ->
             DRAINING: its GPUs are not known free; fence it or wait for its agent).
+        Conflict: uncordon (``to`` HEALTHY) of a node drained for a change of GPUs that its
+            agent has not registered since (``INVENTORY_DRAIN``).
     """
     node = session.get(NodeRow, node_id)
     if node is None:
         raise NotFound(f"no node {node_id!r}", field="node_id")
+    if to == NodeStatus.HEALTHY and (node.status_reason or "").endswith(INVENTORY_DRAIN):
+        raise Conflict(
+            f"node {node_id} still has the GPUs recorded before its agent reported others"
+            f" ({node.status_reason}); restart its agent once it is drained, then uncordon it",
+            field="node_id",
+        )
     why = None if to == NodeStatus.HEALTHY else (reason or message)
+    if why and (node.status_reason or "").endswith(INVENTORY_DRAIN):
+        why = f"{why}; {node.status_reason}"  # still not the agent's GPUs: say so last
     return transition(
         session,
         Machine.NODE,

@@ -634,21 +634,23 @@ def release(
     return int(gpu_count)
 
 
-def set_inventory(session: Session, node_id: str, gpus: tuple[GpuDevice, ...]) -> None:
+def set_inventory(
+    session: Session, node_id: str, gpus: tuple[GpuDevice, ...], *, retype: bool = False
+) -> None:
     """Record a node's GPUs: a new node's capacity rows, or a changed inventory of a node that
     holds no reservation (its GPU rows replaced, total = available = len(gpus)). An unchanged
-    GPU count is left alone.
+    GPU count is left alone unless ``retype`` (the GPU type changed).
 
     Raises:
-        Conflict: the GPU count changed while GPUs of the node are reserved (drain it first).
+        Conflict: the GPU count or type changed while GPUs of the node are reserved.
     """
     cap = session.get(NodeCapacityRow, node_id, with_for_update=True)
-    if cap is not None and cap.total_gpus == len(gpus):
+    if cap is not None and cap.total_gpus == len(gpus) and not retype:
         return
     if cap is not None and cap.available_gpus != cap.total_gpus:
         raise Conflict(
-            f"node {node_id} now reports {len(gpus)} GPUs (was {cap.total_gpus}) while GPUs"
-            " are reserved; drain it first",
+            f"node {node_id} now reports {len(gpus)} {gpus[0].gpu_type} GPU(s)"
+            f" ({cap.total_gpus} recorded) while GPUs are reserved",
             field="gpus",
         )
     session.execute(delete(NodeGpuRow).where(NodeGpuRow.node_id == node_id))
