@@ -263,7 +263,12 @@ class LocalPlatform:
         if holder is not None:
             # an agent left running by an earlier `up` (killed hard) keeps its jobs; it
             # re-registers with this controller by itself: reuse it, never start a second one
-            log.warning("agent %s is already running (pid %s); reusing it", self.node_id, holder)
+            log.warning(
+                "agent %s is already running (pid %s); reusing it, with the GPUs and options"
+                " it was started with (stop it to change them)",
+                self.node_id,
+                holder,
+            )
             return
         self._spawn_agent()
 

@@ -111,6 +111,28 @@ class TestEmptyReferences:
         )
         assert api.requests == []
 
+    @pytest.mark.parametrize(
+        "argv",
+        [
+            ["admin", "team", "set", "qt", "--weight", "nan"],
+            ["admin", "team", "set", "qt", "--weight", "inf"],
+            ["admin", "team", "create", "qt", "--weight", "-inf"],
+        ],
+    )
+    def test_a_weight_that_is_not_finite_is_refused_before_any_request(
+        self, api: FakeApi, argv: list[str]
+    ) -> None:
+        """Typer parses nan and inf as floats; the request body then could not be encoded
+        (a traceback, found by a new-user test)."""
+        from typer.testing import CliRunner
+
+        from gpufleet.cli.main import app
+
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code == 2, result.output
+        assert "Invalid value for '--weight': must be a finite number" in result.stderr
+        assert api.requests == []
+
     def test_the_sdk_refuses_an_empty_reference(self) -> None:
         from gpufleet.client import Client
 

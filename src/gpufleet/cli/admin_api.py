@@ -25,6 +25,7 @@ from gpufleet.cli.client import (
     _call,
     _session,
     duration_s,
+    finite,
     nonempty,
 )
 
@@ -128,7 +129,12 @@ def rate(value: str | None) -> float | None:
 
 @team_app.command("create")
 def team_create(
-    name: str, weight: float = 1.0, url: UrlOpt = None, token: TokenOpt = None
+    name: str,
+    weight: Annotated[
+        float, typer.Option(help="Weight for fair share (> 0).", callback=finite)
+    ] = 1.0,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
 ) -> None:
     """Create a team."""
     with _session(url, token) as http:
@@ -139,7 +145,9 @@ def team_create(
 @team_app.command("set")
 def team_set(
     name: str,
-    weight: Annotated[float | None, typer.Option(help="Weight for fair share (> 0).")] = None,
+    weight: Annotated[
+        float | None, typer.Option(help="Weight for fair share (> 0).", callback=finite)
+    ] = None,
     nominal_quota: Annotated[
         list[str] | None,
         typer.Option(

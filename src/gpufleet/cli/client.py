@@ -132,6 +132,14 @@ def nonempty(value: Any) -> Any:
     return value
 
 
+def finite(value: float | None) -> float | None:
+    """Typer callback: refuse ``nan`` and ``inf`` (Typer parses both as floats) before any
+    request, naming the option (exit 2)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"must be a finite number, not {value}")
+    return value
+
+
 JobArg = Annotated[str, typer.Argument(help="Job id, id prefix or name.", callback=nonempty)]
 
 
