@@ -172,8 +172,9 @@ class WaitingReasons(Mapping[str, WaitReason]):
             ):
                 code = "no_schedulable_node"
                 msg = (
-                    f"Only nodes that are unhealthy, cordoned or draining could hold "
-                    f"{_shape(job)}; it waits until one is schedulable again."
+                    "Only nodes that cannot take work now (suspect, quarantined, unhealthy,"
+                    f" cordoned, draining or fenced) could hold {_shape(job)}; it waits until"
+                    " one is schedulable again."
                 )
             elif len(cause) > 1:  # a gang
                 msg = (
