@@ -168,6 +168,26 @@ class TestValidation:
         client, tokens = api
         r = client.get("/v1/jobs?status=NOPE", headers=hdr(tokens["vision"]))
         assert r.status_code == 422 and r.json()["field"] == "status"
+        r = client.get("/v1/jobs?status=PENDING,NOPE", headers=hdr(tokens["vision"]))
+        assert r.status_code == 422 and "'NOPE'" in r.json()["message"]
+
+    def test_list_by_several_statuses(self, api) -> None:
+        """``status`` takes a comma list: jobs in any of those states."""
+        client, tokens = api
+        h = hdr(tokens["vision"])
+        job = client.post("/v1/jobs", json=JOB, headers=h).json()["job_id"]
+        done = client.post("/v1/jobs", json=JOB, headers=hdr(tokens["vision"], key="k2"))
+        done = done.json()["job_id"]
+        assert client.delete(f"/v1/jobs/{done}", headers=h).status_code == 202
+
+        def listed(status: str) -> set[str]:
+            r = client.get(f"/v1/jobs?status={status}", headers=h)
+            assert r.status_code == 200, r.text
+            return {j["job_id"] for j in r.json()["items"]}
+
+        assert listed("PENDING") == {job}
+        assert listed("PENDING,CANCELLED") == {job, done}
+        assert listed("RUNNING,FAILED") == set()
 
 
 class TestReads:

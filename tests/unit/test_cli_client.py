@@ -453,10 +453,13 @@ class TestReads:
         assert [j["job_id"] for j in json.loads(result.stdout)["items"]] == ["j1", "j2", "j3"]
         assert all(r.url.params["status"] == "RUNNING" for r in api.requests)
         assert [r.url.params["limit"] for r in api.requests] == ["1", "1", "1"]
-        # --state is the same option (as on `cancel`)
+        # --state is the same option (as on `cancel`), repeated or a comma list
         result = cli("list", "--state", "pending", "-o", "json")
         assert result.exit_code == 0, result.stderr
         assert api.requests[-1].url.params["status"] == "PENDING"
+        result = cli("list", "--state", "pending,failed", "--status", "running", "-o", "json")
+        assert result.exit_code == 0, result.stderr
+        assert api.requests[-1].url.params["status"] == "PENDING,FAILED,RUNNING"
 
     def test_list_one_page_by_default(self, api: FakeApi) -> None:
         api.on(

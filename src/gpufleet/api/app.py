@@ -349,7 +349,13 @@ def create_app(state: AppState) -> FastAPI:
     @app.get("/v1/jobs", response_model=JobList)
     def list_(
         who: Who,
-        status: str | None = None,
+        status: Annotated[
+            str | None,
+            Query(
+                max_length=256,
+                description="One status, or a comma list (PENDING,RUNNING) for any of them.",
+            ),
+        ] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
         cursor: str | None = None,
         array_id: Annotated[str | None, Query(max_length=64)] = None,

@@ -763,7 +763,13 @@ def fetch_jobs(
 
 def list_jobs(
     status_filter: Annotated[
-        str | None, typer.Option("--status", "--state", help="Only jobs in S.")
+        list[str] | None,
+        typer.Option(
+            "--status",
+            "--state",
+            help="Only jobs in this state; repeat it or give a comma list (PENDING,RUNNING)"
+            " for any of several.",
+        ),
     ] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="Page size.")] = 50,
     all_pages: Annotated[bool, typer.Option("--all", help="Follow every page.")] = False,
@@ -785,19 +791,18 @@ def list_jobs(
 ) -> None:
     """List jobs, newest first (one page unless --all; --watch to keep it refreshed)."""
     out = _fmt(out, wide)
+    states = ",".join(status_filter) if status_filter else None
     with _session(url, token) as http:
         if watch:
             from gpufleet.cli import live
 
             def render() -> Any:
-                items, _ = fetch_jobs(
-                    http, status_filter, limit, all_pages, array=array, name=name
-                )
+                items, _ = fetch_jobs(http, states, limit, all_pages, array=array, name=name)
                 return output.jobs_table(items, wide=out is OutputFormat.wide)
 
             live.watch(render, interval, count, title="gpufleet list")
             return
-        items, cursor = fetch_jobs(http, status_filter, limit, all_pages, array=array, name=name)
+        items, cursor = fetch_jobs(http, states, limit, all_pages, array=array, name=name)
         if out in (OutputFormat.json, OutputFormat.yaml):
             output.print_data({"items": items, "next_cursor": cursor}, out.value)
             return

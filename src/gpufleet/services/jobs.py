@@ -651,7 +651,12 @@ def list_jobs(
     name: str | None = None,
 ) -> tuple[list[JobRow], str | None]:
     """Newest first; ``cursor`` is the last job id of the previous page (ids sort by time).
-    ``array_id``/``name``: only that array's tasks / jobs of that name."""
+    ``status``: one status or a comma list (``PENDING,RUNNING``: any of them);
+    ``array_id``/``name``: only that array's tasks / jobs of that name.
+
+    Raises:
+        ValidationFailed: an unknown status (field ``status``) or a bad cursor.
+    """
     q = select(JobRow).order_by(JobRow.id.desc()).limit(limit + 1)
     if team_id is not None:
         q = q.where(JobRow.team_id == team_id)
@@ -660,9 +665,11 @@ def list_jobs(
     if name is not None:
         q = q.where(JobRow.name == name)
     if status is not None:
-        if status not in JobStatus.__members__:
-            raise ValidationFailed(f"unknown status {status!r}", field="status")
-        q = q.where(JobRow.status == status)
+        wanted = [part.strip() for part in status.split(",")]
+        for one in wanted:
+            if one not in JobStatus.__members__:
+                raise ValidationFailed(f"unknown status {one!r}", field="status")
+        q = q.where(JobRow.status.in_(wanted))
     if cursor:
         if not is_job_id(cursor):
             raise ValidationFailed(
