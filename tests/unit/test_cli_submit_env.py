@@ -117,6 +117,8 @@ class TestIdempotencyKeyVisibility:
         result = cli("submit", "--", "true")
         assert result.exit_code == 1 and "cannot reach gpufleet" in result.stderr
         assert down[0] == len(SUBMIT_RETRY_DELAYS_S) + 1 and 19 <= sum(slept) <= 21
+        key = api.requests[-1].headers["Idempotency-Key"]
+        assert f"submit again with --idempotency-key {key}" in result.stderr
 
     def test_conflict_names_the_key(self, api: FakeApi) -> None:
         api.on(

@@ -558,6 +558,14 @@ def submit(
             created = api.submit_body(body, idempotency_key=key, on_retry=retrying)
         except IdempotencyConflict as exc:
             raise ClientError(f"{exc.message} (idempotency key {key})", exc.field) from None
+        except (TransportError, ApiError) as exc:
+            if isinstance(exc, TransportError) or exc.status == 503:  # it may have arrived
+                typer.echo(
+                    f"the submit was not answered: submit again with --idempotency-key {key}"
+                    " (a job it made is then answered, not made twice)",
+                    err=True,
+                )
+            raise
         if created.replayed and not quiet:
             typer.echo(
                 f"(replay: a job was already submitted with idempotency key {key})", err=True
