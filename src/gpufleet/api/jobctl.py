@@ -28,18 +28,22 @@ def register_jobctl_routes(
     def team(who: auth.Principal) -> str | None:
         return None if who.is_admin else who.team_id
 
-    def one(job_id: str) -> JobOut:
-        with state.db.read() as s:
-            job, runs = jobs.get_job(s, None, job_id)
-            return job_out(job, runs)
-
     def act(
         fn: Callable[[Session, str | None, str], Any], job_id: str, who: auth.Principal
     ) -> JobOut:
+        """Apply ``fn`` and answer the job as that transaction left it (read in it, before
+        the scheduler is woken: a requeued job is PENDING in the answer, not already placed)."""
         job_id = jobctl.resolve(state.db, team(who), job_id)
-        state.db.run_write(lambda s: fn(s, team(who), job_id))
+
+        def tx(s: Session) -> JobOut:
+            fn(s, team(who), job_id)
+            s.flush()
+            s.expire_all()  # rows changed by UPDATE statements are read again
+            return job_out(*jobs.get_job(s, None, job_id))
+
+        out = state.db.run_write(tx)
         state.waker.wake()
-        return one(job_id)
+        return out
 
     @app.post("/v1/jobs/{job_id}/hold", response_model=JobOut, responses=errors(404, 409))
     def hold(job_id: str, who: Who) -> JobOut:
