@@ -161,16 +161,8 @@ class TeamBook:
         share = self._largest_share.get(team_id)
         if gpus < 0 or cpu < 0 or memory_mb < 0:  # (never in a pass: computed again if so)
             self._largest_share.pop(team_id, None)
-        elif share is not None:  # the shares this charge raised, as ``_largest`` computes them
-            cap = self._cap_gpus.get(gpu_type, 0)
-            for s in (
-                a[gpu_type] / cap if cap else 0.0,
-                self.cpu[team_id] / self._cap_cpu if self._cap_cpu else 0.0,
-                self.mem[team_id] / self._cap_mem if self._cap_mem else 0.0,
-            ):
-                if s > share:
-                    share = s
-            self._largest_share[team_id] = share
+        elif share is not None:  # allocations only grew: the old largest or a charged share
+            self._largest_share[team_id] = max(share, self._largest(team_id, (gpu_type,)))
 
     def dominant_share(self, team_id: str) -> float:
         """Weighted dominant share: the largest of the team's shares of each GPU type, of CPU
@@ -180,15 +172,17 @@ class TeamBook:
             share = self._largest_share[team_id] = self._largest(team_id)
         return share / max(self.team(team_id).weight, 1e-9)
 
-    def _largest(self, team_id: str) -> float:
-        """The team's largest share of a GPU type, of CPU or of memory (0.0 if none)."""
+    def _largest(self, team_id: str, gpu_types: tuple[str, ...] | None = None) -> float:
+        """The team's largest share of a GPU type (of ``gpu_types``, else of every type it
+        holds), of CPU or of memory (0.0 if none)."""
         # (``if s > share`` is what ``max(share, s)`` does)
         share = 0.0
         cap_gpus = self._cap_gpus
-        for t, n in self.alloc.get(team_id, {}).items():
+        alloc = self.alloc.get(team_id, {})
+        for t in alloc if gpu_types is None else gpu_types:
             cap = cap_gpus.get(t, 0)
             if cap:
-                s = n / cap
+                s = alloc.get(t, 0) / cap
                 if s > share:
                     share = s
         if self._cap_cpu:
