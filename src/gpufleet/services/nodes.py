@@ -210,7 +210,7 @@ def _drain_for_inventory(session: Session, node: NodeRow, refused: str) -> None:
     if before and node.status in (NodeStatus.CORDONED, NodeStatus.DRAINING):
         why = f"{before}; {why}"
     if node.status == NodeStatus.DRAINING:
-        session.execute(update(NodeRow).where(NodeRow.id == node.id).values(status_reason=why))
+        set_status_reason(session, node.id, why)
         return
     set_node_status(session, node.id, NodeStatus.DRAINING, message=why)
 
@@ -236,8 +236,14 @@ def _end_inventory_drain(session: Session, node: NodeRow, now: datetime) -> bool
         )
     else:
         reason = "drained for a change of GPUs, now recorded: uncordon it to use them"
-        session.execute(update(NodeRow).where(NodeRow.id == node.id).values(status_reason=reason))
+        set_status_reason(session, node.id, reason)
     return True
+
+
+def set_status_reason(session: Session, node_id: str, reason: str | None) -> None:
+    """Change why a node is in its status without a transition (the status stays; a
+    transition sets the reason with it through ``values``)."""
+    session.execute(update(NodeRow).where(NodeRow.id == node_id).values(status_reason=reason))
 
 
 @dataclass(frozen=True, slots=True)
@@ -842,9 +848,7 @@ def apply_health(session: Session, node_id: str, health: str, *, now: datetime) 
         )
     elif health != "HEALTHY" and status == NodeStatus.UNHEALTHY:
         if reason != health:
-            session.execute(
-                update(NodeRow).where(NodeRow.id == node_id).values(status_reason=health)
-            )
+            set_status_reason(session, node_id, health)
     elif health == "HEALTHY" and status == NodeStatus.UNHEALTHY:
         back_to_healthy(
             session, node_id, frm=NodeStatus.UNHEALTHY, now=now, message="health check passed"
