@@ -19,7 +19,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,8 @@ from typing import Any
 
 import httpx
 import psycopg
+
+from tests.ports import free_port
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"}
 LIVE_RESERVATIONS = ("RESERVED", "CONFIRMED", "QUARANTINED")
@@ -61,12 +62,6 @@ TIMINGS = {
 }
 CAN_MOUNT = os.geteuid() == 0  # the full-disk fault needs a tmpfs, so root
 RECOVERY_BOUND_S = 30.0  # a healed fault's node HEALTHY again / a leader again within this
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

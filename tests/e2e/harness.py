@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,17 +23,12 @@ from gpufleet.queue import InProcWaker
 from gpufleet.services import auth
 from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
+from tests.ports import free_port
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED", "DEPENDENCY_FAILED"}
 # Scenario agents run jobs as themselves (--job-uids agent) unless a test asks otherwise:
 # the jobs run this interpreter (possibly private to root) and write into pytest's 0700 tmp.
 JOB_UIDS = "agent"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Fleet:

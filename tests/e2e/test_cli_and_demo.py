@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.harness import Fleet
+from tests.ports import free_port_pair
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -124,24 +125,6 @@ def _up_env(data_dir: Path) -> dict[str, str]:
     return env
 
 
-def _two_free_ports() -> int:
-    """A port p with p and p + 1 free (the controller and its join service)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port < 65535:
-            with socket.socket() as s2:
-                try:
-                    s2.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise AssertionError("no two adjacent free ports")
-
-
 def _wait_for(cond: Any, timeout_s: float, what: str) -> None:
     import time
 
@@ -164,7 +147,7 @@ def test_readme_quickstart_up_submit_and_a_killed_agent_is_restarted(tmp_path: P
     from gpufleet.agent.runtime.jobuser import executable_by_others
 
     env = _up_env(tmp_path)
-    api, ctl = _two_free_ports(), _two_free_ports()
+    api, ctl = free_port_pair(), free_port_pair()
     stderr_path = tmp_path / "up.stderr"
     with open(tmp_path / "up.stdout", "wb") as so, open(stderr_path, "wb") as se:
         up = subprocess.Popen(
@@ -209,7 +192,7 @@ def test_readme_quickstart_up_submit_and_a_killed_agent_is_restarted(tmp_path: P
         other = subprocess.run(
             [sys.executable, "-m", "gpufleet.cli.main", "up", "--data-dir",
              str(tmp_path / "third"), "--controller-port", str(ctl)],
-            env={**env, "GPUFLEET_SERVER_PORT": str(_two_free_ports())},
+            env={**env, "GPUFLEET_SERVER_PORT": str(free_port_pair())},
             text=True, capture_output=True, timeout=60, check=False,
         )  # fmt: skip
         assert other.returncode == 1 and "Traceback" not in other.stderr
@@ -249,7 +232,7 @@ def test_readme_quickstart_up_submit_and_a_killed_agent_is_restarted(tmp_path: P
     # the node row of this `up` is no sign of life for the next one, whose agent dies at once
     dead = subprocess.run(
         [sys.executable, "-m", "gpufleet.cli.main", "up", "--gpus", "bogus",
-         "--port", str(_two_free_ports()), "--controller-port", str(_two_free_ports())],
+         "--port", str(free_port_pair()), "--controller-port", str(free_port_pair())],
         env=env, text=True, capture_output=True, timeout=120, check=False,
     )  # fmt: skip
     assert dead.returncode == 1 and "did not register" in dead.stderr, dead.stdout + dead.stderr
@@ -268,7 +251,7 @@ def test_an_agent_reused_after_up_was_killed_hard_is_stopped_with_the_next_up(
 
     env = _up_env(tmp_path)
     data = tmp_path / "elsewhere"
-    api, ctl = _two_free_ports(), _two_free_ports()
+    api, ctl = free_port_pair(), free_port_pair()
     state_dir = data / "agents" / "local-0"
     cmd = [sys.executable, "-m", "gpufleet.cli.main", "up", "--data-dir", str(data),
            "--port", str(api), "--controller-port", str(ctl)]  # fmt: skip
@@ -323,7 +306,7 @@ def test_up_reports_an_agent_that_dies_at_once_and_refuses_bad_options(tmp_path:
     env = _up_env(tmp_path)
     dead = subprocess.run(
         [sys.executable, "-m", "gpufleet.cli.main", "up", "--gpus", "bogus",
-         "--port", str(_two_free_ports()), "--controller-port", str(_two_free_ports())],
+         "--port", str(free_port_pair()), "--controller-port", str(free_port_pair())],
         env=env, text=True, capture_output=True, timeout=120, check=False,
     )  # fmt: skip
     assert dead.returncode == 1, dead.stdout + dead.stderr

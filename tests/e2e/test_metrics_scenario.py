@@ -20,7 +20,8 @@ from gpufleet.controller.metrics import gpu_bucket
 from gpufleet.domain.states import JobStatus, RunStatus
 from gpufleet.services import auth
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, SchedulingEventRow
-from tests.e2e.harness import Fleet, free_port
+from tests.e2e.harness import Fleet
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

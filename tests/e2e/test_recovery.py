@@ -161,7 +161,7 @@ def test_a_deposed_leaders_late_assign_leaves_the_running_attempt_running(fleet:
     from gpufleet.controller.main import Controller
     from gpufleet.queue import InProcWaker
     from gpufleet.rpc import tls
-    from tests.e2e.harness import free_port
+    from tests.ports import free_port
 
     standby_settings = fleet.settings.model_copy(
         update={"controller_address": f"127.0.0.1:{free_port()}"}

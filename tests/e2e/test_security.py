@@ -374,7 +374,7 @@ def test_revocation_reaches_every_controller_replica_within_one_second(fleet: Fl
     soon as the leader does: each replica reads revocations from the database."""
     from gpufleet.controller.main import Controller
     from gpufleet.queue import InProcWaker
-    from tests.e2e.harness import free_port
+    from tests.ports import free_port
 
     fleet.start_agent("n1", gpus="1xA100-40GB")
     standby_settings = fleet.settings.model_copy(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from tests.integration.test_agent_support import (
     test_pki,
     wait_until,
 )
+from tests.ports import free_port
 
 A = pb.AssignJobResponse
 R = pb.ReportCompletionRequest
@@ -118,9 +118,7 @@ def test_kill_9_agent_mid_run_then_restart_adopts_and_reports_once(tmp_path: Pat
 def test_waits_for_the_controller_and_reports_what_ran_meanwhile(tmp_path: Path) -> None:
     """The agent starts before the controller; registration is retried with backoff, and no
     confirmation or report is sent before the node is registered."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     state = tmp_path / "state"
     log = AssignmentLog(state)  # an attempt that ended while nothing was up
     log.append(

@@ -28,7 +28,8 @@ from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import auth
 from gpufleet.store.db import Database
 from tests.conftest import _empty
-from tests.integration.server_proc import ServerProcess, free_port
+from tests.integration.server_proc import ServerProcess
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

@@ -18,8 +18,8 @@ from gpufleet.settings import Settings
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
 from gpufleet.store.tables import JobRow
-from tests.e2e.harness import free_port
 from tests.factories import create_node, create_team, submit
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

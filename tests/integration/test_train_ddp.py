@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.ports import free_port
 
 torch = pytest.importorskip("torch", reason="torch is missing: pip install -e '.[ddp]'")
 pytest.importorskip("sklearn", reason="the examples extra (numpy, scikit-learn) is missing")
@@ -38,12 +39,6 @@ SCRIPT = REPO / "examples" / "train_ddp.py"
 # lost peer shows up as the script's own error in the log, not as a test timeout.
 TIMEOUT_S = 300
 ARGS = ["--steps", "300", "--checkpoint-every", "50", "--seed", "7", "--dist-timeout-s", "240"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rank_env(

@@ -23,6 +23,7 @@ from gpufleet.policy.snapshot import (
     RunningJob,
     TeamState,
 )
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy/grafana/gpufleet.json"
@@ -171,7 +172,6 @@ def test_node_status_changes_between_passes_are_counted() -> None:
 
 
 def test_agent_metrics_only_on_the_agents_port_not_in_the_api_process() -> None:
-    import socket
 
     import httpx
     from prometheus_client import generate_latest
@@ -181,9 +181,7 @@ def test_agent_metrics_only_on_the_agents_port_not_in_the_api_process() -> None:
     agent_metrics.note_heartbeat(3, 5, {"/state": 7})
     # what the API's GET /metrics serves: the default registry
     assert b"gpufleet_agent_" not in generate_latest()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     agent_metrics.serve(port, "127.0.0.1")
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     assert "gpufleet_agent_running_attempts 3.0" in text
