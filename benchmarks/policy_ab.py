@@ -17,6 +17,8 @@ The other commit is imported as a renamed package (``gpufleet_before``)::
     PYTHONPATH=src .venv/bin/python benchmarks/policy_ab.py --before /tmp/ab_before/src \\
         [--runs 12] [--rows 2,4]
 
+``--no-labels`` drops the nodes' rack and zone labels (one topology domain).
+
 Rows (``--rows``, by position): 0 1k busy, 1 1k idle, 2 5k busy, 3 5k busy 10% gangs, 4 5k
 idle, 5 5k idle 10% gangs. The "indexed" column is this checkout's pass with a
 ``FleetIndex`` made before the timing (``ClusterSnapshot.fleet_index``: what the simulator
@@ -57,8 +59,10 @@ ROWS = [
 Inputs = tuple[Any, Any, Callable[..., Any]]
 
 
-def inputs(pkg: str, nodes: int, busy: float, gangs: float) -> Inputs:
-    """(presorted snapshot, config, schedule) built with package ``pkg``'s own types."""
+def inputs(pkg: str, nodes: int, busy: float, gangs: float, labels: bool = True) -> Inputs:
+    """(presorted snapshot, config, schedule) built with package ``pkg``'s own types;
+    ``labels`` False drops the nodes' rack and zone labels (one topology domain, as the
+    Philly replay's fleet has)."""
     bench = types.ModuleType(f"policy_pass_{pkg}")
     code = BENCH.read_text(encoding="utf-8").replace("gpufleet.", pkg + ".")
     exec(compile(code, str(BENCH), "exec"), bench.__dict__)  # (our own file, renamed)
@@ -66,6 +70,8 @@ def inputs(pkg: str, nodes: int, busy: float, gangs: float) -> Inputs:
     snapshot = importlib.import_module(pkg + ".policy.snapshot")
     config = importlib.import_module(pkg + ".policy.config").PolicyConfig()
     snap = bench.build(10_000, nodes, busy, gangs=gangs)
+    if not labels:
+        snap = replace(snap, nodes=tuple(replace(n, labels={}) for n in snap.nodes))
     pre = snapshot.ClusterSnapshot(
         snap.now_s,
         snap.nodes,
@@ -92,6 +98,7 @@ def main() -> None:
     ap.add_argument("--before", required=True, help="the src/ holding gpufleet_before")
     ap.add_argument("--runs", type=int, default=12)
     ap.add_argument("--rows", default=",".join(str(i) for i in range(len(ROWS))))
+    ap.add_argument("--no-labels", action="store_true", help="nodes without rack/zone labels")
     args = ap.parse_args()
     sys.path.insert(0, args.before)
     print("load average", os.getloadavg())
@@ -102,7 +109,10 @@ def main() -> None:
     )
     for i in args.rows.split(","):
         nodes, busy, gangs = ROWS[int(i)]
-        ins = {k: inputs(k, nodes, busy, gangs) for k in ("gpufleet_before", "gpufleet")}
+        ins = {
+            k: inputs(k, nodes, busy, gangs, not args.no_labels)
+            for k in ("gpufleet_before", "gpufleet")
+        }
         snap, cfg, sched = ins["gpufleet"]
         ins["indexed"] = (replace(snap, fleet_index=FleetIndex(snap.nodes)), cfg, sched)
         snap, cfg, sched = ins["gpufleet_before"]

@@ -182,6 +182,40 @@ def _assign(
     return out
 
 
+def _assign_lazy(
+    index: FreeIndex,
+    res: Resources,
+    cands: Sequence[tuple[int, str]],
+    members: Members,
+    hard_end_s: float | None,
+    job_id: str,
+) -> tuple[str, ...] | None:
+    """``_assign`` of ``members`` onto ``cands`` with ``ok[m]`` read as "free >= m and
+    ``index.acceptable``", asked lazily: a node id per member, or None. The walk for a member
+    goes on where the last member of its size stopped (the nodes before were taken, too
+    small or refused, and stay so)."""
+    used: set[str] = set()
+    out: list[str] = []
+    n = len(cands)
+    size = -1
+    i = 0
+    mres = res
+    for m in members:
+        if m != size:
+            size, i = m, 0
+            mres = member_resources(res, m)
+        while i < n:
+            free, nid = cands[i]
+            i += 1
+            if free >= m and nid not in used and index.acceptable(nid, mres, hard_end_s, job_id):
+                used.add(nid)
+                out.append(nid)
+                break
+        else:
+            return None
+    return tuple(out)
+
+
 def _fill(
     groups: Sequence[_Group],
     members: Members,
@@ -225,6 +259,30 @@ def find_gang(
     cands = index.gang_candidates(gpu_type, selector, smallest, job_id, held_nodes)
     if len(cands) < len(members):
         return None
+    if (
+        len(index.label_values(gpu_type, SWITCH_LABEL)) == 1
+        and len(index.label_values(gpu_type, RACK_LABEL)) == 1
+    ):
+        # One topology domain: the one-rack best fit below over every candidate, each node's
+        # acceptability asked only when the walk reaches it (the same nodes chosen).
+        if held_nodes:
+            mine = set(held_nodes)
+            cands.sort(key=lambda e: (e[0], e[1] not in mine, e[1]))
+        return _assign_lazy(index, res, cands, members, hard_end_s, job_id)
+    return _topology_fit(index, res, cands, members, hard_end_s, job_id, held_nodes)
+
+
+def _topology_fit(
+    index: FreeIndex,
+    res: Resources,
+    cands: list[tuple[int, str]],
+    members: Members,
+    hard_end_s: float | None,
+    job_id: str,
+    held_nodes: Iterable[str],
+) -> tuple[str, ...] | None:
+    """``find_gang`` over ``cands`` (sorted ``(free, node_id)``) grouped by topology domain:
+    one rack, else one switch with the fewest racks, else the whole type."""
     ok: dict[int, set[str]] = {}
     for m in set(members):
         mres = member_resources(res, m)

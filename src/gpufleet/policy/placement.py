@@ -295,6 +295,20 @@ class _Static:
         self._shapes: list[NodeState] | None = None
         self._shape_counts: dict[bool, list[tuple[NodeState, int, int]]] = {}
         self._node_gpus: dict[str, int] | None = None
+        self._label_values: dict[tuple[str, str], frozenset[str]] = {}
+
+    def label_values(self, gpu_type: str, label: str) -> frozenset[str]:
+        """Values of ``label`` ("" where a node has none) on the schedulable nodes of
+        ``gpu_type``, computed on first use."""
+        key = (gpu_type, label)
+        hit = self._label_values.get(key)
+        if hit is None:
+            hit = self._label_values[key] = frozenset(
+                n.labels.get(label, "")
+                for n in self.nodes.values()
+                if n.schedulable and n.gpu_type == gpu_type
+            )
+        return hit
 
     def groups(self, label_keys: tuple[str, ...]) -> ShapeGroups:
         g = self._groups.get(label_keys)
@@ -607,6 +621,11 @@ class FreeIndex:
         """GPUs of the largest node of ``gpu_type`` (any state), 0 if none: the size a
         derived gang splits into. Computed once, on first use."""
         return self._static.node_gpus().get(gpu_type, 0)
+
+    def label_values(self, gpu_type: str, label: str) -> frozenset[str]:
+        """Values of ``label`` ("" for none) on the schedulable nodes of ``gpu_type`` (a
+        static fact: kept by the fleet's ``FleetIndex`` until a node's labels change)."""
+        return self._static.label_values(gpu_type, label)
 
     def all_types(self) -> tuple[str, ...]:
         """Every GPU type of the fleet, schedulable or not, sorted."""

@@ -23,7 +23,8 @@ from gpufleet.policy.decisions import (
     PlaceGang,
     Preempt,
 )
-from gpufleet.policy.gang import gang_members
+from gpufleet.policy.gang import _topology_fit, find_gang, gang_members
+from gpufleet.policy.placement import FreeIndex, Shadow
 from gpufleet.policy.snapshot import BackfillReservation, GpuHold, PendingJob, RunningJob
 
 
@@ -508,3 +509,49 @@ def test_gang_without_reservation_because_running_work_is_unbounded_says_so() ->
     assert why.code == "no_node_fits_now" and why.details.get("gang")
     assert "no max_runtime_s" in why.message
     assert why.details["no_reservation"] == "running_work_unbounded"
+
+
+@st.composite
+def one_domain_gang_cases(draw: st.DrawFn) -> tuple[object, ...]:
+    """An unlabeled fleet (one topology domain) with free GPUs, other jobs' shadows and this
+    job's holds, and a gang's members (largest first)."""
+    n = draw(st.integers(2, 12))
+    nodes = [node(f"n{i}", draw(st.integers(0, 8))) for i in range(n)]
+    holds = [
+        GpuHold("g", f"n{i}", draw(st.integers(1, 8)), 0.0)
+        for i in range(n)
+        if nodes[i].free_gpus and draw(st.booleans()) and draw(st.booleans())
+    ]
+    index = FreeIndex(nodes, holds)
+    for i in range(n):
+        if draw(st.booleans()):
+            index.add_shadow(
+                f"n{i}",
+                Shadow(draw(st.sampled_from(["other", "g"])), 50.0, 4, draw(st.integers(0, 8))),
+            )
+    members = tuple(
+        sorted(draw(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=2, max_size=5)), reverse=True)
+    )
+    hard_end = draw(st.sampled_from([None, 10.0, 100.0]))
+    return index, members, hard_end, [h.node_id for h in holds]
+
+
+@settings(max_examples=300, deadline=None)
+@given(one_domain_gang_cases())
+def test_one_domain_gang_fit_matches_the_topology_walk(case: tuple[object, ...]) -> None:
+    """The one-domain shortcut of ``find_gang`` (acceptability asked lazily) picks the same
+    nodes as the general walk over racks and switches does on the same candidates."""
+    index, members, hard_end, held = case
+    assert isinstance(index, FreeIndex) and isinstance(members, tuple)
+    assert isinstance(held, list) and (hard_end is None or isinstance(hard_end, float))
+    res = Resources(sum(members), nodes=len(members), allow_partial_nodes=True)
+    got = find_gang(index, res, {}, "A100", members, hard_end, "g", held)
+    cands = index.gang_candidates("A100", {}, members[-1], "g", held)
+    want = (
+        None
+        if len(cands) < len(members)
+        else _topology_fit(index, res, cands, members, hard_end, "g", held)
+    )
+    assert got == want
+    if got is not None:
+        assert len(set(got)) == len(members)
