@@ -30,7 +30,6 @@ Rules, in the order they are checked:
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections import deque
@@ -45,6 +44,7 @@ from gpufleet.agent.runtime import RunHandle
 from gpufleet.agent.runtime.base import NO_CONTAINER_RUNTIME
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.agent.workdir import StartError
+from gpufleet.netports import free_port
 from gpufleet.rpc.protos import fleet_pb2 as pb
 
 logger = logging.getLogger("gpufleet.agent")
@@ -511,11 +511,10 @@ class AgentCore:
 
 
 def free_tcp_port() -> int:
-    """A TCP port free on this node now (bound to port 0 and released; the rendezvous of
-    rank 0 binds it moments later, as torchrun's own ``--master-port`` choice does)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on every interface of this node now, outside the kernel's ephemeral
+    range (``gpufleet.netports``): the rendezvous of rank 0 binds it moments later, and no
+    outgoing connection of the node can have taken it meanwhile."""
+    return free_port("")
 
 
 def _assign(result: int, message: str, pid: int = 0) -> pb.AssignJobResponse:

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import shutil
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -21,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 
 from gpufleet.domain.manifest import Manifest
+from gpufleet.netports import free_port
 from gpufleet.objectstore import ObjectStore
 from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
@@ -45,12 +45,6 @@ def example_script() -> Path:
         if candidate.is_file():
             return candidate
     raise FileNotFoundError("examples/train_digits.py not found; run the demo from the repository")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
