@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gpufleet.api.app import AppState, create_app
-from gpufleet.cli.client import build_job_body
+from gpufleet.cli.submit import build_job_body
 from gpufleet.objectstore import ObjectStore
 from gpufleet.queue import InProcWaker
 from gpufleet.services import auth

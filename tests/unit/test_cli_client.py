@@ -17,8 +17,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from gpufleet.cli import client
-from gpufleet.cli.client import ClientError, build_job_body, register_client_commands
+from gpufleet.cli import joblogs, session
+from gpufleet.cli.client import register_client_commands
+from gpufleet.cli.options import ClientError
+from gpufleet.cli.submit import build_job_body
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -102,11 +104,11 @@ class FakeApi:
 @pytest.fixture
 def api(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeApi:
     fake = FakeApi()
-    real = client.make_http_client
+    real = session.make_http_client
     monkeypatch.setattr(
-        client, "make_http_client", lambda cfg: real(cfg, transport=httpx.MockTransport(fake))
+        session, "make_http_client", lambda cfg: real(cfg, transport=httpx.MockTransport(fake))
     )
-    monkeypatch.setattr(client, "_sleep", lambda _s: None)
+    monkeypatch.setattr(joblogs, "_sleep", lambda _s: None)
     monkeypatch.setenv("GPUFLEET_CONFIG", str(tmp_path / "absent.yaml"))
     monkeypatch.setenv("GPUFLEET_TOKEN", "t0ken")
     monkeypatch.delenv("GPUFLEET_URL", raising=False)
@@ -678,7 +680,7 @@ class TestTerminalSafety:
     def test_logs_are_raw_in_a_pipe_and_clean_on_a_terminal(
         self, api: FakeApi, monkeypatch: pytest.MonkeyPatch, tty: bool
     ) -> None:
-        monkeypatch.setattr(client, "_stdout_is_tty", lambda: tty)
+        monkeypatch.setattr(joblogs, "_stdout_is_tty", lambda: tty)
         body = [b"step 1 \x1b[32mok\x1b", b"[0m\r\n\x1b]0;owned\x07done\n"]
         api.on("GET", "/v1/jobs/job_1/logs", lambda _r: httpx.Response(200, content=iter(body)))
         result = cli("logs", "job_1")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.cli.admin_api import _runtime
-from gpufleet.cli.client import ClientError, duration_s
+from gpufleet.cli.options import ClientError, duration_s
 
 
 @pytest.mark.parametrize(

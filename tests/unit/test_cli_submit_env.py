@@ -8,7 +8,8 @@ import os
 import httpx
 import pytest
 
-from gpufleet.cli.client import ClientError, exit_code_of, export_env
+from gpufleet.cli.options import ClientError
+from gpufleet.cli.submit import exit_code_of, export_env
 from gpufleet.client._core import SUBMIT_RETRY_DELAYS_S
 from tests.unit.test_cli_client import FakeApi, attempt, cli, job
 from tests.unit.test_cli_client import api as api  # the `api` fixture, re-exported

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.cli.client import ClientError
+from gpufleet.cli.options import ClientError
 from gpufleet.cli.usage import _target, when
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

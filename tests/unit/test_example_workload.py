@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufleet.cli.client import build_job_body, load_jobfile
+from gpufleet.cli.submit import build_job_body, load_jobfile
 
 np = pytest.importorskip("numpy", reason="the examples extra (numpy, scikit-learn) is missing")
 pytest.importorskip("sklearn", reason="the examples extra (numpy, scikit-learn) is missing")

@@ -17,17 +17,16 @@ from rich.table import Table
 from rich.text import Text
 
 from gpufleet.cli import output
-from gpufleet.cli.client import (
+from gpufleet.cli.options import (
     ClientError,
     TokenOpt,
     UrlOpt,
     WideOpt,
-    _call,
-    _session,
     duration_s,
     finite,
     nonempty,
 )
+from gpufleet.cli.session import _call, _session
 
 team_app = typer.Typer(help="Teams and their quotas (through the API; admin token).")
 node_app = typer.Typer(help="Operator actions on nodes (through the API; admin token).")

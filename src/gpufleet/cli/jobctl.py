@@ -11,18 +11,17 @@ from typing import Annotated, Any
 import typer
 
 from gpufleet.cli import output
-from gpufleet.cli.client import (
+from gpufleet.cli.options import (
     ClientError,
     JobArg,
     OutputFormat,
     OutputOpt,
     TokenOpt,
     UrlOpt,
-    _sdk,
-    _session,
     duration_s,
     nonempty,
 )
+from gpufleet.cli.session import _sdk, _session
 
 Jobs = Annotated[
     list[str], typer.Argument(help="Job ids, id prefixes or names.", callback=nonempty)

@@ -33,7 +33,7 @@ _sleep = time.sleep  # swapped out in tests
 
 
 def _jobs(http: httpx.Client, status: str) -> list[dict[str, Any]]:
-    from gpufleet.cli.client import _call
+    from gpufleet.cli.session import _call
 
     items: list[dict[str, Any]] = []
     params: dict[str, Any] = {"status": status, "limit": PAGE}
@@ -69,7 +69,7 @@ def team_shares(
 
 def fleet_view(http: httpx.Client) -> RenderableType:
     """The ``top`` screen: a summary line, per-team share, running jobs, the queue."""
-    from gpufleet.cli.client import _call
+    from gpufleet.cli.session import _call
 
     nodes = _call(http, "GET", "/v1/nodes").get("items") or []
     running = [j for s in BUSY_STATES for j in _jobs(http, s)]
@@ -117,7 +117,7 @@ def watch(render: Callable[[], RenderableType], interval_s: float, count: int, t
 
     import httpx
 
-    from gpufleet.cli.client import ClientError
+    from gpufleet.cli.options import ClientError
 
     def frame() -> RenderableType:
         try:

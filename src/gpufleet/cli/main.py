@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from gpufleet.cli.client import node_label, register_client_commands
+from gpufleet.cli.client import register_client_commands
 from gpufleet.cli.config import client_config_path, default_config_path, write_client_config
+from gpufleet.cli.fleet import node_label
 from gpufleet.cli.output import clean
 from gpufleet.domain.errors import GpufleetError
 

@@ -17,16 +17,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from gpufleet.cli import output
-from gpufleet.cli.client import (
+from gpufleet.cli.options import (
     ClientError,
     JobArg,
     OutputFormat,
     TokenOpt,
     UrlOpt,
     WideOpt,
-    _sdk,
-    _session,
 )
+from gpufleet.cli.session import _sdk, _session
 from gpufleet.client.errors import ArtifactMismatch, TransportError
 from gpufleet.domain.manifest import path_problem
 

@@ -1,0 +1,166 @@
+"""Reading jobs: ``gpufleet status``, ``list`` (one page, every page, or ``--watch``) and
+``why`` (the pending reason). ``cancel`` here is the single-job form that job control's bulk
+``cancel`` (:mod:`gpufleet.cli.jobctl`) replaced on the command line; it is not mounted.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from gpufleet.cli import output
+from gpufleet.cli.joblogs import WAITING_STATES
+from gpufleet.cli.options import (
+    JobArg,
+    OutputFormat,
+    OutputOpt,
+    TokenOpt,
+    UrlOpt,
+    WideOpt,
+    _fmt,
+)
+from gpufleet.cli.session import _call, _session
+
+if TYPE_CHECKING:
+    import httpx
+
+
+def status(
+    job: JobArg,
+    out: OutputOpt = OutputFormat.table,
+    wide: WideOpt = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Show a job: fields, attempts, result, and why it is pending."""
+    with _session(url, token) as http:
+        data = _call(http, "GET", f"/v1/jobs/{job}")
+        out = _fmt(out, wide)
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(data, out.value)
+        else:
+            output.print_job(data, wide=out is OutputFormat.wide)
+
+
+def fetch_jobs(
+    http: httpx.Client,
+    status_filter: str | None,
+    limit: int,
+    all_pages: bool,
+    array: str | None = None,
+    name: str | None = None,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Jobs newest first: one page of ``limit``, or every page; and the next cursor. ``array``
+    and ``name`` filter by array id and job name."""
+    params: dict[str, Any] = {
+        "limit": limit,
+        **({"status": status_filter.upper()} if status_filter else {}),
+        **({"array_id": array} if array else {}),
+        **({"name": name} if name else {}),
+    }
+    items: list[dict[str, Any]] = []
+    while True:
+        page = _call(http, "GET", "/v1/jobs", params=params)
+        items.extend(page.get("items") or [])
+        cursor = page.get("next_cursor")
+        if not cursor or not all_pages:
+            return items, cursor
+        params["cursor"] = cursor
+
+
+def list_jobs(
+    status_filter: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--status",
+            "--state",
+            help="Only jobs in this state; repeat it or give a comma list (PENDING,RUNNING)"
+            " for any of several.",
+        ),
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="Page size.")] = 50,
+    all_pages: Annotated[bool, typer.Option("--all", help="Follow every page.")] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Keep the table on screen, refreshed.")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.2, help="Seconds between refreshes (--watch).")
+    ] = 2.0,
+    count: Annotated[
+        int, typer.Option("--count", min=0, hidden=True, help="Stop after N refreshes.")
+    ] = 0,
+    array: Annotated[str | None, typer.Option("--array", help="Only this array's tasks.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Only jobs of this name.")] = None,
+    out: OutputOpt = OutputFormat.table,
+    wide: WideOpt = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """List jobs, newest first (one page unless --all; --watch to keep it refreshed)."""
+    out = _fmt(out, wide)
+    states = ",".join(status_filter) if status_filter else None
+    with _session(url, token) as http:
+        if watch:
+            from gpufleet.cli import live
+
+            def render() -> Any:
+                items, _ = fetch_jobs(http, states, limit, all_pages, array=array, name=name)
+                return output.jobs_table(items, wide=out is OutputFormat.wide)
+
+            live.watch(render, interval, count, title="gpufleet list")
+            return
+        items, cursor = fetch_jobs(http, states, limit, all_pages, array=array, name=name)
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data({"items": items, "next_cursor": cursor}, out.value)
+            return
+        output.table_console(wide=out is OutputFormat.wide).print(
+            output.jobs_table(items, wide=out is OutputFormat.wide)
+        )
+        if cursor:
+            typer.echo("more jobs: pass --all to list every page", err=True)
+
+
+def cancel(
+    job: JobArg, out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None
+) -> None:
+    """Request cancellation of a job (running attempts get SIGTERM, then SIGKILL)."""
+    with _session(url, token) as http:
+        data = _call(http, "DELETE", f"/v1/jobs/{job}")
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(data, out.value)
+        else:
+            typer.echo(
+                output.clean(f"cancel requested: {data.get('job_id', job)} ({data.get('status')})")
+            )
+
+
+def why(
+    job: JobArg, out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None
+) -> None:
+    """Explain why a job is not running yet (with the estimated start when there is one)."""
+    with _session(url, token) as http:
+        data = _call(http, "GET", f"/v1/jobs/{job}")
+        reason, state = data.get("pending_reason"), data.get("status")
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(
+                {
+                    "job_id": data.get("job_id"),
+                    "status": state,
+                    "pending_reason": reason,
+                    "node_problems": data.get("node_problems") or [],
+                },
+                out.value,
+            )
+            return
+        if reason:
+            typer.echo("\n".join(output.pending_lines(reason)))
+        elif state in WAITING_STATES:
+            typer.echo(
+                output.clean(f"job {job} is {state}; the scheduler has not given a reason yet")
+            )
+        else:
+            failure = f": {data['failure_reason']}" if data.get("failure_reason") else ""
+            typer.echo(output.clean(f"job {job} is not pending: it is {state}{failure}"))
+        for line in output.node_problem_lines(data):
+            typer.echo(output.clean(line))

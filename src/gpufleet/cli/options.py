@@ -1,0 +1,113 @@
+"""What every client command shares before it talks to the API: the user-facing error, the
+duration parser, and the common options and arguments (``--url``, ``--token``, ``--output``,
+``--wide``, a job reference) with their Typer callbacks.
+
+Used by the client commands (:mod:`gpufleet.cli.client` mounts them) and by the other
+API-backed modules (job control, usage, admin through the API).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from typing import Annotated, Any
+
+import typer
+
+
+class ClientError(Exception):
+    """A user-facing failure: printed as ``error: message (field: f)``, then exit ``exit_code``."""
+
+    def __init__(self, message: str, field: str | None = None, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.message, self.field, self.exit_code = message, field, exit_code
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhdw]?)")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def duration_s(text: str, flag: str, allow_zero: bool = False) -> float:
+    """A duration flag as seconds: ``90s``, ``15m``, ``2h``, ``1d``, ``1w``, ``1d12h`` (units
+    are case-insensitive; a bare number is seconds), or Slurm's ``--time`` forms with a colon
+    or a dash: ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``.
+
+    Raises:
+        ClientError: not a finite positive duration (zero allowed with ``allow_zero``),
+            naming ``flag``.
+    """
+    t = text.strip().lower()
+    value = -1.0
+    if ":" in t or "-" in t[1:]:
+        m = _SLURM_TIME.fullmatch(t)
+        if m is not None:
+            days, a, b, c = (int(g) if g else None for g in m.groups())
+            if days is not None:  # D-HH[:MM[:SS]]
+                value = days * 86400.0 + (a or 0) * 3600 + (b or 0) * 60 + (c or 0)
+            elif c is not None:  # HH:MM:SS
+                value = (a or 0) * 3600.0 + (b or 0) * 60 + c
+            elif b is not None:  # MM:SS
+                value = (a or 0) * 60.0 + b
+    else:
+        pos, value = 0, 0.0
+        while pos < len(t):
+            part = _DURATION_PART.match(t, pos)
+            if part is None:
+                value = -1.0
+                break
+            value += float(part.group(1)) * _DURATION_UNITS[part.group(2)]
+            pos = part.end()
+    if not t or value < 0 or (value == 0 and not allow_zero):
+        raise ClientError(
+            f"{flag} {text!r}: use e.g. 90s, 15m, 2h, 1d12h, or Slurm's 1:30:00 / 2-12:00:00",
+            field=flag,
+        )
+    return value
+
+
+class OutputFormat(enum.StrEnum):
+    table = "table"
+    wide = "wide"
+    json = "json"
+    yaml = "yaml"
+
+
+UrlOpt = Annotated[
+    str | None, typer.Option("--url", help="Server URL (else GPUFLEET_URL, client.yaml).")
+]
+TokenOpt = Annotated[
+    str | None, typer.Option("--token", help="API token (else GPUFLEET_TOKEN, client.yaml).")
+]
+OutputOpt = Annotated[
+    OutputFormat,
+    typer.Option("--output", "-o", help="table (fits 80 columns), wide, json or yaml."),
+]
+WideOpt = Annotated[
+    bool, typer.Option("--wide", help="Full ids and every column (same as -o wide).")
+]
+
+
+def nonempty(value: Any) -> Any:
+    """Typer callback: refuse an empty (or blank) reference before any request (an empty path
+    segment would reach another route), naming the argument (exit 2)."""
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, str) and not v.strip():
+            raise typer.BadParameter("must not be empty")
+    return value
+
+
+def finite(value: float | None) -> float | None:
+    """Typer callback: refuse ``nan`` and ``inf`` (Typer parses both as floats) before any
+    request, naming the option (exit 2)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"must be a finite number, not {value}")
+    return value
+
+
+JobArg = Annotated[str, typer.Argument(help="Job id, id prefix or name.", callback=nonempty)]
+
+
+def _fmt(out: OutputFormat, wide: bool = False) -> OutputFormat:
+    return OutputFormat.wide if wide and out is OutputFormat.table else out
