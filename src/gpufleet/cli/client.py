@@ -22,56 +22,7 @@ from __future__ import annotations
 import typer
 
 from gpufleet.cli import fleet, jobctl, joblogs, jobs, usage
-from gpufleet.cli.fleet import node_label
-from gpufleet.cli.options import (
-    ClientError,
-    JobArg,
-    OutputFormat,
-    OutputOpt,
-    TokenOpt,
-    UrlOpt,
-    WideOpt,
-    duration_s,
-    finite,
-    nonempty,
-)
-from gpufleet.cli.session import _call, _sdk, _session
-from gpufleet.cli.submit import (
-    _SubmitCommand,
-    build_job_body,
-    exit_code_of,
-    export_env,
-    load_jobfile,
-    submit,
-)
-from gpufleet.client.errors import ApiError
-
-# Names that were importable from here before the commands were split by topic, kept for code
-# that still imports them from this module; new code imports them from where they are defined.
-# (The names tests swap out, such as ``make_http_client``, are left out on purpose: a swap must
-# target the module that reads the name.)
-__all__ = [
-    "ApiError",
-    "ClientError",
-    "JobArg",
-    "OutputFormat",
-    "OutputOpt",
-    "TokenOpt",
-    "UrlOpt",
-    "WideOpt",
-    "_call",
-    "_sdk",
-    "_session",
-    "build_job_body",
-    "duration_s",
-    "exit_code_of",
-    "export_env",
-    "finite",
-    "load_jobfile",
-    "node_label",
-    "nonempty",
-    "register_client_commands",
-]
+from gpufleet.cli.submit import _SubmitCommand, submit
 
 
 def register_client_commands(app: typer.Typer) -> None:

@@ -1,6 +1,5 @@
 """Reading jobs: ``gpufleet status``, ``list`` (one page, every page, or ``--watch``) and
-``why`` (the pending reason). ``cancel`` here is the single-job form that job control's bulk
-``cancel`` (:mod:`gpufleet.cli.jobctl`) replaced on the command line; it is not mounted.
+``why`` (the pending reason). ``cancel`` is job control's (:mod:`gpufleet.cli.jobctl`).
 """
 
 from __future__ import annotations
@@ -119,20 +118,6 @@ def list_jobs(
         )
         if cursor:
             typer.echo("more jobs: pass --all to list every page", err=True)
-
-
-def cancel(
-    job: JobArg, out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None
-) -> None:
-    """Request cancellation of a job (running attempts get SIGTERM, then SIGKILL)."""
-    with _session(url, token) as http:
-        data = _call(http, "DELETE", f"/v1/jobs/{job}")
-        if out in (OutputFormat.json, OutputFormat.yaml):
-            output.print_data(data, out.value)
-        else:
-            typer.echo(
-                output.clean(f"cancel requested: {data.get('job_id', job)} ({data.get('status')})")
-            )
 
 
 def why(
