@@ -270,6 +270,37 @@ class TestReads:
         assert [(n["node_id"], n["total_gpus"], n["available_gpus"]) for n in items] == [
             ("n1", 8, 8)
         ]
+        assert (items[0]["reported_gpus"], items[0]["reported_gpu_type"]) == (None, None)
+
+    def test_nodes_show_a_pending_change_of_gpus(self, api, db: Database) -> None:
+        """An agent re-registered with other GPUs while some are reserved: the recorded GPUs
+        stay, and what it reported is shown next to them."""
+        from gpufleet.services.nodes import set_status_reason
+        from gpufleet.store import allocate
+        from gpufleet.store.dialect import db_now
+        from tests.factories import become_leader, submit
+
+        client, tokens = api
+        job, epoch = submit(db, team="vision", gpus=2).job_id, become_leader(db)
+        db.run_write(
+            lambda s: allocate.reserve(
+                s,
+                job_id=job,
+                node_id="n1",
+                gpu_count=2,
+                seen_fencing_epoch=0,
+                leader_holder="test-leader",
+                leader_epoch=epoch,
+                lease_s=60,
+                now=db_now(s),
+            )
+        )
+        create_node(db, "n1", gpus=4, gpu_type="A100")
+        db.run_write(lambda s: set_status_reason(s, "n1", "what the reason says is for people"))
+        (node,) = client.get("/v1/nodes", headers=hdr(tokens["vision"])).json()["items"]
+        got = {k: node[k] for k in ("status", "gpu_type", "total_gpus")}
+        assert got == {"status": "DRAINING", "gpu_type": "H100", "total_gpus": 8}
+        assert (node["reported_gpus"], node["reported_gpu_type"]) == (4, "A100")
 
 
 class TestAdminQuota:

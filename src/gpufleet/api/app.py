@@ -550,6 +550,8 @@ def create_app(state: AppState) -> FastAPI:
                         last_heartbeat_at=jobs.iso(n.last_heartbeat_at),
                         agent_epoch=n.agent_epoch,
                         status_reason=n.status_reason,
+                        reported_gpus=n.reported_gpus,
+                        reported_gpu_type=n.reported_gpu_type,
                         # disk paths of the node are for operators only
                         health=n.health
                         if who.is_admin or not n.health

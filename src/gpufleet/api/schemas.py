@@ -352,6 +352,13 @@ class NodeOut(BaseModel):
     agent_epoch: int
     status_reason: str | None = None
     """Why the node is not HEALTHY (cordon reason, failed health check, fence)."""
+    reported_gpus: int | None = None
+    """A pending change of GPUs: the GPU count its agent last registered with when that
+    differs (in count or type) from the recorded ``total_gpus``/``gpu_type`` and could not be
+    recorded because GPUs were reserved. The node drains and cannot be uncordoned until its
+    agent registers again; null when the recorded GPUs are the agent's."""
+    reported_gpu_type: str | None = None
+    """The GPU type of that registration (null with ``reported_gpus``)."""
     health: dict[str, Any] | None = None
     """The agent's last health report: health, disk_free_mb, recent_start_failures."""
     images: list[str] = []

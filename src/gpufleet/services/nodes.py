@@ -24,7 +24,7 @@ from gpufleet.services import runs
 from gpufleet.services.jobs import forget_fleet_shapes
 from gpufleet.store import allocate, leader
 from gpufleet.store.dialect import db_now
-from gpufleet.store.tables import JobRow, JobRunRow, NodeRow, ReservationRow
+from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow, ReservationRow
 from gpufleet.store.transitions import record_event, transition
 
 
@@ -86,8 +86,9 @@ def fence_lost_agent_state(
 def register_node(session: Session, inv: NodeInventory, *, max_node_failures: int = 3) -> None:
     """Insert or refresh a node. A re-registration may change address, labels and epoch;
     a changed GPU count or type while GPUs are reserved is not recorded: the node keeps its
-    GPUs and is drained (``_drain_for_inventory``; refused as before when QUARANTINED or
-    FENCED), and the next registration after the drain records it.
+    GPUs, the reported ones are kept in ``NodeRow.reported_gpus``/``reported_gpu_type``, and
+    the node is drained (``_drain_for_inventory``; refused as before when QUARANTINED or
+    FENCED); the next registration after the drain records them.
 
     Agent epochs: a restarted agent registers with a higher epoch (its state dir keeps a
     counter); the same epoch again is a retried registration. A *lower* epoch means the
@@ -166,7 +167,9 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
         now,
     )
     if kept_inventory is not None:
-        _drain_for_inventory(session, node, kept_inventory)
+        _drain_for_inventory(
+            session, node, kept_inventory, reported=(len(inv.gpus), gpu_type), now=now
+        )
     elif not _end_inventory_drain(session, node, now) and node.status == NodeStatus.SUSPECT:
         back_to_healthy(
             session, node.id, frm=NodeStatus.SUSPECT, now=now, message="agent re-registered"
@@ -191,36 +194,58 @@ KEEPS_INVENTORY = (
 recorded GPUs and drains the node; in the others (QUARANTINED, FENCED) it is refused."""
 
 INVENTORY_DRAIN = "its agent's next start after the drain records the new GPUs"
-"""The end of the reason of a node drained for a changed inventory: while the reason ends so,
-the recorded GPUs are not the agent's, and the node may not be uncordoned."""
+"""The end of the reason of a node drained for a changed inventory, for people: the state is
+``NodeRow.reported_gpus`` (set: the recorded GPUs are not the agent's, and the node may not be
+uncordoned), and no code reads it out of the reason."""
+
+_NO_REPORTED_INVENTORY: dict[str, object] = {"reported_gpus": None, "reported_gpu_type": None}
 
 
-def _drain_for_inventory(session: Session, node: NodeRow, refused: str) -> None:
+def _drain_for_inventory(
+    session: Session, node: NodeRow, refused: str, *, reported: tuple[int, str], now: datetime
+) -> None:
     """A re-registering agent reports another GPU count or type while GPUs of its node are
     reserved (a typo in ``--gpus``, a GPU fallen off the bus): the node keeps its recorded
-    GPUs, so the running attempts keep their reservations and report their ends, and goes
-    DRAINING (Slurm drains a node whose resources shrink), an operator's reason kept in
-    front. Once drained (CORDONED), the agent's next start records the new GPUs and lets the
-    node be uncordoned (``_end_inventory_drain``); until then ``set_node_status`` refuses to
-    uncordon it, since the scheduler would place jobs on GPUs the agent does not have."""
-    before = node.status_reason
-    if before and before.endswith(INVENTORY_DRAIN):
-        before = None  # an earlier drain for the same reason: say it once
+    GPUs, so the running attempts keep their reservations and report their ends, records the
+    ``reported`` ones (count, type) in ``reported_gpus``/``reported_gpu_type``, and goes
+    DRAINING (Slurm drains a node whose resources shrink), an operator's reason kept in front.
+    Once drained (CORDONED), the agent's next start records the new GPUs and lets the node be
+    uncordoned (``_end_inventory_drain``); until then ``set_node_status`` refuses to uncordon
+    it, since the scheduler would place jobs on GPUs the agent does not have."""
+    # an earlier drain for the same reason (its words end the reason): say it once
+    before = node.status_reason if node.reported_gpus is None else None
     why = f"{refused}; {INVENTORY_DRAIN}"
     if before and node.status in (NodeStatus.CORDONED, NodeStatus.DRAINING):
         why = f"{before}; {why}"
+    values = {
+        "status_reason": why,
+        "reported_gpus": reported[0],
+        "reported_gpu_type": reported[1],
+    }
     if node.status == NodeStatus.DRAINING:
-        set_status_reason(session, node.id, why)
+        session.execute(update(NodeRow).where(NodeRow.id == node.id).values(**values))
         return
-    set_node_status(session, node.id, NodeStatus.DRAINING, message=why)
+    transition(
+        session,
+        Machine.NODE,
+        node.id,
+        NodeStatus.DRAINING,
+        now=now,
+        frm=[node.status],
+        values=values,
+        message=why,
+        node_id=node.id,
+    )
 
 
 def _end_inventory_drain(session: Session, node: NodeRow, now: datetime) -> bool:
     """The agent's GPUs are recorded (again): a drain started by ``_drain_for_inventory``
-    ends. Still DRAINING (the agent came back with its recorded GPUs before the drain
-    finished): HEALTHY again. CORDONED (drained, now recorded): it stays cordoned, and its
-    reason says it may be uncordoned. True when the node was in such a drain."""
-    if not (node.status_reason or "").endswith(INVENTORY_DRAIN):
+    ends (``reported_gpus`` cleared). Still DRAINING (the agent came back with its recorded
+    GPUs before the drain finished): HEALTHY again. CORDONED (drained, now recorded): it stays
+    cordoned, and its reason says it may be uncordoned. FENCED meanwhile (an operator's fence,
+    a revoked certificate): it stays so, with that reason. True when the node was in such a
+    drain."""
+    if node.reported_gpus is None:
         return False
     if node.status == NodeStatus.DRAINING:
         transition(
@@ -230,14 +255,29 @@ def _end_inventory_drain(session: Session, node: NodeRow, now: datetime) -> bool
             NodeStatus.HEALTHY,
             now=now,
             frm=[NodeStatus.DRAINING],
-            values={"status_reason": None},
+            values={"status_reason": None, **_NO_REPORTED_INVENTORY},
             message="its agent reports the recorded GPUs again: drain ended",
             node_id=node.id,
         )
-    else:
-        reason = "drained for a change of GPUs, now recorded: uncordon it to use them"
-        set_status_reason(session, node.id, reason)
+        return True
+    values = dict(_NO_REPORTED_INVENTORY)
+    if node.status == NodeStatus.CORDONED:
+        values["status_reason"] = (
+            "drained for a change of GPUs, now recorded: uncordon it to use them"
+        )
+    session.execute(update(NodeRow).where(NodeRow.id == node.id).values(**values))
     return True
+
+
+def _pending_inventory(session: Session, node: NodeRow) -> str:
+    """What the agent of a node with ``reported_gpus`` set reported, against what is recorded
+    (for reasons and errors)."""
+    cap = session.get(NodeCapacityRow, node.id)
+    recorded = f"{cap.total_gpus} recorded" if cap is not None else "recorded"
+    return (
+        f"node {node.id} now reports {node.reported_gpus} {node.reported_gpu_type} GPU(s)"
+        f" ({recorded})"
+    )
 
 
 def set_status_reason(session: Session, node_id: str, reason: str | None) -> None:
@@ -399,20 +439,22 @@ def set_node_status(
         IllegalTransition: the node's status has no edge to ``to`` (e.g. QUARANTINED ->
             DRAINING: its GPUs are not known free; fence it or wait for its agent).
         Conflict: uncordon (``to`` HEALTHY) of a node drained for a change of GPUs that its
-            agent has not registered since (``INVENTORY_DRAIN``).
+            agent has not registered since (``NodeRow.reported_gpus`` set).
     """
     node = session.get(NodeRow, node_id)
     if node is None:
         raise NotFound(f"no node {node_id!r}", field="node_id")
-    if to == NodeStatus.HEALTHY and (node.status_reason or "").endswith(INVENTORY_DRAIN):
+    if to == NodeStatus.HEALTHY and node.reported_gpus is not None:
         raise Conflict(
             f"node {node_id} still has the GPUs recorded before its agent reported others"
-            f" ({node.status_reason}); restart its agent once it is drained, then uncordon it",
+            f" ({_pending_inventory(session, node)}); restart its agent once it is drained,"
+            " then uncordon it",
             field="node_id",
         )
     why = None if to == NodeStatus.HEALTHY else (reason or message)
-    if why and (node.status_reason or "").endswith(INVENTORY_DRAIN):
-        why = f"{why}; {node.status_reason}"  # still not the agent's GPUs: say so last
+    if why and node.reported_gpus is not None:
+        # still not the agent's GPUs: say so last
+        why = f"{why}; {_pending_inventory(session, node)}; {INVENTORY_DRAIN}"
     return transition(
         session,
         Machine.NODE,
@@ -867,7 +909,6 @@ def node_problems(session: Session, job: JobRow) -> list[dict[str, str | None]]:
     or its stop waits for the node); for a PENDING job, the nodes that could hold it but are
     SUSPECT, QUARANTINED, UNHEALTHY, CORDONED, DRAINING or FENCED. Each:
     ``{"node_id", "status", "reason"}``."""
-    from gpufleet.store.tables import NodeCapacityRow
 
     def one(n: NodeRow) -> dict[str, str | None]:
         return {"node_id": n.id, "status": n.status, "reason": n.status_reason}

@@ -288,7 +288,15 @@ class NodeRow(Base):
     agent_epoch: Mapped[int] = mapped_column(Integer, default=0)
     inventory_source: Mapped[str] = mapped_column(String(16), default="declared")
     status_reason: Mapped[str | None] = mapped_column(Text)
-    """Why the node is not HEALTHY (an operator's cordon reason, a failed health check...)."""
+    """Why the node is not HEALTHY (an operator's cordon reason, a failed health check...).
+    For people: no code reads a state out of it."""
+    reported_gpus: Mapped[int | None] = mapped_column(Integer)
+    """The GPU count its agent last registered with, when that differs (in count or type) from
+    the recorded GPUs and could not be recorded because GPUs were reserved: the node drains,
+    and may not be uncordoned until the agent registers again (``services.nodes``). NULL: the
+    recorded GPUs are the agent's. Set and cleared with ``reported_gpu_type``."""
+    reported_gpu_type: Mapped[str | None] = mapped_column(String(64))
+    """The GPU type of that registration (NULL with ``reported_gpus``)."""
     health: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     """The agent's last health report: disk free per directory, start failures, problems."""
     images: Mapped[list[dict[str, Any]] | None]
