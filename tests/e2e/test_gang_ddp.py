@@ -56,7 +56,7 @@ def place_if_waiting(fleet: Fleet, job_id: str, wait_s: float = 5.0) -> None:
     """Let the scheduler place the gang; if it has not within ``wait_s`` (a build whose
     policy does not place gangs yet), apply the ``PlaceGang`` decision through the live
     scheduler as tests/e2e/test_gangs.py does. Either way, wait for RUNNING (or an end)."""
-    from gpufleet.controller.loops import PassStats
+    from gpufleet.controller.scheduler import PassStats
     from gpufleet.domain.errors import CapacityConflict, StaleState
     from gpufleet.policy.decisions import GangMember, PlaceGang
     from gpufleet.store.tables import JobRow

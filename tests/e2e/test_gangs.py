@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from gpufleet.controller.loops import PassStats
+from gpufleet.controller.scheduler import PassStats
 from gpufleet.domain.errors import CapacityConflict, StaleState
 from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.decisions import GangMember, PlaceGang, Preempt

@@ -89,7 +89,8 @@ def test_a_deposed_leaders_late_assign_leaves_the_running_attempt_running(fleet:
     stop still lands; a standby answers heartbeats with the lease's epoch, not 0."""
     import grpc
 
-    from gpufleet.controller.loops import Leadership, record_never_started
+    from gpufleet.controller.leadership import Leadership
+    from gpufleet.controller.stops import record_never_started
     from gpufleet.rpc.protos import fleet_pb2 as pb
     from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 

@@ -49,7 +49,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event
 
 from gpufleet.api.app import AppState, create_app
-from gpufleet.controller.loops import Leadership, Scheduler
+from gpufleet.controller.leadership import Leadership
+from gpufleet.controller.scheduler import Scheduler
 from gpufleet.controller.servicer import ControllerServicer
 from gpufleet.objectstore import ObjectStore
 from gpufleet.queue import InProcWaker

@@ -13,8 +13,11 @@ import grpc
 from gpufleet.controller import metrics
 from gpufleet.controller.agents import AgentClients
 from gpufleet.controller.identity import BootstrapServicer, ControllerTls, NodeAuthenticator
-from gpufleet.controller.loops import Leadership, Reconciler, Scheduler, StopDriver
+from gpufleet.controller.leadership import Leadership
+from gpufleet.controller.reconciler import Reconciler
+from gpufleet.controller.scheduler import Scheduler
 from gpufleet.controller.servicer import ControllerServicer
+from gpufleet.controller.stops import StopDriver
 from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.queue import Waker

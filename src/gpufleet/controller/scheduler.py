@@ -1,0 +1,407 @@
+"""The scheduler pass (leader only): snapshot -> ``policy.schedule`` -> apply each decision.
+
+Holds :class:`Scheduler` (its pass, the reservation of each Place/PlaceGang, preemptions, and
+the ``pending_reason`` rows of waiting jobs), :class:`PassStats` and :func:`reason_json`.
+Sending AssignJob for what a pass reserved is :mod:`gpufleet.controller.dispatch`.
+
+The pass reads a short snapshot, decides outside any transaction, and applies each decision
+in its own short transaction guarded by the leader epoch and the attempt's token. RPCs to
+agents happen only after commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import ChainMap
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import cache, partial
+from typing import Any, cast
+
+from sqlalchemy import Table, bindparam, select, update
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from gpufleet.controller import metrics
+from gpufleet.controller.agents import AgentClients
+from gpufleet.controller.dispatch import AssignmentDispatch
+from gpufleet.controller.leadership import Leadership
+from gpufleet.controller.stops import StopDriver, send_stop
+from gpufleet.domain.errors import CapacityConflict, NotLeader, StaleState
+from gpufleet.domain.states import JobStatus
+from gpufleet.objectstore import ObjectStore
+from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.cycle import schedule
+from gpufleet.policy.decisions import (
+    Decision,
+    HoldForBackfill,
+    Place,
+    PlaceGang,
+    Preempt,
+    WaitReason,
+)
+from gpufleet.policy.snapshot import BackfillReservation
+from gpufleet.services import preemption
+from gpufleet.services.jobs import iso
+from gpufleet.settings import Settings
+from gpufleet.store import allocate, gating
+from gpufleet.store.db import Database
+from gpufleet.store.dialect import db_now
+from gpufleet.store.predictions import HistoryPredictor
+from gpufleet.store.snapshot_cache import SnapshotCache
+from gpufleet.store.tables import JobRow
+from gpufleet.store.transitions import record_event
+
+log = logging.getLogger("gpufleet.controller")
+
+
+@dataclass
+class PassStats:
+    pending: int = 0
+    placed: int = 0
+    preempted: int = 0
+    conflicts: int = 0
+    seconds: float = 0.0
+    placed_runs: list[str] = field(default_factory=list)
+    applied: list[Decision] = field(default_factory=list)
+    """Decisions committed in this pass (for the metrics)."""
+
+
+def reason_json(reason: WaitReason, now_s: float) -> dict[str, object]:
+    """The stored and served form of a wait reason (``pending_reason``)."""
+    est = reason.estimated_start_s
+    return {
+        "code": reason.code,
+        "message": reason.message,
+        "details": dict(reason.details),
+        "position": reason.position,
+        "estimated_start_at": iso(datetime.fromtimestamp(est, UTC))
+        if est is not None and est >= now_s
+        else None,
+    }
+
+
+ESTIMATE_SLACK_S = 30.0
+REASONS_REFRESH_S = 2.0
+PREDICTION_REFRESH_S = 10.0
+"""How often the leader reads the attempts that finished since it last looked (one indexed
+query on ``usage_records``) into its duration predictor."""
+
+
+def _estimate_moved(old_iso: object, reason: WaitReason, now_s: float) -> bool:
+    new = (
+        reason.estimated_start_s
+        if reason.estimated_start_s and reason.estimated_start_s >= now_s
+        else None
+    )
+    if not isinstance(old_iso, str) or new is None:
+        return (old_iso is None) != (new is None)
+    old = datetime.fromisoformat(old_iso.replace("Z", "+00:00")).timestamp()
+    return abs(old - new) > ESTIMATE_SLACK_S
+
+
+def _job_ids(decisions: Iterable[Decision]) -> list[str]:
+    """The pending jobs named by a pass's decisions."""
+    return [
+        d.for_job_id if isinstance(d, Preempt) else d.job_id
+        for d in decisions
+        if isinstance(d, (Place, PlaceGang, Preempt, HoldForBackfill))
+    ]
+
+
+@cache
+def _store_reason() -> Any:
+    """``pending_reason`` of a PENDING job, built once (``p_id``, ``p_reason``), for one
+    executemany per pass."""
+    jobs = cast(Table, JobRow.__table__)
+    return (
+        update(jobs)
+        .where(
+            jobs.c.id == bindparam("p_id", type_=jobs.c.id.type),
+            jobs.c.status == JobStatus.PENDING,
+        )
+        .values(pending_reason=bindparam("p_reason", type_=jobs.c.pending_reason.type))
+    )
+
+
+class Scheduler(AssignmentDispatch):
+    """One pass: snapshot -> ``policy.schedule`` -> reserve each Place -> AssignJob (after
+    commit).
+
+    ``dispatch`` (AssignJob after commit, in the assign pool) comes from
+    :class:`~gpufleet.controller.dispatch.AssignmentDispatch`."""
+
+    def __init__(
+        self,
+        db: Database,
+        store: ObjectStore,
+        settings: Settings,
+        leadership: Leadership,
+        agents: AgentClients,
+        policy: PolicyConfig | None = None,
+    ) -> None:
+        self.db, self.store, self.settings = db, store, settings
+        self.leadership, self.agents = leadership, agents
+        self.policy = policy or PolicyConfig()
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="assign")
+        self._backfill: tuple[BackfillReservation, ...] = ()
+        self.predictions = HistoryPredictor()
+        """Run-time predictions from finished attempts (ordering and reservations, never
+        stops): warmed at this process's first pass as leader, refreshed every
+        ``PREDICTION_REFRESH_S``."""
+        self._predictions_read_s: float | None = None
+        self._snapshots = SnapshotCache(
+            self.policy, full_every_s=settings.scheduler_full_snapshot_every_s
+        )
+        """The leader's incremental snapshot (``store.snapshot_cache``)."""
+        self._reasons_refreshed_s = 0.0
+        self._stored: dict[str, object] | None = None
+        self._stored_epoch = 0
+        self._holding: set[str] = set()
+        self.stops: StopDriver | None = None
+        """Sends the StopRun of preemption victims (set by the controller's wiring)."""
+        """pending_reason per waiting job as this leader last wrote it (saves decoding 10k
+        JSON values every pass)."""
+
+    def run_pass(self) -> PassStats:
+        t0 = time.perf_counter()
+        stats = PassStats()
+        if not self.leadership.is_leader:
+            return stats
+        try:
+            with self.db.snapshot() as s:
+                now = db_now(s)
+                mono = time.monotonic()
+                if (
+                    self._predictions_read_s is None
+                    or mono - self._predictions_read_s >= PREDICTION_REFRESH_S
+                ):
+                    self.predictions.refresh(s)
+                    self._predictions_read_s = mono
+                # only the rows changed since the last pass are read (a full read on the
+                # first pass of each epoch, and periodically)
+                snap = self._snapshots.load(
+                    s,
+                    now,
+                    epoch=self.leadership.epoch,
+                    reservations=self._backfill,
+                    usage_half_life_s=self.policy.usage_half_life_s,
+                    predictions=self.predictions,
+                    displacement_window_s=max(3600.0, self.policy.anti_thrash_s),
+                )
+                # held jobs, unmet dependencies and arrays at their %N limit never reach
+                # the policy
+                gated = gating.gate_snapshot(s, snap, self._snapshots.queued)
+                snap = gated.snapshot
+                if self._stored_epoch != self.leadership.epoch:
+                    self._stored, self._stored_epoch = None, self.leadership.epoch
+                if self._stored is None:  # first pass of this leader: what earlier leaders wrote
+                    query = select(JobRow.id, JobRow.pending_reason).where(
+                        JobRow.status == JobStatus.PENDING
+                    )
+                    # not dict(result): a Result has keys() and would be taken for a mapping
+                    self._stored = {row[0]: row[1] for row in s.execute(query)}
+        except BaseException:
+            self._snapshots.invalidate()  # any doubt (a lost connection...): read it all again
+            raise
+        stats.pending = sum(len(q) for q in (snap.queues or {}).values()) or len(snap.pending)
+        # jobs that may hold GPUs (only this leader creates holds: those of the snapshot and
+        # of this pass's preemptions); placing any other job need not delete its holds
+        self._holding = {h.job_id for h in snap.holds}
+        if gated.result.failed:
+            try:
+                ended = self.db.run_write(
+                    partial(gating.fail_dependents, failed=gated.result.failed, now=now)
+                )
+                log.info("dependency never satisfiable: %d job(s) DEPENDENCY_FAILED", len(ended))
+            except SQLAlchemyError:  # placements go on; the next pass tries again
+                log.exception("could not end jobs with unsatisfiable dependencies")
+        result = schedule(snap, self.policy)
+        pending = self._snapshots.pending_jobs(_job_ids(result.decisions))
+        backfill: list[BackfillReservation] = []
+        for decision in result.decisions:
+            try:
+                if isinstance(decision, Place):
+                    job = pending[decision.job_id]
+                    if (job.resources.nodes or 1) > 1:
+                        # an explicit multi-node job only ever runs as a gang (PlaceGang)
+                        log.warning("skip %s: job %s asks for a gang", decision, job.job_id)
+                        continue
+                    self._place(decision, job.attempt, stats)
+                elif isinstance(decision, PlaceGang):
+                    self._place_gang(decision, pending[decision.job_id].attempt, stats)
+                elif isinstance(decision, Preempt):
+                    self._preempt(decision, stats)
+                elif isinstance(decision, HoldForBackfill):
+                    backfill.append(
+                        BackfillReservation(
+                            decision.job_id,
+                            decision.node_id,
+                            decision.gpu_count,
+                            decision.start_at_s,
+                        )
+                    )
+                stats.applied.append(decision)
+            except NotLeader:
+                log.warning("lost leadership during a pass; stopping it")
+                self.leadership.epoch = 0
+                return stats
+            except (CapacityConflict, StaleState) as exc:
+                stats.conflicts += 1  # the world moved; the next pass sees it (assume/forget)
+                log.debug("skip %s: %s", decision, exc)
+        # kept in leader memory: a new leader recomputes them from scratch on its first pass
+        # (the headroom shields ride along, ``CycleResult.shields``)
+        self._backfill = tuple(backfill) + result.shields
+        if result.released_holds or snap.holds:
+            self.db.run_write(partial(preemption.release_holds, job_ids=result.released_holds))
+        # a job that left the queue (placed, cancelled) is forgotten: if it comes back (a retry)
+        # its reason was reset in the database and is computed again as for a new job
+        waiting: Mapping[str, WaitReason] = (
+            ChainMap(dict(gated.result.blocked), result.waiting)  # type: ignore[arg-type]
+            if gated.result.blocked
+            else result.waiting
+        )
+        stored = {j: self._stored.get(j) for j in waiting}
+        self._stored = stored
+        self._store_reasons(waiting, stored, snap.now_s)
+        stats.seconds = time.perf_counter() - t0
+        metrics.observe_pass(
+            snap,
+            result,
+            stats.applied,
+            seconds=stats.seconds,
+            conflicts=stats.conflicts,
+            config=self.policy,
+            pending_by_id=pending,
+        )
+        return stats
+
+    def _place(self, decision: Place, seen_epoch: int, stats: PassStats) -> None:
+        # one statement on PostgreSQL, a write transaction on SQLite (allocate.place)
+        reserved = allocate.place(
+            self.db,
+            job_id=decision.job_id,
+            node_id=decision.node_id,
+            gpu_count=decision.gpu_count,
+            # fencing_epoch and attempts move together (+1 per reservation)
+            seen_fencing_epoch=seen_epoch,
+            leader_holder=self.leadership.holder,
+            leader_epoch=self.leadership.epoch,
+            lease_s=self.settings.reservation_lease_s,
+            holds=decision.job_id in self._holding,
+        )
+        stats.placed += 1
+        stats.placed_runs.append(reserved.run_id)
+        self._pool.submit(self.dispatch, reserved.run_id)
+
+    def _place_gang(self, decision: PlaceGang, seen_epoch: int, stats: PassStats) -> None:
+        """Reserve every member of the gang or none (one transaction), then AssignJob to rank
+        0 only: its agent picks MASTER_PORT, and its answer dispatches ranks 1..n-1."""
+        reserved = self.db.run_write(
+            partial(
+                allocate.reserve_gang,
+                job_id=decision.job_id,
+                members=[(m.rank, m.node_id, m.gpu_count) for m in decision.members],
+                seen_fencing_epoch=seen_epoch,
+                leader_holder=self.leadership.holder,
+                leader_epoch=self.leadership.epoch,
+                lease_s=self.settings.reservation_lease_s,
+                holds=decision.job_id in self._holding,
+            )
+        )
+        stats.placed += 1
+        stats.placed_runs.extend(m.run_id for m in reserved.members)
+        self._pool.submit(self.dispatch, reserved.members[0].run_id)
+
+    def _preempt(self, decision: Preempt, stats: PassStats) -> None:
+        self._holding.add(decision.for_job_id)
+        orders = self.db.run_write(
+            partial(
+                preemption.apply_preempt,
+                decision=decision,
+                leader_holder=self.leadership.holder,
+                leader_epoch=self.leadership.epoch,
+            )
+        )
+        log.info(
+            "preempting %s on %s for %s (%s)",
+            [o.run_id for o in orders],
+            decision.node_id,
+            decision.for_job_id,
+            decision.reason,
+        )
+        stats.preempted += len(orders)
+        metrics.PREEMPTIONS.labels(decision.reason).inc(len(orders))
+        for o in orders:
+            if self.stops is not None:
+                self.stops.send(o.address, o.run_id, o.token, "preempt", node_id=o.node_id)
+            else:  # no stop driver wired (tests): the next stop-driver pass sends it
+                self._pool.submit(
+                    send_stop,
+                    self.agents,
+                    o.address,
+                    o.run_id,
+                    o.token,
+                    self.leadership.epoch,
+                    self.settings.default_grace_s,
+                    "preempt",
+                    node_id=o.node_id,
+                )
+
+    def _store_reasons(
+        self, waiting: Mapping[str, WaitReason], stored: dict[str, object], now_s: float
+    ) -> None:
+        """Write pending_reason only where it materially changed: its code or details, or an
+        estimated start that moved by more than ``ESTIMATE_SLACK_S``. Queue positions shift
+        on every placement, so they are not a reason to rewrite 10k rows; the API computes
+        the position when it is read. A new code is also appended to the audit events.
+
+        Reasons are computed lazily by the policy and cost ~4 us each: jobs without a stored
+        reason get theirs every pass, all jobs at most every ``REASONS_REFRESH_S``."""
+        changed: dict[str, dict[str, object]] = {}
+        new_codes: list[tuple[str, WaitReason]] = []
+        if now_s - self._reasons_refreshed_s >= REASONS_REFRESH_S:
+            self._reasons_refreshed_s = now_s
+            todo: Iterable[str] = waiting
+        else:
+            todo = [j for j in waiting if stored.get(j) is None]
+        for job_id in todo:
+            reason = waiting[job_id]
+            old = stored.get(job_id)
+            old = old if isinstance(old, dict) else {}
+            if (
+                old.get("code") == reason.code
+                and old.get("details") == dict(reason.details)
+                and not _estimate_moved(old.get("estimated_start_at"), reason, now_s)
+            ):
+                continue
+            new = reason_json(reason, now_s)
+            changed[job_id] = new
+            if old.get("code") != reason.code:
+                new_codes.append((job_id, reason))
+        if not changed:
+            return
+
+        def tx(s: Session) -> None:
+            # one executemany of a statement built once, not one statement built per job
+            s.execute(
+                _store_reason(),
+                [{"p_id": job_id, "p_reason": new} for job_id, new in changed.items()],
+            )
+            for job_id, reason in new_codes:
+                record_event(
+                    s,
+                    "waiting",
+                    job_id=job_id,
+                    message=reason.message,
+                    details={"code": reason.code, **dict(reason.details)},
+                )
+
+        self.db.run_write(tx)
+        stored.update(changed)  # only once written
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
