@@ -31,6 +31,7 @@ from gpufleet.domain.errors import Conflict, NotFound, StaleState, ValidationFai
 from gpufleet.domain.jobsyntax import MAX_DEPENDENCIES
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, Machine, RunStatus
 from gpufleet.domain.types import PriorityClass
+from gpufleet.services.run_stop import request_stop
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import JobRow, JobRunRow
@@ -232,8 +233,6 @@ def requeue_job(session: Session, team_id: str | None, job_id: str) -> str:
     Raises:
         Conflict: PENDING, SUCCEEDED, or an attempt already stopping (409 ``not_requeueable``).
     """
-    from gpufleet.services.runs import request_stop  # runs imports a lot; keep this module light
-
     job = _job_for_update(session, team_id, job_id)
     now = db_now(session)
     if job.status in (JobStatus.SCHEDULED, JobStatus.RUNNING):

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.states import JobStatus, RunStatus
 from gpufleet.policy.decisions import Preempt
-from gpufleet.services.runs import request_stop
+from gpufleet.services.run_stop import request_stop
 from gpufleet.store import leader
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import GpuHoldRow, JobRow, JobRunRow, NodeRow
