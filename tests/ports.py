@@ -4,14 +4,16 @@ A port found by binding port 0 lies in the kernel's ephemeral range, where any t
 process's outgoing connection may take it before the server binds it (the fresh-clone CI once
 failed so: ``gpufleet up`` could not bind 127.0.0.1:54524). As in ``gpufleet.netports``, these
 come from outside that range; here each pytest-xdist worker has a slice of its own and hands
-its ports out in turn, so two workers never probe the same port and a worker does not reuse
-one soon (a bind test skips a port still taken).
+its ports out in turn from a random point of it, so two workers never probe the same port, a
+worker does not reuse one soon, and two test sessions on one machine rarely meet (a bind test
+skips a port still taken).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 import threading
 
 from gpufleet.netports import bindable, kernel_port, outside_ephemeral
@@ -31,7 +33,10 @@ def _worker_slice() -> range | None:
 
 
 _SLICE = _worker_slice()
-_next = itertools.cycle(_SLICE) if _SLICE is not None else None
+_next: itertools.cycle[int] | None = None
+if _SLICE is not None:
+    _start = random.randrange(len(_SLICE))
+    _next = itertools.cycle((*_SLICE[_start:], *_SLICE[:_start]))
 _lock = threading.Lock()
 
 
