@@ -47,12 +47,9 @@ from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
 from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
 from gpufleet.agent.runtime import Runtimes, jobuser
-from gpufleet.agent.runtime.container import (
-    ContainerEngine,
-    ContainerRuntime,
-    EngineError,
-    ImageReporter,
-)
+from gpufleet.agent.runtime.container import ContainerRuntime
+from gpufleet.agent.runtime.container_engine import ContainerEngine, EngineError
+from gpufleet.agent.runtime.container_images import ImageReporter
 from gpufleet.agent.runtime.containment import detect as detect_containment
 from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
 from gpufleet.agent.runtime.process import ProcessRuntime

@@ -18,7 +18,7 @@ import grpc
 from gpufleet.agent import telemetry
 from gpufleet.agent.core import AgentCore, EpochFromTheFuture
 from gpufleet.agent.inventory import Inventory
-from gpufleet.agent.runtime.container import ImageReporter
+from gpufleet.agent.runtime.container_images import ImageReporter
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
