@@ -1,0 +1,118 @@
+"""Operator actions on nodes: status changes (cordon, drain, uncordon: ``set_node_status``),
+the fence of a node confirmed dead (``operator_fence``) and image pre-pulls
+(``prepull_images``, handed out in the nodes' next heartbeats).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
+from gpufleet.domain.states import Machine, NodeStatus
+from gpufleet.services.node_fence import Fenced, fence_node, release_gone_quarantined
+from gpufleet.services.node_register import INVENTORY_DRAIN
+from gpufleet.store.dialect import db_now
+from gpufleet.store.tables import NodeCapacityRow, NodeRow
+from gpufleet.store.transitions import transition
+
+
+def set_node_status(
+    session: Session, node_id: str, to: NodeStatus, *, message: str, reason: str | None = None
+) -> str:
+    """Operator actions (cordon, drain, uncordon...). ``reason`` is kept on the node (shown
+    by ``gpufleet nodes`` and ``why``); HEALTHY clears it. Returns the previous status.
+
+    Raises:
+        NotFound: no such node.
+        IllegalTransition: the node's status has no edge to ``to`` (e.g. QUARANTINED ->
+            DRAINING: its GPUs are not known free; fence it or wait for its agent).
+        Conflict: uncordon (``to`` HEALTHY) of a node drained for a change of GPUs that its
+            agent has not registered since (``NodeRow.reported_gpus`` set).
+    """
+    node = session.get(NodeRow, node_id)
+    if node is None:
+        raise NotFound(f"no node {node_id!r}", field="node_id")
+    if to == NodeStatus.HEALTHY and node.reported_gpus is not None:
+        raise Conflict(
+            f"node {node_id} still has the GPUs recorded before its agent reported others"
+            f" ({_pending_inventory(session, node)}); restart its agent once it is drained,"
+            " then uncordon it",
+            field="node_id",
+        )
+    why = None if to == NodeStatus.HEALTHY else (reason or message)
+    if why and node.reported_gpus is not None:
+        # still not the agent's GPUs: say so last
+        why = f"{why}; {_pending_inventory(session, node)}; {INVENTORY_DRAIN}"
+    return transition(
+        session,
+        Machine.NODE,
+        node_id,
+        to,
+        now=db_now(session),
+        frm=[node.status],
+        values={"status_reason": why},
+        message=f"{message}: {reason}" if reason else message,
+        node_id=node_id,
+    )
+
+
+def _pending_inventory(session: Session, node: NodeRow) -> str:
+    """What the agent of a node with ``reported_gpus`` set reported, against what is recorded
+    (for reasons and errors)."""
+    cap = session.get(NodeCapacityRow, node.id)
+    recorded = f"{cap.total_gpus} recorded" if cap is not None else "recorded"
+    return (
+        f"node {node.id} now reports {node.reported_gpus} {node.reported_gpu_type} GPU(s)"
+        f" ({recorded})"
+    )
+
+
+def operator_fence(
+    session: Session, node_id: str, *, reason: str, max_node_failures: int
+) -> tuple[list[Fenced], int]:
+    """``gpufleet admin node fence NODE --confirm-dead``: the operator vouches that the node
+    is dead (powered off, re-installed). Its remaining attempts are fenced, every QUARANTINED
+    reservation of it is EXPIRED (its GPUs offered again) and the node is FENCED (no
+    placements until ``admin node uncordon``). Returns (attempts fenced, GPUs returned).
+
+    Raises:
+        NotFound: no such node.
+    """
+    fenced = fence_node(
+        session,
+        node_id,
+        reason=f"operator fence: {reason}",
+        max_node_failures=max_node_failures,
+        node_to=NodeStatus.FENCED,
+    )
+    back = release_gone_quarantined(
+        session, node_id, None, message=f"operator confirmed the node dead: {reason}"
+    )
+    return fenced, back
+
+
+def prepull_images(session: Session, image: str, gpu_type: str | None = None) -> list[str]:
+    """Ask every schedulable node (of ``gpu_type``, if given) that does not report ``image``
+    to pull it; delivered in each node's next heartbeat answer. Returns the node ids asked.
+
+    Raises:
+        ValidationFailed: ``image`` is empty or has whitespace (field ``image``).
+    """
+    if not image or any(c.isspace() for c in image) or len(image) > 512:
+        raise ValidationFailed("image must be a non-empty image reference", field="image")
+    rows = session.scalars(
+        select(NodeRow).where(NodeRow.status == NodeStatus.HEALTHY).order_by(NodeRow.id)
+    ).all()
+    asked = []
+    for node in rows:
+        if gpu_type and node.gpu_type != gpu_type:
+            continue
+        if any(i.get("name") == image for i in node.images or []):
+            continue
+        pending = list(node.prepull or [])
+        if image not in pending:
+            pending.append(image)
+        session.execute(update(NodeRow).where(NodeRow.id == node.id).values(prepull=pending))
+        asked.append(node.id)
+    return asked

@@ -1,0 +1,139 @@
+"""Heartbeats (the agent's side of the protocol, control-plane half): liveness and health
+recorded, the agent's running set compared with the database.
+
+The verdict tells the agent which runs to stop (unknown, stale token, ended) and which to
+confirm (a lost confirmation), hands out the node's pending image pre-pulls once, and carries
+the lease's epoch. Fenced runs the agent no longer lists give their GPUs back
+(``node_fence.release_gone_quarantined``); a SUSPECT node heard from is HEALTHY again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.states import RUN_ACTIVE, NodeStatus, RunStatus
+from gpufleet.services.node_fence import release_gone_quarantined
+from gpufleet.services.node_health import apply_health, back_to_healthy
+from gpufleet.store import leader
+from gpufleet.store.dialect import db_now
+from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatRun:
+    run_id: str
+    job_id: str
+    token: int
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatVerdict:
+    known: bool
+    """False: the node is not registered (the agent should register again)."""
+    stop: tuple[HeartbeatRun, ...] = ()
+    """Runs the agent must stop: unknown, stale token, or terminal in the database."""
+    confirm: tuple[HeartbeatRun, ...] = ()
+    """Runs the agent runs whose confirmation was lost: confirm them (lost ack != lost work)."""
+    prepull: tuple[str, ...] = ()
+    """Images the node should pull ahead of jobs (asked by ``prepull_images``; sent once)."""
+    leader_epoch: int = 0
+    """The current lease's epoch (the agent believes it; see ``agent.core``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHealth:
+    """What the agent says about itself in a heartbeat."""
+
+    health: str = "HEALTHY"
+    """``HEALTHY`` or what is wrong (``node unhealthy: disk: ...``, ``UNKILLABLE: ...``)."""
+    disk_free_mb: dict[str, int] | None = None
+    recent_start_failures: int = 0
+
+
+def heartbeat(
+    session: Session,
+    node_id: str,
+    agent_epoch: int,
+    running: list[HeartbeatRun],
+    health: NodeHealth | None = None,
+    images: list[dict[str, Any]] | None = None,
+) -> HeartbeatVerdict:
+    """Record liveness and health and compare the agent's running set with the database.
+
+    A health other than ``HEALTHY`` makes a HEALTHY node UNHEALTHY (no placements; the
+    reason is shown by ``why`` and ``gpufleet nodes``); ``HEALTHY`` again restores it.
+
+    ``images``: the node's local container images (``name``, ``digest``, ``size_bytes``), or
+    None when the agent did not report them (the stored list stays). Pending pre-pulls of the
+    node are handed out once, in the verdict."""
+    now = db_now(session)
+    lease_epoch = leader.current_epoch(session)
+    node = session.get(NodeRow, node_id)
+    if node is None:
+        return HeartbeatVerdict(known=False, leader_epoch=lease_epoch)
+    if agent_epoch < node.agent_epoch:  # a stale agent process; its successor speaks
+        return HeartbeatVerdict(known=True, leader_epoch=lease_epoch)
+    values: dict[str, object] = {"last_heartbeat_at": now}
+    if images is not None and images != (node.images or []):
+        values["images"] = images
+    prepull = tuple(node.prepull or ())
+    if prepull:
+        values["prepull"] = None
+    if health is not None:
+        values["health"] = {
+            "health": health.health,
+            "disk_free_mb": dict(health.disk_free_mb or {}),
+            "recent_start_failures": health.recent_start_failures,
+            # what the agent knows, for the invariant checker's "stuck" checks
+            "runs": sorted(h.run_id for h in running),
+        }
+    session.execute(update(NodeRow).where(NodeRow.id == node_id).values(**values))
+    # fenced runs the agent no longer lists are gone (it kills a fenced run it still has,
+    # through the stop list below, before it stops listing it): their GPUs come back
+    release_gone_quarantined(
+        session,
+        node_id,
+        {h.run_id for h in running},
+        message="the agent reports the fenced run gone",
+    )
+    if node.status == NodeStatus.SUSPECT:
+        back_to_healthy(
+            session, node_id, frm=NodeStatus.SUSPECT, now=now, message="heartbeat resumed"
+        )
+    if health is not None:
+        apply_health(session, node_id, health.health, now=now)
+    if not running:
+        return HeartbeatVerdict(known=True, prepull=prepull, leader_epoch=lease_epoch)
+    rows = {
+        r.id: (r, cur, epoch)
+        for r, cur, epoch in session.execute(
+            select(JobRunRow, JobRow.current_run_id, JobRow.fencing_epoch)
+            .join(JobRow, JobRow.id == JobRunRow.job_id)
+            .where(JobRunRow.id.in_([h.run_id for h in running]))
+        )
+    }
+    stop, confirm = [], []
+    for h in running:
+        found = rows.get(h.run_id)
+        if found is None:
+            stop.append(h)
+            continue
+        run, current, epoch = found
+        authoritative = (run.id == current or run.gang_size > 1) and run.token == h.token == epoch
+        if run.node_id != node_id or not authoritative or run.status not in RUN_ACTIVE:
+            if h.state != "EXITED":
+                stop.append(h)
+        elif run.status == RunStatus.ASSIGNED and h.state == "RUNNING":
+            confirm.append(h)
+    return HeartbeatVerdict(
+        known=True,
+        stop=tuple(stop),
+        confirm=tuple(confirm),
+        prepull=prepull,
+        leader_epoch=lease_epoch,
+    )
