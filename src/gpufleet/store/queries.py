@@ -314,7 +314,7 @@ def load_snapshot(
         ).all()
     )
     # a gang member that ended keeps its GPUs until its whole attempt has ended
-    # (services.runs.finish_gang_if_done): list it too, so the policy sees who holds them
+    # (services.run_settle.finish_gang_if_done): list it too, so the policy sees who holds them
     live_ids = {r.id for r in running_rows}
     held = sorted(run_id for run_id in reserved_at if run_id not in live_ids)
     stopping_for = {
