@@ -18,16 +18,11 @@ from typing import Any
 import typer
 
 from gpufleet.policy.config import PolicyConfig
-from gpufleet.sim.config import (
-    PARTITION_LABEL,
-    Scenario,
-    ScenarioError,
-    load_scenario,
-    partition,
-    policy_for,
-)
+from gpufleet.sim.config import Scenario, ScenarioError, load_scenario
 from gpufleet.sim.engine import Engine
 from gpufleet.sim.metrics import shown, summary
+from gpufleet.sim.scenario_cluster import PARTITION_LABEL, partition
+from gpufleet.sim.scenario_policy import BASELINES, policy_for
 
 app = typer.Typer(help="Trace-driven simulator running the live scheduling policy.")
 
@@ -312,8 +307,6 @@ def _progress() -> Iterator[Progress]:
 @app.command("baselines")
 def baselines_cmd() -> None:
     """List the baselines a scenario can compare against."""
-    from gpufleet.sim.config import BASELINES
-
     for name, change in BASELINES.items():
         desc = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in change.items())
         typer.echo(f"{name:16s} {desc or '(the configured policy)'}")
