@@ -346,7 +346,7 @@ def token_create(
     """Create an API token; prints the raw token on the last line (shown once). The team must
     exist unless --create-team (exit 2 naming `team` and listing the known teams)."""
     if db:
-        from gpufleet.cli.main import _run_admin
+        from gpufleet.cli.admin import run_admin
         from gpufleet.services import auth
 
         def make(s: Any) -> str:
@@ -354,7 +354,7 @@ def token_create(
                 s, team, name=name, is_admin=admin, create_team_if_missing=create_team
             )
 
-        print(_run_admin(data_dir, make))
+        print(run_admin(data_dir, make))
         return
     with _session(url, token) as http:
         data = _call(

@@ -1,5 +1,5 @@
 """The fleet: ``gpufleet nodes``, ``top`` (a live view of GPUs, queue and teams' shares), and
-``admin node label`` (mounted on the admin app by :mod:`gpufleet.cli.main`).
+``admin node label`` (mounted on the admin app by :mod:`gpufleet.cli.admin`).
 """
 
 from __future__ import annotations

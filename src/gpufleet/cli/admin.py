@@ -1,0 +1,139 @@
+"""``gpufleet admin``: the operator's sub-app.
+
+``admin check`` and ``admin ca init`` work on the database host (the platform's database and
+PKI directory, no server needed) and live here; ``admin team|token|node`` and ``admin prepull``
+go through the REST API (:mod:`gpufleet.cli.admin_api`) and are mounted by
+:func:`admin_group`. The root app imports this module only when ``admin`` is called (see
+``LAZY_GROUPS`` in :mod:`gpufleet.cli.main`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, TypeVar
+
+import typer
+from typer.core import TyperGroup
+
+from gpufleet.cli.common import DataDir, err, escape, load_settings, out
+from gpufleet.cli.fleet import node_label
+from gpufleet.cli.output import clean
+from gpufleet.domain.errors import GpufleetError
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from gpufleet.store.db import Database
+
+T = TypeVar("T")
+
+admin_app = typer.Typer(
+    help="Operator commands: team, token and node through the API with an admin token;"
+    " check and ca on the database host.",
+    no_args_is_help=True,
+)
+
+
+@admin_app.command("check")
+def admin_check(data_dir: DataDir = None) -> None:
+    """Check invariants 1-4 and stuck states (6: an attempt stopping longer than grace + 30 s,
+    an unconfirmed attempt older than the confirm timeout, GPUs held for a run its agent does
+    not know) on the database; exit 1 if any invariant is violated (warnings do not)."""
+    from gpufleet.store.queries import check_database
+
+    settings = load_settings(data_dir)
+    view, findings = check_database(
+        _admin_db(data_dir),
+        grace_s=settings.default_grace_s,
+        confirm_timeout_s=settings.confirm_timeout_s,
+    )
+    violations = [v for v in findings if v.severity == "violation"]
+    for w in findings:
+        if w.severity != "violation":
+            out.print(f"[yellow]WARNING[/] {escape(str(w))}")
+    gpus = sum(n.total_gpus for n in view.nodes)
+    out.print(
+        f"checked {len(view.nodes)} nodes ({gpus} GPUs), {len(view.reservations)} active "
+        f"reservations, {len(view.jobs)} jobs, {len(view.runs)} attempts"
+    )
+    for v in violations:
+        out.print(f"[red]VIOLATION[/] {escape(clean(str(v)))}")
+    if violations:
+        raise typer.Exit(1)
+    out.print("[green]no violations[/]")
+
+
+def _admin_db(data_dir: Path | None) -> Database:
+    """The platform's database; never creates an embedded one that does not exist yet."""
+    from gpufleet.processes import open_database
+
+    settings = load_settings(data_dir)
+    url = settings.resolved_database_url()
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        err.print(
+            f"[red]error:[/] no gpufleet database at {escape(url.removeprefix('sqlite:///'))}: "
+            "start the platform (gpufleet up), or pass --data-dir / set GPUFLEET_DATABASE_URL"
+        )
+        raise typer.Exit(2)
+    return open_database(settings)
+
+
+def run_admin(data_dir: Path | None, fn: Callable[[Session], T]) -> T:
+    """Run ``fn`` in a write transaction; a GpufleetError becomes a red message and exit 2."""
+    try:
+        return _admin_db(data_dir).run_write(fn)
+    except GpufleetError as exc:
+        err.print(f"[red]error:[/] {escape(clean(exc.message))}")
+        raise typer.Exit(2) from None
+
+
+ca_app = typer.Typer(help="The fleet CA (mutual TLS between controllers and agents).")
+admin_app.add_typer(ca_app, name="ca")
+
+PkiDir = Annotated[
+    Path | None, typer.Option("--pki-dir", help="CA directory (GPUFLEET_PKI_DIR; {data_dir}/pki).")
+]
+
+
+@ca_app.command("init")
+def ca_init(data_dir: DataDir = None, pki_dir: PkiDir = None) -> None:
+    """Make the fleet CA (ca.key mode 0600, ca.crt) that signs controller and node
+    certificates. Never replaces an existing one. Controllers need the directory; agents
+    need only a join token (it carries the CA's sha256)."""
+    from gpufleet.rpc import tls
+
+    settings = load_settings(data_dir, pki_dir=pki_dir)
+    try:
+        ca = tls.init_ca(settings.resolved_pki_dir())
+    except tls.PkiError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    out.print(f"fleet CA created in {settings.resolved_pki_dir()}")
+    print(f"sha256:{ca.fingerprint}")
+
+
+def admin_group() -> TyperGroup:
+    """The admin app as a click group, with the REST API commands mounted."""
+    _mount_admin_api()
+    group = typer.main.get_group(admin_app)
+    assert isinstance(group, TyperGroup)
+    return group
+
+
+_ADMIN_API_MOUNTED: list[bool] = []
+
+
+def _mount_admin_api() -> None:
+    """``admin team|token|node`` and ``admin prepull`` go through the REST API with an admin
+    token (``cli/admin_api.py``); mounted once, when ``admin`` is first used."""
+    if _ADMIN_API_MOUNTED:
+        return
+    _ADMIN_API_MOUNTED.append(True)
+    from gpufleet.cli import admin_api
+
+    admin_app.add_typer(admin_api.team_app, name="team")
+    admin_app.add_typer(admin_api.node_app, name="node")
+    admin_app.add_typer(admin_api.token_app, name="token")
+    admin_app.command("prepull")(admin_api.node_prepull)
+    admin_api.node_app.command("label")(node_label)  # through the REST API as well
