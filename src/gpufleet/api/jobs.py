@@ -168,10 +168,10 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
 
     @r.delete("/v1/jobs/{job_id}", status_code=202, responses=errors(404, 409))
     def cancel(job_id: str, who: Who) -> dict[str, Any]:
-        job_id = jobctl.resolve(state.db, None if who.is_admin else who.team_id, job_id)
         """Cancel a job: ``{job_id, status, cancel_requested, already_finished}``;
         ``already_finished`` is true when it was CANCELLED before (nothing done). 409 for a
         job that SUCCEEDED, FAILED or EXPIRED."""
+        job_id = jobctl.resolve(state.db, None if who.is_admin else who.team_id, job_id)
         status, already = jobs.cancel_job_outcome(
             state.db, None if who.is_admin else who.team_id, job_id
         )
