@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from sqlalchemy import text
 
-from gpufleet.services.jobs import forget_fleet_shapes, forget_outstanding_counts
+from gpufleet.services.job_admission import forget_fleet_shapes, forget_outstanding_counts
 from gpufleet.store.db import Database
 from gpufleet.store.migrate import migrate
 from gpufleet.store.tables import Base

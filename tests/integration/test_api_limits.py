@@ -274,10 +274,11 @@ class TestOutstandingCount:
     def test_counts_only_near_the_limit(self, db, tokens, monkeypatch) -> None:
         from sqlalchemy import event
 
-        from gpufleet.services import jobs
+        from gpufleet.services import job_admission
         from tests.factories import submit as submit_direct
 
-        monkeypatch.setattr(jobs, "OUTSTANDING_COUNT_TTL_S", 3600.0)  # no timing in the test
+        # no timing in the test
+        monkeypatch.setattr(job_admission, "OUTSTANDING_COUNT_TTL_S", 3600.0)
         counts: list[str] = []
 
         def seen(_conn, _cur, statement, *_args) -> None:  # type: ignore[no-untyped-def]

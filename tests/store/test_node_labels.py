@@ -11,7 +11,7 @@ import pytest
 
 from gpufleet.domain.errors import NotFound, ValidationFailed
 from gpufleet.domain.types import GpuDevice
-from gpufleet.services import jobs, node_labels, nodes
+from gpufleet.services import job_admission, node_labels, nodes
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.queries import load_snapshot
@@ -112,9 +112,9 @@ class TestAdminLabels:
 
     def test_node_selector_admission_sees_admin_labels(self, db: Database) -> None:
         register(db)
-        jobs.forget_fleet_shapes()
+        job_admission.forget_fleet_shapes()
         with db.read() as s:
-            assert not any(sh.label("zone") == "z1" for sh in jobs._fleet_shapes(s))
+            assert not any(sh.label("zone") == "z1" for sh in job_admission._fleet_shapes(s))
         set_labels(db, {"zone": "z1"})  # forgets the cached shapes
         with db.read() as s:
-            assert any(sh.label("zone") == "z1" for sh in jobs._fleet_shapes(s))
+            assert any(sh.label("zone") == "z1" for sh in job_admission._fleet_shapes(s))

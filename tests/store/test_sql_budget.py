@@ -55,7 +55,7 @@ from gpufleet.controller.servicer import ControllerServicer
 from gpufleet.objectstore import ObjectStore
 from gpufleet.queue import InProcWaker
 from gpufleet.rpc.protos import fleet_pb2 as pb
-from gpufleet.services import auth, jobs, limits
+from gpufleet.services import auth, job_admission, limits
 from gpufleet.settings import Settings
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
@@ -272,8 +272,8 @@ def test_one_job_life_fits_the_statement_budget(
     # slowly a loaded machine runs the first life: the CI once took > 1 s between the two
     # submits and counted the limits and outstanding-count reads (22 statements, not 20)
     monkeypatch.setattr(limits, "LIMITS_TTL_S", 3600.0)
-    monkeypatch.setattr(jobs, "OUTSTANDING_COUNT_TTL_S", 3600.0)
-    monkeypatch.setattr(jobs, "SHAPES_TTL_S", 3600.0)
+    monkeypatch.setattr(job_admission, "OUTSTANDING_COUNT_TTL_S", 3600.0)
+    monkeypatch.setattr(job_admission, "SHAPES_TTL_S", 3600.0)
     p = Platform(db, tmp_path)
     counter = StatementCounter(db)
     try:

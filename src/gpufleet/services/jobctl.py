@@ -31,6 +31,8 @@ from gpufleet.domain.errors import Conflict, NotFound, StaleState, ValidationFai
 from gpufleet.domain.jobsyntax import MAX_DEPENDENCIES
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, Machine, RunStatus
 from gpufleet.domain.types import PriorityClass
+from gpufleet.services.job_admission import check_runtime_limit, team_runtime_limits
+from gpufleet.services.job_cancel import cancel_job
 from gpufleet.services.run_stop import request_stop
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
@@ -326,10 +328,8 @@ def patch_job(session: Session, team_id: str | None, job_id: str, patch: JobPatc
                 field="max_runtime_s",
             )
         # the team's maximum binds an update as it binds a submit
-        from gpufleet.services import jobs  # jobs imports this module
-
-        jobs.check_runtime_limit(
-            job.team_id, patch.max_runtime_s, jobs.team_runtime_limits(session, job.team_id)[1]
+        check_runtime_limit(
+            job.team_id, patch.max_runtime_s, team_runtime_limits(session, job.team_id)[1]
         )
         changes["max_runtime_s"] = [job.max_runtime_s, patch.max_runtime_s]
         job.max_runtime_s = patch.max_runtime_s
@@ -424,8 +424,6 @@ def bulk_cancel(
     """Cancel the selected jobs (each as ``DELETE /v1/jobs/{id}`` would). Jobs already
     finished are listed under ``skipped``. With ``dry_run`` nothing changes: ``cancelled``
     lists what would be cancelled."""
-    from gpufleet.services.jobs import cancel_job
-
     with db.read() as s:
         chosen = [(j.id, j.status) for j in select_jobs(s, team_id, sel)]
     done: list[dict[str, str]] = []

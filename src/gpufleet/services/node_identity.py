@@ -20,7 +20,8 @@ from gpufleet.domain.ids import new_id
 from gpufleet.domain.states import NodeStatus
 from gpufleet.rpc.tls import check_node_id, hash_secret
 from gpufleet.services import nodes
-from gpufleet.services.jobs import forget_fleet_shapes, iso
+from gpufleet.services.job_admission import forget_fleet_shapes
+from gpufleet.services.job_queries import iso
 from gpufleet.store import allocate
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (

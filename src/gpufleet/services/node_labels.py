@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import NotFound
 from gpufleet.domain.labels import effective_labels, validate_labels
-from gpufleet.services.jobs import forget_fleet_shapes
+from gpufleet.services.job_admission import forget_fleet_shapes
 from gpufleet.store.tables import NodeRow
 from gpufleet.store.transitions import record_event
 

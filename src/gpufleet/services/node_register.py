@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import Conflict, ValidationFailed
 from gpufleet.domain.states import Machine, NodeStatus
 from gpufleet.domain.types import GpuDevice
-from gpufleet.services.jobs import forget_fleet_shapes
+from gpufleet.services.job_admission import forget_fleet_shapes
 from gpufleet.services.node_fence import fence_lost_agent_state
 from gpufleet.services.node_health import back_to_healthy
 from gpufleet.store import allocate

@@ -1,0 +1,121 @@
+"""Read jobs (seed Phase 4): one job with its attempts, a page of a team's jobs, a pending
+job's place in its team's queue, a job's events.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from gpufleet.domain.errors import NotFound, ValidationFailed
+from gpufleet.domain.states import JobStatus
+from gpufleet.store.tables import JobRow, JobRunRow, SchedulingEventRow
+
+JOB_ID = re.compile(r"^j-[0-9a-z]{26}$")
+
+
+def is_job_id(value: str) -> bool:
+    """Whether ``value`` has the shape of a job id (anything else cannot exist: 404 early,
+    and never send odd bytes such as NUL to the database)."""
+    return bool(JOB_ID.match(value))
+
+
+def get_job(session: Session, team_id: str | None, job_id: str) -> tuple[JobRow, list[JobRunRow]]:
+    """The job and its attempts (oldest first). Another team's job is NotFound (404), as if
+    it did not exist; ``team_id=None`` (admin) sees all."""
+    job = session.get(JobRow, job_id) if is_job_id(job_id) else None
+    if job is None or (team_id is not None and job.team_id != team_id):
+        raise NotFound(f"no job {job_id!r}", field="job_id")
+    runs = list(
+        session.scalars(
+            select(JobRunRow)
+            .where(JobRunRow.job_id == job_id)
+            .order_by(JobRunRow.attempt, JobRunRow.rank)
+        )
+    )
+    return job, runs
+
+
+def list_jobs(
+    session: Session,
+    team_id: str | None,
+    *,
+    status: str | None = None,
+    limit: int = 50,
+    cursor: str | None = None,
+    array_id: str | None = None,
+    name: str | None = None,
+) -> tuple[list[JobRow], str | None]:
+    """Newest first; ``cursor`` is the last job id of the previous page (ids sort by time).
+    ``status``: one status or a comma list (``PENDING,RUNNING``: any of them);
+    ``array_id``/``name``: only that array's tasks / jobs of that name.
+
+    Raises:
+        ValidationFailed: an unknown status (field ``status``) or a bad cursor.
+    """
+    q = select(JobRow).order_by(JobRow.id.desc()).limit(limit + 1)
+    if team_id is not None:
+        q = q.where(JobRow.team_id == team_id)
+    if array_id is not None:
+        q = q.where(JobRow.array_id == array_id)
+    if name is not None:
+        q = q.where(JobRow.name == name)
+    if status is not None:
+        wanted = [part.strip() for part in status.split(",")]
+        for one in wanted:
+            if one not in JobStatus.__members__:
+                raise ValidationFailed(f"unknown status {one!r}", field="status")
+        q = q.where(JobRow.status.in_(wanted))
+    if cursor:
+        if not is_job_id(cursor):
+            raise ValidationFailed(
+                "cursor is not a next_cursor value from this API", field="cursor"
+            )
+        q = q.where(JobRow.id < cursor)
+    rows = list(session.scalars(q))
+    next_cursor = rows[limit - 1].id if len(rows) > limit else None
+    return rows[:limit], next_cursor
+
+
+def queue_position(session: Session, job: JobRow) -> int:
+    """1-based position of a PENDING job in its team's queue: priority class, then the time
+    it (re-)entered the queue, then id, as ``policy.cycle.queue_order_key`` (SQLite's clock
+    has millisecond resolution, so two submits can share a ``queued_at``). (The policy's
+    aging credit can reorder jobs of different classes that waited long; this is the order
+    without it.)"""
+    ahead = session.execute(
+        select(func.count())
+        .select_from(JobRow)
+        .where(
+            JobRow.team_id == job.team_id,
+            JobRow.status == JobStatus.PENDING,
+            JobRow.cancel_requested.is_(False),
+            (JobRow.priority_rank > job.priority_rank)
+            | (
+                (JobRow.priority_rank == job.priority_rank)
+                & (
+                    (JobRow.queued_at < job.queued_at)
+                    | ((JobRow.queued_at == job.queued_at) & (JobRow.id < job.id))
+                )
+            ),
+        )
+    ).scalar_one()
+    return int(ahead) + 1
+
+
+def job_events(session: Session, job_id: str, limit: int = 200) -> list[SchedulingEventRow]:
+    return list(
+        session.scalars(
+            select(SchedulingEventRow)
+            .where(SchedulingEventRow.job_id == job_id)
+            .order_by(SchedulingEventRow.id)
+            .limit(limit)
+        )
+    )
+
+
+def iso(ts: datetime | None) -> str | None:
+    return ts.isoformat().replace("+00:00", "Z") if ts else None
