@@ -60,7 +60,7 @@ class TeamLimits:
         submit_rate_per_s: token-bucket refill, submits per second.
         submit_burst: token-bucket size, submits allowed at once.
         runtime: the team's (default_max_runtime_s, max_runtime_limit_s), seconds or None
-            each (``services.jobs.apply_runtime_limits``); None = not read.
+            each (``services.job_admission.apply_runtime_limits``); None = not read.
     """
 
     max_outstanding_jobs: int

@@ -57,7 +57,7 @@ from gpufleet.store.tables import (
 
 
 def resources_of(spec: dict[str, object]) -> Resources:
-    """The Resources of a stored job spec (see services.jobs.normalize_spec)."""
+    """The Resources of a stored job spec (written by services.job_submit.spec_to_dict)."""
     r = spec["resources"]
     assert isinstance(r, dict)
     return Resources(
