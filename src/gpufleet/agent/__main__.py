@@ -21,7 +21,7 @@ def main() -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from gpufleet.agent.main import AgentAlreadyRunning, run_from_spec
-    from gpufleet.rpc.tls import PkiError
+    from gpufleet.rpc.pki import PkiError
 
     try:
         run_from_spec(args.spec_fd)

@@ -18,7 +18,8 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import Conflict, Forbidden, NotFound, Unauthenticated, ValidationFailed
 from gpufleet.domain.ids import new_id
 from gpufleet.domain.states import NodeStatus
-from gpufleet.rpc.tls import check_node_id, hash_secret
+from gpufleet.rpc.join import hash_secret
+from gpufleet.rpc.pki import check_node_id
 from gpufleet.services import nodes
 from gpufleet.services.job_admission import forget_fleet_shapes
 from gpufleet.services.job_queries import iso
