@@ -68,7 +68,8 @@ class Runner:
         jobs_dir: root of the job-visible dirs; default: ``{state_dir}/runs``.
 
     Raises:
-        ValueError: the job user cannot reach ``jobs_dir`` (an ancestor is not searchable).
+        ValueError: jobs run as other users (``users.switch``) and cannot reach ``jobs_dir``
+            (an ancestor is not searchable by others).
     """
 
     def __init__(
@@ -92,7 +93,8 @@ class Runner:
         if self.jobs_dir != self.runs_dir:
             self.jobs_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.jobs_dir, 0o711)  # jobs may pass through, not list other attempts
-            _check_searchable(self.jobs_dir)
+            if self.users.switch:  # (jobs run as other users: they must reach their dirs)
+                _check_searchable(self.jobs_dir)
         self._lock = threading.Lock()
         self._uids: dict[str, int] = {}  # run_id -> job uid, for attempts this agent started
         self._live: dict[str, RunRecord] = {}
