@@ -98,6 +98,16 @@ class TestCompletion:
         assert runs.complete_run(db, store, rep)[0] == runs.CompletionResult.ACCEPTED
         assert state(db, job_id)[2] == 8
 
+    def test_a_killing_signal_is_named(self, db: Database, store: ObjectStore) -> None:
+        """A job killed by SIGKILL (exit code -9 as the agent reports it) failed with
+        "exited with code -9"; it names the signal."""
+        job_id, epoch = setup(db)
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        runs.complete_run(db, store, report(store, job_id, r, exit_code=-9))
+        job, (run,), _ = state(db, job_id)
+        assert (job.status, run.exit_code) == ("FAILED", -9)
+        assert job.failure_reason == "killed by signal 9 (SIGKILL)"
+
     def test_failure_with_a_retry_gets_a_new_attempt_and_a_higher_token(self, db, store) -> None:
         job_id, epoch = setup(db, max_retries=1)
         first = reserve(db, job_id, "n1", 2, epoch=epoch)

@@ -9,6 +9,7 @@ are charged to it (auto-cordon); a gang member's end is settled with its gang.
 from __future__ import annotations
 
 import enum
+import signal
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
@@ -423,8 +424,20 @@ def _decide(
     elif report.outcome == Outcome.STOPPED:
         why = f"stopped by the agent: {report.message or 'no longer authoritative'}"
     else:
-        why = f"exited with code {report.exit_code}"
+        why = exit_reason(report.exit_code)
     return RunStatus.FAILED, failed_next(session, job, current), why
+
+
+def exit_reason(exit_code: int | None) -> str:
+    """Why an attempt that ended by itself failed: its exit code, or the signal that killed
+    it when the code is negative (the convention of Python's ``subprocess``: -9 = SIGKILL)."""
+    if exit_code is not None and exit_code < 0:
+        try:
+            name = f" ({signal.Signals(-exit_code).name})"
+        except ValueError:
+            name = ""
+        return f"killed by signal {-exit_code}{name}"
+    return f"exited with code {exit_code}"
 
 
 def _after_node_fault(
