@@ -101,3 +101,33 @@ def test_a_second_up_refuses_in_one_line_and_keeps_client_yaml(tmp_path: Path) -
     line = f"data dir {tmp_path} is in use by gpufleet up (pid {os.getpid()}) at http://127.0.0.1:8420"
     assert line in result.stderr and result.stderr.count("\n") == 1, result.stderr
     assert cfg.read_text() == "url: http://127.0.0.1:8420\ntoken: first\n"
+
+
+def test_a_bad_gpu_spec_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from gpufleet.cli.main import app
+
+    result = CliRunner().invoke(
+        app,
+        ["up", "--data-dir", str(tmp_path), "--port", "18432", "--gpus", "bogus"],
+        env={"COLUMNS": "300"},
+    )
+    assert result.exit_code == 2, result.output
+    assert "--gpus" in result.stderr and "invalid GPU spec 'bogus'" in result.stderr
+    assert "Traceback" not in result.output
+    # nothing started: no lock, database or agent log in the data dir
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_agent_log_shown_is_only_what_this_run_wrote(tmp_path: Path) -> None:
+    from gpufleet.cli.serve import log_tail_since
+
+    log = tmp_path / "agent.log"
+    log.write_text("error: invalid GPU spec 'old': from an earlier run\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("starting\nerror: the controller refused\n")
+    assert log_tail_since(log, start) == ["starting", "error: the controller refused"]
+    assert log_tail_since(log, log.stat().st_size) == []
+    assert log_tail_since(tmp_path / "none.log", 0) == []

@@ -9,13 +9,12 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpufleet.domain.errors import NotFound, ValidationFailed
+from gpufleet.domain.errors import ValidationFailed
 from gpufleet.domain.states import NodeStatus
 from gpufleet.queue import Waker
-from gpufleet.services import auth, nodes
+from gpufleet.services import auth, node_lookup, nodes
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
-from gpufleet.store.tables import NodeRow
 
 Reason = Annotated[str | None, Field(default=None, max_length=512, pattern=r"^[^\x00]*$")]
 
@@ -81,9 +80,7 @@ def add_admin_node_routes(
 
     def state(node_id: str, before: str | None = None) -> NodeStateOut:
         with db.read() as s:
-            node = s.get(NodeRow, node_id)
-            if node is None:
-                raise NotFound(f"no node {node_id!r}", field="node_id")
+            node = node_lookup.fleet_node(s, node_id)
             active = nodes.active_runs_on(s, node_id)
             return NodeStateOut(
                 node_id=node_id,

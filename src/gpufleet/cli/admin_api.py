@@ -8,6 +8,7 @@ database directly, on the database host.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -115,15 +116,33 @@ def per_type(values: list[str] | None, flag: str) -> dict[str, int] | None:
 
 
 def rate(value: str | None) -> float | None:
-    """``5/s``, ``5`` or ``0.5/s`` as submits per second."""
+    """``5/s``, ``5`` or ``0.5/s`` as submits per second.
+
+    Raises:
+        ClientError: not a finite rate >= 0 (``nan``, ``inf`` and ``-1`` parse as floats),
+            naming ``--submit-rate``.
+    """
     if value is None:
         return None
     try:
-        return float(value.strip().removesuffix("/s"))
+        got = float(value.strip().removesuffix("/s"))
     except ValueError:
+        got = math.nan
+    if not math.isfinite(got) or got < 0:
         raise ClientError(
-            f"--submit-rate {value!r}: use a rate such as 5/s", field="--submit-rate"
-        ) from None
+            f"--submit-rate {value!r}: use a rate such as 5/s (0 = no limit)",
+            field="--submit-rate",
+        )
+    return got
+
+
+def wait_seconds(value: float) -> float:
+    """Typer callback for a wait limit in seconds (0 = no limit): refuse ``nan``, ``inf``
+    and negative values before any request, naming the option (exit 2); a negative limit
+    would otherwise wait forever, ``nan`` never time out."""
+    if not math.isfinite(value) or value < 0:
+        raise typer.BadParameter(f"must be a number of seconds >= 0 (0 = no limit), not {value}")
+    return value
 
 
 @team_app.command("create")
@@ -449,7 +468,10 @@ def node_list(out: Fmt = "table", url: UrlOpt = None, token: TokenOpt = None) ->
 
 
 def _moved(data: dict[str, Any], reason: str | None = None) -> None:
-    text = f"node {data['node_id']}: {data.get('previous_status')} -> {data['status']}"
+    before, now = data.get("previous_status"), data["status"]
+    # the same status again (a second drain or cordon) is a no-op, not a transition
+    change = f"already {now}" if before == now else f"{before} -> {now}"
+    text = f"node {data['node_id']}: {change}"
     typer.echo(output.clean(text + (f" ({reason})" if reason else "")))
 
 
@@ -479,12 +501,15 @@ def node_drain(
     wait: Annotated[
         bool, typer.Option("--wait/--no-wait", help="Wait until the node is drained.")
     ] = True,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait (0 = forever).")] = 0.0,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to wait (0 = forever).", callback=wait_seconds)
+    ] = 0.0,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
     """Cordon the node, then wait (showing what still runs) until its running work has ended;
-    the controller then marks it CORDONED (drained). Exit 1 on timeout."""
+    the controller then marks it CORDONED (drained). Draining a DRAINING node just waits
+    again. Exit 1 on timeout."""
     with _session(url, token) as http:
         data = _call(http, "POST", f"/v1/admin/nodes/{node_id}/drain", json={"reason": reason})
         _moved(data, reason)
@@ -493,7 +518,7 @@ def node_drain(
         while wait:
             left = [(r["job_id"], r["status"]) for r in data.get("active_runs") or []]
             if not left:
-                typer.echo(output.clean(f"node {node_id}: drained ({data['status']})"))
+                typer.echo(output.clean(_drained(node_id, data["status"])))
                 return
             if shown != left:
                 shown = left
@@ -509,6 +534,17 @@ def node_drain(
                 )
             time.sleep(1.0)
             data = _call(http, "GET", f"/v1/admin/nodes/{node_id}")
+
+
+def _drained(node_id: str, status: str) -> str:
+    """What is true once no attempt is left: the controller's upkeep, not this command, moves
+    a DRAINING node to CORDONED, so a node may still show DRAINING for a moment."""
+    if status == "DRAINING":
+        return (
+            f"node {node_id}: drained: no attempt left; it goes CORDONED when the controller"
+            " next runs its upkeep"
+        )
+    return f"node {node_id}: drained ({status})"
 
 
 @node_app.command("fence")

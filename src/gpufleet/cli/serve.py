@@ -74,9 +74,10 @@ def up(
 ) -> None:
     """Start server + controller + one local agent on the embedded defaults (SQLite, local
     object store, a fleet CA made on first start: mutual TLS with no setup) and print the
-    URL and an admin token. Exits 1 when a port is taken, when another live `gpufleet up` uses
-    the data dir (``{data_dir}/up.lock``; client.yaml is left alone), or the agent dies before
-    it registers (the end of agent.log is shown); while up, a dead agent is restarted."""
+    URL and an admin token. Exits 2 on a bad --gpus spec (before anything starts); 1 when a
+    port is taken, when another live `gpufleet up` uses the data dir (``{data_dir}/up.lock``;
+    client.yaml is left alone), or the agent dies before it registers (what it wrote to
+    agent.log in this run is shown); while up, a dead agent is restarted."""
     from gpufleet.processes import (
         LocalPlatform,
         default_job_uids,
@@ -85,6 +86,14 @@ def up(
         reusable_token,
     )
 
+    if gpus:  # checked here, before anything starts, not by the agent child process
+        from gpufleet.agent.inventory import parse_gpu_spec
+
+        try:
+            parse_gpu_spec(gpus, "local-0")
+        except ValueError as exc:
+            err.print(f"[red]error:[/] --gpus: {escape(str(exc))}", soft_wrap=True)
+            raise typer.Exit(2) from None
     configure_logging()
     overrides: dict[str, object] = {"server_port": port}
     if controller_port is not None:
@@ -110,6 +119,8 @@ def up(
     platform = LocalPlatform(settings, gpus=gpus, insecure=insecure, job_uids=uids)
     cfg_path = client_config_path(settings.resolved_data_dir())
     token = reusable_token(platform.db, cfg_path) or ensure_admin_token(platform.db)
+    agent_log = platform.agent_log_path()
+    log_start = agent_log.stat().st_size if agent_log.exists() else 0  # agent.log is appended
     try:
         platform.start()
     except RuntimeError as exc:  # a port taken between the check and the bind
@@ -124,9 +135,11 @@ def up(
     lock.set_url(platform.api.url)
     write_client_config(cfg_path, platform.api.url, token)
     if not platform.wait_for_node():
-        agent_log = settings.resolved_data_dir() / "agent.log"
-        err.print(f"[red]error: the local agent did not register[/] (end of {agent_log}):")
-        for line in platform.agent_log_tail():
+        err.print(
+            f"[red]error: the local agent did not register[/] (what it wrote to {agent_log}"
+            " this time):"
+        )
+        for line in log_tail_since(agent_log, log_start):
             err.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
         platform.stop()
         raise typer.Exit(1)
@@ -147,6 +160,19 @@ def up(
     finally:
         platform.stop()
         lock.release()
+
+
+def log_tail_since(path: Path, start: int, lines: int = 15) -> list[str]:
+    """The last ``lines`` lines written to ``path`` after byte offset ``start`` (what this
+    run's agent wrote: earlier runs append to the same file); empty when there are none."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, 2)
+            f.seek(max(start, end - 64 * 1024) if start <= end else 0)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return text.rstrip("\n").splitlines()[-lines:]
 
 
 def demo(

@@ -8,9 +8,11 @@ from __future__ import annotations
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import Conflict, NotFound, ValidationFailed
-from gpufleet.domain.states import Machine, NodeStatus
+from gpufleet.domain.errors import Conflict, ValidationFailed
+from gpufleet.domain.states import NODE_TRANSITIONS, Machine, NodeStatus
 from gpufleet.services.node_fence import Fenced, fence_node, release_gone_quarantined
+from gpufleet.services.node_health import set_status_reason
+from gpufleet.services.node_lookup import fleet_node
 from gpufleet.services.node_register import INVENTORY_DRAIN
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import NodeCapacityRow, NodeRow
@@ -21,18 +23,17 @@ def set_node_status(
     session: Session, node_id: str, to: NodeStatus, *, message: str, reason: str | None = None
 ) -> str:
     """Operator actions (cordon, drain, uncordon...). ``reason`` is kept on the node (shown
-    by ``gpufleet nodes`` and ``why``); HEALTHY clears it. Returns the previous status.
+    by ``gpufleet nodes`` and ``why``); HEALTHY clears it. Returns the previous status. A
+    node already in ``to`` stays there (no event); only a given ``reason`` is updated.
 
     Raises:
-        NotFound: no such node.
+        NotFound: no such node, or it was forgotten.
         IllegalTransition: the node's status has no edge to ``to`` (e.g. QUARANTINED ->
             DRAINING: its GPUs are not known free; fence it or wait for its agent).
         Conflict: uncordon (``to`` HEALTHY) of a node drained for a change of GPUs that its
             agent has not registered since (``NodeRow.reported_gpus`` set).
     """
-    node = session.get(NodeRow, node_id)
-    if node is None:
-        raise NotFound(f"no node {node_id!r}", field="node_id")
+    node = fleet_node(session, node_id)
     if to == NodeStatus.HEALTHY and node.reported_gpus is not None:
         raise Conflict(
             f"node {node_id} still has the GPUs recorded before its agent reported others"
@@ -44,6 +45,12 @@ def set_node_status(
     if why and node.reported_gpus is not None:
         # still not the agent's GPUs: say so last
         why = f"{why}; {_pending_inventory(session, node)}; {INVENTORY_DRAIN}"
+    if node.status == to and (node.status, to) not in NODE_TRANSITIONS:
+        # drain of a DRAINING node, uncordon of a HEALTHY one: already there, a no-op (as
+        # Slurm's `scontrol update state=drain` on a draining node); a new reason is kept
+        if reason:
+            set_status_reason(session, node_id, why)
+        return node.status
     return transition(
         session,
         Machine.NODE,
@@ -77,8 +84,9 @@ def operator_fence(
     placements until ``admin node uncordon``). Returns (attempts fenced, GPUs returned).
 
     Raises:
-        NotFound: no such node.
+        NotFound: no such node, or it was forgotten (never claimed FENCED).
     """
+    fleet_node(session, node_id)
     fenced = fence_node(
         session,
         node_id,

@@ -79,6 +79,12 @@ def heartbeat(
     if agent_epoch < node.agent_epoch:  # a stale agent process; its successor speaks
         return HeartbeatVerdict(known=True, leader_epoch=lease_epoch)
     values: dict[str, object] = {"last_heartbeat_at": now}
+    if images is not None:
+        # older agents listed a podman image once per tag: keep each name once, in order
+        unique: dict[str, dict[str, Any]] = {}
+        for image in images:
+            unique.setdefault(str(image.get("name", "")), image)
+        images = list(unique.values())
     if images is not None and images != (node.images or []):
         values["images"] = images
     prepull = tuple(node.prepull or ())

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import delete, exists, select, update
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import Conflict, Forbidden, NotFound, Unauthenticated, ValidationFailed
+from gpufleet.domain.errors import Conflict, Forbidden, Unauthenticated, ValidationFailed
 from gpufleet.domain.ids import new_id
 from gpufleet.domain.states import NodeStatus
 from gpufleet.rpc.join import hash_secret
@@ -23,11 +23,13 @@ from gpufleet.rpc.pki import check_node_id
 from gpufleet.services import nodes
 from gpufleet.services.job_admission import forget_fleet_shapes
 from gpufleet.services.job_queries import iso
+from gpufleet.services.node_lookup import no_node
 from gpufleet.store import allocate
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
     JobRunRow,
     JoinTokenRow,
+    NodeCapacityRow,
     NodeCertRow,
     NodeRow,
     ReservationRow,
@@ -178,10 +180,10 @@ def revoke_node(session: Session, node_id: str, *, max_node_failures: int = 3) -
     --confirm-dead``) or it rejoins and reports them gone.
 
     Raises:
-        NotFound: no node and no certificate has this id.
+        NotFound: no node (or a forgotten one) and no unrevoked certificate has this id.
     """
-    if not _node_known(session, node_id):
-        raise NotFound(f"no node {node_id!r}", field="node_id")
+    if not _node_present(session, node_id):
+        raise no_node(session, node_id)
     now = db_now(session)
     n = _revoke(session, node_id, now)
     node = session.get(NodeRow, node_id, with_for_update=True)
@@ -212,14 +214,14 @@ def forget_node(
     would keep running jobs the scheduler no longer sees). 0 = no such check.
 
     Raises:
-        NotFound: unknown node.
+        NotFound: unknown node, or one already forgotten (its certificates revoked).
         Conflict: the node looks alive (without ``force``); or GPUs of the node are reserved
             (the message says to drain it, or, when its agent can never report them gone,
             quarantined/fenced or its certificates revoked, to fence it with
             ``--confirm-dead``).
     """
-    if not _node_known(session, node_id):
-        raise NotFound(f"no node {node_id!r}", field="node_id")
+    if not _node_present(session, node_id):
+        raise no_node(session, node_id)
     now = db_now(session)
     node = session.get(NodeRow, node_id)
     certs = session.execute(
@@ -315,10 +317,26 @@ def describe_nodes(session: Session) -> list[dict[str, Any]]:
 
 
 def _node_known(session: Session, node_id: str) -> bool:
+    """The id is in use: a node row (forgotten ones too: their attempts name it) or an
+    unrevoked certificate. A join token for any id may not take it."""
     return bool(
         session.execute(
             select(
                 exists().where(NodeRow.id == node_id)
+                | exists().where(NodeCertRow.node_id == node_id, NodeCertRow.revoked_at.is_(None))
+            )
+        ).scalar_one()
+    )
+
+
+def _node_present(session: Session, node_id: str) -> bool:
+    """What revoke and forget act on: a node of the fleet (its row with capacity; a forgotten
+    node keeps only its row, see ``node_lookup``) or a node id with an unrevoked certificate
+    (joined, not registered yet)."""
+    return bool(
+        session.execute(
+            select(
+                exists().where(NodeRow.id == node_id, NodeCapacityRow.node_id == NodeRow.id)
                 | exists().where(NodeCertRow.node_id == node_id, NodeCertRow.revoked_at.is_(None))
             )
         ).scalar_one()

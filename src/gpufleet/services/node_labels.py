@@ -14,9 +14,9 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import NotFound
 from gpufleet.domain.labels import effective_labels, validate_labels
 from gpufleet.services.job_admission import forget_fleet_shapes
+from gpufleet.services.node_lookup import fleet_node
 from gpufleet.store.tables import NodeRow
 from gpufleet.store.transitions import record_event
 
@@ -51,12 +51,10 @@ def set_admin_labels(
     Raises:
         ValidationFailed: a bad key or value (field ``labels.{key}``), a ``gpufleet/`` key, or
             more than ``MAX_LABELS`` admin labels (field ``labels``).
-        NotFound: no such node (field ``node_id``).
+        NotFound: no such node, or it was forgotten (field ``node_id``).
     """
     validate_labels(changes)
-    node = session.get(NodeRow, node_id, with_for_update=True)
-    if node is None:
-        raise NotFound(f"no node {node_id!r}", field="node_id")
+    node = fleet_node(session, node_id, for_update=True)
     if not changes and not replace:
         return describe(node)  # an empty merge patch changes nothing: no event
     admin: dict[str, str] = {} if replace else dict(node.admin_labels or {})

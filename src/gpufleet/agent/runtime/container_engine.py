@@ -194,12 +194,19 @@ class ContainerEngine:
         return True
 
     def images(self) -> list[ImageInfo]:
-        """Local images with a name (dangling ones are left out)."""
+        """Local images with a name (dangling ones are left out), each name once, in the
+        engine's order."""
         out = self._run(["images", "--format", "json"]).stdout
         result: list[ImageInfo] = []
         if self.kind == "podman":
+            seen: set[str] = set()
+            # podman lists an image once per tag, each entry with all its names: take each
+            # name once
             for img in json.loads(out or "[]"):
                 for name in img.get("Names") or []:
+                    if name in seen:
+                        continue
+                    seen.add(name)
                     result.append(
                         ImageInfo(name, str(img.get("Digest", "")), int(img.get("Size", 0)))
                     )
