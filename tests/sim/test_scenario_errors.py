@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from gpufleet.sim import cli as sim_cli
 from gpufleet.sim.cli import app
+from gpufleet.sim.config import BASELINES, ScenarioError
 
 GOOD_CLUSTER = (
     "cluster:\n  node_groups:\n    - {name: g, count: 2, gpus_per_node: 8, gpu_type: H100}\n"
@@ -70,3 +73,57 @@ def test_progress_without_a_terminal_is_plain_lines(tmp_path: Path) -> None:
         assert len(lines) >= 2, progress  # a step before the end, not only the final line
         assert lines[-1].startswith(f"sim {run}: 100%"), progress
     assert "report:" in result.stdout
+
+
+class TestUnknownBaseline:
+    """A new-user trial: ``--compare bogus`` ran the whole main simulation, then failed with
+    ``...: ValueError: unknown baseline 'bogus'``."""
+
+    EXAMPLE = Path(__file__).parents[2] / "examples" / "sim" / "synthetic_two_teams.yaml"
+
+    @staticmethod
+    def _no_run(monkeypatch: pytest.MonkeyPatch) -> None:
+        def refuse(*_a: object, **_k: object) -> None:
+            raise AssertionError("the scenario was read or run before --compare was checked")
+
+        monkeypatch.setattr(sim_cli, "load_scenario", refuse)
+        monkeypatch.setattr(sim_cli, "run_scenario", refuse)
+
+    @pytest.mark.parametrize(
+        "compare",
+        [
+            pytest.param(["bogus"], id="one unknown"),
+            pytest.param(["fifo", "bogus"], id="a good one then an unknown one"),
+        ],
+    )
+    def test_cli_refuses_before_any_run(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compare: list[str]
+    ) -> None:
+        self._no_run(monkeypatch)
+        args = [a for name in compare for a in ("--compare", name)]
+        result = CliRunner().invoke(
+            app, ["run", str(self.EXAMPLE), "--out", str(tmp_path / "out"), *args]
+        )
+        assert result.exit_code == 2, result.output
+        assert "--compare" in result.stderr and "'bogus'" in result.stderr
+        for name in BASELINES:
+            assert name in result.stderr
+        assert "ValueError" not in result.output and "Traceback" not in result.output
+        assert not (tmp_path / "out").exists()
+
+    def test_run_sim_refuses_before_reading_the_scenario(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        self._no_run(monkeypatch)
+        with pytest.raises(ScenarioError, match=r"^compare must be one of .*fifo.*'bogus'"):
+            sim_cli.run_sim(self.EXAMPLE, tmp_path / "out", compare=("bogus",))
+
+    def test_scenario_compare_list_fails_at_load(self, tmp_path: Path) -> None:
+        cfg = tmp_path / "s.yaml"
+        text = self.EXAMPLE.read_text()
+        cfg.write_text(re.sub(r"(?m)^compare:.*$", "compare: [fifo, bogus]", text))
+        result = CliRunner().invoke(app, ["run", str(cfg), "--out", str(tmp_path / "out")])
+        assert result.exit_code == 2, result.output
+        assert "compare[1] must be one of" in result.stderr and "'bogus'" in result.stderr
+        assert "sim main" not in result.stderr  # no run started
+        assert "ValueError" not in result.output

@@ -1,7 +1,8 @@
 """REST routes of job control (issue 10): hold, release, requeue, PATCH, bulk cancel, arrays.
 
 Mounted by ``create_app`` through :func:`register_jobctl_routes`. Every ``{job_id}`` accepts
-a full id, a unique id prefix or a job name (``services.jobctl.resolve_job_ref``).
+a full id, a unique id prefix or a job name (``services.jobctl.resolve_job_ref``); every
+array (``{array_id}``, bulk cancel's ``array_id``) the same (``resolve_array_ref``).
 """
 
 from __future__ import annotations
@@ -88,8 +89,11 @@ def register_jobctl_routes(
 
     @app.get("/v1/arrays/{array_id}", responses=errors(404))
     def array(array_id: str, who: Who) -> dict[str, Any]:
-        """An array's tasks (``job_id``, ``array_index``, ``status``) and a count per state."""
+        """An array's tasks (``job_id``, ``array_index``, ``status``) and a count per state.
+        ``{array_id}`` is a full id, a unique id prefix or the array's name (its tasks' job
+        name; the newest such array); ``array_id`` in the answer is the full id."""
         with state.db.read() as s:
+            array_id = jobctl.resolve_array_ref(s, team(who), array_id)
             ids = [j for j, _ in jobctl.array_task_ids(s, team(who), array_id)]
             rows = s.execute(
                 select(JobRow.id, JobRow.array_index, JobRow.status, JobRow.array_max_running)

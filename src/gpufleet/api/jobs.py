@@ -131,7 +131,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 ]
             }
 
-    @r.get("/v1/jobs", response_model=JobList)
+    @r.get("/v1/jobs", response_model=JobList, responses=errors(404))
     def list_(
         who: Who,
         status: Annotated[
@@ -143,10 +143,21 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
         ] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
         cursor: str | None = None,
-        array_id: Annotated[str | None, Query(max_length=64)] = None,
+        array_id: Annotated[
+            str | None,
+            Query(
+                max_length=256,
+                description="Only this array's tasks: its id, a unique id prefix or its name "
+                "(404 for an array that does not exist).",
+            ),
+        ] = None,
         name: Annotated[str | None, Query(max_length=256)] = None,
     ) -> JobList:
         with state.db.read() as s:
+            if array_id is not None:  # an unknown array is a 404, not an empty page
+                array_id = jobctl.resolve_array_ref(
+                    s, None if who.is_admin else who.team_id, array_id
+                )
             rows, nxt = jobs.list_jobs(
                 s,
                 None if who.is_admin else who.team_id,

@@ -55,7 +55,7 @@ def fetch_jobs(
     params: dict[str, Any] = {
         "limit": limit,
         **({"status": status_filter.upper()} if status_filter else {}),
-        **({"array_id": array} if array else {}),
+        **({"array_id": array} if array is not None else {}),  # "": a 404, not every job
         **({"name": name} if name else {}),
     }
     items: list[dict[str, Any]] = []
@@ -89,7 +89,12 @@ def list_jobs(
     count: Annotated[
         int, typer.Option("--count", min=0, hidden=True, help="Stop after N refreshes.")
     ] = 0,
-    array: Annotated[str | None, typer.Option("--array", help="Only this array's tasks.")] = None,
+    array: Annotated[
+        str | None,
+        typer.Option(
+            "--array", help="Only this array's tasks (its id, an id prefix or its name)."
+        ),
+    ] = None,
     name: Annotated[str | None, typer.Option("--name", help="Only jobs of this name.")] = None,
     out: OutputOpt = OutputFormat.table,
     wide: WideOpt = False,

@@ -23,6 +23,7 @@ from gpufleet.client.models import (
     Node,
     Submitted,
     UsageReport,
+    array_id_of,
     job_id_of,
 )
 
@@ -274,7 +275,7 @@ class AsyncClient:
         return CancelResult.from_dict(await self.request("POST", "/v1/jobs/cancel", json=body))
 
     async def array(self, array_id: str | Submitted) -> ArrayInfo:
-        aid = array_id if isinstance(array_id, str) else array_id.array_id
+        aid = array_id_of(array_id)
         return ArrayInfo.from_dict(await self.request("GET", f"/v1/arrays/{aid}"))
 
     async def usage(

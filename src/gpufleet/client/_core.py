@@ -298,7 +298,7 @@ def list_params(
     name: str | None = None,
 ) -> dict[str, Any]:
     params: dict[str, Any] = {"limit": limit}
-    if array_id:
+    if array_id is not None:  # "" too: the server answers 404, not every job
         params["array_id"] = array_id
     if name:
         params["name"] = name

@@ -23,6 +23,7 @@ from gpufleet.client.models import (
     Node,
     Submitted,
     UsageReport,
+    array_id_of,
     job_id_of,
 )
 
@@ -385,8 +386,10 @@ class Client:
         return CancelResult.from_dict(self.request("POST", "/v1/jobs/cancel", json=body))
 
     def array(self, array_id: str | Submitted) -> ArrayInfo:
-        """An array's tasks (job id, index, status) and a count per state. Raises NotFound."""
-        aid = array_id if isinstance(array_id, str) else array_id.array_id
+        """An array's tasks (job id, index, status) and a count per state. ``array_id``: the
+        array's id, a unique id prefix or its name (``ArrayInfo.array_id`` is the full id).
+        Raises NotFound (no such array) or ValidationError (an ambiguous reference)."""
+        aid = array_id_of(array_id)
         return ArrayInfo.from_dict(self.request("GET", f"/v1/arrays/{aid}"))
 
     # --- accounting and artifacts ---------------------------------------------------------

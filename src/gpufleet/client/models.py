@@ -361,3 +361,17 @@ def job_id_of(ref: JobRef) -> str:
     if not job_id.strip():
         raise ValueError("job: a job reference must not be empty")
     return job_id
+
+
+def array_id_of(ref: str | Submitted) -> str:
+    """The array reference (id, unique id prefix or name) as a path segment.
+
+    Raises:
+        ValueError: an empty reference, or the ``Submitted`` of a job that is not an array.
+    """
+    if not isinstance(ref, str) and ref.array_id is None:
+        raise ValueError(f"array_id: job {ref.job_id} was not submitted as an array")
+    array_id = ref if isinstance(ref, str) else ref.array_id or ""
+    if not array_id.strip():
+        raise ValueError("array_id: an array reference must not be empty")
+    return array_id

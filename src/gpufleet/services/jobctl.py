@@ -14,7 +14,8 @@ Syntax follows Slurm where Slurm has one:
 Job references: wherever a job id is accepted, a unique prefix of one (4 characters or more
 after ``j-``; the ``j-`` may be left out) or a job name (the team's newest job of that name)
 is accepted too. A prefix matching several jobs, or a reference that is both a prefix of
-one job and the name of another, is a 422 listing the candidates.
+one job and the name of another, is a 422 listing the candidates. Array references follow
+the same rules (``a-``, the name the array was submitted with): ``resolve_array_ref``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ REQUEUE_FROM_FINISHED = (
 )
 """Finished states a user's requeue reopens (SUCCEEDED is final: its result is the job's)."""
 
-_ID_CHARS = re.compile(r"^(j-)?[0-9a-z]+$")
+_ID_CHARS = re.compile(r"^[0-9a-z]+$")
 _FULL_ID = re.compile(r"^j-[0-9a-z]{26}$")
 _ARRAY_ID = re.compile(r"^a-[0-9a-z]{26}$")
 
@@ -65,23 +66,7 @@ def resolve_dependencies(
     out: list[dict[str, str]] = []
     seen: set[tuple[str, str]] = set()
     for kind, ref in deps:
-        if _ARRAY_ID.match(ref):
-            ids = list(
-                session.scalars(
-                    select(JobRow.id)
-                    .where(JobRow.array_id == ref, JobRow.team_id == team_id)
-                    .order_by(JobRow.array_index)
-                )
-            )
-            if not ids:
-                raise ValidationFailed(f"depends_on: no array {ref!r} in your team", field=field)
-        else:
-            try:
-                ids = [resolve_job_ref(session, team_id, ref, field=field)]
-            except NotFound:
-                raise ValidationFailed(
-                    f"depends_on: no job {ref!r} in your team", field=field
-                ) from None
+        ids = _dependency_ids(session, team_id, ref, field)
         for job_id in ids:
             if (kind, job_id) not in seen:
                 seen.add((kind, job_id))
@@ -91,7 +76,53 @@ def resolve_dependencies(
     return out
 
 
+def _dependency_ids(session: Session, team_id: str, ref: str, field: str) -> list[str]:
+    """The jobs one dependency stands for: an array id, or a unique prefix of one written
+    with its ``a-``: the array's tasks by index; anything else: one job (id, prefix, name).
+    A name always means a job (the newest of that name), even a task's name."""
+    array_id: str | None = None
+    if ref.lower().startswith(_ARRAYS.tag):
+        try:
+            array_id = _resolve_ref(session, team_id, ref, _ARRAYS, field, by_name=False)
+        except NotFound:
+            if _ARRAY_ID.match(ref):
+                raise ValidationFailed(
+                    f"depends_on: no array {ref!r} in your team", field=field
+                ) from None
+    if array_id is not None:
+        return list(
+            session.scalars(
+                select(JobRow.id)
+                .where(JobRow.array_id == array_id, JobRow.team_id == team_id)
+                .order_by(JobRow.array_index)
+            )
+        )
+    try:
+        return [resolve_job_ref(session, team_id, ref, field=field)]
+    except NotFound:
+        what = "job or array" if ref.lower().startswith(_ARRAYS.tag) else "job"
+        raise ValidationFailed(
+            f"depends_on: no {what} {ref!r} in your team", field=field
+        ) from None
+
+
 # --- job references --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _RefKind:
+    """What a reference names: jobs (``j-…`` ids in ``jobs.id``) or arrays (``a-…`` ids in
+    ``jobs.array_id``; an array's name is its tasks' job name)."""
+
+    noun: str
+    tag: str
+    column: Any
+    full_id: re.Pattern[str]
+    code: str
+
+
+_JOBS = _RefKind("job", "j-", JobRow.id, _FULL_ID, "ambiguous_job_ref")
+_ARRAYS = _RefKind("array", "a-", JobRow.array_id, _ARRAY_ID, "ambiguous_array_ref")
 
 
 def resolve_job_ref(
@@ -104,49 +135,86 @@ def resolve_job_ref(
         NotFound: nothing matches (404).
         ValidationFailed: ambiguous; the message lists up to 10 candidates (422).
     """
-    if _FULL_ID.match(ref):
-        row = session.execute(select(JobRow.team_id).where(JobRow.id == ref)).first()
-        if row is None or (team_id is not None and row[0] != team_id):
-            raise NotFound(f"no job {ref!r}", field=field)
-        return ref
-    if not ref or len(ref) > 256 or "\x00" in ref:
-        raise NotFound(f"no job {ref!r}", field=field)
-    by_prefix: list[str] = []
-    low = ref.lower()
-    if _ID_CHARS.match(low) and len(low.removeprefix("j-")) >= MIN_PREFIX:
-        prefix = low if low.startswith("j-") else f"j-{low}"
-        # LIKE, not a range: a range's end depends on the database's collation. The prefix
-        # holds only [0-9a-z-], so nothing needs escaping.
-        q = select(JobRow.id).where(JobRow.id.like(f"{prefix}%"))
+    return _resolve_ref(session, team_id, ref, _JOBS, field)
+
+
+def resolve_array_ref(
+    session: Session, team_id: str | None, ref: str, *, field: str = "array_id"
+) -> str:
+    """The array id ``ref`` stands for, by the rules of :func:`resolve_job_ref`: a full
+    array id, a unique prefix of one (at least 4 characters after ``a-``; the ``a-`` may be
+    left out), or the name its tasks were submitted with (the newest array of that name).
+    ``team_id=None`` (admin) looks at every team.
+
+    Raises:
+        NotFound: no such array in the team (404, field ``field``).
+        ValidationFailed: ambiguous, ``ambiguous_array_ref``; the message lists up to 10
+            candidates (422).
+    """
+    return _resolve_ref(session, team_id, ref, _ARRAYS, field)
+
+
+def _resolve_ref(
+    session: Session,
+    team_id: str | None,
+    ref: str,
+    kind: _RefKind,
+    field: str,
+    *,
+    by_name: bool = True,
+) -> str:
+    """``ref`` as ``kind``: a full id, a unique id prefix or (with ``by_name``) a name."""
+    col, noun, tag = kind.column, kind.noun, kind.tag
+    if kind.full_id.match(ref):
+        q = select(JobRow.team_id).where(col == ref)
         if team_id is not None:
             q = q.where(JobRow.team_id == team_id)
-        by_prefix = list(session.scalars(q.order_by(JobRow.id.desc()).limit(11)))
-    q = select(JobRow.id).where(JobRow.name == ref)
-    if team_id is not None:
-        q = q.where(JobRow.team_id == team_id)
-    by_name = session.scalars(q.order_by(JobRow.id.desc()).limit(1)).first()
-    candidates = list(dict.fromkeys(by_prefix + ([by_name] if by_name else [])))
+        if session.execute(q.limit(1)).first() is None:
+            raise NotFound(f"no {noun} {ref!r}", field=field)
+        return ref
+    if not ref or len(ref) > 256 or "\x00" in ref:
+        raise NotFound(f"no {noun} {ref!r}", field=field)
+    by_prefix: list[str] = []
+    low = ref.lower()
+    id_like = bool(_ID_CHARS.match(low.removeprefix(tag)))
+    if id_like and len(low.removeprefix(tag)) >= MIN_PREFIX:
+        prefix = low if low.startswith(tag) else f"{tag}{low}"
+        # LIKE, not a range: a range's end depends on the database's collation. The prefix
+        # holds only [0-9a-z-], so nothing needs escaping.
+        q = select(col).where(col.like(f"{prefix}%"))
+        if team_id is not None:
+            q = q.where(JobRow.team_id == team_id)
+        by_prefix = list(session.scalars(q.distinct().order_by(col.desc()).limit(11)))
+    named: str | None = None
+    if by_name:
+        q = select(col).where(JobRow.name == ref, col.is_not(None))
+        if team_id is not None:
+            q = q.where(JobRow.team_id == team_id)
+        named = session.scalars(q.order_by(col.desc()).limit(1)).first()
+    candidates = list(dict.fromkeys(by_prefix + ([named] if named else [])))
     if not candidates:
-        if _ID_CHARS.match(low) and len(low.removeprefix("j-")) < MIN_PREFIX:
+        if id_like and len(low.removeprefix(tag)) < MIN_PREFIX and by_name:
             raise NotFound(
-                f"no job {ref!r}: no job has that name, and an id prefix is too short to look "
-                f"up (at least {MIN_PREFIX} characters after 'j-')",
+                f"no {noun} {ref!r}: no {noun} has that name, and an id prefix is too short "
+                f"to look up (at least {MIN_PREFIX} characters after {tag!r})",
                 field=field,
             )
-        raise NotFound(f"no job {ref!r} (no id starts with it, no job has that name)", field=field)
+        raise NotFound(
+            f"no {noun} {ref!r} (no id starts with it, no {noun} has that name)", field=field
+        )
     if len(candidates) > 1:
         listed = ", ".join(candidates[:10]) + (" ..." if len(candidates) > 10 else "")
         what = (
-            "is a prefix of several jobs"
+            f"is a prefix of several {noun}s"
             if len(by_prefix) > 1
-            else ("is both an id prefix and a job name")
+            else f"is both an id prefix and a {noun} name"
         )
         raise ValidationFailed(
             f"{field} {ref!r} is ambiguous: it {what}: {listed}; use more characters",
             field=field,
-            code="ambiguous_job_ref",
+            code=kind.code,
         )
-    return candidates[0]
+    return str(candidates[0])
 
 
 def resolve(db: Database, team_id: str | None, ref: str, field: str = "job_id") -> str:
@@ -388,15 +456,20 @@ def parse_states(text: str) -> list[str]:
 def select_jobs(session: Session, team_id: str | None, sel: Selection) -> list[JobRow]:
     """The jobs of ``sel`` (newest first, each once).
 
+    ``array_id`` may be any array reference (:func:`resolve_array_ref`).
+
     Raises:
-        ValidationFailed: no reference nor filter, an unknown state, too many jobs (422).
-        NotFound: an explicit reference matches nothing (404).
+        ValidationFailed: no reference nor filter, an unknown state, too many jobs, an
+            ambiguous reference (422).
+        NotFound: an explicit reference or the array matches nothing (404).
     """
     if not (sel.job_ids or sel.name or sel.state or sel.array_id):
         raise ValidationFailed(
             "name at least one of job_ids, name, state, array_id", field="job_ids"
         )
     ids = [resolve_job_ref(session, team_id, r, field="job_ids") for r in sel.job_ids]
+    # an array that does not exist is a 404 naming it, as GET /v1/arrays/{id}, not "no match"
+    array_id = resolve_array_ref(session, team_id, sel.array_id) if sel.array_id else None
     rows: dict[str, JobRow] = {}
     if ids:
         for j in session.scalars(select(JobRow).where(JobRow.id.in_(ids))):
@@ -409,8 +482,8 @@ def select_jobs(session: Session, team_id: str | None, sel: Selection) -> list[J
             q = q.where(JobRow.name == sel.name)
         if sel.state:
             q = q.where(JobRow.status.in_(parse_states(sel.state)))
-        if sel.array_id:
-            q = q.where(JobRow.array_id == sel.array_id)
+        if array_id:
+            q = q.where(JobRow.array_id == array_id)
         for j in session.scalars(q.limit(MAX_BULK + 1)):
             rows[j.id] = j
     if len(rows) > MAX_BULK:

@@ -22,7 +22,7 @@ from gpufleet.sim.config import Scenario, ScenarioError, load_scenario
 from gpufleet.sim.engine import Engine
 from gpufleet.sim.metrics import shown, summary
 from gpufleet.sim.scenario_cluster import PARTITION_LABEL, partition
-from gpufleet.sim.scenario_policy import BASELINES, policy_for
+from gpufleet.sim.scenario_policy import BASELINES, check_baselines, policy_for
 
 app = typer.Typer(help="Trace-driven simulator running the live scheduling policy.")
 
@@ -131,6 +131,8 @@ def run_sim(
     did not finish every job add lines to ``warnings`` (absent when all finished).
     ``progress`` is told how far each run is (by simulated time against the last arrival).
     """
+    if compare is not None:  # before the scenario is read: a typo costs no run
+        compare = check_baselines(compare, "compare")
     sc = load_scenario(config_path, traces_dir=traces_dir, seed=seed)
     last_arrival = max((j.submit_s for j in sc.jobs), default=0.0) or 1.0
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -205,6 +207,12 @@ def run_cmd(
         typer.echo(f"error: --out {out}: exists and is not a folder", err=True)
         raise typer.Exit(2)
     try:
+        # named as the user typed it, before the scenario is read or any run starts
+        compare_names = check_baselines(compare, "--compare") if compare else None
+    except ScenarioError as exc:
+        typer.echo(f"error: {exc} (see `gpufleet sim baselines`)", err=True)
+        raise typer.Exit(2) from None
+    try:
         with _progress() as progress:
             rep = run_sim(
                 config,
@@ -212,7 +220,7 @@ def run_cmd(
                 seed=seed,
                 traces_dir=traces_dir,
                 plots=not no_plots,
-                compare=tuple(compare) if compare else None,
+                compare=compare_names,
                 progress=progress,
             )
     except (

@@ -125,9 +125,24 @@ def _policy_knobs(raw: Any, where: str) -> dict[str, Any]:
     return out
 
 
+def check_baselines(names: Any, where: str) -> tuple[str, ...]:
+    """``names`` (a list of baseline names, as ``compare:`` or ``--compare`` give them),
+    checked before any run starts.
+
+    Raises:
+        ScenarioError: a name that is not a baseline; the message names ``where`` (the
+            field or option, e.g. ``--compare``) and lists the baselines.
+    """
+    return tuple(_choice(name, where, BASELINES) for name in names)
+
+
 def policy_for(base: PolicyConfig, baseline: str) -> PolicyConfig:
-    if baseline not in BASELINES:
-        raise ValueError(f"unknown baseline {baseline!r}; one of {sorted(BASELINES)}")
+    """The configured policy with ``baseline``'s change applied.
+
+    Raises:
+        ScenarioError: an unknown baseline (the message lists the baselines).
+    """
+    check_baselines((baseline,), "baseline")
     return replace(base, **BASELINES[baseline])
 
 
