@@ -5,7 +5,15 @@ from __future__ import annotations
 import shlex
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from gpufleet.domain.types import JobSpec, PriorityClass, Resources
@@ -28,7 +36,7 @@ class DependencyIn(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["afterok", "afterany", "afternotok"] = "afterok"
-    job_id: str = Field(max_length=256)
+    job_id: str = Field(min_length=1, max_length=256)
 
 
 class JobCreate(BaseModel):
@@ -39,7 +47,8 @@ class JobCreate(BaseModel):
 
     name: Name = ""
     command: list[Annotated[str, Field(max_length=16384)]] = Field(min_length=1, max_length=1024)
-    image: str | None = Field(default=None, max_length=512)
+    image: str | None = Field(default=None, min_length=1, max_length=512)
+    """A container image; null (or absent) runs a process job. An empty name is refused."""
     gpu_count: int = Field(default=1, ge=1, le=1024)
     nodes: int | None = Field(default=None, ge=1, le=1024)
     """Members of a multi-node (gang) job; None derives it (1 when gpu_count fits a node)."""
@@ -62,6 +71,7 @@ class JobCreate(BaseModel):
     working_dir: str | None = Field(default=None, max_length=4096)
     array: str | None = Field(
         default=None,
+        min_length=1,
         max_length=256,
         description="Job array, Slurm syntax: 0-99, 1,3,5, 0-15:4, with %N = max running.",
     )
@@ -84,6 +94,52 @@ class JobCreate(BaseModel):
                         {"field": str(key)},
                     )
         return data
+
+    @field_validator("gpu_type", "depends_on", mode="before")
+    @classmethod
+    def _string_or_list(cls, v: Any, info: ValidationInfo) -> Any:
+        """A non-empty string, a list or null: anything else is refused naming the field
+        itself (the union's own errors would name a member: ``depends_on.str``)."""
+        if v is not None and not isinstance(v, str | list):
+            raise PydanticCustomError(
+                "string_or_list",
+                "{field} must be a string or a list, not {kind}",
+                {"field": str(info.field_name), "kind": type(v).__name__},
+            )
+        if v == "":
+            raise PydanticCustomError(
+                "string_too_short",
+                "{field} must not be empty (leave it out instead)",
+                {"field": str(info.field_name)},
+            )
+        return v
+
+    @field_validator("depends_on", mode="before")
+    @classmethod
+    def _dependency_items(cls, v: Any) -> Any:
+        """Each item of a ``depends_on`` list validated here, so that an error names
+        ``depends_on`` and the item (not the union member ``depends_on.str``)."""
+        if not isinstance(v, list):
+            return v
+        items = []
+        for i, item in enumerate(v):
+            if not isinstance(item, dict):
+                raise PydanticCustomError(
+                    "dependency",
+                    "depends_on[{i}] must be a mapping with job_id (and type: afterok by default)",
+                    {"i": i},
+                )
+            try:
+                items.append(DependencyIn.model_validate(item))
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in first["loc"])
+                raise PydanticCustomError(
+                    "dependency",
+                    "depends_on[{i}]{where}: {msg}",
+                    {"i": i, "where": where, "msg": first["msg"]},
+                ) from None
+        return items
 
     @field_validator("working_dir")
     @classmethod

@@ -28,9 +28,14 @@ Jobs = Annotated[
 ]
 
 
+def _structured(out: OutputFormat) -> bool:
+    """Whether ``out`` asks for the answer as data (JSON or YAML) rather than lines."""
+    return out in (OutputFormat.json, OutputFormat.yaml)
+
+
 def _emit(out: OutputFormat, data: dict[str, Any], line: str) -> None:
-    if out is OutputFormat.json:
-        output.print_json(data)
+    if _structured(out):
+        output.print_data(data, out.value)
     else:
         typer.echo(output.clean(line))
 
@@ -45,10 +50,10 @@ def _each(
         for ref in jobs:
             data = act(ref).raw
             results.append(data)
-            if out is not OutputFormat.json:
+            if not _structured(out):
                 typer.echo(output.clean(f"{verb}: {data.get('job_id')} ({data.get('status')})"))
-        if out is OutputFormat.json:
-            output.print_json({"items": results})
+        if _structured(out):
+            output.print_data({"items": results}, out.value)
 
 
 def hold(jobs: Jobs, out: OutputOpt = OutputFormat.table, url: UrlOpt = None,
@@ -112,8 +117,8 @@ NO_MATCH_EXIT_CODE = 3
 
 def _nothing_matched(out: OutputFormat, data: dict[str, Any]) -> None:
     """End a bulk cancel that matched no unfinished job: say so on stderr, exit 3."""
-    if out is OutputFormat.json:
-        output.print_json(data)
+    if _structured(out):
+        output.print_data(data, out.value)
     skipped = len(data.get("skipped") or [])
     why = f" ({skipped} matched but already finished)" if skipped else ""
     typer.echo(f"no job matched: nothing to cancel{why}", err=True)
@@ -125,7 +130,9 @@ def cancel(
         list[str] | None,
         typer.Argument(help="Job ids, id prefixes or names.", callback=nonempty),
     ] = None,
-    name: Annotated[str | None, typer.Option("--name", help="Every job of this name.")] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="Every job of this name.", callback=nonempty)
+    ] = None,
     state: Annotated[
         list[str] | None,
         typer.Option(
@@ -133,9 +140,12 @@ def cancel(
             "--status",
             help="Only jobs in this state (e.g. PENDING); repeat it or give a comma list "
             "(PENDING,RUNNING) for any of several.",
+            callback=nonempty,
         ),
     ] = None,
-    array: Annotated[str | None, typer.Option("--array", help="Every task of an array.")] = None,
+    array: Annotated[
+        str | None, typer.Option("--array", help="Every task of an array.", callback=nonempty)
+    ] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     out: OutputOpt = OutputFormat.table,
     url: UrlOpt = None,
@@ -176,8 +186,8 @@ def cancel(
         data = fleet.cancel_many(refs, name=name, state=state, array_id=array).raw
         if not data.get("cancelled"):
             _nothing_matched(out, data)
-        if out is OutputFormat.json:
-            output.print_json(data)
+        if _structured(out):
+            output.print_data(data, out.value)
             return
         for item in data.get("cancelled") or []:
             typer.echo(output.clean(f"cancel requested: {item['job_id']} ({item['status']})"))
@@ -187,7 +197,7 @@ def cancel(
 
 
 def array(
-    array_id: Annotated[str, typer.Argument(help="Array id (a-...).")],
+    array_id: Annotated[str, typer.Argument(help="Array id (a-...).", callback=nonempty)],
     out: OutputOpt = OutputFormat.table,
     url: UrlOpt = None,
     token: TokenOpt = None,
@@ -195,8 +205,8 @@ def array(
     """Show an array: tasks per state and each task's job id."""
     with _session(url, token) as http:
         data = _sdk(http).array(array_id).raw
-        if out is OutputFormat.json:
-            output.print_json(data)
+        if _structured(out):
+            output.print_data(data, out.value)
             return
         counts = ", ".join(f"{k} {v}" for k, v in sorted((data.get("counts") or {}).items()))
         limit = data.get("max_running")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from gpufleet.cli import output
-from gpufleet.cli.options import JobArg, TokenOpt, UrlOpt
+from gpufleet.cli.options import JobArg, TokenOpt, UrlOpt, nonempty
 from gpufleet.cli.session import _call, _sdk, _session
 from gpufleet.client.errors import ApiError
 
@@ -24,6 +24,8 @@ MAX_POLL_FAILURES = 30  # consecutive unreachable polls tolerated by --wait (a s
 _sleep = time.sleep  # swapped out in tests
 
 DEFAULT_TAIL_LINES = 1000
+MAX_TAIL_LINES = 1_000_000  # GET /v1/jobs/{id}/logs's bounds on `tail` and `rank`
+MAX_RANK = 1023  # (gpufleet.api.logs), so that the CLI names -n/--rank, not query.tail
 WAITING_STATES = frozenset({"PENDING", "SCHEDULED", "HELD"})
 
 
@@ -124,13 +126,23 @@ def _wait(
 def logs(
     job: JobArg,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep streaming.")] = False,
-    attempt: Annotated[str | None, typer.Option("--attempt", help="A run_id.")] = None,
+    attempt: Annotated[
+        str | None, typer.Option("--attempt", help="A run_id.", callback=nonempty)
+    ] = None,
     rank: Annotated[
-        int, typer.Option("--rank", min=0, help="Rank of a multi-node job (default 0).")
+        int,
+        typer.Option("--rank", min=0, max=MAX_RANK, help="Rank of a multi-node job (default 0)."),
     ] = 0,
     all_lines: Annotated[bool, typer.Option("--all", help="The whole log.")] = False,
     tail: Annotated[
-        int, typer.Option("--tail", "-n", min=0, help="Show the last N lines (unless --all).")
+        int,
+        typer.Option(
+            "--tail",
+            "-n",
+            min=0,
+            max=MAX_TAIL_LINES,
+            help="Show the last N lines (unless --all).",
+        ),
     ] = DEFAULT_TAIL_LINES,
     url: UrlOpt = None,
     token: TokenOpt = None,

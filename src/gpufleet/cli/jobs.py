@@ -18,11 +18,14 @@ from gpufleet.cli.options import (
     UrlOpt,
     WideOpt,
     _fmt,
+    nonempty,
 )
 from gpufleet.cli.session import _call, _session
 
 if TYPE_CHECKING:
     import httpx
+
+MAX_PAGE_SIZE = 500  # GET /v1/jobs's bound on `limit` (gpufleet.api.jobs)
 
 
 def status(
@@ -76,9 +79,12 @@ def list_jobs(
             "--state",
             help="Only jobs in this state; repeat it or give a comma list (PENDING,RUNNING)"
             " for any of several.",
+            callback=nonempty,
         ),
     ] = None,
-    limit: Annotated[int, typer.Option("--limit", min=1, help="Page size.")] = 50,
+    limit: Annotated[
+        int, typer.Option("--limit", min=1, max=MAX_PAGE_SIZE, help="Page size.")
+    ] = 50,
     all_pages: Annotated[bool, typer.Option("--all", help="Follow every page.")] = False,
     watch: Annotated[
         bool, typer.Option("--watch", "-w", help="Keep the table on screen, refreshed.")
@@ -92,10 +98,14 @@ def list_jobs(
     array: Annotated[
         str | None,
         typer.Option(
-            "--array", help="Only this array's tasks (its id, an id prefix or its name)."
+            "--array",
+            help="Only this array's tasks (its id, an id prefix or its name).",
+            callback=nonempty,
         ),
     ] = None,
-    name: Annotated[str | None, typer.Option("--name", help="Only jobs of this name.")] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="Only jobs of this name.", callback=nonempty)
+    ] = None,
     out: OutputOpt = OutputFormat.table,
     wide: WideOpt = False,
     url: UrlOpt = None,

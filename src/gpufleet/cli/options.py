@@ -36,9 +36,25 @@ def duration_s(text: str, flag: str, allow_zero: bool = False) -> float:
 
     Raises:
         ClientError: not a finite positive duration (zero allowed with ``allow_zero``),
-            naming ``flag``.
+            naming ``flag`` (a number too large for a float, ``99999...9d``, included).
     """
-    t = text.strip().lower()
+    try:
+        value = _duration_value(text.strip().lower())
+    except (OverflowError, ValueError):  # a huge Slurm day count: too large for a float, or
+        value = math.inf  # more digits than int() reads (sys.get_int_max_str_digits)
+    if not math.isfinite(value):
+        raise ClientError(f"{flag} {text!r} is too long a duration", field=flag)
+    if not text.strip() or value < 0 or (value == 0 and not allow_zero):
+        raise ClientError(
+            f"{flag} {text!r}: use e.g. 90s, 15m, 2h, 1d12h, or Slurm's 1:30:00 / 2-12:00:00",
+            field=flag,
+        )
+    return value
+
+
+def _duration_value(t: str) -> float:
+    """The seconds of a lower-cased duration (see :func:`duration_s`); -1 when it does not
+    parse; may be ``inf`` or raise ``OverflowError`` for huge numbers."""
     value = -1.0
     if ":" in t or "-" in t[1:]:
         m = _SLURM_TIME.fullmatch(t)
@@ -59,11 +75,6 @@ def duration_s(text: str, flag: str, allow_zero: bool = False) -> float:
                 break
             value += float(part.group(1)) * _DURATION_UNITS[part.group(2)]
             pos = part.end()
-    if not t or value < 0 or (value == 0 and not allow_zero):
-        raise ClientError(
-            f"{flag} {text!r}: use e.g. 90s, 15m, 2h, 1d12h, or Slurm's 1:30:00 / 2-12:00:00",
-            field=flag,
-        )
     return value
 
 
@@ -74,11 +85,51 @@ class OutputFormat(enum.StrEnum):
     yaml = "yaml"
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a server URL (no http(s) scheme or no host), or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url.strip())
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if parts.scheme not in ("http", "https"):
+        return "must start with http:// or https://, e.g. http://127.0.0.1:8420"
+    if not parts.hostname:
+        return "names no host, e.g. http://127.0.0.1:8420"
+    return None
+
+
+def _url_option(value: str | None) -> str | None:
+    """Typer callback of ``--url``: empty or not an http(s) URL is a usage error (exit 2),
+    not a silent fall-back to client.yaml nor a failed request."""
+    if value is not None:
+        problem = "must not be empty" if not value.strip() else url_problem(value)
+        if problem:
+            raise typer.BadParameter(problem)
+    return value
+
+
+def _token_option(value: str | None) -> str | None:
+    """Typer callback of ``--token``: an empty one is a usage error (exit 2), not a silent
+    fall-back to GPUFLEET_TOKEN or client.yaml."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("must not be empty")
+    return value
+
+
 UrlOpt = Annotated[
-    str | None, typer.Option("--url", help="Server URL (else GPUFLEET_URL, client.yaml).")
+    str | None,
+    typer.Option(
+        "--url", help="Server URL (else GPUFLEET_URL, client.yaml).", callback=_url_option
+    ),
 ]
 TokenOpt = Annotated[
-    str | None, typer.Option("--token", help="API token (else GPUFLEET_TOKEN, client.yaml).")
+    str | None,
+    typer.Option(
+        "--token", help="API token (else GPUFLEET_TOKEN, client.yaml).", callback=_token_option
+    ),
 ]
 OutputOpt = Annotated[
     OutputFormat,

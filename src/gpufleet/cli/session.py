@@ -9,6 +9,7 @@ module level (see :mod:`gpufleet.cli.client`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -16,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from gpufleet.cli import output
-from gpufleet.cli.options import ClientError
+from gpufleet.cli.options import ClientError, url_problem
 from gpufleet.client.config import (
     ClientConfig,
     ConfigError,
+    default_config_path,
     require_token,
     resolve_client_config,
 )
@@ -102,6 +104,34 @@ def _auth_hint(exc: ApiError) -> str:
     return ""
 
 
+def _check_url(cfg_url: str, flag: str | None) -> None:
+    """Refuse a server URL that is not http(s)://host, naming where it came from (the
+    ``--url`` flag, ``GPUFLEET_URL`` or the client config file).
+
+    Raises:
+        ClientError: the URL is unusable (exit 2).
+    """
+    problem = url_problem(cfg_url)
+    if problem is None:
+        return
+    if flag:
+        source = "--url"
+    elif os.environ.get("GPUFLEET_URL"):
+        source = "GPUFLEET_URL"
+    else:
+        source = f"url in {default_config_path()}"
+    raise ClientError(f"{source} {cfg_url!r}: {problem}", field=source.split(" ")[0])
+
+
+def _missing_config_note() -> str:
+    """`` (GPUFLEET_CONFIG names PATH, which does not exist)`` when it does, else ``""``: the
+    likely cause of a missing token or URL, which the resolution silently skipped."""
+    named = os.environ.get("GPUFLEET_CONFIG")
+    if named and not default_config_path().is_file():
+        return f" (GPUFLEET_CONFIG names {named}, which does not exist)"
+    return ""
+
+
 @contextmanager
 def _session(url: str | None, token: str | None) -> Iterator[httpx.Client]:
     """Resolve the config, open the HTTP client, and map every failure to a message + exit
@@ -112,6 +142,7 @@ def _session(url: str | None, token: str | None) -> Iterator[httpx.Client]:
     try:
         cfg = resolve_client_config(url, token)
         target = cfg.url
+        _check_url(cfg.url, url)
         with make_http_client(cfg) as http:
             yield http
     except ClientError as exc:
@@ -121,7 +152,7 @@ def _session(url: str | None, token: str | None) -> Iterator[httpx.Client]:
         output.print_error(exc.message + _auth_hint(exc), exc.field)
         raise typer.Exit(2 if exc.status < 500 else 1) from None
     except ConfigError as exc:
-        output.print_error(str(exc))
+        output.print_error(str(exc) + _missing_config_note())
         raise typer.Exit(2) from None
     except (httpx.ConnectError, httpx.ConnectTimeout):
         output.print_error(

@@ -23,6 +23,8 @@ from gpufleet.cli.options import (
     TokenOpt,
     UrlOpt,
     duration_s,
+    finite,
+    nonempty,
 )
 from gpufleet.cli.session import _sdk, _session
 from gpufleet.client.errors import ApiError, GpufleetClientError, TransportError
@@ -30,6 +32,7 @@ from gpufleet.client.errors import ApiError, GpufleetClientError, TransportError
 if TYPE_CHECKING:
     import httpx
 
+MAX_JOB_GPUS = 1024  # the server's bound on gpu_count, nodes and gpus_per_node (JobCreate)
 FAILURE_LOG_LINES = 20  # log lines `submit --wait` shows when the job did not succeed
 _COMMAND_KEY = "gpufleet.command"
 
@@ -131,15 +134,31 @@ def build_job_body(
     ``env``/``node_selector`` merge key by key (flags win); a one-element ``gpu_type`` list is
     sent as a string. Defaults: ``gpu_count`` 1, ``priority`` NORMAL.
 
+    Fields the CLI reads itself (``env``, ``node_selector``, ``command`` as a string,
+    ``priority``) are checked here; the server validates everything else.
+
     Raises:
-        ClientError: no command anywhere (field ``command``).
+        ClientError: no command anywhere (field ``command``), a command string that does
+            not split (unbalanced quotes), or ``env``/``node_selector`` not a mapping (the
+            field named).
     """
+    for key in ("env", "node_selector"):
+        value = base.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise ClientError(
+                f"{key} must be a mapping of NAME: value (e.g. {key}: {{A: '1'}}),"
+                f" not {type(value).__name__} {value!r}",
+                field=key,
+            )
     body = dict(base)
     body.update({k: v for k, v in flags.items() if v is not None and v != []})
     if command:
         body["command"] = command
     elif isinstance(body.get("command"), str):
-        body["command"] = shlex.split(body["command"])
+        try:
+            body["command"] = shlex.split(body["command"])
+        except ValueError as exc:  # "No closing quotation", "No escaped character"
+            raise ClientError(f"command {body['command']!r}: {exc}", field="command") from None
     if not body.get("command"):
         raise ClientError(
             "no command: put it after `--` or set `command` in the job file", field="command"
@@ -151,7 +170,11 @@ def build_job_body(
         body["gpu_type"] = body["gpu_type"][0]
     if not (body.get("nodes") or body.get("gpus_per_node")):
         body.setdefault("gpu_count", 1)  # a gang's count: given, or nodes x gpus_per_node
-    body["priority"] = str(body.get("priority") or "NORMAL").upper()
+    priority = body.get("priority")
+    if priority is None:
+        body["priority"] = "NORMAL"
+    elif isinstance(priority, str):
+        body["priority"] = priority.upper()  # anything else: the server names the field
     return body
 
 
@@ -185,20 +208,31 @@ def _place_and_env(body: dict[str, Any], workdir: str | None, export: str | None
 def submit(
     ctx: typer.Context,
     jobfile: Annotated[Path | None, typer.Argument(help="YAML/JSON job file.")] = None,
-    name: Annotated[str | None, typer.Option(help="Job name.")] = None,
-    image: Annotated[str | None, typer.Option(help="Container image.")] = None,
-    gpus: Annotated[int | None, typer.Option("--gpus", help="GPU count (default 1).")] = None,
+    name: Annotated[str | None, typer.Option(help="Job name.", callback=nonempty)] = None,
+    image: Annotated[str | None, typer.Option(help="Container image.", callback=nonempty)] = None,
+    gpus: Annotated[
+        int | None,
+        typer.Option("--gpus", min=1, max=MAX_JOB_GPUS, help="GPU count (default 1)."),
+    ] = None,
     gpu_type: Annotated[
         list[str] | None, typer.Option("--gpu-type", help="GPU type; repeat in preference order.")
     ] = None,
     nodes: Annotated[
         int | None,
-        typer.Option("--nodes", help="Nodes of a multi-node (gang) job; one rank per node."),
+        typer.Option(
+            "--nodes",
+            min=1,
+            max=MAX_JOB_GPUS,
+            help="Nodes of a multi-node (gang) job; one rank per node.",
+        ),
     ] = None,
     gpus_per_node: Annotated[
         int | None,
         typer.Option(
-            "--gpus-per-node", help="GPUs per node of a gang (--nodes N: --gpus = N x G)."
+            "--gpus-per-node",
+            min=1,
+            max=MAX_JOB_GPUS,
+            help="GPUs per node of a gang (--nodes N: --gpus = N x G).",
         ),
     ] = None,
     allow_partial_nodes: Annotated[
@@ -207,11 +241,21 @@ def submit(
             "--allow-partial-nodes", help="A derived gang may split --gpus unevenly over nodes."
         ),
     ] = False,
-    gpu_memory_mb: Annotated[int | None, typer.Option(help="Min memory per GPU, MiB.")] = None,
-    cpu: Annotated[float | None, typer.Option(help="CPU cores.")] = None,
-    memory_mb: Annotated[int | None, typer.Option(help="Host memory, MiB.")] = None,
-    priority: Annotated[str | None, typer.Option(help="CRITICAL|HIGH|NORMAL|LOW.")] = None,
-    max_retries: Annotated[int | None, typer.Option(help="Retries after failure.")] = None,
+    gpu_memory_mb: Annotated[
+        int | None, typer.Option(min=0, max=10_000_000, help="Min memory per GPU, MiB.")
+    ] = None,
+    cpu: Annotated[
+        float | None, typer.Option(min=0, max=100_000, help="CPU cores.", callback=finite)
+    ] = None,
+    memory_mb: Annotated[
+        int | None, typer.Option(min=0, max=100_000_000, help="Host memory, MiB.")
+    ] = None,
+    priority: Annotated[
+        str | None, typer.Option(help="CRITICAL|HIGH|NORMAL|LOW.", callback=nonempty)
+    ] = None,
+    max_retries: Annotated[
+        int | None, typer.Option(min=0, max=100, help="Retries after failure.")
+    ] = None,
     expected_duration_s: Annotated[float | None, typer.Option(help="Runtime estimate.")] = None,
     max_runtime_s: Annotated[
         float | None, typer.Option(help="Kill after this long, seconds (or --time).")
@@ -238,22 +282,30 @@ def submit(
         list[str] | None, typer.Option("--selector", help="Node label k=v; repeatable.")
     ] = None,
     idempotency_key: Annotated[
-        str | None, typer.Option(help="Reuse to retry a submit safely (default: new uuid4).")
+        str | None,
+        typer.Option(
+            help="Reuse to retry a submit safely (default: new uuid4).", callback=nonempty
+        ),
     ] = None,
     workdir: Annotated[
         str | None,
         typer.Option(
             help="Directory the job starts in (default: this one, and the job gets this "
-            "shell's PATH, like Slurm; '-' = the attempt's own directory and the agent's PATH)."
+            "shell's PATH, like Slurm; '-' = the attempt's own directory and the agent's PATH).",
+            callback=nonempty,
         ),
     ] = None,
     array: Annotated[
         str | None,
-        typer.Option("--array", help="Job array, Slurm syntax: 0-99%8, 1,3,5, 0-15:4."),
+        typer.Option(
+            "--array", help="Job array, Slurm syntax: 0-99%8, 1,3,5, 0-15:4.", callback=nonempty
+        ),
     ] = None,
     depends: Annotated[
         str | None,
-        typer.Option("--depends", help="afterok:ID[:ID],afterany:ID,afternotok:ID."),
+        typer.Option(
+            "--depends", help="afterok:ID[:ID],afterany:ID,afternotok:ID.", callback=nonempty
+        ),
     ] = None,
     hold: Annotated[bool, typer.Option("--hold", help="Submit held (gpufleet release).")] = False,
     wait: Annotated[
@@ -274,11 +326,6 @@ def submit(
     from gpufleet.client import IdempotencyConflict
 
     with _session(url, token) as http:
-        if (wait or follow) and array:
-            raise ClientError(
-                "--wait/--follow take one job; watch an array with `gpufleet array ARRAY_ID`",
-                field="array",
-            )
         if time_limit is not None:
             if max_runtime_s is not None:
                 raise ClientError("give --time or --max-runtime-s, not both", field="--time")
@@ -311,6 +358,11 @@ def submit(
             list(ctx.meta.get(_COMMAND_KEY, [])),
         )
         _place_and_env(body, workdir, export)
+        if (wait or follow) and body.get("array"):  # the flag's or the job file's
+            raise ClientError(
+                "--wait/--follow take one job; watch an array with `gpufleet array ARRAY_ID`",
+                field="array",
+            )
         for key in ("cpu", "expected_duration_s", "max_runtime_s"):
             value = body.get(key)
             if isinstance(value, float) and not math.isfinite(value):

@@ -24,6 +24,7 @@ from gpufleet.cli.options import (
     TokenOpt,
     UrlOpt,
     WideOpt,
+    nonempty,
 )
 from gpufleet.cli.session import _sdk, _session
 from gpufleet.client.errors import ArtifactMismatch, TransportError
@@ -55,7 +56,7 @@ def when(value: str | None, flag: str, now: datetime | None = None) -> str | Non
     mean that long before now; ``today`` is midnight UTC.
 
     Raises:
-        ClientError: anything else (names the flag).
+        ClientError: anything else, or a span reaching before year 1 (names the flag).
     """
     if value is None:
         return None
@@ -63,7 +64,13 @@ def when(value: str | None, flag: str, now: datetime | None = None) -> str | Non
     text = value.strip()
     m = _AGO.match(text)
     if m:
-        at = now - timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
+        try:
+            at = now - timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
+        except OverflowError:  # before year 1, or more days than timedelta holds
+            raise ClientError(
+                f"{flag} {value!r} reaches back before the year 1: use a shorter span",
+                field=flag,
+            ) from None
         return at.isoformat().replace("+00:00", "Z")
     if text == "today":
         return now.strftime("%Y-%m-%dT00:00:00Z")
@@ -88,7 +95,9 @@ def gpu_hours(value: float) -> str:
 
 
 def usage(
-    team: Annotated[str | None, typer.Option(help="Only this team (admin tokens).")] = None,
+    team: Annotated[
+        str | None, typer.Option(help="Only this team (admin tokens).", callback=nonempty)
+    ] = None,
     since: Annotated[
         str | None, typer.Option(help="Window start: ISO 8601, 'today', or 7d/12h ago.")
     ] = None,
@@ -192,7 +201,7 @@ def artifacts(
         typer.Option("--download", "-d", help="Download every artifact into this directory."),
     ] = None,
     out: Annotated[
-        OutputFormat, typer.Option("--output", "-o", help="table, wide or json.")
+        OutputFormat, typer.Option("--output", "-o", help="table, wide, json or yaml.")
     ] = OutputFormat.table,
     wide: WideOpt = False,
     url: UrlOpt = None,
@@ -206,15 +215,21 @@ def artifacts(
         fleet = _sdk(http)
         listing = fleet.artifacts(job)
         if download is None:
-            if out is OutputFormat.json:
-                output.print_json(listing.raw)
+            if out in (OutputFormat.json, OutputFormat.yaml):
+                output.print_data(listing.raw, out.value)
                 return
             wide = wide or out is OutputFormat.wide
             output.table_console(wide).print(artifacts_table(listing.items, wide))
             if not listing.items:
                 typer.echo(f"job {job} stored no artifacts", err=True)
             return
-        download.mkdir(parents=True, exist_ok=True)
+        try:
+            download.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file on the way, no permission, read-only file system
+            raise ClientError(
+                f"--download {download}: cannot create the directory: {exc.strerror}",
+                field="--download",
+            ) from None
         for art in listing.items:
             dest = _target(download, art.path)
             _download(fleet, listing.job_id, art, dest)  # the job the name resolved to
@@ -226,7 +241,8 @@ def _download(fleet: Any, job: str, want: Artifact, dest: Path) -> None:
     only when size and sha256 match the listing and the server's ``X-Gpufleet-Sha256``).
 
     Raises:
-        ClientError: a mismatch or a broken download (exit 1); nothing is left at ``dest``.
+        ClientError: a mismatch or a broken download (exit 1), or ``dest`` cannot be written
+            (exit 2, naming ``--download``); nothing is left at ``dest``.
     """
     try:
         fleet.download_artifact(job, want, dest)
@@ -234,6 +250,11 @@ def _download(fleet: Any, job: str, want: Artifact, dest: Path) -> None:
         raise ClientError(exc.message, exit_code=1) from None
     except TransportError as exc:
         raise ClientError(f"download of {want.path} failed: {exc}", exit_code=1) from None
+    except OSError as exc:  # the file (or its directory) cannot be written under --download
+        raise ClientError(
+            f"--download: cannot write {exc.filename or dest}: {exc.strerror}",
+            field="--download",
+        ) from None
 
 
 def register(app: typer.Typer) -> None:

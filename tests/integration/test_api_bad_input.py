@@ -1,0 +1,60 @@
+"""POST /v1/jobs refuses empty and mistyped fields with a 422 naming the field itself
+(never 201 for an empty image, array or dependency, never ``depends_on.str``), on both
+databases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.integration.test_api import JOB, hdr
+from tests.integration.test_api import api as api  # the `api` fixture, re-exported
+
+
+class TestSubmitRefuses:
+    @pytest.mark.parametrize(
+        ("extra", "want_field"),
+        [
+            pytest.param({"image": ""}, "image", id="empty image"),
+            pytest.param({"array": ""}, "array", id="empty array"),
+            pytest.param({"depends_on": ""}, "depends_on", id="empty depends_on"),
+            pytest.param({"depends_on": 5}, "depends_on", id="depends_on a number"),
+            pytest.param({"depends_on": {"a": 1}}, "depends_on", id="depends_on a mapping"),
+            pytest.param({"gpu_type": 5}, "gpu_type", id="gpu_type a number"),
+            pytest.param({"gpu_type": ""}, "gpu_type", id="empty gpu_type"),
+            pytest.param({"depends_on": ["j-1"]}, "depends_on", id="a dependency not a mapping"),
+            pytest.param(
+                {"depends_on": [{"type": "afterok", "job_id": ""}]},
+                "depends_on",
+                id="a dependency on an empty job id",
+            ),
+        ],
+    )
+    def test_422_naming_the_field(self, api: Any, extra: dict[str, Any], want_field: str) -> None:
+        client, tokens = api
+        r = client.post("/v1/jobs", json={**JOB, **extra}, headers=hdr(tokens["vision"]))
+        assert r.status_code == 422, r.text
+        field = r.json()["field"]
+        assert field.split(".")[0] == want_field
+        assert ".str" not in field and "constrained" not in field
+
+    def test_the_scalar_errors_name_exactly_the_field(self, api: Any) -> None:
+        client, tokens = api
+        r = client.post("/v1/jobs", json={**JOB, "depends_on": 5}, headers=hdr(tokens["vision"]))
+        assert r.json()["field"] == "depends_on"
+        assert r.json()["message"] == "depends_on: depends_on must be a string or a list, not int"
+
+    @pytest.mark.parametrize(
+        "extra",
+        [
+            pytest.param({"image": "busybox"}, id="an image"),
+            pytest.param({"array": "0-1"}, id="an array"),
+            pytest.param({"image": None, "depends_on": None, "array": None}, id="nulls"),
+            pytest.param({"name": ""}, id="an empty name is no name"),
+        ],
+    )
+    def test_valid_values_still_201(self, api: Any, extra: dict[str, Any]) -> None:
+        client, tokens = api
+        r = client.post("/v1/jobs", json={**JOB, **extra}, headers=hdr(tokens["vision"]))
+        assert r.status_code == 201, r.text
