@@ -212,6 +212,18 @@ class TestCli:
             assert r.exit_code == 0, (ref, r.output)
             assert r.stdout.count(f'"array_id": "{want}"') == 4
 
+    def test_the_table_names_the_array_by_its_full_id(self, fleet: Fleet, cli: Any) -> None:
+        """`gpufleet array <prefix>` printed the prefix typed back as the array's id."""
+        for ref, want in refs(fleet):
+            r = cli("array", ref)
+            assert r.exit_code == 0, (ref, r.output)
+            assert r.stdout.startswith(f"array {want}: 4 tasks"), r.stdout
+
+    def test_cancel_by_a_long_array_name(self, fleet: Fleet, cli: Any) -> None:
+        """A bulk cancel's array_id was limited to 64 characters (a name may have 256)."""
+        r = cli("cancel", "--array", "x" * 200, "--yes")
+        assert r.exit_code == 2 and "no array" in r.stderr, r.output
+
     def test_cancel_by_array_prefix(self, fleet: Fleet, cli: Any) -> None:
         r = cli("cancel", "--array", _prefix(fleet.lone), "--yes")
         assert r.exit_code == 0, r.output
@@ -247,5 +259,6 @@ class TestSdk:
                 client.array(" ")
 
     def test_list_with_an_empty_array_is_a_404_not_every_job(self, fleet: Fleet, cli: Any) -> None:
-        r = cli("list", "--array", "", "-o", "json")
-        assert r.exit_code == 2 and "no array ''" in r.stderr, r.output
+        r = cli("list", "--array", "", "-o", "json")  # the CLI refuses it before asking
+        assert r.exit_code == 2 and "must not be empty" in r.stderr, r.output
+        assert fleet.get("/v1/jobs", array_id="").status_code == 404  # and the API too

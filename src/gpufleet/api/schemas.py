@@ -305,7 +305,11 @@ class BulkCancel(BaseModel):
         max_length=256,
         description="A job state, or several as a comma list (any of them): PENDING,RUNNING.",
     )
-    array_id: str | None = Field(default=None, max_length=64)
+    array_id: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Only this array's tasks: its id, an id prefix or its name.",
+    )
     dry_run: bool = False
 
 

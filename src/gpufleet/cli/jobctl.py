@@ -197,7 +197,10 @@ def cancel(
 
 
 def array(
-    array_id: Annotated[str, typer.Argument(help="Array id (a-...).", callback=nonempty)],
+    array_id: Annotated[
+        str,
+        typer.Argument(help="Array id (a-...), an id prefix or its name.", callback=nonempty),
+    ],
     out: OutputOpt = OutputFormat.table,
     url: UrlOpt = None,
     token: TokenOpt = None,
@@ -212,7 +215,7 @@ def array(
         limit = data.get("max_running")
         typer.echo(
             output.clean(
-                f"array {array_id}: {len(data.get('tasks') or [])} tasks"
+                f"array {data.get('array_id') or array_id}: {len(data.get('tasks') or [])} tasks"
                 + (f", at most {limit} running" if limit else "")
                 + f" ({counts})"
             )
