@@ -95,3 +95,24 @@ def test_podman_images_are_listed_once_per_name_in_order(
         "127.0.0.1:5000/py:3.11",
         "localhost/cuda:12",
     ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["team", "list"], ["token", "list"], ["node", "list"]],
+    ids=["team list", "token list", "node list"],
+)
+def test_admin_lists_refuse_an_unknown_output_format(argv: list[str]) -> None:
+    """`-o bogus` (and `-o yaml`, which it ignored) printed the table: only table, wide,
+    json and yaml are formats, checked before any request."""
+    result = CliRunner().invoke(app, ["admin", *argv, "-o", "bogus"], env=NO_SERVER)
+    assert result.exit_code == 2, result.output
+    assert "--output" in result.output and "bogus" in result.output
+
+
+def test_admin_team_list_prints_yaml(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [{"team": "nlp", "guaranteed_gpus": {"A100": 8}}]
+    monkeypatch.setattr(admin_api, "_call", lambda *_a, **_k: {"items": rows})
+    result = CliRunner().invoke(app, ["admin", "team", "list", "-o", "yaml"], env=NO_SERVER)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "- team: nlp\n  guaranteed_gpus:\n    A100: 8\n"

@@ -20,6 +20,7 @@ from rich.text import Text
 from gpufleet.cli import output
 from gpufleet.cli.options import (
     ClientError,
+    OutputFormat,
     TokenOpt,
     UrlOpt,
     WideOpt,
@@ -35,7 +36,7 @@ token_app = typer.Typer(help="API tokens: create, list, revoke (through the API)
 for _sub in (team_app, node_app, token_app):
     _sub.info.no_args_is_help = True
 
-Fmt = Annotated[str, typer.Option("--output", "-o", help="table, wide or json")]
+Fmt = Annotated[OutputFormat, typer.Option("--output", "-o", help="table, wide, json or yaml")]
 Reason = Annotated[str | None, typer.Option("--reason", help="Why (kept on the node, shown).")]
 
 
@@ -315,7 +316,10 @@ def team_columns(wide: bool) -> list[tuple[str, Any]]:
 
 @team_app.command("list")
 def team_list(
-    out: Fmt = "table", wide: WideOpt = False, url: UrlOpt = None, token: TokenOpt = None
+    out: Fmt = OutputFormat.table,
+    wide: WideOpt = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
 ) -> None:
     """Teams with quota (nominal quota, borrowing and lending limits), current allocation,
     queue length and fair-share usage (decayed GPU-hours; accounting is `gpufleet usage`);
@@ -326,8 +330,8 @@ def team_list(
     wide = wide or out == "wide"
     with _session(url, token) as http:
         rows = _call(http, "GET", "/v1/admin/teams").get("items") or []
-        if out == "json":
-            output.print_json(rows)
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(rows, out.value)
             return
         _table(rows, team_columns(wide), wide, whole=("team",))
 
@@ -389,7 +393,7 @@ def token_create(
 def token_list(
     team: Annotated[str | None, typer.Option(help="Only this team's tokens.")] = None,
     active: Annotated[bool, typer.Option("--active", help="Hide revoked tokens.")] = False,
-    out: Fmt = "table",
+    out: Fmt = OutputFormat.table,
     wide: WideOpt = False,
     url: UrlOpt = None,
     token: TokenOpt = None,
@@ -402,8 +406,8 @@ def token_list(
         if team:
             params["team"] = team
         rows = _call(http, "GET", "/v1/admin/tokens", params=params).get("items") or []
-        if out == "json":
-            output.print_json(rows)
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(rows, out.value)
             return
         _table(rows, token_columns(wide), wide, whole=("id",))
 
@@ -447,12 +451,12 @@ def token_revoke(
 
 
 @node_app.command("list")
-def node_list(out: Fmt = "table", url: UrlOpt = None, token: TokenOpt = None) -> None:
+def node_list(out: Fmt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None) -> None:
     """Nodes and node ids with certificates: state, address, certificate serial and expiry."""
     with _session(url, token) as http:
         rows = _call(http, "GET", "/v1/admin/nodes").get("items") or []
-        if out == "json":
-            output.print_json(rows)
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(rows, out.value)
             return
         _table(
             rows,

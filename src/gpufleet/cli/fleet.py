@@ -83,8 +83,8 @@ def node_label(
             data = _call(http, "PUT", path, json={"labels": parsed})
         else:
             data = _call(http, "PATCH", path, json={"labels": parsed})
-        if out is OutputFormat.json:
-            output.print_json(data)
+        if out in (OutputFormat.json, OutputFormat.yaml):
+            output.print_data(data, out.value)
             return
         shown = ", ".join(f"{k}={v}" for k, v in sorted((data.get("labels") or {}).items()))
         admin = ", ".join(f"{k}={v}" for k, v in sorted((data.get("admin_labels") or {}).items()))
