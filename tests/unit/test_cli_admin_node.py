@@ -116,3 +116,10 @@ def test_admin_team_list_prints_yaml(monkeypatch: pytest.MonkeyPatch) -> None:
     result = CliRunner().invoke(app, ["admin", "team", "list", "-o", "yaml"], env=NO_SERVER)
     assert result.exit_code == 0, result.output
     assert result.stdout == "- team: nlp\n  guaranteed_gpus:\n    A100: 8\n"
+
+
+def test_team_set_without_a_setting_changes_nothing_and_says_so() -> None:
+    """`admin team set nlp` with no option printed "team nlp updated"."""
+    result = CliRunner().invoke(app, ["admin", "team", "set", "nlp"], env=NO_SERVER)
+    assert result.exit_code == 2, result.output
+    assert "nothing to change" in result.output and "updated" not in result.output

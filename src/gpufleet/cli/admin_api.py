@@ -250,6 +250,12 @@ def team_set(
             "default_max_runtime_s": _runtime(default_runtime, "--default-runtime"),
             "max_runtime_limit_s": _runtime(max_runtime, "--max-runtime"),
         }
+        if all(v is None for v in body.values()):
+            raise ClientError(
+                "nothing to change: pass --weight, --nominal-quota, --borrowing-limit,"
+                " --lending-limit, --max-outstanding, --submit-rate, --submit-burst,"
+                " --default-runtime or --max-runtime"
+            )
         if lending_limit:
             typer.echo(
                 "note: --lending-limit is Kueue's lendingLimit: the most of the guarantee"
