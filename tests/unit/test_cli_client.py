@@ -337,6 +337,20 @@ class TestSubmit:
         assert "Waiting for 2 free H100 GPUs" in result.stderr
         assert f"job_1: {final}" in result.stderr
 
+    def test_waiting_on_a_held_job_says_how_to_release_it(self, api: FakeApi) -> None:
+        """`submit --wait --hold` printed one PENDING line and then waited with no hint that
+        the job never runs until released."""
+        api.on("POST", "/v1/jobs", httpx.Response(201, json={"job_id": "job_1", "status": "P"}))
+        api.on(
+            "GET",
+            "/v1/jobs/job_1",
+            httpx.Response(200, json=job(status="PENDING", held=True)),
+            httpx.Response(200, json=job(status="PENDING", held=True)),
+            httpx.Response(200, json=job(status="CANCELLED")),
+        )
+        result = cli("submit", "--wait", "--hold", "--", "true")
+        assert result.stderr.count("gpufleet release job_1") == 1, result.stderr
+
     def test_follow_streams_each_started_attempt_then_waits(self, api: FakeApi) -> None:
         api.on("POST", "/v1/jobs", httpx.Response(201, json={"job_id": "job_1", "status": "P"}))
         api.on(

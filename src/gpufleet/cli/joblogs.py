@@ -92,6 +92,7 @@ def _wait(
     import httpx
 
     last_status, failures, streamed = None, 0, set()
+    told_held = False
     while True:
         try:
             job = _call(http, "GET", f"/v1/jobs/{job_id}")
@@ -106,6 +107,16 @@ def _wait(
             last_status = job["status"]
             if not quiet:
                 typer.echo(_status_line(job), err=True)
+        if job.get("held") and not told_held and not quiet:
+            # it never runs unless released: the wait would look hung
+            told_held = True
+            typer.echo(
+                output.clean(
+                    f"job {job_id} is held: `gpufleet release {job_id}` lets it run"
+                    " (Ctrl-C stops waiting; the job stays)"
+                ),
+                err=True,
+            )
         runs = [r for r in job.get("attempts") or [] if r.get("status") != "ASSIGNED"]
         fresh = [r for r in runs if r.get("run_id") not in streamed]
         if follow and fresh:
