@@ -18,7 +18,7 @@ from gpufleet.cli.options import (
     OutputOpt,
     TokenOpt,
     UrlOpt,
-    duration_s,
+    max_runtime_of,
     nonempty,
 )
 from gpufleet.cli.session import _sdk, _session
@@ -90,10 +90,7 @@ def update(
 ) -> None:
     """Change a job's priority, name or max runtime (PATCH /v1/jobs/ID)."""
     with _session(url, token) as http:
-        if time_limit is not None:
-            if max_runtime_s is not None:
-                raise ClientError("give --time or --max-runtime-s, not both", field="--time")
-            max_runtime_s = duration_s(time_limit, "--time")
+        max_runtime_s = max_runtime_of(time_limit, max_runtime_s)
         if priority is None and name is None and max_runtime_s is None:
             raise ClientError(
                 "nothing to change: pass --priority, --name, --time or --max-runtime-s"

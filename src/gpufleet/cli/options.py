@@ -29,6 +29,16 @@ _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400
 _SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
+def max_runtime_of(time_limit: str | None, max_runtime_s: float | None) -> float | None:
+    """The run-time limit from ``--time`` (a duration) or ``--max-runtime-s`` (seconds), at
+    most one of them given; raises ClientError naming ``--time`` otherwise."""
+    if time_limit is None:
+        return max_runtime_s
+    if max_runtime_s is not None:
+        raise ClientError("give --time or --max-runtime-s, not both", field="--time")
+    return duration_s(time_limit, "--time")
+
+
 def duration_s(text: str, flag: str, allow_zero: bool = False) -> float:
     """A duration flag as seconds: ``90s``, ``15m``, ``2h``, ``1d``, ``1w``, ``1d12h`` (units
     are case-insensitive; a bare number is seconds), or Slurm's ``--time`` forms with a colon

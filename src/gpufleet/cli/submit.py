@@ -22,8 +22,8 @@ from gpufleet.cli.options import (
     OutputOpt,
     TokenOpt,
     UrlOpt,
-    duration_s,
     finite,
+    max_runtime_of,
     nonempty,
 )
 from gpufleet.cli.session import _sdk, _session
@@ -326,10 +326,7 @@ def submit(
     from gpufleet.client import IdempotencyConflict
 
     with _session(url, token) as http:
-        if time_limit is not None:
-            if max_runtime_s is not None:
-                raise ClientError("give --time or --max-runtime-s, not both", field="--time")
-            max_runtime_s = duration_s(time_limit, "--time")
+        max_runtime_s = max_runtime_of(time_limit, max_runtime_s)
         flags = {
             "name": name,
             "image": image,
