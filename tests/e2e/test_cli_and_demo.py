@@ -230,10 +230,12 @@ def test_readme_quickstart_up_submit_and_a_killed_agent_is_restarted(tmp_path: P
     assert up.returncode == 0
     assert state_dir_holder(tmp_path / "agents" / "local-0") is None  # no agent left behind
     # the node row of this `up` is no sign of life for the next one, whose agent dies at once
+    # (its labels, read by the agent alone, are bad)
     dead = subprocess.run(
-        [sys.executable, "-m", "gpufleet.cli.main", "up", "--gpus", "bogus",
+        [sys.executable, "-m", "gpufleet.cli.main", "up",
          "--port", str(free_port_pair()), "--controller-port", str(free_port_pair())],
-        env=env, text=True, capture_output=True, timeout=120, check=False,
+        env={**env, "GPUFLEET_AGENT_LABELS": "rack"}, text=True, capture_output=True,
+        timeout=120, check=False,
     )  # fmt: skip
     assert dead.returncode == 1 and "did not register" in dead.stderr, dead.stdout + dead.stderr
 
@@ -304,15 +306,18 @@ def test_an_agent_reused_after_up_was_killed_hard_is_stopped_with_the_next_up(
 
 def test_up_reports_an_agent_that_dies_at_once_and_refuses_bad_options(tmp_path: Path) -> None:
     env = _up_env(tmp_path)
+    # an agent that dies at once: its labels (GPUFLEET_AGENT_LABELS, read by the agent alone)
     dead = subprocess.run(
-        [sys.executable, "-m", "gpufleet.cli.main", "up", "--gpus", "bogus",
+        [sys.executable, "-m", "gpufleet.cli.main", "up",
          "--port", str(free_port_pair()), "--controller-port", str(free_port_pair())],
-        env=env, text=True, capture_output=True, timeout=120, check=False,
+        env={**env, "GPUFLEET_AGENT_LABELS": "rack"}, text=True, capture_output=True,
+        timeout=120, check=False,
     )  # fmt: skip
     assert dead.returncode == 1, dead.stdout + dead.stderr
     assert "gpufleet is up" not in dead.stdout
-    assert "did not register" in dead.stderr and "invalid GPU spec 'bogus'" in dead.stderr
+    assert "did not register" in dead.stderr and "label 'rack': use key=value" in dead.stderr
     for args, word in (
+        (["--gpus", "bogus"], "--gpus"),  # checked before anything starts
         (["--port", "99999"], "--port"),
         (["--port", "-1"], "--port"),
         (["--controller-port", "0"], "--controller-port"),
