@@ -262,3 +262,42 @@ class TestSdk:
         r = cli("list", "--array", "", "-o", "json")  # the CLI refuses it before asking
         assert r.exit_code == 2 and "must not be empty" in r.stderr, r.output
         assert fleet.get("/v1/jobs", array_id="").status_code == 404  # and the API too
+
+
+class TestNamesInPaths:
+    """A job or array name holding ``?``, ``#``, ``%`` or a space went into URL paths as it
+    was (SDK and CLI), so the request reached another path or none; it is percent-encoded."""
+
+    NAME = "lr?0.1#b 5%"  # (not "%20": the test client decodes a path twice)
+
+    def _sdk(self, fleet: Fleet) -> Any:
+        from gpufleet.client import Client
+
+        def forward(request: httpx.Request) -> httpx.Response:
+            r = fleet.http.request(
+                request.method, request.url.raw_path.decode(), headers=dict(request.headers)
+            )
+            return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+
+        http = httpx.Client(
+            transport=httpx.MockTransport(forward),
+            base_url="http://fleet.test",
+            headers={"Authorization": f"Bearer {fleet.token}"},
+        )
+        return Client(http=http)
+
+    def test_a_job_and_an_array_are_found_by_such_a_name(self, fleet: Fleet, cli: Any) -> None:
+        body = {"command": ["true"], "gpu_count": 1, "name": self.NAME}
+        job = fleet.http.post("/v1/jobs", json=body, headers=_auth(fleet.token, "kq"))
+        assert job.status_code == 201, job.text
+        job_id = job.json()["job_id"]
+        r = cli("status", self.NAME, "-o", "json")
+        assert r.exit_code == 0 and f'"job_id": "{job_id}"' in r.stdout, r.output
+        r = cli("why", self.NAME, "-o", "json")
+        assert r.exit_code == 0 and job_id in r.stdout, r.output
+        assert self._sdk(fleet).get(self.NAME).job_id == job_id
+        arr = {**body, "name": self.NAME + "!", "array": "0-1"}
+        made = fleet.http.post("/v1/jobs", json=arr, headers=_auth(fleet.token, "kq2"))
+        assert made.status_code == 201, made.text
+        info = self._sdk(fleet).array(self.NAME + "!")
+        assert info.array_id == made.json()["array_id"]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from gpufleet.cli import output
-from gpufleet.cli.options import JobArg, TokenOpt, UrlOpt, nonempty
+from gpufleet.cli.options import JobArg, TokenOpt, UrlOpt, nonempty, path_segment
 from gpufleet.cli.session import _call, _sdk, _session
 from gpufleet.client.errors import ApiError
 
@@ -165,7 +165,7 @@ def logs(
     with _session(url, token) as http:
         lines = None if all_lines else tail
         if follow and not attempt:
-            data = _call(http, "GET", f"/v1/jobs/{job}")
+            data = _call(http, "GET", f"/v1/jobs/{path_segment(job)}")
             if data.get("status") in WAITING_STATES and not data.get("attempts"):
                 typer.echo(
                     _status_line(data) + "\n(waiting for it to start; logs follow)", err=True
@@ -182,7 +182,7 @@ def logs(
         ):
             typer.echo(f"(showing the last {lines} lines; --all for everything)", err=True)
         if not received and follow and not attempt:
-            data = _call(http, "GET", f"/v1/jobs/{job}")
+            data = _call(http, "GET", f"/v1/jobs/{path_segment(job)}")
             if not data.get("attempts") and data.get("status") in output.TERMINAL:
                 # cancelled while pending or held, DEPENDENCY_FAILED, EXPIRED: no log will come
                 typer.echo(
@@ -193,7 +193,7 @@ def logs(
                 )
                 raise typer.Exit(1)
         if not received and not follow:
-            data = _call(http, "GET", f"/v1/jobs/{job}")
+            data = _call(http, "GET", f"/v1/jobs/{path_segment(job)}")
             if not data.get("attempts"):
                 typer.echo(
                     _status_line(data)

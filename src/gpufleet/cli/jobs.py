@@ -19,6 +19,7 @@ from gpufleet.cli.options import (
     WideOpt,
     _fmt,
     nonempty,
+    path_segment,
 )
 from gpufleet.cli.session import _call, _session
 
@@ -37,7 +38,7 @@ def status(
 ) -> None:
     """Show a job: fields, attempts, result, and why it is pending."""
     with _session(url, token) as http:
-        data = _call(http, "GET", f"/v1/jobs/{job}")
+        data = _call(http, "GET", f"/v1/jobs/{path_segment(job)}")
         out = _fmt(out, wide)
         if out in (OutputFormat.json, OutputFormat.yaml):
             output.print_data(data, out.value)
@@ -140,7 +141,7 @@ def why(
 ) -> None:
     """Explain why a job is not running yet (with the estimated start when there is one)."""
     with _session(url, token) as http:
-        data = _call(http, "GET", f"/v1/jobs/{job}")
+        data = _call(http, "GET", f"/v1/jobs/{path_segment(job)}")
         reason, state = data.get("pending_reason"), data.get("status")
         if out in (OutputFormat.json, OutputFormat.yaml):
             output.print_data(

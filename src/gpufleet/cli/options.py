@@ -29,6 +29,14 @@ _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400
 _SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
+def path_segment(ref: str) -> str:
+    """A job reference (id, prefix or name) percent-encoded for a URL path, as the SDK's
+    ``job_segment`` does (a name may hold ``?``, ``#``, ``%`` or spaces)."""
+    from urllib.parse import quote
+
+    return quote(ref, safe="")
+
+
 def max_runtime_of(time_limit: str | None, max_runtime_s: float | None) -> float | None:
     """The run-time limit from ``--time`` (a duration) or ``--max-runtime-s`` (seconds), at
     most one of them given; raises ClientError naming ``--time`` otherwise."""

@@ -24,7 +24,7 @@ from gpufleet.client.models import (
     Submitted,
     UsageReport,
     array_id_of,
-    job_id_of,
+    job_segment,
 )
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ class AsyncClient:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def get(self, job: JobRef) -> Job:
-        return Job.from_dict(await self.request("GET", f"/v1/jobs/{job_id_of(job)}"))
+        return Job.from_dict(await self.request("GET", f"/v1/jobs/{job_segment(job)}"))
 
     async def why(self, job: JobRef) -> Job:
         return await self.get(job)
@@ -194,7 +194,7 @@ class AsyncClient:
 
         params = _core.log_params(follow, run_id, tail, rank)
         timeout = httpx.Timeout(30.0, connect=_core.CONNECT_TIMEOUT_S, read=None if follow else 30)
-        path = f"/v1/jobs/{job_id_of(job)}/logs"
+        path = f"/v1/jobs/{job_segment(job)}/logs"
         try:
             async with self.http.stream("GET", path, params=params, timeout=timeout) as resp:
                 if resp.status_code >= 400:
@@ -206,7 +206,7 @@ class AsyncClient:
             raise TransportError(f"{type(exc).__name__}: {exc}", self.url) from exc
 
     async def cancel(self, job: JobRef) -> dict[str, Any]:
-        data: dict[str, Any] = await self.request("DELETE", f"/v1/jobs/{job_id_of(job)}")
+        data: dict[str, Any] = await self.request("DELETE", f"/v1/jobs/{job_segment(job)}")
         return data
 
     async def list_page(
@@ -243,13 +243,13 @@ class AsyncClient:
     # --- job control: see the same methods of gpufleet.client.Client ---------------------
 
     async def hold(self, job: JobRef) -> Job:
-        return Job.from_dict(await self.request("POST", f"/v1/jobs/{job_id_of(job)}/hold"))
+        return Job.from_dict(await self.request("POST", f"/v1/jobs/{job_segment(job)}/hold"))
 
     async def release(self, job: JobRef) -> Job:
-        return Job.from_dict(await self.request("POST", f"/v1/jobs/{job_id_of(job)}/release"))
+        return Job.from_dict(await self.request("POST", f"/v1/jobs/{job_segment(job)}/release"))
 
     async def requeue(self, job: JobRef) -> Job:
-        return Job.from_dict(await self.request("POST", f"/v1/jobs/{job_id_of(job)}/requeue"))
+        return Job.from_dict(await self.request("POST", f"/v1/jobs/{job_segment(job)}/requeue"))
 
     async def update(
         self,
@@ -260,7 +260,8 @@ class AsyncClient:
         max_runtime_s: float | None = None,
     ) -> Job:
         body = _core.patch_body(priority, name, max_runtime_s)
-        return Job.from_dict(await self.request("PATCH", f"/v1/jobs/{job_id_of(job)}", json=body))
+        path = f"/v1/jobs/{job_segment(job)}"
+        return Job.from_dict(await self.request("PATCH", path, json=body))
 
     async def cancel_many(
         self,
@@ -302,7 +303,7 @@ class AsyncClient:
 
     async def artifacts(self, job: JobRef) -> ArtifactList:
         return ArtifactList.from_dict(
-            await self.request("GET", f"/v1/jobs/{job_id_of(job)}/artifacts")
+            await self.request("GET", f"/v1/jobs/{job_segment(job)}/artifacts")
         )
 
     async def download_artifact(self, job: JobRef, artifact: Artifact, dest: str | Path) -> Path:

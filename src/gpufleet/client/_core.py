@@ -10,10 +10,19 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from gpufleet.client.config import require_token, resolve_client_config
 from gpufleet.client.errors import ApiError, ArtifactMismatch, error_from_response
-from gpufleet.client.models import Artifact, Job, JobPage, JobRef, Submitted, job_id_of
+from gpufleet.client.models import (
+    Artifact,
+    Job,
+    JobPage,
+    JobRef,
+    Submitted,
+    job_id_of,
+    job_segment,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -216,7 +225,7 @@ def usage_params(
 
 def artifact_path(job: JobRef, artifact: Artifact | str) -> str:
     path = artifact.path if isinstance(artifact, Artifact) else artifact
-    return f"/v1/jobs/{job_id_of(job)}/artifacts/{path}"
+    return f"/v1/jobs/{job_segment(job)}/artifacts/{quote(path, safe='/')}"
 
 
 class VerifiedDownload:

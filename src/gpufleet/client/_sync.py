@@ -24,7 +24,7 @@ from gpufleet.client.models import (
     Submitted,
     UsageReport,
     array_id_of,
-    job_id_of,
+    job_segment,
 )
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ class Client:
 
     def get(self, job: JobRef) -> Job:
         """The job: status, attempts, pending reason. Raises NotFound."""
-        return Job.from_dict(self.request("GET", f"/v1/jobs/{job_id_of(job)}"))
+        return Job.from_dict(self.request("GET", f"/v1/jobs/{job_segment(job)}"))
 
     def why(self, job: JobRef) -> Job:
         """The job, for its ``pending_reason`` (code, message, details, queue position,
@@ -262,7 +262,7 @@ class Client:
 
         params = _core.log_params(follow, run_id, tail, rank)
         timeout = httpx.Timeout(30.0, connect=_core.CONNECT_TIMEOUT_S, read=None if follow else 30)
-        with self._stream("GET", f"/v1/jobs/{job_id_of(job)}/logs", params, timeout) as resp:
+        with self._stream("GET", f"/v1/jobs/{job_segment(job)}/logs", params, timeout) as resp:
             try:
                 yield from resp.iter_bytes()
             except httpx.TransportError as exc:
@@ -286,7 +286,7 @@ class Client:
     def cancel(self, job: JobRef) -> dict[str, Any]:
         """Ask to cancel: ``{job_id, status, cancel_requested}``; running attempts get SIGTERM,
         then SIGKILL after the grace period. Raises NotFound, Conflict (already finished)."""
-        data: dict[str, Any] = self.request("DELETE", f"/v1/jobs/{job_id_of(job)}")
+        data: dict[str, Any] = self.request("DELETE", f"/v1/jobs/{job_segment(job)}")
         return data
 
     def list_page(
@@ -332,11 +332,11 @@ class Client:
         Raises:
             NotFound: no such job. Conflict: the job is not PENDING (``job_not_pending``).
         """
-        return Job.from_dict(self.request("POST", f"/v1/jobs/{job_id_of(job)}/hold"))
+        return Job.from_dict(self.request("POST", f"/v1/jobs/{job_segment(job)}/hold"))
 
     def release(self, job: JobRef) -> Job:
         """Release a held job (no change for one that is not held). Raises NotFound."""
-        return Job.from_dict(self.request("POST", f"/v1/jobs/{job_id_of(job)}/release"))
+        return Job.from_dict(self.request("POST", f"/v1/jobs/{job_segment(job)}/release"))
 
     def requeue(self, job: JobRef) -> Job:
         """A new attempt: a SCHEDULED/RUNNING job is stopped (SIGTERM, grace, SIGKILL) and
@@ -345,7 +345,7 @@ class Client:
         Raises:
             NotFound: no such job. Conflict: PENDING or SUCCEEDED (``not_requeueable``).
         """
-        return Job.from_dict(self.request("POST", f"/v1/jobs/{job_id_of(job)}/requeue"))
+        return Job.from_dict(self.request("POST", f"/v1/jobs/{job_segment(job)}/requeue"))
 
     def update(
         self,
@@ -363,7 +363,7 @@ class Client:
             Conflict: a finished job may change only its name (``job_already_finished``).
         """
         body = _core.patch_body(priority, name, max_runtime_s)
-        return Job.from_dict(self.request("PATCH", f"/v1/jobs/{job_id_of(job)}", json=body))
+        return Job.from_dict(self.request("PATCH", f"/v1/jobs/{job_segment(job)}", json=body))
 
     def cancel_many(
         self,
@@ -430,7 +430,8 @@ class Client:
         Raises:
             NotFound: no such job. Conflict: no accepted manifest (the job has not succeeded).
         """
-        return ArtifactList.from_dict(self.request("GET", f"/v1/jobs/{job_id_of(job)}/artifacts"))
+        path = f"/v1/jobs/{job_segment(job)}/artifacts"
+        return ArtifactList.from_dict(self.request("GET", path))
 
     def download_artifact(self, job: JobRef, artifact: Artifact, dest: str | Path) -> Path:
         """Stream one artifact to the file ``dest`` (via ``dest.part``), checking its size

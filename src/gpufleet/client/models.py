@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from gpufleet.client.states import TERMINAL_STATES
 
@@ -363,8 +364,15 @@ def job_id_of(ref: JobRef) -> str:
     return job_id
 
 
+def job_segment(ref: JobRef) -> str:
+    """``job_id_of(ref)`` percent-encoded for a URL path: a job's name may hold ``?``, ``#``,
+    ``%`` or spaces, which would otherwise end the path or change it."""
+    return quote(job_id_of(ref), safe="")
+
+
 def array_id_of(ref: str | Submitted) -> str:
-    """The array reference (id, unique id prefix or name) as a path segment.
+    """The array reference (id, unique id prefix or name) as a path segment (percent-encoded
+    as ``job_segment`` is).
 
     Raises:
         ValueError: an empty reference, or the ``Submitted`` of a job that is not an array.
@@ -374,4 +382,4 @@ def array_id_of(ref: str | Submitted) -> str:
     array_id = ref if isinstance(ref, str) else ref.array_id or ""
     if not array_id.strip():
         raise ValueError("array_id: an array reference must not be empty")
-    return array_id
+    return quote(array_id, safe="")
