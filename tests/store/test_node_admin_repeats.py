@@ -135,3 +135,35 @@ def test_a_heartbeat_keeps_each_image_name_once_in_order(db: Database) -> None:
     with db.read() as s:
         node = s.get(NodeRow, "n1")
         assert node is not None and node.images == [image, other]
+
+
+def test_the_failure_detector_leaves_a_forgotten_node_alone(db: Database) -> None:
+    """A forgotten node's kept row (HEALTHY when forgotten, its agent gone) fell silent, and
+    the upkeep moved it to SUSPECT and then fenced it: events for a node not in the fleet."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from gpufleet.services import node_upkeep
+    from gpufleet.store.dialect import db_now
+
+    _forgotten_with_history(db)
+
+    def silence(s: object) -> None:
+        old = db_now(s) - timedelta(hours=1)  # type: ignore[arg-type]
+        s.execute(update(NodeRow).where(NodeRow.id == "n1").values(last_heartbeat_at=old))  # type: ignore[attr-defined]
+
+    db.run_write(silence)
+    before = _events(db)
+    assert db.run_write(partial(node_upkeep.mark_silent_nodes_suspect, silent_for_s=60)) == []
+    fenced = db.run_write(
+        partial(
+            node_upkeep.fence_silent_nodes,
+            silent_for_s=60,
+            max_node_failures=3,
+            leader_holder="h",
+            leader_epoch=1,
+        )
+    )
+    assert fenced == {}
+    assert _status(db, "n1")[0] == NodeStatus.HEALTHY and _events(db) == before
