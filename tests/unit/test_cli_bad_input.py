@@ -239,10 +239,11 @@ class TestOptionBounds:
         assert not api.requests
 
     def test_bounds_are_the_servers(self) -> None:
+        from gpufleet.api import jobs as api_jobs
         from gpufleet.api import logs
 
         assert joblogs.MAX_TAIL_LINES == logs.MAX_TAIL_LINES
-        assert jobs.MAX_PAGE_SIZE == 500
+        assert jobs.MAX_PAGE_SIZE == api_jobs.MAX_PAGE_SIZE
 
     def test_the_largest_page_is_sent(self, api: FakeApi) -> None:
         api.on("GET", "/v1/jobs", httpx.Response(200, json={"items": [], "next_cursor": None}))

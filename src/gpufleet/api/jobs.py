@@ -26,6 +26,9 @@ from gpufleet.services import nodes as node_service
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import JobRow, JobRunRow
 
+MAX_PAGE_SIZE = 500
+"""The most jobs ``GET /v1/jobs`` answers in one page (``limit``)."""
+
 
 def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
     """``POST /v1/jobs``, ``GET /v1/jobs``, ``GET|DELETE /v1/jobs/{job_id}`` and
@@ -141,7 +144,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 description="One status, or a comma list (PENDING,RUNNING) for any of them.",
             ),
         ] = None,
-        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 50,
         cursor: str | None = None,
         array_id: Annotated[
             str | None,
