@@ -322,16 +322,6 @@ class LocalPlatform:
     def agent_log_path(self) -> Path:
         return self.settings.resolved_data_dir() / "agent.log"
 
-    def agent_log_tail(self, lines: int = 15) -> list[str]:
-        """The last ``lines`` lines of ``{data_dir}/agent.log`` (empty when there is none)."""
-        try:
-            with open(self.agent_log_path(), "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return []
-        return text.rstrip("\n").splitlines()[-lines:]
-
     def supervise(
         self,
         *,
