@@ -20,7 +20,7 @@ Members of a gang are placed all or nothing, on one GPU type, in one pass:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from gpufleet.domain.types import Resources
@@ -163,17 +163,25 @@ def domain(node: NodeState) -> tuple[str, str]:
 def _assign(
     cands: Sequence[tuple[int, str]],
     members: Members,
-    ok: Mapping[int, set[str]],
+    accepts: Callable[[int, str], bool],
 ) -> list[tuple[int, str]] | None:
     """Best fit of ``members`` (largest first) onto ``cands`` ((free, node_id), sorted):
-    ``[(member index, node_id)]`` for all of them, else None. ``ok[m]`` is the set of nodes
-    acceptable for a member of ``m`` GPUs."""
+    ``[(member index, node_id)]`` for all of them, else None. ``accepts(m, node_id)``: whether
+    the node may hold a member of ``m`` GPUs, asked only of a node with ``m`` GPUs free and
+    not used yet, when the walk reaches it. The walk for a member goes on where the last
+    member of its size stopped (the nodes before were used, too small or refused, and stay
+    so)."""
     used: set[str] = set()
     out: list[tuple[int, str]] = []
+    n = len(cands)
+    size, i = -1, 0
     for k, m in enumerate(members):
-        accept = ok[m]
-        for free, nid in cands:
-            if free >= m and nid not in used and nid in accept:
+        if m != size:
+            size, i = m, 0
+        while i < n:
+            free, nid = cands[i]
+            i += 1
+            if free >= m and nid not in used and accepts(m, nid):
                 used.add(nid)
                 out.append((k, nid))
                 break
@@ -182,37 +190,13 @@ def _assign(
     return out
 
 
-def _assign_lazy(
-    index: FreeIndex,
-    res: Resources,
-    cands: Sequence[tuple[int, str]],
-    members: Members,
-    hard_end_s: float | None,
-    job_id: str,
-) -> tuple[str, ...] | None:
-    """``_assign`` of ``members`` onto ``cands`` with ``ok[m]`` read as "free >= m and
-    ``index.acceptable``", asked lazily: a node id per member, or None. The walk for a member
-    goes on where the last member of its size stopped (the nodes before were taken, too
-    small or refused, and stay so)."""
-    used: set[str] = set()
-    out: list[str] = []
-    n = len(cands)
-    size = -1
-    i = 0
-    mres = res
-    for m in members:
-        if m != size:
-            size, i = m, 0
-            mres = member_resources(res, m)
-        while i < n:
-            free, nid = cands[i]
-            i += 1
-            if free >= m and nid not in used and index.acceptable(nid, mres, hard_end_s, job_id):
-                used.add(nid)
-                out.append(nid)
-                break
-        else:
-            return None
+def _in_member_order(chosen: list[tuple[int, str]] | None, n: int) -> tuple[str, ...] | None:
+    """``[(member index, node_id)]`` as the node ids in member order."""
+    if chosen is None:
+        return None
+    out = [""] * n
+    for k, nid in chosen:
+        out[k] = nid
     return tuple(out)
 
 
@@ -268,7 +252,12 @@ def find_gang(
         if held_nodes:
             mine = set(held_nodes)
             cands.sort(key=lambda e: (e[0], e[1] not in mine, e[1]))
-        return _assign_lazy(index, res, cands, members, hard_end_s, job_id)
+        sized = {m: member_resources(res, m) for m in set(members)}
+
+        def accepts(m: int, nid: str) -> bool:
+            return index.acceptable(nid, sized[m], hard_end_s, job_id)
+
+        return _in_member_order(_assign(cands, members, accepts), len(members))
     return _topology_fit(index, res, cands, members, hard_end_s, job_id, held_nodes)
 
 
@@ -312,7 +301,7 @@ def _topology_fit(
     # 1. one rack
     best: tuple[int, tuple[str, str]] | None = None
     for key in sorted(by_rack):
-        a = _assign(by_rack[key], members, ok)
+        a = _assign(by_rack[key], members, lambda m, nid: nid in ok[m])
         if a is not None and (best is None or (leftover(a), key) < best):
             best = (leftover(a), key)
             chosen = a
@@ -340,9 +329,4 @@ def _topology_fit(
                     chosen = a
         if chosen is None:
             chosen = _fill(by_size(by_rack), members, ok)
-    if chosen is None:
-        return None
-    out = [""] * len(members)
-    for k, nid in chosen:
-        out[k] = nid
-    return tuple(out)
+    return _in_member_order(chosen, len(members))
