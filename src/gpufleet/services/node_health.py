@@ -39,10 +39,15 @@ def back_to_healthy(
     )
 
 
-def set_status_reason(session: Session, node_id: str, reason: str | None) -> None:
+def set_status_reason(
+    session: Session, node_id: str, reason: str | None, **values: object
+) -> None:
     """Change why a node is in its status without a transition (the status stays; a
-    transition sets the reason with it through ``values``)."""
-    session.execute(update(NodeRow).where(NodeRow.id == node_id).values(status_reason=reason))
+    transition sets the reason with it through ``values``), with ``values`` the other columns
+    that change with the reason (the reported inventory of ``node_register``)."""
+    session.execute(
+        update(NodeRow).where(NodeRow.id == node_id).values(status_reason=reason, **values)
+    )
 
 
 def apply_health(session: Session, node_id: str, health: str, *, now: datetime) -> None:

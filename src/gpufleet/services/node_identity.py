@@ -196,7 +196,7 @@ def revoke_node(session: Session, node_id: str, *, max_node_failures: int = 3) -
             max_node_failures=max_node_failures,
             node_to=NodeStatus.FENCED,
         )
-        session.execute(update(NodeRow).where(NodeRow.id == node_id).values(status_reason=reason))
+        nodes.set_status_reason(session, node_id, reason)
     record_event(
         session, "node_revoked", now=now, node_id=node_id, message=f"{n} certificate(s) revoked"
     )

@@ -9,11 +9,19 @@ seen. A registration of the same id (a new join token) brings it back with fresh
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import NotFound
 from gpufleet.store.tables import NodeCapacityRow, NodeRow
+
+
+def in_fleet() -> Any:
+    """SQL: the ``nodes`` row being read has capacity rows (registered, not forgotten), for a
+    ``WHERE`` over ``NodeRow`` (the failure detector leaves forgotten rows alone)."""
+    return exists().where(NodeCapacityRow.node_id == NodeRow.id)
 
 
 def is_forgotten(session: Session, node_id: str) -> bool:

@@ -21,7 +21,7 @@ from gpufleet.domain.states import Machine, NodeStatus
 from gpufleet.domain.types import GpuDevice
 from gpufleet.services.job_admission import forget_fleet_shapes
 from gpufleet.services.node_fence import fence_lost_agent_state
-from gpufleet.services.node_health import back_to_healthy
+from gpufleet.services.node_health import back_to_healthy, set_status_reason
 from gpufleet.store import allocate
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import NodeRow
@@ -176,14 +176,11 @@ def _drain_for_inventory(
     why = f"{refused}; {INVENTORY_DRAIN}"
     if before and node.status in (NodeStatus.CORDONED, NodeStatus.DRAINING):
         why = f"{before}; {why}"
-    values = {
-        "status_reason": why,
-        "reported_gpus": reported[0],
-        "reported_gpu_type": reported[1],
-    }
+    pending = {"reported_gpus": reported[0], "reported_gpu_type": reported[1]}
     if node.status == NodeStatus.DRAINING:
-        session.execute(update(NodeRow).where(NodeRow.id == node.id).values(**values))
+        set_status_reason(session, node.id, why, **pending)
         return
+    values = {"status_reason": why, **pending}
     transition(
         session,
         Machine.NODE,
@@ -219,10 +216,11 @@ def _end_inventory_drain(session: Session, node: NodeRow, now: datetime) -> bool
             node_id=node.id,
         )
         return True
-    values = dict(_NO_REPORTED_INVENTORY)
     if node.status == NodeStatus.CORDONED:
-        values["status_reason"] = (
-            "drained for a change of GPUs, now recorded: uncordon it to use them"
+        reason = "drained for a change of GPUs, now recorded: uncordon it to use them"
+        set_status_reason(session, node.id, reason, **_NO_REPORTED_INVENTORY)
+    else:  # (FENCED meanwhile: its fence reason stays)
+        session.execute(
+            update(NodeRow).where(NodeRow.id == node.id).values(**_NO_REPORTED_INVENTORY)
         )
-    session.execute(update(NodeRow).where(NodeRow.id == node.id).values(**values))
     return True

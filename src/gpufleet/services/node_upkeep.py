@@ -16,8 +16,9 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.states import RUN_ACTIVE, Machine, NodeStatus
 from gpufleet.services.node_fence import Fenced, fence_node
+from gpufleet.services.node_lookup import in_fleet
 from gpufleet.store.dialect import db_now
-from gpufleet.store.tables import JobRunRow, NodeCapacityRow, NodeRow
+from gpufleet.store.tables import JobRunRow, NodeRow
 from gpufleet.store.transitions import transition
 
 
@@ -45,19 +46,13 @@ class UpkeepDue:
     """A SUSPECT, CORDONED or DRAINING node is silent past the fence cutoff."""
 
 
-def _in_fleet() -> Any:
-    """The node has capacity rows: it was not forgotten (``services.node_lookup``; a forgotten
-    node's row stays while its attempts name it, and its silence means nothing)."""
-    return exists().where(NodeCapacityRow.node_id == NodeRow.id)
-
-
 def _silent_suspectable(cutoff: Any) -> Any:
     """A HEALTHY or UNHEALTHY node of the fleet with no heartbeat since ``cutoff`` (a datetime
     or a bind parameter): what :func:`mark_silent_nodes_suspect` moves to SUSPECT."""
     return (
         NodeRow.status.in_([NodeStatus.HEALTHY, NodeStatus.UNHEALTHY])
         & (NodeRow.last_heartbeat_at < cutoff)
-        & _in_fleet()
+        & in_fleet()
     )
 
 
@@ -67,7 +62,7 @@ def _silent_fenceable(cutoff: Any) -> Any:
     return (
         NodeRow.status.in_([NodeStatus.SUSPECT, NodeStatus.CORDONED, NodeStatus.DRAINING])
         & (NodeRow.last_heartbeat_at < cutoff)
-        & _in_fleet()
+        & in_fleet()
     )
 
 
