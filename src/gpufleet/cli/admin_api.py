@@ -27,6 +27,7 @@ from gpufleet.cli.options import (
     duration_s,
     finite,
     nonempty,
+    structured,
 )
 from gpufleet.cli.session import _call, _session
 
@@ -336,7 +337,7 @@ def team_list(
     wide = wide or out == "wide"
     with _session(url, token) as http:
         rows = _call(http, "GET", "/v1/admin/teams").get("items") or []
-        if out in (OutputFormat.json, OutputFormat.yaml):
+        if structured(out):
             output.print_data(rows, out.value)
             return
         _table(rows, team_columns(wide), wide, whole=("team",))
@@ -412,7 +413,7 @@ def token_list(
         if team:
             params["team"] = team
         rows = _call(http, "GET", "/v1/admin/tokens", params=params).get("items") or []
-        if out in (OutputFormat.json, OutputFormat.yaml):
+        if structured(out):
             output.print_data(rows, out.value)
             return
         _table(rows, token_columns(wide), wide, whole=("id",))
@@ -461,7 +462,7 @@ def node_list(out: Fmt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt
     """Nodes and node ids with certificates: state, address, certificate serial and expiry."""
     with _session(url, token) as http:
         rows = _call(http, "GET", "/v1/admin/nodes").get("items") or []
-        if out in (OutputFormat.json, OutputFormat.yaml):
+        if structured(out):
             output.print_data(rows, out.value)
             return
         _table(

@@ -9,7 +9,15 @@ from typing import Annotated
 import typer
 
 from gpufleet.cli import joblogs, output
-from gpufleet.cli.options import OutputFormat, OutputOpt, TokenOpt, UrlOpt, WideOpt, _fmt
+from gpufleet.cli.options import (
+    OutputFormat,
+    OutputOpt,
+    TokenOpt,
+    UrlOpt,
+    WideOpt,
+    _fmt,
+    structured,
+)
 from gpufleet.cli.session import _call, _session
 
 
@@ -23,7 +31,7 @@ def nodes(
     out = _fmt(out, wide)
     with _session(url, token) as http:
         data = _call(http, "GET", "/v1/nodes")
-        if out in (OutputFormat.json, OutputFormat.yaml):
+        if structured(out):
             output.print_data(data, out.value)
         else:
             output.table_console(wide=out is OutputFormat.wide).print(
@@ -83,7 +91,7 @@ def node_label(
             data = _call(http, "PUT", path, json={"labels": parsed})
         else:
             data = _call(http, "PATCH", path, json={"labels": parsed})
-        if out in (OutputFormat.json, OutputFormat.yaml):
+        if structured(out):
             output.print_data(data, out.value)
             return
         shown = ", ".join(f"{k}={v}" for k, v in sorted((data.get("labels") or {}).items()))

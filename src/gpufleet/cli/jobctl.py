@@ -20,6 +20,7 @@ from gpufleet.cli.options import (
     UrlOpt,
     max_runtime_of,
     nonempty,
+    structured,
 )
 from gpufleet.cli.session import _sdk, _session
 
@@ -28,13 +29,8 @@ Jobs = Annotated[
 ]
 
 
-def _structured(out: OutputFormat) -> bool:
-    """Whether ``out`` asks for the answer as data (JSON or YAML) rather than lines."""
-    return out in (OutputFormat.json, OutputFormat.yaml)
-
-
 def _emit(out: OutputFormat, data: dict[str, Any], line: str) -> None:
-    if _structured(out):
+    if structured(out):
         output.print_data(data, out.value)
     else:
         typer.echo(output.clean(line))
@@ -50,9 +46,9 @@ def _each(
         for ref in jobs:
             data = act(ref).raw
             results.append(data)
-            if not _structured(out):
+            if not structured(out):
                 typer.echo(output.clean(f"{verb}: {data.get('job_id')} ({data.get('status')})"))
-        if _structured(out):
+        if structured(out):
             output.print_data({"items": results}, out.value)
 
 
@@ -114,7 +110,7 @@ NO_MATCH_EXIT_CODE = 3
 
 def _nothing_matched(out: OutputFormat, data: dict[str, Any]) -> None:
     """End a bulk cancel that matched no unfinished job: say so on stderr, exit 3."""
-    if _structured(out):
+    if structured(out):
         output.print_data(data, out.value)
     skipped = len(data.get("skipped") or [])
     why = f" ({skipped} matched but already finished)" if skipped else ""
@@ -183,7 +179,7 @@ def cancel(
         data = fleet.cancel_many(refs, name=name, state=state, array_id=array).raw
         if not data.get("cancelled"):
             _nothing_matched(out, data)
-        if _structured(out):
+        if structured(out):
             output.print_data(data, out.value)
             return
         for item in data.get("cancelled") or []:
@@ -205,7 +201,7 @@ def array(
     """Show an array: tasks per state and each task's job id."""
     with _session(url, token) as http:
         data = _sdk(http).array(array_id).raw
-        if _structured(out):
+        if structured(out):
             output.print_data(data, out.value)
             return
         counts = ", ".join(f"{k} {v}" for k, v in sorted((data.get("counts") or {}).items()))

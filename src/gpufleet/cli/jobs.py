@@ -20,6 +20,7 @@ from gpufleet.cli.options import (
     _fmt,
     nonempty,
     path_segment,
+    structured,
 )
 from gpufleet.cli.session import _call, _session
 
@@ -40,7 +41,7 @@ def status(
     with _session(url, token) as http:
         data = _call(http, "GET", f"/v1/jobs/{path_segment(job)}")
         out = _fmt(out, wide)
-        if out in (OutputFormat.json, OutputFormat.yaml):
+        if structured(out):
             output.print_data(data, out.value)
         else:
             output.print_job(data, wide=out is OutputFormat.wide)
@@ -126,7 +127,7 @@ def list_jobs(
             live.watch(render, interval, count, title="gpufleet list")
             return
         items, cursor = fetch_jobs(http, states, limit, all_pages, array=array, name=name)
-        if out in (OutputFormat.json, OutputFormat.yaml):
+        if structured(out):
             output.print_data({"items": items, "next_cursor": cursor}, out.value)
             return
         output.table_console(wide=out is OutputFormat.wide).print(
@@ -143,7 +144,7 @@ def why(
     with _session(url, token) as http:
         data = _call(http, "GET", f"/v1/jobs/{path_segment(job)}")
         reason, state = data.get("pending_reason"), data.get("status")
-        if out in (OutputFormat.json, OutputFormat.yaml):
+        if structured(out):
             output.print_data(
                 {
                     "job_id": data.get("job_id"),

@@ -178,5 +178,10 @@ def finite(value: float | None) -> float | None:
 JobArg = Annotated[str, typer.Argument(help="Job id, id prefix or name.", callback=nonempty)]
 
 
+def structured(out: OutputFormat) -> bool:
+    """Whether ``out`` asks for the answer as data (JSON or YAML) rather than lines."""
+    return out in (OutputFormat.json, OutputFormat.yaml)
+
+
 def _fmt(out: OutputFormat, wide: bool = False) -> OutputFormat:
     return OutputFormat.wide if wide and out is OutputFormat.table else out

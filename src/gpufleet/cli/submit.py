@@ -25,6 +25,7 @@ from gpufleet.cli.options import (
     finite,
     max_runtime_of,
     nonempty,
+    structured,
 )
 from gpufleet.cli.session import _sdk, _session
 from gpufleet.client.errors import ApiError, GpufleetClientError, TransportError
@@ -394,7 +395,7 @@ def submit(
         array_id = created.raw.get("array_id")
         if quiet:
             typer.echo(output.clean(str(array_id or created.job_id)))
-        elif out in (OutputFormat.json, OutputFormat.yaml):
+        elif structured(out):
             output.print_data(created.raw, out.value)
         elif array_id:
             n = len(created.raw.get("job_ids") or [])

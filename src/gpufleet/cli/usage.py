@@ -25,6 +25,7 @@ from gpufleet.cli.options import (
     UrlOpt,
     WideOpt,
     nonempty,
+    structured,
 )
 from gpufleet.cli.session import _sdk, _session
 from gpufleet.client.errors import ArtifactMismatch, TransportError
@@ -215,7 +216,7 @@ def artifacts(
         fleet = _sdk(http)
         listing = fleet.artifacts(job)
         if download is None:
-            if out in (OutputFormat.json, OutputFormat.yaml):
+            if structured(out):
                 output.print_data(listing.raw, out.value)
                 return
             wide = wide or out is OutputFormat.wide
