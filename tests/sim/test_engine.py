@@ -181,7 +181,11 @@ class TestInvariants:
         jobs, cfg, n_nodes = w
         jobs.sort(key=lambda j: (j.submit_s, j.job_id))
         teams = [TeamSpec(t, guaranteed_gpus={"A100": 8}) for t in ("a", "b", "c")]
-        eng = Engine(nodes(n_nodes), teams, jobs, cfg, EngineOptions(grace_s=20.0))
+        # (a horizon: a policy that kept restarting attempts would otherwise never end the
+        # run, and the test would hang instead of failing; every job here is submitted by
+        # 2,000 s and runs at most 3,000 s, failing at most twice)
+        opts = EngineOptions(grace_s=20.0, horizon_s=2_000_000.0)
+        eng = Engine(nodes(n_nodes), teams, jobs, cfg, opts)
         eng.run()
         assert eng.violations == 0
         assert not eng.rec.unfinished
