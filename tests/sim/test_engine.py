@@ -191,6 +191,56 @@ class TestInvariants:
         assert not eng.rec.unfinished
 
 
+class TestSrtfWithWrongEstimates:
+    """SRTF with estimates that are wrong (too short), as users give them: the run must end.
+    Before the srtf ground compared like with like, an attempt past its estimate counted as
+    running until its hard limit, so a job with a short estimate displaced it, and the
+    displaced job came back with its own short estimate and displaced the first: the two
+    swapped one grace period apart for ever (a CI run hung on such a workload)."""
+
+    CFG = PolicyConfig(ordering=Ordering.SRTF, backfill=Backfill.OFF, preemption=True)
+
+    def test_two_jobs_with_short_estimates_do_not_swap_for_ever(self) -> None:
+        jobs = [
+            SimJob("x", "a", 0.0, 8, 3_000.0, expected_duration_s=10.0, max_runtime_s=4_000.0),
+            SimJob("y", "a", 50.0, 8, 3_000.0, expected_duration_s=20.0, max_runtime_s=4_000.0),
+        ]
+        teams = [TeamSpec("a", guaranteed_gpus={"A100": 8})]
+        eng = Engine(nodes(1), teams, jobs, self.CFG, EngineOptions(grace_s=20.0, horizon_s=1e5))
+        eng.run()
+        assert not eng.rec.unfinished
+        # x had run past its 10 s estimate when y came: it is about to end, not displaced
+        assert eng.rec.preemptions == 0
+        assert eng.fleet.jobs["y"].first_start_s == pytest.approx(3_000.0)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.data())
+    def test_every_job_ends(self, data: st.DataObject) -> None:
+        jobs = [
+            SimJob(
+                f"j{i:02d}",
+                data.draw(st.sampled_from(["a", "b"])),
+                data.draw(st.floats(0, 2_000)),
+                data.draw(st.sampled_from([2, 4, 8])),
+                data.draw(st.floats(100, 3_000)),
+                # estimates are often far too short, as in the failure
+                expected_duration_s=data.draw(st.one_of(st.floats(1, 60), st.floats(1, 3_000))),
+                max_runtime_s=data.draw(st.one_of(st.none(), st.floats(3_000, 4_000))),
+                failures=data.draw(st.integers(0, 1)),
+                checkpoint_s=data.draw(st.sampled_from([None, 60.0])),
+            )
+            for i in range(data.draw(st.integers(2, 12)))
+        ]
+        jobs.sort(key=lambda j: (j.submit_s, j.job_id))
+        teams = [TeamSpec(t, guaranteed_gpus={"A100": 8}) for t in ("a", "b", "c")]
+        # one node: all of a team's work contends for the same GPUs; every job is submitted by
+        # 2,000 s, runs at most 3,000 s and fails at most twice, so 2e6 s is ample
+        eng = Engine(nodes(1), teams, jobs, self.CFG, EngineOptions(grace_s=20.0, horizon_s=2e6))
+        eng.run()
+        assert eng.violations == 0
+        assert not eng.rec.unfinished
+
+
 class TestDeterminism:
     def test_same_seed_same_report_bytes(self, tmp_path: Path) -> None:
         cfg = EXAMPLES / "synthetic_two_teams.yaml"

@@ -9,10 +9,21 @@ Two grounds, both for a job that cannot be placed on free capacity:
     never takes another team's guaranteed GPUs, whatever its class (seed DD4): across teams
     only loans are taken back, and only by reclaim.
   * **srtf** (only under ``Ordering.SRTF``, a baseline): the job displaces attempts of its own
-    team, of no higher priority, whose estimated remaining time (``runtime.estimated_end_s``
-    minus now) is strictly longer than the job's own (``priority.remaining_s``); per node the
-    longest-remaining victims are taken first. Shortest-remaining-time-first as the Tiresias
-    and Helios simulators run it on Philly, confined to a team like the priority ground.
+    team, of no higher priority, whose remaining time (``srtf_remaining_s``) is strictly
+    longer than the job's own (``priority.remaining_s``); per node the longest-remaining
+    victims are taken first. Shortest-remaining-time-first as the Tiresias and Helios
+    simulators run it on Philly, confined to a team like the priority ground.
+
+    Both sides of that comparison come from the same estimate: the victim's is its job's
+    key (``priority.remaining_s`` of the attempt's own estimate) less the time it has run,
+    never below zero. An attempt that outlived its estimate therefore counts as about to end
+    and is never an srtf victim. (Comparing against ``runtime.estimated_end_s``, which moves
+    an overdue attempt's end out to its hard limit, let two jobs with short, wrong estimates
+    preempt each other one grace period after the other for ever: the one displaced came
+    back with its old short estimate and displaced the other in turn.) With this rule a
+    preemptor's key is always below its victim's, keys do not grow while a job waits, and
+    a running attempt's remaining time only falls, so no set of jobs can displace each
+    other in a cycle.
 
 Which attempts are borrowed: for a team above its guarantee on a type, its youngest attempts
 on that type (last started, first borrowed) covering the excess.
@@ -32,7 +43,7 @@ from typing import Any
 from gpufleet.policy.decisions import Preempt
 from gpufleet.policy.gang import member_resources
 from gpufleet.policy.placement import FreeIndex
-from gpufleet.policy.priority import remaining_s
+from gpufleet.policy.priority import remaining_s, srtf_remaining_s
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import PendingJob, RunningJob
@@ -97,9 +108,9 @@ class VictimSearch:
         self._borrowed_nodes: dict[str, list[RunningJob]] = {}
         self._sorted: dict[tuple[bool, str], list[str]] = {}
         self._gpus: dict[tuple[bool, str], dict[str, int]] = {}
-        self._end: dict[str, float] | None = None
-        """Estimated end of every attempt (the srtf ground compares remaining times; built on
-        first use)."""
+        self._left: dict[str, float] | None = None
+        """``srtf_remaining_s`` of every attempt, seconds (the srtf ground compares remaining
+        times; built on first use)."""
         for team_id, team_all in by_team.items():
             types: dict[str, None] = {}
             for r in team_all:
@@ -168,11 +179,15 @@ class VictimSearch:
             }
         return hit
 
-    def _ends(self) -> dict[str, float]:
-        if self._end is None:
-            by_node = self._running.by_node
-            self._end = {r.run_id: end for runs in by_node.values() for end, r in runs}
-        return self._end
+    def _remaining(self) -> dict[str, float]:
+        if self._left is None:
+            now = self._now_s
+            self._left = {
+                r.run_id: srtf_remaining_s(r, now)
+                for runs in self._running.by_node.values()
+                for _, r in runs
+            }
+        return self._left
 
     def _cost(self, r: RunningJob) -> VictimKey:
         since = (
@@ -230,8 +245,8 @@ class VictimSearch:
         if free + sum(r.gpu_count for r in cands) < need:
             return None
         if reason == "srtf":  # longest remaining first
-            ends = self._ends()
-            cands.sort(key=lambda r: (-ends[r.run_id], self._cost(r)))
+            left = self._remaining()
+            cands.sort(key=lambda r: (-left[r.run_id], self._cost(r)))
         else:
             cands.sort(key=self._cost)
         chosen = fewest_victims(cands, free, need, self._cost)
@@ -369,6 +384,6 @@ class VictimSearch:
             return (
                 r.team_id == job.team_id
                 and r.priority.rank <= job.priority.rank
-                and self._ends()[r.run_id] - self._now_s > remaining_s(job)
+                and self._remaining()[r.run_id] > remaining_s(job)
             )
         return r.team_id == job.team_id and r.priority.rank < job.priority.rank

@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable
 
 from gpufleet.policy.config import Ordering, PolicyConfig
-from gpufleet.policy.snapshot import PendingJob
+from gpufleet.policy.snapshot import PendingJob, RunningJob
 
 QueueKey = tuple[float, float, str]
 
@@ -60,6 +60,20 @@ def remaining_s(job: PendingJob) -> float:
     if guess is None:
         guess = job.predicted_duration_s
     return math.inf if guess is None else guess
+
+
+def srtf_remaining_s(run: RunningJob, now_s: float) -> float:
+    """SRTF's key of a running attempt, seconds: the estimate its job was queued with
+    (``remaining_s`` of the attempt's ``expected_duration_s``, else ``predicted_duration_s``)
+    less the time it has run, never below 0; +inf when neither is known. An attempt past its
+    estimate is 0, so it is never displaced for a shorter job (``policy.preemption``, the
+    srtf ground, says why)."""
+    guess = run.expected_duration_s
+    if guess is None:
+        guess = run.predicted_duration_s
+    if guess is None:
+        return math.inf
+    return max(0.0, guess - max(0.0, now_s - run.started_at_s))
 
 
 def queue_key(config: PolicyConfig) -> Callable[[PendingJob], QueueKey]:

@@ -3,6 +3,7 @@ time, preemptive within a team), and SJF = SRTF with preemption off."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -11,7 +12,12 @@ from policy_builders import job, node, run, snap, team
 from gpufleet.policy.config import Backfill, Ordering, PolicyConfig
 from gpufleet.policy.cycle import schedule, sorted_queues
 from gpufleet.policy.decisions import Place, Preempt
-from gpufleet.policy.priority import predicted_service_gpu_s, queue_key, remaining_s
+from gpufleet.policy.priority import (
+    predicted_service_gpu_s,
+    queue_key,
+    remaining_s,
+    srtf_remaining_s,
+)
 
 QSSF = PolicyConfig(ordering=Ordering.QSSF, backfill=Backfill.OFF, preemption=False)
 SRTF = PolicyConfig(ordering=Ordering.SRTF, backfill=Backfill.GREEDY, preemption=True)
@@ -108,6 +114,32 @@ class TestShortestFirstPasses:
         got = schedule(self._busy(1000.0, 600.0), SJF)  # type: ignore[arg-type]
         assert got.decisions == ()
         assert got.waiting["short"].code != "waiting_for_preemption"
+
+    def test_srtf_never_displaces_an_attempt_past_its_estimate(self) -> None:
+        # the running job said 100 s and has run 900 s; its hard limit is 4,000 s away. Its
+        # srtf key is 0 (past its estimate: about to end), so a 600 s job waits for it
+        s = snap(
+            [node("n1", free=0)],
+            [job("short", gpus=4, at=990.0, expected_s=600.0)],
+            running=[
+                run("overdue", "n1", gpus=8, started=100.0, expected_s=100.0, max_runtime_s=5000.0)
+            ],
+            teams=[team("a")],
+            now=1000.0,
+        )
+        assert not [d for d in schedule(s, SRTF).decisions if isinstance(d, Preempt)]
+        # ... while the same attempt inside its estimate (1,000 s of 2,000 s left) is displaced
+        inside = replace(s, running=(replace(s.running[0], expected_duration_s=2000.0),))
+        pre = [d for d in schedule(inside, SRTF).decisions if isinstance(d, Preempt)]
+        assert [p.victim_run_ids for p in pre] == [("overdue",)]
+
+    def test_srtf_remaining_of_an_attempt(self) -> None:
+        r = run("r", "n1", started=100.0, expected_s=500.0)
+        assert srtf_remaining_s(r, 300.0) == 300.0
+        assert srtf_remaining_s(r, 900.0) == 0.0  # past its estimate: never below zero
+        assert srtf_remaining_s(replace(r, expected_duration_s=None), 300.0) == math.inf
+        predicted = replace(r, expected_duration_s=None, predicted_duration_s=250.0)
+        assert srtf_remaining_s(predicted, 300.0) == 50.0
 
     def test_srtf_victims_longest_remaining_first(self) -> None:
         # two 4-GPU jobs on the node, 2,000 s and 8,000 s left: the 8,000 s one is stopped
