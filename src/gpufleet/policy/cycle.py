@@ -257,9 +257,12 @@ class _Pass:
         # largest jobs first: a smaller job's reservation moving to a node ready earlier
         # must not take a node a larger job held (its drain would restart)
         kept = sorted(self.prev_reservations, key=lambda e: -e[1].resources.gpu_count)
+        outranked = self.outranked_reservations()
         for r, job in kept:
             if job.job_id in self.placed or job.job_id in self.causes:
                 continue
+            if job.job_id in outranked:
+                continue  # a higher tier of its team came first: the loop decides again
             if self.n_reservations >= self.max_reservations:
                 break
             if job.job_id in gang_rs:
@@ -299,6 +302,30 @@ class _Pass:
                 self.predicted_start((node_id,), start),
             )
             self.head_done.add(job.team_id)
+
+    def outranked_reservations(self) -> set[str]:
+        """Jobs with a reservation of an earlier pass that a job of a higher priority tier
+        of their own team now precedes in the queue (one that arrived since, say). Their
+        reservation is not kept: kept, it would make its job the team's head for the pass,
+        and its shadow would keep the higher tier from the node (neither a preemption nor a
+        reservation there), so a LOW job's reservation could hold back a HIGH gang for as
+        long as LOW work kept arriving. The job is tried again in its turn."""
+        by_team: dict[str, list[PendingJob]] = {}
+        for _, job in self.prev_reservations:
+            by_team.setdefault(job.team_id, []).append(job)
+        out: set[str] = set()
+        for team_id, jobs in by_team.items():
+            want = {j.job_id: j.priority.rank for j in jobs}
+            top = -1  # the highest tier seen so far in the team's queue
+            for j in self.queues.get(team_id, ()):
+                rank = want.pop(j.job_id, None)
+                if rank is not None and top > rank:
+                    out.add(j.job_id)
+                if not want:
+                    break
+                if j.job_id not in self.placed:
+                    top = max(top, j.priority.rank)
+        return out
 
     def keep_gang_reservation(self, job: PendingJob, rs: list[BackfillReservation]) -> None:
         """A gang's reservation of an earlier pass: start it if it fits now, else renew the

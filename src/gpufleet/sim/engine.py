@@ -14,7 +14,9 @@ How decisions are applied (the same contract as the live controller):
     reservation per member node); the members end, fail and are stopped together.
   * ``Preempt``: victims go PREEMPTING now; their GPUs are released only when the stop is
     confirmed, ``grace_s`` later; the preemptor gets a ``GpuHold`` on the node until it is
-    placed; victims are requeued keeping their place and checkpointed work.
+    placed or the policy releases the hold (a gang preemptor keeps the holds of its earlier
+    preemptions, as the live store does); victims are requeued keeping their place and
+    checkpointed work.
   * ``HoldForBackfill``: remembered and fed back as ``snapshot.reservations`` next pass,
     with the pass's headroom shields (``CycleResult.shields``).
   * ``released_holds``: the holds are deleted.
@@ -363,13 +365,19 @@ class Engine:
             elapsed = self.now - run.reserved_s
             lost_h = spec.gpus * (elapsed - kept_work(elapsed, spec.checkpoint_s)) / 3600.0
             self.displacements.append(Displacement(run.job_id, self.now, lost_h, d.reason))
+        # One hold per (preemptor, node), as the live store keeps them
+        # (``services.preemption.apply_preemption``): a later preemption for the same job
+        # adds a hold, or updates the one on that node and keeps its age; older holds stay
+        # until the job is placed or the policy releases them (``released_holds``: the
+        # hold timed out, the node left, the job is gone). Dropping a gang's older holds
+        # here gave the GPUs they had freed to other jobs while the gang preempted on its
+        # other nodes, so it preempted again, one grace period after the other, for ever.
         key = (d.for_job_id, d.node_id)
-        for old in self._holds_of.get(d.for_job_id, ()):
-            if self.holds[old].since_s < self.now:  # a new preemption replaces older holds
-                self._drop_holds(d.for_job_id)
-                break
-        self.holds[key] = GpuHold(d.for_job_id, d.node_id, d.gpu_count or 1, self.now, d.reason)
-        self._holds_of.setdefault(d.for_job_id, []).append(key)
+        had = self.holds.get(key)
+        since = self.now if had is None else had.since_s
+        self.holds[key] = GpuHold(d.for_job_id, d.node_id, d.gpu_count or 1, since, d.reason)
+        if had is None:
+            self._holds_of.setdefault(d.for_job_id, []).append(key)
 
     def _dependency_failed(self, job_id: str, why: str) -> None:  # noqa: ARG002 - gate API
         """PENDING -> DEPENDENCY_FAILED: leaves the queue, never ran (counted as rejected)."""
