@@ -58,7 +58,7 @@ def gang_summary(eng: Engine) -> dict[str, Any]:
     finished ones (time queued in all, as every ``queue_delay_s`` of the report), overall and
     per team."""
     waits: dict[str, list[float]] = {}
-    for r in eng.rec.records:
+    for r in eng.rec.started:
         if r.gang:
             waits.setdefault(r.team_id, []).append(r.wait_s)
     return {
@@ -252,6 +252,7 @@ def run_cmd(
             f"longest={seconds(r['starvation']['longest_wait_s'])} "
             f"preemptions={r['preemption']['count']} jobs: finished={jobs['finished']} "
             f"never_fit={jobs['rejected_never_fit']} unfinished={jobs['unfinished']}"
+            f" timed_out={jobs['timed_out']} not_submitted={jobs['not_submitted_by_horizon']}"
         )
         bq = r["queue_delay_s"]["by_quota"]
         parts = []

@@ -17,6 +17,9 @@ How decisions are applied (the same contract as the live controller):
     placed or the policy releases the hold (a gang preemptor keeps the holds of its earlier
     preemptions, as the live store does); victims are requeued keeping their place and
     checkpointed work.
+  * ``max_runtime_s``: an attempt still running at its start + ``max_runtime_s`` is stopped
+    as the controller's stop driver does (PREEMPTING, stop reason ``timeout``); the stop is
+    confirmed ``grace_s`` later and the job ends FAILED (``TIMEOUT``), not retried.
   * ``HoldForBackfill``: remembered and fed back as ``snapshot.reservations`` next pass,
     with the pass's headroom shields (``CycleResult.shields``).
   * ``released_holds``: the holds are deleted.
@@ -52,7 +55,7 @@ from gpufleet.sim.gating import SimGates
 from gpufleet.sim.metrics import Recorder
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 
-_END, _STOPPED, _ARRIVAL, _SAMPLE = 0, 1, 2, 3
+_END, _STOPPED, _TIMEOUT, _ARRIVAL = 0, 1, 2, 3
 PROGRESS_EVERY_EVENTS = 2000  # how often Engine.run reports progress to its caller
 
 
@@ -145,6 +148,12 @@ class Engine:
         self._specs = {j.job_id: j for j in self._jobs_in}
         self.gates = SimGates(self._jobs_in)  # arrays' %N and dependencies (policy.gates)
         self.dependency_failed: list[str] = []
+        self._timing_out: set[str] = set()
+        """Attempts being stopped for running past ``max_runtime_s`` (run ids)."""
+        self._held: tuple[str, ...] = ()
+        """Jobs the last pass's gates held back (a dependency not yet satisfied, an array's
+        ``%N`` limit): PENDING but not eligible until the next pass."""
+        self._held_by_team: dict[str, int] = {}
         self.rejected_causes: dict[str, int] = {}
         """Jobs that could never fit, by cause (words, for warnings)."""
         if len(self._specs) != len(self._jobs_in):
@@ -164,9 +173,19 @@ class Engine:
 
     # -- plumbing ----------------------------------------------------------------------
     def teams_entitlement(self) -> dict[str, float]:
+        """GPUs each team is entitled to (the denominator of Jain's index): its guarantee
+        (all GPU types together); a team without one gets its weighted share (by ``weight``,
+        among the teams without a guarantee) of the GPUs no guarantee covers, 0 when the
+        guarantees cover the fleet (such a team is then left out of Jain's index)."""
+        guaranteed = {
+            tid: float(sum(t.spec.guaranteed_gpus.values())) for tid, t in self.teams.items()
+        }
+        spare = max(0.0, self.total_gpus - sum(guaranteed.values()))
+        weights = {tid: t.spec.weight for tid, t in self.teams.items() if not guaranteed[tid]}
+        total_w = sum(weights.values())
         return {
-            tid: float(sum(t.spec.guaranteed_gpus.values()) or t.spec.weight)
-            for tid, t in self.teams.items()
+            tid: g if g else (spare * weights[tid] / total_w if total_w > 0 else 0.0)
+            for tid, g in guaranteed.items()
         }
 
     def _push(self, t: float, kind: int, key: str) -> None:
@@ -177,7 +196,7 @@ class Engine:
         acc = self.teams.get(team_id)
         if acc is None:
             acc = self.teams[team_id] = _TeamAcc(TeamSpec(team_id))
-            self.rec.entitlement[team_id] = 1.0
+            self.rec.entitlement = self.teams_entitlement()
         return acc
 
     def _check(self, full: bool = False) -> None:
@@ -234,11 +253,16 @@ class Engine:
             f = decay_factor(dt, hl)
             for acc in self.teams.values():
                 acc.usage = acc.usage * f + interval_gpu_s(acc.gpus, self._last_t, t, t, hl)
+            held = self._held_by_team
+            for job_id in self._held:
+                js = self.fleet.jobs[job_id]
+                if js.status is JobStatus.PENDING:
+                    js.held_s += dt
             self.rec.integrate(
                 self._last_t,
                 t,
                 {tid: a.gpus for tid, a in self.teams.items()},
-                {tid for tid, a in self.teams.items() if a.pending > 0},
+                {tid for tid, a in self.teams.items() if a.pending > held.get(tid, 0)},
             )
         self._last_t = t
 
@@ -309,19 +333,33 @@ class Engine:
         run = self.fleet.runs[run_id]
         if run.status is not RunStatus.PREEMPTING:
             return  # it completed during the grace period
-        self._release(run, RunStatus.PREEMPTED)
+        if run_id in self._timing_out:
+            self._release(run, RunStatus.FAILED, timeout=True)
+        else:
+            self._release(run, RunStatus.PREEMPTED)
+
+    def _timeout(self, run_id: str) -> None:
+        """The attempt ran past ``max_runtime_s``: stop it (the controller's stop driver,
+        reason ``timeout``); the stop is confirmed ``grace_s`` later."""
+        run = self.fleet.runs[run_id]
+        if run.status is not RunStatus.RUNNING:
+            return  # it ended, or a preemption is already stopping it
+        self.fleet.begin_stop(run, None)
+        self._timing_out.add(run_id)
+        self._push(self.now + self.opt.grace_s, _STOPPED, run_id)
 
     def _predict(self, spec: SimJob) -> float | None:
         assert self.predictor is not None
         p = self.predictor.predict(JobKey(spec.team_id, spec.gpus))
         return p.seconds if p is not None else None
 
-    def _release(self, run: SimRun, outcome: RunStatus) -> None:
+    def _release(self, run: SimRun, outcome: RunStatus, timeout: bool = False) -> None:
+        self._timing_out.discard(run.run_id)
         self._alloc(run, -1)
         if self.predictor is not None and outcome is RunStatus.SUCCEEDED:
             spec = self.fleet.jobs[run.job_id].spec
             self.predictor.observe(JobKey(spec.team_id, spec.gpus), self.now - run.reserved_s)
-        js, requeued = self.fleet.finish(run, outcome, self.now)
+        js, requeued = self.fleet.finish(run, outcome, self.now, timeout)
         if requeued:
             self._enqueue(js.spec.job_id)
         else:
@@ -348,6 +386,8 @@ class Engine:
             remaining *= spec.fail_after_fraction
         if remaining != float("inf"):  # a job that never ends (FGD protocol) gets no end
             self._push(self.now + remaining, _END, run.run_id)
+        if spec.max_runtime_s is not None and remaining > spec.max_runtime_s:
+            self._push(self.now + spec.max_runtime_s, _TIMEOUT, run.run_id)
 
     def _drop_holds(self, job_id: str) -> None:
         for key in self._holds_of.pop(job_id, ()):
@@ -429,6 +469,13 @@ class Engine:
     def schedule_pass(self) -> None:
         self.passes += 1
         snap = self.gates.apply(self.snapshot(), self.fleet.jobs, self._dependency_failed)
+        if self.gates.blocked or self._held:
+            self._held = tuple(self.gates.blocked)
+            held: dict[str, int] = {}
+            for job_id in self._held:
+                tid = self._specs[job_id].team_id
+                held[tid] = held.get(tid, 0) + 1
+            self._held_by_team = held
         result = schedule(snap, self.cfg)
         for job_id in result.released_holds:
             self._drop_holds(job_id)
@@ -474,6 +521,8 @@ class Engine:
                     self._run_end(key)
                 elif kind == _STOPPED:
                     self._stopped(key)
+                elif kind == _TIMEOUT:
+                    self._timeout(key)
                 else:
                     self._arrive(key)
                 if every_event:
@@ -484,7 +533,7 @@ class Engine:
             if every_pass:
                 self._check()
         self._check(full=True)
-        self.rec.close(self.now, self.fleet)
+        self.rec.close(self.now, self.fleet, len(self._jobs_in))
 
     def _sample_until(self, t: float) -> None:
         """Take the samples due at or before ``t`` (sample ``i`` is due at ``i *

@@ -130,6 +130,12 @@ class SimJobState:
     lost_gpu_s: float = 0.0
     preempt_lost_gpu_s: float = 0.0
     held_gpu_s: float = 0.0
+    held_s: float = 0.0
+    """Time PENDING while held by a dependency or its array's ``%N`` limit (not eligible:
+    not queue delay, not backlog)."""
+    timed_out: bool = False
+    """An attempt ran past ``max_runtime_s`` and was stopped: the job ended FAILED
+    (``TIMEOUT``), as the live system ends it (timeouts are not retried)."""
     runs: list[str] = field(default_factory=list)
     pending: PendingJob | None = None
 
@@ -376,8 +382,9 @@ class InMemoryFleet:
         return run.state
 
     # -- stop / finish -----------------------------------------------------------------
-    def begin_stop(self, run: SimRun, for_job: str) -> None:
-        """PREEMPTING is durable; capacity is untouched until the stop is confirmed."""
+    def begin_stop(self, run: SimRun, for_job: str | None) -> None:
+        """PREEMPTING is durable; capacity is untouched until the stop is confirmed.
+        ``for_job``: the preemptor (None: a stop for no job, a timeout)."""
         check_transition(Machine.RUN, run.status, RunStatus.PREEMPTING)
         run.status = RunStatus.PREEMPTING
         run.stopping_for = for_job
@@ -387,9 +394,12 @@ class InMemoryFleet:
         self._stale_runs.add(run.run_id)
         self.touched_runs.add(run.run_id)
 
-    def finish(self, run: SimRun, outcome: RunStatus, now_s: float) -> tuple[SimJobState, bool]:
+    def finish(
+        self, run: SimRun, outcome: RunStatus, now_s: float, timeout: bool = False
+    ) -> tuple[SimJobState, bool]:
         """End an attempt (SUCCEEDED, FAILED or PREEMPTED): release its reservation and GPUs
-        in one step, then move the job on. Returns (job, requeued)."""
+        in one step, then move the job on. Returns (job, requeued). ``timeout``: the attempt
+        (FAILED) was stopped past ``max_runtime_s``; the job ends FAILED, not retried."""
         js = self.jobs[run.job_id]
         spec = js.spec
         check_transition(Machine.RUN, run.status, outcome)
@@ -425,6 +435,12 @@ class InMemoryFleet:
         kept = kept_work(elapsed, spec.checkpoint_s)
         js.lost_gpu_s += spec.gpus * (elapsed - kept)
         js.banked_s = min(spec.duration_s, js.banked_s + kept)
+        if timeout:
+            check_transition(Machine.JOB, js.status, JobStatus.FAILED)
+            js.status = JobStatus.FAILED
+            js.end_s = now_s
+            js.timed_out = True
+            return js, False
         check_transition(Machine.JOB, js.status, JobStatus.PENDING)
         js.status = JobStatus.PENDING
         js.pending_since_s = now_s

@@ -23,6 +23,8 @@ class SimGates:
 
     def __init__(self, jobs: Iterable[SimJob]) -> None:
         self.gates: dict[str, gates.JobGate] = {}
+        self.blocked: dict[str, object] = {}
+        """The jobs the last ``apply`` held back (job id -> why): not eligible yet."""
         self.arrays: dict[str, list[str]] = {}
         for j in jobs:
             if j.array_id is not None:
@@ -50,6 +52,7 @@ class SimGates:
         Args:
             status: job id -> an object with ``.status`` (the fleet's job states).
         """
+        self.blocked = {}
         if not self.gates:
             return snap
         while True:
@@ -75,6 +78,7 @@ class SimGates:
             }
             result = gates.evaluate(todo, dep_status, active)
             if not result.failed:
+                self.blocked = dict(result.blocked)
                 return gates.filter_snapshot(snap, result)
             for job_id, why in sorted(result.failed.items()):
                 fail(job_id, why)

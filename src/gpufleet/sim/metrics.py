@@ -1,7 +1,9 @@
 """What a run measures, and the JSON report it produces.
 
 Time-weighted quantities (allocation, fairness) are integrated exactly between events, since
-nothing changes between two events; distributions (queue delay, JCT) are over finished jobs;
+nothing changes between two events; queue delay is over every job that started (finished or
+not: its wait is known once it starts), with the jobs that never started apart (their wait
+so far, censored at the end); JCT is over jobs that succeeded;
 the free-GPUs-per-node histogram and fragmentation are sampled every ``sample_interval_s``.
 """
 
@@ -36,6 +38,11 @@ class JobRecord:
     that GPU type); None: it never started."""
     gang: bool = False
     """Whether the job ran as a multi-node gang (more than one member node)."""
+    held_s: float = 0.0
+    """Time PENDING but held by a dependency or its array's ``%N`` limit (not in ``wait_s``:
+    queue delay starts when the job is eligible, as Slurm's eligible time)."""
+    timed_out: bool = False
+    """Ended FAILED (``TIMEOUT``): an attempt ran past ``max_runtime_s``."""
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -68,10 +75,11 @@ def shown(x: float | None, spec: str = ".0f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def jain(xs: Sequence[float]) -> float:
-    """Jain's fairness index (Jain, Chiu, Hawe 1984): (sum x)^2 / (n sum x^2), 1 = equal."""
+def jain(xs: Sequence[float]) -> float | None:
+    """Jain's fairness index (Jain, Chiu, Hawe 1984): (sum x)^2 / (n sum x^2), 1 = equal;
+    None (undefined, 0/0) when every x is 0."""
     sq = sum(x * x for x in xs)
-    return (sum(xs) ** 2) / (len(xs) * sq) if sq > 0 else 1.0
+    return (sum(xs) ** 2) / (len(xs) * sq) if sq > 0 else None
 
 
 class Recorder:
@@ -88,7 +96,10 @@ class Recorder:
         self.t_backlog = 0.0
         self.alloc_backlog_gpu_s = 0.0
         self.t_jain = 0.0
+        """Time with Jain's index defined: two or more backlogged teams with an entitlement,
+        not all of them at 0 GPUs."""
         self.jain_dt = 0.0
+        self.t_two_backlogged = 0.0
         self.samples: list[tuple[float, int, int, dict[str, int]]] = []
         self.free_hist: dict[int, int] = {}
         self.frag_samples = 0
@@ -98,6 +109,13 @@ class Recorder:
         self.free_sum = 0
         self.last_waiting: Mapping[str, WaitReason] = {}
         self.unfinished: list[JobRecord] = []
+        self.started: list[JobRecord] = []
+        """Every job that started (``close``): the finished ones and the unfinished ones that
+        had started; the population of every queue-delay statistic."""
+        self.never_started: list[JobRecord] = []
+        """Unfinished jobs that never started (``close``), ``wait_s`` censored at the end."""
+        self.not_submitted = 0
+        """Jobs of the workload whose submit time is past the end (the horizon)."""
         self.team_gpu_s: dict[str, float] = {}
         self.final_allocated = 0
 
@@ -116,12 +134,13 @@ class Recorder:
             self.t_backlog += dt
             self.alloc_backlog_gpu_s += used * dt
         if len(backlogged) >= 2:
-            xs = [
-                alloc.get(t, 0) / max(self.entitlement.get(t, 1.0), 1e-9)
-                for t in sorted(backlogged)
-            ]
-            self.jain_dt += jain(xs) * dt
-            self.t_jain += dt
+            self.t_two_backlogged += dt
+            ent = self.entitlement
+            xs = [alloc.get(t, 0) / ent[t] for t in sorted(backlogged) if ent.get(t, 0.0) > 0]
+            j = jain(xs) if len(xs) >= 2 else None
+            if j is not None:
+                self.jain_dt += j * dt
+                self.t_jain += dt
 
     def sample(
         self,
@@ -169,12 +188,14 @@ class Recorder:
             s.submit_s,
             js.first_start_s,
             js.end_s,
-            js.wait_total_s,
+            js.wait_total_s - js.held_s,
             len(js.runs),
             js.preemptions,
             js.status.value,
             js.first_start_borrowed,
             js.gang,
+            js.held_s,
+            js.timed_out,
         )
 
     def finished(self, js: SimJobState) -> None:
@@ -183,15 +204,21 @@ class Recorder:
     def rejected(self, js: SimJobState) -> None:
         self.rejected_ids.append(js.spec.job_id)
 
-    def close(self, now: float, fleet: InMemoryFleet) -> None:
+    def close(self, now: float, fleet: InMemoryFleet, jobs_in_workload: int | None = None) -> None:
+        """End of the run at ``now``; ``jobs_in_workload``: how many jobs the workload had
+        (those not submitted by ``now`` are counted apart)."""
         done = {r.job_id for r in self.records} | set(self.rejected_ids)
         for job_id, js in fleet.jobs.items():
             if job_id not in done:
                 rec = self._record(js)
                 if js.status is JobStatus.PENDING:  # still waiting: its wait counts up to now
-                    wait = js.wait_total_s + now - js.pending_since_s
+                    wait = js.wait_total_s + now - js.pending_since_s - js.held_s
                     rec = JobRecord(**{**_asdict(rec), "wait_s": wait})
                 self.unfinished.append(rec)
+        self.started = self.records + [r for r in self.unfinished if r.first_start_s is not None]
+        self.never_started = [r for r in self.unfinished if r.first_start_s is None]
+        if jobs_in_workload is not None:
+            self.not_submitted = jobs_in_workload - len(fleet.jobs)
         self.final_allocated = sum(n.total - n.free for n in fleet.nodes.values())
         self.preempt_lost_gpu_s = sum(js.preempt_lost_gpu_s for js in fleet.jobs.values())
         self.held_gpu_s_by_team: dict[str, float] = {}
@@ -201,7 +228,7 @@ class Recorder:
 
     # -- the report --------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
-        recs = self.records
+        recs = self.started
         waits_all = [r.wait_s for r in recs]
         by_size: dict[str, list[float]] = {}
         by_tier: dict[str, list[float]] = {}
@@ -210,25 +237,41 @@ class Recorder:
             by_size.setdefault(size_bucket(r.gpus), []).append(r.wait_s)
             by_tier.setdefault(r.tier, []).append(r.wait_s)
             by_team.setdefault(r.team_id, []).append(r)
-        jcts = [r.end_s - r.submit_s for r in recs if r.end_s is not None]
-        longest = max(recs + self.unfinished, key=lambda r: (r.wait_s, r.job_id), default=None)
+        succeeded = [r for r in self.records if r.status == JobStatus.SUCCEEDED.value]
+        jcts = [r.end_s - r.submit_s for r in succeeded if r.end_s is not None]
+        jct_by_team: dict[str, list[float]] = {}
+        for r in succeeded:
+            if r.end_s is not None:
+                jct_by_team.setdefault(r.team_id, []).append(r.end_s - r.submit_s)
+        longest = max(
+            self.records + self.unfinished, key=lambda r: (r.wait_s, r.job_id), default=None
+        )
+        held = [r.held_s for r in self.records + self.unfinished if r.held_s > 0]
         hist_total = sum(self.free_hist.values()) or 1
         per_team = {}
         for tid, rs in sorted(by_team.items()):
+            team_jct = jct_by_team.get(tid, [])
             per_team[tid] = {
                 "jobs": len(rs),
                 "queue_delay_s": summary([r.wait_s for r in rs]),
                 "queue_delay_by_size_s": _by_size(rs),
-                "mean_jct_s": sum(r.end_s - r.submit_s for r in rs if r.end_s is not None)
-                / len(rs),
+                # None: no job of the team succeeded
+                "mean_jct_s": sum(team_jct) / len(team_jct) if team_jct else None,
                 "gpu_hours": self.team_gpu_s.get(tid, 0.0) / 3600.0,
                 "entitlement_gpus": self.entitlement.get(tid, 0.0),
             }
         return {
             "jobs": {
-                "finished": len(recs),
+                # finished + rejected_never_fit + unfinished + not_submitted_by_horizon =
+                # the workload's jobs
+                "finished": len(self.records),
+                "succeeded": len(succeeded),
+                "timed_out": sum(r.timed_out for r in self.records),
                 "unfinished": len(self.unfinished),
+                "unfinished_never_started": len(self.never_started),
                 "rejected_never_fit": len(self.rejected_ids),
+                "not_submitted_by_horizon": self.not_submitted,
+                "started": len(recs),
             },
             "allocation": {
                 "total_gpus": self.total_gpus,
@@ -247,6 +290,11 @@ class Recorder:
                 "by_size": {k: summary(v) for k, v in sorted(by_size.items())},
                 "by_tier": {k: summary(v) for k, v in sorted(by_tier.items())},
                 "by_quota": by_quota(recs),
+                # jobs that never started: their wait until the end (censored, a lower bound)
+                "never_started_censored": summary([r.wait_s for r in self.never_started]),
+                # time jobs were held by a dependency or an array's %N limit, of the jobs
+                # that were held at all (not queue delay)
+                "held_by_dependency_or_limit": summary(held),
             },
             "jct_s": summary(jcts),
             "fairness": {
@@ -255,7 +303,7 @@ class Recorder:
                 "jain_backlogged_time_weighted": self.jain_dt / self.t_jain
                 if self.t_jain
                 else None,
-                "share_of_time_two_or_more_teams_backlogged": self.t_jain / self.t_total
+                "share_of_time_two_or_more_teams_backlogged": self.t_two_backlogged / self.t_total
                 if self.t_total
                 else None,
             },
@@ -263,6 +311,7 @@ class Recorder:
                 "longest_wait_s": longest.wait_s if longest else None,
                 "longest_wait_job": longest.job_id if longest else None,
                 "longest_wait_finished": bool(longest and longest.end_s is not None),
+                "longest_wait_started": bool(longest and longest.first_start_s is not None),
                 "max_wait_by_tier_s": {k: max(v) for k, v in sorted(by_tier.items())},
             },
             "preemption": {
@@ -318,7 +367,7 @@ def by_quota(recs: Sequence[JobRecord]) -> dict[str, dict[str, Any]]:
     Fair share (DD4) serves work inside a guarantee first and lets borrowed work wait for
     idle capacity: the ``inside_guarantee`` ratio shows how size is treated where fair share
     does not bind, the ``borrowing`` one how large loans fare against small ones. Jobs that
-    never started are in neither part (finished jobs always started)."""
+    never started are in neither part (``recs`` are jobs that started)."""
     parts: dict[str, list[JobRecord]] = {"inside_guarantee": [], "borrowing": []}
     for r in recs:
         if r.borrowed is not None:

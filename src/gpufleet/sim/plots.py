@@ -63,7 +63,7 @@ def write_plots(rec: Recorder, guarantees: dict[str, float], out_dir: Path) -> l
     groups: dict[str, list[float]] = {}
     tiers: dict[str, list[float]] = {}
     r: JobRecord
-    for r in rec.records:
+    for r in rec.started:
         groups.setdefault(size_bucket(r.gpus), []).append(r.wait_s)
         tiers.setdefault(r.tier, []).append(r.wait_s)
     for k in ("1", "2", "4", "8+"):

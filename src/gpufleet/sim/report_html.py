@@ -70,7 +70,7 @@ def _write(
     )
     for ax, size in zip(axes, SIZES, strict=True):
         for name in names:
-            waits = [r.wait_s for r in runs[name].records if size_bucket(r.gpus) == size]
+            waits = [r.wait_s for r in runs[name].started if size_bucket(r.gpus) == size]
             if waits:
                 xs, ys = _cdf_points(waits)
                 ax.step(xs, ys, where="post", label=f"{name} (n={len(waits)})", lw=1)
@@ -139,10 +139,11 @@ def _write(
 
     rows_html = []
     for name in names:
-        waits = sorted(r.wait_s for r in runs[name].records)
+        waits = sorted(r.wait_s for r in runs[name].started)
         p50, p95, p99 = (shown(percentile(waits, q) if waits else None) for q in (50, 95, 99))
         rows_html.append(
             f"<tr><td>{html.escape(name)}</td><td>{len(waits)}</td>"
+            f"<td>{len(runs[name].never_started)}</td>"
             f"<td>{p50}</td><td>{p95}</td><td>{p99}</td></tr>"
         )
     body = "".join(f"<h2>{html.escape(h)}</h2><figure>{svg}</figure>" for h, svg in sections)
@@ -154,7 +155,8 @@ td,th{{border-bottom:1px solid #ccc;padding:.2rem .6rem;text-align:right}}
 figure{{margin:0}} svg{{max-width:100%;height:auto}}</style></head>
 <body><h1>gpufleet simulation: {html.escape(title)}</h1>
 <p>Runs overlaid: {", ".join(html.escape(n) for n in names)}.</p>
-<table><tr><th>run</th><th>jobs started</th><th>queue delay p50 (s)</th><th>p95 (s)</th>
+<table><tr><th>run</th><th>jobs started</th><th>never started by the end</th>
+<th>queue delay p50 (s)</th><th>p95 (s)</th>
 <th>p99 (s)</th></tr>{"".join(rows_html)}</table>
 {body}
 </body></html>
