@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -46,6 +47,81 @@ def _policy_dict(cfg: PolicyConfig) -> dict[str, Any]:
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     d["head_start_s"] = {str(k): v for k, v in cfg.head_start_s.items()}
     return d
+
+
+PLOT_FILES = (
+    "allocation_over_time.png",
+    "queue_delay_cdf.png",
+    "team_allocation_vs_guarantee.png",
+    "free_gpus_per_node.png",
+)
+"""The files ``plots.write_plots`` writes in each run's folder (``<out>/<run>/``)."""
+
+
+def check_out_dir(out: str | Path, option: str = "--out") -> Path:
+    """The output folder ``out``, created if missing, checked before any run starts.
+
+    Raises:
+        ScenarioError: empty, an existing file, a path through a file, or a folder that
+            cannot be created or written; the message names ``option`` and says why.
+    """
+    text = str(out)
+    if not text.strip():
+        raise ScenarioError(f"{option} is empty; give the folder for report.json")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise ScenarioError(f"{option} {text}: exists and is not a folder")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ScenarioError(f"{option} {text}: {parent} is a file, not a folder")
+            break
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise ScenarioError(f"{option} {text}: cannot create the folder ({why})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ScenarioError(f"{option} {text}: the folder is not writable")
+    return path
+
+
+def clear_previous_output(out_dir: Path) -> list[str]:
+    """Remove what an earlier ``sim run`` wrote in ``out_dir``: ``report.json``,
+    ``report.html`` and the plots in each run's folder (``main``, a baseline's name), the
+    folder too once empty. Nothing else is touched (a file of yours in a run's folder keeps
+    it). Returns the paths removed, relative to ``out_dir``."""
+    removed: list[str] = []
+    for name in ("report.json", "report.html"):
+        f = out_dir / name
+        if f.is_file() or f.is_symlink():
+            f.unlink()
+            removed.append(name)
+    for run in ("main", *BASELINES):
+        d = out_dir / run
+        if d.is_symlink() or not d.is_dir():
+            continue
+        for name in PLOT_FILES:
+            f = d / name
+            if f.is_file() or f.is_symlink():
+                f.unlink()
+                removed.append(f"{run}/{name}")
+        if not any(d.iterdir()):
+            d.rmdir()
+            removed.append(f"{run}/")
+    return removed
+
+
+def estimates_line(estimates: dict[str, Any]) -> str:
+    """The runtime estimates the scheduler is given, per workload source, in words:
+    ``philly=exact (oracle), synthetic=none``."""
+    parts = []
+    for source, mode in estimates.items():
+        if isinstance(mode, dict):
+            modes = sorted(set(mode.values()))
+            mode = modes[0] if len(modes) == 1 else ", ".join(f"{t}={m}" for t, m in mode.items())
+        parts.append(f"{source}={mode}" + (" (oracle)" if mode == "exact" else ""))
+    return ", ".join(parts) or "none"
 
 
 Progress = Callable[[str, float, float], None]
@@ -123,22 +199,32 @@ def run_sim(
     plots: bool = True,
     compare: tuple[str, ...] | None = None,
     progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the scenario in ``config_path`` (and its ``compare`` baselines); write
     ``out_dir/report.json`` and, with ``plots``, PNGs under ``out_dir/<run>/``.
 
-    Returns the report (the same dict as the JSON file). Deterministic for a seed. Runs that
-    did not finish every job add lines to ``warnings`` (absent when all finished).
-    ``progress`` is told how far each run is (by simulated time against the last arrival).
+    Returns the report (the same dict as the JSON file). Deterministic for a seed (>= 0).
+    Doubtful input (``Scenario.warnings``) and runs that did not finish every job add lines
+    to ``warnings`` (absent when there are none); ``warn`` is told the scenario's at once,
+    before any run. What an earlier run wrote in ``out_dir`` is removed first
+    (:func:`clear_previous_output`). ``progress`` is told how far each run is (by simulated
+    time against the last arrival).
     """
+    if seed < 0:
+        raise ScenarioError(f"seed must be >= 0, not {seed} (a negative seed repeats |seed|)")
     if compare is not None:  # before the scenario is read: a typo costs no run
         compare = check_baselines(compare, "compare")
     sc = load_scenario(config_path, traces_dir=traces_dir, seed=seed)
+    out_dir = check_out_dir(out_dir, "out_dir")
     last_arrival = max((j.submit_s for j in sc.jobs), default=0.0) or 1.0
-    out_dir.mkdir(parents=True, exist_ok=True)
+    clear_previous_output(out_dir)
     runs: dict[str, Any] = {}
     recorders: dict[str, Any] = {}
-    warnings: list[str] = []
+    warnings: list[str] = list(sc.warnings)
+    if warn is not None:
+        for line in sc.warnings:
+            warn(line)
     names = ("main", *(compare if compare is not None else sc.compare))
     for name in names:
         policy = sc.policy if name == "main" else policy_for(sc.base_policy, name)
@@ -171,11 +257,12 @@ def run_sim(
             "nodes": sum(g.count for g in sc.groups),
             "gpus": sum(g.count * g.gpus_per_node for g in sc.groups),
             "load": sc.load_stats,
+            "estimates": sc.estimates,
             "runs": runs,
         }
     )
     if warnings:
-        report["warnings"] = warnings  # only when some run did not finish every job
+        report["warnings"] = warnings  # only when the input is doubtful or jobs did not finish
     if plots and recorders:
         from gpufleet.sim.report_html import write_html_report
 
@@ -191,8 +278,14 @@ def run_sim(
 @app.command("run")
 def run_cmd(
     config: Path = typer.Argument(..., exists=True, help="scenario YAML (examples/sim/)"),
-    out: Path = typer.Option(Path("sim-out"), "--out", "-o", help="output directory"),
-    seed: int = typer.Option(0, help="seed of the synthetic generator"),
+    out: str = typer.Option(
+        "sim-out",
+        "--out",
+        "-o",
+        help="output directory; what an earlier run wrote there (report.json, report.html, "
+        "each run's plots) is replaced, nothing else",
+    ),
+    seed: int = typer.Option(0, min=0, help="seed of the synthetic generator (>= 0)"),
     traces_dir: Path | None = typer.Option(
         None,
         help="where the public traces lie (default: $GPUFLEET_TRACES_DIR, else the scenario's "
@@ -203,25 +296,35 @@ def run_cmd(
 ) -> None:
     """Run a scenario and print the headline metrics of each run (progress on stderr: a
     bar on a terminal, a plain line per 10% otherwise)."""
-    if out.exists() and not out.is_dir():
-        typer.echo(f"error: --out {out}: exists and is not a folder", err=True)
-        raise typer.Exit(2)
     try:
         # named as the user typed it, before the scenario is read or any run starts
         compare_names = check_baselines(compare, "--compare") if compare else None
     except ScenarioError as exc:
         typer.echo(f"error: {exc} (see `gpufleet sim baselines`)", err=True)
         raise typer.Exit(2) from None
+    created = bool(out.strip()) and not Path(out).exists()
+    try:
+        out_dir = check_out_dir(out)
+    except ScenarioError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    early: list[str] = []
+
+    def warn(line: str) -> None:
+        early.append(line)
+        typer.echo(f"warning: {line}", err=True)
+
     try:
         with _progress() as progress:
             rep = run_sim(
                 config,
-                out,
+                out_dir,
                 seed=seed,
                 traces_dir=traces_dir,
                 plots=not no_plots,
                 compare=compare_names,
                 progress=progress,
+                warn=warn,
             )
     except (
         ValueError,
@@ -237,11 +340,18 @@ def run_cmd(
         # scenario's validation names the field; this is the last resort)
         what = "" if isinstance(exc, ScenarioError) else f"{config}: {type(exc).__name__}: "
         typer.echo(f"error: {what}{exc}", err=True)
+        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # made by this run for nothing
         raise typer.Exit(2) from None
 
     def seconds(x: float | None) -> str:
         return "n/a" if x is None else f"{shown(x)}s"  # no unit on "n/a"
 
+    typer.echo(
+        f"scenario {rep['scenario']}: seed {rep['seed']}, {rep['jobs_in_workload']:,} jobs, "
+        f"{rep['nodes']:,} nodes / {rep['gpus']:,} GPUs; runtime estimates: "
+        f"{estimates_line(rep['estimates'])}"
+    )
     for name, r in rep["runs"].items():
         qd = r["queue_delay_s"]["all"]
         jobs = r["jobs"]
@@ -269,10 +379,11 @@ def run_cmd(
             f"gang/1={shown(bq['all']['p99_gang_to_1'], '.1f')}; " + "; ".join(parts)
         )
     for line in rep.get("warnings", ()):
-        typer.echo(f"warning: {line}", err=True)
-    typer.echo(f"report: {out / 'report.json'}")
+        if line not in early:
+            typer.echo(f"warning: {line}", err=True)
+    typer.echo(f"report: {out_dir / 'report.json'}")
     if "html" in rep:
-        typer.echo(f"html report: {out / rep['html']}")
+        typer.echo(f"html report: {out_dir / rep['html']}")
 
 
 @contextmanager

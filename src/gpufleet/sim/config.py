@@ -101,6 +101,14 @@ class Scenario:
     compare: tuple[str, ...] = ()
     load_stats: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
+    estimates: dict[str, Any] = field(default_factory=dict)
+    """The runtime estimate each workload source gives the scheduler (``philly``,
+    ``openb_pods``, ``synthetic`` per team: ``exact`` or ``none``; ``jobs``:
+    ``expected_duration_s``, each job's own)."""
+    warnings: tuple[str, ...] = ()
+    """Doubtful but valid input (guarantees above the fleet, a guarantee on a GPU type the
+    fleet lacks, Philly VCs rounded up to one node): one line each, for the CLI and
+    ``report.json``."""
 
 
 SCENARIO_KEYS = frozenset(
@@ -165,8 +173,10 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
     def at(field_path: str) -> str:
         return f"{path}: {field_path}"
 
-    groups, teams, vc_sizes = parse_cluster(path, raw.get("cluster"), tdir)
+    warnings: list[str] = []
+    groups, teams, vc_sizes = parse_cluster(path, raw.get("cluster"), tdir, warnings)
     teams = parse_teams(path, raw.get("teams"), teams)
+    warnings.extend(guarantee_warnings(path, groups, teams))
     workload = parse_workload(path, raw.get("workload"), tdir, groups, teams, vc_sizes, seed)
     base_policy, policy = parse_policy(raw.get("policy"), at("policy"))
     engine = _engine_options(raw.get("engine"), at("engine"), workload.no_estimates)
@@ -187,7 +197,38 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         ),
         load_stats=workload.stats,
         raw=raw,
+        estimates=workload.estimates,
+        warnings=tuple(warnings),
     )
+
+
+def guarantee_warnings(path: Path, groups: list[NodeGroup], teams: list[TeamSpec]) -> list[str]:
+    """Guarantees a fleet cannot honour, one line each: on a GPU type the fleet lacks, and
+    (per type) summing to more GPUs than the fleet has. Valid input (quota is a promise the
+    policy keeps as far as GPUs allow), but rarely meant."""
+    fleet: dict[str, int] = {}
+    for g in groups:
+        fleet[g.gpu_type] = fleet.get(g.gpu_type, 0) + g.count * g.gpus_per_node
+    out: list[str] = []
+    promised: dict[str, int] = {}
+    for n, t in enumerate(teams):
+        for gpu_type, gpus in t.guaranteed_gpus.items():
+            promised[gpu_type] = promised.get(gpu_type, 0) + gpus
+            if gpus > 0 and gpu_type not in fleet:
+                out.append(
+                    f"{path}: teams[{n}].guaranteed_gpus[{gpu_type}]: team {t.team_id!r} is "
+                    f"guaranteed {gpus} {gpu_type} GPUs, but the fleet has no {gpu_type} "
+                    f"(it has {', '.join(sorted(fleet))})"
+                )
+    for gpu_type, gpus in sorted(promised.items()):
+        have = fleet.get(gpu_type, 0)
+        if have and gpus > have:
+            out.append(
+                f"{path}: teams: guaranteed_gpus[{gpu_type}] sum to {gpus:,}, more than the "
+                f"fleet's {have:,} {gpu_type} GPUs (oversubscribed: not every guarantee can "
+                "be met at once)"
+            )
+    return out
 
 
 def _engine_options(raw: Any, where: str, no_estimates: bool) -> EngineOptions:

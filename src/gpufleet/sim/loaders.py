@@ -259,6 +259,9 @@ class SyntheticTeam:
     fail_prob: float = 0.0
     checkpoint_s: float | None = 600.0
     bounded: bool = False
+    estimate: str = "exact"
+    """As Philly's ``estimate``: ``exact`` tells the scheduler the true duration as
+    ``expected_duration_s`` (an oracle), ``none`` tells it nothing."""
 
 
 _T = TypeVar("_T")
@@ -306,7 +309,7 @@ def synthetic(teams: list[SyntheticTeam], horizon_s: float, seed: int) -> Iterat
                     gpus=_pick(rng, t.sizes),
                     duration_s=round(dur, 3),
                     priority=_pick(rng, t.priorities),
-                    expected_duration_s=round(dur, 3),
+                    expected_duration_s=round(dur, 3) if t.estimate == "exact" else None,
                     max_runtime_s=round(dur * 1.05, 3) if t.bounded else None,
                     failures=fails,
                     checkpoint_s=t.checkpoint_s,

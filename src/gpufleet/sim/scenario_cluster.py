@@ -38,10 +38,12 @@ TEAM_KEYS = frozenset(
 
 
 def parse_cluster(
-    path: Path, raw: Any, traces_dir: Path
+    path: Path, raw: Any, traces_dir: Path, warnings: list[str] | None = None
 ) -> tuple[list[NodeGroup], list[TeamSpec], dict[str, int]]:
     """``cluster:`` of the scenario at ``path``: its node groups, the teams it implies (one
-    per Philly VC) and the Philly VC sizes in nodes (empty without ``philly_vcs``)."""
+    per Philly VC) and the Philly VC sizes in nodes (empty without ``philly_vcs``).
+    Doubtful but valid input (a ``capacity`` that rounds VCs up to one node) is appended to
+    ``warnings``, one line each."""
 
     def at(field_path: str) -> str:
         return f"{path}: {field_path}"
@@ -91,7 +93,16 @@ def parse_cluster(
         vc_sizes = read_trace(traces_dir, f"{w}.path", pv.get("path", _MISSING), philly_vc_sizes)
         if capacity != 1.0:
             # every VC scaled alike (at least one node), so its guarantee keeps its share
+            raised = sorted(vc for vc, n in vc_sizes.items() if round(n * capacity) < 1)
+            asked = sum(n * capacity for n in vc_sizes.values())
             vc_sizes = {vc: max(1, round(n * capacity)) for vc, n in vc_sizes.items()}
+            if raised and warnings is not None:
+                nodes = sum(vc_sizes.values())
+                warnings.append(
+                    f"{w}.capacity: {capacity:g} gives {len(raised)} of {len(vc_sizes)} VCs "
+                    f"less than one node; each keeps one, so the fleet is {nodes:,} nodes / "
+                    f"{nodes * gpn:,} GPUs, not ~{asked:.3g} nodes"
+                )
         groups.append(NodeGroup("philly", sum(vc_sizes.values()), gpn, gpu_type, cpu=cpu))
         teams.extend(philly_teams(vc_sizes, gpn, gpu_type))
     if not groups:

@@ -88,7 +88,7 @@ _POLICY_BOUNDS: Mapping[str, dict[str, Any]] = {
     "headroom_max_node_share": {"ge": 0, "le": 1},
     "defrag_wait_s": {"ge": 0},
     "defrag_drain_horizon_s": {"ge": 0},
-    "displacement_budget_share": {"ge": 0},
+    "displacement_budget_share": {"ge": 0, "le": 1},
     "anti_thrash_s": {"ge": 0},
 }
 """Bounds of the numeric ``policy`` knobs (``_number`` keywords)."""

@@ -61,8 +61,14 @@ SYNTHETIC_TEAM_KEYS = frozenset(
         "fail_prob",
         "checkpoint_s",
         "bounded",
+        "estimate",
     }
 )
+
+ESTIMATES = ("exact", "none")
+"""``estimate`` of ``workload.philly`` and of each synthetic team: ``exact`` (the default)
+tells the scheduler each job's true duration as ``expected_duration_s`` (an oracle),
+``none`` tells it nothing (the engine then predicts durations, ``engine.predict_durations``)."""
 
 JOB_KEYS = frozenset(
     {
@@ -87,13 +93,16 @@ JOB_KEYS = frozenset(
 @dataclass(frozen=True, slots=True)
 class Workload:
     """What ``workload:`` gives: the jobs in submit order, the loaders' statistics per source,
-    whether the jobs come without runtime estimates (``philly.estimate: none``), and the
-    teams left (a Philly workload keeps only the teams it reads)."""
+    whether some jobs come without runtime estimates (``estimate: none`` in
+    ``workload.philly`` or a synthetic team), the teams left (a Philly workload keeps only the
+    teams it reads) and the runtime estimate each source gives (``estimates``: ``philly``,
+    ``openb_pods``, ``synthetic`` per team, ``jobs``; reported in ``report.json``)."""
 
     jobs: list[SimJob]
     stats: dict[str, Any]
     no_estimates: bool
     teams: list[TeamSpec]
+    estimates: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def parse_workload(
@@ -124,6 +133,7 @@ def parse_workload(
     wl = _mapping(raw, at("workload"), ("philly", "openb_pods", "synthetic", "jobs"))
     jobs: list[SimJob] = []
     no_estimates = False
+    estimates: dict[str, Any] = {}
     if "philly" in wl:
         w = at("workload.philly")
         p = _mapping(wl["philly"], w, PHILLY_KEYS)
@@ -133,8 +143,9 @@ def parse_workload(
             keep = {_text(x, f"{w}.teams[{k}]") for k, x in enumerate(teams_opt)}
         elif _choice(teams_opt, f"{w}.teams", ("known", "all")) == "known" and vc_sizes:
             keep = set(vc_sizes)
-        estimate = _choice(p.get("estimate", "exact"), f"{w}.estimate", ("exact", "none"))
+        estimate = _choice(p.get("estimate", "exact"), f"{w}.estimate", ESTIMATES)
         no_estimates = estimate == "none"
+        estimates["philly"] = estimate
         oversize = _choice(p.get("oversize", "gang"), f"{w}.oversize", ("gang", "clip", "drop"))
         start = _date(p.get("start", "2017-10-01 00:00:00"), f"{w}.start")
         end = _date(p.get("end", "2017-12-01 00:00:00"), f"{w}.end")
@@ -185,16 +196,26 @@ def parse_workload(
         )
         jobs.extend(loaded)
         stats["openb_pods"] = dataclasses.asdict(st2)
+        # the trace's lifetime is the estimate; pods that never end have none
+        estimates["openb_pods"] = "exact" if lifetime == "trace" else "none"
     if "synthetic" in wl:
         w = at("workload.synthetic")
         s = _mapping(wl["synthetic"], w, ("horizon_h", "teams"))
         horizon_h = _number(s.get("horizon_h", 24), f"{w}.horizon_h", gt=0, le=MAX_TIME_S / 3600.0)
-        steams = [
-            _synthetic_team(t, f"{w}.teams[{n}]", known_team)
-            for n, t in enumerate(_list(s.get("teams", _MISSING), f"{w}.teams"))
-        ]
+        steams: list[SyntheticTeam] = []
+        for n, t in enumerate(_list(s.get("teams", _MISSING), f"{w}.teams")):
+            team = _synthetic_team(t, f"{w}.teams[{n}]", known_team)
+            first = next((k for k, x in enumerate(steams) if x.team_id == team.team_id), None)
+            if first is not None:
+                raise ScenarioError(
+                    f"{w}.teams[{n}].id: team {team.team_id!r} is listed twice (first at "
+                    f"teams[{first}]); give each team one entry"
+                )
+            steams.append(team)
         if not steams:
             raise ScenarioError(f"{w}.teams must list at least one team")
+        estimates["synthetic"] = {t.team_id: t.estimate for t in steams}
+        no_estimates = no_estimates or any(t.estimate == "none" for t in steams)
         expected = sum(t.jobs_per_hour for t in steams) * horizon_h
         if expected > MAX_SYNTHETIC_JOBS:
             raise ScenarioError(
@@ -207,6 +228,8 @@ def parse_workload(
         for j in explicit:
             known_team(j.team_id, at(f"workload.jobs ({j.job_id}).team"))
         jobs.extend(explicit)
+        # each job's own expected_duration_s (none where it gives none)
+        estimates["jobs"] = "expected_duration_s"
     if not jobs:
         given = [f"workload.{k}" for k in ("philly", "openb_pods", "synthetic", "jobs") if k in wl]
         raise ScenarioError(
@@ -225,7 +248,9 @@ def parse_workload(
             )
         ids.add(j.job_id)
     jobs.sort(key=lambda j: (j.submit_s, j.job_id))
-    return Workload(jobs=jobs, stats=stats, no_estimates=no_estimates, teams=teams)
+    return Workload(
+        jobs=jobs, stats=stats, no_estimates=no_estimates, teams=teams, estimates=estimates
+    )
 
 
 def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
@@ -336,12 +361,14 @@ def _synthetic_team(raw: Any, where: str, known_team: Any) -> SyntheticTeam:
         team_id=team_id,
         jobs_per_hour=_number(t.get("jobs_per_hour", _MISSING), f"{where}.jobs_per_hour", gt=0),
         sizes=_weights(
-            t.get("sizes") or {1: 1.0},
+            {1: 1.0} if t.get("sizes") is None else t["sizes"],
             f"{where}.sizes",
             lambda k, w: _int(k, w, ge=1, le=MAX_JOB_GPUS),
         ),
         priorities=_weights(
-            t.get("priorities") or {"NORMAL": 1.0}, f"{where}.priorities", _priority
+            {"NORMAL": 1.0} if t.get("priorities") is None else t["priorities"],
+            f"{where}.priorities",
+            _priority,
         ),
         median_duration_s=_number(
             t.get("median_duration_s", 1800), f"{where}.median_duration_s", gt=0, le=MAX_TIME_S
@@ -352,4 +379,5 @@ def _synthetic_team(raw: Any, where: str, known_team: Any) -> SyntheticTeam:
             t.get("checkpoint_s", 600.0), f"{where}.checkpoint_s", gt=0, le=MAX_TIME_S
         ),
         bounded=_bool(t.get("bounded", False), f"{where}.bounded"),
+        estimate=_choice(t.get("estimate", "exact"), f"{where}.estimate", ESTIMATES),
     )
