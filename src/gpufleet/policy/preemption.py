@@ -37,13 +37,14 @@ Exact minimum cost is a knapsack; the greedy+prune set is what a human operator 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from gpufleet.domain.types import PriorityClass
 from gpufleet.policy.decisions import Preempt
 from gpufleet.policy.gang import member_resources
 from gpufleet.policy.placement import FreeIndex
-from gpufleet.policy.priority import remaining_s, srtf_remaining_s
+from gpufleet.policy.priority import queued_at, remaining_s, srtf_remaining_s
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import PendingJob, RunningJob
@@ -79,10 +80,19 @@ def fewest_victims(
 class VictimSearch:
     """Per-pass victim search over the running attempts (built lazily, used rarely)."""
 
-    def __init__(self, running: RunningIndex, book: TeamBook, now_s: float) -> None:
+    def __init__(
+        self,
+        running: RunningIndex,
+        book: TeamBook,
+        now_s: float,
+        head_start_s: Mapping[PriorityClass, float] | None = None,
+    ) -> None:
         self._running = running
         self._book = book
         self._now_s = now_s
+        self._head = head_start_s
+        """The aging rules (``PolicyConfig.head_start_s``) when the queue ages priorities
+        (fair-share ordering); None: the queue order is the priority order."""
         self.taken: set[str] = set()
         self.borrowed: set[str] = set()
         # Gangs: every member of a multi-node attempt, by job id (a gang is one unit).
@@ -386,4 +396,19 @@ class VictimSearch:
                 and r.priority.rank <= job.priority.rank
                 and self._remaining()[r.run_id] > remaining_s(job)
             )
-        return r.team_id == job.team_id and r.priority.rank < job.priority.rank
+        return (
+            r.team_id == job.team_id
+            and r.priority.rank < job.priority.rank
+            and self._ahead(job, r)
+        )
+
+    def _ahead(self, job: PendingJob, r: RunningJob) -> bool:
+        """Whether the queue would serve ``job`` before ``r``'s job (their aged keys,
+        ``priority.queue_key``). A lower tier that waited longer than the head start of the
+        higher one is ahead of it in the queue: it may start first, and displacing it then
+        would let it start again before the preemptor, over and over."""
+        head = self._head
+        if head is None or r.queued_at_s is None:
+            return True
+        mine = queued_at(job) - head.get(job.priority, 0.0)
+        return mine < r.queued_at_s - head.get(r.priority, 0.0)

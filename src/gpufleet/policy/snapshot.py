@@ -128,6 +128,11 @@ class RunningJob:
     gang_size: int = 1
     """Members of the attempt; > 1 means a gang whose members share ``job_id`` and are
     preempted, charged and reclaimed as one unit."""
+    queued_at_s: float | None = None
+    """The job's place in the queue, seconds (``PendingJob.queued_at_s``: its submit time,
+    or when a failed attempt queued it again; a preempted job keeps its place): the priority
+    ground displaces only attempts its preemptor precedes in the queue (``policy.preemption``).
+    None: unknown, no such check."""
 
 
 @dataclass(frozen=True, slots=True)

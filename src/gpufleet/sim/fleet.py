@@ -376,6 +376,7 @@ class InMemoryFleet:
                     stopping_for_job_id=run.stopping_for,
                     rank=m.rank,
                     gang_size=size,
+                    queued_at_s=js.queued_at_s if js.queued_at_s is not None else s.submit_s,
                 )
                 for m in run.members
             )

@@ -167,6 +167,7 @@ def running_job(
         stopping_for_job_id=run.preempted_for_job_id if live else stopping_for.get(run.job_id),
         rank=run.rank,
         gang_size=run.gang_size,
+        queued_at_s=run.queued_at.timestamp() if run.queued_at is not None else None,
     )
 
 
@@ -227,6 +228,7 @@ RUNNING_COLUMNS = (
     JobRow.name,
     JobRow.submitted_by,
     JobRow.gpu_count,
+    JobRow.queued_at,
 )
 """What a snapshot reads of a running attempt and its job (``load_snapshot`` and the
 leader's ``store.snapshot_cache``)."""

@@ -187,6 +187,37 @@ class TestPriorityPreemption:
         assert pre.victim_run_ids == ("fresh-ckpt",)
 
 
+    @pytest.mark.parametrize(
+        ("victim_queued_h", "want_preempt"),
+        [
+            pytest.param(-1.0, True, id="queued 1 h before the HIGH job: behind it, preempted"),
+            pytest.param(-10.0, False, id="queued 10 h before: aged ahead of it, kept"),
+            pytest.param(None, True, id="queue place unknown: by class alone"),
+        ],
+    )
+    def test_never_a_job_the_queue_serves_first(
+        self, victim_queued_h: float | None, want_preempt: bool
+    ) -> None:
+        """Aging gives a tier a head start (HIGH 8 h over LOW by default): a LOW job that
+        queued 10 h before a HIGH one is ahead of it in the queue, so it may start first.
+        Displacing it would requeue it ahead of the preemptor again (a preempted job keeps its
+        place), and it would start and be displaced over and over: a user's scenario made
+        1,131 preemptions that way, one HIGH gang waiting 57 days."""
+        now = 100_000.0
+        victim = run("v", "n1", team="a", gpus=6, priority=P.LOW)
+        if victim_queued_h is not None:
+            victim = replace(victim, queued_at_s=now + victim_queued_h * 3600.0)
+        s = snap(
+            nodes=[node("n1", free=2)],
+            running=[victim],
+            pending=[job("hi", team="a", gpus=8, priority=P.HIGH, at=now)],
+            teams=[team("a", guarantee=8)],
+            now=now,
+        )
+        pre = [d for d in schedule(s).decisions if isinstance(d, Preempt)]
+        assert bool(pre) == want_preempt
+
+
 class TestWhyWithoutRuntimeBounds:
     def test_reservation_message_is_relative_to_the_snapshot_clock(self) -> None:
         big = schedule(backfill_snapshot(None)).waiting["big"]
