@@ -186,7 +186,6 @@ class TestPriorityPreemption:
         (pre,) = [d for d in schedule(s).decisions if isinstance(d, Preempt)]
         assert pre.victim_run_ids == ("fresh-ckpt",)
 
-
     @pytest.mark.parametrize(
         ("victim_queued_h", "want_preempt"),
         [
