@@ -504,7 +504,7 @@ class _Pass:
                 members = every[t]
                 free = index.gang_candidates(t, job.node_selector, members[-1], job.job_id, held)
                 found = None
-                taken = set(self.victims.taken)
+                taken = self.victims_taken()
                 if self.book.fits_in_guarantee(job.team_id, t, res.gpu_count):
                     found = self.victims.find_gang(job, index, t, "reclaim", members, free)
                 if found is None and job.priority.rank > 0:
@@ -617,6 +617,11 @@ class _Pass:
             )
         return refusal or ("no_node_fits_now",)
 
+    def victims_taken(self) -> set[str]:
+        """A copy of the victim search's taken attempts, to restore when a found set is
+        refused (empty while no search has run: the search is built only when used)."""
+        return set(self._victims.taken) if self._victims is not None else set()
+
     def admitted_after(
         self, job: PendingJob, gpu_type: str, victim_run_ids: Iterable[str]
     ) -> bool:
@@ -625,12 +630,7 @@ class _Pass:
         team's borrow limit starts nothing: the victim, a job of the same team, fits the
         quota its own stop freed and starts again elsewhere, to be displaced again (a
         user's scenario displaced one LOW job 18 times for a HIGH gang that way)."""
-        ids = set(victim_run_ids)
-        freed = sum(
-            r.gpu_count
-            for r in self.snap.running
-            if r.run_id in ids and r.team_id == job.team_id and r.gpu_type == gpu_type
-        )
+        freed = self.victims.team_gpus(job.team_id, gpu_type, set(victim_run_ids))
         need = max(0, job.resources.gpu_count - freed)
         free = self.index.free_by_type.get(gpu_type, 0)
         return self.book.admit(job.team_id, gpu_type, need, free) is None
@@ -653,7 +653,7 @@ class _Pass:
         if preempt and cfg.preemption and self.n_preempts < cfg.max_preemptions_per_cycle:
             found = None
             for t in types:
-                taken = set(self.victims.taken)
+                taken = self.victims_taken()
                 if self.book.fits_in_guarantee(job.team_id, t, res.gpu_count):
                     found = self.victims.find(job, self.index, t, "reclaim")
                 if found is None and job.priority.rank > 0:

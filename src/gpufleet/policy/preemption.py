@@ -211,6 +211,15 @@ class VictimSearch:
         lost = gpus * max(0.0, self._now_s - since)
         return (0 if r.run_id in self.borrowed else 1, r.priority.rank, lost, r.run_id)
 
+    def team_gpus(self, team_id: str, gpu_type: str, run_ids: set[str]) -> int:
+        """GPUs of ``gpu_type`` that the attempts ``run_ids`` of ``team_id`` hold (members
+        of a gang counted once each, as they are charged)."""
+        return sum(
+            r.gpu_count
+            for r in self._by_team.get(team_id, ())
+            if r.run_id in run_ids and r.gpu_type == gpu_type
+        )
+
     def unit(self, r: RunningJob) -> list[RunningJob]:
         """The attempts stopped together with ``r``: its gang's members, or ``r`` alone."""
         if r.gang_size > 1:
