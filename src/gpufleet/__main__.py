@@ -1,0 +1,7 @@
+"""``python -m gpufleet``: the ``gpufleet`` command, for environments where the console script
+is not on PATH."""
+
+from gpufleet.cli import main
+
+if __name__ == "__main__":
+    main()
