@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -72,6 +73,12 @@ def test_progress_without_a_terminal_is_plain_lines(tmp_path: Path) -> None:
         lines = [line for line in progress if line.startswith(f"sim {run}: ")]
         assert len(lines) >= 2, progress  # a step before the end, not only the final line
         assert lines[-1].startswith(f"sim {run}: 100%"), progress
+        # the 100% line comes once, when the run has ended, with the time it ended at
+        # (it came when the last job arrived, and the queue then drained unreported)
+        assert sum(line.startswith(f"sim {run}: 100%") for line in lines) == 1
+        report = json.loads((tmp_path / "out" / "report.json").read_text())
+        end_h = report["runs"][run]["run"]["sim_end_s"] / 3600
+        assert lines[-1] == f"sim {run}: 100% (simulated {end_h:.1f}h)", progress
     assert "report:" in result.stdout
 
 

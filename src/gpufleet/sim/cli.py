@@ -232,7 +232,9 @@ def run_sim(
         if progress is not None:
 
             def hook(now_s: float, _events: int, name: str = name) -> None:
-                progress(name, min(1.0, now_s / last_arrival), now_s)
+                # (past the last arrival the run still drains its queue: 100% is said only
+                # when it has ended, with the simulated time it ended at)
+                progress(name, min(0.999, now_s / last_arrival), now_s)
 
         eng, rep = run_scenario(sc, policy, hook)
         if progress is not None:
