@@ -24,7 +24,7 @@ the same snapshot and config give the same result.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from gpufleet.domain.types import Resources
 from gpufleet.policy.backfill import (
@@ -504,17 +504,12 @@ class _Pass:
                 members = every[t]
                 free = index.gang_candidates(t, job.node_selector, members[-1], job.job_id, held)
                 found = None
-                taken = self.victims_taken()
                 if self.book.fits_in_guarantee(job.team_id, t, res.gpu_count):
                     found = self.victims.find_gang(job, index, t, "reclaim", members, free)
                 if found is None and job.priority.rank > 0:
                     found = self.victims.find_gang(job, index, t, "priority", members, free)
                 if found is None and cfg.ordering is Ordering.SRTF:
                     found = self.victims.find_gang(job, index, t, "srtf", members, free)
-                if found and not self.admitted_after(
-                    job, t, [v for p in found for v in p.victim_run_ids]
-                ):
-                    self.victims.taken, found = taken, None
                 if found:
                     for pre in found:
                         self.decisions.append(pre)
@@ -617,24 +612,6 @@ class _Pass:
             )
         return refusal or ("no_node_fits_now",)
 
-    def victims_taken(self) -> set[str]:
-        """A copy of the victim search's taken attempts, to restore when a found set is
-        refused (empty while no search has run: the search is built only when used)."""
-        return set(self._victims.taken) if self._victims is not None else set()
-
-    def admitted_after(
-        self, job: PendingJob, gpu_type: str, victim_run_ids: Iterable[str]
-    ) -> bool:
-        """Whether ``job``'s team quota admits it once the victims of its own team have
-        stopped. A preemption that frees GPUs on nodes but leaves its preemptor over its
-        team's borrow limit starts nothing: the victim, a job of the same team, fits the
-        quota its own stop freed and starts again elsewhere, to be displaced again (a
-        user's scenario displaced one LOW job 18 times for a HIGH gang that way)."""
-        freed = self.victims.team_gpus(job.team_id, gpu_type, set(victim_run_ids))
-        need = max(0, job.resources.gpu_count - freed)
-        free = self.index.free_by_type.get(gpu_type, 0)
-        return self.book.admit(job.team_id, gpu_type, need, free) is None
-
     # -- phase 5 ------------------------------------------------------------------------
     def handle_head(self, job: PendingJob, cause: Cause, preempt: bool = True) -> Cause:
         """The first blocked job of its team: preempt for it (only with ``preempt``), or
@@ -653,15 +630,12 @@ class _Pass:
         if preempt and cfg.preemption and self.n_preempts < cfg.max_preemptions_per_cycle:
             found = None
             for t in types:
-                taken = self.victims_taken()
                 if self.book.fits_in_guarantee(job.team_id, t, res.gpu_count):
                     found = self.victims.find(job, self.index, t, "reclaim")
                 if found is None and job.priority.rank > 0:
                     found = self.victims.find(job, self.index, t, "priority")
                 if found is None and cfg.ordering is Ordering.SRTF:
                     found = self.victims.find(job, self.index, t, "srtf")
-                if found is not None and not self.admitted_after(job, t, found[0].victim_run_ids):
-                    self.victims.taken, found = taken, None
                 if found is not None:
                     break
             if found is not None:

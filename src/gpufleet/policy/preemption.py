@@ -211,14 +211,22 @@ class VictimSearch:
         lost = gpus * max(0.0, self._now_s - since)
         return (0 if r.run_id in self.borrowed else 1, r.priority.rank, lost, r.run_id)
 
-    def team_gpus(self, team_id: str, gpu_type: str, run_ids: set[str]) -> int:
-        """GPUs of ``gpu_type`` that the attempts ``run_ids`` of ``team_id`` hold (members
-        of a gang counted once each, as they are charged)."""
-        return sum(
-            r.gpu_count
-            for r in self._by_team.get(team_id, ())
-            if r.run_id in run_ids and r.gpu_type == gpu_type
+    def _admits(
+        self, job: PendingJob, index: FreeIndex, gpu_type: str, victims: list[RunningJob]
+    ) -> bool:
+        """Whether ``job``'s team quota admits it once the victims of its own team have
+        stopped (every member of a victim gang in ``victims``). A victim set that frees GPUs
+        on nodes but leaves its preemptor over its team's borrow limit starts nothing: the
+        victim, a job of the same team, fits the quota its own stop freed and starts again
+        elsewhere, to be displaced again (a user's scenario displaced one LOW job 18 times
+        for a HIGH gang that way). Reclaim's victims are other teams': it needs no more
+        than the guarantee its ground already checked."""
+        freed = sum(
+            r.gpu_count for r in victims if r.team_id == job.team_id and r.gpu_type == gpu_type
         )
+        need = max(0, job.resources.gpu_count - freed)
+        free = index.free_by_type.get(gpu_type, 0)
+        return self._book.admit(job.team_id, gpu_type, need, free) is None
 
     def unit(self, r: RunningJob) -> list[RunningJob]:
         """The attempts stopped together with ``r``: its gang's members, or ``r`` alone."""
@@ -316,6 +324,8 @@ class VictimSearch:
         if best is None:
             return None
         cost, node_id, chosen = best
+        if not self._admits(job, index, gpu_type, [m for r in chosen for m in self.unit(r)]):
+            return None
         victims = self._take(chosen)
         return Preempt(job.job_id, node_id, victims, reason, need), cost
 
@@ -386,6 +396,10 @@ class VictimSearch:
                     self.taken.add(other.run_id)
                     version[other.node_id] = version.get(other.node_id, 0) + 1
             plans.append((node_id, m, chosen))
+        units = {o.run_id: o for _, _, chosen in plans for r in chosen for o in self.unit(r)}
+        if not self._admits(job, index, gpu_type, list(units.values())):
+            self.taken = taken_before
+            return None
         out: list[Preempt] = []
         for node_id, m, chosen in plans:
             if not chosen:
