@@ -70,7 +70,7 @@ from gpufleet.policy.decisions import Decision, Preempt
 from gpufleet.policy.gang import gang_members, member_resources
 from gpufleet.policy.placement import Accepting, FreeIndex, Shadow, node_accepts, selector_key
 from gpufleet.policy.preemption import VictimSearch, fewest_victims
-from gpufleet.policy.priority import queued_at
+from gpufleet.policy.priority import queued_at, virtual_queued_at
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import (
@@ -179,7 +179,7 @@ def _large_waiting(p: PassView, min_wait: float) -> list[tuple[float, PendingJob
         for j in q[:depth] if len(q) > depth else q:
             qa = queued_at(j)
             # Queues are sorted: past this point no job has waited long enough.
-            if cfg.ordering is Ordering.FAIR_SHARE and qa - head.get(j.priority, 0.0) > (
+            if cfg.ordering is Ordering.FAIR_SHARE and virtual_queued_at(qa, j.priority, head) > (
                 now - min_wait
             ):
                 break

@@ -44,7 +44,12 @@ from gpufleet.domain.types import PriorityClass
 from gpufleet.policy.decisions import Preempt
 from gpufleet.policy.gang import member_resources
 from gpufleet.policy.placement import FreeIndex
-from gpufleet.policy.priority import queued_at, remaining_s, srtf_remaining_s
+from gpufleet.policy.priority import (
+    queued_at,
+    remaining_s,
+    srtf_remaining_s,
+    virtual_queued_at,
+)
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import PendingJob, RunningJob
@@ -433,5 +438,5 @@ class VictimSearch:
         head = self._head
         if head is None or r.queued_at_s is None:
             return True
-        mine = queued_at(job) - head.get(job.priority, 0.0)
-        return mine < r.queued_at_s - head.get(r.priority, 0.0)
+        mine = virtual_queued_at(queued_at(job), job.priority, head)
+        return mine < virtual_queued_at(r.queued_at_s, r.priority, head)

@@ -23,8 +23,9 @@ ones keep arriving, which is why they are baselines and not the product's policy
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+from gpufleet.domain.types import PriorityClass
 from gpufleet.policy.config import Ordering, PolicyConfig
 from gpufleet.policy.snapshot import PendingJob, RunningJob
 
@@ -35,6 +36,14 @@ def queued_at(job: PendingJob) -> float:
     """When the job (re-)entered the queue (a retried or preempted job keeps its original
     submit time unless the driver sets ``queued_at_s``)."""
     return job.queued_at_s if job.queued_at_s is not None else job.submitted_at_s
+
+
+def virtual_queued_at(
+    queued_at_s: float, priority: PriorityClass, head_start_s: Mapping[PriorityClass, float]
+) -> float:
+    """A job's static place in a fair-share queue, seconds: when it queued, less its tier's
+    head start (smaller is served first; ``queue_key`` sorts by it)."""
+    return queued_at_s - head_start_s.get(priority, 0.0)
 
 
 def aging_credit_s(job: PendingJob, now_s: float, config: PolicyConfig) -> float:
@@ -56,10 +65,14 @@ def remaining_s(job: PendingJob) -> float:
     """SRTF's key: the job's remaining run time, seconds: ``expected_duration_s`` (the user's
     estimate; the simulator passes the remaining work, exact under ``estimate: exact``), else
     ``predicted_duration_s``; +inf when neither is known."""
-    guess = job.expected_duration_s
-    if guess is None:
-        guess = job.predicted_duration_s
-    return math.inf if guess is None else guess
+    return _user_then_platform(job.expected_duration_s, job.predicted_duration_s)
+
+
+def _user_then_platform(expected_s: float | None, predicted_s: float | None) -> float:
+    """The user's estimate, else the platform's prediction, else +inf (seconds)."""
+    if expected_s is not None:
+        return expected_s
+    return math.inf if predicted_s is None else predicted_s
 
 
 def srtf_remaining_s(run: RunningJob, now_s: float) -> float:
@@ -68,11 +81,7 @@ def srtf_remaining_s(run: RunningJob, now_s: float) -> float:
     less the time it has run, never below 0; +inf when neither is known. An attempt past its
     estimate is 0, so it is never displaced for a shorter job (``policy.preemption``, the
     srtf ground, says why)."""
-    guess = run.expected_duration_s
-    if guess is None:
-        guess = run.predicted_duration_s
-    if guess is None:
-        return math.inf
+    guess = _user_then_platform(run.expected_duration_s, run.predicted_duration_s)
     return max(0.0, guess - max(0.0, now_s - run.started_at_s))
 
 
@@ -87,4 +96,5 @@ def queue_key(config: PolicyConfig) -> Callable[[PendingJob], QueueKey]:
     if config.ordering is Ordering.STRICT_PRIORITY:
         return lambda j: (float(-j.priority.rank), queued_at(j), j.job_id)
     head = config.head_start_s
+    # (``virtual_queued_at`` inlined: the sort key of every pending job)
     return lambda j: (queued_at(j) - head.get(j.priority, 0.0), float(-j.priority.rank), j.job_id)
