@@ -148,8 +148,6 @@ class Engine:
         self._specs = {j.job_id: j for j in self._jobs_in}
         self.gates = SimGates(self._jobs_in)  # arrays' %N and dependencies (policy.gates)
         self.dependency_failed: list[str] = []
-        self._timing_out: set[str] = set()
-        """Attempts being stopped for running past ``max_runtime_s`` (run ids)."""
         self._held: tuple[str, ...] = ()
         """Jobs the last pass's gates held back (a dependency not yet satisfied, an array's
         ``%N`` limit): PENDING but not eligible until the next pass."""
@@ -333,7 +331,7 @@ class Engine:
         run = self.fleet.runs[run_id]
         if run.status is not RunStatus.PREEMPTING:
             return  # it completed during the grace period
-        if run_id in self._timing_out:
+        if run.stopping_for is None:  # stopped for no job: it ran past max_runtime_s
             self._release(run, RunStatus.FAILED, timeout=True)
         else:
             self._release(run, RunStatus.PREEMPTED)
@@ -345,7 +343,6 @@ class Engine:
         if run.status is not RunStatus.RUNNING:
             return  # it ended, or a preemption is already stopping it
         self.fleet.begin_stop(run, None)
-        self._timing_out.add(run_id)
         self._push(self.now + self.opt.grace_s, _STOPPED, run_id)
 
     def _predict(self, spec: SimJob) -> float | None:
@@ -354,7 +351,6 @@ class Engine:
         return p.seconds if p is not None else None
 
     def _release(self, run: SimRun, outcome: RunStatus, timeout: bool = False) -> None:
-        self._timing_out.discard(run.run_id)
         self._alloc(run, -1)
         if self.predictor is not None and outcome is RunStatus.SUCCEEDED:
             spec = self.fleet.jobs[run.job_id].spec

@@ -203,10 +203,11 @@ def parse_workload(
         s = _mapping(wl["synthetic"], w, ("horizon_h", "teams"))
         horizon_h = _number(s.get("horizon_h", 24), f"{w}.horizon_h", gt=0, le=MAX_TIME_S / 3600.0)
         steams: list[SyntheticTeam] = []
+        listed: dict[str, int] = {}  # team id -> its first index
         for n, t in enumerate(_list(s.get("teams", _MISSING), f"{w}.teams")):
             team = _synthetic_team(t, f"{w}.teams[{n}]", known_team)
-            first = next((k for k, x in enumerate(steams) if x.team_id == team.team_id), None)
-            if first is not None:
+            first = listed.setdefault(team.team_id, n)
+            if first != n:
                 raise ScenarioError(
                     f"{w}.teams[{n}].id: team {team.team_id!r} is listed twice (first at "
                     f"teams[{first}]); give each team one entry"
