@@ -44,7 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gpufleet.policy.placement import FleetIndex
+from gpufleet.policy.fleet_index import FleetIndex
 
 BENCH = Path(__file__).resolve().parent / "policy_pass.py"
 ROWS = [
@@ -67,6 +67,10 @@ def inputs(pkg: str, nodes: int, busy: float, gangs: float, labels: bool = True)
     code = BENCH.read_text(encoding="utf-8").replace("gpufleet.", pkg + ".")
     exec(compile(code, str(BENCH), "exec"), bench.__dict__)  # (our own file, renamed)
     cycle = importlib.import_module(pkg + ".policy.cycle")
+    # (``sorted_queues`` moved from ``policy.cycle`` to ``policy.priority``; the other commit
+    # may be older)
+    priority = importlib.import_module(pkg + ".policy.priority")
+    sorted_queues = getattr(priority, "sorted_queues", None) or cycle.sorted_queues
     snapshot = importlib.import_module(pkg + ".policy.snapshot")
     config = importlib.import_module(pkg + ".policy.config").PolicyConfig()
     snap = bench.build(10_000, nodes, busy, gangs=gangs)
@@ -78,7 +82,7 @@ def inputs(pkg: str, nodes: int, busy: float, gangs: float, labels: bool = True)
         (),
         snap.running,
         snap.teams,
-        queues=cycle.sorted_queues(snap.pending, config),
+        queues=sorted_queues(snap.pending, config),
     )
     return pre, config, cycle.schedule
 
@@ -116,6 +120,8 @@ def main() -> None:
         snap, cfg, sched = ins["gpufleet"]
         ins["indexed"] = (replace(snap, fleet_index=FleetIndex(snap.nodes)), cfg, sched)
         snap, cfg, sched = ins["gpufleet_before"]
+        # (``placement`` imports ``FleetIndex``: found there before and after it moved to
+        # ``policy.fleet_index``)
         before_index = importlib.import_module("gpufleet_before.policy.placement").FleetIndex
         ins["before_indexed"] = (replace(snap, fleet_index=before_index(snap.nodes)), cfg, sched)
         digests = {k: digest(s(snp, c)) for k, (snp, c, s) in ins.items()}

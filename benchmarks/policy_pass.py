@@ -27,9 +27,10 @@ from dataclasses import replace
 
 from gpufleet.domain.types import PriorityClass, Resources
 from gpufleet.policy.config import PolicyConfig
-from gpufleet.policy.cycle import schedule, sorted_queues
+from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import PlaceGang
-from gpufleet.policy.placement import FleetIndex
+from gpufleet.policy.fleet_index import FleetIndex
+from gpufleet.policy.priority import sorted_queues
 from gpufleet.policy.snapshot import ClusterSnapshot, NodeState, PendingJob, RunningJob, TeamState
 
 TYPES = ("H100", "A100")

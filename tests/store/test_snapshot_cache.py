@@ -29,9 +29,10 @@ from gpufleet.domain.states import JobStatus, NodeStatus, RunStatus
 from gpufleet.domain.types import GpuDevice, JobSpec, PriorityClass, Resources
 from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.config import PolicyConfig
-from gpufleet.policy.cycle import schedule, sorted_queues
+from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import Preempt
-from gpufleet.policy.placement import FleetIndex
+from gpufleet.policy.fleet_index import FleetIndex
+from gpufleet.policy.priority import sorted_queues
 from gpufleet.policy.snapshot import ClusterSnapshot
 from gpufleet.services import jobctl, nodes, preemption, runs
 from gpufleet.services.jobs import cancel_job, submit_job

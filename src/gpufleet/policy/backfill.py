@@ -35,8 +35,9 @@ import bisect
 import math
 from itertools import chain
 
+from gpufleet.policy.fleet_index import Accepting
 from gpufleet.policy.gang import domain, member_resources
-from gpufleet.policy.placement import Accepting, FreeIndex, Shadow
+from gpufleet.policy.placement import FreeIndex, Shadow
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import PendingJob
 

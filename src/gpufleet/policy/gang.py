@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from gpufleet.domain.types import Resources
-from gpufleet.policy.placement import FreeIndex, node_accepts
+from gpufleet.policy.fleet_index import node_accepts
+from gpufleet.policy.placement import FreeIndex
 from gpufleet.policy.snapshot import NodeState
 
 RACK_LABEL = "rack"

@@ -23,7 +23,7 @@ ones keep arriving, which is why they are baselines and not the product's policy
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from gpufleet.domain.types import PriorityClass
 from gpufleet.policy.config import Ordering, PolicyConfig
@@ -98,3 +98,22 @@ def queue_key(config: PolicyConfig) -> Callable[[PendingJob], QueueKey]:
     head = config.head_start_s
     # (``virtual_queued_at`` inlined: the sort key of every pending job)
     return lambda j: (queued_at(j) - head.get(j.priority, 0.0), float(-j.priority.rank), j.job_id)
+
+
+def queue_order_key(job: PendingJob) -> tuple[int, float, str]:
+    """Priority class first, then the time the job (re-)entered the queue, then id (the
+    strict-priority order; kept for callers of the first version)."""
+    return (-job.priority.rank, queued_at(job), job.job_id)
+
+
+def sorted_queues(
+    pending: Sequence[PendingJob], config: PolicyConfig
+) -> dict[str, list[PendingJob]]:
+    """Group ``pending`` by team and sort each queue by ``priority.queue_key(config)``."""
+    queues: dict[str, list[PendingJob]] = {}
+    for j in pending:
+        queues.setdefault(j.team_id, []).append(j)
+    key = queue_key(config)
+    for q in queues.values():
+        q.sort(key=key)
+    return queues

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from gpufleet.domain.types import PriorityClass, Resources
 
 if TYPE_CHECKING:
-    from gpufleet.policy.placement import FleetIndex
+    from gpufleet.policy.fleet_index import FleetIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +214,6 @@ class ClusterSnapshot:
     store reads them from ``job_runs`` (``store.queries.recent_displacements``)."""
     fleet_index: FleetIndex | None = None
     """Optional fast path for drivers that keep their node states between passes (the
-    simulator): a ``policy.placement.FleetIndex`` describing exactly ``nodes``, kept up to
+    simulator): a ``policy.fleet_index.FleetIndex`` describing exactly ``nodes``, kept up to
     date with ``FleetIndex.update`` as nodes change. The pass copies its free lists instead
     of indexing every node again; decisions are the same as without it."""

@@ -82,7 +82,7 @@ def list_jobs(
 
 def queue_position(session: Session, job: JobRow) -> int:
     """1-based position of a PENDING job in its team's queue: priority class, then the time
-    it (re-)entered the queue, then id, as ``policy.cycle.queue_order_key`` (SQLite's clock
+    it (re-)entered the queue, then id, as ``policy.priority.queue_order_key`` (SQLite's clock
     has millisecond resolution, so two submits can share a ``queued_at``). (The policy's
     aging credit can reorder jobs of different classes that waited long; this is the order
     without it.)"""

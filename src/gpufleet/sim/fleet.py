@@ -22,7 +22,7 @@ from gpufleet.domain.states import (
     check_transition,
 )
 from gpufleet.domain.types import Resources
-from gpufleet.policy.placement import FleetIndex
+from gpufleet.policy.fleet_index import FleetIndex
 from gpufleet.policy.snapshot import NodeState, PendingJob, RunningJob
 from gpufleet.sim.model import NodeGroup, SimJob
 

@@ -37,7 +37,7 @@ from sqlalchemy.sql.elements import BindParameter
 
 from gpufleet.domain.states import JobStatus, ReservationStatus, RunStatus
 from gpufleet.policy.config import PolicyConfig
-from gpufleet.policy.placement import FleetIndex
+from gpufleet.policy.fleet_index import FleetIndex
 from gpufleet.policy.priority import QueueKey, queue_key
 from gpufleet.policy.snapshot import (
     BackfillReservation,

@@ -12,7 +12,7 @@ from gpufleet.domain.types import PriorityClass as P
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import _Pass, schedule
 from gpufleet.policy.decisions import HoldForBackfill, Place, Preempt
-from gpufleet.policy.defrag import _drain_key, _Drains
+from gpufleet.policy.headroom import _drain_key, _Drains
 from gpufleet.policy.snapshot import BackfillReservation, ClusterSnapshot, Displacement
 
 HOUR = 3600.0

@@ -27,7 +27,8 @@ from gpufleet.policy.backfill import (
 )
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
-from gpufleet.policy.placement import FleetIndex, FreeIndex, Shadow, node_accepts
+from gpufleet.policy.fleet_index import FleetIndex, node_accepts
+from gpufleet.policy.placement import FreeIndex, Shadow
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import ClusterSnapshot, NodeState, PendingJob
 

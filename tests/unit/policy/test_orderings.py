@@ -10,12 +10,13 @@ import pytest
 from policy_builders import job, node, run, snap, team
 
 from gpufleet.policy.config import Backfill, Ordering, PolicyConfig
-from gpufleet.policy.cycle import schedule, sorted_queues
+from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import Place, Preempt
 from gpufleet.policy.priority import (
     predicted_service_gpu_s,
     queue_key,
     remaining_s,
+    sorted_queues,
     srtf_remaining_s,
 )
 
