@@ -160,3 +160,68 @@ class TestInvariantsWithDefrag:
         eng.run()
         assert eng.violations == 0
         assert not eng.rec.unfinished
+
+
+def quiet_fleet(checkpoint_s: float | None) -> list[SimJob]:
+    """Two 8-GPU nodes full of 1-GPU jobs of 10 h (no estimate, no bound), and one 8-GPU
+    job of the same team at 60 s; nothing else happens for 10 h."""
+    jobs = [
+        SimJob(f"s{i:02d}", "a", 0.0, 1, 36_000.0, checkpoint_s=checkpoint_s) for i in range(16)
+    ]
+    return [*jobs, SimJob("big", "a", 60.0, 8, 3_600.0)]
+
+
+def run_quiet(checkpoint_s: float | None, cfg: PolicyConfig | None = None) -> Engine:
+    eng = Engine(
+        [NodeGroup("n", 2, 8, "A100")],
+        [TeamSpec("a")],
+        quiet_fleet(checkpoint_s),
+        cfg or PolicyConfig(),  # the defaults: defragment after 1 h, budget 0.05 x 16 GPUs
+        EngineOptions(grace_s=GRACE_S, check_invariants="every_event"),
+    )
+    eng.run()
+    return eng
+
+
+class TestDefragWithoutOtherEvents:
+    """A new user's scenario: defragmentation never fired while nothing else happened, and
+    the policy priced a victim that checkpoints every 5 minutes as losing all its work."""
+
+    def test_the_wait_threshold_alone_brings_a_pass(self) -> None:
+        """No event follows the large job's arrival, yet it is defragmented for at
+        ``defrag_wait_s`` (the engine wakes at the threshold, as the live controller's
+        periodic pass would see it); before, it waited for the small jobs to end (10 h)."""
+        cfg = PolicyConfig(displacement_budget_share=1.0)
+        eng = run_quiet(300.0, cfg)
+        big = eng.fleet.jobs["big"]
+        assert eng.rec.preemptions_by_reason.get("defragment", 0) == 8
+        assert big.first_start_s == 60.0 + cfg.defrag_wait_s + GRACE_S  # type: ignore[operator]
+        assert eng.violations == 0 and not eng.rec.unfinished
+
+    def test_victims_are_priced_from_their_last_checkpoint(self) -> None:
+        """With the default budget (0.8 GPU-h per hour on 16 GPUs), 8 victims that lose at
+        most 5 minutes each fit it, so the large job starts after an hour; victims that keep
+        nothing would lose 8 GPU-h, so it waits for them to end."""
+        eng = run_quiet(300.0)
+        assert eng.rec.preemptions_by_reason.get("defragment", 0) == 8
+        assert eng.fleet.jobs["big"].first_start_s == 60.0 + 3_600.0 + GRACE_S
+        rep = eng.rec.report()
+        assert rep["preemption"]["gpu_hours_lost"] <= 8 * 300.0 / 3600.0
+
+        eng = run_quiet(None)
+        assert eng.rec.preemptions_by_reason.get("defragment", 0) == 0
+        assert eng.fleet.jobs["big"].first_start_s == 36_000.0
+
+    def test_a_running_view_shows_the_last_checkpoint(self) -> None:
+        eng = Engine(
+            [NodeGroup("n", 1, 8, "A100")],
+            [TeamSpec("a")],
+            [SimJob("j", "a", 0.0, 1, 36_000.0, checkpoint_s=300.0)],
+            PolicyConfig(),
+            EngineOptions(horizon_s=1_000.0),
+        )
+        eng.run()
+        (view,) = eng.fleet.running_states(1_000.0)
+        assert view.last_checkpoint_s == 900.0
+        (view,) = eng.fleet.running_states(1_250.0)
+        assert view.last_checkpoint_s == 1_200.0

@@ -51,7 +51,7 @@ class TestPredictorFeeding:
             EngineOptions(predict_durations=True, horizon_s=900.0),
         )
         eng.run()
-        running = eng.fleet.running_states()
+        running = eng.fleet.running_states(eng.now)
         assert running and all(r.predicted_duration_s == 100.0 for r in running)
         # a job queued after the history formed carries a prediction
         pending = [j for q in eng.queues.values() for j in q]

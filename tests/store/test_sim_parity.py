@@ -49,7 +49,7 @@ def sim_snapshot(fleet: InMemoryFleet, live: ClusterSnapshot) -> ClusterSnapshot
         now_s=live.now_s,
         nodes=fleet.node_states(),
         pending=pending,
-        running=fleet.running_states(),
+        running=fleet.running_states(live.now_s),
         teams=live.teams,
     )
 

@@ -34,12 +34,13 @@ from dataclasses import dataclass, field, replace
 
 from gpufleet.domain.invariants import check_invariants
 from gpufleet.domain.states import JobStatus, RunStatus
-from gpufleet.policy.config import Ordering, PolicyConfig
+from gpufleet.policy.config import Backfill, Ordering, PolicyConfig
 from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import HoldForBackfill, Place, PlaceGang, Preempt
 from gpufleet.policy.gang import could_ever_fit
+from gpufleet.policy.headroom import is_large
 from gpufleet.policy.predictor import DurationPredictor, JobKey
-from gpufleet.policy.priority import queue_key
+from gpufleet.policy.priority import queue_key, queued_at
 from gpufleet.policy.snapshot import (
     BackfillReservation,
     ClusterSnapshot,
@@ -55,7 +56,10 @@ from gpufleet.sim.gating import SimGates
 from gpufleet.sim.metrics import Recorder
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 
-_END, _STOPPED, _TIMEOUT, _ARRIVAL = 0, 1, 2, 3
+_END, _STOPPED, _TIMEOUT, _ARRIVAL, _WAKE, _REVISIT = 0, 1, 2, 3, 4, 5
+REVISIT_S = 600.0
+"""While a large job past its headroom and defragmentation waits, a pass runs at least this
+often (seconds), as the live controller's periodic pass would look at it again."""
 PROGRESS_EVERY_EVENTS = 2000  # how often Engine.run reports progress to its caller
 
 
@@ -128,6 +132,10 @@ class Engine:
         self.now = 0.0
         self._events: list[tuple[float, int, int, str]] = []
         self._seq = 0
+        self._live_events = 0
+        """Events in the queue other than wake-ups: with none left, nothing runs and nothing
+        arrives, so a wake-up could change nothing and none is scheduled again (the run
+        ends, as it did before wake-ups existed)."""
         shapes: dict[tuple[object, ...], tuple[NodeState, int]] = {}
         for n in self.fleet.nodes.values():
             key = (
@@ -141,6 +149,23 @@ class Engine:
             shapes[key] = (first, count + 1)
         self._shapes = shapes
         """Distinct node shapes and how many nodes have each (never-fits checks)."""
+        self._node_gpus: dict[str, int] = {}
+        """The largest node of each GPU type, GPUs (what makes a job *large*)."""
+        for n, _ in shapes.values():
+            self._node_gpus[n.gpu_type] = max(self._node_gpus.get(n.gpu_type, 0), n.total_gpus)
+        self._waits = sorted(
+            {w for w in (config.headroom_wait_s, config.defrag_wait_s) if w is not None}
+        )
+        """The waits after which time alone changes what a pass does for a large job
+        (headroom, defragmentation): a pass is due then even if nothing else happens."""
+        if config.backfill is not Backfill.EASY:
+            self._waits = []  # headroom and defragmentation act under EASY backfill only
+        self._wake_at: dict[str, float] = {}
+        """The next threshold a waiting large job's wait crosses (seconds), by job id."""
+        self._overdue: set[str] = set()
+        """Large jobs past every threshold, pending when added (``_revisit`` prunes it)."""
+        self._revisit_at = math.inf
+        self._last_pass_s = -math.inf
         self._jobs_in: list[SimJob] = []
         for j in jobs:
             self._jobs_in.append(j)
@@ -189,6 +214,8 @@ class Engine:
     def _push(self, t: float, kind: int, key: str) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, kind, self._seq, key))
+        if kind < _WAKE:
+            self._live_events += 1
 
     def _team(self, team_id: str) -> _TeamAcc:
         acc = self.teams.get(team_id)
@@ -218,9 +245,72 @@ class Engine:
                 hi = mid
         q.insert(lo, pj)
         self._team(pj.team_id).pending += 1
+        if self._waits and self._large(pj):
+            self._wake_after(pj, queued_at(pj))
         self.rec.pending_sizes[pj.resources.gpu_count] = (
             self.rec.pending_sizes.get(pj.resources.gpu_count, 0) + 1
         )
+
+    def _large(self, pj: PendingJob) -> bool:
+        """Whether headroom and defragmentation would consider ``pj`` (``is_large`` on the
+        largest node of its GPU types)."""
+        types = pj.resources.gpu_types or tuple(self._node_gpus)
+        size = max((self._node_gpus.get(t, 0) for t in types), default=0)
+        return is_large(pj.resources, size, self.cfg.large_job_node_share)
+
+    def _wake_after(self, pj: PendingJob, queued_s: float) -> None:
+        """Schedule a pass for when the wait of large job ``pj`` (queued at ``queued_s``)
+        next crosses a threshold (``headroom_wait_s``, ``defrag_wait_s``); past them all,
+        the job joins the overdue set that ``_revisit`` looks at every ``REVISIT_S``."""
+        # compared as times, not waits: now - queued_s can round below a threshold that
+        # queued_s + threshold (the time of this wake-up) has reached
+        due = next((queued_s + w for w in self._waits if queued_s + w > self.now), None)
+        if due is None:
+            self._overdue.add(pj.job_id)
+            self._arm_revisit(self.now + REVISIT_S)
+            return
+        if self._wake_at.get(pj.job_id, math.inf) <= due:
+            return  # one already due no later
+        self._wake_at[pj.job_id] = due
+        self._push(due, _WAKE, pj.job_id)
+
+    def _wake(self, job_id: str) -> bool:
+        """A large job's wait crossed a threshold: True when a pass is due (it still waits)."""
+        if self._wake_at.get(job_id) != self.now:
+            return False  # superseded by an earlier one
+        del self._wake_at[job_id]
+        js = self.fleet.jobs[job_id]
+        if js.status is not JobStatus.PENDING:
+            return False
+        pj = self.fleet.pending_view(js)
+        self._wake_after(pj, queued_at(pj))
+        return True
+
+    def _arm_revisit(self, at_s: float) -> None:
+        if not self._live_events or self._revisit_at <= at_s:
+            return  # nothing left to happen, or one due no later
+        self._revisit_at = at_s
+        self._push(at_s, _REVISIT, "")
+
+    def _revisit(self) -> bool:
+        """True when a pass is due: a large job past its thresholds still waits and no pass
+        ran in the last ``REVISIT_S``. The live controller passes every few seconds, so
+        such a job is looked at again as drain estimates, the displacement budget and the
+        anti-thrash window move; the simulator passes on events, and before these
+        wake-ups a quiet stretch left headroom and defragmentation off."""
+        if self._revisit_at != self.now:
+            return False  # superseded by an earlier one
+        self._revisit_at = math.inf
+        jobs = self.fleet.jobs
+        self._overdue = {j for j in self._overdue if jobs[j].status is JobStatus.PENDING}
+        if not self._overdue:
+            return False
+        due = self._last_pass_s + REVISIT_S
+        if due > self.now:
+            self._arm_revisit(due)
+            return False
+        self._arm_revisit(self.now + REVISIT_S)
+        return True
 
     def _dequeue(self, pj: PendingJob) -> None:
         q = self.queues[pj.team_id]
@@ -443,7 +533,7 @@ class Engine:
             now_s=self.now,
             nodes=self.fleet.node_states(),
             pending=(),
-            running=self.fleet.running_states(),
+            running=self.fleet.running_states(self.now),
             teams=teams,
             holds=tuple(self.holds.values()),
             reservations=self.reservations,
@@ -464,6 +554,7 @@ class Engine:
 
     def schedule_pass(self) -> None:
         self.passes += 1
+        self._last_pass_s = self.now
         snap = self.gates.apply(self.snapshot(), self.fleet.jobs, self._dependency_failed)
         if self.gates.blocked or self._held:
             self._held = tuple(self.gates.blocked)
@@ -499,7 +590,7 @@ class Engine:
         every_event = self.opt.check_invariants == "every_event"
         every_pass = every_event or self.opt.check_invariants == "every_pass"
         horizon = self.opt.horizon_s
-        while self._events:
+        while self._live_events:  # only wake-ups left: nothing could change any more
             t = self._events[0][0]
             if horizon is not None and t > horizon:
                 # the clock runs to the horizon: jobs still waiting wait until then
@@ -510,9 +601,18 @@ class Engine:
             self._sample_until(t)
             self._advance(t)
             self.now = t
+            due = False  # a pass follows any event but a wake-up that finds nothing to do
             while self._events and self._events[0][0] == t:
                 _, kind, _, key = heapq.heappop(self._events)
+                if kind == _WAKE:  # wake-ups are not counted in ``events``
+                    due = self._wake(key) or due
+                    continue
+                if kind == _REVISIT:
+                    due = self._revisit() or due
+                    continue
                 self.events += 1
+                self._live_events -= 1
+                due = True
                 if kind == _END:
                     self._run_end(key)
                 elif kind == _STOPPED:
@@ -525,6 +625,8 @@ class Engine:
                     self._check()
                 if progress is not None and self.events % PROGRESS_EVERY_EVENTS == 0:
                     progress(self.now, self.events)
+            if not due:
+                continue
             self.schedule_pass()
             if every_pass:
                 self._check()

@@ -7,6 +7,7 @@ builds from the database, so ``domain.invariants.check_invariants`` judges both.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -186,6 +187,10 @@ class InMemoryFleet:
         self._run_states: dict[str, tuple[RunningJob, ...]] = {}
         self._stale_runs: set[str] = set()
         self._run_seq = 0
+        self._next_checkpoint: list[tuple[float, str]] = []
+        """(time of an attempt's next checkpoint, run id): when its view goes stale."""
+        self.now_s = 0.0
+        """The time of the last ``running_states`` call (seconds; the views' clock)."""
         self.predict: Callable[[SimJob], float | None] | None = None
         """The engine's duration predictor (None: the scheduler is told no predictions)."""
 
@@ -349,7 +354,11 @@ class InMemoryFleet:
             s = js.spec
             ckpt: float | None = None
             if s.checkpoint_s:
-                ckpt = run.reserved_s  # last checkpoint is computed by the engine on demand
+                # as the live agent reports it (the newest file in the checkpoint dir): the
+                # attempt's last checkpoint so far; ``running_states`` rebuilds the view
+                # when the next one is due
+                ckpt = run.reserved_s + kept_work(self.now_s - run.reserved_s, s.checkpoint_s)
+                heapq.heappush(self._next_checkpoint, (ckpt + s.checkpoint_s, run.run_id))
             size = len(run.members)
             run.state = tuple(
                 RunningJob(
@@ -465,8 +474,19 @@ class InMemoryFleet:
         self._stale_nodes.clear()
         return tuple(self._node_list)
 
-    def running_states(self) -> tuple[RunningJob, ...]:
-        """Active attempts' states, rebuilding only those changed since the last call."""
+    def running_states(self, now_s: float) -> tuple[RunningJob, ...]:
+        """Active attempts' states at ``now_s`` (seconds), rebuilding only those changed
+        since the last call: started, stopped, confirmed, or checkpointed since (an attempt
+        of a job with ``checkpoint_s`` shows its last checkpoint, ``last_checkpoint_s``)."""
+        self.now_s = now_s
+        due = self._next_checkpoint
+        while due and due[0][0] <= now_s:
+            _, rid = heapq.heappop(due)
+            run = self.active_runs.get(rid)
+            if run is not None and run.state is not None:
+                run.state = None
+                self._stale_runs.add(rid)
+                self.running_tuple = None
         if self.running_tuple is None:
             for rid in sorted(self._stale_runs):
                 run = self.active_runs.get(rid)
