@@ -151,8 +151,9 @@ class Engine:
         """Distinct node shapes and how many nodes have each (never-fits checks)."""
         self._node_gpus: dict[str, int] = {}
         """The largest node of each GPU type, GPUs (what makes a job *large*)."""
-        for n, _ in shapes.values():
-            self._node_gpus[n.gpu_type] = max(self._node_gpus.get(n.gpu_type, 0), n.total_gpus)
+        for shape, _ in shapes.values():
+            t = shape.gpu_type
+            self._node_gpus[t] = max(self._node_gpus.get(t, 0), shape.total_gpus)
         self._waits = sorted(
             {w for w in (config.headroom_wait_s, config.defrag_wait_s) if w is not None}
         )
