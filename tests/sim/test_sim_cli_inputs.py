@@ -269,3 +269,61 @@ class TestDoubtfulInput:
         assert "the fleet is 3 nodes / 24 GPUs" in sc.warnings[0]
         text = text.replace("0.01", "0.5")
         assert load_scenario(write(tmp_path, text)).warnings == ()
+
+
+def cli_error(tmp_path: Path, text: str) -> str:
+    """The one line ``sim run`` prints for a scenario it refuses (exit 2, no traceback)."""
+    result = run_cli(str(write(tmp_path, text)), "--out", str(tmp_path / "out"), "--no-plots")
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and "Error:" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+class TestNodeIds:
+    """Two node groups named ``a`` (2 x 8 GPUs each) became 2 nodes in the fleet while the
+    header and report.json said 4 nodes / 32 GPUs: a node id is the group's name."""
+
+    def test_a_group_name_used_twice_names_the_field(self, tmp_path: Path) -> None:
+        groups = (
+            "cluster:\n  node_groups:\n"
+            "    - {name: a, count: 2, gpus_per_node: 8, gpu_type: A100}\n"
+            "    - {name: a, count: 2, gpus_per_node: 8, gpu_type: A100}\n"
+        )
+        line = cli_error(tmp_path, groups + TEAMS + JOBS)
+        assert "cluster.node_groups[1].name: node group 'a' is declared twice" in line
+
+    def test_a_node_id_of_another_group_names_the_field(self, tmp_path: Path) -> None:
+        groups = (
+            "cluster:\n  node_groups:\n"
+            "    - {name: a, count: 2, gpus_per_node: 8, gpu_type: A100}\n"
+            "    - {name: a-0001, count: 1, gpus_per_node: 8, gpu_type: A100}\n"
+        )
+        line = cli_error(tmp_path, groups + TEAMS + JOBS)
+        assert "cluster.node_groups[1].name: node 'a-0001' is also a node of" in line
+
+    def test_a_group_named_like_the_philly_nodes(self, tmp_path: Path) -> None:
+        vcs = write(tmp_path, "vc,node num\ne13805,2\n", "vcs.csv")
+        sample = HERE / "data" / "philly_sample.csv"
+        text = (
+            f"cluster:\n  philly_vcs: {{path: {vcs}}}\n"
+            "  node_groups: [{name: philly-0001, gpus_per_node: 8}]\n"
+            f"workload:\n  philly: {{path: {sample}, end: '2017-10-02 00:00:00'}}\n"
+        )
+        with pytest.raises(ScenarioError, match=r"cluster.philly_vcs .*'philly-0001' is also"):
+            load_scenario(write(tmp_path, text))
+
+    def test_trace_files_listing_a_node_or_vc_twice(self, tmp_path: Path) -> None:
+        nodes = write(
+            tmp_path,
+            "sn,cpu_milli,memory_mib,gpu,model\nn1,96000,1024,8,T4\nn1,96000,1024,8,T4\n",
+            "nodes.csv",
+        )
+        text = f"cluster: {{openb_nodes: {nodes}}}\n" + JOBS
+        with pytest.raises(ScenarioError, match=r"openb_nodes: .*'n1' is listed twice"):
+            load_scenario(write(tmp_path, text))
+        vcs = write(tmp_path, "vc,node num\ne13805,2\ne13805,3\n", "vcs.csv")
+        text = f"cluster: {{philly_vcs: {{path: {vcs}}}}}\n" + JOBS
+        with pytest.raises(ScenarioError, match=r"philly_vcs.path: .*'e13805' is listed twice"):
+            load_scenario(write(tmp_path, text))
