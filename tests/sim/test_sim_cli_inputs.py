@@ -327,3 +327,103 @@ class TestNodeIds:
         text = f"cluster: {{philly_vcs: {{path: {vcs}}}}}\n" + JOBS
         with pytest.raises(ScenarioError, match=r"philly_vcs.path: .*'e13805' is listed twice"):
             load_scenario(write(tmp_path, text))
+
+
+def jobs_yaml(*jobs: str) -> str:
+    return CLUSTER + TEAMS + "workload:\n  jobs:\n" + "".join(f"    - {j}\n" for j in jobs)
+
+
+class TestJobFields:
+    """``depends_on: 5`` gave ``TypeError: 'int' object is not iterable``; a job depending on
+    itself ran, a two-job cycle ended with "2 jobs unfinished"; ``failures: 1000000`` looked
+    like a hang."""
+
+    @pytest.mark.parametrize("value", ["5", "true", "false", "0", "{a: b}", "1.5"])
+    def test_depends_on_of_another_type_names_the_field(
+        self, tmp_path: Path, value: str
+    ) -> None:
+        line = cli_error(
+            tmp_path,
+            jobs_yaml(
+                "{id: j0, team: a, duration_s: 10}",
+                f"{{id: j1, team: a, duration_s: 10, depends_on: {value}}}",
+            ),
+        )
+        assert "workload.jobs[1].depends_on must be Slurm's 'afterok:ID" in line
+
+    @pytest.mark.parametrize(
+        "value", ["afterok:j0", "[{type: afterany, job_id: j0}]", "''", "[]", "null"]
+    )
+    def test_depends_on_as_text_or_a_list_is_read(self, tmp_path: Path, value: str) -> None:
+        sc = load_scenario(
+            write(
+                tmp_path,
+                jobs_yaml(
+                    "{id: j0, team: a, duration_s: 10}",
+                    f"{{id: j1, team: a, duration_s: 10, depends_on: {value}}}",
+                ),
+            )
+        )
+        assert len(next(j for j in sc.jobs if j.job_id == "j1").depends_on) == (
+            1 if "j0" in value else 0
+        )
+
+    @pytest.mark.parametrize(
+        ("jobs", "want"),
+        [
+            pytest.param(
+                ["{id: j1, team: a, duration_s: 10, depends_on: 'afterok:j1'}"],
+                "workload.jobs[0].depends_on: job 'j1' depends on itself",
+                id="itself",
+            ),
+            pytest.param(
+                ["{id: x, team: a, duration_s: 10, array: 0-3, depends_on: 'afterany:x'}"],
+                "workload.jobs[0].depends_on: job 'x' depends on itself",
+                id="an array on itself",
+            ),
+            pytest.param(
+                [
+                    "{id: big, team: a, duration_s: 10, depends_on: 'afterok:s1'}",
+                    "{id: s1, team: b, duration_s: 10, depends_on: 'afterok:big'}",
+                ],
+                "workload.jobs[0].depends_on: dependency cycle big -> s1 -> big",
+                id="two jobs",
+            ),
+            pytest.param(
+                [
+                    "{id: a1, team: a, duration_s: 10}",
+                    "{id: a2, team: a, duration_s: 10, depends_on: 'afterok:a1,afterany:a4'}",
+                    "{id: a3, team: a, duration_s: 10, depends_on: 'afterok:a2'}",
+                    "{id: a4, team: a, duration_s: 10, array: 0-1, depends_on: 'afterok:a3'}",
+                ],
+                "dependency cycle a2 -> a4[0] -> a3 -> a2",
+                id="through an array",
+            ),
+        ],
+    )
+    def test_a_dependency_cycle_is_refused_naming_the_jobs(
+        self, tmp_path: Path, jobs: list[str], want: str
+    ) -> None:
+        assert want in cli_error(tmp_path, jobs_yaml(*jobs))
+
+    def test_a_chain_and_a_diamond_are_no_cycle(self, tmp_path: Path) -> None:
+        sc = load_scenario(
+            write(
+                tmp_path,
+                jobs_yaml(
+                    "{id: d1, team: a, duration_s: 10}",
+                    "{id: d2, team: a, duration_s: 10, depends_on: 'afterok:d1'}",
+                    "{id: d3, team: a, duration_s: 10, array: 0-2, depends_on: 'afterok:d1'}",
+                    "{id: d4, team: a, duration_s: 10, depends_on: 'afterok:d2:d3'}",
+                ),
+            )
+        )
+        assert len(next(j for j in sc.jobs if j.job_id == "d4").depends_on) == 4
+
+    def test_failures_above_the_limit_names_the_field(self, tmp_path: Path) -> None:
+        from gpufleet.sim.scenario_workload import MAX_FAILURES
+
+        ok = f"{{id: j1, team: a, duration_s: 10, failures: {MAX_FAILURES}}}"
+        assert load_scenario(write(tmp_path, jobs_yaml(ok))).jobs[0].failures == MAX_FAILURES
+        line = cli_error(tmp_path, jobs_yaml(ok.replace(f"{MAX_FAILURES}", "1000000")))
+        assert "workload.jobs[0].failures must be an integer >= 0 and <= 1,000" in line
