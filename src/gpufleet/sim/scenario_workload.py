@@ -51,6 +51,10 @@ MAX_SYNTHETIC_JOBS = 10_000_000
 """A synthetic workload expected to be larger than this is refused (it would not fit in
 memory, and would look like a hang)."""
 
+PHILLY_START = "2017-10-01 00:00:00"
+PHILLY_END = "2017-12-01 00:00:00"
+"""``workload.philly``'s window by default (``start``, ``end``): Oct-Nov 2017, the published
+figures' window."""
 PHILLY_KEYS = frozenset(
     {"path", "start", "end", "teams", "estimate", "oversize", "arrival_speedup", "checkpoint_s"}
 )
@@ -151,8 +155,8 @@ def parse_workload(
         no_estimates = estimate == "none"
         estimates["philly"] = estimate
         oversize = _choice(p.get("oversize", "gang"), f"{w}.oversize", ("gang", "clip", "drop"))
-        start = _date(p.get("start", "2017-10-01 00:00:00"), f"{w}.start")
-        end = _date(p.get("end", "2017-12-01 00:00:00"), f"{w}.end")
+        start = _date(p.get("start", PHILLY_START), f"{w}.start")
+        end = _date(p.get("end", PHILLY_END), f"{w}.end")
         speedup = _number(p.get("arrival_speedup", 1.0), f"{w}.arrival_speedup", gt=0)
         checkpoint = _opt(p.get("checkpoint_s"), f"{w}.checkpoint_s", gt=0)
         if _epoch(end) <= _epoch(start):
