@@ -339,9 +339,7 @@ class TestJobFields:
     like a hang."""
 
     @pytest.mark.parametrize("value", ["5", "true", "false", "0", "{a: b}", "1.5"])
-    def test_depends_on_of_another_type_names_the_field(
-        self, tmp_path: Path, value: str
-    ) -> None:
+    def test_depends_on_of_another_type_names_the_field(self, tmp_path: Path, value: str) -> None:
         line = cli_error(
             tmp_path,
             jobs_yaml(
@@ -427,3 +425,31 @@ class TestJobFields:
         assert load_scenario(write(tmp_path, jobs_yaml(ok))).jobs[0].failures == MAX_FAILURES
         line = cli_error(tmp_path, jobs_yaml(ok.replace(f"{MAX_FAILURES}", "1000000")))
         assert "workload.jobs[0].failures must be an integer >= 0 and <= 1,000" in line
+
+
+class TestRunOptions:
+    def test_help_names_the_scenario_argument(self) -> None:
+        """The usage line read ``{config}``."""
+        result = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "100"})
+        assert result.exit_code == 0
+        assert "{scenario.yaml}" in result.output and "config" not in result.output
+
+    @pytest.mark.parametrize(
+        "args",
+        [["--compare", "fifo,no_borrowing"], ["--compare", "fifo", "--compare", " no_borrowing"]],
+        ids=["comma-separated", "repeated"],
+    )
+    def test_compare_takes_a_comma_separated_list(self, tmp_path: Path, args: list[str]) -> None:
+        """``--compare fifo,sjf`` was refused; only a repeated option worked."""
+        out = tmp_path / "out"
+        result = run_cli(str(write(tmp_path, CLUSTER + TEAMS + JOBS)), "--out", str(out), *args)
+        assert result.exit_code == 0, result.output
+        assert sorted(report(out)["runs"]) == ["fifo", "main", "no_borrowing"]
+
+    @pytest.mark.parametrize("value", ["fifo,bogus", "fifo,,sjf"])
+    def test_each_name_of_the_list_is_checked(self, tmp_path: Path, value: str) -> None:
+        path = write(tmp_path, CLUSTER + TEAMS + JOBS)
+        result = run_cli(str(path), "--out", str(tmp_path / "out"), "--compare", value)
+        assert result.exit_code == 2
+        assert result.stderr.startswith("error: --compare must be one of")
+        assert not (tmp_path / "out" / "report.json").exists()

@@ -302,7 +302,9 @@ def run_sim(
 
 @app.command("run")
 def run_cmd(
-    config: Path = typer.Argument(..., exists=True, help="scenario YAML (examples/sim/)"),
+    config: Path = typer.Argument(
+        ..., exists=True, metavar="scenario.yaml", help="scenario YAML (examples/sim/)"
+    ),
     out: str = typer.Option(
         "sim-out",
         "--out",
@@ -317,13 +319,19 @@ def run_cmd(
         "traces_dir, else ../shared/traces relative to the checkout)",
     ),
     no_plots: bool = typer.Option(False, "--no-plots"),
-    compare: list[str] | None = typer.Option(None, "--compare", help="baselines to add"),
+    compare: list[str] | None = typer.Option(
+        None,
+        "--compare",
+        help="baselines to add: --compare fifo,sjf or --compare fifo --compare sjf "
+        "(`gpufleet sim baselines` lists them)",
+    ),
 ) -> None:
     """Run a scenario and print the headline metrics of each run (progress on stderr: a
     bar on a terminal, a plain line per 10% otherwise)."""
     try:
         # named as the user typed it, before the scenario is read or any run starts
-        compare_names = check_baselines(compare, "--compare") if compare else None
+        names = [n.strip() for value in compare or () for n in value.split(",")]
+        compare_names = check_baselines(names, "--compare") if compare else None
     except ScenarioError as exc:
         typer.echo(f"error: {exc} (see `gpufleet sim baselines`)", err=True)
         raise typer.Exit(2) from None

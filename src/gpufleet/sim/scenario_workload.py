@@ -317,9 +317,7 @@ def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
                 max_runtime_s=_opt(
                     item.get("max_runtime_s"), f"{where}.max_runtime_s", gt=0, le=MAX_TIME_S
                 ),
-                failures=_int(
-                    item.get("failures", 0), f"{where}.failures", ge=0, le=MAX_FAILURES
-                ),
+                failures=_int(item.get("failures", 0), f"{where}.failures", ge=0, le=MAX_FAILURES),
                 checkpoint_s=_opt(
                     item.get("checkpoint_s"), f"{where}.checkpoint_s", gt=0, le=MAX_TIME_S
                 ),
