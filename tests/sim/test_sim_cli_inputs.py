@@ -453,3 +453,55 @@ class TestRunOptions:
         assert result.exit_code == 2
         assert result.stderr.startswith("error: --compare must be one of")
         assert not (tmp_path / "out" / "report.json").exists()
+
+
+class TestTeams:
+    """Jobs naming teams t1/t2 ran with ``teams: []`` or no ``teams`` key and were refused
+    with a non-empty list; and under a partitioning baseline (``sjf``) the never-fit
+    warnings blamed one job's size and "teams without guarantees" for the others, when no
+    job of a team without nodes could run at all."""
+
+    BIG = "{id: huge, team: t1, gpus: 64, duration_s: 60}"
+    SMALL = "{id: s1, team: t2, gpus: 1, duration_s: 60}"
+
+    @pytest.mark.parametrize(
+        "teams", ["", "teams:\n", "teams: []\n"], ids=["absent", "null", "[]"]
+    )
+    def test_without_a_list_the_jobs_imply_the_teams(self, tmp_path: Path, teams: str) -> None:
+        text = CLUSTER + teams + "workload:\n  jobs:\n" + f"    - {self.SMALL}\n"
+        sc = load_scenario(write(tmp_path, text + f"    - {self.BIG}\n"))
+        assert sorted(j.team_id for j in sc.jobs) == ["t1", "t2"]
+
+    def test_a_list_is_every_team_and_a_job_of_another_is_refused(self, tmp_path: Path) -> None:
+        text = CLUSTER + "teams: [{id: t1}]\nworkload:\n  jobs:\n" + f"    - {self.SMALL}\n"
+        line = cli_error(tmp_path, text)
+        assert "workload.jobs (s1).team: team 't2' is not declared in teams: (['t1'])" in line
+        assert "leave teams out to have the jobs' teams implied" in line
+
+    def test_never_fit_warnings_say_why_for_each_job(self, tmp_path: Path) -> None:
+        text = (
+            CLUSTER
+            + "teams: [{id: t1}, {id: t2}]\npolicy: {baseline: sjf}\nworkload:\n  jobs:\n"
+            + "".join(f"    - {j}\n" for j in (self.BIG, self.SMALL))
+            + "    - {id: s2, team: t1, gpus: 1, duration_s: 60}\n"
+        )
+        out = tmp_path / "out"
+        result = run_cli(str(write(tmp_path, text)), "--out", str(out), "--no-plots")
+        assert result.exit_code == 0, result.output
+        warned = [w for w in result.stderr.splitlines() if w.startswith("warning:")]
+        assert warned == [
+            f"warning: run main: {n} job{'s' * (n > 1)} can never fit (team {t!r} has no nodes "
+            "of its own: it has no guarantee, and this policy runs each team only on nodes "
+            "covering its guarantee)"
+            for t, n in (("t1", 2), ("t2", 1))
+        ]
+
+    def test_a_team_with_nodes_is_told_the_size(self, tmp_path: Path) -> None:
+        text = (
+            CLUSTER
+            + "teams: [{id: t1, guaranteed_gpus: {A100: 16}}]\npolicy: {baseline: sjf}\n"
+            + f"workload:\n  jobs:\n    - {self.BIG}\n"
+        )
+        result = run_cli(str(write(tmp_path, text)), "--out", str(tmp_path / "o"), "--no-plots")
+        assert result.exit_code == 0, result.output
+        assert "1 job can never fit (more GPUs than the fleet's 16)" in result.stderr

@@ -134,7 +134,9 @@ def parse_workload(
     def known_team(team_id: str, where: str) -> str:
         if declared and team_id not in declared:
             raise ScenarioError(
-                f"{where}: team {team_id!r} is not declared in teams: ({sorted(declared)})"
+                f"{where}: team {team_id!r} is not declared in teams: ({sorted(declared)}); "
+                "a teams list names every team (add it, or leave teams out to have the jobs' "
+                "teams implied)"
             )
         return team_id
 
