@@ -62,6 +62,82 @@ class TestLoader:
 def test_spearman() -> None:
     assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+    assert spearman([1, None, 3, 2], [10, 5, 30, None]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("xs", "ys"),
+    [
+        pytest.param([], [], id="no VC"),
+        pytest.param([5.0], [7.0], id="one VC"),
+        pytest.param([1.0, None], [2.0, 3.0], id="one VC with a mean"),
+        pytest.param([4.0, 4.0, 4.0], [1.0, 2.0, 3.0], id="all equal"),
+    ],
+)
+def test_spearman_is_none_when_undefined(xs: list[float | None], ys: list[float]) -> None:
+    """It was 0.0 ("no correlation") with no jobs or fewer than two VCs."""
+    assert spearman(xs, ys) is None
+
+
+class TestPublishedSetupOnly:
+    """The published FIFO figures were attached to every run of a Philly scenario: a pooled
+    fair-share run on a made-up 4 x 8-GPU fleet showed a near-match figure. Now only a run
+    of the published setup gets them; the others say why not."""
+
+    def scenario(self, tmp_path: Path, extra: str = "") -> Path:
+        from gpufleet.sim.calibration import HELIOS_PHILLY_FIFO
+
+        vcs = tmp_path / "vcs.csv"
+        vcs.write_text("vc,node num\n" + "".join(f"{vc},1\n" for vc in HELIOS_PHILLY_FIFO))
+        path = tmp_path / "s.yaml"
+        path.write_text(
+            f"cluster:\n  philly_vcs: {{path: {vcs}{extra}}}\n"
+            f"workload:\n  philly: {{path: {HERE / 'data' / 'philly_sample.csv'}}}\n"
+            "policy: {baseline: fifo_per_team}\ncompare: [fair_share]\n"
+        )
+        return path
+
+    def test_fifo_per_vc_gets_them_pooled_does_not(self, tmp_path: Path) -> None:
+        rep = run_sim(self.scenario(tmp_path), tmp_path / "out", plots=False)
+        main, pooled = rep["runs"]["main"], rep["runs"]["fair_share"]
+        cmp = main["philly_vs_published_fifo"]
+        assert "philly_vs_published_fifo_skipped" not in main
+        assert len(cmp["per_vc"]) == 8 and cmp["spearman_jct"] is not None  # VCs with jobs
+        assert "philly_vs_published_fifo" not in pooled
+        assert pooled["philly_vs_published_fifo_skipped"] == [
+            "the policy is not FIFO per VC (baseline fifo_per_team)"
+        ]
+
+    def test_a_scaled_fleet_is_not_the_published_setup(self, tmp_path: Path) -> None:
+        rep = run_sim(self.scenario(tmp_path, ", capacity: 2"), tmp_path / "out", plots=False)
+        main = rep["runs"]["main"]
+        assert "philly_vs_published_fifo" not in main
+        assert main["philly_vs_published_fifo_skipped"] == [
+            "cluster.philly_vcs.capacity is 2, not 1 (the VC sizes)"
+        ]
+
+    def test_node_groups_and_a_short_window(self, tmp_path: Path) -> None:
+        path = tmp_path / "s.yaml"
+        path.write_text(
+            "cluster: {node_groups: [{name: g, count: 4, gpus_per_node: 8}]}\n"
+            f"workload:\n  philly: {{path: {HERE / 'data' / 'philly_sample.csv'}, "
+            "teams: all, end: '2017-10-02 00:00:00'}\n"
+        )
+        rep = run_sim(path, tmp_path / "out", plots=False)
+        assert rep["runs"]["main"]["philly_vs_published_fifo_skipped"] == [
+            "the policy is not FIFO per VC (baseline fifo_per_team)",
+            "the fleet is not cluster.philly_vcs (each VC on its own nodes)",
+            "the window is 2017-10-01 00:00:00 to 2017-10-02 00:00:00, not Oct-Nov 2017",
+        ]
+
+
+def test_compare_with_helios_without_jobs_is_undefined() -> None:
+    from gpufleet.sim.calibration import compare_with_helios
+
+    empty = {"per_team": {}, "queue_delay_s": {"all": {"n": 0}}, "jct_s": {"n": 0}}
+    cmp = compare_with_helios(empty)
+    assert cmp["spearman_queue_delay"] is None and cmp["spearman_jct"] is None
+    assert cmp["orders_of_magnitude_apart_queue_delay"] is None
 
 
 @pytest.fixture(scope="module")

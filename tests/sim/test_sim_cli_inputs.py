@@ -269,3 +269,239 @@ class TestDoubtfulInput:
         assert "the fleet is 3 nodes / 24 GPUs" in sc.warnings[0]
         text = text.replace("0.01", "0.5")
         assert load_scenario(write(tmp_path, text)).warnings == ()
+
+
+def cli_error(tmp_path: Path, text: str) -> str:
+    """The one line ``sim run`` prints for a scenario it refuses (exit 2, no traceback)."""
+    result = run_cli(str(write(tmp_path, text)), "--out", str(tmp_path / "out"), "--no-plots")
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and "Error:" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+class TestNodeIds:
+    """Two node groups named ``a`` (2 x 8 GPUs each) became 2 nodes in the fleet while the
+    header and report.json said 4 nodes / 32 GPUs: a node id is the group's name."""
+
+    def test_a_group_name_used_twice_names_the_field(self, tmp_path: Path) -> None:
+        groups = (
+            "cluster:\n  node_groups:\n"
+            "    - {name: a, count: 2, gpus_per_node: 8, gpu_type: A100}\n"
+            "    - {name: a, count: 2, gpus_per_node: 8, gpu_type: A100}\n"
+        )
+        line = cli_error(tmp_path, groups + TEAMS + JOBS)
+        assert "cluster.node_groups[1].name: node group 'a' is declared twice" in line
+
+    def test_a_node_id_of_another_group_names_the_field(self, tmp_path: Path) -> None:
+        groups = (
+            "cluster:\n  node_groups:\n"
+            "    - {name: a, count: 2, gpus_per_node: 8, gpu_type: A100}\n"
+            "    - {name: a-0001, count: 1, gpus_per_node: 8, gpu_type: A100}\n"
+        )
+        line = cli_error(tmp_path, groups + TEAMS + JOBS)
+        assert "cluster.node_groups[1].name: node 'a-0001' is also a node of" in line
+
+    def test_a_group_named_like_the_philly_nodes(self, tmp_path: Path) -> None:
+        vcs = write(tmp_path, "vc,node num\ne13805,2\n", "vcs.csv")
+        sample = HERE / "data" / "philly_sample.csv"
+        text = (
+            f"cluster:\n  philly_vcs: {{path: {vcs}}}\n"
+            "  node_groups: [{name: philly-0001, gpus_per_node: 8}]\n"
+            f"workload:\n  philly: {{path: {sample}, end: '2017-10-02 00:00:00'}}\n"
+        )
+        with pytest.raises(ScenarioError, match=r"cluster.philly_vcs .*'philly-0001' is also"):
+            load_scenario(write(tmp_path, text))
+
+    def test_trace_files_listing_a_node_or_vc_twice(self, tmp_path: Path) -> None:
+        nodes = write(
+            tmp_path,
+            "sn,cpu_milli,memory_mib,gpu,model\nn1,96000,1024,8,T4\nn1,96000,1024,8,T4\n",
+            "nodes.csv",
+        )
+        text = f"cluster: {{openb_nodes: {nodes}}}\n" + JOBS
+        with pytest.raises(ScenarioError, match=r"openb_nodes: .*'n1' is listed twice"):
+            load_scenario(write(tmp_path, text))
+        vcs = write(tmp_path, "vc,node num\ne13805,2\ne13805,3\n", "vcs.csv")
+        text = f"cluster: {{philly_vcs: {{path: {vcs}}}}}\n" + JOBS
+        with pytest.raises(ScenarioError, match=r"philly_vcs.path: .*'e13805' is listed twice"):
+            load_scenario(write(tmp_path, text))
+
+
+def jobs_yaml(*jobs: str) -> str:
+    return CLUSTER + TEAMS + "workload:\n  jobs:\n" + "".join(f"    - {j}\n" for j in jobs)
+
+
+class TestJobFields:
+    """``depends_on: 5`` gave ``TypeError: 'int' object is not iterable``; a job depending on
+    itself ran, a two-job cycle ended with "2 jobs unfinished"; ``failures: 1000000`` looked
+    like a hang."""
+
+    @pytest.mark.parametrize("value", ["5", "true", "false", "0", "{a: b}", "1.5"])
+    def test_depends_on_of_another_type_names_the_field(self, tmp_path: Path, value: str) -> None:
+        line = cli_error(
+            tmp_path,
+            jobs_yaml(
+                "{id: j0, team: a, duration_s: 10}",
+                f"{{id: j1, team: a, duration_s: 10, depends_on: {value}}}",
+            ),
+        )
+        assert "workload.jobs[1].depends_on must be Slurm's 'afterok:ID" in line
+
+    @pytest.mark.parametrize(
+        "value", ["afterok:j0", "[{type: afterany, job_id: j0}]", "''", "[]", "null"]
+    )
+    def test_depends_on_as_text_or_a_list_is_read(self, tmp_path: Path, value: str) -> None:
+        sc = load_scenario(
+            write(
+                tmp_path,
+                jobs_yaml(
+                    "{id: j0, team: a, duration_s: 10}",
+                    f"{{id: j1, team: a, duration_s: 10, depends_on: {value}}}",
+                ),
+            )
+        )
+        assert len(next(j for j in sc.jobs if j.job_id == "j1").depends_on) == (
+            1 if "j0" in value else 0
+        )
+
+    @pytest.mark.parametrize(
+        ("jobs", "want"),
+        [
+            pytest.param(
+                ["{id: j1, team: a, duration_s: 10, depends_on: 'afterok:j1'}"],
+                "workload.jobs[0].depends_on: job 'j1' depends on itself",
+                id="itself",
+            ),
+            pytest.param(
+                ["{id: x, team: a, duration_s: 10, array: 0-3, depends_on: 'afterany:x'}"],
+                "workload.jobs[0].depends_on: job 'x' depends on itself",
+                id="an array on itself",
+            ),
+            pytest.param(
+                [
+                    "{id: big, team: a, duration_s: 10, depends_on: 'afterok:s1'}",
+                    "{id: s1, team: b, duration_s: 10, depends_on: 'afterok:big'}",
+                ],
+                "workload.jobs[0].depends_on: dependency cycle big -> s1 -> big",
+                id="two jobs",
+            ),
+            pytest.param(
+                [
+                    "{id: a1, team: a, duration_s: 10}",
+                    "{id: a2, team: a, duration_s: 10, depends_on: 'afterok:a1,afterany:a4'}",
+                    "{id: a3, team: a, duration_s: 10, depends_on: 'afterok:a2'}",
+                    "{id: a4, team: a, duration_s: 10, array: 0-1, depends_on: 'afterok:a3'}",
+                ],
+                "dependency cycle a2 -> a4[0] -> a3 -> a2",
+                id="through an array",
+            ),
+        ],
+    )
+    def test_a_dependency_cycle_is_refused_naming_the_jobs(
+        self, tmp_path: Path, jobs: list[str], want: str
+    ) -> None:
+        assert want in cli_error(tmp_path, jobs_yaml(*jobs))
+
+    def test_a_chain_and_a_diamond_are_no_cycle(self, tmp_path: Path) -> None:
+        sc = load_scenario(
+            write(
+                tmp_path,
+                jobs_yaml(
+                    "{id: d1, team: a, duration_s: 10}",
+                    "{id: d2, team: a, duration_s: 10, depends_on: 'afterok:d1'}",
+                    "{id: d3, team: a, duration_s: 10, array: 0-2, depends_on: 'afterok:d1'}",
+                    "{id: d4, team: a, duration_s: 10, depends_on: 'afterok:d2:d3'}",
+                ),
+            )
+        )
+        assert len(next(j for j in sc.jobs if j.job_id == "d4").depends_on) == 4
+
+    def test_failures_above_the_limit_names_the_field(self, tmp_path: Path) -> None:
+        from gpufleet.sim.scenario_workload import MAX_FAILURES
+
+        ok = f"{{id: j1, team: a, duration_s: 10, failures: {MAX_FAILURES}}}"
+        assert load_scenario(write(tmp_path, jobs_yaml(ok))).jobs[0].failures == MAX_FAILURES
+        line = cli_error(tmp_path, jobs_yaml(ok.replace(f"{MAX_FAILURES}", "1000000")))
+        assert "workload.jobs[0].failures must be an integer >= 0 and <= 1,000" in line
+
+
+class TestRunOptions:
+    def test_help_names_the_scenario_argument(self) -> None:
+        """The usage line read ``{config}``."""
+        result = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "100"})
+        assert result.exit_code == 0
+        assert "{scenario.yaml}" in result.output and "config" not in result.output
+
+    @pytest.mark.parametrize(
+        "args",
+        [["--compare", "fifo,no_borrowing"], ["--compare", "fifo", "--compare", " no_borrowing"]],
+        ids=["comma-separated", "repeated"],
+    )
+    def test_compare_takes_a_comma_separated_list(self, tmp_path: Path, args: list[str]) -> None:
+        """``--compare fifo,sjf`` was refused; only a repeated option worked."""
+        out = tmp_path / "out"
+        result = run_cli(str(write(tmp_path, CLUSTER + TEAMS + JOBS)), "--out", str(out), *args)
+        assert result.exit_code == 0, result.output
+        assert sorted(report(out)["runs"]) == ["fifo", "main", "no_borrowing"]
+
+    @pytest.mark.parametrize("value", ["fifo,bogus", "fifo,,sjf"])
+    def test_each_name_of_the_list_is_checked(self, tmp_path: Path, value: str) -> None:
+        path = write(tmp_path, CLUSTER + TEAMS + JOBS)
+        result = run_cli(str(path), "--out", str(tmp_path / "out"), "--compare", value)
+        assert result.exit_code == 2
+        assert result.stderr.startswith("error: --compare must be one of")
+        assert not (tmp_path / "out" / "report.json").exists()
+
+
+class TestTeams:
+    """Jobs naming teams t1/t2 ran with ``teams: []`` or no ``teams`` key and were refused
+    with a non-empty list; and under a partitioning baseline (``sjf``) the never-fit
+    warnings blamed one job's size and "teams without guarantees" for the others, when no
+    job of a team without nodes could run at all."""
+
+    BIG = "{id: huge, team: t1, gpus: 64, duration_s: 60}"
+    SMALL = "{id: s1, team: t2, gpus: 1, duration_s: 60}"
+
+    @pytest.mark.parametrize(
+        "teams", ["", "teams:\n", "teams: []\n"], ids=["absent", "null", "[]"]
+    )
+    def test_without_a_list_the_jobs_imply_the_teams(self, tmp_path: Path, teams: str) -> None:
+        text = CLUSTER + teams + "workload:\n  jobs:\n" + f"    - {self.SMALL}\n"
+        sc = load_scenario(write(tmp_path, text + f"    - {self.BIG}\n"))
+        assert sorted(j.team_id for j in sc.jobs) == ["t1", "t2"]
+
+    def test_a_list_is_every_team_and_a_job_of_another_is_refused(self, tmp_path: Path) -> None:
+        text = CLUSTER + "teams: [{id: t1}]\nworkload:\n  jobs:\n" + f"    - {self.SMALL}\n"
+        line = cli_error(tmp_path, text)
+        assert "workload.jobs (s1).team: team 't2' is not declared in teams: (['t1'])" in line
+        assert "leave teams out to have the jobs' teams implied" in line
+
+    def test_never_fit_warnings_say_why_for_each_job(self, tmp_path: Path) -> None:
+        text = (
+            CLUSTER
+            + "teams: [{id: t1}, {id: t2}]\npolicy: {baseline: sjf}\nworkload:\n  jobs:\n"
+            + "".join(f"    - {j}\n" for j in (self.BIG, self.SMALL))
+            + "    - {id: s2, team: t1, gpus: 1, duration_s: 60}\n"
+        )
+        out = tmp_path / "out"
+        result = run_cli(str(write(tmp_path, text)), "--out", str(out), "--no-plots")
+        assert result.exit_code == 0, result.output
+        warned = [w for w in result.stderr.splitlines() if w.startswith("warning:")]
+        assert warned == [
+            f"warning: run main: {n} job{'s' * (n > 1)} can never fit (team {t!r} has no nodes "
+            "of its own: it has no guarantee, and this policy runs each team only on nodes "
+            "covering its guarantee)"
+            for t, n in (("t1", 2), ("t2", 1))
+        ]
+
+    def test_a_team_with_nodes_is_told_the_size(self, tmp_path: Path) -> None:
+        text = (
+            CLUSTER
+            + "teams: [{id: t1, guaranteed_gpus: {A100: 16}}]\npolicy: {baseline: sjf}\n"
+            + f"workload:\n  jobs:\n    - {self.BIG}\n"
+        )
+        result = run_cli(str(write(tmp_path, text)), "--out", str(tmp_path / "o"), "--no-plots")
+        assert result.exit_code == 0, result.output
+        assert "1 job can never fit (more GPUs than the fleet's 16)" in result.stderr

@@ -145,10 +145,37 @@ def test_admin_team_list_headers_fit_80_columns() -> None:
     ]
     text = _render(admin_table(rows, team_columns(False), whole=("team",)))
     header = text.splitlines()[0].split()
-    assert header == ["team", "weight", "quota", "borrow", "lend", "alloc", "pending", "GPU-h"]
+    assert header == [
+        "team", "weight", "quota", "borrow", "lend", "alloc", "pending", "GPU-h", "runtime"
+    ]  # fmt: skip
     assert max(len(line) for line in text.splitlines()) <= 80 and "vision-research" in text
     wide = _render(admin_table(rows, team_columns(True), wide=True), output.WIDE_WIDTH)
     assert "fair-share GPU-h (decayed)" in wide and "A100-80GB=8" in wide
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_admin_team_list_shows_the_run_time_default_and_limit(wide: bool) -> None:
+    """They were only in -o json (default_max_runtime_s, max_runtime_limit_s); the table
+    shows them as durations `team set --default-runtime/--max-runtime` take, - when unset."""
+    from gpufleet.cli.admin_api import admin_table, team_columns
+    from gpufleet.cli.options import duration_s
+
+    base = {"weight": 1.0, "pending_jobs": 0, "fair_share_usage_gpu_s": 0.0}
+    rows = [
+        {**base, "team": "a", "default_max_runtime_s": 14400.0, "max_runtime_limit_s": 131400},
+        {**base, "team": "b", "default_max_runtime_s": None},
+    ]
+    table = admin_table(rows, team_columns(wide), wide=wide)
+    text = _render(table, output.WIDE_WIDTH if wide else 80)
+    a = next(line for line in text.splitlines() if line.startswith("a "))
+    b = next(line for line in text.splitlines() if line.startswith("b "))
+    if wide:
+        assert "default runtime" in text and "max runtime" in text
+        assert a.split()[-2:] == ["4h", "1d12h30m"] and b.split()[-2:] == ["-", "-"]
+    else:  # one column: default/max
+        assert text.splitlines()[0].split()[-1] == "runtime"
+        assert a.split()[-1] == "4h/1d12h30m" and b.split()[-1] == "-/-"
+    assert duration_s("1d12h30m", "--max-runtime") == 131400  # what the CLI takes back
 
 
 def test_admin_token_list_never_cuts_ids() -> None:

@@ -293,6 +293,23 @@ def _types(m: dict[str, Any] | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in (m or {}).items()) or "-"
 
 
+def duration_text(seconds: float | None) -> str:
+    """A run-time limit as the CLI takes it back (``--default-runtime``): ``4h``, ``7d``,
+    ``1d12h30m``, ``90s``; ``-`` when unset (None or 0)."""
+    if not seconds or seconds <= 0:
+        return "-"
+    parts, rest = [], float(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        n = int(rest // size)
+        if n:
+            parts.append(f"{n}{unit}")
+            rest -= n * size
+    rest = round(rest, 3)
+    if rest:
+        parts.append(f"{rest:g}s")
+    return "".join(parts)
+
+
 def team_columns(wide: bool) -> list[tuple[str, Any]]:
     """``admin team list`` columns; narrow headers are short so that 80 columns hold them."""
 
@@ -304,11 +321,12 @@ def team_columns(wide: bool) -> list[tuple[str, Any]]:
 
     names = (
         ("team", "weight", "nominal quota", "borrowing limit", "lending limit", "allocated",
-         "pending", "fair-share GPU-h (decayed)")
+         "pending", "fair-share GPU-h (decayed)", "default runtime", "max runtime")
         if wide
-        else ("team", "weight", "quota", "borrow", "lend", "alloc", "pending", "GPU-h")
+        else ("team", "weight", "quota", "borrow", "lend", "alloc", "pending", "GPU-h",
+              "runtime")
     )  # fmt: skip
-    getters = (
+    getters: list[Any] = [
         lambda r: r["team"],
         lambda r: f"{r['weight']:g}",
         lambda r: _types(r.get("guaranteed_gpus")),
@@ -317,7 +335,18 @@ def team_columns(wide: bool) -> list[tuple[str, Any]]:
         lambda r: _types(r.get("allocated_gpus")),
         lambda r: r.get("pending_jobs"),
         usage_h,
-    )
+    ]
+
+    def default_rt(r: dict[str, Any]) -> str:
+        return duration_text(r.get("default_max_runtime_s"))
+
+    def max_rt(r: dict[str, Any]) -> str:
+        return duration_text(r.get("max_runtime_limit_s"))
+
+    if wide:
+        getters += [default_rt, max_rt]
+    else:  # one column, so that 80 columns still hold the headers
+        getters.append(lambda r: f"{default_rt(r)}/{max_rt(r)}")
     return list(zip(names, getters, strict=True))
 
 
@@ -329,11 +358,13 @@ def team_list(
     token: TokenOpt = None,
 ) -> None:
     """Teams with quota (nominal quota, borrowing and lending limits), current allocation,
-    queue length and fair-share usage (decayed GPU-hours; accounting is `gpufleet usage`);
-    -o json adds the admission limits (unfinished jobs, submit rate and burst) and the
-    run-time default and limit (default_max_runtime_s, max_runtime_limit_s). Narrow
-    headers: quota = nominal quota, borrow/lend = borrowing/lending limit, alloc = allocated,
-    GPU-h = fair-share usage (decayed); --wide spells them out."""
+    queue length, fair-share usage (decayed GPU-hours; accounting is `gpufleet usage`) and
+    the run-time default and limit (--default-runtime, --max-runtime of `team set`, as
+    durations: 4h, 7d; - when unset); -o json adds the admission limits (unfinished jobs,
+    submit rate and burst) and gives the run times in seconds (default_max_runtime_s,
+    max_runtime_limit_s). Narrow headers: quota = nominal quota, borrow/lend =
+    borrowing/lending limit, alloc = allocated, GPU-h = fair-share usage (decayed), runtime =
+    default/max runtime (4h/7d); --wide spells them out."""
     wide = wide or out == "wide"
     with _session(url, token) as http:
         rows = _call(http, "GET", "/v1/admin/teams").get("items") or []

@@ -60,17 +60,61 @@ def _ranks(xs: Sequence[float]) -> list[float]:
     return ranks
 
 
-def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Spearman rank correlation (Pearson on average ranks); 0.0 when undefined."""
-    rx, ry = _ranks(xs), _ranks(ys)
+def spearman(xs: Sequence[float | None], ys: Sequence[float | None]) -> float | None:
+    """Spearman rank correlation (Pearson on average ranks) over the pairs where both values
+    are known; None when undefined: fewer than two such pairs, or one side all equal (it was
+    0.0, which reads as "no correlation")."""
+    pairs = [(x, y) for x, y in zip(xs, ys, strict=True) if x is not None and y is not None]
+    rx, ry = _ranks([x for x, _ in pairs]), _ranks([y for _, y in pairs])
     n = len(rx)
     if n < 2:
-        return 0.0
+        return None
     mx, my = sum(rx) / n, sum(ry) / n
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
     vx = math.sqrt(sum((a - mx) ** 2 for a in rx))
     vy = math.sqrt(sum((b - my) ** 2 for b in ry))
-    return cov / (vx * vy) if vx and vy else 0.0
+    return cov / (vx * vy) if vx and vy else None
+
+
+PUBLISHED_WINDOW = ("2017-10-01 00:00:00", "2017-12-01 00:00:00")
+"""The submit window of the published figures (Oct-Nov 2017)."""
+
+
+def setup_differences(
+    *,
+    run_policy: Mapping[str, Any],
+    vcs: Sequence[str] | None,
+    capacity: float,
+    window: tuple[str, str],
+    arrival_speedup: float,
+) -> list[str]:
+    """How a run's setup differs from the published one (each VC alone on VC-size x 8 GPUs,
+    non-preemptive strict FIFO, the 11 VCs of known size, Oct-Nov 2017 as submitted), one
+    phrase each; empty when it is that setup, the only one the published figures measure.
+
+    ``run_policy``: the run's policy knobs (``report.json``'s ``run.policy``); ``vcs``: the
+    teams of ``cluster.philly_vcs`` (None without it); ``capacity``: its ``capacity``."""
+    out = []
+    fifo_per_vc = (
+        str(getattr(run_policy["ordering"], "value", run_policy["ordering"])) == "fifo"
+        and str(getattr(run_policy["backfill"], "value", run_policy["backfill"])) == "off"
+        and not run_policy["preemption"]
+        and not run_policy["borrowing"]
+    )
+    if not fifo_per_vc:
+        out.append("the policy is not FIFO per VC (baseline fifo_per_team)")
+    if vcs is None:
+        out.append("the fleet is not cluster.philly_vcs (each VC on its own nodes)")
+    else:
+        if sorted(vcs) != sorted(HELIOS_PHILLY_FIFO):
+            out.append("the VCs are not the 11 of known size (workload.philly.teams: known)")
+        if capacity != 1.0:
+            out.append(f"cluster.philly_vcs.capacity is {capacity:g}, not 1 (the VC sizes)")
+    if tuple(window) != PUBLISHED_WINDOW:
+        out.append(f"the window is {window[0]} to {window[1]}, not Oct-Nov 2017")
+    if arrival_speedup != 1.0:
+        out.append(f"workload.philly.arrival_speedup is {arrival_speedup:g}, not 1")
+    return out
 
 
 def _orders_apart(ours: float | None, theirs: float) -> float | None:
@@ -81,8 +125,9 @@ def _orders_apart(ours: float | None, theirs: float) -> float | None:
 
 def compare_with_helios(run: Mapping[str, Any]) -> dict[str, Any]:
     """Per VC: this run's mean queue delay and JCT beside the published FIFO figures; Spearman
-    rank correlation over the VCs; how many orders of magnitude the all-VC means are apart
-    (None where this run has no finished job to average)."""
+    rank correlation over the VCs with a mean (None with fewer than two); how many orders of
+    magnitude the all-VC means are apart (None where this run has no finished job to
+    average). Meaningful only for a run of the published setup (:func:`setup_differences`)."""
     per_team = run["per_team"]
     vcs = sorted(v for v in HELIOS_PHILLY_FIFO if v in per_team)
     rows = {}

@@ -387,13 +387,10 @@ class Engine:
         self._enqueue(job_id)
 
     def _never_fit_cause(self, spec: SimJob) -> str:
-        """Why a job can never fit, in words (``rejected_causes``)."""
-        if spec.gpus > self.total_gpus:
-            return f"more GPUs than the fleet's {self.total_gpus}"
-        types = {n.gpu_type for n, _ in self._shapes.values()}
-        if spec.gpu_types and not types & set(spec.gpu_types):
-            return "a GPU type the fleet lacks"
+        """Why a job can never fit, in words (``rejected_causes``); a team with no nodes of
+        its own under a partition first: no job of it could run, whatever its size."""
         label = self.opt.partition_label
+        mine = 0
         if label is not None:
             mine = sum(
                 n.total_gpus * k
@@ -401,9 +398,22 @@ class Engine:
                 if n.labels.get(label) == spec.team_id
             )
             if mine == 0:
-                return "teams without guarantees get no partition nodes"
-            if spec.gpus > mine:
-                return "larger than its team's partition"
+                why = (
+                    "its guarantee found no nodes left"
+                    if any(self._team(spec.team_id).spec.guaranteed_gpus.values())
+                    else "it has no guarantee"
+                )
+                return (
+                    f"team {spec.team_id!r} has no nodes of its own: {why}, and this policy "
+                    "runs each team only on nodes covering its guarantee"
+                )
+        if spec.gpus > self.total_gpus:
+            return f"more GPUs than the fleet's {self.total_gpus}"
+        types = {n.gpu_type for n, _ in self._shapes.values()}
+        if spec.gpu_types and not types & set(spec.gpu_types):
+            return "a GPU type the fleet lacks"
+        if label is not None and spec.gpus > mine:
+            return f"larger than its team's partition ({mine} GPUs)"
         largest = max(n.total_gpus for n, _ in self._shapes.values())
         if spec.nodes is None and spec.gpus > largest and spec.gpus % largest:
             return f"a gang of whole nodes only: {spec.gpus} GPUs on {largest}-GPU nodes"

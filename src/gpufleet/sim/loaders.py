@@ -50,10 +50,20 @@ class LoadStats:
 
 
 def philly_vc_sizes(path: Path) -> dict[str, int]:
-    """``philly_vc_node_count.csv``: VC -> number of nodes."""
+    """``philly_vc_node_count.csv``: VC -> number of nodes.
+
+    Raises:
+        ValueError: a VC listed twice, naming both lines."""
+    sizes: dict[str, int] = {}
+    first: dict[str, int] = {}
     with _open_text(path) as f:
-        rows = list(csv.DictReader(f))
-    return {r["vc"].strip(): int(r["node num"]) for r in rows}
+        for row, r in enumerate(csv.DictReader(f), start=2):
+            vc = r["vc"].strip()
+            if vc in first:
+                raise ValueError(f"VC {vc!r} is listed twice (lines {first[vc]} and {row})")
+            first[vc] = row
+            sizes[vc] = int(r["node num"])
+    return sizes
 
 
 def load_philly(
@@ -148,17 +158,25 @@ _OPENB_GPU_MEMORY_MB = {
 
 def load_openb_fleet(path: Path) -> list[NodeGroup]:
     """``openb_node_list_gpu_node.csv`` (or ``_all_node``): one group per GPU node; CPU-only
-    nodes are skipped. GPU memory per model where public (G1-G3 are undisclosed: 0)."""
+    nodes are skipped. GPU memory per model where public (G1-G3 are undisclosed: 0).
+
+    Raises:
+        ValueError: a node (``sn``) listed twice, naming both lines."""
     groups: list[NodeGroup] = []
+    seen: dict[str, int] = {}  # sn -> its first row
     with _open_text(path) as f:
-        for r in csv.DictReader(f):
+        for row, r in enumerate(csv.DictReader(f), start=2):
             gpus = int(r["gpu"])
             model = (r.get("model") or "").strip()
             if gpus <= 0 or not model:
                 continue
+            sn = r["sn"].strip()
+            first = seen.setdefault(sn, row)
+            if first != row:
+                raise ValueError(f"node {sn!r} is listed twice (lines {first} and {row})")
             groups.append(
                 NodeGroup(
-                    name=r["sn"].strip(),
+                    name=sn,
                     count=1,
                     gpus_per_node=gpus,
                     gpu_type=model,

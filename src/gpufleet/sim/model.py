@@ -21,6 +21,13 @@ class NodeGroup:
     memory_mb: int = 0
     labels: Mapping[str, str] = field(default_factory=dict)
 
+    def node_ids(self) -> list[str]:
+        """The ids of the group's nodes, as the fleet names them: the group's name for one
+        node, else ``name-0000``, ``name-0001``, ..."""
+        if self.count == 1:
+            return [self.name]
+        return [f"{self.name}-{i:04d}" for i in range(self.count)]
+
 
 @dataclass(frozen=True, slots=True)
 class TeamSpec:

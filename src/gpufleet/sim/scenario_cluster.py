@@ -51,12 +51,22 @@ def parse_cluster(
     cluster = _mapping(raw, at("cluster"), ("node_groups", "openb_nodes", "philly_vcs"))
     groups: list[NodeGroup] = []
     teams: list[TeamSpec] = []
+    sources: list[str] = []  # the field each group comes from, for check_node_ids
+    named: dict[str, int] = {}  # node group name -> its first index
     for n, g in enumerate(_list(cluster.get("node_groups"), at("cluster.node_groups"))):
         w = at(f"cluster.node_groups[{n}]")
         g = _mapping(g, w, NODE_GROUP_KEYS)
+        name = _text(g.get("name", _MISSING), f"{w}.name")
+        first = named.setdefault(name, n)
+        if first != n:
+            raise ScenarioError(
+                f"{w}.name: node group {name!r} is declared twice (first at "
+                f"cluster.node_groups[{first}]); give each group its own name"
+            )
+        sources.append(f"cluster.node_groups[{n}].name")
         groups.append(
             NodeGroup(
-                name=_text(g.get("name", _MISSING), f"{w}.name"),
+                name=name,
                 count=_int(g.get("count", 1), f"{w}.count", ge=1, le=MAX_NODES),
                 gpus_per_node=_int(
                     g.get("gpus_per_node", _MISSING),
@@ -75,11 +85,11 @@ def parse_cluster(
             )
         )
     if "openb_nodes" in cluster:
-        groups.extend(
-            read_trace(
-                traces_dir, at("cluster.openb_nodes"), cluster["openb_nodes"], load_openb_fleet
-            )
+        openb = read_trace(
+            traces_dir, at("cluster.openb_nodes"), cluster["openb_nodes"], load_openb_fleet
         )
+        groups.extend(openb)
+        sources.extend(f"cluster.openb_nodes (node {g.name!r})" for g in openb)
     vc_sizes: dict[str, int] = {}
     if "philly_vcs" in cluster:
         w = at("cluster.philly_vcs")
@@ -104,6 +114,7 @@ def parse_cluster(
                     f"{nodes * gpn:,} GPUs, not ~{asked:.3g} nodes"
                 )
         groups.append(NodeGroup("philly", sum(vc_sizes.values()), gpn, gpu_type, cpu=cpu))
+        sources.append("cluster.philly_vcs (nodes 'philly-NNNN')")
         teams.extend(philly_teams(vc_sizes, gpn, gpu_type))
     if not groups:
         raise ScenarioError(
@@ -113,7 +124,23 @@ def parse_cluster(
     nodes = sum(g.count for g in groups)
     if nodes > MAX_NODES:
         raise ScenarioError(f"{path}: cluster has {nodes:,} nodes in all, more than {MAX_NODES:,}")
+    check_node_ids(path, groups, sources)
     return groups, teams, vc_sizes
+
+
+def check_node_ids(path: Path, groups: list[NodeGroup], sources: list[str]) -> None:
+    """Every node of the fleet has its own id (``NodeGroup.node_ids``): two nodes with one
+    id would be one node in the simulated fleet while the report counted both. ``sources``:
+    the field each group comes from, named in the error."""
+    owner: dict[str, int] = {}  # node id -> the index of the group that has it
+    for k, g in enumerate(groups):
+        for node_id in g.node_ids():
+            first = owner.setdefault(node_id, k)
+            if first != k:
+                raise ScenarioError(
+                    f"{path}: {sources[k]}: node {node_id!r} is also a node of "
+                    f"{sources[first]}; every node needs its own id (rename a group)"
+                )
 
 
 def parse_teams(path: Path, raw: Any, teams: list[TeamSpec]) -> list[TeamSpec]:
@@ -149,8 +176,7 @@ def partition(groups: list[NodeGroup], teams: list[TeamSpec]) -> list[NodeGroup]
     nodes left over are labelled ``unassigned`` (nobody's partition)."""
     singles: dict[str, list[NodeGroup]] = {}
     for g in groups:
-        for i in range(g.count):
-            name = g.name if g.count == 1 else f"{g.name}-{i:04d}"
+        for name in g.node_ids():
             singles.setdefault(g.gpu_type, []).append(replace(g, name=name, count=1))
     out: list[NodeGroup] = []
     for gpu_type, nodes in sorted(singles.items()):

@@ -38,15 +38,23 @@ from gpufleet.sim.scenario_fields import (
     _number,
     _opt,
     _priority,
+    _shown,
     _text,
     _weights,
     read_trace,
 )
 
+MAX_FAILURES = 1_000
+"""The most failed attempts a job of ``workload.jobs`` may be given (``failures``): each is
+one more attempt, with its own events and policy passes; a million looked like a hang."""
 MAX_SYNTHETIC_JOBS = 10_000_000
 """A synthetic workload expected to be larger than this is refused (it would not fit in
 memory, and would look like a hang)."""
 
+PHILLY_START = "2017-10-01 00:00:00"
+PHILLY_END = "2017-12-01 00:00:00"
+"""``workload.philly``'s window by default (``start``, ``end``): Oct-Nov 2017, the published
+figures' window."""
 PHILLY_KEYS = frozenset(
     {"path", "start", "end", "teams", "estimate", "oversize", "arrival_speedup", "checkpoint_s"}
 )
@@ -126,7 +134,9 @@ def parse_workload(
     def known_team(team_id: str, where: str) -> str:
         if declared and team_id not in declared:
             raise ScenarioError(
-                f"{where}: team {team_id!r} is not declared in teams: ({sorted(declared)})"
+                f"{where}: team {team_id!r} is not declared in teams: ({sorted(declared)}); "
+                "a teams list names every team (add it, or leave teams out to have the jobs' "
+                "teams implied)"
             )
         return team_id
 
@@ -147,8 +157,8 @@ def parse_workload(
         no_estimates = estimate == "none"
         estimates["philly"] = estimate
         oversize = _choice(p.get("oversize", "gang"), f"{w}.oversize", ("gang", "clip", "drop"))
-        start = _date(p.get("start", "2017-10-01 00:00:00"), f"{w}.start")
-        end = _date(p.get("end", "2017-12-01 00:00:00"), f"{w}.end")
+        start = _date(p.get("start", PHILLY_START), f"{w}.start")
+        end = _date(p.get("end", PHILLY_END), f"{w}.end")
         speedup = _number(p.get("arrival_speedup", 1.0), f"{w}.arrival_speedup", gt=0)
         checkpoint = _opt(p.get("checkpoint_s"), f"{w}.checkpoint_s", gt=0)
         if _epoch(end) <= _epoch(start):
@@ -264,6 +274,7 @@ def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
     jobs: list[SimJob] = []
     arrays: dict[str, list[str]] = {}
     pending_deps: list[tuple[str, list[tuple[str, str]]]] = []
+    entry_of: dict[str, str] = {}  # job or array task id -> the id of its workload.jobs entry
     seen: dict[str, int] = {}
     for n, item in enumerate(items):
         where = f"{path}: workload.jobs[{n}]"
@@ -308,13 +319,13 @@ def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
                 max_runtime_s=_opt(
                     item.get("max_runtime_s"), f"{where}.max_runtime_s", gt=0, le=MAX_TIME_S
                 ),
-                failures=_int(item.get("failures", 0), f"{where}.failures", ge=0),
+                failures=_int(item.get("failures", 0), f"{where}.failures", ge=0, le=MAX_FAILURES),
                 checkpoint_s=_opt(
                     item.get("checkpoint_s"), f"{where}.checkpoint_s", gt=0, le=MAX_TIME_S
                 ),
                 preemptible=_bool(item.get("preemptible", True), f"{where}.preemptible"),
             )
-            deps = parse_depends(item["depends_on"]) if item.get("depends_on") else []
+            deps = _depends(item.get("depends_on"), f"{where}.depends_on")
             array = parse_array(str(item["array"])) if item.get("array") is not None else None
         except KeyError as exc:
             raise ScenarioError(f"{where}.{exc.args[0]} is required") from None
@@ -327,12 +338,14 @@ def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
         if array is None:
             jobs.append(base)
             pending_deps.append((job_id, deps))
+            entry_of[job_id] = job_id
             continue
         arrays[job_id] = []
         for index in array.indexes:
             task = f"{job_id}[{index}]"
             arrays[job_id].append(task)
             pending_deps.append((task, deps))
+            entry_of[task] = job_id
             jobs.append(
                 replace(
                     base,
@@ -346,13 +359,66 @@ def explicit_jobs(path: Path, items: Any) -> list[SimJob]:
     resolved: dict[str, tuple[tuple[str, str], ...]] = {}
     for job_id, deps in pending_deps:
         out: list[tuple[str, str]] = []
+        entry = entry_of[job_id]
         for kind, ref in deps:
             targets = arrays.get(ref) or ([ref] if ref in known else [])
             if not targets:
                 raise ScenarioError(f"{path}: job {job_id}: depends_on names unknown job {ref!r}")
-            out.extend((kind, t) for t in targets if t != job_id)
+            if ref == entry:
+                raise ScenarioError(
+                    f"{path}: workload.jobs[{seen[entry]}].depends_on: job {entry!r} depends "
+                    "on itself, so it could never start (Slurm refuses it too)"
+                )
+            out.extend((kind, t) for t in targets)
         resolved[job_id] = tuple(out)
+    _refuse_cycles(path, resolved, {k: seen[e] for k, e in entry_of.items()})
     return [replace(j, depends_on=resolved[j.job_id]) for j in jobs]
+
+
+def _depends(raw: Any, where: str) -> list[tuple[str, str]]:
+    """``depends_on`` of a job: absent, null or empty: none; else Slurm's text
+    (``afterok:ID[:ID],afterany:ID``) or a list of ``{type, job_id}``."""
+    if raw is None or raw == "" or raw == []:
+        return []
+    if not isinstance(raw, str | list):
+        raise ScenarioError(
+            f"{where} must be Slurm's 'afterok:ID[:ID],afterany:ID' or a list of "
+            f"{{type, job_id}}, not {_shown(raw)}"
+        )
+    return parse_depends(raw)
+
+
+def _refuse_cycles(
+    path: Path, deps: dict[str, tuple[tuple[str, str], ...]], index: dict[str, int]
+) -> None:
+    """A dependency cycle (``a`` after ``b`` after ``a``) is refused, naming the jobs in it:
+    none of them could ever start (Slurm refuses such a dependency too). ``index``: the
+    ``workload.jobs`` index of each job (an array task's is its array's)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done (no cycle through it)
+    for root in deps:
+        if root in state:
+            continue
+        path_ids: list[str] = [root]
+        stack = [iter(deps[root])]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path_ids.pop()] = 2
+                stack.pop()
+                continue
+            target = nxt[1]
+            if state.get(target) == 1:
+                cycle = [*path_ids[path_ids.index(target) :], target]
+                raise ScenarioError(
+                    f"{path}: workload.jobs[{index[target]}].depends_on: dependency cycle "
+                    f"{' -> '.join(cycle)}; none of these jobs could ever start (Slurm "
+                    "refuses such a dependency too)"
+                )
+            if target not in state:
+                state[target] = 1
+                path_ids.append(target)
+                stack.append(iter(deps.get(target, ())))
 
 
 def _synthetic_team(raw: Any, where: str, known_team: Any) -> SyntheticTeam:
