@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -253,3 +254,37 @@ def test_following_the_logs_of_a_pending_job_waits_for_its_attempt(fleet: Fleet)
         c.delete(f"/v1/jobs/{blocker}")
     t.join(timeout=60)
     assert got and "hello after the wait" in got[0]
+
+
+def test_the_controller_learns_the_newest_checkpoint_file_time(fleet: Fleet) -> None:
+    """A job writes into $GPUFLEET_CHECKPOINT_DIR; its agent's heartbeats bring the file's
+    time to the attempt's row (``job_runs.last_checkpoint_at``), which prices a preemption."""
+    from gpufleet.store.tables import JobRunRow
+
+    fleet.start_agent("a1")
+    marker = f"gpufleet-test-marker-{fleet.tmp.name}"
+    code = (
+        "import os, pathlib, time;"
+        " f = pathlib.Path(os.environ['GPUFLEET_CHECKPOINT_DIR']) / 'step-1.pt';"
+        " f.write_bytes(b'weights'); os.utime(f, (time.time() - 30, time.time() - 30));"
+        " time.sleep(600)"
+    )
+    job_id = fleet.submit({"command": py(code, marker), "gpu_count": 1})
+    fleet.wait_status(job_id, {"RUNNING"})
+    run_id = fleet.job(job_id)["attempts"][0]["run_id"]
+
+    def stored() -> Any:
+        with fleet.db.read() as s:
+            run = s.get(JobRunRow, run_id)
+            return None if run is None else run.last_checkpoint_at
+
+    fleet.wait_for(lambda: stored() is not None, 20, "the checkpoint time on the attempt's row")
+    with fleet.db.read() as s:
+        run = s.get(JobRunRow, run_id)
+        assert run is not None and run.started_at is not None
+        age_s = (run.started_at - run.last_checkpoint_at).total_seconds()
+    assert 20 < age_s < 40  # the file's time (30 s before it was written), not the start
+    with fleet.http() as c:
+        assert c.delete(f"/v1/jobs/{job_id}").status_code == 202
+    assert fleet.wait_status(job_id, TERMINAL)["status"] == "CANCELLED"
+    assert fleet.check() == []

@@ -291,6 +291,52 @@ while True:
 """
 
 
+CHECKPOINTING_JOB = r"""
+import os, pathlib, sys, time
+ckpt = pathlib.Path(os.environ["GPUFLEET_CHECKPOINT_DIR"])
+marker = pathlib.Path(sys.argv[1])
+marker.write_text("started")  # nothing written yet
+while not marker.with_suffix(".go").exists():  # until the test saw a heartbeat without one
+    time.sleep(0.05)
+(ckpt / "step-1").mkdir()
+(ckpt / "step-1" / "model.bin").write_bytes(b"weights")
+os.utime(ckpt / "step-1" / "model.bin", (1_700_000_000.5, 1_700_000_000.5))
+while True:
+    time.sleep(0.05)
+"""
+
+
+class TestCheckpointReports:
+    def test_heartbeats_carry_the_newest_checkpoint_file_time(self, env) -> None:
+        fake, agent, _, tmp = env
+        marker = tmp / "checkpointing.txt"
+        resp = agent.assign(
+            run_id="r-ckpt",
+            job_id="j-ckpt",
+            token=3,
+            gpu_ids=[2],
+            command=[*python_cmd(CHECKPOINTING_JOB), str(marker)],
+        )
+        assert resp.result == A.STARTED
+        wait_until(marker.exists)
+
+        def reported() -> list[float]:
+            return [
+                r.last_checkpoint_unix
+                for h in fake.heartbeats
+                for r in h.running
+                if r.run_id == "r-ckpt" and r.state == "RUNNING"
+            ]
+
+        fake.wait_for(reported)
+        assert reported()[0] == 0.0  # nothing written yet: none
+        marker.with_suffix(".go").touch()
+        fake.wait_for(lambda: 1_700_000_000.5 in reported())
+        stop = agent.stop_run(run_id="r-ckpt", token=3, grace_s=5.0, reason="preempt")
+        assert stop.result == S.STOPPING
+        assert fake.wait_report("r-ckpt").outcome == R.STOPPED
+
+
 class TestStop:
     def test_sigterm_ignored_then_sigkill_and_group_verified_gone_before_report(self, env):
         fake, agent, store, tmp = env

@@ -43,7 +43,7 @@ from gpufleet.agent.runner import Runner
 from gpufleet.agent.runtime import RunHandle
 from gpufleet.agent.runtime.base import NO_CONTAINER_RUNTIME
 from gpufleet.agent.uploader import LogStreamer
-from gpufleet.agent.workdir import StartError
+from gpufleet.agent.workdir import StartError, newest_checkpoint_mtime
 from gpufleet.netports import free_port
 from gpufleet.rpc.protos import fleet_pb2 as pb
 
@@ -439,13 +439,18 @@ class AgentCore:
 
     # ------------------------------------------------------------------ views
 
-    def run_refs(self) -> list[pb.RunRef]:
+    def run_refs(self, *, checkpoints: bool = False) -> list[pb.RunRef]:
         """Attempts not yet acknowledged by the controller.
 
         State ``STARTING`` (an image attempt being pulled/created in the background: the
         controller must not take it for started), ``RUNNING`` (alive, or a process start in
         progress), ``STOPPING`` (a stop is in progress) or ``EXITED`` (ended or failed to
         start; the report is on its way). Reported and tombstoned runs are omitted.
+
+        ``checkpoints`` (heartbeats): a RUNNING or STOPPING attempt carries
+        ``last_checkpoint_unix``, the newest file time in its checkpoint directory
+        (``workdir.newest_checkpoint_mtime``; 0 when it holds none or cannot be read), read
+        after the run table's lock is released.
         """
         with self._lock:
             refs = []
@@ -467,7 +472,12 @@ class AgentCore:
                         pid=rec.pid,
                     )
                 )
-            return refs
+        if checkpoints:
+            for ref in refs:
+                if ref.state in ("RUNNING", "STOPPING"):
+                    newest = newest_checkpoint_mtime(self.runner.paths(ref.run_id).checkpoints)
+                    ref.last_checkpoint_unix = newest or 0.0
+        return refs
 
     def free_gpus(self) -> int:
         """GPUs of this node not held by a live attempt."""

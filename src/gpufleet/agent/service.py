@@ -193,7 +193,7 @@ class ControllerLink:
         """
         images = self.images.images() if self.images is not None else None
         running, free, disk = (
-            self.core.run_refs(),
+            self.core.run_refs(checkpoints=True),
             self.core.free_gpus(),
             self.core.runner.disk_free_mb(),
         )

@@ -20,6 +20,8 @@ Agent-only files, in ``{state_dir}/runs/{run_id}/`` (the state dir is 0700)::
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +144,87 @@ def build_env(
         }
     )
     return env
+
+
+CHECKPOINT_SCAN_MAX_ENTRIES = 10_000
+"""The most directory entries :func:`newest_checkpoint_mtime` looks at per attempt and call."""
+
+CHECKPOINT_SCAN_MAX_DEPTH = 32
+"""The deepest directory level :func:`newest_checkpoint_mtime` enters (one open descriptor per
+level while it walks)."""
+
+
+def newest_checkpoint_mtime(
+    directory: Path,
+    *,
+    max_entries: int = CHECKPOINT_SCAN_MAX_ENTRIES,
+    max_depth: int = CHECKPOINT_SCAN_MAX_DEPTH,
+) -> float | None:
+    """The newest modification time (wall clock, unix seconds) of a regular file anywhere
+    under ``directory`` (an attempt's ``checkpoints/``), or None when it holds none or
+    cannot be read. Heartbeats report it as the attempt's last checkpoint.
+
+    Cheap and safe on a directory the job owns:
+
+    - a walk of ``os.scandir`` over directory descriptors, each opened with ``O_NOFOLLOW``
+      relative to its parent's: a symlink (to a file or a directory, ``directory`` itself
+      included) is never followed, so nothing outside the directory is looked at;
+    - at most ``max_entries`` entries (files, directories, anything else) are looked at, and
+      no directory deeper than ``max_depth`` levels below ``directory``; a larger tree gives
+      the newest time among the files seen (older than the truth at worst: a preemption then
+      looks costlier, as it did before agents reported checkpoints);
+    - an entry that cannot be read (no permission, removed while walking, a directory that
+      cannot be opened) is skipped; an unreadable ``directory`` gives None. Never raises
+      ``OSError``.
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        top = os.open(directory, flags)
+    except OSError:
+        return None
+    newest: float | None = None
+    seen = 0
+    # one frame per open directory: its descriptor and the names of its subdirectories not
+    # walked yet (a directory is listed whole before its subdirectories are entered)
+    stack: list[tuple[int, list[str]]] = []
+    fd: int | None = top
+    try:
+        while fd is not None or stack:
+            if fd is not None:
+                subdirs: list[str] = []
+                try:
+                    with os.scandir(fd) as entries:
+                        for entry in entries:
+                            seen += 1
+                            if seen > max_entries:
+                                os.close(fd)
+                                return newest
+                            try:
+                                st = entry.stat(follow_symlinks=False)
+                            except OSError:
+                                continue  # vanished, or not ours to read: unknown, skipped
+                            if stat.S_ISREG(st.st_mode):
+                                if newest is None or st.st_mtime > newest:
+                                    newest = st.st_mtime
+                            elif stat.S_ISDIR(st.st_mode) and len(stack) < max_depth:
+                                subdirs.append(entry.name)
+                except OSError:
+                    subdirs = []  # cannot be listed: unknown, skipped
+                stack.append((fd, subdirs))
+                fd = None
+            parent, names = stack[-1]
+            if not names:
+                os.close(parent)
+                stack.pop()
+                continue
+            try:
+                fd = os.open(names.pop(), flags, dir_fd=parent)
+            except OSError:
+                fd = None  # replaced by a symlink, removed, or not ours to enter
+        return newest
+    finally:
+        for parent, _ in stack:
+            os.close(parent)
 
 
 def download_prefix(store: ObjectStore, uri_or_key: str, dest: Path) -> int:

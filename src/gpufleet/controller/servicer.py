@@ -132,7 +132,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     ) -> pb.HeartbeatResponse:
         node_id = self._node(context, "Heartbeat", request.node_id)
         running = [
-            nodes.HeartbeatRun(r.run_id, r.job_id, r.token, r.state) for r in request.running
+            nodes.HeartbeatRun(r.run_id, r.job_id, r.token, r.state, r.last_checkpoint_unix)
+            for r in request.running
         ]
         health = nodes.NodeHealth(
             health=request.health or "HEALTHY",

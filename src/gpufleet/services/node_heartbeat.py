@@ -3,16 +3,19 @@ recorded, the agent's running set compared with the database.
 
 The verdict tells the agent which runs to stop (unknown, stale token, ended) and which to
 confirm (a lost confirmation), hands out the node's pending image pre-pulls once, and carries
-the lease's epoch. Fenced runs the agent no longer lists give their GPUs back
-(``node_fence.release_gone_quarantined``); a SUSPECT node heard from is HEALTHY again.
+the lease's epoch. The newest checkpoint time an agent reports for an authoritative attempt
+is recorded as ``job_runs.last_checkpoint_at`` (the work a preemption would lose). Fenced
+runs the agent no longer lists give their GPUs back (``node_fence.release_gone_quarantined``);
+a SUSPECT node heard from is HEALTHY again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.states import RUN_ACTIVE, NodeStatus, RunStatus
@@ -22,6 +25,12 @@ from gpufleet.store import leader
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
 
+CHECKPOINT_CLOCK_SKEW_S = 60.0
+"""How far ahead of the database clock a reported checkpoint time may be, seconds: the
+agent's clock may run ahead of the database's by this much (the time is taken as the database
+clock's now). A time further ahead is ignored: that clock, or a file time the job set, is not
+to be believed."""
+
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatRun:
@@ -29,6 +38,9 @@ class HeartbeatRun:
     job_id: str
     token: int
     state: str
+    last_checkpoint_unix: float = 0.0
+    """The newest file time in the attempt's checkpoint directory, the agent's wall clock,
+    unix seconds; 0 = none or unknown."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,12 +146,43 @@ def heartbeat(
         if run.node_id != node_id or not authoritative or run.status not in RUN_ACTIVE:
             if h.state != "EXITED":
                 stop.append(h)
-        elif run.status == RunStatus.ASSIGNED and h.state == "RUNNING":
-            confirm.append(h)
+        else:
+            _note_checkpoint(session, run, h, now)
+            if run.status == RunStatus.ASSIGNED and h.state == "RUNNING":
+                confirm.append(h)
     return HeartbeatVerdict(
         known=True,
         stop=tuple(stop),
         confirm=tuple(confirm),
         prepull=prepull,
         leader_epoch=lease_epoch,
+    )
+
+
+def _note_checkpoint(session: Session, run: JobRunRow, h: HeartbeatRun, now: datetime) -> None:
+    """Record the checkpoint time the agent reports for ``run``, the authoritative attempt on
+    this node (its token is the job's current one; a stale agent's report never gets here).
+
+    Up to :data:`CHECKPOINT_CLOCK_SKEW_S` ahead of ``now`` (the database clock) is taken as
+    ``now``; further ahead is ignored. The stored time only moves forward: a report older
+    than it (an agent restarted with a slower clock, a file removed) changes nothing."""
+    if h.last_checkpoint_unix <= 0:
+        return
+    try:
+        at = datetime.fromtimestamp(h.last_checkpoint_unix, UTC)
+    except (OverflowError, OSError, ValueError):  # not a time (inf, nan, out of range)
+        return
+    if at > now + timedelta(seconds=CHECKPOINT_CLOCK_SKEW_S):
+        return
+    at = min(at, now)
+    if run.last_checkpoint_at is not None and at <= run.last_checkpoint_at:
+        return
+    session.execute(
+        update(JobRunRow)
+        .where(
+            JobRunRow.id == run.id,
+            JobRunRow.token == h.token,
+            or_(JobRunRow.last_checkpoint_at.is_(None), JobRunRow.last_checkpoint_at < at),
+        )
+        .values(last_checkpoint_at=at)
     )

@@ -157,6 +157,9 @@ def running_job(
         gpu_count=len(run.gpu_ids),
         gpu_type=gpu_type,
         started_at_s=(run.started_at or run.created_at).timestamp(),
+        last_checkpoint_s=(
+            run.last_checkpoint_at.timestamp() if run.last_checkpoint_at is not None else None
+        ),
         cpu=facts.resources.cpu,
         memory_mb=facts.resources.memory_mb,
         expected_duration_s=facts.expected_duration_s,
@@ -219,6 +222,7 @@ RUNNING_COLUMNS = (
     JobRunRow.gpu_ids,
     JobRunRow.started_at,
     JobRunRow.created_at,
+    JobRunRow.last_checkpoint_at,
     JobRunRow.preempted_for_job_id,
     JobRunRow.rank,
     JobRunRow.gang_size,
@@ -391,9 +395,10 @@ def recent_displacements(
 ) -> tuple[Displacement, ...]:
     """Runs told to stop by a preemption in the last ``window_s`` seconds, oldest first, as
     ``Displacement(job_id, at_s, gpu_hours, reason)``: ``at_s`` is ``stop_requested_at``,
-    ``gpu_hours`` the run's GPUs x time since it started (the live store keeps no checkpoint
-    time), ``reason`` the policy's ground (``job_runs.preempt_reason``; ``preempt`` for runs
-    stopped before that column existed). One indexed range query."""
+    ``gpu_hours`` the run's GPUs x time from the later of its start and its last checkpoint
+    (``last_checkpoint_at``, reported by its agent) to ``at_s`` (the work lost), ``reason``
+    the policy's ground (``job_runs.preempt_reason``; ``preempt`` for runs stopped before that
+    column existed). One indexed range query."""
     since = now - timedelta(seconds=window_s)
     rows = session.execute(
         select(
@@ -401,6 +406,7 @@ def recent_displacements(
             JobRunRow.stop_requested_at,
             JobRunRow.started_at,
             JobRunRow.created_at,
+            JobRunRow.last_checkpoint_at,
             JobRunRow.gpu_ids,
             JobRunRow.preempt_reason,
         )
@@ -411,6 +417,8 @@ def recent_displacements(
     for r in rows:
         at = r.stop_requested_at.timestamp()
         began = (r.started_at or r.created_at).timestamp()
+        if r.last_checkpoint_at is not None:
+            began = max(began, r.last_checkpoint_at.timestamp())
         gpu_h = len(r.gpu_ids or ()) * max(0.0, at - began) / 3600.0
         out.append(Displacement(r.job_id, at, gpu_h, r.preempt_reason or "preempt"))
     return tuple(out)

@@ -96,6 +96,7 @@ WATCHED: dict[str, tuple[str, ...]] = {
         "preempted_for_job_id",
         "rank",
         "gang_size",
+        "last_checkpoint_at",
     ),
     "reservations": ("status", "created_at", "run_id"),
     "nodes": (
@@ -110,8 +111,8 @@ WATCHED: dict[str, tuple[str, ...]] = {
     ),
     "node_capacity": ("total_gpus", "available_gpus"),
 }
-"""Per table, the columns whose change bumps ``change_seq`` (the migration's list): every
-column this module reads, except immutable ids."""
+"""Per table, the columns whose change bumps ``change_seq`` (the newest migration's list,
+0008c): every column this module reads, except immutable ids."""
 
 LIVE_RUN = (RunStatus.ASSIGNED, RunStatus.RUNNING, RunStatus.PREEMPTING)
 ACTIVE_RESERVATION = (ReservationStatus.RESERVED, ReservationStatus.CONFIRMED)

@@ -239,6 +239,11 @@ class JobRunRow(Base):
     job status the whole attempt ends in, applied when its last member ends."""
     start_phases: Mapped[dict[str, Any] | None]
     """How the node started it (seconds): runtime, image warm/cold, pull_s, create_s, start_s."""
+    last_checkpoint_at: Mapped[datetime | None]
+    """The newest file time in the attempt's checkpoint directory, as its agent last reported
+    it in a heartbeat (``services.node_heartbeat``; never earlier than a value stored before,
+    never more than the database clock); None: no checkpoint reported. A preemption loses the
+    work since the later of ``started_at`` and this."""
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]

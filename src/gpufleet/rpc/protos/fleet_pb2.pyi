@@ -69,6 +69,7 @@ class RunRef(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    LAST_CHECKPOINT_UNIX_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     job_id: _builtins.str
     token: _builtins.int
@@ -78,6 +79,11 @@ class RunRef(_message.Message):
     being pulled/created (not yet started; the controller must not confirm it from here).
     """
     pid: _builtins.int
+    last_checkpoint_unix: _builtins.float
+    """Heartbeats only: the newest modification time (the agent's wall clock, unix seconds) of a
+    regular file under the attempt's GPUFLEET_CHECKPOINT_DIR; 0 = none or unknown. The
+    controller records it as the attempt's last checkpoint (the work a preemption would lose).
+    """
     def __init__(
         self,
         *,
@@ -86,10 +92,11 @@ class RunRef(_message.Message):
         token: _builtins.int = ...,
         state: _builtins.str = ...,
         pid: _builtins.int = ...,
+        last_checkpoint_unix: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "pid", b"pid", "run_id", b"run_id", "state", b"state", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "last_checkpoint_unix", b"last_checkpoint_unix", "pid", b"pid", "run_id", b"run_id", "state", b"state", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -16,8 +16,9 @@ scheduler's snapshot reads (``store.snapshot_cache``), whoever the writer is:
   tables; writers are serialized, so the order of numbers is the order of commits, and
   unlike a table's largest value it never goes back when a row is deleted).
 
-The columns the triggers watch are listed in ``WATCHED`` (and in
-``store.snapshot_cache.WATCHED``, which a test keeps equal).
+The columns the triggers watch are listed in ``WATCHED`` (as of this revision; a later one
+may watch more, and ``store.snapshot_cache.WATCHED`` equals the newest list, which a test
+checks).
 """
 
 from collections.abc import Sequence
@@ -98,39 +99,50 @@ def _postgresql_triggers() -> None:
         """
     )
     for table, columns in WATCHED.items():
+        op.execute(
+            f"CREATE TRIGGER {table}_change_seq_ins BEFORE INSERT ON {table} "
+            "FOR EACH ROW EXECUTE FUNCTION gpufleet_change_seq()"
+        )
+        op.execute(update_trigger_sql(table, columns, postgresql=True))
+
+
+def _sqlite_bump(table: str) -> str:
+    return (
+        "INSERT INTO change_seq_counter (id, seq) VALUES (1, 1) "
+        "ON CONFLICT (id) DO UPDATE SET seq = seq + 1; "
+        f"UPDATE {table} SET change_seq = "
+        "(SELECT seq FROM change_seq_counter WHERE id = 1) WHERE rowid = NEW.rowid;"
+    )
+
+
+def update_trigger_sql(table: str, columns: tuple[str, ...], *, postgresql: bool) -> str:
+    """The CREATE TRIGGER statement of ``{table}_change_seq_upd``, watching ``columns`` (a
+    later migration that watches another column drops the trigger and creates it again)."""
+    if postgresql:
         changed = " OR ".join(
             f"OLD.{c}::text IS DISTINCT FROM NEW.{c}::text"
             if c in JSON_COLUMNS
             else f"OLD.{c} IS DISTINCT FROM NEW.{c}"
             for c in columns
         )
-        op.execute(
-            f"CREATE TRIGGER {table}_change_seq_ins BEFORE INSERT ON {table} "
-            "FOR EACH ROW EXECUTE FUNCTION gpufleet_change_seq()"
-        )
-        op.execute(
+        return (
             f"CREATE TRIGGER {table}_change_seq_upd BEFORE UPDATE ON {table} "
             f"FOR EACH ROW WHEN ({changed}) EXECUTE FUNCTION gpufleet_change_seq()"
         )
+    changed = " OR ".join(f"OLD.{c} IS NOT NEW.{c}" for c in columns)
+    return (
+        f"CREATE TRIGGER {table}_change_seq_upd AFTER UPDATE ON {table} "
+        f"FOR EACH ROW WHEN {changed} BEGIN {_sqlite_bump(table)} END"
+    )
 
 
 def _sqlite_triggers() -> None:
     for table, columns in WATCHED.items():
-        bump = (
-            "INSERT INTO change_seq_counter (id, seq) VALUES (1, 1) "
-            "ON CONFLICT (id) DO UPDATE SET seq = seq + 1; "
-            f"UPDATE {table} SET change_seq = "
-            "(SELECT seq FROM change_seq_counter WHERE id = 1) WHERE rowid = NEW.rowid;"
-        )
-        changed = " OR ".join(f"OLD.{c} IS NOT NEW.{c}" for c in columns)
         op.execute(
             f"CREATE TRIGGER {table}_change_seq_ins AFTER INSERT ON {table} "
-            f"FOR EACH ROW BEGIN {bump} END"
+            f"FOR EACH ROW BEGIN {_sqlite_bump(table)} END"
         )
-        op.execute(
-            f"CREATE TRIGGER {table}_change_seq_upd AFTER UPDATE ON {table} "
-            f"FOR EACH ROW WHEN {changed} BEGIN {bump} END"
-        )
+        op.execute(update_trigger_sql(table, columns, postgresql=False))
 
 
 def downgrade() -> None:

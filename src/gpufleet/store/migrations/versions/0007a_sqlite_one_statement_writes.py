@@ -132,10 +132,10 @@ def _q(name: str) -> str:
     return f'"{name}"'
 
 
-def upgrade() -> None:
-    if op.get_bind().dialect.name != "sqlite":
-        return
-    view_columns = ["tbl"] + [f"{t}__{c}" for t, cols in INSERT_COLUMNS.items() for c in cols]
+def create_insert_rows(columns: dict[str, tuple[str, ...]]) -> None:
+    """Create the view :data:`INSERT_ROWS` and its trigger for ``columns`` (per table, as
+    :data:`INSERT_COLUMNS`; a later migration adding a column passes its own list)."""
+    view_columns = ["tbl"] + [f"{t}__{c}" for t, cols in columns.items() for c in cols]
     op.execute(
         f"CREATE VIEW {INSERT_ROWS} ({', '.join(_q(c) for c in view_columns)}) AS SELECT "
         + ", ".join("NULL" for _ in view_columns)
@@ -144,14 +144,26 @@ def upgrade() -> None:
     inserts = "".join(
         f"INSERT INTO {t} ({', '.join(_q(c) for c in cols)}) "
         f"SELECT {', '.join('NEW.' + _q(f'{t}__{c}') for c in cols)} WHERE NEW.tbl = '{t}'; "
-        for t, cols in INSERT_COLUMNS.items()
+        for t, cols in columns.items()
     )
-    known = ", ".join(f"'{t}'" for t in INSERT_COLUMNS)
+    known = ", ".join(f"'{t}'" for t in columns)
     op.execute(
         f"CREATE TRIGGER {INSERT_ROWS}_ins INSTEAD OF INSERT ON {INSERT_ROWS} FOR EACH ROW "
         f"BEGIN SELECT RAISE(ABORT, 'gpufleet: insert_rows: no such table') "
         f"WHERE NEW.tbl IS NULL OR NEW.tbl NOT IN ({known}); {inserts}END"
     )
+
+
+def drop_insert_rows() -> None:
+    """Drop the view :data:`INSERT_ROWS` and its trigger."""
+    op.execute(f"DROP TRIGGER IF EXISTS {INSERT_ROWS}_ins")
+    op.execute(f"DROP VIEW IF EXISTS {INSERT_ROWS}")
+
+
+def upgrade() -> None:
+    if op.get_bind().dialect.name != "sqlite":
+        return
+    create_insert_rows(INSERT_COLUMNS)
     op.execute(
         f"""
         CREATE TRIGGER {CAPACITY_TRIGGER} AFTER UPDATE OF holder_run_id ON node_gpus
@@ -172,6 +184,5 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name != "sqlite":
         return
-    op.execute(f"DROP TRIGGER IF EXISTS {INSERT_ROWS}_ins")
-    op.execute(f"DROP VIEW IF EXISTS {INSERT_ROWS}")
+    drop_insert_rows()
     op.execute(f"DROP TRIGGER IF EXISTS {CAPACITY_TRIGGER}")
