@@ -3,7 +3,7 @@ scheduler prices a preemption by the work since the last checkpoint, not since t
 
 Revision ID: 0008c
 Revises: 0007i
-Create Date: 2026-12-02 10:00:00
+Create Date: 2026-12-01 22:00:00
 
 ``job_runs.last_checkpoint_at`` (NULL: none reported; ``services.node_heartbeat``). The
 scheduler's snapshot reads it, so ``job_runs``' change_seq update trigger (0006s) is created
