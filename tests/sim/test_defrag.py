@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 
 from gpufleet.domain.states import RunStatus
 from gpufleet.policy.config import PolicyConfig
-from gpufleet.sim.engine import Engine, EngineOptions
+from gpufleet.sim.engine import REVISIT_S, Engine, EngineOptions
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 from tests.sim.test_engine import workloads
 
@@ -225,3 +225,25 @@ class TestDefragWithoutOtherEvents:
         assert view.last_checkpoint_s == 900.0
         (view,) = eng.fleet.running_states(1_250.0)
         assert view.last_checkpoint_s == 1_200.0
+
+    def test_rechecks_go_on_after_all_running_work_ends_at_a_recheck(self) -> None:
+        """A new user's run: the two 8-GPU jobs filling the fleet ended at an instant when a
+        re-check was due; no live event was queued then (the small jobs start in the pass
+        that follows), so no re-check was scheduled again and the large job waited for the
+        small jobs to end (72,060 s) instead of being defragmented for."""
+        cfg = PolicyConfig(displacement_budget_share=1.0, headroom_wait_s=None)
+        fill = [SimJob(f"A{i}", "a", 0.0, 8, 36_060.0) for i in range(2)]
+        small = [
+            SimJob(f"s{i:02d}", "a", 30.0, 1, 36_060.0, checkpoint_s=300.0) for i in range(16)
+        ]
+        eng = Engine(
+            [NodeGroup("n", 2, 8, "A100")],
+            [TeamSpec("a")],
+            [*fill, *small, SimJob("big", "a", 60.0, 8, 3_600.0)],
+            cfg,
+            EngineOptions(grace_s=GRACE_S, check_invariants="every_event"),
+        )
+        eng.run()
+        assert eng.rec.preemptions_by_reason.get("defragment", 0) == 8
+        start = eng.fleet.jobs["big"].first_start_s
+        assert start is not None and start <= 36_060.0 + REVISIT_S + GRACE_S

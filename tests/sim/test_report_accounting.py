@@ -61,6 +61,19 @@ def test_max_runtime_s_ends_the_attempt_failed_timeout() -> None:
     _adds_up(rep, 3)
 
 
+def test_an_attempt_stopped_early_does_not_stretch_the_run() -> None:
+    """A new user's run: a job of 100,000 s of work stopped at its 100 s bound made the run
+    end at 100,000 s (its end event was still queued), and overall allocation read 8e-05.
+    An ended attempt's queued events are dropped without moving the clock."""
+    eng, rep = _run(
+        ONE_NODE, [TeamSpec("a")], [SimJob("a", "a", 0, 1, 100_000, max_runtime_s=100)]
+    )
+    assert eng.now == 100 + eng.opt.grace_s
+    assert eng.events == 3  # arrival, timeout, stop confirmed
+    assert rep["allocation"]["overall"] == 1 / 8
+    _adds_up(rep, 1)
+
+
 def test_a_job_within_its_bound_is_not_timed_out() -> None:
     jobs = [SimJob("A", "a", 0, 4, 100, max_runtime_s=100)]
     eng, rep = _run(ONE_NODE, [TeamSpec("a", guaranteed_gpus={"A100": 8})], jobs)

@@ -5,6 +5,7 @@ it may crash the heartbeat or lead the agent outside it."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -129,3 +130,19 @@ def test_no_descriptor_is_left_open(tmp_path: Path) -> None:
     for cap in (1, 5, 30, 10_000):
         newest_checkpoint_mtime(ckpt, max_entries=cap)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_file_dated_in_the_future_does_not_hide_the_real_checkpoints(tmp_path: Path) -> None:
+    """A new user's run: a restored file dated a day ahead made the agent report that time,
+    which the controller ignores, so every real checkpoint after it went unreported."""
+    ckpt = tmp_path / "checkpoints"
+    now = time.time()
+    touch(ckpt / "restored", now + 86_400.0)
+    touch(ckpt / "step-1", now - 10.0)
+    assert newest_checkpoint_mtime(ckpt) == pytest.approx(now - 10.0)
+    # within the allowed clock skew it still counts
+    touch(ckpt / "step-2", now + workdir.CHECKPOINT_FUTURE_SKEW_S / 2)
+    assert newest_checkpoint_mtime(ckpt) == pytest.approx(
+        now + workdir.CHECKPOINT_FUTURE_SKEW_S / 2
+    )
+    assert newest_checkpoint_mtime(ckpt, not_after=now) == pytest.approx(now - 10.0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,12 +154,17 @@ CHECKPOINT_SCAN_MAX_DEPTH = 32
 """The deepest directory level :func:`newest_checkpoint_mtime` enters (one open descriptor per
 level while it walks)."""
 
+CHECKPOINT_FUTURE_SKEW_S = 60.0
+"""Seconds past the agent's clock a checkpoint file's time may be and still count (the same
+allowance the controller gives a reported time, ``services.node_heartbeat``)."""
+
 
 def newest_checkpoint_mtime(
     directory: Path,
     *,
     max_entries: int = CHECKPOINT_SCAN_MAX_ENTRIES,
     max_depth: int = CHECKPOINT_SCAN_MAX_DEPTH,
+    not_after: float | None = None,
 ) -> float | None:
     """The newest modification time (wall clock, unix seconds) of a regular file anywhere
     under ``directory`` (an attempt's ``checkpoints/``), or None when it holds none or
@@ -175,8 +181,14 @@ def newest_checkpoint_mtime(
       looks costlier, as it did before agents reported checkpoints);
     - an entry that cannot be read (no permission, removed while walking, a directory that
       cannot be opened) is skipped; an unreadable ``directory`` gives None. Never raises
-      ``OSError``.
+      ``OSError``;
+    - a file dated after ``not_after`` (unix seconds; default now +
+      ``CHECKPOINT_FUTURE_SKEW_S``) is skipped: a restored or extracted file with a bad date
+      would otherwise hide every real checkpoint written after it (the controller ignores a
+      time far in the future).
     """
+    if not_after is None:
+        not_after = time.time() + CHECKPOINT_FUTURE_SKEW_S
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         top = os.open(directory, flags)
@@ -204,6 +216,8 @@ def newest_checkpoint_mtime(
                             except OSError:
                                 continue  # vanished, or not ours to read: unknown, skipped
                             if stat.S_ISREG(st.st_mode):
+                                if st.st_mtime > not_after:
+                                    continue  # dated in the future: not a real checkpoint
                                 if newest is None or st.st_mtime > newest:
                                     newest = st.st_mtime
                             elif stat.S_ISDIR(st.st_mode) and len(stack) < max_depth:

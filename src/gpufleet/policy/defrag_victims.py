@@ -9,15 +9,13 @@ from __future__ import annotations
 from gpufleet.domain.types import Resources
 from gpufleet.policy.decisions import Preempt
 from gpufleet.policy.headroom import PassView, is_large
-from gpufleet.policy.preemption import fewest_victims
+from gpufleet.policy.preemption import SetCost, fewest_victims, set_cost
 from gpufleet.policy.snapshot import PendingJob, RunningJob
 
 __all__ = ["DEFRAGMENT"]
 
 DEFRAGMENT = "defragment"
 """The ``Preempt.reason`` (and ``Displacement.reason``) of a defragmentation."""
-
-DefragCost = tuple[int, int, float, int, str]
 
 
 def _spare_gpus(p: PassView, gpu_type: str) -> int:
@@ -66,10 +64,10 @@ def _victim_cost(p: PassView, r: RunningJob) -> tuple[int, int, float, str]:
 
 def _cheapest(
     p: PassView, job: PendingJob, node_ids: list[str], need: int, recently: set[str]
-) -> tuple[DefragCost, str, list[RunningJob]] | None:
+) -> tuple[SetCost, str, list[RunningJob]] | None:
     """The cheapest eligible victim set over ``node_ids`` that frees ``need`` GPUs on one
     node: per node, greedy by victim cost then pruned of victims the set does not need."""
-    best: tuple[DefragCost, str, list[RunningJob]] | None = None
+    best: tuple[SetCost, str, list[RunningJob]] | None = None
     gpu_type = p.index.nodes[node_ids[0]].gpu_type if node_ids else ""
 
     def cost_of(r: RunningJob) -> tuple[int, int, float, str]:
@@ -91,14 +89,7 @@ def _cheapest(
         moved = sum(r.gpu_count for r in chosen if not _loanable(p, job, r, gpu_type))
         if moved > elsewhere:
             continue  # the displaced jobs of teams within their share could not restart now
-        costs = [cost_of(r) for r in chosen]
-        cost: DefragCost = (
-            sum(c[0] for c in costs),
-            max(c[1] for c in costs),
-            sum(c[2] for c in costs),
-            len(chosen),
-            nid,
-        )
+        cost = set_cost([cost_of(r) for r in chosen], nid)
         if best is None or cost < best[0]:
             best = (cost, nid, chosen)
     return best

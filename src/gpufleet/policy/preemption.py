@@ -58,6 +58,18 @@ VictimKey = tuple[int, int, float, str]
 SetCost = tuple[int, int, float, int, str]
 
 
+def set_cost(keys: Sequence[VictimKey], node_id: str) -> SetCost:
+    """A victim set's cost from its victims' keys, smallest first: victims not borrowed,
+    highest priority hit, GPU-seconds of work lost, number of victims, node id."""
+    return (
+        sum(k[0] for k in keys),
+        max(k[1] for k in keys),
+        sum(k[2] for k in keys),
+        len(keys),
+        node_id,
+    )
+
+
 def fewest_victims(
     cands: Sequence[RunningJob],
     free: int,
@@ -284,15 +296,7 @@ class VictimSearch:
         chosen = fewest_victims(cands, free, need, self._cost)
         if not chosen:
             return None
-        costs = [self._cost(r) for r in chosen]
-        cost: SetCost = (
-            sum(c[0] for c in costs),
-            max(c[1] for c in costs),
-            sum(c[2] for c in costs),
-            len(chosen),
-            node_id,
-        )
-        return cost, chosen
+        return set_cost([self._cost(r) for r in chosen], node_id), chosen
 
     def find(
         self, job: PendingJob, index: FreeIndex, gpu_type: str, reason: str

@@ -133,6 +133,10 @@ class Engine:
         self._events: list[tuple[float, int, int, str]] = []
         self._seq = 0
         self._live_events = 0
+        self._queued: dict[tuple[int, str], int] = {}
+        """Live end/stop/timeout events in the queue, by (kind, run id)."""
+        self._dead: dict[tuple[int, str], int] = {}
+        """Queued events of attempts that ended (``_bury``), by (kind, run id)."""
         """Events in the queue other than wake-ups: with none left, nothing runs and nothing
         arrives, so a wake-up could change nothing and none is scheduled again (the run
         ends, as it did before wake-ups existed)."""
@@ -217,6 +221,40 @@ class Engine:
         heapq.heappush(self._events, (t, kind, self._seq, key))
         if kind < _WAKE:
             self._live_events += 1
+            if kind != _ARRIVAL:
+                ev = (kind, key)
+                self._queued[ev] = self._queued.get(ev, 0) + 1
+
+    def _bury(self, run_id: str) -> None:
+        """The attempt ``run_id`` ended: its end, stop and timeout events still queued would
+        change nothing, so they no longer count as live (``_live_events``), and the run
+        loop drops them without moving the clock (a job stopped at its ``max_runtime_s``
+        of 100 s with 100,000 s of work made the run end at 100,000 s)."""
+        for kind in (_END, _STOPPED, _TIMEOUT):
+            n = self._queued.pop((kind, run_id), 0)
+            if n:
+                self._dead[(kind, run_id)] = n
+                self._live_events -= n
+
+    def _pop(self) -> tuple[float, int, str] | None:
+        """The next event, or None for a dead one (``_bury``), which is dropped."""
+        t, kind, _, key = heapq.heappop(self._events)
+        if kind >= _WAKE or kind == _ARRIVAL:
+            return t, kind, key
+        ev = (kind, key)
+        dead = self._dead.get(ev)
+        if dead:
+            if dead == 1:
+                del self._dead[ev]
+            else:
+                self._dead[ev] = dead - 1
+            return None
+        n = self._queued[ev] - 1
+        if n:
+            self._queued[ev] = n
+        else:
+            del self._queued[ev]
+        return t, kind, key
 
     def _team(self, team_id: str) -> _TeamAcc:
         acc = self.teams.get(team_id)
@@ -288,8 +326,10 @@ class Engine:
         return True
 
     def _arm_revisit(self, at_s: float) -> None:
-        if not self._live_events or self._revisit_at <= at_s:
-            return  # nothing left to happen, or one due no later
+        # armed even when no live event is queued at this instant: the pass that follows may
+        # start attempts (the run loop ends when only wake-ups are left)
+        if self._revisit_at <= at_s:
+            return  # one due no later
         self._revisit_at = at_s
         self._push(at_s, _REVISIT, "")
 
@@ -453,6 +493,7 @@ class Engine:
 
     def _release(self, run: SimRun, outcome: RunStatus, timeout: bool = False) -> None:
         self._alloc(run, -1)
+        self._bury(run.run_id)
         if self.predictor is not None and outcome is RunStatus.SUCCEEDED:
             spec = self.fleet.jobs[run.job_id].spec
             self.predictor.observe(JobKey(spec.team_id, spec.gpus), self.now - run.reserved_s)
@@ -602,7 +643,11 @@ class Engine:
         every_pass = every_event or self.opt.check_invariants == "every_pass"
         horizon = self.opt.horizon_s
         while self._live_events:  # only wake-ups left: nothing could change any more
-            t = self._events[0][0]
+            head = self._events[0]
+            if head[1] < _WAKE and (head[1], head[3]) in self._dead:
+                self._pop()  # dead: dropped before the clock moves to it
+                continue
+            t = head[0]
             if horizon is not None and t > horizon:
                 # the clock runs to the horizon: jobs still waiting wait until then
                 self._sample_until(horizon)
@@ -614,7 +659,10 @@ class Engine:
             self.now = t
             due = False  # a pass follows any event but a wake-up that finds nothing to do
             while self._events and self._events[0][0] == t:
-                _, kind, _, key = heapq.heappop(self._events)
+                ev = self._pop()
+                if ev is None:
+                    continue
+                _, kind, key = ev
                 if kind == _WAKE:  # wake-ups are not counted in ``events``
                     due = self._wake(key) or due
                     continue
