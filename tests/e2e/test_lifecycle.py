@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -284,6 +285,14 @@ def test_the_controller_learns_the_newest_checkpoint_file_time(fleet: Fleet) -> 
         assert run is not None and run.started_at is not None
         age_s = (run.started_at - run.last_checkpoint_at).total_seconds()
     assert 20 < age_s < 40  # the file's time (30 s before it was written), not the start
+    # and the user sees it on the attempt (GET /v1/jobs/{id}, `gpufleet status --wide`)
+    shown = fleet.job(job_id)["attempts"][0]["last_checkpoint_at"]
+    kept = stored()
+    kept = kept if kept.tzinfo is not None else kept.replace(tzinfo=UTC)
+    assert shown is not None
+    seen = datetime.fromisoformat(shown)
+    seen = seen if seen.tzinfo is not None else seen.replace(tzinfo=UTC)
+    assert abs(seen.timestamp() - kept.timestamp()) < 1.0
     with fleet.http() as c:
         assert c.delete(f"/v1/jobs/{job_id}").status_code == 202
     assert fleet.wait_status(job_id, TERMINAL)["status"] == "CANCELLED"

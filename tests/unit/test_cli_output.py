@@ -212,3 +212,20 @@ def test_artifacts_table_keeps_sizes_and_cuts_sha256_when_narrow() -> None:
     assert "123456789012" in text and sha[:12] in text and sha not in text
     wide = _render(artifacts_table(items, wide=True), output.WIDE_WIDTH)
     assert sha in wide and str(items[0].path) in wide
+
+
+def test_wide_attempts_show_the_last_checkpoint() -> None:
+    attempt = {
+        "run_id": "r-1",
+        "attempt": 1,
+        "status": "RUNNING",
+        "node_id": "n1",
+        "gpu_ids": [0],
+        "token": 3,
+        "started_at": "2026-12-01T10:00:00Z",
+        "last_checkpoint_at": "2026-12-01T10:42:07Z",
+    }
+    buf = io.StringIO()
+    Console(file=buf, width=240).print(output.attempts_table([attempt], wide=True))
+    text = buf.getvalue()
+    assert "CHECKPOINT" in text and "10:42:07" in text

@@ -277,6 +277,7 @@ def job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
                 rank=r.rank,
                 gang_size=r.gang_size,
                 start_phases=r.start_phases,
+                last_checkpoint_at=jobs.iso(r.last_checkpoint_at),
             )
             for r in runs
         ],

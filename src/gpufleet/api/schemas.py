@@ -333,6 +333,9 @@ class AttemptOut(BaseModel):
     """Members of the attempt; a gang attempt lists one entry per member (same attempt)."""
     start_phases: dict[str, Any] | None = None
     """How the node started it: runtime, image (warm/cold), pull_s, create_s, start_s."""
+    last_checkpoint_at: str | None = None
+    """The newest file time in the attempt's ``$GPUFLEET_CHECKPOINT_DIR`` its agent reported
+    (ISO 8601, UTC; None: none reported). A preemption costs the work done since then."""
 
 
 class PendingReasonOut(BaseModel):

@@ -461,6 +461,7 @@ def attempts_table(attempts: list[dict[str, Any]], wide: bool = False) -> Table:
         "EXIT",
         "STARTED",
         "FINISHED",
+        "CHECKPOINT",
         "START PHASES",
         "MESSAGE",
         title="Attempts",
@@ -481,6 +482,7 @@ def attempts_table(attempts: list[dict[str, Any]], wide: bool = False) -> Table:
             cell(run.get("exit_code")),
             cell_time(run.get("started_at")),
             cell_time(run.get("finished_at")),
+            cell_time(run.get("last_checkpoint_at")),
             Text(clean(phases_text(run.get("start_phases")))),
             cell(run.get("message")),
         )
