@@ -136,7 +136,7 @@ def test_kueue_names_and_the_old_lending_limit_meaning(admin: Admin) -> None:
     assert over.returncode == 0
     assert "add up to 10, more than the fleet's 8 H100 GPUs" in over.stderr
     table = admin.cli("team", "list")
-    assert table.stdout.splitlines()[0].split()[-3:] == ["alloc", "pending", "GPU-h"]
+    assert table.stdout.splitlines()[0].split()[-4:] == ["alloc", "pending", "GPU-h", "runtime"]
     wide = admin.cli("team", "list", "--wide")
     assert "fair-share GPU-h (decayed)" in wide.stdout and "lending limit" in wide.stdout
 

@@ -57,9 +57,14 @@ from gpufleet.sim.metrics import Recorder
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 
 _END, _STOPPED, _TIMEOUT, _ARRIVAL, _WAKE, _REVISIT = 0, 1, 2, 3, 4, 5
-REVISIT_S = 600.0
+REVISIT_S = 3600.0
 """While a large job past its headroom and defragmentation waits, a pass runs at least this
-often (seconds), as the live controller's periodic pass would look at it again."""
+often (seconds), as the live controller's periodic pass would look at it again: the window
+of the displacement budget, so a defragmentation the budget refused is tried again when the
+budget has freed. (600 s and 1,800 s made a HIGH gang of ``tests/sim/data/priority_gangs.
+yaml``, seed 7, preempt the same LOW gang 22-25 times, once per hold timeout: a latent loop
+of gang preemption that the live controller's frequent passes would show too; see
+docs/design/simulator.md, "Wake-ups".)"""
 PROGRESS_EVERY_EVENTS = 2000  # how often Engine.run reports progress to its caller
 
 
@@ -323,6 +328,37 @@ class Engine:
             return False
         pj = self.fleet.pending_view(js)
         self._wake_after(pj, queued_at(pj))
+        return True
+
+    def _drop_moot(self) -> bool:
+        """Drop the next event if it could change nothing (a dead end/stop/timeout event, a
+        wake-up for a job that no longer waits or was superseded, a re-check with no
+        overdue job or a pass in the last ``REVISIT_S``, which is armed again for later);
+        True when one was dropped. Dropped before the clock moves to it, so a moot event
+        neither splits a stretch of samples nor stretches the run."""
+        t, kind, _, key = self._events[0]
+        if kind < _WAKE:
+            if kind == _ARRIVAL or (kind, key) not in self._dead:
+                return False
+            self._pop()
+            return True
+        if kind == _WAKE:
+            if self._wake_at.get(key) == t and self.fleet.jobs[key].status is JobStatus.PENDING:
+                return False
+            heapq.heappop(self._events)
+            if self._wake_at.get(key) == t:
+                del self._wake_at[key]
+            return True
+        if self._revisit_at == t:
+            jobs = self.fleet.jobs
+            self._overdue = {j for j in self._overdue if jobs[j].status is JobStatus.PENDING}
+            if self._overdue and self._last_pass_s + REVISIT_S <= t:
+                return False
+        heapq.heappop(self._events)
+        if self._revisit_at == t:
+            self._revisit_at = math.inf
+            if self._overdue:
+                self._arm_revisit(self._last_pass_s + REVISIT_S)
         return True
 
     def _arm_revisit(self, at_s: float) -> None:
@@ -643,11 +679,9 @@ class Engine:
         every_pass = every_event or self.opt.check_invariants == "every_pass"
         horizon = self.opt.horizon_s
         while self._live_events:  # only wake-ups left: nothing could change any more
-            head = self._events[0]
-            if head[1] < _WAKE and (head[1], head[3]) in self._dead:
-                self._pop()  # dead: dropped before the clock moves to it
-                continue
-            t = head[0]
+            if self._drop_moot():
+                continue  # dropped before the clock moves to it
+            t = self._events[0][0]
             if horizon is not None and t > horizon:
                 # the clock runs to the horizon: jobs still waiting wait until then
                 self._sample_until(horizon)
