@@ -244,7 +244,7 @@ class _Pass(PassState):
             )
             if use_memo and memo_key in self.gang_fail_memo:
                 continue  # (as for single-node jobs: the memo answers before quota)
-            code = self.book.admit(job.team_id, t, res.gpu_count, index.free_by_type.get(t, 0))
+            code = self.admit(job, t, res.gpu_count, index.free_by_type.get(t, 0))
             if code is not None:
                 refusal = refusal or (code, t)
                 continue
@@ -290,6 +290,7 @@ class _Pass(PassState):
                 if found is None and cfg.ordering is Ordering.SRTF:
                     found = self.victims.find_gang(job, index, t, "srtf", members, free)
                 if found:
+                    self.preempting(job, t)
                     for pre in found:
                         self.decisions.append(pre)
                         index.hold(pre.node_id, job.job_id, pre.gpu_count)
@@ -346,9 +347,7 @@ class _Pass(PassState):
         refusal: Cause | None = None
         best: tuple[int, str, str] | None = None
         for t in types:
-            code = self.book.admit(
-                job.team_id, t, res.gpu_count, self.index.free_by_type.get(t, 0)
-            )
+            code = self.admit(job, t, res.gpu_count, self.index.free_by_type.get(t, 0))
             if code is not None:
                 refusal = refusal or (code, t)
                 continue
@@ -408,6 +407,7 @@ class _Pass(PassState):
                     break
             if found is not None:
                 pre, _ = found
+                self.preempting(job, self.index.nodes[pre.node_id].gpu_type)
                 self.decisions.append(pre)
                 self.index.hold(pre.node_id, job.job_id, res.gpu_count)
                 self.n_preempts += 1

@@ -21,8 +21,8 @@ from gpufleet.policy.gang import Members, explicit_gang, gang_members, member_re
 from gpufleet.policy.headroom import Shielded
 from gpufleet.policy.placement import FreeIndex, Shadow
 from gpufleet.policy.preemption import VictimSearch
-from gpufleet.policy.priority import sorted_queues
-from gpufleet.policy.quota import TeamBook
+from gpufleet.policy.priority import queue_key, sorted_queues
+from gpufleet.policy.quota import OVER_BORROW_LIMIT, TEAM_AT_GUARANTEE, TeamBook
 from gpufleet.policy.runtime import RunningIndex
 from gpufleet.policy.snapshot import (
     BackfillReservation,
@@ -117,8 +117,15 @@ class PassState:
             cfg,
         )
         self.hold_nodes: dict[str, list[str]] = {}
-        for h, _ in self.holds:
+        self.preemptors: dict[str, dict[str, tuple[PendingJob, str]]] = {}
+        """Per team, the jobs waiting for their victims to stop (live holds, or a
+        ``Preempt`` of this pass), with their GPU type, by job id: see ``quota_kept_for``."""
+        for h, job in self.holds:
             self.hold_nodes.setdefault(h.job_id, []).append(h.node_id)
+            node = self.index.nodes.get(h.node_id)
+            if node is not None:
+                self.preemptors.setdefault(job.team_id, {})[job.job_id] = (job, node.gpu_type)
+        self._queue_key = queue_key(cfg)
         self._gang_kind: dict[tuple[int, tuple[str, ...]], bool] = {}
         self.gang_fail_memo: set[tuple[object, ...]] = set()
         self.decisions: list[Decision] = []
@@ -157,6 +164,45 @@ class PassState:
             aged = self.cfg.head_start_s if self.cfg.ordering is Ordering.FAIR_SHARE else None
             self._victims = VictimSearch(self.running, self.book, self.now, aged)
         return self._victims
+
+    def quota_kept_for(self, job: PendingJob, gpu_type: str) -> int:
+        """GPUs of ``gpu_type`` that ``job``'s team keeps in its quota for its preemptors
+        that the queue serves before ``job`` and that are not placed yet (0: none). A job
+        may start only where the quota would still admit them as well: otherwise a job of
+        the same team served after the preemptor took the quota its victims' stop freed,
+        the preemptor preempted that job in turn once its hold timed out, and so on (a
+        HIGH 24-GPU gang of ``tests/sim/data/priority_gangs.yaml`` displaced the same LOW
+        gang 25 times). Kueue likewise keeps an admitted workload's quota while it waits
+        for its pods."""
+        mine = self.preemptors.get(job.team_id)
+        if not mine:
+            return 0
+        key = self._queue_key(job)
+        return sum(
+            other.resources.gpu_count
+            for jid, (other, t) in mine.items()
+            if t == gpu_type
+            and jid != job.job_id
+            and jid not in self.placed
+            and self._queue_key(other) < key
+        )
+
+    def admit(self, job: PendingJob, gpu_type: str, gpus: int, free_of_type: int) -> str | None:
+        """``TeamBook.admit`` for ``job``, which must also leave its team's quota to the
+        preemptors the queue serves before it (``quota_kept_for``); None or the refusal."""
+        code = self.book.admit(job.team_id, gpu_type, gpus, free_of_type)
+        if code is not None:
+            return code
+        kept = self.quota_kept_for(job, gpu_type)
+        if not kept:
+            return None
+        # (their GPUs are being freed by their victims: not a claim on the free ones)
+        code = self.book.admit(job.team_id, gpu_type, gpus + kept, free_of_type + kept)
+        return code if code in (TEAM_AT_GUARANTEE, OVER_BORROW_LIMIT) else None
+
+    def preempting(self, job: PendingJob, gpu_type: str) -> None:
+        """``job`` issued a ``Preempt`` this pass: its quota is kept (``quota_kept_for``)."""
+        self.preemptors.setdefault(job.team_id, {})[job.job_id] = (job, gpu_type)
 
     def is_gang(self, res: Resources) -> bool:
         """A multi-node request: explicit, or no acceptable type has a node big enough."""

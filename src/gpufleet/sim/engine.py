@@ -37,7 +37,7 @@ from gpufleet.domain.states import JobStatus, RunStatus
 from gpufleet.policy.config import Backfill, Ordering, PolicyConfig
 from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import HoldForBackfill, Place, PlaceGang, Preempt
-from gpufleet.policy.gang import could_ever_fit
+from gpufleet.policy.gang import could_ever_fit, explicit_gang
 from gpufleet.policy.headroom import is_large
 from gpufleet.policy.predictor import DurationPredictor, JobKey
 from gpufleet.policy.priority import queue_key, queued_at
@@ -57,14 +57,11 @@ from gpufleet.sim.metrics import Recorder
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 
 _END, _STOPPED, _TIMEOUT, _ARRIVAL, _WAKE, _REVISIT = 0, 1, 2, 3, 4, 5
-REVISIT_S = 3600.0
-"""While a large job past its headroom and defragmentation waits, a pass runs at least this
-often (seconds), as the live controller's periodic pass would look at it again: the window
-of the displacement budget, so a defragmentation the budget refused is tried again when the
-budget has freed. (600 s and 1,800 s made a HIGH gang of ``tests/sim/data/priority_gangs.
-yaml``, seed 7, preempt the same LOW gang 22-25 times, once per hold timeout: a latent loop
-of gang preemption that the live controller's frequent passes would show too; see
-docs/design/simulator.md, "Wake-ups".)"""
+REVISIT_S = 600.0
+"""While a large single-node job past its defragmentation threshold waits, a pass runs at
+least this often (seconds), as the live controller's periodic pass would look at it again
+(its drain horizon, the displacement budget's hour and the anti-thrash window move with
+time). Gangs are not revisited: defragmentation does not act for them."""
 PROGRESS_EVERY_EVENTS = 2000  # how often Engine.run reports progress to its caller
 
 
@@ -310,13 +307,26 @@ class Engine:
         # queued_s + threshold (the time of this wake-up) has reached
         due = next((queued_s + w for w in self._waits if queued_s + w > self.now), None)
         if due is None:
-            self._overdue.add(pj.job_id)
-            self._arm_revisit(self.now + REVISIT_S)
+            if self._defrag_applies(pj):
+                self._overdue.add(pj.job_id)
+                self._arm_revisit(self.now + REVISIT_S)
             return
         if self._wake_at.get(pj.job_id, math.inf) <= due:
             return  # one already due no later
         self._wake_at[pj.job_id] = due
         self._push(due, _WAKE, pj.job_id)
+
+    def _defrag_applies(self, pj: PendingJob) -> bool:
+        """Whether defragmentation may act for ``pj`` (a single-node job, defragmentation
+        on): the time-based rules past the thresholds are defragmentation's (drain horizon,
+        displacement budget, anti-thrash window); a shield only needs the crossing."""
+        if self.cfg.defrag_wait_s is None or not self.cfg.preemption:
+            return False
+        res = pj.resources
+        if res.nodes is not None or res.gpus_per_node is not None:
+            return not explicit_gang(res)
+        types = res.gpu_types or tuple(self._node_gpus)
+        return res.gpu_count <= max((self._node_gpus.get(t, 0) for t in types), default=0)
 
     def _wake(self, job_id: str) -> bool:
         """A large job's wait crossed a threshold: True when a pass is due (it still waits)."""

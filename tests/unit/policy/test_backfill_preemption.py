@@ -133,6 +133,31 @@ class TestReclaim:
         assert kinds(result)[0] == ("Place", "b1", "n2")
         assert "a2" in result.waiting
 
+    def test_a_waiting_preemptors_quota_is_kept_from_jobs_it_precedes(self) -> None:
+        """Team a (guarantee 24, may borrow 8) runs "mid" (8 GPUs). Its HIGH 24-GPU gang
+        holds n1, freed by a stopped victim, and waits for a third node. A LOW 8-GPU job of
+        the team fits the quota now (16 <= 32) but would leave the gang over it (40 > 32):
+        it waits. Before, it started on n2, the gang preempted it once its hold timed out,
+        and the two took each other's quota for ever (25 displacements of one job in
+        tests/sim/data/priority_gangs.yaml)."""
+        s = snap(
+            nodes=[node("n1", 8), node("n2", 8), node("n3", 0), node("n4", 0)],
+            running=[
+                run("mid", "n3", team="a", gpus=8, priority=P.LOW),
+                run("y1", "n4", team="b", gpus=8, preemptible=False),
+            ],
+            pending=[
+                job("lo2", team="a", gpus=8, priority=P.LOW, at=0),
+                job("hi", team="a", gpus=24, priority=P.HIGH, at=50),
+            ],
+            teams=[team("a", guarantee=24, borrow_limit=8), team("b", guarantee=8)],
+            holds=[GpuHold("hi", "n1", 8, since_s=100, reason="priority")],
+            now=130,
+        )
+        result = schedule(s)
+        assert not any(k[0] == "Place" and k[1] == "lo2" for k in kinds(result))
+        assert result.waiting["lo2"].code == "over_borrow_limit"
+
     def test_dead_hold_is_released(self) -> None:
         s = snap(
             nodes=[node("n2", free=8)],
