@@ -229,8 +229,8 @@ class Engine:
 
     def _bury(self, run_id: str) -> None:
         """The attempt ``run_id`` ended: its end, stop and timeout events still queued would
-        change nothing, so they no longer count as live (``_live_events``), and the run
-        loop drops them without moving the clock (a job stopped at its ``max_runtime_s``
+        change nothing, so they no longer count as live (``_live_events``): once only such
+        events (and wake-ups) are left, the run ends (a job stopped at its ``max_runtime_s``
         of 100 s with 100,000 s of work made the run end at 100,000 s)."""
         for kind in (_END, _STOPPED, _TIMEOUT):
             n = self._queued.pop((kind, run_id), 0)
@@ -238,11 +238,13 @@ class Engine:
                 self._dead[(kind, run_id)] = n
                 self._live_events -= n
 
-    def _pop(self) -> tuple[float, int, str] | None:
-        """The next event, or None for a dead one (``_bury``), which is dropped."""
+    def _pop(self) -> tuple[float, int, str, bool]:
+        """The next event and whether it is live (a dead one, ``_bury``, was already
+        taken off ``_live_events``; its handler finds nothing to do, and a pass follows it
+        as it did before, when it is not the last thing left)."""
         t, kind, _, key = heapq.heappop(self._events)
         if kind >= _WAKE or kind == _ARRIVAL:
-            return t, kind, key
+            return t, kind, key, kind == _ARRIVAL
         ev = (kind, key)
         dead = self._dead.get(ev)
         if dead:
@@ -250,13 +252,13 @@ class Engine:
                 del self._dead[ev]
             else:
                 self._dead[ev] = dead - 1
-            return None
+            return t, kind, key, False
         n = self._queued[ev] - 1
         if n:
             self._queued[ev] = n
         else:
             del self._queued[ev]
-        return t, kind, key
+        return t, kind, key, True
 
     def _team(self, team_id: str) -> _TeamAcc:
         acc = self.teams.get(team_id)
@@ -341,17 +343,14 @@ class Engine:
         return True
 
     def _drop_moot(self) -> bool:
-        """Drop the next event if it could change nothing (a dead end/stop/timeout event, a
-        wake-up for a job that no longer waits or was superseded, a re-check with no
-        overdue job or a pass in the last ``REVISIT_S``, which is armed again for later);
-        True when one was dropped. Dropped before the clock moves to it, so a moot event
-        neither splits a stretch of samples nor stretches the run."""
+        """Drop the next event if it is a wake-up that could change nothing (for a job that
+        no longer waits or was superseded, a re-check with no overdue job or a pass in the
+        last ``REVISIT_S``, which is armed again for later); True when one was dropped.
+        Dropped before the clock moves to it, so it neither splits a stretch of samples
+        nor stretches the run."""
         t, kind, _, key = self._events[0]
         if kind < _WAKE:
-            if kind == _ARRIVAL or (kind, key) not in self._dead:
-                return False
-            self._pop()
-            return True
+            return False
         if kind == _WAKE:
             if self._wake_at.get(key) == t and self.fleet.jobs[key].status is JobStatus.PENDING:
                 return False
@@ -703,10 +702,7 @@ class Engine:
             self.now = t
             due = False  # a pass follows any event but a wake-up that finds nothing to do
             while self._events and self._events[0][0] == t:
-                ev = self._pop()
-                if ev is None:
-                    continue
-                _, kind, key = ev
+                _, kind, key, live = self._pop()
                 if kind == _WAKE:  # wake-ups are not counted in ``events``
                     due = self._wake(key) or due
                     continue
@@ -714,7 +710,8 @@ class Engine:
                     due = self._revisit() or due
                     continue
                 self.events += 1
-                self._live_events -= 1
+                if live:
+                    self._live_events -= 1
                 due = True
                 if kind == _END:
                     self._run_end(key)
