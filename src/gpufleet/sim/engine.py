@@ -135,13 +135,13 @@ class Engine:
         self._events: list[tuple[float, int, int, str]] = []
         self._seq = 0
         self._live_events = 0
+        """Queued events that may still change something (not wake-ups, not events of
+        ended attempts): with none left, nothing runs and nothing is to arrive, so the run
+        ends (as it did before wake-ups existed)."""
         self._queued: dict[tuple[int, str], int] = {}
         """Live end/stop/timeout events in the queue, by (kind, run id)."""
         self._dead: dict[tuple[int, str], int] = {}
         """Queued events of attempts that ended (``_bury``), by (kind, run id)."""
-        """Events in the queue other than wake-ups: with none left, nothing runs and nothing
-        arrives, so a wake-up could change nothing and none is scheduled again (the run
-        ends, as it did before wake-ups existed)."""
         shapes: dict[tuple[object, ...], tuple[NodeState, int]] = {}
         for n in self.fleet.nodes.values():
             key = (
@@ -372,15 +372,15 @@ class Engine:
 
     def _arm_revisit(self, at_s: float) -> None:
         # armed even when no live event is queued at this instant: the pass that follows may
-        # start attempts (the run loop ends when only wake-ups are left)
+        # start attempts (the run loop ends when nothing live is left)
         if self._revisit_at <= at_s:
             return  # one due no later
         self._revisit_at = at_s
         self._push(at_s, _REVISIT, "")
 
     def _revisit(self) -> bool:
-        """True when a pass is due: a large job past its thresholds still waits and no pass
-        ran in the last ``REVISIT_S``. The live controller passes every few seconds, so
+        """True when a pass is due: a large single-node job past its defragmentation
+        threshold still waits and no pass ran in the last ``REVISIT_S``. The live controller passes every few seconds, so
         such a job is looked at again as drain estimates, the displacement budget and the
         anti-thrash window move; the simulator passes on events, and before these
         wake-ups a quiet stretch left headroom and defragmentation off."""
@@ -687,7 +687,7 @@ class Engine:
         every_event = self.opt.check_invariants == "every_event"
         every_pass = every_event or self.opt.check_invariants == "every_pass"
         horizon = self.opt.horizon_s
-        while self._live_events:  # only wake-ups left: nothing could change any more
+        while self._live_events:  # else only wake-ups and ended attempts' events are left
             if self._drop_moot():
                 continue  # dropped before the clock moves to it
             t = self._events[0][0]
