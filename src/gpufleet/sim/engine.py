@@ -380,10 +380,11 @@ class Engine:
 
     def _revisit(self) -> bool:
         """True when a pass is due: a large single-node job past its defragmentation
-        threshold still waits and no pass ran in the last ``REVISIT_S``. The live controller passes every few seconds, so
-        such a job is looked at again as drain estimates, the displacement budget and the
-        anti-thrash window move; the simulator passes on events, and before these
-        wake-ups a quiet stretch left headroom and defragmentation off."""
+        threshold still waits and no pass ran in the last ``REVISIT_S``. The live
+        controller passes every few seconds, so such a job is looked at again as drain
+        estimates, the displacement budget and the anti-thrash window move; the simulator
+        passes on events, and before these wake-ups a quiet stretch left headroom and
+        defragmentation off."""
         if self._revisit_at != self.now:
             return False  # superseded by an earlier one
         self._revisit_at = math.inf
