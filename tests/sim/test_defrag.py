@@ -247,3 +247,18 @@ class TestDefragWithoutOtherEvents:
         assert eng.rec.preemptions_by_reason.get("defragment", 0) == 8
         start = eng.fleet.jobs["big"].first_start_s
         assert start is not None and start <= 36_060.0 + REVISIT_S + GRACE_S
+
+    def test_no_rechecks_for_a_job_its_quota_refuses(self) -> None:
+        """A new user's run: a team at its guarantee with no borrowing, its second 8-GPU job
+        waiting beside a 3,000,000-s one, brought a pass every 600 s for the whole run
+        (about 5,000); defragmentation cannot help a job its quota refuses."""
+        eng = Engine(
+            [NodeGroup("n", 4, 8, "A100")],
+            [TeamSpec("a", guaranteed_gpus={"A100": 8}, borrow_limit_gpus=0)],
+            [SimJob("x1", "a", 0.0, 8, 3_000_000.0), SimJob("x2", "a", 100.0, 8, 100.0)],
+            PolicyConfig(),
+            EngineOptions(grace_s=GRACE_S),
+        )
+        eng.run()
+        assert eng.passes < 20
+        assert eng.fleet.jobs["x2"].first_start_s == 3_000_000.0

@@ -505,3 +505,16 @@ class TestTeams:
         result = run_cli(str(write(tmp_path, text)), "--out", str(tmp_path / "o"), "--no-plots")
         assert result.exit_code == 0, result.output
         assert "1 job can never fit (more GPUs than the fleet's 16)" in result.stderr
+
+
+def test_a_grace_period_not_shorter_than_the_hold_timeout_is_warned(tmp_path: Path) -> None:
+    """A new user's run: with ``engine.grace_s`` 4000 s and the 3,600-s hold timeout, a
+    preemptor's hold expired before its victims stopped, the freed GPUs went to other jobs,
+    and one job was preempted 45 times."""
+    base = jobs_yaml("{id: j, team: a, gpus: 1, duration_s: 10}")
+    sc = load_scenario(write(tmp_path, base + "engine: {grace_s: 4000}\n"))
+    assert any(
+        "engine.grace_s (4000 s) is not shorter than policy.hold_timeout_s (3600 s)" in w
+        for w in sc.warnings
+    )
+    assert not any("grace_s" in w for w in load_scenario(write(tmp_path, base)).warnings)

@@ -126,6 +126,8 @@ class PassState:
             if node is not None:
                 self.preemptors.setdefault(job.team_id, {})[job.job_id] = (job, node.gpu_type)
         self._queue_key = queue_key(cfg)
+        self._stopping_gpus: dict[tuple[str, str, str], int] | None = None
+        """(preemptor, team, GPU type) -> GPUs of attempts stopping for it (on first use)."""
         self._gang_kind: dict[tuple[int, tuple[str, ...]], bool] = {}
         self.gang_fail_memo: set[tuple[object, ...]] = set()
         self.decisions: list[Decision] = []
@@ -179,13 +181,24 @@ class PassState:
             return 0
         key = self._queue_key(job)
         return sum(
-            other.resources.gpu_count
+            # less its own team's victims still stopping: the book counts them until then
+            max(0, other.resources.gpu_count - self._stopping_own(jid, job.team_id, t))
             for jid, (other, t) in mine.items()
             if t == gpu_type
             and jid != job.job_id
             and jid not in self.placed
             and self._queue_key(other) < key
         )
+
+    def _stopping_own(self, preemptor_id: str, team_id: str, gpu_type: str) -> int:
+        """GPUs of ``gpu_type`` held by ``team_id``'s attempts stopping for ``preemptor_id``."""
+        if self._stopping_gpus is None:
+            self._stopping_gpus = {}
+            for r in self.snap.running:
+                if r.stopping and r.stopping_for_job_id is not None:
+                    k = (r.stopping_for_job_id, r.team_id, r.gpu_type)
+                    self._stopping_gpus[k] = self._stopping_gpus.get(k, 0) + r.gpu_count
+        return self._stopping_gpus.get((preemptor_id, team_id, gpu_type), 0)
 
     def admit(self, job: PendingJob, gpu_type: str, gpus: int, free_of_type: int) -> str | None:
         """``TeamBook.admit`` for ``job``, which must also leave its team's quota to the

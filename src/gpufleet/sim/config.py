@@ -180,6 +180,13 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
     workload = parse_workload(path, raw.get("workload"), tdir, groups, teams, vc_sizes, seed)
     base_policy, policy = parse_policy(raw.get("policy"), at("policy"))
     engine = _engine_options(raw.get("engine"), at("engine"), workload.no_estimates)
+    if policy.preemption and engine.grace_s >= policy.hold_timeout_s:
+        warnings.append(
+            f"{path}: engine.grace_s ({engine.grace_s:g} s) is not shorter than "
+            f"policy.hold_timeout_s ({policy.hold_timeout_s:g} s): a preemptor's hold times "
+            "out before its victims stop, so the GPUs they free may go to other jobs and "
+            "the preemptor preempts again"
+        )
     compare = raw.get("compare")
     if isinstance(compare, str):
         compare = [compare]  # one baseline, written without the list

@@ -358,16 +358,42 @@ class Engine:
             if self._wake_at.get(key) == t:
                 del self._wake_at[key]
             return True
+        helpable = False
         if self._revisit_at == t:
-            jobs = self.fleet.jobs
-            self._overdue = {j for j in self._overdue if jobs[j].status is JobStatus.PENDING}
-            if self._overdue and self._last_pass_s + REVISIT_S <= t:
+            helpable = self._prune_overdue()
+            if helpable and self._last_pass_s + REVISIT_S <= t:
                 return False
         heapq.heappop(self._events)
         if self._revisit_at == t:
             self._revisit_at = math.inf
-            if self._overdue:
+            if helpable:
                 self._arm_revisit(self._last_pass_s + REVISIT_S)
+        return True
+
+    def _prune_overdue(self) -> bool:
+        """Drop the overdue jobs that no longer wait; True when one of the rest could be
+        helped by a pass: its team's quota admits it (defragmentation cannot help a job
+        its quota refuses: a job held back by a borrow limit beside a 30,000,000-s job
+        brought a pass every 600 s for the whole run). Re-checks stop while none could;
+        the next pass an event brings arms them again (``schedule_pass``)."""
+        jobs = self.fleet.jobs
+        self._overdue = {j for j in self._overdue if jobs[j].status is JobStatus.PENDING}
+        return any(not self._quota_refuses(jobs[j].spec) for j in sorted(self._overdue))
+
+    def _quota_refuses(self, spec: SimJob) -> bool:
+        """Whether ``spec``'s team quota refuses it on every GPU type it accepts now (its
+        guarantee plus its borrow limit; ``TeamBook.admit`` without the protected-lending
+        rule, so it may say no only where the pass would too)."""
+        acc = self._team(spec.team_id)
+        limit = acc.spec.borrow_limit_gpus if self.cfg.borrowing else 0
+        if limit is None:
+            return False
+        guar = acc.spec.guaranteed_gpus
+        borrowed = sum(max(0, n - guar.get(t, 0)) for t, n in acc.alloc.items())
+        for t in spec.gpu_types or tuple(self._node_gpus):
+            have, g = acc.alloc.get(t, 0), guar.get(t, 0)
+            if borrowed + max(0, have + spec.gpus - g) - max(0, have - g) <= limit:
+                return False
         return True
 
     def _arm_revisit(self, at_s: float) -> None:
@@ -388,9 +414,7 @@ class Engine:
         if self._revisit_at != self.now:
             return False  # superseded by an earlier one
         self._revisit_at = math.inf
-        jobs = self.fleet.jobs
-        self._overdue = {j for j in self._overdue if jobs[j].status is JobStatus.PENDING}
-        if not self._overdue:
+        if not self._prune_overdue():
             return False
         due = self._last_pass_s + REVISIT_S
         if due > self.now:
@@ -653,6 +677,8 @@ class Engine:
     def schedule_pass(self) -> None:
         self.passes += 1
         self._last_pass_s = self.now
+        if self._overdue and self._revisit_at == math.inf:
+            self._arm_revisit(self.now + REVISIT_S)  # stopped while quota refused them all
         snap = self.gates.apply(self.snapshot(), self.fleet.jobs, self._dependency_failed)
         if self.gates.blocked or self._held:
             self._held = tuple(self.gates.blocked)

@@ -158,6 +158,31 @@ class TestReclaim:
         assert not any(k[0] == "Place" and k[1] == "lo2" for k in kinds(result))
         assert result.waiting["lo2"].code == "over_borrow_limit"
 
+    def test_the_kept_quota_does_not_count_stopping_victims_twice(self) -> None:
+        """Team a (guarantee 8, may borrow 4) still holds 8 GPUs in "v1", stopping for its
+        HIGH job "hi", and 2 in "mid". A LOW 2-GPU job fits: 10 + 2 <= 12 now, and 2 + 2 + 8
+        once v1 has stopped and hi runs. Counting hi's 8 on top of v1's (a new user's run)
+        refused it for the whole grace period with GPUs free."""
+        stopping = replace(
+            run("v1", "n1", team="a", gpus=8, priority=P.LOW),
+            stopping=True,
+            stopping_for_job_id="hi",
+        )
+        s = snap(
+            nodes=[node("n1", 0), node("n2", 8), node("n3", 6)],
+            running=[stopping, run("mid", "n3", team="a", gpus=2, priority=P.LOW)],
+            pending=[
+                job("hi", team="a", gpus=8, priority=P.HIGH, at=50),
+                job("lo2", team="a", gpus=2, priority=P.LOW, at=60),
+            ],
+            teams=[team("a", guarantee=8, borrow_limit=4)],
+            holds=[GpuHold("hi", "n1", 8, since_s=100, reason="priority")],
+            now=110,
+        )
+        result = schedule(s)
+        assert any(k[0] == "Place" and k[1] == "lo2" for k in kinds(result))
+        assert result.waiting["hi"].code == "waiting_for_preemption"
+
     def test_dead_hold_is_released(self) -> None:
         s = snap(
             nodes=[node("n2", free=8)],
