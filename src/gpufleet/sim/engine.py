@@ -41,6 +41,7 @@ from gpufleet.policy.gang import could_ever_fit, explicit_gang
 from gpufleet.policy.headroom import is_large
 from gpufleet.policy.predictor import DurationPredictor, JobKey
 from gpufleet.policy.priority import queue_key, queued_at
+from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.snapshot import (
     BackfillReservation,
     ClusterSnapshot,
@@ -381,20 +382,15 @@ class Engine:
         return any(not self._quota_refuses(jobs[j].spec) for j in sorted(self._overdue))
 
     def _quota_refuses(self, spec: SimJob) -> bool:
-        """Whether ``spec``'s team quota refuses it on every GPU type it accepts now (its
-        guarantee plus its borrow limit; ``TeamBook.admit`` without the protected-lending
-        rule, so it may say no only where the pass would too)."""
-        acc = self._team(spec.team_id)
-        limit = acc.spec.borrow_limit_gpus if self.cfg.borrowing else 0
-        if limit is None:
-            return False
-        guar = acc.spec.guaranteed_gpus
-        borrowed = sum(max(0, n - guar.get(t, 0)) for t, n in acc.alloc.items())
-        for t in spec.gpu_types or tuple(self._node_gpus):
-            have, g = acc.alloc.get(t, 0), guar.get(t, 0)
-            if borrowed + max(0, have + spec.gpus - g) - max(0, have - g) <= limit:
-                return False
-        return True
+        """Whether ``spec``'s team quota refuses it on every GPU type it accepts now: the
+        pass's own rule (``TeamBook.admit``) on the team's allocation, free GPUs left out
+        (they are not what a re-check waits for)."""
+        self._team(spec.team_id)
+        book = TeamBook({spec.team_id: self._team_state(spec.team_id)}, (), {}, 0.0, 0, self.cfg)
+        return all(
+            book.admit(spec.team_id, t, spec.gpus, self.total_gpus + spec.gpus) is not None
+            for t in spec.gpu_types or tuple(self._node_gpus)
+        )
 
     def _arm_revisit(self, at_s: float) -> None:
         # armed even when no live event is queued at this instant: the pass that follows may
@@ -636,21 +632,22 @@ class Engine:
         self.rec.rejected(js)
 
     # -- the pass ----------------------------------------------------------------------
+    def _team_state(self, team_id: str) -> TeamState:
+        a = self.teams[team_id]
+        return TeamState(
+            team_id=team_id,
+            weight=a.spec.weight,
+            guaranteed_gpus=a.spec.guaranteed_gpus,
+            borrow_limit_gpus=a.spec.borrow_limit_gpus,
+            lending_limit_gpus=a.spec.lending_limit_gpus,
+            usage_gpu_s=a.usage,
+            allocated_gpus=dict(a.alloc),
+            allocated_cpu=a.cpu,
+            allocated_memory_mb=a.mem,
+        )
+
     def snapshot(self) -> ClusterSnapshot:
-        teams = {
-            tid: TeamState(
-                team_id=tid,
-                weight=a.spec.weight,
-                guaranteed_gpus=a.spec.guaranteed_gpus,
-                borrow_limit_gpus=a.spec.borrow_limit_gpus,
-                lending_limit_gpus=a.spec.lending_limit_gpus,
-                usage_gpu_s=a.usage,
-                allocated_gpus=dict(a.alloc),
-                allocated_cpu=a.cpu,
-                allocated_memory_mb=a.mem,
-            )
-            for tid, a in self.teams.items()
-        }
+        teams = {tid: self._team_state(tid) for tid in self.teams}
         return ClusterSnapshot(
             now_s=self.now,
             nodes=self.fleet.node_states(),
