@@ -59,11 +59,6 @@ class _Pass(PassState):
 
     # -- phase 1 ------------------------------------------------------------------------
     def place_holders(self) -> None:
-        stopping_for: dict[str, list[str]] = {}
-        if self.holds:
-            for r in self.snap.running:
-                if r.stopping and r.stopping_for_job_id is not None:
-                    stopping_for.setdefault(r.stopping_for_job_id, []).append(r.run_id)
         gangs_done: set[str] = set()
         for h, job in self.holds:
             res = job.resources
@@ -71,7 +66,7 @@ class _Pass(PassState):
                 if job.job_id in gangs_done or job.job_id in self.placed:
                     continue
                 gangs_done.add(job.job_id)
-                stopping = tuple(sorted(stopping_for.get(job.job_id, ())))
+                stopping = tuple(sorted(r.run_id for r in self.stopping_for(job.job_id)))
                 if self.try_place_gang(job) is not None and stopping:
                     nodes = tuple(self.hold_nodes.get(job.job_id, ()))
                     self.causes[job.job_id] = ("gang_preemption", nodes, stopping, h.reason)
@@ -82,7 +77,7 @@ class _Pass(PassState):
             if fn is not None and fn.free_gpus >= res.gpu_count:
                 self._place(job, h.node_id, fn.node.gpu_type, backfilled=False)
             else:
-                stopping = tuple(sorted(stopping_for.get(job.job_id, ())))
+                stopping = tuple(sorted(r.run_id for r in self.stopping_for(job.job_id)))
                 self.causes[job.job_id] = ("waiting_for_preemption", h.node_id, stopping, h.reason)
                 self.head_done.add(job.team_id)
 

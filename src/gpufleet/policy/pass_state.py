@@ -30,6 +30,7 @@ from gpufleet.policy.snapshot import (
     GpuHold,
     NodeState,
     PendingJob,
+    RunningJob,
 )
 
 __all__ = ["PassState"]
@@ -126,8 +127,8 @@ class PassState:
             if node is not None:
                 self.preemptors.setdefault(job.team_id, {})[job.job_id] = (job, node.gpu_type)
         self._queue_key = queue_key(cfg)
-        self._stopping_gpus: dict[tuple[str, str, str], int] | None = None
-        """(preemptor, team, GPU type) -> GPUs of attempts stopping for it (on first use)."""
+        self._stopping: dict[str, list[RunningJob]] | None = None
+        """Preemptor job id -> the attempts stopping for it (``stopping_for``, on first use)."""
         self._gang_kind: dict[tuple[int, tuple[str, ...]], bool] = {}
         self.gang_fail_memo: set[tuple[object, ...]] = set()
         self.decisions: list[Decision] = []
@@ -190,15 +191,22 @@ class PassState:
             and self._queue_key(other) < key
         )
 
-    def _stopping_own(self, preemptor_id: str, team_id: str, gpu_type: str) -> int:
-        """GPUs of ``gpu_type`` held by ``team_id``'s attempts stopping for ``preemptor_id``."""
-        if self._stopping_gpus is None:
-            self._stopping_gpus = {}
+    def stopping_for(self, preemptor_id: str) -> list[RunningJob]:
+        """The running attempts (gang members apiece) stopping for ``preemptor_id``."""
+        if self._stopping is None:
+            self._stopping = {}
             for r in self.snap.running:
                 if r.stopping and r.stopping_for_job_id is not None:
-                    k = (r.stopping_for_job_id, r.team_id, r.gpu_type)
-                    self._stopping_gpus[k] = self._stopping_gpus.get(k, 0) + r.gpu_count
-        return self._stopping_gpus.get((preemptor_id, team_id, gpu_type), 0)
+                    self._stopping.setdefault(r.stopping_for_job_id, []).append(r)
+        return self._stopping.get(preemptor_id, [])
+
+    def _stopping_own(self, preemptor_id: str, team_id: str, gpu_type: str) -> int:
+        """GPUs of ``gpu_type`` held by ``team_id``'s attempts stopping for ``preemptor_id``."""
+        return sum(
+            r.gpu_count
+            for r in self.stopping_for(preemptor_id)
+            if r.team_id == team_id and r.gpu_type == gpu_type
+        )
 
     def admit(self, job: PendingJob, gpu_type: str, gpus: int, free_of_type: int) -> str | None:
         """``TeamBook.admit`` for ``job``, which must also leave its team's quota to the
