@@ -39,7 +39,7 @@ CONFIRM = "confirm"
 COMPLETE = "complete"
 CALL_TIMEOUT_S = 10.0
 BACKOFF_MIN_S = 0.1
-BACKOFF_MAX_S = 5.0
+BACKOFF_MAX_S = 2.0
 
 _OUTCOMES = {
     "EXITED": pb.ReportCompletionRequest.EXITED,
@@ -130,6 +130,14 @@ class Outbox:
 
     def wake(self) -> None:
         with self._cond:
+            self._cond.notify_all()
+
+    def retry_now(self) -> None:
+        """Make every waiting task due at once (a controller answers again after an outage:
+        completions that happened meanwhile are reported now, not after their backoff)."""
+        with self._cond:
+            for task in self._tasks.values():
+                task.due_at = 0.0
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ worker

@@ -25,7 +25,11 @@ from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 logger = logging.getLogger("gpufleet.agent")
 
 CALL_TIMEOUT_S = 10.0
-REGISTER_BACKOFF_MAX_S = 5.0
+REGISTER_BACKOFF_MAX_S = 1.0
+UNREACHABLE_RETRY_S = 1.0
+"""After a heartbeat that reached no controller, the next one is sent this soon (seconds;
+at most the interval): the control plane is heard from within ~1 s of coming back, and the
+completions waiting for it are retried then (``on_reconnected``)."""
 
 
 class AgentServicer(pb_grpc.AgentServicer):
@@ -94,6 +98,8 @@ class ControllerLink:
         rejoin: called once when the controller refuses this node's certificate as revoked
             (PERMISSION_DENIED at registration); True when it joined again with new
             credentials (a join token given at start), so registration is retried at once.
+        on_reconnected: called when a heartbeat is answered after one or more that reached
+            no controller (the agent's outbox retries its pending reports at once).
     """
 
     def __init__(
@@ -112,8 +118,10 @@ class ControllerLink:
         stop_event: threading.Event,
         images: ImageReporter | None = None,
         rejoin: Callable[[], bool] | None = None,
+        on_reconnected: Callable[[], None] = lambda: None,
     ) -> None:
         self.core = core
+        self.on_reconnected = on_reconnected
         self.rejoin = rejoin
         self.images = images
         self.stub = stub
@@ -241,12 +249,19 @@ class ControllerLink:
         if not self.register_until_answered():
             return
         failures = 0
-        while not self.stop_event.wait(self.interval_s):
+        wait_s = self.interval_s
+        while not self.stop_event.wait(wait_s):
+            wait_s = self.interval_s
             try:
                 self.heartbeat_once()
+                if failures:
+                    logger.info("heartbeat answered again after %d failure(s)", failures)
+                    self.on_reconnected()
                 failures = 0
             except grpc.RpcError as exc:
                 failures += 1
+                if _code(exc) == "UNAVAILABLE":  # no controller reachable: try again soon
+                    wait_s = min(self.interval_s, UNREACHABLE_RETRY_S)
                 if failures in (1, 10) or failures % 100 == 0:
                     logger.warning("heartbeat failed (%s)", _code(exc))
             except Exception:  # e.g. the assignment log refused a stop: keep heartbeating

@@ -21,6 +21,7 @@ from gpufleet.controller.stops import StopDriver
 from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.queue import Waker
+from gpufleet.rpc.channel_options import SERVER_OPTIONS
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.settings import Settings
 from gpufleet.store import leader
@@ -67,6 +68,7 @@ class Controller:
         self.reconciler = Reconciler(
             db, settings, self.leadership, self.scheduler.dispatch, on_change=waker.wake
         )
+        self._lease_failed = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._server: grpc.Server | None = None
@@ -81,7 +83,8 @@ class Controller:
             # gRPC binds with SO_REUSEPORT by default: a second process on the same port would
             # silently receive part of the agents' calls (and answer with another database's
             # leader epoch). Refuse to share the port instead.
-            options=[("grpc.so_reuseport", 0)],
+            # and it accepts the agents' keepalive pings (rpc.channel_options)
+            options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS],
         )
         auth = None if self.tls is None else NodeAuthenticator(self.db)
         pb_grpc.add_ControllerServicer_to_server(
@@ -113,7 +116,8 @@ class Controller:
             creds = self.tls.server_credentials(require_client_auth=True)
             self.bound_port = server.add_secure_port(address, creds)
             join = grpc.server(
-                futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ctl-join")
+                futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ctl-join"),
+                options=list(SERVER_OPTIONS),
             )
             pb_grpc.add_BootstrapServicer_to_server(bootstrap, join)
             join_address = self.settings.resolved_join_address()
@@ -147,16 +151,21 @@ class Controller:
         )
 
     def _acquire_once(self) -> None:
+        at = None
         try:
-            epoch = self.db.run_write(
-                lambda s: leader.try_acquire(
-                    s, self.leadership.holder, self.settings.leader_lease_s
-                )
+            epoch, at = self.db.run_write(
+                lambda s: leader.acquire(s, self.leadership.holder, self.settings.leader_lease_s)
             )
         except Exception:
             log.exception("leader lease")
             epoch = None
         metrics.note_lease(epoch or 0)
+        if epoch and at is not None and (epoch != self.leadership.epoch or self._lease_failed):
+            # a new leader (or one that could not reach the database, where heartbeats are
+            # recorded) counts every node's silence from now: set before the epoch, which the
+            # loops read first
+            self.leadership.listening_since = at
+        self._lease_failed = at is None
         if (epoch or 0) != self.leadership.epoch:
             log.info("leadership: epoch %s -> %s", self.leadership.epoch, epoch or 0)
             self.leadership.epoch = epoch or 0

@@ -23,7 +23,17 @@ LEASE_NAME = "scheduler"
 def try_acquire(session: Session, holder: str, lease_s: float) -> int | None:
     """Take or renew the lease for ``holder``; returns the epoch held, or None if another
     holder's lease is still valid. A takeover (new holder or expired lease) bumps the epoch."""
+    return acquire(session, holder, lease_s)[0]
+
+
+def acquire(session: Session, holder: str, lease_s: float) -> tuple[int | None, datetime]:
+    """:func:`try_acquire`, also returning the database clock it read (the instant a new
+    leader starts to listen: ``controller.leadership.Leadership.listening_since``)."""
     now = db_now(session)
+    return _acquire_at(session, holder, lease_s, now), now
+
+
+def _acquire_at(session: Session, holder: str, lease_s: float, now: datetime) -> int | None:
     row = session.execute(
         select(LeaderLeaseRow).where(LeaderLeaseRow.name == LEASE_NAME).with_for_update()
     ).scalar_one_or_none()
