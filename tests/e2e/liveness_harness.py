@@ -52,7 +52,7 @@ class Proc:
     def alive(self) -> bool:
         return self.p is not None and self.p.poll() is None
 
-    def signal(self, sig: int) -> None:
+    def send(self, sig: int) -> None:
         if self.alive():
             assert self.p is not None
             self.p.send_signal(sig)

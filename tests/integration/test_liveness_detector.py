@@ -110,7 +110,9 @@ def test_a_new_leader_places_nothing_on_a_node_it_has_not_heard(
     lead.listening_since = _now(db) - timedelta(seconds=1)
     _heard(db, "n1", 0.0)
     settings = _settings(tmp_path)
-    scheduler = Scheduler(db, ObjectStore(str(tmp_path / "objects")), settings, lead, AgentClients())
+    scheduler = Scheduler(
+        db, ObjectStore(str(tmp_path / "objects")), settings, lead, AgentClients()
+    )
     try:
         first = submit(db, gpus=2).job_id
         assert scheduler.run_pass().placed == 1
@@ -118,7 +120,7 @@ def test_a_new_leader_places_nothing_on_a_node_it_has_not_heard(
         second = submit(db, gpus=2).job_id
         assert scheduler.run_pass().placed == 1
         with db.read() as s:
-            placed = {j: n for j, n in s.execute(select(JobRunRow.job_id, JobRunRow.node_id))}
+            placed = dict(s.execute(select(JobRunRow.job_id, JobRunRow.node_id)).all())
         assert placed == {first: "n1", second: "n2"}
     finally:
         scheduler.close()
