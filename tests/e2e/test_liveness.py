@@ -164,7 +164,7 @@ def test_a_leader_killed_with_jobs_running_fences_nothing_and_agents_fail_over(
         other = 1 - lead
         p.start_agent("a1", order=[lead, other])
         p.start_agent("a2", order=[other, lead])
-        running = [p.submit(3600), p.submit(3600)]
+        running = [p.submit(3600, gpus=6), p.submit(3600, gpus=6)]  # one per node
         for job_id in running:
             p.wait_status(job_id, {"RUNNING"}, 60)
         assert {p.job(j)["attempts"][0][2] for j in running} == {"a1", "a2"}
@@ -173,7 +173,7 @@ def test_a_leader_killed_with_jobs_running_fences_nothing_and_agents_fail_over(
         p.wait_for(lambda: p.leader() == other, 30, "the standby to lead")
         took_over = time.monotonic()
         assert p.lease_epoch() == epoch + 1
-        new = [p.submit(1.0), p.submit(1.0)]  # 4 GPUs each: one per node
+        new = [p.submit(1.0, gpus=2), p.submit(1.0, gpus=2)]  # 2 GPUs free per node
         for job_id in new:
             p.wait_status(job_id, {"SUCCEEDED", "FAILED"}, 60)
         assert {p.job(j)["attempts"][0][2] for j in new} == {"a1", "a2"}
