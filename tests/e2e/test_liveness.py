@@ -22,7 +22,7 @@ import pytest
 from tests.e2e.conftest import database_url_for
 from tests.e2e.liveness_harness import Plane
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 HEARTBEAT_S = 1.0
 FENCE_S = 4.0
@@ -132,6 +132,7 @@ def test_a_stopped_control_plane_fences_no_live_node(
         _stopped_control_plane(p, 2.5 * FENCE_S, restart_agent=True)
 
 
+@pytest.mark.timeout(900)
 def test_production_timings_a_control_plane_stopped_for_twice_the_fence_timeout(
     tmp_path: Path,
 ) -> None:
