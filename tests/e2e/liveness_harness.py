@@ -113,6 +113,7 @@ class Plane:
                 )
             )
         self.agents: dict[str, Proc] = {}
+        self.extra: list[Proc] = []
 
     # -------------------------------------------------------------- processes
 
@@ -122,11 +123,21 @@ class Plane:
         self.wait_for(lambda: self.leader() is not None, 60, "a leader")
 
     def start_agent(
-        self, node_id: str, *, order: list[int] | None = None, gpus: str = "8xH100-80GB"
+        self,
+        node_id: str,
+        *,
+        order: list[int] | None = None,
+        gpus: str = "8xH100-80GB",
+        via: tuple[str, str] | None = None,
     ) -> None:
         """Start ``node_id``'s agent given the controllers ``order`` (indexes; default all,
-        in order) as ``--controller a,b --join-address ja,jb``; waits until it is HEALTHY."""
+        in order) as ``--controller a,b --join-address ja,jb``, or the one ``via`` pair
+        (a load balancer's controller and join addresses); waits until it is HEALTHY."""
         order = order if order is not None else list(range(len(self.controllers)))
+        controller = ",".join(self.addresses[i][0] for i in order)
+        join = ",".join(self.addresses[i][1] for i in order)
+        if via is not None:
+            controller, join = via
         state_dir = self.tmp / "agents" / node_id
         tls_args, tls_env = agent_tls_args(self.db, self.settings, node_id, state_dir)
         argv = [
@@ -145,15 +156,48 @@ class Plane:
             "--runtime",
             "none",
             "--controller",
-            ",".join(self.addresses[i][0] for i in order),
+            controller,
             "--join-address",
-            ",".join(self.addresses[i][1] for i in order),
+            join,
             *tls_args,
         ]
         proc = Proc(node_id, argv, dict(self.env, **tls_env), self.tmp / f"agent-{node_id}.log")
         self.agents[node_id] = proc
         proc.start()
         self.wait_for(lambda: self.node_status(node_id) == "HEALTHY", 60, f"agent {node_id}")
+
+    def start_haproxy(self) -> tuple[str, str]:
+        """haproxy in front of the controllers (the settings of docs/design/lifecycle.md,
+        "Agents and several controllers"): returns its (controller, join) addresses."""
+        front, join_front = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        lines = [
+            "defaults",
+            "    mode tcp",
+            "    timeout connect 2s",
+            "    timeout client 1h",
+            "    timeout server 1h",
+        ]
+        for name, bind, col in (("grpc", front, 0), ("join", join_front, 1)):
+            lines += [
+                f"frontend {name}",
+                f"    bind {bind}",
+                f"    default_backend {name}_controllers",
+                f"backend {name}_controllers",
+                "    balance first",
+                "    option tcp-check",
+                "    default-server inter 1s fall 2 rise 2 on-marked-down shutdown-sessions",
+            ]
+            lines += [
+                f"    server c{i} {pair[col]} check" for i, pair in enumerate(self.addresses)
+            ]
+        config = self.tmp / "haproxy.cfg"
+        config.write_text("\n".join(lines) + "\n")
+        proc = Proc(
+            "haproxy", ["haproxy", "-db", "-f", str(config)], self.env, self.tmp / "haproxy.log"
+        )
+        proc.start()
+        self.extra.append(proc)
+        return front, join_front
 
     def leader(self) -> int | None:
         """The index of the controller process holding an unexpired lease, else None."""
@@ -174,7 +218,7 @@ class Plane:
             return int(s.execute(select(LeaderLeaseRow.epoch)).scalar_one_or_none() or 0)
 
     def stop(self) -> None:
-        for proc in [*self.agents.values(), *self.controllers]:
+        for proc in [*self.agents.values(), *self.controllers, *self.extra]:
             proc.stop(signal.SIGTERM)
         for _, pid in self.started():  # jobs run in their own sessions: none may outlive us
             with contextlib.suppress(ProcessLookupError, PermissionError):

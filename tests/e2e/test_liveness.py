@@ -10,6 +10,7 @@ except one test with the production defaults (heartbeat 10 s, fence 60 s).
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 from collections import Counter
@@ -218,3 +219,36 @@ def test_a_job_submitted_during_a_failover_goes_to_a_node_the_new_leader_heard(
         assert p.node_status("a1") == "HEALTHY"
         p.agents["a2"].send(signal.SIGCONT)
         p.wait_for(lambda: p.node_status("a2") == "HEALTHY", 60, "a2 back")
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy not installed")
+def test_agents_behind_haproxy_survive_a_leader_kill(
+    tmp_path: Path, pg_database_url: str | None
+) -> None:
+    """The load-balancer alternative: agents given one haproxy address (``balance first``,
+    health checks every second, ``on-marked-down shutdown-sessions``) in front of two
+    controllers; the controller haproxy sends to is the leader and is killed with SIGKILL
+    while jobs run. haproxy cuts the agents' connections, they reconnect through it to the
+    other controller: 0 nodes fenced, 0 jobs re-run, new work runs on both nodes."""
+    with plane(tmp_path, pg_database_url, 2) as p:
+        p.controllers[0].start()  # c0 leads: haproxy's first server
+        p.wait_for(lambda: p.leader() == 0, 60, "c0 to lead")
+        p.controllers[1].start()
+        via = p.start_haproxy()
+        p.start_agent("a1", via=via)
+        p.start_agent("a2", via=via)
+        running = [p.submit(3600, gpus=6), p.submit(3600, gpus=6)]
+        for job_id in running:
+            p.wait_status(job_id, {"RUNNING"}, 60)
+        p.controllers[0].stop(signal.SIGKILL)
+        p.wait_for(lambda: p.leader() == 1, 30, "c1 to lead")
+        took_over = time.monotonic()
+        new = [p.submit(1.0, gpus=2), p.submit(1.0, gpus=2)]
+        for job_id in new:
+            p.wait_status(job_id, {"SUCCEEDED", "FAILED"}, 60)
+        assert {p.job(j)["attempts"][0][2] for j in new} == {"a1", "a2"}
+        time.sleep(max(0.0, FENCE_S + 2 * HEARTBEAT_S + 3 - (time.monotonic() - took_over)))
+        assert p.fenced() == NOTHING_FENCED
+        for job_id in running:
+            assert p.job(job_id)["status"] == "RUNNING"
+        _assert_ran_once(p, [*running, *new])

@@ -155,9 +155,23 @@ class Outbox:
             except (grpc.RpcError, OSError) as exc:
                 done = False
                 task.failures += 1
-                level = logging.INFO if task.failures < 5 else logging.WARNING
+                # a controller outage fails every retry: say so at the first ones, then now
+                # and then (the report is kept and sent when a controller answers)
+                n = task.failures
+                level = (
+                    logging.INFO
+                    if n < 5
+                    else logging.WARNING
+                    if n in (5, 10) or n % 50 == 0
+                    else logging.DEBUG
+                )
                 logger.log(
-                    level, "run %s: %s failed (%s); retrying", task.run_id, task.kind, _short(exc)
+                    level,
+                    "run %s: %s failed %d time(s) (%s); retrying",
+                    task.run_id,
+                    task.kind,
+                    n,
+                    _short(exc),
                 )
             except Exception:  # a bug or an unexpected store error: keep the worker alive
                 done = False
