@@ -152,13 +152,15 @@ def test_production_timings_a_control_plane_stopped_for_twice_the_fence_timeout(
         _stopped_control_plane(p, 120.0, restart_agent=False)
 
 
-def test_a_leader_killed_with_jobs_running_fences_nothing_and_agents_fail_over(
-    tmp_path: Path, pg_database_url: str | None
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+def test_a_leader_lost_with_jobs_running_fences_nothing_and_agents_fail_over(
+    tmp_path: Path, pg_database_url: str | None, how: str
 ) -> None:
     """Two controllers; a1 is given the leader first, a2 the standby first. The leader is
-    killed with SIGKILL while jobs run: a1 fails over to the standby, which takes the lease.
-    0 nodes fenced, 0 jobs re-run, and both agents take new work from the new leader (the
-    new jobs fit only one per node)."""
+    killed with SIGKILL (its connections are reset) or frozen with SIGSTOP (its connections
+    stay open and nothing answers, as when its host vanishes) while jobs run: a1 fails over
+    to the standby, which takes the lease. 0 nodes fenced, 0 jobs re-run, and both agents
+    take new work from the new leader (the new jobs fit only one per node)."""
     with plane(tmp_path, pg_database_url, 2) as p:
         p.start_controllers()
         lead = p.leader()
@@ -171,7 +173,10 @@ def test_a_leader_killed_with_jobs_running_fences_nothing_and_agents_fail_over(
             p.wait_status(job_id, {"RUNNING"}, 60)
         assert {p.job(j)["attempts"][0][2] for j in running} == {"a1", "a2"}
         epoch = p.lease_epoch()
-        p.controllers[lead].stop(signal.SIGKILL)
+        if how == "kill":
+            p.controllers[lead].stop(signal.SIGKILL)
+        else:
+            p.controllers[lead].send(signal.SIGSTOP)
         p.wait_for(lambda: p.leader() == other, 30, "the standby to lead")
         took_over = time.monotonic()
         assert p.lease_epoch() == epoch + 1
@@ -186,6 +191,11 @@ def test_a_leader_killed_with_jobs_running_fences_nothing_and_agents_fail_over(
         for job_id in running:
             assert p.job(job_id)["status"] == "RUNNING"
         _assert_ran_once(p, [*running, *new])
+        if how == "freeze":  # the old leader wakes up deposed: its writes are refused
+            p.controllers[lead].send(signal.SIGCONT)
+            time.sleep(2 * HEARTBEAT_S + 1)
+            assert p.leader() == other
+            assert p.fenced() == NOTHING_FENCED
 
 
 def test_a_job_submitted_during_a_failover_goes_to_a_node_the_new_leader_heard(

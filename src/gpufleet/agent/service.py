@@ -26,6 +26,7 @@ logger = logging.getLogger("gpufleet.agent")
 
 CALL_TIMEOUT_S = 10.0
 REGISTER_BACKOFF_MAX_S = 1.0
+HEARTBEAT_TIMEOUT_MIN_S = 2.0
 UNREACHABLE_RETRY_S = 1.0
 """After a heartbeat that reached no controller, the next one is sent this soon (seconds;
 at most the interval): the control plane is heard from within ~1 s of coming back, and the
@@ -193,6 +194,13 @@ class ControllerLink:
             return True
         return False
 
+    def heartbeat_timeout_s(self) -> float:
+        """The deadline of one heartbeat, seconds: the interval, within 2..10 s. A
+        controller that stops answering (frozen, or its host gone with the connection still
+        believed open) costs at most that before the next heartbeat goes to the next
+        controller (``agent.controllers``)."""
+        return max(HEARTBEAT_TIMEOUT_MIN_S, min(CALL_TIMEOUT_S, self.interval_s))
+
     def heartbeat_once(self) -> None:
         """Send one heartbeat and apply the answer (stop list, re-registration).
 
@@ -222,7 +230,7 @@ class ControllerLink:
                     ],
                     images_reported=images is not None,
                 ),
-                timeout=CALL_TIMEOUT_S,
+                timeout=self.heartbeat_timeout_s(),
             )
         self.core.note_leader_epoch(resp.leader_epoch)
         if resp.prepull and self.images is not None:
