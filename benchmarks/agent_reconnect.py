@@ -41,7 +41,7 @@ class _Answer(pb_grpc.ControllerServicer):
 
 def _serve(port: int) -> grpc.Server:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=list(SERVER_OPTIONS))
-    pb_grpc.add_ControllerServicer_to_server(_Answer(), server)
+    pb_grpc.add_ControllerServicer_to_server(_Answer(), server)  # type: ignore[abstract]
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     return server

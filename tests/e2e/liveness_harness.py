@@ -92,7 +92,8 @@ class Plane:
             self.env.pop(key, None)
         if database_url:
             self.env["GPUFLEET_DATABASE_URL"] = database_url
-        self.settings = Settings(data_dir=tmp, database_url=database_url)
+        url: dict[str, Any] = {"database_url": database_url} if database_url else {}
+        self.settings = Settings(data_dir=tmp, **url)
         ensure_fleet_ca(self.settings)
         self.db = open_database(self.settings)
         self.db.run_write(lambda s: auth.create_team(s, TEAM, exist_ok=True))

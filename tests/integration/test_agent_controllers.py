@@ -69,7 +69,7 @@ def test_advertise_address_host_or_host_port() -> None:
             _advertised(bad, 0, "ctl:8421")
 
 
-class _Heartbeats(pb_grpc.ControllerServicer):
+class _Heartbeats(pb_grpc.ControllerServicer):  # only Heartbeat; the rest answer UNIMPLEMENTED
     def __init__(self, name: str, error: grpc.StatusCode | None = None) -> None:
         self.name, self.error, self.calls = name, error, 0
 
@@ -109,7 +109,7 @@ def test_calls_fail_over_to_the_next_controller_within_the_call(
     and later calls go there first; when the second stops and the first comes up, the
     call after that moves back."""
     pool, a, b = pool_and_ports
-    second = _Heartbeats("second")
+    second = _Heartbeats("second")  # type: ignore[abstract]
     server_b = _serve(b, second)
     try:
         answer = pool.Heartbeat(pb.HeartbeatRequest(node_id="n1"), timeout=5)
@@ -119,7 +119,7 @@ def test_calls_fail_over_to_the_next_controller_within_the_call(
         assert second.calls == 2
     finally:
         server_b.stop(grace=0).wait()
-    first = _Heartbeats("first!")
+    first = _Heartbeats("first!")  # type: ignore[abstract]
     server_a = _serve(a, first)
     try:
         # the channel to the first may still wait out its reconnect backoff (at most ~1.2 s
@@ -147,8 +147,8 @@ def test_an_answered_error_is_not_failed_over(
     callers see the refusal, and the next call goes to the same controller."""
     pool, a, b = pool_and_ports
     refusing, other = (
-        _Heartbeats("refusing", grpc.StatusCode.FAILED_PRECONDITION),
-        _Heartbeats("o"),
+        _Heartbeats("refusing", grpc.StatusCode.FAILED_PRECONDITION),  # type: ignore[abstract]
+        _Heartbeats("o"),  # type: ignore[abstract]
     )
     servers = [_serve(a, refusing), _serve(b, other)]
     try:
