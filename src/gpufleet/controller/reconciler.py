@@ -77,6 +77,10 @@ class Reconciler:
       transaction (:func:`services.nodes.fence_node`): FENCED, jobs re-placed elsewhere with a
       higher token, GPUs QUARANTINED until the agent reports the runs gone or an operator
       confirms the node dead. The scheduler is woken at once.
+    * Silence is counted only while a controller listens: a leader suspects (fences) a
+      node only once it has itself listened (``Leadership.listened_for_s``) for the suspect
+      window (fence timeout) plus one heartbeat interval, so a control-plane stop or a
+      failover fences no node that is heard again within that time of the leader's start.
     * Undelivered or unconfirmed assignments on reachable nodes -> AssignJob again (idempotent
       per run_id, seed DD2); the agent's answer settles them (started, failed to start, or
       refused and tombstoned -> NEVER_STARTED).
