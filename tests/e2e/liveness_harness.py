@@ -130,6 +130,7 @@ class Plane:
         order: list[int] | None = None,
         gpus: str = "8xH100-80GB",
         via: tuple[str, str] | None = None,
+        args: tuple[str, ...] = (),
     ) -> None:
         """Start ``node_id``'s agent given the controllers ``order`` (indexes; default all,
         in order) as ``--controller a,b --join-address ja,jb``, or the one ``via`` pair
@@ -161,6 +162,7 @@ class Plane:
             "--join-address",
             join,
             *tls_args,
+            *args,
         ]
         proc = Proc(node_id, argv, dict(self.env, **tls_env), self.tmp / f"agent-{node_id}.log")
         self.agents[node_id] = proc
@@ -266,6 +268,11 @@ class Plane:
         )
 
     # -------------------------------------------------------------- nodes
+
+    def node_address(self, node_id: str) -> str | None:
+        with self.db.read() as s:
+            node = s.get(NodeRow, node_id)
+            return None if node is None else str(node.address)
 
     def node_status(self, node_id: str) -> str | None:
         with self.db.read() as s:

@@ -22,6 +22,7 @@ import pytest
 
 from tests.e2e.conftest import database_url_for
 from tests.e2e.liveness_harness import Plane
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -167,7 +168,9 @@ def test_a_leader_lost_with_jobs_running_fences_nothing_and_agents_fail_over(
         assert lead is not None
         other = 1 - lead
         p.start_agent("a1", order=[lead, other])
-        p.start_agent("a2", order=[other, lead])
+        a2_address = f"127.0.0.1:{free_port()}"  # the address the controllers dial
+        p.start_agent("a2", order=[other, lead], args=("--advertise-address", a2_address))
+        assert p.node_address("a2") == a2_address
         running = [p.submit(3600, gpus=6), p.submit(3600, gpus=6)]  # one per node
         for job_id in running:
             p.wait_status(job_id, {"RUNNING"}, 60)
