@@ -14,12 +14,15 @@ answered call (median and max of ``--repeats`` runs).
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import threading
 import time
 from concurrent import futures
 from typing import Any
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc loads: no GOAWAY lines
 
 import grpc
 
