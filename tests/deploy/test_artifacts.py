@@ -154,7 +154,7 @@ def test_compose_structure() -> None:
                 assert source in volumes, f"{name}: volume {source}"
         for port in svc.get("ports", []) or []:
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
-    roles = {name: svc for name, svc in services.items()}
+    roles = dict(services.items())
     assert sum(1 for n in roles if n.startswith("controller-")) == 2
     assert sum(1 for n in roles if n.startswith("api-")) == 2
     assert sum(1 for n in roles if n.startswith("agent-")) >= 2
@@ -365,6 +365,7 @@ def test_every_command_line_uses_real_commands_and_options() -> None:
 
     root = typer.main.get_command(app)
     from typer.core import TyperGroup as group_type  # a command with subcommands
+
     lines = _command_lines()
     assert len(lines) >= 10, lines
     for where, argv in lines:

@@ -85,7 +85,9 @@ def _up(workdir: Path, agents: int) -> int:
     if (workdir / "state.json").exists():
         old = json.loads((workdir / "state.json").read_text())
         if _alive(old.get("keeper_pid", 0)):
-            print(f"a fleet is already up in {workdir} (scripts/multihost.sh down)", file=sys.stderr)
+            print(
+                f"a fleet is already up in {workdir} (scripts/multihost.sh down)", file=sys.stderr
+            )
             return 1
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = MultiHostFleet(workdir / f"run-{os.getpid()}", agents=agents)

@@ -26,6 +26,8 @@ def mh_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiHostFlee
     finally:
         fleet.stop()
         if fleet.logs.exists():
-            shutil.copytree(fleet.logs, tmp_path_factory.mktemp("multihost-logs"), dirs_exist_ok=True)
+            shutil.copytree(
+                fleet.logs, tmp_path_factory.mktemp("multihost-logs"), dirs_exist_ok=True
+            )
         if os.environ.get("GPUFLEET_KEEP_MULTIHOST") != "1":
             shutil.rmtree(work, ignore_errors=True)

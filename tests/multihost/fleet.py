@@ -9,9 +9,11 @@ db         10.77.0.2    PostgreSQL of its own (initdb in the work dir, as user p
 redis      10.77.0.3    redis-server (requirepass)
 s3         10.77.0.4    moto's S3 server (bucket ``gpufleet``)
 lb         10.77.0.10   haproxy: API :8420 (HTTP) and agents -> controllers :8421/:8422 (TCP)
-ctl-1/2    .11, .12     ``gpufleet controller`` (the CA's ca.key in each one's pki dir)
+ctl-1/2    .11, .12     ``gpufleet controller`` (the CA's ca.key in each one's pki dir),
+                        metrics on :9421
 api-1/2    .21, .22     ``gpufleet server --host 0.0.0.0`` (ca.crt only)
-gpu-1..N   .31 ...      ``gpufleet agent`` joined with a join token through the lb
+gpu-1..N   .31 ...      ``gpufleet agent`` joined with a join token through the lb, metrics
+                        on :9430
 client     10.77.0.100  the CLI and the tests' HTTP calls
 =========  ===========  ===================================================================
 
@@ -24,6 +26,7 @@ Logs: ``{workdir}/logs/{process}.log``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -36,6 +39,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,7 @@ from tests.multihost.netns import Network
 PG_BIN = sorted(Path("/usr/lib/postgresql").glob("*/bin"))
 GPUFLEET = [sys.executable, "-m", "gpufleet.cli.main"]
 API_PORT, CTL_PORT, JOIN_PORT, AGENT_PORT = 8420, 8421, 8422, 8430
+CTL_METRICS_PORT, AGENT_METRICS_PORT = 9421, 9430
 BUCKET = "gpufleet"
 
 # Fast timings for tests: heartbeats every second, fenced after 6 s of silence.
@@ -138,15 +143,20 @@ class MultiHostFleet:
             for k, v in os.environ.items()
             if not k.startswith(("GPUFLEET_", "AWS_", "PYTEST_", "PG", "REDIS"))
         }
-        return base | self.settings | {
-            "GPUFLEET_DATA_DIR": str(data_dir),
-            "GPUFLEET_OBJECT_STORE_URL": f"s3://{BUCKET}/fleet",
-            "AWS_ENDPOINT_URL": f"http://{self.addr('s3')}:9000",
-            "AWS_ACCESS_KEY_ID": "gpufleet-test",
-            "AWS_SECRET_ACCESS_KEY": "gpufleet-test-secret",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "PYTHONUNBUFFERED": "1",
-        } | extra
+        return (
+            base
+            | self.settings
+            | {
+                "GPUFLEET_DATA_DIR": str(data_dir),
+                "GPUFLEET_OBJECT_STORE_URL": f"s3://{BUCKET}/fleet",
+                "AWS_ENDPOINT_URL": f"http://{self.addr('s3')}:9000",
+                "AWS_ACCESS_KEY_ID": "gpufleet-test",
+                "AWS_SECRET_ACCESS_KEY": "gpufleet-test-secret",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "PYTHONUNBUFFERED": "1",
+            }
+            | extra
+        )
 
     def host_dir(self, host: str) -> Path:
         path = self.workdir / "hosts" / host
@@ -236,12 +246,15 @@ class MultiHostFleet:
             self.start_agent(host)
         for host in self.gpu_hosts:
             self.wait_for(
-                lambda h=host: self.node_status(h) == "HEALTHY",
+                partial(self._is_healthy, host),
                 60,
                 f"agent {host} to register",
                 log=f"agent-{host}",
             )
         return self
+
+    def _is_healthy(self, node_id: str) -> bool:
+        return self.node_status(node_id) == "HEALTHY"
 
     def _start_postgres(self) -> None:
         assert PG_BIN, "PostgreSQL server binaries (/usr/lib/postgresql/*/bin): apt postgresql"
@@ -280,18 +293,28 @@ class MultiHostFleet:
         self.start_process("postgres")
         env = {"PGPASSWORD": self.db_password, "PATH": os.environ.get("PATH", "/usr/bin")}
         self.wait_for(
-            lambda: self.net.run(
-                "db",
-                [str(bin_dir / "pg_isready"), "-q", "-h", self.addr("db"), "-p", "5432"],
-                env=env,
-                check=False,
-            ).returncode
-            == 0,
+            lambda: (
+                self.net.run(
+                    "db",
+                    [str(bin_dir / "pg_isready"), "-q", "-h", self.addr("db"), "-p", "5432"],
+                    env=env,
+                    check=False,
+                ).returncode
+                == 0
+            ),
             60,
             "PostgreSQL",
             log="postgres",
         )
-        psql = [str(bin_dir / "psql"), "-h", self.addr("db"), "-U", "postgres", "-v", "ON_ERROR_STOP=1"]
+        psql = [
+            str(bin_dir / "psql"),
+            "-h",
+            self.addr("db"),
+            "-U",
+            "postgres",
+            "-v",
+            "ON_ERROR_STOP=1",
+        ]
         self.net.run(
             "db",
             [*psql, "-c", f"CREATE ROLE gpufleet LOGIN PASSWORD '{self.db_password}'"],
@@ -321,7 +344,10 @@ class MultiHostFleet:
             "s3",
             "s3",
             [str(moto), "-H", self.addr("s3"), "-p", "9000"],
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.host_dir("s3"))},
+            env={
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "HOME": str(self.host_dir("s3")),
+            },
         )
         self.start_process("s3")
         self.wait_for(lambda: _tcp_open(self, "client", self.addr("s3"), 9000), 60, "S3", log="s3")
@@ -344,7 +370,9 @@ class MultiHostFleet:
         """`gpufleet admin migrate` on an API host (a plain migrate call where the command
         is not in this build)."""
         env = self.control_env(self.host_dir("api-1"))
-        has = self.net.run("api-1", [*GPUFLEET, "admin", "migrate", "--help"], env=env, check=False)
+        has = self.net.run(
+            "api-1", [*GPUFLEET, "admin", "migrate", "--help"], env=env, check=False
+        )
         if has.returncode == 0:
             self.net.run("api-1", [*GPUFLEET, "admin", "migrate"], env=env, timeout_s=180)
             return
@@ -371,12 +399,13 @@ class MultiHostFleet:
 
     def _start_controller(self, i: int) -> None:
         host = f"ctl-{i}"
-        env = self.control_env(self.host_dir(host))
+        # the controller's --metrics-port listens on GPUFLEET_SERVER_HOST's address
+        env = self.control_env(self.host_dir(host)) | {"GPUFLEET_SERVER_HOST": "0.0.0.0"}
         self.add_process(
             f"controller-{i}",
             host,
             [*GPUFLEET, "controller", "--address", f"0.0.0.0:{CTL_PORT}",
-             "--join-address", f"0.0.0.0:{JOIN_PORT}"],
+             "--join-address", f"0.0.0.0:{JOIN_PORT}", "--metrics-port", str(CTL_METRICS_PORT)],
             env,
         )  # fmt: skip
         self.start_process(f"controller-{i}")
@@ -451,7 +480,7 @@ backend join
     def _api_ready(self) -> bool:
         try:
             return bool(self.http("GET", "/healthz", token=None).get("status") == "ok")
-        except Exception:  # noqa: BLE001 - not up yet
+        except Exception:
             return False
 
     def _tokens(self) -> None:
@@ -496,7 +525,8 @@ backend join
                 host,
                 [*GPUFLEET, "agent", "--node-id", host, "--gpus", self.gpus,
                  "--port", str(AGENT_PORT), "--state-dir", str(data / "agent"),
-                 "--jobs-dir", str(data / "jobs"), "--job-uids", "agent", "--runtime", "none"],
+                 "--jobs-dir", str(data / "jobs"), "--job-uids", "agent", "--runtime", "none",
+                 "--metrics-port", str(AGENT_METRICS_PORT)],
                 env,
             )  # fmt: skip
         self.start_process(name)
@@ -530,7 +560,9 @@ backend join
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
         if check and r.returncode != 0:
-            raise AssertionError(f"gpufleet {' '.join(args)}: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
+            raise AssertionError(
+                f"gpufleet {' '.join(args)}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+            )
         return r
 
     def http(
@@ -538,7 +570,7 @@ backend join
         method: str,
         path: str,
         *,
-        token: str | None | bool = True,
+        token: str | bool | None = True,
         json_body: Any = None,
         expect: int | None = 200,
     ) -> Any:
@@ -554,9 +586,7 @@ backend join
                 headers["Authorization"] = f"Bearer {bearer}"
             if method == "POST" and path == "/v1/jobs":
                 headers["Idempotency-Key"] = str(uuid.uuid4())
-            r = httpx.request(
-                method, self.url + path, headers=headers, json=json_body, timeout=10
-            )
+            r = httpx.request(method, self.url + path, headers=headers, json=json_body, timeout=10)
             if expect is not None:
                 assert r.status_code == expect, f"{method} {path}: {r.status_code} {r.text}"
             return r.json() if r.content else None
@@ -569,7 +599,7 @@ backend join
     def node_status(self, node_id: str) -> str | None:
         try:
             node = self.nodes().get(node_id)
-        except Exception:  # noqa: BLE001 - API not reachable yet
+        except Exception:
             return None
         return None if node is None else str(node["status"])
 
@@ -583,7 +613,9 @@ backend join
             ]
         )
 
-    def wait_status(self, job_id: str, statuses: set[str], timeout_s: float = 60) -> dict[str, Any]:
+    def wait_status(
+        self, job_id: str, statuses: set[str], timeout_s: float = 60
+    ) -> dict[str, Any]:
         found: dict[str, Any] = {}
 
         def check() -> bool:
@@ -608,16 +640,18 @@ backend join
         while time.monotonic() < deadline:
             if cond():
                 return
-            if log and self.procs.get(log) and self.procs[log].popen is not None:
-                if not self.procs[log].running:
-                    break
+            watched = self.procs.get(log or "")
+            if watched is not None and watched.popen is not None and not watched.running:
+                break  # the process this waits on died: no use waiting on
             time.sleep(0.2)
         tails = []
         for name, proc in self.procs.items():
             if name == log or (proc.popen is not None and not proc.running):
                 tails.append(f"--- {name} (exit {proc.popen and proc.popen.poll()}):\n"
                              + self.log_tail(name))  # fmt: skip
-        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}\n" + "\n".join(tails))
+        raise AssertionError(
+            f"timed out after {timeout_s}s waiting for {what}\n" + "\n".join(tails)
+        )
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.logs / f"{name}.log"
@@ -637,10 +671,8 @@ backend join
             proc = self.procs[name]
             if proc.popen is not None and proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGCONT)  # a stopped process must hear TERM
-                try:
+                with contextlib.suppress(Exception):
                     self.stop_process(name, timeout_s=10)
-                except Exception:  # noqa: BLE001 - teardown goes on
-                    pass
         self.net.destroy()
 
     def state(self) -> dict[str, Any]:
@@ -649,7 +681,9 @@ backend join
             "url": self.url,
             "admin_token": self.admin_token,
             "team_token": self.team_token,
-            "hosts": {n: {"netns": h.netns, "address": h.address} for n, h in self.net.hosts.items()},
+            "hosts": {
+                n: {"netns": h.netns, "address": h.address} for n, h in self.net.hosts.items()
+            },
             "processes": {
                 n: {"host": p.host, "pid": p.popen.pid if p.popen else None}
                 for n, p in self.procs.items()

@@ -18,6 +18,7 @@ against the hosts' addresses without a subprocess.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import ipaddress
 import itertools
@@ -71,10 +72,8 @@ def kill_namespace(ns: str, *, grace_s: float = 2.0) -> None:
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
         pids = _pids_in(ns)
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + wait
         while pids and time.monotonic() < deadline:
             pids = [p for p in pids if _pid_alive(p)]

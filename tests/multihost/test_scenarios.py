@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -155,18 +156,29 @@ def test_a_two_node_gang_meets_at_rank_0s_host_address(mh_fleet: MultiHostFleet)
 
 
 SLEEPER = r"""
-import os, sys, time
-open(sys.argv[1], "w").write(str(os.getpgid(0)))
+import sys, time
+open(sys.argv[1], "w").write("started")
 time.sleep(600)
 """
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _running(marker: str, attempt: int) -> bool:
+    """Whether attempt ``attempt`` of the job whose command line holds ``marker`` runs on this
+    machine, in any host namespace (found by /proc: a job in a PID namespace of its own
+    cannot name its pid as the machine sees it)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker.encode() not in (proc / "cmdline").read_bytes():
+                continue
+            env = (proc / "environ").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if f"GPUFLEET_ATTEMPT={attempt}".encode() in env and state != "Z":
+            return True
+    return False
 
 
 def test_an_agent_cut_off_past_the_fence_timeout_is_fenced_and_rejoins_clean(
@@ -181,17 +193,18 @@ def test_an_agent_cut_off_past_the_fence_timeout_is_fenced_and_rejoins_clean(
     pids = fleet.workdir / "pids"
     pids.mkdir(exist_ok=True)
     pids.chmod(0o777)
-    pidfile = pids / "sleeper-1"
+    marker = f"gfmh-sleeper-{uuid.uuid4().hex}"
+    pidfile = pids / marker
     job_id = fleet.submit(
         {
-            "command": [sys.executable, "-c", SLEEPER, str(pidfile)],
+            "command": [sys.executable, "-c", SLEEPER, str(pidfile), marker],
             "gpu_count": 2,
         }
     )
     first = fleet.wait_status(job_id, {"RUNNING"}, timeout_s=60)["attempts"][0]
     cut = fleet.node_host(first["node_id"])
-    fleet.wait_for(lambda: pidfile.exists() and pidfile.read_text() != "", 20, "the job's pgid")
-    pgid = int(pidfile.read_text())
+    fleet.wait_for(pidfile.exists, 20, "the job to start")
+    assert _running(marker, 1)
 
     fleet.cut(cut)
     cut_at = time.monotonic()
@@ -210,12 +223,14 @@ def test_an_agent_cut_off_past_the_fence_timeout_is_fenced_and_rejoins_clean(
         assert new["node_id"] != cut and new["token"] > old["token"]
         assert elapsed >= fence_s - 1, f"fenced {elapsed:.1f} s after the cut"
         assert fleet.nodes()[cut]["status"] in {"QUARANTINED", "FENCED"}
-        assert _group_alive(pgid), "the cut-off host's job runs on, unheard"
+        assert _running(marker, 1), "the cut-off host's job runs on, unheard"
+        assert new["attempt"] == 2
     finally:
         fleet.restore(cut)
 
     # back on the network: the agent stops the fenced attempt, then its GPUs come back
-    fleet.wait_for(lambda: not _group_alive(pgid), 90, "the fenced attempt to be stopped")
+    fleet.wait_for(lambda: not _running(marker, 1), 90, "the fenced attempt to be stopped")
+    assert _running(marker, 2)
     fleet.wait_for(
         lambda: (
             fleet.nodes()[cut]["status"] == "HEALTHY" and fleet.nodes()[cut]["available_gpus"] == 4
@@ -235,3 +250,30 @@ def test_an_agent_cut_off_past_the_fence_timeout_is_fenced_and_rejoins_clean(
         30,
         "every GPU free again",
     )
+
+
+def test_prometheus_on_another_host_reaches_every_metrics_endpoint(
+    mh_fleet: MultiHostFleet,
+) -> None:
+    """deploy/prometheus/prometheus.yml's targets, scraped from the client host: each API
+    server's /metrics on 8420, each controller on 9421 (exactly one says it leads), each agent
+    on 9430."""
+    from tests.multihost.fleet import AGENT_METRICS_PORT, API_PORT, CTL_METRICS_PORT
+
+    fleet = mh_fleet
+
+    def scrape(host: str, port: int) -> str:
+        import httpx
+
+        return httpx.get(f"http://{fleet.addr(host)}:{port}/metrics", timeout=10).text
+
+    for api in ("api-1", "api-2"):
+        assert "gpufleet_api" in fleet.net.call_in("client", scrape, api, API_PORT)
+    leaders = []
+    for ctl in ("ctl-1", "ctl-2"):
+        text = fleet.net.call_in("client", scrape, ctl, CTL_METRICS_PORT)
+        line = next(x for x in text.splitlines() if x.startswith("gpufleet_leader "))
+        leaders.append(float(line.split()[1]))
+    assert sorted(leaders) == [0.0, 1.0], leaders
+    for gpu in fleet.gpu_hosts:
+        assert "gpufleet_agent" in fleet.net.call_in("client", scrape, gpu, AGENT_METRICS_PORT)
