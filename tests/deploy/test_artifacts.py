@@ -392,3 +392,21 @@ def test_every_command_line_uses_real_commands_and_options() -> None:
                 flag = word.split("=", 1)[0]
                 if flag not in opts:
                     assert (name, flag) in LANDING, f"{where}: `gpufleet {name}` has no {flag}"
+
+
+def test_shell_snippets_parse() -> None:
+    """The `sh -c` scripts of the compose services and the agent DaemonSet are valid sh."""
+    scripts = [
+        (name, " ".join(svc["command"]).replace("$$", "$"))
+        for name, svc in _compose()["services"].items()
+        if svc.get("entrypoint")
+    ]
+    for (kind, name), obj in _k8s_objects().items():
+        if kind in ("Deployment", "DaemonSet", "Job"):
+            c = _pod_spec(obj)["containers"][0]
+            if c.get("command", [])[:2] == ["/bin/sh", "-c"]:
+                scripts.append((f"{kind}/{name}", c["args"][0]))
+    assert len(scripts) >= 5, scripts
+    for where, script in scripts:
+        r = subprocess.run(["sh", "-n", "-c", script], capture_output=True, text=True)
+        assert r.returncode == 0, f"{where}: {r.stderr}"
