@@ -5,7 +5,7 @@
 #
 #   scripts/multihost.sh up [--agents N] [--dir DIR]   (foreground; Ctrl-C stops and removes it)
 #   scripts/multihost.sh status | down
-#   scripts/multihost.sh exec HOST -- CMD...           e.g. exec client gpufleet nodes
+#   scripts/multihost.sh exec HOST -- CMD...           e.g. exec client -- gpufleet nodes
 #   scripts/multihost.sh cut HOST | restore HOST       take a host's link down / up
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -2,7 +2,7 @@
 
     python -m tests.multihost up [--dir DIR] [--agents N]   foreground; Ctrl-C / SIGTERM ends it
     python -m tests.multihost status|down [--dir DIR]
-    python -m tests.multihost exec HOST [--dir DIR] -- CMD...   e.g. exec client gpufleet nodes
+    python -m tests.multihost exec HOST [--dir DIR] -- CMD...   e.g. exec client -- gpufleet nodes
     python -m tests.multihost cut|restore HOST [--dir DIR]
 
 ``up`` writes ``DIR/state.json`` (namespaces, addresses, tokens, pids; mode 0600) and keeps
@@ -30,10 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/multihost.sh")
     p.add_argument("action", choices=["up", "down", "status", "exec", "cut", "restore"])
     p.add_argument("host", nargs="?")
-    p.add_argument("cmd", nargs=argparse.REMAINDER)
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     p.add_argument("--agents", type=int, default=3)
-    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv[argv.index("--") + 1 :] if "--" in argv else []  # exec's command, as given
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     state_path = args.dir / "state.json"
     if args.action == "up":
         return _up(args.dir, args.agents)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action in ("cut", "restore"):
         verb = "down" if args.action == "cut" else "up"
         return subprocess.call(["ip", "-n", host["netns"], "link", "set", "eth0", verb])
-    cmd = [c for c in args.cmd if c != "--"] or ["bash"]
+    cmd = cmd or ["bash"]
     if cmd[0] == "gpufleet":
         cmd = [sys.executable, "-m", "gpufleet.cli.main", *cmd[1:]]
     env = dict(os.environ, GPUFLEET_URL=state["url"], GPUFLEET_TOKEN=state["admin_token"])
@@ -100,7 +101,7 @@ def _up(workdir: Path, agents: int) -> int:
         state = fleet.state() | {"keeper_pid": os.getpid()}
         (workdir / "state.json").write_text(json.dumps(state, indent=2) + "\n")
         (workdir / "state.json").chmod(0o600)
-        print(f"API {fleet.url} (from a host: scripts/multihost.sh exec client gpufleet nodes)")
+        print(f"API {fleet.url} (from a host: scripts/multihost.sh exec client -- gpufleet nodes)")
         print(f"admin token {fleet.admin_token}")
         print(f"team '{fleet.team}' token {fleet.team_token}")
         for name, host in fleet.net.hosts.items():

@@ -26,7 +26,6 @@ Logs: ``{workdir}/logs/{process}.log``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
@@ -664,15 +663,21 @@ backend join
     def stop(self) -> None:
         """Stop every process (agents first, the database last) and delete the namespaces,
         with anything still running in them (jobs included)."""
-        order = [n for n in self.procs if n.startswith("agent-")]
-        order += [n for n in self.procs if n.startswith(("api-", "controller-"))]
-        order += [n for n in ("haproxy", "s3", "redis", "postgres") if n in self.procs]
-        for name in order:
-            proc = self.procs[name]
-            if proc.popen is not None and proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGCONT)  # a stopped process must hear TERM
-                with contextlib.suppress(Exception):
-                    self.stop_process(name, timeout_s=10)
+        tiers = [[n for n in self.procs if n.startswith("agent-")]]
+        tiers.append([n for n in self.procs if n.startswith(("api-", "controller-"))])
+        tiers += [[n] for n in ("haproxy", "s3", "redis", "postgres") if n in self.procs]
+        for tier in tiers:  # a tier at once: SIGTERM to each, then wait for each (10 s)
+            live = [p.popen for p in (self.procs[n] for n in tier) if p.running and p.popen]
+            for popen in live:
+                popen.send_signal(signal.SIGCONT)  # a stopped process must hear TERM
+                popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            for popen in live:
+                try:
+                    popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    popen.kill()
+                    popen.wait(timeout=10)
         self.net.destroy()
 
     def state(self) -> dict[str, Any]:

@@ -17,7 +17,8 @@ import pytest
 
 from tests.multihost.fleet import BUCKET, MultiHostFleet
 
-pytestmark = pytest.mark.slow
+# the module's fleet starts in the first test's setup (about 80 s on a loaded 2-core machine)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED", "DEPENDENCY_FAILED"}
 
 ARTIFACTS = r"""
