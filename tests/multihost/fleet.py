@@ -209,6 +209,29 @@ class MultiHostFleet:
         if sig not in (signal.SIGSTOP, signal.SIGCONT):
             proc.popen.wait(timeout=10)
 
+    def leader(self) -> str | None:
+        """The name of the controller process that holds the leader lease (by each one's
+        ``gpufleet_leader`` metric, read from the client host), or None when none says so."""
+
+        def scrape(host: str) -> float:
+            import httpx
+
+            try:
+                text = httpx.get(
+                    f"http://{self.addr(host)}:{CTL_METRICS_PORT}/metrics", timeout=3
+                ).text
+            except httpx.HTTPError:
+                return 0.0
+            line = next((x for x in text.splitlines() if x.startswith("gpufleet_leader ")), "")
+            return float(line.split()[1]) if line else 0.0
+
+        for i in (1, 2):
+            if self.procs[f"controller-{i}"].running and self.net.call_in(
+                "client", scrape, f"ctl-{i}"
+            ):
+                return f"controller-{i}"
+        return None
+
     def cut(self, host: str) -> None:
         """Take ``host``'s network link down (its processes keep running)."""
         self.net.cut(host)

@@ -276,5 +276,6 @@ def test_prometheus_on_another_host_reaches_every_metrics_endpoint(
         line = next(x for x in text.splitlines() if x.startswith("gpufleet_leader "))
         leaders.append(float(line.split()[1]))
     assert sorted(leaders) == [0.0, 1.0], leaders
+    assert fleet.leader() == f"controller-{leaders.index(1.0) + 1}"
     for gpu in fleet.gpu_hosts:
         assert "gpufleet_agent" in fleet.net.call_in("client", scrape, gpu, AGENT_METRICS_PORT)
