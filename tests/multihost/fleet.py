@@ -21,7 +21,15 @@ Every process has a name (``postgres``, ``redis``, ``s3``, ``haproxy``, ``contro
 ``api-1``, ``agent-gpu-1``, ...) that :meth:`MultiHostFleet.stop_process`,
 :meth:`~MultiHostFleet.kill_process` and :meth:`~MultiHostFleet.start_process` take;
 :meth:`~MultiHostFleet.cut` / :meth:`~MultiHostFleet.restore` take a host's link down and up.
-Logs: ``{workdir}/logs/{process}.log``.
+Logs: ``{workdir}/logs/{process}.log``. A scenario drives it like this::
+
+    leader = fleet.leader()                 # "controller-1" or "controller-2" (its metric)
+    fleet.kill_process(leader)              # SIGKILL; or stop_process (SIGTERM, then KILL)
+    fleet.wait_for(lambda: fleet.leader() not in (None, leader), 60, "a new leader")
+    fleet.start_process(leader)             # the same command line, env and host again
+    fleet.cut("gpu-2"); fleet.restore("gpu-2")
+    fleet.cli("submit", "-q", "--gpus", "1", "--", "true")   # the CLI on the client host
+    fleet.http("GET", "/v1/nodes")          # REST from the client host (admin token)
 """
 
 from __future__ import annotations
