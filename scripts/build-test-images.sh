@@ -69,7 +69,8 @@ fi
 EXAMPLES=no
 if [ -n "$SITE" ] && [ -d "$SITE/sklearn" ]; then EXAMPLES=yes; fi
 if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/python 3.11 ||
-  { [ "$EXAMPLES" = yes ] && [ "$(registry_label gpufleet/python 3.11 gpufleet.examples)" != yes ]; }; then
+  { [ "$EXAMPLES" = yes ] && [ "$(registry_label gpufleet/python 3.11 gpufleet.examples)" != yes ]; } ||
+  [ "$(registry_label gpufleet/python 3.11 gpufleet.libc)" != full ]; then
   R="$WORK/py"
   busybox_root "$R"
   PY="$(readlink -f /usr/bin/python3.11)"
@@ -95,10 +96,17 @@ if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/python 3.11 ||
     mkdir -p "$R$(dirname "$lib")"; cp -L "$lib" "$R$lib"
   done
   [ -e "$R/lib64" ] || { mkdir -p "$R/lib64"; cp -L /lib64/ld-linux-x86-64.so.2 "$R/lib64/"; }
+  # The whole C library (librt, libutil, libnss_*, ...), not only what the interpreter links:
+  # manylinux wheels (grpcio, pydantic-core) need more of it, e.g. in the gpufleet image that
+  # deploy/container/build.sh builds FROM this one.
+  dpkg -L libc6 | grep -E '^/(usr/)?lib[^/]*/([^/]+/)?[^/]+\.so(\.[0-9]+)*$' | while read -r lib; do
+    [ -e "$lib" ] && [ ! -e "$R$lib" ] || continue
+    mkdir -p "$R$(dirname "$lib")"; cp -L "$lib" "$R$lib"
+  done
   mkdir -p "$R/opt/gpufleet"; cp examples/train_digits.py "$R/opt/gpufleet/"
   tar -C "$R" -cf "$WORK/py.tar" .
   "${PODMAN[@]}" import --change 'CMD ["/usr/bin/python3"]' --change 'ENV PYTHONDONTWRITEBYTECODE=1' \
-    --change "LABEL gpufleet.examples=$EXAMPLES" \
+    --change "LABEL gpufleet.examples=$EXAMPLES" --change "LABEL gpufleet.libc=full" \
     "$WORK/py.tar" localhost/gpufleet/python:3.11 >/dev/null
   "${PODMAN[@]}" run --rm --network none localhost/gpufleet/python:3.11 \
     python3 -c 'import json, ssl, sqlite3; print("python ok")'

@@ -65,3 +65,20 @@ if [ "${GPUFLEET_SKIP_CONTAINERS:-0}" != 1 ]; then
   curl -sf http://127.0.0.1:5000/v2/ >/dev/null
   "$(dirname "$0")/build-test-images.sh"
 fi
+
+# Deployment artefacts and the multi-host harness (tests/deploy, tests/multihost): haproxy
+# (`haproxy -c` on the shipped configs, and the load balancer of the namespace fleet),
+# iproute2 (`ip netns`), util-linux's setpriv, systemd-analyze (units are verified when it is
+# there).
+missing=""
+command -v haproxy >/dev/null 2>&1 || missing="$missing haproxy"
+command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+command -v setpriv >/dev/null 2>&1 || missing="$missing util-linux"
+if [ -n "$missing" ]; then
+  for _ in $(seq 10); do  # another apt-get may hold the lock
+    $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q $missing && break
+    sleep 6
+  done
+fi
+command -v haproxy >/dev/null && command -v ip >/dev/null
