@@ -27,7 +27,7 @@ from gpufleet.store.migrate import head_revision, schema_state
 from tests.conftest import PG_ADMIN_URL, _admin
 from tests.ports import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # many CLI starts on a busy box
 
 PREVIOUS = "0007i"  # the previous release's head revision
 EXE = [sys.executable, "-m", "gpufleet.cli.main"]
