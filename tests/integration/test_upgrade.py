@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import SecretStr
 from sqlalchemy import text
 
 from gpufleet.processes import agent_tls_args, ensure_fleet_ca
@@ -63,7 +64,7 @@ class Platform:
             self.env["GPUFLEET_DATABASE_URL"] = database_url
         self.settings = Settings(
             data_dir=tmp,
-            database_url=database_url,
+            database_url=SecretStr(database_url) if database_url else None,
             controller_address=self.controller_address,
             join_address=self.join_address,
         )
@@ -111,8 +112,12 @@ class Platform:
         finally:
             db.dispose()
         proc = subprocess.Popen(
-            [*EXE, "agent", "--node-id", node_id, "--gpus", gpus, "--state-dir", str(state)]
-            + [*tls_args, "--job-uids", "agent"],
+            [
+                *EXE,
+                *("agent", "--node-id", node_id, "--gpus", gpus, "--state-dir", str(state)),
+                *tls_args,
+                *("--job-uids", "agent"),
+            ],
             env={**self.env, **tls_env},
             stdout=open(self.tmp / f"agent-{node_id}.log", "ab"),  # noqa: SIM115
             stderr=subprocess.STDOUT,
@@ -253,8 +258,9 @@ def test_migrate_takes_the_previous_releases_schema_to_head_with_live_jobs(
             line = _refusal(p, command)
             assert f"at revision {PREVIOUS}, older than this gpufleet's {head}" in line, line
             assert "`gpufleet admin migrate`" in line, line
-        line = p.cli("admin", "check")
-        assert line.returncode == 2 and "gpufleet admin migrate" in line.stderr, line.stderr
+        refused = p.cli("admin", "check")
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "gpufleet admin migrate" in refused.stderr, refused.stderr
         check = p.cli("admin", "migrate", "--check")
         assert check.returncode == 1, check.stdout + check.stderr
         assert f"current revision: {PREVIOUS}; target: {head}" in check.stdout

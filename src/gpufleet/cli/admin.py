@@ -114,6 +114,8 @@ def admin_migrate(
     servers, which refuse an older schema (docs/operations/upgrade.md). Exit 0 done or up to
     date; 1 --check found pending migrations; 2 an unknown revision (a newer gpufleet
     migrated the database, or a bad --to)."""
+    from sqlalchemy.exc import OperationalError
+
     from gpufleet.store.migrate import SchemaMismatch, migrate, schema_state
 
     settings = load_settings(data_dir)
@@ -126,7 +128,12 @@ def admin_migrate(
         settings.private_data_dir()
         db = Database(url)
     try:
-        state = schema_state(db)
+        try:
+            state = schema_state(db)
+        except OperationalError as exc:
+            first = str(exc.orig or exc).strip().splitlines()[0]
+            err.print(f"[red]error:[/] cannot use the database: {escape(first)}", soft_wrap=True)
+            raise typer.Exit(2) from None
         target = state.head if to == "head" else to
         out.print(
             f"current revision: {state.current or '(empty database)'}; target: {target}"
