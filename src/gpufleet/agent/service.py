@@ -200,17 +200,9 @@ class ControllerLink:
     def _other_store(self, fleet_url: str) -> str:
         """A refusal when the controller named a fleet object store other than ours (a
         controller that checks refuses itself; this covers one that only tells)."""
-        from gpufleet.objectstore import same_store
+        from gpufleet.objectstore import mismatch
 
-        if not fleet_url or not self.object_store_url:
-            return ""
-        if same_store(fleet_url, self.object_store_url):
-            return ""
-        return (
-            f"object store mismatch: this agent uses {self.object_store_url}, the fleet uses "
-            f"{fleet_url} (set GPUFLEET_OBJECT_STORE_URL and the store's credentials on the "
-            "agent as on the controllers and API servers)"
-        )
+        return mismatch(self.object_store_url, fleet_url) or ""
 
     def heartbeat_once(self) -> None:
         """Send one heartbeat and apply the answer (stop list, re-registration).

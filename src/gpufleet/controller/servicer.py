@@ -13,7 +13,7 @@ from gpufleet.controller import metrics
 from gpufleet.controller.identity import NodeAuthenticator
 from gpufleet.controller.rpc_errors import guard as _guard
 from gpufleet.domain.types import GpuDevice
-from gpufleet.objectstore import ObjectStore, public_url, same_store
+from gpufleet.objectstore import ObjectStore, mismatch, public_url
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import nodes, runs
@@ -76,13 +76,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNodeResponse:
         node_id = self._node(context, "RegisterNode", request.node_id)
-        if request.object_store_url and not same_store(request.object_store_url, self.store_url):
-            # refused before the node is written: the scheduler never sees it HEALTHY
-            refused = (
-                f"object store mismatch: this agent uses {public_url(request.object_store_url)},"
-                f" the fleet uses {self.store_url} (set GPUFLEET_OBJECT_STORE_URL and the "
-                "store's credentials on the agent as on the controllers and API servers)"
-            )
+        refused = mismatch(request.object_store_url, self.store_url)
+        if refused is not None:  # before the node is written: the scheduler never sees it
             log.warning("node %s not registered: %s", node_id, refused)
             return pb.RegisterNodeResponse(object_store_url=self.store_url, refused=refused)
         inv = nodes.NodeInventory(

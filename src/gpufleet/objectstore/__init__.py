@@ -46,6 +46,18 @@ def same_store(a: str, b: str) -> bool:
     return public_url(a) == public_url(b)
 
 
+def mismatch(agent_url: str, fleet_url: str) -> str | None:
+    """One line naming both stores when an agent's store is not the fleet's, else None
+    (also None when either is empty: a process older than the check says nothing)."""
+    if not agent_url or not fleet_url or same_store(agent_url, fleet_url):
+        return None
+    return (
+        f"object store mismatch: this agent uses {public_url(agent_url)}, the fleet uses "
+        f"{public_url(fleet_url)} (set GPUFLEET_OBJECT_STORE_URL and the store's credentials "
+        "on the agent as on the controllers and API servers)"
+    )
+
+
 def probe(url: str, node_id: str) -> str | None:
     """Write a small random object at ``{PROBE_PREFIX}/{node_id}`` of store ``url`` and read
     it back: None when it came back intact, else a one-line reason (the exception's type
