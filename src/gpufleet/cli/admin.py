@@ -1,6 +1,6 @@
 """``gpufleet admin``: the operator's sub-app.
 
-``admin check`` and ``admin ca init`` work on the database host (the platform's database and
+``admin check``, ``admin migrate`` and ``admin ca init`` work on the database host (the platform's database and
 PKI directory, no server needed) and live here; ``admin team|token|node`` and ``admin prepull``
 go through the REST API (:mod:`gpufleet.cli.admin_api`) and are mounted by
 :func:`admin_group`. The root app imports this module only when ``admin`` is called (see
@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 admin_app = typer.Typer(
     help="Operator commands: team, token and node through the API with an admin token;"
-    " check and ca on the database host.",
+    " check, migrate and ca on the database host.",
     no_args_is_help=True,
 )
 
