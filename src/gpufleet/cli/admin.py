@@ -1,10 +1,10 @@
 """``gpufleet admin``: the operator's sub-app.
 
-``admin check``, ``admin migrate`` and ``admin ca init`` work on the database host (the platform's database and
-PKI directory, no server needed) and live here; ``admin team|token|node`` and ``admin prepull``
-go through the REST API (:mod:`gpufleet.cli.admin_api`) and are mounted by
-:func:`admin_group`. The root app imports this module only when ``admin`` is called (see
-``LAZY_GROUPS`` in :mod:`gpufleet.cli.main`).
+``admin check``, ``admin migrate`` and ``admin ca init`` work on the database host (the
+platform's database and PKI directory, no server needed) and live here; ``admin
+team|token|node`` and ``admin prepull`` go through the REST API (:mod:`gpufleet.cli.admin_api`)
+and are mounted by :func:`admin_group`. The root app imports this module only when ``admin``
+is called (see ``LAZY_GROUPS`` in :mod:`gpufleet.cli.main`).
 """
 
 from __future__ import annotations
