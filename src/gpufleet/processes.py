@@ -25,7 +25,8 @@ from gpufleet.queue import Waker, make_waker
 from gpufleet.services import auth
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
-from gpufleet.store.migrate import migrate
+from gpufleet.store.migrate import check_schema
+from gpufleet.store.migrate import migrate as run_migrations
 
 log = logging.getLogger("gpufleet")
 
@@ -86,11 +87,33 @@ def _host_port(address: str) -> tuple[str, int]:
     return host, int(port) if port.isdigit() else 0
 
 
-def open_database(settings: Settings) -> Database:
+def open_database(
+    settings: Settings, *, migrate: bool = True, allow_newer_schema: bool = False
+) -> Database:
+    """Open the platform's database.
+
+    Args:
+        migrate: apply pending migrations first (the embedded platform: ``up``, ``demo``,
+            tests); False = only check that the schema is this code's (``server`` and
+            ``controller`` without ``--migrate``, admin commands).
+        allow_newer_schema: with ``migrate=False``, accept a schema migrated by a newer
+            gpufleet (rolling upgrades with additive migrations).
+
+    Raises:
+        SchemaMismatch: the schema is not this code's (one line naming the command to run),
+            or (``migrate``) was migrated by a newer gpufleet.
+    """
     if settings.database_url is None:
         settings.private_data_dir()  # the embedded SQLite file lives there
     db = Database(settings.resolved_database_url())
-    migrate(db)
+    try:
+        if migrate:
+            run_migrations(db)
+        else:
+            check_schema(db, allow_newer=allow_newer_schema)
+    except BaseException:
+        db.dispose()
+        raise
     return db
 
 

@@ -118,6 +118,20 @@ class Settings(BaseSettings):
         default=500, ge=1, description="Token-bucket size: submits a team may make at once."
     )
 
+    # upgrades (docs/operations/upgrade.md)
+    migrate_on_start: bool = Field(
+        default=False,
+        description="`gpufleet server`/`controller` apply pending migrations before starting"
+        " (as --migrate); by default they refuse a schema other than their own and name"
+        " `gpufleet admin migrate`.",
+    )
+    allow_newer_schema: bool = Field(
+        default=False,
+        description="`gpufleet server`/`controller` start on a schema migrated by a newer"
+        " gpufleet (as --allow-newer-schema): the previous release beside the new one while"
+        " a rolling upgrade with additive migrations runs.",
+    )
+
     def resolved_data_dir(self) -> Path:
         return self.data_dir.expanduser().resolve()
 

@@ -89,16 +89,16 @@ class Fleet:
     ) -> None:
         state_dir = state_dir or self.tmp / "agents" / node_id
         tls_args, tls_env = agent_tls_args(self.db, self.settings, node_id, state_dir)
-        env = dict(
-            os.environ,
+        env = {  # a test's env may override any of these (e.g. another object store)
+            **os.environ,
             **tls_env,
-            GPUFLEET_DATA_DIR=str(self.tmp),
-            GPUFLEET_CONTROLLER_ADDRESS=self.settings.controller_address,
-            GPUFLEET_JOIN_ADDRESS=self.settings.resolved_join_address(),
-            GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
-            GPUFLEET_DEFAULT_GRACE_S=str(self.settings.default_grace_s),
+            "GPUFLEET_DATA_DIR": str(self.tmp),
+            "GPUFLEET_CONTROLLER_ADDRESS": self.settings.controller_address,
+            "GPUFLEET_JOIN_ADDRESS": self.settings.resolved_join_address(),
+            "GPUFLEET_OBJECT_STORE_URL": self.settings.resolved_object_store_url(),
+            "GPUFLEET_DEFAULT_GRACE_S": str(self.settings.default_grace_s),
             **(env or {}),
-        )
+        }
         log = open(self.tmp / f"agent-{node_id}.log", "ab")  # noqa: SIM115
         self.agents[node_id] = subprocess.Popen(
             [

@@ -55,7 +55,7 @@ from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
 from gpufleet.agent.runtime.process import ProcessRuntime
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
-from gpufleet.objectstore import ObjectStore
+from gpufleet.objectstore import PROBE_PREFIX, ObjectStore, probe, public_url
 from gpufleet.rpc import tls
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
@@ -69,6 +69,12 @@ LOG_SYNC_INTERVAL_S = 1.0
 GRPC_WORKERS = 8
 STOP_THREADS_S = 4.0
 """Seconds a stopping agent waits for its threads (heartbeat, outbox, log mirror, renewal)."""
+
+
+class StoreRefused(RuntimeError):
+    """The node may not join this fleet: its object store cannot be written and read back,
+    or the controller refused it (another object store than the fleet's). ``str(exc)`` is
+    one line naming the store URL(s); ``python -m gpufleet.agent`` exits 5 with it."""
 
 
 class AgentAlreadyRunning(RuntimeError):
@@ -280,6 +286,9 @@ def run_agent(
             reachable by it.
         OSError: the state dir is unusable or the port cannot be bound.
         tls.PkiError: no usable node certificate and no (valid) join token.
+        StoreRefused: the object store cannot be written and read back (checked before
+            anything else), or the controller refused the node (another object store than
+            the fleet's): the agent stopped without registering.
     """
     cfg = settings if isinstance(settings, AgentConfig) else AgentConfig.from_settings(settings)
     if metrics_port:
@@ -292,6 +301,13 @@ def run_agent(
     # its jobs must not (exec keeps SIG_IGN, and the shim's sh cannot reset it)
     shim.unignore_signals()
     inventory = load_inventory(node_id, gpus)
+    store_url = public_url(cfg.object_store_url)
+    problem = probe(cfg.object_store_url, node_id)  # before a join spends the token
+    if problem is not None:
+        raise StoreRefused(
+            f"object store {store_url} (GPUFLEET_OBJECT_STORE_URL) cannot be written and "
+            f"read back ({PROBE_PREFIX}/{node_id}): {problem}; this node does not register"
+        )
     creds: tls.NodeCredentials | None = None
     joined_now = True  # the credentials in use were just made by a join (or there are none)
     if insecure:
@@ -458,6 +474,7 @@ def run_agent(
         stop_event=stop,
         images=images,
         rejoin=rejoin_after_revocation,
+        object_store_url=store_url,
     )
     monitor = threading.Thread(
         target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True
@@ -509,6 +526,8 @@ def run_agent(
         if runner.jobs_dir != runner.runs_dir:
             with contextlib.suppress(OSError):
                 runner.jobs_dir.rmdir()
+    if link.refused is not None:
+        raise StoreRefused(link.refused)
 
 
 def _container_runtime(

@@ -112,8 +112,13 @@ class ControllerLink:
         stop_event: threading.Event,
         images: ImageReporter | None = None,
         rejoin: Callable[[], bool] | None = None,
+        object_store_url: str = "",
     ) -> None:
         self.core = core
+        self.object_store_url = object_store_url
+        self.refused: str | None = None
+        """Why the controller refused this node for good (its answer's ``refused``, or
+        another object store than the fleet's); the agent stopped and exits with it."""
         self.rejoin = rejoin
         self.images = images
         self.stub = stub
@@ -144,6 +149,7 @@ class ControllerLink:
             memory_mb=self.inventory.memory_mb,
             labels=self.labels,
             inventory_source=self.inventory.source,
+            object_store_url=self.object_store_url,
         )
         attempts = 0
         while not self.stop_event.is_set():
@@ -171,6 +177,12 @@ class ControllerLink:
                 self.stop_event.wait(delay)
                 delay = min(REGISTER_BACKOFF_MAX_S, delay * 2)
                 continue
+            refused = resp.refused or self._other_store(resp.object_store_url)
+            if refused:  # a configuration error no retry mends: stop the agent
+                logger.error("controller refused node %s: %s", self.node_id, refused)
+                self.refused = refused
+                self.stop_event.set()
+                return False
             self.core.note_leader_epoch(resp.leader_epoch)
             if self.fixed_interval_s is None and resp.heartbeat_interval_s > 0:
                 self.interval_s = resp.heartbeat_interval_s
@@ -184,6 +196,13 @@ class ControllerLink:
             self.registered.set()
             return True
         return False
+
+    def _other_store(self, fleet_url: str) -> str:
+        """A refusal when the controller named a fleet object store other than ours (a
+        controller that checks refuses itself; this covers one that only tells)."""
+        from gpufleet.objectstore import mismatch
+
+        return mismatch(self.object_store_url, fleet_url) or ""
 
     def heartbeat_once(self) -> None:
         """Send one heartbeat and apply the answer (stop list, re-registration).

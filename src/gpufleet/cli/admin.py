@@ -1,10 +1,10 @@
 """``gpufleet admin``: the operator's sub-app.
 
-``admin check`` and ``admin ca init`` work on the database host (the platform's database and
-PKI directory, no server needed) and live here; ``admin team|token|node`` and ``admin prepull``
-go through the REST API (:mod:`gpufleet.cli.admin_api`) and are mounted by
-:func:`admin_group`. The root app imports this module only when ``admin`` is called (see
-``LAZY_GROUPS`` in :mod:`gpufleet.cli.main`).
+``admin check``, ``admin migrate`` and ``admin ca init`` work on the database host (the
+platform's database and PKI directory, no server needed) and live here; ``admin
+team|token|node`` and ``admin prepull`` go through the REST API (:mod:`gpufleet.cli.admin_api`)
+and are mounted by :func:`admin_group`. The root app imports this module only when ``admin``
+is called (see ``LAZY_GROUPS`` in :mod:`gpufleet.cli.main`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 admin_app = typer.Typer(
     help="Operator commands: team, token and node through the API with an admin token;"
-    " check and ca on the database host.",
+    " check, migrate and ca on the database host.",
     no_args_is_help=True,
 )
 
@@ -64,9 +64,13 @@ def admin_check(data_dir: DataDir = None) -> None:
     out.print("[green]no violations[/]")
 
 
-def _admin_db(data_dir: Path | None) -> Database:
-    """The platform's database; never creates an embedded one that does not exist yet."""
+def _admin_db(data_dir: Path | None, *, check_schema: bool = True) -> Database:
+    """The platform's database; never creates an embedded one that does not exist yet.
+    Its schema must be this version's (else one line naming `gpufleet admin migrate`, exit
+    2) unless ``check_schema`` is False (``admin migrate`` itself)."""
     from gpufleet.processes import open_database
+    from gpufleet.store.db import Database
+    from gpufleet.store.migrate import SchemaMismatch
 
     settings = load_settings(data_dir)
     url = settings.resolved_database_url()
@@ -76,7 +80,91 @@ def _admin_db(data_dir: Path | None) -> Database:
             "start the platform (gpufleet up), or pass --data-dir / set GPUFLEET_DATABASE_URL"
         )
         raise typer.Exit(2)
-    return open_database(settings)
+    if not check_schema:
+        return Database(url)
+    try:
+        return open_database(settings, migrate=False)
+    except SchemaMismatch as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+@admin_app.command("migrate")
+def admin_migrate(
+    data_dir: DataDir = None,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check", help="Change nothing: exit 1 when migrations are pending, naming them."
+        ),
+    ] = False,
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            metavar="REV",
+            help="Target revision (default head; an older one downgrades: stop every "
+            "server and controller first and back up the database).",
+        ),
+    ] = "head",
+) -> None:
+    """Apply the schema migrations (the Alembic chain) to the platform's database
+    (GPUFLEET_DATABASE_URL, or the embedded SQLite file of --data-dir), printing the current
+    and target revision. Run it before starting a new version's controllers and API
+    servers, which refuse an older schema (docs/operations/upgrade.md). Exit 0 done or up to
+    date; 1 --check found pending migrations; 2 an unknown revision (a newer gpufleet
+    migrated the database, or a bad --to)."""
+    from sqlalchemy.exc import OperationalError
+
+    from gpufleet.store.migrate import SchemaMismatch, migrate, schema_state
+
+    settings = load_settings(data_dir)
+    url = settings.resolved_database_url()
+    if check or not url.startswith("sqlite:///"):
+        db = _admin_db(data_dir, check_schema=False)
+    else:  # an embedded database is created by the first migration, as `gpufleet up` does
+        from gpufleet.store.db import Database
+
+        settings.private_data_dir()
+        db = Database(url)
+    try:
+        try:
+            state = schema_state(db)
+        except OperationalError as exc:
+            first = str(exc.orig or exc).strip().splitlines()[0]
+            err.print(f"[red]error:[/] cannot use the database: {escape(first)}", soft_wrap=True)
+            raise typer.Exit(2) from None
+        target = state.head if to == "head" else to
+        out.print(
+            f"current revision: {state.current or '(empty database)'}; target: {target}"
+            + ("" if state.known else " (the current revision is unknown to this gpufleet)")
+        )
+        if check:
+            if not state.known:
+                err.print(
+                    f"[red]error:[/] revision {escape(str(state.current))} is newer than this "
+                    f"gpufleet knows (head {state.head})"
+                )
+                raise typer.Exit(2)
+            if state.pending:
+                out.print(
+                    f"{len(state.pending)} migration(s) pending: {', '.join(state.pending)}"
+                    " (run `gpufleet admin migrate`)"
+                )
+                raise typer.Exit(1)
+            out.print("[green]up to date[/]")
+            return
+        try:
+            before, after = migrate(db, to)
+        except SchemaMismatch as exc:
+            err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+            raise typer.Exit(2) from None
+        if before == after:
+            out.print(f"[green]up to date[/] at {after}")
+        else:
+            out.print(f"[green]migrated[/] {before or '(empty)'} -> {after}")
+    finally:
+        db.dispose()
 
 
 def run_admin(data_dir: Path | None, fn: Callable[[Session], T]) -> T:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -26,6 +26,10 @@ from gpufleet.cli.common import (
 )
 from gpufleet.cli.config import client_config_path, default_config_path, write_client_config
 from gpufleet.domain.errors import GpufleetError
+
+if TYPE_CHECKING:
+    from gpufleet.settings import Settings
+    from gpufleet.store.db import Database
 
 
 def register(app: typer.Typer) -> None:
@@ -190,18 +194,58 @@ def demo(
     )
 
 
+Migrate = Annotated[
+    bool | None,
+    typer.Option(
+        "--migrate",
+        help="Apply pending schema migrations first (GPUFLEET_MIGRATE_ON_START); default: "
+        "refuse a schema other than this version's and name `gpufleet admin migrate`.",
+        show_default=False,
+    ),
+]
+AllowNewerSchema = Annotated[
+    bool | None,
+    typer.Option(
+        "--allow-newer-schema",
+        help="Start on a schema migrated by a newer gpufleet (GPUFLEET_ALLOW_NEWER_SCHEMA): "
+        "the previous release during a rolling upgrade whose migrations are additive.",
+        show_default=False,
+    ),
+]
+
+
+def _open_checked(settings: Settings, migrate: bool | None, allow_newer: bool | None) -> Database:
+    """The database of ``server``/``controller``: migrated when asked (flag or setting),
+    else only checked. A schema mismatch is one red line naming the command, exit 2."""
+    from gpufleet.processes import open_database
+    from gpufleet.store.migrate import SchemaMismatch
+
+    try:
+        return open_database(
+            settings,
+            migrate=settings.migrate_on_start if migrate is None else migrate,
+            allow_newer_schema=settings.allow_newer_schema if allow_newer is None else allow_newer,
+        )
+    except SchemaMismatch as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
 def server(
     data_dir: DataDir = None,
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
+    migrate: Migrate = None,
+    allow_newer_schema: AllowNewerSchema = None,
 ) -> None:
-    """Run the REST API server (stateless; run several behind a load balancer)."""
-    from gpufleet.processes import ApiServer, open_database
+    """Run the REST API server (stateless; run several behind a load balancer). Refuses
+    (exit 2) a database schema other than this version's unless --migrate."""
+    from gpufleet.processes import ApiServer
     from gpufleet.queue import make_waker
 
     configure_logging()
     settings = load_settings(data_dir, server_host=host, server_port=port)
-    db = open_database(settings)
+    db = _open_checked(settings, migrate, allow_newer_schema)
     api = ApiServer(settings, db, make_waker(settings.redis_url, listen=False))
     logging.getLogger("gpufleet").info("API on %s", api.url)
     api.server.run()
@@ -223,20 +267,23 @@ def controller(
             help="Serve Prometheus /metrics on this port (0 = none).",
         ),
     ] = 0,
+    migrate: Migrate = None,
+    allow_newer_schema: AllowNewerSchema = None,
 ) -> None:
     """Run the controller: gRPC for agents (mutual TLS, certificates from the fleet CA made
-    by `gpufleet admin ca init`), and (while leader) the scheduler loops."""
+    by `gpufleet admin ca init`), and (while leader) the scheduler loops. Refuses (exit 2) a
+    database schema other than this version's unless --migrate."""
     from gpufleet.controller.main import Controller
-    from gpufleet.processes import open_database
     from gpufleet.queue import make_waker
     from gpufleet.rpc.tls import PkiError
 
     configure_logging()
     settings = load_settings(data_dir, controller_address=address, join_address=join_address)
+    db = _open_checked(settings, migrate, allow_newer_schema)
     try:
         ctl = Controller(
             settings,
-            open_database(settings),
+            db,
             make_waker(settings.redis_url, listen=True),
             insecure=insecure,
         )
