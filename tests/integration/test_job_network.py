@@ -447,3 +447,48 @@ def test_restarted_agent_keeps_a_running_attempts_namespace_and_prunes_stale_one
 def _ns_link(path: Path) -> str:
     """``net:[inode]`` of a bound namespace file, as /proc/PID/ns/net reads."""
     return f"net:[{os.stat(path).st_ino}]"
+
+
+class TestGangMember:
+    def test_gang_member_in_the_host_namespace_is_filtered_by_its_uid(
+        self, node: Any, internet: dict[str, Any], redis_bucket: redis.Redis
+    ) -> None:
+        """A multi-node job's member shares the node's namespace (its peers dial the node's
+        address) but its uid is refused the database, Redis, the agent's ports and the deny
+        list; an ephemeral port on the node (where MASTER_PORT and NCCL/gloo listen) and
+        the internet stay reachable."""
+        fake, agent, info = node
+        net: JobNet = info["net"]
+        rendezvous = CountingListener()  # an ephemeral port, as the rank 0 agent picks
+        want = targets(info, internet)
+        want = {k: v for k, v in want.items() if not k.endswith("_gateway")}
+        want["rendezvous"] = ["127.0.0.1", rendezvous.port]
+        resp = agent.assign(
+            run_id="r-gang-0",
+            job_id="j-gang",
+            token=1,
+            gang_size=2,
+            rank=0,
+            command=[SYSTEM_PY, "-c", PROBE],
+            env={
+                "TARGETS": json.dumps(want),
+                "REDIS_KEY": REDIS_KEY,
+                "PATH": "/usr/bin:/bin",
+                "GPUFLEET_GANG_SIZE": "2",
+            },
+        )
+        assert resp.result == A.STARTED, resp.message
+        assert fake.wait_report("r-gang-0", timeout_s=120).exit_code == 0
+        res = result_of(info["state"] / "runs" / "r-gang-0" / "output.log")
+        assert not (NETNS_DIR / net.ns_name("r-gang-0")).exists()
+        # the node's own interfaces (the internet's host-side veth among them)
+        assert any(n.startswith("gti") for n in res["interfaces"]), res["interfaces"]
+        for name in ("postgres", "redis", "agent_grpc", "agent_metrics"):
+            assert res[f"{name}_loopback"] == "refused", (name, res)
+            for key in [k for k in res if k.startswith(f"{name}_node")]:
+                assert res[key] == "refused", (key, res)
+        assert res["internet_denied"] == "refused"
+        assert res["internet_ok"] == "connected:hello"
+        assert res["rendezvous"] == "connected" and rendezvous.accepted == 1
+        assert res["sniff"] == "refused"
+        assert redis_bucket.get(REDIS_KEY) == b"5"
