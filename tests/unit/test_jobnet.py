@@ -31,7 +31,7 @@ def test_targets_parse_cidrs_hosts_and_ports() -> None:
     ],
 )
 def test_a_bad_entry_is_refused_naming_the_flag_and_entry(text: str, why: str) -> None:
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="--job-egress-deny") as err:
         parse_targets(text)
     assert "--job-egress-deny" in str(err.value) and text in str(err.value)
     assert why in str(err.value)
