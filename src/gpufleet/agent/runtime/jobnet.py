@@ -327,7 +327,7 @@ class JobNet:
             f"    oifname {jobs} goto refuse",
             "  }",
             "  chain job_egress {",
-            '    oifname "gf*" goto refuse',
+            f"    ip daddr {subnet} goto refuse",  # other job namespaces
             "    ip daddr @deny4 goto refuse",
             "    ip6 daddr @deny6 goto refuse",
             "    meta l4proto { tcp, udp } ip daddr . th dport @deny4p goto refuse",
@@ -372,7 +372,7 @@ class JobNet:
         lines += [
             "  chain postrouting {",
             "    type nat hook postrouting priority srcnat; policy accept;",
-            f'    ip saddr {subnet} oifname != "gf*" masquerade',
+            f"    ip saddr {subnet} ip daddr != {subnet} masquerade",
             "  }",
             "}",
         ]
