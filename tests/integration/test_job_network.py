@@ -350,6 +350,7 @@ class TestProcessJob:
             env={"TARGETS": json.dumps(want), "REDIS_KEY": REDIS_KEY, "PATH": "/usr/bin:/bin"},
         )
         assert resp.result == A.STARTED, resp.message
+        assert fake.registrations[-1].labels["gpufleet/job-network"] == "netns"
         report = fake.wait_report("r-hostile", timeout_s=120)
         assert report.outcome == R.EXITED and report.exit_code == 0, report
         res = result_of(info["state"] / "runs" / "r-hostile" / "output.log")

@@ -86,3 +86,21 @@ def test_unknown_kinds_are_refused() -> None:
         jobnet.detect("s", NetPolicy(), want="bridge")
     with pytest.raises(ValueError, match="--job-egress"):
         jobnet.detect("s", NetPolicy(egress="some"), want="host")
+
+
+def test_an_agent_that_is_not_root_falls_back_to_the_host_namespace_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(jobnet.os, "geteuid", lambda: 1000)
+    net = jobnet.detect("s", NetPolicy())
+    assert (net.kind, net.problem, net.label) == ("host", "the agent is not root", "host")
+    assert net.prune(keep=()) == []  # touches nothing of the host
+    with pytest.raises(ValueError, match="--job-network netns: the agent is not root"):
+        jobnet.detect("s", NetPolicy(), want="netns")
+
+
+def test_missing_tools_fall_back_to_the_host_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jobnet.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(jobnet.shutil, "which", lambda name, path=None: None)
+    net = jobnet.detect("s", NetPolicy())
+    assert net.kind == "host" and "ip, nft, nsenter not installed" in net.problem

@@ -536,6 +536,7 @@ def run_agent(
         else:
             log.close()
         found.remove_scope()  # only if no attempt is left in it
+        _leave_job_network(net, log)
         if runner.jobs_dir != runner.runs_dir:
             with contextlib.suppress(OSError):
                 runner.jobs_dir.rmdir()
@@ -558,6 +559,20 @@ def _container_runtime(
             "the node's network (use --runtime podman)"
         )
     return ContainerRuntime(engine, jobnet=net), ImageReporter(engine)
+
+
+def _leave_job_network(net: JobNet, log: AssignmentLog) -> None:
+    """At a stop: remove the namespaces of ended attempts and, when no attempt is left, this
+    agent's nftables table; running attempts keep both (the next agent adopts them)."""
+    live = {
+        r.run_id for r in log.runs.values() if r.status in (RunStatus.ASSIGNED, RunStatus.RUNNING)
+    }
+    try:
+        net.prune(keep=live)
+        if not live and net.kind == "netns":
+            net.teardown_rules()
+    except OSError as exc:
+        logger.warning("job network: cleanup at stop failed: %s", exc)
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:

@@ -370,7 +370,10 @@ class ContainerRuntime:
         paths = paths or h.paths
         if paths is None:
             raise ValueError(f"run {rec.run_id}: container handle without paths")
-        return poll_container(self.engine, rec, h, now, paths)
+        info = poll_container(self.engine, rec, h, now, paths)
+        if info is not None:  # the container is gone: so is the use of its namespace
+            drop_netns(self.jobnet, rec.run_id)
+        return info
 
     def release(self, rec: Any) -> None:
         """Remove the attempt's container and cgroup if anything is left (idempotent).

@@ -448,6 +448,8 @@ class JobNet:
     def prune(self, keep: Iterable[str]) -> list[str]:
         """Remove this agent's namespaces (and veths) of attempts not in ``keep`` (run_ids):
         left by a crash between an attempt's end and its cleanup. Returns the names removed."""
+        if self.kind != "netns":
+            return []
         wanted = {self.ns_name(r) for r in keep}
         removed = []
         with _host_lock():

@@ -295,6 +295,7 @@ class ProcessRuntime:
         info = self._exit_info(rec, h)
         if h.cgroup is not None:
             h.cgroup.remove()
+        drop_netns(self.jobnet, rec.run_id)  # nothing of the attempt is left in it
         return info
 
     def _alive(self, h: ProcessHandle) -> bool:
