@@ -451,8 +451,9 @@ def _ns_link(path: Path) -> str:
 
 
 class TestGangMember:
+    @pytest.mark.parametrize("kind", ["process", "container"])
     def test_gang_member_in_the_host_namespace_is_filtered_by_its_uid(
-        self, node: Any, internet: dict[str, Any], redis_bucket: redis.Redis
+        self, node: Any, internet: dict[str, Any], redis_bucket: redis.Redis, kind: str
     ) -> None:
         """A multi-node job's member shares the node's namespace (its peers dial the node's
         address) but its uid is refused the database, Redis, the agent's ports and the deny
@@ -464,13 +465,21 @@ class TestGangMember:
         want = targets(info, internet)
         want = {k: v for k, v in want.items() if not k.endswith("_gateway")}
         want["rendezvous"] = ["127.0.0.1", rendezvous.port]
+        run_id = f"r-gang-{kind}"
+        image: dict[str, Any] = {}
+        command = [SYSTEM_PY, "-c", PROBE]
+        if kind == "container":
+            from tests.container_support import PYTHON
+
+            image, command = {"image": PYTHON}, ["python3", "-c", PROBE]
         resp = agent.assign(
-            run_id="r-gang-0",
-            job_id="j-gang",
+            run_id=run_id,
+            job_id=f"j-gang-{kind}",
             token=1,
             gang_size=2,
             rank=0,
-            command=[SYSTEM_PY, "-c", PROBE],
+            command=command,
+            **image,
             env={
                 "TARGETS": json.dumps(want),
                 "REDIS_KEY": REDIS_KEY,
@@ -479,9 +488,9 @@ class TestGangMember:
             },
         )
         assert resp.result == A.STARTED, resp.message
-        assert fake.wait_report("r-gang-0", timeout_s=120).exit_code == 0
-        res = result_of(info["state"] / "runs" / "r-gang-0" / "output.log")
-        assert not (NETNS_DIR / net.ns_name("r-gang-0")).exists()
+        assert fake.wait_report(run_id, timeout_s=240).exit_code == 0
+        res = result_of(info["state"] / "runs" / run_id / "output.log")
+        assert not (NETNS_DIR / net.ns_name(run_id)).exists()
         # the node's own interfaces (the internet's host-side veth among them)
         assert any(n.startswith("gti") for n in res["interfaces"]), res["interfaces"]
         for name in ("postgres", "redis", "agent_grpc", "agent_metrics"):
