@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -502,3 +503,65 @@ class TestGangMember:
         assert res["rendezvous"] == "connected" and rendezvous.accepted == 1
         assert res["sniff"] == "refused"
         assert redis_bucket.get(REDIS_KEY) == b"5"
+
+
+def test_agent_killed_and_restarted_keeps_the_namespace_of_a_running_attempt(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of the agent: no cleanup of any kind. The restarted agent adopts the running
+    attempt in the namespace it had; the attempt that ended meanwhile loses its namespace
+    once reported; nothing is left after the last attempt and a clean stop."""
+    from tests.integration.test_agent_support import agent_subprocess, kill_leftover_groups
+
+    state = tmp_path / "state"
+    go = tmp_path / "go"
+    net = JobNet("netns", agent_scope(state.resolve(), "node-sub"))
+    wait = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+    with fake_controller() as (fake, address):
+        agent = agent_subprocess(address, tmp_path, state)
+        try:
+            reg = fake.wait_for(lambda: [r for r in fake.registrations if r.agent_epoch == 1], 30)
+            channel = support.test_pki().agent_channel(reg[0].address, reg[0].node_id)
+            stub = support.pb_grpc.AgentStub(channel)
+            for run_id, code in (("r-ends", "pass"), ("r-runs", wait)):
+                resp = stub.AssignJob(
+                    pb.AssignJobRequest(
+                        run_id=run_id,
+                        job_id=f"j-{run_id}",
+                        token=1,
+                        attempt=1,
+                        leader_epoch=support.LEADER_EPOCH,
+                        command=[SYSTEM_PY, "-c", code],
+                    ),
+                    timeout=30,
+                )
+                assert resp.result == A.STARTED, resp.message
+            pid = resp.pid
+            ns = wait_until(lambda: net.lookup("r-runs"), timeout_s=10)
+            inode = os.stat(ns.path).st_ino
+            fake.wait_for(lambda: {c.run_id for c in fake.confirms} >= {"r-ends", "r-runs"})
+            channel.close()
+            agent.kill()
+            agent.wait()
+
+            agent = agent_subprocess(address, tmp_path, state)
+            fake.wait_for(lambda: [r for r in fake.registrations if r.agent_epoch == 2], 30)
+            assert fake.wait_report("r-ends", timeout_s=30).exit_code == 0
+            kept = net.lookup("r-runs")
+            assert kept is not None and os.stat(kept.path).st_ino == inode
+            assert os.readlink(f"/proc/{pid}/ns/net") == _ns_link(kept.path)
+            wait_until(lambda: net.lookup("r-ends") is None, timeout_s=15)
+            go.touch()
+            assert fake.wait_report("r-runs", timeout_s=30).exit_code == 0
+            wait_until(lambda: net.existing() == [], timeout_s=15)
+            agent.send_signal(signal.SIGTERM)
+            assert agent.wait(timeout=30) == 0
+            tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+            assert net.table not in tables.stdout, "the stopped agent left its table"
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+            kill_leftover_groups(state)
+            net.prune(keep=())
+            net.teardown_rules()
