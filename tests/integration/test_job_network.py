@@ -30,6 +30,7 @@ import redis
 from gpufleet.agent.runner import agent_scope
 from gpufleet.agent.runtime.jobnet import NETNS_DIR, JobNet, NetPolicy
 from gpufleet.rpc.protos import fleet_pb2 as pb
+from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from tests.integration import test_agent_support as support
 from tests.integration.test_agent_support import (
     FakeController,
@@ -522,7 +523,7 @@ def test_agent_killed_and_restarted_keeps_the_namespace_of_a_running_attempt(
         try:
             reg = fake.wait_for(lambda: [r for r in fake.registrations if r.agent_epoch == 1], 30)
             channel = support.test_pki().agent_channel(reg[0].address, reg[0].node_id)
-            stub = support.pb_grpc.AgentStub(channel)
+            stub = pb_grpc.AgentStub(channel)
             for run_id, code in (("r-ends", "pass"), ("r-runs", wait)):
                 resp = stub.AssignJob(
                     pb.AssignJobRequest(
@@ -538,6 +539,7 @@ def test_agent_killed_and_restarted_keeps_the_namespace_of_a_running_attempt(
                 assert resp.result == A.STARTED, resp.message
             pid = resp.pid
             ns = wait_until(lambda: net.lookup("r-runs"), timeout_s=10)
+            assert ns is not None
             inode = os.stat(ns.path).st_ino
             fake.wait_for(lambda: {c.run_id for c in fake.confirms} >= {"r-ends", "r-runs"})
             channel.close()

@@ -91,7 +91,7 @@ def test_unknown_kinds_are_refused() -> None:
 def test_an_agent_that_is_not_root_falls_back_to_the_host_namespace_and_says_why(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(jobnet.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr("gpufleet.agent.runtime.jobnet.os.geteuid", lambda: 1000)
     net = jobnet.detect("s", NetPolicy())
     assert (net.kind, net.problem, net.label) == ("host", "the agent is not root", "host")
     assert net.prune(keep=()) == []  # touches nothing of the host
@@ -100,7 +100,7 @@ def test_an_agent_that_is_not_root_falls_back_to_the_host_namespace_and_says_why
 
 
 def test_missing_tools_fall_back_to_the_host_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jobnet.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(jobnet.shutil, "which", lambda name, path=None: None)
+    monkeypatch.setattr("gpufleet.agent.runtime.jobnet.os.geteuid", lambda: 0)
+    monkeypatch.setattr("gpufleet.agent.runtime.jobnet.shutil.which", lambda *_a, **_k: None)
     net = jobnet.detect("s", NetPolicy())
     assert net.kind == "host" and "ip, nft, nsenter not installed" in net.problem
