@@ -31,6 +31,17 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 command -v chromium >/dev/null
 
+# Job network namespaces (agent/runtime/jobnet.py): ip (iproute2), nft (nftables) and
+# nsenter (util-linux); without them the agent runs jobs in the host namespace and says so.
+if ! command -v ip >/dev/null 2>&1 || ! command -v nft >/dev/null 2>&1 \
+    || ! command -v nsenter >/dev/null 2>&1; then
+  for _ in $(seq 10); do  # another apt-get may hold the lock
+    $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q iproute2 nftables util-linux && break
+    sleep 6
+  done
+fi
+
 # Container runtime for jobs with an `image` (tests need it; they fail, not skip, without it):
 # podman + runc, a local docker-registry on 127.0.0.1:5000 (plain HTTP, loopback only) and the
 # offline-built test images (scripts/build-test-images.sh). The agent passes its own podman

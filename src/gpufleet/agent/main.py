@@ -51,6 +51,8 @@ from gpufleet.agent.runtime.container import ContainerRuntime
 from gpufleet.agent.runtime.container_engine import ContainerEngine, EngineError
 from gpufleet.agent.runtime.container_images import ImageReporter
 from gpufleet.agent.runtime.containment import detect as detect_containment
+from gpufleet.agent.runtime.jobnet import NETWORK_LABEL, JobNet
+from gpufleet.agent.runtime.jobnet import configure as configure_job_network
 from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
 from gpufleet.agent.runtime.process import ProcessRuntime
 from gpufleet.agent.service import AgentServicer, ControllerLink
@@ -245,6 +247,11 @@ def run_agent(
     containment: str = "auto",
     container_runtime: str = "podman",
     metrics_port: int = 0,
+    job_network: str = "auto",
+    job_subnet: str = "10.231.0.0/16",
+    job_egress_deny: str = "",
+    job_egress: str = "allow",
+    job_egress_allow: str = "",
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -279,6 +286,14 @@ def run_agent(
             start (NO_CONTAINER_RUNTIME, charged to the node).
         metrics_port: serve Prometheus metrics (``agent.metrics``) on this TCP port of the
             agent's listen address; 0 = none.
+        job_network: ``auto`` (each attempt in its own network namespace where the agent
+            can, else the host's, said at start), ``netns`` (an error where it cannot) or
+            ``host``; see :mod:`gpufleet.agent.runtime.jobnet`.
+        job_subnet: the private IPv4 subnet of job namespaces.
+        job_egress_deny: ``CIDR[:port],...`` jobs may not reach, on top of the node itself,
+            the controller and join addresses and ``169.254.0.0/16``.
+        job_egress: ``allow`` (everything not denied) or ``none`` (only ``job_egress_allow``).
+        job_egress_allow: ``CIDR[:port],...`` reachable with ``job_egress="none"``.
 
     Raises:
         ValueError: ``gpus`` or ``join_token`` is malformed, the assignment log is corrupt,
@@ -357,8 +372,19 @@ def run_agent(
             found.kind,
             found.problem or "forced",
         )
-    containers, images = _container_runtime(container_runtime, state_dir)
-    runtimes = Runtimes(ProcessRuntime(found), container=containers)
+    net = configure_job_network(
+        agent_scope(state_dir, node_id),
+        want=job_network,
+        subnet=job_subnet,
+        deny=job_egress_deny,
+        egress=job_egress,
+        allow=job_egress_allow,
+        control_plane=(cfg.controller_address, cfg.join_address),
+        own_ports=(port, metrics_port),
+        users=users,
+    )
+    containers, images = _container_runtime(container_runtime, state_dir, net)
+    runtimes = Runtimes(ProcessRuntime(found, jobnet=net), container=containers)
     runner = Runner(
         state_dir,
         store,
@@ -371,6 +397,7 @@ def run_agent(
         CONTAINMENT_LABEL: found.kind,
         JOB_USER_LABEL: users.describe(),
         CONTAINER_RUNTIME_LABEL: containers.engine.kind if containers is not None else "none",
+        NETWORK_LABEL: net.label,
     }
     streamer = LogStreamer(store, LOG_SYNC_INTERVAL_S, stop)
     core = AgentCore(
@@ -404,6 +431,8 @@ def run_agent(
     }
     for run_id in found.prune(keep=live):
         logger.error("cgroup of %s holds processes but no live attempt here owns it", run_id)
+    for name in net.prune(keep=live):  # namespaces of attempts that ended (a crash)
+        logger.info("removed the stale job network namespace %s", name)
 
     host = advertise_host or _default_host(cfg.controller_address)
     server = grpc.server(
@@ -454,6 +483,7 @@ def run_agent(
             rejoin_after_revocation = rejoin
     if bound == 0:
         raise OSError(f"cannot listen on {_join(host, port)}")
+    net.add_own_ports(bound, metrics_port)
     server.start()
     if metrics_port:
         metrics = telemetry.enable()
@@ -523,6 +553,7 @@ def run_agent(
         else:
             log.close()
         found.remove_scope()  # only if no attempt is left in it
+        _leave_job_network(net, log)
         if runner.jobs_dir != runner.runs_dir:
             with contextlib.suppress(OSError):
                 runner.jobs_dir.rmdir()
@@ -531,7 +562,7 @@ def run_agent(
 
 
 def _container_runtime(
-    kind: str, state_dir: Path
+    kind: str, state_dir: Path, net: JobNet | None = None
 ) -> tuple[ContainerRuntime | None, ImageReporter | None]:
     if kind == "none":
         logger.info("no container runtime (--runtime none): jobs with an image fail to start")
@@ -541,7 +572,26 @@ def _container_runtime(
     except EngineError as exc:
         logger.warning("no container runtime (%s): jobs with an image fail to start", exc)
         return None, None
-    return ContainerRuntime(engine), ImageReporter(engine)
+    if kind == "docker" and net is not None and net.kind == "netns":
+        logger.warning(
+            "job network: docker cannot join the attempt's namespace; container jobs share "
+            "the node's network (use --runtime podman)"
+        )
+    return ContainerRuntime(engine, jobnet=net), ImageReporter(engine)
+
+
+def _leave_job_network(net: JobNet, log: AssignmentLog) -> None:
+    """At a stop: remove the namespaces of ended attempts and, when no attempt is left, this
+    agent's nftables table; running attempts keep both (the next agent adopts them)."""
+    live = {
+        r.run_id for r in log.runs.values() if r.status in (RunStatus.ASSIGNED, RunStatus.RUNNING)
+    }
+    try:
+        net.prune(keep=live)
+        if not live and net.kind == "netns":
+            net.teardown_rules()
+    except OSError as exc:
+        logger.warning("job network: cleanup at stop failed: %s", exc)
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:

@@ -337,6 +337,30 @@ def agent(
     containment: Annotated[
         str, typer.Option(help="auto (cgroup v2/v1, else PID namespace), or force pidns/none.")
     ] = "auto",
+    # -- job network (agent/runtime/jobnet.py) --
+    job_network: Annotated[
+        str,
+        typer.Option(
+            help="auto: each job in its own network namespace (host namespace, said at "
+            "start, where the agent cannot); netns: refuse to start without; host: none."
+        ),
+    ] = "auto",
+    job_subnet: Annotated[
+        str, typer.Option(help="Private IPv4 subnet for job namespaces (a /30 per attempt).")
+    ] = "10.231.0.0/16",
+    job_egress_deny: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated CIDR[:port] or host:port jobs may not reach (added to the "
+            "node itself, the controller addresses and 169.254.0.0/16)."
+        ),
+    ] = "",
+    job_egress: Annotated[
+        str, typer.Option(help="allow: all egress not denied; none: only --job-egress-allow.")
+    ] = "allow",
+    job_egress_allow: Annotated[
+        str, typer.Option(help="With --job-egress none: CIDR[:port],... jobs may reach.")
+    ] = "",
     data_dir: DataDir = None,
     controller: Annotated[
         str | None, typer.Option(help="Controller gRPC host:port (GPUFLEET_CONTROLLER_ADDRESS).")
@@ -406,4 +430,9 @@ def agent(
         jobs_dir=jobs_dir,
         containment=containment,
         metrics_port=metrics_port,
+        job_network=job_network,
+        job_subnet=job_subnet,
+        job_egress_deny=job_egress_deny,
+        job_egress=job_egress,
+        job_egress_allow=job_egress_allow,
     )

@@ -12,8 +12,10 @@ One attempt (:class:`ContainerRuntime`):
   ``--tls-verify=false``.
 * **create**: name = run_id; labels ``gpufleet.run_id``, ``gpufleet.job_id``,
   ``gpufleet.token``; ``--init`` (so SIGTERM reaches the command even as PID 1);
-  ``--network host``; the attempt's checkpoints/artifacts/resume/work directories
-  bind-mounted at :data:`.MOUNTS` with the ``GPUFLEET_*_DIR`` variables pointing at them;
+  ``--network ns:/run/netns/<the attempt's namespace>`` (:mod:`.jobnet`; ``host`` without
+  job namespaces, for gang members, and with docker); the attempt's
+  checkpoints/artifacts/resume/work directories bind-mounted at :data:`.MOUNTS` with the
+  ``GPUFLEET_*_DIR`` variables pointing at them;
   ``memory_mb`` -> ``--memory``, ``cpu`` -> ``--cpus``; ``--user uid:gid`` = the attempt's job
   user (when the agent can switch users); the job's GPUs by their CDI names
   (``--device nvidia.com/gpu=<index>``) when the node has a CDI spec for NVIDIA GPUs. The
@@ -97,6 +99,7 @@ from gpufleet.agent.runtime.container_watch import (
     poll_container,
     remove_cgroup,
 )
+from gpufleet.agent.runtime.jobnet import JobNet, attempt_namespace, drop_netns
 from gpufleet.agent.workdir import RunPaths
 
 __all__ = [
@@ -157,14 +160,19 @@ class ContainerRuntime:
         *,
         cdi: bool | None = None,
         pull_timeout_s: float = PULL_TIMEOUT_S,
+        jobnet: JobNet | None = None,
     ) -> None:
         self.engine = engine
         self.cdi = cdi_gpu_spec_present() if cdi is None else cdi
         self.pull_timeout_s = pull_timeout_s
+        # the attempt's own network namespace (podman joins it: --network ns:PATH); docker
+        # cannot join a named namespace, so its containers keep the host's (said at start)
+        self.jobnet = jobnet if engine.kind == "podman" else None
 
     def describe(self) -> str:
         gpus = "CDI nvidia.com/gpu" if self.cdi else "CUDA_VISIBLE_DEVICES only (no CDI spec)"
-        return f"{self.engine.kind}; GPUs: {gpus}"
+        net = "the attempt's netns" if self.jobnet and self.jobnet.kind == "netns" else "host"
+        return f"{self.engine.kind}; GPUs: {gpus}; network: {net}"
 
     # ------------------------------------------------------------------ start
 
@@ -230,6 +238,7 @@ class ContainerRuntime:
         cgroup_parent = (
             f"/gpufleet/{name}" if self.engine.kind == "podman" and launch.memory_mb > 0 else ""
         )
+        netns = attempt_namespace(self.jobnet, rec.run_id, launch.env)
         t0 = time.monotonic()
         try:
             cid = self.engine.create(
@@ -247,9 +256,11 @@ class ContainerRuntime:
                 user=f"{launch.user.uid}:{launch.user.gid}"
                 if launch.user is not None and launch.user.switch
                 else "",
+                network=f"ns:{netns.path}" if netns is not None else "host",
             )
         except EngineError as exc:
             self.engine.remove(name)
+            drop_netns(self.jobnet, rec.run_id)
             raise StartError(f"cannot create the container: {exc}", node_fault=True) from exc
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -262,6 +273,7 @@ class ContainerRuntime:
             # the command not found in the image, or not executable, fails here too (the
             # OCI runtime's exec): the job's fault, unlike the engine failing
             self.engine.remove(name)
+            drop_netns(self.jobnet, rec.run_id)
             text = str(exc).lower()
             job = any(m in text for m in _COMMAND_PROBLEMS)
             raise StartError(f"cannot start the container: {exc}", node_fault=not job) from exc
@@ -300,9 +312,11 @@ class ContainerRuntime:
         created (start it if it was only created), else None (it never starts)."""
         names = self.engine.find(LABEL_RUN, rec.run_id)
         if not names:
+            drop_netns(self.jobnet, rec.run_id)
             return None
         st = self.engine.inspect(names[0])
         if st is None:
+            drop_netns(self.jobnet, rec.run_id)
             return None
         if st.status in ("created", "configured"):
             self.engine.start(names[0])
@@ -356,7 +370,10 @@ class ContainerRuntime:
         paths = paths or h.paths
         if paths is None:
             raise ValueError(f"run {rec.run_id}: container handle without paths")
-        return poll_container(self.engine, rec, h, now, paths)
+        info = poll_container(self.engine, rec, h, now, paths)
+        if info is not None:  # the container is gone: so is the use of its namespace
+            drop_netns(self.jobnet, rec.run_id)
+        return info
 
     def release(self, rec: Any) -> None:
         """Remove the attempt's container and cgroup if anything is left (idempotent).
@@ -364,3 +381,4 @@ class ContainerRuntime:
         run_id = rec if isinstance(rec, str) else rec.run_id
         self.engine.remove(run_id)
         remove_cgroup(run_id)
+        drop_netns(self.jobnet, run_id)

@@ -239,10 +239,12 @@ class ContainerEngine:
         cpu: float = 0.0,
         cgroup_parent: str = "",
         user: str = "",
+        network: str = "host",
     ) -> str:
         """Create (not start) a container; returns its id. ``user``: ``uid:gid`` (and
-        ``--group-add`` is not used: supplementary groups stay the image's)."""
-        args = ["create", "--name", name, "--init", "--network", "host"]
+        ``--group-add`` is not used: supplementary groups stay the image's). ``network``:
+        the ``--network`` value (``ns:/run/netns/NAME``: the attempt's namespace)."""
+        args = ["create", "--name", name, "--init", "--network", network]
         args += ["--env-file", str(env_file), "--workdir", workdir]
         if user:
             args += ["--user", user]

@@ -40,6 +40,7 @@ from gpufleet.agent.runtime.base import (
     StartError,
 )
 from gpufleet.agent.runtime.containment import Containment, JobCgroup
+from gpufleet.agent.runtime.jobnet import JobNet, attempt_netns, drop_netns
 from gpufleet.agent.workdir import RunPaths
 
 logger = logging.getLogger("gpufleet.agent")
@@ -86,8 +87,9 @@ class ProcessRuntime:
 
     kind = "process"
 
-    def __init__(self, containment: Containment) -> None:
+    def __init__(self, containment: Containment, jobnet: JobNet | None = None) -> None:
         self.containment = containment
+        self.jobnet = jobnet
 
     def describe(self) -> str:
         return self.containment.kind
@@ -122,11 +124,19 @@ class ProcessRuntime:
                 ids["cwd_as"] = (user.uid, user.gid)
         elif user.switch:
             ids.update(uid=user.uid, gid=user.gid, groups=tuple(user.groups))
+        # the attempt's network namespace: the shim (root) runs in it, so the command does
+        try:
+            netns = attempt_netns(self.jobnet, rec.run_id, launch.env)
+        except StartError:
+            if cgroup is not None:
+                cgroup.remove()
+            raise
         read_fd, write_fd = os.pipe()
         try:
             with open(paths.shim_log, "ab") as shim_log:
                 popen = subprocess.Popen(
-                    shim.argv(
+                    netns
+                    + shim.argv(
                         exit_file=paths.exit_file,
                         log_file=paths.log,
                         claim_file=paths.claim,
@@ -150,6 +160,7 @@ class ProcessRuntime:
             os.close(read_fd)
             if cgroup is not None:
                 cgroup.remove()
+            drop_netns(self.jobnet, rec.run_id)
             raise StartError(
                 f"cannot start the shim: {exc}", node_fault=isinstance(exc, OSError)
             ) from exc
@@ -164,6 +175,7 @@ class ProcessRuntime:
                 popen.wait(timeout=10)
             if cgroup is not None:
                 cgroup.remove()
+            drop_netns(self.jobnet, rec.run_id)
             raise StartError(str(status["error"]))
         if status is None and popen.poll() is not None:
             raise StartError(
@@ -195,6 +207,7 @@ class ProcessRuntime:
         paths.root.mkdir(parents=True, exist_ok=True)
         if create_exclusive(paths.claim, {"abandoned": True}):
             self._remove_group(rec.run_id)
+            drop_netns(self.jobnet, rec.run_id)
             return None
         claim = _read_claim(paths.claim) or {}
         if "pid" not in claim:
@@ -226,6 +239,7 @@ class ProcessRuntime:
         cg = rec.runtime_state.get("cgroup")
         if cg:
             JobCgroup.from_json(cg).remove()
+        drop_netns(self.jobnet, rec.run_id)
 
     def _remove_group(self, run_id: str) -> None:
         cgroup = self.containment.group_for(run_id, cpu_quota=True)
@@ -281,6 +295,7 @@ class ProcessRuntime:
         info = self._exit_info(rec, h)
         if h.cgroup is not None:
             h.cgroup.remove()
+        drop_netns(self.jobnet, rec.run_id)  # nothing of the attempt is left in it
         return info
 
     def _alive(self, h: ProcessHandle) -> bool:
