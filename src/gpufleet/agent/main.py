@@ -50,9 +50,12 @@ from gpufleet.agent.runtime import Runtimes, jobuser
 from gpufleet.agent.runtime.container import ContainerRuntime
 from gpufleet.agent.runtime.container_engine import ContainerEngine, EngineError
 from gpufleet.agent.runtime.container_images import ImageReporter
+from gpufleet.agent.runtime import jobns
+from gpufleet.agent.runtime.containment import Containment
 from gpufleet.agent.runtime.containment import detect as detect_containment
 from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
 from gpufleet.agent.runtime.process import ProcessRuntime
+from gpufleet.agent.scratch import ScratchDisks
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.objectstore import ObjectStore
@@ -169,6 +172,12 @@ JOB_USER_LABEL = "gpufleet/job-user"
 ``jobs-as-agent-user`` when the agent cannot switch users."""
 CONTAINER_RUNTIME_LABEL = "gpufleet/container-runtime"
 """Node label the agent sets: podman, docker or none (jobs with an image fail to start)."""
+JOB_ISOLATION_LABEL = "gpufleet/job-isolation"
+"""Node label the agent sets: what bounds and hides process jobs here, e.g.
+``pids-max=4096,disk-mb=10240,no-new-privs,private-tmp,hidepid``; ``no-pids-limit`` and
+``no-disk-bound`` say what is missing (the agent's start log says why)."""
+DEFAULT_JOB_PIDS_MAX = 4096
+DEFAULT_JOB_DISK_MB = 10240
 
 
 def lock_state_dir(state_dir: Path) -> IO[str]:
@@ -239,6 +248,8 @@ def run_agent(
     containment: str = "auto",
     container_runtime: str = "podman",
     metrics_port: int = 0,
+    job_pids_max: int = DEFAULT_JOB_PIDS_MAX,
+    job_disk_mb: int = DEFAULT_JOB_DISK_MB,
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -273,6 +284,10 @@ def run_agent(
             start (NO_CONTAINER_RUNTIME, charged to the node).
         metrics_port: serve Prometheus metrics (``agent.metrics``) on this TCP port of the
             agent's listen address; 0 = none.
+        job_pids_max: ``pids.max`` (processes and threads at once) of an attempt whose job
+            set no ``pids_limit``; 0 = none.
+        job_disk_mb: size (MiB) of the scratch filesystem of an attempt whose job set no
+            ``disk_mb`` (:mod:`gpufleet.agent.scratch`); 0 = none (plain directories).
 
     Raises:
         ValueError: ``gpus`` or ``join_token`` is malformed, the assignment log is corrupt,
@@ -342,19 +357,31 @@ def run_agent(
             found.problem or "forced",
         )
     containers, images = _container_runtime(container_runtime, state_dir)
-    runtimes = Runtimes(ProcessRuntime(found), container=containers)
+    isolation, scratch, isolation_text = _job_isolation(
+        found,
+        users,
+        state_dir,
+        jobs_dir or default_jobs_dir(state_dir, node_id, users),
+        pids_max=job_pids_max,
+        disk_mb=job_disk_mb,
+        reserve_mb=cfg.agent_disk_reserve_mb,
+    )
+    runtimes = Runtimes(ProcessRuntime(found, isolation), container=containers)
     runner = Runner(
         state_dir,
         store,
         runtimes=runtimes,
         users=users,
         jobs_dir=jobs_dir or default_jobs_dir(state_dir, node_id, users),
+        scratch=scratch,
+        pids_max=job_pids_max if found.pids else 0,
     )
     labels = {
         **labels,
         CONTAINMENT_LABEL: found.kind,
         JOB_USER_LABEL: users.describe(),
         CONTAINER_RUNTIME_LABEL: containers.engine.kind if containers is not None else "none",
+        JOB_ISOLATION_LABEL: isolation_text,
     }
     streamer = LogStreamer(store, LOG_SYNC_INTERVAL_S, stop)
     core = AgentCore(
@@ -388,6 +415,10 @@ def run_agent(
     }
     for run_id in found.prune(keep=live):
         logger.error("cgroup of %s holds processes but no live attempt here owns it", run_id)
+    if runner.scratch is not None:  # before any start: mounts of cleaned or unknown attempts
+        keep = runner.scratch_keep(set(log.runs))
+        for run_id in runner.scratch.prune(runner.jobs_dir, keep):
+            logger.info("removed the scratch filesystem of ended attempt %s", run_id)
 
     host = advertise_host or _default_host(cfg.controller_address)
     server = grpc.server(
@@ -469,7 +500,7 @@ def run_agent(
         t.start()
     logger.info(
         "agent %s (epoch %d) serving on %s (%s), state in %s, %d GPU(s) from %s; runtimes: "
-        "%s; jobs as %s in %s",
+        "%s; jobs as %s in %s; job isolation: %s",
         node_id,
         agent_epoch,
         _join(host, bound),
@@ -482,6 +513,7 @@ def run_agent(
         runtimes.describe(),
         users.describe(),
         runner.jobs_dir,
+        isolation_text,
     )
     try:
         stop.wait()
@@ -523,6 +555,45 @@ def _container_runtime(
         logger.warning("no container runtime (%s): jobs with an image fail to start", exc)
         return None, None
     return ContainerRuntime(engine), ImageReporter(engine)
+
+
+def _job_isolation(
+    found: Containment,
+    users: jobuser.JobUsers,
+    state_dir: Path,
+    jobs_dir: Path,
+    *,
+    pids_max: int,
+    disk_mb: int,
+    reserve_mb: int,
+) -> tuple[jobns.Isolation, ScratchDisks, str]:
+    """Probe the process jobs' isolation (no_new_privs, mount namespace, hidden /proc), the
+    scratch filesystems and the pids limit; warn once for each one missing. Returns the
+    isolation, the scratch disks and the :data:`JOB_ISOLATION_LABEL` text."""
+    isolation = jobns.detect()
+    for problem in isolation.problems:
+        logger.warning("job isolation: %s", problem)
+    scratch = ScratchDisks.detect(
+        state_dir / "scratch",
+        default_mb=disk_mb,
+        reserve_mb=reserve_mb,
+        per_attempt_dirs=users.switch and jobs_dir != state_dir / "runs",
+    )
+    if not scratch.enabled:
+        logger.warning(
+            "job isolation: no scratch filesystem per attempt (%s): a job can fill the "
+            "node's disk under %s",
+            scratch.problem,
+            jobs_dir,
+        )
+    if pids_max > 0 and not found.pids:
+        logger.warning(
+            "job isolation: no pids limit (containment %s has no pids controller): a fork "
+            "bomb can exhaust the node's pids",
+            found.kind,
+        )
+    pids = f"pids-max={pids_max}" if pids_max > 0 and found.pids else "no-pids-limit"
+    return isolation, scratch, f"{pids},{scratch.describe()},{isolation.describe()}"
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:

@@ -119,6 +119,9 @@ def argv(
     groups: tuple[int, ...] = (),
     cwd_as: tuple[int, int] | None = None,
     keep_pwd: bool = False,
+    mount_bin: str = "",
+    private_tmp: str = "",
+    hide_pids: bool = False,
 ) -> list[str]:
     """The shim's command line (see the module doc for each option).
 
@@ -130,6 +133,11 @@ def argv(
         cwd_as: (uid, gid) to check ``cwd`` as, when the command prefix switches users.
         keep_pwd: the command's environment has ``PWD``/``OLDPWD`` (else the shim removes
             the ones ``sh`` exports).
+        mount_bin: absolute path of ``mount``: the shim runs in a mount namespace of its own
+            (``jobns``) and its child, after the cgroup join, mounts a fresh tmpfs on
+            ``/dev/shm``, and with ``private_tmp`` binds that directory on ``/tmp`` and
+            ``/var/tmp``, and with ``hide_pids`` a ``proc`` with ``hidepid=invisible`` on
+            ``/proc``. A failed mount is a start error.
     """
     if status_fd is not None and not 1 <= status_fd <= 9:
         raise ValueError(f"status_fd must be 1-9, not {status_fd}")
@@ -153,6 +161,12 @@ def argv(
             out += ["--groups", ",".join(str(g) for g in groups)]
     if cwd_as is not None:
         out += ["--setpriv", SETPRIV, "--cwd-as", f"{cwd_as[0]}:{cwd_as[1]}"]
+    if mount_bin:
+        out += ["--mount-bin", mount_bin]
+        if private_tmp:
+            out += ["--private-tmp", private_tmp]
+        if hide_pids:
+            out.append("--hide-pids")
     return [*out, "--", *command]
 
 

@@ -2,14 +2,15 @@
 #
 #   sh shim.sh --exit-file F --log-file L [--claim-file C] [--status-fd N] [--cwd D]
 #              [--cwd-check] [--cgroup-procs P]... [--setpriv PATH --uid U --gid G
-#              [--groups G1,G2]] [--cwd-as U:G] -- cmd [args...]
+#              [--groups G1,G2]] [--cwd-as U:G] [--mount-bin M [--private-tmp D]
+#              [--hide-pids]] -- cmd [args...]
 #
 # Builtins only on the common path (no fork besides the command's own, no exec besides the
 # command's and, when switching users, setpriv's): this runs once per attempt.
 # Variables are prefixed _gf_ because the shell's environment is the command's environment.
 
 _gf_exit= _gf_log= _gf_claim= _gf_status= _gf_cwd= _gf_check= _gf_procs= _gf_setpriv=
-_gf_uid= _gf_gid= _gf_groups= _gf_cwd_as= _gf_stage2= _gf_pwd=
+_gf_uid= _gf_gid= _gf_groups= _gf_cwd_as= _gf_stage2= _gf_pwd= _gf_mount= _gf_tmp= _gf_hide=
 _gf_nl='
 '
 while [ $# -gt 0 ]; do
@@ -28,6 +29,9 @@ while [ $# -gt 0 ]; do
         --cwd-as) _gf_cwd_as=$2; shift 2 ;;
         --stage2) _gf_stage2=1; shift ;;
         --keep-pwd) _gf_pwd=1; shift ;;
+        --mount-bin) _gf_mount=$2; shift 2 ;;
+        --private-tmp) _gf_tmp=$2; shift 2 ;;
+        --hide-pids) _gf_hide=1; shift ;;
         --) shift; break ;;
         *) echo "gpufleet shim: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -145,6 +149,20 @@ fi
             || _gf_fail "cannot join the cgroup ${_gf_procs%%"$_gf_nl"*}"
         _gf_procs=${_gf_procs#*"$_gf_nl"}
     done
+    # in the attempt's own mount namespace (the agent ran this shim under unshare --mount):
+    # a private /tmp and /var/tmp, a fresh /dev/shm, a /proc showing only the job's uid
+    if [ -n "$_gf_mount" ]; then
+        if [ -n "$_gf_tmp" ]; then
+            "$_gf_mount" --bind "$_gf_tmp" /tmp 2>/dev/null \
+                || _gf_fail "cannot mount the attempt's private /tmp"
+            [ ! -d /var/tmp ] || "$_gf_mount" --bind "$_gf_tmp" /var/tmp 2>/dev/null \
+                || _gf_fail "cannot mount the attempt's private /var/tmp"
+        fi
+        [ ! -d /dev/shm ] || "$_gf_mount" -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /dev/shm \
+            2>/dev/null || _gf_fail "cannot mount the attempt's private /dev/shm"
+        [ -z "$_gf_hide" ] || "$_gf_mount" -t proc -o nosuid,nodev,noexec,hidepid=invisible \
+            proc /proc 2>/dev/null || _gf_fail "cannot mount /proc with hidepid=invisible"
+    fi
     if [ -n "$_gf_cwd_as" ]; then
         # the command prefix switches users itself (unshare); check the directory as the job
         # user, then enter it as ourselves

@@ -347,7 +347,8 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
 CONTAINMENT_LABEL = "gpufleet/containment"
 JOB_USER_LABEL = "gpufleet/job-user"
 CONTAINER_RUNTIME_LABEL = "gpufleet/container-runtime"
-_OWN_LABELS = (CONTAINMENT_LABEL, JOB_USER_LABEL, CONTAINER_RUNTIME_LABEL)
+JOB_ISOLATION_LABEL = "gpufleet/job-isolation"
+_OWN_LABELS = (CONTAINMENT_LABEL, JOB_USER_LABEL, CONTAINER_RUNTIME_LABEL, JOB_ISOLATION_LABEL)
 
 
 def containment_text(labels: dict[str, Any] | None) -> str:
@@ -357,6 +358,8 @@ def containment_text(labels: dict[str, Any] | None) -> str:
     parts = [str(labels[k]) for k in (CONTAINMENT_LABEL, JOB_USER_LABEL) if k in labels]
     if CONTAINER_RUNTIME_LABEL in labels:
         parts.append(f"containers: {labels[CONTAINER_RUNTIME_LABEL]}")
+    if JOB_ISOLATION_LABEL in labels:
+        parts.append(str(labels[JOB_ISOLATION_LABEL]))
     return fmt(", ".join(parts) or None)
 
 

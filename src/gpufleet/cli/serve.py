@@ -290,6 +290,23 @@ def agent(
     containment: Annotated[
         str, typer.Option(help="auto (cgroup v2/v1, else PID namespace), or force pidns/none.")
     ] = "auto",
+    job_pids_max: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=4_194_304,
+            help="Processes and threads a job may hold at once (cgroup pids.max) when it "
+            "sets no pids_limit (0 = no limit).",
+        ),
+    ] = 4096,
+    job_disk_mb: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Size of each attempt's own scratch filesystem, MiB, when the job sets no "
+            "disk_mb (0 = none: jobs write to the jobs dir's filesystem).",
+        ),
+    ] = 10240,
     data_dir: DataDir = None,
     controller: Annotated[
         str | None, typer.Option(help="Controller gRPC host:port (GPUFLEET_CONTROLLER_ADDRESS).")
@@ -359,4 +376,6 @@ def agent(
         jobs_dir=jobs_dir,
         containment=containment,
         metrics_port=metrics_port,
+        job_pids_max=job_pids_max,
+        job_disk_mb=job_disk_mb,
     )

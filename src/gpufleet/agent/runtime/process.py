@@ -40,6 +40,7 @@ from gpufleet.agent.runtime.base import (
     StartError,
 )
 from gpufleet.agent.runtime.containment import Containment, JobCgroup
+from gpufleet.agent.runtime.jobns import Isolation
 from gpufleet.agent.workdir import RunPaths
 
 logger = logging.getLogger("gpufleet.agent")
@@ -82,15 +83,31 @@ class ProcessRuntime:
 
     Args:
         containment: what :func:`.containment.detect` found at agent start.
+        isolation: what :func:`.jobns.detect` found (no_new_privs, mount namespace, hidden
+            /proc); default: none (tests of the agent logic).
     """
 
     kind = "process"
 
-    def __init__(self, containment: Containment) -> None:
+    def __init__(self, containment: Containment, isolation: Isolation | None = None) -> None:
         self.containment = containment
+        self.isolation = isolation or Isolation()
 
     def describe(self) -> str:
         return self.containment.kind
+
+    def shim_argv(self, launch: Launch, **shim_args: Any) -> list[str]:
+        """The shim's full command line: the isolation prefix (``setpriv --no-new-privs``,
+        ``unshare --mount``: :mod:`.jobns`) and the shim with its mount options. The one
+        place that decides what wraps an attempt's shim."""
+        namespace = launch.user.switch  # jobs as the agent's own user: no isolation promised
+        iso = self.isolation
+        return [
+            *iso.shim_prefix(namespace=namespace),
+            *shim.argv(
+                **shim_args, **iso.shim_options(namespace=namespace, tmp_dir=str(launch.paths.tmp))
+            ),
+        ]
 
     # ------------------------------------------------------------------ start
 
@@ -105,7 +122,7 @@ class ProcessRuntime:
         cgroup = self.containment.group_for(rec.run_id, cpu_quota=launch.cpu > 0)
         if cgroup is not None:
             try:
-                cgroup.create(memory_mb=launch.memory_mb, cpu=launch.cpu)
+                cgroup.create(memory_mb=launch.memory_mb, cpu=launch.cpu, pids_max=launch.pids_max)
             except OSError as exc:
                 cgroup.remove()
                 raise StartError(
@@ -126,7 +143,8 @@ class ProcessRuntime:
         try:
             with open(paths.shim_log, "ab") as shim_log:
                 popen = subprocess.Popen(
-                    shim.argv(
+                    self.shim_argv(
+                        launch,
                         exit_file=paths.exit_file,
                         log_file=paths.log,
                         claim_file=paths.claim,
