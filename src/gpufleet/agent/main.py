@@ -46,11 +46,10 @@ from gpufleet.agent.identity import ControllerChannel, Renewer, ensure_credentia
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
 from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
-from gpufleet.agent.runtime import Runtimes, jobuser
+from gpufleet.agent.runtime import Runtimes, jobns, jobuser
 from gpufleet.agent.runtime.container import ContainerRuntime
 from gpufleet.agent.runtime.container_engine import ContainerEngine, EngineError
 from gpufleet.agent.runtime.container_images import ImageReporter
-from gpufleet.agent.runtime import jobns
 from gpufleet.agent.runtime.containment import Containment
 from gpufleet.agent.runtime.containment import detect as detect_containment
 from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
