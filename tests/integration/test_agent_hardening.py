@@ -412,3 +412,21 @@ def test_restarted_agent_keeps_an_adopted_attempts_mount_and_removes_stale_ones(
                 assert store.get_bytes("jobs/j-live/attempts/r-live/checkpoints/c1") == b"1"
                 image = disks.image("r-live")
                 wait_until(lambda: not os.path.ismount(live) and not image.exists(), 30)
+
+
+def test_an_agent_that_cannot_bound_or_hide_says_so_at_start_and_in_its_label(
+    public: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = public / "degraded"
+    root.mkdir()
+    with fake_controller() as (fake, address), caplog.at_level("WARNING", "gpufleet.agent"):
+        settings = make_settings(address, root / "data")
+        # a PID namespace has no cgroup (no pids.max); jobs as the agent's user get no
+        # scratch filesystem and no mount namespace
+        with inprocess_agent(fake, settings, root / "state", containment="pidns"):
+            text = dict(fake.registrations[-1].labels)["gpufleet/job-isolation"]
+    assert text.split(",") == ["no-pids-limit", "no-disk-bound", "no-new-privs"]
+    warnings = [r.getMessage() for r in caplog.records if "job isolation" in r.getMessage()]
+    assert any("no pids limit" in w for w in warnings), warnings
+    assert any("no scratch filesystem" in w for w in warnings), warnings
+    assert any("no private /tmp" in w for w in warnings), warnings

@@ -592,7 +592,14 @@ def _job_isolation(
             found.kind,
         )
     pids = f"pids-max={pids_max}" if pids_max > 0 and found.pids else "no-pids-limit"
-    return isolation, scratch, f"{pids},{scratch.describe()},{isolation.describe()}"
+    if not users.switch and isolation.mount_ns:
+        logger.warning(
+            "job isolation: jobs run as the agent's own user (%s): no private /tmp or hidden "
+            "/proc for them",
+            users.describe(),
+        )
+    text = f"{pids},{scratch.describe()},{isolation.describe(namespace=users.switch)}"
+    return isolation, scratch, text
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:

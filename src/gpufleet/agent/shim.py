@@ -8,7 +8,12 @@ command line with :func:`argv`::
 
     /bin/sh shim.sh --exit-file F --log-file L [--claim-file C] [--status-fd N] [--cwd D]
         [--cwd-check] [--cgroup-procs P]... [--setpriv PATH --uid U --gid G [--groups G1,G2]]
-        [--cwd-as U:G] -- cmd [args...]
+        [--cwd-as U:G] [--mount-bin M [--private-tmp D] [--hide-pids]] -- cmd [args...]
+
+The agent runs it under ``setpriv --no-new-privs`` and, for jobs as job users, in a mount
+namespace of its own (``unshare --mount``; :mod:`gpufleet.agent.runtime.jobns`): with
+``--mount-bin`` the child makes the job's mounts (private /tmp, /var/tmp, /dev/shm, hidepid
+/proc) right after the cgroup join, before any user switch.
 
 The agent starts it with ``start_new_session=True`` and the command's complete environment
 (the shell's own variables are unexported and prefixed ``_gf_``; no environment file is

@@ -288,11 +288,12 @@ class JobCgroup:
             memory_mb: MiB; 0 = none.
             cpu: cores (a CFS quota); 0 = none.
             pids_max: processes and threads at once (``pids.max``); 0 = none. A ``fork`` or
-                ``clone`` past it fails with EAGAIN inside the group only.
+                ``clone`` past it fails with EAGAIN inside the group only. Without a
+                ``pids`` controller it is not set (the agent says so at start and in the
+                node label ``gpufleet/job-isolation``).
 
         Raises:
-            OSError: a group or a limit could not be written (``pids.max`` included: a
-                limit the attempt asked for is never silently left out).
+            OSError: a group or a limit could not be written.
         """
         for d in self.dirs.values():
             d.mkdir(exist_ok=True)

@@ -81,13 +81,17 @@ class Isolation:
     def mount_ns(self) -> bool:
         return bool(self.unshare and self.mount)
 
-    def describe(self) -> str:
+    def describe(self, *, namespace: bool = True) -> str:
         """For the node label: the features in force, comma-separated, e.g.
-        ``no-new-privs,private-tmp,hidepid`` (``none`` when there is none)."""
+        ``no-new-privs,private-tmp,hidepid`` (``none`` when there is none).
+
+        Args:
+            namespace: jobs run as job users (else they get no namespace: see module doc).
+        """
         parts = []
         if self.no_new_privs:
             parts.append("no-new-privs")
-        if self.mount_ns:
+        if self.mount_ns and namespace:
             parts.append("private-tmp")
             if self.hide_pids:
                 parts.append("hidepid")
