@@ -430,3 +430,76 @@ def test_an_agent_that_cannot_bound_or_hide_says_so_at_start_and_in_its_label(
     assert any("no pids limit" in w for w in warnings), warnings
     assert any("no scratch filesystem" in w for w in warnings), warnings
     assert any("no private /tmp" in w for w in warnings), warnings
+
+
+PRELOAD_C = r"""
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void gf_probe(void) {
+    FILE *f = fopen(GF_OUT, "a");
+    if (f) { fprintf(f, "%d %d\n", (int)getuid(), (int)geteuid()); fclose(f); }
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc for the preload library")
+def test_loader_variables_of_the_job_reach_its_command_but_no_root_helper(
+    env, public: Path
+) -> None:
+    """LD_PRELOAD (and the loader's other variables) in a job's env must not be honoured by
+    the programs that run as root around it (setpriv, unshare, sh, mount), yet the command
+    gets them as submitted."""
+    fake, agent, store, _ = env
+    lib_dir = public / "preload"
+    lib_dir.mkdir(exist_ok=True)
+    lib_dir.chmod(0o755)
+    out = lib_dir / "loaded-by.txt"
+    out.touch()
+    out.chmod(0o666)
+    src = lib_dir / "probe.c"
+    src.write_text(PRELOAD_C)
+    lib = lib_dir / "probe.so"
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", f'-DGF_OUT="{out}"', "-o", str(lib), str(src)], check=True
+    )
+    lib.chmod(0o755)
+    code = (
+        "import os\n"
+        "open(os.path.join(os.environ['GPUFLEET_ARTIFACTS_DIR'], 'env.txt'), 'w').write("
+        "os.environ.get('LD_PRELOAD', '') + '|' + os.environ.get('LD_LIBRARY_PATH', ''))\n"
+    )
+    with fake_controller() as (fake2, address):
+        settings = make_settings(address, public / "pidns-data")
+        state = public / "pidns-state"
+        with inprocess_agent(
+            fake2, settings, state, job_uids="per-attempt", containment="pidns"
+        ) as pidns_agent:
+            pidns_store = ObjectStore(settings.resolved_object_store_url())
+            runs = [
+                (fake, agent, store, "r-preload", ""),
+                (fake, agent, store, "r-preload-wd", str(lib_dir)),
+                (fake2, pidns_agent, pidns_store, "r-preload-pidns", ""),
+            ]
+            _check_loader_runs(runs, code, lib, out)
+
+
+def _check_loader_runs(runs: list, code: str, lib: Path, out: Path) -> None:
+    for fake, agent, store, run_id, working_dir in runs:
+        out.write_text("")
+        resp = agent.assign(
+            run_id=run_id,
+            job_id=f"j-{run_id}",
+            token=1,
+            command=py(code),
+            working_dir=working_dir,
+            env={"LD_PRELOAD": str(lib), "LD_LIBRARY_PATH": "/opt/gf-libs"},
+        )
+        assert resp.result == A.STARTED, resp.message
+        report = fake.wait_report(run_id, timeout_s=60)
+        assert (report.outcome, report.exit_code) == (R.EXITED, 0), report.message
+        prefix = f"jobs/j-{run_id}/attempts/{run_id}"
+        seen = store.get_bytes(f"{prefix}/artifacts/env.txt").decode()
+        assert seen == f"{lib}|/opt/gf-libs", "the command gets the job's env as submitted"
+        loads = [tuple(map(int, line.split())) for line in out.read_text().splitlines()]
+        assert loads, "the command itself loaded the library"
+        assert all(uid != 0 and euid != 0 for uid, euid in loads), loads

@@ -3,7 +3,7 @@
 #   sh shim.sh --exit-file F --log-file L [--claim-file C] [--status-fd N] [--cwd D]
 #              [--cwd-check] [--cgroup-procs P]... [--setpriv PATH --uid U --gid G
 #              [--groups G1,G2]] [--cwd-as U:G] [--mount-bin M [--private-tmp D]
-#              [--hide-pids]] -- cmd [args...]
+#              [--hide-pids]] [--restore-env NAME,NAME] -- cmd [args...]
 #
 # Builtins only on the common path (no fork besides the command's own, no exec besides the
 # command's and, when switching users, setpriv's): this runs once per attempt.
@@ -11,6 +11,7 @@
 
 _gf_exit= _gf_log= _gf_claim= _gf_status= _gf_cwd= _gf_check= _gf_procs= _gf_setpriv=
 _gf_uid= _gf_gid= _gf_groups= _gf_cwd_as= _gf_stage2= _gf_pwd= _gf_mount= _gf_tmp= _gf_hide=
+_gf_restore=
 _gf_nl='
 '
 while [ $# -gt 0 ]; do
@@ -32,6 +33,7 @@ while [ $# -gt 0 ]; do
         --mount-bin) _gf_mount=$2; shift 2 ;;
         --private-tmp) _gf_tmp=$2; shift 2 ;;
         --hide-pids) _gf_hide=1; shift ;;
+        --restore-env) _gf_restore=$2; shift 2 ;;
         --) shift; break ;;
         *) echo "gpufleet shim: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -101,8 +103,16 @@ _gf_exec() {
 }
 
 # sh exports PWD (and cd OLDPWD): the command gets neither unless the agent passed them.
+# The job's loader variables (LD_PRELOAD...) come as _GF_ENV_<name> so that nothing run as
+# root sees them; they are set back here, in the command's process, never before the switch
+# to the job user (the names are shell identifiers: the agent checked them).
 _gf_env() {
     [ -n "$_gf_pwd" ] || unset PWD OLDPWD
+    while [ -n "$_gf_restore" ]; do
+        _gf_n=${_gf_restore%%,*}
+        eval "$_gf_n=\${_GF_ENV_$_gf_n}; export $_gf_n; unset _GF_ENV_$_gf_n"
+        [ "$_gf_restore" = "$_gf_n" ] && _gf_restore= || _gf_restore=${_gf_restore#*,}
+    done
 }
 
 # Why cd "$1" failed (sh's own message has no errno text).
@@ -113,7 +123,7 @@ _gf_cdwhy() {
 if [ -n "$_gf_stage2" ]; then
     # after setpriv: enter the working directory as the job user, then run the command
     # (the agent saw it as a directory: a failure here is the job user's access)
-    cd -P -- "$_gf_cwd" 2>/dev/null || _gf_fail \
+    [ -z "$_gf_cwd" ] || cd -P -- "$_gf_cwd" 2>/dev/null || _gf_fail \
         "cannot enter working_dir '$_gf_cwd' as the job user (uid $(id -u)): Permission denied"
     _gf_exec "$@"
 fi
@@ -176,10 +186,12 @@ fi
     fi
     if [ -n "$_gf_uid" ]; then
         [ -n "$_gf_groups" ] && _gf_g=--groups=$_gf_groups || _gf_g=--clear-groups
-        if [ -n "$_gf_check" ]; then
-            # a working directory chosen by the job: enter it as the job user
+        if [ -n "$_gf_check" ] || [ -n "$_gf_restore" ]; then
+            # a working directory chosen by the job: enter it as the job user; loader
+            # variables to set back: only as the job user
             exec "$_gf_setpriv" --reuid="$_gf_uid" --regid="$_gf_gid" "$_gf_g" -- \
-                /bin/sh "$0" --stage2 ${_gf_pwd:+--keep-pwd} --cwd "$_gf_cwd" ${_gf_status:+--status-fd 9} -- "$@"
+                /bin/sh "$0" --stage2 ${_gf_pwd:+--keep-pwd} --cwd "$_gf_cwd" \
+                ${_gf_status:+--status-fd 9} ${_gf_restore:+--restore-env $_gf_restore} -- "$@"
         fi
         # the attempt's own work directory belongs to the job user
         [ -z "$_gf_cwd" ] || cd -P -- "$_gf_cwd" 2>/dev/null \

@@ -30,8 +30,10 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +119,56 @@ class Isolation:
 
 
 NONE = Isolation(problems=("not probed",))
+
+LOADER_VARIABLES = frozenset(
+    # what glibc drops for setuid programs (UNSECURE_ENVVARS) besides every LD_* name: a
+    # program run as root honours each of them (LD_PRELOAD: any library, as root)
+    {
+        "GCONV_PATH",
+        "GETCONF_DIR",
+        "GLIBC_TUNABLES",
+        "HOSTALIASES",
+        "LOCALDOMAIN",
+        "LOCPATH",
+        "MALLOC_ARENA_MAX",
+        "MALLOC_ARENA_TEST",
+        "MALLOC_CHECK_",
+        "MALLOC_MMAP_MAX_",
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_PERTURB_",
+        "MALLOC_TOP_PAD_",
+        "MALLOC_TRACE",
+        "MALLOC_TRIM_THRESHOLD_",
+        "NIS_PATH",
+        "NLSPATH",
+        "RESOLV_HOST_CONF",
+        "RES_OPTIONS",
+        "TMPDIR",
+        "TZDIR",
+    }
+)
+"""Variables of the dynamic loader and libc that must never reach a program the agent runs as
+root around a job (the prefix, the shim, ``mount``); every ``LD_*`` name too."""
+HIDDEN_PREFIX = "_GF_ENV_"
+"""The shim's environment holds a job's loader variable ``X`` as ``_GF_ENV_X``; the shim puts
+it back as ``X`` only in the command's own process, after the switch to the job's user."""
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def hide_loader_env(env: Mapping[str, str]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """``env`` with each loader variable (:data:`LOADER_VARIABLES`, ``LD_*``) renamed to
+    ``_GF_ENV_<name>``, and the names renamed (sorted; give them to the shim's
+    ``restore_env``). Names that are not shell identifiers are left as they are (no loader
+    reads them)."""
+    out: dict[str, str] = {}
+    hidden: list[str] = []
+    for key, value in env.items():
+        if (key.startswith("LD_") or key in LOADER_VARIABLES) and _NAME.match(key):
+            out[HIDDEN_PREFIX + key] = value
+            hidden.append(key)
+        else:
+            out[key] = value
+    return out, tuple(sorted(hidden))
 
 
 def detect() -> Isolation:

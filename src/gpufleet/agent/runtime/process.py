@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 from gpufleet.agent import procfs, shim
 from gpufleet.agent.assignment_log import RunRecord
 from gpufleet.agent.fsutil import create_exclusive
+from gpufleet.agent.runtime import jobns
 from gpufleet.agent.runtime.base import (
     KILL_RESEND_S,
     KILL_VERIFY_TIMEOUT_S,
@@ -131,14 +132,21 @@ class ProcessRuntime:
         command = list(launch.command)
         user = launch.user
         ids: dict[str, Any] = {}
+        env, hidden = dict(launch.env), tuple[str, ...]()
+        if user.switch:  # the shim and its helpers run as root: no loader variable for them
+            env, hidden = jobns.hide_loader_env(launch.env)
         if self.containment.kind == "pidns":
             # unshare must run privileged to make the namespace; it switches users itself
             prefix_ids = {"uid": user.uid, "gid": user.gid} if user.switch else {}
+            if hidden:  # set back by a shim stage that unshare runs as the job user
+                restore = ["--stage2", "--restore-env", ",".join(hidden), "--"]
+                command = [shim.SH, str(shim.SHIM_SH), *restore, *command]
             command = [*self.containment.command_prefix(**prefix_ids), *command]
             if user.switch:
                 ids["cwd_as"] = (user.uid, user.gid)
         elif user.switch:
             ids.update(uid=user.uid, gid=user.gid, groups=tuple(user.groups))
+            ids["restore_env"] = hidden
         read_fd, write_fd = os.pipe()
         try:
             with open(paths.shim_log, "ab") as shim_log:
@@ -162,7 +170,7 @@ class ProcessRuntime:
                     stdout=write_fd,
                     stderr=shim_log,
                     start_new_session=True,  # the shim leads its own session and group
-                    env=launch.env,  # the shell's environment is the command's
+                    env=env,  # the shell's environment is the command's (loader vars hidden)
                 )
         except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL byte in an argument
             os.close(read_fd)
