@@ -28,6 +28,7 @@ from gpufleet.agent.runner import JOBS_ROOT, agent_scope
 from gpufleet.agent.runtime import jobns
 from gpufleet.agent.runtime.containment import detect
 from gpufleet.agent.scratch import ScratchDisks
+from gpufleet.agent.workdir import StartError
 from gpufleet.objectstore import ObjectStore
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from tests.integration.test_agent_support import (
@@ -503,3 +504,30 @@ def _check_loader_runs(runs: list, code: str, lib: Path, out: Path) -> None:
         loads = [tuple(map(int, line.split())) for line in out.read_text().splitlines()]
         assert loads, "the command itself loaded the library"
         assert all(uid != 0 and euid != 0 for uid, euid in loads), loads
+
+
+def test_scratch_promises_never_exceed_the_hosts_free_space(public: Path) -> None:
+    """Sparse images are promises: the node's default shrinks to the room left, an explicit
+    disk_mb that does not fit is refused as the node's fault, and the room comes back when an
+    image is removed."""
+    mib = 1024 * 1024
+    disks = ScratchDisks(public / "promise-images", default_mb=4096)
+    disks.images_dir.mkdir()
+    free_mb = shutil.disk_usage(public).free // mib
+    disks.reserve_mb = free_mb - 400  # ~400 MiB of room above the reserve
+    first, second = public / "p1", public / "p2"
+    first.mkdir()
+    second.mkdir()
+    try:
+        size = disks.create("p1", first, 4096, 0, 0, shrink_to_fit=True)
+        assert 200 < size < 400, size
+        assert os.statvfs(first).f_blocks * os.statvfs(first).f_frsize < 400 * mib
+        with pytest.raises(StartError) as refused:
+            disks.create("p2", second, 256, 0, 0)
+        assert refused.value.node_fault and "promised" in str(refused.value)
+        assert not os.path.ismount(second) and not disks.image("p2").exists()
+        disks.remove("p1", first)
+        assert disks.create("p2", second, 256, 0, 0) == 256
+    finally:
+        disks.remove("p1", first)
+        disks.remove("p2", second)

@@ -255,7 +255,7 @@ class Runner:
             or not is_full(root)
         ):
             return info
-        size = self.scratch.size_mb(rec.disk_mb)
+        size = self.scratch.size_of(rec.run_id) or self.scratch.size_mb(rec.disk_mb)
         note = (
             f"DISK_FULL: the attempt filled its scratch filesystem (disk_mb={size}: work, "
             "checkpoints, artifacts, /tmp) and its command failed"
@@ -331,7 +331,9 @@ class Runner:
             if self.scratch is not None:
                 paths.job_root.mkdir(parents=True, exist_ok=True)
                 size = self.scratch.size_mb(disk_mb)
-                self.scratch.create(paths.job_root.name, paths.job_root, size, uid, gid)
+                self.scratch.create(
+                    paths.job_root.name, paths.job_root, size, uid, gid, shrink_to_fit=disk_mb <= 0
+                )
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
             if switch:

@@ -138,9 +138,23 @@ class ScratchDisks:
         """The size an attempt gets: its job's ``disk_mb`` (MiB), else the node's default."""
         return max(disk_mb, MIN_SCRATCH_MB) if disk_mb > 0 else self.default_mb
 
-    def create(self, run_id: str, mount_point: Path, size_mb: int, uid: int, gid: int) -> None:
+    def create(
+        self,
+        run_id: str,
+        mount_point: Path,
+        size_mb: int,
+        uid: int,
+        gid: int,
+        *,
+        shrink_to_fit: bool = False,
+    ) -> int:
         """Make the image, its filesystem (root owned by ``uid:gid``, mode 0700) and mount it
-        on ``mount_point`` (an existing, empty directory).
+        on ``mount_point`` (an existing, empty directory). Returns the size made, MiB.
+
+        Args:
+            shrink_to_fit: the size is the node's default, not the job's ``disk_mb``: when
+                the host has less room, make it as large as the room allows (at least
+                ``MIN_SCRATCH_MB``; said in the log) instead of refusing the start.
 
         Raises:
             StartError: the host cannot hold the size promised (node's fault, or the job's
@@ -150,6 +164,16 @@ class ScratchDisks:
         image = self.image(run_id)
         try:
             with self._lock:  # promises are checked and made one at a time
+                room = self._room_mb(size_mb)
+                if shrink_to_fit and MIN_SCRATCH_MB <= room < size_mb:
+                    logger.warning(
+                        "run %s: scratch filesystem of %d MiB instead of the default %d MiB "
+                        "(the host's free space above the reserve)",
+                        run_id,
+                        room,
+                        size_mb,
+                    )
+                    size_mb = room
                 self._check_room(size_mb)
                 _make_image(image, size_mb, uid, gid)
             _run([_tool("mount"), "-o", MOUNT_OPTIONS, str(image), str(mount_point)])
@@ -166,6 +190,35 @@ class ScratchDisks:
                 f"cannot make the attempt's scratch filesystem ({size_mb} MiB): {exc}",
                 node_fault=True,
             ) from exc
+        return size_mb
+
+    def _room_mb(self, size_mb: int) -> int:
+        """MiB an image may still be promised (free space less the live images' promises
+        and the reserve, less the image overhead); ``size_mb`` when that cannot be read."""
+        try:
+            free, promised = self._free_and_promised()
+        except OSError:
+            return size_mb
+        mib = 1024 * 1024
+        return (free - promised) // mib - self.reserve_mb - IMAGE_OVERHEAD_MB
+
+    def _free_and_promised(self) -> tuple[int, int]:
+        """(free bytes of the images' filesystem, bytes the live images may still take)."""
+        self.images_dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.images_dir).free
+        promised = 0
+        for other in self.images_dir.glob("*.img"):
+            with contextlib.suppress(OSError):
+                st = other.stat()
+                promised += max(0, st.st_size - st.st_blocks * 512)
+        return free, promised
+
+    def size_of(self, run_id: str) -> int:
+        """The size (MiB) of the attempt's image; 0 when it has none."""
+        try:
+            return self.image(run_id).stat().st_size // (1024 * 1024)
+        except OSError:
+            return 0
 
     def _check_room(self, size_mb: int) -> None:
         self.images_dir.mkdir(parents=True, exist_ok=True)
@@ -176,11 +229,7 @@ class ScratchDisks:
                 f"disk_mb={size_mb} is more than this node's scratch filesystem holds "
                 f"({usage.total // mib} MiB)"
             )
-        promised = 0  # bytes the live images may still take on the host
-        for other in self.images_dir.glob("*.img"):
-            with contextlib.suppress(OSError):
-                st = other.stat()
-                promised += max(0, st.st_size - st.st_blocks * 512)
+        _, promised = self._free_and_promised()  # bytes the live images may still take
         room = usage.free - promised - self.reserve_mb * mib
         if (size_mb + IMAGE_OVERHEAD_MB) * mib > room:
             raise StartError(
