@@ -16,9 +16,10 @@ Why a loop-mounted image and not the alternatives:
 * a ``tmpfs`` with ``size=`` bounds the disk but spends memory, and checkpoints of GPU jobs
   are often larger than a node's RAM;
 * the image is sparse (it takes on the host only what the job wrote, plus ~1 MiB), and
-  making and mounting one costs ~20 ms; but an attempt is started only when the sizes
-  promised to every live attempt, less what their images already hold, fit in the host's
-  free space above the node's disk reserve, so no promise can run the host out of space.
+  making and mounting one costs ~50-75 ms here; but the sizes promised to every live attempt,
+  less what their images already hold, must fit in the host's free space above the node's
+  disk reserve, so no promise can run the host out of space: the node's default size shrinks
+  to the room left, a job's own ``disk_mb`` that does not fit fails the start.
 
 Lifecycle: made and mounted before the job's directories (:meth:`ScratchDisks.create`), kept
 while the attempt runs and while its outputs are uploaded (a restarted agent finds the mount
