@@ -35,8 +35,8 @@ command -v chromium >/dev/null
 # for the per-attempt scratch filesystems, util-linux's setpriv/unshare/mount, and gcc to
 # build the LD_PRELOAD probe library (that test skips without it).
 missing=""
-command -v mkfs.ext4 >/dev/null 2>&1 || PATH="$PATH:/sbin:/usr/sbin" command -v mkfs.ext4 \
-  >/dev/null 2>&1 || missing="$missing e2fsprogs"
+[ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin/mkfs.ext4 ] || command -v mkfs.ext4 >/dev/null 2>&1 \
+  || missing="$missing e2fsprogs"
 command -v setpriv >/dev/null 2>&1 || missing="$missing util-linux"
 command -v gcc >/dev/null 2>&1 || missing="$missing gcc"
 if [ -n "$missing" ]; then
