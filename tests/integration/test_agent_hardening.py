@@ -400,9 +400,17 @@ def test_restarted_agent_keeps_an_adopted_attempts_mount_and_removes_stale_ones(
             disks = ScratchDisks(state.resolve() / "scratch", NODE_DISK_MB)
             disks.create("r-stale", stale, 16, 0, 0)
             assert os.path.ismount(stale)
+            other = live.parent / "r-operator"  # a mount that is not a scratch filesystem
+            other.mkdir()
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(other)], check=True
+            )
 
             with inprocess_agent(fake, settings, state, **kw) as agent:
                 assert not os.path.ismount(stale), "the stale mount is removed at start"
+                assert os.path.ismount(other), "only the agent's own images are unmounted"
+                subprocess.run(["umount", str(other)], check=True)
+                other.rmdir()
                 assert not disks.image("r-stale").exists()
                 assert os.path.ismount(live), "the adopted attempt keeps its filesystem"
                 assert (live / "checkpoints" / "c1").read_text() == "1"

@@ -414,9 +414,11 @@ def run_agent(
     }
     for run_id in found.prune(keep=live):
         logger.error("cgroup of %s holds processes but no live attempt here owns it", run_id)
-    if runner.scratch is not None:  # before any start: mounts of cleaned or unknown attempts
+    if runner.scratch_disks is not None and os.geteuid() == 0:
+        # before any start: mounts of cleaned or unknown attempts (also those an earlier
+        # agent made when this one makes none)
         keep = runner.scratch_keep(set(log.runs))
-        for run_id in runner.scratch.prune(runner.jobs_dir, keep):
+        for run_id in runner.scratch_disks.prune(runner.jobs_dir, keep):
             logger.info("removed the scratch filesystem of ended attempt %s", run_id)
 
     host = advertise_host or _default_host(cfg.controller_address)

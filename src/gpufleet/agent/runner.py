@@ -103,6 +103,8 @@ class Runner:
             if self.users.switch:  # (jobs run as other users: they must reach their dirs)
                 _check_searchable(self.jobs_dir)
         self.scratch = scratch if scratch is not None and scratch.enabled else None
+        # kept even when disabled: mounts made by an earlier agent are still removed
+        self.scratch_disks = scratch
         self.pids_max = pids_max
         self._lock = threading.Lock()
         self._uids: dict[str, int] = {}  # run_id -> job uid, for attempts this agent started
@@ -278,8 +280,8 @@ class Runner:
         with contextlib.suppress(StartError):
             self.runtimes.for_record(rec).release(rec)
         paths = self.paths(rec.run_id)
-        if self.scratch is not None:  # unmount and delete its filesystem (what is left: empty)
-            self.scratch.remove(rec.run_id, paths.job_root)
+        if self.scratch_disks is not None:  # unmount, delete its filesystem (what is left: empty)
+            self.scratch_disks.remove(rec.run_id, paths.job_root)
         for d in (paths.work, paths.checkpoints, paths.artifacts, paths.resume, paths.tmp):
             shutil.rmtree(d, ignore_errors=True)
         if paths.job_root is not None:

@@ -260,7 +260,7 @@ class ScratchDisks:
         unknown here): their mounts under ``jobs_dir`` and their images. Returns their
         run_ids. Called at agent start, before any attempt starts."""
         gone: set[str] = set()
-        for point in _mounts_under(jobs_dir):
+        for point in _mounts_under(jobs_dir, self.images_dir):
             if point.name not in keep:
                 self.remove(point.name, point)
                 gone.add(point.name)
@@ -306,13 +306,26 @@ def _run(argv: list[str]) -> None:
         )
 
 
-def _mounts_under(parent: Path) -> list[Path]:
-    """Mount points directly below ``parent`` (from ``/proc/self/mountinfo``)."""
+def _mounts_under(parent: Path, images_dir: Path) -> list[Path]:
+    """Mount points directly below ``parent`` whose filesystem is a loop device backed by an
+    image in ``images_dir`` (from ``/proc/self/mountinfo`` and ``/sys/block/loopN``): never
+    another mount an operator keeps there."""
     found = []
-    real = os.path.realpath(parent)
+    real, images = os.path.realpath(parent), os.path.realpath(images_dir)
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            point = line.split()[4].replace("\\040", " ")
-            if os.path.dirname(point) == real:
+            fields = line.split()
+            point = fields[4].replace("\\040", " ")
+            if os.path.dirname(point) != real or " - " not in line:
+                continue
+            source = line.split(" - ", 1)[1].split()[1]
+            if not source.startswith("/dev/loop"):
+                continue
+            try:
+                backing = Path(f"/sys/block/{os.path.basename(source)}/loop/backing_file")
+                image = backing.read_text().strip().removesuffix(" (deleted)")
+            except OSError:
+                continue
+            if os.path.dirname(image) == images:
                 found.append(Path(point))
     return found
