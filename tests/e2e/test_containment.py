@@ -229,10 +229,10 @@ def test_job_filling_its_disk_fails_alone_with_disk_full_and_the_node_stays_heal
     node = fleet.get("/v1/nodes")["items"][0]
     assert node["status"] == "HEALTHY", node
     labels = node["labels"]
-    assert "pids-max=300" in labels["gpufleet/job-isolation"]
-    assert "disk-mb=64" in labels["gpufleet/job-isolation"]
+    assert labels["gpufleet/job-pids-max"] == "300"
+    assert labels["gpufleet/job-disk-mb"] == "64"
     nodes = cli(fleet, "nodes", "--wide")
-    assert "no-new-privs" in nodes.stdout and "pids-max=300" in nodes.stdout, nodes.stdout
+    assert "pids-max: 300, disk-mb: 64, isolation: no-new-privs" in nodes.stdout, nodes.stdout
 
     run_id = fleet.job(neighbour)["attempts"][0]["run_id"]
     go = JOBS_ROOT / agent_scope(state.resolve(), "a1") / run_id / "artifacts" / "go"

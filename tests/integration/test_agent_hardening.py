@@ -29,6 +29,7 @@ from gpufleet.agent.runtime import jobns
 from gpufleet.agent.runtime.containment import detect
 from gpufleet.agent.scratch import ScratchDisks
 from gpufleet.agent.workdir import StartError
+from gpufleet.domain.labels import value_problem
 from gpufleet.objectstore import ObjectStore
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from tests.integration.test_agent_support import (
@@ -110,11 +111,13 @@ def stop(fake: FakeController, agent: InProcessAgent, run_id: str) -> pb.ReportC
 def test_agent_says_what_isolation_it_has(env) -> None:
     fake, _, _, _ = env
     labels = dict(fake.registrations[-1].labels)
+    assert labels["gpufleet/job-pids-max"] == str(NODE_PIDS_MAX)
+    assert labels["gpufleet/job-disk-mb"] == str(NODE_DISK_MB)
     text = labels["gpufleet/job-isolation"]
-    assert f"pids-max={NODE_PIDS_MAX}" in text
-    assert f"disk-mb={NODE_DISK_MB}" in text
-    assert "no-new-privs" in text and "private-tmp" in text
-    assert ("hidepid" in text) == ISOLATION.hide_pids
+    want = "no-new-privs.private-tmp" + (".hidepid" if ISOLATION.hide_pids else "")
+    assert text == want
+    for value in (text, labels["gpufleet/job-pids-max"], labels["gpufleet/job-disk-mb"]):
+        assert value_problem("gpufleet/job-isolation", value) is None, value
 
 
 FORK_BOMB = r"""
@@ -433,8 +436,10 @@ def test_an_agent_that_cannot_bound_or_hide_says_so_at_start_and_in_its_label(
         # a PID namespace has no cgroup (no pids.max); jobs as the agent's user get no
         # scratch filesystem and no mount namespace
         with inprocess_agent(fake, settings, root / "state", containment="pidns"):
-            text = dict(fake.registrations[-1].labels)["gpufleet/job-isolation"]
-    assert text.split(",") == ["no-pids-limit", "no-disk-bound", "no-new-privs"]
+            labels = dict(fake.registrations[-1].labels)
+    assert labels["gpufleet/job-pids-max"] == "none"
+    assert labels["gpufleet/job-disk-mb"] == "none"
+    assert labels["gpufleet/job-isolation"] == "no-new-privs"
     warnings = [r.getMessage() for r in caplog.records if "job isolation" in r.getMessage()]
     assert any("no pids limit" in w for w in warnings), warnings
     assert any("no scratch filesystem" in w for w in warnings), warnings

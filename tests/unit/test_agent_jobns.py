@@ -61,7 +61,7 @@ def test_shim_gets_the_mounts_only_in_a_namespace() -> None:
 
 
 def test_label_text_says_what_is_in_force() -> None:
-    assert FULL.describe() == "no-new-privs,private-tmp,hidepid"
+    assert FULL.describe() == "no-new-privs.private-tmp.hidepid"
     assert FULL.describe(namespace=False) == "no-new-privs"
     assert Isolation().describe() == "none"
 

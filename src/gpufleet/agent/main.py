@@ -172,9 +172,14 @@ JOB_USER_LABEL = "gpufleet/job-user"
 CONTAINER_RUNTIME_LABEL = "gpufleet/container-runtime"
 """Node label the agent sets: podman, docker or none (jobs with an image fail to start)."""
 JOB_ISOLATION_LABEL = "gpufleet/job-isolation"
-"""Node label the agent sets: what bounds and hides process jobs here, e.g.
-``pids-max=4096,disk-mb=10240,no-new-privs,private-tmp,hidepid``; ``no-pids-limit`` and
-``no-disk-bound`` say what is missing (the agent's start log says why)."""
+"""Node label the agent sets: what isolates process jobs here, ``.``-separated, e.g.
+``no-new-privs.private-tmp.hidepid``; ``none`` (the agent's start log says why)."""
+JOB_PIDS_MAX_LABEL = "gpufleet/job-pids-max"
+"""Node label the agent sets: the default ``pids.max`` of an attempt, or ``none`` when the
+node sets none (no pids controller, or ``--job-pids-max 0``)."""
+JOB_DISK_MB_LABEL = "gpufleet/job-disk-mb"
+"""Node label the agent sets: the default size (MiB) of an attempt's scratch filesystem, or
+``none`` when attempts get none."""
 DEFAULT_JOB_PIDS_MAX = 4096
 DEFAULT_JOB_DISK_MB = 10240
 
@@ -356,7 +361,7 @@ def run_agent(
             found.problem or "forced",
         )
     containers, images = _container_runtime(container_runtime, state_dir)
-    isolation, scratch, isolation_text = _job_isolation(
+    isolation, scratch, isolation_labels = _job_isolation(
         found,
         users,
         state_dir,
@@ -380,7 +385,7 @@ def run_agent(
         CONTAINMENT_LABEL: found.kind,
         JOB_USER_LABEL: users.describe(),
         CONTAINER_RUNTIME_LABEL: containers.engine.kind if containers is not None else "none",
-        JOB_ISOLATION_LABEL: isolation_text,
+        **isolation_labels,
     }
     streamer = LogStreamer(store, LOG_SYNC_INTERVAL_S, stop)
     core = AgentCore(
@@ -514,7 +519,7 @@ def run_agent(
         runtimes.describe(),
         users.describe(),
         runner.jobs_dir,
-        isolation_text,
+        ", ".join(f"{k.split('/')[1]}={v}" for k, v in isolation_labels.items()),
     )
     try:
         stop.wait()
@@ -567,10 +572,11 @@ def _job_isolation(
     pids_max: int,
     disk_mb: int,
     reserve_mb: int,
-) -> tuple[jobns.Isolation, ScratchDisks, str]:
+) -> tuple[jobns.Isolation, ScratchDisks, dict[str, str]]:
     """Probe the process jobs' isolation (no_new_privs, mount namespace, hidden /proc), the
     scratch filesystems and the pids limit; warn once for each one missing. Returns the
-    isolation, the scratch disks and the :data:`JOB_ISOLATION_LABEL` text."""
+    isolation, the scratch disks and the node labels that say so (:data:`JOB_PIDS_MAX_LABEL`,
+    :data:`JOB_DISK_MB_LABEL`, :data:`JOB_ISOLATION_LABEL`)."""
     isolation = jobns.detect()
     for problem in isolation.problems:
         logger.warning("job isolation: %s", problem)
@@ -593,15 +599,19 @@ def _job_isolation(
             "bomb can exhaust the node's pids",
             found.kind,
         )
-    pids = f"pids-max={pids_max}" if pids_max > 0 and found.pids else "no-pids-limit"
+    pids = str(pids_max) if pids_max > 0 and found.pids else "none"
     if not users.switch and isolation.mount_ns:
         logger.warning(
             "job isolation: jobs run as the agent's own user (%s): no private /tmp or hidden "
             "/proc for them",
             users.describe(),
         )
-    text = f"{pids},{scratch.describe()},{isolation.describe(namespace=users.switch)}"
-    return isolation, scratch, text
+    labels = {
+        JOB_PIDS_MAX_LABEL: pids,
+        JOB_DISK_MB_LABEL: str(scratch.default_mb) if scratch.enabled else "none",
+        JOB_ISOLATION_LABEL: isolation.describe(namespace=users.switch),
+    }
+    return isolation, scratch, labels
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:

@@ -83,10 +83,6 @@ class ScratchDisks:
     def enabled(self) -> bool:
         return not self.problem
 
-    def describe(self) -> str:
-        """For the node label: ``disk-mb=N`` (the default size) or ``no-disk-bound``."""
-        return f"disk-mb={self.default_mb}" if self.enabled else "no-disk-bound"
-
     @classmethod
     def detect(
         cls, images_dir: Path, *, default_mb: int, reserve_mb: int, per_attempt_dirs: bool

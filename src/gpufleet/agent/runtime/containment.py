@@ -290,7 +290,7 @@ class JobCgroup:
             pids_max: processes and threads at once (``pids.max``); 0 = none. A ``fork`` or
                 ``clone`` past it fails with EAGAIN inside the group only. Without a
                 ``pids`` controller it is not set (the agent says so at start and in the
-                node label ``gpufleet/job-isolation``).
+                node label ``gpufleet/job-pids-max``).
 
         Raises:
             OSError: a group or a limit could not be written.

@@ -84,8 +84,8 @@ class Isolation:
         return bool(self.unshare and self.mount)
 
     def describe(self, *, namespace: bool = True) -> str:
-        """For the node label: the features in force, comma-separated, e.g.
-        ``no-new-privs,private-tmp,hidepid`` (``none`` when there is none).
+        """For the node label: the features in force, ``.``-separated (a label value), e.g.
+        ``no-new-privs.private-tmp.hidepid`` (``none`` when there is none).
 
         Args:
             namespace: jobs run as job users (else they get no namespace: see module doc).
@@ -97,7 +97,7 @@ class Isolation:
             parts.append("private-tmp")
             if self.hide_pids:
                 parts.append("hidepid")
-        return ",".join(parts) or "none"
+        return ".".join(parts) or "none"
 
     def shim_prefix(self, *, namespace: bool) -> list[str]:
         """The argv that runs the shim (``setpriv --no-new-privs`` and, with ``namespace``
