@@ -269,10 +269,15 @@ def test_a_disk_mb_larger_than_the_node_fails_the_start_as_the_jobs_fault(env) -
 
 
 KEEPER = r"""
-import os, time
+import os, subprocess, time
 with open("/tmp/keeper-secret.txt", "w") as f:
     f.write("team A's secret")
-open(os.path.join(os.environ["GPUFLEET_ARTIFACTS_DIR"], "ready"), "w").close()
+art = os.environ["GPUFLEET_ARTIFACTS_DIR"]
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+shmid = libc.shmget(0x47460001, 4096, 0o1000 | 0o666)  # IPC_CREAT, key 0x47460001
+open(os.path.join(art, "shmid"), "w").write(str(shmid))
+open(os.path.join(art, "ready"), "w").close()
 time.sleep(600)
 """
 
@@ -289,6 +294,7 @@ for name, pid in targets["pids"].items():
     except OSError as exc:
         seen[name] = f"ERROR {type(exc).__name__}"
 seen["tmp"] = sorted(os.listdir("/tmp"))
+seen["ipcs"] = subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout
 seen["var_tmp"] = sorted(os.listdir("/var/tmp"))
 with open("/tmp/snoop-own.txt", "w") as f:
     f.write("mine")
@@ -317,6 +323,9 @@ def test_job_cannot_see_another_jobs_processes_argv_or_tmp_nor_gain_setuid_root(
     shim_pid = started_event(agent, "r-victim")["shim_pid"]
     assert secret_arg.encode() in Path(f"/proc/{shim_pid}/cmdline").read_bytes()
     assert not Path("/tmp/keeper-secret.txt").exists(), "the job's /tmp is its own"
+    assert int((ready.parent / "shmid").read_text()) >= 0, "the job made its SysV segment"
+    host_ipcs = subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout
+    assert "0x47460001" not in host_ipcs, "the job's SysV memory is in its own IPC namespace"
     # a setuid-root copy of id(1) on the host, executable by anyone
     setuid_dir = public / "bin"
     setuid_dir.mkdir(exist_ok=True)
@@ -357,6 +366,7 @@ def test_job_cannot_see_another_jobs_processes_argv_or_tmp_nor_gain_setuid_root(
     assert seen["uid"] not in (0, os.getuid())
     assert "keeper-secret.txt" not in seen["tmp"] and "keeper-secret.txt" not in seen["var_tmp"]
     assert not Path("/tmp/snoop-own.txt").exists()
+    assert "0x47460001" not in seen["ipcs"], seen["ipcs"]
     assert seen["nnp"] == "1"
     assert seen["setuid_id_euid"] == str(seen["uid"]), "the setuid-root binary elevated the job"
     if ISOLATION.hide_pids:

@@ -37,6 +37,7 @@ def test_prefix_is_no_new_privs_then_a_private_mount_namespace() -> None:
         "--",
         "/usr/bin/unshare",
         "--mount",
+        "--ipc",
         "--propagation",
         "private",
         "--",

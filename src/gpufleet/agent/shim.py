@@ -12,7 +12,7 @@ command line with :func:`argv`::
         [--restore-env NAME,NAME] -- cmd [args...]
 
 The agent runs it under ``setpriv --no-new-privs`` and, for jobs as job users, in a mount
-namespace of its own (``unshare --mount``; :mod:`gpufleet.agent.runtime.jobns`): with
+namespace of its own (``unshare --mount --ipc``; :mod:`gpufleet.agent.runtime.jobns`): with
 ``--mount-bin`` the child makes the job's mounts (private /tmp, /var/tmp, /dev/shm, hidepid
 /proc) right after the cgroup join, before any user switch.
 

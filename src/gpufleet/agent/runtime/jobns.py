@@ -8,13 +8,14 @@ that runs as a job user:
   privileges, so a setuid-root binary (or one with file capabilities) on the host runs with
   the job's own uid. Inherited by every process of the attempt; the shim itself only ever
   drops privileges (``setpriv --reuid``), which the flag allows.
-* **a mount namespace of its own** (``unshare --mount --propagation private`` before the
-  shim): the shim's child, still root and already in the attempt's cgroup, binds the
-  attempt's ``tmp/`` directory (inside its scratch filesystem, so bounded by ``disk_mb``) on
-  ``/tmp`` and ``/var/tmp``, mounts a fresh tmpfs on ``/dev/shm`` (pages charged to the job's
-  memory cgroup) and a new ``proc`` with ``hidepid=invisible`` on ``/proc``: the job sees
-  only its own uid's processes, so not another job's ``/proc/PID/cmdline`` nor the shim's
-  argv (root's). Nothing of it propagates to the host; it ends with the attempt's last process.
+* **a mount and an IPC namespace of its own** (``unshare --mount --ipc --propagation
+  private`` before the shim; SysV IPC and POSIX message queues are the attempt's own): the
+  shim's child, still root and already in the attempt's cgroup, binds the attempt's ``tmp/``
+  directory (inside its scratch filesystem, so bounded by ``disk_mb``) on ``/tmp`` and
+  ``/var/tmp``, mounts a fresh tmpfs on ``/dev/shm`` (pages charged to the job's memory
+  cgroup) and a new ``proc`` with ``hidepid=invisible`` on ``/proc``: the job sees only its
+  own uid's processes, so not another job's ``/proc/PID/cmdline`` nor the shim's argv
+  (root's). Nothing of it propagates to the host; it ends with the attempt's last process.
 
 ``hidepid`` needs Linux 5.8 or later (each ``proc`` mount its own instance; on older kernels
 the option would change the host's ``/proc``, so it is not used there). A namespace needs root.
@@ -107,7 +108,7 @@ class Isolation:
         if self.setpriv:
             out += [self.setpriv, "--no-new-privs", "--"]
         if namespace and self.mount_ns:
-            out += [self.unshare, "--mount", "--propagation", "private", "--"]
+            out += [self.unshare, "--mount", "--ipc", "--propagation", "private", "--"]
         return out
 
     def shim_options(self, *, namespace: bool, tmp_dir: str) -> dict[str, Any]:
@@ -189,7 +190,7 @@ def detect() -> Isolation:
         problems.append("unshare or mount is not installed: jobs share /tmp and /proc")
         unshare = ""
     else:
-        ns = [unshare, "--mount", "--propagation", "private", "--"]
+        ns = [unshare, "--mount", "--ipc", "--propagation", "private", "--"]
         if not _runs([*ns, mount, "-t", "tmpfs", "-o", "size=64k,nosuid,nodev", "tmpfs", "/tmp"]):
             problems.append("cannot make a mount namespace: jobs share /tmp and /proc")
             unshare = ""

@@ -99,7 +99,7 @@ class ProcessRuntime:
 
     def shim_argv(self, launch: Launch, **shim_args: Any) -> list[str]:
         """The shim's full command line: the isolation prefix (``setpriv --no-new-privs``,
-        ``unshare --mount``: :mod:`.jobns`) and the shim with its mount options. The one
+        ``unshare --mount --ipc``: :mod:`.jobns`) and the shim with its mount options. The one
         place that decides what wraps an attempt's shim."""
         namespace = launch.user.switch  # jobs as the agent's own user: no isolation promised
         iso = self.isolation
