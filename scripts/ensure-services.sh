@@ -42,6 +42,22 @@ if ! command -v ip >/dev/null 2>&1 || ! command -v nft >/dev/null 2>&1 \
   done
 fi
 
+# Process-job isolation (tests/integration/test_agent_hardening.py): mkfs.ext4 (e2fsprogs)
+# for the per-attempt scratch filesystems, util-linux's setpriv/unshare/mount, and gcc to
+# build the LD_PRELOAD probe library (that test skips without it).
+missing=""
+[ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin/mkfs.ext4 ] || command -v mkfs.ext4 >/dev/null 2>&1 \
+  || missing="$missing e2fsprogs"
+command -v setpriv >/dev/null 2>&1 || missing="$missing util-linux"
+command -v gcc >/dev/null 2>&1 || missing="$missing gcc"
+if [ -n "$missing" ]; then
+  for _ in $(seq 10); do  # another apt-get may hold the lock
+    $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q $missing && break
+    sleep 6
+  done
+fi
+
 # Container runtime for jobs with an `image` (tests need it; they fail, not skip, without it):
 # podman + runc, a local docker-registry on 127.0.0.1:5000 (plain HTTP, loopback only) and the
 # offline-built test images (scripts/build-test-images.sh). The agent passes its own podman

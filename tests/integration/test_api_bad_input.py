@@ -29,6 +29,15 @@ class TestSubmitRefuses:
                 "depends_on",
                 id="a dependency on an empty job id",
             ),
+            pytest.param({"pids_limit": 0}, "pids_limit", id="pids_limit 0"),
+            pytest.param({"pids_limit": -5}, "pids_limit", id="pids_limit negative"),
+            pytest.param({"pids_limit": "64"}, "pids_limit", id="pids_limit a string"),
+            pytest.param({"pids_limit": 64.5}, "pids_limit", id="pids_limit a float"),
+            pytest.param({"pids_limit": 10**8}, "pids_limit", id="pids_limit above pid_max"),
+            pytest.param({"disk_mb": 0}, "disk_mb", id="disk_mb 0"),
+            pytest.param({"disk_mb": 15}, "disk_mb", id="disk_mb below 16"),
+            pytest.param({"disk_mb": True}, "disk_mb", id="disk_mb a bool"),
+            pytest.param({"disk_mb": 10**12}, "disk_mb", id="disk_mb above 64 TiB"),
         ],
     )
     def test_422_naming_the_field(self, api: Any, extra: dict[str, Any], want_field: str) -> None:
@@ -52,9 +61,19 @@ class TestSubmitRefuses:
             pytest.param({"array": "0-1"}, id="an array"),
             pytest.param({"image": None, "depends_on": None, "array": None}, id="nulls"),
             pytest.param({"name": ""}, id="an empty name is no name"),
+            pytest.param({"pids_limit": 512, "disk_mb": 4096}, id="pids_limit and disk_mb"),
         ],
     )
     def test_valid_values_still_201(self, api: Any, extra: dict[str, Any]) -> None:
         client, tokens = api
         r = client.post("/v1/jobs", json={**JOB, **extra}, headers=hdr(tokens["vision"]))
         assert r.status_code == 201, r.text
+
+
+def test_pids_limit_and_disk_mb_are_shown_on_the_job(api: Any) -> None:
+    client, tokens = api
+    body = {**JOB, "pids_limit": 300, "disk_mb": 2048}
+    r = client.post("/v1/jobs", json=body, headers=hdr(tokens["vision"]))
+    assert r.status_code == 201, r.text
+    job = client.get(f"/v1/jobs/{r.json()['job_id']}", headers=hdr(tokens["vision"])).json()
+    assert (job["pids_limit"], job["disk_mb"]) == (300, 2048)

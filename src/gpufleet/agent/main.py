@@ -46,15 +46,17 @@ from gpufleet.agent.identity import ControllerChannel, Renewer, ensure_credentia
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
 from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
-from gpufleet.agent.runtime import Runtimes, jobuser
+from gpufleet.agent.runtime import Runtimes, jobns, jobuser
 from gpufleet.agent.runtime.container import ContainerRuntime
 from gpufleet.agent.runtime.container_engine import ContainerEngine, EngineError
 from gpufleet.agent.runtime.container_images import ImageReporter
+from gpufleet.agent.runtime.containment import Containment
 from gpufleet.agent.runtime.containment import detect as detect_containment
 from gpufleet.agent.runtime.jobnet import NETWORK_LABEL, JobNet
 from gpufleet.agent.runtime.jobnet import configure as configure_job_network
 from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
 from gpufleet.agent.runtime.process import ProcessRuntime
+from gpufleet.agent.scratch import ScratchDisks
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.objectstore import PROBE_PREFIX, ObjectStore, probe, public_url
@@ -177,6 +179,17 @@ JOB_USER_LABEL = "gpufleet/job-user"
 ``jobs-as-agent-user`` when the agent cannot switch users."""
 CONTAINER_RUNTIME_LABEL = "gpufleet/container-runtime"
 """Node label the agent sets: podman, docker or none (jobs with an image fail to start)."""
+JOB_ISOLATION_LABEL = "gpufleet/job-isolation"
+"""Node label the agent sets: what isolates process jobs here, ``.``-separated, e.g.
+``no-new-privs.private-tmp.hidepid``; ``none`` (the agent's start log says why)."""
+JOB_PIDS_MAX_LABEL = "gpufleet/job-pids-max"
+"""Node label the agent sets: the default ``pids.max`` of an attempt, or ``none`` when the
+node sets none (no pids controller, or ``--job-pids-max 0``)."""
+JOB_DISK_MB_LABEL = "gpufleet/job-disk-mb"
+"""Node label the agent sets: the default size (MiB) of an attempt's scratch filesystem, or
+``none`` when attempts get none."""
+DEFAULT_JOB_PIDS_MAX = 4096
+DEFAULT_JOB_DISK_MB = 10240
 
 
 def lock_state_dir(state_dir: Path) -> IO[str]:
@@ -252,6 +265,8 @@ def run_agent(
     job_egress_deny: str = "",
     job_egress: str = "allow",
     job_egress_allow: str = "",
+    job_pids_max: int = DEFAULT_JOB_PIDS_MAX,
+    job_disk_mb: int = DEFAULT_JOB_DISK_MB,
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -294,6 +309,10 @@ def run_agent(
             the controller and join addresses and ``169.254.0.0/16``.
         job_egress: ``allow`` (everything not denied) or ``none`` (only ``job_egress_allow``).
         job_egress_allow: ``CIDR[:port],...`` reachable with ``job_egress="none"``.
+        job_pids_max: ``pids.max`` (processes and threads at once) of an attempt whose job
+            set no ``pids_limit``; 0 = none.
+        job_disk_mb: size (MiB) of the scratch filesystem of an attempt whose job set no
+            ``disk_mb`` (:mod:`gpufleet.agent.scratch`); 0 = none (plain directories).
 
     Raises:
         ValueError: ``gpus`` or ``join_token`` is malformed, the assignment log is corrupt,
@@ -384,13 +403,24 @@ def run_agent(
         users=users,
     )
     containers, images = _container_runtime(container_runtime, state_dir, net)
-    runtimes = Runtimes(ProcessRuntime(found, jobnet=net), container=containers)
+    isolation, scratch, isolation_labels = _job_isolation(
+        found,
+        users,
+        state_dir,
+        jobs_dir or default_jobs_dir(state_dir, node_id, users),
+        pids_max=job_pids_max,
+        disk_mb=job_disk_mb,
+        reserve_mb=cfg.agent_disk_reserve_mb,
+    )
+    runtimes = Runtimes(ProcessRuntime(found, isolation, jobnet=net), container=containers)
     runner = Runner(
         state_dir,
         store,
         runtimes=runtimes,
         users=users,
         jobs_dir=jobs_dir or default_jobs_dir(state_dir, node_id, users),
+        scratch=scratch,
+        pids_max=job_pids_max if found.pids else 0,
     )
     labels = {
         **labels,
@@ -398,6 +428,7 @@ def run_agent(
         JOB_USER_LABEL: users.describe(),
         CONTAINER_RUNTIME_LABEL: containers.engine.kind if containers is not None else "none",
         NETWORK_LABEL: net.label,
+        **isolation_labels,
     }
     streamer = LogStreamer(store, LOG_SYNC_INTERVAL_S, stop)
     core = AgentCore(
@@ -433,6 +464,12 @@ def run_agent(
         logger.error("cgroup of %s holds processes but no live attempt here owns it", run_id)
     for name in net.prune(keep=live):  # namespaces of attempts that ended (a crash)
         logger.info("removed the stale job network namespace %s", name)
+    if runner.scratch_disks is not None and os.geteuid() == 0:
+        # before any start: mounts of cleaned or unknown attempts (also those an earlier
+        # agent made when this one makes none)
+        keep = runner.scratch_keep(set(log.runs))
+        for run_id in runner.scratch_disks.prune(runner.jobs_dir, keep):
+            logger.info("removed the scratch filesystem of ended attempt %s", run_id)
 
     host = advertise_host or _default_host(cfg.controller_address)
     server = grpc.server(
@@ -516,7 +553,7 @@ def run_agent(
         t.start()
     logger.info(
         "agent %s (epoch %d) serving on %s (%s), state in %s, %d GPU(s) from %s; runtimes: "
-        "%s; jobs as %s in %s",
+        "%s; jobs as %s in %s; job isolation: %s",
         node_id,
         agent_epoch,
         _join(host, bound),
@@ -529,6 +566,7 @@ def run_agent(
         runtimes.describe(),
         users.describe(),
         runner.jobs_dir,
+        ", ".join(f"{k.split('/')[1]}={v}" for k, v in isolation_labels.items()),
     )
     try:
         stop.wait()
@@ -592,6 +630,57 @@ def _leave_job_network(net: JobNet, log: AssignmentLog) -> None:
             net.teardown_rules()
     except OSError as exc:
         logger.warning("job network: cleanup at stop failed: %s", exc)
+
+
+def _job_isolation(
+    found: Containment,
+    users: jobuser.JobUsers,
+    state_dir: Path,
+    jobs_dir: Path,
+    *,
+    pids_max: int,
+    disk_mb: int,
+    reserve_mb: int,
+) -> tuple[jobns.Isolation, ScratchDisks, dict[str, str]]:
+    """Probe the process jobs' isolation (no_new_privs, mount namespace, hidden /proc), the
+    scratch filesystems and the pids limit; warn once for each one missing. Returns the
+    isolation, the scratch disks and the node labels that say so (:data:`JOB_PIDS_MAX_LABEL`,
+    :data:`JOB_DISK_MB_LABEL`, :data:`JOB_ISOLATION_LABEL`)."""
+    isolation = jobns.detect()
+    for problem in isolation.problems:
+        logger.warning("job isolation: %s", problem)
+    scratch = ScratchDisks.detect(
+        state_dir / "scratch",
+        default_mb=disk_mb,
+        reserve_mb=reserve_mb,
+        per_attempt_dirs=users.switch and jobs_dir != state_dir / "runs",
+    )
+    if not scratch.enabled:
+        logger.warning(
+            "job isolation: no scratch filesystem per attempt (%s): a job can fill the "
+            "node's disk under %s",
+            scratch.problem,
+            jobs_dir,
+        )
+    if pids_max > 0 and not found.pids:
+        logger.warning(
+            "job isolation: no pids limit (containment %s has no pids controller): a fork "
+            "bomb can exhaust the node's pids",
+            found.kind,
+        )
+    pids = str(pids_max) if pids_max > 0 and found.pids else "none"
+    if not users.switch and isolation.mount_ns:
+        logger.warning(
+            "job isolation: jobs run as the agent's own user (%s): no private /tmp or hidden "
+            "/proc for them",
+            users.describe(),
+        )
+    labels = {
+        JOB_PIDS_MAX_LABEL: pids,
+        JOB_DISK_MB_LABEL: str(scratch.default_mb) if scratch.enabled else "none",
+        JOB_ISOLATION_LABEL: isolation.describe(namespace=users.switch),
+    }
+    return isolation, scratch, labels
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:

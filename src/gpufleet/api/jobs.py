@@ -245,6 +245,8 @@ def job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
         failure_reason=job.failure_reason,
         image=spec.get("image"),
         working_dir=spec.get("working_dir"),
+        pids_limit=spec.get("pids_limit"),
+        disk_mb=spec.get("disk_mb"),
         cpu=float(spec["resources"].get("cpu") or 0.0),
         memory_mb=int(spec["resources"].get("memory_mb") or 0),
         gpu_memory_mb=int(spec["resources"].get("gpu_memory_mb") or 0),

@@ -39,6 +39,14 @@ class DependencyIn(BaseModel):
     job_id: str = Field(min_length=1, max_length=256)
 
 
+MAX_PIDS_LIMIT = 4_194_304
+"""The kernel's largest ``pid_max`` (``PID_MAX_LIMIT`` on 64-bit)."""
+MIN_DISK_MB = 16
+"""The smallest scratch filesystem an agent makes (ext4 needs a few MiB of its own)."""
+MAX_DISK_MB = 64 * 1024 * 1024
+"""64 TiB."""
+
+
 class JobCreate(BaseModel):
     """POST /v1/jobs body. Unknown fields are rejected (a typo must not be silently ignored)."""
 
@@ -69,6 +77,10 @@ class JobCreate(BaseModel):
     node_selector: dict[str, str] = Field(default_factory=dict)
     preemptible: bool = True
     working_dir: str | None = Field(default=None, max_length=4096)
+    pids_limit: int | None = Field(default=None, ge=1, le=MAX_PIDS_LIMIT)
+    """Most processes and threads at once (the cgroup's pids.max); None: the node's default."""
+    disk_mb: int | None = Field(default=None, ge=MIN_DISK_MB, le=MAX_DISK_MB)
+    """Size of each attempt's scratch filesystem, MiB; None: the node's default."""
     array: str | None = Field(
         default=None,
         min_length=1,
@@ -250,6 +262,8 @@ class JobCreate(BaseModel):
             preemptible=self.preemptible,
             node_selector=dict(sorted(self.node_selector.items())),
             working_dir=self.working_dir,
+            pids_limit=self.pids_limit,
+            disk_mb=self.disk_mb,
         )
 
 
@@ -374,6 +388,8 @@ class JobOut(BaseModel):
     # may hold secrets and are never sent back)
     image: str | None = None
     working_dir: str | None = None
+    pids_limit: int | None = None
+    disk_mb: int | None = None
     cpu: float = 0.0
     memory_mb: int = 0
     gpu_memory_mb: int = 0

@@ -361,6 +361,23 @@ def agent(
     job_egress_allow: Annotated[
         str, typer.Option(help="With --job-egress none: CIDR[:port],... jobs may reach.")
     ] = "",
+    job_pids_max: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=4_194_304,
+            help="Processes and threads a job may hold at once (cgroup pids.max) when it "
+            "sets no pids_limit (0 = no limit).",
+        ),
+    ] = 4096,
+    job_disk_mb: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Size of each attempt's own scratch filesystem, MiB, when the job sets no "
+            "disk_mb (0 = none: jobs write to the jobs dir's filesystem).",
+        ),
+    ] = 10240,
     data_dir: DataDir = None,
     controller: Annotated[
         str | None, typer.Option(help="Controller gRPC host:port (GPUFLEET_CONTROLLER_ADDRESS).")
@@ -435,4 +452,6 @@ def agent(
         job_egress_deny=job_egress_deny,
         job_egress=job_egress,
         job_egress_allow=job_egress_allow,
+        job_pids_max=job_pids_max,
+        job_disk_mb=job_disk_mb,
     )

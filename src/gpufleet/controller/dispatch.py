@@ -186,6 +186,8 @@ class AssignmentDispatch:
             cpu=float((spec.get("resources") or {}).get("cpu") or 0),
             rank=run.rank,
             gang_size=run.gang_size,
+            pids_limit=int(spec.get("pids_limit") or 0),
+            disk_mb=int(spec.get("disk_mb") or 0),
         )
         return node.id, node.address, req
 

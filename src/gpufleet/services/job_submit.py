@@ -51,6 +51,9 @@ def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
     data["priority"] = spec.priority.value
     # a single-node job's stored spec (and so its idempotency payload hash) is what it was
     # before gangs existed: the gang fields are stored only when set
+    for key in ("pids_limit", "disk_mb"):  # stored only when given (same hash as before)
+        if data.get(key) is None:
+            data.pop(key, None)
     r = data["resources"]
     for key, unset in (("nodes", None), ("gpus_per_node", None), ("allow_partial_nodes", False)):
         if r.get(key) == unset:

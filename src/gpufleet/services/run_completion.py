@@ -69,12 +69,14 @@ class Report:
     message: str = ""
     node_fault: bool = False
     """NEVER_STARTED because of the node: charged to the node, not the job's retries."""
-    reason: str = ""  # machine-readable cause from the agent: "" or OOM_KILLED
+    reason: str = ""  # machine-readable cause from the agent: "", OOM_KILLED or DISK_FULL
     node_refused: bool = False
     """With ``node_fault``: the agent refused the assignment on a failed health check."""
 
 
 OOM_KILLED = "OOM_KILLED"
+DISK_FULL = "DISK_FULL"
+"""The attempt failed with its scratch filesystem (``disk_mb``) full; not retried either."""
 
 
 NODE_FAULTS_TO_CORDON = 3
@@ -418,6 +420,12 @@ def _decide(
         why = f"OOM_KILLED: {report.message or 'exceeded memory_mb'}".replace(
             "OOM_KILLED: OOM_KILLED: ", "OOM_KILLED: "
         )
+        return RunStatus.FAILED, (JobStatus.FAILED if current else None), why
+    if report.reason == DISK_FULL and report.outcome == Outcome.EXITED:
+        # Not retried: a new attempt gets the same disk_mb and would fill it again.
+        why = report.message or "DISK_FULL: the attempt filled its scratch filesystem"
+        if not why.startswith(DISK_FULL):
+            why = f"DISK_FULL: {why}"
         return RunStatus.FAILED, (JobStatus.FAILED if current else None), why
     if report.outcome == Outcome.NEVER_STARTED:
         why = f"never started: {report.message or 'the agent has no record of it'}"

@@ -624,6 +624,8 @@ class AssignJobRequest(_message.Message):
     CPU_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     GANG_SIZE_FIELD_NUMBER: _builtins.int
+    PIDS_LIMIT_FIELD_NUMBER: _builtins.int
+    DISK_MB_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     job_id: _builtins.str
     reservation_id: _builtins.str
@@ -650,6 +652,12 @@ class AssignJobRequest(_message.Message):
     rank 0's agent adds MASTER_PORT (a free port on its node) and answers it.
     """
     gang_size: _builtins.int
+    pids_limit: _builtins.int
+    """Per-job bounds on the node (0 = the agent's default, --job-pids-max / --job-disk-mb):
+    processes and threads at once (a cgroup's pids.max, podman --pids-limit), and the size
+    of the attempt's scratch filesystem in MiB.
+    """
+    disk_mb: _builtins.int
     @_builtins.property
     def gpu_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -676,10 +684,12 @@ class AssignJobRequest(_message.Message):
         cpu: _builtins.float = ...,
         rank: _builtins.int = ...,
         gang_size: _builtins.int = ...,
+        pids_limit: _builtins.int = ...,
+        disk_mb: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "env", b"env", "gang_size", b"gang_size", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "rank", b"rank", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "disk_mb", b"disk_mb", "env", b"env", "gang_size", b"gang_size", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "pids_limit", b"pids_limit", "rank", b"rank", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
