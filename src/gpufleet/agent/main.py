@@ -48,7 +48,11 @@ from gpufleet.agent.outbox import Outbox
 from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
 from gpufleet.agent.runtime import Runtimes, jobuser
 from gpufleet.agent.runtime.container import ContainerRuntime
-from gpufleet.agent.runtime.container_engine import ContainerEngine, EngineError
+from gpufleet.agent.runtime.container_engine import (
+    DEFAULT_PIDS_LIMIT,
+    ContainerEngine,
+    EngineError,
+)
 from gpufleet.agent.runtime.container_images import ImageReporter
 from gpufleet.agent.runtime.containment import detect as detect_containment
 from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
@@ -239,6 +243,9 @@ def run_agent(
     containment: str = "auto",
     container_runtime: str = "podman",
     metrics_port: int = 0,
+    container_userns: str = "auto",
+    container_pids_limit: int = DEFAULT_PIDS_LIMIT,
+    container_read_only: bool = False,
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -273,6 +280,10 @@ def run_agent(
             start (NO_CONTAINER_RUNTIME, charged to the node).
         metrics_port: serve Prometheus metrics (``agent.metrics``) on this TCP port of the
             agent's listen address; 0 = none.
+        container_userns: ``auto``, ``on`` or ``off``: containers in a user namespace whose
+            root is not host root (``runtime.container.USERNS_MODES``).
+        container_pids_limit: ``--pids-limit`` of a container job without ``pids_limit``.
+        container_read_only: every container's root filesystem read-only.
 
     Raises:
         ValueError: ``gpus`` or ``join_token`` is malformed, the assignment log is corrupt,
@@ -341,7 +352,13 @@ def run_agent(
             found.kind,
             found.problem or "forced",
         )
-    containers, images = _container_runtime(container_runtime, state_dir)
+    containers, images = _container_runtime(
+        container_runtime,
+        state_dir,
+        userns=container_userns,
+        pids_limit=container_pids_limit,
+        read_only=container_read_only,
+    )
     runtimes = Runtimes(ProcessRuntime(found), container=containers)
     runner = Runner(
         state_dir,
@@ -512,7 +529,12 @@ def run_agent(
 
 
 def _container_runtime(
-    kind: str, state_dir: Path
+    kind: str,
+    state_dir: Path,
+    *,
+    userns: str = "auto",
+    pids_limit: int = DEFAULT_PIDS_LIMIT,
+    read_only: bool = False,
 ) -> tuple[ContainerRuntime | None, ImageReporter | None]:
     if kind == "none":
         logger.info("no container runtime (--runtime none): jobs with an image fail to start")
@@ -522,7 +544,14 @@ def _container_runtime(
     except EngineError as exc:
         logger.warning("no container runtime (%s): jobs with an image fail to start", exc)
         return None, None
-    return ContainerRuntime(engine), ImageReporter(engine)
+    runtime = ContainerRuntime(
+        engine,
+        userns=userns,
+        pids_limit=pids_limit,
+        read_only=read_only,
+        state_dir=state_dir / "engine",
+    )
+    return runtime, ImageReporter(engine)
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:
