@@ -212,8 +212,8 @@ class ContainerRuntime:
             elif why:
                 logger.warning(
                     "containers run WITHOUT a user namespace (%s cannot: %s): a job still runs"
-                    " as its own uid with no capabilities and no-new-privileges, but an image"
-                    " whose user is root runs as host root",
+                    " as its own uid (never host root) with no capabilities and"
+                    " no-new-privileges",
                     engine.kind,
                     why,
                 )
@@ -304,9 +304,14 @@ class ContainerRuntime:
             f"/gpufleet/{name}" if self.engine.kind == "podman" and launch.memory_mb > 0 else ""
         )
         security = self.security_for(rec, launch)
-        if security.userns and security.keep_ids is None:
-            # the job runs as the image's user (the agent cannot switch users): its
-            # directories go to the container's root, host uid USERNS_HOST_BASE
+        user = launch.user
+        run_as = f"{user.uid}:{user.gid}" if user is not None and user.switch else ""
+        if not run_as and os.geteuid() == 0:
+            # jobs as the agent's user (root): a container must still never be host root. In
+            # a user namespace its root is host USERNS_HOST_BASE; without one it runs as that
+            # uid outright. Its writable directories go to that uid.
+            if not security.userns:
+                run_as = f"{USERNS_HOST_BASE}:{USERNS_HOST_BASE}"
             for d, _, ro in mounts:
                 if not ro:
                     os.chown(d, USERNS_HOST_BASE, USERNS_HOST_BASE)
@@ -324,9 +329,7 @@ class ContainerRuntime:
                 memory_mb=launch.memory_mb,
                 cpu=launch.cpu,
                 cgroup_parent=cgroup_parent,
-                user=f"{launch.user.uid}:{launch.user.gid}"
-                if launch.user is not None and launch.user.switch
-                else "",
+                user=run_as,
                 security=security,
             )
         except EngineError as exc:

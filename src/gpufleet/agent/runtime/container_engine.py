@@ -106,8 +106,8 @@ class ContainerSecurity:
 
     Attributes:
         pids_limit: ``--pids-limit`` (processes and threads; 0 = the engine's default).
-        read_only: ``--read-only`` root filesystem (the bind mounts and ``/tmp`` stay
-            writable: ``--read-only-tmpfs``).
+        read_only: ``--read-only`` root filesystem (the bind mounts stay writable; ``/tmp``
+            is a tmpfs with the mode of the image's ``/tmp``).
         userns: run in a user namespace whose ids 0..65535 are host ids
             ``USERNS_HOST_BASE + id`` (so the container's root is not host root), except
             ``keep_ids``.
@@ -153,10 +153,8 @@ def security_args(kind: str, sec: ContainerSecurity) -> list[str]:
     if sec.pids_limit > 0:
         args += ["--pids-limit", str(sec.pids_limit)]
     if sec.read_only:
-        args.append("--read-only")
-        if kind == "podman":
-            args.append("--read-only-tmpfs")
-        else:
+        args.append("--read-only")  # podman: /tmp, /var/tmp and /run become tmpfs
+        if kind != "podman":
             args += ["--tmpfs", "/tmp"]
     if sec.userns and kind == "podman":
         uid, gid = sec.keep_ids if sec.keep_ids is not None else (None, None)
