@@ -328,7 +328,8 @@ def _probe_values(log: str) -> dict[str, str]:
 
 PROBE_JOB = (
     "/bin/privprobe /gpufleet/work; "
-    "echo pids_max=$(cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max); "
+    "echo pids_max=$(cat /sys/fs/cgroup/pids/pids.max 2>/dev/null"
+    " || cat /sys/fs/cgroup/pids.max); "
     "echo ready; while [ ! -e /gpufleet/work/go ]; do sleep 0.05; done"
 )
 
@@ -362,8 +363,10 @@ def test_a_setuid_root_binary_in_the_image_gains_no_privilege(
             seen = _probe_values(log_path.read_text())
             planted = next(
                 p
-                for p in [tmp_path / "state" / "runs" / rid / "work" / "planted"]
-                + list(Path("/var/lib/gpufleet/jobs").glob(f"*/{rid}/work/planted"))
+                for p in [
+                    tmp_path / "state" / "runs" / rid / "work" / "planted",
+                    *Path("/var/lib/gpufleet/jobs").glob(f"*/{rid}/work/planted"),
+                ]
                 if p.exists()
             )
             st = planted.stat()
@@ -392,7 +395,7 @@ def test_read_only_rootfs_and_a_tight_pids_limit_from_the_node(
     writable); ``--container-pids-limit`` bounds the processes: a fork bomb
     fails inside the container and the job ends on its own."""
     script = (
-        "awk '$2 == \"/\" {print \"rootfs=\" substr($4, 1, 2)}' /proc/self/mounts; "
+        'awk \'$2 == "/" {print "rootfs=" substr($4, 1, 2)}\' /proc/self/mounts; '
         "touch /gpufleet/work/w && echo work=rw; "
         "echo pids_max=$(cat /sys/fs/cgroup/pids/pids.max); "
         # a fork bomb in a subshell (ash dies on a refused fork); only builtins after it
