@@ -375,3 +375,25 @@ class TestNodeFaults:
         for _ in range(3):
             self._never_started(db, store, "ENOSPC: no space left on device")
         assert self._node_status(db) == "CORDONED"
+
+    def test_uncordon_starts_the_failure_count_again(self, db: Database, store: ObjectStore) -> None:
+        """Three node-caused start failures cordon the node; after an operator's uncordon one
+        more failure must not cordon it again (the count restarts), three more do."""
+        from gpufleet.domain.states import NodeStatus
+        from gpufleet.services import nodes
+
+        create_team(db)
+        create_node(db, "n1", gpus=8)
+        self.epoch = become_leader(db)
+        for _ in range(3):
+            self._never_started(db, store, "podman pull failed: no space left on device")
+        assert self._node_status(db) == "CORDONED"
+        db.run_write(
+            lambda s: nodes.set_node_status(s, "n1", NodeStatus.HEALTHY, message="uncordon")
+        )
+        self._never_started(db, store, "podman pull failed: no space left on device")
+        assert self._node_status(db) == "HEALTHY"
+        self._never_started(db, store, "podman pull failed: no space left on device")
+        assert self._node_status(db) == "HEALTHY"
+        self._never_started(db, store, "podman pull failed: no space left on device")
+        assert self._node_status(db) == "CORDONED"
