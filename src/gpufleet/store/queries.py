@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar, Unpack
 
-from sqlalchemy import or_, select
+from sqlalchemy import Select, and_, or_, select
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.images import normalize_image
@@ -132,6 +132,29 @@ def pending_job(row: Any, facts: SpecFacts, predicted_s: float | None = None) ->
         queued_at_s=row.queued_at.timestamp(),
         image=facts.image,
         predicted_duration_s=predicted_s,
+        avoid_node_id=getattr(row, "avoid_node_id", None),
+    )
+
+
+AVOID_NODE = JobRunRow.node_id.label("avoid_node_id")
+"""The node the job's current attempt failed to start on (None: none, or it started): a
+pending select adds it with :func:`with_avoid_node` (``PendingJob.avoid_node_id``)."""
+
+
+_Sel = TypeVar("_Sel", bound="Select[Unpack[tuple[Any, ...]]]")
+
+
+def with_avoid_node(query: _Sel) -> _Sel:
+    """``query`` (a select of job columns) with :data:`AVOID_NODE`: a LEFT JOIN on the job's
+    current attempt when that attempt FAILED without ever starting (one primary-key probe per
+    job)."""
+    return query.outerjoin(
+        JobRunRow,
+        and_(
+            JobRunRow.id == JobRow.current_run_id,
+            JobRunRow.status == RunStatus.FAILED,
+            JobRunRow.started_at.is_(None),
+        ),
     )
 
 
@@ -192,7 +215,14 @@ class SpecCache:
         queue time and prediction are unchanged (building 10,000 of them is a large part of
         a pass)."""
         # priority and max_runtime_s can change after submit (PATCH /v1/jobs/{id})
-        key = (row.attempts, row.queued_at, row.priority, row.max_runtime_s, predicted_s)
+        key = (
+            row.attempts,
+            row.queued_at,
+            row.priority,
+            row.max_runtime_s,
+            predicted_s,
+            getattr(row, "avoid_node_id", None),
+        )
         cached = self._pending.get(row.id)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -282,17 +312,20 @@ def load_snapshot(
     # plain rows, not ORM objects, and no spec: at 10,000 pending, decoding every job's JSON
     # spec each pass costs more than the queries (the spec is immutable: see SpecCache)
     pending_rows = session.execute(
-        select(
-            JobRow.id,
-            JobRow.team_id,
-            JobRow.priority,
-            JobRow.created_at,
-            JobRow.queued_at,
-            JobRow.attempts,
-            JobRow.max_runtime_s,
-            JobRow.name,
-            JobRow.submitted_by,
-            JobRow.gpu_count,
+        with_avoid_node(
+            select(
+                JobRow.id,
+                JobRow.team_id,
+                JobRow.priority,
+                JobRow.created_at,
+                JobRow.queued_at,
+                JobRow.attempts,
+                JobRow.max_runtime_s,
+                JobRow.name,
+                JobRow.submitted_by,
+                JobRow.gpu_count,
+                AVOID_NODE,
+            )
         ).where(
             JobRow.status == JobStatus.PENDING,
             JobRow.cancel_requested.is_(False),

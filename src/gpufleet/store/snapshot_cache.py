@@ -53,6 +53,7 @@ from gpufleet.policy.usage import UsageLedger
 from gpufleet.store.dialect import change_floor, change_floor_sql, change_triggers_present
 from gpufleet.store.predictions import HistoryPredictor
 from gpufleet.store.queries import (
+    AVOID_NODE,
     RUNNING_COLUMNS,
     SpecCache,
     SpecFacts,
@@ -62,6 +63,7 @@ from gpufleet.store.queries import (
     recent_displacements,
     running_job,
     spec_facts,
+    with_avoid_node,
 )
 from gpufleet.store.tables import (
     GpuHoldRow,
@@ -157,7 +159,9 @@ _NODE_COLUMNS = (
 _IDS: BindParameter[list[str]] = bindparam("ids", expanding=True)
 _NODES = select(*_NODE_COLUMNS).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
 _NODES_BY_ID = _NODES.where(NodeRow.id.in_(_IDS))
-_CHANGED_JOBS = select(*_PENDING_COLUMNS).where(JobRow.change_seq >= bindparam("floor"))
+_CHANGED_JOBS = with_avoid_node(select(*_PENDING_COLUMNS, AVOID_NODE)).where(
+    JobRow.change_seq >= bindparam("floor")
+)
 _RUNS_OF_JOBS = (
     select(*_RUN_COLUMNS)
     .join(JobRow, JobRow.id == JobRunRow.job_id)
@@ -427,7 +431,7 @@ class SnapshotCache:
         """Read PENDING jobs (all of them when ``floor`` is None, else every job changed at or
         after ``floor``, whatever its status); returns the ids of the jobs read."""
         if floor is None:
-            query = select(*_PENDING_COLUMNS).where(
+            query = with_avoid_node(select(*_PENDING_COLUMNS, AVOID_NODE)).where(
                 JobRow.status == JobStatus.PENDING, JobRow.cancel_requested.is_(False)
             )
             rows = session.execute(query).all()
