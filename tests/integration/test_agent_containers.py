@@ -431,3 +431,37 @@ def test_read_only_rootfs_and_a_tight_pids_limit_from_the_node(
     assert (seen["rootfs"], seen["work"]) == ("ro", "rw"), log
     assert seen["pids_max"] == "32", log
     assert seen["bomb_exit"] != "0" and 10 <= int(seen["started"]) < 32, log  # refused
+
+
+@pytest.mark.parametrize(
+    ("image", "says"),
+    [
+        ("127.0.0.1:1/gpufleet/x:1", "connection refused"),  # registry unreachable
+        (BUSYBOX.rsplit(":", 1)[0] + ":no-such-tag", "manifest unknown"),  # registry's answer
+        ("--privileged", "must not start with '-'"),  # never reaches the engine
+        ("UPPER/case", "must be lower-case"),
+    ],
+)
+def test_an_image_the_job_names_badly_is_the_jobs_fault_not_the_nodes(
+    env, engine: ContainerEngine, image: str, says: str
+) -> None:
+    """Whatever is wrong with the image a job names (the reference, the registry's answer, the
+    registry unreachable) fails its attempt as the job's fault with the engine's real message:
+    the node is not charged (no auto-cordon) and no container is left."""
+    fake, agent, _, _ = env
+    rid = _rid()
+    resp = agent.assign(
+        run_id=rid,
+        job_id=f"j-{rid}",
+        token=1,
+        attempt=1,
+        gpu_ids=[0],
+        command=["true"],
+        image=image,
+    )
+    assert resp.result in (A.STARTED, A.FAILED_TO_START), resp.message
+    report = fake.wait_report(rid, timeout_s=60)
+    assert report.outcome == R.NEVER_STARTED
+    assert report.node_fault is False, report
+    assert "cannot pull image" in report.message and says in report.message, report.message
+    assert engine.find(LABEL_RUN, rid) == []
