@@ -410,7 +410,9 @@ class TestNodeFaults:
         places = {d.job_id: d.node_id for d in schedule(snap).decisions if isinstance(d, Place)}
         assert places[failed] == "n2"
 
-    def test_uncordon_starts_the_failure_count_again(self, db: Database, store: ObjectStore) -> None:
+    def test_uncordon_starts_the_failure_count_again(
+        self, db: Database, store: ObjectStore
+    ) -> None:
         """Three node-caused start failures cordon the node; after an operator's uncordon one
         more failure must not cordon it again (the count restarts), three more do."""
         from gpufleet.domain.states import NodeStatus

@@ -39,7 +39,7 @@ def test_the_job_ids_map_to_themselves_and_nothing_maps_to_host_root() -> None:
         f"1000:{USERNS_HOST_BASE + 1000}:64536",
     ]
     for m in uids + gids:
-        inside, host, count = (int(x) for x in m.split(":"))
+        _inside, host, count = (int(x) for x in m.split(":"))
         assert not host <= 0 < host + count  # host root is never mapped
     assert id_map(None) == [f"0:{USERNS_HOST_BASE}:65536"] == id_map(0)
     # docker has no per-container user namespace: no maps, the rest alike

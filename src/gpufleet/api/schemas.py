@@ -146,8 +146,7 @@ class JobCreate(BaseModel):
     @classmethod
     def _image_reference(cls, v: str | None) -> str | None:
         """An OCI reference (``domain.images.reference_problem``): never an engine option."""
-        problem = reference_problem(v) if v is not None else None
-        if problem is not None:
+        if v is not None and (problem := reference_problem(v)) is not None:
             raise ValueError(f"image reference {v[:80]!r} {problem}")
         return v
 

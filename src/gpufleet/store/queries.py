@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, TypeVar, Unpack
+from typing import Any, TypeVar
 
 from sqlalchemy import Select, and_, or_, select
 from sqlalchemy.orm import Session
@@ -141,7 +141,7 @@ AVOID_NODE = JobRunRow.node_id.label("avoid_node_id")
 pending select adds it with :func:`with_avoid_node` (``PendingJob.avoid_node_id``)."""
 
 
-_Sel = TypeVar("_Sel", bound="Select[Unpack[tuple[Any, ...]]]")
+_Sel = TypeVar("_Sel", bound="Select[*tuple[Any, ...]]")
 
 
 def with_avoid_node(query: _Sel) -> _Sel:
