@@ -20,9 +20,14 @@ One attempt (:class:`ContainerRuntime`):
   environment is the job's own plus the platform's (never the agent's), passed in a 0600 env
   file deleted after create. ``CUDA_VISIBLE_DEVICES`` is the reservation's host indexes
   without CDI, and ``0..n-1`` with CDI (the container then only has those devices, renumbered);
-  ``GPUFLEET_GPU_IDS`` always holds the host indexes. A failed pull is the job's fault when
-  the image does not exist, is not authorised or is malformed (:class:`.ImageUnavailable`),
-  else the node's (``StartError.node_fault``; docs/design/runtime.md has the table).
+  ``GPUFLEET_GPU_IDS`` always holds the host indexes. Hardening (:meth:`security_for`,
+  :class:`.ContainerSecurity`): ``--cap-drop ALL``, ``--security-opt no-new-privileges``,
+  ``--pids-limit`` (the job's ``pids_limit``, else the node's), ``nosuid,nodev`` mounts, a
+  read-only root filesystem when the node asks, and a user namespace whose root is not host
+  root when the engine can run one; a container never runs as host uid 0. A failed pull is the
+  job's fault (:class:`.ImageUnavailable`: the reference, the registry's answer, the registry
+  unreachable) unless the node's own engine or storage failed (``StartError.node_fault``;
+  docs/design/runtime.md has the table).
 * **start**, then ``logs --follow`` appends the container's output to the attempt's
   ``output.log`` (the agent's LogStreamer mirrors that file to the object store). The follower
   runs in its own session, so it keeps logging while a crashed agent is restarted.
