@@ -356,8 +356,9 @@ class ContainerEngine:
     def userns_works(self, state_dir: Path) -> str:
         """Whether this podman can run a container in a user namespace of
         :func:`security_args` (some storage setups cannot mount an image's layers id-mapped):
-        runs the static ``catatonit`` in a throwaway local image once. Returns "" when it
-        works, else the engine's message. Docker: always the reason it is not supported."""
+        runs the static ``catatonit`` in a throwaway local image (imported from a tar of it
+        under ``state_dir``, removed afterwards), ~0.5 s. Returns "" when it works, else the
+        engine's message. Docker: always the reason it is not supported."""
         if self.kind != "podman":
             return "docker has no per-container user namespace (use the daemon's userns-remap)"
         image = "localhost/gpufleet/userns-probe:1"
@@ -375,7 +376,10 @@ class ContainerEngine:
                     return str(exc)
         args = ["run", "--rm", "--network", "none", "--user", "1:1"]
         args += security_args(self.kind, ContainerSecurity(userns=True, keep_ids=(1, 1)))
-        proc = self._run([*args, "--", image, "/catatonit", "--version"], check=False)
+        try:
+            proc = self._run([*args, "--", image, "/catatonit", "--version"], check=False)
+        finally:  # not left in the node's image list (heartbeats)
+            self.remove_image(image)
         if proc.returncode == 0:
             return ""
         err = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
