@@ -97,3 +97,30 @@ def test_an_invalid_reference_never_reaches_the_engine(tmp_path: Path) -> None:
             engine.pull(bad)
         assert engine.has_image(bad) is False
     assert not os.path.exists(marker)
+
+
+def test_the_jobs_pids_limit_wins_over_the_nodes(tmp_path: Path) -> None:
+    """A job spec's ``pids_limit`` (carried on the attempt's record) sets ``--pids-limit``;
+    without one the node's ``--container-pids-limit`` applies."""
+    from types import SimpleNamespace
+
+    from gpufleet.agent.runtime.base import JobUser
+    from gpufleet.agent.runtime.container import ContainerLaunch, ContainerRuntime
+    from gpufleet.agent.workdir import RunPaths
+
+    engine = _failing_engine(tmp_path, "unused")
+    rt = ContainerRuntime(engine, cdi=False, userns="off", pids_limit=512)
+    launch = ContainerLaunch(
+        paths=RunPaths(tmp_path / "r"),
+        image="busybox",
+        command=("true",),
+        env={},
+        user=JobUser(1_900_000_001, 999),
+    )
+    assert rt.security_for(SimpleNamespace(pids_limit=77), launch).pids_limit == 77
+    assert rt.security_for(SimpleNamespace(pids_limit=0), launch).pids_limit == 512
+    assert rt.security_for(SimpleNamespace(), launch).pids_limit == 512
+    sec = rt.security_for(SimpleNamespace(), launch)
+    assert sec.keep_ids == (1_900_000_001, 999) and not sec.userns and not sec.read_only
+    with pytest.raises(ValueError, match="userns"):
+        ContainerRuntime(engine, cdi=False, userns="maybe")
