@@ -225,7 +225,11 @@ class ContainerRuntime:
 
     def describe(self) -> str:
         gpus = "CDI nvidia.com/gpu" if self.cdi else "CUDA_VISIBLE_DEVICES only (no CDI spec)"
-        userns = "user namespace" if self.userns else "no user namespace"
+        userns = (
+            "user namespace"
+            if self.userns
+            else ("the engine's rootless user namespace" if os.geteuid() else "no user namespace")
+        )
         return f"{self.engine.kind}; GPUs: {gpus}; {userns}"
 
     def security_for(self, rec: Any, launch: ContainerLaunch) -> ContainerSecurity:
