@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any
 
-from sqlalchemy import Select, and_, or_, select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.images import normalize_image
@@ -116,8 +116,14 @@ def node_state(n: Any) -> NodeState:
     )
 
 
-def pending_job(row: Any, facts: SpecFacts, predicted_s: float | None = None) -> PendingJob:
-    """The policy's view of a PENDING job row (columns of ``_PENDING``-style selects)."""
+def pending_job(
+    row: Any,
+    facts: SpecFacts,
+    predicted_s: float | None = None,
+    avoid_node_id: str | None = None,
+) -> PendingJob:
+    """The policy's view of a PENDING job row (columns of ``_PENDING``-style selects);
+    ``avoid_node_id``: from :func:`failed_start_nodes`."""
     return PendingJob(
         job_id=row.id,
         team_id=row.team_id,
@@ -132,30 +138,29 @@ def pending_job(row: Any, facts: SpecFacts, predicted_s: float | None = None) ->
         queued_at_s=row.queued_at.timestamp(),
         image=facts.image,
         predicted_duration_s=predicted_s,
-        avoid_node_id=getattr(row, "avoid_node_id", None),
+        avoid_node_id=avoid_node_id,
     )
 
 
-AVOID_NODE = JobRunRow.node_id.label("avoid_node_id")
-"""The node the job's current attempt failed to start on (None: none, or it started): a
-pending select adds it with :func:`with_avoid_node` (``PendingJob.avoid_node_id``)."""
-
-
-_Sel = TypeVar("_Sel", bound="Select[*tuple[Any, ...]]")
-
-
-def with_avoid_node(query: _Sel) -> _Sel:
-    """``query`` (a select of job columns) with :data:`AVOID_NODE`: a LEFT JOIN on the job's
-    current attempt when that attempt FAILED without ever starting (one primary-key probe per
-    job)."""
-    return query.outerjoin(
-        JobRunRow,
-        and_(
-            JobRunRow.id == JobRow.current_run_id,
-            JobRunRow.status == RunStatus.FAILED,
-            JobRunRow.started_at.is_(None),
-        ),
-    )
+def failed_start_nodes(session: Session, rows: Iterable[Any]) -> dict[str, str]:
+    """Job id -> the node its current attempt FAILED on without ever starting, for the rows
+    (of a pending select: ``id``, ``attempts``) of jobs that had an attempt: what
+    ``PendingJob.avoid_node_id`` carries. One query per :data:`SpecCache.CHUNK` such jobs;
+    none when no job has had an attempt (most passes of a fresh queue)."""
+    ids = [r.id for r in rows if r.attempts]
+    out: dict[str, str] = {}
+    for start in range(0, len(ids), SpecCache.CHUNK):
+        found = session.execute(
+            select(JobRow.id, JobRunRow.node_id)
+            .join(JobRunRow, JobRunRow.id == JobRow.current_run_id)
+            .where(
+                JobRow.id.in_(ids[start : start + SpecCache.CHUNK]),
+                JobRunRow.status == RunStatus.FAILED,
+                JobRunRow.started_at.is_(None),
+            )
+        ).all()
+        out.update((job_id, node_id) for job_id, node_id in found)
+    return out
 
 
 def running_job(
@@ -209,7 +214,11 @@ class SpecCache:
         self._pending: dict[str, tuple[tuple[Any, ...], PendingJob]] = {}
 
     def pending_job(
-        self, row: Any, facts: SpecFacts, predicted_s: float | None = None
+        self,
+        row: Any,
+        facts: SpecFacts,
+        predicted_s: float | None = None,
+        avoid_node_id: str | None = None,
     ) -> PendingJob:
         """The PendingJob of a row; the same object as last pass while the job's attempt,
         queue time and prediction are unchanged (building 10,000 of them is a large part of
@@ -221,12 +230,12 @@ class SpecCache:
             row.priority,
             row.max_runtime_s,
             predicted_s,
-            getattr(row, "avoid_node_id", None),
+            avoid_node_id,
         )
         cached = self._pending.get(row.id)
         if cached is not None and cached[0] == key:
             return cached[1]
-        job = pending_job(row, facts, predicted_s)
+        job = pending_job(row, facts, predicted_s, avoid_node_id)
         self._pending[row.id] = (key, job)
         return job
 
@@ -312,20 +321,17 @@ def load_snapshot(
     # plain rows, not ORM objects, and no spec: at 10,000 pending, decoding every job's JSON
     # spec each pass costs more than the queries (the spec is immutable: see SpecCache)
     pending_rows = session.execute(
-        with_avoid_node(
-            select(
-                JobRow.id,
-                JobRow.team_id,
-                JobRow.priority,
-                JobRow.created_at,
-                JobRow.queued_at,
-                JobRow.attempts,
-                JobRow.max_runtime_s,
-                JobRow.name,
-                JobRow.submitted_by,
-                JobRow.gpu_count,
-                AVOID_NODE,
-            )
+        select(
+            JobRow.id,
+            JobRow.team_id,
+            JobRow.priority,
+            JobRow.created_at,
+            JobRow.queued_at,
+            JobRow.attempts,
+            JobRow.max_runtime_s,
+            JobRow.name,
+            JobRow.submitted_by,
+            JobRow.gpu_count,
         ).where(
             JobRow.status == JobStatus.PENDING,
             JobRow.cancel_requested.is_(False),
@@ -372,7 +378,11 @@ def load_snapshot(
             return None
         return predictions.predict_s(row.team_id, row.submitted_by, row.name, row.gpu_count)
 
-    pending = [specs.pending_job(row, facts[row.id], predicted(row)) for row in pending_rows]
+    avoid = failed_start_nodes(session, pending_rows)
+    pending = [
+        specs.pending_job(row, facts[row.id], predicted(row), avoid.get(row.id))
+        for row in pending_rows
+    ]
     gpu_type_of = {n.node_id: n.gpu_type for n in nodes}
     running = []
     for run in running_rows:

@@ -53,17 +53,16 @@ from gpufleet.policy.usage import UsageLedger
 from gpufleet.store.dialect import change_floor, change_floor_sql, change_triggers_present
 from gpufleet.store.predictions import HistoryPredictor
 from gpufleet.store.queries import (
-    AVOID_NODE,
     RUNNING_COLUMNS,
     SpecCache,
     SpecFacts,
+    failed_start_nodes,
     kept_back,
     node_state,
     pending_job,
     recent_displacements,
     running_job,
     spec_facts,
-    with_avoid_node,
 )
 from gpufleet.store.tables import (
     GpuHoldRow,
@@ -159,9 +158,7 @@ _NODE_COLUMNS = (
 _IDS: BindParameter[list[str]] = bindparam("ids", expanding=True)
 _NODES = select(*_NODE_COLUMNS).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
 _NODES_BY_ID = _NODES.where(NodeRow.id.in_(_IDS))
-_CHANGED_JOBS = with_avoid_node(select(*_PENDING_COLUMNS, AVOID_NODE)).where(
-    JobRow.change_seq >= bindparam("floor")
-)
+_CHANGED_JOBS = select(*_PENDING_COLUMNS).where(JobRow.change_seq >= bindparam("floor"))
 _RUNS_OF_JOBS = (
     select(*_RUN_COLUMNS)
     .join(JobRow, JobRow.id == JobRunRow.job_id)
@@ -431,7 +428,7 @@ class SnapshotCache:
         """Read PENDING jobs (all of them when ``floor`` is None, else every job changed at or
         after ``floor``, whatever its status); returns the ids of the jobs read."""
         if floor is None:
-            query = with_avoid_node(select(*_PENDING_COLUMNS, AVOID_NODE)).where(
+            query = select(*_PENDING_COLUMNS).where(
                 JobRow.status == JobStatus.PENDING, JobRow.cancel_requested.is_(False)
             )
             rows = session.execute(query).all()
@@ -444,6 +441,10 @@ class SnapshotCache:
             if r.id not in self._facts and r.status == JobStatus.PENDING and not r.cancel_requested
         ]
         self._lookup_facts(session, new)
+        avoid = failed_start_nodes(
+            session,
+            (r for r in rows if r.status == JobStatus.PENDING and not r.cancel_requested),
+        )
         for row in rows:
             self._drop_pending(row.id)
             if row.status != JobStatus.PENDING or row.cancel_requested:
@@ -453,6 +454,7 @@ class SnapshotCache:
                 row,
                 facts,
                 self._predict(row.id, (row.team_id, row.submitted_by, row.name, row.gpu_count)),
+                avoid.get(row.id),
             )
             self._pending[row.id] = (row.retry_after, job)
             if row.retry_after is None:
