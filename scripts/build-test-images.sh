@@ -3,12 +3,16 @@
 # and pushes them to the local registry (ensure-services.sh starts it on 127.0.0.1:5000):
 #
 #   $REGISTRY/gpufleet/busybox:1   busybox-static only (/bin/sh, sleep, ...): ~1 MB
+#   $REGISTRY/gpufleet/privprobe:1 busybox plus /bin/privprobe (scripts/test-images/privprobe.c,
+#                                  static) installed setuid-root: what a hostile image could
+#                                  gain (the container hardening tests)
 #   $REGISTRY/gpufleet/python:3.11 the host's Debian python3.11 + stdlib + busybox, plus numpy,
 #                                  scipy and scikit-learn copied from a virtualenv (for
 #                                  examples/train_digits.py) when one with them is given
 #
 # Usage: scripts/build-test-images.sh [VENV_SITE_PACKAGES]   (idempotent: skips images the
-# registry already has; FORCE=1 rebuilds). Needs podman, busybox-static, python3.11.
+# registry already has; FORCE=1 rebuilds). Needs podman, busybox-static, python3.11, gcc and
+# libc6-dev (static libc, for privprobe).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REGISTRY="${GPUFLEET_TEST_REGISTRY:-127.0.0.1:5000}"
@@ -62,6 +66,15 @@ if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/busybox 1; then
   tar -C "$WORK/bb" -cf "$WORK/bb.tar" .
   "${PODMAN[@]}" import --change 'CMD ["/bin/sh"]' "$WORK/bb.tar" localhost/gpufleet/busybox:1 >/dev/null
   push localhost/gpufleet/busybox:1 gpufleet/busybox 1
+fi
+
+if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/privprobe 1; then
+  busybox_root "$WORK/pp"
+  gcc -static -O2 -o "$WORK/pp/bin/privprobe" scripts/test-images/privprobe.c
+  chmod 4755 "$WORK/pp/bin/privprobe"
+  tar --owner=0 --group=0 -C "$WORK/pp" -cf "$WORK/pp.tar" .
+  "${PODMAN[@]}" import --change 'CMD ["/bin/privprobe"]' "$WORK/pp.tar" localhost/gpufleet/privprobe:1 >/dev/null
+  push localhost/gpufleet/privprobe:1 gpufleet/privprobe 1
 fi
 
 # The README example needs numpy and scikit-learn in the image: an image built before the

@@ -70,10 +70,12 @@ if [ "${GPUFLEET_SKIP_CONTAINERS:-0}" != 1 ]; then
   command -v docker-registry >/dev/null 2>&1 || missing="$missing docker-registry"
   dpkg -s busybox-static >/dev/null 2>&1 || missing="$missing busybox-static"
   command -v curl >/dev/null 2>&1 || missing="$missing curl"
+  command -v gcc >/dev/null 2>&1 || missing="$missing gcc"
+  dpkg -s libc6-dev >/dev/null 2>&1 || missing="$missing libc6-dev"
   if [ -n "$missing" ]; then
     for _ in $(seq 10); do  # another apt-get may hold the lock
       $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -q podman runc docker-registry busybox-static curl && break
+        apt-get install -y -q podman runc docker-registry busybox-static curl gcc libc6-dev && break
       sleep 6
     done
   fi

@@ -77,3 +77,59 @@ def test_pids_limit_and_disk_mb_are_shown_on_the_job(api: Any) -> None:
     assert r.status_code == 201, r.text
     job = client.get(f"/v1/jobs/{r.json()['job_id']}", headers=hdr(tokens["vision"])).json()
     assert (job["pids_limit"], job["disk_mb"]) == (300, 2048)
+
+
+class TestImageReferences:
+    """An image reference is checked against the OCI distribution grammar at submit: never an
+    engine option, never upper-case, no whitespace (before, these reached podman's argv and
+    failed every node they were placed on)."""
+
+    @pytest.mark.parametrize(
+        ("image", "says"),
+        [
+            ("--help", "must not start with '-'"),
+            ("--privileged", "must not start with '-'"),
+            ("--volume=/:/host", "must not start with '-'"),
+            ("-v", "must not start with '-'"),
+            ("UPPER/case", "must be lower-case"),
+            ("Busybox", "must be lower-case"),
+            ("busy box", "whitespace"),
+            ("a//b", "empty path component"),
+            ("docker://busybox", "not a URL or transport"),
+            ("busybox:", "empty tag"),
+            ("busybox@sha256:12", "is not algorithm:hex"),
+            ("127.0.0.1:99999/x", "not a TCP port"),
+        ],
+    )
+    def test_a_bad_reference_is_a_422_naming_image(self, api: Any, image: str, says: str) -> None:
+        client, tokens = api
+        r = client.post("/v1/jobs", json={**JOB, "image": image}, headers=hdr(tokens["vision"]))
+        assert r.status_code == 422, r.text
+        assert r.json()["field"] == "image" and says in r.json()["message"], r.json()
+
+    @pytest.mark.parametrize(
+        "image",
+        [
+            "busybox",
+            "python:3.11",
+            "127.0.0.1:5000/gpufleet/busybox:1",
+            "127.0.0.1:1/x",  # valid, if unreachable: the attempt fails as the job's fault
+            "localhost/a.b_c-d/e__f:TAG-1.x",
+            "[::1]:5000/img",
+            "ghcr.io/org/img@sha256:" + "0" * 64,
+            "ghcr.io/org/img:1@sha256:" + "0" * 64,
+        ],
+    )
+    def test_a_valid_reference_is_accepted(self, api: Any, image: str) -> None:
+        client, tokens = api
+        r = client.post("/v1/jobs", json={**JOB, "image": image}, headers=hdr(tokens["vision"]))
+        assert r.status_code == 201, r.text
+
+    def test_the_service_refuses_it_too(self) -> None:
+        """Callers that bypass the REST model (the service layer itself) get the same 422."""
+        from gpufleet.domain.errors import ValidationFailed
+        from gpufleet.domain.images import check_reference
+
+        with pytest.raises(ValidationFailed) as exc:
+            check_reference("--help")
+        assert exc.value.field == "image"

@@ -48,7 +48,11 @@ from gpufleet.agent.outbox import Outbox
 from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
 from gpufleet.agent.runtime import Runtimes, jobns, jobuser
 from gpufleet.agent.runtime.container import ContainerRuntime
-from gpufleet.agent.runtime.container_engine import ContainerEngine, EngineError
+from gpufleet.agent.runtime.container_engine import (
+    DEFAULT_PIDS_LIMIT,
+    ContainerEngine,
+    EngineError,
+)
 from gpufleet.agent.runtime.container_images import ImageReporter
 from gpufleet.agent.runtime.containment import Containment
 from gpufleet.agent.runtime.containment import detect as detect_containment
@@ -267,6 +271,9 @@ def run_agent(
     job_egress_allow: str = "",
     job_pids_max: int = DEFAULT_JOB_PIDS_MAX,
     job_disk_mb: int = DEFAULT_JOB_DISK_MB,
+    container_userns: str = "auto",
+    container_pids_limit: int = DEFAULT_PIDS_LIMIT,
+    container_read_only: bool = False,
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -313,6 +320,10 @@ def run_agent(
             set no ``pids_limit``; 0 = none.
         job_disk_mb: size (MiB) of the scratch filesystem of an attempt whose job set no
             ``disk_mb`` (:mod:`gpufleet.agent.scratch`); 0 = none (plain directories).
+        container_userns: ``auto``, ``on`` or ``off``: containers in a user namespace whose
+            root is not host root (``runtime.container.USERNS_MODES``).
+        container_pids_limit: ``--pids-limit`` of a container job without ``pids_limit``.
+        container_read_only: every container's root filesystem read-only.
 
     Raises:
         ValueError: ``gpus`` or ``join_token`` is malformed, the assignment log is corrupt,
@@ -402,7 +413,14 @@ def run_agent(
         own_ports=(port, metrics_port),
         users=users,
     )
-    containers, images = _container_runtime(container_runtime, state_dir, net)
+    containers, images = _container_runtime(
+        container_runtime,
+        state_dir,
+        net,
+        userns=container_userns,
+        pids_limit=container_pids_limit,
+        read_only=container_read_only,
+    )
     isolation, scratch, isolation_labels = _job_isolation(
         found,
         users,
@@ -600,7 +618,13 @@ def run_agent(
 
 
 def _container_runtime(
-    kind: str, state_dir: Path, net: JobNet | None = None
+    kind: str,
+    state_dir: Path,
+    net: JobNet | None = None,
+    *,
+    userns: str = "auto",
+    pids_limit: int = DEFAULT_PIDS_LIMIT,
+    read_only: bool = False,
 ) -> tuple[ContainerRuntime | None, ImageReporter | None]:
     if kind == "none":
         logger.info("no container runtime (--runtime none): jobs with an image fail to start")
@@ -615,7 +639,15 @@ def _container_runtime(
             "job network: docker cannot join the attempt's namespace; container jobs share "
             "the node's network (use --runtime podman)"
         )
-    return ContainerRuntime(engine, jobnet=net), ImageReporter(engine)
+    runtime = ContainerRuntime(
+        engine,
+        jobnet=net,
+        userns=userns,
+        pids_limit=pids_limit,
+        read_only=read_only,
+        state_dir=state_dir / "engine",
+    )
+    return runtime, ImageReporter(engine)
 
 
 def _leave_job_network(net: JobNet, log: AssignmentLog) -> None:

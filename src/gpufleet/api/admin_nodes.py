@@ -7,9 +7,10 @@ from functools import partial
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpufleet.domain.errors import ValidationFailed
+from gpufleet.domain.images import reference_problem
 from gpufleet.domain.states import NodeStatus
 from gpufleet.queue import Waker
 from gpufleet.services import auth, node_lookup, nodes
@@ -39,6 +40,14 @@ class PrepullRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     image: str = Field(min_length=1, max_length=512, pattern=r"^[^\x00\s]+$")
     gpu_type: str | None = Field(default=None, min_length=1, max_length=64)
+
+    @field_validator("image")
+    @classmethod
+    def _image_reference(cls, v: str) -> str:
+        """An OCI reference, as for a job's ``image`` (``domain.images``)."""
+        if (problem := reference_problem(v)) is not None:
+            raise ValueError(f"image reference {v[:80]!r} {problem}")
+        return v
 
 
 class ActiveRunOut(BaseModel):

@@ -16,6 +16,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from gpufleet.domain.images import reference_problem
 from gpufleet.domain.types import JobSpec, PriorityClass, Resources
 from gpufleet.services.limits import (
     MAX_GPUS,
@@ -152,6 +153,14 @@ class JobCreate(BaseModel):
                     {"i": i, "where": where, "msg": first["msg"]},
                 ) from None
         return items
+
+    @field_validator("image")
+    @classmethod
+    def _image_reference(cls, v: str | None) -> str | None:
+        """An OCI reference (``domain.images.reference_problem``): never an engine option."""
+        if v is not None and (problem := reference_problem(v)) is not None:
+            raise ValueError(f"image reference {v[:80]!r} {problem}")
+        return v
 
     @field_validator("working_dir")
     @classmethod

@@ -378,6 +378,24 @@ def agent(
             "disk_mb (0 = none: jobs write to the jobs dir's filesystem).",
         ),
     ] = 10240,
+    # -- container job hardening (docs/design/security.md, "Containers")
+    container_userns: Annotated[
+        str,
+        typer.Option(
+            help="Containers in a user namespace (their root is not host root): auto (when the"
+            " engine can), on (required: container jobs fail here otherwise), off."
+        ),
+    ] = "auto",
+    container_pids_limit: Annotated[
+        int,
+        typer.Option(
+            min=0, help="--pids-limit of a container job that sets no pids_limit (0 = engine's)."
+        ),
+    ] = 4096,
+    container_read_only: Annotated[
+        bool,
+        typer.Option(help="Containers get a read-only root filesystem (/tmp, mounts writable)."),
+    ] = False,
     data_dir: DataDir = None,
     controller: Annotated[
         str | None, typer.Option(help="Controller gRPC host:port (GPUFLEET_CONTROLLER_ADDRESS).")
@@ -414,6 +432,9 @@ def agent(
     os.environ.pop("GPUFLEET_JOIN_TOKEN", None)  # read once; never inherited by a job
     configure_logging()
     settings = load_settings(data_dir, controller_address=controller, join_address=join_address)
+    if container_userns not in ("auto", "on", "off"):
+        err.print(f"[red]error:[/] --container-userns {container_userns!r}: use auto, on or off")
+        raise typer.Exit(2)
     if runtime not in ("podman", "docker", "none"):
         err.print(f"[red]error:[/] --runtime {runtime!r}: use podman, docker or none")
         raise typer.Exit(2)
@@ -439,6 +460,9 @@ def agent(
         state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
         labels=labels,
         container_runtime=runtime,
+        container_userns=container_userns,
+        container_pids_limit=container_pids_limit,
+        container_read_only=container_read_only,
         insecure=insecure,
         join_token=join_token,
         ca_cert=ca_cert,
