@@ -26,7 +26,7 @@ from gpufleet.rpc.pki import check_node_id
 from gpufleet.services import nodes
 from gpufleet.services.job_admission import forget_fleet_shapes
 from gpufleet.services.job_queries import iso
-from gpufleet.services.node_lookup import no_node
+from gpufleet.services.node_lookup import is_cut_off, no_node, refuse_if_alive
 from gpufleet.store import allocate
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
@@ -284,32 +284,14 @@ def forget_node(
         raise no_node(session, node_id)
     now = db_now(session)
     node = session.get(NodeRow, node_id)
-    certs = session.execute(
-        select(NodeCertRow.revoked_at).where(NodeCertRow.node_id == node_id)
-    ).all()
-    cut_off = (bool(certs) and all(c.revoked_at is not None for c in certs)) or (
-        node is not None and node.status == NodeStatus.FENCED
-    )
-    if (
-        not force
-        and live_within_s > 0
-        and node is not None
-        and not cut_off
-        and node.last_heartbeat_at is not None
-        and session.execute(
-            select(
-                exists().where(
-                    NodeRow.id == node_id,
-                    NodeRow.last_heartbeat_at >= now - timedelta(seconds=live_within_s),
-                )
-            )
-        ).scalar_one()
-    ):
-        raise Conflict(
-            f"node {node_id} ({node.status}) sent a heartbeat within the last "
-            f"{live_within_s:g} s: it looks alive. Drain it and stop its agent first, or "
-            "forget it anyway with --force (REST: ?force=true)",
-            field="force",
+    cut_off = node is not None and is_cut_off(session, node)
+    if not force and node is not None:
+        refuse_if_alive(
+            session,
+            node,
+            live_within_s,
+            action="its agent would keep running jobs the scheduler no longer sees",
+            force_hint="forget it anyway with --force (REST: ?force=true)",
         )
     try:
         allocate.remove_inventory(session, node_id)
