@@ -16,6 +16,7 @@ from gpufleet.controller.agents import AgentClients
 from gpufleet.controller.identity import BootstrapServicer, ControllerTls, NodeAuthenticator
 from gpufleet.controller.leadership import Leadership
 from gpufleet.controller.reconciler import Reconciler
+from gpufleet.controller.rpc_errors import OUTAGE, loop_failed
 from gpufleet.controller.scheduler import Scheduler
 from gpufleet.controller.servicer import ControllerServicer
 from gpufleet.controller.stops import StopDriver
@@ -173,9 +174,11 @@ class Controller:
                     s, self.leadership.holder, self.settings.leader_lease_s
                 )
             )
-        except Exception:
-            log.exception("leader lease")
+        except Exception as exc:
+            loop_failed("leader lease", exc)
             epoch = None
+        else:
+            OUTAGE.recovered()  # a write went through: the database is back
         metrics.note_lease(epoch or 0)
         if (epoch or 0) != self.leadership.epoch:
             log.info("leadership: epoch %s -> %s", self.leadership.epoch, epoch or 0)
@@ -199,8 +202,8 @@ class Controller:
                         stats.conflicts,
                         stats.seconds * 1000,
                     )
-            except Exception:
-                log.exception("scheduler pass failed")
+            except Exception as exc:
+                loop_failed("scheduler pass", exc)
             self.waker.wait(self.settings.scheduler_tick_s)
 
     def _upkeep_loop(self) -> None:
@@ -209,8 +212,8 @@ class Controller:
             for step in (self.stops.run_pass, self.reconciler.run_pass):
                 try:
                     step()
-                except Exception:
-                    log.exception("%s failed", step)
+                except Exception as exc:
+                    loop_failed(str(step), exc)
 
     def stop(self) -> None:
         self._stop.set()
