@@ -81,7 +81,7 @@ def test_ca_init_records_the_ca_and_refuses_to_fork_it(tmp_path: Path) -> None:
         pki_dir=rogue,
         controller_address=f"127.0.0.1:{free_port()}",
     )
-    with pytest.raises(tls.PkiError, match="copy ca.key and ca.crt from a controller host"):
+    with pytest.raises(tls.PkiError, match=r"copy ca\.key and ca\.crt from a controller host"):
         new_join_token(db, settings, "n1", 600)
     with pytest.raises(tls.PkiError, match=f"fleet CA of this database is sha256:{fp}"):
         Controller(settings, db, InProcWaker())
@@ -99,5 +99,5 @@ def test_ca_init_records_the_ca_and_refuses_to_fork_it(tmp_path: Path) -> None:
 
 
 def test_missing_ca_cert_says_to_copy_it_from_a_controller_host(tmp_path: Path) -> None:
-    with pytest.raises(tls.PkiError, match="copy ca.crt .* from a controller host"):
+    with pytest.raises(tls.PkiError, match=r"copy ca\.crt .* from a controller host"):
         tls.read_ca_cert(tmp_path)

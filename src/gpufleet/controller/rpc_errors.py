@@ -4,6 +4,8 @@ name or driver message crosses the wire)."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -27,6 +29,25 @@ OUTAGE = DatabaseOutage(
 """This process's controller outage tracker: RPCs (:func:`guard`) and the controller's loops
 (:func:`loop_failed`) report to it, so an outage is one ERROR line and its end one WARNING
 line (ended by the next successful leader-lease write), never a traceback per pass or RPC."""
+
+
+REFUSAL_LOG_EVERY_S = 60.0
+"""A refusal (401/403) with the same message is logged once per this many seconds: a flood
+of bad join tokens on the join port must not fill the log."""
+_refusals: dict[str, float] = {}
+_refusals_lock = threading.Lock()
+
+
+def _first_in_a_while(message: str) -> bool:
+    now = time.monotonic()
+    with _refusals_lock:
+        last = _refusals.get(message)
+        if last is not None and now - last < REFUSAL_LOG_EVERY_S:
+            return False
+        if len(_refusals) > 10_000:
+            _refusals.clear()
+        _refusals[message] = now
+        return True
 
 
 def loop_failed(what: str, exc: BaseException) -> None:
@@ -70,7 +91,7 @@ def guard(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
             403: grpc.StatusCode.PERMISSION_DENIED,
             409: grpc.StatusCode.FAILED_PRECONDITION,
         }.get(exc.http_status, grpc.StatusCode.INVALID_ARGUMENT)
-        if exc.http_status in (401, 403):
+        if exc.http_status in (401, 403) and _first_in_a_while(exc.message):
             log.warning("refused a call from %s: %s", tls.peer_name(context), exc.message)
         context.abort(code, f"{exc.code}: {exc.message}")
         raise  # unreachable: abort raises

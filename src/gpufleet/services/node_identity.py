@@ -333,8 +333,10 @@ def forget_node(
 
 def describe_nodes(session: Session) -> list[dict[str, Any]]:
     """Every node and every node id with a certificate: id, status, address, last heartbeat,
-    the newest valid certificate (serial, expiry) and how many certificates are revoked."""
+    the newest valid certificate (serial, expiry) and how many certificates are revoked (by
+    serial, or by the node's trust epoch)."""
     nodes = {n.id: n for n in session.scalars(select(NodeRow))}
+    epochs = {t.node_id: t.epoch for t in session.scalars(select(NodeTrustRow))}
     certs: dict[str, list[NodeCertRow]] = {}
     for c in session.scalars(select(NodeCertRow).order_by(NodeCertRow.issued_at)):
         certs.setdefault(c.node_id, []).append(c)
@@ -342,7 +344,9 @@ def describe_nodes(session: Session) -> list[dict[str, Any]]:
     for node_id in sorted(set(nodes) | set(certs)):
         n = nodes.get(node_id)
         mine = certs.get(node_id, [])
-        valid = [c for c in mine if c.revoked_at is None]
+        valid = [
+            c for c in mine if c.revoked_at is None and c.trust_epoch >= epochs.get(node_id, 0)
+        ]
         cur = valid[-1] if valid else None
         out.append(
             {
