@@ -123,7 +123,8 @@ def ca_init(
     settings = load_settings(data_dir, pki_dir=pki_dir)
     target = settings.resolved_pki_dir()
     db = _existing_db(settings)
-    if db is not None and not force_new_ca:
+    here = any(p.exists() for p in tls.ca_paths(target))  # init_ca says "exists already"
+    if db is not None and not force_new_ca and not here:
         with db.read() as s:
             recorded = fleet_ca.recorded_ca(s)
         if recorded is not None:
