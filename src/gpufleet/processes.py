@@ -15,6 +15,7 @@ import time
 from datetime import datetime
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -134,13 +135,21 @@ def new_join_token(
         tls.PkiError: no fleet CA certificate in the pki dir.
         ValidationFailed: bad node id or ttl.
     """
+    from gpufleet.domain.errors import Conflict
     from gpufleet.rpc import tls
-    from gpufleet.services import node_identity
+    from gpufleet.services import fleet_ca, node_identity
 
-    ca_fp = tls.fingerprint(tls.read_ca_cert(settings.resolved_pki_dir()))
-    secret, expires = db.run_write(
-        partial(node_identity.create_join_token, node_id=node_id, ttl_s=ttl_s)
-    )
+    local, ca_path = tls.local_ca_fingerprint(settings.resolved_pki_dir())
+
+    def make(s: Any) -> tuple[str, str, Any]:
+        ca = fleet_ca.join_token_ca(s, local, ca_path)
+        secret, expires = node_identity.create_join_token(s, node_id=node_id, ttl_s=ttl_s)
+        return ca, secret, expires
+
+    try:
+        ca_fp, secret, expires = db.run_write(make)
+    except Conflict as exc:
+        raise tls.PkiError(exc.message) from None
     return tls.format_join_token(ca_fp, secret), expires.isoformat().replace("+00:00", "Z")
 
 

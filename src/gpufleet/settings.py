@@ -132,6 +132,27 @@ class Settings(BaseSettings):
         " a rolling upgrade with additive migrations runs.",
     )
 
+    # --- metrics ports (`controller --metrics-port`, `agent --metrics-port`) -------------
+    # they name teams (queue depth, allocation), GPU types and node paths: loopback unless
+    # the operator says otherwise, and optionally behind basic auth and TLS (metrics_http)
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address the controller's and agents' metrics ports bind (0.0.0.0: all).",
+    )
+    metrics_basic_auth: SecretStr | None = Field(
+        default=None,
+        description="Basic auth of the metrics ports: USER:sha256:HEX, USER:file:PATH or "
+        "USER:PASSWORD (None: no auth).",
+    )
+    metrics_tls_cert: Path | None = Field(
+        default=None, description="PEM certificate: serve the metrics ports over HTTPS."
+    )
+    metrics_tls_key: Path | None = Field(default=None, description="Its PEM key.")
+
+    def metrics_basic_auth_value(self) -> str:
+        """The raw basic auth setting ("" when none)."""
+        return self.metrics_basic_auth.get_secret_value() if self.metrics_basic_auth else ""
+
     def resolved_data_dir(self) -> Path:
         return self.data_dir.expanduser().resolve()
 

@@ -735,6 +735,7 @@ def check(
                     "fence",
                     node,
                     "--confirm-dead",
+                    "--force",  # its agent may still heartbeat: the check wants the GPUs
                     "--url",
                     cluster.apis[0][0],
                     "--token",

@@ -150,7 +150,8 @@ def test_node_and_token_commands_go_through_the_api(admin: Admin) -> None:
     assert admin.cli("node", "uncordon", "n1").returncode == 0
     refused = admin.cli("node", "fence", "n1")
     assert refused.returncode == 2 and "--confirm-dead" in refused.stderr
-    fenced = admin.cli("node", "fence", "n1", "--confirm-dead")
+    # --force: n1 may have registered within the heartbeat window (it would look alive)
+    fenced = admin.cli("node", "fence", "n1", "--confirm-dead", "--force")
     assert fenced.returncode == 0 and "FENCED" in fenced.stdout, fenced.stderr
     nodes = json.loads(admin.cli("node", "list", "-o", "json").stdout)
     assert [(n["node_id"], n["status"]) for n in nodes] == [("n1", "FENCED")]

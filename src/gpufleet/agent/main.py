@@ -103,6 +103,8 @@ class AgentConfig:
         heartbeat_interval_s: heartbeat period when the controller names none, seconds.
         default_grace_s: SIGTERM -> SIGKILL grace of a stop with none given, seconds.
         agent_disk_reserve_mb: free space (MiB) below which the node refuses work.
+        metrics_host, metrics_basic_auth, metrics_tls_cert, metrics_tls_key: where the
+            metrics port binds and how it is guarded (``gpufleet.metrics_http``; "" = none).
     """
 
     controller_address: str
@@ -111,6 +113,10 @@ class AgentConfig:
     heartbeat_interval_s: float
     default_grace_s: float
     agent_disk_reserve_mb: int
+    metrics_host: str = "127.0.0.1"
+    metrics_basic_auth: str = ""
+    metrics_tls_cert: str = ""
+    metrics_tls_key: str = ""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AgentConfig:
@@ -125,6 +131,10 @@ class AgentConfig:
             heartbeat_interval_s=settings.heartbeat_interval_s,
             default_grace_s=settings.default_grace_s,
             agent_disk_reserve_mb=settings.agent_disk_reserve_mb,
+            metrics_host=settings.metrics_host,
+            metrics_basic_auth=settings.metrics_basic_auth_value(),
+            metrics_tls_cert=str(settings.metrics_tls_cert or ""),
+            metrics_tls_key=str(settings.metrics_tls_key or ""),
         )
 
 
@@ -306,8 +316,9 @@ def run_agent(
         container_runtime: ``podman``, ``docker`` or ``none``: the engine for jobs with an
             ``image``. When it is not installed the agent says so and such jobs fail to
             start (NO_CONTAINER_RUNTIME, charged to the node).
-        metrics_port: serve Prometheus metrics (``agent.metrics``) on this TCP port of the
-            agent's listen address; 0 = none.
+        metrics_port: serve Prometheus metrics (``agent.metrics``) on this TCP port of
+            ``settings.metrics_host`` (default 127.0.0.1), with its basic auth and TLS
+            settings; 0 = none.
         job_network: ``auto`` (each attempt in its own network namespace where the agent
             can, else the host's, said at start), ``netns`` (an error where it cannot) or
             ``host``; see :mod:`gpufleet.agent.runtime.jobnet`.
@@ -336,7 +347,12 @@ def run_agent(
             the fleet's): the agent stopped without registering.
     """
     cfg = settings if isinstance(settings, AgentConfig) else AgentConfig.from_settings(settings)
+    metrics_auth = None
     if metrics_port:
+        from gpufleet.metrics_http import parse_basic_auth
+
+        if cfg.metrics_basic_auth:  # a bad setting stops the agent before it does anything
+            metrics_auth = parse_basic_auth(cfg.metrics_basic_auth)
         telemetry.enable()  # before recovery: its uploads count
     stop = stop_event if stop_event is not None else threading.Event()
     state_dir = state_dir.expanduser().resolve()
@@ -543,8 +559,13 @@ def run_agent(
     if metrics_port:
         metrics = telemetry.enable()
         metrics.INFO.labels(node_id, str(agent_epoch)).set(1)
-        metrics.serve(metrics_port, host)
-        logger.info("agent metrics on http://%s/metrics", _join(host, metrics_port))
+        metrics.serve(metrics_port, cfg.metrics_host, metrics_auth, cfg)
+        logger.info(
+            "agent metrics on %s://%s/metrics%s",
+            "https" if cfg.metrics_tls_cert else "http",
+            _join(cfg.metrics_host, metrics_port),
+            " (basic auth)" if metrics_auth else "",
+        )
     link = ControllerLink(
         core=core,
         stub=stub,

@@ -29,10 +29,12 @@ class NodeAction(BaseModel):
 
 class FenceRequest(BaseModel):
     """Body of fence: ``confirm_dead`` must be true (the operator vouches the node is dead,
-    so its quarantined GPUs can be offered again)."""
+    so its quarantined GPUs can be offered again); ``force`` fences a node heard from within
+    the heartbeat window too (else 409, field ``force``)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     confirm_dead: bool = False
+    force: bool = False
     reason: Reason = None
 
 
@@ -147,7 +149,9 @@ def add_admin_node_routes(
     )
     def fence(node_id: str, body: FenceRequest, _: Admin) -> FenceOut:
         """Give a dead node up: its attempts are fenced (jobs re-placed), its QUARANTINED
-        GPUs released, and it is FENCED until uncordoned. 422 without ``confirm_dead``."""
+        GPUs released, and it is FENCED until uncordoned. 422 without ``confirm_dead``; 409
+        (field ``force``) when the node was heard from within ``suspect_after_missed``
+        heartbeat intervals and is neither FENCED nor revoked, unless ``force``."""
         if not body.confirm_dead:
             raise ValidationFailed(
                 "confirm_dead must be true: fencing releases GPUs that processes on the node"
@@ -160,6 +164,8 @@ def add_admin_node_routes(
                 node_id=node_id,
                 reason=body.reason or "confirmed dead by an operator",
                 max_node_failures=settings.max_node_failures,
+                live_within_s=settings.suspect_after_missed * settings.heartbeat_interval_s,
+                force=body.force,
             )
         )
         waker.wake()

@@ -10,6 +10,7 @@ is called (see ``LAZY_GROUPS`` in :mod:`gpufleet.cli.main`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
@@ -24,6 +25,7 @@ from gpufleet.domain.errors import GpufleetError
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
+    from gpufleet.settings import Settings
     from gpufleet.store.db import Database
 
 T = TypeVar("T")
@@ -185,20 +187,132 @@ PkiDir = Annotated[
 
 
 @ca_app.command("init")
-def ca_init(data_dir: DataDir = None, pki_dir: PkiDir = None) -> None:
+def ca_init(
+    data_dir: DataDir = None,
+    pki_dir: PkiDir = None,
+    force_new_ca: Annotated[
+        bool,
+        typer.Option(
+            "--force-new-ca",
+            help="Make a new CA even though the database records another one (CA rotation):"
+            " every node must then rejoin with a new join token.",
+        ),
+    ] = False,
+) -> None:
     """Make the fleet CA (ca.key mode 0600, ca.crt) that signs controller and node
-    certificates. Never replaces an existing one. Controllers need the directory; agents
-    need only a join token (it carries the CA's sha256)."""
+    certificates, and record its sha256 with the database. Never replaces an existing one,
+    and refuses when the database records another CA (copy that one's pki dir from a
+    controller host instead) unless --force-new-ca. Controllers need the directory; API
+    servers only ca.crt (or nothing: the database records the fingerprint); agents need
+    only a join token (it carries the CA's sha256)."""
     from gpufleet.rpc import tls
+    from gpufleet.services import fleet_ca
 
     settings = load_settings(data_dir, pki_dir=pki_dir)
+    target = settings.resolved_pki_dir()
+    db = _existing_db(settings)
+    here = any(p.exists() for p in tls.ca_paths(target))  # init_ca says "exists already"
+    if db is not None and not force_new_ca and not here:
+        with db.read() as s:
+            recorded = fleet_ca.recorded_ca(s)
+        if recorded is not None:
+            err.print(
+                f"[red]error:[/] a fleet CA is already recorded for this database: "
+                f"sha256:{recorded.fingerprint} (recorded "
+                f"{recorded.recorded_at:%Y-%m-%d %H:%M:%S}Z). Copy its pki dir (ca.key, "
+                f"ca.crt) from a controller host to {escape(str(target))} instead (API "
+                "servers need only ca.crt); a second CA would split the fleet. To replace "
+                "it (CA rotation), pass --force-new-ca: every node must then rejoin with a "
+                "new join token."
+            )
+            raise typer.Exit(2)
     try:
-        ca = tls.init_ca(settings.resolved_pki_dir())
+        ca = tls.init_ca(target)
     except tls.PkiError as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
-    out.print(f"fleet CA created in {settings.resolved_pki_dir()}")
+    out.print(f"fleet CA created in {escape(str(target))}")
+    if db is not None:
+        replaced = db.run_write(
+            partial(
+                fleet_ca.record_ca,
+                fingerprint=ca.fingerprint,
+                where=f"the CA in {target}",
+                replace=force_new_ca,
+            )
+        )
+        if force_new_ca and replaced:
+            err.print(
+                "[yellow]warning:[/] this CA replaces the one recorded for the database: "
+                "restart every controller with this pki dir, then rejoin every node with a "
+                "new join token (gpufleet admin node join-token --node-id N); until then "
+                "nodes of the old CA cannot reach controllers of the new one"
+            )
+    else:
+        out.print("the database does not exist yet: the first controller start records the CA")
     print(f"sha256:{ca.fingerprint}")
+
+
+@ca_app.command("show")
+def ca_show(data_dir: DataDir = None, pki_dir: PkiDir = None) -> None:
+    """Print this host's fleet CA certificate: sha256 fingerprint, subject, validity, whether
+    ca.key is here, and the CA recorded for the database. Compare the fingerprint across
+    hosts; exit 1 when this host's CA is not the recorded one, 2 when it has none."""
+    from cryptography import x509
+
+    from gpufleet.rpc import tls
+    from gpufleet.services import fleet_ca
+
+    settings = load_settings(data_dir, pki_dir=pki_dir)
+    target = settings.resolved_pki_dir()
+    key_path, crt_path = tls.ca_paths(target)
+    db = _existing_db(settings)
+    recorded = None
+    if db is not None:
+        with db.read() as s:
+            recorded = fleet_ca.recorded_ca(s)
+    try:
+        cert = x509.load_pem_x509_certificate(tls.read_ca_cert(target))
+    except (tls.PkiError, ValueError) as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        if recorded is not None:
+            err.print(f"the database records the fleet CA sha256:{recorded.fingerprint}")
+        raise typer.Exit(2) from None
+    fp = tls.fingerprint(cert)
+    print(f"certificate: {crt_path}")
+    print(f"sha256:      {fp}")
+    print(f"subject:     {cert.subject.rfc4514_string()}")
+    print(f"not before:  {cert.not_valid_before_utc:%Y-%m-%d %H:%M:%S}Z")
+    print(f"not after:   {cert.not_valid_after_utc:%Y-%m-%d %H:%M:%S}Z")
+    print(f"ca.key:      {'present' if key_path.exists() else 'absent (not a controller host)'}")
+    if db is None:
+        print("database:    none yet (nothing recorded)")
+        return
+    if recorded is None:
+        print("database:    no CA recorded yet (the first controller start records it)")
+        return
+    same = recorded.fingerprint == fp
+    print(
+        f"database:    sha256:{recorded.fingerprint} "
+        f"({'the same CA' if same else 'ANOTHER CA'}; recorded "
+        f"{recorded.recorded_at:%Y-%m-%d %H:%M:%S}Z)"
+    )
+    if not same:
+        err.print(
+            "[red]error:[/] this host's CA is not the fleet CA recorded for the database: copy "
+            "ca.crt (and, on controller hosts, ca.key) from a controller host"
+        )
+        raise typer.Exit(1)
+
+
+def _existing_db(settings: Settings) -> Database | None:
+    """The platform's database, or None for an embedded SQLite file not created yet."""
+    from gpufleet.processes import open_database
+
+    url = settings.resolved_database_url()
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        return None
+    return open_database(settings)
 
 
 def admin_group() -> TyperGroup:

@@ -600,12 +600,23 @@ def node_fence(
             " quarantined GPUs can be offered again.",
         ),
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Fence it even if it sent a heartbeat within the last suspect_after_missed"
+            " intervals (it looks alive).",
+        ),
+    ] = False,
     reason: Reason = None,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
     """Give a node up: its attempts are fenced (jobs re-placed), its QUARANTINED GPUs are
-    released, and it is FENCED (no placements until ``admin node uncordon``)."""
+    released, and it is FENCED (no placements until ``admin node uncordon``). A node heard
+    from within the heartbeat window is refused (exit 1) unless --force."""
+    from gpufleet.client.errors import Conflict
+
     with _session(url, token) as http:
         if not confirm_dead:
             raise ClientError(
@@ -613,12 +624,17 @@ def node_fence(
                 " might still use if it is alive",
                 field="--confirm-dead",
             )
-        data = _call(
-            http,
-            "POST",
-            f"/v1/admin/nodes/{node_id}/fence",
-            json={"confirm_dead": True, "reason": reason},
-        )
+        try:
+            data = _call(
+                http,
+                "POST",
+                f"/v1/admin/nodes/{node_id}/fence",
+                json={"confirm_dead": True, "force": force, "reason": reason},
+            )
+        except Conflict as exc:
+            if exc.field != "force":
+                raise
+            raise ClientError(exc.message, field="--force", exit_code=1) from None
         fenced = data.get("fenced") or []
         typer.echo(
             output.clean(

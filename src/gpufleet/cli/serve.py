@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -269,6 +269,13 @@ def controller(
     ] = 0,
     migrate: Migrate = None,
     allow_newer_schema: AllowNewerSchema = None,
+    metrics_host: Annotated[
+        str | None,
+        typer.Option(
+            help="Address of the metrics port (GPUFLEET_METRICS_HOST; default 127.0.0.1). The"
+            " metrics name teams; see GPUFLEET_METRICS_BASIC_AUTH."
+        ),
+    ] = None,
 ) -> None:
     """Run the controller: gRPC for agents (mutual TLS, certificates from the fleet CA made
     by `gpufleet admin ca init`), and (while leader) the scheduler loops. Refuses (exit 2) a
@@ -278,7 +285,10 @@ def controller(
     from gpufleet.rpc.tls import PkiError
 
     configure_logging()
-    settings = load_settings(data_dir, controller_address=address, join_address=join_address)
+    settings = load_settings(
+        data_dir, controller_address=address, join_address=join_address, metrics_host=metrics_host
+    )
+    metrics_auth = _metrics_auth(settings) if metrics_port else None
     db = _open_checked(settings, migrate, allow_newer_schema)
     try:
         ctl = Controller(
@@ -292,13 +302,42 @@ def controller(
         raise typer.Exit(2) from None
     ctl.start()
     if metrics_port:
-        from prometheus_client import start_http_server
+        from prometheus_client import REGISTRY
 
-        start_http_server(metrics_port, addr=settings.server_host)
+        from gpufleet import metrics_http
+
+        metrics_http.serve(
+            metrics_port,
+            settings.metrics_host,
+            REGISTRY,
+            auth=metrics_auth,
+            certfile=str(settings.metrics_tls_cert) if settings.metrics_tls_cert else None,
+            keyfile=str(settings.metrics_tls_key) if settings.metrics_tls_key else None,
+        )
+        logging.getLogger("gpufleet").info(
+            "controller metrics on %s:%d/metrics%s",
+            settings.metrics_host,
+            metrics_port,
+            " (basic auth)" if metrics_auth else "",
+        )
     try:
         wait_for_signal()
     finally:
         ctl.stop()
+
+
+def _metrics_auth(settings: Settings) -> Any:
+    """The metrics ports' basic auth from the settings (None: none); exit 2 when malformed."""
+    from gpufleet.metrics_http import parse_basic_auth
+
+    value = settings.metrics_basic_auth_value()
+    if not value:
+        return None
+    try:
+        return parse_basic_auth(value)
+    except ValueError as exc:
+        err.print(f"[red]error:[/] GPUFLEET_METRICS_BASIC_AUTH: {escape(str(exc))}")
+        raise typer.Exit(2) from None
 
 
 def agent(
@@ -422,16 +461,30 @@ def agent(
         int,
         typer.Option(
             envvar="GPUFLEET_AGENT_METRICS_PORT",
-            help="Serve Prometheus /metrics on this port of the agent's address (0 = none).",
+            help="Serve Prometheus /metrics on this port (0 = none).",
         ),
     ] = 0,
+    metrics_host: Annotated[
+        str | None,
+        typer.Option(
+            help="Address of the metrics port (GPUFLEET_METRICS_HOST; default 127.0.0.1). The"
+            " metrics name node paths; see GPUFLEET_METRICS_BASIC_AUTH."
+        ),
+    ] = None,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
     import os
 
     os.environ.pop("GPUFLEET_JOIN_TOKEN", None)  # read once; never inherited by a job
     configure_logging()
-    settings = load_settings(data_dir, controller_address=controller, join_address=join_address)
+    settings = load_settings(
+        data_dir,
+        controller_address=controller,
+        join_address=join_address,
+        metrics_host=metrics_host,
+    )
+    if metrics_port:
+        _metrics_auth(settings)  # a malformed setting: exit 2 here, with the message
     if container_userns not in ("auto", "on", "off"):
         err.print(f"[red]error:[/] --container-userns {container_userns!r}: use auto, on or off")
         raise typer.Exit(2)
