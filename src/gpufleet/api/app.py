@@ -78,13 +78,36 @@ async def principal(
     if raw:
         hit = state.principals.get(raw)
         if hit is not None and time.monotonic() - hit[0] < PRINCIPAL_TTL_S:
-            return hit[1]
-    who = await run_in_threadpool(_authenticate, state.db, raw)
-    if raw is not None:
-        if len(state.principals) > 10_000:
-            state.principals.clear()
-        state.principals[raw] = (time.monotonic(), who)
+            who: auth.Principal | None = hit[1]
+        else:
+            who = None
+    else:
+        who = None
+    if who is None:
+        who = await run_in_threadpool(_authenticate, state.db, raw)
+        if raw is not None:
+            if len(state.principals) > 10_000:
+                state.principals.clear()
+            state.principals[raw] = (time.monotonic(), who)
+    if request.method in ("GET", "HEAD") and state.admission is not None:
+        await _check_read_rate(state.admission, who.team_id, request)
     return who
+
+
+async def _check_read_rate(
+    admission: limits.SubmitAdmission, team_id: str, request: Request
+) -> None:
+    """Take the read's tokens from the team's read bucket (1, plus 1 per 100 rows past the
+    first 100 that ``?limit=`` asks for); raises LimitExceeded (429) when it is empty."""
+    try:
+        asked: int | None = int(request.query_params.get("limit") or 0) or None
+    except ValueError:
+        asked = None  # the route's own validation answers 422
+    cost = limits.read_cost(asked)
+    if admission.check_needs_io(team_id, read=True):
+        await run_in_threadpool(admission.check_read_rate, team_id, cost)
+    else:
+        admission.check_read_rate(team_id, cost)
 
 
 def _authenticate(db: Database, raw: str | None) -> auth.Principal:
@@ -147,7 +170,13 @@ def create_app(state: AppState) -> FastAPI:
     defaults = limits.TeamLimits.defaults(state.settings)
     if state.admission is None:
         state.admission = limits.SubmitAdmission(
-            state.db, limits.make_rate_limiter(state.settings.redis_url), defaults
+            state.db,
+            limits.make_rate_limiter(
+                state.settings.redis_url,
+                prefix=state.settings.redis_prefix,
+                timeout_s=state.settings.redis_timeout_s,
+            ),
+            defaults,
         )
     admission = state.admission
 
