@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gpufleet.api import ui
 from gpufleet.api.admin_nodes import add_admin_node_routes
 from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
-from gpufleet.api.middleware import BodyLimit
+from gpufleet.api.middleware import BodyLimit, SecurityHeaders
 from gpufleet.api.openapi_doc import install_openapi, mount_docs
 from gpufleet.api.reports import add_report_routes
 from gpufleet.api.schemas import ErrorOut
@@ -184,6 +184,8 @@ def create_app(state: AppState) -> FastAPI:
     app.add_middleware(OutageWatch, outage=outage)
     # outermost: counts the body's bytes as they are read, chunked or not, before any route
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    # outside everything: every answer, errors and 413s included, gets the browser headers
+    app.add_middleware(SecurityHeaders)
 
     @app.exception_handler(SQLAlchemyError)
     async def on_database_error(_: Request, exc: SQLAlchemyError) -> JSONResponse:
