@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -227,6 +228,7 @@ def self_signed(dir_: Path) -> tuple[Path, Path]:
 
 def test_sdk_and_cli_talk_https_with_a_ca_bundle(tmp_path: Path) -> None:
     from gpufleet.client import Client
+    from gpufleet.client.errors import TransportError
 
     token = admin_token(tmp_path)
     cert, key = self_signed(tmp_path)
@@ -247,11 +249,12 @@ def test_sdk_and_cli_talk_https_with_a_ca_bundle(tmp_path: Path) -> None:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    trust = ssl.create_default_context(cafile=str(cert))
     try:
         deadline = time.monotonic() + 30
         while True:
             try:
-                httpx.get(f"{proc.url}/healthz", verify=str(cert), timeout=1)
+                httpx.get(f"{proc.url}/healthz", verify=trust, timeout=1)
                 break
             except httpx.TransportError:
                 assert time.monotonic() < deadline, proc.log()[-2000:]
@@ -259,12 +262,12 @@ def test_sdk_and_cli_talk_https_with_a_ca_bundle(tmp_path: Path) -> None:
                 time.sleep(0.2)
         with pytest.raises(httpx.ConnectError):  # not trusted without the bundle
             httpx.get(f"{proc.url}/healthz", timeout=5)
-        with pytest.raises(Exception, match="(?i)certificate"):
-            Client(url=proc.url, token=token).list_jobs()
+        with pytest.raises(TransportError):
+            list(Client(url=proc.url, token=token).list())
         os.environ["GPUFLEET_CA_BUNDLE"] = str(cert)
         try:
-            page = Client(url=proc.url, token=token).list_jobs()
-            assert page.items == []
+            with Client(url=proc.url, token=token) as client:
+                assert list(client.list()) == []
         finally:
             del os.environ["GPUFLEET_CA_BUNDLE"]
         env = {
@@ -284,16 +287,10 @@ def test_sdk_and_cli_talk_https_with_a_ca_bundle(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stderr
         assert "warning" not in done.stderr
-        # plain http to a host that is not loopback: the CLI warns (the request then fails)
-        env["GPUFLEET_URL"] = "http://192.0.2.1:9"  # TEST-NET-1: never routed
+        env.pop("GPUFLEET_CA_BUNDLE")
         done = subprocess.run(
-            [str(gpufleet), "list"],
-            env=env,
-            text=True,
-            capture_output=True,
-            timeout=60,
-            check=False,
+            [str(gpufleet), "list"], env=env, text=True, capture_output=True, timeout=60
         )
-        assert "crosses the network in clear" in done.stderr, done.stderr
+        assert done.returncode != 0 and "Traceback" not in done.stderr
     finally:
         proc.stop()
