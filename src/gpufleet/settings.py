@@ -164,7 +164,8 @@ class Settings(BaseSettings):
         ge=0,
         allow_inf_nan=False,
         description="Read tokens per second per team (every GET of /v1 takes 1, plus 1 per"
-        " 100 rows past the first 100 it asks for), unless set for the team; 0 = no limit.",
+        " 100 rows past the first 100 a job list asks for), unless set for the team;"
+        " 0 = no limit.",
     )
     team_read_burst: int = Field(
         default=200, ge=1, description="Read token-bucket size: read tokens a team has at once."

@@ -165,7 +165,9 @@ def test_a_hung_redis_costs_one_short_timeout_and_one_log_line(
     "redis_url",
     [
         pytest.param("closed", id="closed port"),
-        pytest.param(REDIS_URL.replace("redis://", "redis://no-such-user:wrong-password@"), id="bad auth"),
+        pytest.param(
+            REDIS_URL.replace("redis://", "redis://no-such-user:wrong-password@"), id="bad auth"
+        ),
     ],
 )
 def test_controller_and_server_start_and_work_without_redis(

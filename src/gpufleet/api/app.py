@@ -70,7 +70,9 @@ async def principal(
     authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> auth.Principal:
     """The caller, from ``Authorization: Bearer <token>``; the team comes from the token.
-    A cache hit is answered on the event loop; the database is read in a worker thread."""
+    A cache hit is answered on the event loop; the database is read in a worker thread. A
+    GET or HEAD also takes its tokens from the team's read bucket (raises LimitExceeded, 429
+    naming ``read_rate_per_s``, when it is empty)."""
     raw = None
     if authorization and authorization.lower().startswith("bearer "):
         raw = authorization[7:].strip()
@@ -98,11 +100,14 @@ async def _check_read_rate(
     admission: limits.SubmitAdmission, team_id: str, request: Request
 ) -> None:
     """Take the read's tokens from the team's read bucket (1, plus 1 per 100 rows past the
-    first 100 that ``?limit=`` asks for); raises LimitExceeded (429) when it is empty."""
-    try:
-        asked: int | None = int(request.query_params.get("limit") or 0) or None
-    except ValueError:
-        asked = None  # the route's own validation answers 422
+    first 100 that ``GET /v1/jobs?limit=`` asks for; elsewhere ``limit`` is not rows, e.g.
+    the log's bytes); raises LimitExceeded (429) when it is empty."""
+    asked: int | None = None
+    if request.url.path.rstrip("/") == "/v1/jobs":
+        try:
+            asked = int(request.query_params.get("limit") or 0) or None
+        except ValueError:
+            asked = None  # the route's own validation answers 422
     cost = limits.read_cost(asked)
     if admission.check_needs_io(team_id, read=True):
         await run_in_threadpool(admission.check_read_rate, team_id, cost)
