@@ -11,7 +11,7 @@ buckets in Redis with ``--redis-url``), creates teams ``a`` and ``b`` and gives 
    of A list 500 jobs as fast as they can, A's read rate set to 0 (no limit): the behaviour
    before read limits.
 3. ``flood, read limit``: the same with A's read bucket at ``--read-rate``/s (burst
-   ``--read-burst``; a 500-row page costs 5 tokens). A's clients ignore Retry-After.
+   ``--read-burst``; a 500-row page costs 25 tokens). A's clients ignore Retry-After.
 
 Printed: B's GET and submit p50/p99 per phase, the p99 ratio to ``alone``, and A's answers
 (200/429 per second). Exit code 1 when B saw an error, or A's flood was never refused in
@@ -58,9 +58,7 @@ def quiet_loop(
 ) -> tuple[list[float], list[float], int]:
     """B: a list and a submit every 1/rate s until ``stop``; (GET ms, submit ms, errors)."""
     gets, posts, bad = [], [], 0
-    with httpx.Client(
-        base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60
-    ) as c:
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as c:
         nxt = time.perf_counter()
         while not stop.is_set():
             t0 = time.perf_counter()
@@ -230,7 +228,7 @@ def main() -> int:
     out.print(table)
     out.print(
         f"A: {args.flood_procs * args.flood_threads} connections; read limit "
-        f"{args.read_rate:g} tokens/s, burst {args.read_burst} (a 500-row page = 5 tokens)"
+        f"{args.read_rate:g} tokens/s, burst {args.read_burst} (a 500-row page = 25 tokens)"
     )
     out.print("OK" if ok else "FAILED")
     return 0 if ok else 1

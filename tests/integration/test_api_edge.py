@@ -169,11 +169,11 @@ def test_a_teams_reads_are_rate_limited(tmp_path: Path) -> None:
     token = admin_token(tmp_path)
     proc = ServerProcess(
         tmp_path,
-        {**EDGE_ENV, "GPUFLEET_TEAM_READ_RATE_PER_S": "2", "GPUFLEET_TEAM_READ_BURST": "10"},
+        {**EDGE_ENV, "GPUFLEET_TEAM_READ_RATE_PER_S": "2", "GPUFLEET_TEAM_READ_BURST": "50"},
     ).start()
     try:
         with httpx.Client(base_url=proc.url, headers={"Authorization": f"Bearer {token}"}) as c:
-            assert c.get("/v1/jobs", params={"limit": 500}).status_code == 200  # 5 tokens
+            assert c.get("/v1/jobs", params={"limit": 500}).status_code == 200  # 25 tokens
             assert c.get("/v1/jobs", params={"limit": 500}).status_code == 200
             r = c.get("/v1/jobs", params={"limit": 500})
             assert r.status_code == 429

@@ -99,9 +99,9 @@ async def principal(
 async def _check_read_rate(
     admission: limits.SubmitAdmission, team_id: str, request: Request
 ) -> None:
-    """Take the read's tokens from the team's read bucket (1, plus 1 per 100 rows past the
-    first 100 that ``GET /v1/jobs?limit=`` asks for; elsewhere ``limit`` is not rows, e.g.
-    the log's bytes); raises LimitExceeded (429) when it is empty."""
+    """Take the read's tokens from the team's read bucket (1; a job list 1 per 20 rows that
+    ``GET /v1/jobs?limit=`` asks for; elsewhere ``limit`` is not rows, e.g. the log's bytes);
+    raises LimitExceeded (429) when it is empty."""
     asked: int | None = None
     if request.url.path.rstrip("/") == "/v1/jobs":
         try:

@@ -217,8 +217,8 @@ def team_set(
     read_rate: Annotated[
         str | None,
         typer.Option(
-            help="API reads per second, token bucket refill, e.g. 20/s (a read of more than"
-            " 100 rows costs 1 token per 100); 0 = no limit."
+            help="API read tokens per second, token bucket refill, e.g. 20/s (a read costs 1,"
+            " a job list 1 per 20 rows it asks for); 0 = no limit."
         ),
     ] = None,
     read_burst: Annotated[

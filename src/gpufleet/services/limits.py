@@ -326,20 +326,21 @@ class SubmitAdmission:
         if wait > 0:
             raise LimitExceeded(
                 f"team {team_id!r} is over its read rate limit "
-                f"({lim.read_rate_per_s:g} tokens/s, burst {lim.read_burst}; a read costs 1"
-                f" token per {READ_ROWS_PER_TOKEN} rows asked for); retry in {wait:.2f} s",
+                f"({lim.read_rate_per_s:g} tokens/s, burst {lim.read_burst}; a read costs 1 token,"
+                f" a job list 1 per {READ_ROWS_PER_TOKEN} rows asked for); retry in {wait:.2f} s",
                 field="read_rate_per_s",
                 retry_after_s=wait,
             )
 
 
-READ_ROWS_PER_TOKEN = 100
-"""A read that asks for up to this many rows (``?limit=``) costs one token of the team's read
-bucket; each further 100 rows, one more: a page of 500 jobs costs 5."""
+READ_ROWS_PER_TOKEN = 20
+"""A job list costs one token of the team's read bucket per this many rows it asks for
+(``?limit=``, default 50: 3 tokens; 500: 25); any other read costs one. Serving a row (ORM and
+the response model) is most of a list's CPU time, so the bucket meters rows, not requests."""
 
 
 def read_cost(limit: int | None) -> int:
-    """Tokens a read takes: 1, plus one per further ``READ_ROWS_PER_TOKEN`` rows asked for."""
+    """Tokens a read takes: 1, or ``ceil(limit / READ_ROWS_PER_TOKEN)`` for a job list."""
     if limit is None or limit <= READ_ROWS_PER_TOKEN:
         return 1
     return -(-limit // READ_ROWS_PER_TOKEN)
