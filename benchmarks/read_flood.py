@@ -112,7 +112,7 @@ def phase(
     for p in procs:
         p.start()
     if procs:
-        time.sleep(1.0)  # the flood is under way
+        time.sleep(3.0)  # the flood is under way (its processes started, the burst spent)
     out: dict[str, Any] = {}
     q = threading.Thread(
         target=lambda: out.setdefault(

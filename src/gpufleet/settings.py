@@ -170,6 +170,12 @@ class Settings(BaseSettings):
     team_read_burst: int = Field(
         default=200, ge=1, description="Read token-bucket size: read tokens a team has at once."
     )
+    team_list_concurrency: int = Field(
+        default=2,
+        ge=0,
+        description="Job lists (GET /v1/jobs) of one team served at once per API process;"
+        " more wait their turn (0 = no cap).",
+    )
     redis_prefix: str = Field(
         default="gpufleet",
         pattern=r"^[A-Za-z0-9_.:-]{1,64}$",

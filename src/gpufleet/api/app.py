@@ -6,8 +6,10 @@ tokens), ``api.admin_nodes`` (cordon, drain, fence, pre-pull) and ``api.ui`` (th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -41,6 +43,10 @@ SUBMITS = Counter("gpufleet_api_submits_total", "Job submissions", ["outcome"])
 SUBMIT_SECONDS = Histogram("gpufleet_api_submit_seconds", "POST /v1/jobs latency (s)")
 
 
+READ_REFUSAL_DELAY_S = 1.0
+"""A read refused by the team's read bucket is answered (429) after the time until its tokens
+are there, at most this long, seconds."""
+
 PRINCIPAL_TTL_S = 0.5
 """A token's team is remembered this long per server: a token revoked anywhere (CLI, another
 replica) is refused by every replica within this time. Half a second keeps the bound under
@@ -57,6 +63,8 @@ class AppState:
     principals: dict[str, tuple[float, auth.Principal]] = field(default_factory=dict)
     admission: limits.SubmitAdmission | None = None
     """Per-team submit-rate check; built from ``settings`` by ``create_app`` when None."""
+    list_slots: dict[str, asyncio.Semaphore] = field(default_factory=dict)
+    """Per team: the job lists it may have in progress at once (``list_slot``)."""
 
 
 def log_key(job_id: str, run_id: str) -> str:
@@ -109,10 +117,18 @@ async def _check_read_rate(
         except ValueError:
             asked = None  # the route's own validation answers 422
     cost = limits.read_cost(asked)
-    if admission.check_needs_io(team_id, read=True):
-        await run_in_threadpool(admission.check_read_rate, team_id, cost)
-    else:
-        admission.check_read_rate(team_id, cost)
+    try:
+        if admission.check_needs_io(team_id, read=True):
+            await run_in_threadpool(admission.check_read_rate, team_id, cost)
+        else:
+            admission.check_read_rate(team_id, cost)
+    except LimitExceeded as exc:
+        # answered after a pause (no CPU spent meanwhile): a client that ignores Retry-After
+        # cannot spin on cheap 429s and take the server's CPU from other teams
+        delay = min(exc.retry_after_s, READ_REFUSAL_DELAY_S)
+        await asyncio.sleep(delay)
+        exc.retry_after_s = max(0.0, exc.retry_after_s - delay)
+        raise
 
 
 def _authenticate(db: Database, raw: str | None) -> auth.Principal:
@@ -155,6 +171,28 @@ async def submit_allowed(request: Request, who: Who) -> auth.Principal:
 
 
 Submitter = Annotated[auth.Principal, Depends(submit_allowed)]
+
+
+async def list_slot(request: Request, who: Who) -> AsyncIterator[auth.Principal]:
+    """The caller, holding one of its team's job-list slots in this process until the answer
+    is made: at most ``team_list_concurrency`` of a team's job lists are served at once (the
+    others wait, costing no CPU), so one team's parallel large lists cannot occupy every
+    worker thread. 0 = no cap."""
+    state: AppState = request.app.state.gf
+    n = state.settings.team_list_concurrency
+    if n <= 0:
+        yield who
+        return
+    slot = state.list_slots.get(who.team_id)
+    if slot is None:
+        if len(state.list_slots) > 10_000:
+            state.list_slots = {t: s for t, s in state.list_slots.items() if s.locked()}
+        slot = state.list_slots[who.team_id] = asyncio.Semaphore(n)
+    async with slot:
+        yield who
+
+
+Lister = Annotated[auth.Principal, Depends(list_slot)]
 
 
 def create_app(state: AppState) -> FastAPI:
