@@ -144,8 +144,8 @@ def main() -> int:
     ap.add_argument("--flood-procs", type=int, default=4)
     ap.add_argument("--flood-threads", type=int, default=4, help="per flooding process")
     ap.add_argument("--quiet-rate", type=float, default=5.0, help="B's GET+submit pairs per s")
-    ap.add_argument("--read-rate", type=float, default=50.0, help="A's read tokens per s")
-    ap.add_argument("--read-burst", type=int, default=200)
+    ap.add_argument("--read-rate", type=float, default=20.0, help="A's read tokens per s")
+    ap.add_argument("--read-burst", type=int, default=100)
     ap.add_argument(
         "--gpufleet",
         default=str(Path(sys.executable).parent / "gpufleet")

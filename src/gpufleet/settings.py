@@ -160,7 +160,7 @@ class Settings(BaseSettings):
         " the API trusts (client address, https for the Secure cookie).",
     )
     team_read_rate_per_s: float = Field(
-        default=50.0,
+        default=20.0,
         ge=0,
         allow_inf_nan=False,
         description="Read tokens per second per team (every GET of /v1 takes 1; a job list 1"
@@ -168,7 +168,7 @@ class Settings(BaseSettings):
         " 0 = no limit.",
     )
     team_read_burst: int = Field(
-        default=200, ge=1, description="Read token-bucket size: read tokens a team has at once."
+        default=100, ge=1, description="Read token-bucket size: read tokens a team has at once."
     )
     team_list_concurrency: int = Field(
         default=2,
