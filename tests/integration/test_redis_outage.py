@@ -223,3 +223,41 @@ def test_controller_and_server_start_and_work_without_redis(
         except subprocess.TimeoutExpired:
             ctl.kill()
             ctl.wait()
+
+
+def test_up_runs_a_job_with_redis_on_a_closed_port(tmp_path: Path) -> None:
+    """``gpufleet up`` (controller, API and a local agent) with Redis unreachable: it starts,
+    and a submitted job runs to SUCCEEDED (the scheduler by its tick)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_") or k == "PATH"}
+    env |= {
+        "GPUFLEET_DATA_DIR": str(tmp_path),
+        "GPUFLEET_HEARTBEAT_INTERVAL_S": "1",
+        "GPUFLEET_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+    }
+    api, ctl = free_port_pair(), free_port_pair()
+    out = tmp_path / "up.out"
+    with open(out, "wb") as so:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "gpufleet.cli.main", "up", "--port", str(api),
+             "--controller-port", str(ctl), "--job-uids", "agent"],
+            env=env, stdout=so, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while "gpufleet is up" not in out.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.3)
+        done = subprocess.run(
+            [sys.executable, "-m", "gpufleet.cli.main", "submit", "--gpus", "1", "--wait",
+             "--", "python3", "-c", "print('ran without redis')"],
+            env=env, text=True, capture_output=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "Traceback" not in out.read_text()
+    finally:
+        up.terminate()
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
