@@ -111,6 +111,20 @@ def test_huge_headers_are_refused_at_once_and_others_are_served(server: ServerPr
     assert rss_kib(server.pid) - before < 64 * 1024  # KiB: nothing near 4 x 100 MB kept
 
 
+def test_a_huge_pipelined_head_is_refused_too(server: ServerProcess) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nX-Pad: ")
+        try:
+            for _ in range(20):
+                sock.sendall(b"a" * MB)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass
+        got, _ = closed_or_answered(sock, 10)
+    # refused at once (the first request's answer may be lost with the connection)
+    assert b"HTTP/1.1 431" in got, got[:300]
+    assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
+
+
 def test_too_many_header_fields_get_431(server: ServerProcess) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         fields = b"".join(b"X-F%d: 1\r\n" % i for i in range(500))

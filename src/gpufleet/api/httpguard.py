@@ -7,9 +7,10 @@ uvicorn's httptools protocol has no head limit of its own (its h11 protocol has
 keep concatenating it on the event loop. :func:`guarded_httptools` returns a subclass of
 uvicorn's ``HttpToolsProtocol`` that
 
-- counts the bytes fed to the parser until the head is complete and, past ``max_head_bytes``,
-  answers ``431`` and closes the connection (at most one socket read over the limit is ever
-  parsed);
+- counts the bytes fed to the parser from the end of one request (or the connection's start)
+  until the next head is complete and, past ``max_head_bytes``, answers ``431`` and closes the
+  connection (at most one socket read over the limit is ever parsed; pipelined heads count
+  too);
 - answers ``431`` to a head with more than ``max_headers`` header fields;
 - arms a timer when a connection opens and after each answer, cancelled when a head is
   complete: a client that sends nothing or trickles a head (slowloris) is answered ``408``
@@ -149,16 +150,21 @@ def guarded_httptools(limits: EdgeLimits) -> type[asyncio.Protocol]:
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
-            if not self._refused:
-                super().on_message_complete()
+            if self._refused:
+                return
+            super().on_message_complete()
+            # what the parser reads next is the next request's head (pipelined or not)
+            self._head_done = False
+            self._head_bytes = 0
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self.transport.is_closing():
                 return
-            self._head_done = False
-            self._head_bytes = 0
-            self._arm_head_timer()
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a pipelined request (its head already complete) is being served
+            if not self._head_done:
+                self._arm_head_timer()
 
         # -- helpers -------------------------------------------------------------------
         def _arm_head_timer(self) -> None:
