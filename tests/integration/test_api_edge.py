@@ -179,6 +179,29 @@ def test_connections_per_address_are_capped(tmp_path: Path) -> None:
     proc.stop()
 
 
+def test_the_cookie_is_secure_behind_a_trusted_tls_proxy_only(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    forwarded = {"X-Forwarded-Proto": "https"}
+    # the module's server trusts 127.0.0.1 (the default --forwarded-allow-ips)
+    r = httpx.get(f"{server.url}/ui/login", headers=forwarded, timeout=10)
+    assert "secure" in r.headers["set-cookie"].lower()
+    assert r.headers["x-frame-options"] == "DENY"
+    assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
+    directives = dict(
+        d.strip().split(" ", 1) for d in r.headers["content-security-policy"].split(";")
+    )
+    assert directives["script-src"] == "'self'"  # no inline script, no eval
+    other = ServerProcess(
+        tmp_path, {**EDGE_ENV, "GPUFLEET_SERVER_FORWARDED_ALLOW_IPS": "192.0.2.7"}
+    ).start()
+    try:
+        r = httpx.get(f"{other.url}/ui/login", headers=forwarded, timeout=10)
+        assert "secure" not in r.headers["set-cookie"].lower()  # an untrusted client's claim
+    finally:
+        other.stop()
+
+
 def test_a_teams_reads_are_rate_limited(tmp_path: Path) -> None:
     token = admin_token(tmp_path)
     proc = ServerProcess(
