@@ -214,6 +214,43 @@ def _best(module: str, fallback: str) -> str:
     return module
 
 
+def http_limits(settings: Settings) -> dict[str, object]:
+    """uvicorn options of the API's HTTP edge (README, Limits): the guarded httptools protocol
+    (head size, header count, head timeout, connections per address), or h11 with its own head
+    limit when httptools is missing; keep-alive timeout, connection cap, TLS and the proxies
+    whose forwarded headers are trusted.
+
+    Raises:
+        ValueError: only one of ``server_tls_cert``/``server_tls_key`` is set.
+    """
+    from gpufleet.api.httpguard import EdgeLimits, guarded_httptools
+
+    http: object = "h11"
+    if _best("httptools", "h11") == "httptools":
+        http = guarded_httptools(
+            EdgeLimits(
+                max_head_bytes=settings.server_max_header_bytes,
+                max_headers=settings.server_max_headers,
+                head_timeout_s=settings.server_header_timeout_s,
+                max_per_ip=settings.server_max_connections_per_ip,
+            )
+        )
+    if (settings.server_tls_cert is None) != (settings.server_tls_key is None):
+        raise ValueError("give both a TLS certificate and its key (--tls-cert and --tls-key)")
+    opts: dict[str, object] = {
+        "http": http,
+        "h11_max_incomplete_event_size": settings.server_max_header_bytes,
+        "timeout_keep_alive": settings.server_keepalive_timeout_s,
+        "limit_concurrency": settings.server_max_connections,
+        "proxy_headers": True,
+        "forwarded_allow_ips": settings.server_forwarded_allow_ips,
+    }
+    if settings.server_tls_cert is not None and settings.server_tls_key is not None:
+        opts["ssl_certfile"] = str(settings.server_tls_cert)
+        opts["ssl_keyfile"] = str(settings.server_tls_key)
+    return opts
+
+
 class ApiServer:
     """uvicorn in a thread (``gpufleet up``) or in the foreground (``gpufleet server``)."""
 
@@ -231,10 +268,13 @@ class ApiServer:
             # the C event loop and HTTP parser when installed (dependencies of gpufleet):
             # less CPU per request than asyncio + h11 (benchmarks/README.md)
             loop=_best("uvloop", "asyncio"),
-            http=_best("httptools", "h11"),
+            **http_limits(settings),  # type: ignore[arg-type]
         )
         self.server = uvicorn.Server(config)
-        self.url = f"http://{settings.server_host}:{self.port}"
+        self.tls = settings.server_tls_cert is not None
+        host = settings.server_host
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"{'https' if self.tls else 'http'}://{shown}:{self.port}"
         self._thread: threading.Thread | None = None
 
     def start_in_thread(self) -> None:
@@ -273,7 +313,12 @@ class LocalPlatform:
         if not insecure:
             ensure_fleet_ca(settings)
         self.db = open_database(settings)
-        self.waker = make_waker(settings.redis_url, listen=True)
+        self.waker = make_waker(
+            settings.redis_url,
+            listen=True,
+            prefix=settings.redis_prefix,
+            timeout_s=settings.redis_timeout_s,
+        )
         self.controller = Controller(settings, self.db, self.waker, insecure=insecure)
         self.api = ApiServer(settings, self.db, self.waker)
         self.gpus, self.node_id, self.agent_port = gpus, node_id, agent_port

@@ -51,6 +51,9 @@ class Fleet:
             "server_port": free_port(),
             "controller_address": f"127.0.0.1:{free_port()}",
             "join_address": f"127.0.0.1:{free_port()}",
+            # wait_status polls at 10 Hz, often for several jobs: no read limit in the harness
+            # (tests/integration/test_api_edge.py tests it)
+            "team_read_rate_per_s": 0.0,
         }
         if database_url:
             values["database_url"] = database_url

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Header, Query
 from fastapi.responses import Response
 from sqlalchemy import select
 
-from gpufleet.api.app import SUBMIT_SECONDS, SUBMITS, AppState, Submitter, Who, errors
+from gpufleet.api.app import SUBMIT_SECONDS, SUBMITS, AppState, Lister, Submitter, Who, errors
 from gpufleet.api.schemas import (
     AttemptOut,
     JobCreate,
@@ -136,7 +136,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
 
     @r.get("/v1/jobs", response_model=JobList, responses=errors(404))
     def list_(
-        who: Who,
+        who: Lister,
         status: Annotated[
             str | None,
             Query(

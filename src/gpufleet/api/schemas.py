@@ -556,6 +556,8 @@ class TeamQuotaUpdate(BaseModel):
     max_outstanding_jobs: int | None = Field(default=None, ge=0, le=MAX_OUTSTANDING_JOBS)
     submit_rate_per_s: float | None = Field(default=None, ge=0, le=MAX_SUBMIT_RATE_PER_S)
     submit_burst: int | None = Field(default=None, ge=1, le=MAX_SUBMIT_BURST)
+    read_rate_per_s: float | None = Field(default=None, ge=0, le=MAX_SUBMIT_RATE_PER_S)
+    read_burst: int | None = Field(default=None, ge=1, le=MAX_SUBMIT_BURST)
     default_max_runtime_s: float | None = Field(default=None, ge=0, le=MAX_RUNTIME_S)
     max_runtime_limit_s: float | None = Field(default=None, ge=0, le=MAX_RUNTIME_S)
 
@@ -587,6 +589,8 @@ class TeamQuotaUpdate(BaseModel):
             "max_outstanding_jobs": self.max_outstanding_jobs,
             "submit_rate_per_s": self.submit_rate_per_s,
             "submit_burst": self.submit_burst,
+            "read_rate_per_s": self.read_rate_per_s,
+            "read_burst": self.read_burst,
             "default_max_runtime_s": self.default_max_runtime_s,
             "max_runtime_limit_s": self.max_runtime_limit_s,
         }

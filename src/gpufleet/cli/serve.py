@@ -233,22 +233,100 @@ def _open_checked(settings: Settings, migrate: bool | None, allow_newer: bool | 
 
 def server(
     data_dir: DataDir = None,
-    host: Annotated[str | None, typer.Option()] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            help="Bind address (default 127.0.0.1; 0.0.0.0 or a host's address to serve other"
+            " hosts: then use --tls-cert/--tls-key or a TLS proxy, tokens must not cross a"
+            " network in clear)."
+        ),
+    ] = None,
     port: Annotated[int | None, typer.Option()] = None,
     migrate: Migrate = None,
     allow_newer_schema: AllowNewerSchema = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            help="PEM certificate (chain) to serve https with (GPUFLEET_SERVER_TLS_CERT)."
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option(help="PEM private key of --tls-cert (GPUFLEET_SERVER_TLS_KEY)."),
+    ] = None,
+    forwarded_allow_ips: Annotated[
+        str | None,
+        typer.Option(
+            help="Proxy addresses (comma-separated, or '*') whose X-Forwarded-Proto/-For are"
+            " trusted (default 127.0.0.1; GPUFLEET_SERVER_FORWARDED_ALLOW_IPS)."
+        ),
+    ] = None,
 ) -> None:
     """Run the REST API server (stateless; run several behind a load balancer). Refuses
-    (exit 2) a database schema other than this version's unless --migrate."""
+    (exit 2) a database schema other than this version's unless --migrate, and an
+    unreadable TLS certificate or key."""
     from gpufleet.processes import ApiServer
     from gpufleet.queue import make_waker
 
     configure_logging()
-    settings = load_settings(data_dir, server_host=host, server_port=port)
+    settings = load_settings(
+        data_dir,
+        server_host=host,
+        server_port=port,
+        server_tls_cert=tls_cert,
+        server_tls_key=tls_key,
+        server_forwarded_allow_ips=forwarded_allow_ips,
+    )
+    problem = tls_problem(settings.server_tls_cert, settings.server_tls_key)
+    if problem:
+        err.print(f"[red]error:[/] {escape(problem)}", soft_wrap=True)
+        raise typer.Exit(2)
     db = _open_checked(settings, migrate, allow_newer_schema)
-    api = ApiServer(settings, db, make_waker(settings.redis_url, listen=False))
+    api = ApiServer(
+        settings,
+        db,
+        make_waker(
+            settings.redis_url,
+            listen=False,
+            prefix=settings.redis_prefix,
+            timeout_s=settings.redis_timeout_s,
+        ),
+    )
     logging.getLogger("gpufleet").info("API on %s", api.url)
+    if not api.tls and not _loopback(settings.server_host):
+        logging.getLogger("gpufleet").warning(
+            "the API serves plain http on %s: API tokens would cross the network in clear;"
+            " serve https (--tls-cert/--tls-key) or put a TLS proxy in front",
+            settings.server_host,
+        )
     api.server.run()
+
+
+def tls_problem(cert: Path | None, key: Path | None) -> str | None:
+    """Why ``cert``/``key`` cannot serve https (one missing, unreadable, not a matching PEM
+    pair), or None (also when neither is set)."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        return "give both --tls-cert and --tls-key (GPUFLEET_SERVER_TLS_CERT/_KEY)"
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        return f"--tls-cert {cert} / --tls-key {key}: {exc}"
+    return None
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def controller(
@@ -294,7 +372,12 @@ def controller(
         ctl = Controller(
             settings,
             db,
-            make_waker(settings.redis_url, listen=True),
+            make_waker(
+                settings.redis_url,
+                listen=True,
+                prefix=settings.redis_prefix,
+                timeout_s=settings.redis_timeout_s,
+            ),
             insecure=insecure,
         )
     except PkiError as exc:

@@ -93,6 +93,11 @@ class TeamRow(Base):
     """Token-bucket refill rate of POST /v1/jobs; NULL = the server's default, 0 = no limit."""
     submit_burst: Mapped[int | None] = mapped_column(Integer, default=None)
     """Token-bucket size (submits allowed at once); NULL = the server's default."""
+    read_rate_per_s: Mapped[float | None] = mapped_column(Float, default=None)
+    """Read token-bucket refill (GETs of the API, tokens/s); NULL = the server's default,
+    0 = no limit."""
+    read_burst: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Read token-bucket size; NULL = the server's default."""
     default_max_runtime_s: Mapped[float | None] = mapped_column(Float, default=None)
     """``max_runtime_s`` given to a job submitted without one (Slurm's DefaultTime); NULL =
     none (the job runs unbounded)."""

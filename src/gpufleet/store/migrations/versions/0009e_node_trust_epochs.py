@@ -2,7 +2,7 @@
 fleet CA's fingerprint recorded once per database
 
 Revision ID: 0009e
-Revises: 0008c
+Revises: 0009d
 Create Date: 2026-12-02 05:00:00
 
 ``node_trust``: one row per node id that was ever revoked, rejoined or forgotten; ``epoch``
@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0009e"
-down_revision: str | None = "0008c"
+down_revision: str | None = "0009d"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
