@@ -26,10 +26,7 @@ K8S_VERSIONS = ("1.29", "1.33")
 # controller list and advertised address, `admin migrate`). Checked like any other option
 # once the CLI has them; only their absence is tolerated.
 LANDING = {
-    ("server", "--tls-cert"),
-    ("server", "--tls-key"),
     ("agent", "--advertise-address"),
-    ("admin migrate", ""),
 }
 
 

@@ -429,8 +429,8 @@ class MultiHostFleet:
 
     def _start_controller(self, i: int) -> None:
         host = f"ctl-{i}"
-        # the controller's --metrics-port listens on GPUFLEET_SERVER_HOST's address
-        env = self.control_env(self.host_dir(host)) | {"GPUFLEET_SERVER_HOST": "0.0.0.0"}
+        # the controller's --metrics-port listens on GPUFLEET_METRICS_HOST's address
+        env = self.control_env(self.host_dir(host)) | {"GPUFLEET_METRICS_HOST": "0.0.0.0"}
         self.add_process(
             f"controller-{i}",
             host,
@@ -556,7 +556,7 @@ backend join
                 [*GPUFLEET, "agent", "--node-id", host, "--gpus", self.gpus,
                  "--port", str(AGENT_PORT), "--state-dir", str(data / "agent"),
                  "--jobs-dir", str(data / "jobs"), "--job-uids", "agent", "--runtime", "none",
-                 "--metrics-port", str(AGENT_METRICS_PORT)],
+                 "--metrics-port", str(AGENT_METRICS_PORT), "--metrics-host", "0.0.0.0"],
                 env,
             )  # fmt: skip
         self.start_process(name)
