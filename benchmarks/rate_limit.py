@@ -88,7 +88,7 @@ class Server:
     def __enter__(self) -> Server:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [self.gpufleet, "server", "--port", str(self.port)],
+                [self.gpufleet, "server", "--migrate", "--port", str(self.port)],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

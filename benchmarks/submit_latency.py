@@ -1,7 +1,8 @@
 """Submission latency of ``POST /v1/jobs`` with N jobs already queued, on SQLite and PostgreSQL.
 
-For each database the script starts a fresh API server as a subprocess (``gpufleet server``,
-which migrates the empty database at start), creates a team and an admin token with
+For each database the script starts a fresh API server as a subprocess
+(``gpufleet server --migrate``, which migrates the empty database at start), creates a team and an
+admin token with
 ``gpufleet admin token create --team bench --admin --create-team --db`` (and lifts that team's
 admission limits with ``admin team set`` over REST), and then, for each queue depth in
 ascending order:
@@ -162,7 +163,7 @@ class Server:
     def __enter__(self) -> Server:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [self.gpufleet, "server", "--port", str(self.port)],
+                [self.gpufleet, "server", "--migrate", "--port", str(self.port)],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -3,12 +3,16 @@
 # and pushes them to the local registry (ensure-services.sh starts it on 127.0.0.1:5000):
 #
 #   $REGISTRY/gpufleet/busybox:1   busybox-static only (/bin/sh, sleep, ...): ~1 MB
+#   $REGISTRY/gpufleet/privprobe:1 busybox plus /bin/privprobe (scripts/test-images/privprobe.c,
+#                                  static) installed setuid-root: what a hostile image could
+#                                  gain (the container hardening tests)
 #   $REGISTRY/gpufleet/python:3.11 the host's Debian python3.11 + stdlib + busybox, plus numpy,
 #                                  scipy and scikit-learn copied from a virtualenv (for
 #                                  examples/train_digits.py) when one with them is given
 #
 # Usage: scripts/build-test-images.sh [VENV_SITE_PACKAGES]   (idempotent: skips images the
-# registry already has; FORCE=1 rebuilds). Needs podman, busybox-static, python3.11.
+# registry already has; FORCE=1 rebuilds). Needs podman, busybox-static, python3.11, gcc and
+# libc6-dev (static libc, for privprobe).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REGISTRY="${GPUFLEET_TEST_REGISTRY:-127.0.0.1:5000}"
@@ -64,12 +68,22 @@ if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/busybox 1; then
   push localhost/gpufleet/busybox:1 gpufleet/busybox 1
 fi
 
+if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/privprobe 1; then
+  busybox_root "$WORK/pp"
+  gcc -static -O2 -o "$WORK/pp/bin/privprobe" scripts/test-images/privprobe.c
+  chmod 4755 "$WORK/pp/bin/privprobe"
+  tar --owner=0 --group=0 -C "$WORK/pp" -cf "$WORK/pp.tar" .
+  "${PODMAN[@]}" import --change 'CMD ["/bin/privprobe"]' "$WORK/pp.tar" localhost/gpufleet/privprobe:1 >/dev/null
+  push localhost/gpufleet/privprobe:1 gpufleet/privprobe 1
+fi
+
 # The README example needs numpy and scikit-learn in the image: an image built before the
 # virtualenv had them (the label says "no") is rebuilt once they are there.
 EXAMPLES=no
 if [ -n "$SITE" ] && [ -d "$SITE/sklearn" ]; then EXAMPLES=yes; fi
 if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/python 3.11 ||
-  { [ "$EXAMPLES" = yes ] && [ "$(registry_label gpufleet/python 3.11 gpufleet.examples)" != yes ]; }; then
+  { [ "$EXAMPLES" = yes ] && [ "$(registry_label gpufleet/python 3.11 gpufleet.examples)" != yes ]; } ||
+  [ "$(registry_label gpufleet/python 3.11 gpufleet.libc)" != full ]; then
   R="$WORK/py"
   busybox_root "$R"
   PY="$(readlink -f /usr/bin/python3.11)"
@@ -95,10 +109,17 @@ if [ "${FORCE:-0}" = 1 ] || ! in_registry gpufleet/python 3.11 ||
     mkdir -p "$R$(dirname "$lib")"; cp -L "$lib" "$R$lib"
   done
   [ -e "$R/lib64" ] || { mkdir -p "$R/lib64"; cp -L /lib64/ld-linux-x86-64.so.2 "$R/lib64/"; }
+  # The whole C library (librt, libutil, libnss_*, ...), not only what the interpreter links:
+  # manylinux wheels (grpcio, pydantic-core) need more of it, e.g. in the gpufleet image that
+  # deploy/container/build.sh builds FROM this one.
+  dpkg -L libc6 | grep -E '^/(usr/)?lib[^/]*/([^/]+/)?[^/]+\.so(\.[0-9]+)*$' | while read -r lib; do
+    [ -e "$lib" ] && [ ! -e "$R$lib" ] || continue
+    mkdir -p "$R$(dirname "$lib")"; cp -L "$lib" "$R$lib"
+  done
   mkdir -p "$R/opt/gpufleet"; cp examples/train_digits.py "$R/opt/gpufleet/"
   tar -C "$R" -cf "$WORK/py.tar" .
   "${PODMAN[@]}" import --change 'CMD ["/usr/bin/python3"]' --change 'ENV PYTHONDONTWRITEBYTECODE=1' \
-    --change "LABEL gpufleet.examples=$EXAMPLES" \
+    --change "LABEL gpufleet.examples=$EXAMPLES" --change "LABEL gpufleet.libc=full" \
     "$WORK/py.tar" localhost/gpufleet/python:3.11 >/dev/null
   "${PODMAN[@]}" run --rm --network none localhost/gpufleet/python:3.11 \
     python3 -c 'import json, ssl, sqlite3; print("python ok")'

@@ -31,6 +31,33 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 command -v chromium >/dev/null
 
+# Job network namespaces (agent/runtime/jobnet.py): ip (iproute2), nft (nftables) and
+# nsenter (util-linux); without them the agent runs jobs in the host namespace and says so.
+if ! command -v ip >/dev/null 2>&1 || ! command -v nft >/dev/null 2>&1 \
+    || ! command -v nsenter >/dev/null 2>&1; then
+  for _ in $(seq 10); do  # another apt-get may hold the lock
+    $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q iproute2 nftables util-linux && break
+    sleep 6
+  done
+fi
+
+# Process-job isolation (tests/integration/test_agent_hardening.py): mkfs.ext4 (e2fsprogs)
+# for the per-attempt scratch filesystems, util-linux's setpriv/unshare/mount, and gcc to
+# build the LD_PRELOAD probe library (that test skips without it).
+missing=""
+[ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin/mkfs.ext4 ] || command -v mkfs.ext4 >/dev/null 2>&1 \
+  || missing="$missing e2fsprogs"
+command -v setpriv >/dev/null 2>&1 || missing="$missing util-linux"
+command -v gcc >/dev/null 2>&1 || missing="$missing gcc"
+if [ -n "$missing" ]; then
+  for _ in $(seq 10); do  # another apt-get may hold the lock
+    $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q $missing && break
+    sleep 6
+  done
+fi
+
 # Container runtime for jobs with an `image` (tests need it; they fail, not skip, without it):
 # podman + runc, a local docker-registry on 127.0.0.1:5000 (plain HTTP, loopback only) and the
 # offline-built test images (scripts/build-test-images.sh). The agent passes its own podman
@@ -43,10 +70,12 @@ if [ "${GPUFLEET_SKIP_CONTAINERS:-0}" != 1 ]; then
   command -v docker-registry >/dev/null 2>&1 || missing="$missing docker-registry"
   dpkg -s busybox-static >/dev/null 2>&1 || missing="$missing busybox-static"
   command -v curl >/dev/null 2>&1 || missing="$missing curl"
+  command -v gcc >/dev/null 2>&1 || missing="$missing gcc"
+  dpkg -s libc6-dev >/dev/null 2>&1 || missing="$missing libc6-dev"
   if [ -n "$missing" ]; then
     for _ in $(seq 10); do  # another apt-get may hold the lock
       $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -q podman runc docker-registry busybox-static curl && break
+        apt-get install -y -q podman runc docker-registry busybox-static curl gcc libc6-dev && break
       sleep 6
     done
   fi
@@ -65,3 +94,20 @@ if [ "${GPUFLEET_SKIP_CONTAINERS:-0}" != 1 ]; then
   curl -sf http://127.0.0.1:5000/v2/ >/dev/null
   "$(dirname "$0")/build-test-images.sh"
 fi
+
+# Deployment artefacts and the multi-host harness (tests/deploy, tests/multihost): haproxy
+# (`haproxy -c` on the shipped configs, and the load balancer of the namespace fleet),
+# iproute2 (`ip netns`), util-linux's setpriv, systemd-analyze (units are verified when it is
+# there).
+missing=""
+command -v haproxy >/dev/null 2>&1 || missing="$missing haproxy"
+command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+command -v setpriv >/dev/null 2>&1 || missing="$missing util-linux"
+if [ -n "$missing" ]; then
+  for _ in $(seq 10); do  # another apt-get may hold the lock
+    $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q $missing && break
+    sleep 6
+  done
+fi
+command -v haproxy >/dev/null && command -v ip >/dev/null

@@ -11,6 +11,7 @@ from gpufleet.agent.runtime.container import ContainerEngine
 
 REGISTRY = os.environ.get("GPUFLEET_TEST_REGISTRY", "127.0.0.1:5000")
 BUSYBOX = f"{REGISTRY}/gpufleet/busybox:1"
+PRIVPROBE = f"{REGISTRY}/gpufleet/privprobe:1"
 PYTHON = f"{REGISTRY}/gpufleet/python:3.11"
 
 

@@ -15,6 +15,7 @@ import time
 from datetime import datetime
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -25,7 +26,8 @@ from gpufleet.queue import Waker, make_waker
 from gpufleet.services import auth
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
-from gpufleet.store.migrate import migrate
+from gpufleet.store.migrate import check_schema
+from gpufleet.store.migrate import migrate as run_migrations
 
 log = logging.getLogger("gpufleet")
 
@@ -86,11 +88,33 @@ def _host_port(address: str) -> tuple[str, int]:
     return host, int(port) if port.isdigit() else 0
 
 
-def open_database(settings: Settings) -> Database:
+def open_database(
+    settings: Settings, *, migrate: bool = True, allow_newer_schema: bool = False
+) -> Database:
+    """Open the platform's database.
+
+    Args:
+        migrate: apply pending migrations first (the embedded platform: ``up``, ``demo``,
+            tests); False = only check that the schema is this code's (``server`` and
+            ``controller`` without ``--migrate``, admin commands).
+        allow_newer_schema: with ``migrate=False``, accept a schema migrated by a newer
+            gpufleet (rolling upgrades with additive migrations).
+
+    Raises:
+        SchemaMismatch: the schema is not this code's (one line naming the command to run),
+            or (``migrate``) was migrated by a newer gpufleet.
+    """
     if settings.database_url is None:
         settings.private_data_dir()  # the embedded SQLite file lives there
     db = Database(settings.resolved_database_url())
-    migrate(db)
+    try:
+        if migrate:
+            run_migrations(db)
+        else:
+            check_schema(db, allow_newer=allow_newer_schema)
+    except BaseException:
+        db.dispose()
+        raise
     return db
 
 
@@ -111,13 +135,21 @@ def new_join_token(
         tls.PkiError: no fleet CA certificate in the pki dir.
         ValidationFailed: bad node id or ttl.
     """
+    from gpufleet.domain.errors import Conflict
     from gpufleet.rpc import tls
-    from gpufleet.services import node_identity
+    from gpufleet.services import fleet_ca, node_identity
 
-    ca_fp = tls.fingerprint(tls.read_ca_cert(settings.resolved_pki_dir()))
-    secret, expires = db.run_write(
-        partial(node_identity.create_join_token, node_id=node_id, ttl_s=ttl_s)
-    )
+    local, ca_path = tls.local_ca_fingerprint(settings.resolved_pki_dir())
+
+    def make(s: Any) -> tuple[str, str, Any]:
+        ca = fleet_ca.join_token_ca(s, local, ca_path)
+        secret, expires = node_identity.create_join_token(s, node_id=node_id, ttl_s=ttl_s)
+        return ca, secret, expires
+
+    try:
+        ca_fp, secret, expires = db.run_write(make)
+    except Conflict as exc:
+        raise tls.PkiError(exc.message) from None
     return tls.format_join_token(ca_fp, secret), expires.isoformat().replace("+00:00", "Z")
 
 
@@ -182,6 +214,43 @@ def _best(module: str, fallback: str) -> str:
     return module
 
 
+def http_limits(settings: Settings) -> dict[str, object]:
+    """uvicorn options of the API's HTTP edge (README, Limits): the guarded httptools protocol
+    (head size, header count, head timeout, connections per address), or h11 with its own head
+    limit when httptools is missing; keep-alive timeout, connection cap, TLS and the proxies
+    whose forwarded headers are trusted.
+
+    Raises:
+        ValueError: only one of ``server_tls_cert``/``server_tls_key`` is set.
+    """
+    from gpufleet.api.httpguard import EdgeLimits, guarded_httptools
+
+    http: object = "h11"
+    if _best("httptools", "h11") == "httptools":
+        http = guarded_httptools(
+            EdgeLimits(
+                max_head_bytes=settings.server_max_header_bytes,
+                max_headers=settings.server_max_headers,
+                head_timeout_s=settings.server_header_timeout_s,
+                max_per_ip=settings.server_max_connections_per_ip,
+            )
+        )
+    if (settings.server_tls_cert is None) != (settings.server_tls_key is None):
+        raise ValueError("give both a TLS certificate and its key (--tls-cert and --tls-key)")
+    opts: dict[str, object] = {
+        "http": http,
+        "h11_max_incomplete_event_size": settings.server_max_header_bytes,
+        "timeout_keep_alive": settings.server_keepalive_timeout_s,
+        "limit_concurrency": settings.server_max_connections,
+        "proxy_headers": True,
+        "forwarded_allow_ips": settings.server_forwarded_allow_ips,
+    }
+    if settings.server_tls_cert is not None and settings.server_tls_key is not None:
+        opts["ssl_certfile"] = str(settings.server_tls_cert)
+        opts["ssl_keyfile"] = str(settings.server_tls_key)
+    return opts
+
+
 class ApiServer:
     """uvicorn in a thread (``gpufleet up``) or in the foreground (``gpufleet server``)."""
 
@@ -199,10 +268,13 @@ class ApiServer:
             # the C event loop and HTTP parser when installed (dependencies of gpufleet):
             # less CPU per request than asyncio + h11 (benchmarks/README.md)
             loop=_best("uvloop", "asyncio"),
-            http=_best("httptools", "h11"),
+            **http_limits(settings),  # type: ignore[arg-type]
         )
         self.server = uvicorn.Server(config)
-        self.url = f"http://{settings.server_host}:{self.port}"
+        self.tls = settings.server_tls_cert is not None
+        host = settings.server_host
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"{'https' if self.tls else 'http'}://{shown}:{self.port}"
         self._thread: threading.Thread | None = None
 
     def start_in_thread(self) -> None:
@@ -241,7 +313,12 @@ class LocalPlatform:
         if not insecure:
             ensure_fleet_ca(settings)
         self.db = open_database(settings)
-        self.waker = make_waker(settings.redis_url, listen=True)
+        self.waker = make_waker(
+            settings.redis_url,
+            listen=True,
+            prefix=settings.redis_prefix,
+            timeout_s=settings.redis_timeout_s,
+        )
         self.controller = Controller(settings, self.db, self.waker, insecure=insecure)
         self.api = ApiServer(settings, self.db, self.waker)
         self.gpus, self.node_id, self.agent_port = gpus, node_id, agent_port

@@ -118,6 +118,112 @@ class Settings(BaseSettings):
         default=500, ge=1, description="Token-bucket size: submits a team may make at once."
     )
 
+    # upgrades (docs/operations/upgrade.md)
+    migrate_on_start: bool = Field(
+        default=False,
+        description="`gpufleet server`/`controller` apply pending migrations before starting"
+        " (as --migrate); by default they refuse a schema other than their own and name"
+        " `gpufleet admin migrate`.",
+    )
+    allow_newer_schema: bool = Field(
+        default=False,
+        description="`gpufleet server`/`controller` start on a schema migrated by a newer"
+        " gpufleet (as --allow-newer-schema): the previous release beside the new one while"
+        " a rolling upgrade with additive migrations runs.",
+    )
+
+    # --- metrics ports (`controller --metrics-port`, `agent --metrics-port`) -------------
+    # they name teams (queue depth, allocation), GPU types and node paths: loopback unless
+    # the operator says otherwise, and optionally behind basic auth and TLS (metrics_http)
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address the controller's and agents' metrics ports bind (0.0.0.0: all).",
+    )
+    metrics_basic_auth: SecretStr | None = Field(
+        default=None,
+        description="Basic auth of the metrics ports: USER:sha256:HEX, USER:file:PATH or "
+        "USER:PASSWORD (None: no auth).",
+    )
+    metrics_tls_cert: Path | None = Field(
+        default=None, description="PEM certificate: serve the metrics ports over HTTPS."
+    )
+    metrics_tls_key: Path | None = Field(default=None, description="Its PEM key.")
+
+    def metrics_basic_auth_value(self) -> str:
+        """The raw basic auth setting ("" when none)."""
+        return self.metrics_basic_auth.get_secret_value() if self.metrics_basic_auth else ""
+
+    # ---- API edge: HTTP limits, TLS, read rate, Redis (README "Limits", "Security") ----
+    server_max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="Largest request head (request line + headers), bytes; over it the"
+        " API answers 431 and closes the connection.",
+    )
+    server_max_headers: int = Field(
+        default=100, ge=8, description="Most header fields in one request (431 over it)."
+    )
+    server_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A request's head must arrive within this many seconds of the connection"
+        " opening or of the previous answer (slow or silent clients are closed).",
+    )
+    server_keepalive_timeout_s: float = Field(
+        default=5.0, gt=0, description="An idle keep-alive connection is closed after this."
+    )
+    server_max_connections: int = Field(
+        default=2048,
+        ge=1,
+        description="Open connections and requests in progress per API process (uvicorn"
+        " limit_concurrency); over it new requests get 503.",
+    )
+    server_max_connections_per_ip: int = Field(
+        default=256,
+        ge=0,
+        description="Open connections from one client address, counted before any"
+        " authentication; more are closed at once (0 = no cap; behind a proxy every client"
+        " has the proxy's address: raise it or set 0 and cap at the proxy).",
+    )
+    server_tls_cert: Path | None = Field(
+        default=None, description="PEM certificate (chain) of the API; with server_tls_key."
+    )
+    server_tls_key: Path | None = Field(default=None, description="PEM private key of the API.")
+    server_forwarded_allow_ips: str = Field(
+        default="127.0.0.1",
+        description="Comma-separated proxy addresses (or '*') whose X-Forwarded-For/-Proto"
+        " the API trusts (client address, https for the Secure cookie).",
+    )
+    team_read_rate_per_s: float = Field(
+        default=20.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Read tokens per second per team (every GET of /v1 takes 1; a job list 1"
+        " per 20 rows it asks for: 3 for the default 50, 25 for 500), unless set for the team;"
+        " 0 = no limit.",
+    )
+    team_read_burst: int = Field(
+        default=100, ge=1, description="Read token-bucket size: read tokens a team has at once."
+    )
+    team_list_concurrency: int = Field(
+        default=2,
+        ge=0,
+        description="Job lists (GET /v1/jobs) of one team served at once per API process;"
+        " more wait their turn (0 = no cap).",
+    )
+    redis_prefix: str = Field(
+        default="gpufleet",
+        pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
+        description="Namespace of this deployment's Redis keys and channels ({prefix}:wake,"
+        " {prefix}:rate:...); give each deployment sharing a Redis its own.",
+    )
+    redis_timeout_s: float = Field(
+        default=0.25,
+        gt=0,
+        le=10,
+        description="Timeout of each Redis call; the first failure skips Redis for 10 s.",
+    )
+
     def resolved_data_dir(self) -> Path:
         return self.data_dir.expanduser().resolve()
 

@@ -59,6 +59,8 @@ TIMINGS = {
     "GPUFLEET_RESERVATION_LEASE_S": "30",
     "GPUFLEET_AGENT_DISK_RESERVE_MB": "2",
     "GPUFLEET_MAX_NODE_FAILURES": "50",
+    # the checker polls every unfinished job in a loop, faster than a team may read
+    "GPUFLEET_TEAM_READ_RATE_PER_S": "0",
 }
 CAN_MOUNT = os.geteuid() == 0  # the full-disk fault needs a tmpfs, so root
 RECOVERY_BOUND_S = 30.0  # a healed fault's node HEALTHY again / a leader again within this
@@ -735,6 +737,7 @@ def check(
                     "fence",
                     node,
                     "--confirm-dead",
+                    "--force",  # its agent may still heartbeat: the check wants the GPUs
                     "--url",
                     cluster.apis[0][0],
                     "--token",

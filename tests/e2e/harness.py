@@ -51,6 +51,9 @@ class Fleet:
             "server_port": free_port(),
             "controller_address": f"127.0.0.1:{free_port()}",
             "join_address": f"127.0.0.1:{free_port()}",
+            # wait_status polls at 10 Hz, often for several jobs: no read limit in the harness
+            # (tests/integration/test_api_edge.py tests it)
+            "team_read_rate_per_s": 0.0,
         }
         if database_url:
             values["database_url"] = database_url
@@ -89,16 +92,16 @@ class Fleet:
     ) -> None:
         state_dir = state_dir or self.tmp / "agents" / node_id
         tls_args, tls_env = agent_tls_args(self.db, self.settings, node_id, state_dir)
-        env = dict(
-            os.environ,
+        env = {  # a test's env may override any of these (e.g. another object store)
+            **os.environ,
             **tls_env,
-            GPUFLEET_DATA_DIR=str(self.tmp),
-            GPUFLEET_CONTROLLER_ADDRESS=self.settings.controller_address,
-            GPUFLEET_JOIN_ADDRESS=self.settings.resolved_join_address(),
-            GPUFLEET_OBJECT_STORE_URL=self.settings.resolved_object_store_url(),
-            GPUFLEET_DEFAULT_GRACE_S=str(self.settings.default_grace_s),
+            "GPUFLEET_DATA_DIR": str(self.tmp),
+            "GPUFLEET_CONTROLLER_ADDRESS": self.settings.controller_address,
+            "GPUFLEET_JOIN_ADDRESS": self.settings.resolved_join_address(),
+            "GPUFLEET_OBJECT_STORE_URL": self.settings.resolved_object_store_url(),
+            "GPUFLEET_DEFAULT_GRACE_S": str(self.settings.default_grace_s),
             **(env or {}),
-        )
+        }
         log = open(self.tmp / f"agent-{node_id}.log", "ab")  # noqa: SIM115
         self.agents[node_id] = subprocess.Popen(
             [

@@ -4,6 +4,7 @@ engine these tests fail, they do not skip)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -138,4 +139,42 @@ def test_timeout_of_a_container_ignoring_sigterm_ends_with_it_gone(
     assert job["status"] == "FAILED" and job["failure_reason"].startswith("TIMEOUT"), job
     assert engine.find(LABEL_RUN, job["attempts"][0]["run_id"]) == []
     assert fleet.get("/v1/nodes")["items"][0]["available_gpus"] == 2
+    assert fleet.check() == []
+
+
+@pytest.mark.fleet_settings(retry_backoff_s=0.2, retry_backoff_cap_s=0.5)
+def test_badly_named_images_fail_their_jobs_and_cordon_no_node(fleet: Fleet) -> None:
+    """Replay of a hostile tenant's submits on a 3-node fleet: images that are podman options
+    or upper-case are refused at submit (422 naming ``image``); an image on an unreachable
+    registry fails its attempts as the job's fault with podman's real message, each retry on
+    another node than the attempt before it, and no node is cordoned."""
+    for node_id in ("a1", "a2", "a3"):
+        fleet.start_agent(node_id, gpus="2xH100-80GB")
+    with fleet.http() as c:
+        for image in ("--help", "--privileged", "--volume=/:/host", "UPPER/case"):
+            r = c.post("/v1/jobs", json={"image": image, "command": ["true"], "gpu_count": 1})
+            assert r.status_code == 422, r.text
+            assert r.json()["field"] == "image", r.json()
+    jobs = [
+        fleet.submit(
+            {
+                "image": "127.0.0.1:1/gpufleet/x:1",  # nothing listens on port 1
+                "command": ["true"],
+                "gpu_count": 1,
+                "max_retries": 2,
+            }
+        )
+        for _ in range(3)
+    ]
+    for job_id in jobs:
+        job = fleet.wait_status(job_id, TERMINAL, timeout_s=180)
+        assert job["status"] == "FAILED", job
+        assert "connection refused" in job["failure_reason"], job["failure_reason"]
+        attempts = job["attempts"]
+        assert len(attempts) == 3, attempts  # max_retries used: the job's fault
+        assert all("cannot pull image" in (a["message"] or "") for a in attempts), attempts
+        nodes = [a["node_id"] for a in attempts]
+        assert all(x != y for x, y in itertools.pairwise(nodes)), nodes
+    statuses = {n["node_id"]: n["status"] for n in fleet.get("/v1/nodes")["items"]}
+    assert statuses == {"a1": "HEALTHY", "a2": "HEALTHY", "a3": "HEALTHY"}, statuses
     assert fleet.check() == []

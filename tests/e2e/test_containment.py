@@ -7,6 +7,7 @@ Jobs run a system Python so that unprivileged job uids can execute it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.agent.runtime.containment import detect
+from gpufleet.objectstore import ObjectStore
 from tests.e2e.harness import TERMINAL, Fleet
 from tests.e2e.test_cli_and_demo import cli
 
@@ -150,4 +152,98 @@ def test_cancel_releases_gpus_only_after_an_escaped_setsid_child_is_gone(fleet: 
     assert processes_with(marker) == []
     assert job["status"] == "CANCELLED"
     assert fleet.get("/v1/nodes")["items"][0]["available_gpus"] == 8
+    assert fleet.check() == []
+
+
+FILLER = (
+    "import os\n"
+    "d = os.environ['GPUFLEET_CHECKPOINT_DIR']\n"
+    "open(os.path.join(d, 'step.txt'), 'w').write('step 3')\n"
+    "with open(os.path.join(d, 'huge.bin'), 'wb') as f:\n"
+    "    while True:\n"
+    "        f.write(b'x' * 1048576); f.flush()\n"
+)
+
+NEIGHBOUR = (
+    "import json, os, sys, time\n"
+    "art = os.environ['GPUFLEET_ARTIFACTS_DIR']\n"
+    "while not os.path.exists(os.path.join(art, 'go')):\n"
+    "    time.sleep(0.05)\n"
+    "group = [l.split(':')[2].strip() for l in open('/proc/self/cgroup') if ':pids:' in l]\n"
+    "pids_max = open('/sys/fs/cgroup/pids' + group[0] + '/pids.max').read().strip()\n"
+    "st = os.statvfs(art)\n"
+    "json.dump({'pids_max': pids_max, 'disk_mb': st.f_blocks * st.f_frsize // 1048576},\n"
+    "          open(os.path.join(art, 'bounds.json'), 'w'))\n"
+)
+
+
+@pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)
+def test_job_filling_its_disk_fails_alone_with_disk_full_and_the_node_stays_healthy(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpufleet.agent.runner import JOBS_ROOT, agent_scope
+
+    monkeypatch.setenv("COLUMNS", "300")
+    if not detect("probe").pids:
+        pytest.skip("no pids controller")
+    state = fleet.tmp / "agents" / "a1"
+    fleet.start_agent(
+        "a1",
+        job_uids="per-attempt",
+        state_dir=state,
+        args=("--job-disk-mb", "64", "--job-pids-max", "300"),
+    )
+    sub = cli(
+        fleet,
+        "submit",
+        "--gpus",
+        "1",
+        "--pids-limit",
+        "77",
+        "--disk-mb",
+        "40",
+        "--workdir",
+        "-",
+        "-q",
+        "--",
+        SYSTEM_PY,
+        "-c",
+        NEIGHBOUR,
+        "gf-e2e-disk-neighbour",
+    )
+    assert sub.returncode == 0, sub.stderr
+    neighbour = sub.stdout.strip()
+    fleet.wait_status(neighbour, {"RUNNING"})
+
+    filler = fleet.submit(
+        {"command": [SYSTEM_PY, "-c", FILLER], "gpu_count": 1, "disk_mb": 32, "max_retries": 2}
+    )
+
+    job = fleet.wait_status(filler, TERMINAL, timeout_s=60)
+    assert job["status"] == "FAILED", job
+    assert job["failure_reason"].startswith("DISK_FULL"), job["failure_reason"]
+    assert "disk_mb=32" in job["failure_reason"]
+    assert len(job["attempts"]) == 1, "a full disk is not retried: the next would fill it too"
+    status = cli(fleet, "status", filler)
+    assert "DISK_FULL" in status.stdout + status.stderr
+    node = fleet.get("/v1/nodes")["items"][0]
+    assert node["status"] == "HEALTHY", node
+    labels = node["labels"]
+    assert labels["gpufleet/job-pids-max"] == "300"
+    assert labels["gpufleet/job-disk-mb"] == "64"
+    nodes = cli(fleet, "nodes", "--wide")
+    assert "pids-max: 300, disk-mb: 64, isolation: no-new-privs" in nodes.stdout, nodes.stdout
+
+    run_id = fleet.job(neighbour)["attempts"][0]["run_id"]
+    go = JOBS_ROOT / agent_scope(state.resolve(), "a1") / run_id / "artifacts" / "go"
+    go.touch()
+    done = fleet.wait_status(neighbour, TERMINAL, timeout_s=60)
+    assert done["status"] == "SUCCEEDED", done
+    assert (done["pids_limit"], done["disk_mb"]) == (77, 40)
+    store = ObjectStore(fleet.settings.resolved_object_store_url())
+    bounds = json.loads(
+        store.get_bytes(f"jobs/{neighbour}/attempts/{run_id}/artifacts/bounds.json")
+    )
+    assert bounds["pids_max"] == "77"
+    assert 30 <= bounds["disk_mb"] <= 40
     assert fleet.check() == []

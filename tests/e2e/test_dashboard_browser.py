@@ -68,9 +68,23 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, str]
         fleet.stop()
 
 
+csp_violations: list[str] = []
+"""Console messages of the pages about the Content-Security-Policy (none expected)."""
+
+
+def expect(locator: Any) -> Any:
+    from playwright.sync_api import expect as pw_expect
+
+    return pw_expect(locator)
+
+
 def login(browser: Any, fleet: Fleet, token: str) -> Any:
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.set_default_timeout(20_000)
+    page.on(
+        "console",
+        lambda m: csp_violations.append(m.text) if "Content Security Policy" in m.text else None,
+    )
     page.goto(f"{fleet.api.url}/ui/")
     assert page.url.endswith("/ui/login")
     page.fill("#token", token)
@@ -118,19 +132,18 @@ def test_admin_sees_grid_change_log_grow_and_cancels_from_the_page(
     page.goto(f"{fleet.api.url}/ui/fleet")
     page.click(f'#node-node-a a[href="/ui/jobs/{job_id}"] >> nth=0')
     page.wait_for_url(f"**/ui/jobs/{job_id}")
-    page.wait_for_function("document.querySelector('#log').textContent.includes('step')")
+    # (locator waits, not wait_for_function: the page's CSP forbids the eval it needs)
+    expect(page.locator("#log")).to_contain_text("step")
     first = len(page.locator("#log").inner_text())
-    page.wait_for_function(
-        f"document.querySelector('#log').textContent.length > {first + 20}", timeout=15_000
-    )
+    deadline = time.monotonic() + 15
+    while len(page.locator("#log").inner_text()) <= first + 20:
+        assert time.monotonic() < deadline, "the log tail did not grow"
+        time.sleep(0.2)
     assert page.locator("#job-status").inner_text() == "RUNNING"
     shot(page, "job-running")
 
     page.click("#cancel")
-    page.wait_for_function(
-        "document.querySelector('#job-status').textContent.trim() === 'CANCELLED'",
-        timeout=30_000,
-    )
+    expect(page.locator("#job-status")).to_have_text("CANCELLED", timeout=30_000)
     assert fleet.job(job_id)["status"] == "CANCELLED"
     assert page.locator("#cancel").count() == 0
     assert page.locator("#attempts .step.cancelled, #attempts .step.preempted").count() >= 1
@@ -140,6 +153,7 @@ def test_admin_sees_grid_change_log_grow_and_cancels_from_the_page(
     page.goto(f"{fleet.api.url}/ui/usage")
     page.locator('#usage tr[data-team="vision"]').wait_for()
     shot(page, "usage")
+    assert csp_violations == []  # htmx and ui.js run under the policy, no inline script
     page.close()
 
 
@@ -177,7 +191,7 @@ def test_user_text_is_escaped(browser: Any, live: tuple[Fleet, str]) -> None:
     dialogs: list[str] = []
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
     page.goto(f"{fleet.api.url}/ui/jobs/{job_id}")
-    page.wait_for_function("document.querySelector('#log').textContent.includes('bold')")
+    expect(page.locator("#log")).to_contain_text("bold")
     assert page.locator("#job-title").inner_text().startswith(XSS_NAME)
     html = page.content()
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
@@ -188,3 +202,73 @@ def test_user_text_is_escaped(browser: Any, live: tuple[Fleet, str]) -> None:
     time.sleep(0.5)
     assert dialogs == []
     page.close()
+
+
+class AttackerSite:
+    """A page served from another port of the same host (same site, another origin) whose
+    script posts a form to the dashboard as soon as it loads."""
+
+    def __init__(self, action: str, fields: dict[str, str]) -> None:
+        import html
+        import http.server
+        import threading
+
+        inputs = "".join(
+            f'<input name="{html.escape(k)}" value="{html.escape(v)}">' for k, v in fields.items()
+        )
+        body = (
+            f'<form id="f" method="post" action="{html.escape(action)}">{inputs}</form>'
+            "<script>document.getElementById('f').submit()</script>"
+        ).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "text/html")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_page_on_another_port_cannot_cancel_or_switch_the_session(
+    browser: Any, live: tuple[Fleet, str]
+) -> None:
+    """Same host, another port: the same site, so the SameSite=Strict cookie goes along; the
+    Sec-Fetch-Site/Origin check and the form token refuse the posts and nothing changes."""
+    fleet, admin = live
+    marker = f"gpufleet-test-marker-{fleet.tmp.name}"
+    victim = fleet.submit(
+        {"command": py("import time; time.sleep(600)", marker), "gpu_count": 1}, team="nlp"
+    )
+    page = login(browser, fleet, admin)
+    page.wait_for_url("**/ui/fleet")
+    cancel = AttackerSite(f"{fleet.api.url}/ui/jobs/{victim}/cancel", {"csrf": "guess"})
+    switch = AttackerSite(f"{fleet.api.url}/ui/login", {"token": fleet.tokens["vision"]})
+    try:
+        for site in (cancel, switch):
+            page.goto(site.url)
+            page.wait_for_load_state()
+            page.wait_for_url(f"{fleet.api.url}/**")
+            assert "Cross-site request refused" in page.content()
+        assert fleet.job(victim, team="nlp")["cancel_requested"] is False
+        page.goto(f"{fleet.api.url}/ui/fleet")  # still the admin's session
+        assert page.locator("#who").inner_text().startswith("admin: ops")
+        # the dashboard's own form still works
+        page.goto(f"{fleet.api.url}/ui/jobs/{victim}")
+        page.click("#cancel")
+        expect(page.locator("#job-status")).to_have_text("CANCELLED", timeout=30_000)
+    finally:
+        cancel.close()
+        switch.close()
+        page.close()

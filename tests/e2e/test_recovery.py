@@ -573,6 +573,8 @@ def test_operator_cordon_drain_and_fence_and_why_names_the_nodes(fleet: Fleet) -
     r = gpufleet_cli(fleet, "admin", "node", "fence", x)
     assert r.returncode == 2 and "--confirm-dead" in r.stderr
     fleet.kill_agent(x)
+    # fence --confirm-dead refuses a node heard from within the heartbeat window
+    time.sleep(fleet.settings.heartbeat_interval_s * fleet.settings.suspect_after_missed + 0.5)
     r = gpufleet_cli(fleet, "admin", "node", "fence", x, "--confirm-dead", "--reason", "RMA")
     assert r.returncode == 0, r.stderr
     assert "FENCED" in r.stdout

@@ -45,7 +45,7 @@ class ServerProcess:
         gpufleet = Path(sys.executable).parent / "gpufleet"
         cmd = [str(gpufleet)] if gpufleet.exists() else [sys.executable, "-m", "gpufleet.cli.main"]
         self.proc = subprocess.Popen(
-            [*cmd, "server"],
+            [*cmd, "server", "--migrate"],
             env=self.env,
             stdout=open(self.log_path, "ab"),  # noqa: SIM115 - owned by the child
             stderr=subprocess.STDOUT,

@@ -150,7 +150,8 @@ def test_node_and_token_commands_go_through_the_api(admin: Admin) -> None:
     assert admin.cli("node", "uncordon", "n1").returncode == 0
     refused = admin.cli("node", "fence", "n1")
     assert refused.returncode == 2 and "--confirm-dead" in refused.stderr
-    fenced = admin.cli("node", "fence", "n1", "--confirm-dead")
+    # --force: n1 may have registered within the heartbeat window (it would look alive)
+    fenced = admin.cli("node", "fence", "n1", "--confirm-dead", "--force")
     assert fenced.returncode == 0 and "FENCED" in fenced.stdout, fenced.stderr
     nodes = json.loads(admin.cli("node", "list", "-o", "json").stdout)
     assert [(n["node_id"], n["status"]) for n in nodes] == [("n1", "FENCED")]
@@ -163,3 +164,21 @@ def test_node_and_token_commands_go_through_the_api(admin: Admin) -> None:
     assert made.returncode == 0 and made.stdout.strip().startswith("gft_")
     listed = json.loads(admin.cli("token", "list", "--team", "newteam", "-o", "json").stdout)
     assert [(t["team"], t["name"]) for t in listed] == [("newteam", "carol")]
+
+
+def test_a_prepull_of_a_bad_image_reference_is_a_422_naming_image(admin: Admin) -> None:
+    with httpx.Client(base_url=admin.server.url) as http:
+        for image in ("--help", "UPPER/case"):
+            r = http.post(
+                "/v1/admin/prepull",
+                json={"image": image},
+                headers={"Authorization": f"Bearer {admin.admin}"},
+            )
+            assert r.status_code == 422, r.text
+            assert r.json()["field"] == "image", r.json()
+        ok = http.post(
+            "/v1/admin/prepull",
+            json={"image": "127.0.0.1:5000/gpufleet/busybox:1"},
+            headers={"Authorization": f"Bearer {admin.admin}"},
+        )
+        assert ok.status_code == 200, ok.text

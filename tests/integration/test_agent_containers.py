@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,11 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.agent.runtime.container import LABEL_RUN, ContainerEngine
+from gpufleet.agent.runtime.container import (
+    DEFAULT_PIDS_LIMIT,
+    LABEL_RUN,
+    USERNS_HOST_BASE,
+    ContainerEngine,
+)
 from gpufleet.domain.manifest import Manifest
 from gpufleet.objectstore import ObjectStore
 from gpufleet.rpc.protos import fleet_pb2 as pb
-from tests.container_support import BUSYBOX, fresh_image
+from tests.container_support import BUSYBOX, PRIVPROBE, fresh_image
 from tests.integration.test_agent_restart import _stub
 from tests.integration.test_agent_support import (
     LEADER_EPOCH,
@@ -313,3 +319,149 @@ def test_an_image_that_cannot_be_pulled_is_reported_never_started(env) -> None:
     assert report.outcome == R.NEVER_STARTED
     assert "cannot pull image" in report.message
     assert not [c for c in fake.confirms if c.run_id == rid]
+
+
+def _probe_values(log: str) -> dict[str, str]:
+    """The ``key=value`` lines ``privprobe`` (and the test's shell) printed."""
+    return dict(ln.split("=", 1) for ln in log.splitlines() if "=" in ln and " " not in ln)
+
+
+PROBE_JOB = (
+    "/bin/privprobe /gpufleet/work; "
+    "echo pids_max=$(cat /sys/fs/cgroup/pids/pids.max 2>/dev/null"
+    " || cat /sys/fs/cgroup/pids.max); "
+    "echo ready; while [ ! -e /gpufleet/work/go ]; do sleep 0.05; done"
+)
+
+
+@pytest.mark.parametrize("job_uids", ["per-attempt", "agent"])
+def test_a_setuid_root_binary_in_the_image_gains_no_privilege(
+    tmp_path: Path, engine: ContainerEngine, job_uids: str
+) -> None:
+    """The image's own setuid-root ``privprobe`` (owner 0, mode 4755) runs as the job: it stays
+    the job's uid (no-new-privileges), holds no capability (``--cap-drop ALL``: effective and
+    bounding sets empty), cannot open an AF_PACKET or raw IP socket, cannot setuid(0), and the
+    file it plants in its work dir is not setuid-root on the host. The pids limit is the
+    node's default. Both with per-attempt job uids and with jobs as the (root) agent's user,
+    where the container still never runs as host root."""
+    with fake_controller() as (fake, address):
+        settings = make_settings(address, tmp_path)
+        with inprocess_agent(fake, settings, tmp_path / "state", job_uids=job_uids) as agent:
+            rid = _rid()
+            resp = agent.assign(
+                run_id=rid,
+                job_id=f"j-{rid}",
+                token=1,
+                attempt=1,
+                gpu_ids=[0],
+                command=["sh", "-c", PROBE_JOB],
+                image=PRIVPROBE,
+            )
+            assert resp.result == A.STARTED, resp.message
+            log_path = tmp_path / "state" / "runs" / rid / "output.log"
+            wait_until(lambda: log_path.exists() and "ready" in log_path.read_text(), 60)
+            seen = _probe_values(log_path.read_text())
+            planted = next(
+                p
+                for p in [
+                    tmp_path / "state" / "runs" / rid / "work" / "planted",
+                    *Path("/var/lib/gpufleet/jobs").glob(f"*/{rid}/work/planted"),
+                ]
+                if p.exists()
+            )
+            st = planted.stat()
+            (planted.parent / "go").touch()
+            report = fake.wait_report(rid, timeout_s=60)
+    assert report.outcome == R.EXITED and report.exit_code == 0, report
+    assert seen["ruid"] != "0" and seen["euid"] == seen["ruid"], seen  # setuid bit ignored
+    assert seen["setuid0"] == "EPERM" and seen["euid_after"] == seen["ruid"], seen
+    assert seen["nnp"] == "1", seen
+    assert int(seen["capeff"], 16) == 0 and int(seen["capbnd"], 16) == 0, seen
+    assert seen["af_packet"] != "ok" and seen["raw_inet"] != "ok", seen
+    assert seen["pids_max"] == str(DEFAULT_PIDS_LIMIT), seen
+    # on the host: never root's, never setuid-root; the attempt's own uid (uploads work)
+    assert st.st_uid != 0, (st.st_uid, oct(st.st_mode))
+    assert not (st.st_uid == 0 and st.st_mode & stat.S_ISUID)
+    if job_uids == "per-attempt":
+        assert st.st_uid == int(seen["ruid"]) >= 1_900_000_000
+    else:
+        assert st.st_uid == USERNS_HOST_BASE
+
+
+def test_read_only_rootfs_and_a_tight_pids_limit_from_the_node(
+    tmp_path: Path, engine: ContainerEngine
+) -> None:
+    """``--container-read-only`` makes the image's filesystem read-only (the mounts stay
+    writable); ``--container-pids-limit`` bounds the processes: a fork bomb
+    fails inside the container and the job ends on its own."""
+    script = (
+        'awk \'$2 == "/" {print "rootfs=" substr($4, 1, 2)}\' /proc/self/mounts; '
+        "touch /gpufleet/work/w && echo work=rw; "
+        "echo pids_max=$(cat /sys/fs/cgroup/pids/pids.max); "
+        # a fork bomb in a subshell (ash dies on a refused fork); only builtins after it
+        "( i=0; while [ $i -lt 80 ]; do sleep 3 & i=$((i+1)); echo $i > /gpufleet/work/n;"
+        " done ) 2>/dev/null; rc=$?; read n < /gpufleet/work/n; echo bomb_exit=$rc;"
+        " echo started=$n"
+    )
+    with fake_controller() as (fake, address):
+        settings = make_settings(address, tmp_path)
+        with inprocess_agent(
+            fake,
+            settings,
+            tmp_path / "state",
+            job_uids="per-attempt",
+            container_read_only=True,
+            container_pids_limit=32,
+        ) as agent:
+            rid = _rid()
+            resp = agent.assign(
+                run_id=rid,
+                job_id=f"j-{rid}",
+                token=1,
+                attempt=1,
+                gpu_ids=[0],
+                command=["sh", "-c", script],
+                image=BUSYBOX,
+            )
+            assert resp.result == A.STARTED, resp.message
+            report = fake.wait_report(rid, timeout_s=90)
+            log = (tmp_path / "state" / "runs" / rid / "output.log").read_text()
+    seen = _probe_values(log)
+    assert report.outcome == R.EXITED, report
+    assert (seen["rootfs"], seen["work"]) == ("ro", "rw"), log
+    assert seen["pids_max"] == "32", log
+    assert seen["bomb_exit"] != "0" and 10 <= int(seen["started"]) < 32, log  # refused
+
+
+@pytest.mark.parametrize(
+    ("image", "says"),
+    [
+        ("127.0.0.1:1/gpufleet/x:1", "connection refused"),  # registry unreachable
+        (BUSYBOX.rsplit(":", 1)[0] + ":no-such-tag", "manifest unknown"),  # registry's answer
+        ("--privileged", "must not start with '-'"),  # never reaches the engine
+        ("UPPER/case", "must be lower-case"),
+    ],
+)
+def test_an_image_the_job_names_badly_is_the_jobs_fault_not_the_nodes(
+    env, engine: ContainerEngine, image: str, says: str
+) -> None:
+    """Whatever is wrong with the image a job names (the reference, the registry's answer, the
+    registry unreachable) fails its attempt as the job's fault with the engine's real message:
+    the node is not charged (no auto-cordon) and no container is left."""
+    fake, agent, _, _ = env
+    rid = _rid()
+    resp = agent.assign(
+        run_id=rid,
+        job_id=f"j-{rid}",
+        token=1,
+        attempt=1,
+        gpu_ids=[0],
+        command=["true"],
+        image=image,
+    )
+    assert resp.result in (A.STARTED, A.FAILED_TO_START), resp.message
+    report = fake.wait_report(rid, timeout_s=60)
+    assert report.outcome == R.NEVER_STARTED
+    assert report.node_fault is False, report
+    assert "cannot pull image" in report.message and says in report.message, report.message
+    assert engine.find(LABEL_RUN, rid) == []

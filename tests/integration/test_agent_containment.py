@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.agent.runner import JOBS_ROOT, agent_scope
+from gpufleet.agent.runtime import jobns
 from gpufleet.agent.runtime.containment import detect
 from gpufleet.cli.config import client_config_path, write_client_config
 from gpufleet.objectstore import ObjectStore
@@ -81,7 +82,9 @@ def py(code: str, *args: str) -> list[str]:
 def public_tmp() -> Iterator[Path]:
     """A directory other users can traverse (pytest's own tmp is 0700, which would make every
     refusal below trivially true)."""
-    path = Path(tempfile.mkdtemp(prefix="gpufleet-containment-"))
+    base = Path("/var/lib/gpufleet")  # not /tmp: each job has a /tmp of its own
+    base.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="test-containment-", dir=base))
     path.chmod(0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -241,13 +244,15 @@ for name, (how, path) in sorted(targets.items()):
         results[name] = "READ"
     except PermissionError:
         results[name] = "REFUSED"
+    except FileNotFoundError as exc:  # /proc mounted with hidepid: other uids are invisible
+        results[name] = "HIDDEN" if path.startswith("/proc/") else f"ERROR {exc}"
     except OSError as exc:
         results[name] = f"ERROR {exc}"
     print(name, results[name], flush=True)
 art = os.environ["GPUFLEET_ARTIFACTS_DIR"]
 with open(os.path.join(art, "probe.json"), "w") as f:
     json.dump({"results": results, "env": sorted(os.environ), "uid": os.getuid()}, f)
-sys.exit(sum(v != "REFUSED" for k, v in results.items() if not k.startswith("control")))
+sys.exit(sum(v not in ("REFUSED", "HIDDEN") for k, v in results.items() if k[:7] != "control"))
 """
 
 SECRET_KEEPER = r"""
@@ -301,10 +306,15 @@ class TestJobsCannotReachThePlatform:
         prefix = "jobs/j-probe/attempts/r-probe"
         seen = json.loads(store.get_bytes(f"{prefix}/artifacts/probe.json"))
         log = store.get_bytes(f"{prefix}/logs/output.log").decode()
-        want = {k: "REFUSED" for k in targets if not k.startswith("control")}
+        hidden = jobns.detect().hide_pids  # then /proc shows the job only its own uid
+        want = {
+            k: "HIDDEN" if hidden and path.startswith("/proc/") else "REFUSED"
+            for k, (_, path) in targets.items()
+            if not k.startswith("control")
+        }
         assert seen["results"] == {**want, "control_world_readable": "READ"}
-        for name in want:
-            assert f"{name} REFUSED" in log
+        for name, result in want.items():
+            assert f"{name} {result}" in log
         assert report.exit_code == 0
         assert seen["uid"] not in (0, os.getuid())
         # the environment is the allow-list: job env + platform variables, nothing of ours

@@ -126,6 +126,9 @@ class TestRunToCompletion:
         assert labels.pop("gpufleet/containment") in ("cgroup-v1", "cgroup-v2", "pidns", "none")
         assert labels.pop("gpufleet/job-user")
         assert labels.pop("gpufleet/container-runtime") in ("podman", "docker", "none")
+        assert labels.pop("gpufleet/job-isolation")
+        assert labels.pop("gpufleet/job-pids-max")
+        assert labels.pop("gpufleet/job-disk-mb")
         assert labels == {"rack": "r1"}
         assert reg.cpu >= 1
         assert reg.memory_mb > 0

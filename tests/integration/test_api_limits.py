@@ -118,7 +118,7 @@ class TestSubmitRate:
 class TestSharedBucket:
     def test_two_replicas_draw_from_one_redis_bucket(self, db, tokens, tmp_path) -> None:
         r = redis.Redis.from_url(REDIS_URL)
-        for key in r.scan_iter("gpufleet:rate:*"):
+        for key in r.scan_iter("gpufleet:rate:*"):  # the default GPUFLEET_REDIS_PREFIX
             r.delete(key)
         db.run_write(
             lambda s: teams.update_quota(
@@ -250,6 +250,10 @@ def test_admin_team_set_and_list_through_the_cli(tmp_path: Path) -> None:
         "5/s",
         "--submit-burst",
         "9",
+        "--read-rate",
+        "20/s",
+        "--read-burst",
+        "40",
     )
     assert done.returncode == 0, done.stderr
     listed = {t["team"]: t for t in json.loads(cli("team", "list", "-o", "json").stdout)}
@@ -259,6 +263,10 @@ def test_admin_team_set_and_list_through_the_cli(tmp_path: Path) -> None:
         5.0,
         9,
     )
+    assert (got["read_rate_per_s"], got["read_burst"]) == (20.0, 40)
+    assert listed["ops"]["read_rate_per_s"] == Settings().team_read_rate_per_s  # the default
+    bad = cli("team", "set", "nlp", "--read-rate", "nan")
+    assert bad.returncode == 2 and "--read-rate" in bad.stderr
     bad = cli("team", "set", "nlp", "--submit-rate", "1e12/s")
     assert bad.returncode == 2 and "submit_rate_per_s" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -216,3 +216,70 @@ def test_grpc_errors_carry_no_database_details(proxied, tmp_path: Path) -> None:
     finally:
         server.stop(grace=1).wait()
         db.dispose()
+
+
+def test_a_controller_logs_one_line_per_outage_and_no_traceback(proxied, tmp_path: Path) -> None:
+    """A real ``gpufleet controller`` process (its leader, scheduler and upkeep loops, and
+    RPCs from this test during the outage) while PostgreSQL goes away for a few seconds,
+    twice: one "unreachable" and one "reachable again" line per outage, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    url, proxy, _direct = proxied
+    port = free_port()
+    log_path = tmp_path / "controller.log"
+    env = dict(
+        os.environ,
+        GPUFLEET_DATA_DIR=str(tmp_path),
+        GPUFLEET_DATABASE_URL=url,
+        GPUFLEET_HEARTBEAT_INTERVAL_S="0.5",
+        GPUFLEET_LEADER_LEASE_S="3",
+        GPUFLEET_SCHEDULER_TICK_S="0.2",
+    )
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpufleet.cli.main",
+                "controller",
+                "--insecure",
+                "--address",
+                f"127.0.0.1:{port}",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "controller listening" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ControllerStub(channel)
+            beat = pb.HeartbeatRequest(node_id="n1", agent_epoch=1)
+            stub.Heartbeat(beat, timeout=10)
+            for outage in range(2):
+                proxy.stop()
+                end = time.monotonic() + 6
+                while time.monotonic() < end:
+                    with contextlib.suppress(grpc.RpcError):
+                        stub.Heartbeat(beat, timeout=10)
+                    time.sleep(0.3)
+                proxy.start()
+                deadline = time.monotonic() + 60
+                while log_path.read_text().count("database reachable again") < outage + 1:
+                    assert time.monotonic() < deadline, log_path.read_text()
+                    time.sleep(0.2)
+                assert stub.Heartbeat(beat, timeout=10).reregister
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    log = log_path.read_text()
+    print(log)
+    assert "Traceback" not in log
+    assert log.count("database unreachable") == 2, log
+    assert log.count("database reachable again") == 2, log

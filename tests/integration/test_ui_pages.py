@@ -94,9 +94,23 @@ def ui(
         yield client, tokens, ids
 
 
+def form_csrf(html: str) -> str:
+    """The csrf token of the first form of a page (as a browser would post it)."""
+    found = re.search(r'name="csrf" value="([^"]*)"', html)
+    assert found, "no csrf field in the page"
+    return found.group(1)
+
+
 def login(client: TestClient, token: str) -> None:
-    r = client.post("/ui/login", data={"token": token}, follow_redirects=False)
+    csrf = form_csrf(client.get("/ui/login").text)
+    r = client.post("/ui/login", data={"token": token, "csrf": csrf}, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/ui/"
+
+
+def logout(client: TestClient) -> None:
+    csrf = form_csrf(client.get("/ui/queue").text)
+    r = client.post("/ui/logout", data={"csrf": csrf}, follow_redirects=False)
+    assert r.status_code == 303
 
 
 def cells(html: str, node_id: str) -> Counter[str]:
@@ -130,7 +144,8 @@ def test_a_team_sees_its_own_jobs_only(
     assert "vision" not in grid.split('id="live"', 1)[1]  # other teams' GPUs: "in use"
     assert client.get(f"/ui/jobs/{ids['vision']}").status_code == 404
     assert client.get(f"/ui/jobs/{ids['vision']}/log").status_code == 404
-    assert client.post(f"/ui/jobs/{ids['vision']}/cancel").status_code == 404
+    csrf = form_csrf(client.get("/ui/queue").text)
+    assert client.post(f"/ui/jobs/{ids['vision']}/cancel", data={"csrf": csrf}).status_code == 404
     assert client.get(f"/ui/jobs/{ids['fenced']}").status_code == 200
     queue = client.get("/ui/queue").text
     assert ids["waiting"] not in queue and ids["held_for"] in queue
@@ -143,14 +158,15 @@ def test_login_refuses_a_bad_token_and_pages_need_one(
     for path in ("/ui/fleet", "/ui/queue", "/ui/usage", "/ui/jobs/j-x"):
         r = client.get(path, follow_redirects=False)
         assert r.status_code == 303 and r.headers["location"] == "/ui/login", path
-    r = client.post("/ui/login", data={"token": "gft_nope"}, follow_redirects=False)
+    csrf = form_csrf(client.get("/ui/login").text)
+    r = client.post("/ui/login", data={"token": "gft_nope", "csrf": csrf}, follow_redirects=False)
     assert r.headers["location"] == "/ui/login?error=invalid"
     assert "not valid" in client.get("/ui/login?error=invalid").text
     login(client, tokens["vision"])
     cookie = next(c for c in client.cookies.jar if c.name == "gpufleet_token")
     assert cookie.path == "/ui" and cookie.has_nonstandard_attr("HttpOnly")
     assert client.get("/ui/queue").status_code == 200
-    client.post("/ui/logout")
+    logout(client)
     assert client.get("/ui/queue", follow_redirects=False).status_code == 303
 
 
@@ -205,7 +221,7 @@ def test_usage_page_sums_the_accounting_records_like_the_usage_api(
     assert 30 - 0.05 < hours["vision"] < 30 + 0.05
     assert 13 * 24 < hours["nlp"] < 14 * 24  # clipped to the 14 UTC days shown
     # a team token: its own team, the same figure as its GET /v1/usage
-    client.post("/ui/logout")
+    logout(client)
     login(client, tokens["vision"])
     _, mine = page_hours(client.get("/ui/usage").text)
     own = client.get(
@@ -222,7 +238,9 @@ def test_cancel_from_the_page(ui: tuple[TestClient, dict[str, str], dict[str, st
     login(client, tokens["vision"])
     page = client.get(f"/ui/jobs/{ids['waiting']}").text
     assert 'id="cancel"' in page and "PENDING" in page
-    r = client.post(f"/ui/jobs/{ids['waiting']}/cancel", follow_redirects=False)
+    r = client.post(
+        f"/ui/jobs/{ids['waiting']}/cancel", data={"csrf": form_csrf(page)}, follow_redirects=False
+    )
     assert r.status_code == 303
     page = client.get(f"/ui/jobs/{ids['waiting']}").text
     assert 'id="job-status">CANCELLED<' in page and 'id="cancel"' not in page
@@ -273,13 +291,21 @@ def test_login_cookie_is_secure_over_https_and_logout_deletes_it_alike(
     ui: tuple[TestClient, dict[str, str], dict[str, str]],
 ) -> None:
     client, tokens, _ = ui
-    plain = client.post("/ui/login", data={"token": tokens["vision"]}, follow_redirects=False)
+    csrf = form_csrf(client.get("/ui/login").text)
+    plain = client.post(
+        "/ui/login", data={"token": tokens["vision"], "csrf": csrf}, follow_redirects=False
+    )
     assert "secure" not in plain.headers["set-cookie"].lower()
     https = TestClient(client.app, base_url="https://testserver")
-    r = https.post("/ui/login", data={"token": tokens["vision"]}, follow_redirects=False)
+    csrf = form_csrf(https.get("/ui/login").text)
+    r = https.post(
+        "/ui/login", data={"token": tokens["vision"], "csrf": csrf}, follow_redirects=False
+    )
     set_cookie = r.headers["set-cookie"].lower()
     assert "secure" in set_cookie and "samesite=strict" in set_cookie and "httponly" in set_cookie
-    out = https.post("/ui/logout", follow_redirects=False).headers["set-cookie"].lower()
+    csrf = form_csrf(https.get("/ui/queue").text)
+    out = https.post("/ui/logout", data={"csrf": csrf}, follow_redirects=False)
+    out = out.headers["set-cookie"].lower()
     assert "gpufleet_token=" in out and "max-age=0" in out
     for attr in ("secure", "samesite=strict", "httponly", "path=/ui"):
         assert attr in out, attr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from functools import partial
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select, update
@@ -113,12 +114,80 @@ def test_a_certificate_is_valid_only_for_the_node_it_names(db: Database) -> None
 
 def test_revoke_and_renewal(db: Database) -> None:
     join(db, token(db), "n1", "dd01")
-    db.run_write(partial(ni.record_renewal, node_id="n1", serial="dd02", not_after=LATER))
+    db.run_write(
+        partial(ni.record_renewal, node_id="n1", old_serial="dd01", serial="dd02", not_after=LATER)
+    )
     assert valid(db, "dd01", "n1") and valid(db, "dd02", "n1")
     assert db.run_write(partial(ni.revoke_node, node_id="n1")) == 2
     assert not valid(db, "dd01", "n1") and not valid(db, "dd02", "n1")
     with pytest.raises(NotFound):
         db.run_write(partial(ni.revoke_node, node_id="nobody"))
+
+
+def test_a_renewal_from_a_revoked_certificate_is_refused_in_its_transaction(
+    db: Database,
+) -> None:
+    join(db, token(db), "n1", "de01")
+    db.run_write(partial(ni.revoke_node, node_id="n1"))
+    with pytest.raises(Forbidden):
+        db.run_write(
+            partial(
+                ni.record_renewal, node_id="n1", old_serial="de01", serial="de02", not_after=LATER
+            )
+        )
+    with db.read() as s:
+        assert s.get(NodeCertRow, "de02") is None
+
+
+def test_a_certificate_recorded_while_a_revocation_ran_is_refused_by_its_trust_epoch(
+    db: Database,
+) -> None:
+    """The row of a renewal that committed after the revoke had listed the node's serials
+    (as it may under READ COMMITTED): not revoked by serial, refused by the node's epoch;
+    a rejoin's certificate is accepted again, the old ones stay refused."""
+    join(db, token(db, node_id="n1"), "n1", "df01")
+    db.run_write(partial(ni.revoke_node, node_id="n1"))
+
+    def late_renewal(s: Any) -> None:  # what the racing renewal left behind
+        s.add(
+            NodeCertRow(
+                serial="df02",
+                node_id="n1",
+                issued_at=LATER,
+                not_after=LATER,
+                reason="renew",
+                trust_epoch=0,
+            )
+        )
+
+    db.run_write(late_renewal)
+    assert not valid(db, "df02", "n1")
+    join(db, token(db, node_id="n1"), "n1", "df03")
+    assert valid(db, "df03", "n1")
+    assert not valid(db, "df01", "n1") and not valid(db, "df02", "n1")
+    db.run_write(
+        partial(ni.record_renewal, node_id="n1", old_serial="df03", serial="df04", not_after=LATER)
+    )
+    assert valid(db, "df04", "n1")
+    with pytest.raises(Forbidden):  # an older-epoch certificate cannot renew either
+        db.run_write(
+            partial(
+                ni.record_renewal, node_id="n1", old_serial="df02", serial="df05", not_after=LATER
+            )
+        )
+
+
+def test_check_join_token_reads_without_spending(db: Database) -> None:
+    secret = token(db, node_id="n1")
+    with db.read() as s:
+        ni.check_join_token(s, secret=secret, node_id="n1")
+        with pytest.raises(Unauthenticated):
+            ni.check_join_token(s, secret="nope", node_id="n1")
+        with pytest.raises(Forbidden):
+            ni.check_join_token(s, secret=secret, node_id="n2")
+    join(db, secret, "n1", "dg01")  # still usable after the check
+    with db.read() as s, pytest.raises(Unauthenticated):
+        ni.check_join_token(s, secret=secret, node_id="n1")
 
 
 def test_forget_refuses_while_gpus_are_reserved_then_removes_the_node(db: Database) -> None:

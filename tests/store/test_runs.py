@@ -375,3 +375,61 @@ class TestNodeFaults:
         for _ in range(3):
             self._never_started(db, store, "ENOSPC: no space left on device")
         assert self._node_status(db) == "CORDONED"
+
+    def test_a_retry_carries_the_node_its_attempt_failed_to_start_on(
+        self, db: Database, store: ObjectStore
+    ) -> None:
+        """The pending retry of a job whose attempt never started on n1 carries n1 as the node
+        to avoid, in the plain snapshot and in the leader's incremental cache alike, and the
+        pass places it on n2 though n1 is the better fit; a job that has not failed to start
+        carries none."""
+        from gpufleet.policy.cycle import schedule
+        from gpufleet.policy.decisions import Place
+        from gpufleet.store.dialect import db_now
+        from gpufleet.store.queries import load_snapshot
+        from gpufleet.store.snapshot_cache import SnapshotCache
+
+        create_team(db)
+        create_node(db, "n1", gpus=2)
+        create_node(db, "n2", gpus=8)
+        self.epoch = become_leader(db)
+        other = submit(db, gpus=1)
+        cache = SnapshotCache(full_every_s=1e9)
+        with db.snapshot() as s:
+            cache.load(s, db_now(s), epoch=1)  # a full read before the failure
+        self._never_started(db, store, "cannot create the container: podman died")
+        with db.snapshot() as s:
+            now = db_now(s)
+            plain = {j.job_id: j for j in load_snapshot(s, now).pending}
+            snap = cache.load(s, now, epoch=1)
+        assert not cache.stats.full
+        cached = {j.job_id: j for q in (snap.queues or {}).values() for j in q}
+        failed = next(j for j in plain if j != other.job_id)
+        assert plain[failed].avoid_node_id == "n1" == cached[failed].avoid_node_id
+        assert plain[other.job_id].avoid_node_id is None is cached[other.job_id].avoid_node_id
+        places = {d.job_id: d.node_id for d in schedule(snap).decisions if isinstance(d, Place)}
+        assert places[failed] == "n2"
+
+    def test_uncordon_starts_the_failure_count_again(
+        self, db: Database, store: ObjectStore
+    ) -> None:
+        """Three node-caused start failures cordon the node; after an operator's uncordon one
+        more failure must not cordon it again (the count restarts), three more do."""
+        from gpufleet.domain.states import NodeStatus
+        from gpufleet.services import nodes
+
+        create_team(db)
+        create_node(db, "n1", gpus=8)
+        self.epoch = become_leader(db)
+        for _ in range(3):
+            self._never_started(db, store, "podman pull failed: no space left on device")
+        assert self._node_status(db) == "CORDONED"
+        db.run_write(
+            lambda s: nodes.set_node_status(s, "n1", NodeStatus.HEALTHY, message="uncordon")
+        )
+        self._never_started(db, store, "podman pull failed: no space left on device")
+        assert self._node_status(db) == "HEALTHY"
+        self._never_started(db, store, "podman pull failed: no space left on device")
+        assert self._node_status(db) == "HEALTHY"
+        self._never_started(db, store, "podman pull failed: no space left on device")
+        assert self._node_status(db) == "CORDONED"

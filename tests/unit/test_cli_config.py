@@ -109,3 +109,35 @@ class TestWriteClientConfig:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         got = resolve_client_config(env={"GPUFLEET_CONFIG": str(path)})
         assert got == ClientConfig(url="http://h:1", token="secret")
+
+
+class TestTransportSecurity:
+    @pytest.mark.parametrize(
+        ("url", "warned"),
+        [
+            ("http://127.0.0.1:8420", False),
+            ("http://localhost:8420", False),
+            ("http://[::1]:8420", False),
+            ("https://api.example.com", False),
+            ("http://api.example.com:8420", True),
+            ("http://10.0.0.5:8420", True),
+        ],
+    )
+    def test_plain_http_to_another_host_is_warned(self, url: str, warned: bool) -> None:
+        from gpufleet.client.config import cleartext_warning
+
+        assert (cleartext_warning(url) is not None) is warned
+
+    def test_the_ca_bundle_comes_from_the_env_then_the_file(self, tmp_path: Path) -> None:
+        cfg = tmp_path / "client.yaml"
+        cfg.write_text("url: https://h:1\ntoken: t\nca_bundle: /etc/file-ca.pem\n")
+        env = {"GPUFLEET_CONFIG": str(cfg)}
+        assert resolve_client_config(env=env).ca_bundle == "/etc/file-ca.pem"
+        env["GPUFLEET_CA_BUNDLE"] = "/etc/env-ca.pem"
+        assert resolve_client_config(env=env).ca_bundle == "/etc/env-ca.pem"
+
+    def test_an_unreadable_ca_bundle_is_a_config_error(self, tmp_path: Path) -> None:
+        from gpufleet.client._core import tls_verify
+
+        with pytest.raises(ConfigError, match="CA bundle"):
+            tls_verify("https://h:1", str(tmp_path / "missing.pem"))

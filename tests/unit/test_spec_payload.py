@@ -3,7 +3,7 @@ replay of a key submitted before an upgrade must hash to the same payload (409 o
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import pytest
@@ -45,6 +45,9 @@ def reference(spec: JobSpec) -> dict[str, Any]:
     data["env"] = dict(spec.env)
     data["node_selector"] = dict(spec.node_selector)
     data["priority"] = spec.priority.value
+    for key in ("pids_limit", "disk_mb"):  # added later: stored only when set
+        if data.get(key) is None:
+            data.pop(key, None)
     r = data["resources"]
     for key, unset in (("nodes", None), ("gpus_per_node", None), ("allow_partial_nodes", False)):
         if r.get(key) == unset:
@@ -52,7 +55,10 @@ def reference(spec: JobSpec) -> dict[str, Any]:
     return data
 
 
-@pytest.mark.parametrize("spec", [MINIMAL, FULL])
+BOUNDED = replace(MINIMAL, pids_limit=256, disk_mb=2048)
+
+
+@pytest.mark.parametrize("spec", [MINIMAL, FULL, BOUNDED])
 def test_spec_dict_is_what_asdict_gave(spec: JobSpec) -> None:
     assert spec_to_dict(spec) == reference(spec)
 
@@ -65,3 +71,10 @@ def test_payload_hash_is_stable() -> None:
     assert payload_sha256(FULL) == (
         "489f845de893018b712d173b3b76a57dc401f70903caa6bbc967bde20cbff404"
     )
+
+
+def test_pids_limit_and_disk_mb_are_stored_when_given_and_change_the_payload() -> None:
+    data = spec_to_dict(BOUNDED)
+    assert (data["pids_limit"], data["disk_mb"]) == (256, 2048)
+    assert "pids_limit" not in spec_to_dict(MINIMAL)
+    assert payload_sha256(BOUNDED) != payload_sha256(MINIMAL)

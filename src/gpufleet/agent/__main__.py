@@ -2,7 +2,8 @@
 into (:func:`gpufleet.agent.main.exec_agent`), with arguments read from the pipe ``FD``.
 
 Exit status: 0 when stopped, 2 bad arguments, 3 another agent holds the state dir, 4 no
-usable node certificate (PKI); the message is one ``error:`` line on stderr.
+usable node certificate (PKI), 5 the object store cannot be written and read back or is not
+the fleet's (registration refused); the message is one ``error:`` line on stderr.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from gpufleet.agent.main import AgentAlreadyRunning, run_from_spec
+    from gpufleet.agent.main import AgentAlreadyRunning, StoreRefused, run_from_spec
     from gpufleet.rpc.pki import PkiError
 
     try:
@@ -31,6 +32,9 @@ def main() -> None:
     except PkiError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(4)
+    except StoreRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(5)
     except ValueError as exc:  # e.g. a malformed --gpus spec
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -99,6 +99,8 @@ class RunRecord:
     working_dir: str = ""
     memory_mb: int = 0  # host memory limit, MiB; 0 = none
     cpu: float = 0.0  # CPU cores (quota); 0 = none
+    pids_limit: int = 0  # processes and threads at once; 0 = the agent's default
+    disk_mb: int = 0  # scratch filesystem size, MiB; 0 = the agent's default
     status: RunStatus = RunStatus.ASSIGNED
     assigned_at_s: float = 0.0
     pid: int = 0  # the user command
@@ -155,6 +157,8 @@ _ASSIGN_FIELDS = (
     "working_dir",
     "memory_mb",
     "cpu",
+    "pids_limit",
+    "disk_mb",
 )
 
 

@@ -256,6 +256,8 @@ class AgentCore:
             working_dir=req.working_dir,
             memory_mb=req.memory_mb,
             cpu=req.cpu,
+            pids_limit=req.pids_limit,
+            disk_mb=req.disk_mb,
         )
 
     def _start(

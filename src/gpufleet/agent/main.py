@@ -52,16 +52,24 @@ from gpufleet.agent.identity import Renewer, ensure_credentials, tls_dir
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
 from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
-from gpufleet.agent.runtime import Runtimes, jobuser
+from gpufleet.agent.runtime import Runtimes, jobns, jobuser
 from gpufleet.agent.runtime.container import ContainerRuntime
-from gpufleet.agent.runtime.container_engine import ContainerEngine, EngineError
+from gpufleet.agent.runtime.container_engine import (
+    DEFAULT_PIDS_LIMIT,
+    ContainerEngine,
+    EngineError,
+)
 from gpufleet.agent.runtime.container_images import ImageReporter
+from gpufleet.agent.runtime.containment import Containment
 from gpufleet.agent.runtime.containment import detect as detect_containment
+from gpufleet.agent.runtime.jobnet import NETWORK_LABEL, JobNet
+from gpufleet.agent.runtime.jobnet import configure as configure_job_network
 from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
 from gpufleet.agent.runtime.process import ProcessRuntime
+from gpufleet.agent.scratch import ScratchDisks
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
-from gpufleet.objectstore import ObjectStore
+from gpufleet.objectstore import PROBE_PREFIX, ObjectStore, probe, public_url
 from gpufleet.rpc import tls
 from gpufleet.rpc.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
@@ -76,6 +84,12 @@ LOG_SYNC_INTERVAL_S = 1.0
 GRPC_WORKERS = 8
 STOP_THREADS_S = 4.0
 """Seconds a stopping agent waits for its threads (heartbeat, outbox, log mirror, renewal)."""
+
+
+class StoreRefused(RuntimeError):
+    """The node may not join this fleet: its object store cannot be written and read back,
+    or the controller refused it (another object store than the fleet's). ``str(exc)`` is
+    one line naming the store URL(s); ``python -m gpufleet.agent`` exits 5 with it."""
 
 
 class AgentAlreadyRunning(RuntimeError):
@@ -98,6 +112,8 @@ class AgentConfig:
         heartbeat_interval_s: heartbeat period when the controller names none, seconds.
         default_grace_s: SIGTERM -> SIGKILL grace of a stop with none given, seconds.
         agent_disk_reserve_mb: free space (MiB) below which the node refuses work.
+        metrics_host, metrics_basic_auth, metrics_tls_cert, metrics_tls_key: where the
+            metrics port binds and how it is guarded (``gpufleet.metrics_http``; "" = none).
     """
 
     controller_address: str
@@ -106,6 +122,10 @@ class AgentConfig:
     heartbeat_interval_s: float
     default_grace_s: float
     agent_disk_reserve_mb: int
+    metrics_host: str = "127.0.0.1"
+    metrics_basic_auth: str = ""
+    metrics_tls_cert: str = ""
+    metrics_tls_key: str = ""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AgentConfig:
@@ -125,6 +145,10 @@ class AgentConfig:
             heartbeat_interval_s=settings.heartbeat_interval_s,
             default_grace_s=settings.default_grace_s,
             agent_disk_reserve_mb=settings.agent_disk_reserve_mb,
+            metrics_host=settings.metrics_host,
+            metrics_basic_auth=settings.metrics_basic_auth_value(),
+            metrics_tls_cert=str(settings.metrics_tls_cert or ""),
+            metrics_tls_key=str(settings.metrics_tls_key or ""),
         )
 
 
@@ -183,6 +207,17 @@ JOB_USER_LABEL = "gpufleet/job-user"
 ``jobs-as-agent-user`` when the agent cannot switch users."""
 CONTAINER_RUNTIME_LABEL = "gpufleet/container-runtime"
 """Node label the agent sets: podman, docker or none (jobs with an image fail to start)."""
+JOB_ISOLATION_LABEL = "gpufleet/job-isolation"
+"""Node label the agent sets: what isolates process jobs here, ``.``-separated, e.g.
+``no-new-privs.private-tmp.hidepid``; ``none`` (the agent's start log says why)."""
+JOB_PIDS_MAX_LABEL = "gpufleet/job-pids-max"
+"""Node label the agent sets: the default ``pids.max`` of an attempt, or ``none`` when the
+node sets none (no pids controller, or ``--job-pids-max 0``)."""
+JOB_DISK_MB_LABEL = "gpufleet/job-disk-mb"
+"""Node label the agent sets: the default size (MiB) of an attempt's scratch filesystem, or
+``none`` when attempts get none."""
+DEFAULT_JOB_PIDS_MAX = 4096
+DEFAULT_JOB_DISK_MB = 10240
 
 
 def lock_state_dir(state_dir: Path) -> IO[str]:
@@ -253,6 +288,16 @@ def run_agent(
     containment: str = "auto",
     container_runtime: str = "podman",
     metrics_port: int = 0,
+    job_network: str = "auto",
+    job_subnet: str = "10.231.0.0/16",
+    job_egress_deny: str = "",
+    job_egress: str = "allow",
+    job_egress_allow: str = "",
+    job_pids_max: int = DEFAULT_JOB_PIDS_MAX,
+    job_disk_mb: int = DEFAULT_JOB_DISK_MB,
+    container_userns: str = "auto",
+    container_pids_limit: int = DEFAULT_PIDS_LIMIT,
+    container_read_only: bool = False,
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -287,8 +332,25 @@ def run_agent(
         container_runtime: ``podman``, ``docker`` or ``none``: the engine for jobs with an
             ``image``. When it is not installed the agent says so and such jobs fail to
             start (NO_CONTAINER_RUNTIME, charged to the node).
-        metrics_port: serve Prometheus metrics (``agent.metrics``) on this TCP port of the
-            agent's listen address; 0 = none.
+        metrics_port: serve Prometheus metrics (``agent.metrics``) on this TCP port of
+            ``settings.metrics_host`` (default 127.0.0.1), with its basic auth and TLS
+            settings; 0 = none.
+        job_network: ``auto`` (each attempt in its own network namespace where the agent
+            can, else the host's, said at start), ``netns`` (an error where it cannot) or
+            ``host``; see :mod:`gpufleet.agent.runtime.jobnet`.
+        job_subnet: the private IPv4 subnet of job namespaces.
+        job_egress_deny: ``CIDR[:port],...`` jobs may not reach, on top of the node itself,
+            the controller and join addresses and ``169.254.0.0/16``.
+        job_egress: ``allow`` (everything not denied) or ``none`` (only ``job_egress_allow``).
+        job_egress_allow: ``CIDR[:port],...`` reachable with ``job_egress="none"``.
+        job_pids_max: ``pids.max`` (processes and threads at once) of an attempt whose job
+            set no ``pids_limit``; 0 = none.
+        job_disk_mb: size (MiB) of the scratch filesystem of an attempt whose job set no
+            ``disk_mb`` (:mod:`gpufleet.agent.scratch`); 0 = none (plain directories).
+        container_userns: ``auto``, ``on`` or ``off``: containers in a user namespace whose
+            root is not host root (``runtime.container.USERNS_MODES``).
+        container_pids_limit: ``--pids-limit`` of a container job without ``pids_limit``.
+        container_read_only: every container's root filesystem read-only.
 
     Raises:
         ValueError: ``gpus``, ``join_token``, a controller address or the advertise
@@ -297,11 +359,19 @@ def run_agent(
             reachable by it.
         OSError: the state dir is unusable or the port cannot be bound.
         tls.PkiError: no usable node certificate and no (valid) join token.
+        StoreRefused: the object store cannot be written and read back (checked before
+            anything else), or the controller refused the node (another object store than
+            the fleet's): the agent stopped without registering.
     """
     cfg = settings if isinstance(settings, AgentConfig) else AgentConfig.from_settings(settings)
     controllers = parse_controllers(cfg.controller_address)
     host, port, advertised_port = _advertised(advertise_host, port, controllers[0])
+    metrics_auth = None
     if metrics_port:
+        from gpufleet.metrics_http import parse_basic_auth
+
+        if cfg.metrics_basic_auth:  # a bad setting stops the agent before it does anything
+            metrics_auth = parse_basic_auth(cfg.metrics_basic_auth)
         telemetry.enable()  # before recovery: its uploads count
     stop = stop_event if stop_event is not None else threading.Event()
     state_dir = state_dir.expanduser().resolve()
@@ -311,6 +381,13 @@ def run_agent(
     # its jobs must not (exec keeps SIG_IGN, and the shim's sh cannot reset it)
     shim.unignore_signals()
     inventory = load_inventory(node_id, gpus)
+    store_url = public_url(cfg.object_store_url)
+    problem = probe(cfg.object_store_url, node_id)  # before a join spends the token
+    if problem is not None:
+        raise StoreRefused(
+            f"object store {store_url} (GPUFLEET_OBJECT_STORE_URL) cannot be written and "
+            f"read back ({PROBE_PREFIX}/{node_id}): {problem}; this node does not register"
+        )
     creds: tls.NodeCredentials | None = None
     joined_now = True  # the credentials in use were just made by a join (or there are none)
     if insecure:
@@ -362,20 +439,52 @@ def run_agent(
             found.kind,
             found.problem or "forced",
         )
-    containers, images = _container_runtime(container_runtime, state_dir)
-    runtimes = Runtimes(ProcessRuntime(found), container=containers)
+    net = configure_job_network(
+        agent_scope(state_dir, node_id),
+        want=job_network,
+        subnet=job_subnet,
+        deny=job_egress_deny,
+        egress=job_egress,
+        allow=job_egress_allow,
+        # every controller and join service the agent may use (both are comma lists)
+        control_plane=(*controllers, *cfg.join_address.split(",")),
+        own_ports=(port, metrics_port),
+        users=users,
+    )
+    containers, images = _container_runtime(
+        container_runtime,
+        state_dir,
+        net,
+        userns=container_userns,
+        pids_limit=container_pids_limit,
+        read_only=container_read_only,
+    )
+    isolation, scratch, isolation_labels = _job_isolation(
+        found,
+        users,
+        state_dir,
+        jobs_dir or default_jobs_dir(state_dir, node_id, users),
+        pids_max=job_pids_max,
+        disk_mb=job_disk_mb,
+        reserve_mb=cfg.agent_disk_reserve_mb,
+    )
+    runtimes = Runtimes(ProcessRuntime(found, isolation, jobnet=net), container=containers)
     runner = Runner(
         state_dir,
         store,
         runtimes=runtimes,
         users=users,
         jobs_dir=jobs_dir or default_jobs_dir(state_dir, node_id, users),
+        scratch=scratch,
+        pids_max=job_pids_max if found.pids else 0,
     )
     labels = {
         **labels,
         CONTAINMENT_LABEL: found.kind,
         JOB_USER_LABEL: users.describe(),
         CONTAINER_RUNTIME_LABEL: containers.engine.kind if containers is not None else "none",
+        NETWORK_LABEL: net.label,
+        **isolation_labels,
     }
     streamer = LogStreamer(store, LOG_SYNC_INTERVAL_S, stop)
     core = AgentCore(
@@ -409,6 +518,14 @@ def run_agent(
     }
     for run_id in found.prune(keep=live):
         logger.error("cgroup of %s holds processes but no live attempt here owns it", run_id)
+    for name in net.prune(keep=live):  # namespaces of attempts that ended (a crash)
+        logger.info("removed the stale job network namespace %s", name)
+    if runner.scratch_disks is not None and os.geteuid() == 0:
+        # before any start: mounts of cleaned or unknown attempts (also those an earlier
+        # agent made when this one makes none)
+        keep = runner.scratch_keep(set(log.runs))
+        for run_id in runner.scratch_disks.prune(runner.jobs_dir, keep):
+            logger.info("removed the scratch filesystem of ended attempt %s", run_id)
 
     server = grpc.server(
         ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc"),
@@ -459,12 +576,18 @@ def run_agent(
             rejoin_after_revocation = rejoin
     if bound == 0:
         raise OSError(f"cannot listen on {_join(host, port)}")
+    net.add_own_ports(bound, metrics_port)
     server.start()
     if metrics_port:
         metrics = telemetry.enable()
         metrics.INFO.labels(node_id, str(agent_epoch)).set(1)
-        metrics.serve(metrics_port, host)
-        logger.info("agent metrics on http://%s/metrics", _join(host, metrics_port))
+        metrics.serve(metrics_port, cfg.metrics_host, metrics_auth, cfg)
+        logger.info(
+            "agent metrics on %s://%s/metrics%s",
+            "https" if cfg.metrics_tls_cert else "http",
+            _join(cfg.metrics_host, metrics_port),
+            " (basic auth)" if metrics_auth else "",
+        )
     link = ControllerLink(
         core=core,
         stub=stub,
@@ -480,6 +603,7 @@ def run_agent(
         images=images,
         rejoin=rejoin_after_revocation,
         on_reconnected=core.outbox.retry_now,
+        object_store_url=store_url,
     )
     monitor = threading.Thread(
         target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True
@@ -491,7 +615,7 @@ def run_agent(
         t.start()
     logger.info(
         "agent %s (epoch %d) serving on %s (%s), state in %s, %d GPU(s) from %s; runtimes: "
-        "%s; jobs as %s in %s",
+        "%s; jobs as %s in %s; job isolation: %s",
         node_id,
         agent_epoch,
         _join(host, bound),
@@ -504,6 +628,7 @@ def run_agent(
         runtimes.describe(),
         users.describe(),
         runner.jobs_dir,
+        ", ".join(f"{k.split('/')[1]}={v}" for k, v in isolation_labels.items()),
     )
     try:
         stop.wait()
@@ -528,13 +653,22 @@ def run_agent(
         else:
             log.close()
         found.remove_scope()  # only if no attempt is left in it
+        _leave_job_network(net, log)
         if runner.jobs_dir != runner.runs_dir:
             with contextlib.suppress(OSError):
                 runner.jobs_dir.rmdir()
+    if link.refused is not None:
+        raise StoreRefused(link.refused)
 
 
 def _container_runtime(
-    kind: str, state_dir: Path
+    kind: str,
+    state_dir: Path,
+    net: JobNet | None = None,
+    *,
+    userns: str = "auto",
+    pids_limit: int = DEFAULT_PIDS_LIMIT,
+    read_only: bool = False,
 ) -> tuple[ContainerRuntime | None, ImageReporter | None]:
     if kind == "none":
         logger.info("no container runtime (--runtime none): jobs with an image fail to start")
@@ -544,7 +678,85 @@ def _container_runtime(
     except EngineError as exc:
         logger.warning("no container runtime (%s): jobs with an image fail to start", exc)
         return None, None
-    return ContainerRuntime(engine), ImageReporter(engine)
+    if kind == "docker" and net is not None and net.kind == "netns":
+        logger.warning(
+            "job network: docker cannot join the attempt's namespace; container jobs share "
+            "the node's network (use --runtime podman)"
+        )
+    runtime = ContainerRuntime(
+        engine,
+        jobnet=net,
+        userns=userns,
+        pids_limit=pids_limit,
+        read_only=read_only,
+        state_dir=state_dir / "engine",
+    )
+    return runtime, ImageReporter(engine)
+
+
+def _leave_job_network(net: JobNet, log: AssignmentLog) -> None:
+    """At a stop: remove the namespaces of ended attempts and, when no attempt is left, this
+    agent's nftables table; running attempts keep both (the next agent adopts them)."""
+    live = {
+        r.run_id for r in log.runs.values() if r.status in (RunStatus.ASSIGNED, RunStatus.RUNNING)
+    }
+    try:
+        net.prune(keep=live)
+        if not live and net.kind == "netns":
+            net.teardown_rules()
+    except OSError as exc:
+        logger.warning("job network: cleanup at stop failed: %s", exc)
+
+
+def _job_isolation(
+    found: Containment,
+    users: jobuser.JobUsers,
+    state_dir: Path,
+    jobs_dir: Path,
+    *,
+    pids_max: int,
+    disk_mb: int,
+    reserve_mb: int,
+) -> tuple[jobns.Isolation, ScratchDisks, dict[str, str]]:
+    """Probe the process jobs' isolation (no_new_privs, mount namespace, hidden /proc), the
+    scratch filesystems and the pids limit; warn once for each one missing. Returns the
+    isolation, the scratch disks and the node labels that say so (:data:`JOB_PIDS_MAX_LABEL`,
+    :data:`JOB_DISK_MB_LABEL`, :data:`JOB_ISOLATION_LABEL`)."""
+    isolation = jobns.detect()
+    for problem in isolation.problems:
+        logger.warning("job isolation: %s", problem)
+    scratch = ScratchDisks.detect(
+        state_dir / "scratch",
+        default_mb=disk_mb,
+        reserve_mb=reserve_mb,
+        per_attempt_dirs=users.switch and jobs_dir != state_dir / "runs",
+    )
+    if not scratch.enabled:
+        logger.warning(
+            "job isolation: no scratch filesystem per attempt (%s): a job can fill the "
+            "node's disk under %s",
+            scratch.problem,
+            jobs_dir,
+        )
+    if pids_max > 0 and not found.pids:
+        logger.warning(
+            "job isolation: no pids limit (containment %s has no pids controller): a fork "
+            "bomb can exhaust the node's pids",
+            found.kind,
+        )
+    pids = str(pids_max) if pids_max > 0 and found.pids else "none"
+    if not users.switch and isolation.mount_ns:
+        logger.warning(
+            "job isolation: jobs run as the agent's own user (%s): no private /tmp or hidden "
+            "/proc for them",
+            users.describe(),
+        )
+    labels = {
+        JOB_PIDS_MAX_LABEL: pids,
+        JOB_DISK_MB_LABEL: str(scratch.default_mb) if scratch.enabled else "none",
+        JOB_ISOLATION_LABEL: isolation.describe(namespace=users.switch),
+    }
+    return isolation, scratch, labels
 
 
 def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:

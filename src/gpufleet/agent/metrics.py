@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
+from typing import Any
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -68,19 +69,23 @@ DISK_FREE = Gauge(
 )
 
 
-def serve(port: int, addr: str) -> None:
+def serve(port: int, addr: str, auth: Any = None, cfg: Any = None) -> None:
     """Serve ``REGISTRY`` plus this process's process/platform/GC collectors on
-    ``http://addr:port/metrics`` from a daemon thread.
+    ``http://addr:port/metrics`` from a daemon thread; ``auth``: a
+    :class:`gpufleet.metrics_http.BasicAuth` (None: no auth); ``cfg``: an ``AgentConfig``
+    whose ``metrics_tls_cert``/``metrics_tls_key`` (if set) make it HTTPS.
 
     Raises:
         OSError: the port cannot be bound.
     """
-    from prometheus_client import start_http_server
+    from gpufleet import metrics_http
 
     for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         with suppress(ValueError):  # already registered by an earlier serve() in this process
             REGISTRY.register(collector)
-    start_http_server(port, addr=addr, registry=REGISTRY)
+    cert = getattr(cfg, "metrics_tls_cert", "") or None
+    key = getattr(cfg, "metrics_tls_key", "") or None
+    metrics_http.serve(port, addr, REGISTRY, auth=auth, certfile=cert, keyfile=key)
 
 
 @contextmanager

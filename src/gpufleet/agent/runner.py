@@ -18,6 +18,7 @@ import shutil
 import stat
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from gpufleet.agent.runtime import ExitInfo, Launch, RunHandle, Runtime, Runtime
 from gpufleet.agent.runtime.containment import Containment
 from gpufleet.agent.runtime.jobuser import JobUsers
 from gpufleet.agent.runtime.process import ProcessRuntime
+from gpufleet.agent.scratch import DISK_FULL, ScratchDisks, is_full
 from gpufleet.agent.workdir import RunPaths, StartError, build_env, download_prefix
 from gpufleet.objectstore import ObjectStore
 
@@ -66,6 +68,9 @@ class Runner:
         runtimes: the node's runtimes; default: the process runtime without containment.
         users: who jobs run as; default: the agent's own user (tests of the agent logic).
         jobs_dir: root of the job-visible dirs; default: ``{state_dir}/runs``.
+        scratch: per-attempt scratch filesystems (:mod:`gpufleet.agent.scratch`); None or
+            disabled: the job dirs are plain directories of the jobs dir's filesystem.
+        pids_max: ``pids.max`` of an attempt whose job set no ``pids_limit``; 0 = none.
 
     Raises:
         ValueError: jobs run as other users (``users.switch``) and cannot reach ``jobs_dir``
@@ -80,6 +85,8 @@ class Runner:
         runtimes: Runtimes | None = None,
         users: JobUsers | None = None,
         jobs_dir: Path | None = None,
+        scratch: ScratchDisks | None = None,
+        pids_max: int = 0,
     ) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(state_dir, 0o700)
@@ -95,6 +102,10 @@ class Runner:
             os.chmod(self.jobs_dir, 0o711)  # jobs may pass through, not list other attempts
             if self.users.switch:  # (jobs run as other users: they must reach their dirs)
                 _check_searchable(self.jobs_dir)
+        self.scratch = scratch if scratch is not None and scratch.enabled else None
+        # kept even when disabled: mounts made by an earlier agent are still removed
+        self.scratch_disks = scratch
+        self.pids_max = pids_max
         self._lock = threading.Lock()
         self._uids: dict[str, int] = {}  # run_id -> job uid, for attempts this agent started
         self._live: dict[str, RunRecord] = {}
@@ -132,7 +143,7 @@ class Runner:
             user = self.users.for_run(rec.run_id, home=str(paths.work), taken=taken)
             self._uids[rec.run_id] = user.uid
         try:
-            self._make_job_dirs(paths, user.uid, user.gid, user.switch)
+            self._make_job_dirs(paths, user.uid, user.gid, user.switch, disk_mb=rec.disk_mb)
             resume_dir: Path | None = None
             if rec.resume_from_uri:
                 paths.resume.mkdir(parents=True, exist_ok=True)
@@ -164,6 +175,7 @@ class Runner:
                 cpu=rec.cpu,
                 gpu_ids=tuple(rec.gpu_ids),
                 resume_dir=resume_dir,
+                pids_max=rec.pids_limit if rec.pids_limit > 0 else self.pids_max,
             )
             h = runtime.spawn(rec, launch)
             with self._lock:
@@ -172,6 +184,8 @@ class Runner:
         except BaseException:
             with self._lock:
                 self._uids.pop(rec.run_id, None)
+            if self.scratch is not None:
+                self.scratch.remove(rec.run_id, paths.job_root)
             raise
 
     def started_fields(self, rec: RunRecord, h: RunHandle) -> dict[str, Any]:
@@ -226,7 +240,31 @@ class Runner:
         if info is not None:
             with self._lock:
                 self._live.pop(rec.run_id, None)
+            info = self._disk_full(rec, info)
         return info
+
+    def _disk_full(self, rec: RunRecord, info: ExitInfo) -> ExitInfo:
+        """``info`` with reason DISK_FULL when the command failed with its scratch
+        filesystem full (the likely cause: its writes got ENOSPC)."""
+        root = self.paths(rec.run_id).job_root
+        if (
+            self.scratch is None
+            or root is None
+            or info.exit_code == 0
+            or info.reason
+            or info.never_started
+            or not os.path.ismount(root)
+            or not is_full(root)
+        ):
+            return info
+        size = self.scratch.size_of(rec.run_id) or self.scratch.size_mb(rec.disk_mb)
+        note = (
+            f"DISK_FULL: the attempt filled its scratch filesystem (disk_mb={size}: work, "
+            "checkpoints, artifacts, /tmp) and its command failed"
+        )
+        if info.message:
+            note = f"{note}; {info.message}"
+        return replace(info, reason=DISK_FULL, message=note)
 
     def _runtime_of(self, h: RunHandle) -> Runtime:
         if type(h).runtime == "container" and self.runtimes.container is not None:
@@ -242,7 +280,9 @@ class Runner:
         with contextlib.suppress(StartError):
             self.runtimes.for_record(rec).release(rec)
         paths = self.paths(rec.run_id)
-        for d in (paths.work, paths.checkpoints, paths.artifacts, paths.resume):
+        if self.scratch_disks is not None:  # unmount, delete its filesystem (what is left: empty)
+            self.scratch_disks.remove(rec.run_id, paths.job_root)
+        for d in (paths.work, paths.checkpoints, paths.artifacts, paths.resume, paths.tmp):
             shutil.rmtree(d, ignore_errors=True)
         if paths.job_root is not None:
             with contextlib.suppress(OSError):
@@ -278,15 +318,36 @@ class Runner:
 
     # ------------------------------------------------------------------ helpers
 
-    def _make_job_dirs(self, paths: RunPaths, uid: int, gid: int, switch: bool) -> None:
+    def _make_job_dirs(
+        self, paths: RunPaths, uid: int, gid: int, switch: bool, *, disk_mb: int = 0
+    ) -> None:
+        """The job-visible dirs, 0700 and the job's; with a scratch filesystem its root is
+        ``paths.job_root`` (mounted first). ``tmp`` (the job's /tmp) is 01777 like /tmp.
+
+        Raises:
+            StartError: the scratch filesystem cannot be made (see ScratchDisks.create).
+        """
         dirs = [paths.work, paths.checkpoints, paths.artifacts]
         if paths.job_root is not None:
             dirs.insert(0, paths.job_root)
+            if self.scratch is not None:
+                paths.job_root.mkdir(parents=True, exist_ok=True)
+                size = self.scratch.size_mb(disk_mb)
+                self.scratch.create(
+                    paths.job_root.name, paths.job_root, size, uid, gid, shrink_to_fit=disk_mb <= 0
+                )
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
             if switch:
                 os.chown(d, uid, gid, follow_symlinks=False)
             os.chmod(d, 0o700)
+        paths.tmp.mkdir(exist_ok=True)
+        os.chmod(paths.tmp, 0o1777)
+
+    def scratch_keep(self, run_ids: set[str]) -> set[str]:
+        """Of ``run_ids`` (the attempts in the assignment log), those whose scratch must
+        stay: not cleaned yet (running, or outputs not uploaded and reported)."""
+        return {r for r in run_ids if not (self.runs_dir / r / CLEANED_MARK).exists()}
 
 
 def _chown_tree(root: Path, uid: int, gid: int) -> None:

@@ -120,9 +120,14 @@ class ControllerLink:
         images: ImageReporter | None = None,
         rejoin: Callable[[], bool] | None = None,
         on_reconnected: Callable[[], None] = lambda: None,
+        object_store_url: str = "",
     ) -> None:
         self.core = core
         self.on_reconnected = on_reconnected
+        self.object_store_url = object_store_url
+        self.refused: str | None = None
+        """Why the controller refused this node for good (its answer's ``refused``, or
+        another object store than the fleet's); the agent stopped and exits with it."""
         self.rejoin = rejoin
         self.images = images
         self.stub = stub
@@ -153,6 +158,7 @@ class ControllerLink:
             memory_mb=self.inventory.memory_mb,
             labels=self.labels,
             inventory_source=self.inventory.source,
+            object_store_url=self.object_store_url,
         )
         attempts = 0
         while not self.stop_event.is_set():
@@ -180,6 +186,12 @@ class ControllerLink:
                 self.stop_event.wait(delay)
                 delay = min(REGISTER_BACKOFF_MAX_S, delay * 2)
                 continue
+            refused = resp.refused or self._other_store(resp.object_store_url)
+            if refused:  # a configuration error no retry mends: stop the agent
+                logger.error("controller refused node %s: %s", self.node_id, refused)
+                self.refused = refused
+                self.stop_event.set()
+                return False
             self.core.note_leader_epoch(resp.leader_epoch)
             if self.fixed_interval_s is None and resp.heartbeat_interval_s > 0:
                 self.interval_s = resp.heartbeat_interval_s
@@ -200,6 +212,13 @@ class ControllerLink:
         believed open) costs at most that before the next heartbeat goes to the next
         controller (``agent.controllers``)."""
         return max(HEARTBEAT_TIMEOUT_MIN_S, min(CALL_TIMEOUT_S, self.interval_s))
+
+    def _other_store(self, fleet_url: str) -> str:
+        """A refusal when the controller named a fleet object store other than ours (a
+        controller that checks refuses itself; this covers one that only tells)."""
+        from gpufleet.objectstore import mismatch
+
+        return mismatch(self.object_store_url, fleet_url) or ""
 
     def heartbeat_once(self) -> None:
         """Send one heartbeat and apply the answer (stop list, re-registration).

@@ -8,7 +8,13 @@ command line with :func:`argv`::
 
     /bin/sh shim.sh --exit-file F --log-file L [--claim-file C] [--status-fd N] [--cwd D]
         [--cwd-check] [--cgroup-procs P]... [--setpriv PATH --uid U --gid G [--groups G1,G2]]
-        [--cwd-as U:G] -- cmd [args...]
+        [--cwd-as U:G] [--mount-bin M [--private-tmp D] [--hide-pids]]
+        [--restore-env NAME,NAME] -- cmd [args...]
+
+The agent runs it under ``setpriv --no-new-privs`` and, for jobs as job users, in a mount
+namespace of its own (``unshare --mount --ipc``; :mod:`gpufleet.agent.runtime.jobns`): with
+``--mount-bin`` the child makes the job's mounts (private /tmp, /var/tmp, /dev/shm, hidepid
+/proc) right after the cgroup join, before any user switch.
 
 The agent starts it with ``start_new_session=True`` and the command's complete environment
 (the shell's own variables are unexported and prefixed ``_gf_``; no environment file is
@@ -119,6 +125,10 @@ def argv(
     groups: tuple[int, ...] = (),
     cwd_as: tuple[int, int] | None = None,
     keep_pwd: bool = False,
+    mount_bin: str = "",
+    private_tmp: str = "",
+    hide_pids: bool = False,
+    restore_env: tuple[str, ...] = (),
 ) -> list[str]:
     """The shim's command line (see the module doc for each option).
 
@@ -130,6 +140,15 @@ def argv(
         cwd_as: (uid, gid) to check ``cwd`` as, when the command prefix switches users.
         keep_pwd: the command's environment has ``PWD``/``OLDPWD`` (else the shim removes
             the ones ``sh`` exports).
+        mount_bin: absolute path of ``mount``: the shim runs in a mount namespace of its own
+            (``jobns``) and its child, after the cgroup join, mounts a fresh tmpfs on
+            ``/dev/shm``, and with ``private_tmp`` binds that directory on ``/tmp`` and
+            ``/var/tmp``, and with ``hide_pids`` a ``proc`` with ``hidepid=invisible`` on
+            ``/proc``. A failed mount is a start error.
+        restore_env: names of the job's loader variables (``LD_PRELOAD``...) that the
+            agent passed as ``_GF_ENV_<name>`` (``jobns.hide_loader_env``): the shim sets
+            them back only in the command's own process after the switch to the job user
+            (a second ``sh`` stage when switching), so no program running as root sees them.
     """
     if status_fd is not None and not 1 <= status_fd <= 9:
         raise ValueError(f"status_fd must be 1-9, not {status_fd}")
@@ -153,6 +172,14 @@ def argv(
             out += ["--groups", ",".join(str(g) for g in groups)]
     if cwd_as is not None:
         out += ["--setpriv", SETPRIV, "--cwd-as", f"{cwd_as[0]}:{cwd_as[1]}"]
+    if restore_env:
+        out += ["--restore-env", ",".join(restore_env)]
+    if mount_bin:
+        out += ["--mount-bin", mount_bin]
+        if private_tmp:
+            out += ["--private-tmp", private_tmp]
+        if hide_pids:
+            out.append("--hide-pids")
     return [*out, "--", *command]
 
 

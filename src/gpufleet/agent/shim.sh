@@ -2,14 +2,16 @@
 #
 #   sh shim.sh --exit-file F --log-file L [--claim-file C] [--status-fd N] [--cwd D]
 #              [--cwd-check] [--cgroup-procs P]... [--setpriv PATH --uid U --gid G
-#              [--groups G1,G2]] [--cwd-as U:G] -- cmd [args...]
+#              [--groups G1,G2]] [--cwd-as U:G] [--mount-bin M [--private-tmp D]
+#              [--hide-pids]] [--restore-env NAME,NAME] -- cmd [args...]
 #
 # Builtins only on the common path (no fork besides the command's own, no exec besides the
 # command's and, when switching users, setpriv's): this runs once per attempt.
 # Variables are prefixed _gf_ because the shell's environment is the command's environment.
 
 _gf_exit= _gf_log= _gf_claim= _gf_status= _gf_cwd= _gf_check= _gf_procs= _gf_setpriv=
-_gf_uid= _gf_gid= _gf_groups= _gf_cwd_as= _gf_stage2= _gf_pwd=
+_gf_uid= _gf_gid= _gf_groups= _gf_cwd_as= _gf_stage2= _gf_pwd= _gf_mount= _gf_tmp= _gf_hide=
+_gf_restore=
 _gf_nl='
 '
 while [ $# -gt 0 ]; do
@@ -28,6 +30,10 @@ while [ $# -gt 0 ]; do
         --cwd-as) _gf_cwd_as=$2; shift 2 ;;
         --stage2) _gf_stage2=1; shift ;;
         --keep-pwd) _gf_pwd=1; shift ;;
+        --mount-bin) _gf_mount=$2; shift 2 ;;
+        --private-tmp) _gf_tmp=$2; shift 2 ;;
+        --hide-pids) _gf_hide=1; shift ;;
+        --restore-env) _gf_restore=$2; shift 2 ;;
         --) shift; break ;;
         *) echo "gpufleet shim: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -97,8 +103,16 @@ _gf_exec() {
 }
 
 # sh exports PWD (and cd OLDPWD): the command gets neither unless the agent passed them.
+# The job's loader variables (LD_PRELOAD...) come as _GF_ENV_<name> so that nothing run as
+# root sees them; they are set back here, in the command's process, never before the switch
+# to the job user (the names are shell identifiers: the agent checked them).
 _gf_env() {
     [ -n "$_gf_pwd" ] || unset PWD OLDPWD
+    while [ -n "$_gf_restore" ]; do
+        _gf_n=${_gf_restore%%,*}
+        eval "$_gf_n=\${_GF_ENV_$_gf_n}; export $_gf_n; unset _GF_ENV_$_gf_n"
+        [ "$_gf_restore" = "$_gf_n" ] && _gf_restore= || _gf_restore=${_gf_restore#*,}
+    done
 }
 
 # Why cd "$1" failed (sh's own message has no errno text).
@@ -109,7 +123,7 @@ _gf_cdwhy() {
 if [ -n "$_gf_stage2" ]; then
     # after setpriv: enter the working directory as the job user, then run the command
     # (the agent saw it as a directory: a failure here is the job user's access)
-    cd -P -- "$_gf_cwd" 2>/dev/null || _gf_fail \
+    [ -z "$_gf_cwd" ] || cd -P -- "$_gf_cwd" 2>/dev/null || _gf_fail \
         "cannot enter working_dir '$_gf_cwd' as the job user (uid $(id -u)): Permission denied"
     _gf_exec "$@"
 fi
@@ -145,6 +159,20 @@ fi
             || _gf_fail "cannot join the cgroup ${_gf_procs%%"$_gf_nl"*}"
         _gf_procs=${_gf_procs#*"$_gf_nl"}
     done
+    # in the attempt's own mount namespace (the agent ran this shim under unshare --mount):
+    # a private /tmp and /var/tmp, a fresh /dev/shm, a /proc showing only the job's uid
+    if [ -n "$_gf_mount" ]; then
+        if [ -n "$_gf_tmp" ]; then
+            "$_gf_mount" --bind "$_gf_tmp" /tmp 2>/dev/null \
+                || _gf_fail "cannot mount the attempt's private /tmp"
+            [ ! -d /var/tmp ] || "$_gf_mount" --bind "$_gf_tmp" /var/tmp 2>/dev/null \
+                || _gf_fail "cannot mount the attempt's private /var/tmp"
+        fi
+        [ ! -d /dev/shm ] || "$_gf_mount" -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /dev/shm \
+            2>/dev/null || _gf_fail "cannot mount the attempt's private /dev/shm"
+        [ -z "$_gf_hide" ] || "$_gf_mount" -t proc -o nosuid,nodev,noexec,hidepid=invisible \
+            proc /proc 2>/dev/null || _gf_fail "cannot mount /proc with hidepid=invisible"
+    fi
     if [ -n "$_gf_cwd_as" ]; then
         # the command prefix switches users itself (unshare); check the directory as the job
         # user, then enter it as ourselves
@@ -158,10 +186,12 @@ fi
     fi
     if [ -n "$_gf_uid" ]; then
         [ -n "$_gf_groups" ] && _gf_g=--groups=$_gf_groups || _gf_g=--clear-groups
-        if [ -n "$_gf_check" ]; then
-            # a working directory chosen by the job: enter it as the job user
+        if [ -n "$_gf_check" ] || [ -n "$_gf_restore" ]; then
+            # a working directory chosen by the job: enter it as the job user; loader
+            # variables to set back: only as the job user
             exec "$_gf_setpriv" --reuid="$_gf_uid" --regid="$_gf_gid" "$_gf_g" -- \
-                /bin/sh "$0" --stage2 ${_gf_pwd:+--keep-pwd} --cwd "$_gf_cwd" ${_gf_status:+--status-fd 9} -- "$@"
+                /bin/sh "$0" --stage2 ${_gf_pwd:+--keep-pwd} --cwd "$_gf_cwd" \
+                ${_gf_status:+--status-fd 9} ${_gf_restore:+--restore-env $_gf_restore} -- "$@"
         fi
         # the attempt's own work directory belongs to the job user
         [ -z "$_gf_cwd" ] || cd -P -- "$_gf_cwd" 2>/dev/null \

@@ -8,6 +8,10 @@ or in ``{state_dir}/runs/{run_id}/`` when the agent cannot switch users::
     checkpoints/   GPUFLEET_CHECKPOINT_DIR (empty at start; uploaded at exit)
     artifacts/     GPUFLEET_ARTIFACTS_DIR (uploaded at exit)
     resume/        GPUFLEET_RESUME_FROM (objects under resume_from_uri, downloaded before start)
+    tmp/           the job's /tmp and /var/tmp (bound there in its own mount namespace)
+
+With a scratch filesystem (:mod:`gpufleet.agent.scratch`) ``{jobs_dir}/{run_id}/`` is the
+root of the attempt's own loop-mounted filesystem, so all of the above share its size.
 
 Agent-only files, in ``{state_dir}/runs/{run_id}/`` (the state dir is 0700)::
 
@@ -73,6 +77,12 @@ class RunPaths:
     @property
     def resume(self) -> Path:
         return self._jobs / "resume"
+
+    @property
+    def tmp(self) -> Path:
+        """The attempt's private ``/tmp`` (and ``/var/tmp``), bound there in its mount
+        namespace."""
+        return self._jobs / "tmp"
 
     @property
     def log(self) -> Path:

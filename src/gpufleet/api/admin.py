@@ -21,9 +21,8 @@ from gpufleet.api.schemas import (
     TokenList,
     TokenOut,
 )
-from gpufleet.domain.errors import Conflict
 from gpufleet.rpc import tls
-from gpufleet.services import auth, jobs, limits, node_identity, node_labels, teams
+from gpufleet.services import auth, fleet_ca, jobs, limits, node_identity, node_labels, teams
 
 
 def router(
@@ -67,16 +66,21 @@ def router(
     @r.post("/v1/admin/nodes/join-tokens", status_code=201, responses=errors(400, 403, 409, 413))
     def create_join_token(body: JoinTokenCreate, _: Admin) -> dict[str, Any]:
         """A single-use join token (``gfj1.<CA sha256>.<secret>``) for ``gpufleet agent
-        --join-token``. 409 when this server has no fleet CA certificate (``pki_dir``)."""
-        try:
-            ca_pem = tls.read_ca_cert(state.settings.resolved_pki_dir())
-        except tls.PkiError as exc:
-            raise Conflict(str(exc), field="pki_dir") from None
-        secret, expires = state.db.run_write(
-            partial(node_identity.create_join_token, node_id=body.node_id, ttl_s=body.ttl_s)
-        )
+        --join-token``. The CA is this server's ``ca.crt`` (only the public certificate is
+        needed) or, without one, the fleet CA recorded in the database. 409 (``pki_dir``)
+        when this server's ``ca.crt`` is not the recorded CA, or there is neither."""
+        fp, ca_path = tls.local_ca_fingerprint(state.settings.resolved_pki_dir())
+
+        def make(s: Any) -> tuple[str, str, Any]:
+            ca = fleet_ca.join_token_ca(s, fp, ca_path)
+            secret, expires = node_identity.create_join_token(
+                s, node_id=body.node_id, ttl_s=body.ttl_s
+            )
+            return ca, secret, expires
+
+        ca, secret, expires = state.db.run_write(make)
         return {
-            "token": tls.format_join_token(tls.fingerprint(ca_pem), secret),
+            "token": tls.format_join_token(ca, secret),
             "node_id": body.node_id,
             "expires_at": jobs.iso(expires),
         }

@@ -7,9 +7,10 @@ from functools import partial
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpufleet.domain.errors import ValidationFailed
+from gpufleet.domain.images import reference_problem
 from gpufleet.domain.states import NodeStatus
 from gpufleet.queue import Waker
 from gpufleet.services import auth, node_lookup, nodes
@@ -28,10 +29,12 @@ class NodeAction(BaseModel):
 
 class FenceRequest(BaseModel):
     """Body of fence: ``confirm_dead`` must be true (the operator vouches the node is dead,
-    so its quarantined GPUs can be offered again)."""
+    so its quarantined GPUs can be offered again); ``force`` fences a node heard from within
+    the heartbeat window too (else 409, field ``force``)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     confirm_dead: bool = False
+    force: bool = False
     reason: Reason = None
 
 
@@ -39,6 +42,14 @@ class PrepullRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     image: str = Field(min_length=1, max_length=512, pattern=r"^[^\x00\s]+$")
     gpu_type: str | None = Field(default=None, min_length=1, max_length=64)
+
+    @field_validator("image")
+    @classmethod
+    def _image_reference(cls, v: str) -> str:
+        """An OCI reference, as for a job's ``image`` (``domain.images``)."""
+        if (problem := reference_problem(v)) is not None:
+            raise ValueError(f"image reference {v[:80]!r} {problem}")
+        return v
 
 
 class ActiveRunOut(BaseModel):
@@ -138,7 +149,9 @@ def add_admin_node_routes(
     )
     def fence(node_id: str, body: FenceRequest, _: Admin) -> FenceOut:
         """Give a dead node up: its attempts are fenced (jobs re-placed), its QUARANTINED
-        GPUs released, and it is FENCED until uncordoned. 422 without ``confirm_dead``."""
+        GPUs released, and it is FENCED until uncordoned. 422 without ``confirm_dead``; 409
+        (field ``force``) when the node was heard from within ``suspect_after_missed``
+        heartbeat intervals and is neither FENCED nor revoked, unless ``force``."""
         if not body.confirm_dead:
             raise ValidationFailed(
                 "confirm_dead must be true: fencing releases GPUs that processes on the node"
@@ -151,6 +164,8 @@ def add_admin_node_routes(
                 node_id=node_id,
                 reason=body.reason or "confirmed dead by an operator",
                 max_node_failures=settings.max_node_failures,
+                live_within_s=settings.suspect_after_missed * settings.heartbeat_interval_s,
+                force=body.force,
             )
         )
         waker.wake()

@@ -6,8 +6,10 @@ tokens), ``api.admin_nodes`` (cordon, drain, fence, pre-pull) and ``api.ui`` (th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -22,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gpufleet.api import ui
 from gpufleet.api.admin_nodes import add_admin_node_routes
 from gpufleet.api.dbhealth import RETRY_AFTER_S, DatabaseOutage, OutageWatch
-from gpufleet.api.middleware import BodyLimit
+from gpufleet.api.middleware import BodyLimit, SecurityHeaders
 from gpufleet.api.openapi_doc import install_openapi, mount_docs
 from gpufleet.api.reports import add_report_routes
 from gpufleet.api.schemas import ErrorOut
@@ -41,6 +43,10 @@ SUBMITS = Counter("gpufleet_api_submits_total", "Job submissions", ["outcome"])
 SUBMIT_SECONDS = Histogram("gpufleet_api_submit_seconds", "POST /v1/jobs latency (s)")
 
 
+READ_REFUSAL_DELAY_S = 1.0
+"""A read refused by the team's read bucket is answered (429) after the time until its tokens
+are there, at most this long, seconds."""
+
 PRINCIPAL_TTL_S = 0.5
 """A token's team is remembered this long per server: a token revoked anywhere (CLI, another
 replica) is refused by every replica within this time. Half a second keeps the bound under
@@ -57,6 +63,8 @@ class AppState:
     principals: dict[str, tuple[float, auth.Principal]] = field(default_factory=dict)
     admission: limits.SubmitAdmission | None = None
     """Per-team submit-rate check; built from ``settings`` by ``create_app`` when None."""
+    list_slots: dict[str, asyncio.Semaphore] = field(default_factory=dict)
+    """Per team: the job lists it may have in progress at once (``list_slot``)."""
 
 
 def log_key(job_id: str, run_id: str) -> str:
@@ -70,7 +78,9 @@ async def principal(
     authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> auth.Principal:
     """The caller, from ``Authorization: Bearer <token>``; the team comes from the token.
-    A cache hit is answered on the event loop; the database is read in a worker thread."""
+    A cache hit is answered on the event loop; the database is read in a worker thread. A
+    GET or HEAD also takes its tokens from the team's read bucket (raises LimitExceeded, 429
+    naming ``read_rate_per_s``, when it is empty)."""
     raw = None
     if authorization and authorization.lower().startswith("bearer "):
         raw = authorization[7:].strip()
@@ -78,13 +88,47 @@ async def principal(
     if raw:
         hit = state.principals.get(raw)
         if hit is not None and time.monotonic() - hit[0] < PRINCIPAL_TTL_S:
-            return hit[1]
-    who = await run_in_threadpool(_authenticate, state.db, raw)
-    if raw is not None:
-        if len(state.principals) > 10_000:
-            state.principals.clear()
-        state.principals[raw] = (time.monotonic(), who)
+            who: auth.Principal | None = hit[1]
+        else:
+            who = None
+    else:
+        who = None
+    if who is None:
+        who = await run_in_threadpool(_authenticate, state.db, raw)
+        if raw is not None:
+            if len(state.principals) > 10_000:
+                state.principals.clear()
+            state.principals[raw] = (time.monotonic(), who)
+    if request.method in ("GET", "HEAD") and state.admission is not None:
+        await _check_read_rate(state.admission, who.team_id, request)
     return who
+
+
+async def _check_read_rate(
+    admission: limits.SubmitAdmission, team_id: str, request: Request
+) -> None:
+    """Take the read's tokens from the team's read bucket (1; a job list 1 per 20 rows that
+    ``GET /v1/jobs?limit=`` asks for; elsewhere ``limit`` is not rows, e.g. the log's bytes);
+    raises LimitExceeded (429) when it is empty."""
+    asked: int | None = None
+    if request.url.path.rstrip("/") == "/v1/jobs":
+        try:
+            asked = int(request.query_params.get("limit") or 0) or None
+        except ValueError:
+            asked = None  # the route's own validation answers 422
+    cost = limits.read_cost(asked)
+    try:
+        if admission.check_needs_io(team_id, read=True):
+            await run_in_threadpool(admission.check_read_rate, team_id, cost)
+        else:
+            admission.check_read_rate(team_id, cost)
+    except LimitExceeded as exc:
+        # answered after a pause (no CPU spent meanwhile): a client that ignores Retry-After
+        # cannot spin on cheap 429s and take the server's CPU from other teams
+        delay = min(exc.retry_after_s, READ_REFUSAL_DELAY_S)
+        await asyncio.sleep(delay)
+        exc.retry_after_s = max(0.0, exc.retry_after_s - delay)
+        raise
 
 
 def _authenticate(db: Database, raw: str | None) -> auth.Principal:
@@ -129,6 +173,28 @@ async def submit_allowed(request: Request, who: Who) -> auth.Principal:
 Submitter = Annotated[auth.Principal, Depends(submit_allowed)]
 
 
+async def list_slot(request: Request, who: Who) -> AsyncIterator[auth.Principal]:
+    """The caller, holding one of its team's job-list slots in this process until the answer
+    is made: at most ``team_list_concurrency`` of a team's job lists are served at once (the
+    others wait, costing no CPU), so one team's parallel large lists cannot occupy every
+    worker thread. 0 = no cap."""
+    state: AppState = request.app.state.gf
+    n = state.settings.team_list_concurrency
+    if n <= 0:
+        yield who
+        return
+    slot = state.list_slots.get(who.team_id)
+    if slot is None:
+        if len(state.list_slots) > 10_000:
+            state.list_slots = {t: s for t, s in state.list_slots.items() if s.locked()}
+        slot = state.list_slots[who.team_id] = asyncio.Semaphore(n)
+    async with slot:
+        yield who
+
+
+Lister = Annotated[auth.Principal, Depends(list_slot)]
+
+
 def create_app(state: AppState) -> FastAPI:
     # every operation may answer these (bad token, bad input, database down); the others
     # are declared per operation, so that the document lists every status the server sends
@@ -147,7 +213,13 @@ def create_app(state: AppState) -> FastAPI:
     defaults = limits.TeamLimits.defaults(state.settings)
     if state.admission is None:
         state.admission = limits.SubmitAdmission(
-            state.db, limits.make_rate_limiter(state.settings.redis_url), defaults
+            state.db,
+            limits.make_rate_limiter(
+                state.settings.redis_url,
+                prefix=state.settings.redis_prefix,
+                timeout_s=state.settings.redis_timeout_s,
+            ),
+            defaults,
         )
     admission = state.admission
 
@@ -155,6 +227,8 @@ def create_app(state: AppState) -> FastAPI:
     app.add_middleware(OutageWatch, outage=outage)
     # outermost: counts the body's bytes as they are read, chunked or not, before any route
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    # outside everything: every answer, errors and 413s included, gets the browser headers
+    app.add_middleware(SecurityHeaders)
 
     @app.exception_handler(SQLAlchemyError)
     async def on_database_error(_: Request, exc: SQLAlchemyError) -> JSONResponse:

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Header, Query
 from fastapi.responses import Response
 from sqlalchemy import select
 
-from gpufleet.api.app import SUBMIT_SECONDS, SUBMITS, AppState, Submitter, Who, errors
+from gpufleet.api.app import SUBMIT_SECONDS, SUBMITS, AppState, Lister, Submitter, Who, errors
 from gpufleet.api.schemas import (
     AttemptOut,
     JobCreate,
@@ -136,7 +136,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
 
     @r.get("/v1/jobs", response_model=JobList, responses=errors(404))
     def list_(
-        who: Who,
+        who: Lister,
         status: Annotated[
             str | None,
             Query(
@@ -245,6 +245,8 @@ def job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
         failure_reason=job.failure_reason,
         image=spec.get("image"),
         working_dir=spec.get("working_dir"),
+        pids_limit=spec.get("pids_limit"),
+        disk_mb=spec.get("disk_mb"),
         cpu=float(spec["resources"].get("cpu") or 0.0),
         memory_mb=int(spec["resources"].get("memory_mb") or 0),
         gpu_memory_mb=int(spec["resources"].get("gpu_memory_mb") or 0),

@@ -8,7 +8,8 @@ FastAPI's generated document is adjusted in one place (:func:`install_openapi`):
 - every error answer is ``ErrorOut`` (``{error, message, field}``); FastAPI's own
   ``HTTPValidationError`` body is never sent (the one handler maps validation errors), so it
   is not documented;
-- ``/healthz`` needs no token, so it documents no 401/422.
+- ``/healthz`` needs no token, so it documents no 401/422;
+- every read under ``/v1`` documents 429 (the team's read bucket).
 
 Swagger UI (``/docs``) and Redoc (``/redoc``) load their scripts from ``/docs-assets/``
 (``api/docs_assets``, vendored with their licenses), never from a CDN: they work on an
@@ -107,6 +108,15 @@ def adjust(doc: dict[str, Any]) -> dict[str, Any]:
                 op["parameters"] = params
             else:
                 op.pop("parameters", None)
+            if method in ("get", "head") and path.startswith("/v1/"):
+                # every read takes from the team's read bucket (api.app.principal)
+                op.setdefault("responses", {}).setdefault(
+                    "429",
+                    {
+                        "description": "Over the team's read rate (`field`: read_rate_per_s);"
+                        " see Retry-After"
+                    },
+                )
             for status, resp in op.get("responses", {}).items():
                 if status.startswith(("4", "5")):
                     resp["content"] = {"application/json": {"schema": error_ref}}

@@ -16,6 +16,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from gpufleet.domain.images import reference_problem
 from gpufleet.domain.types import JobSpec, PriorityClass, Resources
 from gpufleet.services.limits import (
     MAX_GPUS,
@@ -37,6 +38,14 @@ class DependencyIn(BaseModel):
 
     type: Literal["afterok", "afterany", "afternotok"] = "afterok"
     job_id: str = Field(min_length=1, max_length=256)
+
+
+MAX_PIDS_LIMIT = 4_194_304
+"""The kernel's largest ``pid_max`` (``PID_MAX_LIMIT`` on 64-bit)."""
+MIN_DISK_MB = 16
+"""The smallest scratch filesystem an agent makes (ext4 needs a few MiB of its own)."""
+MAX_DISK_MB = 64 * 1024 * 1024
+"""64 TiB."""
 
 
 class JobCreate(BaseModel):
@@ -69,6 +78,10 @@ class JobCreate(BaseModel):
     node_selector: dict[str, str] = Field(default_factory=dict)
     preemptible: bool = True
     working_dir: str | None = Field(default=None, max_length=4096)
+    pids_limit: int | None = Field(default=None, ge=1, le=MAX_PIDS_LIMIT)
+    """Most processes and threads at once (the cgroup's pids.max); None: the node's default."""
+    disk_mb: int | None = Field(default=None, ge=MIN_DISK_MB, le=MAX_DISK_MB)
+    """Size of each attempt's scratch filesystem, MiB; None: the node's default."""
     array: str | None = Field(
         default=None,
         min_length=1,
@@ -140,6 +153,14 @@ class JobCreate(BaseModel):
                     {"i": i, "where": where, "msg": first["msg"]},
                 ) from None
         return items
+
+    @field_validator("image")
+    @classmethod
+    def _image_reference(cls, v: str | None) -> str | None:
+        """An OCI reference (``domain.images.reference_problem``): never an engine option."""
+        if v is not None and (problem := reference_problem(v)) is not None:
+            raise ValueError(f"image reference {v[:80]!r} {problem}")
+        return v
 
     @field_validator("working_dir")
     @classmethod
@@ -250,6 +271,8 @@ class JobCreate(BaseModel):
             preemptible=self.preemptible,
             node_selector=dict(sorted(self.node_selector.items())),
             working_dir=self.working_dir,
+            pids_limit=self.pids_limit,
+            disk_mb=self.disk_mb,
         )
 
 
@@ -374,6 +397,8 @@ class JobOut(BaseModel):
     # may hold secrets and are never sent back)
     image: str | None = None
     working_dir: str | None = None
+    pids_limit: int | None = None
+    disk_mb: int | None = None
     cpu: float = 0.0
     memory_mb: int = 0
     gpu_memory_mb: int = 0
@@ -531,6 +556,8 @@ class TeamQuotaUpdate(BaseModel):
     max_outstanding_jobs: int | None = Field(default=None, ge=0, le=MAX_OUTSTANDING_JOBS)
     submit_rate_per_s: float | None = Field(default=None, ge=0, le=MAX_SUBMIT_RATE_PER_S)
     submit_burst: int | None = Field(default=None, ge=1, le=MAX_SUBMIT_BURST)
+    read_rate_per_s: float | None = Field(default=None, ge=0, le=MAX_SUBMIT_RATE_PER_S)
+    read_burst: int | None = Field(default=None, ge=1, le=MAX_SUBMIT_BURST)
     default_max_runtime_s: float | None = Field(default=None, ge=0, le=MAX_RUNTIME_S)
     max_runtime_limit_s: float | None = Field(default=None, ge=0, le=MAX_RUNTIME_S)
 
@@ -562,6 +589,8 @@ class TeamQuotaUpdate(BaseModel):
             "max_outstanding_jobs": self.max_outstanding_jobs,
             "submit_rate_per_s": self.submit_rate_per_s,
             "submit_burst": self.submit_burst,
+            "read_rate_per_s": self.read_rate_per_s,
+            "read_burst": self.read_burst,
             "default_max_runtime_s": self.default_max_runtime_s,
             "max_runtime_limit_s": self.max_runtime_limit_s,
         }

@@ -9,8 +9,16 @@ Design:
   SameSite=Strict cookie; every page resolves it with ``services.auth.authenticate`` exactly
   like a bearer token. An admin token sees the whole fleet and every team; a team token sees
   its own team's jobs only (another team's job page is 404, as in the API), and other teams'
-  GPUs in the grid as "in use", without names. The cookie is SameSite=Strict, so another site
-  cannot make the browser post the cancel form.
+  GPUs in the grid as "in use", without names.
+* **Cross-site requests.** SameSite=Strict alone does not stop a page of the same *site*
+  (another port of this host, a sibling subdomain) from posting a form. Every state-changing
+  form (cancel, login, logout) is therefore checked twice (:func:`cross_origin`,
+  :func:`csrf_for_session`): the browser's ``Sec-Fetch-Site`` must say ``same-origin`` and
+  ``Origin``, when sent, must be this server's own; and the form must carry a token: derived
+  from the session's API token once logged in (nobody without the session can make it), a
+  random value also set as a cookie before (the login form). A refused post changes nothing
+  (403). Every page is sent with a Content-Security-Policy (scripts from /ui/static only, no
+  inline script, no eval; no framing) (``api.middleware.SecurityHeaders``).
 * **Escaping.** Jinja2 autoescape is on for every template: job names, commands, messages,
   log lines are user text.
 * **Live.** Each page has one ``#live`` region that htmx re-fetches every 2 s (the log tail
@@ -19,7 +27,10 @@ Design:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import secrets
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -52,6 +63,8 @@ from gpufleet.store.tables import (
 )
 
 COOKIE = "gpufleet_token"
+LOGIN_CSRF_COOKIE = "gpufleet_login_csrf"
+"""The random value the login form carries back (a double-submit token: no session yet)."""
 Token = Annotated[str | None, Cookie(alias=COOKIE)]
 """The API token kept by the login form (module level: FastAPI resolves annotations here)."""
 HERE = Path(__file__).parent
@@ -106,7 +119,13 @@ def router(state: Any) -> APIRouter:
             ctx = build(s)
         live = request.headers.get("HX-Request") == "true"
         template = _env.get_template(f"{name}.html")
-        ctx.update(principal=p, page=name, fragment=live, path=request.url.path)
+        ctx.update(
+            principal=p,
+            page=name,
+            fragment=live,
+            path=request.url.path,
+            csrf=csrf_for_session(request.cookies.get(COOKIE) or ""),
+        )
         return HTMLResponse(template.render(**ctx))
 
     def login_redirect() -> Response:
@@ -121,24 +140,43 @@ def router(state: Any) -> APIRouter:
         return RedirectResponse("/ui/fleet" if p.is_admin else "/ui/queue", status_code=303)
 
     @r.get("/login")
-    def login_form(error: str | None = None) -> Response:
-        return HTMLResponse(_env.get_template("login.html").render(error=error, principal=None))
+    def login_form(request: Request, error: str | None = None) -> Response:
+        nonce = request.cookies.get(LOGIN_CSRF_COOKIE) or ""
+        if len(nonce) != 43:  # secrets.token_urlsafe(32); a tossed cookie of another shape
+            nonce = secrets.token_urlsafe(32)
+        resp = HTMLResponse(
+            _env.get_template("login.html").render(error=error, principal=None, csrf=nonce)
+        )
+        resp.set_cookie(LOGIN_CSRF_COOKIE, nonce, **_cookie_attrs(request))
+        return resp
 
     @r.post("/login")
     async def login(request: Request) -> Response:
         # parsed here rather than with Form(): no python-multipart dependency for one field
-        body = (await request.body()).decode(errors="replace")
-        token = (parse_qs(body).get("token") or [""])[0].strip()
+        form = await _form(request)
+        refused = cross_origin(request) or _token_mismatch(
+            form, request.cookies.get(LOGIN_CSRF_COOKIE)
+        )
+        if refused:
+            return _refused(refused)
+        token = (form.get("token") or [""])[0].strip()
         if not token:
             return RedirectResponse("/ui/login?error=invalid", status_code=303)
         if await run_in_threadpool(who, token) is None:
             return RedirectResponse("/ui/login?error=invalid", status_code=303)
         resp = RedirectResponse("/ui/", status_code=303)
         resp.set_cookie(COOKIE, token, **_cookie_attrs(request))
+        resp.delete_cookie(LOGIN_CSRF_COOKIE, **_cookie_attrs(request))
         return resp
 
     @r.post("/logout")
-    def logout(request: Request) -> Response:
+    async def logout(request: Request, token: Token = None) -> Response:
+        form = await _form(request)
+        refused = cross_origin(request) or (
+            _token_mismatch(form, csrf_for_session(token)) if token else None
+        )
+        if refused:
+            return _refused(refused)
         resp = RedirectResponse("/ui/login", status_code=303)
         resp.delete_cookie(COOKIE, **_cookie_attrs(request))
         return resp
@@ -176,7 +214,9 @@ def router(state: Any) -> APIRouter:
             return page(request, "job", p, lambda s: job_context(s, p, job_id, state.store))
         except (NotFound, ValidationFailed):  # unknown, or an ambiguous prefix/name
             return HTMLResponse(
-                _env.get_template("notfound.html").render(principal=p, job_id=job_id),
+                _env.get_template("notfound.html").render(
+                    principal=p, job_id=job_id, csrf=csrf_for_session(token or "")
+                ),
                 status_code=404,
             )
 
@@ -195,7 +235,14 @@ def router(state: Any) -> APIRouter:
         return HTMLResponse(_env.get_template("log.html").render(log=text))
 
     @r.post("/jobs/{job_id}/cancel")
-    def cancel(job_id: str, token: Token = None) -> Response:
+    async def cancel(request: Request, job_id: str, token: Token = None) -> Response:
+        form = await _form(request)
+        refused = cross_origin(request) or _token_mismatch(form, csrf_for_session(token or ""))
+        if refused:
+            return _refused(refused)
+        return await run_in_threadpool(do_cancel, job_id, token)
+
+    def do_cancel(job_id: str, token: str | None) -> Response:
         p = who(token)
         if p is None:
             return login_redirect()
@@ -210,6 +257,58 @@ def router(state: Any) -> APIRouter:
         return RedirectResponse(f"/ui/jobs/{job_id}", status_code=303)
 
     return r
+
+
+def csrf_for_session(token: str) -> str:
+    """The form token of a logged-in session: a keyed hash of its API token (the cookie),
+    the same on every API replica, unknowable without the session; "" without a session."""
+    if not token:
+        return ""
+    return hmac.new(token.encode(), b"gpufleet-ui-csrf-v1", hashlib.sha256).hexdigest()
+
+
+def cross_origin(request: Request) -> str | None:
+    """Why a state-changing form post is refused as cross-origin, or None.
+
+    ``Sec-Fetch-Site`` (sent by every current browser) must be ``same-origin`` (or ``none``:
+    the user's own navigation); ``Origin``, when sent, must be this server's scheme, host and
+    port (``null`` never is). A request with neither (curl, a script) passes here and still
+    needs the form token."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site not in ("same-origin", "none"):
+        return f"Sec-Fetch-Site is {site!r}, not same-origin"
+    origin = request.headers.get("origin")
+    if origin is not None:
+        own = f"{request.url.scheme}://{request.headers.get('host', '')}".lower()
+        if origin.lower().rstrip("/") != own:
+            return f"Origin {origin!r} is not this server ({own})"
+    return None
+
+
+async def _form(request: Request) -> dict[str, list[str]]:
+    body = (await request.body()).decode(errors="replace")
+    return parse_qs(body)
+
+
+def _token_mismatch(form: dict[str, list[str]], expected: str | None) -> str | None:
+    got = (form.get("csrf") or [""])[0]
+    if not expected or not got or not hmac.compare_digest(got.encode(), expected.encode()):
+        return "the form's csrf token is missing or wrong (reload the page)"
+    return None
+
+
+def _refused(why: str) -> Response:
+    return HTMLResponse(
+        f"<!doctype html><title>refused</title><p>Cross-site request refused: "
+        f"{_html_escape(why)}. Nothing was changed.</p>",
+        status_code=403,
+    )
+
+
+def _html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
 
 
 def mount_static(app: Any) -> None:

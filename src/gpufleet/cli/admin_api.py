@@ -117,12 +117,12 @@ def per_type(values: list[str] | None, flag: str) -> dict[str, int] | None:
     return out
 
 
-def rate(value: str | None) -> float | None:
-    """``5/s``, ``5`` or ``0.5/s`` as submits per second.
+def rate(value: str | None, flag: str = "--submit-rate") -> float | None:
+    """``5/s``, ``5`` or ``0.5/s`` as a rate per second.
 
     Raises:
         ClientError: not a finite rate >= 0 (``nan``, ``inf`` and ``-1`` parse as floats),
-            naming ``--submit-rate``.
+            naming ``flag``.
     """
     if value is None:
         return None
@@ -132,8 +132,8 @@ def rate(value: str | None) -> float | None:
         got = math.nan
     if not math.isfinite(got) or got < 0:
         raise ClientError(
-            f"--submit-rate {value!r}: use a rate such as 5/s (0 = no limit)",
-            field="--submit-rate",
+            f"{flag} {value!r}: use a rate such as 5/s (0 = no limit)",
+            field=flag,
         )
     return got
 
@@ -214,6 +214,16 @@ def team_set(
     submit_burst: Annotated[
         int | None, typer.Option(help="Submits allowed at once (the token bucket's size).")
     ] = None,
+    read_rate: Annotated[
+        str | None,
+        typer.Option(
+            help="API read tokens per second, token bucket refill, e.g. 20/s (a read costs 1,"
+            " a job list 1 per 20 rows it asks for); 0 = no limit."
+        ),
+    ] = None,
+    read_burst: Annotated[
+        int | None, typer.Option(help="Read tokens allowed at once (the read bucket's size).")
+    ] = None,
     default_runtime: Annotated[
         str | None,
         typer.Option(
@@ -248,6 +258,8 @@ def team_set(
             "max_outstanding_jobs": max_outstanding,
             "submit_rate_per_s": rate(submit_rate),
             "submit_burst": submit_burst,
+            "read_rate_per_s": rate(read_rate, "--read-rate"),
+            "read_burst": read_burst,
             "default_max_runtime_s": _runtime(default_runtime, "--default-runtime"),
             "max_runtime_limit_s": _runtime(max_runtime, "--max-runtime"),
         }
@@ -255,6 +267,7 @@ def team_set(
             raise ClientError(
                 "nothing to change: pass --weight, --nominal-quota, --borrowing-limit,"
                 " --lending-limit, --max-outstanding, --submit-rate, --submit-burst,"
+                " --read-rate, --read-burst,"
                 " --default-runtime or --max-runtime"
             )
         if lending_limit:
@@ -600,12 +613,23 @@ def node_fence(
             " quarantined GPUs can be offered again.",
         ),
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Fence it even if it sent a heartbeat within the last suspect_after_missed"
+            " intervals (it looks alive).",
+        ),
+    ] = False,
     reason: Reason = None,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
     """Give a node up: its attempts are fenced (jobs re-placed), its QUARANTINED GPUs are
-    released, and it is FENCED (no placements until ``admin node uncordon``)."""
+    released, and it is FENCED (no placements until ``admin node uncordon``). A node heard
+    from within the heartbeat window is refused (exit 1) unless --force."""
+    from gpufleet.client.errors import Conflict
+
     with _session(url, token) as http:
         if not confirm_dead:
             raise ClientError(
@@ -613,12 +637,17 @@ def node_fence(
                 " might still use if it is alive",
                 field="--confirm-dead",
             )
-        data = _call(
-            http,
-            "POST",
-            f"/v1/admin/nodes/{node_id}/fence",
-            json={"confirm_dead": True, "reason": reason},
-        )
+        try:
+            data = _call(
+                http,
+                "POST",
+                f"/v1/admin/nodes/{node_id}/fence",
+                json={"confirm_dead": True, "force": force, "reason": reason},
+            )
+        except Conflict as exc:
+            if exc.field != "force":
+                raise
+            raise ClientError(exc.message, field="--force", exit_code=1) from None
         fenced = data.get("fenced") or []
         typer.echo(
             output.clean(

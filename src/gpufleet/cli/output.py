@@ -347,7 +347,19 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
 CONTAINMENT_LABEL = "gpufleet/containment"
 JOB_USER_LABEL = "gpufleet/job-user"
 CONTAINER_RUNTIME_LABEL = "gpufleet/container-runtime"
-_OWN_LABELS = (CONTAINMENT_LABEL, JOB_USER_LABEL, CONTAINER_RUNTIME_LABEL)
+JOB_NETWORK_LABEL = "gpufleet/job-network"
+JOB_ISOLATION_LABEL = "gpufleet/job-isolation"
+JOB_PIDS_MAX_LABEL = "gpufleet/job-pids-max"
+JOB_DISK_MB_LABEL = "gpufleet/job-disk-mb"
+_OWN_LABELS = (
+    CONTAINMENT_LABEL,
+    JOB_USER_LABEL,
+    CONTAINER_RUNTIME_LABEL,
+    JOB_ISOLATION_LABEL,
+    JOB_PIDS_MAX_LABEL,
+    JOB_DISK_MB_LABEL,
+    JOB_NETWORK_LABEL,
+)
 
 
 def containment_text(labels: dict[str, Any] | None) -> str:
@@ -357,6 +369,13 @@ def containment_text(labels: dict[str, Any] | None) -> str:
     parts = [str(labels[k]) for k in (CONTAINMENT_LABEL, JOB_USER_LABEL) if k in labels]
     if CONTAINER_RUNTIME_LABEL in labels:
         parts.append(f"containers: {labels[CONTAINER_RUNTIME_LABEL]}")
+    if JOB_NETWORK_LABEL in labels:  # netns, or host (jobs share the node's network)
+        parts.append(f"network: {labels[JOB_NETWORK_LABEL]}")
+    for key, name in ((JOB_PIDS_MAX_LABEL, "pids-max"), (JOB_DISK_MB_LABEL, "disk-mb")):
+        if key in labels:
+            parts.append(f"{name}: {labels[key]}")
+    if JOB_ISOLATION_LABEL in labels:
+        parts.append(f"isolation: {labels[JOB_ISOLATION_LABEL]}")
     return fmt(", ".join(parts) or None)
 
 

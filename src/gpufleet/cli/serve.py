@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -26,6 +26,10 @@ from gpufleet.cli.common import (
 )
 from gpufleet.cli.config import client_config_path, default_config_path, write_client_config
 from gpufleet.domain.errors import GpufleetError
+
+if TYPE_CHECKING:
+    from gpufleet.settings import Settings
+    from gpufleet.store.db import Database
 
 
 def register(app: typer.Typer) -> None:
@@ -190,21 +194,139 @@ def demo(
     )
 
 
+Migrate = Annotated[
+    bool | None,
+    typer.Option(
+        "--migrate",
+        help="Apply pending schema migrations first (GPUFLEET_MIGRATE_ON_START); default: "
+        "refuse a schema other than this version's and name `gpufleet admin migrate`.",
+        show_default=False,
+    ),
+]
+AllowNewerSchema = Annotated[
+    bool | None,
+    typer.Option(
+        "--allow-newer-schema",
+        help="Start on a schema migrated by a newer gpufleet (GPUFLEET_ALLOW_NEWER_SCHEMA): "
+        "the previous release during a rolling upgrade whose migrations are additive.",
+        show_default=False,
+    ),
+]
+
+
+def _open_checked(settings: Settings, migrate: bool | None, allow_newer: bool | None) -> Database:
+    """The database of ``server``/``controller``: migrated when asked (flag or setting),
+    else only checked. A schema mismatch is one red line naming the command, exit 2."""
+    from gpufleet.processes import open_database
+    from gpufleet.store.migrate import SchemaMismatch
+
+    try:
+        return open_database(
+            settings,
+            migrate=settings.migrate_on_start if migrate is None else migrate,
+            allow_newer_schema=settings.allow_newer_schema if allow_newer is None else allow_newer,
+        )
+    except SchemaMismatch as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
 def server(
     data_dir: DataDir = None,
-    host: Annotated[str | None, typer.Option()] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            help="Bind address (default 127.0.0.1; 0.0.0.0 or a host's address to serve other"
+            " hosts: then use --tls-cert/--tls-key or a TLS proxy, tokens must not cross a"
+            " network in clear)."
+        ),
+    ] = None,
     port: Annotated[int | None, typer.Option()] = None,
+    migrate: Migrate = None,
+    allow_newer_schema: AllowNewerSchema = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            help="PEM certificate (chain) to serve https with (GPUFLEET_SERVER_TLS_CERT)."
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option(help="PEM private key of --tls-cert (GPUFLEET_SERVER_TLS_KEY)."),
+    ] = None,
+    forwarded_allow_ips: Annotated[
+        str | None,
+        typer.Option(
+            help="Proxy addresses (comma-separated, or '*') whose X-Forwarded-Proto/-For are"
+            " trusted (default 127.0.0.1; GPUFLEET_SERVER_FORWARDED_ALLOW_IPS)."
+        ),
+    ] = None,
 ) -> None:
-    """Run the REST API server (stateless; run several behind a load balancer)."""
-    from gpufleet.processes import ApiServer, open_database
+    """Run the REST API server (stateless; run several behind a load balancer). Refuses
+    (exit 2) a database schema other than this version's unless --migrate, and an
+    unreadable TLS certificate or key."""
+    from gpufleet.processes import ApiServer
     from gpufleet.queue import make_waker
 
     configure_logging()
-    settings = load_settings(data_dir, server_host=host, server_port=port)
-    db = open_database(settings)
-    api = ApiServer(settings, db, make_waker(settings.redis_url, listen=False))
+    settings = load_settings(
+        data_dir,
+        server_host=host,
+        server_port=port,
+        server_tls_cert=tls_cert,
+        server_tls_key=tls_key,
+        server_forwarded_allow_ips=forwarded_allow_ips,
+    )
+    problem = tls_problem(settings.server_tls_cert, settings.server_tls_key)
+    if problem:
+        err.print(f"[red]error:[/] {escape(problem)}", soft_wrap=True)
+        raise typer.Exit(2)
+    db = _open_checked(settings, migrate, allow_newer_schema)
+    api = ApiServer(
+        settings,
+        db,
+        make_waker(
+            settings.redis_url,
+            listen=False,
+            prefix=settings.redis_prefix,
+            timeout_s=settings.redis_timeout_s,
+        ),
+    )
     logging.getLogger("gpufleet").info("API on %s", api.url)
+    if not api.tls and not _loopback(settings.server_host):
+        logging.getLogger("gpufleet").warning(
+            "the API serves plain http on %s: API tokens would cross the network in clear;"
+            " serve https (--tls-cert/--tls-key) or put a TLS proxy in front",
+            settings.server_host,
+        )
     api.server.run()
+
+
+def tls_problem(cert: Path | None, key: Path | None) -> str | None:
+    """Why ``cert``/``key`` cannot serve https (one missing, unreadable, not a matching PEM
+    pair), or None (also when neither is set)."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        return "give both --tls-cert and --tls-key (GPUFLEET_SERVER_TLS_CERT/_KEY)"
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        return f"--tls-cert {cert} / --tls-key {key}: {exc}"
+    return None
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def controller(
@@ -223,21 +345,39 @@ def controller(
             help="Serve Prometheus /metrics on this port (0 = none).",
         ),
     ] = 0,
+    migrate: Migrate = None,
+    allow_newer_schema: AllowNewerSchema = None,
+    metrics_host: Annotated[
+        str | None,
+        typer.Option(
+            help="Address of the metrics port (GPUFLEET_METRICS_HOST; default 127.0.0.1). The"
+            " metrics name teams; see GPUFLEET_METRICS_BASIC_AUTH."
+        ),
+    ] = None,
 ) -> None:
     """Run the controller: gRPC for agents (mutual TLS, certificates from the fleet CA made
-    by `gpufleet admin ca init`), and (while leader) the scheduler loops."""
+    by `gpufleet admin ca init`), and (while leader) the scheduler loops. Refuses (exit 2) a
+    database schema other than this version's unless --migrate."""
     from gpufleet.controller.main import Controller
-    from gpufleet.processes import open_database
     from gpufleet.queue import make_waker
     from gpufleet.rpc.tls import PkiError
 
     configure_logging()
-    settings = load_settings(data_dir, controller_address=address, join_address=join_address)
+    settings = load_settings(
+        data_dir, controller_address=address, join_address=join_address, metrics_host=metrics_host
+    )
+    metrics_auth = _metrics_auth(settings) if metrics_port else None
+    db = _open_checked(settings, migrate, allow_newer_schema)
     try:
         ctl = Controller(
             settings,
-            open_database(settings),
-            make_waker(settings.redis_url, listen=True),
+            db,
+            make_waker(
+                settings.redis_url,
+                listen=True,
+                prefix=settings.redis_prefix,
+                timeout_s=settings.redis_timeout_s,
+            ),
             insecure=insecure,
         )
     except PkiError as exc:
@@ -245,13 +385,42 @@ def controller(
         raise typer.Exit(2) from None
     ctl.start()
     if metrics_port:
-        from prometheus_client import start_http_server
+        from prometheus_client import REGISTRY
 
-        start_http_server(metrics_port, addr=settings.server_host)
+        from gpufleet import metrics_http
+
+        metrics_http.serve(
+            metrics_port,
+            settings.metrics_host,
+            REGISTRY,
+            auth=metrics_auth,
+            certfile=str(settings.metrics_tls_cert) if settings.metrics_tls_cert else None,
+            keyfile=str(settings.metrics_tls_key) if settings.metrics_tls_key else None,
+        )
+        logging.getLogger("gpufleet").info(
+            "controller metrics on %s:%d/metrics%s",
+            settings.metrics_host,
+            metrics_port,
+            " (basic auth)" if metrics_auth else "",
+        )
     try:
         wait_for_signal()
     finally:
         ctl.stop()
+
+
+def _metrics_auth(settings: Settings) -> Any:
+    """The metrics ports' basic auth from the settings (None: none); exit 2 when malformed."""
+    from gpufleet.metrics_http import parse_basic_auth
+
+    value = settings.metrics_basic_auth_value()
+    if not value:
+        return None
+    try:
+        return parse_basic_auth(value)
+    except ValueError as exc:
+        err.print(f"[red]error:[/] GPUFLEET_METRICS_BASIC_AUTH: {escape(str(exc))}")
+        raise typer.Exit(2) from None
 
 
 def agent(
@@ -290,6 +459,65 @@ def agent(
     containment: Annotated[
         str, typer.Option(help="auto (cgroup v2/v1, else PID namespace), or force pidns/none.")
     ] = "auto",
+    # -- job network (agent/runtime/jobnet.py) --
+    job_network: Annotated[
+        str,
+        typer.Option(
+            help="auto: each job in its own network namespace (host namespace, said at "
+            "start, where the agent cannot); netns: refuse to start without; host: none."
+        ),
+    ] = "auto",
+    job_subnet: Annotated[
+        str, typer.Option(help="Private IPv4 subnet for job namespaces (a /30 per attempt).")
+    ] = "10.231.0.0/16",
+    job_egress_deny: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated CIDR[:port] or host:port jobs may not reach (added to the "
+            "node itself, the controller addresses and 169.254.0.0/16)."
+        ),
+    ] = "",
+    job_egress: Annotated[
+        str, typer.Option(help="allow: all egress not denied; none: only --job-egress-allow.")
+    ] = "allow",
+    job_egress_allow: Annotated[
+        str, typer.Option(help="With --job-egress none: CIDR[:port],... jobs may reach.")
+    ] = "",
+    job_pids_max: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=4_194_304,
+            help="Processes and threads a job may hold at once (cgroup pids.max) when it "
+            "sets no pids_limit (0 = no limit).",
+        ),
+    ] = 4096,
+    job_disk_mb: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Size of each attempt's own scratch filesystem, MiB, when the job sets no "
+            "disk_mb (0 = none: jobs write to the jobs dir's filesystem).",
+        ),
+    ] = 10240,
+    # -- container job hardening (docs/design/security.md, "Containers")
+    container_userns: Annotated[
+        str,
+        typer.Option(
+            help="Containers in a user namespace (their root is not host root): auto (when the"
+            " engine can), on (required: container jobs fail here otherwise), off."
+        ),
+    ] = "auto",
+    container_pids_limit: Annotated[
+        int,
+        typer.Option(
+            min=0, help="--pids-limit of a container job that sets no pids_limit (0 = engine's)."
+        ),
+    ] = 4096,
+    container_read_only: Annotated[
+        bool,
+        typer.Option(help="Containers get a read-only root filesystem (/tmp, mounts writable)."),
+    ] = False,
     data_dir: DataDir = None,
     controller: Annotated[
         str | None,
@@ -333,16 +561,33 @@ def agent(
         int,
         typer.Option(
             envvar="GPUFLEET_AGENT_METRICS_PORT",
-            help="Serve Prometheus /metrics on this port of the agent's address (0 = none).",
+            help="Serve Prometheus /metrics on this port (0 = none).",
         ),
     ] = 0,
+    metrics_host: Annotated[
+        str | None,
+        typer.Option(
+            help="Address of the metrics port (GPUFLEET_METRICS_HOST; default 127.0.0.1). The"
+            " metrics name node paths; see GPUFLEET_METRICS_BASIC_AUTH."
+        ),
+    ] = None,
 ) -> None:
     """Run a node agent: inventory, durable assignment log, runs, heartbeats."""
     import os
 
     os.environ.pop("GPUFLEET_JOIN_TOKEN", None)  # read once; never inherited by a job
     configure_logging()
-    settings = load_settings(data_dir, controller_address=controller, join_address=join_address)
+    settings = load_settings(
+        data_dir,
+        controller_address=controller,
+        join_address=join_address,
+        metrics_host=metrics_host,
+    )
+    if metrics_port:
+        _metrics_auth(settings)  # a malformed setting: exit 2 here, with the message
+    if container_userns not in ("auto", "on", "off"):
+        err.print(f"[red]error:[/] --container-userns {container_userns!r}: use auto, on or off")
+        raise typer.Exit(2)
     if runtime not in ("podman", "docker", "none"):
         err.print(f"[red]error:[/] --runtime {runtime!r}: use podman, docker or none")
         raise typer.Exit(2)
@@ -374,6 +619,9 @@ def agent(
         state_dir=state_dir or settings.resolved_data_dir() / "agents" / node_id,
         labels=labels,
         container_runtime=runtime,
+        container_userns=container_userns,
+        container_pids_limit=container_pids_limit,
+        container_read_only=container_read_only,
         insecure=insecure,
         join_token=join_token,
         ca_cert=ca_cert,
@@ -382,4 +630,11 @@ def agent(
         jobs_dir=jobs_dir,
         containment=containment,
         metrics_port=metrics_port,
+        job_network=job_network,
+        job_subnet=job_subnet,
+        job_egress_deny=job_egress_deny,
+        job_egress=job_egress,
+        job_egress_allow=job_egress_allow,
+        job_pids_max=job_pids_max,
+        job_disk_mb=job_disk_mb,
     )

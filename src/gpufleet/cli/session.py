@@ -46,14 +46,18 @@ def make_http_client(cfg: ClientConfig, transport: httpx.BaseTransport | None = 
     import httpx
 
     from gpufleet.cli import transport as stdlib_transport
+    from gpufleet.client.config import cleartext_warning
 
+    warning = cleartext_warning(cfg.url)
+    if warning:
+        typer.echo(f"warning: {output.clean(warning)}", err=True)
     verify: Any = True
     if transport is None and stdlib_transport.usable(cfg.url):
         transport = stdlib_transport.StdlibTransport()  # httpx never builds an SSL context
     elif transport is None:
         from gpufleet.client._core import tls_verify
 
-        verify = tls_verify(cfg.url)
+        verify = tls_verify(cfg.url, cfg.ca_bundle)
     return httpx.Client(
         base_url=cfg.url,
         headers={"Authorization": f"Bearer {require_token(cfg)}", "User-Agent": "gpufleet-cli"},

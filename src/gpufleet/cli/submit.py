@@ -251,6 +251,24 @@ def submit(
     memory_mb: Annotated[
         int | None, typer.Option(min=0, max=100_000_000, help="Host memory, MiB.")
     ] = None,
+    pids_limit: Annotated[
+        int | None,
+        typer.Option(
+            "--pids-limit",
+            min=1,
+            max=4_194_304,
+            help="Most processes and threads at once (default: the node's).",
+        ),
+    ] = None,
+    disk_mb: Annotated[
+        int | None,
+        typer.Option(
+            "--disk-mb",
+            min=16,
+            max=64 * 1024 * 1024,
+            help="Size of each attempt's scratch filesystem, MiB (default: the node's).",
+        ),
+    ] = None,
     priority: Annotated[
         str | None, typer.Option(help="CRITICAL|HIGH|NORMAL|LOW.", callback=nonempty)
     ] = None,
@@ -339,6 +357,8 @@ def submit(
             "gpu_memory_mb": gpu_memory_mb,
             "cpu": cpu,
             "memory_mb": memory_mb,
+            "pids_limit": pids_limit,
+            "disk_mb": disk_mb,
             "priority": priority,
             "max_retries": max_retries,
             "expected_duration_s": expected_duration_s,

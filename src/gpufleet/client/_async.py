@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpufleet.client import _core
-from gpufleet.client.errors import ApiError, TransportError
+from gpufleet.client.errors import ApiError, RateLimited, TransportError
 from gpufleet.client.models import (
     ArrayInfo,
     Artifact,
@@ -158,6 +158,9 @@ class AsyncClient:
                 current = await self.get(job)
                 misses = 0
             except (TransportError, ApiError) as exc:
+                if isinstance(exc, RateLimited):  # the team's read rate: wait as told
+                    await asyncio.sleep(max(poll_s, exc.retry_after_s or poll_s))
+                    continue
                 if isinstance(exc, ApiError) and exc.status != 503:
                     raise
                 misses += 1

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from gpufleet.client.config import require_token, resolve_client_config
+from gpufleet.client.config import cleartext_warning, require_token, resolve_client_config
 from gpufleet.client.errors import ApiError, ArtifactMismatch, error_from_response
 from gpufleet.client.models import (
     Artifact,
@@ -36,16 +36,39 @@ Idempotency-Key (the server answers a replay with the first job, so a retry neve
 second one): 19.5 s in all, longer than a restart of ``gpufleet up`` or a leader failover."""
 
 
-def tls_verify(url: str) -> Any:
-    """httpx's ``verify`` for ``url``: the default (system CA bundle) for https; for plain
-    http an empty, strict context. httpx builds its SSL context when a client is made, and
-    loading the CA bundle costs more CPU than the rest of a CLI call; a plain-http client
-    never uses it, and a redirect to https then fails verification instead of skipping it."""
-    if not url.lower().startswith("http://"):
-        return True
+def tls_verify(url: str, ca_bundle: str | None = None) -> Any:
+    """httpx's ``verify`` for ``url``: for https a context trusting ``ca_bundle`` (a PEM
+    file; ``GPUFLEET_CA_BUNDLE`` or the config's ``ca_bundle``) or, without one, the default
+    (system CA bundle); for plain http an empty, strict context. httpx builds its SSL context
+    when a client is made, and loading the CA bundle costs more CPU than the rest of a CLI
+    call; a plain-http client never uses it, and a redirect to https then fails verification
+    instead of skipping it.
+
+    Raises:
+        ConfigError: ``ca_bundle`` cannot be read as PEM certificates.
+    """
     import ssl
 
+    if not url.lower().startswith("http://"):
+        if not ca_bundle:
+            return True
+        try:
+            return ssl.create_default_context(cafile=os.path.expanduser(ca_bundle))
+        except (OSError, ssl.SSLError) as exc:
+            from gpufleet.client.config import ConfigError
+
+            raise ConfigError(f"CA bundle {ca_bundle} (GPUFLEET_CA_BUNDLE): {exc}") from exc
     return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies; trusts no CA: https fails
+
+
+def warn_cleartext(url: str) -> None:
+    """Warn (``UserWarning``, once per URL) when ``url`` sends the token in clear to another
+    host."""
+    message = cleartext_warning(url)
+    if message:
+        import warnings
+
+        warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def client_options(
@@ -59,11 +82,12 @@ def client_options(
     import httpx
 
     cfg = resolve_client_config(url, token)
+    warn_cleartext(cfg.url)
     return {
         "base_url": cfg.url,
         "headers": {"Authorization": f"Bearer {require_token(cfg)}", "User-Agent": user_agent},
         "timeout": httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S),
-        "verify": tls_verify(cfg.url),
+        "verify": tls_verify(cfg.url, cfg.ca_bundle),
     }
 
 
@@ -104,6 +128,8 @@ def submit_body(
     cpu: float | None = None,
     memory_mb: int | None = None,
     gpu_memory_mb: int | None = None,
+    pids_limit: int | None = None,
+    disk_mb: int | None = None,
     node_selector: Mapping[str, str] | None = None,
     working_dir: str | None = None,
     array: str | None = None,
@@ -132,6 +158,8 @@ def submit_body(
         "cpu": cpu,
         "memory_mb": memory_mb,
         "gpu_memory_mb": gpu_memory_mb,
+        "pids_limit": pids_limit,
+        "disk_mb": disk_mb,
         "node_selector": dict(node_selector) if node_selector is not None else None,
         "working_dir": working_dir,
         "array": array,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpufleet.client import _core
-from gpufleet.client.errors import ApiError, TransportError
+from gpufleet.client.errors import ApiError, RateLimited, TransportError
 from gpufleet.client.models import (
     ArrayInfo,
     Artifact,
@@ -138,7 +138,9 @@ class Client:
             on_retry: called with (error, key) before each retry of a lost or 503 submit.
             **fields: any other job field: ``gpu_type``, ``name``, ``image``, ``env``,
                 ``priority``, ``max_retries``, ``max_runtime_s``, ``expected_duration_s``,
-                ``cpu``, ``memory_mb``, ``gpu_memory_mb``, ``node_selector``, ``working_dir``,
+                ``cpu``, ``memory_mb``, ``gpu_memory_mb``, ``pids_limit`` (processes and
+                threads at once), ``disk_mb`` (scratch size, MiB), ``node_selector``,
+                ``working_dir``,
                 ``array`` (Slurm syntax: ``"0-9"``, ``"1,3,5"``, ``"0-15:4%2"``),
                 ``depends_on`` (``"afterok:ID:ID,afterany:ID"``, or a list of jobs, each
                 ``afterok``, and ``{"type", "job_id"}`` mappings), ``hold`` (submit held),
@@ -224,6 +226,9 @@ class Client:
                 current = self.get(job)
                 misses = 0
             except (TransportError, ApiError) as exc:
+                if isinstance(exc, RateLimited):  # the team's read rate: wait as told
+                    time.sleep(max(poll_s, exc.retry_after_s or poll_s))
+                    continue
                 if isinstance(exc, ApiError) and exc.status != 503:
                     raise
                 misses += 1

@@ -5,6 +5,11 @@ Resolution, per field: command flags (``--url``/``--token``) > environment
 is ``$GPUFLEET_CONFIG`` if set, else ``$GPUFLEET_DATA_DIR/client.yaml``, else
 ``~/.gpufleet/client.yaml``; it holds YAML ``{url: ..., token: ...}`` and ``gpufleet up``
 writes it with :func:`write_client_config`.
+
+An https server whose certificate is not signed by a system CA is trusted through a CA
+bundle: ``GPUFLEET_CA_BUNDLE`` (a PEM file), else ``ca_bundle:`` in the config file. A token
+sent over plain http to a host other than loopback is warned about (:func:`cleartext_warning`):
+API tokens must not cross a network in clear.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class ClientConfig:
 
     url: str
     token: str | None
+    ca_bundle: str | None = None
+    """PEM file of the CA(s) that sign the server's certificate; None = the system CAs."""
 
 
 def client_config_path(data_dir: Path) -> Path:
@@ -108,12 +115,39 @@ def resolve_client_config(
     env = os.environ if env is None else env
     file_url: object = None
     file_token: object = None
+    file_ca: object = None
     if not (url and token) and not (env.get("GPUFLEET_URL") and env.get("GPUFLEET_TOKEN")):
         data = _read_file(default_config_path(env))
         file_url, file_token = data.get("url"), data.get("token")
+        file_ca = data.get("ca_bundle")
     resolved_url = url or env.get("GPUFLEET_URL") or str(file_url or "") or DEFAULT_URL
     resolved_token = token or env.get("GPUFLEET_TOKEN") or str(file_token or "") or None
-    return ClientConfig(url=resolved_url.rstrip("/"), token=resolved_token)
+    ca = env.get("GPUFLEET_CA_BUNDLE") or str(file_ca or "") or None
+    return ClientConfig(url=resolved_url.rstrip("/"), token=resolved_token, ca_bundle=ca)
+
+
+def cleartext_warning(url: str) -> str | None:
+    """A warning when ``url`` is plain http to a host that is not loopback (a token sent
+    there crosses a network in clear), else None."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "http":
+        return None
+    host = (parts.hostname or "").lower()
+    if host in ("localhost", "") or host.endswith(".localhost"):
+        return None
+    import ipaddress
+
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass
+    return (
+        f"{url} is plain http to another host: the API token crosses the network in clear;"
+        " use an https URL (gpufleet server --tls-cert/--tls-key, or a TLS proxy)"
+    )
 
 
 def require_token(cfg: ClientConfig) -> str:

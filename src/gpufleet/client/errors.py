@@ -117,7 +117,8 @@ class ValidationError(ApiError):
 
 
 class RateLimited(ApiError):
-    """429: the team's submit rate or job limit; ``retry_after_s`` says when to retry."""
+    """429: the team's submit or read rate, or its job limit; ``retry_after_s`` says when to
+    retry (``wait()`` waits that long and polls again)."""
 
 
 class ServerError(ApiError):

@@ -20,6 +20,7 @@ from sqlalchemy.orm import aliased
 
 from gpufleet.controller.agents import AgentClients
 from gpufleet.controller.leadership import Leadership
+from gpufleet.controller.rpc_errors import loop_failed
 from gpufleet.controller.stops import record_never_started
 from gpufleet.domain.states import RunStatus
 from gpufleet.objectstore import ObjectStore
@@ -83,8 +84,8 @@ class AssignmentDispatch:
         except grpc.RpcError as exc:
             log.warning("AssignJob %s failed: %s (the reconciler retries)", run_id, exc.code())
             return
-        except Exception:
-            log.exception("dispatch of %s failed", run_id)
+        except Exception as exc:
+            loop_failed(f"dispatch of {run_id}", exc)
             return
         if resp.result == pb.AssignJobResponse.NODE_UNHEALTHY:
             # nothing was logged or started, and the agent refuses later copies: re-place the
@@ -186,6 +187,8 @@ class AssignmentDispatch:
             cpu=float((spec.get("resources") or {}).get("cpu") or 0),
             rank=run.rank,
             gang_size=run.gang_size,
+            pids_limit=int(spec.get("pids_limit") or 0),
+            disk_mb=int(spec.get("disk_mb") or 0),
         )
         return node.id, node.address, req
 

@@ -143,6 +143,9 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         self, request: pb.JoinRequest, context: grpc.ServicerContext
     ) -> pb.CertificateResponse:
         node_id = request.node_id
+        # the token first (one indexed read): this port needs no certificate, so nothing is
+        # parsed or signed for a caller without a usable token
+        guard(context, lambda: self._check_token(request.token, node_id))
         try:
             cert = self.ca.sign_node_csr(request.csr_pem, node_id, self.ttl_s)
         except ValueError as exc:
@@ -169,17 +172,22 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         self, request: pb.RenewRequest, context: grpc.ServicerContext
     ) -> pb.CertificateResponse:
         node_id = guard(context, lambda: self.auth.node_of(context, "Renew"))
+        ident = tls.peer_identity(context)
+        assert ident is not None  # node_of refused the call otherwise
         try:
             cert = self.ca.sign_node_csr(request.csr_pem, node_id, self.ttl_s)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         serial = tls.serial_hex(cert)
+        # the presented certificate is checked again in the transaction that records the new
+        # one (not from the cache): a renewal racing a revocation cannot outlive it
         guard(
             context,
             lambda: self.db.run_write(
                 partial(
                     node_identity.record_renewal,
                     node_id=node_id,
+                    old_serial=ident.serial,
                     serial=serial,
                     not_after=cert.not_valid_after_utc,
                 )
@@ -187,6 +195,10 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         )
         log.info("node %s renewed its certificate: %s", node_id, serial)
         return self._answer(cert, node_id)
+
+    def _check_token(self, secret: str, node_id: str) -> None:
+        with self.db.read() as s:
+            node_identity.check_join_token(s, secret=secret, node_id=node_id)
 
     def _answer(self, cert: object, node_id: str) -> pb.CertificateResponse:
         return pb.CertificateResponse(

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 from concurrent import futures
+from functools import partial
 
 import grpc
 
@@ -15,14 +16,18 @@ from gpufleet.controller.agents import AgentClients
 from gpufleet.controller.identity import BootstrapServicer, ControllerTls, NodeAuthenticator
 from gpufleet.controller.leadership import Leadership
 from gpufleet.controller.reconciler import Reconciler
+from gpufleet.controller.rpc_errors import OUTAGE, loop_failed
 from gpufleet.controller.scheduler import Scheduler
 from gpufleet.controller.servicer import ControllerServicer
 from gpufleet.controller.stops import StopDriver
+from gpufleet.domain.errors import Conflict
 from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.queue import Waker
 from gpufleet.rpc.channel_options import SERVER_OPTIONS
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
+from gpufleet.rpc.tls import PkiError
+from gpufleet.services import fleet_ca
 from gpufleet.settings import Settings
 from gpufleet.store import leader
 from gpufleet.store.db import Database
@@ -40,7 +45,8 @@ class Controller:
     reaches the port can act as any node (a warning is logged at every start).
 
     Raises:
-        tls.PkiError: no fleet CA (and not ``insecure``).
+        tls.PkiError: no fleet CA (and not ``insecure``), or one that is not the fleet CA
+            recorded for this database (``services.fleet_ca``).
     """
 
     def __init__(
@@ -61,6 +67,8 @@ class Controller:
             if insecure
             else ControllerTls(settings.resolved_pki_dir(), settings.tls_hostname_list())
         )
+        if self.tls is not None:
+            self._record_ca(self.tls.ca.fingerprint, settings)
         self.agents = AgentClients(self.tls.agent_channel_credentials() if self.tls else None)
         self.scheduler = Scheduler(db, self.store, settings, self.leadership, self.agents, policy)
         self.stops = StopDriver(db, self.store, settings, self.leadership, self.agents)
@@ -75,6 +83,19 @@ class Controller:
         self._join_server: grpc.Server | None = None
         self.bound_port = 0
         self.join_port = 0
+
+    def _record_ca(self, fingerprint: str, settings: Settings) -> None:
+        """The first controller (or ``admin ca init``) records the fleet CA with the
+        database; a controller with another CA refuses to start (it would fork the fleet:
+        nodes joined on one CA cannot talk to controllers of the other)."""
+        where = f"the CA in {settings.resolved_pki_dir()}"
+        try:
+            if self.db.run_write(
+                partial(fleet_ca.record_ca, fingerprint=fingerprint, where=where)
+            ):
+                log.info("fleet CA sha256:%s recorded for this database", fingerprint)
+        except Conflict as exc:
+            raise PkiError(exc.message) from None
 
     def start(self) -> None:
         self._acquire_once()
@@ -156,9 +177,11 @@ class Controller:
             epoch, at = self.db.run_write(
                 lambda s: leader.acquire(s, self.leadership.holder, self.settings.leader_lease_s)
             )
-        except Exception:
-            log.exception("leader lease")
+        except Exception as exc:
+            loop_failed("leader lease", exc)
             epoch = None
+        else:
+            OUTAGE.recovered()  # a write went through: the database is back
         metrics.note_lease(epoch or 0)
         if epoch and at is not None and (epoch != self.leadership.epoch or self._lease_failed):
             # a new leader (or one that could not reach the database, where heartbeats are
@@ -188,8 +211,8 @@ class Controller:
                         stats.conflicts,
                         stats.seconds * 1000,
                     )
-            except Exception:
-                log.exception("scheduler pass failed")
+            except Exception as exc:
+                loop_failed("scheduler pass", exc)
             self.waker.wait(self.settings.scheduler_tick_s)
 
     def _upkeep_loop(self) -> None:
@@ -198,8 +221,8 @@ class Controller:
             for step in (self.stops.run_pass, self.reconciler.run_pass):
                 try:
                     step()
-                except Exception:
-                    log.exception("%s failed", step)
+                except Exception as exc:
+                    loop_failed(str(step), exc)
 
     def stop(self) -> None:
         self._stop.set()

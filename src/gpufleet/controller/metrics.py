@@ -47,7 +47,7 @@ from gpufleet.policy.placement import FreeIndex
 from gpufleet.policy.priority import queued_at
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob
-from gpufleet.store.db import Database
+from gpufleet.store.db import Database, is_unavailable
 from gpufleet.store.tables import JobRow, JobRunRow
 
 log = logging.getLogger("gpufleet.controller")
@@ -474,7 +474,9 @@ def record_start(db: Database, run_id: str, known: StartFacts | None = None) -> 
                     .join(JobRow, JobRow.id == JobRunRow.job_id)
                     .where(JobRunRow.id == run_id)
                 ).first()
-        except Exception:
+        except Exception as exc:
+            if is_unavailable(exc):  # the outage is logged once by the RPC that called
+                return
             log.warning("time-to-start of %s not recorded", run_id, exc_info=True)
             return
     if row is None or row.started_at is None or row.queued_at is None:

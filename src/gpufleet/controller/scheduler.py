@@ -29,6 +29,7 @@ from gpufleet.controller import metrics
 from gpufleet.controller.agents import AgentClients
 from gpufleet.controller.dispatch import AssignmentDispatch
 from gpufleet.controller.leadership import Leadership
+from gpufleet.controller.rpc_errors import loop_failed
 from gpufleet.controller.stops import StopDriver, send_stop
 from gpufleet.domain.errors import CapacityConflict, NotLeader, StaleState
 from gpufleet.domain.states import JobStatus
@@ -220,8 +221,8 @@ class Scheduler(AssignmentDispatch):
                     partial(gating.fail_dependents, failed=gated.result.failed, now=now)
                 )
                 log.info("dependency never satisfiable: %d job(s) DEPENDENCY_FAILED", len(ended))
-            except SQLAlchemyError:  # placements go on; the next pass tries again
-                log.exception("could not end jobs with unsatisfiable dependencies")
+            except SQLAlchemyError as exc:  # placements go on; the next pass tries again
+                loop_failed("ending jobs with unsatisfiable dependencies", exc)
         result = schedule(snap, self.policy)
         pending = self._snapshots.pending_jobs(_job_ids(result.decisions))
         backfill: list[BackfillReservation] = []

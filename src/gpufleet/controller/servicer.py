@@ -13,7 +13,7 @@ from gpufleet.controller import metrics
 from gpufleet.controller.identity import NodeAuthenticator
 from gpufleet.controller.rpc_errors import guard as _guard
 from gpufleet.domain.types import GpuDevice
-from gpufleet.objectstore import ObjectStore
+from gpufleet.objectstore import ObjectStore, mismatch, public_url
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import nodes, runs
@@ -56,6 +56,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         retry_backoff: tuple[float, float] = (10.0, 300.0),
     ) -> None:
         self.db, self.store = db, store
+        self.store_url = public_url(store.base_url)
         self.max_node_failures = max_node_failures
         self.retry_backoff = retry_backoff
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -75,6 +76,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNodeResponse:
         node_id = self._node(context, "RegisterNode", request.node_id)
+        refused = mismatch(request.object_store_url, self.store_url)
+        if refused is not None:  # before the node is written: the scheduler never sees it
+            log.warning("node %s not registered: %s", node_id, refused)
+            return pb.RegisterNodeResponse(object_store_url=self.store_url, refused=refused)
         inv = nodes.NodeInventory(
             node_id=node_id,
             address=request.address,
@@ -95,7 +100,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         with self.db.read() as s:
             epoch = leader.current_epoch(s)  # the lease's, also when this replica is standby
         return pb.RegisterNodeResponse(
-            leader_epoch=epoch, heartbeat_interval_s=self.heartbeat_interval_s
+            leader_epoch=epoch,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            object_store_url=self.store_url,
         )
 
     def ConfirmAssignment(

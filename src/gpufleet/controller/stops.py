@@ -23,6 +23,7 @@ from sqlalchemy import select
 from gpufleet.controller import metrics
 from gpufleet.controller.agents import AgentClients
 from gpufleet.controller.leadership import Leadership
+from gpufleet.controller.rpc_errors import loop_failed
 from gpufleet.domain.errors import NotLeader, StaleState
 from gpufleet.domain.states import RunStatus
 from gpufleet.objectstore import ObjectStore
@@ -192,8 +193,8 @@ class StopDriver:
                 node_id=node_id,
             )
             delay = self._after(run_id, token, resp)
-        except Exception:
-            log.exception("StopRun %s: handling the answer failed", run_id)
+        except Exception as exc:
+            loop_failed(f"StopRun {run_id}: handling the answer", exc)
         finally:
             with self._lock:
                 st = self._state.setdefault(run_id, _StopState())

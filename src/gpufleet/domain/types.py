@@ -78,6 +78,12 @@ class JobSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     working_dir: str | None = None
     """Absolute directory the command starts in (None: the attempt's own work directory)."""
+    pids_limit: int | None = None
+    """Most processes and threads the job may hold at once on a node (its cgroup's
+    ``pids.max``; a container's ``--pids-limit``); None: the node's default."""
+    disk_mb: int | None = None
+    """Size of the attempt's scratch filesystem (work, checkpoints, artifacts, /tmp), MiB;
+    None: the node's default."""
 
 
 @dataclass(frozen=True, slots=True)

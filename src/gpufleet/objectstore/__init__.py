@@ -10,10 +10,74 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, BinaryIO
+
+PROBE_PREFIX = "_gpufleet/probe"
+"""Reserved key prefix (no job's objects live there): each agent writes and reads back
+``{PROBE_PREFIX}/{node_id}`` before it registers (:func:`probe`)."""
+
+
+def public_url(url: str) -> str:
+    """``url`` normalised and without credentials, for comparing two processes' stores and
+    for messages: a bare path becomes ``file:///abs/path`` (``..``, ``//`` and a trailing
+    ``/`` removed; symbolic links are not resolved); other URLs lose ``user:password@``,
+    the query and fragment (where fsspec URLs may carry keys), and a trailing ``/``; the
+    scheme and host are lower-cased. ``s3://bucket/prefix`` stays as it is."""
+    if "://" not in url:
+        url = "file://" + str(Path(url).expanduser().absolute())
+    scheme, rest = url.split("://", 1)
+    scheme = scheme.lower()
+    if scheme == "file":
+        return "file://" + os.path.normpath("/" + rest.lstrip("/"))
+    rest = rest.split("#", 1)[0].split("?", 1)[0]
+    host, _, path = rest.partition("/")
+    host = host.rsplit("@", 1)[-1].lower()
+    path = "/".join(p for p in path.split("/") if p)
+    return f"{scheme}://{host}/{path}" if path else f"{scheme}://{host}"
+
+
+def same_store(a: str, b: str) -> bool:
+    """Whether URLs ``a`` and ``b`` name the same object store (:func:`public_url` equal; a
+    local directory is the same only at the same path, meaningful on one machine only)."""
+    return public_url(a) == public_url(b)
+
+
+def mismatch(agent_url: str, fleet_url: str) -> str | None:
+    """One line naming both stores when an agent's store is not the fleet's, else None
+    (also None when either is empty: a process older than the check says nothing)."""
+    if not agent_url or not fleet_url or same_store(agent_url, fleet_url):
+        return None
+    return (
+        f"object store mismatch: this agent uses {public_url(agent_url)}, the fleet uses "
+        f"{public_url(fleet_url)} (set GPUFLEET_OBJECT_STORE_URL and the store's credentials "
+        "on the agent as on the controllers and API servers)"
+    )
+
+
+def probe(url: str, node_id: str) -> str | None:
+    """Write a small random object at ``{PROBE_PREFIX}/{node_id}`` of store ``url`` and read
+    it back: None when it came back intact, else a one-line reason (the exception's type
+    and message: a missing s3fs, a directory that cannot be created, refused credentials,
+    an unreachable endpoint). Blocks for as long as the backend's own retries take."""
+    key = f"{PROBE_PREFIX}/{node_id or 'node'}"
+    data = secrets.token_hex(16).encode()
+    try:
+        store = ObjectStore(url)
+        store.put_bytes(key, data)
+        back = store.get_bytes(key)
+    except ImportError as exc:  # fsspec's message names the package to install
+        hint = " (pip install 'gpufleet[s3]')" if url.lower().startswith("s3") else ""
+        return f"{exc}".splitlines()[0] + hint
+    except Exception as exc:  # any backend's error: the agent must not register
+        text = " ".join(str(exc).split()) or "no message"
+        return f"{type(exc).__name__}: {text}"[:500]
+    if back != data:
+        return f"the probe object {key} read back other bytes than were written"
+    return None
 
 
 def attempt_prefix(job_id: str, run_id: str) -> str:

@@ -347,7 +347,14 @@ class _Pass(PassState):
                 refusal = refusal or (code, t)
                 continue
             found = self.index.find(
-                res, job.node_selector, self.cfg.placement, t, hard_end, job.job_id, job.image
+                res,
+                job.node_selector,
+                self.cfg.placement,
+                t,
+                hard_end,
+                job.job_id,
+                job.image,
+                job.avoid_node_id,
             )
             if found is None:
                 continue

@@ -249,6 +249,7 @@ class FreeIndex:
         hard_end_s: float | None,
         job_id: str = "",
         image: str | None = None,
+        avoid: str | None = None,
     ) -> tuple[int, str] | None:
         """The node of type ``gpu_type`` to place ``res`` on, as ``(visible_free, node_id)``,
         or None. Best fit = fewest free GPUs that still fit; spread = most free first; ties
@@ -256,10 +257,15 @@ class FreeIndex:
 
         Image locality (DD9) only breaks ties: among the nodes with the *same* free count as
         the first acceptable one, a node that already holds ``image`` is preferred; a node
-        with a worse fit is never chosen for its image."""
+        with a worse fit is never chosen for its image.
+
+        ``avoid`` (soft anti-affinity: the node the job's last attempt failed to start on)
+        is taken only when no other acceptable node fits; the walk goes on past it, so the
+        cost is the nodes walked beyond it."""
         keys = self._list(gpu_type, selector_key(selector))
         if not keys or keys[-1][0] < res.gpu_count:
             return None
+        fallback: tuple[int, str] | None = None
         start = bisect.bisect_left(keys, (res.gpu_count, ""))
         step = 1 if how is Placement.BEST_FIT else -1
         i, end = (start, len(keys)) if step == 1 else (len(keys) - 1, start - 1)
@@ -289,18 +295,23 @@ class FreeIndex:
                 continue
             if node.gpu_memory_mb < gmem:
                 continue
+            if node_id == avoid:
+                fallback = (free, node_id)
+                continue
             if not image or image in node.images:
                 return free, node_id
             j = i  # (already one past node_id)
             while j != end and keys[j][0] == free:  # equally good nodes only
                 other = keys[j][1]
-                if image in self.nodes[other].images and self._acceptable(
-                    other, res, hard_end_s, job_id
+                if (
+                    other != avoid
+                    and image in self.nodes[other].images
+                    and self._acceptable(other, res, hard_end_s, job_id)
                 ):
                     return free, other
                 j += step
             return free, node_id
-        return None
+        return fallback
 
     def _acceptable(
         self, node_id: str, res: Resources, hard_end_s: float | None, job_id: str

@@ -96,6 +96,10 @@ class PendingJob:
     predicted_duration_s: float | None = None
     """The platform's own estimate of the run time (``policy.predictor``), seconds; used for
     ordering and backfill when the user gave no ``expected_duration_s``, never for killing."""
+    avoid_node_id: str | None = None
+    """The node its last attempt failed to start on (whoever's fault): a soft anti-affinity,
+    placement takes another node that fits and this one only when none does (single-node
+    placement; a gang's members are placed without it)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,13 +8,18 @@ and rebuilt at any time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from typing import Protocol
+import time
+from typing import Any, Protocol
+
+from gpufleet.queue.hint import DEFAULT_PREFIX, DEFAULT_TIMEOUT_S, shared_hint
 
 log = logging.getLogger("gpufleet.queue")
 
-WAKE_CHANNEL = "gpufleet:wake"
+WAKE_CHANNEL = f"{DEFAULT_PREFIX}:wake"
+"""The wake channel under the default prefix (``{GPUFLEET_REDIS_PREFIX}:wake`` in general)."""
 
 
 class Waker(Protocol):
@@ -46,39 +51,79 @@ class InProcWaker:
 
 
 class RedisWaker:
-    """Across processes and hosts: Redis pub/sub on ``gpufleet:wake``. A publish failure is
-    logged and ignored (the tick covers it)."""
+    """Across processes and hosts: Redis pub/sub on ``{prefix}:wake``. A wake publishes through
+    the process's :class:`~gpufleet.queue.hint.RedisHint` (one short timeout, then a circuit
+    breaker: a hung Redis costs a submit one timeout once, not each time); a lost wake-up
+    costs one tick. The listener subscribes in its own thread and keeps trying while Redis is
+    down, so a controller starts and schedules (by tick) without it.
 
-    def __init__(self, url: str, *, listen: bool) -> None:
-        import redis
+    Args:
+        url: Redis URL (``redis://``, ``rediss://``, ``user:password@`` allowed).
+        listen: subscribe (the controller) or only publish (an API server).
+        prefix: the deployment's key and channel namespace.
+        timeout_s: Redis command timeout, seconds.
+    """
 
-        self._redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    def __init__(
+        self,
+        url: str,
+        *,
+        listen: bool,
+        prefix: str = DEFAULT_PREFIX,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self._hint = shared_hint(url, prefix=prefix, timeout_s=timeout_s)
+        self.channel = self._hint.key("wake")
+        self._url = url
         self._local = InProcWaker()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if listen:
-            self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-            self._pubsub.subscribe(WAKE_CHANNEL)
             self._thread = threading.Thread(target=self._listen, name="redis-wake", daemon=True)
             self._thread.start()
 
     def _listen(self) -> None:
+        import redis
+
+        # its own client: a subscribed connection blocks in reads, which the short command
+        # timeout of the shared one would cut
+        client = redis.Redis.from_url(self._url, socket_connect_timeout=2, socket_timeout=5)
+        pubsub: Any = None
+        down_since: float | None = None
         while not self._stop.is_set():
             try:
-                msg = self._pubsub.get_message(timeout=1.0)
+                if pubsub is None:
+                    pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                    pubsub.subscribe(self.channel)
+                    if down_since is not None:
+                        log.warning("redis wake listener: subscribed again to %s", self.channel)
+                        down_since = None
+                msg = pubsub.get_message(timeout=1.0)
             except Exception as exc:
-                log.warning("redis wake listener: %s", exc)
-                self._stop.wait(1.0)
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning(
+                        "redis wake listener: %s (%s); the scheduler runs by tick until Redis"
+                        " answers",
+                        type(exc).__name__,
+                        str(exc)[:200],
+                    )
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        pubsub.close()
+                    pubsub = None
+                self._stop.wait(2.0)
                 continue
             if msg is not None:
                 self._local.wake()
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                pubsub.close()
+        client.close()
 
     def wake(self) -> None:
         self._local.wake()
-        try:
-            self._redis.publish(WAKE_CHANNEL, b"1")
-        except Exception as exc:
-            log.warning("redis wake publish failed: %s", exc)
+        self._hint.call("wake publish", lambda r: r.publish(self.channel, b"1"))
 
     def wait(self, timeout_s: float) -> bool:
         return self._local.wait(timeout_s)
@@ -88,9 +133,16 @@ class RedisWaker:
         self._local.close()
         if self._thread is not None:
             self._thread.join(timeout=3)
-            self._pubsub.close()
-        self._redis.close()
 
 
-def make_waker(redis_url: str | None, *, listen: bool) -> Waker:
-    return RedisWaker(redis_url, listen=listen) if redis_url else InProcWaker()
+def make_waker(
+    redis_url: str | None,
+    *,
+    listen: bool,
+    prefix: str = DEFAULT_PREFIX,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Waker:
+    """A :class:`RedisWaker` when ``redis_url`` is set, else an :class:`InProcWaker`."""
+    if not redis_url:
+        return InProcWaker()
+    return RedisWaker(redis_url, listen=listen, prefix=prefix, timeout_s=timeout_s)

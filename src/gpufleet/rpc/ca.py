@@ -252,5 +252,27 @@ def read_ca_cert(pki_dir: Path) -> bytes:
         return path.read_bytes()
     except OSError:
         raise PkiError(
-            f"no fleet CA certificate at {path}: run `gpufleet admin ca init`"
+            f"no fleet CA certificate at {path}: copy ca.crt (the public certificate only; "
+            "never ca.key) from a controller host's pki dir into it, or set "
+            "GPUFLEET_PKI_DIR; `gpufleet admin ca show` on both hosts compares them. Run "
+            "`gpufleet admin ca init` only to create a new fleet's first CA"
         ) from None
+
+
+def local_ca_fingerprint(pki_dir: Path) -> tuple[str | None, str]:
+    """(sha256 of ``{pki_dir}/ca.crt``, or None when there is no such file; its path).
+
+    Raises:
+        PkiError: the file exists but holds no readable certificate.
+    """
+    path = ca_paths(pki_dir)[1]
+    try:
+        pem = path.read_bytes()
+    except FileNotFoundError:
+        return None, str(path)
+    except OSError as exc:
+        raise PkiError(f"{path}: unreadable ({exc})") from None
+    try:
+        return fingerprint(pem), str(path)
+    except ValueError as exc:
+        raise PkiError(f"{path}: not a certificate ({exc})") from None

@@ -34,7 +34,16 @@ A node SAN always ends in ``.node.gpufleet``, so no node certificate can carry t
 controller's name.
 """
 
-from gpufleet.rpc.ca import CA_CERT, CA_KEY, FleetCA, ca_paths, init_ca, load_ca, read_ca_cert
+from gpufleet.rpc.ca import (
+    CA_CERT,
+    CA_KEY,
+    FleetCA,
+    ca_paths,
+    init_ca,
+    load_ca,
+    local_ca_fingerprint,
+    read_ca_cert,
+)
 from gpufleet.rpc.credentials import (
     ReloadableServerCredentials,
     channel_credentials,
@@ -113,6 +122,7 @@ __all__ = [
     "init_ca",
     "key_pem",
     "load_ca",
+    "local_ca_fingerprint",
     "make_csr",
     "new_key",
     "node_target_name",

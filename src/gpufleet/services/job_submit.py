@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from gpufleet.domain import jobsyntax
 from gpufleet.domain.errors import IdempotencyKeyReused, LimitExceeded, ValidationFailed
 from gpufleet.domain.ids import new_id, new_job_id
+from gpufleet.domain.images import check_reference
 from gpufleet.domain.states import JobStatus
 from gpufleet.domain.types import JobSpec, Resources
 from gpufleet.services import jobctl
@@ -51,6 +52,9 @@ def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
     data["priority"] = spec.priority.value
     # a single-node job's stored spec (and so its idempotency payload hash) is what it was
     # before gangs existed: the gang fields are stored only when set
+    for key in ("pids_limit", "disk_mb"):  # stored only when given (same hash as before)
+        if data.get(key) is None:
+            data.pop(key, None)
     r = data["resources"]
     for key, unset in (("nodes", None), ("gpus_per_node", None), ("allow_partial_nodes", False)):
         if r.get(key) == unset:
@@ -118,12 +122,15 @@ def submit_job(
 
     Raises:
         IdempotencyKeyReused: same key, different payload (409).
-        ValidationFailed: the job can never fit the fleet, or asks for a ``max_runtime_s``
+        ValidationFailed: ``image`` is not a valid OCI reference (``field="image"``), the
+            job can never fit the fleet, or asks for a ``max_runtime_s``
             above its team's ``max_runtime_limit_s`` (422, names the field); a job without
             ``max_runtime_s`` gets the team's ``default_max_runtime_s``.
         LimitExceeded: the team has too many unfinished jobs (429); its own
             ``max_outstanding_jobs``, else ``default_max_outstanding_jobs`` (0 = no limit).
     """
+    if spec.image is not None:
+        check_reference(spec.image)  # every path in (REST, job files, SDK) checked here too
     digest = payload_sha256(spec)
     array = None
     deps: list[tuple[str, str]] = []

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqlalchemy import select
 
 from gpufleet.domain.errors import LimitExceeded
+from gpufleet.queue.hint import DEFAULT_PREFIX, DEFAULT_TIMEOUT_S, shared_hint
 from gpufleet.store.tables import TeamRow
 
 if TYPE_CHECKING:
@@ -61,12 +62,16 @@ class TeamLimits:
         submit_burst: token-bucket size, submits allowed at once.
         runtime: the team's (default_max_runtime_s, max_runtime_limit_s), seconds or None
             each (``services.job_admission.apply_runtime_limits``); None = not read.
+        read_rate_per_s: read token-bucket refill (GET requests of the API), per second.
+        read_burst: read token-bucket size.
     """
 
     max_outstanding_jobs: int
     submit_rate_per_s: float
     submit_burst: int
     runtime: tuple[float | None, float | None] | None = None
+    read_rate_per_s: float = 0.0
+    read_burst: int = 1
 
     @staticmethod
     def defaults(settings: Settings) -> TeamLimits:
@@ -74,6 +79,8 @@ class TeamLimits:
             settings.team_max_outstanding_jobs,
             settings.team_submit_rate_per_s,
             settings.team_submit_burst,
+            read_rate_per_s=settings.team_read_rate_per_s,
+            read_burst=settings.team_read_burst,
         )
 
     def for_team(
@@ -83,6 +90,8 @@ class TeamLimits:
         submit_burst: int | None,
         default_max_runtime_s: float | None = None,
         max_runtime_limit_s: float | None = None,
+        read_rate_per_s: float | None = None,
+        read_burst: int | None = None,
     ) -> TeamLimits:
         """These defaults overridden by a team's own values (None = keep the default)."""
         return TeamLimits(
@@ -90,13 +99,19 @@ class TeamLimits:
             self.submit_rate_per_s if submit_rate_per_s is None else submit_rate_per_s,
             self.submit_burst if submit_burst is None else submit_burst,
             (default_max_runtime_s, max_runtime_limit_s),
+            self.read_rate_per_s if read_rate_per_s is None else read_rate_per_s,
+            self.read_burst if read_burst is None else read_burst,
         )
 
 
 class RateLimiter(Protocol):
-    def take(self, key: str, rate_per_s: float, burst: int) -> float:
-        """Take one token from bucket ``key`` (refilled at ``rate_per_s`` up to ``burst``).
-        Returns 0.0 when taken, else the seconds until one is available (nothing taken)."""
+    def take(self, key: str, rate_per_s: float, burst: int, cost: int = 1) -> float:
+        """Take ``cost`` tokens from bucket ``key`` (refilled at ``rate_per_s`` up to
+        ``burst``). Returns 0.0 when taken, else the seconds until they are available (nothing
+        taken)."""
+
+    def needs_io(self) -> bool:
+        """Whether :meth:`take` may block on the network (then it runs off the event loop)."""
 
 
 class InProcRateLimiter:
@@ -107,42 +122,56 @@ class InProcRateLimiter:
         self._lock = threading.Lock()
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    def take(self, key: str, rate_per_s: float, burst: int) -> float:
+    def take(self, key: str, rate_per_s: float, burst: int, cost: int = 1) -> float:
         now = self._clock()
+        cost = max(1, min(cost, burst))
         with self._lock:
             tokens, at = self._buckets.get(key, (float(burst), now))
             tokens = min(float(burst), tokens + max(0.0, now - at) * rate_per_s)
             wait = 0.0
-            if tokens >= 1.0:
-                tokens -= 1.0
+            if tokens >= cost:
+                tokens -= cost
             else:
-                wait = (1.0 - tokens) / rate_per_s
+                wait = (cost - tokens) / rate_per_s
             if len(self._buckets) > 100_000:  # idle buckets are full again: forget them
                 self._buckets.clear()
             self._buckets[key] = (tokens, now)
             return wait
 
+    def needs_io(self) -> bool:
+        return False
 
-# KEYS[1]: bucket; ARGV: rate per second, burst. Returns the wait in seconds as a string
-# ("0" = taken). Time comes from the Redis server, the one clock every replica shares.
+
+# KEYS[1]: bucket; ARGV: rate per second, burst, cost. Returns the wait in seconds as a
+# string ("0" = taken). Time comes from the Redis server, the one clock every replica shares.
+# The stored state is bounded on read: anyone who can write the key (a leaked password, a job
+# that reached Redis) may put anything there, and it must not lock a team out: tokens that
+# are not a number or are below 0 count as a full bucket, above the burst as the burst; a
+# timestamp that is not a number or lies in the future counts as now.
 _TAKE_LUA = """
 local rate = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
 local tokens = tonumber(b[1])
 local ts = tonumber(b[2])
-if tokens == nil or ts == nil then
+if tokens == nil or tokens ~= tokens or tokens < 0 then
   tokens = burst
+end
+if tokens > burst then
+  tokens = burst
+end
+if ts == nil or ts ~= ts or ts > now then
   ts = now
 end
-tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
+tokens = math.min(burst, tokens + (now - ts) * rate)
 local wait = 0
-if tokens >= 1 then
-  tokens = tokens - 1
+if tokens >= cost then
+  tokens = tokens - cost
 else
-  wait = (1 - tokens) / rate
+  wait = (cost - tokens) / rate
 end
 redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
@@ -151,44 +180,58 @@ return tostring(wait)
 
 
 class RedisRateLimiter:
-    """Token buckets shared by every API replica: one Lua script per take (a round trip).
+    """Token buckets shared by every API replica: one Lua script per take (a round trip),
+    keys ``{prefix}:rate:{bucket}``.
+
+    Fails open to per-replica limits: when Redis does not answer within the hint's timeout
+    the breaker (:class:`~gpufleet.queue.hint.RedisHint`) opens and each replica limits with
+    its own in-process bucket until Redis answers again, so a team may get up to N times its
+    rate across N replicas during an outage, never a refusal caused by Redis.
 
     Args:
-        url: ``redis://host:port/db``.
-        prefix: key prefix of the buckets.
+        url: ``redis://[user:password@]host:port/db`` or ``rediss://``.
+        prefix: the deployment's namespace (``GPUFLEET_REDIS_PREFIX``).
+        timeout_s: the Redis command timeout, seconds.
     """
 
-    def __init__(self, url: str, prefix: str = "gpufleet:rate:") -> None:
-        import redis
-
-        self._redis = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
-        self._script = self._redis.register_script(_TAKE_LUA)
-        self._prefix = prefix
+    def __init__(
+        self, url: str, prefix: str = DEFAULT_PREFIX, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        self._hint = shared_hint(url, prefix=prefix, timeout_s=timeout_s)
+        self._script = self._hint.client.register_script(_TAKE_LUA)
         self._fallback = InProcRateLimiter()
-        self._down = False
 
-    def take(self, key: str, rate_per_s: float, burst: int) -> float:
+    def take(self, key: str, rate_per_s: float, burst: int, cost: int = 1) -> float:
+        cost = max(1, min(cost, burst))
+        ok, raw = self._hint.call(
+            "rate limit",
+            lambda _r: self._script(
+                keys=[self._hint.key(f"rate:{key}")], args=[repr(rate_per_s), burst, cost]
+            ),
+        )
+        if not ok:
+            return self._fallback.take(key, rate_per_s, burst, cost)
         try:
-            raw = self._script(keys=[self._prefix + key], args=[repr(rate_per_s), burst])
-        except Exception as exc:  # any Redis failure: this replica limits on its own
-            if not self._down:
-                self._down = True
-                log.warning(
-                    "rate limits: Redis unreachable (%s); limiting per replica until it is back",
-                    type(exc).__name__,
-                )
-            return self._fallback.take(key, rate_per_s, burst)
-        if self._down:
-            self._down = False
-            log.warning("rate limits: Redis reachable again; buckets are shared again")
-        return float(raw.decode() if isinstance(raw, bytes) else raw)
+            wait = float(raw.decode() if isinstance(raw, bytes) else str(raw))
+        except (TypeError, ValueError):
+            return self._fallback.take(key, rate_per_s, burst, cost)
+        # never longer than an empty bucket's refill, whatever the store said
+        return min(max(0.0, wait), cost / rate_per_s) if wait == wait else 0.0
+
+    def needs_io(self) -> bool:
+        return not self._hint.is_open  # an open breaker answers at once
 
     def close(self) -> None:
-        self._redis.close()
+        self._hint.close()
 
 
-def make_rate_limiter(redis_url: str | None) -> RateLimiter:
-    return RedisRateLimiter(redis_url) if redis_url else InProcRateLimiter()
+def make_rate_limiter(
+    redis_url: str | None, *, prefix: str = DEFAULT_PREFIX, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> RateLimiter:
+    """A :class:`RedisRateLimiter` when ``redis_url`` is set, else in-process buckets."""
+    if not redis_url:
+        return InProcRateLimiter()
+    return RedisRateLimiter(redis_url, prefix=prefix, timeout_s=timeout_s)
 
 
 class SubmitAdmission:
@@ -221,6 +264,8 @@ class SubmitAdmission:
                     TeamRow.submit_burst,
                     TeamRow.default_max_runtime_s,
                     TeamRow.max_runtime_limit_s,
+                    TeamRow.read_rate_per_s,
+                    TeamRow.read_burst,
                 ).where(TeamRow.id == team_id)
             ).first()
         limits = self.defaults if row is None else self.defaults.for_team(*row)
@@ -230,15 +275,17 @@ class SubmitAdmission:
             self._cache[team_id] = (now, limits)
         return limits
 
-    def check_needs_io(self, team_id: str) -> bool:
-        """Whether :meth:`check_submit_rate` for ``team_id`` may block: the team's limits are
-        not cached, or its rate is limited through a shared (Redis) bucket. When False the
-        check is a few dict operations, cheap enough for an event loop."""
+    def check_needs_io(self, team_id: str, *, read: bool = False) -> bool:
+        """Whether :meth:`check_submit_rate` (``read``: :meth:`check_read_rate`) for
+        ``team_id`` may block: the team's limits are not cached, or its rate is limited
+        through a shared (Redis) bucket that is answering. When False the check is a few dict
+        operations, cheap enough for an event loop."""
         with self._lock:
             hit = self._cache.get(team_id)
         if hit is None or time.monotonic() - hit[0] >= LIMITS_TTL_S:
             return True
-        return hit[1].submit_rate_per_s > 0 and not isinstance(self.limiter, InProcRateLimiter)
+        rate = hit[1].read_rate_per_s if read else hit[1].submit_rate_per_s
+        return rate > 0 and self.limiter.needs_io()
 
     def forget(self, team_id: str) -> None:
         """Drop a team's cached limits (they were changed through this server)."""
@@ -264,6 +311,39 @@ class SubmitAdmission:
                 field="submit_rate_per_s",
                 retry_after_s=wait,
             )
+
+    def check_read_rate(self, team_id: str, cost: int = 1) -> None:
+        """Take ``cost`` tokens from the team's read bucket (every GET of the API).
+
+        Raises:
+            LimitExceeded: over the team's read rate (429; ``retry_after_s`` set, field
+                ``read_rate_per_s``).
+        """
+        lim = self.limits(team_id)
+        if lim.read_rate_per_s <= 0:
+            return
+        wait = self.limiter.take(f"read:{team_id}", lim.read_rate_per_s, lim.read_burst, cost)
+        if wait > 0:
+            raise LimitExceeded(
+                f"team {team_id!r} is over its read rate limit "
+                f"({lim.read_rate_per_s:g} tokens/s, burst {lim.read_burst}; a read costs 1 token,"
+                f" a job list 1 per {READ_ROWS_PER_TOKEN} rows asked for); retry in {wait:.2f} s",
+                field="read_rate_per_s",
+                retry_after_s=wait,
+            )
+
+
+READ_ROWS_PER_TOKEN = 20
+"""A job list costs one token of the team's read bucket per this many rows it asks for
+(``?limit=``, default 50: 3 tokens; 500: 25); any other read costs one. Serving a row (ORM and
+the response model) is most of a list's CPU time, so the bucket meters rows, not requests."""
+
+
+def read_cost(limit: int | None) -> int:
+    """Tokens a read takes: 1, or ``ceil(limit / READ_ROWS_PER_TOKEN)`` for a job list."""
+    if limit is None or limit <= READ_ROWS_PER_TOKEN:
+        return 1
+    return -(-limit // READ_ROWS_PER_TOKEN)
 
 
 def retry_after_header(seconds: float) -> str:

@@ -12,7 +12,7 @@ from gpufleet.domain.errors import Conflict, ValidationFailed
 from gpufleet.domain.states import NODE_TRANSITIONS, Machine, NodeStatus
 from gpufleet.services.node_fence import Fenced, fence_node, release_gone_quarantined
 from gpufleet.services.node_health import set_status_reason
-from gpufleet.services.node_lookup import fleet_node
+from gpufleet.services.node_lookup import fleet_node, refuse_if_alive
 from gpufleet.services.node_register import INVENTORY_DRAIN
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import NodeCapacityRow, NodeRow
@@ -76,17 +76,40 @@ def _pending_inventory(session: Session, node: NodeRow) -> str:
 
 
 def operator_fence(
-    session: Session, node_id: str, *, reason: str, max_node_failures: int
+    session: Session,
+    node_id: str,
+    *,
+    reason: str,
+    max_node_failures: int,
+    live_within_s: float = 0.0,
+    force: bool = False,
 ) -> tuple[list[Fenced], int]:
     """``gpufleet admin node fence NODE --confirm-dead``: the operator vouches that the node
     is dead (powered off, re-installed). Its remaining attempts are fenced, every QUARANTINED
     reservation of it is EXPIRED (its GPUs offered again) and the node is FENCED (no
     placements until ``admin node uncordon``). Returns (attempts fenced, GPUs returned).
 
+    ``live_within_s``: the heartbeat window (seconds; ``suspect_after_missed`` heartbeat
+    intervals): a node heard from within it, neither FENCED nor revoked, looks alive and is
+    fenced only with ``force`` (its jobs' processes would keep running on GPUs offered to
+    others); the same rule as ``admin node forget`` (``node_lookup.refuse_if_alive``).
+    0 = no check.
+
     Raises:
         NotFound: no such node, or it was forgotten (never claimed FENCED).
+        Conflict: the node looks alive and not ``force`` (field ``force``; the message says
+            when it was last heard from).
     """
-    fleet_node(session, node_id)
+    node = fleet_node(session, node_id, for_update=True)
+    if not force:
+        refuse_if_alive(
+            session,
+            node,
+            live_within_s,
+            action="fencing it would offer GPUs to other jobs while its jobs' processes"
+            " may still run on them",
+            force_hint='fence it anyway with --force (REST: "force": true)',
+        )
     fenced = fence_node(
         session,
         node_id,

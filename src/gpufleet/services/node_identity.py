@@ -2,7 +2,9 @@
 signed, revocation, and forgetting a node (``docs/design/security.md``).
 
 A node's identity is its certificate (CN = node id), checked on every call against
-``node_certs``: listed, unrevoked, for the node it names. Join tokens are random secrets,
+``node_certs``: listed, unrevoked, for the node it names, and of the node's current trust
+epoch (``node_trust``: revoke, forget and join raise it, so a certificate issued before or
+while a revocation ran is refused whatever its serial). Join tokens are random secrets,
 stored as sha256, used at most once, and expire.
 """
 
@@ -12,7 +14,8 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, exists, select, update
+from sqlalchemy import delete, exists, func, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Conflict, Forbidden, Unauthenticated, ValidationFailed
@@ -23,7 +26,7 @@ from gpufleet.rpc.pki import check_node_id
 from gpufleet.services import nodes
 from gpufleet.services.job_admission import forget_fleet_shapes
 from gpufleet.services.job_queries import iso
-from gpufleet.services.node_lookup import no_node
+from gpufleet.services.node_lookup import is_cut_off, no_node, refuse_if_alive
 from gpufleet.store import allocate
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
@@ -32,6 +35,7 @@ from gpufleet.store.tables import (
     NodeCapacityRow,
     NodeCertRow,
     NodeRow,
+    NodeTrustRow,
     ReservationRow,
 )
 from gpufleet.store.transitions import record_event
@@ -80,10 +84,10 @@ def create_join_token(
     return secret, expires
 
 
-def join(session: Session, *, secret: str, node_id: str, serial: str, not_after: datetime) -> None:
-    """Spend a join token on ``node_id`` and record its new certificate, in one transaction.
-    Older certificates of the node are revoked (a rejoin replaces a lost or stolen key) and
-    its agent epoch restarts at 0 (a re-installed node's epoch counter starts again).
+def check_join_token(session: Session, *, secret: str, node_id: str) -> None:
+    """Whether ``secret`` may join as ``node_id`` now (read only: the token is not spent).
+    The join port calls it before it parses or signs anything, so a bad token costs one
+    indexed read, no signature; :func:`join` checks again when it spends the token.
 
     Raises:
         Unauthenticated: unknown, used or expired token (one message for all three).
@@ -91,8 +95,11 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
             that exists already (rejoining needs a token made with ``--node-id``).
         ValidationFailed: bad node id.
     """
+    _usable_token(session, secret, node_id, db_now(session))
+
+
+def _usable_token(session: Session, secret: str, node_id: str, now: datetime) -> JoinTokenRow:
     validate_node_id(node_id)
-    now = db_now(session)
     row = session.execute(
         select(JoinTokenRow).where(JoinTokenRow.token_sha256 == hash_secret(secret))
     ).scalar_one_or_none()
@@ -106,6 +113,24 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
             f"(gpufleet admin node join-token --node-id {node_id})",
             field="node_id",
         )
+    return row
+
+
+def join(session: Session, *, secret: str, node_id: str, serial: str, not_after: datetime) -> None:
+    """Spend a join token on ``node_id`` and record its new certificate, in one transaction.
+    Older certificates of the node are revoked and its trust epoch goes up (a rejoin replaces
+    a lost or stolen key: a renewal racing it from an older certificate is refused too; the
+    new certificate carries the new epoch, so a revoked node is trusted again from it on),
+    and its agent epoch restarts at 0 (a re-installed node's epoch counter starts again).
+
+    Raises:
+        Unauthenticated: unknown, used or expired token (one message for all three).
+        Forbidden: the token is for another node id, or an unbound token names a node id
+            that exists already (rejoining needs a token made with ``--node-id``).
+        ValidationFailed: bad node id.
+    """
+    now = db_now(session)
+    row = _usable_token(session, secret, node_id, now)
     spent = session.execute(
         update(JoinTokenRow)
         .where(JoinTokenRow.id == row.id, JoinTokenRow.used_at.is_(None))
@@ -113,7 +138,8 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
     ).rowcount  # type: ignore[attr-defined]
     if spent != 1:  # a concurrent join spent it first
         raise Unauthenticated("invalid, used or expired join token")
-    revoked = _revoke(session, node_id, now)
+    epoch = _raise_trust_epoch(session, node_id, now, revocation=False)  # lock order: trust,
+    revoked = _revoke(session, node_id, now)  # then certificates (as renewals and revoke)
     # a rejoin is a new install of the node (its state dir, and so its agent epoch counter,
     # are gone): the attempts given to the old install are fenced now (the new agent cannot
     # know them), and its first registration must not be refused as an old agent process
@@ -134,7 +160,12 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
             )
     session.add(
         NodeCertRow(
-            serial=serial, node_id=node_id, issued_at=now, not_after=not_after, reason="join"
+            serial=serial,
+            node_id=node_id,
+            issued_at=now,
+            not_after=not_after,
+            reason="join",
+            trust_epoch=epoch,
         )
     )
     record_event(
@@ -147,8 +178,30 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
     )
 
 
-def record_renewal(session: Session, *, node_id: str, serial: str, not_after: datetime) -> None:
-    """Record a renewed certificate (the old one stays valid until it expires)."""
+def record_renewal(
+    session: Session, *, node_id: str, old_serial: str, serial: str, not_after: datetime
+) -> None:
+    """Record a renewed certificate (the old one stays valid until it expires). The renewed
+    certificate ``old_serial`` is checked here, in the transaction that records the new one
+    (its row and the node's trust row locked), never from a cache: a renewal that loses the
+    race with a revocation is refused; one that wins it carries the old certificate's trust
+    epoch, which the revocation then leaves behind (:func:`cert_is_valid`).
+
+    Raises:
+        Forbidden: ``old_serial`` is revoked, unknown, of another node or of an older trust
+            epoch.
+    """
+    trust = _trust_epoch(session, node_id, lock=True)
+    old = session.execute(
+        select(NodeCertRow).where(NodeCertRow.serial == old_serial).with_for_update()
+    ).scalar_one_or_none()
+    if (
+        old is None
+        or old.node_id != node_id
+        or old.revoked_at is not None
+        or old.trust_epoch < trust
+    ):
+        raise Forbidden(f"certificate {old_serial} is revoked or unknown", field="certificate")
     session.add(
         NodeCertRow(
             serial=serial,
@@ -156,16 +209,22 @@ def record_renewal(session: Session, *, node_id: str, serial: str, not_after: da
             issued_at=db_now(session),
             not_after=not_after,
             reason="renew",
+            trust_epoch=old.trust_epoch,
         )
     )
 
 
 def cert_is_valid(session: Session, serial: str, node_id: str) -> bool:
-    """True when ``serial`` is a certificate signed for ``node_id`` and not revoked."""
+    """True when ``serial`` is a certificate signed for ``node_id``, not revoked, and of the
+    node's current trust epoch (not issued before, nor renewed during, a revocation)."""
     row = session.execute(
-        select(NodeCertRow.node_id, NodeCertRow.revoked_at).where(NodeCertRow.serial == serial)
+        select(NodeCertRow.node_id, NodeCertRow.revoked_at, NodeCertRow.trust_epoch).where(
+            NodeCertRow.serial == serial
+        )
     ).first()
-    return row is not None and row.node_id == node_id and row.revoked_at is None
+    if row is None or row.node_id != node_id or row.revoked_at is not None:
+        return False
+    return bool(row.trust_epoch >= _trust_epoch(session, node_id))
 
 
 def revoke_node(session: Session, node_id: str, *, max_node_failures: int = 3) -> int:
@@ -185,6 +244,7 @@ def revoke_node(session: Session, node_id: str, *, max_node_failures: int = 3) -
     if not _node_present(session, node_id):
         raise no_node(session, node_id)
     now = db_now(session)
+    _raise_trust_epoch(session, node_id, now, revocation=True)
     n = _revoke(session, node_id, now)
     node = session.get(NodeRow, node_id, with_for_update=True)
     if node is not None and node.status != NodeStatus.FENCED:
@@ -224,32 +284,14 @@ def forget_node(
         raise no_node(session, node_id)
     now = db_now(session)
     node = session.get(NodeRow, node_id)
-    certs = session.execute(
-        select(NodeCertRow.revoked_at).where(NodeCertRow.node_id == node_id)
-    ).all()
-    cut_off = (bool(certs) and all(c.revoked_at is not None for c in certs)) or (
-        node is not None and node.status == NodeStatus.FENCED
-    )
-    if (
-        not force
-        and live_within_s > 0
-        and node is not None
-        and not cut_off
-        and node.last_heartbeat_at is not None
-        and session.execute(
-            select(
-                exists().where(
-                    NodeRow.id == node_id,
-                    NodeRow.last_heartbeat_at >= now - timedelta(seconds=live_within_s),
-                )
-            )
-        ).scalar_one()
-    ):
-        raise Conflict(
-            f"node {node_id} ({node.status}) sent a heartbeat within the last "
-            f"{live_within_s:g} s: it looks alive. Drain it and stop its agent first, or "
-            "forget it anyway with --force (REST: ?force=true)",
-            field="force",
+    cut_off = node is not None and is_cut_off(session, node)
+    if not force and node is not None:
+        refuse_if_alive(
+            session,
+            node,
+            live_within_s,
+            action="its agent would keep running jobs the scheduler no longer sees",
+            force_hint="forget it anyway with --force (REST: ?force=true)",
         )
     try:
         allocate.remove_inventory(session, node_id)
@@ -268,6 +310,7 @@ def forget_node(
                 field="node_id",
             ) from None
         raise
+    _raise_trust_epoch(session, node_id, now, revocation=True)
     n = _revoke(session, node_id, now)
     referenced = session.execute(
         select(
@@ -290,8 +333,10 @@ def forget_node(
 
 def describe_nodes(session: Session) -> list[dict[str, Any]]:
     """Every node and every node id with a certificate: id, status, address, last heartbeat,
-    the newest valid certificate (serial, expiry) and how many certificates are revoked."""
+    the newest valid certificate (serial, expiry) and how many certificates are revoked (by
+    serial, or by the node's trust epoch)."""
     nodes = {n.id: n for n in session.scalars(select(NodeRow))}
+    epochs = {t.node_id: t.epoch for t in session.scalars(select(NodeTrustRow))}
     certs: dict[str, list[NodeCertRow]] = {}
     for c in session.scalars(select(NodeCertRow).order_by(NodeCertRow.issued_at)):
         certs.setdefault(c.node_id, []).append(c)
@@ -299,7 +344,9 @@ def describe_nodes(session: Session) -> list[dict[str, Any]]:
     for node_id in sorted(set(nodes) | set(certs)):
         n = nodes.get(node_id)
         mine = certs.get(node_id, [])
-        valid = [c for c in mine if c.revoked_at is None]
+        valid = [
+            c for c in mine if c.revoked_at is None and c.trust_epoch >= epochs.get(node_id, 0)
+        ]
         cur = valid[-1] if valid else None
         out.append(
             {
@@ -350,4 +397,43 @@ def _revoke(session: Session, node_id: str, now: datetime) -> int:
             .where(NodeCertRow.node_id == node_id, NodeCertRow.revoked_at.is_(None))
             .values(revoked_at=now)
         ).rowcount  # type: ignore[attr-defined]
+    )
+
+
+def _trust_epoch(session: Session, node_id: str, *, lock: bool = False) -> int:
+    """The node id's trust epoch (0 without a ``node_trust`` row); ``lock``: FOR UPDATE."""
+    q = select(NodeTrustRow.epoch).where(NodeTrustRow.node_id == node_id)
+    value = session.execute(q.with_for_update() if lock else q).scalar_one_or_none()
+    return int(value or 0)
+
+
+def _raise_trust_epoch(session: Session, node_id: str, now: datetime, *, revocation: bool) -> int:
+    """Raise the node id's trust epoch by one (its row locked until this transaction ends)
+    and return the new epoch: every certificate issued before, the ones a concurrent renewal
+    records included, is refused from the commit on."""
+    values: dict[str, object] = {"epoch": NodeTrustRow.epoch + 1, "updated_at": now}
+    if revocation:
+        values["revoked_at"] = now
+    bumped = session.execute(
+        update(NodeTrustRow).where(NodeTrustRow.node_id == node_id).values(**values)
+    ).rowcount  # type: ignore[attr-defined]
+    if not bumped:
+        try:
+            with session.begin_nested():  # two first revocations at once: one inserts
+                session.add(
+                    NodeTrustRow(
+                        node_id=node_id,
+                        epoch=1,
+                        revoked_at=now if revocation else None,
+                        updated_at=now,
+                    )
+                )
+        except IntegrityError:
+            session.execute(
+                update(NodeTrustRow).where(NodeTrustRow.node_id == node_id).values(**values)
+            )
+    return int(
+        session.execute(
+            select(func.coalesce(NodeTrustRow.epoch, 0)).where(NodeTrustRow.node_id == node_id)
+        ).scalar_one()
     )

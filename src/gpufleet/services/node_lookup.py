@@ -9,13 +9,16 @@ seen. A registration of the same id (a new join token) brings it back with fresh
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import NotFound
-from gpufleet.store.tables import NodeCapacityRow, NodeRow
+from gpufleet.domain.errors import Conflict, NotFound
+from gpufleet.domain.states import NodeStatus
+from gpufleet.store.dialect import db_now
+from gpufleet.store.tables import NodeCapacityRow, NodeCertRow, NodeRow
 
 
 def in_fleet() -> Any:
@@ -51,3 +54,42 @@ def no_node(session: Session, node_id: str) -> NotFound:
             field="node_id",
         )
     return NotFound(f"no node {node_id!r}", field="node_id")
+
+
+def is_cut_off(session: Session, node: NodeRow) -> bool:
+    """True when the node's agent can no longer speak for it: the node is FENCED, or every
+    certificate it ever had is revoked."""
+    if node.status == NodeStatus.FENCED:
+        return True
+    certs = session.execute(
+        select(NodeCertRow.revoked_at).where(NodeCertRow.node_id == node.id)
+    ).all()
+    return bool(certs) and all(c.revoked_at is not None for c in certs)
+
+
+def refuse_if_alive(
+    session: Session, node: NodeRow, live_within_s: float, *, action: str, force_hint: str
+) -> None:
+    """The liveness rule of the operator actions that assume a dead node (``admin node
+    forget``, ``admin node fence --confirm-dead``): a node whose last heartbeat (database
+    clock) is younger than ``live_within_s`` seconds (``suspect_after_missed`` heartbeat
+    intervals) and that is not cut off (:func:`is_cut_off`) looks alive. 0 = no check.
+
+    Raises:
+        Conflict: the node looks alive (field ``force``); the message says when it was last
+            heard from and how to override (``force_hint``).
+    """
+    if live_within_s <= 0 or node.last_heartbeat_at is None or is_cut_off(session, node):
+        return
+    now = db_now(session)
+    last: datetime = node.last_heartbeat_at
+    if last < now - timedelta(seconds=live_within_s):
+        return
+    ago = max(0.0, (now - last).total_seconds())
+    raise Conflict(
+        f"node {node.id} ({node.status}) was last heard from {ago:.1f} s ago "
+        f"({last:%Y-%m-%d %H:%M:%S}Z), within the last {live_within_s:g} s "
+        f"(suspect_after_missed heartbeat intervals): it looks alive, and {action}. Stop its "
+        f"agent (or wait until it goes SUSPECT) first, or {force_hint}",
+        field="force",
+    )

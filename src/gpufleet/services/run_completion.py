@@ -42,7 +42,15 @@ from gpufleet.store import accounting, allocate
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import as_utc, now_sql_for
 from gpufleet.store.leader import assert_leader
-from gpufleet.store.tables import ApiTokenRow, JobRow, JobRunRow, NodeRow, ReservationRow, TeamRow
+from gpufleet.store.tables import (
+    ApiTokenRow,
+    JobRow,
+    JobRunRow,
+    NodeRow,
+    ReservationRow,
+    SchedulingEventRow,
+    TeamRow,
+)
 from gpufleet.store.transitions import transition
 
 
@@ -69,12 +77,14 @@ class Report:
     message: str = ""
     node_fault: bool = False
     """NEVER_STARTED because of the node: charged to the node, not the job's retries."""
-    reason: str = ""  # machine-readable cause from the agent: "" or OOM_KILLED
+    reason: str = ""  # machine-readable cause from the agent: "", OOM_KILLED or DISK_FULL
     node_refused: bool = False
     """With ``node_fault``: the agent refused the assignment on a failed health check."""
 
 
 OOM_KILLED = "OOM_KILLED"
+DISK_FULL = "DISK_FULL"
+"""The attempt failed with its scratch filesystem (``disk_mb``) full; not retried either."""
 
 
 NODE_FAULTS_TO_CORDON = 3
@@ -419,6 +429,12 @@ def _decide(
             "OOM_KILLED: OOM_KILLED: ", "OOM_KILLED: "
         )
         return RunStatus.FAILED, (JobStatus.FAILED if current else None), why
+    if report.reason == DISK_FULL and report.outcome == Outcome.EXITED:
+        # Not retried: a new attempt gets the same disk_mb and would fill it again.
+        why = report.message or "DISK_FULL: the attempt filled its scratch filesystem"
+        if not why.startswith(DISK_FULL):
+            why = f"DISK_FULL: {why}"
+        return RunStatus.FAILED, (JobStatus.FAILED if current else None), why
     if report.outcome == Outcome.NEVER_STARTED:
         why = f"never started: {report.message or 'the agent has no record of it'}"
     elif report.outcome == Outcome.STOPPED:
@@ -458,19 +474,49 @@ def _after_node_fault(
     return JobStatus.FAILED, f"{why} (lost {lost + 1} attempts to failed nodes)"
 
 
-def _cordon_if_failing(session: Session, node_id: str, now: datetime) -> None:
-    """Cordon a node charged with NODE_FAULTS_TO_CORDON start failures in the window."""
-    session.flush()
-    recent = session.execute(
-        select(func.count())
-        .select_from(JobRunRow)
-        .where(
-            JobRunRow.node_id == node_id,
-            JobRunRow.charged_to == "node",
-            JobRunRow.status == RunStatus.FAILED,
-            JobRunRow.finished_at >= now - timedelta(seconds=NODE_FAULT_WINDOW_S),
+def _node_faults_since(session: Session, node_id: str, since: datetime) -> int:
+    """Start failures charged to ``node_id`` that ended at or after ``since``."""
+    return int(
+        session.execute(
+            select(func.count())
+            .select_from(JobRunRow)
+            .where(
+                JobRunRow.node_id == node_id,
+                JobRunRow.charged_to == "node",
+                JobRunRow.status == RunStatus.FAILED,
+                JobRunRow.finished_at >= since,
+            )
+        ).scalar_one()
+    )
+
+
+def last_uncordon(session: Session, node_id: str, since: datetime) -> datetime | None:
+    """When an operator last returned ``node_id`` to HEALTHY from CORDONED or DRAINING
+    (its ``transition`` event) at or after ``since``; None if not since then. Read only when
+    a node already has enough recent failures to be cordoned (rare): the events table has no
+    index on nodes."""
+    at = session.execute(
+        select(func.max(SchedulingEventRow.at)).where(
+            SchedulingEventRow.machine == Machine.NODE,
+            SchedulingEventRow.entity_id == node_id,
+            SchedulingEventRow.to_status == NodeStatus.HEALTHY,
+            SchedulingEventRow.from_status.in_([NodeStatus.CORDONED, NodeStatus.DRAINING]),
+            SchedulingEventRow.at >= since,
         )
-    ).scalar_one()
+    ).scalar_one_or_none()
+    return as_utc(at) if at is not None else None
+
+
+def _cordon_if_failing(session: Session, node_id: str, now: datetime) -> None:
+    """Cordon a node charged with NODE_FAULTS_TO_CORDON start failures in the window; an
+    uncordon starts the count again (failures before it are not counted)."""
+    session.flush()
+    since = now - timedelta(seconds=NODE_FAULT_WINDOW_S)
+    recent = _node_faults_since(session, node_id, since)
+    if recent >= NODE_FAULTS_TO_CORDON:
+        uncordoned = last_uncordon(session, node_id, since)
+        if uncordoned is not None:
+            recent = _node_faults_since(session, node_id, uncordoned)
     node = session.get(NodeRow, node_id, with_for_update=True)
     if recent < NODE_FAULTS_TO_CORDON or node is None:
         return
@@ -478,7 +524,7 @@ def _cordon_if_failing(session: Session, node_id: str, now: datetime) -> None:
         return
     reason = (
         f"auto-cordoned: {recent} start failures caused by the node in the last"
-        f" {NODE_FAULT_WINDOW_S:.0f} s"
+        f" {NODE_FAULT_WINDOW_S:.0f} s (since its last uncordon, if later)"
     )
     transition(
         session,

@@ -62,6 +62,8 @@ class QuotaUpdate:
     max_outstanding_jobs: int | None = None
     submit_rate_per_s: float | None = None
     submit_burst: int | None = None
+    read_rate_per_s: float | None = None
+    read_burst: int | None = None
     default_max_runtime_s: float | None = None
     max_runtime_limit_s: float | None = None
 
@@ -231,6 +233,17 @@ def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> QuotaChang
         team.submit_rate_per_s = float(rate)
     if upd.submit_burst is not None:
         team.submit_burst = _bounded_int(upd.submit_burst, "submit_burst", 1, MAX_SUBMIT_BURST)
+    if upd.read_rate_per_s is not None:
+        rate = upd.read_rate_per_s
+        if not (math.isfinite(rate) and 0 <= rate <= MAX_SUBMIT_RATE_PER_S):
+            raise ValidationFailed(
+                f"read_rate_per_s must be a finite number from 0 (no limit) to "
+                f"{MAX_SUBMIT_RATE_PER_S:g}",
+                field="read_rate_per_s",
+            )
+        team.read_rate_per_s = float(rate)
+    if upd.read_burst is not None:
+        team.read_burst = _bounded_int(upd.read_burst, "read_burst", 1, MAX_SUBMIT_BURST)
     for name in ("default_max_runtime_s", "max_runtime_limit_s"):
         value = getattr(upd, name)
         if value is not None:
@@ -296,6 +309,12 @@ def describe_teams(session: Session, defaults: TeamLimits | None = None) -> list
             "max_outstanding_jobs": limits[t.id][0],
             "submit_rate_per_s": limits[t.id][1],
             "submit_burst": limits[t.id][2],
+            "read_rate_per_s": t.read_rate_per_s
+            if defaults is None or t.read_rate_per_s is not None
+            else defaults.read_rate_per_s,
+            "read_burst": t.read_burst
+            if defaults is None or t.read_burst is not None
+            else defaults.read_burst,
             "default_max_runtime_s": t.default_max_runtime_s,
             "max_runtime_limit_s": t.max_runtime_limit_s,
             # decayed (half-life usage_half_life_s): the fair-share figure, not accounting

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -116,8 +116,14 @@ def node_state(n: Any) -> NodeState:
     )
 
 
-def pending_job(row: Any, facts: SpecFacts, predicted_s: float | None = None) -> PendingJob:
-    """The policy's view of a PENDING job row (columns of ``_PENDING``-style selects)."""
+def pending_job(
+    row: Any,
+    facts: SpecFacts,
+    predicted_s: float | None = None,
+    avoid_node_id: str | None = None,
+) -> PendingJob:
+    """The policy's view of a PENDING job row (columns of ``_PENDING``-style selects);
+    ``avoid_node_id``: from :func:`failed_start_nodes`."""
     return PendingJob(
         job_id=row.id,
         team_id=row.team_id,
@@ -132,7 +138,29 @@ def pending_job(row: Any, facts: SpecFacts, predicted_s: float | None = None) ->
         queued_at_s=row.queued_at.timestamp(),
         image=facts.image,
         predicted_duration_s=predicted_s,
+        avoid_node_id=avoid_node_id,
     )
+
+
+def failed_start_nodes(session: Session, rows: Iterable[Any]) -> dict[str, str]:
+    """Job id -> the node its current attempt FAILED on without ever starting, for the rows
+    (of a pending select: ``id``, ``attempts``) of jobs that had an attempt: what
+    ``PendingJob.avoid_node_id`` carries. One query per :data:`SpecCache.CHUNK` such jobs;
+    none when no job has had an attempt (most passes of a fresh queue)."""
+    ids = [r.id for r in rows if r.attempts]
+    out: dict[str, str] = {}
+    for start in range(0, len(ids), SpecCache.CHUNK):
+        found = session.execute(
+            select(JobRow.id, JobRunRow.node_id)
+            .join(JobRunRow, JobRunRow.id == JobRow.current_run_id)
+            .where(
+                JobRow.id.in_(ids[start : start + SpecCache.CHUNK]),
+                JobRunRow.status == RunStatus.FAILED,
+                JobRunRow.started_at.is_(None),
+            )
+        ).all()
+        out.update((job_id, node_id) for job_id, node_id in found)
+    return out
 
 
 def running_job(
@@ -186,17 +214,28 @@ class SpecCache:
         self._pending: dict[str, tuple[tuple[Any, ...], PendingJob]] = {}
 
     def pending_job(
-        self, row: Any, facts: SpecFacts, predicted_s: float | None = None
+        self,
+        row: Any,
+        facts: SpecFacts,
+        predicted_s: float | None = None,
+        avoid_node_id: str | None = None,
     ) -> PendingJob:
         """The PendingJob of a row; the same object as last pass while the job's attempt,
         queue time and prediction are unchanged (building 10,000 of them is a large part of
         a pass)."""
         # priority and max_runtime_s can change after submit (PATCH /v1/jobs/{id})
-        key = (row.attempts, row.queued_at, row.priority, row.max_runtime_s, predicted_s)
+        key = (
+            row.attempts,
+            row.queued_at,
+            row.priority,
+            row.max_runtime_s,
+            predicted_s,
+            avoid_node_id,
+        )
         cached = self._pending.get(row.id)
         if cached is not None and cached[0] == key:
             return cached[1]
-        job = pending_job(row, facts, predicted_s)
+        job = pending_job(row, facts, predicted_s, avoid_node_id)
         self._pending[row.id] = (key, job)
         return job
 
@@ -339,7 +378,11 @@ def load_snapshot(
             return None
         return predictions.predict_s(row.team_id, row.submitted_by, row.name, row.gpu_count)
 
-    pending = [specs.pending_job(row, facts[row.id], predicted(row)) for row in pending_rows]
+    avoid = failed_start_nodes(session, pending_rows)
+    pending = [
+        specs.pending_job(row, facts[row.id], predicted(row), avoid.get(row.id))
+        for row in pending_rows
+    ]
     gpu_type_of = {n.node_id: n.gpu_type for n in nodes}
     running = []
     for run in running_rows:

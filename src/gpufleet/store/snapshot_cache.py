@@ -56,6 +56,7 @@ from gpufleet.store.queries import (
     RUNNING_COLUMNS,
     SpecCache,
     SpecFacts,
+    failed_start_nodes,
     kept_back,
     node_state,
     pending_job,
@@ -440,6 +441,10 @@ class SnapshotCache:
             if r.id not in self._facts and r.status == JobStatus.PENDING and not r.cancel_requested
         ]
         self._lookup_facts(session, new)
+        avoid = failed_start_nodes(
+            session,
+            (r for r in rows if r.status == JobStatus.PENDING and not r.cancel_requested),
+        )
         for row in rows:
             self._drop_pending(row.id)
             if row.status != JobStatus.PENDING or row.cancel_requested:
@@ -449,6 +454,7 @@ class SnapshotCache:
                 row,
                 facts,
                 self._predict(row.id, (row.team_id, row.submitted_by, row.name, row.gpu_count)),
+                avoid.get(row.id),
             )
             self._pending[row.id] = (row.retry_after, job)
             if row.retry_after is None:

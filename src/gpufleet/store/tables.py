@@ -93,6 +93,11 @@ class TeamRow(Base):
     """Token-bucket refill rate of POST /v1/jobs; NULL = the server's default, 0 = no limit."""
     submit_burst: Mapped[int | None] = mapped_column(Integer, default=None)
     """Token-bucket size (submits allowed at once); NULL = the server's default."""
+    read_rate_per_s: Mapped[float | None] = mapped_column(Float, default=None)
+    """Read token-bucket refill (GETs of the API, tokens/s); NULL = the server's default,
+    0 = no limit."""
+    read_burst: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Read token-bucket size; NULL = the server's default."""
     default_max_runtime_s: Mapped[float | None] = mapped_column(Float, default=None)
     """``max_runtime_s`` given to a job submitted without one (Slurm's DefaultTime); NULL =
     none (the job runs unbounded)."""
@@ -349,6 +354,34 @@ class NodeCertRow(Base):
     revoked_at: Mapped[datetime | None]
     reason: Mapped[str] = mapped_column(String(32), default="join")
     """join | renew."""
+    trust_epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """The node's trust epoch when it was issued (a renewal copies its predecessor's); the
+    certificate is refused once ``NodeTrustRow.epoch`` is above it (migration 0009e)."""
+
+
+class NodeTrustRow(Base):
+    """Node-level revocation: a node id's trust epoch. Revoke, forget and join raise it by
+    one; a certificate whose ``trust_epoch`` is below it is refused, whatever its serial
+    (also one renewed while the revocation ran). No row = epoch 0."""
+
+    __tablename__ = "node_trust"
+
+    node_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    revoked_at: Mapped[datetime | None]
+    """The last revocation (or forget); NULL when only joins raised the epoch."""
+    updated_at: Mapped[datetime]
+
+
+class FleetFactRow(Base):
+    """Facts of the fleet kept with its database, e.g. ``ca_sha256``: the fingerprint of the
+    fleet CA, recorded by the first ``admin ca init`` or controller start (migration 0009e)."""
+
+    __tablename__ = "fleet_facts"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(512))
+    recorded_at: Mapped[datetime]
 
 
 class NodeCapacityRow(Base):

@@ -102,6 +102,8 @@ class Launch:
         cpu: CPU cores (quota); 0 = no limit.
         gpu_ids: the reservation's GPU indexes (CUDA_VISIBLE_DEVICES is already in ``env``).
         resume_dir: the downloaded checkpoint dir, or None.
+        pids_max: processes and threads at once (the job's ``pids_limit``, else the node's
+            ``--job-pids-max``); 0 = no limit.
     """
 
     paths: RunPaths
@@ -113,6 +115,7 @@ class Launch:
     cpu: float = 0.0
     gpu_ids: tuple[int, ...] = ()
     resume_dir: Path | None = None
+    pids_max: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,17 +12,24 @@ One attempt (:class:`ContainerRuntime`):
   ``--tls-verify=false``.
 * **create**: name = run_id; labels ``gpufleet.run_id``, ``gpufleet.job_id``,
   ``gpufleet.token``; ``--init`` (so SIGTERM reaches the command even as PID 1);
-  ``--network host``; the attempt's checkpoints/artifacts/resume/work directories
-  bind-mounted at :data:`.MOUNTS` with the ``GPUFLEET_*_DIR`` variables pointing at them;
+  ``--network ns:/run/netns/<the attempt's namespace>`` (:mod:`.jobnet`; ``host`` without
+  job namespaces, for gang members, and with docker); the attempt's
+  checkpoints/artifacts/resume/work directories bind-mounted at :data:`.MOUNTS` with the
+  ``GPUFLEET_*_DIR`` variables pointing at them;
   ``memory_mb`` -> ``--memory``, ``cpu`` -> ``--cpus``; ``--user uid:gid`` = the attempt's job
   user (when the agent can switch users); the job's GPUs by their CDI names
   (``--device nvidia.com/gpu=<index>``) when the node has a CDI spec for NVIDIA GPUs. The
   environment is the job's own plus the platform's (never the agent's), passed in a 0600 env
   file deleted after create. ``CUDA_VISIBLE_DEVICES`` is the reservation's host indexes
   without CDI, and ``0..n-1`` with CDI (the container then only has those devices, renumbered);
-  ``GPUFLEET_GPU_IDS`` always holds the host indexes. A failed pull is the job's fault when
-  the image does not exist, is not authorised or is malformed (:class:`.ImageUnavailable`),
-  else the node's (``StartError.node_fault``; docs/design/runtime.md has the table).
+  ``GPUFLEET_GPU_IDS`` always holds the host indexes. Hardening (:meth:`security_for`,
+  :class:`.ContainerSecurity`): ``--cap-drop ALL``, ``--security-opt no-new-privileges``,
+  ``--pids-limit`` (the job's ``pids_limit``, else the node's), ``nosuid,nodev`` mounts, a
+  read-only root filesystem when the node asks, and a user namespace whose root is not host
+  root when the engine can run one; a container never runs as host uid 0. A failed pull is the
+  job's fault (:class:`.ImageUnavailable`: the reference, the registry's answer, the registry
+  unreachable) unless the node's own engine or storage failed (``StartError.node_fault``;
+  docs/design/runtime.md has the table).
 * **start**, then ``logs --follow`` appends the container's output to the attempt's
   ``output.log`` (the agent's LogStreamer mirrors that file to the object store). The follower
   runs in its own session, so it keeps logging while a crashed agent is restarted.
@@ -58,21 +65,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from gpufleet.agent import procfs
 from gpufleet.agent.runtime.base import OOM_KILLED, ExitInfo, Launch, RunHandle, StartError
 from gpufleet.agent.runtime.container_engine import (
     CLI_TIMEOUT_S,
+    DEFAULT_PIDS_LIMIT,
     ENGINES,
     IMAGE_UNAVAILABLE_MARKERS,
     PULL_TIMEOUT_S,
+    USERNS_HOST_BASE,
     ContainerEngine,
+    ContainerSecurity,
     ContainerState,
     EngineError,
     ImageInfo,
     ImageUnavailable,
+    reference_fault_text,
 )
 from gpufleet.agent.runtime.container_images import ImageReporter
 from gpufleet.agent.runtime.container_spec import (
@@ -97,12 +110,14 @@ from gpufleet.agent.runtime.container_watch import (
     poll_container,
     remove_cgroup,
 )
+from gpufleet.agent.runtime.jobnet import JobNet, attempt_namespace, drop_netns
 from gpufleet.agent.workdir import RunPaths
 
 __all__ = [
     "CDI_DIRS",
     "CDI_GPU_KIND",
     "CLI_TIMEOUT_S",
+    "DEFAULT_PIDS_LIMIT",
     "ENGINES",
     "IMAGE_UNAVAILABLE_MARKERS",
     "INSPECT_EVERY_S",
@@ -116,10 +131,12 @@ __all__ = [
     "OOM_KILLED",
     "OOM_USAGE_FRACTION",
     "PULL_TIMEOUT_S",
+    "USERNS_MODES",
     "ContainerEngine",
     "ContainerHandle",
     "ContainerLaunch",
     "ContainerRuntime",
+    "ContainerSecurity",
     "ContainerState",
     "EngineError",
     "ImageInfo",
@@ -140,6 +157,12 @@ _COMMAND_PROBLEMS = (
 """Start errors caused by the job's command or working dir (exec inside the container)."""
 
 
+USERNS_MODES = ("auto", "on", "off")
+"""``--container-userns``: ``auto`` = a user namespace when the engine can run one (probed
+once at start; else a warning and none), ``on`` = required (container jobs fail to start,
+as the node's fault, when the engine cannot), ``off`` = none."""
+
+
 class ContainerRuntime:
     """Attempts as containers (see the module doc).
 
@@ -147,6 +170,16 @@ class ContainerRuntime:
         engine: the engine adapter.
         cdi: pass GPUs as CDI devices (default: whether the node has an NVIDIA CDI spec).
         pull_timeout_s: bound on the pull phase.
+        userns: one of :data:`USERNS_MODES` (only for an agent running as root: a rootless
+            engine always runs containers in its own user namespace).
+        pids_limit: ``--pids-limit`` of a job that sets no ``pids_limit``; 0 = the engine's.
+        read_only: every container's root filesystem read-only (``/tmp`` and the mounts
+            stay writable).
+        state_dir: where the user-namespace probe writes its throwaway tar (default: a temp
+            dir).
+
+    Raises:
+        ValueError: unknown ``userns`` mode or a negative ``pids_limit``.
     """
 
     kind = "container"
@@ -157,14 +190,70 @@ class ContainerRuntime:
         *,
         cdi: bool | None = None,
         pull_timeout_s: float = PULL_TIMEOUT_S,
+        jobnet: JobNet | None = None,
+        userns: str = "auto",
+        pids_limit: int = DEFAULT_PIDS_LIMIT,
+        read_only: bool = False,
+        state_dir: Path | None = None,
     ) -> None:
+        if userns not in USERNS_MODES:
+            raise ValueError(f"container userns {userns!r}: use one of {', '.join(USERNS_MODES)}")
+        if pids_limit < 0:
+            raise ValueError(f"container pids limit {pids_limit}: must be >= 0")
         self.engine = engine
         self.cdi = cdi_gpu_spec_present() if cdi is None else cdi
         self.pull_timeout_s = pull_timeout_s
+        # the attempt's own network namespace (podman joins it: --network ns:PATH); docker
+        # cannot join a named namespace, so its containers keep the host's (said at start)
+        self.jobnet = jobnet if engine.kind == "podman" else None
+
+        self.pids_limit = pids_limit
+        self.read_only = read_only
+        self.userns = False
+        self.userns_problem = ""
+        """Why container jobs cannot start here (``--container-userns on`` and the engine
+        cannot run a user namespace); "" = none."""
+        if userns != "off" and os.geteuid() == 0:
+            why = engine.userns_works(state_dir or Path(tempfile.gettempdir()))
+            self.userns = not why
+            if why and userns == "on":
+                self.userns_problem = (
+                    f"--container-userns on, but {engine.kind} cannot run a container in a user"
+                    f" namespace here: {why}"
+                )
+                logger.error("%s", self.userns_problem)
+            elif why:
+                logger.warning(
+                    "containers run WITHOUT a user namespace (%s cannot: %s): a job still runs"
+                    " as its own uid (never host root) with no capabilities and"
+                    " no-new-privileges",
+                    engine.kind,
+                    why,
+                )
 
     def describe(self) -> str:
         gpus = "CDI nvidia.com/gpu" if self.cdi else "CUDA_VISIBLE_DEVICES only (no CDI spec)"
-        return f"{self.engine.kind}; GPUs: {gpus}"
+        userns = (
+            "user namespace"
+            if self.userns
+            else ("the engine's rootless user namespace" if os.geteuid() else "no user namespace")
+        )
+        net = "the attempt's netns" if self.jobnet and self.jobnet.kind == "netns" else "host"
+        return f"{self.engine.kind}; GPUs: {gpus}; {userns}; network: {net}"
+
+    def security_for(self, rec: Any, launch: ContainerLaunch) -> ContainerSecurity:
+        """The hardening of one attempt's container: no capabilities, no-new-privileges,
+        ``pids_limit`` (the job's ``pids_limit`` when it set one, else the node's), the node's
+        read-only choice, and the user namespace keeping the job's uid/gid when it runs as
+        its own user."""
+        user = launch.user
+        keep = (user.uid, user.gid) if user is not None and user.switch else None
+        return ContainerSecurity(
+            pids_limit=int(getattr(rec, "pids_limit", 0) or 0) or self.pids_limit,
+            read_only=self.read_only,
+            userns=self.userns,
+            keep_ids=keep,
+        )
 
     # ------------------------------------------------------------------ start
 
@@ -194,16 +283,18 @@ class ContainerRuntime:
         """
         if not isinstance(launch, ContainerLaunch):
             launch = launch_of(rec, launch)
+        if self.userns_problem:
+            raise StartError(self.userns_problem, node_fault=True)
         paths = launch.paths
         name = rec.run_id
         phases: dict[str, Any] = {}
         try:
             warmth, pull_s = self.ensure_image(launch.image)
-        except ImageUnavailable as exc:  # the job named an image it cannot have
-            raise StartError(f"cannot pull image {launch.image!r}: {exc}") from exc
-        except EngineError as exc:  # registry unreachable, engine broken: the node's fault
+        except ImageUnavailable as exc:  # the reference, the registry's answer or reach
+            raise StartError(f"cannot pull image {launch.image[:120]!r}: {exc}") from exc
+        except EngineError as exc:  # the node's own engine or storage failed
             raise StartError(
-                f"cannot pull image {launch.image!r}: {exc}", node_fault=True
+                f"cannot pull image {launch.image[:120]!r}: {exc}", node_fault=True
             ) from exc
         phases.update(image=warmth, pull_s=round(pull_s, 4))
         env = self.container_env(launch)
@@ -230,6 +321,19 @@ class ContainerRuntime:
         cgroup_parent = (
             f"/gpufleet/{name}" if self.engine.kind == "podman" and launch.memory_mb > 0 else ""
         )
+        netns = attempt_namespace(self.jobnet, rec.run_id, launch.env)
+        security = self.security_for(rec, launch)
+        user = launch.user
+        run_as = f"{user.uid}:{user.gid}" if user is not None and user.switch else ""
+        if not run_as and os.geteuid() == 0:
+            # jobs as the agent's user (root): a container must still never be host root. In
+            # a user namespace its root is host USERNS_HOST_BASE; without one it runs as that
+            # uid outright. Its writable directories go to that uid.
+            if not security.userns:
+                run_as = f"{USERNS_HOST_BASE}:{USERNS_HOST_BASE}"
+            for d, _, ro in mounts:
+                if not ro:
+                    os.chown(d, USERNS_HOST_BASE, USERNS_HOST_BASE)
         t0 = time.monotonic()
         try:
             cid = self.engine.create(
@@ -244,13 +348,16 @@ class ContainerRuntime:
                 memory_mb=launch.memory_mb,
                 cpu=launch.cpu,
                 cgroup_parent=cgroup_parent,
-                user=f"{launch.user.uid}:{launch.user.gid}"
-                if launch.user is not None and launch.user.switch
-                else "",
+                user=run_as,
+                security=security,
+                network=f"ns:{netns.path}" if netns is not None else "host",
             )
         except EngineError as exc:
             self.engine.remove(name)
-            raise StartError(f"cannot create the container: {exc}", node_fault=True) from exc
+            drop_netns(self.jobnet, rec.run_id)
+            # a reference the engine refuses is the job's; anything else the node's
+            job = isinstance(exc, ImageUnavailable) or reference_fault_text(str(exc))
+            raise StartError(f"cannot create the container: {exc}", node_fault=not job) from exc
         finally:
             with contextlib.suppress(FileNotFoundError):
                 env_file.unlink()
@@ -262,6 +369,7 @@ class ContainerRuntime:
             # the command not found in the image, or not executable, fails here too (the
             # OCI runtime's exec): the job's fault, unlike the engine failing
             self.engine.remove(name)
+            drop_netns(self.jobnet, rec.run_id)
             text = str(exc).lower()
             job = any(m in text for m in _COMMAND_PROBLEMS)
             raise StartError(f"cannot start the container: {exc}", node_fault=not job) from exc
@@ -300,9 +408,11 @@ class ContainerRuntime:
         created (start it if it was only created), else None (it never starts)."""
         names = self.engine.find(LABEL_RUN, rec.run_id)
         if not names:
+            drop_netns(self.jobnet, rec.run_id)
             return None
         st = self.engine.inspect(names[0])
         if st is None:
+            drop_netns(self.jobnet, rec.run_id)
             return None
         if st.status in ("created", "configured"):
             self.engine.start(names[0])
@@ -356,7 +466,10 @@ class ContainerRuntime:
         paths = paths or h.paths
         if paths is None:
             raise ValueError(f"run {rec.run_id}: container handle without paths")
-        return poll_container(self.engine, rec, h, now, paths)
+        info = poll_container(self.engine, rec, h, now, paths)
+        if info is not None:  # the container is gone: so is the use of its namespace
+            drop_netns(self.jobnet, rec.run_id)
+        return info
 
     def release(self, rec: Any) -> None:
         """Remove the attempt's container and cgroup if anything is left (idempotent).
@@ -364,3 +477,4 @@ class ContainerRuntime:
         run_id = rec if isinstance(rec, str) else rec.run_id
         self.engine.remove(run_id)
         remove_cgroup(run_id)
+        drop_netns(self.jobnet, run_id)

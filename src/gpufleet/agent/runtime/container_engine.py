@@ -4,11 +4,15 @@
 ``podman --runtime runc --cgroup-manager cgroupfs`` with the agent's own ``containers.conf``, so
 no global configuration is needed) or docker (``gpufleet agent --runtime docker``): images
 (present?, pull, list, remove) and containers (create, start, inspect, find by label, kill,
-remove, follow logs). Registries on loopback are pulled with ``--tls-verify=false``. A failed
-pull is :class:`ImageUnavailable` (the job's fault) when the engine's message says the image
-does not exist, is not authorised or is malformed (:data:`IMAGE_UNAVAILABLE_MARKERS`), else
-:class:`EngineError` (the node's). What the runtime does with these calls is in
-:mod:`gpufleet.agent.runtime.container`.
+remove, follow logs). Registries on loopback are pulled with ``--tls-verify=false``. An image
+reference always follows ``--`` on the engine's command line (it can never be read as an
+option), and one that is not a valid OCI reference is refused before any call
+(:class:`ImageUnavailable`). A failed pull is :class:`ImageUnavailable` (the job's fault:
+the image does not exist, is not authorised, the registry cannot be reached or is too slow)
+unless the engine's message says the node's own engine or storage failed
+(:data:`NODE_FAULT_MARKERS`: then :class:`EngineError`, the node's). What the runtime does with
+these calls is in :mod:`gpufleet.agent.runtime.container`; the hardening flags of ``create``
+are :class:`ContainerSecurity`.
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from gpufleet.domain.images import reference_problem
 
 ENGINES = ("podman", "docker")
 PULL_TIMEOUT_S = 1800.0
@@ -38,26 +46,123 @@ class EngineError(Exception):
     """The engine CLI failed (message: the command and its stderr)."""
 
 
+class EngineTimeout(EngineError):
+    """The engine CLI gave no answer in time."""
+
+
 class ImageUnavailable(EngineError):
-    """The registry answered that the image does not exist or may not be pulled (not found,
-    unauthorised, denied) or the reference is malformed: the job's fault, not the node's."""
+    """The image, as the job names it, cannot be had: a malformed reference, the registry's
+    answer (not found, manifest unknown, unauthorised, denied), the registry unreachable or
+    too slow. The job's fault (it uses a retry), never the node's."""
 
 
-# Substrings of the engines' pull errors that mean "this image, as named, cannot be had"
-# (podman/containers-image and docker wordings). Anything else -- the registry unreachable,
-# a TLS or network error, a timeout, the engine's storage failing -- is the node's fault.
-IMAGE_UNAVAILABLE_MARKERS = (
-    "manifest unknown",
-    "name unknown",
-    "not found",
-    "repository does not exist",
-    "requested access to the resource is denied",
-    "unauthorized",
-    "authentication required",
-    "invalid reference format",
-    "short-name",
-    "no such host",
+# Substrings of the engines' messages that mean the node's own engine or storage failed
+# (podman/containers-storage and docker wordings): only these make a failed pull the node's
+# fault. Everything else a pull can meet -- the reference, the registry's answer, the registry
+# unreachable, TLS, DNS, a timeout -- is about the image the job named.
+NODE_FAULT_MARKERS = (
+    "no space left on device",
+    "read-only file system",
+    "input/output error",
+    "disk quota exceeded",
+    "cannot allocate memory",
+    "too many open files",
+    "database is locked",
+    "database configuration mismatch",
+    "committing the finished image",
+    "layer not known",
+    "creating overlay mount",
+    "mounting storage",
+    "cannot connect to the docker daemon",
+    "is the docker daemon running",
 )
+
+# Substrings of ``create`` errors that are about the image reference the job gave (after
+# the agent's own check): the job's fault; any other create failure is the node's.
+REFERENCE_MARKERS = (
+    "invalid reference format",
+    "unknown transport",
+    "repository name must be lowercase",
+    "short-name",
+    "image not known",
+    "no such image",
+)
+
+IMAGE_UNAVAILABLE_MARKERS = REFERENCE_MARKERS
+"""Kept for callers of the earlier name: the reference problems of :data:`REFERENCE_MARKERS`."""
+
+DEFAULT_PIDS_LIMIT = 4096
+"""Processes and threads a container may hold at once when the job sets no ``pids_limit``."""
+
+USERNS_HOST_BASE = 2_000_000_000
+USERNS_SIZE = 65536
+"""A container's uids/gids 0..65535 are host ids ``USERNS_HOST_BASE + id`` (above the agent's
+per-attempt job uids), except the job's own uid and gid, which map to themselves."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerSecurity:
+    """The hardening flags of one container (``create``).
+
+    Attributes:
+        pids_limit: ``--pids-limit`` (processes and threads; 0 = the engine's default).
+        read_only: ``--read-only`` root filesystem (the bind mounts stay writable; ``/tmp``
+            is a tmpfs with the mode of the image's ``/tmp``).
+        userns: run in a user namespace whose ids 0..65535 are host ids
+            ``USERNS_HOST_BASE + id`` (so the container's root is not host root), except
+            ``keep_ids``.
+        keep_ids: the job's (uid, gid), mapped to themselves (its files on the host stay
+            its own); None = none kept (container root is host ``USERNS_HOST_BASE``).
+        cap_add: capabilities given back after ``--cap-drop ALL`` (none by default: a GPU
+            job needs none; its devices come through CDI and the device cgroup).
+    """
+
+    pids_limit: int = DEFAULT_PIDS_LIMIT
+    read_only: bool = False
+    userns: bool = False
+    keep_ids: tuple[int, int] | None = None
+    cap_add: tuple[str, ...] = field(default_factory=tuple)
+
+
+def id_map(
+    keep: int | None, *, base: int = USERNS_HOST_BASE, size: int = USERNS_SIZE
+) -> list[str]:
+    """``container:host:count`` ranges for ``--uidmap``/``--gidmap``: ``keep`` -> ``keep``,
+    every other id of ``0..size-1`` -> ``base + id`` (split around ``keep`` when it falls in
+    that range, since ranges may not overlap). ``keep`` None or 0: no id is kept (0 is
+    never mapped to host root)."""
+    if not keep:
+        return [f"0:{base}:{size}"]
+    if keep < size:
+        out = []
+        if keep > 0:
+            out.append(f"0:{base}:{keep}")
+        out.append(f"{keep}:{keep}:1")
+        if keep + 1 < size:
+            out.append(f"{keep + 1}:{base + keep + 1}:{size - keep - 1}")
+        return out
+    return [f"0:{base}:{size}", f"{keep}:{keep}:1"]
+
+
+def security_args(kind: str, sec: ContainerSecurity) -> list[str]:
+    """The ``create`` arguments of ``sec`` for engine ``kind`` (docker: no per-container
+    user namespace, that is the daemon's ``userns-remap``)."""
+    args = ["--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+    for cap in sec.cap_add:
+        args += ["--cap-add", cap]
+    if sec.pids_limit > 0:
+        args += ["--pids-limit", str(sec.pids_limit)]
+    if sec.read_only:
+        args.append("--read-only")  # podman: /tmp, /var/tmp and /run become tmpfs
+        if kind != "podman":
+            args += ["--tmpfs", "/tmp"]
+    if sec.userns and kind == "podman":
+        uid, gid = sec.keep_ids if sec.keep_ids is not None else (None, None)
+        for m in id_map(uid):
+            args += ["--uidmap", m]
+        for m in id_map(gid):
+            args += ["--gidmap", m]
+    return args
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +196,18 @@ class ContainerState:
     oom_killed: bool
     labels: Mapping[str, str]
     cgroup_parent: str = ""
+
+
+def node_fault_text(message: str) -> bool:
+    """Whether an engine message says the node's own engine or storage failed."""
+    text = message.lower()
+    return any(m in text for m in NODE_FAULT_MARKERS)
+
+
+def reference_fault_text(message: str) -> bool:
+    """Whether an engine message is about the image reference (:data:`REFERENCE_MARKERS`)."""
+    text = message.lower()
+    return any(m in text for m in REFERENCE_MARKERS)
 
 
 def _is_loopback_registry(image: str) -> bool:
@@ -143,7 +260,7 @@ class ContainerEngine:
                 stdin=subprocess.DEVNULL,
             )
         except subprocess.TimeoutExpired as exc:
-            raise EngineError(f"{self.kind} {args[0]}: no answer in {timeout:g} s") from exc
+            raise EngineTimeout(f"{self.kind} {args[0]}: no answer in {timeout:g} s") from exc
         except OSError as exc:
             raise EngineError(f"{self.kind} {args[0]}: {exc}") from exc
         if check and proc.returncode != 0:
@@ -158,33 +275,46 @@ class ContainerEngine:
 
     # ------------------------------------------------------------------ images
 
+    @staticmethod
+    def check_reference(image: str) -> None:
+        """Raises ImageUnavailable when ``image`` is not a valid OCI reference (it is then
+        never passed to the engine)."""
+        problem = reference_problem(image)
+        if problem is not None:
+            raise ImageUnavailable(f"image reference {image[:80]!r} {problem}")
+
     def has_image(self, image: str) -> bool:
+        """Whether the engine holds ``image`` (False for an invalid reference)."""
+        if reference_problem(image) is not None:
+            return False
         if self.kind == "podman":
-            return self._run(["image", "exists", image], check=False).returncode == 0
-        return self._run(["image", "inspect", image], check=False).returncode == 0
+            return self._run(["image", "exists", "--", image], check=False).returncode == 0
+        return self._run(["image", "inspect", "--", image], check=False).returncode == 0
 
     def pull(self, image: str, timeout: float = PULL_TIMEOUT_S) -> None:
         """Pull ``image``.
 
         Raises:
-            ImageUnavailable: the registry says the image does not exist or is not
-                authorised, or the reference is malformed (see ``IMAGE_UNAVAILABLE_MARKERS``).
-            EngineError: anything else (registry unreachable, timeout, engine failure).
+            ImageUnavailable: the reference is invalid, the registry refuses it (not found,
+                unauthorised), cannot be reached or gives no answer in ``timeout`` seconds:
+                the job's fault.
+            EngineError: the node's own engine or storage failed (``NODE_FAULT_MARKERS``, or
+                the engine CLI cannot be run).
         """
+        self.check_reference(image)
         args = ["pull"]
         if self.kind == "podman":
             args.append("--quiet")
             if _is_loopback_registry(image):
                 args.append("--tls-verify=false")
         try:
-            self._run([*args, image], timeout=timeout)
-        except ImageUnavailable:
-            raise
+            self._run([*args, "--", image], timeout=timeout)
+        except EngineTimeout as exc:  # a registry that crawls: about the image named
+            raise ImageUnavailable(str(exc)) from exc
         except EngineError as exc:
-            text = str(exc).lower()
-            if any(m in text for m in IMAGE_UNAVAILABLE_MARKERS):
-                raise ImageUnavailable(str(exc)) from exc
-            raise
+            if isinstance(exc.__cause__, OSError) or node_fault_text(str(exc)):
+                raise
+            raise ImageUnavailable(str(exc)) from exc
 
     def ensure_present(self, image: str) -> bool:
         """Pull ``image`` unless present; True if it was pulled."""
@@ -220,7 +350,41 @@ class ContainerEngine:
         return result
 
     def remove_image(self, image: str) -> None:
-        self._run(["rmi", "--force", image], check=False)
+        if reference_problem(image) is None:
+            self._run(["rmi", "--force", "--", image], check=False)
+
+    def userns_works(self, state_dir: Path) -> str:
+        """Whether this podman can run a container in a user namespace of
+        :func:`security_args` (some storage setups cannot mount an image's layers id-mapped):
+        runs the static ``catatonit`` in a throwaway local image (imported from a tar of it
+        under ``state_dir``, removed afterwards), ~0.5 s. Returns "" when it works, else the
+        engine's message. Docker: always the reason it is not supported."""
+        if self.kind != "podman":
+            return "docker has no per-container user namespace (use the daemon's userns-remap)"
+        image = "localhost/gpufleet/userns-probe:1"
+        if not self.has_image(image):
+            init = shutil.which("catatonit") or "/usr/libexec/podman/catatonit"
+            if not os.path.exists(init):
+                return "no catatonit binary to probe with"
+            with tempfile.TemporaryDirectory(dir=state_dir) as tmp:
+                tar = Path(tmp) / "probe.tar"
+                with tarfile.open(tar, "w") as t:
+                    t.add(os.path.realpath(init), arcname="catatonit")
+                try:
+                    self._run(["import", "--", str(tar), image])
+                except EngineError as exc:
+                    return str(exc)
+        args = ["run", "--rm", "--network", "none", "--user", "1:1"]
+        args += security_args(self.kind, ContainerSecurity(userns=True, keep_ids=(1, 1)))
+        try:
+            proc = self._run([*args, "--", image, "/catatonit", "--version"], check=False)
+        finally:  # not left in the node's image list (heartbeats)
+            self.remove_image(image)
+        if proc.returncode == 0:
+            return ""
+        err = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+        first = next((ln for ln in err if ln.startswith("Error")), err[-1] if err else "")
+        return first[:300] or f"exit {proc.returncode}"
 
     # ------------------------------------------------------------------ containers
 
@@ -239,17 +403,33 @@ class ContainerEngine:
         cpu: float = 0.0,
         cgroup_parent: str = "",
         user: str = "",
+        security: ContainerSecurity | None = None,
+        network: str = "host",
     ) -> str:
         """Create (not start) a container; returns its id. ``user``: ``uid:gid`` (and
-        ``--group-add`` is not used: supplementary groups stay the image's)."""
-        args = ["create", "--name", name, "--init", "--network", "host"]
+        ``--group-add`` is not used: supplementary groups stay the image's). ``security``:
+        its hardening flags (default :class:`ContainerSecurity`: no capabilities,
+        no-new-privileges, the default pids limit). ``network``: the ``--network`` value
+        (``ns:/run/netns/NAME``: the attempt's namespace). Bind mounts are ``nosuid,nodev``
+        (podman). The image follows ``--``.
+
+        Raises:
+            ImageUnavailable: ``image`` is not a valid reference (nothing is run).
+            EngineError: the engine refused or failed.
+        """
+        self.check_reference(image)
+        args = ["create", "--name", name, "--init", "--network", network]
+        args += security_args(self.kind, security or ContainerSecurity())
         args += ["--env-file", str(env_file), "--workdir", workdir]
         if user:
             args += ["--user", user]
         for k, v in labels.items():
             args += ["--label", f"{k}={v}"]
         for host, inside, ro in mounts:
-            args += ["--volume", f"{host}:{inside}{':ro' if ro else ''}"]
+            opts = ["ro"] if ro else []
+            if self.kind == "podman":  # docker's -v takes no nosuid/nodev
+                opts += ["nosuid", "nodev"]
+            args += ["--volume", f"{host}:{inside}{':' + ','.join(opts) if opts else ''}"]
         for dev in devices:
             args += ["--device", dev]
         if memory_mb > 0:
@@ -258,7 +438,7 @@ class ContainerEngine:
             args += ["--cpus", f"{cpu:g}"]
         if cgroup_parent:
             args += ["--cgroup-parent", cgroup_parent]
-        return self._run([*args, image, *command]).stdout.strip().splitlines()[-1]
+        return self._run([*args, "--", image, *command]).stdout.strip().splitlines()[-1]
 
     def start(self, name: str) -> None:
         self._run(["start", name])

@@ -50,7 +50,13 @@ V1_REQUIRED = ("memory", "freezer")
 V1_OPTIONAL = ("pids", "cpu")
 CPU_PERIOD_US = 100_000
 FREEZE_WAIT_S = 2.0
-UNSHARE_PREFIX = ("unshare", "--pid", "--fork", "--kill-child")
+UNSHARE_PREFIX = (
+    # absolute: the shim execs the prefix as root with the job's PATH in its environment
+    shutil.which("unshare", path="/usr/bin:/bin:/usr/sbin:/sbin") or "/usr/bin/unshare",
+    "--pid",
+    "--fork",
+    "--kill-child",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,19 @@ class Containment:
     @property
     def is_cgroup(self) -> bool:
         return self.kind.startswith("cgroup")
+
+    @property
+    def pids(self) -> bool:
+        """Whether attempts get a ``pids.max`` (v1: ``pids`` mounted and usable; v2: the
+        ``pids`` controller enabled for the agent's groups)."""
+        if self.kind == "cgroup-v1":
+            return "pids" in self.bases
+        if self.kind == "cgroup-v2":
+            try:
+                return "pids" in (self.bases["unified"] / "cgroup.subtree_control").read_text()
+            except OSError:
+                return False
+        return False
 
     def group_for(self, run_id: str, *, cpu_quota: bool = True) -> JobCgroup | None:
         """The (not yet created) cgroup of one attempt; None without cgroups.
@@ -141,7 +160,7 @@ def detect(scope: str, *, want: str = "auto") -> Containment:
             if found is not None:
                 return found
     if want in ("auto", "pidns"):
-        prefix = UNSHARE_PREFIX if os.geteuid() == 0 else ("unshare", "--map-current-user")
+        prefix = UNSHARE_PREFIX if os.geteuid() == 0 else (UNSHARE_PREFIX[0], "--map-current-user")
         prefix = (*prefix, *UNSHARE_PREFIX[1:]) if prefix != UNSHARE_PREFIX else prefix
         if _pidns_works(prefix):
             return Containment("pidns", {}, "; ".join(problems), prefix)
@@ -257,8 +276,21 @@ class JobCgroup:
 
     # ------------------------------------------------------------------ set up
 
-    def create(self, *, memory_mb: int, cpu: float) -> None:
+    @property
+    def has_pids(self) -> bool:
+        """Whether ``pids.max`` can be set (v1: the ``pids`` controller is mounted)."""
+        return self.kind == "cgroup-v2" or "pids" in self.dirs
+
+    def create(self, *, memory_mb: int, cpu: float, pids_max: int = 0) -> None:
         """Make the group(s) and set the limits. Idempotent.
+
+        Args:
+            memory_mb: MiB; 0 = none.
+            cpu: cores (a CFS quota); 0 = none.
+            pids_max: processes and threads at once (``pids.max``); 0 = none. A ``fork`` or
+                ``clone`` past it fails with EAGAIN inside the group only. Without a
+                ``pids`` controller it is not set (the agent says so at start and in the
+                node label ``gpufleet/job-pids-max``).
 
         Raises:
             OSError: a group or a limit could not be written.
@@ -267,6 +299,10 @@ class JobCgroup:
             d.mkdir(exist_ok=True)
         limit = memory_mb * 1024 * 1024 if memory_mb > 0 else 0
         quota = int(cpu * CPU_PERIOD_US) if cpu > 0 else 0
+        if pids_max > 0 and self.has_pids:
+            pids = self.dirs["unified"] if self.kind == "cgroup-v2" else self.dirs["pids"]
+            if self.kind != "cgroup-v2" or (pids / "pids.max").exists():  # v2: enabled above
+                (pids / "pids.max").write_text(str(pids_max))
         if self.kind == "cgroup-v2":
             d = self.dirs["unified"]
             if limit:
@@ -371,6 +407,12 @@ class JobCgroup:
             return int((mem / "memory.failcnt").read_text()) > 0
         except (OSError, ValueError):
             return False
+
+    def pids_limit_hit(self) -> int:
+        """How often a fork was refused at ``pids.max`` (``pids.events`` ``max``); 0 when
+        never or unknown."""
+        d = self.dirs.get("unified") if self.kind == "cgroup-v2" else self.dirs.get("pids")
+        return max(0, _counter(d / "pids.events", "max")) if d is not None else 0
 
     def memory_limit_mb(self) -> int:
         """The memory limit in MiB (0 = none or unknown)."""

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 from gpufleet.agent import procfs, shim
 from gpufleet.agent.assignment_log import RunRecord
 from gpufleet.agent.fsutil import create_exclusive
+from gpufleet.agent.runtime import jobns
 from gpufleet.agent.runtime.base import (
     KILL_RESEND_S,
     KILL_VERIFY_TIMEOUT_S,
@@ -40,6 +41,8 @@ from gpufleet.agent.runtime.base import (
     StartError,
 )
 from gpufleet.agent.runtime.containment import Containment, JobCgroup
+from gpufleet.agent.runtime.jobnet import JobNet, attempt_netns, drop_netns
+from gpufleet.agent.runtime.jobns import Isolation
 from gpufleet.agent.workdir import RunPaths
 
 logger = logging.getLogger("gpufleet.agent")
@@ -82,15 +85,37 @@ class ProcessRuntime:
 
     Args:
         containment: what :func:`.containment.detect` found at agent start.
+        isolation: what :func:`.jobns.detect` found (no_new_privs, mount namespace, hidden
+            /proc); default: none (tests of the agent logic).
     """
 
     kind = "process"
 
-    def __init__(self, containment: Containment) -> None:
+    def __init__(
+        self,
+        containment: Containment,
+        isolation: Isolation | None = None,
+        jobnet: JobNet | None = None,
+    ) -> None:
         self.containment = containment
+        self.isolation = isolation or Isolation()
+        self.jobnet = jobnet
 
     def describe(self) -> str:
         return self.containment.kind
+
+    def shim_argv(self, launch: Launch, **shim_args: Any) -> list[str]:
+        """The shim's full command line: the isolation prefix (``setpriv --no-new-privs``,
+        ``unshare --mount --ipc``: :mod:`.jobns`) and the shim with its mount options. The one
+        place that decides what wraps an attempt's shim."""
+        namespace = launch.user.switch  # jobs as the agent's own user: no isolation promised
+        iso = self.isolation
+        return [
+            *iso.shim_prefix(namespace=namespace),
+            *shim.argv(
+                **shim_args, **iso.shim_options(namespace=namespace, tmp_dir=str(launch.paths.tmp))
+            ),
+        ]
 
     # ------------------------------------------------------------------ start
 
@@ -105,7 +130,7 @@ class ProcessRuntime:
         cgroup = self.containment.group_for(rec.run_id, cpu_quota=launch.cpu > 0)
         if cgroup is not None:
             try:
-                cgroup.create(memory_mb=launch.memory_mb, cpu=launch.cpu)
+                cgroup.create(memory_mb=launch.memory_mb, cpu=launch.cpu, pids_max=launch.pids_max)
             except OSError as exc:
                 cgroup.remove()
                 raise StartError(
@@ -114,19 +139,35 @@ class ProcessRuntime:
         command = list(launch.command)
         user = launch.user
         ids: dict[str, Any] = {}
+        env, hidden = dict(launch.env), tuple[str, ...]()
+        if user.switch:  # the shim and its helpers run as root: no loader variable for them
+            env, hidden = jobns.hide_loader_env(launch.env)
         if self.containment.kind == "pidns":
             # unshare must run privileged to make the namespace; it switches users itself
             prefix_ids = {"uid": user.uid, "gid": user.gid} if user.switch else {}
+            if hidden:  # set back by a shim stage that unshare runs as the job user
+                restore = ["--stage2", "--restore-env", ",".join(hidden), "--"]
+                command = [shim.SH, str(shim.SHIM_SH), *restore, *command]
             command = [*self.containment.command_prefix(**prefix_ids), *command]
             if user.switch:
                 ids["cwd_as"] = (user.uid, user.gid)
         elif user.switch:
             ids.update(uid=user.uid, gid=user.gid, groups=tuple(user.groups))
+            ids["restore_env"] = hidden
+        # the attempt's network namespace: the shim (root) runs in it, so the command does
+        try:
+            netns = attempt_netns(self.jobnet, rec.run_id, launch.env)
+        except StartError:
+            if cgroup is not None:
+                cgroup.remove()
+            raise
         read_fd, write_fd = os.pipe()
         try:
             with open(paths.shim_log, "ab") as shim_log:
                 popen = subprocess.Popen(
-                    shim.argv(
+                    netns
+                    + self.shim_argv(
+                        launch,
                         exit_file=paths.exit_file,
                         log_file=paths.log,
                         claim_file=paths.claim,
@@ -144,12 +185,13 @@ class ProcessRuntime:
                     stdout=write_fd,
                     stderr=shim_log,
                     start_new_session=True,  # the shim leads its own session and group
-                    env=launch.env,  # the shell's environment is the command's
+                    env=env,  # the shell's environment is the command's (loader vars hidden)
                 )
         except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL byte in an argument
             os.close(read_fd)
             if cgroup is not None:
                 cgroup.remove()
+            drop_netns(self.jobnet, rec.run_id)
             raise StartError(
                 f"cannot start the shim: {exc}", node_fault=isinstance(exc, OSError)
             ) from exc
@@ -164,6 +206,7 @@ class ProcessRuntime:
                 popen.wait(timeout=10)
             if cgroup is not None:
                 cgroup.remove()
+            drop_netns(self.jobnet, rec.run_id)
             raise StartError(str(status["error"]))
         if status is None and popen.poll() is not None:
             raise StartError(
@@ -195,6 +238,7 @@ class ProcessRuntime:
         paths.root.mkdir(parents=True, exist_ok=True)
         if create_exclusive(paths.claim, {"abandoned": True}):
             self._remove_group(rec.run_id)
+            drop_netns(self.jobnet, rec.run_id)
             return None
         claim = _read_claim(paths.claim) or {}
         if "pid" not in claim:
@@ -226,6 +270,7 @@ class ProcessRuntime:
         cg = rec.runtime_state.get("cgroup")
         if cg:
             JobCgroup.from_json(cg).remove()
+        drop_netns(self.jobnet, rec.run_id)
 
     def _remove_group(self, run_id: str) -> None:
         cgroup = self.containment.group_for(run_id, cpu_quota=True)
@@ -281,6 +326,7 @@ class ProcessRuntime:
         info = self._exit_info(rec, h)
         if h.cgroup is not None:
             h.cgroup.remove()
+        drop_netns(self.jobnet, rec.run_id)  # nothing of the attempt is left in it
         return info
 
     def _alive(self, h: ProcessHandle) -> bool:

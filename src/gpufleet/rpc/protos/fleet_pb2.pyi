@@ -134,6 +134,7 @@ class RegisterNodeRequest(_message.Message):
     MEMORY_MB_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     INVENTORY_SOURCE_FIELD_NUMBER: _builtins.int
+    OBJECT_STORE_URL_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     address: _builtins.str
     """host:port of the agent's gRPC server"""
@@ -145,6 +146,11 @@ class RegisterNodeRequest(_message.Message):
     """MiB"""
     inventory_source: _builtins.str
     """"nvml" or "declared" """
+    object_store_url: _builtins.str
+    """The agent's object store URL, normalised, without credentials (objectstore.public_url);
+    the agent wrote and read back a probe object there before registering. Empty: an agent
+    older than the check (not compared).
+    """
     @_builtins.property
     def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___Gpu]: ...
     @_builtins.property
@@ -160,10 +166,11 @@ class RegisterNodeRequest(_message.Message):
         memory_mb: _builtins.int = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         inventory_source: _builtins.str = ...,
+        object_store_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_epoch", b"agent_epoch", "cpu", b"cpu", "gpus", b"gpus", "inventory_source", b"inventory_source", "labels", b"labels", "memory_mb", b"memory_mb", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_epoch", b"agent_epoch", "cpu", b"cpu", "gpus", b"gpus", "inventory_source", b"inventory_source", "labels", b"labels", "memory_mb", b"memory_mb", "node_id", b"node_id", "object_store_url", b"object_store_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -175,17 +182,27 @@ class RegisterNodeResponse(_message.Message):
 
     LEADER_EPOCH_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    OBJECT_STORE_URL_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
     leader_epoch: _builtins.int
     heartbeat_interval_s: _builtins.float
+    object_store_url: _builtins.str
+    """The fleet's object store URL, normalised, without credentials."""
+    refused: _builtins.str
+    """Non-empty: the node was NOT registered, and why (e.g. another object store than the
+    fleet's, naming both URLs); the agent exits with this line.
+    """
     def __init__(
         self,
         *,
         leader_epoch: _builtins.int = ...,
         heartbeat_interval_s: _builtins.float = ...,
+        object_store_url: _builtins.str = ...,
+        refused: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "leader_epoch", b"leader_epoch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "leader_epoch", b"leader_epoch", "object_store_url", b"object_store_url", "refused", b"refused"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -607,6 +624,8 @@ class AssignJobRequest(_message.Message):
     CPU_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     GANG_SIZE_FIELD_NUMBER: _builtins.int
+    PIDS_LIMIT_FIELD_NUMBER: _builtins.int
+    DISK_MB_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     job_id: _builtins.str
     reservation_id: _builtins.str
@@ -633,6 +652,12 @@ class AssignJobRequest(_message.Message):
     rank 0's agent adds MASTER_PORT (a free port on its node) and answers it.
     """
     gang_size: _builtins.int
+    pids_limit: _builtins.int
+    """Per-job bounds on the node (0 = the agent's default, --job-pids-max / --job-disk-mb):
+    processes and threads at once (a cgroup's pids.max, podman --pids-limit), and the size
+    of the attempt's scratch filesystem in MiB.
+    """
+    disk_mb: _builtins.int
     @_builtins.property
     def gpu_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -659,10 +684,12 @@ class AssignJobRequest(_message.Message):
         cpu: _builtins.float = ...,
         rank: _builtins.int = ...,
         gang_size: _builtins.int = ...,
+        pids_limit: _builtins.int = ...,
+        disk_mb: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "env", b"env", "gang_size", b"gang_size", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "rank", b"rank", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "disk_mb", b"disk_mb", "env", b"env", "gang_size", b"gang_size", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "pids_limit", b"pids_limit", "rank", b"rank", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
