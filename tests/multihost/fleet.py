@@ -235,8 +235,11 @@ class MultiHostFleet:
             return float(line.split()[1]) if line else 0.0
 
         for i in (1, 2):
-            if self.procs[f"controller-{i}"].running and self.net.call_in(
-                "client", scrape, f"ctl-{i}"
+            proc = self.procs.get(f"controller-{i}")
+            if (
+                proc is not None
+                and proc.running
+                and self.net.call_in("client", scrape, f"ctl-{i}")
             ):
                 return f"controller-{i}"
         return None
@@ -267,8 +270,13 @@ class MultiHostFleet:
         self._start_s3()
         self._migrate()
         self._make_ca()
+        # controller-1 first, leading before controller-2 starts: the agents' first
+        # controller (``controllers``) is the leader, so losing the leader makes them fail over
+        self._start_controller(1)
+        self.wait_for(lambda: self.leader() == "controller-1", 60, "controller-1 to lead",
+                      log="controller-1")  # fmt: skip
+        self._start_controller(2)
         for i in (1, 2):
-            self._start_controller(i)
             self._start_api(i)
         self._start_haproxy()
         self.wait_for(self._api_ready, 60, "the API through haproxy", log="api-1")

@@ -159,6 +159,29 @@ def _finish_and_count(
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+def _failovers(fleet: MultiHostFleet, lost: str) -> dict[str, int]:
+    """Per GPU host: how many times its agent logged moving from controller process
+    ``lost`` to the other one (``agent.controllers``' warning)."""
+    frm, to = (f"{fleet.addr(_host(c))}:8421" for c in (lost, _other(lost)))
+    line = f"controller {frm} not reachable: using {to}"
+    return {
+        h: (fleet.logs / f"agent-{h}.log").read_text(errors="replace").count(line)
+        for h in fleet.gpu_hosts
+    }
+
+
+def _wait_failed_over(fleet: MultiHostFleet, lost: str, before: dict[str, int]) -> None:
+    fleet.wait_for(
+        lambda: all(n > before[h] for h, n in _failovers(fleet, lost).items()),
+        60,
+        f"every agent to move from {lost} to {_other(lost)}",
+    )
+
+
+def _host(controller: str) -> str:
+    return "ctl-" + controller.rsplit("-", 1)[1]
+
+
 def _other(controller: str) -> str:
     return "controller-2" if controller == "controller-1" else "controller-1"
 
@@ -191,9 +214,11 @@ def test_leader_killed_with_a_job_on_every_node_fences_nothing_and_reruns_nothin
     jobs = _hold_one_job_per_node(fleet, release_dir)
     leader = fleet.leader()
     assert leader is not None
+    moved = _failovers(fleet, leader)
     with NodeWatch(fleet) as watch:
         fleet.kill_process(leader, signal.SIGKILL)
         _wait_one_leader(fleet, _other(leader))
+        _wait_failed_over(fleet, leader, moved)  # the harness's agents were on the leader
         heard = _heartbeats(fleet)
         time.sleep(fence_s + 3)  # past the fence timeout under the new leader
         _wait_heard_again(fleet, heard, "every agent heard by the new leader's side")
@@ -206,7 +231,7 @@ def test_leader_killed_with_a_job_on_every_node_fences_nothing_and_reruns_nothin
 def _scrapes(fleet: MultiHostFleet, controller: str) -> bool:
     import httpx
 
-    host = "ctl-" + controller.rsplit("-", 1)[1]
+    host = _host(controller)
 
     def get() -> bool:
         try:
@@ -230,11 +255,13 @@ def test_leaders_host_cut_off_agents_fail_over_fencing_nothing(
     jobs = _hold_one_job_per_node(fleet, release_dir)
     leader = fleet.leader()
     assert leader is not None
-    host = "ctl-" + leader.rsplit("-", 1)[1]
+    host = _host(leader)
+    moved = _failovers(fleet, leader)
     with NodeWatch(fleet) as watch:
         fleet.cut(host)
         try:
             _wait_one_leader(fleet, _other(leader))
+            _wait_failed_over(fleet, leader, moved)
             heard = _heartbeats(fleet)
             time.sleep(fence_s + 3)
             _wait_heard_again(fleet, heard, "every agent heard through the other controller")
