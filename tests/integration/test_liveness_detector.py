@@ -7,9 +7,13 @@ backdated on the database clock instead of waiting."""
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+import pytest
 from sqlalchemy import select, update
 
 from gpufleet.controller.agents import AgentClients
@@ -124,3 +128,54 @@ def test_a_new_leader_places_nothing_on_a_node_it_has_not_heard(
         assert placed == {first: "n1", second: "n2"}
     finally:
         scheduler.close()
+
+
+def test_a_leader_whose_renewal_hangs_past_its_lease_stops_leading(
+    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease renewal hangs (a host cut off from the database: the call returns only when
+    the link is back): from the lease's end this controller is not leader, so a silent node
+    is not suspected by it; once a renewal succeeds in time it leads again, counting silence
+    from that renewal (the nodes were unheard by it meanwhile)."""
+    from gpufleet.controller.main import Controller
+    from gpufleet.queue import InProcWaker
+
+    settings = _settings(tmp_path).model_copy(update={"leader_lease_s": 0.6})
+    ctl = Controller(settings, db, InProcWaker(), insecure=True)
+    ctl._acquire_once()
+    lead = ctl.leadership
+    first_epoch, first_listening = lead.epoch, lead.listening_since
+    assert lead.is_leader and first_epoch > 0 and first_listening is not None
+
+    create_node(db, "n1")
+    _heard(db, "n1", 100)
+    lead.listening_since = _now(db) - timedelta(hours=1)  # it has listened for long
+    reconciler = Reconciler(db, settings, lead, dispatch=lambda _run: None)
+
+    real_write = db.run_write
+    release = threading.Event()
+
+    def hung_write(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        release.wait(10)
+        return real_write(fn, *args, **kwargs)
+
+    monkeypatch.setattr(db, "run_write", hung_write)
+    renewal = threading.Thread(target=ctl._acquire_once)
+    renewal.start()
+    time.sleep(0.8)  # past the 0.6 s lease, the renewal still hanging
+    assert not lead.is_leader
+    monkeypatch.setattr(db, "run_write", real_write)  # the reconciler's writes go through
+    reconciler.run_pass()
+    assert _status(db, "n1") == "HEALTHY"  # a controller past its lease suspects nobody
+
+    monkeypatch.setattr(db, "run_write", hung_write)
+    release.set()
+    renewal.join(timeout=10)
+    monkeypatch.setattr(db, "run_write", real_write)
+    # the late renewal's lease is counted from the call's start: already over
+    assert not lead.is_leader
+    ctl._acquire_once()  # the loop's next renewal, on time
+    assert lead.is_leader and lead.epoch >= first_epoch  # (its lease had expired: a new epoch)
+    assert lead.listening_since is not None and lead.listening_since > first_listening
+    reconciler.run_pass()
+    assert _status(db, "n1") == "HEALTHY"  # silence counted from the late renewal

@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from concurrent import futures
 from functools import partial
 
@@ -173,6 +174,7 @@ class Controller:
 
     def _acquire_once(self) -> None:
         at = None
+        started = time.monotonic()  # the lease this call renews ends no earlier than +lease_s
         try:
             epoch, at = self.db.run_write(
                 lambda s: leader.acquire(s, self.leadership.holder, self.settings.leader_lease_s)
@@ -183,11 +185,22 @@ class Controller:
         else:
             OUTAGE.recovered()  # a write went through: the database is back
         metrics.note_lease(epoch or 0)
-        if epoch and at is not None and (epoch != self.leadership.epoch or self._lease_failed):
+        lapsed = self.leadership.epoch > 0 and not self.leadership.is_leader
+        if epoch and at is not None and (
+            epoch != self.leadership.epoch or self._lease_failed or lapsed
+        ):
             # a new leader (or one that could not reach the database, where heartbeats are
-            # recorded) counts every node's silence from now: set before the epoch, which the
-            # loops read first
+            # recorded, or whose renewal came back after its lease had run out) counts every
+            # node's silence from now: set before the epoch, which the loops read first
             self.leadership.listening_since = at
+        if lapsed:
+            log.warning(
+                "leader lease renewal took %.1f s, past the %.0f s lease: not leading meanwhile",
+                time.monotonic() - started,
+                self.settings.leader_lease_s,
+            )
+        if epoch:
+            self.leadership.lease_deadline = started + self.settings.leader_lease_s
         self._lease_failed = at is None
         if (epoch or 0) != self.leadership.epoch:
             log.info("leadership: epoch %s -> %s", self.leadership.epoch, epoch or 0)
