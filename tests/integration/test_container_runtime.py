@@ -6,6 +6,10 @@ Needs what ``scripts/ensure-services.sh`` installs: podman, runc, the registry o
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +24,7 @@ from gpufleet.agent.runtime.container import (
     ContainerHandle,
     ContainerLaunch,
     ContainerRuntime,
+    ImageUnavailable,
 )
 from gpufleet.agent.workdir import RunPaths
 from tests.container_support import BUSYBOX, REGISTRY, fresh_image
@@ -207,13 +212,16 @@ def test_missing_image_is_a_start_error_of_the_job(runtime, tmp_path):
 
 def test_unreachable_registry_is_a_start_error_of_the_job(runtime, tmp_path):
     """Nothing listens where the registry should be: about the image the job named, so the
-    job's fault (it uses a retry, podman's message in the reason), never the node's: a job
-    naming an unreachable registry must not cordon the nodes it is placed on."""
+    job's fault (it uses a retry; the reason is generic, podman's message goes to the agent's
+    log), never the node's: a job naming an unreachable registry must not cordon the nodes it
+    is placed on."""
     from gpufleet.agent.workdir import StartError
 
     rt, _ = runtime
     rec, launch = _launch(tmp_path, _run_id(), ["true"], image="127.0.0.1:1/gpufleet/busybox:1")
-    with pytest.raises(StartError, match="connection refused") as err:
+    with pytest.raises(
+        StartError, match=r"registry 127\.0\.0\.1:1 unreachable or not a registry"
+    ) as err:
         rt.spawn(rec, launch)
     assert err.value.node_fault is False
     assert rt.engine.find(LABEL_RUN, rec.run_id) == []
@@ -293,3 +301,133 @@ def test_a_runtime_neutral_launch_keeps_only_the_jobs_and_platform_env(runtime, 
     assert "mine=1" in log and "cuda=5" in log
     assert "ids=1900004242:1900004243" in log
     assert "/nonexistent/host/bin" not in log and "agent-user" not in log
+
+
+# ---------------------------------------------------------------- hostile and probing registries
+
+HOSTILE_MANIFEST = (
+    b'{"errors":[{"code":"MANIFEST_UNKNOWN","message":"write /var/lib/containers/storage:'
+    b' no space left on device"}]}'
+)
+
+
+@contextlib.contextmanager
+def _http_registry(v2_status: int, body: bytes):
+    """A loopback HTTP server: ``/v2/`` answers ``v2_status``, everything else 404 ``body``
+    (an OCI error document). Yields (port, paths requested)."""
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            seen.append(self.path)
+            status, data = (v2_status, b"{}") if self.path == "/v2/" else (404, body)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Docker-Distribution-API-Version", "registry/2.0")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        do_GET = do_HEAD = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield srv.server_address[1], seen
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@contextlib.contextmanager
+def _eof_server():
+    """A loopback TCP port that accepts and closes at once (what a non-HTTP service does to
+    an HTTP request)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    stop = threading.Event()
+
+    def serve() -> None:
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        stop.set()
+        t.join()
+        sock.close()
+
+
+def test_a_registry_answering_with_node_fault_words_fails_only_the_job(runtime, tmp_path):
+    """Replay: a loopback registry answers ``/v2/`` 200 and the manifest 404 with "no space
+    left on device" in its error message. podman's real message carries that text; the node's
+    own check passes, so the attempt is the job's fault, and the registry's text is not in the
+    reason."""
+    from gpufleet.agent.workdir import StartError
+
+    rt, _ = runtime
+    with _http_registry(200, HOSTILE_MANIFEST) as (port, seen):
+        rec, launch = _launch(tmp_path, _run_id(), ["id"], image=f"127.0.0.1:{port}/evil/img:1")
+        with pytest.raises(StartError, match="cannot pull image") as err:
+            rt.spawn(rec, launch)
+    assert any("/manifests/" in p for p in seen), seen  # podman did reach the manifest
+    assert err.value.node_fault is False
+    assert "no space" not in str(err.value), str(err.value)
+    assert "not found in registry" in str(err.value), str(err.value)
+    assert rt.engine.find(LABEL_RUN, rec.run_id) == []
+
+
+def test_a_pull_cannot_tell_the_services_behind_loopback_ports_apart(runtime, tmp_path):
+    """A closed port, a port that closes at once (EOF) and an HTTP service that answers 404
+    give the job one and the same reason (the engine's own message differs each time)."""
+    from gpufleet.agent.workdir import StartError
+
+    rt, _ = runtime
+    reasons: dict[str, str] = {}
+    with _eof_server() as eof_port, _http_registry(404, b"{}") as (http_port, _):
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        closed_port = closed.getsockname()[1]
+        closed.close()  # nothing listens there now
+        for what, port in (("refused", closed_port), ("eof", eof_port), ("404", http_port)):
+            rec, launch = _launch(tmp_path, _run_id(), ["true"], image=f"127.0.0.1:{port}/x/y:1")
+            with pytest.raises(StartError) as err:
+                rt.spawn(rec, launch)
+            assert err.value.node_fault is False
+            reasons[what] = str(err.value).replace(str(port), "PORT")
+    assert len(set(reasons.values())) == 1, reasons
+    assert "unreachable or not a registry" in reasons["refused"], reasons
+
+
+def test_a_pull_from_a_denied_registry_never_connects(tmp_path):
+    """A registry in the agent's job-egress deny list is refused as the job's fault before
+    podman is run: the server sees no request."""
+    from gpufleet.agent.runtime.jobnet import JobNet, NetPolicy, parse_targets
+    from gpufleet.agent.workdir import StartError
+
+    with _http_registry(200, HOSTILE_MANIFEST) as (port, seen):
+        net = JobNet("host", "t", NetPolicy(deny=tuple(parse_targets(f"127.0.0.1:{port}"))))
+        rt = ContainerRuntime(
+            ContainerEngine("podman", state_dir=tmp_path / "engine"), cdi=False, jobnet=net
+        )
+        rec, launch = _launch(tmp_path, _run_id(), ["true"], image=f"127.0.0.1:{port}/x/y:1")
+        with pytest.raises(StartError, match="deny list") as err:
+            rt.spawn(rec, launch)
+        assert err.value.node_fault is False
+        with pytest.raises(ImageUnavailable, match="deny list"):  # prepulls alike
+            rt.engine.pull(f"127.0.0.1:{port}/x/y:1")
+    assert seen == []

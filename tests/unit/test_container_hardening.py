@@ -46,11 +46,26 @@ def test_the_job_ids_map_to_themselves_and_nothing_maps_to_host_root() -> None:
     assert "--uidmap" not in security_args("docker", ContainerSecurity(userns=True))
 
 
-def _failing_engine(tmp_path: Path, message: str) -> ContainerEngine:
+def _failing_engine(
+    tmp_path: Path, message: str, *, graph_root: Path | None = None
+) -> ContainerEngine:
+    """An engine whose every call fails with ``message``, except ``info`` when ``graph_root``
+    is given (it then names that directory as its graph root, as podman does)."""
     script = tmp_path / "fake-podman"
-    script.write_text(f"#!/bin/sh\necho {message!r} >&2\nexit 125\n")
+    info = (
+        f'for a in "$@"; do [ "$a" = info ] && {{ echo {str(graph_root)!r}; exit 0; }}; done\n'
+        if graph_root is not None
+        else ""
+    )
+    script.write_text(f"#!/bin/sh\n{info}echo {message!r} >&2\nexit 125\n")
     script.chmod(0o755)
     return ContainerEngine("podman", state_dir=tmp_path / "s", binary=str(script))
+
+
+def _sound_root(tmp_path: Path) -> Path:
+    root = tmp_path / "graph"
+    root.mkdir(exist_ok=True)
+    return root
 
 
 @pytest.mark.parametrize(
@@ -63,27 +78,88 @@ def _failing_engine(tmp_path: Path, message: str) -> ContainerEngine:
         "Error: unauthorized: authentication required",
         "Error: x509: certificate signed by unknown authority",
         "Error: something nobody has seen before",
+        # the registry's own answer carries the node-fault words: still the job's
+        "Error: reading manifest 1 in 127.0.0.1:1/x: manifest unknown: write"
+        " /var/lib/containers/storage: no space left on device",
+        "Error: creating overlay mount to /var/lib/containers/storage/overlay/x: input/output"
+        " error",
     ],
 )
-def test_a_pull_failure_is_the_jobs_unless_the_node_storage_failed(
+def test_a_pull_failure_is_the_jobs_while_the_nodes_own_check_passes(
     tmp_path: Path, message: str
 ) -> None:
-    with pytest.raises(ImageUnavailable):
-        _failing_engine(tmp_path, message).pull("127.0.0.1:1/x:1")
+    engine = _failing_engine(tmp_path, message, graph_root=_sound_root(tmp_path))
+    with pytest.raises(ImageUnavailable) as exc:
+        engine.pull("127.0.0.1:1/x:1")
+    assert "no space" not in str(exc.value) and "overlay" not in str(exc.value)
+    assert list((tmp_path / "graph").iterdir()) == []  # the probe file is removed
+
+
+def test_a_pull_failure_is_the_nodes_when_the_engine_or_its_storage_fails(tmp_path: Path) -> None:
+    msg = "Error: writing blob: no space left on device"
+    # the engine does not answer info
+    with pytest.raises(EngineError) as exc:
+        _failing_engine(tmp_path, msg).pull("127.0.0.1:5000/x:1")
+    assert not isinstance(exc.value, ImageUnavailable)
+    assert "does not answer info" in str(exc.value)
+    # its graph root cannot take a write (a file where the directory should be)
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    with pytest.raises(EngineError) as exc:
+        _failing_engine(tmp_path, msg, graph_root=blocked).pull("127.0.0.1:5000/x:1")
+    assert not isinstance(exc.value, ImageUnavailable)
+    assert "not writable" in str(exc.value)
+    # too little free space
+    engine = _failing_engine(tmp_path, msg, graph_root=_sound_root(tmp_path))
+    engine.min_free_mb = 1 << 40
+    with pytest.raises(EngineError) as exc:
+        engine.pull("127.0.0.1:5000/x:1")
+    assert not isinstance(exc.value, ImageUnavailable) and "MiB free" in str(exc.value)
 
 
 @pytest.mark.parametrize(
     "message",
     [
-        "Error: writing blob: adding layer: write /var/lib/containers/x: no space left on device",
-        "Error: creating overlay mount to /var/lib/containers/storage/overlay/x: input/output"
-        " error",
+        'Error: pinging container registry 127.0.0.1:5432: Get "http://127.0.0.1:5432/v2/":'
+        " dial tcp 127.0.0.1:5432: connect: connection refused",
+        'Error: pinging container registry 127.0.0.1:6379: Get "http://127.0.0.1:6379/v2/": EOF',
+        "Error: pinging container registry 127.0.0.1:8000: invalid status code from registry 404"
+        " (Not Found)",
+        "Error: x509: certificate signed by unknown authority",
     ],
 )
-def test_a_pull_failure_of_the_nodes_storage_is_the_nodes(tmp_path: Path, message: str) -> None:
-    with pytest.raises(EngineError) as exc:
-        _failing_engine(tmp_path, message).pull("127.0.0.1:5000/x:1")
-    assert not isinstance(exc.value, ImageUnavailable)
+def test_the_reason_of_an_unreachable_registry_tells_no_service_apart(
+    tmp_path: Path, message: str
+) -> None:
+    engine = _failing_engine(tmp_path, message, graph_root=_sound_root(tmp_path))
+    with pytest.raises(ImageUnavailable) as exc:
+        engine.pull("127.0.0.1:7/x:1")
+    assert str(exc.value) == "registry 127.0.0.1:7 unreachable or not a registry"
+
+
+def test_a_pull_from_the_deny_list_is_refused_before_any_connection(tmp_path: Path) -> None:
+    from gpufleet.agent.runtime.jobnet import JobNet, NetPolicy, default_deny, parse_targets
+
+    marker = tmp_path / "ran"
+    script = tmp_path / "fake-podman"
+    script.write_text(f"#!/bin/sh\ntouch {marker}\nexit 0\n")
+    script.chmod(0o755)
+    engine = ContainerEngine("podman", state_dir=tmp_path / "s", binary=str(script))
+    deny = (*default_deny(["127.0.0.1:7443"]), *parse_targets("10.9.0.0/16,127.0.0.2"))
+    engine.jobnet = JobNet("host", "t", NetPolicy(deny=deny, own_ports=(50051,)))
+    for image in (
+        "127.0.0.1:7443/x:1",  # the controller
+        "169.254.169.254/x:1",  # the metadata range, default port
+        "169.254.169.254:80/x:1",
+        "10.9.3.4:5000/x:1",  # --job-egress-deny
+        "127.0.0.2:5000/x:1",
+        "localhost:50051/x:1",  # the agent's own port
+    ):
+        with pytest.raises(ImageUnavailable, match="deny list"):
+            engine.pull(image)
+    assert not marker.exists()
+    engine.pull("127.0.0.1:5000/x:1")  # another port of the same host is allowed
+    assert marker.exists()
 
 
 def test_an_invalid_reference_never_reaches_the_engine(tmp_path: Path) -> None:

@@ -28,8 +28,9 @@ One attempt (:class:`ContainerRuntime`):
   read-only root filesystem when the node asks, and a user namespace whose root is not host
   root when the engine can run one; a container never runs as host uid 0. A failed pull is the
   job's fault (:class:`.ImageUnavailable`: the reference, the registry's answer, the registry
-  unreachable) unless the node's own engine or storage failed (``StartError.node_fault``;
-  docs/design/runtime.md has the table).
+  unreachable or in the job-egress deny list), and so is a failed create or start, unless the
+  node's own check right then fails (:meth:`.ContainerEngine.node_problem`: then
+  ``StartError.node_fault``; docs/design/runtime.md has the table).
 * **start**, then ``logs --follow`` appends the container's output to the attempt's
   ``output.log`` (the agent's LogStreamer mirrors that file to the object store). The follower
   runs in its own session, so it keeps logging while a crashed agent is restarted.
@@ -85,7 +86,6 @@ from gpufleet.agent.runtime.container_engine import (
     EngineError,
     ImageInfo,
     ImageUnavailable,
-    reference_fault_text,
 )
 from gpufleet.agent.runtime.container_images import ImageReporter
 from gpufleet.agent.runtime.container_spec import (
@@ -148,15 +148,6 @@ __all__ = [
 
 logger = logging.getLogger("gpufleet.agent")
 
-_COMMAND_PROBLEMS = (
-    "executable file not found",
-    "no such file or directory",
-    "permission denied",
-    "not a directory",
-)
-"""Start errors caused by the job's command or working dir (exec inside the container)."""
-
-
 USERNS_MODES = ("auto", "on", "off")
 """``--container-userns``: ``auto`` = a user namespace when the engine can run one (probed
 once at start; else a warning and none), ``on`` = required (container jobs fail to start,
@@ -206,6 +197,8 @@ class ContainerRuntime:
         # the attempt's own network namespace (podman joins it: --network ns:PATH); docker
         # cannot join a named namespace, so its containers keep the host's (said at start)
         self.jobnet = jobnet if engine.kind == "podman" else None
+        # pulls (the runtime's and the prepulls') are refused the job-egress deny list
+        engine.jobnet = jobnet
 
         self.pids_limit = pids_limit
         self.read_only = read_only
@@ -355,9 +348,14 @@ class ContainerRuntime:
         except EngineError as exc:
             self.engine.remove(name)
             drop_netns(self.jobnet, rec.run_id)
-            # a reference the engine refuses is the job's; anything else the node's
-            job = isinstance(exc, ImageUnavailable) or reference_fault_text(str(exc))
-            raise StartError(f"cannot create the container: {exc}", node_fault=not job) from exc
+            # the job's (the image it named, its config) unless the node's own check fails:
+            # the engine's message is never searched for blame (an image's content is in it)
+            problem = "" if isinstance(exc, ImageUnavailable) else self.engine.node_problem()
+            raise StartError(
+                f"cannot create the container: {exc}"
+                + (f"; the node's own check: {problem}" if problem else ""),
+                node_fault=bool(problem),
+            ) from exc
         finally:
             with contextlib.suppress(FileNotFoundError):
                 env_file.unlink()
@@ -370,9 +368,12 @@ class ContainerRuntime:
             # OCI runtime's exec): the job's fault, unlike the engine failing
             self.engine.remove(name)
             drop_netns(self.jobnet, rec.run_id)
-            text = str(exc).lower()
-            job = any(m in text for m in _COMMAND_PROBLEMS)
-            raise StartError(f"cannot start the container: {exc}", node_fault=not job) from exc
+            problem = self.engine.node_problem()
+            raise StartError(
+                f"cannot start the container: {exc}"
+                + (f"; the node's own check: {problem}" if problem else ""),
+                node_fault=bool(problem),
+            ) from exc
         phases["start_s"] = round(time.monotonic() - t1, 4)
         h = ContainerHandle(
             name=name,

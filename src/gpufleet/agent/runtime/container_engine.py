@@ -7,31 +7,49 @@ no global configuration is needed) or docker (``gpufleet agent --runtime docker`
 remove, follow logs). Registries on loopback are pulled with ``--tls-verify=false``. An image
 reference always follows ``--`` on the engine's command line (it can never be read as an
 option), and one that is not a valid OCI reference is refused before any call
-(:class:`ImageUnavailable`). A failed pull is :class:`ImageUnavailable` (the job's fault:
-the image does not exist, is not authorised, the registry cannot be reached or is too slow)
-unless the engine's message says the node's own engine or storage failed
-(:data:`NODE_FAULT_MARKERS`: then :class:`EngineError`, the node's). What the runtime does with
+(:class:`ImageUnavailable`), and so is one whose registry is in the job-egress deny list
+(:meth:`ContainerEngine.check_registry`: refused before any connection). A failed pull is
+:class:`ImageUnavailable` (the job's fault) unless the node proves itself broken by a check of
+its own right then (:meth:`ContainerEngine.node_problem`: the engine answers ``info``, its graph
+root has :data:`NODE_MIN_FREE_MB` free and takes a small write): then :class:`EngineError`, the
+node's. The engine's message is never searched for node-fault words (it embeds the registry's
+own answer, which a hostile registry writes), and the reason a job gets for a registry that
+cannot be had is one generic sentence (:func:`pull_failure_text`: refused, EOF and HTTP statuses
+read alike, so a pull cannot probe ports); the full message goes to the agent's log. What the
+runtime does with
 these calls is in :mod:`gpufleet.agent.runtime.container`; the hardening flags of ``create``
 are :class:`ContainerSecurity`.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
 import os
 import shutil
+import socket
 import subprocess
 import tarfile
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpufleet.domain.images import reference_problem
+
+if TYPE_CHECKING:
+    from gpufleet.agent.runtime.jobnet import JobNet
+
+logger = logging.getLogger(__name__)
 
 ENGINES = ("podman", "docker")
 PULL_TIMEOUT_S = 1800.0
 CLI_TIMEOUT_S = 60.0
+NODE_MIN_FREE_MB = 256
+"""Free space (MiB) the engine's graph root must have for :meth:`ContainerEngine.node_problem`
+to find the node sound."""
 
 _PODMAN_CONF = """\
 # Written by the gpufleet agent; used through CONTAINERS_CONF for its own podman calls only.
@@ -56,10 +74,9 @@ class ImageUnavailable(EngineError):
     too slow. The job's fault (it uses a retry), never the node's."""
 
 
-# Substrings of the engines' messages that mean the node's own engine or storage failed
-# (podman/containers-storage and docker wordings): only these make a failed pull the node's
-# fault. Everything else a pull can meet -- the reference, the registry's answer, the registry
-# unreachable, TLS, DNS, a timeout -- is about the image the job named.
+# Substrings of the engines' messages seen when the node's own engine or storage failed
+# (podman/containers-storage and docker wordings). Informational only: a pull's or create's
+# message embeds the registry's answer, so no fault is decided by it (node_problem decides).
 NODE_FAULT_MARKERS = (
     "no space left on device",
     "read-only file system",
@@ -215,6 +232,34 @@ def _is_loopback_registry(image: str) -> bool:
     return host.split(":", 1)[0] in ("127.0.0.1", "localhost", "[::1]")
 
 
+def registry_of(image: str) -> tuple[str, int] | None:
+    """The registry ``(host, port)`` a valid reference names (port 443 when none is given);
+    None for the default registry (a reference whose first part is no host)."""
+    first, sep, _ = image.partition("/")
+    if not sep or not ("." in first or ":" in first or first == "localhost"):
+        return None
+    if first.startswith("["):
+        host, _, rest = first[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port = first.partition(":")
+    return host, int(port) if port.isdigit() else 443
+
+
+def pull_failure_text(image: str, message: str) -> str:
+    """The reason a job gets for a failed pull of ``image``: the registry's own refusal (not
+    found, denied) or one generic sentence for everything else (refused, EOF, TLS, DNS, an HTTP
+    status), so that pulls cannot tell the services behind ports apart."""
+    reg = registry_of(image)
+    where = f"registry {reg[0]}:{reg[1]}" if reg else "the default registry"
+    text = message.lower()
+    if "manifest unknown" in text or "name unknown" in text:
+        return f"image {image[:120]!r} not found in {where}"
+    if "unauthorized" in text or "access to the resource is denied" in text:
+        return f"{where} denied access to image {image[:120]!r}"
+    return f"{where} unreachable or not a registry"
+
+
 class ContainerEngine:
     """The podman or docker CLI behind one set of methods.
 
@@ -237,6 +282,9 @@ class ContainerEngine:
             raise EngineError(f"{binary or kind} is not installed (scripts/ensure-services.sh)")
         self.argv0: list[str] = [path]
         self.env = dict(os.environ)
+        self.jobnet: JobNet | None = None
+        """The agent's job networking: pulls from its deny list are refused (None = none)."""
+        self.min_free_mb = NODE_MIN_FREE_MB
         if kind == "podman":
             conf = state_dir / "containers.conf"
             state_dir.mkdir(parents=True, exist_ok=True)
@@ -283,6 +331,64 @@ class ContainerEngine:
         if problem is not None:
             raise ImageUnavailable(f"image reference {image[:80]!r} {problem}")
 
+    def check_registry(self, image: str) -> None:
+        """Raises ImageUnavailable when ``image``'s registry ``host:port`` (resolved: every
+        address) is in the job-egress deny list of :attr:`jobnet`, or is one of the agent's
+        own ports on loopback. Nothing is connected to; a name that does not resolve is left
+        to the engine."""
+        reg = registry_of(image)
+        if reg is None or self.jobnet is None:
+            return
+        host, port = reg
+        try:
+            addrs = {ipaddress.ip_address(host)}
+        except ValueError:
+            try:
+                infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
+            except OSError:
+                return
+            addrs = {ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos}
+        policy = self.jobnet.policy
+        for addr in addrs:
+            denied = any(
+                addr.version == t.net.version and addr in t.net and t.port in (None, port)
+                for t in policy.deny
+            )
+            if denied or (addr.is_loopback and port in policy.own_ports):
+                raise ImageUnavailable(
+                    f"registry {host}:{port} is not allowed: it is in the node's job-egress"
+                    " deny list (the control plane, the metadata range, --job-egress-deny or"
+                    " the agent's own ports)"
+                )
+
+    def node_problem(self) -> str:
+        """The node's own check after a failed pull or create: "" when the engine answers
+        ``info`` and its graph root has :attr:`min_free_mb` MiB free and takes a small write
+        (created, fsynced, removed), else what failed."""
+        fmt = "{{.Store.GraphRoot}}" if self.kind == "podman" else "{{.DockerRootDir}}"
+        try:
+            out = self._run(["info", "--format", fmt]).stdout.strip()
+        except EngineError as exc:
+            return f"the engine does not answer info: {exc}"
+        root = Path(out.splitlines()[-1].strip()) if out else Path()
+        if not root.is_absolute():
+            return f"the engine names no graph root ({out[:80]!r})"
+        try:
+            st = os.statvfs(root)
+            free_mb = st.f_bavail * st.f_frsize // (1 << 20)
+            if free_mb < self.min_free_mb:
+                return f"graph root {root}: {free_mb} MiB free (under {self.min_free_mb} MiB)"
+            fd, probe = tempfile.mkstemp(prefix=".gpufleet-probe-", dir=root)
+            try:
+                os.write(fd, b"\0" * 4096)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        except OSError as exc:
+            return f"graph root {root} is not writable: {exc}"
+        return ""
+
     def has_image(self, image: str) -> bool:
         """Whether the engine holds ``image`` (False for an invalid reference)."""
         if reference_problem(image) is not None:
@@ -295,13 +401,15 @@ class ContainerEngine:
         """Pull ``image``.
 
         Raises:
-            ImageUnavailable: the reference is invalid, the registry refuses it (not found,
-                unauthorised), cannot be reached or gives no answer in ``timeout`` seconds:
-                the job's fault.
-            EngineError: the node's own engine or storage failed (``NODE_FAULT_MARKERS``, or
-                the engine CLI cannot be run).
+            ImageUnavailable: the reference is invalid, its registry is denied
+                (:meth:`check_registry`), or the pull failed and the node's own check
+                (:meth:`node_problem`) found nothing wrong: the job's fault; the message is
+                :func:`pull_failure_text` (the engine's own is logged).
+            EngineError: the pull failed and :meth:`node_problem` found the node broken, or
+                the engine CLI cannot be run: the node's fault.
         """
         self.check_reference(image)
+        self.check_registry(image)
         args = ["pull"]
         if self.kind == "podman":
             args.append("--quiet")
@@ -310,11 +418,20 @@ class ContainerEngine:
         try:
             self._run([*args, "--", image], timeout=timeout)
         except EngineTimeout as exc:  # a registry that crawls: about the image named
-            raise ImageUnavailable(str(exc)) from exc
+            logger.info("pull of %s: %s", image[:200], exc)
+            raise ImageUnavailable(
+                f"{pull_failure_text(image, '')} (no image in {timeout:g} s)"
+            ) from None
         except EngineError as exc:
-            if isinstance(exc.__cause__, OSError) or node_fault_text(str(exc)):
+            if isinstance(exc.__cause__, OSError):
                 raise
-            raise ImageUnavailable(str(exc)) from exc
+            problem = self.node_problem()
+            logger.warning(
+                "pull of %s failed: %s (node check: %s)", image[:200], exc, problem or "sound"
+            )
+            if problem:
+                raise EngineError(f"{exc}; the node's own check: {problem}") from exc
+            raise ImageUnavailable(pull_failure_text(image, str(exc))) from None
 
     def ensure_present(self, image: str) -> bool:
         """Pull ``image`` unless present; True if it was pulled."""
