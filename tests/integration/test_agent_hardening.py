@@ -115,6 +115,7 @@ def test_agent_says_what_isolation_it_has(env) -> None:
     assert labels["gpufleet/job-disk-mb"] == str(NODE_DISK_MB)
     text = labels["gpufleet/job-isolation"]
     want = "no-new-privs.private-tmp" + (".hidepid" if ISOLATION.hide_pids else "")
+    want += ".no-node-sockets" if ISOLATION.hide_dirs else ""
     assert text == want
     for value in (text, labels["gpufleet/job-pids-max"], labels["gpufleet/job-disk-mb"]):
         assert value_problem("gpufleet/job-isolation", value) is None, value
@@ -388,6 +389,76 @@ time.sleep(600)
 """
 
 
+PG_SOCKET = Path("/var/run/postgresql/.s.PGSQL.5432")
+
+KNOCK = r"""
+import json, os, socket, sys
+seen = {"uid": os.getuid()}
+for path in sys.argv[1:]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        seen[path] = "connected"
+    except OSError as exc:
+        seen[path] = f"ERROR {type(exc).__name__}"
+    finally:
+        s.close()
+seen["resolv"] = open("/etc/resolv.conf").read()
+seen["run"] = sorted(os.listdir("/run"))
+with open(os.path.join(os.environ["GPUFLEET_ARTIFACTS_DIR"], "knock.json"), "w") as f:
+    json.dump(seen, f)
+"""
+
+
+@pytest.mark.skipif(not PG_SOCKET.exists(), reason="no local PostgreSQL Unix socket")
+def test_job_cannot_connect_to_the_nodes_unix_sockets_postgresql_or_one_under_run(env) -> None:
+    import socket
+
+    fake, agent, store, _ = env
+    assert ISOLATION.hide_dirs, ISOLATION.problems
+    run_dir = Path(tempfile.mkdtemp(prefix="gf-test-sock-", dir="/run"))
+    run_dir.chmod(0o755)
+    ours = run_dir / "daemon.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(ours))
+        ours.chmod(0o777)
+        listener.listen(8)
+        targets = [str(PG_SOCKET), str(ours)]
+        # control: the same connects work from outside a job, as an unprivileged uid too
+        dial = (
+            "import socket, sys\n"
+            "for p in sys.argv[1:]:\n"
+            "    s = socket.socket(socket.AF_UNIX); s.connect(p); print('connected', p)"
+        )
+        as_nobody = ["setpriv", "--reuid=1999999999", "--regid=1999999999", "--clear-groups"]
+        control = subprocess.run(
+            [*as_nobody, "--", *py(dial, *targets)],
+            capture_output=True,
+            text=True,
+        )
+        assert control.returncode == 0, control.stderr
+        assert control.stdout.count("connected") == 2
+        host_resolv = Path("/etc/resolv.conf").read_text()
+
+        knock = agent.assign(
+            run_id="r-knock", job_id="j-knock", token=1, command=py(KNOCK, *targets)
+        )
+
+        assert knock.result == A.STARTED, knock.message
+        report = fake.wait_report("r-knock", timeout_s=60)
+        assert (report.outcome, report.exit_code) == (R.EXITED, 0), report.message
+        seen = json.loads(store.get_bytes("jobs/j-knock/attempts/r-knock/artifacts/knock.json"))
+        assert seen["uid"] not in (0, os.getuid())
+        assert seen[str(PG_SOCKET)].startswith("ERROR"), seen
+        assert seen[str(ours)].startswith("ERROR"), seen
+        assert run_dir.name not in seen["run"] and "postgresql" not in seen["run"], seen["run"]
+        assert seen["resolv"] == host_resolv, "the job still resolves names as the node does"
+    finally:
+        listener.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def test_restarted_agent_keeps_an_adopted_attempts_mount_and_removes_stale_ones(
     public: Path,
 ) -> None:
@@ -554,3 +625,44 @@ def test_scratch_promises_never_exceed_the_hosts_free_space(public: Path) -> Non
     finally:
         disks.remove("p1", first)
         disks.remove("p2", second)
+
+
+def test_a_resolv_conf_target_inside_a_hidden_directory_stays_readable(public: Path) -> None:
+    """systemd-resolved's layout: /etc/resolv.conf -> /run/systemd/resolve/stub-resolv.conf.
+    Replayed with a hidden directory of the test's own (the real shim, mount and unshare)."""
+    from gpufleet.agent import shim
+
+    assert ISOLATION.mount_ns, ISOLATION.problems
+    hidden = public / "run-like"
+    (hidden / "systemd" / "resolve").mkdir(parents=True)
+    target = hidden / "systemd" / "resolve" / "stub-resolv.conf"
+    target.write_text("nameserver 127.0.0.53\n")
+    (hidden / "daemon.sock").write_text("a socket would be here")
+    iso = jobns.Isolation(
+        ISOLATION.setpriv,
+        ISOLATION.unshare,
+        ISOLATION.mount,
+        hide_dirs=(str(hidden),),
+        keep_file=str(target),
+    )
+    tmp = public / "shim-tmp"
+    tmp.mkdir()
+    log, exit_file = public / "shim.log", public / "shim.exit"
+    code = (
+        "import os, sys; d = sys.argv[1]; print(sorted(os.listdir(d)));"
+        " print(open(sys.argv[2]).read().strip())"
+    )
+    argv = [
+        *iso.shim_prefix(namespace=True),
+        *shim.argv(
+            exit_file=exit_file,
+            log_file=log,
+            command=py(code, str(hidden), str(target)),
+            **iso.shim_options(namespace=True, tmp_dir=str(tmp)),
+        ),
+    ]
+    subprocess.run(argv, check=True, timeout=30)
+    assert json.loads(exit_file.read_text())["exit_code"] == 0, log.read_text()
+    lines = log.read_text().splitlines()
+    assert lines == ["['systemd']", "nameserver 127.0.0.53"], lines
+    assert (hidden / "daemon.sock").exists(), "nothing of it reached the host"

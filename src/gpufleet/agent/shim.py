@@ -128,6 +128,8 @@ def argv(
     mount_bin: str = "",
     private_tmp: str = "",
     hide_pids: bool = False,
+    hide_dirs: tuple[str, ...] = (),
+    keep_file: str = "",
     restore_env: tuple[str, ...] = (),
 ) -> list[str]:
     """The shim's command line (see the module doc for each option).
@@ -144,7 +146,10 @@ def argv(
             (``jobns``) and its child, after the cgroup join, mounts a fresh tmpfs on
             ``/dev/shm``, and with ``private_tmp`` binds that directory on ``/tmp`` and
             ``/var/tmp``, and with ``hide_pids`` a ``proc`` with ``hidepid=invisible`` on
-            ``/proc``. A failed mount is a start error.
+            ``/proc``, and an empty tmpfs on each of ``hide_dirs`` (the node's socket
+            directories, ``jobns.HIDDEN_DIRS``) with ``keep_file`` (absolute path inside one
+            of them, e.g. resolv.conf's target) bound back where it was. A failed mount is a
+            start error.
         restore_env: names of the job's loader variables (``LD_PRELOAD``...) that the
             agent passed as ``_GF_ENV_<name>`` (``jobns.hide_loader_env``): the shim sets
             them back only in the command's own process after the switch to the job user
@@ -180,6 +185,10 @@ def argv(
             out += ["--private-tmp", private_tmp]
         if hide_pids:
             out.append("--hide-pids")
+        for hidden in hide_dirs:
+            out += ["--hide-dir", hidden]
+        if keep_file:
+            out += ["--keep-file", keep_file]
     return [*out, "--", *command]
 
 

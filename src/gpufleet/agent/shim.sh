@@ -3,7 +3,8 @@
 #   sh shim.sh --exit-file F --log-file L [--claim-file C] [--status-fd N] [--cwd D]
 #              [--cwd-check] [--cgroup-procs P]... [--setpriv PATH --uid U --gid G
 #              [--groups G1,G2]] [--cwd-as U:G] [--mount-bin M [--private-tmp D]
-#              [--hide-pids]] [--restore-env NAME,NAME] -- cmd [args...]
+#              [--hide-pids] [--hide-dir D]... [--keep-file F]] [--restore-env NAME,NAME]
+#              -- cmd [args...]
 #
 # Builtins only on the common path (no fork besides the command's own, no exec besides the
 # command's and, when switching users, setpriv's): this runs once per attempt.
@@ -11,7 +12,7 @@
 
 _gf_exit= _gf_log= _gf_claim= _gf_status= _gf_cwd= _gf_check= _gf_procs= _gf_setpriv=
 _gf_uid= _gf_gid= _gf_groups= _gf_cwd_as= _gf_stage2= _gf_pwd= _gf_mount= _gf_tmp= _gf_hide=
-_gf_restore=
+_gf_restore= _gf_hides= _gf_keep=
 _gf_nl='
 '
 while [ $# -gt 0 ]; do
@@ -33,6 +34,8 @@ while [ $# -gt 0 ]; do
         --mount-bin) _gf_mount=$2; shift 2 ;;
         --private-tmp) _gf_tmp=$2; shift 2 ;;
         --hide-pids) _gf_hide=1; shift ;;
+        --hide-dir) _gf_hides=$_gf_hides$2$_gf_nl; shift 2 ;;
+        --keep-file) _gf_keep=$2; shift 2 ;;
         --restore-env) _gf_restore=$2; shift 2 ;;
         --) shift; break ;;
         *) echo "gpufleet shim: unknown argument $1" >&2; exit 2 ;;
@@ -167,6 +170,24 @@ fi
                 || _gf_fail "cannot mount the attempt's private /tmp"
             [ ! -d /var/tmp ] || "$_gf_mount" --bind "$_gf_tmp" /var/tmp 2>/dev/null \
                 || _gf_fail "cannot mount the attempt's private /var/tmp"
+        fi
+        # the node's socket directories (/run: PostgreSQL, MySQL, Redis, podman, D-Bus...)
+        # under an empty tmpfs each; the one file the job still needs from them (resolv.conf's
+        # target) is opened before and bound back after, through /proc/self/fd/7
+        [ -z "$_gf_keep" ] || exec 7< "$_gf_keep" 2>/dev/null \
+            || _gf_fail "cannot open $_gf_keep to keep it visible"
+        while [ -n "$_gf_hides" ]; do
+            "$_gf_mount" -t tmpfs -o nosuid,nodev,noexec,mode=0755,size=1m tmpfs \
+                "${_gf_hides%%"$_gf_nl"*}" 2>/dev/null \
+                || _gf_fail "cannot hide the node's ${_gf_hides%%"$_gf_nl"*}"
+            _gf_hides=${_gf_hides#*"$_gf_nl"}
+        done
+        if [ -n "$_gf_keep" ]; then
+            "$_gf_mount" -t tmpfs -o X-mount.mkdir,nosuid,nodev,noexec,mode=0755,size=64k tmpfs \
+                "${_gf_keep%/*}" 2>/dev/null && : > "$_gf_keep" 2>/dev/null \
+                && "$_gf_mount" --no-canonicalize --bind /proc/self/fd/7 "$_gf_keep" 2>/dev/null \
+                || _gf_fail "cannot keep $_gf_keep visible"
+            exec 7<&-
         fi
         [ ! -d /dev/shm ] || "$_gf_mount" -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /dev/shm \
             2>/dev/null || _gf_fail "cannot mount the attempt's private /dev/shm"

@@ -16,6 +16,14 @@ that runs as a job user:
   cgroup) and a new ``proc`` with ``hidepid=invisible`` on ``/proc``: the job sees only its
   own uid's processes, so not another job's ``/proc/PID/cmdline`` nor the shim's argv
   (root's). Nothing of it propagates to the host; it ends with the attempt's last process.
+* **no node sockets**: the job's network namespace cuts TCP, but a Unix socket is a file: the
+  shim mounts an empty tmpfs on each of :data:`HIDDEN_DIRS` that exists on the node (``/run``
+  with PostgreSQL's, MySQL's, Redis's, podman's, Docker's and D-Bus's sockets; ``/var/run``
+  where it is not the usual symlink to ``/run``; MySQL's and Postfix's directories under
+  ``/var``), so a job cannot connect to a node daemon whatever its socket's permissions.
+  ``/etc/resolv.conf`` pointing into one of them (systemd-resolved's
+  ``/run/systemd/resolve/stub-resolv.conf``) is bound back at its place. Abstract sockets
+  belong to the network namespace and are cut with it.
 
 ``hidepid`` needs Linux 5.8 or later (each ``proc`` mount its own instance; on older kernels
 the option would change the host's ``/proc``, so it is not used there). A namespace needs root.
@@ -43,6 +51,11 @@ logger = logging.getLogger("gpufleet.agent")
 SEARCH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 """Where the isolation programs are looked up (the agent's ``PATH`` first)."""
 HIDEPID_MIN_KERNEL = (5, 8)
+HIDDEN_DIRS = ("/run", "/var/run", "/var/lib/mysql", "/var/spool/postfix")
+"""Directories holding node daemons' listening Unix sockets on a Debian host, each hidden
+under an empty tmpfs in a job's mount namespace (those that exist and are not symlinks)."""
+KEPT_FILES = ("/etc/resolv.conf",)
+"""Files a job needs that may be symlinks into a hidden directory (the target is bound back)."""
 
 
 def _which(name: str) -> str | None:
@@ -67,6 +80,8 @@ class Isolation:
         unshare: absolute path of ``unshare`` for the mount namespace ("" = no namespace).
         mount: absolute path of ``mount``, run by the shim inside the namespace.
         hide_pids: mount a ``proc`` with ``hidepid=invisible`` in the namespace.
+        hide_dirs: absolute paths hidden under an empty tmpfs (see :data:`HIDDEN_DIRS`).
+        keep_file: resolv.conf's target when it lies in one of ``hide_dirs`` ("" = none).
         problems: what is missing and why, one line each (logged at agent start).
     """
 
@@ -75,6 +90,8 @@ class Isolation:
     mount: str = ""
     hide_pids: bool = False
     problems: tuple[str, ...] = field(default=())
+    hide_dirs: tuple[str, ...] = field(default=())
+    keep_file: str = ""
 
     @property
     def no_new_privs(self) -> bool:
@@ -98,6 +115,8 @@ class Isolation:
             parts.append("private-tmp")
             if self.hide_pids:
                 parts.append("hidepid")
+            if self.hide_dirs:
+                parts.append("no-node-sockets")
         return ".".join(parts) or "none"
 
     def shim_prefix(self, *, namespace: bool) -> list[str]:
@@ -113,10 +132,46 @@ class Isolation:
 
     def shim_options(self, *, namespace: bool, tmp_dir: str) -> dict[str, Any]:
         """Keyword arguments of :func:`gpufleet.agent.shim.argv` for the mounts the shim's
-        child makes in the namespace (none without one)."""
+        child makes in the namespace (none without one). A hidden directory that holds
+        ``tmp_dir`` (an agent data directory under ``/run``) stays visible."""
         if not (namespace and self.mount_ns):
             return {}
-        return {"mount_bin": self.mount, "private_tmp": tmp_dir, "hide_pids": self.hide_pids}
+        hide = tuple(d for d in self.hide_dirs if not _within(tmp_dir, d))
+        keep = self.keep_file if any(_within(self.keep_file, d) for d in hide) else ""
+        return {
+            "mount_bin": self.mount,
+            "private_tmp": tmp_dir,
+            "hide_pids": self.hide_pids,
+            "hide_dirs": hide,
+            "keep_file": keep,
+        }
+
+
+def _within(path: str, directory: str) -> bool:
+    return bool(path) and (path == directory or path.startswith(directory.rstrip("/") + "/"))
+
+
+def hidden_dirs(candidates: tuple[str, ...] = HIDDEN_DIRS) -> tuple[str, ...]:
+    """The ``candidates`` that exist as directories and are not symlinks (a symlink such as
+    ``/var/run -> /run`` is hidden with its target), outermost first, none inside another."""
+    out: list[str] = []
+    for path in candidates:
+        if os.path.isdir(path) and not os.path.islink(path):
+            real = os.path.realpath(path)
+            if not any(_within(real, d) for d in out):
+                out.append(real)
+    return tuple(out)
+
+
+def kept_file(hide: tuple[str, ...], candidates: tuple[str, ...] = KEPT_FILES) -> str:
+    """The real path of the first of ``candidates`` that is a symlink resolving into one of
+    ``hide`` ("" when none: a regular ``/etc/resolv.conf`` needs nothing)."""
+    for path in candidates:
+        if os.path.islink(path):
+            real = os.path.realpath(path)
+            if os.path.isfile(real) and any(_within(real, d) for d in hide):
+                return real
+    return ""
 
 
 NONE = Isolation(problems=("not probed",))
@@ -203,7 +258,16 @@ def detect() -> Isolation:
             problems.append("cannot mount /proc with hidepid: jobs see every process in /proc")
         else:
             hide = True
-    return Isolation(setpriv, unshare, mount if unshare else "", hide, tuple(problems))
+    dirs = hidden_dirs() if unshare else ()
+    return Isolation(
+        setpriv,
+        unshare,
+        mount if unshare else "",
+        hide,
+        tuple(problems),
+        hide_dirs=dirs,
+        keep_file=kept_file(dirs),
+    )
 
 
 def _runs(argv: list[str]) -> bool:
