@@ -146,7 +146,7 @@ def test_timeout_of_a_container_ignoring_sigterm_ends_with_it_gone(
 def test_badly_named_images_fail_their_jobs_and_cordon_no_node(fleet: Fleet) -> None:
     """Replay of a hostile tenant's submits on a 3-node fleet: images that are podman options
     or upper-case are refused at submit (422 naming ``image``); an image on an unreachable
-    registry fails its attempts as the job's fault with podman's real message, each retry on
+    registry fails its attempts as the job's fault with one generic reason, each retry on
     another node than the attempt before it, and no node is cordoned."""
     for node_id in ("a1", "a2", "a3"):
         fleet.start_agent(node_id, gpus="2xH100-80GB")
@@ -169,7 +169,7 @@ def test_badly_named_images_fail_their_jobs_and_cordon_no_node(fleet: Fleet) -> 
     for job_id in jobs:
         job = fleet.wait_status(job_id, TERMINAL, timeout_s=180)
         assert job["status"] == "FAILED", job
-        assert "connection refused" in job["failure_reason"], job["failure_reason"]
+        assert "unreachable or not a registry" in job["failure_reason"], job["failure_reason"]
         attempts = job["attempts"]
         assert len(attempts) == 3, attempts  # max_retries used: the job's fault
         assert all("cannot pull image" in (a["message"] or "") for a in attempts), attempts
@@ -177,4 +177,36 @@ def test_badly_named_images_fail_their_jobs_and_cordon_no_node(fleet: Fleet) -> 
         assert all(x != y for x, y in itertools.pairwise(nodes)), nodes
     statuses = {n["node_id"]: n["status"] for n in fleet.get("/v1/nodes")["items"]}
     assert statuses == {"a1": "HEALTHY", "a2": "HEALTHY", "a3": "HEALTHY"}, statuses
+    assert fleet.check() == []
+
+
+def test_a_registry_answering_with_node_fault_words_cordons_no_node(fleet: Fleet) -> None:
+    """Replay of a hostile registry: ``/v2/`` 200, every manifest 404 with "no space left on
+    device" in the error's message. With ``max_retries`` 0 the job ends FAILED after one
+    attempt (its own fault, not re-placed as the node's), and every node stays HEALTHY."""
+    from tests.integration.test_container_runtime import HOSTILE_MANIFEST, _http_registry
+
+    for node_id in ("h1", "h2"):
+        fleet.start_agent(node_id, gpus="2xH100-80GB")
+    with _http_registry(200, HOSTILE_MANIFEST) as (port, seen):
+        jobs = [
+            fleet.submit(
+                {
+                    "image": f"127.0.0.1:{port}/evil/img:1",
+                    "command": ["id"],
+                    "gpu_count": 1,
+                    "max_retries": 0,
+                }
+            )
+            for _ in range(3)
+        ]
+        for job_id in jobs:
+            job = fleet.wait_status(job_id, TERMINAL, timeout_s=180)
+            assert job["status"] == "FAILED", job
+            assert len(job["attempts"]) == 1, job["attempts"]
+            assert "not found in registry" in job["failure_reason"], job["failure_reason"]
+            assert "no space" not in job["failure_reason"], job["failure_reason"]
+    assert any("/manifests/" in p for p in seen), seen
+    statuses = {n["node_id"]: n["status"] for n in fleet.get("/v1/nodes")["items"]}
+    assert statuses == {"h1": "HEALTHY", "h2": "HEALTHY"}, statuses
     assert fleet.check() == []
