@@ -9,6 +9,10 @@ may need it to start.
   when a probe succeeds again; the calls skipped in between log nothing.
 - A request that meets a hung Redis so waits one timeout at most, whatever number of Redis
   calls it makes (the first failure opens the breaker for the calls after it).
+- An error *reply* (``ResponseError``: a key of the wrong type, a script error) is no outage:
+  Redis answered. The breaker stays as it is; the caller may repair (``repair``: e.g. delete
+  the bad key) and retry once, else that one call falls back. Anyone able to write one key so
+  cannot keep every replica off Redis. Logged at most once a minute per kind of call.
 
 Keys and channels are named under a per-deployment prefix (``GPUFLEET_REDIS_PREFIX``), so that
 deployments sharing one Redis neither see each other's buckets nor wake each other's
@@ -31,6 +35,8 @@ T = TypeVar("T")
 DEFAULT_PREFIX = "gpufleet"
 DEFAULT_TIMEOUT_S = 0.25
 DEFAULT_OPEN_S = 10.0
+REPLY_ERROR_LOG_S = 60.0
+"""At most one log line per this many seconds, per kind of call, for Redis error replies."""
 
 
 class RedisHint:
@@ -66,6 +72,8 @@ class RedisHint:
         self._lock = threading.Lock()
         self._open_until: float | None = None  # None: closed (Redis answering)
         self._probing = False
+        self._reply_error = redis.exceptions.ResponseError
+        self._reply_logged: dict[str, float] = {}
 
     def key(self, name: str) -> str:
         """The Redis key or channel of ``name`` in this deployment's namespace."""
@@ -77,12 +85,24 @@ class RedisHint:
         with self._lock:
             return self._open_until is not None
 
-    def call(self, what: str, fn: Callable[[Any], T]) -> tuple[bool, T | None]:
+    def call(
+        self,
+        what: str,
+        fn: Callable[[Any], T],
+        *,
+        repair: Callable[[Any], object] | None = None,
+    ) -> tuple[bool, T | None]:
         """Run ``fn(client)`` unless the breaker is open.
+
+        Args:
+            repair: run as ``repair(client)`` when Redis answers ``fn`` with an error reply
+                (``ResponseError``, e.g. WRONGTYPE), then ``fn`` is retried once.
 
         Returns:
             (True, result) when Redis answered; (False, None) when the call was skipped or
-            failed (the caller falls back). Never raises for a Redis failure.
+            failed (the caller falls back). Never raises for a Redis failure. An error reply
+            (after ``repair``, if given) falls back for this call only: the breaker is not
+            opened by it.
         """
         with self._lock:
             if self._open_until is not None:
@@ -90,12 +110,39 @@ class RedisHint:
                     return False, None
                 self._probing = True  # one caller probes; the others keep skipping
         try:
-            result = fn(self.client)
+            try:
+                result = fn(self.client)
+            except self._reply_error as exc:  # Redis answered: a bad key, not an outage
+                if repair is None:
+                    raise
+                self._log_reply_error(what, exc, repaired=True)
+                repair(self.client)
+                result = fn(self.client)
+        except self._reply_error as exc:
+            self._log_reply_error(what, exc, repaired=False)
+            self._succeeded()
+            return False, None
         except Exception as exc:  # any Redis failure (refused, timeout, auth): fall back
             self._failed(what, exc)
             return False, None
         self._succeeded()
         return True, result
+
+    def _log_reply_error(self, what: str, exc: Exception, *, repaired: bool) -> None:
+        now = self._clock()
+        with self._lock:
+            last = self._reply_logged.get(what)
+            if last is not None and now - last < REPLY_ERROR_LOG_S:
+                return
+            self._reply_logged[what] = now
+        log.warning(
+            "Redis %s answered an error during %s (%s: %s): not an outage; %s",
+            _safe_url(self.url),
+            what,
+            type(exc).__name__,
+            str(exc)[:200],
+            "repairing the key and retrying" if repaired else "this call falls back",
+        )
 
     def _failed(self, what: str, exc: Exception) -> None:
         with self._lock:

@@ -186,7 +186,8 @@ class RedisRateLimiter:
     Fails open to per-replica limits: when Redis does not answer within the hint's timeout
     the breaker (:class:`~gpufleet.queue.hint.RedisHint`) opens and each replica limits with
     its own in-process bucket until Redis answers again, so a team may get up to N times its
-    rate across N replicas during an outage, never a refusal caused by Redis.
+    rate across N replicas during an outage, never a refusal caused by Redis. A bucket key of
+    the wrong type (written by someone else) is deleted and the take retried: no outage.
 
     Args:
         url: ``redis://[user:password@]host:port/db`` or ``rediss://``.
@@ -203,11 +204,12 @@ class RedisRateLimiter:
 
     def take(self, key: str, rate_per_s: float, burst: int, cost: int = 1) -> float:
         cost = max(1, min(cost, burst))
+        bucket = self._hint.key(f"rate:{key}")
         ok, raw = self._hint.call(
             "rate limit",
-            lambda _r: self._script(
-                keys=[self._hint.key(f"rate:{key}")], args=[repr(rate_per_s), burst, cost]
-            ),
+            lambda _r: self._script(keys=[bucket], args=[repr(rate_per_s), burst, cost]),
+            # a bucket key someone overwrote with another type (WRONGTYPE): drop it, retake
+            repair=lambda r: r.delete(bucket),
         )
         if not ok:
             return self._fallback.take(key, rate_per_s, burst, cost)
