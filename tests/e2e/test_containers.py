@@ -210,3 +210,33 @@ def test_a_registry_answering_with_node_fault_words_cordons_no_node(fleet: Fleet
     statuses = {n["node_id"]: n["status"] for n in fleet.get("/v1/nodes")["items"]}
     assert statuses == {"h1": "HEALTHY", "h2": "HEALTHY"}, statuses
     assert fleet.check() == []
+
+
+def test_cancel_during_a_pull_from_a_hung_registry_frees_the_gpus(fleet: Fleet) -> None:
+    """Replay: jobs whose registry accepts and never answers stay SCHEDULED while their pull
+    waits; a cancel ends the pulls, the jobs end CANCELLED and every GPU is free again (not
+    after the pull timeout)."""
+    from tests.integration.test_container_runtime import _pulls_of, _silent_server
+
+    fleet.start_agent("p1", gpus="4xH100-80GB")
+    with _silent_server() as port:
+        image = f"127.0.0.1:{port}/hung/img:1"
+        jobs = [
+            fleet.submit({"image": image, "command": ["true"], "gpu_count": 1}) for _ in range(4)
+        ]
+        for job_id in jobs:
+            fleet.wait_status(job_id, {"SCHEDULED", "RUNNING"}, timeout_s=60)
+        fleet.wait_for(
+            lambda: fleet.get("/v1/nodes")["items"][0]["available_gpus"] == 0, 30, "all GPUs held"
+        )
+        fleet.wait_for(lambda: len(_pulls_of(image)) >= 1, 30, "the pulls")
+        with fleet.http() as c:
+            for job_id in jobs:
+                assert c.delete(f"/v1/jobs/{job_id}").status_code == 202
+        for job_id in jobs:
+            assert fleet.wait_status(job_id, TERMINAL, timeout_s=120)["status"] == "CANCELLED"
+        fleet.wait_for(
+            lambda: fleet.get("/v1/nodes")["items"][0]["available_gpus"] == 4, 60, "GPUs freed"
+        )
+        assert _pulls_of(image) == []
+    assert fleet.check() == []

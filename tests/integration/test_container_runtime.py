@@ -431,3 +431,62 @@ def test_a_pull_from_a_denied_registry_never_connects(tmp_path):
         with pytest.raises(ImageUnavailable, match="deny list"):  # prepulls alike
             rt.engine.pull(f"127.0.0.1:{port}/x/y:1")
     assert seen == []
+
+
+@contextlib.contextmanager
+def _silent_server():
+    """A loopback TCP port that accepts and never answers (a hung registry)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+def test_a_stop_during_a_pull_from_a_hung_registry_ends_the_pull(tmp_path):
+    """Replay: the registry accepts and never answers (the pull would wait the whole pull
+    timeout). A stop of the attempt ends the pull: spawn raises a StartError of the job (the
+    attempt never started) and no pull of the image is left running."""
+    from gpufleet.agent.workdir import StartError
+
+    rt = ContainerRuntime(
+        ContainerEngine("podman", state_dir=tmp_path / "engine"), cdi=False, pull_timeout_s=600
+    )
+    with _silent_server() as port:
+        image = f"127.0.0.1:{port}/hung/img:1"
+        rec, launch = _launch(tmp_path, _run_id(), ["true"], image=image)
+        outcome: list[BaseException] = []
+
+        def spawn() -> None:
+            try:
+                rt.spawn(rec, launch)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=spawn, daemon=True)
+        t.start()
+        assert wait_until(lambda: _pulls_of(image) != [], 30), "the pull never started"
+        rec.stop_reason = "cancel"
+        t.join(60)
+        assert not t.is_alive(), "the pull was not ended by the stop"
+    assert len(outcome) == 1 and isinstance(outcome[0], StartError), outcome
+    assert "stopped during the pull" in str(outcome[0])
+    assert outcome[0].node_fault is False
+    assert _pulls_of(image) == []
+    assert rt.engine.find(LABEL_RUN, rec.run_id) == []
+
+
+def _pulls_of(image: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"pull" in argv and image.encode() in argv:
+            pids.append(int(d.name))
+    return pids

@@ -68,6 +68,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,7 @@ from gpufleet.agent.runtime.container_engine import (
     EngineError,
     ImageInfo,
     ImageUnavailable,
+    PullStopped,
 )
 from gpufleet.agent.runtime.container_images import ImageReporter
 from gpufleet.agent.runtime.container_spec import (
@@ -142,6 +144,7 @@ __all__ = [
     "ImageInfo",
     "ImageReporter",
     "ImageUnavailable",
+    "PullStopped",
     "cdi_gpu_spec_present",
     "launch_of",
 ]
@@ -250,12 +253,15 @@ class ContainerRuntime:
 
     # ------------------------------------------------------------------ start
 
-    def ensure_image(self, image: str) -> tuple[str, float]:
-        """Pull ``image`` unless present. Returns (``"warm"``/``"cold"``, seconds)."""
+    def ensure_image(
+        self, image: str, should_stop: Callable[[], bool] | None = None
+    ) -> tuple[str, float]:
+        """Pull ``image`` unless present (a ``should_stop()`` that turns true ends the pull:
+        :class:`.PullStopped`). Returns (``"warm"``/``"cold"``, seconds)."""
         t0 = time.monotonic()
         if self.engine.has_image(image):
             return "warm", time.monotonic() - t0
-        self.engine.pull(image, timeout=self.pull_timeout_s)
+        self.engine.pull(image, timeout=self.pull_timeout_s, should_stop=should_stop)
         return "cold", time.monotonic() - t0
 
     def container_env(self, launch: ContainerLaunch) -> dict[str, str]:
@@ -282,7 +288,14 @@ class ContainerRuntime:
         name = rec.run_id
         phases: dict[str, Any] = {}
         try:
-            warmth, pull_s = self.ensure_image(launch.image)
+            # a stop (cancel, preemption) during the pull ends it: the attempt never started
+            warmth, pull_s = self.ensure_image(
+                launch.image, should_stop=lambda: bool(getattr(rec, "stop_reason", ""))
+            )
+        except PullStopped as exc:
+            raise StartError(
+                f"stopped during the pull of image {launch.image[:120]!r} (never started)"
+            ) from exc
         except ImageUnavailable as exc:  # the reference, the registry's answer or reach
             raise StartError(f"cannot pull image {launch.image[:120]!r}: {exc}") from exc
         except EngineError as exc:  # the node's own engine or storage failed

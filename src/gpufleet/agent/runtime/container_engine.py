@@ -23,16 +23,19 @@ are :class:`ContainerSecurity`.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tarfile
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +50,10 @@ logger = logging.getLogger(__name__)
 ENGINES = ("podman", "docker")
 PULL_TIMEOUT_S = 1800.0
 CLI_TIMEOUT_S = 60.0
+STOP_POLL_S = 0.5
+"""How often (seconds) a pull looks at its attempt's stop request."""
+PULL_TERM_GRACE_S = 5.0
+"""A stopped pull gets SIGTERM, then SIGKILL after this many seconds."""
 NODE_MIN_FREE_MB = 256
 """Free space (MiB) the engine's graph root must have for :meth:`ContainerEngine.node_problem`
 to find the node sound."""
@@ -72,6 +79,10 @@ class ImageUnavailable(EngineError):
     """The image, as the job names it, cannot be had: a malformed reference, the registry's
     answer (not found, manifest unknown, unauthorised, denied), the registry unreachable or
     too slow. The job's fault (it uses a retry), never the node's."""
+
+
+class PullStopped(ImageUnavailable):
+    """The attempt was stopped (cancel, preemption) during its pull: the pull was killed."""
 
 
 # Substrings of the engines' messages seen when the node's own engine or storage failed
@@ -318,6 +329,55 @@ class ContainerEngine:
             )
         return proc
 
+    def _run_stoppable(
+        self, args: Sequence[str], *, timeout: float, should_stop: Callable[[], bool]
+    ) -> None:
+        """Run the engine in its own session, looking at ``should_stop()`` every
+        :data:`STOP_POLL_S`: a stop or the timeout ends it (SIGTERM to its group, SIGKILL
+        after :data:`PULL_TERM_GRACE_S`). Raises PullStopped, EngineTimeout or EngineError."""
+        try:
+            proc = subprocess.Popen(
+                [*self.argv0, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                env=self.env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise EngineError(f"{self.kind} {args[0]}: {exc}") from exc
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                out, err = proc.communicate(timeout=STOP_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                stop = should_stop()
+                if stop or time.monotonic() >= deadline:
+                    self._end_group(proc)
+                    if stop:
+                        raise PullStopped(f"{self.kind} {args[0]}: stopped") from None
+                    raise EngineTimeout(
+                        f"{self.kind} {args[0]}: no answer in {timeout:g} s"
+                    ) from None
+        if proc.returncode != 0:
+            lines = (err or out).strip().splitlines()
+            raise EngineError(
+                f"{self.kind} {args[0]} failed: {lines[-1] if lines else proc.returncode}"
+            )
+
+    @staticmethod
+    def _end_group(proc: subprocess.Popen[str]) -> None:
+        for sig, wait in ((signal.SIGTERM, PULL_TERM_GRACE_S), (signal.SIGKILL, 30.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.communicate(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
     def version(self) -> str:
         return self._run(["version", "--format", "{{.Client.Version}}"]).stdout.strip()
 
@@ -397,8 +457,15 @@ class ContainerEngine:
             return self._run(["image", "exists", "--", image], check=False).returncode == 0
         return self._run(["image", "inspect", "--", image], check=False).returncode == 0
 
-    def pull(self, image: str, timeout: float = PULL_TIMEOUT_S) -> None:
-        """Pull ``image``.
+    def pull(
+        self,
+        image: str,
+        timeout: float = PULL_TIMEOUT_S,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """Pull ``image`` (``timeout``: seconds). With ``should_stop``, looked at every
+        :data:`STOP_POLL_S`, a stop ends the pull (:class:`PullStopped`).
 
         Raises:
             ImageUnavailable: the reference is invalid, its registry is denied
@@ -416,7 +483,13 @@ class ContainerEngine:
             if _is_loopback_registry(image):
                 args.append("--tls-verify=false")
         try:
-            self._run([*args, "--", image], timeout=timeout)
+            if should_stop is None:
+                self._run([*args, "--", image], timeout=timeout)
+            else:
+                self._run_stoppable([*args, "--", image], timeout=timeout, should_stop=should_stop)
+        except PullStopped:
+            logger.info("pull of %s: stopped (the attempt's stop arrived)", image[:200])
+            raise
         except EngineTimeout as exc:  # a registry that crawls: about the image named
             logger.info("pull of %s: %s", image[:200], exc)
             raise ImageUnavailable(
