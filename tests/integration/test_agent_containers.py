@@ -8,12 +8,15 @@ Needs what ``scripts/ensure-services.sh`` sets up (podman, runc, the registry on
 from __future__ import annotations
 
 import json
+import os
 import signal
 import stat
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -465,3 +468,98 @@ def test_an_image_the_job_names_badly_is_the_jobs_fault_not_the_nodes(
     assert report.node_fault is False, report
     assert "cannot pull image" in report.message and says in report.message, report.message
     assert engine.find(LABEL_RUN, rid) == []
+
+
+WRITE_EVERYWHERE = (
+    # into the image's own directories (its writable layer would be on the engine's storage)
+    "for d in / /data /root /etc /usr; do"
+    ' dd if=/dev/zero of="$d/gf-fill" bs=1M count=$1 2>&1; echo "w$d=$?"; done; '
+    # into /tmp and /var/tmp: the attempt's scratch, bounded by disk_mb
+    'dd if=/dev/zero of=/tmp/gf-fill bs=1M count=$2 2>&1; echo "wtmp=$?"; '
+    'echo "tmpdev=$(stat -c %d /tmp)"; echo "vartmpdev=$(stat -c %d /var/tmp)"; '
+    'echo "workdev=$(stat -c %d /gpufleet/work)"; '
+    "echo end=1"
+)
+
+
+OPEN_DIRS = "localhost/gpufleet-test/open-dirs:1"
+"""busybox with a world-writable (1777) /data: a directory any job user could write in the
+image's writable layer."""
+
+
+@pytest.fixture(scope="module")
+def open_dirs_image(engine: ContainerEngine, tmp_path_factory: pytest.TempPathFactory) -> str:
+    ctx = tmp_path_factory.mktemp("open-dirs")
+    (ctx / "Containerfile").write_text(f"FROM {BUSYBOX}\nRUN mkdir -p -m 1777 /data\n")
+    subprocess.run(
+        [*engine.argv0, "build", "-q", "-t", OPEN_DIRS, str(ctx)],
+        env=engine.env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return OPEN_DIRS
+
+
+def _root_free_mb() -> float:
+    st = os.statvfs("/var/lib/containers/storage")
+    return st.f_bavail * st.f_frsize / 2**20
+
+
+def _write_everywhere(
+    tmp_path: Path, image: str, image_mb: int, tmp_mb: int, **agent_kw: Any
+) -> dict[str, str]:
+    with fake_controller() as (fake, address):
+        settings = make_settings(address, tmp_path)
+        with inprocess_agent(
+            fake, settings, tmp_path / "state", job_uids="per-attempt", **agent_kw
+        ) as agent:
+            rid = _rid()
+            resp = agent.assign(
+                run_id=rid,
+                job_id=f"j-{rid}",
+                token=1,
+                attempt=1,
+                disk_mb=32,
+                command=["sh", "-c", WRITE_EVERYWHERE, "sh", str(image_mb), str(tmp_mb)],
+                image=image,
+            )
+            assert resp.result == A.STARTED, resp.message
+            report = fake.wait_report(rid, timeout_s=120)
+            state = tmp_path / "state" / "runs" / rid
+            log = (state / "output.log").read_text()
+    assert report.outcome == R.EXITED, report
+    seen = _probe_values(log)
+    assert seen.get("end") == "1", log
+    seen["log"] = log
+    return seen
+
+
+def test_a_container_writing_past_its_disk_mb_fails_and_the_nodes_disk_keeps_its_space(
+    tmp_path: Path, open_dirs_image: str
+) -> None:
+    """By default a container's root filesystem is read-only: the image's directories refuse
+    writes (EROFS) and /tmp, /var/tmp are the attempt's scratch (disk_mb=32): a 200 MiB
+    write there stops at ENOSPC. 700 MiB attempted; the node's root disk loses at most the
+    scratch image's 32 MiB (plus noise of a shared machine)."""
+    free_before = _root_free_mb()
+    seen = _write_everywhere(tmp_path, open_dirs_image, image_mb=100, tmp_mb=200)
+    dropped = free_before - _root_free_mb()
+    assert "can't open '/data/gf-fill': Read-only file system" in seen["log"], seen["log"]
+    for d in ("/", "/data", "/root", "/etc", "/usr"):
+        assert seen[f"w{d}"] != "0", seen["log"]
+    assert seen["wtmp"] != "0" and "No space left on device" in seen["log"], seen["log"]
+    assert seen["tmpdev"] == seen["vartmpdev"] == seen["workdev"], "all in the scratch"
+    assert dropped < 150, f"the node's root disk lost {dropped:.0f} MiB"
+
+
+def test_control_without_read_only_the_image_layer_is_writable(
+    tmp_path: Path, open_dirs_image: str
+) -> None:
+    """The control of the test above: with ``--no-container-read-only`` the same writes land
+    in the image's writable layer (so the read-only default is what stops them)."""
+    seen = _write_everywhere(
+        tmp_path, open_dirs_image, image_mb=2, tmp_mb=2, container_read_only=False
+    )
+    assert seen["w/data"] == "0", seen["log"]
+    assert seen["wtmp"] == "0", seen["log"]

@@ -297,7 +297,7 @@ def run_agent(
     job_disk_mb: int = DEFAULT_JOB_DISK_MB,
     container_userns: str = "auto",
     container_pids_limit: int = DEFAULT_PIDS_LIMIT,
-    container_read_only: bool = False,
+    container_read_only: bool = True,
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -350,7 +350,10 @@ def run_agent(
         container_userns: ``auto``, ``on`` or ``off``: containers in a user namespace whose
             root is not host root (``runtime.container.USERNS_MODES``).
         container_pids_limit: ``--pids-limit`` of a container job without ``pids_limit``.
-        container_read_only: every container's root filesystem read-only.
+        container_read_only: every container's root filesystem read-only (the default: a
+            container writes only its mounts, all in the attempt's scratch filesystem, and
+            podman's tmpfs ``/run``; off, its writable layer is on the engine's storage,
+            unbounded by ``disk_mb``).
 
     Raises:
         ValueError: ``gpus``, ``join_token``, a controller address or the advertise

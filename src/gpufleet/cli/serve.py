@@ -516,8 +516,12 @@ def agent(
     ] = 4096,
     container_read_only: Annotated[
         bool,
-        typer.Option(help="Containers get a read-only root filesystem (/tmp, mounts writable)."),
-    ] = False,
+        typer.Option(
+            help="Containers get a read-only root filesystem: they write only /tmp, /var/tmp "
+            "and their mounts, all in the attempt's scratch (--job-disk-mb / disk_mb). Off: "
+            "the image's writable layer is on the engine's storage, unbounded."
+        ),
+    ] = True,
     data_dir: DataDir = None,
     controller: Annotated[
         str | None,

@@ -322,6 +322,12 @@ class ContainerRuntime:
         ]
         if launch.resume_dir is not None:
             mounts.append((launch.resume_dir, MOUNTS["resume"], True))
+        # the attempt's private tmp/ (in its scratch filesystem: bounded by disk_mb) is the
+        # container's /tmp and /var/tmp, where jobs write; with the node's read-only root
+        # (the default) nothing else of the image is writable but podman's tmpfs /run
+        paths.tmp.mkdir(exist_ok=True)  # the runner made it (1777); a bare Launch has none
+        os.chmod(paths.tmp, 0o1777)
+        mounts += [(paths.tmp, "/tmp", False), (paths.tmp, "/var/tmp", False)]
         devices = [f"{CDI_GPU_KIND}={i}" for i in launch.gpu_ids] if self.cdi else []
         labels = {LABEL_RUN: rec.run_id, LABEL_JOB: rec.job_id, LABEL_TOKEN: str(rec.token)}
         cgroup_parent = (

@@ -134,8 +134,9 @@ class ContainerSecurity:
 
     Attributes:
         pids_limit: ``--pids-limit`` (processes and threads; 0 = the engine's default).
-        read_only: ``--read-only`` root filesystem (the bind mounts stay writable; ``/tmp``
-            is a tmpfs with the mode of the image's ``/tmp``).
+        read_only: ``--read-only`` root filesystem (the bind mounts stay writable: the
+            attempt's directories and its scratch ``tmp/`` on ``/tmp`` and ``/var/tmp``;
+            podman adds a tmpfs ``/run``).
         userns: run in a user namespace whose ids 0..65535 are host ids
             ``USERNS_HOST_BASE + id`` (so the container's root is not host root), except
             ``keep_ids``.
@@ -181,9 +182,9 @@ def security_args(kind: str, sec: ContainerSecurity) -> list[str]:
     if sec.pids_limit > 0:
         args += ["--pids-limit", str(sec.pids_limit)]
     if sec.read_only:
-        args.append("--read-only")  # podman: /tmp, /var/tmp and /run become tmpfs
-        if kind != "podman":
-            args += ["--tmpfs", "/tmp"]
+        # /tmp and /var/tmp are the attempt's scratch tmp/ (bind mounts); podman adds a tmpfs
+        # /run (--read-only-tmpfs, charged to the container's memory cgroup)
+        args.append("--read-only")
     if sec.userns and kind == "podman":
         uid, gid = sec.keep_ids if sec.keep_ids is not None else (None, None)
         for m in id_map(uid):
