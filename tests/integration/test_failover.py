@@ -14,6 +14,7 @@ from gpufleet.controller.main import Controller
 from gpufleet.domain.errors import NotLeader
 from gpufleet.processes import ensure_fleet_ca
 from gpufleet.queue import InProcWaker
+from gpufleet.services import nodes
 from gpufleet.settings import Settings
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
@@ -54,7 +55,9 @@ def test_standby_takes_over_with_a_higher_epoch_and_fences_the_old_leader(
         while second.leadership.epoch == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert second.leadership.epoch == old_epoch + 1
-        # the new leader schedules
+        # the new leader places work on n1 once it hears from it (a heartbeat recorded after
+        # its start, by any replica)
+        db.run_write(lambda s: nodes.heartbeat(s, "n1", agent_epoch=1, running=[]))
         job = submit(db, gpus=2).job_id
         second.waker.wake()
         deadline = time.monotonic() + 10

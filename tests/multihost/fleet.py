@@ -12,7 +12,8 @@ lb         10.77.0.10   haproxy: API :8420 (HTTP) and agents -> controllers :842
 ctl-1/2    .11, .12     ``gpufleet controller`` (the CA's ca.key in each one's pki dir),
                         metrics on :9421
 api-1/2    .21, .22     ``gpufleet server --host 0.0.0.0`` (ca.crt only)
-gpu-1..N   .31 ...      ``gpufleet agent`` joined with a join token through the lb, metrics
+gpu-1..N   .31 ...      ``gpufleet agent --controller ctl-1:8421,ctl-2:8421`` (by address,
+                        failing over between them), joined with a join token, metrics
                         on :9430
 client     10.77.0.100  the CLI and the tests' HTTP calls
 =========  ===========  ===================================================================
@@ -234,8 +235,11 @@ class MultiHostFleet:
             return float(line.split()[1]) if line else 0.0
 
         for i in (1, 2):
-            if self.procs[f"controller-{i}"].running and self.net.call_in(
-                "client", scrape, f"ctl-{i}"
+            proc = self.procs.get(f"controller-{i}")
+            if (
+                proc is not None
+                and proc.running
+                and self.net.call_in("client", scrape, f"ctl-{i}")
             ):
                 return f"controller-{i}"
         return None
@@ -266,8 +270,13 @@ class MultiHostFleet:
         self._start_s3()
         self._migrate()
         self._make_ca()
+        # controller-1 first, leading before controller-2 starts: the agents' first
+        # controller (``controllers``) is the leader, so losing the leader makes them fail over
+        self._start_controller(1)
+        self.wait_for(lambda: self.leader() == "controller-1", 60, "controller-1 to lead",
+                      log="controller-1")  # fmt: skip
+        self._start_controller(2)
         for i in (1, 2):
-            self._start_controller(i)
             self._start_api(i)
         self._start_haproxy()
         self.wait_for(self._api_ready, 60, "the API through haproxy", log="api-1")
@@ -539,6 +548,12 @@ backend join
         assert token.startswith("gfj1."), out
         return token
 
+    @property
+    def controllers(self) -> str:
+        """The agents' ``--controller`` list: both controllers by address (the agent fails
+        over between them; their join services are on the port after)."""
+        return ",".join(f"{self.addr(h)}:{CTL_PORT}" for h in ("ctl-1", "ctl-2"))
+
     def start_agent(self, host: str) -> None:
         """Start (or restart) the agent of GPU host ``host`` (node id = host name); the first
         start joins with a new join token."""
@@ -547,13 +562,13 @@ backend join
             data = self.host_dir(host)
             env = self._env(
                 data,
-                GPUFLEET_CONTROLLER_ADDRESS=f"{self.addr('lb')}:{CTL_PORT}",
                 GPUFLEET_JOIN_TOKEN=self.join_token(host),
             )
             self.add_process(
                 name,
                 host,
                 [*GPUFLEET, "agent", "--node-id", host, "--gpus", self.gpus,
+                 "--controller", self.controllers, "--advertise-address", self.addr(host),
                  "--port", str(AGENT_PORT), "--state-dir", str(data / "agent"),
                  "--jobs-dir", str(data / "jobs"), "--job-uids", "agent", "--runtime", "none",
                  "--metrics-port", str(AGENT_METRICS_PORT), "--metrics-host", "0.0.0.0"],

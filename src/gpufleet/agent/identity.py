@@ -195,22 +195,29 @@ def join(
     """
     directory = tls_dir(state_dir)
     pin, secret = tls.parse_join_token(join_token)
-    ca_pem = _ca_for_join(pin, ca_cert, join_address, stop)
+    # a comma-separated list: one join service per controller, tried in turn
+    addresses = [a.strip() for a in join_address.split(",") if a.strip()] or [join_address]
+    ca_pem = _ca_for_join(pin, ca_cert, addresses, stop)
     if ca_pem is None:
         return None
     key_pem, csr_pem = new_csr(node_id)
     request = pb.JoinRequest(token=secret, node_id=node_id, csr_pem=csr_pem)
-    channel = tls.secure_channel(
-        join_address, tls.channel_credentials(ca_pem), tls.CONTROLLER_NAME
-    )
+    channels = [
+        tls.secure_channel(a, tls.channel_credentials(ca_pem), tls.CONTROLLER_NAME)
+        for a in addresses
+    ]
+    turn = iter(range(1 << 62))
     try:
         resp = _call_until_answered(
-            lambda: pb_grpc.BootstrapStub(channel).Join(request, timeout=CALL_TIMEOUT_S),
+            lambda: pb_grpc.BootstrapStub(channels[next(turn) % len(channels)]).Join(
+                request, timeout=CALL_TIMEOUT_S
+            ),
             stop,
             f"controller join service at {join_address}",
         )
     finally:
-        channel.close()
+        for channel in channels:
+            channel.close()
     if resp is None:
         return None
     creds = tls.NodeCredentials(key_pem, resp.certificate_pem, resp.ca_pem)
@@ -229,7 +236,7 @@ def join(
 
 
 def _ca_for_join(
-    pin: str, ca_cert: Path | None, join_address: str, stop: threading.Event
+    pin: str, ca_cert: Path | None, join_addresses: list[str], stop: threading.Event
 ) -> bytes | None:
     if ca_cert is not None:
         ca_pem = ca_cert.read_bytes()
@@ -238,6 +245,7 @@ def _ca_for_join(
         return ca_pem
     delay, attempts = 0.1, 0
     while not stop.is_set():
+        join_address = join_addresses[attempts % len(join_addresses)]
         try:
             return tls.fetch_ca_by_fingerprint(join_address, pin)
         except OSError as exc:

@@ -40,9 +40,15 @@ import grpc
 
 from gpufleet.agent import identity, shim, telemetry
 from gpufleet.agent.assignment_log import AssignmentLog, RunStatus
+from gpufleet.agent.controllers import (
+    ControllerPool,
+    join_addresses,
+    parse_controllers,
+    split_host_port,
+)
 from gpufleet.agent.core import AgentCore
 from gpufleet.agent.gpu_health import GpuHealth
-from gpufleet.agent.identity import ControllerChannel, Renewer, ensure_credentials, tls_dir
+from gpufleet.agent.identity import Renewer, ensure_credentials, tls_dir
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.outbox import Outbox
 from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
@@ -65,6 +71,7 @@ from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
 from gpufleet.objectstore import PROBE_PREFIX, ObjectStore, probe, public_url
 from gpufleet.rpc import tls
+from gpufleet.rpc.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
@@ -97,8 +104,10 @@ class AgentConfig:
     ``gpufleet agent`` resolves them and hands this over (:func:`exec_agent`).
 
     Attributes:
-        controller_address: the controller's gRPC ``host:port``.
-        join_address: the join service's ``host:port``.
+        controller_address: the controllers' gRPC ``host:port``, comma-separated
+            (``agent.controllers``: the agent fails over between them).
+        join_address: the join services' ``host:port``, comma-separated (default: each
+            controller's port + 1).
         object_store_url: where attempts' outputs go (``file://...`` or an fsspec URL).
         heartbeat_interval_s: heartbeat period when the controller names none, seconds.
         default_grace_s: SIGTERM -> SIGKILL grace of a stop with none given, seconds.
@@ -121,12 +130,17 @@ class AgentConfig:
     @classmethod
     def from_settings(cls, settings: Settings) -> AgentConfig:
         """The agent's part of ``settings``; creates the private data dir (mode 0700) when
-        the object store is the local one in it (it holds every team's outputs)."""
+        the object store is the local one in it (it holds every team's outputs).
+
+        Raises:
+            ValueError: a malformed controller or join address (the message names it).
+        """
         if settings.object_store_url is None:
             settings.private_data_dir()
+        controllers = parse_controllers(settings.controller_address)
         return cls(
-            controller_address=settings.controller_address,
-            join_address=settings.resolved_join_address(),
+            controller_address=",".join(controllers),
+            join_address=",".join(join_addresses(controllers, settings.join_address)),
             object_store_url=settings.resolved_object_store_url(),
             heartbeat_interval_s=settings.heartbeat_interval_s,
             default_grace_s=settings.default_grace_s,
@@ -297,9 +311,11 @@ def run_agent(
         heartbeat_interval_s: heartbeat period in seconds; None = the controller's answer to
             RegisterNode, else ``settings.heartbeat_interval_s``.
         stop_event: set it to stop the agent (needed when not run in the main thread).
-        advertise_host: host the controller should call back; default: 127.0.0.1 when the
-            controller is on loopback, else this host's address on the route to it. The
-            server listens on that address only.
+        advertise_host: ``HOST`` or ``HOST:PORT`` the controllers dial this agent at
+            (``--advertise-address``); default: 127.0.0.1 when the first controller is on
+            loopback, else this host's address on the route to it. The server listens on
+            HOST only; a PORT given here is the listen port when ``port`` is 0, else the
+            port registered (a forwarded port) while the agent listens on ``port``.
         insecure: plaintext gRPC both ways, no authentication (a warning at every start).
             Otherwise mutual TLS: the node certificate in ``{state_dir}/tls``, obtained
             with ``join_token`` when there is none (see ``agent.identity``), and only a
@@ -337,7 +353,8 @@ def run_agent(
         container_read_only: every container's root filesystem read-only.
 
     Raises:
-        ValueError: ``gpus`` or ``join_token`` is malformed, the assignment log is corrupt,
+        ValueError: ``gpus``, ``join_token``, a controller address or the advertise
+            address is malformed, the assignment log is corrupt,
             the job user is the agent's user or cannot be created, or the jobs dir is not
             reachable by it.
         OSError: the state dir is unusable or the port cannot be bound.
@@ -347,6 +364,8 @@ def run_agent(
             the fleet's): the agent stopped without registering.
     """
     cfg = settings if isinstance(settings, AgentConfig) else AgentConfig.from_settings(settings)
+    controllers = parse_controllers(cfg.controller_address)
+    host, port, advertised_port = _advertised(advertise_host, port, controllers[0])
     metrics_auth = None
     if metrics_port:
         from gpufleet.metrics_http import parse_basic_auth
@@ -376,7 +395,9 @@ def run_agent(
             "INSECURE: agent gRPC is plaintext and unauthenticated (--insecure): anyone who "
             "reaches its port can start commands as this user"
         )
-        channel = ControllerChannel(lambda: grpc.insecure_channel(cfg.controller_address))
+        channel = ControllerPool(
+            controllers, lambda a: grpc.insecure_channel(a, options=list(CLIENT_OPTIONS))
+        )
     else:
         saved = tls.NodeCredentials.load(tls_dir(state_dir))
         credentials = partial(
@@ -397,14 +418,14 @@ def run_agent(
         # by joining again with the token given at start
         joined_now = saved is None or saved.chain_pem != creds.chain_pem
 
-        def secure() -> grpc.Channel:
+        def secure(address: str) -> grpc.Channel:
             return tls.secure_channel(
-                cfg.controller_address,
+                address,
                 tls.channel_credentials(holder.ca_pem, holder.key_pem, holder.chain_pem),
                 tls.CONTROLLER_NAME,
             )
 
-        channel = ControllerChannel(secure)
+        channel = ControllerPool(controllers, secure)
     store = ObjectStore(cfg.object_store_url)
     log = AssignmentLog(state_dir)
     log.compact()
@@ -425,7 +446,8 @@ def run_agent(
         deny=job_egress_deny,
         egress=job_egress,
         allow=job_egress_allow,
-        control_plane=(cfg.controller_address, cfg.join_address),
+        # every controller and join service the agent may use (both are comma lists)
+        control_plane=(*controllers, *cfg.join_address.split(",")),
         own_ports=(port, metrics_port),
         users=users,
     )
@@ -505,11 +527,11 @@ def run_agent(
         for run_id in runner.scratch_disks.prune(runner.jobs_dir, keep):
             logger.info("removed the scratch filesystem of ended attempt %s", run_id)
 
-    host = advertise_host or _default_host(cfg.controller_address)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc"),
         interceptors=[] if creds is None else [tls.RoleInterceptor(tls.ROLE_CONTROLLER, logger)],
-        options=[("grpc.so_reuseport", 0)],  # never share the port with another process
+        # never share the port with another process; accept the controllers' keepalive pings
+        options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS],
     )
     pb_grpc.add_AgentServicer_to_server(AgentServicer(core, agent_epoch), server)
     renewer: Renewer | None = None
@@ -570,7 +592,7 @@ def run_agent(
         core=core,
         stub=stub,
         node_id=node_id,
-        address=_join(host, bound),
+        address=_join(host, advertised_port or bound),
         agent_epoch=agent_epoch,
         inventory=inventory,
         labels=dict(labels),
@@ -580,6 +602,7 @@ def run_agent(
         stop_event=stop,
         images=images,
         rejoin=rejoin_after_revocation,
+        on_reconnected=core.outbox.retry_now,
         object_store_url=store_url,
     )
     monitor = threading.Thread(
@@ -753,6 +776,28 @@ def _install_signal_handlers(stop: threading.Event) -> None:
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
+
+
+def _advertised(advertise: str | None, port: int, first_controller: str) -> tuple[str, int, int]:
+    """``(host, listen port, registered port or 0 = the bound one)`` from
+    ``--advertise-address`` (``HOST``, ``HOST:PORT`` or ``[v6]:PORT``) and ``--port``.
+
+    Raises:
+        ValueError: a malformed advertise address (the message names the flag).
+    """
+    if advertise is None:
+        return _default_host(first_controller), port, 0
+    text = advertise.strip()
+    bad = f"--advertise-address {advertise!r}: expected HOST or HOST:PORT"
+    if not text:
+        raise ValueError(bad)
+    if text.startswith("[") or text.count(":") == 1:
+        try:
+            host, aport = split_host_port(text)
+        except ValueError:
+            raise ValueError(bad) from None
+        return (host, aport, 0) if port == 0 else (host, port, aport)
+    return text, port, 0
 
 
 def _default_host(controller_address: str) -> str:

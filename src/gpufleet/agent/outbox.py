@@ -39,7 +39,7 @@ CONFIRM = "confirm"
 COMPLETE = "complete"
 CALL_TIMEOUT_S = 10.0
 BACKOFF_MIN_S = 0.1
-BACKOFF_MAX_S = 5.0
+BACKOFF_MAX_S = 2.0
 
 _OUTCOMES = {
     "EXITED": pb.ReportCompletionRequest.EXITED,
@@ -132,6 +132,14 @@ class Outbox:
         with self._cond:
             self._cond.notify_all()
 
+    def retry_now(self) -> None:
+        """Make every waiting task due at once (a controller answers again after an outage:
+        completions that happened meanwhile are reported now, not after their backoff)."""
+        with self._cond:
+            for task in self._tasks.values():
+                task.due_at = 0.0
+            self._cond.notify_all()
+
     # ------------------------------------------------------------------ worker
 
     def _loop(self, kind: str) -> None:
@@ -147,9 +155,23 @@ class Outbox:
             except (grpc.RpcError, OSError) as exc:
                 done = False
                 task.failures += 1
-                level = logging.INFO if task.failures < 5 else logging.WARNING
+                # a controller outage fails every retry: say so at the first ones, then now
+                # and then (the report is kept and sent when a controller answers)
+                n = task.failures
+                level = (
+                    logging.INFO
+                    if n < 5
+                    else logging.WARNING
+                    if n in (5, 10) or n % 50 == 0
+                    else logging.DEBUG
+                )
                 logger.log(
-                    level, "run %s: %s failed (%s); retrying", task.run_id, task.kind, _short(exc)
+                    level,
+                    "run %s: %s failed %d time(s) (%s); retrying",
+                    task.run_id,
+                    task.kind,
+                    n,
+                    _short(exc),
                 )
             except Exception:  # a bug or an unexpected store error: keep the worker alive
                 done = False

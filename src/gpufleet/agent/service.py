@@ -25,7 +25,12 @@ from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 logger = logging.getLogger("gpufleet.agent")
 
 CALL_TIMEOUT_S = 10.0
-REGISTER_BACKOFF_MAX_S = 5.0
+REGISTER_BACKOFF_MAX_S = 1.0
+HEARTBEAT_TIMEOUT_MIN_S = 2.0
+UNREACHABLE_RETRY_S = 1.0
+"""After a heartbeat that reached no controller, the next one is sent this soon (seconds;
+at most the interval): the control plane is heard from within ~1 s of coming back, and the
+completions waiting for it are retried then (``on_reconnected``)."""
 
 
 class AgentServicer(pb_grpc.AgentServicer):
@@ -94,6 +99,8 @@ class ControllerLink:
         rejoin: called once when the controller refuses this node's certificate as revoked
             (PERMISSION_DENIED at registration); True when it joined again with new
             credentials (a join token given at start), so registration is retried at once.
+        on_reconnected: called when a heartbeat is answered after one or more that reached
+            no controller (the agent's outbox retries its pending reports at once).
     """
 
     def __init__(
@@ -112,9 +119,11 @@ class ControllerLink:
         stop_event: threading.Event,
         images: ImageReporter | None = None,
         rejoin: Callable[[], bool] | None = None,
+        on_reconnected: Callable[[], None] = lambda: None,
         object_store_url: str = "",
     ) -> None:
         self.core = core
+        self.on_reconnected = on_reconnected
         self.object_store_url = object_store_url
         self.refused: str | None = None
         """Why the controller refused this node for good (its answer's ``refused``, or
@@ -197,6 +206,13 @@ class ControllerLink:
             return True
         return False
 
+    def heartbeat_timeout_s(self) -> float:
+        """The deadline of one heartbeat, seconds: the interval, within 2..10 s. A
+        controller that stops answering (frozen, or its host gone with the connection still
+        believed open) costs at most that before the next heartbeat goes to the next
+        controller (``agent.controllers``)."""
+        return max(HEARTBEAT_TIMEOUT_MIN_S, min(CALL_TIMEOUT_S, self.interval_s))
+
     def _other_store(self, fleet_url: str) -> str:
         """A refusal when the controller named a fleet object store other than ours (a
         controller that checks refuses itself; this covers one that only tells)."""
@@ -233,7 +249,7 @@ class ControllerLink:
                     ],
                     images_reported=images is not None,
                 ),
-                timeout=CALL_TIMEOUT_S,
+                timeout=self.heartbeat_timeout_s(),
             )
         self.core.note_leader_epoch(resp.leader_epoch)
         if resp.prepull and self.images is not None:
@@ -260,12 +276,19 @@ class ControllerLink:
         if not self.register_until_answered():
             return
         failures = 0
-        while not self.stop_event.wait(self.interval_s):
+        wait_s = self.interval_s
+        while not self.stop_event.wait(wait_s):
+            wait_s = self.interval_s
             try:
                 self.heartbeat_once()
+                if failures:
+                    logger.info("heartbeat answered again after %d failure(s)", failures)
+                    self.on_reconnected()
                 failures = 0
             except grpc.RpcError as exc:
                 failures += 1
+                if _code(exc) == "UNAVAILABLE":  # no controller reachable: try again soon
+                    wait_s = min(self.interval_s, UNREACHABLE_RETRY_S)
                 if failures in (1, 10) or failures % 100 == 0:
                     logger.warning("heartbeat failed (%s)", _code(exc))
             except Exception:  # e.g. the assignment log refused a stop: keep heartbeating

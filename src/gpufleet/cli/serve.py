@@ -520,10 +520,27 @@ def agent(
     ] = False,
     data_dir: DataDir = None,
     controller: Annotated[
-        str | None, typer.Option(help="Controller gRPC host:port (GPUFLEET_CONTROLLER_ADDRESS).")
+        str | None,
+        typer.Option(
+            help="Controller gRPC host:port, or several comma-separated (the agent fails "
+            "over between them; a name resolving to several addresses stands for each) "
+            "(GPUFLEET_CONTROLLER_ADDRESS)."
+        ),
     ] = None,
     join_address: Annotated[
-        str | None, typer.Option(help="Controller join service host:port (default: port + 1).")
+        str | None,
+        typer.Option(
+            help="Join service host:port, comma-separated for several (default: each "
+            "controller's port + 1)."
+        ),
+    ] = None,
+    advertise_address: Annotated[
+        str | None,
+        typer.Option(
+            help="HOST or HOST:PORT the controllers dial this agent at; the agent listens on "
+            "HOST (default: 127.0.0.1 for a loopback controller, else this host's address on "
+            "the route to the first controller)."
+        ),
     ] = None,
     join_token: Annotated[
         str | None,
@@ -588,8 +605,14 @@ def agent(
 
     # the agent runs in a fresh interpreter (same pid): none of this CLI's imports (Typer,
     # Rich, pydantic-settings) stay in its memory; errors exit 2/3/4 there (agent/__main__)
+    try:
+        config = AgentConfig.from_settings(settings)
+    except ValueError as exc:
+        err.print(f"[red]error:[/] --controller/--join-address: {escape(str(exc))}")
+        raise typer.Exit(2) from None
     exec_agent(
-        AgentConfig.from_settings(settings),
+        config,
+        advertise_host=advertise_address,
         node_id=node_id,
         gpus=gpus,
         port=port,

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from gpufleet.rpc import tls
+from gpufleet.rpc.channel_options import CLIENT_OPTIONS
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
@@ -72,7 +73,7 @@ class AgentClients:
             found = self._stubs.get((node_id, address))
             if found is None:
                 if self._credentials is None:
-                    channel = grpc.insecure_channel(address)
+                    channel = grpc.insecure_channel(address, options=list(CLIENT_OPTIONS))
                 else:
                     channel = tls.secure_channel(
                         address, self._credentials, tls.node_target_name(node_id)

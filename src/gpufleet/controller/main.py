@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from concurrent import futures
 from functools import partial
 
@@ -24,6 +25,7 @@ from gpufleet.domain.errors import Conflict
 from gpufleet.objectstore import ObjectStore
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.queue import Waker
+from gpufleet.rpc.channel_options import SERVER_OPTIONS
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.rpc.tls import PkiError
 from gpufleet.services import fleet_ca
@@ -75,6 +77,7 @@ class Controller:
         self.reconciler = Reconciler(
             db, settings, self.leadership, self.scheduler.dispatch, on_change=waker.wake
         )
+        self._lease_failed = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._server: grpc.Server | None = None
@@ -102,7 +105,8 @@ class Controller:
             # gRPC binds with SO_REUSEPORT by default: a second process on the same port would
             # silently receive part of the agents' calls (and answer with another database's
             # leader epoch). Refuse to share the port instead.
-            options=[("grpc.so_reuseport", 0)],
+            # and it accepts the agents' keepalive pings (rpc.channel_options)
+            options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS],
         )
         auth = None if self.tls is None else NodeAuthenticator(self.db)
         pb_grpc.add_ControllerServicer_to_server(
@@ -134,7 +138,8 @@ class Controller:
             creds = self.tls.server_credentials(require_client_auth=True)
             self.bound_port = server.add_secure_port(address, creds)
             join = grpc.server(
-                futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ctl-join")
+                futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ctl-join"),
+                options=list(SERVER_OPTIONS),
             )
             pb_grpc.add_BootstrapServicer_to_server(bootstrap, join)
             join_address = self.settings.resolved_join_address()
@@ -168,11 +173,11 @@ class Controller:
         )
 
     def _acquire_once(self) -> None:
+        at = None
+        started = time.monotonic()  # the lease this call renews ends no earlier than +lease_s
         try:
-            epoch = self.db.run_write(
-                lambda s: leader.try_acquire(
-                    s, self.leadership.holder, self.settings.leader_lease_s
-                )
+            epoch, at = self.db.run_write(
+                lambda s: leader.acquire(s, self.leadership.holder, self.settings.leader_lease_s)
             )
         except Exception as exc:
             loop_failed("leader lease", exc)
@@ -180,6 +185,25 @@ class Controller:
         else:
             OUTAGE.recovered()  # a write went through: the database is back
         metrics.note_lease(epoch or 0)
+        lapsed = self.leadership.epoch > 0 and not self.leadership.is_leader
+        if (
+            epoch
+            and at is not None
+            and (epoch != self.leadership.epoch or self._lease_failed or lapsed)
+        ):
+            # a new leader (or one that could not reach the database, where heartbeats are
+            # recorded, or whose renewal came back after its lease had run out) counts every
+            # node's silence from now: set before the epoch, which the loops read first
+            self.leadership.listening_since = at
+        if lapsed:
+            log.warning(
+                "leader lease renewal took %.1f s, past the %.0f s lease: not leading meanwhile",
+                time.monotonic() - started,
+                self.settings.leader_lease_s,
+            )
+        if epoch:
+            self.leadership.lease_deadline = started + self.settings.leader_lease_s
+        self._lease_failed = at is None
         if (epoch or 0) != self.leadership.epoch:
             log.info("leadership: epoch %s -> %s", self.leadership.epoch, epoch or 0)
             self.leadership.epoch = epoch or 0

@@ -77,6 +77,10 @@ class Reconciler:
       transaction (:func:`services.nodes.fence_node`): FENCED, jobs re-placed elsewhere with a
       higher token, GPUs QUARANTINED until the agent reports the runs gone or an operator
       confirms the node dead. The scheduler is woken at once.
+    * Silence is counted only while a controller listens: a leader suspects (fences) a
+      node only once it has itself listened (``Leadership.listened_for_s``) for the suspect
+      window (fence timeout) plus one heartbeat interval, so a control-plane stop or a
+      failover fences no node that is heard again within that time of the leader's start.
     * Undelivered or unconfirmed assignments on reachable nodes -> AssignJob again (idempotent
       per run_id, seed DD2); the agent's answer settles them (started, failed to start, or
       refused and tombstoned -> NEVER_STARTED).
@@ -100,12 +104,23 @@ class Reconciler:
         fence_s = max(self.settings.fence_timeout_s, silent_s)
         # one read decides which write steps have work (usually none): each write
         # transaction is opened only then (on SQLite each takes the single writer lock)
+        # silence is counted only while a controller could listen: a leader that just took
+        # over (or that could not reach the database) gives every node one heartbeat
+        # interval more than the thresholds, from its own start, before it suspects or fences
+        # it (a node's silence = now - max(last heartbeat, listening_since))
+        grace_s = self.settings.heartbeat_interval_s
         with self.db.read() as s:
             now = db_now(s)
+            listened_s = self.leadership.listened_for_s(now)
             due = nodes.upkeep_due(
                 s,
                 suspect_before=now - timedelta(seconds=silent_s),
                 fence_before=now - timedelta(seconds=fence_s),
+            )
+            due = nodes.UpkeepDue(
+                suspect=due.suspect and listened_s >= silent_s + grace_s,
+                drains=due.drains,
+                fence=due.fence and listened_s >= fence_s + grace_s,
             )
             stuck: list[tuple[str, str]] = [
                 (r.id, r.node_id)

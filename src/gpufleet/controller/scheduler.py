@@ -16,7 +16,7 @@ import time
 from collections import ChainMap
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache, partial
 from typing import Any, cast
@@ -44,7 +44,7 @@ from gpufleet.policy.decisions import (
     Preempt,
     WaitReason,
 )
-from gpufleet.policy.snapshot import BackfillReservation
+from gpufleet.policy.snapshot import BackfillReservation, ClusterSnapshot
 from gpufleet.services import preemption
 from gpufleet.services.jobs import iso
 from gpufleet.settings import Settings
@@ -53,7 +53,7 @@ from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.predictions import HistoryPredictor
 from gpufleet.store.snapshot_cache import SnapshotCache
-from gpufleet.store.tables import JobRow
+from gpufleet.store.tables import JobRow, NodeRow
 from gpufleet.store.transitions import record_event
 
 log = logging.getLogger("gpufleet.controller")
@@ -162,6 +162,9 @@ class Scheduler(AssignmentDispatch):
         self._stored: dict[str, object] | None = None
         self._stored_epoch = 0
         self._holding: set[str] = set()
+        self._heard: set[str] = set()
+        """Nodes heard from since ``_heard_since`` (this leadership's ``listening_since``)."""
+        self._heard_since: datetime | None = None
         self.stops: StopDriver | None = None
         """Sends the StopRun of preemption victims (set by the controller's wiring)."""
         """pending_reason per waiting job as this leader last wrote it (saves decoding 10k
@@ -196,7 +199,7 @@ class Scheduler(AssignmentDispatch):
                 # held jobs, unmet dependencies and arrays at their %N limit never reach
                 # the policy
                 gated = gating.gate_snapshot(s, snap, self._snapshots.queued)
-                snap = gated.snapshot
+                snap = self._without_unheard_nodes(s, gated.snapshot)
                 if self._stored_epoch != self.leadership.epoch:
                     self._stored, self._stored_epoch = None, self.leadership.epoch
                 if self._stored is None:  # first pass of this leader: what earlier leaders wrote
@@ -279,6 +282,39 @@ class Scheduler(AssignmentDispatch):
             pending_by_id=pending,
         )
         return stats
+
+    def _without_unheard_nodes(self, s: Session, snap: ClusterSnapshot) -> ClusterSnapshot:
+        """``snap`` with the nodes this leader has not heard from made unschedulable: no
+        heartbeat recorded since ``Leadership.listening_since`` (database clock), whichever
+        controller replica recorded it. A new leader's first passes would otherwise place
+        work on a node that died during the failover (it is fenced later and the job runs
+        twice). Nodes once heard under this leadership are not read again; those that fall
+        silent later become SUSPECT through the failure detector."""
+        since = self.leadership.listening_since
+        if since is None:
+            return snap
+        if self._heard_since != since:
+            self._heard, self._heard_since = set(), since
+        todo = [n.node_id for n in snap.nodes if n.schedulable and n.node_id not in self._heard]
+        if not todo:
+            return snap
+        heard = set(
+            s.scalars(
+                select(NodeRow.id).where(NodeRow.id.in_(todo), NodeRow.last_heartbeat_at >= since)
+            )
+        )
+        self._heard |= heard
+        unheard = set(todo) - heard
+        if not unheard:
+            return snap
+        log.debug("not placing on %s: not heard from since this leader started", sorted(unheard))
+        return replace(
+            snap,
+            nodes=tuple(
+                replace(n, schedulable=False) if n.node_id in unheard else n for n in snap.nodes
+            ),
+            fleet_index=None,  # the index describes the nodes as loaded
+        )
 
     def _place(self, decision: Place, seen_epoch: int, stats: PassStats) -> None:
         # one statement on PostgreSQL, a write transaction on SQLite (allocate.place)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import NotLeader
@@ -23,13 +24,32 @@ LEASE_NAME = "scheduler"
 def try_acquire(session: Session, holder: str, lease_s: float) -> int | None:
     """Take or renew the lease for ``holder``; returns the epoch held, or None if another
     holder's lease is still valid. A takeover (new holder or expired lease) bumps the epoch."""
+    return acquire(session, holder, lease_s)[0]
+
+
+def acquire(session: Session, holder: str, lease_s: float) -> tuple[int | None, datetime]:
+    """:func:`try_acquire`, also returning the database clock it read (the instant a new
+    leader starts to listen: ``controller.leadership.Leadership.listening_since``)."""
     now = db_now(session)
+    return _acquire_at(session, holder, lease_s, now), now
+
+
+def _acquire_at(session: Session, holder: str, lease_s: float, now: datetime) -> int | None:
     row = session.execute(
         select(LeaderLeaseRow).where(LeaderLeaseRow.name == LEASE_NAME).with_for_update()
     ).scalar_one_or_none()
     expires = now + timedelta(seconds=lease_s)
     if row is None:
-        session.add(LeaderLeaseRow(name=LEASE_NAME, holder=holder, epoch=1, expires_at=expires))
+        # the first lease ever: two controllers starting together may both find no row (there
+        # is nothing to lock yet); the primary key lets one insert win and the other follow
+        try:
+            with session.begin_nested():
+                session.add(
+                    LeaderLeaseRow(name=LEASE_NAME, holder=holder, epoch=1, expires_at=expires)
+                )
+                session.flush()
+        except IntegrityError:
+            return None
         record_event(session, "leader", now=now, message=f"{holder} became leader (epoch 1)")
         return 1
     if row.holder == holder and row.expires_at > now:
