@@ -29,7 +29,7 @@ def _register(servicer: ControllerServicer, node_id: str, url: str, nonce: str) 
             object_store_url=url,
             object_store_probe_nonce=nonce,
         ),
-        None,  # type: ignore[arg-type]
+        None,
     )
     return resp.refused
 
