@@ -69,7 +69,7 @@ from gpufleet.agent.runtime.process import ProcessRuntime
 from gpufleet.agent.scratch import ScratchDisks
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
-from gpufleet.objectstore import PROBE_PREFIX, ObjectStore, probe, public_url
+from gpufleet.objectstore import PROBE_PREFIX, ObjectStore, new_probe_nonce, probe, public_url
 from gpufleet.rpc import tls
 from gpufleet.rpc.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
@@ -382,7 +382,8 @@ def run_agent(
     shim.unignore_signals()
     inventory = load_inventory(node_id, gpus)
     store_url = public_url(cfg.object_store_url)
-    problem = probe(cfg.object_store_url, node_id)  # before a join spends the token
+    probe_nonce = new_probe_nonce()  # RegisterNode carries it: the controller reads it back
+    problem = probe(cfg.object_store_url, node_id, probe_nonce)  # before a join spends the token
     if problem is not None:
         raise StoreRefused(
             f"object store {store_url} (GPUFLEET_OBJECT_STORE_URL) cannot be written and "
@@ -604,6 +605,7 @@ def run_agent(
         rejoin=rejoin_after_revocation,
         on_reconnected=core.outbox.retry_now,
         object_store_url=store_url,
+        probe_nonce=probe_nonce,
     )
     monitor = threading.Thread(
         target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True
