@@ -5,6 +5,7 @@ through S3 end to end. Real agent processes, real jobs."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -89,17 +90,18 @@ def test_an_agent_on_another_or_an_unwritable_store_is_refused_and_gets_no_work(
 BUCKET = "gpufleet-test"
 
 
-@pytest.fixture
-def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """moto's S3 server on a loopback port; the AWS_* variables name it for this process and
-    the agents it starts (inherited environment). Yields the endpoint URL."""
+@contextlib.contextmanager
+def _moto_server(tmp_path: Path, name: str = "moto") -> Iterator[str]:
+    """One moto S3 server on a loopback port (its log in ``tmp_path/{name}.log``) with
+    bucket ``BUCKET``. Yields its endpoint URL."""
     exe = shutil.which("moto_server", path=str(Path(sys.executable).parent))
     assert exe is not None, "moto_server not installed (the dev extra installs moto[server])"
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
+    log = tmp_path / f"{name}.log"
     proc = subprocess.Popen(
         [exe, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=open(tmp_path / "moto.log", "ab"),  # noqa: SIM115 - owned by the child
+        stdout=open(log, "ab"),  # noqa: SIM115 - owned by the child
         stderr=subprocess.STDOUT,
     )
     try:
@@ -109,23 +111,39 @@ def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
                 httpx.get(endpoint, timeout=1)
                 break
             except httpx.TransportError:
-                assert proc.poll() is None, (tmp_path / "moto.log").read_text()
+                assert proc.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, "moto_server did not start"
                 time.sleep(0.2)
-        for key, value in {
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_ACCESS_KEY_ID": "gpufleet-test-key",
-            "AWS_SECRET_ACCESS_KEY": "gpufleet-test-secret",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
-            monkeypatch.setenv(key, value)
         import boto3
 
-        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=_CREDS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=_CREDS["AWS_SECRET_ACCESS_KEY"],
+            region_name=_CREDS["AWS_DEFAULT_REGION"],
+        ).create_bucket(Bucket=BUCKET)
         yield endpoint
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+_CREDS = {
+    "AWS_ACCESS_KEY_ID": "gpufleet-test-key",
+    "AWS_SECRET_ACCESS_KEY": "gpufleet-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture
+def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """moto's S3 server on a loopback port; the AWS_* variables name it for this process and
+    the agents it starts (inherited environment). Yields the endpoint URL."""
+    with _moto_server(tmp_path) as endpoint:
+        for key, value in {"AWS_ENDPOINT_URL": endpoint, **_CREDS}.items():
+            monkeypatch.setenv(key, value)
+        yield endpoint
 
 
 def test_logs_and_manifests_go_through_s3_end_to_end(s3: str, tmp_path: Path) -> None:
@@ -180,3 +198,55 @@ def test_logs_and_manifests_go_through_s3_end_to_end(s3: str, tmp_path: Path) ->
         assert set(_nodes(fleet)) == {"s3-node"}
     finally:
         fleet.stop()
+
+
+def test_an_agent_on_another_s3_server_with_the_same_bucket_is_refused(
+    s3: str, tmp_path: Path
+) -> None:
+    """The same URL (``s3://bucket/fleet``), another store: ``AWS_ENDPOINT_URL`` names a second
+    S3 server that has a bucket of the same name. The agent's own probe succeeds there; the
+    controller does not find the agent's probe object in its store and refuses the node,
+    which exits 5 and gets no work; the agent on the fleet's server runs the jobs."""
+    import boto3
+
+    url = f"s3://{BUCKET}/fleet"
+    with _moto_server(tmp_path, "moto-other") as other:
+        fleet = Fleet(tmp_path, object_store_url=url).start()
+        try:
+            fleet.start_agent("elsewhere", wait=False, env={"AWS_ENDPOINT_URL": other})
+            rc, errors = _exit_of(fleet, "elsewhere", timeout_s=120)
+            assert rc == 5, errors
+            assert errors == [
+                "error: the controller cannot read this agent's probe object at "
+                f"{url}/_gpufleet/probe/elsewhere: the agent and the controller use different "
+                "object stores (check AWS_ENDPOINT_URL / credentials)"
+            ], errors
+            assert _nodes(fleet) == {}  # never registered: the scheduler never saw it
+
+            fleet.start_agent("right", gpus="2xH100-80GB")
+            marker = f"gpufleet-test-marker-{tmp_path.name}"
+            jobs = [
+                fleet.submit({"command": [sys.executable, "-c", f"print('s3 {i}')", marker]})
+                for i in range(2)
+            ]
+            for i, job_id in enumerate(jobs):
+                got = fleet.wait_status(job_id, TERMINAL, timeout_s=120)
+                assert got["status"] == "SUCCEEDED", got
+                assert {a["node_id"] for a in got["attempts"]} == {"right"}
+                assert f"s3 {i}" in _logs(fleet, job_id)
+            assert set(_nodes(fleet)) == {"right"}
+
+            def keys(endpoint: str) -> set[str]:
+                listed = boto3.client("s3", endpoint_url=endpoint).list_objects_v2(
+                    Bucket=BUCKET, Prefix="fleet/"
+                )
+                return {o["Key"] for o in listed.get("Contents", [])}
+
+            # the refused agent did write its probe, to the other server, and nothing else
+            assert keys(other) == {"fleet/_gpufleet/probe/elsewhere"}
+            ours = keys(s3)
+            assert "fleet/_gpufleet/probe/right" in ours
+            assert "fleet/_gpufleet/probe/elsewhere" not in ours
+            assert fleet.check() == []
+        finally:
+            fleet.stop()

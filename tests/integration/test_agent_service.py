@@ -129,6 +129,7 @@ class TestRunToCompletion:
         assert labels.pop("gpufleet/job-isolation")
         assert labels.pop("gpufleet/job-pids-max")
         assert labels.pop("gpufleet/job-disk-mb")
+        assert labels.pop("gpufleet/job-network") in ("netns", "host")
         assert labels == {"rack": "r1"}
         assert reg.cpu >= 1
         assert reg.memory_mb > 0

@@ -1,5 +1,5 @@
 """Upgrades with real processes, on SQLite and PostgreSQL: ``gpufleet admin migrate`` takes a
-database at the previous release's revision (0007i), with a succeeded, a running (its
+database at the previous release's revision (0008c), with a succeeded, a running (its
 reservation held, its agent still running it) and a pending job, to head; the rows survive, a
 controller then starts and the running job completes. ``gpufleet server`` and ``gpufleet
 controller`` never migrate by themselves: on an empty, older or newer schema they exit 2 with
@@ -30,7 +30,7 @@ from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # many CLI starts on a busy box
 
-PREVIOUS = "0007i"  # the previous release's head revision
+PREVIOUS = "0008c"  # the previous release's head revision
 EXE = [sys.executable, "-m", "gpufleet.cli.main"]
 TIMINGS = {
     "GPUFLEET_HEARTBEAT_INTERVAL_S": "0.5",

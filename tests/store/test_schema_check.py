@@ -19,7 +19,7 @@ from gpufleet.store.migrate import (
 )
 from tests.conftest import PG_ADMIN_URL, _admin
 
-PREVIOUS = "0007i"
+PREVIOUS = "0008c"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -49,7 +49,8 @@ def test_empty_older_current_and_newer_schemas(empty: Database) -> None:
 
     assert migrate(empty, PREVIOUS) == (None, PREVIOUS)
     state = schema_state(empty)
-    assert state.pending == (head,) and not state.up_to_date
+    assert state.pending[-1] == head and PREVIOUS not in state.pending
+    assert not state.up_to_date
     with pytest.raises(SchemaMismatch, match=f"at revision {PREVIOUS}, older"):
         check_schema(empty)
     with pytest.raises(SchemaMismatch, match="older"):

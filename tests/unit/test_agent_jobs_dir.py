@@ -39,3 +39,15 @@ def test_jobs_run_as_other_users_need_searchable_parents(tmp_path: Path) -> None
             users=users,
             jobs_dir=_private_jobs_dir(tmp_path),
         )
+
+
+def test_a_jobs_dir_that_each_jobs_mount_namespace_would_hide_is_refused() -> None:
+    """Jobs get a private /tmp and /var/tmp and an empty /run: a jobs dir under one of them
+    would hide the job's own work dir, so the agent refuses to start with it (exit 2)."""
+    from gpufleet.agent.main import _check_jobs_dir_visible
+
+    for bad in ("/tmp/jobs", "/var/tmp/x/jobs", "/run/gpufleet/jobs", "/tmp"):
+        with pytest.raises(ValueError, match=r"--jobs-dir .* is under"):
+            _check_jobs_dir_visible(Path(bad))
+    for good in ("/var/lib/gpufleet/jobs", "/srv/jobs", "/tmpfoo/jobs"):
+        _check_jobs_dir_visible(Path(good))

@@ -69,7 +69,7 @@ from gpufleet.agent.runtime.process import ProcessRuntime
 from gpufleet.agent.scratch import ScratchDisks
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
-from gpufleet.objectstore import PROBE_PREFIX, ObjectStore, probe, public_url
+from gpufleet.objectstore import PROBE_PREFIX, ObjectStore, new_probe_nonce, probe, public_url
 from gpufleet.rpc import tls
 from gpufleet.rpc.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
@@ -385,7 +385,8 @@ def run_agent(
     shim.unignore_signals()
     inventory = load_inventory(node_id, gpus)
     store_url = public_url(cfg.object_store_url)
-    problem = probe(cfg.object_store_url, node_id)  # before a join spends the token
+    probe_nonce = new_probe_nonce()  # RegisterNode carries it: the controller reads it back
+    problem = probe(cfg.object_store_url, node_id, probe_nonce)  # before a join spends the token
     if problem is not None:
         raise StoreRefused(
             f"object store {store_url} (GPUFLEET_OBJECT_STORE_URL) cannot be written and "
@@ -607,6 +608,7 @@ def run_agent(
         rejoin=rejoin_after_revocation,
         on_reconnected=core.outbox.retry_now,
         object_store_url=store_url,
+        probe_nonce=probe_nonce,
     )
     monitor = threading.Thread(
         target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True
@@ -711,6 +713,27 @@ def _leave_job_network(net: JobNet, log: AssignmentLog) -> None:
         logger.warning("job network: cleanup at stop failed: %s", exc)
 
 
+def _check_jobs_dir_visible(jobs_dir: Path) -> None:
+    """Each job gets a private /tmp and /var/tmp and empty node socket directories
+    (:data:`jobns.HIDDEN_DIRS`) in its mount namespace, which would hide its own work dir if
+    the jobs dir lay under one of them (every start failed "cannot mount the attempt's private
+    /var/tmp", as the job's fault).
+
+    Raises:
+        ValueError: ``jobs_dir`` is under /tmp, /var/tmp or a hidden directory (the agent
+            exits 2 with the message).
+    """
+    resolved = jobs_dir.resolve()
+    for top in ("/tmp", "/var/tmp", *jobns.HIDDEN_DIRS):
+        root = Path(top).resolve()
+        if resolved == root or root in resolved.parents:
+            raise ValueError(
+                f"--jobs-dir {jobs_dir} is under {top}, which every job gets a private (or "
+                "empty) copy of in its mount namespace, hiding its own work dir: choose a "
+                "directory elsewhere (e.g. /var/lib/gpufleet/jobs)"
+            )
+
+
 def _job_isolation(
     found: Containment,
     users: jobuser.JobUsers,
@@ -728,6 +751,8 @@ def _job_isolation(
     isolation = jobns.detect()
     for problem in isolation.problems:
         logger.warning("job isolation: %s", problem)
+    if users.switch and isolation.mount_ns:
+        _check_jobs_dir_visible(jobs_dir)
     scratch = ScratchDisks.detect(
         state_dir / "scratch",
         default_mb=disk_mb,

@@ -121,10 +121,13 @@ class ControllerLink:
         rejoin: Callable[[], bool] | None = None,
         on_reconnected: Callable[[], None] = lambda: None,
         object_store_url: str = "",
+        probe_nonce: str = "",
     ) -> None:
         self.core = core
         self.on_reconnected = on_reconnected
         self.object_store_url = object_store_url
+        self.probe_nonce = probe_nonce
+        """The nonce of the probe object this agent wrote (sent so the controller reads it)."""
         self.refused: str | None = None
         """Why the controller refused this node for good (its answer's ``refused``, or
         another object store than the fleet's); the agent stopped and exits with it."""
@@ -159,6 +162,7 @@ class ControllerLink:
             labels=self.labels,
             inventory_source=self.inventory.source,
             object_store_url=self.object_store_url,
+            object_store_probe_nonce=self.probe_nonce,
         )
         attempts = 0
         while not self.stop_event.is_set():

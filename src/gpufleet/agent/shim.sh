@@ -168,7 +168,9 @@ fi
         if [ -n "$_gf_tmp" ]; then
             "$_gf_mount" --bind "$_gf_tmp" /tmp 2>/dev/null \
                 || _gf_fail "cannot mount the attempt's private /tmp"
-            [ ! -d /var/tmp ] || "$_gf_mount" --bind "$_gf_tmp" /var/tmp 2>/dev/null \
+            # /tmp is the attempt's dir now: bind it again by that name, since "$_gf_tmp"
+            # itself may be hidden by the mount just made (a jobs dir under /tmp)
+            [ ! -d /var/tmp ] || "$_gf_mount" --bind /tmp /var/tmp 2>/dev/null \
                 || _gf_fail "cannot mount the attempt's private /var/tmp"
         fi
         # the node's socket directories (/run: PostgreSQL, MySQL, Redis, podman, D-Bus...)

@@ -186,8 +186,10 @@ class Controller:
             OUTAGE.recovered()  # a write went through: the database is back
         metrics.note_lease(epoch or 0)
         lapsed = self.leadership.epoch > 0 and not self.leadership.is_leader
-        if epoch and at is not None and (
-            epoch != self.leadership.epoch or self._lease_failed or lapsed
+        if (
+            epoch
+            and at is not None
+            and (epoch != self.leadership.epoch or self._lease_failed or lapsed)
         ):
             # a new leader (or one that could not reach the database, where heartbeats are
             # recorded, or whose renewal came back after its lease had run out) counts every

@@ -13,7 +13,7 @@ from gpufleet.controller import metrics
 from gpufleet.controller.identity import NodeAuthenticator
 from gpufleet.controller.rpc_errors import guard as _guard
 from gpufleet.domain.types import GpuDevice
-from gpufleet.objectstore import ObjectStore, mismatch, public_url
+from gpufleet.objectstore import ObjectStore, ProbeReader, ProbeVerdict, mismatch, public_url
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import nodes, runs
@@ -41,6 +41,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     on_change: called after commits that free capacity or need the loops (wake-up hint).
     auth: the caller's node id from its client certificate; None only with ``--insecure``
         (plaintext: the node id is taken from the message, anyone can claim any node).
+    probe_timeout_s: seconds, float, that RegisterNode waits at most for its read of the
+        agent's probe object (well under the agent's 10 s call timeout).
     """
 
     def __init__(
@@ -54,8 +56,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         auth: NodeAuthenticator | None = None,
         max_node_failures: int = 3,
         retry_backoff: tuple[float, float] = (10.0, 300.0),
+        probe_timeout_s: float = 3.0,
     ) -> None:
         self.db, self.store = db, store
+        self.probes = ProbeReader(store, timeout_s=probe_timeout_s)
+        self._store_unreadable = False  # logged once per outage of our own store
         self.store_url = public_url(store.base_url)
         self.max_node_failures = max_node_failures
         self.retry_backoff = retry_backoff
@@ -78,6 +83,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         node_id = self._node(context, "RegisterNode", request.node_id)
         refused = mismatch(request.object_store_url, self.store_url)
         if refused is not None:  # before the node is written: the scheduler never sees it
+            log.warning("node %s not registered: %s", node_id, refused)
+            return pb.RegisterNodeResponse(object_store_url=self.store_url, refused=refused)
+        refused = self._probe_refusal(node_id, request.object_store_probe_nonce)
+        if refused is not None:
             log.warning("node %s not registered: %s", node_id, refused)
             return pb.RegisterNodeResponse(object_store_url=self.store_url, refused=refused)
         inv = nodes.NodeInventory(
@@ -104,6 +113,32 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             heartbeat_interval_s=self.heartbeat_interval_s,
             object_store_url=self.store_url,
         )
+
+    def _probe_refusal(self, node_id: str, nonce: str) -> str | None:
+        """The refusal when this controller's store lacks the agent's probe object or holds
+        another nonce there (the same URL, another store: another ``AWS_ENDPOINT_URL``,
+        other credentials); None when it holds the nonce, when the agent sent none (older
+        than the check), or when this controller cannot read its own store in time: that
+        is the controller's outage, logged once until a read works again, and it refuses no
+        node for it (every node would be refused, and the manifests of their attempts fail
+        to verify on this controller anyway until its store is back)."""
+        if not nonce:
+            return None
+        got = self.probes.check(node_id, nonce)
+        if got.verdict is ProbeVerdict.UNKNOWN:
+            if not self._store_unreadable:
+                self._store_unreadable = True
+                log.error(
+                    "object store %s: cannot check agents' probe objects (%s); nodes are "
+                    "registered unchecked until it answers",
+                    self.store_url,
+                    got.detail,
+                )
+            return None
+        if self._store_unreadable:
+            self._store_unreadable = False
+            log.info("object store %s answers again: agents' probes are checked", self.store_url)
+        return got.detail if got.verdict is ProbeVerdict.OTHER else None
 
     def ConfirmAssignment(
         self, request: pb.ConfirmAssignmentRequest, context: grpc.ServicerContext

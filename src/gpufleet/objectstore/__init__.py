@@ -8,17 +8,22 @@ under ``jobs/{job_id}/attempts/{run_id}/``. A local store uses the standard libr
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import secrets
 import shutil
+import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 PROBE_PREFIX = "_gpufleet/probe"
 """Reserved key prefix (no job's objects live there): each agent writes and reads back
-``{PROBE_PREFIX}/{node_id}`` before it registers (:func:`probe`)."""
+``{PROBE_PREFIX}/{node_id}`` before it registers (:func:`probe`), a random nonce that its
+RegisterNode carries; the controller reads it from its own store (:class:`ProbeReader`)."""
 
 
 def public_url(url: str) -> str:
@@ -58,13 +63,25 @@ def mismatch(agent_url: str, fleet_url: str) -> str | None:
     )
 
 
-def probe(url: str, node_id: str) -> str | None:
-    """Write a small random object at ``{PROBE_PREFIX}/{node_id}`` of store ``url`` and read
-    it back: None when it came back intact, else a one-line reason (the exception's type
-    and message: a missing s3fs, a directory that cannot be created, refused credentials,
-    an unreachable endpoint). Blocks for as long as the backend's own retries take."""
-    key = f"{PROBE_PREFIX}/{node_id or 'node'}"
-    data = secrets.token_hex(16).encode()
+def probe_key(node_id: str) -> str:
+    """The reserved key of ``node_id``'s probe object, e.g. ``_gpufleet/probe/gpu-17``."""
+    return f"{PROBE_PREFIX}/{node_id or 'node'}"
+
+
+def new_probe_nonce() -> str:
+    """A fresh random nonce for a probe object: 32 hex characters (128 bits)."""
+    return secrets.token_hex(16)
+
+
+def probe(url: str, node_id: str, nonce: str | None = None) -> str | None:
+    """Write ``nonce`` (ASCII; a fresh random one when None) as the object at
+    :func:`probe_key` of store ``url`` and read it back: None when it came back intact, else
+    a one-line reason (the exception's type and message: a missing s3fs, a directory that
+    cannot be created, refused credentials, an unreachable endpoint). Blocks for as long as
+    the backend's own retries take. The controller reads the same key from its own store
+    (:class:`ProbeReader`) to prove both processes use one store, not only one URL."""
+    key = probe_key(node_id)
+    data = (nonce or new_probe_nonce()).encode()
     try:
         store = ObjectStore(url)
         store.put_bytes(key, data)
@@ -73,11 +90,105 @@ def probe(url: str, node_id: str) -> str | None:
         hint = " (pip install 'gpufleet[s3]')" if url.lower().startswith("s3") else ""
         return f"{exc}".splitlines()[0] + hint
     except Exception as exc:  # any backend's error: the agent must not register
-        text = " ".join(str(exc).split()) or "no message"
-        return f"{type(exc).__name__}: {text}"[:500]
+        return _one_line(exc)
     if back != data:
         return f"the probe object {key} read back other bytes than were written"
     return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or "no message"
+    return f"{type(exc).__name__}: {text}"[:500]
+
+
+class ProbeVerdict(enum.Enum):
+    SAME = "same"
+    """The probe object holds the agent's nonce: one store."""
+    OTHER = "other"
+    """Missing, or another nonce: the agent wrote to another store (refuse the node)."""
+    UNKNOWN = "unknown"
+    """The controller could not read its own store in time (its outage, not the agent's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeCheck:
+    verdict: ProbeVerdict
+    detail: str
+    """One line: the refusal (OTHER) or the controller's own error (UNKNOWN); '' for SAME."""
+
+
+PROBE_READ_LIMIT = 4096
+"""Bytes of a probe object read at most (a nonce is 32)."""
+
+
+class ProbeReader:
+    """Reads agents' probe objects from this process's store, each read bounded in time.
+
+    Each read runs on a daemon thread of its own (a hung read never holds the process at
+    exit); at most ``workers`` run at once, so a store that hangs holds at most that many
+    threads, and a caller waits ``timeout_s`` at most in all (for a free slot and the read).
+
+    Args:
+        store: the controller's own object store.
+        timeout_s: seconds, float, that :meth:`check` waits at most.
+        workers: reads at once.
+    """
+
+    def __init__(self, store: ObjectStore, *, timeout_s: float = 3.0, workers: int = 4) -> None:
+        self.store, self.timeout_s = store, timeout_s
+        self._slots = threading.BoundedSemaphore(workers)
+
+    def _read(self, key: str, box: list[bytes | BaseException], done: threading.Event) -> None:
+        try:
+            invalidate = getattr(self.store.fs, "invalidate_cache", None)
+            if invalidate is not None:  # s3fs may answer "absent" from a cached listing
+                invalidate(self.store._path(key))
+            box.append(self.store.get_bytes(key, 0, PROBE_READ_LIMIT))
+        except BaseException as exc:  # handed to the caller
+            box.append(exc)
+        finally:
+            self._slots.release()
+            done.set()
+
+    def check(self, node_id: str, nonce: str) -> ProbeCheck:
+        """Whether :func:`probe_key` of ``node_id`` in this store holds ``nonce``. Never
+        raises: a missing object or another content is OTHER (with the line the agent
+        exits with); any other error, or no answer within ``timeout_s``, is UNKNOWN."""
+        key = probe_key(node_id)
+        uri = self.store.uri(key)
+        where = public_url(self.store.base_url) + "/" + key
+        deadline = time.monotonic() + self.timeout_s
+        late = ProbeCheck(ProbeVerdict.UNKNOWN, f"reading {uri} took over {self.timeout_s:g} s")
+        if not self._slots.acquire(timeout=self.timeout_s):
+            return late  # every slot held by a read that hangs
+        box: list[bytes | BaseException] = []
+        done = threading.Event()
+        threading.Thread(
+            target=self._read, args=(key, box, done), name="store-probe", daemon=True
+        ).start()
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            return late
+        got = box[0]
+        if isinstance(got, FileNotFoundError):
+            return ProbeCheck(
+                ProbeVerdict.OTHER,
+                f"the controller cannot read this agent's probe object at {where}: {_SPLIT}",
+            )
+        if isinstance(got, BaseException):  # the controller's own store trouble
+            return ProbeCheck(ProbeVerdict.UNKNOWN, f"reading {uri}: {_one_line(got)}")
+        if got != nonce.encode():
+            return ProbeCheck(
+                ProbeVerdict.OTHER,
+                "the controller reads another nonce than this agent wrote in its probe "
+                f"object at {where}: {_SPLIT}",
+            )
+        return ProbeCheck(ProbeVerdict.SAME, "")
+
+
+_SPLIT = (
+    "the agent and the controller use different object stores (check AWS_ENDPOINT_URL / "
+    "credentials)"
+)
 
 
 def attempt_prefix(job_id: str, run_id: str) -> str:

@@ -39,8 +39,9 @@ def mismatch_message(recorded: RecordedCa, fingerprint: str, where: str) -> str:
     return (
         f"the fleet CA of this database is sha256:{recorded.fingerprint} (recorded "
         f"{recorded.recorded_at:%Y-%m-%d %H:%M:%S}Z), but {where} is sha256:{fingerprint}: "
-        "copy ca.key and ca.crt from a controller host (compare `gpufleet admin ca show` "
-        "on both), or make this CA the fleet's with `gpufleet admin ca init --force-new-ca` "
+        "copy the fleet's pki directory from a controller host (controllers: ca.key and "
+        "ca.crt; API hosts: ca.crt only, never ca.key; compare `gpufleet admin ca show` on "
+        "both), or make this CA the fleet's with `gpufleet admin ca init --force-new-ca` "
         "(every node must then rejoin with a new join token)"
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import NotLeader
@@ -39,7 +40,16 @@ def _acquire_at(session: Session, holder: str, lease_s: float, now: datetime) ->
     ).scalar_one_or_none()
     expires = now + timedelta(seconds=lease_s)
     if row is None:
-        session.add(LeaderLeaseRow(name=LEASE_NAME, holder=holder, epoch=1, expires_at=expires))
+        # the first lease ever: two controllers starting together may both find no row (there
+        # is nothing to lock yet); the primary key lets one insert win and the other follow
+        try:
+            with session.begin_nested():
+                session.add(
+                    LeaderLeaseRow(name=LEASE_NAME, holder=holder, epoch=1, expires_at=expires)
+                )
+                session.flush()
+        except IntegrityError:
+            return None
         record_event(session, "leader", now=now, message=f"{holder} became leader (epoch 1)")
         return 1
     if row.holder == holder and row.expires_at > now:

@@ -111,19 +111,20 @@ def check_schema(db: Database, *, allow_newer: bool = False) -> SchemaState:
     if state.current is None:
         raise SchemaMismatch(
             f"the database has no gpufleet schema (this gpufleet needs revision {state.head}):"
-            f" run `{MIGRATE_COMMAND}` first, or start with --migrate"
+            f" run `{MIGRATE_COMMAND}` first (or start `gpufleet server`/`controller`"
+            " with --migrate)"
         )
     if state.known:
         raise SchemaMismatch(
             f"the database schema is at revision {state.current}, older than this gpufleet's "
             f"{state.head} ({len(state.pending)} migration(s) pending): run "
-            f"`{MIGRATE_COMMAND}` first, or start with --migrate"
+            f"`{MIGRATE_COMMAND}` first (or start `gpufleet server`/`controller` with --migrate)"
         )
     raise SchemaMismatch(
         f"the database schema is at revision {state.current}, which this gpufleet (newest "
         f"revision {state.head}) does not know: a newer gpufleet migrated it; run that "
-        "version (or start this one with --allow-newer-schema if the newer release's "
-        "migrations are additive)"
+        "version (or start this `gpufleet server`/`controller` with --allow-newer-schema if "
+        "the newer release's migrations are additive)"
     )
 
 

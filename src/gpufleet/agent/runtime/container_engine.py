@@ -127,6 +127,9 @@ USERNS_SIZE = 65536
 """A container's uids/gids 0..65535 are host ids ``USERNS_HOST_BASE + id`` (above the agent's
 per-attempt job uids), except the job's own uid and gid, which map to themselves."""
 
+USERNS_PROBE_CACHE = Path("/run/gpufleet/userns-probe.json")
+"""Where :meth:`ContainerEngine.userns_works` keeps its answer (a tmpfs: gone at the next boot)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ContainerSecurity:
@@ -548,10 +551,35 @@ class ContainerEngine:
         """Whether this podman can run a container in a user namespace of
         :func:`security_args` (some storage setups cannot mount an image's layers id-mapped):
         runs the static ``catatonit`` in a throwaway local image (imported from a tar of it
-        under ``state_dir``, removed afterwards), ~0.5 s. Returns "" when it works, else the
+        under ``state_dir``, removed afterwards), ~0.5 s, once per engine version and kernel until
+        the next boot (:data:`USERNS_PROBE_CACHE`). Returns "" when it works, else the
         engine's message. Docker: always the reason it is not supported."""
         if self.kind != "podman":
             return "docker has no per-container user namespace (use the daemon's userns-remap)"
+        # the answer depends on the engine, the kernel and the storage, not on the agent: kept
+        # until the next boot (/run is a tmpfs) for every agent of this host
+        key = f"{self._version()}|{os.uname().release}"
+        cache = USERNS_PROBE_CACHE
+        with contextlib.suppress(OSError, ValueError):
+            seen = json.loads(cache.read_text())
+            if seen.get("key") == key:
+                return str(seen.get("problem", ""))
+        problem = self._probe_userns(state_dir)
+        with contextlib.suppress(OSError):
+            cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, "problem": problem}))
+            os.replace(tmp, cache)
+        return problem
+
+    def _version(self) -> str:
+        try:
+            proc = self._run(["--version"], check=False)
+        except EngineError:
+            return ""
+        return (proc.stdout or "").strip()
+
+    def _probe_userns(self, state_dir: Path) -> str:
         image = "localhost/gpufleet/userns-probe:1"
         if not self.has_image(image):
             init = shutil.which("catatonit") or "/usr/libexec/podman/catatonit"

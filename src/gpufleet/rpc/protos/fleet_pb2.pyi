@@ -135,6 +135,7 @@ class RegisterNodeRequest(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     INVENTORY_SOURCE_FIELD_NUMBER: _builtins.int
     OBJECT_STORE_URL_FIELD_NUMBER: _builtins.int
+    OBJECT_STORE_PROBE_NONCE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     address: _builtins.str
     """host:port of the agent's gRPC server"""
@@ -150,6 +151,12 @@ class RegisterNodeRequest(_message.Message):
     """The agent's object store URL, normalised, without credentials (objectstore.public_url);
     the agent wrote and read back a probe object there before registering. Empty: an agent
     older than the check (not compared).
+    """
+    object_store_probe_nonce: _builtins.str
+    """The random nonce the agent wrote as its probe object (_gpufleet/probe/<node_id>) just
+    before registering; the controller reads that key from its own store and refuses the
+    node when it is absent or holds another nonce (the same URL, another store). Empty: an
+    agent older than this check (not read).
     """
     @_builtins.property
     def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___Gpu]: ...
@@ -167,10 +174,11 @@ class RegisterNodeRequest(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         inventory_source: _builtins.str = ...,
         object_store_url: _builtins.str = ...,
+        object_store_probe_nonce: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_epoch", b"agent_epoch", "cpu", b"cpu", "gpus", b"gpus", "inventory_source", b"inventory_source", "labels", b"labels", "memory_mb", b"memory_mb", "node_id", b"node_id", "object_store_url", b"object_store_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_epoch", b"agent_epoch", "cpu", b"cpu", "gpus", b"gpus", "inventory_source", b"inventory_source", "labels", b"labels", "memory_mb", b"memory_mb", "node_id", b"node_id", "object_store_probe_nonce", b"object_store_probe_nonce", "object_store_url", b"object_store_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,6 +27,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("teams", schema=None) as batch_op:
-        batch_op.drop_column("read_burst")
-        batch_op.drop_column("read_rate_per_s")
+    # not batch_alter_table: on SQLite its drop_column rebuilds ``teams``, and dropping the old
+    # table fails the foreign keys that point at it (SQLite >= 3.35 drops a column in place)
+    op.drop_column("teams", "read_burst")
+    op.drop_column("teams", "read_rate_per_s")
