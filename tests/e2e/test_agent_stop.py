@@ -62,8 +62,9 @@ def test_sigterm_stops_an_agent_whose_controller_never_answers(tmp_path: Path) -
         # the stuck call alone would hold it CALL_TIMEOUT_S (10 s); the bound is grace + 4 s
         assert agent.wait(timeout=CALL_TIMEOUT_S + 20) == 0, log.read_text()
         took = time.monotonic() - stopped
-        text = log.read_text()
-        assert "agent-heartbeat still busy" in text, text
+        # the call either still hangs (the stop waits STOP_THREADS_S for it and says
+        # "agent-heartbeat still busy") or has already failed on the channel's 2 s connect
+        # timeout (rpc.channel_options): either way the stop is bounded
         assert took < CALL_TIMEOUT_S, f"stop took {took:.1f} s (bound {1 + STOP_THREADS_S} s)"
     finally:
         if agent.poll() is None:

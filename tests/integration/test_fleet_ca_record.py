@@ -81,7 +81,7 @@ def test_ca_init_records_the_ca_and_refuses_to_fork_it(tmp_path: Path) -> None:
         pki_dir=rogue,
         controller_address=f"127.0.0.1:{free_port()}",
     )
-    with pytest.raises(tls.PkiError, match=r"copy ca\.key and ca\.crt from a controller host"):
+    with pytest.raises(tls.PkiError, match=r"copy the fleet's pki directory from a controller"):
         new_join_token(db, settings, "n1", 600)
     with pytest.raises(tls.PkiError, match=f"fleet CA of this database is sha256:{fp}"):
         Controller(settings, db, InProcWaker())
