@@ -56,7 +56,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         auth: NodeAuthenticator | None = None,
         max_node_failures: int = 3,
         retry_backoff: tuple[float, float] = (10.0, 300.0),
-        probe_timeout_s: float = 3.0,
+        probe_timeout_s: float = 6.0,
     ) -> None:
         self.db, self.store = db, store
         self.probes = ProbeReader(store, timeout_s=probe_timeout_s)

@@ -8,6 +8,7 @@ under ``jobs/{job_id}/attempts/{run_id}/``. A local store uses the standard libr
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import os
@@ -134,9 +135,16 @@ class ProbeReader:
         workers: reads at once.
     """
 
-    def __init__(self, store: ObjectStore, *, timeout_s: float = 3.0, workers: int = 4) -> None:
+    def __init__(self, store: ObjectStore, *, timeout_s: float = 6.0, workers: int = 4) -> None:
         self.store, self.timeout_s = store, timeout_s
         self._slots = threading.BoundedSemaphore(workers)
+        # the first read of a store pays for its client's start (s3fs: botocore's session and
+        # connection, seconds on a loaded host): pay it now, not in an agent's registration
+        threading.Thread(target=self._warm, name="store-probe-warm", daemon=True).start()
+
+    def _warm(self) -> None:
+        with contextlib.suppress(Exception):
+            self.store.get_bytes(probe_key("-warm-up-"), 0, 1)
 
     def _read(self, key: str, box: list[bytes | BaseException], done: threading.Event) -> None:
         try:
