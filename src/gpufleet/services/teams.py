@@ -90,6 +90,17 @@ def _per_type(value: dict[str, int], field: str) -> dict[str, int]:
     return dict(sorted(value.items()))
 
 
+def _rate(rate: float, field: str) -> float:
+    """A token-bucket rate (tokens per second, float): finite, 0 (no limit) to
+    MAX_SUBMIT_RATE_PER_S; raises ValidationFailed naming ``field`` otherwise."""
+    if not (math.isfinite(rate) and 0 <= rate <= MAX_SUBMIT_RATE_PER_S):
+        raise ValidationFailed(
+            f"{field} must be a finite number from 0 (no limit) to {MAX_SUBMIT_RATE_PER_S:g}",
+            field=field,
+        )
+    return float(rate)
+
+
 def _bounded_int(value: int, field: str, low: int, high: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ValidationFailed(f"{field} must be an integer from {low} to {high}", field=field)
@@ -223,25 +234,11 @@ def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> QuotaChang
             upd.max_outstanding_jobs, "max_outstanding_jobs", 0, MAX_OUTSTANDING_JOBS
         )
     if upd.submit_rate_per_s is not None:
-        rate = upd.submit_rate_per_s
-        if not (math.isfinite(rate) and 0 <= rate <= MAX_SUBMIT_RATE_PER_S):
-            raise ValidationFailed(
-                f"submit_rate_per_s must be a finite number from 0 (no limit) to "
-                f"{MAX_SUBMIT_RATE_PER_S:g}",
-                field="submit_rate_per_s",
-            )
-        team.submit_rate_per_s = float(rate)
+        team.submit_rate_per_s = _rate(upd.submit_rate_per_s, "submit_rate_per_s")
     if upd.submit_burst is not None:
         team.submit_burst = _bounded_int(upd.submit_burst, "submit_burst", 1, MAX_SUBMIT_BURST)
     if upd.read_rate_per_s is not None:
-        rate = upd.read_rate_per_s
-        if not (math.isfinite(rate) and 0 <= rate <= MAX_SUBMIT_RATE_PER_S):
-            raise ValidationFailed(
-                f"read_rate_per_s must be a finite number from 0 (no limit) to "
-                f"{MAX_SUBMIT_RATE_PER_S:g}",
-                field="read_rate_per_s",
-            )
-        team.read_rate_per_s = float(rate)
+        team.read_rate_per_s = _rate(upd.read_rate_per_s, "read_rate_per_s")
     if upd.read_burst is not None:
         team.read_burst = _bounded_int(upd.read_burst, "read_burst", 1, MAX_SUBMIT_BURST)
     for name in ("default_max_runtime_s", "max_runtime_limit_s"):
