@@ -18,8 +18,9 @@ Why a loop-mounted image and not the alternatives:
 * the image is sparse (it takes on the host only what the job wrote, plus ~1 MiB), and
   making and mounting one costs ~50-75 ms here; but the sizes promised to every live attempt,
   less what their images already hold, must fit in the host's free space above the node's
-  disk reserve, so no promise can run the host out of space: the node's default size shrinks
-  to the room left, a job's own ``disk_mb`` that does not fit fails the start.
+  disk reserve, so no promise can run the host out of space: on a short disk the node's
+  default size shrinks to half the room left (:func:`default_fit_mb`), a job's own
+  ``disk_mb`` that does not fit fails the start.
 
 Lifecycle: made and mounted before the job's directories (:meth:`ScratchDisks.create`), kept
 while the attempt runs and while its outputs are uploaded (a restarted agent finds the mount
@@ -162,15 +163,18 @@ class ScratchDisks:
         try:
             with self._lock:  # promises are checked and made one at a time
                 room = self._room_mb(size_mb)
-                if shrink_to_fit and MIN_SCRATCH_MB <= room < size_mb:
+                fit = default_fit_mb(size_mb, room)
+                if shrink_to_fit and MIN_SCRATCH_MB <= fit < size_mb:
                     logger.warning(
                         "run %s: scratch filesystem of %d MiB instead of the default %d MiB "
-                        "(the host's free space above the reserve)",
+                        "(half of the host's %d MiB free above the reserve and the other "
+                        "attempts' promises)",
                         run_id,
-                        room,
+                        fit,
                         size_mb,
+                        room,
                     )
-                    size_mb = room
+                    size_mb = fit
                 self._check_room(size_mb)
                 _make_image(image, size_mb, uid, gid)
             _run([_tool("mount"), "-o", MOUNT_OPTIONS, str(image), str(mount_point)])
@@ -268,6 +272,17 @@ class ScratchDisks:
                         image.unlink()
                         gone.add(run_id)
         return sorted(gone)
+
+
+def default_fit_mb(default_mb: int, room_mb: int) -> int:
+    """The size (MiB) an attempt whose job set no ``disk_mb`` gets when ``room_mb`` MiB may
+    still be promised: the node's default while the room holds two of it, else half the room
+    (so the next attempt on a short disk still finds room, rather than the first one taking
+    it all and every later start failing), never less than ``MIN_SCRATCH_MB`` unless the room
+    itself is smaller (the start then fails as the node's fault)."""
+    if room_mb >= 2 * default_mb:
+        return default_mb
+    return min(default_mb, max(MIN_SCRATCH_MB, room_mb // 2), room_mb)
 
 
 def is_full(path: Path) -> bool:
