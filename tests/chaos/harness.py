@@ -239,7 +239,23 @@ class Cluster:
             api.start()
         for node in self.agents:
             self.start_agent(node)
-        self.wait_for(lambda: self.healthy_nodes() == set(self.agents), 90, "all agents HEALTHY")
+        try:
+            self.wait_for(
+                lambda: self.healthy_nodes() == set(self.agents), 90, "all agents HEALTHY"
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.start_report()}") from None
+
+    def start_report(self) -> str:
+        """What a failed start looked like: node rows and each agent's and controller's last
+        log lines (a CI run once timed out here with nothing else to go on)."""
+        lines = [f"nodes: {self.node_statuses()}"]
+        for proc in [*self.controllers, *self.agents.values()]:
+            with contextlib.suppress(OSError):
+                tail = proc.log.read_text(errors="replace").splitlines()[-8:]
+                alive = "alive" if proc.alive() else "exited"
+                lines += [f"--- {proc.name} ({alive}): {proc.log}", *tail]
+        return "\n".join(lines)
 
     def start_agent(self, node: str) -> None:
         from gpufleet.processes import agent_tls_args

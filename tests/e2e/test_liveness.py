@@ -219,7 +219,7 @@ def test_a_job_submitted_during_a_failover_goes_to_a_node_the_new_leader_heard(
         p.agents["a2"].send(signal.SIGSTOP)
         p.controllers[lead].stop(signal.SIGKILL)
         job_id = p.submit(1.0, gpus=2)
-        p.wait_for(lambda: p.leader() == 1 - lead, 30, "the standby to lead")
+        p.wait_for(lambda: p.leader() == 1 - lead, 60, "the standby to lead")
         took_over = time.monotonic()
         p.wait_status(job_id, {"SUCCEEDED", "FAILED"}, 60)
         got = p.job(job_id)
