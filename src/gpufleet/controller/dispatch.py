@@ -139,7 +139,15 @@ class AssignmentDispatch:
                 self._pool.submit(self.dispatch, other)
 
     def _assignment(self, run_id: str) -> tuple[str, str, pb.AssignJobRequest] | None:
-        """(node_id, agent address, AssignJob request) of an ASSIGNED attempt, else None."""
+        """(node_id, agent address, AssignJob request) of an ASSIGNED attempt, else None;
+        None too while this controller is not leader (its lease lapsed or a renewal failed:
+        ``leadership.epoch`` is then 0 or stale). An AssignJob sent with epoch 0 was refused
+        by the agent as stale and tombstoned, and the job charged a failed start; the
+        attempt stays ASSIGNED instead, and the leader's reconciler re-sends it."""
+        epoch = self.leadership.epoch
+        if not self.leadership.is_leader:
+            log.info("AssignJob %s not sent: not leader (the leader re-sends it)", run_id)
+            return None
         with self.db.read() as s:
             found = s.execute(_assignment_query(), {"p_run": run_id}).first()
             if found is None or found[0].status != RunStatus.ASSIGNED:
@@ -174,7 +182,7 @@ class AssignmentDispatch:
             job_id=job.id,
             reservation_id=reservation_id,
             token=run.token,
-            leader_epoch=self.leadership.epoch,
+            leader_epoch=epoch,
             gpu_ids=run.gpu_ids,
             command=spec["command"],
             env=env,
