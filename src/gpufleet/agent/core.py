@@ -126,11 +126,12 @@ class AgentCore:
         except OSError as exc:
             if not is_disk_full(exc):
                 raise
-            need_mb = -(-self.log.compact_size() // (1024 * 1024))
+            # the snapshot's size, and the reserve a healthy node keeps free
+            need_mb = max(-(-self.log.compact_size() // (1024 * 1024)), self.disk_reserve_mb)
             free = min(self.runner.disk_free_mb().values(), default=0)
             self.compaction_deferred = (
                 f"disk full at start: cannot compact the assignment log {self.log.path} "
-                f"({exc.strerror}): needs {need_mb} MiB, {free} MiB free"
+                f"({exc.strerror}): needs {need_mb} MiB free, has {free} MiB"
             )
             logger.error(
                 "%s; the node reports itself unhealthy and retries when space returns",
