@@ -319,9 +319,10 @@ class Runner:
         except OSError:  # no room even for the mark (a full disk): nothing of it is kept
             shutil.rmtree(paths.root, ignore_errors=True)
         kept, total = 0, 0
-        for _, d, size in reversed(self.kept_runs()):  # newest first
-            kept, total = kept + 1, total + size
-            if kept > LOCAL_RUNS_KEPT or total > self.kept_runs_mb * _MIB:
+        for _, d, size in reversed(self.kept_runs()):  # newest first, while they fit
+            if kept < LOCAL_RUNS_KEPT and total + size <= self.kept_runs_mb * _MIB:
+                kept, total = kept + 1, total + size
+            else:
                 shutil.rmtree(d, ignore_errors=True)
 
     def kept_runs(self) -> list[tuple[float, Path, int]]:
