@@ -392,6 +392,7 @@ except OSError:
 """
 
 
+@pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)  # the agent's disk, not the DB's
 def test_a_kept_log_cannot_keep_a_small_disk_full_and_the_agent_starts_on_a_full_disk(
     fleet: Fleet,
 ) -> None:
