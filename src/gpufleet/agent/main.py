@@ -245,10 +245,11 @@ def lock_state_dir(state_dir: Path) -> IO[str]:
         raise AgentAlreadyRunning(
             f"another agent (pid {holder}) is running on state dir {state_dir}"
         ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(str(os.getpid()))
-    f.flush()
+    with contextlib.suppress(OSError):  # the pid is only for a second agent's message
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()  # (a full disk refuses it: the lock holds all the same)
     return f
 
 
