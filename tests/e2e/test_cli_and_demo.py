@@ -116,6 +116,45 @@ def test_readme_demo_command_passes(tmp_path: Path) -> None:
     assert re.search(r"digits-8gpu\s+RUNNING on \S+ GPUs \[0, 1, 2", done.stdout), done.stdout
 
 
+def test_a_second_demo_refuses_and_deletes_nothing_of_a_running_one(tmp_path: Path) -> None:
+    """Issue 24, item 14: a second `gpufleet demo` on the data dir of one still running
+    (what a second `make demo` does) refuses, naming the running one's pid, exit 1, and
+    deletes nothing: the first's database is the same file and its API still answers."""
+    import signal
+
+    import httpx
+
+    out = tmp_path / "first.stdout"
+    demo = [sys.executable, "-m", "gpufleet.cli.main", "demo", "--data-dir", str(tmp_path)]
+    with open(out, "wb") as so:
+        first = subprocess.Popen(demo, cwd=REPO, stdout=so, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: "API http" in out.read_text() or first.poll() is not None, 60, "demo")
+        assert first.poll() is None, out.read_text()[-3000:]
+        url = re.search(r"API (http://\S+);", out.read_text())
+        assert url is not None, out.read_text()
+        db = tmp_path / "demo" / "gpufleet.db"
+        inode = db.stat().st_ino
+        second = subprocess.Popen(
+            demo, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            _, err = second.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # it runs a demo of its own: stop its platform too
+            second.send_signal(signal.SIGTERM)
+            second.communicate(timeout=30)
+            raise AssertionError("the second demo did not refuse") from None
+        assert second.returncode == 1, err[-3000:]
+        assert f"in use by gpufleet demo (pid {first.pid})" in err, err
+        assert "nothing was deleted" in err and "Traceback" not in err
+        assert db.stat().st_ino == inode  # not deleted and made again
+        assert httpx.get(f"{url.group(1)}/healthz", timeout=10).status_code == 200
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGTERM)  # the demo stops its platform (agent included)
+        first.wait(timeout=30)
+
+
 def _up_env(data_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_") or k == "PATH"}
     env["GPUFLEET_DATA_DIR"] = str(data_dir)

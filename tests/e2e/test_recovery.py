@@ -372,6 +372,86 @@ def test_a_full_disk_makes_the_node_unhealthy_keeps_the_exit_code_and_uses_no_re
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+NOISY = """
+import os
+line = b'a noisy job writes its log until the disk is full ' * 40 + b'\\n'
+try:
+    while True:
+        os.write(1, line)
+except OSError:
+    pass
+"""
+FILLER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o600)
+try:
+    while True:
+        os.write(fd, b'x' * 4096)
+except OSError:
+    pass
+"""
+
+
+@pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)  # the agent's disk, not the DB's
+def test_a_kept_log_cannot_keep_a_small_disk_full_and_the_agent_starts_on_a_full_disk(
+    fleet: Fleet,
+) -> None:
+    """Issue 24, item 2, on a 4 MiB tmpfs as the agent's state and jobs dir (reserve 1 MiB):
+    a job's log fills the disk; once the attempt is reported its kept local dir (over the
+    kept-runs bound) is gone, the node is HEALTHY again and the jobs that waited run. Then
+    the agent restarts on a disk a filler keeps full: it starts without a traceback, says
+    what it needs, reports the node UNHEALTHY with a disk reason, and recovers (HEALTHY,
+    the waiting job runs) once the filler is removed."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = fleet.tmp / "tiny-disk"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    env = {"GPUFLEET_AGENT_DISK_RESERVE_MB": "1"}
+    try:
+        fleet.start_agent("a1", state_dir=mnt, env=env, args=("--runtime", "none"))
+        noisy = fleet.submit({"command": [sys.executable, "-c", NOISY], "gpu_count": 8})
+        waiting = [fleet.submit({"command": py("print('ok')", marker_of(fleet))}) for _ in "abc"]
+        assert fleet.wait_status(noisy, TERMINAL)["status"] == "SUCCEEDED"
+        for j in waiting:  # on main the kept log held the disk full: PENDING for good
+            assert fleet.wait_status(j, TERMINAL, timeout_s=30)["status"] == "SUCCEEDED"
+        assert fleet.node("a1")["status"] == "HEALTHY"
+        with fleet.http() as c:  # its log was uploaded before the local copy went
+            assert "a noisy job" in c.get(f"/v1/jobs/{noisy}/logs").text[:2000]
+
+        fleet.kill_agent("a1", signal.SIGTERM)
+        filler = mnt / "filler"
+        subprocess.run([sys.executable, "-c", FILLER, str(filler)], check=True)
+        log = fleet.tmp / "agent-a1.log"
+        log.write_text("")
+        fleet.start_agent("a1", state_dir=mnt, env=env, args=("--runtime", "none"), wait=False)
+
+        def unhealthy() -> bool:
+            assert fleet.agents["a1"].poll() is None, log.read_text()[-3000:]
+            node = fleet.node("a1")
+            return node["agent_epoch"] == 2 and node["status"] == "UNHEALTHY"
+
+        fleet.wait_for(unhealthy, 30, "the agent up on a full disk, node UNHEALTHY")
+        assert "disk" in (fleet.node("a1")["status_reason"] or "")
+        text = log.read_text()
+        assert "Traceback" not in text, text
+        assert "disk full at start" in text and "MiB" in text, text
+        later = fleet.submit({"command": py("print('after')", marker_of(fleet))})
+        time.sleep(2)
+        assert fleet.job(later)["status"] == "PENDING"
+        filler.unlink()
+        fleet.wait_for(lambda: fleet.node("a1")["status"] == "HEALTHY", 30, "a1 HEALTHY")
+        assert fleet.wait_status(later, TERMINAL, timeout_s=30)["status"] == "SUCCEEDED"
+        assert fleet.check() == []
+    finally:
+        if "a1" in fleet.agents:
+            fleet.kill_agent("a1", signal.SIGTERM)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 def test_a_reinstalled_node_rejoins_under_its_id_and_its_lost_job_runs_again(
     fleet: Fleet,
 ) -> None:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import json
 import logging
 import os
@@ -67,6 +68,12 @@ DEFERRED_SYNC = frozenset(
 """Events appended without their own fsync (see the module doc for why that is safe)."""
 EPOCH_NAME = "agent_epoch"
 REPORTED_RETENTION_S = 7 * 24 * 3600.0
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for an ``OSError`` saying the filesystem (or the user's quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS
 
 
 class RunStatus(enum.StrEnum):
@@ -187,13 +194,30 @@ class AssignmentLog:
     # ------------------------------------------------------------------ agent epoch
 
     def bump_agent_epoch(self) -> int:
-        """Increment and durably store the agent epoch; returns it (1 on the first start)."""
+        """Increment and durably store the agent epoch; returns it (1 on the first start).
+
+        On a full disk the new value is written over the old one in place (it fits in the
+        block the file already has: a few digits), fsynced, instead of through a new file
+        and a rename, so an agent restarted on a full disk still starts.
+
+        Raises:
+            OSError: the epoch cannot be stored (e.g. a full disk and no epoch file yet).
+        """
         path = self.state_dir / EPOCH_NAME
         try:
             epoch = int(path.read_text().strip() or 0) + 1
         except FileNotFoundError:
             epoch = 1
-        write_json_atomic(path, epoch)
+        try:
+            write_json_atomic(path, epoch)
+        except OSError as exc:
+            if not is_disk_full(exc) or epoch == 1:
+                raise
+            with open(path, "r+b") as f:
+                f.write(json.dumps(epoch).encode())
+                f.truncate()
+                f.flush()
+                os.fsync(f.fileno())
         return epoch
 
     # ------------------------------------------------------------------ appends
@@ -366,29 +390,52 @@ class AssignmentLog:
         dropping runs reported more than a week ago. Their jobs' highest tokens are kept, so a
         replayed old assignment is still rejected as stale.
 
-        Atomic: written to a temporary file, fsynced, renamed over the log.
+        Atomic: written to a temporary file, fsynced, renamed over the log. It needs free
+        space for the whole snapshot (:meth:`compact_size`) while the old log still exists.
+
+        Raises:
+            OSError: the snapshot could not be written (e.g. ENOSPC: see
+                :func:`is_disk_full`); the log is unchanged and the temporary file removed.
         """
         now_s = time.time() if now_s is None else now_s
         with self._lock:
-            keep = {
-                rid: rec
-                for rid, rec in self.runs.items()
-                if rec.status not in (RunStatus.REPORTED, RunStatus.TOMBSTONED)
-                or now_s - rec.finished_at_s < REPORTED_RETENTION_S
-            }
+            keep, text = self._snapshot(now_s)
             tmp = self.path.with_name(self.path.name + ".compact")
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(json.dumps({"e": "leader_epoch", "epoch": self.leader_epoch}) + "\n")
-                for job_id, token in sorted(self.job_tokens.items()):
-                    f.write(json.dumps({"e": "job_token", "job_id": job_id, "token": token}))
-                    f.write("\n")
-                for rec in keep.values():
-                    f.write(json.dumps({"e": "run", "run": rec.to_json()}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            self._file.close()
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
+            # lines a full disk refused may still sit in the buffer; the snapshot has them
+            with contextlib.suppress(OSError):
+                self._file.close()
             os.replace(tmp, self.path)
             fsync_dir(self.state_dir)
             self.runs = keep
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
             self._unsynced = False  # the compacted file was fsynced whole
+
+    def compact_size(self, *, now_s: float | None = None) -> int:
+        """Bytes the snapshot :meth:`compact` writes (the free space it needs)."""
+        with self._lock:
+            return len(self._snapshot(time.time() if now_s is None else now_s)[1].encode())
+
+    def _snapshot(self, now_s: float) -> tuple[dict[str, RunRecord], str]:
+        """The runs a compaction keeps and the snapshot's text. Call with the lock held."""
+        keep = {
+            rid: rec
+            for rid, rec in self.runs.items()
+            if rec.status not in (RunStatus.REPORTED, RunStatus.TOMBSTONED)
+            or now_s - rec.finished_at_s < REPORTED_RETENTION_S
+        }
+        lines = [json.dumps({"e": "leader_epoch", "epoch": self.leader_epoch})]
+        lines += [
+            json.dumps({"e": "job_token", "job_id": job_id, "token": token})
+            for job_id, token in sorted(self.job_tokens.items())
+        ]
+        lines += [json.dumps({"e": "run", "run": rec.to_json()}) for rec in keep.values()]
+        return keep, "".join(line + "\n" for line in lines)

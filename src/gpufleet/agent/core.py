@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from gpufleet.agent.assignment_log import AssignmentLog, RunRecord, RunStatus
+from gpufleet.agent.assignment_log import AssignmentLog, RunRecord, RunStatus, is_disk_full
 from gpufleet.agent.gpu_health import GpuHealth
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.outbox import COMPLETE, CONFIRM, Outbox
@@ -107,6 +107,39 @@ class AgentCore:
         self.disk_reserve_mb = disk_reserve_mb
         self._refused: set[str] = set()  # run_ids refused while unhealthy (not logged)
         self._node_start_failures: deque[float] = deque()
+        # the start found the disk full and could not compact the assignment log: retried at
+        # each health check, the node unhealthy until it succeeds (see start_on_full_disk)
+        self.compaction_deferred: str | None = None
+
+    def compact_log(self) -> str | None:
+        """Compact the assignment log (at start). On a full disk the agent still starts:
+        the problem is logged once (``disk full at start: ... needs N MiB``), kept as the
+        node's health reason and the compaction retried at each health check until space
+        returns. Returns the problem, or None when the log was compacted.
+
+        Raises:
+            OSError: the compaction failed for another reason than a full disk.
+        """
+        self.runner.relieve(max(self.disk_reserve_mb, 1))  # old kept logs go first
+        try:
+            self.log.compact()
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            # the snapshot's size, and the reserve a healthy node keeps free
+            need_mb = max(-(-self.log.compact_size() // (1024 * 1024)), self.disk_reserve_mb)
+            free = min(self.runner.disk_free_mb().values(), default=0)
+            self.compaction_deferred = (
+                f"disk full at start: cannot compact the assignment log {self.log.path} "
+                f"({exc.strerror}): needs {need_mb} MiB free, has {free} MiB"
+            )
+            logger.error(
+                "%s; the node reports itself unhealthy and retries when space returns",
+                self.compaction_deferred,
+            )
+            return self.compaction_deferred
+        self.compaction_deferred = None
+        return None
 
     def _enqueue(self, kind: str, run_id: str) -> None:
         if self.outbox is not None:
@@ -397,7 +430,8 @@ class AgentCore:
         answer (the current lease's epoch, from the database)."""
         with self._lock:
             if epoch > self.log.leader_epoch:
-                self.log.append("leader_epoch", epoch=epoch)
+                # on a full disk in memory only: the next answer after a restart tells again
+                self.log.note("leader_epoch", epoch=epoch)
 
     # ------------------------------------------------------------------ monitor
 
@@ -490,7 +524,7 @@ class AgentCore:
     def health(self) -> str:
         """``HEALTHY``, or what is wrong: ``UNKILLABLE: ...`` (attempts that survive SIGKILL),
         ``node unhealthy: gpu: ...`` (an NVML check failed), ``node unhealthy: disk: ...``
-        (below the reserve)."""
+        (below the reserve, or full at start: see :meth:`compact_log`)."""
         with self._lock:
             stuck = sorted(rid for rid, h in self._handles.items() if h.unkillable)
         if stuck:
@@ -498,17 +532,38 @@ class AgentCore:
         gpu = self.gpu_health.problem() if self.gpu_health is not None else None
         if gpu:
             return f"node unhealthy: gpu: {gpu}"
-        return self.disk_problem() or "HEALTHY"
+        disk = self.disk_problem()
+        if self.compaction_deferred is not None and self._retry_compaction():
+            disk = disk or f"node unhealthy: disk: {self.compaction_deferred}"
+        return disk or "HEALTHY"
+
+    def _retry_compaction(self) -> bool:
+        """Retry the compaction a full disk deferred at start; True while it still fails."""
+        try:
+            self.log.compact()
+        except OSError as exc:
+            if not is_disk_full(exc):
+                logger.error("assignment log: compaction failed: %s", exc)
+            return True
+        logger.info("disk space is back: the assignment log is compacted")
+        self.compaction_deferred = None
+        return False
 
     def disk_problem(self) -> str | None:
         """``node unhealthy: disk: ...`` when a state/scratch directory has less free space
-        than the reserve, else None."""
+        than the reserve, else None. Under that pressure the kept directories of reported
+        attempts are removed first (:meth:`Runner.relieve`), then the space is measured
+        again."""
         if self.disk_reserve_mb <= 0:
             return None
-        for path, free in sorted(self.runner.disk_free_mb().items()):
-            if free < self.disk_reserve_mb:
+        free = self.runner.disk_free_mb()
+        short = min(free.values(), default=self.disk_reserve_mb) < self.disk_reserve_mb
+        if short and self.runner.relieve(self.disk_reserve_mb)[0]:
+            free = self.runner.disk_free_mb()
+        for path, mb in sorted(free.items()):
+            if mb < self.disk_reserve_mb:
                 return (
-                    f"node unhealthy: disk: {path} has {free} MiB free,"
+                    f"node unhealthy: disk: {path} has {mb} MiB free,"
                     f" below the reserve of {self.disk_reserve_mb} MiB"
                 )
         return None

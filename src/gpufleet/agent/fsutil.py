@@ -6,6 +6,7 @@ and then of its directory makes the new name survive a power loss.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -23,10 +24,15 @@ def fsync_dir(directory: Path) -> None:
 
 def _write_tmp(path: Path, data: bytes) -> Path:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:  # e.g. ENOSPC: leave no half-written file behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return tmp
 
 

@@ -39,7 +39,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import grpc
 
 from gpufleet.agent import identity, shim, telemetry
-from gpufleet.agent.assignment_log import AssignmentLog, RunStatus
+from gpufleet.agent.assignment_log import AssignmentLog, RunStatus, is_disk_full
 from gpufleet.agent.controllers import (
     ControllerPool,
     join_addresses,
@@ -245,10 +245,11 @@ def lock_state_dir(state_dir: Path) -> IO[str]:
         raise AgentAlreadyRunning(
             f"another agent (pid {holder}) is running on state dir {state_dir}"
         ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(str(os.getpid()))
-    f.flush()
+    with contextlib.suppress(OSError):  # the pid is only for a second agent's message
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()  # (a full disk refuses it: the lock holds all the same)
     return f
 
 
@@ -295,6 +296,7 @@ def run_agent(
     job_egress_allow: str = "",
     job_pids_max: int = DEFAULT_JOB_PIDS_MAX,
     job_disk_mb: int = DEFAULT_JOB_DISK_MB,
+    kept_runs_mb: int | None = None,
     container_userns: str = "auto",
     container_pids_limit: int = DEFAULT_PIDS_LIMIT,
     container_read_only: bool = True,
@@ -347,6 +349,9 @@ def run_agent(
             set no ``pids_limit``; 0 = none.
         job_disk_mb: size (MiB) of the scratch filesystem of an attempt whose job set no
             ``disk_mb`` (:mod:`gpufleet.agent.scratch`); 0 = none (plain directories).
+        kept_runs_mb: bound (MiB) on the local dirs (logs) of reported attempts the agent
+            keeps for debugging (the last 20 at most); None = 2% of the state dir's
+            filesystem, at most 1 GiB; 0 = none kept. Under disk pressure they go first.
         container_userns: ``auto``, ``on`` or ``off``: containers in a user namespace whose
             root is not host root (``runtime.container.USERNS_MODES``).
         container_pids_limit: ``--pids-limit`` of a container job without ``pids_limit``.
@@ -432,8 +437,15 @@ def run_agent(
         channel = ControllerPool(controllers, secure)
     store = ObjectStore(cfg.object_store_url)
     log = AssignmentLog(state_dir)
-    log.compact()
-    agent_epoch = log.bump_agent_epoch()
+    try:  # on a full disk written in place (see bump_agent_epoch)
+        agent_epoch = log.bump_agent_epoch()
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        raise ValueError(
+            f"disk full at start: cannot record the agent epoch in {state_dir} "
+            f"({exc.strerror}): needs 1 MiB free"
+        ) from None
     users = jobuser.resolve(job_user, mode=job_uids)
     found = detect_containment(agent_scope(state_dir, node_id), want=containment)
     if not found.is_cgroup:
@@ -481,6 +493,7 @@ def run_agent(
         jobs_dir=jobs_dir or default_jobs_dir(state_dir, node_id, users),
         scratch=scratch,
         pids_max=job_pids_max if found.pids else 0,
+        kept_runs_mb=kept_runs_mb,
     )
     labels = {
         **labels,
@@ -516,6 +529,7 @@ def run_agent(
         ready=registered,
         stop_event=stop,
     )
+    core.compact_log()  # a full disk: one line, the node unhealthy until space returns
     core.recover()
     live = {
         r.run_id for r in log.runs.values() if r.status in (RunStatus.ASSIGNED, RunStatus.RUNNING)

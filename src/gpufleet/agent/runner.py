@@ -56,7 +56,22 @@ def default_jobs_dir(state_dir: Path, node_id: str, users: JobUsers) -> Path:
 
 LOCAL_RUNS_KEPT = 20
 """Reported attempts whose local log directory is kept (see Runner.cleanup)."""
+KEPT_RUNS_FRACTION = 0.02
+KEPT_RUNS_MAX_MB = 1024
+"""The default byte bound of the kept directories (``--kept-runs-mb``): 2% of the state
+dir's filesystem, at most 1 GiB."""
 CLEANED_MARK = ".cleaned"
+_MIB = 1024 * 1024
+
+
+def default_kept_runs_mb(path: Path) -> int:
+    """:data:`KEPT_RUNS_FRACTION` of the filesystem holding ``path``, at most
+    :data:`KEPT_RUNS_MAX_MB`, MiB (0 when it cannot be read)."""
+    try:
+        total = shutil.disk_usage(path).total
+    except OSError:
+        return 0
+    return min(KEPT_RUNS_MAX_MB, int(total * KEPT_RUNS_FRACTION) // _MIB)
 
 
 class Runner:
@@ -71,6 +86,9 @@ class Runner:
         scratch: per-attempt scratch filesystems (:mod:`gpufleet.agent.scratch`); None or
             disabled: the job dirs are plain directories of the jobs dir's filesystem.
         pids_max: ``pids.max`` of an attempt whose job set no ``pids_limit``; 0 = none.
+        kept_runs_mb: bound (MiB) on the bytes of the kept directories of reported attempts
+            (their logs, see :meth:`cleanup`); None = :func:`default_kept_runs_mb`; 0 =
+            keep none.
 
     Raises:
         ValueError: jobs run as other users (``users.switch``) and cannot reach ``jobs_dir``
@@ -87,6 +105,7 @@ class Runner:
         jobs_dir: Path | None = None,
         scratch: ScratchDisks | None = None,
         pids_max: int = 0,
+        kept_runs_mb: int | None = None,
     ) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(state_dir, 0o700)
@@ -106,6 +125,9 @@ class Runner:
         # kept even when disabled: mounts made by an earlier agent are still removed
         self.scratch_disks = scratch
         self.pids_max = pids_max
+        if kept_runs_mb is None:
+            kept_runs_mb = default_kept_runs_mb(self.runs_dir)
+        self.kept_runs_mb = kept_runs_mb
         self._lock = threading.Lock()
         self._uids: dict[str, int] = {}  # run_id -> job uid, for attempts this agent started
         self._live: dict[str, RunRecord] = {}
@@ -275,8 +297,10 @@ class Runner:
         """Once its completion was answered: release the runtime's resources (cgroup,
         container) and remove the attempt's bulky local files (its log and artifacts are
         uploaded by then). The log, exit file and claim stay for local debugging, for the
-        ``LOCAL_RUNS_KEPT`` most recently cleaned attempts only: older attempt directories are
-        removed whole (a bounded cache, so the disk cannot fill up with old logs)."""
+        most recently cleaned attempts only: at most ``LOCAL_RUNS_KEPT`` of them, and at most
+        ``kept_runs_mb`` MiB together; older attempt directories (and one alone over the
+        bound: a noisy job's log) are removed whole (a bounded cache, so the disk cannot fill
+        up with old logs). Under disk pressure :meth:`relieve` removes them first."""
         with contextlib.suppress(StartError):
             self.runtimes.for_record(rec).release(rec)
         paths = self.paths(rec.run_id)
@@ -290,16 +314,53 @@ class Runner:
         with self._lock:
             self._uids.pop(rec.run_id, None)
             self._live.pop(rec.run_id, None)
-        with contextlib.suppress(OSError):
-            (paths.root / CLEANED_MARK).touch()
         try:
-            cleaned = sorted(
-                (p.stat().st_mtime, p.parent) for p in self.runs_dir.glob(f"*/{CLEANED_MARK}")
-            )
-        except OSError:
-            return
-        for _, d in cleaned[: max(0, len(cleaned) - LOCAL_RUNS_KEPT)]:
+            (paths.root / CLEANED_MARK).touch()
+        except OSError:  # no room even for the mark (a full disk): nothing of it is kept
+            shutil.rmtree(paths.root, ignore_errors=True)
+        kept, total = 0, 0
+        for _, d, size in reversed(self.kept_runs()):  # newest first, while they fit
+            if kept < LOCAL_RUNS_KEPT and total + size <= self.kept_runs_mb * _MIB:
+                kept, total = kept + 1, total + size
+            else:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def kept_runs(self) -> list[tuple[float, Path, int]]:
+        """``(cleaned at, directory, bytes)`` of the kept directories of reported attempts,
+        oldest first."""
+        out = []
+        for mark in self.runs_dir.glob(f"*/{CLEANED_MARK}"):
+            try:
+                out.append((mark.stat().st_mtime, mark.parent, _tree_bytes(mark.parent)))
+            except OSError:  # removed meanwhile
+                continue
+        return sorted(out)
+
+    def relieve(self, min_free_mb: int) -> tuple[int, int]:
+        """Disk pressure: remove kept directories of reported attempts, oldest first, until
+        the runs dir's filesystem has ``min_free_mb`` MiB free or none is left. They are the
+        first thing freed: their logs are in the object store already. Cheap when there is
+        no pressure (one ``statvfs``).
+
+        Returns:
+            ``(directories removed, MiB freed)``.
+        """
+        removed, freed = 0, 0
+        if _free_mb(self.runs_dir) >= min_free_mb:
+            return 0, 0
+        for _, d, size in self.kept_runs():
             shutil.rmtree(d, ignore_errors=True)
+            removed, freed = removed + 1, freed + size
+            if _free_mb(self.runs_dir) >= min_free_mb:
+                break
+        if removed:
+            logger.warning(
+                "disk pressure: removed %d kept attempt dir(s) (%.1f MiB of old logs) in %s",
+                removed,
+                freed / _MIB,
+                self.runs_dir,
+            )
+        return removed, freed // _MIB
 
     def disk_free_mb(self) -> dict[str, int]:
         """Free space of the state and scratch directories, MiB, by path."""
@@ -348,6 +409,23 @@ class Runner:
         """Of ``run_ids`` (the attempts in the assignment log), those whose scratch must
         stay: not cleaned yet (running, or outputs not uploaded and reported)."""
         return {r for r in run_ids if not (self.runs_dir / r / CLEANED_MARK).exists()}
+
+
+def _free_mb(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free // _MIB
+    except OSError:
+        return 0
+
+
+def _tree_bytes(root: Path) -> int:
+    """Bytes the files under ``root`` occupy (allocated blocks: what removing them frees)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
 
 
 def _chown_tree(root: Path, uid: int, gid: int) -> None:

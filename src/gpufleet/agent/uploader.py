@@ -18,13 +18,14 @@ uploaded. Each skipped entry is logged.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -95,12 +96,14 @@ def regular_files(root: Path, what: str = "") -> Iterator[tuple[str, int]]:
         return
     if not root.is_dir():
         return
-    for dirpath, dirnames, filenames, dirfd in os.fwalk(root, follow_symlinks=False):
+    walk = os.fwalk(root, follow_symlinks=False, onerror=_vanished(label))
+    for dirpath, dirnames, filenames, dirfd in walk:
         rel_dir = Path(dirpath).relative_to(root).as_posix()
         for name in dirnames:  # links to directories are listed here and never entered
-            if stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
-                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-                logger.warning("%s/%s: skipped, a symbolic link (not followed)", label, rel)
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                if stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
+                    rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                    logger.warning("%s/%s: skipped, a symbolic link (not followed)", label, rel)
         for name in sorted(filenames):
             rel = name if rel_dir == "." else f"{rel_dir}/{name}"
             try:
@@ -109,11 +112,26 @@ def regular_files(root: Path, what: str = "") -> Iterator[tuple[str, int]]:
                 logger.warning("%s/%s: skipped, cannot be read: %s", label, rel, exc.strerror)
                 continue
             if fd is None:
-                kind = os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode
+                try:
+                    kind = os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    continue
                 why = "a symbolic link (not followed)" if stat.S_ISLNK(kind) else "not a file"
                 logger.warning("%s/%s: skipped, %s", label, rel, why)
                 continue
             yield rel, fd
+
+
+def _vanished(label: str) -> Callable[[OSError], None]:
+    """``os.fwalk``'s error handler: a directory removed while walked is skipped (a full
+    disk's files removed by hand); other errors are raised (the upload is retried)."""
+
+    def onerror(exc: OSError) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            raise exc
+        logger.warning("%s: %s vanished while uploading; skipped", label, exc.filename)
+
+    return onerror
 
 
 def upload_attempt(store: ObjectStore, rec: RunRecord, paths: RunPaths) -> str:
@@ -141,7 +159,11 @@ def upload_attempt(store: ObjectStore, rec: RunRecord, paths: RunPaths) -> str:
         digest, size, uri = upload_fd(store, fd, key)
         files.append(ManifestFile(kind=kind, path=rel, key=key, uri=uri, sha256=digest, size=size))
 
-    log_fd = open_regular(paths.log) if paths.log.exists() or paths.log.is_symlink() else None
+    try:
+        log_fd = open_regular(paths.log)
+    except FileNotFoundError:
+        log_fd = None
+        _mirrored_log(store, rec, f"{prefix}/{LOG_KEY}", files)
     if log_fd is not None:
         put("log", "output.log", log_fd)
     elif paths.log.is_symlink():
@@ -164,6 +186,24 @@ def upload_attempt(store: ObjectStore, rec: RunRecord, paths: RunPaths) -> str:
     uri = store.put_bytes(f"{prefix}/{MANIFEST_NAME}", body)
     telemetry.count_upload(len(body))
     return uri
+
+
+def _mirrored_log(store: ObjectStore, rec: RunRecord, key: str, files: list[ManifestFile]) -> None:
+    """The local log is gone (removed to free a full disk, or never written): the copy
+    :class:`LogStreamer` mirrored while the attempt ran, if any, is listed instead (it may
+    lack the last second of output)."""
+    try:
+        if not store.exists(key):
+            logger.warning("run %s: no local log and none mirrored: no log", rec.run_id)
+            return
+        size, digest = store.size(key), store.sha256(key)
+    except OSError as exc:  # retried with the whole upload
+        raise OSError(f"the mirrored log {key} cannot be read: {exc}") from exc
+    logger.warning("run %s: local log gone; the manifest lists its mirrored copy", rec.run_id)
+    uri = store.uri(key)
+    files.append(
+        ManifestFile(kind="log", path="output.log", key=key, uri=uri, sha256=digest, size=size)
+    )
 
 
 class LogStreamer:

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from gpufleet.domain.manifest import Manifest
@@ -49,13 +50,25 @@ def example_script() -> Path:
 
 def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
     """Returns the exit code: 0 when every job SUCCEEDED with a verified manifest and the
-    invariant checker found nothing at any sample."""
+    invariant checker found nothing at any sample; 1 when it failed, or when another demo
+    (or a ``gpufleet up``) runs in its data dir ``{data_dir}/demo``: the demo holds that
+    dir's ``up.lock`` (:mod:`gpufleet.cli.uplock`) from before it empties the dir until it
+    ends, and a second one refuses, naming the first's pid, and deletes nothing."""
+    from gpufleet.cli import uplock
     from gpufleet.processes import LocalPlatform, ensure_admin_token
     from gpufleet.services import auth
 
     data_dir = settings.resolved_data_dir() / "demo"
-    shutil.rmtree(data_dir, ignore_errors=True)
-    data_dir.mkdir(parents=True)
+    try:
+        lock = uplock.claim(data_dir, by="gpufleet demo")
+    except uplock.DataDirInUse as exc:
+        Console(stderr=True).print(
+            f"[red]error:[/] {escape(str(exc))}: nothing was deleted; wait for it to end, "
+            f"or stop it (kill {exc.pid}), or use another --data-dir",
+            soft_wrap=True,
+        )
+        return 1
+    _empty_but(data_dir, keep=lock.path.name)
     logging.basicConfig(
         level=logging.INFO,
         filename=data_dir / "platform.log",
@@ -86,6 +99,7 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
             partial(auth.create_token, team_id=team, create_team_if_missing=True)
         )
     platform.start()
+    lock.set_url(platform.api.url)
     try:
         if not platform.wait_for_node():
             console.print(
@@ -111,6 +125,18 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
             except KeyboardInterrupt:
                 pass
         platform.stop()
+
+
+def _empty_but(directory: Path, keep: str) -> None:
+    """Remove everything in ``directory`` but the file ``keep`` (the held lock)."""
+    for child in directory.iterdir():
+        if child.name == keep:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                child.unlink()
 
 
 def _drive(platform: Any, settings: Settings, tokens: dict[str, str], script: Path) -> int:

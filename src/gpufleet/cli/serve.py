@@ -500,6 +500,16 @@ def agent(
             "disk_mb (0 = none: jobs write to the jobs dir's filesystem).",
         ),
     ] = 10240,
+    kept_runs_mb: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="MiB of the local dirs (logs) of finished attempts kept for debugging (the "
+            "last 20 at most; removed first when the disk fills up; 0 = none). Default: 2% "
+            "of the state dir's filesystem, at most 1024.",
+            show_default=False,
+        ),
+    ] = None,
     # -- container job hardening (docs/design/security.md, "Containers")
     container_userns: Annotated[
         str,
@@ -641,4 +651,5 @@ def agent(
         job_egress_allow=job_egress_allow,
         job_pids_max=job_pids_max,
         job_disk_mb=job_disk_mb,
+        kept_runs_mb=kept_runs_mb,
     )

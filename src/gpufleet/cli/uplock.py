@@ -1,7 +1,10 @@
-"""One ``gpufleet up`` per data directory: ``{data_dir}/up.lock``.
+"""One ``gpufleet up`` (or ``gpufleet demo``) per data directory: ``{data_dir}/up.lock``.
 
 The file is locked with ``flock`` for the life of the ``gpufleet up`` process and holds one
-JSON object, ``{"pid": N, "url": "http://..."}`` (the URL once the API listens). The kernel
+JSON object, ``{"pid": N, "url": "http://...", "by": "gpufleet up"}`` (the URL once the API
+listens; ``by`` names the command). ``gpufleet demo`` takes the same lock on its own data dir
+(``{data_dir}/demo``) before it empties it, so a second demo refuses instead of deleting the
+files of one still running. The kernel
 drops the lock when the process ends however it ends (``kill -9`` included), so a file left
 behind by a dead ``up`` is stale and simply taken over; the pid in it is only for the message.
 The descriptor is not inherited by the processes ``up`` starts (Python's default), so an agent
@@ -21,19 +24,24 @@ LOCK_NAME = "up.lock"
 
 
 class DataDirInUse(Exception):
-    """Another live ``gpufleet up`` holds the data directory; ``str()`` is the one-line
-    message: ``data dir DIR is in use by gpufleet up (pid N) at URL``."""
+    """Another live ``gpufleet up`` (or demo) holds the data directory; ``str()`` is the
+    one-line message: ``data dir DIR is in use by gpufleet up (pid N) at URL``; ``pid`` is
+    the holder's pid (``"?"`` when unknown)."""
+
+    def __init__(self, message: str, pid: object = "?") -> None:
+        super().__init__(message)
+        self.pid = pid
 
 
 class UpLock:
     """The held lock (keep the object alive as long as ``up`` runs; :meth:`release` ends it)."""
 
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path, self._fd = path, fd
+    def __init__(self, path: Path, fd: int, by: str = "gpufleet up") -> None:
+        self.path, self._fd, self.by = path, fd, by
 
     def set_url(self, url: str) -> None:
         """Record the API's URL next to the pid (read by a second ``up``'s message)."""
-        self._write({"pid": os.getpid(), "url": url})
+        self._write({"pid": os.getpid(), "url": url, "by": self.by})
 
     def _write(self, data: dict[str, Any]) -> None:
         raw = (json.dumps(data) + "\n").encode()
@@ -49,8 +57,9 @@ class UpLock:
             self._fd = -1
 
 
-def claim(data_dir: Path) -> UpLock:
-    """Lock ``data_dir`` for this ``gpufleet up`` (created if missing).
+def claim(data_dir: Path, by: str = "gpufleet up") -> UpLock:
+    """Lock ``data_dir`` for this ``gpufleet up`` (created if missing); ``by`` names the
+    command in a refused second one's message.
 
     Raises:
         DataDirInUse: a live ``gpufleet up`` holds it (the message names its pid and URL).
@@ -66,14 +75,15 @@ def claim(data_dir: Path) -> UpLock:
         os.close(fd)
         pid = holder.get("pid", "?")
         url = holder.get("url") or "(starting)"
+        who = holder.get("by") or "gpufleet up"
         raise DataDirInUse(
-            f"data dir {data_dir} is in use by gpufleet up (pid {pid}) at {url}"
+            f"data dir {data_dir} is in use by {who} (pid {pid}) at {url}", pid
         ) from None
     except BaseException:
         os.close(fd)
         raise
-    lock = UpLock(path, fd)
-    lock._write({"pid": os.getpid(), "url": None})
+    lock = UpLock(path, fd, by)
+    lock._write({"pid": os.getpid(), "url": None, "by": by})
     return lock
 
 
