@@ -164,13 +164,14 @@ def join(
     node = session.get(NodeRow, node_id, with_for_update=True)
     kept = ""
     if node is not None:
-        active = dict(
-            session.execute(
+        active = {
+            run_id: token
+            for run_id, token in session.execute(
                 select(JobRunRow.id, JobRunRow.token).where(
                     JobRunRow.node_id == node_id, JobRunRow.status.in_(sorted(RUN_ACTIVE))
                 )
-            ).tuples()
-        )
+            )
+        }
         verdict = nodes.kept_state_problem(
             agent_epoch=agent_epoch, known_epoch=node.agent_epoch, held=held or {}, active=active
         )
