@@ -349,6 +349,7 @@ class TestKeptStateProblem:
             agent_epoch=agent_epoch, known_epoch=known, held=held, active=self.ACTIVE
         )
         assert got.keep == want_keep
+        assert got.lost == (not want_keep)
         if want_problem is None:
             assert got.problem is None
         else:

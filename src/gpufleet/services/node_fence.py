@@ -294,10 +294,12 @@ def fence_lost_agent_state(
 @dataclass(frozen=True, slots=True)
 class KeptState:
     """A rejoin's verdict (:func:`kept_state_problem`): the attempts the agent still holds
-    (kept as they are) and why the node's other active attempts are fenced (None: none is)."""
+    (kept as they are), why the node's other active attempts are fenced (None: none is), and
+    whether the agent's state is lost (a re-install: its agent epoch counter starts again)."""
 
     keep: frozenset[str]
     problem: str | None
+    lost: bool = False
 
 
 def kept_state_problem(
@@ -326,12 +328,14 @@ def kept_state_problem(
             frozenset(),
             "node rejoined with a new certificate and no agent state (re-installed or wiped"
             " state dir)",
+            lost=True,
         )
     if agent_epoch < known_epoch:
         return KeptState(
             frozenset(),
             f"node rejoined with a new certificate and an older agent state (agent epoch"
             f" {agent_epoch} < known {known_epoch}: a restored or copied state dir)",
+            lost=True,
         )
     keep = frozenset(r for r, token in active.items() if held.get(r) == token)
     if len(keep) == len(active):

@@ -164,20 +164,19 @@ def join(
     node = session.get(NodeRow, node_id, with_for_update=True)
     kept = ""
     if node is not None:
-        active = {
-            run_id: token
-            for run_id, token in session.execute(
+        active: dict[str, int] = dict(
+            session.execute(
                 select(JobRunRow.id, JobRunRow.token).where(
                     JobRunRow.node_id == node_id, JobRunRow.status.in_(sorted(RUN_ACTIVE))
                 )
-            )
-        }
+            ).all()  # rows, not the Result: dict() would take its keys() for a mapping's
+        )
         verdict = nodes.kept_state_problem(
             agent_epoch=agent_epoch, known_epoch=node.agent_epoch, held=held or {}, active=active
         )
         if verdict.problem is not None:
             nodes.fence_lost_agent_state(session, node, reason=verdict.problem, keep=verdict.keep)
-        if agent_epoch <= 0 or agent_epoch < node.agent_epoch:
+        if verdict.lost:
             node.agent_epoch = 0
         else:
             kept = (
