@@ -487,6 +487,52 @@ def test_agent_renews_its_certificate_before_it_expires(tmp_path: Path) -> None:
         fleet.stop()
 
 
+def test_a_rejoin_after_the_certificate_expired_keeps_the_running_job(tmp_path: Path) -> None:
+    """Issue 24, item 11: node certificates of 6 s; the agent is stopped (kill -9: its job
+    runs on under its shim) until its certificate has expired, then started again with a
+    join token (as ``gpufleet up`` does). Its state dir is intact, so the join keeps the
+    attempt the agent still holds: the job is not fenced and not run again (one attempt,
+    SUCCEEDED)."""
+    fleet = Fleet(tmp_path, node_cert_ttl_s=6.0).start()
+    try:
+        fleet.start_agent("n1", gpus="1xA100-40GB")
+        go = fleet.tmp / "go"
+        code = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+        marker = f"gpufleet-test-marker-{fleet.tmp.name}"
+        job_id = fleet.submit({"command": [sys.executable, "-c", code, marker]})
+        fleet.wait_status(job_id, {"RUNNING"})
+        fleet.kill_agent("n1")  # stopped; the job's shim and process live on
+        expiry = creds_of(fleet, "n1").not_after
+        fleet.wait_for(
+            lambda: datetime.now(UTC) > expiry + timedelta(seconds=1),
+            20,
+            "the certificate to expire",
+        )
+        fleet.start_agent("n1", gpus="1xA100-40GB", wait=False)  # with a join token
+
+        def rejoined() -> bool:
+            with fleet.db.read() as s:
+                n1 = s.get(NodeRow, "n1")
+                joins = s.scalars(
+                    select(SchedulingEventRow.message).where(
+                        SchedulingEventRow.node_id == "n1",
+                        SchedulingEventRow.kind == "node_joined",
+                    )
+                ).all()
+            return len(joins) == 2 and n1 is not None and n1.agent_epoch == 2
+
+        fleet.wait_for(rejoined, 30, "n1 to rejoin and register")
+        assert fleet.job(job_id)["status"] == "RUNNING"
+        go.touch()
+        done = fleet.wait_status(job_id, TERMINAL)
+        assert done["status"] == "SUCCEEDED", done
+        assert [a["status"] for a in done["attempts"]] == ["SUCCEEDED"]
+        assert fleet.node("n1")["status"] == "HEALTHY"
+        assert fleet.check() == []
+    finally:
+        fleet.stop()
+
+
 def test_operator_cli_joins_lists_revokes_and_forgets_a_node(fleet: Fleet) -> None:
     """The operator's path end to end, through the CLI: a join token, an agent that gets the
     CA from the controller by the token's fingerprint (no --ca-cert), then revoke and forget."""

@@ -8,6 +8,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -108,3 +109,41 @@ def test_real_attempts_are_accounted_and_artifacts_verified(fleet: Fleet, tmp_pa
     assert not (tmp_path / "again" / "model.bin").exists()
     with fleet.http() as http, pytest.raises(httpx.HTTPError):
         http.get(f"/v1/jobs/{art}/artifacts/model.bin")
+
+
+JOB_S = 6.0
+AWAY_S = 16.0
+
+
+@pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)
+def test_an_exit_while_the_controller_is_away_is_accounted_at_the_exit(fleet: Fleet) -> None:
+    """Issue 24, item 12: a 2-GPU job of ``JOB_S`` exits while the controller is stopped;
+    the controller is back ``AWAY_S`` after the job started, and the agent's report arrives
+    then. The usage record ends at the exit (the agent's clock at the exit and at the send,
+    their difference taken off the receipt): about 2 x ``JOB_S`` GPU-seconds, not 2 x
+    ``AWAY_S``."""
+    from gpufleet.controller.main import Controller
+    from gpufleet.queue import InProcWaker
+
+    fleet.start_agent("a1")
+    marker = f"gpufleet-test-marker-{fleet.tmp.name}"
+    job = fleet.submit(
+        {
+            "command": [sys.executable, "-c", f"import time; time.sleep({JOB_S})", marker],
+            "gpu_count": 2,
+        }
+    )
+    fleet.wait_status(job, {"RUNNING"})
+    started = time.monotonic()
+    fleet.controller.stop()  # away when the job exits
+    time.sleep(max(0.0, AWAY_S - (time.monotonic() - started)))
+    fleet.controller = Controller(fleet.settings, fleet.db, InProcWaker())
+    fleet.controller.start()
+    done = fleet.wait_status(job, TERMINAL, timeout_s=60)
+    assert done["status"] == "SUCCEEDED", done
+    [attempt] = done["attempts"]
+    span = (_t(attempt["finished_at"]) - _t(attempt["created_at"])).total_seconds()
+    used = fleet.get("/v1/usage")["total_gpu_seconds"]
+    assert 2 * JOB_S <= used <= 2 * (JOB_S + 3.0), (used, attempt)
+    assert abs(used - 2 * span) < 0.1, (used, span)
+    assert (_t(done["finished_at"]) - _t(attempt["finished_at"])).total_seconds() > 5.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from sqlalchemy import func, select, update
@@ -315,3 +315,77 @@ def test_reserved_gpus_that_can_never_be_reported_gone_point_to_fence(db: Databa
         s.execute(update(NodeRow).where(NodeRow.id == "n3").values(status="QUARANTINED"))
     with pytest.raises(Conflict, match=r"QUARANTINED.*admin node fence n3 --confirm-dead"):
         db.run_write(partial(ni.forget_node, node_id="n3", force=True))
+
+
+class TestKeptStateProblem:
+    """Issue 24, item 11: a rejoin is told from a re-install by what the agent's state dir
+    holds (pure)."""
+
+    ACTIVE: ClassVar[dict[str, int]] = {"r1": 3, "r2": 5}
+
+    @pytest.mark.parametrize(
+        ("agent_epoch", "known", "held", "want_keep", "want_problem"),
+        [
+            pytest.param(2, 2, {"r1": 3, "r2": 5}, {"r1", "r2"}, None, id="state kept, all held"),
+            pytest.param(
+                3, 2, {"r1": 3}, {"r1"}, "does not hold", id="an attempt never delivered"
+            ),
+            pytest.param(2, 2, {"r1": 2, "r2": 5}, {"r2"}, "does not hold", id="an older token"),
+            pytest.param(0, 2, {"r1": 3, "r2": 5}, set(), "no agent state", id="wiped state"),
+            pytest.param(1, 2, {"r1": 3, "r2": 5}, set(), "older agent state", id="old copy"),
+        ],
+    )
+    def test_verdict(
+        self,
+        agent_epoch: int,
+        known: int,
+        held: dict[str, int],
+        want_keep: set[str],
+        want_problem: str | None,
+    ) -> None:
+        from gpufleet.services.node_fence import kept_state_problem
+
+        got = kept_state_problem(
+            agent_epoch=agent_epoch, known_epoch=known, held=held, active=self.ACTIVE
+        )
+        assert got.keep == want_keep
+        assert got.lost == (not want_keep)
+        if want_problem is None:
+            assert got.problem is None
+        else:
+            assert got.problem is not None and want_problem in got.problem
+
+
+def test_a_rejoin_keeps_the_attempts_its_agent_holds_and_fences_the_rest(db: Database) -> None:
+    create_team(db)
+    create_node(db, "n1", gpus=4)
+    join(db, token(db, node_id="n1"), "n1", "ab01")
+    db.run_write(lambda s: update_epoch(s, "n1", 2))  # its agent registered twice since
+    epoch = become_leader(db)
+    held = reserve(db, submit(db, gpus=1).job_id, "n1", 1, epoch=epoch)
+    lost = reserve(db, submit(db, gpus=1).job_id, "n1", 1, epoch=epoch)
+    db.run_write(
+        partial(
+            ni.join,
+            secret=token(db, node_id="n1"),
+            node_id="n1",
+            serial="ab02",
+            not_after=LATER,
+            agent_epoch=2,
+            held={held.run_id: held.token},
+        )
+    )
+    with db.read() as s:
+        assert s.get(JobRunRow, held.run_id).status == "ASSIGNED"  # type: ignore[union-attr]
+        assert s.get(JobRunRow, lost.run_id).status == "FENCED"  # type: ignore[union-attr]
+        assert s.get(NodeRow, "n1").agent_epoch == 2  # type: ignore[union-attr]
+    # the same rejoin from a wiped state dir (agent epoch 0) fences what is left
+    join(db, token(db, node_id="n1"), "n1", "ab03")
+    with db.read() as s:
+        assert s.get(JobRunRow, held.run_id).status == "FENCED"  # type: ignore[union-attr]
+        assert s.get(NodeRow, "n1").agent_epoch == 0  # type: ignore[union-attr]
+    assert check_database(db)[1] == []
+
+
+def update_epoch(s: Any, node_id: str, epoch: int) -> None:
+    s.execute(update(NodeRow).where(NodeRow.id == node_id).values(agent_epoch=epoch))

@@ -255,6 +255,46 @@ class TestCompletion:
         with db.read() as s:
             assert s.get(TeamRow, "team-a").usage_gpu_s == pytest.approx(usage)
 
+    def test_a_late_report_ends_the_attempt_and_its_usage_at_the_exit(self, db, store) -> None:
+        """Issue 24, item 12: the report arrives 30 s after the exit (by the agent's own
+        clock): the run and its usage record end then, clamped to the attempt's start."""
+        from sqlalchemy import select
+
+        from gpufleet.store.tables import UsageRecordRow
+
+        job_id, epoch = setup(db, gpus=2)
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token))
+        time.sleep(0.3)
+        late = dataclasses.replace(report(store, job_id, r), ended_ago_s=0.2)
+        assert runs.complete_run(db, store, late)[0] == runs.CompletionResult.ACCEPTED
+        with db.read() as s:
+            job, run = s.get(JobRow, job_id), s.get(JobRunRow, r.run_id)
+            rec = s.scalars(select(UsageRecordRow)).one()
+        assert rec.end_at == run.finished_at
+        assert (job.finished_at - run.finished_at).total_seconds() == pytest.approx(0.2, abs=1e-3)
+        assert rec.gpu_seconds == pytest.approx(
+            2 * (run.finished_at - run.created_at).total_seconds()
+        )
+
+    @pytest.mark.parametrize(
+        ("ago_s", "want_s"),
+        [
+            pytest.param(None, 100.0, id="unknown: the receipt"),
+            pytest.param(-5.0, 100.0, id="the agent's clock stepped back: the receipt"),
+            pytest.param(30.0, 70.0, id="30 s before the receipt"),
+            pytest.param(500.0, 10.0, id="never before the attempt's start"),
+        ],
+    )
+    def test_ended_at_is_clamped(self, ago_s: float | None, want_s: float) -> None:
+        from datetime import UTC, datetime, timedelta
+
+        t0 = datetime(2026, 1, 1, tzinfo=UTC)
+        got = runs.ended_at(
+            t0 + timedelta(seconds=100), ago_s, started_at=t0 + timedelta(seconds=10)
+        )
+        assert got == t0 + timedelta(seconds=want_s)
+
 
 class TestRequeue:
     def test_a_preempted_job_keeps_its_place_a_failed_one_goes_back(self, db, store) -> None:

@@ -72,6 +72,20 @@ def test_agent_epoch_increments_on_every_start(tmp_path: Path) -> None:
     assert [AssignmentLog(tmp_path).bump_agent_epoch() for _ in range(3)] == [1, 2, 3]
 
 
+def test_a_join_names_the_stored_epoch_and_the_unreported_runs(tmp_path: Path) -> None:
+    """Issue 24, item 11: what a rejoin says the state dir holds (read, nothing bumped)."""
+    log = AssignmentLog(tmp_path)
+    assert log.stored_agent_epoch() == 0  # a new (or wiped) state dir
+    assert log.bump_agent_epoch() == 1 and log.stored_agent_epoch() == 1
+    for run_id in ("r1", "r2", "r3"):
+        _assign(log, run_id, job_id=f"j-{run_id}", token=7)
+    log.append("exited", "r2", exit_code=0, outcome="EXITED", finished_at_s=6.0)
+    log.append("exited", "r3", exit_code=0, outcome="EXITED", finished_at_s=6.0)
+    log.append("reported", "r3", result="ACCEPTED")
+    assert sorted((r.run_id, r.token) for r in log.held_runs()) == [("r1", 7), ("r2", 7)]
+    assert log.stored_agent_epoch() == 1
+
+
 def test_compaction_keeps_state_and_tokens_and_drops_old_reported_runs(tmp_path: Path) -> None:
     log = AssignmentLog(tmp_path)
     _assign(log, "old", job_id="j-old", token=7)

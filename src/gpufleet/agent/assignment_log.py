@@ -220,6 +220,25 @@ class AssignmentLog:
                 os.fsync(f.fileno())
         return epoch
 
+    def stored_agent_epoch(self) -> int:
+        """The agent epoch this state dir holds (the running agent's once it bumped it, else
+        the last agent's; 0 = none: a new or wiped state dir). Read only."""
+        try:
+            return int((self.state_dir / EPOCH_NAME).read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def held_runs(self) -> list[RunRecord]:
+        """The attempts this node still holds: logged and not yet seen reported (assigned,
+        running, exited or failed to start, their report not answered). A rejoin names them
+        (``JoinRequest.held_runs``) so the controller keeps them."""
+        with self._lock:
+            return [
+                rec
+                for rec in self.runs.values()
+                if rec.status not in (RunStatus.REPORTED, RunStatus.TOMBSTONED)
+            ]
+
     # ------------------------------------------------------------------ appends
 
     def append(self, event: str, run_id: str | None = None, **data: Any) -> None:

@@ -129,10 +129,12 @@ def ensure_credentials(
     ca_cert: Path | None,
     stop: threading.Event,
     rejoin: bool = False,
+    held: Callable[[], HeldState] | None = None,
 ) -> tuple[tls.NodeCredentials, tls.CertFacts] | None:
     """This node's usable credentials and their certificate's facts: the saved ones, else
     new ones from a join; with ``rejoin``, new ones from a join whatever is saved (the
-    controller refused the saved certificate as revoked).
+    controller refused the saved certificate as revoked). ``held``: what the state dir
+    holds, sent with a join (see :func:`join`).
 
     Returns None only if ``stop`` is set while the controller is unreachable.
 
@@ -169,7 +171,13 @@ def ensure_credentials(
         join_token=join_token,
         ca_cert=ca_cert,
         stop=stop,
+        held=held,
     )
+
+
+HeldState = tuple[int, list[pb.RunRef]]
+"""What an agent's state dir holds, sent with a join: (its agent epoch, 0 = none; the
+attempts its assignment log has not seen reported)."""
 
 
 def join(
@@ -180,11 +188,17 @@ def join(
     join_token: str,
     ca_cert: Path | None,
     stop: threading.Event,
+    held: Callable[[], HeldState] | None = None,
 ) -> tuple[tls.NodeCredentials, tls.CertFacts] | None:
     """Join with ``join_token``: a new key, a certificate for it from the controller's join
     service, saved in ``state_dir``'s TLS directory (replacing what was there). Also used
     when the controller refuses a saved certificate as revoked (``admin node forget``) and
     the agent was started with a new token.
+
+    ``held``: what the state dir holds (:data:`HeldState`), read just before the request is
+    made. The controller keeps the attempts it names (a certificate that expired while the
+    agent was stopped is no re-install) and fences the node's other attempts; without it
+    (or with agent epoch 0) the join is taken for a re-install and every attempt is fenced.
 
     Returns None only if ``stop`` is set while the controller is unreachable.
 
@@ -201,7 +215,14 @@ def join(
     if ca_pem is None:
         return None
     key_pem, csr_pem = new_csr(node_id)
-    request = pb.JoinRequest(token=secret, node_id=node_id, csr_pem=csr_pem)
+    agent_epoch, held_runs = held() if held is not None else (0, [])
+    request = pb.JoinRequest(
+        token=secret,
+        node_id=node_id,
+        csr_pem=csr_pem,
+        agent_epoch=agent_epoch,
+        held_runs=held_runs,
+    )
     channels = [
         tls.secure_channel(a, tls.channel_credentials(ca_pem), tls.CONTROLLER_NAME)
         for a in addresses

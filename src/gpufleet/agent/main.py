@@ -72,6 +72,7 @@ from gpufleet.agent.uploader import LogStreamer
 from gpufleet.objectstore import PROBE_PREFIX, ObjectStore, new_probe_nonce, probe, public_url
 from gpufleet.rpc import tls
 from gpufleet.rpc.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
+from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
@@ -397,6 +398,16 @@ def run_agent(
             f"object store {store_url} (GPUFLEET_OBJECT_STORE_URL) cannot be written and "
             f"read back ({PROBE_PREFIX}/{node_id}): {problem}; this node does not register"
         )
+    # the log first: a join says what this state dir holds (its agent epoch and the attempts
+    # not yet reported), so a certificate that expired while the agent was stopped does not
+    # fence the attempts still running here under their shims
+    log = AssignmentLog(state_dir)  # compacted later (core.compact_log: a full disk)
+
+    def held() -> identity.HeldState:
+        return log.stored_agent_epoch(), [
+            pb.RunRef(run_id=r.run_id, job_id=r.job_id, token=r.token) for r in log.held_runs()
+        ]
+
     creds: tls.NodeCredentials | None = None
     joined_now = True  # the credentials in use were just made by a join (or there are none)
     if insecure:
@@ -417,9 +428,11 @@ def run_agent(
             join_token=join_token,
             ca_cert=ca_cert,
             stop=stop,
+            held=held,
         )
         found_creds = credentials()
         if found_creds is None:  # stopped before the controller answered the join
+            log.close()
             return
         creds, facts = found_creds
         holder = creds
@@ -436,7 +449,6 @@ def run_agent(
 
         channel = ControllerPool(controllers, secure)
     store = ObjectStore(cfg.object_store_url)
-    log = AssignmentLog(state_dir)
     try:  # on a full disk written in place (see bump_agent_epoch)
         agent_epoch = log.bump_agent_epoch()
     except OSError as exc:

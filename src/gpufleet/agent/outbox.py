@@ -261,6 +261,10 @@ class Outbox:
                 message=rec.message,
                 node_fault=rec.node_fault,
                 reason=rec.reason,
+                # both on this node's clock: the controller dates the end at its receipt
+                # minus their difference (a late report still ends at the exit)
+                ended_at_unix=rec.finished_at_s,
+                sent_at_unix=time.time(),
             ),
             timeout=CALL_TIMEOUT_S,
         )

@@ -161,6 +161,8 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                     node_id=node_id,
                     serial=serial,
                     not_after=cert.not_valid_after_utc,
+                    agent_epoch=request.agent_epoch,
+                    held={r.run_id: r.token for r in request.held_runs},
                 )
             ),
         )

@@ -235,6 +235,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             message=request.message,
             node_fault=request.node_fault,
             reason=request.reason,
+            # the agent's two readings of its own clock: their difference is skew-free
+            ended_ago_s=request.sent_at_unix - request.ended_at_unix
+            if request.ended_at_unix > 0 and request.sent_at_unix > 0
+            else None,
         )
         result, message = _guard(
             context,

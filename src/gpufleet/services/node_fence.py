@@ -3,12 +3,14 @@ QUARANTINED until the node's agent reports the runs gone (or an operator confirm
 dead), their jobs moved on (re-placed elsewhere, or ended).
 
 Used by the failure detector (``node_upkeep.fence_silent_nodes``), registration and identity
-(an agent that lost its state: ``fence_lost_agent_state``), heartbeats (fenced runs reported
-gone: ``release_gone_quarantined``) and the operator (``node_admin.operator_fence``).
+(an agent that lost its state: ``fence_lost_agent_state``; a rejoin tells a lost state from a
+kept one with ``kept_state_problem``), heartbeats (fenced runs reported gone:
+``release_gone_quarantined``) and the operator (``node_admin.operator_fence``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from sqlalchemy import func, select, update
@@ -49,8 +51,10 @@ def fence_node(
     node_to: NodeStatus | None = None,
     leader_holder: str | None = None,
     leader_epoch: int | None = None,
+    keep: Collection[str] = (),
 ) -> list[Fenced]:
-    """Fence every active attempt of ``node_id`` in this one transaction.
+    """Fence every active attempt of ``node_id`` (but those in ``keep``) in this one
+    transaction.
 
     Each attempt -> FENCED (its token is revoked: the job moves on, and a report or confirm
     under that token is STALE), its reservation -> QUARANTINED (the GPUs are not offered
@@ -64,6 +68,7 @@ def fence_node(
         node_to: the node's new status (e.g. QUARANTINED), or None to leave it.
         leader_holder, leader_epoch: when given, checked against the lease in this
             transaction (the failure detector); an operator's fence passes None.
+        keep: run ids left as they are (attempts a rejoining agent still holds).
 
     Raises:
         NotLeader: the lease moved on.
@@ -82,6 +87,8 @@ def fence_node(
         .order_by(JobRunRow.id)
     ).all()
     for run in active:
+        if run.id in keep:
+            continue
         job = session.get(JobRow, run.job_id, with_for_update=True)
         assert job is not None
         transition(
@@ -249,25 +256,92 @@ def release_gone_quarantined(
 
 
 def fence_lost_agent_state(
-    session: Session, node: NodeRow, *, reason: str, max_node_failures: int = 3
+    session: Session,
+    node: NodeRow,
+    *,
+    reason: str,
+    max_node_failures: int = 3,
+    keep: Collection[str] = (),
 ) -> None:
     """The node's agent lost its state (re-installed, wiped state dir, rejoined with a new
-    certificate): it cannot know the attempts the database gave this node, so they are
-    fenced at once (jobs re-placed with a higher token; GPUs QUARANTINED until the fresh
-    agent's heartbeats list none of them, or an operator fences the node)."""
-    has_active = session.execute(
-        select(JobRunRow.id)
-        .where(JobRunRow.node_id == node.id, JobRunRow.status.in_(sorted(RUN_ACTIVE)))
-        .limit(1)
-    ).first()
+    certificate and no state): it cannot know the attempts the database gave this node, so
+    they are fenced at once (jobs re-placed with a higher token; GPUs QUARANTINED until the
+    fresh agent's heartbeats list none of them, or an operator fences the node). ``keep``:
+    run ids the agent still holds (a rejoin with its state kept, :func:`kept_state_problem`),
+    left as they are; the node is QUARANTINED only when some other attempt is fenced."""
+    fenced_any = any(
+        run_id not in keep
+        for run_id in session.scalars(
+            select(JobRunRow.id).where(
+                JobRunRow.node_id == node.id, JobRunRow.status.in_(sorted(RUN_ACTIVE))
+            )
+        )
+    )
     fence_node(
         session,
         node.id,
         reason=reason,
         max_node_failures=max_node_failures,
         node_to=NodeStatus.QUARANTINED
-        if has_active
+        if fenced_any
         and node.status in (NodeStatus.HEALTHY, NodeStatus.SUSPECT, NodeStatus.UNHEALTHY)
         else None,
+        keep=keep,
     )
     session.refresh(node)
+
+
+@dataclass(frozen=True, slots=True)
+class KeptState:
+    """A rejoin's verdict (:func:`kept_state_problem`): the attempts the agent still holds
+    (kept as they are), why the node's other active attempts are fenced (None: none is), and
+    whether the agent's state is lost (a re-install: its agent epoch counter starts again)."""
+
+    keep: frozenset[str]
+    problem: str | None
+    lost: bool = False
+
+
+def kept_state_problem(
+    *,
+    agent_epoch: int,
+    known_epoch: int,
+    held: Mapping[str, int],
+    active: Mapping[str, int],
+) -> KeptState:
+    """Tell a rejoin from a re-install. Pure.
+
+    A node whose certificate expired while its agent was stopped rejoins with a join token;
+    its state dir (and its running attempts' shims) may be intact. The agent says what its
+    state dir holds: ``agent_epoch`` (the epoch there; 0 = none, a new or wiped state dir, or
+    an agent too old to say) and ``held`` (run_id -> token of the attempts its assignment log
+    has not seen reported). ``known_epoch``: the node's agent epoch in the database;
+    ``active``: run_id -> token of the node's active attempts.
+
+    - no agent epoch, or one below the known epoch (an older copy of the state dir): the
+      state is lost, every active attempt is fenced (as for a re-install);
+    - otherwise each active attempt the agent holds under the same token is kept; the
+      others (an AssignJob that never reached the agent, an older token) are fenced.
+    """
+    if agent_epoch <= 0:
+        return KeptState(
+            frozenset(),
+            "node rejoined with a new certificate and no agent state (re-installed or wiped"
+            " state dir)",
+            lost=True,
+        )
+    if agent_epoch < known_epoch:
+        return KeptState(
+            frozenset(),
+            f"node rejoined with a new certificate and an older agent state (agent epoch"
+            f" {agent_epoch} < known {known_epoch}: a restored or copied state dir)",
+            lost=True,
+        )
+    keep = frozenset(r for r, token in active.items() if held.get(r) == token)
+    if len(keep) == len(active):
+        return KeptState(keep, None)
+    return KeptState(
+        keep,
+        f"node rejoined with a new certificate; its agent (state kept, agent epoch"
+        f" {agent_epoch}) does not hold this attempt",
+    )

@@ -11,6 +11,7 @@ stored as sha256, used at most once, and expire.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -20,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Conflict, Forbidden, Unauthenticated, ValidationFailed
 from gpufleet.domain.ids import new_id
-from gpufleet.domain.states import NodeStatus
+from gpufleet.domain.states import RUN_ACTIVE, NodeStatus
 from gpufleet.rpc.join import hash_secret
 from gpufleet.rpc.pki import check_node_id
 from gpufleet.services import nodes
@@ -116,12 +117,28 @@ def _usable_token(session: Session, secret: str, node_id: str, now: datetime) ->
     return row
 
 
-def join(session: Session, *, secret: str, node_id: str, serial: str, not_after: datetime) -> None:
+def join(
+    session: Session,
+    *,
+    secret: str,
+    node_id: str,
+    serial: str,
+    not_after: datetime,
+    agent_epoch: int = 0,
+    held: Mapping[str, int] | None = None,
+) -> None:
     """Spend a join token on ``node_id`` and record its new certificate, in one transaction.
     Older certificates of the node are revoked and its trust epoch goes up (a rejoin replaces
     a lost or stolen key: a renewal racing it from an older certificate is refused too; the
-    new certificate carries the new epoch, so a revoked node is trusted again from it on),
-    and its agent epoch restarts at 0 (a re-installed node's epoch counter starts again).
+    new certificate carries the new epoch, so a revoked node is trusted again from it on).
+
+    A rejoin is told from a re-install by what the agent says its state dir holds
+    (``agent_epoch``: the epoch there, 0 = none; ``held``: run_id -> token of the attempts
+    it has not seen reported; ``node_fence.kept_state_problem`` decides): an agent whose
+    certificate merely expired while it was stopped keeps the attempts it holds (their
+    processes ran on under their shims), and only the node's other active attempts are
+    fenced; a re-installed node (no state) has them all fenced and its agent epoch restarts
+    at 0 (its epoch counter starts again).
 
     Raises:
         Unauthenticated: unknown, used or expired token (one message for all three).
@@ -140,15 +157,32 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
         raise Unauthenticated("invalid, used or expired join token")
     epoch = _raise_trust_epoch(session, node_id, now, revocation=False)  # lock order: trust,
     revoked = _revoke(session, node_id, now)  # then certificates (as renewals and revoke)
-    # a rejoin is a new install of the node (its state dir, and so its agent epoch counter,
-    # are gone): the attempts given to the old install are fenced now (the new agent cannot
-    # know them), and its first registration must not be refused as an old agent process
+    # a re-install (its state dir, and so its agent epoch counter, are gone) has the
+    # attempts given to the old install fenced now (the new agent cannot know them), and its
+    # first registration must not be refused as an old agent process; a rejoin with the
+    # state kept keeps the attempts the agent holds
     node = session.get(NodeRow, node_id, with_for_update=True)
+    kept = ""
     if node is not None:
-        nodes.fence_lost_agent_state(
-            session, node, reason="node rejoined with a new certificate (re-installed)"
+        active: dict[str, int] = dict(
+            session.execute(
+                select(JobRunRow.id, JobRunRow.token).where(
+                    JobRunRow.node_id == node_id, JobRunRow.status.in_(sorted(RUN_ACTIVE))
+                )
+            ).all()  # rows, not the Result: dict() would take its keys() for a mapping's
         )
-        node.agent_epoch = 0
+        verdict = nodes.kept_state_problem(
+            agent_epoch=agent_epoch, known_epoch=node.agent_epoch, held=held or {}, active=active
+        )
+        if verdict.problem is not None:
+            nodes.fence_lost_agent_state(session, node, reason=verdict.problem, keep=verdict.keep)
+        if verdict.lost:
+            node.agent_epoch = 0
+        else:
+            kept = (
+                f"; agent state kept (agent epoch {agent_epoch}),"
+                f" {len(verdict.keep)} running attempt(s) kept"
+            )
         if node.status == NodeStatus.FENCED:
             # an operator made this join token: the fenced (revoked) node is trusted again
             nodes.back_to_healthy(
@@ -174,7 +208,8 @@ def join(session: Session, *, secret: str, node_id: str, serial: str, not_after:
         now=now,
         node_id=node_id,
         message=f"certificate {serial} issued on a join token"
-        + (f"; {revoked} older certificate(s) revoked" if revoked else ""),
+        + (f"; {revoked} older certificate(s) revoked" if revoked else "")
+        + kept,
     )
 
 

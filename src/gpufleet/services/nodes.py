@@ -19,8 +19,10 @@ from __future__ import annotations
 from gpufleet.services.node_admin import operator_fence, prepull_images, set_node_status
 from gpufleet.services.node_fence import (
     Fenced,
+    KeptState,
     fence_lost_agent_state,
     fence_node,
+    kept_state_problem,
     release_gone_quarantined,
 )
 from gpufleet.services.node_health import (
@@ -57,6 +59,7 @@ __all__ = [
     "Fenced",
     "HeartbeatRun",
     "HeartbeatVerdict",
+    "KeptState",
     "NodeHealth",
     "NodeInventory",
     "UpkeepDue",
@@ -68,6 +71,7 @@ __all__ = [
     "fence_silent_nodes",
     "finish_drains",
     "heartbeat",
+    "kept_state_problem",
     "mark_silent_nodes_suspect",
     "mark_unhealthy",
     "node_problems",

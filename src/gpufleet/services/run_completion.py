@@ -80,6 +80,22 @@ class Report:
     reason: str = ""  # machine-readable cause from the agent: "", OOM_KILLED or DISK_FULL
     node_refused: bool = False
     """With ``node_fault``: the agent refused the assignment on a failed health check."""
+    ended_ago_s: float | None = None
+    """Seconds from the attempt's end to the report's send, on the agent's clock (None:
+    unknown): the end is dated that long before the report's receipt (:func:`ended_at`)."""
+
+
+def ended_at(
+    received_at: datetime, ended_ago_s: float | None, *, started_at: datetime
+) -> datetime:
+    """When an attempt ended on the database's clock: ``received_at`` (the report's receipt)
+    minus ``ended_ago_s`` (the agent's own measure of the time from the exit to the send,
+    so its clock's skew cancels; the time in flight is not subtracted), clamped to
+    ``[started_at, received_at]``. None or a negative delay (the agent's clock stepped
+    back): ``received_at``."""
+    if ended_ago_s is None or not ended_ago_s > 0:
+        return received_at
+    return max(started_at, received_at - timedelta(seconds=ended_ago_s))
 
 
 OOM_KILLED = "OOM_KILLED"
@@ -264,6 +280,9 @@ def complete_run(
         if inferred and (run.started_at is not None or run.status == RunStatus.RUNNING):
             return CompletionResult.STALE, "the attempt was confirmed running; not overridden"
         current = is_current(job, run)
+        # the usage record ends at the exit, not when the report got here (a controller
+        # away at the exit): charged only for the time the attempt really ran
+        ended = ended_at(now, report.ended_ago_s, started_at=run.started_at or run.created_at)
         run_to, job_to, why = _decide(session, run, job, report, checked, current)
         gang_stopped = (
             run.gang_size > 1 and run.stop_reason == GANG_STOP and run_to != RunStatus.SUCCEEDED
@@ -284,7 +303,7 @@ def complete_run(
             "charged_to": "refused"
             if blame == "node" and report.node_refused
             else ("system" if (inferred or gang_stopped) and blame != "node" else blame),
-            "finished_at": now,
+            "finished_at": ended,  # the attempt's (its job's is the commit's, below)
             "exit_code": report.exit_code if report.outcome != Outcome.NEVER_STARTED else None,
             "manifest_uri": report.manifest_uri or None,
             "message": why,
@@ -308,6 +327,7 @@ def complete_run(
             node_id=run.node_id,
             message=f"rank {run.rank}: {why}" if gang else why,
             usage=usage,
+            ended_at=ended,
         )
         if gang:
             return _complete_gang_member(

@@ -25,6 +25,7 @@ from gpufleet.services.run_completion import (
     Report,
     Verified,
     complete_run,
+    ended_at,
     verify_manifest,
 )
 from gpufleet.services.run_settle import (
@@ -62,6 +63,7 @@ __all__ = [
     "confirm_assignment",
     "confirm_start",
     "describe_phases",
+    "ended_at",
     "finish_gang_if_done",
     "gang_cause",
     "gang_members",

@@ -61,6 +61,7 @@ def transition(
     run_id: str | None = None,
     node_id: str | None = None,
     usage: accounting.AttemptFacts | None = None,
+    ended_at: datetime | None = None,
 ) -> str:
     """Move ``entity_id`` of ``machine`` to ``to`` from one of ``frm``; returns the old status.
 
@@ -71,6 +72,9 @@ def transition(
         values: other columns to set in the same UPDATE.
         usage: a run reaching a terminal status: the attempt as the caller read it in this
             transaction, for its usage record (``accounting.record_attempt_end``).
+        ended_at: a run reaching a terminal status: when its processes really ended (UTC,
+            on the database's clock, at most ``now``), the end of its usage record; None =
+            ``now`` (the attempt ends as the transition is made).
 
     Raises:
         IllegalTransition: an edge ``frm -> to`` is not in the table.
@@ -108,7 +112,13 @@ def transition(
         )
     if machine is Machine.RUN and to in RUN_TERMINAL:
         # the one place every attempt ends: its usage record goes in the same transaction
-        accounting.record_attempt_end(session, entity_id, outcome=str(to), end_at=now, facts=usage)
+        accounting.record_attempt_end(
+            session,
+            entity_id,
+            outcome=str(to),
+            end_at=now if ended_at is None else min(ended_at, now),
+            facts=usage,
+        )
     record_transition(
         session,
         machine,

@@ -509,6 +509,8 @@ class ReportCompletionRequest(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     NODE_FAULT_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    ENDED_AT_UNIX_FIELD_NUMBER: _builtins.int
+    SENT_AT_UNIX_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     run_id: _builtins.str
     token: _builtins.int
@@ -525,6 +527,13 @@ class ReportCompletionRequest(_message.Message):
     """Machine-readable cause, "" or "OOM_KILLED" (the attempt exceeded its memory_mb and the
     kernel killed it inside its cgroup).
     """
+    ended_at_unix: _builtins.float
+    """The agent's clock (Unix seconds) when the attempt's processes ended, and when this send
+    was made: the controller dates the end at its receipt minus (sent - ended), so the usage
+    record ends at the exit even when the report arrives late, whatever the agent's clock
+    skew. 0 = unknown (the end is dated at the receipt).
+    """
+    sent_at_unix: _builtins.float
     def __init__(
         self,
         *,
@@ -537,10 +546,12 @@ class ReportCompletionRequest(_message.Message):
         message: _builtins.str = ...,
         node_fault: _builtins.bool = ...,
         reason: _builtins.str = ...,
+        ended_at_unix: _builtins.float = ...,
+        sent_at_unix: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_fault", b"node_fault", "node_id", b"node_id", "outcome", b"outcome", "reason", b"reason", "run_id", b"run_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended_at_unix", b"ended_at_unix", "exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_fault", b"node_fault", "node_id", b"node_id", "outcome", b"outcome", "reason", b"reason", "run_id", b"run_id", "sent_at_unix", b"sent_at_unix", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -889,21 +900,34 @@ class JoinRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
     CSR_PEM_FIELD_NUMBER: _builtins.int
+    AGENT_EPOCH_FIELD_NUMBER: _builtins.int
+    HELD_RUNS_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     """the secret part of the join token (gfj1.<ca>.<secret>)"""
     node_id: _builtins.str
     csr_pem: _builtins.bytes
     """PKCS#10, EC P-256 key made on the node"""
+    agent_epoch: _builtins.int
+    """What the agent's state dir still holds, so that a rejoin (a certificate expired while the
+    agent was stopped) is told from a re-install: the agent epoch its state dir holds (the
+    running agent's, or the last agent's before a new one starts; 0 = no state: new or
+    wiped) and the attempts its assignment log has not yet seen reported (run_id, job_id,
+    token). The controller keeps those of the node's active attempts and fences the rest.
+    """
+    @_builtins.property
+    def held_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunRef]: ...
     def __init__(
         self,
         *,
         token: _builtins.str = ...,
         node_id: _builtins.str = ...,
         csr_pem: _builtins.bytes = ...,
+        agent_epoch: _builtins.int = ...,
+        held_runs: _abc.Iterable[Global___RunRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem", "node_id", b"node_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_epoch", b"agent_epoch", "csr_pem", b"csr_pem", "held_runs", b"held_runs", "node_id", b"node_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
