@@ -53,13 +53,15 @@ def race(db: Database, first: Callable[[Session], Any], second: Callable[[Sessio
 class TestTeamCreate:
     def test_a_second_create_of_the_same_team_is_a_conflict(self, db: Database) -> None:
         with pytest.raises(Conflict, match="already exists"):
-            race(db, lambda s: auth.create_team(s, "vision"), lambda s: auth.create_team(s, "vision"))
+            race(
+                db,
+                lambda s: auth.create_team(s, "vision"),
+                lambda s: auth.create_team(s, "vision"),
+            )
         with db.read() as s:
             assert s.scalar(select(func.count()).select_from(TeamRow)) == 1
 
-    def test_a_token_with_create_team_for_a_team_being_created_is_made(
-        self, db: Database
-    ) -> None:
+    def test_a_token_with_create_team_for_a_team_being_created_is_made(self, db: Database) -> None:
         raw = race(
             db,
             lambda s: auth.create_token(s, "vision", create_team_if_missing=True),
