@@ -35,7 +35,7 @@ def race(db: Database, first: Callable[[Session], Any], second: Callable[[Sessio
     def run_second() -> None:
         try:
             out["value"] = db.run_write(second)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+        except BaseException as exc:  # handed to the test thread
             out["error"] = exc
 
     with db.write_tx() as s:
@@ -83,7 +83,7 @@ class TestTeamCreate:
                 results.append("created")
             except Conflict:
                 results.append("conflict")
-            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+            except Exception as exc:  # recorded for the assertion
                 results.append(type(exc).__name__)
 
         threads = [threading.Thread(target=create) for _ in range(12)]
