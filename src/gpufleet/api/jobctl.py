@@ -40,7 +40,8 @@ def register_jobctl_routes(
             fn(s, team(who), job_id)
             s.flush()
             s.expire_all()  # rows changed by UPDATE statements are read again
-            return job_out(*jobs.get_job(s, None, job_id))
+            job, runs = jobs.get_job(s, None, job_id)
+            return job_out(job, runs, jobs.unverified_processes(s, runs))
 
         out = state.db.run_write(tx)
         state.waker.wake()
