@@ -66,8 +66,9 @@ def test_array_limit_and_dependency_chain(tmp_path: Path) -> None:
     assert jobs["huge"].status == "EXPIRED"
     assert jobs["never"].status == "DEPENDENCY_FAILED" and jobs["never"].runs == []
     assert jobs["never2"].status == "SUCCEEDED"
-    assert jobs["cleanup"].status == "SUCCEEDED"
-    assert eng.dependency_failed == ["never"]
+    # afternotok means "ran and did not succeed": an EXPIRED job never ran (issue 24, item 10)
+    assert jobs["cleanup"].status == "DEPENDENCY_FAILED" and jobs["cleanup"].runs == []
+    assert sorted(eng.dependency_failed) == ["cleanup", "never"]
     assert eng.violations == 0
 
 

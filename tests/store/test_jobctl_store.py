@@ -151,3 +151,30 @@ def test_an_array_whose_task_key_is_another_jobs_key_is_a_conflict_naming_the_he
     with db.read() as s:
         keys = s.scalars(select(JobRow.idempotency_key)).all()
     assert keys == ["k1#2"]
+
+
+def test_afternotok_on_a_cancelled_job_counts_only_if_it_ran(db: Database) -> None:
+    """Issue 24 item 10: a CANCELLED dependency satisfies ``afternotok`` only if its code
+    started (``started_at``); a requeue of the finished job clears that, so its new outcome
+    decides."""
+    create_team(db)
+    ran = sub(db, "ran").job_id  # type: ignore[attr-defined]
+    never = sub(db, "never").job_id  # type: ignore[attr-defined]
+    on_ran = sub(db, depends_on=f"afternotok:{ran}").job_id  # type: ignore[attr-defined]
+    on_never = sub(db, depends_on=f"afternotok:{never}").job_id  # type: ignore[attr-defined]
+    table = JobRow.__table__
+    with db.read() as s:
+        at = s.get(JobRow, ran).created_at  # type: ignore[union-attr]
+    db.run_write(lambda s: s.execute(table.update().where(JobRow.id == ran).values(
+        status="CANCELLED", started_at=at)))  # fmt: skip
+    db.run_write(lambda s: s.execute(table.update().where(JobRow.id == never).values(
+        status="CANCELLED")))  # fmt: skip
+    with db.read() as s:
+        result = gating.evaluate(s, gating.load_gates(s))
+    assert on_ran not in result.failed and on_ran not in result.blocked  # released
+    assert "before it ever ran" in result.failed[on_never]
+    # requeued, the job that ran is unfinished again and has not run in its new life
+    db.run_write(lambda s: jobctl.requeue_job(s, "team-a", ran))
+    with db.read() as s:
+        row = s.get(JobRow, ran)
+        assert row is not None and row.status == "PENDING" and row.started_at is None

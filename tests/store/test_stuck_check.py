@@ -142,3 +142,46 @@ def test_a_heartbeat_answers_the_leases_epoch_not_a_jobs_token(db: Database) -> 
     verdict = db.run_write(lambda s: nodes.heartbeat(s, "n1", 1, listed, nodes.NodeHealth()))
     assert r.token == 3 and epoch == 1
     assert verdict.leader_epoch == epoch
+
+
+def test_a_stop_on_a_silent_node_waits_for_the_fence(db: Database) -> None:
+    """Issue 24 item 5: a stop whose node went silent waits for the fence, as designed: no
+    violation until the node's last heartbeat + fence timeout + one heartbeat + margin."""
+    from gpufleet.store.tables import NodeRow
+
+    job_id, epoch = setup(db)
+    r = reserve(db, job_id, "n1", 2, epoch=epoch)
+    db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token))
+    assert db.run_write(
+        lambda s: runs.request_stop(s, r.run_id, r.token, "cancel", message="test")
+    )
+
+    def found() -> list[str]:
+        _, out = check_database(
+            db,
+            grace_s=3,
+            confirm_timeout_s=30,
+            margin_s=30,
+            fence_after_s=60,
+            heartbeat_interval_s=10,
+        )
+        return [v.message for v in out if v.severity == "violation"]
+
+    def silent_for(seconds: float) -> None:
+        db.run_write(
+            lambda s: s.execute(
+                update(NodeRow)
+                .where(NodeRow.id == "n1")
+                .values(last_heartbeat_at=db_now(s) - timedelta(seconds=seconds))
+            )
+        )
+
+    _age(db, r.run_id, "stop_requested_at", 47)  # the issue's "stopping for 47 s"
+    silent_for(48)
+    assert found() == []  # the fence comes at 60 + 10 s of silence; + 30 s margin
+    _age(db, r.run_id, "stop_requested_at", 99)
+    silent_for(100)
+    (message,) = found()
+    assert "stopping for 99 s" in message and "its node n1 silent for 100 s" in message
+    silent_for(1)  # heard again: the agent got the stop and had grace + margin for it
+    assert found() and "grace 3 s" in found()[0]

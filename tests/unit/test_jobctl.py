@@ -72,22 +72,32 @@ def test_parse_depends() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "status", "want"),
+    ("kind", "status", "started", "want"),
     [
-        (OK, "RUNNING", None),
-        (OK, "SUCCEEDED", True),
-        (OK, "FAILED", False),
-        (OK, "CANCELLED", False),
-        (OK, "DEPENDENCY_FAILED", False),
-        (ANY, "FAILED", True),
-        (ANY, "PENDING", None),
-        (NOTOK, "SUCCEEDED", False),
-        (NOTOK, "EXPIRED", True),
-        (OK, None, False),
+        (OK, "RUNNING", True, None),
+        (OK, "SUCCEEDED", True, True),
+        (OK, "FAILED", True, False),
+        (OK, "CANCELLED", True, False),
+        (OK, "DEPENDENCY_FAILED", False, False),
+        (ANY, "FAILED", True, True),
+        (ANY, "CANCELLED", False, True),
+        (ANY, "PENDING", False, None),
+        (NOTOK, "PENDING", False, None),
+        (NOTOK, "SUCCEEDED", True, False),
+        (NOTOK, "FAILED", True, True),
+        (NOTOK, "FAILED", False, True),  # a failed start is a failure
+        (NOTOK, "CANCELLED", True, True),  # cancelled while it ran
+        # issue 24 item 10: "not ok" means it ran and did not succeed (Flux #6555/#6565)
+        (NOTOK, "CANCELLED", False, False),
+        (NOTOK, "DEPENDENCY_FAILED", False, False),
+        (NOTOK, "EXPIRED", False, False),
+        (OK, None, False, False),
     ],
 )
-def test_dependency_outcomes(kind: DependencyKind, status: str | None, want: bool | None) -> None:
-    assert dependency_outcome(kind, status) is want
+def test_dependency_outcomes(
+    kind: DependencyKind, status: str | None, started: bool, want: bool | None
+) -> None:
+    assert dependency_outcome(kind, status, started=started) is want
 
 
 def test_gates_block_fail_and_throttle() -> None:

@@ -7,7 +7,7 @@ array (``{array_id}``, bulk cancel's ``array_id``) the same (``resolve_array_ref
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -22,9 +22,13 @@ from gpufleet.store.tables import JobRow, JobRunRow
 
 
 def register_jobctl_routes(
-    app: FastAPI, state: AppState, *, job_out: Callable[[JobRow, list[JobRunRow]], JobOut]
+    app: FastAPI,
+    state: AppState,
+    *,
+    job_out: Callable[[JobRow, list[JobRunRow], Mapping[str, str]], JobOut],
 ) -> None:
-    """Add the job-control routes to ``app`` (``job_out`` renders a job as GET does)."""
+    """Add the job-control routes to ``app`` (``job_out`` renders a job as GET does: with
+    its attempts and those whose processes are not verified gone)."""
 
     def team(who: auth.Principal) -> str | None:
         return None if who.is_admin else who.team_id
@@ -40,7 +44,8 @@ def register_jobctl_routes(
             fn(s, team(who), job_id)
             s.flush()
             s.expire_all()  # rows changed by UPDATE statements are read again
-            return job_out(*jobs.get_job(s, None, job_id))
+            job, runs = jobs.get_job(s, None, job_id)
+            return job_out(job, runs, jobs.unverified_processes(s, runs))
 
         out = state.db.run_write(tx)
         state.waker.wake()

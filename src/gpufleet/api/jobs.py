@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -100,7 +101,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
         job_id = jobctl.resolve(state.db, None if who.is_admin else who.team_id, job_id)
         with state.db.read() as s:
             job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
-            out = job_out(job, runs)
+            out = job_out(job, runs, jobs.unverified_processes(s, runs))
             out.node_problems = node_service.node_problems(s, job)
             if out.pending_reason is not None:
                 out.pending_reason.position = jobs.queue_position(s, job)
@@ -178,7 +179,11 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                     .order_by(JobRunRow.attempt)
                 ):
                     runs.setdefault(r.job_id, []).append(r)
-            return JobList(items=[job_out(j, runs.get(j.id, [])) for j in rows], next_cursor=nxt)
+            unverified = jobs.unverified_processes(s, (r for rs in runs.values() for r in rs))
+            return JobList(
+                items=[job_out(j, runs.get(j.id, []), unverified) for j in rows],
+                next_cursor=nxt,
+            )
 
     @r.delete("/v1/jobs/{job_id}", status_code=202, responses=errors(404, 409))
     def cancel(job_id: str, who: Who) -> dict[str, Any]:
@@ -220,9 +225,16 @@ def _drop_past_estimate(reason: PendingReasonOut, now: datetime) -> None:
         reason.estimated_start_at = None
 
 
-def job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
+def job_out(
+    job: JobRow, runs: list[JobRunRow], unverified: Mapping[str, str] | None = None
+) -> JobOut:
+    """The job as the API shows it; ``unverified``: run id -> why its processes may still
+    run (``jobs.unverified_processes``), for the attempts' and the job's
+    ``processes_unverified``."""
     spec = job.spec
     reason = job.pending_reason if job.status == "PENDING" else None
+    unverified = unverified or {}
+    first_unverified = next((r.id for r in runs if r.id in unverified), None)
     return JobOut(
         job_id=job.id,
         name=job.name,
@@ -280,9 +292,15 @@ def job_out(job: JobRow, runs: list[JobRunRow]) -> JobOut:
                 gang_size=r.gang_size,
                 start_phases=r.start_phases,
                 last_checkpoint_at=jobs.iso(r.last_checkpoint_at),
+                processes_unverified=unverified.get(r.id),
             )
             for r in runs
         ],
+        processes_unverified=(
+            f"attempt {first_unverified}: {unverified[first_unverified]}"
+            if first_unverified is not None
+            else None
+        ),
         pending_reason=PendingReasonOut(**reason)
         if reason
         else (

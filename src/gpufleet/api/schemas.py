@@ -359,6 +359,10 @@ class AttemptOut(BaseModel):
     last_checkpoint_at: str | None = None
     """The newest file time in the attempt's ``$GPUFLEET_CHECKPOINT_DIR`` its agent reported
     (ISO 8601, UTC; None: none reported). A preemption costs the work done since then."""
+    processes_unverified: str | None = None
+    """Set while this attempt's processes may still run: it was FENCED (its node went
+    silent) and its agent has not yet reported them gone, e.g. ``"processes not verified
+    gone: node n1 unreachable (...)"``; None once they are (or for an attempt never fenced)."""
 
 
 class PendingReasonOut(BaseModel):
@@ -415,6 +419,12 @@ class JobOut(BaseModel):
     node_problems: list[dict[str, Any]] = []
     """Nodes this job waits on that cannot take work now: ``node_id``, ``status`` (SUSPECT,
     QUARANTINED, UNHEALTHY, CORDONED, DRAINING, FENCED) and ``reason``."""
+    processes_unverified: str | None = None
+    """Set while the code of one of its attempts may still run although the job shows
+    otherwise (CANCELLED at once after a fence, or running again elsewhere): ``"attempt
+    r-...: processes not verified gone: node n1 unreachable (...)"`` until that node's agent
+    reports the processes gone (its GPUs stay QUARANTINED meanwhile, so nothing else is
+    placed on them). See each attempt's ``processes_unverified``."""
 
 
 class JobList(BaseModel):

@@ -520,6 +520,7 @@ def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) 
     """
     job, runs = jobs.get_job(s, None if p.is_admin else p.team_id, job_id)
     events = jobs.job_events(s, job_id, limit=500)
+    unverified = jobs.unverified_processes(s, runs)
     attempts = []
     for r in runs:
         steps = [("reserved", r.created_at)]
@@ -538,7 +539,9 @@ def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) 
                 ]
             except (OSError, ValueError):
                 files = []
-        attempts.append({"run": r, "steps": steps, "files": files})
+        attempts.append(
+            {"run": r, "steps": steps, "files": files, "unverified": unverified.get(r.id)}
+        )
     position = None
     if job.status == JobStatus.PENDING:
         position = jobs.queue_position(s, job)
@@ -550,6 +553,9 @@ def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) 
         "position": position,
         "reason": job.pending_reason if job.status == JobStatus.PENDING else None,
         "finished": job.status in JOB_TERMINAL,
+        "unverified": next(
+            (f"attempt {r.id}: {unverified[r.id]}" for r in runs if r.id in unverified), None
+        ),
         "log": _log_tail(store, job.id, runs[-1].id) if runs else "",
     }
 

@@ -40,8 +40,9 @@ admin_app = typer.Typer(
 @admin_app.command("check")
 def admin_check(data_dir: DataDir = None) -> None:
     """Check invariants 1-4 and stuck states (6: an attempt stopping longer than grace + 30 s,
-    an unconfirmed attempt older than the confirm timeout, GPUs held for a run its agent does
-    not know) on the database; exit 1 if any invariant is violated (warnings do not)."""
+    or, on a silent node, longer than it takes to fence the node + 30 s; an unconfirmed
+    attempt older than the confirm timeout; GPUs held for a run its agent does not know) on
+    the database; exit 1 if any invariant is violated (warnings do not)."""
     from gpufleet.store.queries import check_database
 
     settings = load_settings(data_dir)
@@ -49,6 +50,12 @@ def admin_check(data_dir: DataDir = None) -> None:
         _admin_db(data_dir),
         grace_s=settings.default_grace_s,
         confirm_timeout_s=settings.confirm_timeout_s,
+        # the reconciler's fence: silence of max(fence timeout, the suspect window)
+        fence_after_s=max(
+            settings.fence_timeout_s,
+            settings.heartbeat_interval_s * settings.suspect_after_missed,
+        ),
+        heartbeat_interval_s=settings.heartbeat_interval_s,
     )
     violations = [v for v in findings if v.severity == "violation"]
     for w in findings:

@@ -151,6 +151,7 @@ def why(
                     "status": state,
                     "pending_reason": reason,
                     "node_problems": data.get("node_problems") or [],
+                    "processes_unverified": data.get("processes_unverified"),
                 },
                 out.value,
             )
@@ -164,5 +165,7 @@ def why(
         else:
             failure = f": {data['failure_reason']}" if data.get("failure_reason") else ""
             typer.echo(output.clean(f"job {job} is not pending: it is {state}{failure}"))
+        if data.get("processes_unverified"):  # e.g. CANCELLED, its fenced code maybe still on
+            typer.echo(output.clean(f"but {data['processes_unverified']}"))
         for line in output.node_problem_lines(data):
             typer.echo(output.clean(line))

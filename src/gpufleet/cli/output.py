@@ -608,6 +608,8 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
         rows.append(("cancel", "requested"))
     if job.get("failure_reason"):
         rows.append(("failure", fmt(job.get("failure_reason"))))
+    if job.get("processes_unverified"):
+        rows.append(("processes", fmt(job.get("processes_unverified"))))
     for key, value in rows:
         grid.add_row(key, Text(value) if isinstance(value, str) else value)
     out.print(grid)

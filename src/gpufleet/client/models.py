@@ -33,6 +33,9 @@ class Attempt:
     finished_at: str | None
     message: str | None
     raw: dict[str, Any] = field(repr=False, compare=False)
+    processes_unverified: str | None = None
+    """Set while this (fenced) attempt's processes may still run: its node's agent has not
+    reported them gone yet (``"processes not verified gone: node n1 unreachable ..."``)."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Attempt:
@@ -47,6 +50,7 @@ class Attempt:
             finished_at=_str(d.get("finished_at")),
             message=_str(d.get("message")),
             raw=d,
+            processes_unverified=_str(d.get("processes_unverified")),
         )
 
 
@@ -99,6 +103,10 @@ class Job:
     depends_on: tuple[dict[str, str], ...] = ()
     """``({"type": "afterok", "job_id": ...}, ...)``."""
     max_runtime_s: float | None = None
+    processes_unverified: str | None = None
+    """Set while the code of one of its attempts may still run although the job shows
+    otherwise (CANCELLED at once after its node was fenced): which attempt, which node;
+    None once the node's agent reported the processes gone."""
 
     @property
     def done(self) -> bool:
@@ -142,6 +150,7 @@ class Job:
             array_index=d.get("array_index"),
             depends_on=tuple(dict(x) for x in d.get("depends_on") or ()),
             max_runtime_s=d.get("max_runtime_s"),
+            processes_unverified=_str(d.get("processes_unverified")),
         )
 
 

@@ -85,6 +85,13 @@ class StuckLimits:
     grace_s: float
     confirm_timeout_s: float
     margin_s: float = 30.0
+    fence_after_s: float | None = None
+    """How long a silent node is waited for before it is fenced (the reconciler's
+    ``max(fence_timeout_s, heartbeat_interval_s x suspect_after_missed)``); None: unknown
+    (a stop is then allowed grace + margin, whatever its node)."""
+    heartbeat_interval_s: float = 0.0
+    """The agents' heartbeat interval: a node is silent once it missed two heartbeats, and
+    the fence may come one interval late (the leader's listening grace)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +144,11 @@ def check_invariants(view: InvariantView, stuck: StuckLimits | None = None) -> l
 def check_stuck(view: InvariantView, limits: StuckLimits) -> list[Violation]:
     """Invariant 6, nothing stays stuck, each finding named by the job id:
 
-    * violation: an attempt stopping (PREEMPTING) longer than grace + margin;
+    * violation: an attempt stopping (PREEMPTING) longer than grace + margin; on a silent
+      node (two heartbeats missed) the stop waits for the fence, as designed (the agent
+      cannot be told, and the GPUs are released only on the agent's word or the fence), so
+      it is a violation only past the later of grace and the node's last heartbeat + the
+      fence timeout + one heartbeat interval, + margin;
     * warning: an attempt not confirmed within the confirm timeout (+ margin);
     * warning: a confirmed attempt holding a reservation that its node's agent did not list
       in a heartbeat sent well after the start (the agent does not know it).
@@ -149,16 +160,9 @@ def check_stuck(view: InvariantView, limits: StuckLimits) -> list[Violation]:
         if run.status not in RUN_ACTIVE:
             continue
         if run.status == "PREEMPTING" and run.stop_requested_at_s is not None:
-            age = limits.now_s - run.stop_requested_at_s
-            if age > limits.grace_s + limits.margin_s:
-                out.append(
-                    Violation(
-                        6,
-                        run.job_id,
-                        f"attempt {run.run_id} has been stopping for {age:.0f} s"
-                        f" (grace {limits.grace_s:.0f} s + {limits.margin_s:.0f} s)",
-                    )
-                )
+            stuck = _stuck_stop(run, run.stop_requested_at_s, nodes.get(run.node_id), limits)
+            if stuck is not None:
+                out.append(Violation(6, run.job_id, stuck))
         if run.started_at_s is None and run.created_at_s is not None:
             age = limits.now_s - run.created_at_s
             if age > limits.confirm_timeout_s + limits.margin_s:
@@ -191,6 +195,36 @@ def check_stuck(view: InvariantView, limits: StuckLimits) -> list[Violation]:
                 )
             )
     return out
+
+
+def _stuck_stop(
+    run: RunView, requested_s: float, node: NodeView | None, limits: StuckLimits
+) -> str | None:
+    """Why a stopping attempt is stuck, or None while its stop may still end normally:
+    within grace + margin of the request, or, its node being silent, until the fence (the
+    node's last heartbeat + the fence timeout + one heartbeat interval) + margin."""
+    age = limits.now_s - requested_s
+    allowed = limits.grace_s + limits.margin_s
+    why = f"grace {limits.grace_s:.0f} s + {limits.margin_s:.0f} s"
+    if limits.fence_after_s is not None and node is not None:
+        heard_s = node.last_heartbeat_s
+        silent_s = None if heard_s is None else limits.now_s - heard_s
+        if silent_s is None or silent_s > 2 * limits.heartbeat_interval_s:
+            fence_at_s = (
+                (heard_s if heard_s is not None else requested_s)
+                + limits.fence_after_s
+                + limits.heartbeat_interval_s
+            )
+            allowed = max(allowed, fence_at_s - requested_s + limits.margin_s)
+            why = (
+                f"its node {run.node_id} silent"
+                + (f" for {silent_s:.0f} s" if silent_s is not None else "")
+                + f": the fence after {limits.fence_after_s:.0f} s of silence"
+                f" + {limits.heartbeat_interval_s:.0f} s + {limits.margin_s:.0f} s"
+            )
+    if age <= allowed:
+        return None
+    return f"attempt {run.run_id} has been stopping for {age:.0f} s ({why})"
 
 
 def _capacity_adds_up(

@@ -29,7 +29,8 @@ class JobStatus(enum.StrEnum):
     EXPIRED = "EXPIRED"
     DEPENDENCY_FAILED = "DEPENDENCY_FAILED"
     """One of its dependencies can never be satisfied (``afterok`` on a job that did not
-    succeed, ``afternotok`` on one that did): it never ran and never will."""
+    succeed, ``afternotok`` on one that succeeded or never ran): it never ran and never
+    will (``policy.gates``)."""
 
 
 class RunStatus(enum.StrEnum):

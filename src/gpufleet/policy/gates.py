@@ -14,15 +14,27 @@ be satisfied: the driver ends them ``DEPENDENCY_FAILED``). :func:`filter_snapsho
 both from a snapshot before ``schedule``: the policy never sees a gated job, so it cannot
 place one, and the ``%N`` limit holds however the pass orders the rest.
 
-Dependency semantics (Slurm's ``--dependency``):
+Dependency semantics (Slurm's ``--dependency`` names; ``afternotok`` as Flux decided it, see
+docs/design/job-control.md for the comparison):
 
 =============  ===========================================  ====================================
 kind           satisfied when the dependency is              never satisfied when it is
 =============  ===========================================  ====================================
 ``afterok``    SUCCEEDED                                     any other finished state
-``afternotok`` finished, not SUCCEEDED                       SUCCEEDED
+``afternotok`` FAILED, or CANCELLED after its code started   SUCCEEDED, EXPIRED,
+                                                             DEPENDENCY_FAILED, CANCELLED before
+                                                             its code ever started
 ``afterany``   finished (any state)                          (always satisfiable)
 =============  ===========================================  ====================================
+
+``afternotok`` means "the job ran and did not succeed": a job that never ran (cancelled while
+pending, expired, or ended DEPENDENCY_FAILED) did not fail, so it does not release its
+dependant. This is what makes a "retry until it succeeds" chain (R2 ``afternotok`` R1, R3
+``afternotok`` R2, ...) stop after the first success: the link after the success ends
+DEPENDENCY_FAILED, and so, one pass after the other, does the rest of the chain (counting
+DEPENDENCY_FAILED as "not ok" made it alternate: ran, never ran, ran, ...). "Started" is the
+job's ``started_at`` (set when its attempt was confirmed running; cleared by a requeue of a
+finished job, whose new outcome is the one that counts).
 
 A dependency whose job is unknown to the driver counts as never satisfiable. A user's requeue
 (``POST /v1/jobs/{id}/requeue``) of a finished dependency makes it unfinished again, so its
@@ -31,7 +43,7 @@ still-pending dependents wait for the new outcome.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from gpufleet.domain.jobsyntax import DependencyKind
@@ -80,22 +92,30 @@ class GateResult:
         return frozenset(self.blocked) | frozenset(self.failed)
 
 
-def dependency_outcome(kind: DependencyKind, status: str | None) -> bool | None:
-    """True: satisfied; False: can never be satisfied; None: not yet decided."""
+def dependency_outcome(
+    kind: DependencyKind, status: str | None, *, started: bool = True
+) -> bool | None:
+    """True: satisfied; False: can never be satisfied; None: not yet decided.
+
+    ``status``: the dependency's job status (None: no such job); ``started``: whether its
+    code ever started (only a CANCELLED job's matters: cancelled before it started, it does
+    not satisfy ``afternotok``)."""
     if status is None:
         return False
     if status not in JOB_TERMINAL:
         return None
     if kind is DependencyKind.AFTERANY:
         return True
-    ok = status == JobStatus.SUCCEEDED
-    return ok if kind is DependencyKind.AFTEROK else not ok
+    if kind is DependencyKind.AFTEROK:
+        return status == JobStatus.SUCCEEDED
+    return status == JobStatus.FAILED or (status == JobStatus.CANCELLED and started)
 
 
 def evaluate(
     gates: Iterable[JobGate],
     dependency_status: Mapping[str, str],
     array_active: Mapping[str, int],
+    never_started: Container[str] = frozenset(),
 ) -> GateResult:
     """Decide the gated jobs of one pass.
 
@@ -104,6 +124,8 @@ def evaluate(
         dependency_status: job id -> current status of every job some gate depends on
             (a missing id means the job does not exist).
         array_active: array id -> tasks of that array now SCHEDULED or RUNNING.
+        never_started: ids of those jobs whose code never started (``afternotok`` on one
+            cancelled before it started can never be satisfied); empty: all started.
 
     Array tasks are admitted in ``array_index`` order, so an array runs front to back.
     Deterministic: the same inputs give the same result.
@@ -122,7 +144,7 @@ def evaluate(
         never: tuple[Dependency, str | None] | None = None
         for dep in g.depends_on:
             status = dependency_status.get(dep.job_id)
-            outcome = dependency_outcome(dep.kind, status)
+            outcome = dependency_outcome(dep.kind, status, started=dep.job_id not in never_started)
             if outcome is False:
                 never = (dep, status)
                 break
@@ -134,6 +156,11 @@ def evaluate(
             failed[g.job_id] = (
                 f"dependency {dep.kind.value}:{dep.job_id} can never be satisfied: "
                 + (f"that job ended {status}" if status else "no such job")
+                + (
+                    " before it ever ran"
+                    if status == JobStatus.CANCELLED and dep.job_id in never_started
+                    else ""
+                )
             )
             continue
         if waiting_on is not None:

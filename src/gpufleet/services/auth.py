@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Conflict, NotFound, Unauthenticated, ValidationFailed
 from gpufleet.domain.ids import new_id
-from gpufleet.store.dialect import db_now
+from gpufleet.store.dialect import db_now, insert_if_absent
 from gpufleet.store.tables import ApiTokenRow, TeamRow
 
 TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -35,8 +35,9 @@ def _hash(raw: str) -> str:
 def create_team(
     session: Session, name: str, *, weight: float = 1.0, exist_ok: bool = False
 ) -> str:
-    """Create team ``name``. Raises ValidationFailed for a bad name, Conflict if it exists
-    (unless ``exist_ok``)."""
+    """Create team ``name``; returns it. Safe against concurrent creates of the same name
+    (exactly one creates it). Raises ValidationFailed for a bad name, Conflict (HTTP 409) if
+    it exists (unless ``exist_ok``)."""
     if not TEAM_NAME.match(name):
         raise ValidationFailed(
             f"team name {name!r}: use 1-64 of a-z 0-9 _ . - (starting with a letter or digit)",
@@ -44,20 +45,22 @@ def create_team(
         )
     if weight <= 0:
         raise ValidationFailed("weight must be > 0", field="weight")
-    if session.get(TeamRow, name) is not None:
-        if exist_ok:
-            return name
-        raise Conflict(f"team {name!r} already exists", field="name")
-    session.add(
-        TeamRow(
-            id=name,
-            weight=weight,
-            guaranteed_gpus={},
-            lending_limit_gpus={},
-            created_at=db_now(session),
-        )
+    # one INSERT ... ON CONFLICT DO NOTHING, not a read and then an insert: twelve admins
+    # creating one team at once get one "created" and eleven 409s (or, with ``exist_ok``,
+    # eleven "already there"), never a unique violation (HTTP 500)
+    created = insert_if_absent(
+        session,
+        TeamRow.__table__,
+        {
+            "id": name,
+            "weight": weight,
+            "guaranteed_gpus": {},
+            "lending_limit_gpus": {},
+            "created_at": db_now(session),
+        },
     )
-    session.flush()
+    if not created and not exist_ok:
+        raise Conflict(f"team {name!r} already exists", field="name")
     return name
 
 

@@ -15,7 +15,7 @@ from datetime import datetime
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Conflict
-from gpufleet.store.dialect import db_now
+from gpufleet.store.dialect import db_now, insert_if_absent
 from gpufleet.store.tables import FleetFactRow
 
 CA_KEY = "ca_sha256"
@@ -54,19 +54,23 @@ def record_ca(session: Session, fingerprint: str, *, where: str, replace: bool =
         Conflict: another CA is recorded (and not ``replace``); field ``ca``; the message
             names both fingerprints and ``where`` (the one offered, e.g. "the CA in /x/pki").
     """
-    row = session.get(FleetFactRow, CA_KEY, with_for_update=True)
-    if row is not None and row.value == fingerprint:
+    now = db_now(session)
+    # the first record: two controllers starting at once both find no row (there is nothing
+    # to lock yet); ON CONFLICT lets one insert win and the other read the winner's below
+    if insert_if_absent(
+        session, FleetFactRow.__table__, {"key": CA_KEY, "value": fingerprint, "recorded_at": now}
+    ):
+        return True
+    row = session.get(FleetFactRow, CA_KEY, with_for_update=True, populate_existing=True)
+    assert row is not None  # inserted by another transaction, never deleted
+    if row.value == fingerprint:
         return False
-    if row is not None and not replace:
+    if not replace:
         raise Conflict(
             mismatch_message(RecordedCa(row.value, row.recorded_at), fingerprint, where),
             field="ca",
         )
-    now = db_now(session)
-    if row is None:
-        session.add(FleetFactRow(key=CA_KEY, value=fingerprint, recorded_at=now))
-    else:
-        row.value, row.recorded_at = fingerprint, now
+    row.value, row.recorded_at = fingerprint, now
     session.flush()
     return True
 

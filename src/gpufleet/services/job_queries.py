@@ -1,18 +1,19 @@
 """Read jobs (seed Phase 4): one job with its attempts, a page of a team's jobs, a pending
-job's place in its team's queue, a job's events.
+job's place in its team's queue, a job's events, the attempts whose processes may still run.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from datetime import datetime
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import NotFound, ValidationFailed
-from gpufleet.domain.states import JobStatus
-from gpufleet.store.tables import JobRow, JobRunRow, SchedulingEventRow
+from gpufleet.domain.states import JobStatus, ReservationStatus, RunStatus
+from gpufleet.store.tables import JobRow, JobRunRow, ReservationRow, SchedulingEventRow
 
 JOB_ID = re.compile(r"^j-[0-9a-z]{26}$")
 
@@ -37,6 +38,30 @@ def get_job(session: Session, team_id: str | None, job_id: str) -> tuple[JobRow,
         )
     )
     return job, runs
+
+
+def unverified_processes(session: Session, runs: Iterable[JobRunRow]) -> dict[str, str]:
+    """Run id -> why its processes may still be running, for each of ``runs`` that was
+    FENCED (its node went silent, lost its agent's state or was fenced by an operator)
+    while nobody has said its processes are gone: its reservation is still QUARANTINED
+    (released when the agent reports the run gone or an operator confirms the node dead).
+    Its job may already show CANCELLED or run elsewhere; this says the old attempt's code
+    may run on (issue 24, item 6). One indexed read, only when an attempt was fenced."""
+    fenced = [r.id for r in runs if r.status == RunStatus.FENCED]
+    if not fenced:
+        return {}
+    rows = session.execute(
+        select(ReservationRow.run_id, ReservationRow.node_id).where(
+            ReservationRow.run_id.in_(fenced),
+            ReservationRow.status == ReservationStatus.QUARANTINED,
+        )
+    ).all()
+    return {
+        run_id: f"processes not verified gone: node {node_id} unreachable (its GPUs stay"
+        " quarantined until its agent reports them stopped or an operator confirms the"
+        " node dead)"
+        for run_id, node_id in rows
+    }
 
 
 def list_jobs(

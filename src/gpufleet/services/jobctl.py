@@ -331,6 +331,10 @@ def requeue_job(session: Session, team_id: str | None, job_id: str) -> str:
             values={
                 "cancel_requested": False,
                 "finished_at": None,
+                # a new outcome: whether its code ran is the new attempts' to say (an
+                # ``afternotok`` dependant of a requeued job cancelled before it ran again
+                # is not released, policy.gates)
+                "started_at": None,
                 "failure_reason": None,
                 "retry_after": None,
                 "pending_reason": None,

@@ -34,6 +34,7 @@ from gpufleet.services.job_queries import (
     job_events,
     list_jobs,
     queue_position,
+    unverified_processes,
 )
 from gpufleet.services.job_submit import (
     SubmitControl,
@@ -66,4 +67,5 @@ __all__ = [
     "spec_to_dict",
     "submit_job",
     "team_runtime_limits",
+    "unverified_processes",
 ]

@@ -23,7 +23,7 @@ from gpufleet.services.job_admission import forget_fleet_shapes
 from gpufleet.services.node_fence import fence_lost_agent_state
 from gpufleet.services.node_health import back_to_healthy, set_status_reason
 from gpufleet.store import allocate
-from gpufleet.store.dialect import db_now
+from gpufleet.store.dialect import db_now, insert_if_absent
 from gpufleet.store.tables import NodeRow
 from gpufleet.store.transitions import record_event, transition
 
@@ -63,27 +63,31 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
             f"mixed GPU types on one node are not supported: {types}", field="gpus"
         )
     now = db_now(session)
-    node = session.get(NodeRow, inv.node_id, with_for_update=True)
     gpu_type = types.pop()
     mem = min(g.memory_mb for g in inv.gpus)
-    if node is None:
-        session.add(
-            NodeRow(
-                id=inv.node_id,
-                address=inv.address,
-                status=NodeStatus.HEALTHY,
-                gpu_type=gpu_type,
-                gpu_memory_mb=mem,
-                cpu=inv.cpu,
-                memory_mb=inv.memory_mb,
-                labels=inv.labels,
-                agent_epoch=inv.agent_epoch,
-                inventory_source=inv.inventory_source,
-                registered_at=now,
-                last_heartbeat_at=now,
-            )
-        )
-        session.flush()
+    node = session.get(NodeRow, inv.node_id, with_for_update=True)
+    # a new node: INSERT ... ON CONFLICT DO NOTHING, not a read and then an insert (two
+    # registrations of one new node at once, e.g. a retried call while the first is still in
+    # its transaction, both read "absent" and one insert failed with a unique violation):
+    # the loser waits for the winner's commit and then refreshes the winner's row below
+    if node is None and insert_if_absent(
+        session,
+        NodeRow.__table__,
+        {
+            "id": inv.node_id,
+            "address": inv.address,
+            "status": NodeStatus.HEALTHY,
+            "gpu_type": gpu_type,
+            "gpu_memory_mb": mem,
+            "cpu": inv.cpu,
+            "memory_mb": inv.memory_mb,
+            "labels": inv.labels,
+            "agent_epoch": inv.agent_epoch,
+            "inventory_source": inv.inventory_source,
+            "registered_at": now,
+            "last_heartbeat_at": now,
+        },
+    ):
         allocate.set_inventory(session, inv.node_id, inv.gpus)
         record_event(
             session,
@@ -93,6 +97,9 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
             message=f"{len(inv.gpus)}x{gpu_type} at {inv.address} ({inv.inventory_source})",
         )
         return
+    if node is None:
+        node = session.get(NodeRow, inv.node_id, with_for_update=True, populate_existing=True)
+        assert node is not None  # the concurrent registration's row, committed
     if inv.agent_epoch < node.agent_epoch:
         fence_lost_agent_state(
             session,

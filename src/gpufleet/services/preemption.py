@@ -19,7 +19,7 @@ from gpufleet.domain.states import JobStatus, RunStatus
 from gpufleet.policy.decisions import Preempt
 from gpufleet.services.run_stop import request_stop
 from gpufleet.store import leader
-from gpufleet.store.dialect import db_now
+from gpufleet.store.dialect import db_now, insert_if_absent
 from gpufleet.store.tables import GpuHoldRow, JobRow, JobRunRow, NodeRow
 
 
@@ -84,19 +84,27 @@ def apply_preempt(
         orders.append(StopOrder(run_id, token, address, node_id))
     gpus = decision.gpu_count or sum(len(r.gpu_ids) for r, _ in rows)
     # one hold per (job, node): a gang preemptor may hold GPUs on several nodes
-    hold = session.get(GpuHoldRow, (decision.for_job_id, decision.node_id))
-    if hold is None:
-        session.add(
-            GpuHoldRow(
-                job_id=decision.for_job_id,
-                node_id=decision.node_id,
-                gpu_count=gpus,
-                reason=decision.reason,
-                since=now,
+    # insert-or-update without a read first (a read then an insert is the race class of a
+    # unique violation; the leader is the only writer here, but the shape costs nothing)
+    if not insert_if_absent(
+        session,
+        GpuHoldRow.__table__,
+        {
+            "job_id": decision.for_job_id,
+            "node_id": decision.node_id,
+            "gpu_count": gpus,
+            "reason": decision.reason,
+            "since": now,
+        },
+    ):
+        session.execute(
+            update(GpuHoldRow)
+            .where(
+                GpuHoldRow.job_id == decision.for_job_id,
+                GpuHoldRow.node_id == decision.node_id,
             )
+            .values(gpu_count=gpus, reason=decision.reason)
         )
-    else:
-        hold.gpu_count, hold.reason = gpus, decision.reason
     return orders
 
 

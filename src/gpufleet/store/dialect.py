@@ -1,5 +1,5 @@
 """The only place where SQLite and PostgreSQL differ: engine options, BEGIN mode, the database
-clock, and the migration lock."""
+clock, inserts that may race (``ON CONFLICT``), and the migration lock."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from sqlalchemy import (
     insert,
     text,
 )
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine.interfaces import BindTyping
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session
@@ -337,6 +337,30 @@ def _insert_many(session: Session, table: TableClause, rows: list[dict[str, Any]
                 return
     params = [{k: v for k, v in row.items() if k not in exprs} for row in rows]
     session.execute(insert(table).values(exprs), params)
+
+
+def insert_if_absent(session: Session, table: FromClause, row: dict[str, Any]) -> bool:
+    """INSERT ``row`` unless a row with the same primary key (or another unique key) exists:
+    ``INSERT ... ON CONFLICT DO NOTHING`` on both databases. Returns True when this call
+    inserted it.
+
+    This is the shape for every create that two callers may race on (two admins creating
+    one team, two controllers recording the fleet CA, a node registering twice at once): a
+    read-then-insert lets both read "absent" and one INSERT then fails with a unique
+    violation (HTTP 500). Here the loser's INSERT waits for the winner's transaction on
+    PostgreSQL (READ COMMITTED) and then does nothing; the caller answers 409 (or treats the
+    row as already there). On SQLite writers are serialized by ``BEGIN IMMEDIATE`` anyway;
+    the statement is the same. Python-side column defaults apply (Core insert)."""
+    t = cast(TableClause, table)
+    name = session.get_bind().dialect.name
+    stmt: Any
+    if name == "postgresql":
+        stmt = postgresql.insert(t).values(row).on_conflict_do_nothing()
+    else:
+        stmt = sqlite.insert(t).values(row).on_conflict_do_nothing()
+    # SQLAlchemy keeps an INSERT's rowcount only when asked to (0: the row was there)
+    result = session.execute(stmt.execution_options(preserve_rowcount=True))
+    return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
 def capacity_follows_gpu_rows(dialect: str) -> bool:

@@ -79,11 +79,15 @@ def evaluate(session: Session, job_gates: list[gates.JobGate]) -> gates.GateResu
     """Read the dependencies' states and the arrays' active counts, then decide."""
     dep_ids = sorted({d.job_id for g in job_gates for d in g.depends_on})
     status: dict[str, str] = {}
+    never_started: set[str] = set()
     for start in range(0, len(dep_ids), CHUNK):
         chunk = dep_ids[start : start + CHUNK]
-        status.update(
-            session.execute(select(JobRow.id, JobRow.status).where(JobRow.id.in_(chunk))).all()
-        )
+        for job_id, job_status, started_at in session.execute(
+            select(JobRow.id, JobRow.status, JobRow.started_at).where(JobRow.id.in_(chunk))
+        ).all():
+            status[job_id] = job_status
+            if started_at is None:
+                never_started.add(job_id)
     arrays = sorted({g.array_id for g in job_gates if g.array_id and g.array_max_running})
     active: dict[str, int] = {}
     if arrays:
@@ -95,7 +99,7 @@ def evaluate(session: Session, job_gates: list[gates.JobGate]) -> gates.GateResu
                 .group_by(JobRow.array_id)
             ).all()
         }
-    return gates.evaluate(job_gates, status, active)
+    return gates.evaluate(job_gates, status, active, never_started)
 
 
 def gate_snapshot(

@@ -532,16 +532,22 @@ def check_database(
     grace_s: float | None = None,
     confirm_timeout_s: float | None = None,
     margin_s: float = 30.0,
+    fence_after_s: float | None = None,
+    heartbeat_interval_s: float = 0.0,
 ) -> tuple[InvariantView, list[Violation]]:
     """Read the allocation state in one consistent snapshot and check invariants 1-4; with
     ``grace_s`` and ``confirm_timeout_s`` also the stuck states of invariant 6 (as of the
-    database clock)."""
+    database clock). ``fence_after_s`` and ``heartbeat_interval_s``: a stop on a silent node
+    is waited for until the fence (``StuckLimits``); pass :func:`fence_after_s` of the
+    settings."""
     with db.snapshot() as session:
         view = load_invariant_view(session)
         now_s = db_now(session).timestamp()
     limits = None
     if grace_s is not None and confirm_timeout_s is not None:
-        limits = StuckLimits(now_s, grace_s, confirm_timeout_s, margin_s)
+        limits = StuckLimits(
+            now_s, grace_s, confirm_timeout_s, margin_s, fence_after_s, heartbeat_interval_s
+        )
     return view, check_invariants(view, limits)
 
 
