@@ -96,6 +96,7 @@ def evaluate(
     gates: Iterable[JobGate],
     dependency_status: Mapping[str, str],
     array_active: Mapping[str, int],
+    array_quarantined: Mapping[str, int] | None = None,
 ) -> GateResult:
     """Decide the gated jobs of one pass.
 
@@ -103,7 +104,11 @@ def evaluate(
         gates: the pending jobs with a gate.
         dependency_status: job id -> current status of every job some gate depends on
             (a missing id means the job does not exist).
-        array_active: array id -> tasks of that array now SCHEDULED or RUNNING.
+        array_active: array id -> attempts of that array's tasks that hold GPUs now
+            (SCHEDULED or RUNNING, and fenced ones whose GPUs are QUARANTINED: their
+            processes may still run, so they count toward ``%N``).
+        array_quarantined: array id -> how many of ``array_active`` are QUARANTINED (only
+            said in the reason).
 
     Array tasks are admitted in ``array_index`` order, so an array runs front to back.
     Deterministic: the same inputs give the same result.
@@ -152,10 +157,19 @@ def evaluate(
         room = max(0, limit - running)
         if room >= len(tasks):
             continue
+        fenced = (array_quarantined or {}).get(array_id, 0)
+        lost = (
+            f"; {fenced} of them fenced on a lost node, their GPUs QUARANTINED until their"
+            " processes are verified gone"
+            if fenced
+            else ""
+        )
         reason = WaitReason(  # one shared (frozen) value for every waiting task of the array
             "array_throttled",
-            f"array {array_id} has {running} of at most {limit} tasks running (%{limit})",
-            {"array_id": array_id, "running": running, "max_running": limit},
+            f"array {array_id} has {running} of at most {limit} tasks holding GPUs"
+            f" (%{limit}){lost}",
+            {"array_id": array_id, "running": running, "max_running": limit}
+            | ({"quarantined": fenced} if fenced else {}),
         )
         for g in tasks[room:]:
             blocked[g.job_id] = reason
