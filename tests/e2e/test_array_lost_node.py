@@ -83,10 +83,10 @@ def test_a_throttled_array_counts_its_fenced_tasks_until_their_quarantine_clears
     try:
         fleet.kill_agent("a1")  # -9: the tasks' processes live on
         fleet.wait_for(lambda: status_of(fleet, "a1") == "QUARANTINED", 20, "the fence")
+        time.sleep(2)  # several passes with 4 free GPUs on a2 and 4 tasks PENDING
+        assert len(live_tasks(where)) == 2, live_tasks(where)
         first = fleet.job(tasks[0])
         assert first["status"] == "PENDING" and first["attempts"][0]["status"] == "FENCED"
-        time.sleep(2)  # several passes with 4 free GPUs on a2 and 4 tasks PENDING
-        assert len(live_tasks(where)) == 2
         assert all(fleet.job(t)["status"] == "PENDING" for t in tasks)
         reason = fleet.job(tasks[0])["pending_reason"] or {}
         assert reason.get("code") == "array_throttled", reason
