@@ -5,8 +5,8 @@ A job may wait for reasons that have nothing to do with capacity or fairness:
 * ``held``: its user held it (``gpufleet hold``); never placed until released;
 * ``dependency``: Slurm-style ``afterok``/``afterany``/``afternotok`` on other jobs that are
   not finished yet;
-* ``array_throttled``: it is a task of a job array with a ``%N`` limit and N of its tasks are
-  already SCHEDULED or RUNNING.
+* ``array_throttled``: it is a task of a job array with a ``%N`` limit and N of its tasks'
+  attempts already hold GPUs (SCHEDULED or RUNNING, or fenced with their GPUs QUARANTINED).
 
 :func:`evaluate` decides, for the gated jobs only, which are blocked (with a
 :class:`WaitReason` naming the blocker) and which can never run (a dependency that can never
