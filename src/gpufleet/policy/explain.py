@@ -147,8 +147,9 @@ def _unreachable_sentence(found: Sequence[Unreachable], now_s: float) -> str:
                 f" stay reserved {fence}, then QUARANTINED until its agent reports them gone."
             )
         if u.quarantined:
+            where = n.node_id if n.status == "QUARANTINED" else f"{n.node_id} ({n.status})"
             parts.append(
-                f" {u.quarantined} GPU(s) on {n.node_id} ({n.status}) are QUARANTINED:"
+                f" {u.quarantined} GPU(s) on {where} are QUARANTINED:"
                 " attempts fenced there may still run; they come back when its agent reports"
                 " their processes gone (or an admin fences the node as dead)."
             )
