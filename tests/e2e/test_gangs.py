@@ -236,9 +236,84 @@ def test_preempting_a_gang_member_stops_the_whole_gang_before_its_gpus_are_reuse
     assert done["status"] == "SUCCEEDED", done
     with fleet.http() as c:
         said = c.get(f"/v1/jobs/{critical}/logs").text
-    assert "gang alive: []" in said, said
+    # the invariant is per GPU: the member on the preemptor's node is gone before it starts
+    # (each member's GPUs come back on its own agent's report, issue 24 item 3)
+    where = done["attempts"][-1]["node_id"]
+    rank = next(m["rank"] for m in fleet.job(job_id)["attempts"] if m["node_id"] == where)
+    seen = said.split("gang alive: ", 1)[1].splitlines()[0]
+    assert str(pids[rank]) not in seen, said
     gang = fleet.job(job_id)  # requeued (a gang-aware policy may place it again meanwhile)
     assert gang["status"] != "FAILED" and gang["status"] != "CANCELLED", gang
     assert {m["status"] for m in gang["attempts"] if m["attempt"] == 1} == {"PREEMPTED"}
     assert not any(alive(p) for p in pids)
     assert fleet.violations == [] and fleet.check() == []
+
+
+# argv: [-c, marker, pid_dir, go_file]: each rank writes its pid, then waits for go_file and
+# exits 0 (the gang's work is done the moment the test creates it)
+UNTIL_GO = r"""
+import os, sys, time
+open(os.path.join(sys.argv[2], f"pid-1-{os.environ['RANK']}"), "w").write(str(os.getpid()))
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.fleet_settings(fence_timeout_s=25.0, suspect_after_missed=2)
+def test_a_finished_member_frees_its_gpus_while_a_frozen_member_awaits_the_fence(
+    fleet: Fleet,
+) -> None:
+    """Issue 24 item 3: the gang ends its work while one member's agent is frozen (SIGSTOP).
+    The other member's GPUs come back on its own agent's report, and a waiting job starts on
+    them before the frozen node is fenced; a job still waiting is told that the silent
+    node's GPUs are held until its fence, not that running jobs have no max_runtime_s."""
+    fleet.start_agent("a1", gpus="2xH100-80GB")
+    fleet.start_agent("a2", gpus="2xH100-80GB")
+    marker = f"gpufleet-test-marker-{fleet.tmp.name}"
+    pids, go = fleet.tmp / "pids", fleet.tmp / "go"
+    pids.mkdir()
+    gang = fleet.submit(
+        {
+            "command": [sys.executable, "-c", UNTIL_GO, marker, str(pids), str(go)],
+            "nodes": 2,
+            "gpus_per_node": 2,
+            "priority": "LOW",
+        }
+    )
+    place(fleet, gang)
+    pid_of(fleet, 1, 0), pid_of(fleet, 1, 1)
+    frozen = next(m["node_id"] for m in fleet.job(gang)["attempts"] if m["rank"] == 1)
+    healthy = "a1" if frozen == "a2" else "a2"
+    fleet.signal_agent(frozen, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    go.touch()  # both ranks exit 0; only the healthy node's agent can say so
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)", marker]
+    first = fleet.submit({"command": sleeper, "gpu_count": 2, "priority": "LOW"})
+    second = fleet.submit({"command": sleeper, "gpu_count": 2, "priority": "LOW"})
+    started = fleet.wait_status(first, {"RUNNING"}, timeout_s=15)
+    assert started["attempts"][-1]["node_id"] == healthy
+    elapsed = time.monotonic() - frozen_at
+    members = {m["rank"]: m["status"] for m in fleet.job(gang)["attempts"]}
+    assert members == {0: "SUCCEEDED", 1: "RUNNING"}, members  # not fenced yet
+    assert elapsed < fleet.settings.fence_timeout_s, elapsed
+
+    said: dict[str, Any] = {}
+
+    def names_the_silent_node() -> bool:
+        said.update(fleet.job(second).get("pending_reason") or {})
+        return f"on {frozen} are held by job(s) {gang}" in str(said.get("message"))
+
+    fleet.wait_for(names_the_silent_node, 15, f"{second}'s reason to name {frozen}")
+    message = str(said["message"])
+    assert "SUSPECT" in message and "until its fence in " in message, message
+    (detail,) = said["details"]["unreachable"]
+    assert (detail["node"], detail["held_gpus"], detail["jobs"]) == (frozen, 2, [gang])
+    assert detail["fence_at_s"] is not None
+    assert time.monotonic() - frozen_at < fleet.settings.fence_timeout_s
+    assert fleet.job(second)["status"] == "PENDING"
+    fleet.signal_agent(frozen, signal.SIGCONT)  # its report ends the gang, once
+    assert fleet.wait_status(gang, TERMINAL, timeout_s=20)["status"] == "SUCCEEDED"
+    assert fleet.wait_status(second, {"RUNNING"}, timeout_s=15)["attempts"][-1]["node_id"] == (
+        frozen
+    )
+    assert fleet.check() == []

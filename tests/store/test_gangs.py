@@ -1,6 +1,6 @@
 """Gang (multi-node) attempts in the store, on SQLite and real PostgreSQL: every member
-reserved or none, one token per attempt, the whole gang stopped and retried as one unit, its
-GPUs back together only when every member is verified gone."""
+reserved or none, one token per attempt, the whole gang stopped and retried as one unit, each
+member's GPUs back as soon as that member is verified gone (the invariant is per GPU)."""
 
 from __future__ import annotations
 
@@ -234,11 +234,11 @@ class TestGangLifecycle:
         assert result == runs.CompletionResult.ACCEPTED
         job, rows = job_and_runs(db, job_id)
         assert job.status == JobStatus.RUNNING and rows[1].status == RunStatus.SUCCEEDED
-        assert free(db)["n2"] == 6  # a gang's GPUs come back together
-        with db.snapshot() as s:  # ... and the policy sees who holds them
+        assert free(db)["n2"] == 8  # a member's GPUs come back on its own agent's word
+        with db.snapshot() as s:  # ... and the policy sees who still holds GPUs
             snap = load_snapshot(s, db_now(s))
         held = {r.run_id: r.stopping for r in snap.running}
-        assert held == {r0.run_id: False, r1.run_id: False}
+        assert held == {r0.run_id: False}
         assert violations(db) == []
         rep0 = exited(store, job_id, r0)
         runs.complete_run(db, store, rep0)
@@ -260,10 +260,11 @@ class TestGangLifecycle:
         assert job.status == JobStatus.RUNNING
         assert (rows[0].status, rows[0].stop_reason) == (RunStatus.PREEMPTING, "gang")
         assert (rows[1].status, rows[1].gang_outcome) == (RunStatus.FAILED, "PENDING")
-        assert free(db)["n2"] == 6 and free(db)["n1"] == 6  # nothing reused while stopping
+        # r1's processes are gone: its GPUs are back; r0's stay until it is verified stopped
+        assert free(db)["n2"] == 8 and free(db)["n1"] == 6
         with db.snapshot() as s:
             snap = load_snapshot(s, db_now(s))
-        assert {r.run_id: r.stopping for r in snap.running} == {r0.run_id: True, r1.run_id: True}
+        assert {r.run_id: r.stopping for r in snap.running} == {r0.run_id: True}
         assert violations(db) == []
         runs.complete_run(db, store, stopped(r0))
         job, rows = job_and_runs(db, job_id)
@@ -285,7 +286,7 @@ class TestGangLifecycle:
         assert job.status == JobStatus.FAILED
         assert violations(db) == []
 
-    def test_preempting_one_member_stops_the_whole_gang_before_any_gpu_is_reused(
+    def test_preempting_one_member_stops_the_whole_gang_and_reuses_a_node_once_its_member_is_gone(
         self, db: Database
     ) -> None:
         epoch = fleet(db, n=2)
@@ -305,13 +306,15 @@ class TestGangLifecycle:
             assert [(h.job_id, h.node_id) for h in s.query(GpuHoldRow).all()] == [(critical, "n2")]
         store_ = ObjectStore("/nonexistent")
         runs.complete_run(db, store_, stopped(g.members[1]))
-        assert free(db) == {"n1": 0, "n2": 0}  # rank 0 still stopping: nothing reusable
+        # rank 1 is verified gone: n2's GPUs are back (held for the preemptor); rank 0 still
+        # stops, and n1's GPUs are not reusable until it is gone
+        assert free(db) == {"n1": 0, "n2": 8}
         with pytest.raises(CapacityConflict):
             db.run_write(
                 lambda s: allocate.reserve(
                     s,
                     job_id=critical,
-                    node_id="n2",
+                    node_id="n1",
                     gpu_count=8,
                     seen_fencing_epoch=0,
                     leader_holder="test-leader",
@@ -319,11 +322,24 @@ class TestGangLifecycle:
                     lease_s=60,
                 )
             )
+        db.run_write(
+            lambda s: allocate.reserve(
+                s,
+                job_id=critical,
+                node_id="n2",
+                gpu_count=8,
+                seen_fencing_epoch=0,
+                leader_holder="test-leader",
+                leader_epoch=epoch,
+                lease_s=60,
+            )
+        )
+        assert violations(db) == []
         runs.complete_run(db, store_, stopped(g.members[0]))
         job, rows = job_and_runs(db, job_id)
         assert job.status == JobStatus.PENDING
         assert [r.status for r in rows] == [RunStatus.PREEMPTED, RunStatus.PREEMPTED]
-        assert free(db) == {"n1": 8, "n2": 8}
+        assert free(db) == {"n1": 8, "n2": 0}
         assert violations(db) == []
 
     def test_a_fenced_member_stops_the_rest_and_requeues_the_job(

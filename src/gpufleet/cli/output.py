@@ -529,6 +529,9 @@ def pending_lines(reason: dict[str, Any]) -> list[str]:
     lines = [clean(str(reason.get("message") or reason.get("code") or "pending"))]
     lines.append(f"  code:            {fmt(reason.get('code'))}")
     for key, value in (reason.get("details") or {}).items():
+        if key == "unreachable" and isinstance(value, list):
+            lines += [f"  {'unreachable:':<16} {_unreachable_line(u)}" for u in value]
+            continue
         if key in EPOCH_DETAILS and isinstance(value, int | float) and value > 1e9:
             # the live store's snapshot clock is epoch seconds: show it as a UTC time
             key = key.removesuffix("_s")
@@ -539,6 +542,29 @@ def pending_lines(reason: dict[str, Any]) -> list[str]:
     if start:  # only when the server has one (backfill's reservation for the job)
         lines.append(f"  estimated start: {fmt_time(start, relative=True)}")
     return lines
+
+
+def _unreachable_line(u: Any) -> str:
+    """One node of a pending reason's ``unreachable`` details (``policy.explain``)."""
+    if not isinstance(u, dict):
+        return fmt(u)
+
+    def at(key: str) -> str | None:
+        v = u.get(key)
+        if isinstance(v, int | float) and v > 1e9:
+            return fmt_time(datetime.fromtimestamp(v, UTC).isoformat(), relative=True)
+        return None
+
+    parts = [f"{fmt(u.get('node'))} {fmt(u.get('status'))}"]
+    if u.get("held_gpus"):
+        parts.append(f"{u['held_gpus']} GPU(s) held by {', '.join(map(str, u.get('jobs') or []))}")
+    if at("silent_since_s"):
+        parts.append(f"silent since {at('silent_since_s')}")
+    if at("fence_at_s"):
+        parts.append(f"fence {at('fence_at_s')}")
+    if u.get("quarantined_gpus"):
+        parts.append(f"{u['quarantined_gpus']} GPU(s) QUARANTINED")
+    return clean(", ".join(parts))
 
 
 def gang_shape(job: dict[str, Any]) -> str:

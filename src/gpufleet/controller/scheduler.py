@@ -155,7 +155,13 @@ class Scheduler(AssignmentDispatch):
         ``PREDICTION_REFRESH_S``."""
         self._predictions_read_s: float | None = None
         self._snapshots = SnapshotCache(
-            self.policy, full_every_s=settings.scheduler_full_snapshot_every_s
+            self.policy,
+            full_every_s=settings.scheduler_full_snapshot_every_s,
+            # as the reconciler fences a silent node (waiting reasons date the fence with it)
+            fence_after_s=max(
+                settings.fence_timeout_s,
+                settings.heartbeat_interval_s * settings.suspect_after_missed,
+            ),
         )
         """The leader's incremental snapshot (``store.snapshot_cache``)."""
         self._reasons_refreshed_s = 0.0

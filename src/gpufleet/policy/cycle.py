@@ -540,6 +540,7 @@ class _Pass(PassState):
             self.book,
             self.served,
             self.now,
+            self.running.by_node,
         )
         shields = self.shielded.feed_back(self.index)
         return CycleResult(tuple(self.decisions), waiting, tuple(self.released), shields)

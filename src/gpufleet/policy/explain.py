@@ -12,17 +12,26 @@ Codes (stable, documented in docs/design/scheduling-policy.md):
 ``blocked_by_reservation``, ``no_node_fits_now``, ``behind_blocked_job``, ``not_reached``,
 ``waiting_with_headroom`` (a large job's nodes are shielded from smaller jobs,
 ``policy.defrag``).
+
+A job that waits for GPUs (``no_node_fits_now``, ``no_schedulable_node``) also names the GPUs
+that could hold it but are held by work the platform cannot vouch for (details
+``unreachable``): attempts on a SUSPECT (silent) node, which keep their GPUs until the fence
+(the node, its silence and when the fence comes), and QUARANTINED GPUs (fenced attempts whose
+processes are not verified gone). "Running jobs with no max_runtime_s" is said only of work
+on schedulable nodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpufleet.policy.decisions import WaitReason
+from gpufleet.policy.fleet_index import node_accepts
 from gpufleet.policy.placement import FreeIndex
 from gpufleet.policy.quota import TeamBook
-from gpufleet.policy.snapshot import PendingJob
+from gpufleet.policy.snapshot import NodeState, PendingJob, RunningJob
 
 Cause = tuple[Any, ...]
 
@@ -84,8 +93,90 @@ def _shape(job: PendingJob) -> str:
     return s
 
 
+@dataclass(frozen=True, slots=True)
+class Unreachable:
+    """GPUs of one node held by work the platform cannot vouch for: ``held`` GPUs of the
+    attempts of ``jobs`` on a SUSPECT node (silent since ``silent_since_s``, fenced at
+    ``fence_at_s``), and ``quarantined`` GPUs of fenced attempts not verified gone."""
+
+    node: NodeState
+    held: int
+    jobs: tuple[str, ...]
+    quarantined: int
+
+
+def unreachable_nodes(
+    nodes: Iterable[NodeState], running_by_node: Mapping[str, Sequence[tuple[float, RunningJob]]]
+) -> tuple[Unreachable, ...]:
+    """The nodes whose GPUs wait on a fence or a quarantine, by node id: SUSPECT ones with
+    attempts on them, and any with QUARANTINED GPUs (total - free - held by the attempts the
+    snapshot lists; a fenced attempt is not listed, its reservation still holds the GPUs).
+    One scan of the nodes per pass (only when a waiting reason is read)."""
+    out = []
+    for n in nodes:
+        runs = running_by_node.get(n.node_id, ())
+        held = sum(r.gpu_count for _, r in runs)
+        quarantined = max(0, n.total_gpus - n.free_gpus - held)
+        suspect = n.status == "SUSPECT" and held > 0
+        if suspect or quarantined:
+            jobs = tuple(sorted({r.job_id for _, r in runs})) if suspect else ()
+            out.append(Unreachable(n, held if suspect else 0, jobs, quarantined))
+    return tuple(sorted(out, key=lambda u: u.node.node_id))
+
+
+def _unreachable_sentence(found: Sequence[Unreachable], now_s: float) -> str:
+    parts = []
+    for u in found:
+        n = u.node
+        if u.held:
+            more = f" and {len(u.jobs) - 3} more" if len(u.jobs) > 3 else ""
+            jobs = ", ".join(u.jobs[:3]) + more
+            silent = (
+                f", no heartbeat for {span(now_s - n.silent_since_s)}"
+                if n.silent_since_s is not None
+                else ""
+            )
+            fence = (
+                f"until its fence {when(n.fence_at_s, now_s)}"
+                if n.fence_at_s is not None
+                else "until its node is fenced"
+            )
+            parts.append(
+                f" {u.held} GPU(s) on {n.node_id} are held by job(s) {jobs} on a silent node"
+                f" (SUSPECT{silent}): whether their processes ended is unknown, so the GPUs"
+                f" stay reserved {fence}, then QUARANTINED until its agent reports them gone."
+            )
+        if u.quarantined:
+            where = n.node_id if n.status == "QUARANTINED" else f"{n.node_id} ({n.status})"
+            parts.append(
+                f" {u.quarantined} GPU(s) on {where} are QUARANTINED:"
+                " attempts fenced there may still run; they come back when its agent reports"
+                " their processes gone (or an admin fences the node as dead)."
+            )
+    return "".join(parts)
+
+
+def _unreachable_details(found: Sequence[Unreachable]) -> list[dict[str, Any]]:
+    return [
+        {
+            "node": u.node.node_id,
+            "status": u.node.status,
+            "held_gpus": u.held,
+            "jobs": list(u.jobs),
+            "quarantined_gpus": u.quarantined,
+            "silent_since_s": u.node.silent_since_s,
+            "fence_at_s": u.node.fence_at_s,
+        }
+        for u in found
+    ]
+
+
 class WaitingReasons(Mapping[str, WaitReason]):
-    """Lazy ``job_id -> WaitReason`` for every pending job the pass did not place."""
+    """Lazy ``job_id -> WaitReason`` for every pending job the pass did not place.
+
+    ``running_by_node``: the pass's running attempts per node (``RunningIndex.by_node``),
+    to name GPUs held on silent nodes or quarantined (:func:`unreachable_nodes`); empty:
+    not named."""
 
     def __init__(
         self,
@@ -97,7 +188,10 @@ class WaitingReasons(Mapping[str, WaitReason]):
         book: TeamBook,
         served: Mapping[str, int],
         now_s: float = 0.0,
+        running_by_node: Mapping[str, Sequence[tuple[float, RunningJob]]] | None = None,
     ) -> None:
+        self._running_by_node = running_by_node
+        self._unreachable: tuple[Unreachable, ...] | None = None
         self._queues = queues
         self._placed = placed
         self._causes = causes
@@ -151,6 +245,21 @@ class WaitingReasons(Mapping[str, WaitReason]):
             self._positions[job.team_id] = pos
         return pos.get(job.job_id, 0)
 
+    def _unreachable_for(self, job: PendingJob, gang: bool) -> list[Unreachable]:
+        """The unreachable nodes (:func:`unreachable_nodes`) whose shape accepts ``job`` (a
+        gang: one member's share of GPUs)."""
+        if self._running_by_node is None:
+            return []
+        if self._unreachable is None:
+            nodes = self._index.nodes.values()
+            self._unreachable = unreachable_nodes(nodes, self._running_by_node)
+        if not self._unreachable:
+            return []
+        res = job.resources
+        if gang:
+            res = replace(res, gpu_count=res.gpus_per_node or 1)
+        return [u for u in self._unreachable if node_accepts(u.node, res, job.node_selector)]
+
     def _served_instead(self, team_id: str) -> list[str]:
         return sorted(
             (t for t in self._served if t != team_id), key=lambda t: (-self._served[t], t)
@@ -176,6 +285,10 @@ class WaitingReasons(Mapping[str, WaitReason]):
                     f" cordoned, draining or fenced) could hold {_shape(job)}; it waits until"
                     " one is schedulable again."
                 )
+                found = self._unreachable_for(job, len(cause) > 1)
+                if found:
+                    d["unreachable"] = _unreachable_details(found)
+                    msg += _unreachable_sentence(found, self._now)
             elif len(cause) > 1:  # a gang
                 msg = (
                     f"No GPU type has enough nodes to ever hold {_shape(job)} as a gang "
@@ -351,4 +464,8 @@ class WaitingReasons(Mapping[str, WaitReason]):
                 if "unbounded" in cause[1:]:
                     d["no_reservation"] = "running_work_unbounded"
                     msg += UNBOUNDED
+                found = self._unreachable_for(job, gang)
+                if found:
+                    d["unreachable"] = _unreachable_details(found)
+                    msg += _unreachable_sentence(found, self._now)
         return WaitReason(code, msg, d, position, est)

@@ -5,8 +5,8 @@ A job may wait for reasons that have nothing to do with capacity or fairness:
 * ``held``: its user held it (``gpufleet hold``); never placed until released;
 * ``dependency``: Slurm-style ``afterok``/``afterany``/``afternotok`` on other jobs that are
   not finished yet;
-* ``array_throttled``: it is a task of a job array with a ``%N`` limit and N of its tasks are
-  already SCHEDULED or RUNNING.
+* ``array_throttled``: it is a task of a job array with a ``%N`` limit and N of its tasks'
+  attempts already hold GPUs (SCHEDULED or RUNNING, or fenced with their GPUs QUARANTINED).
 
 :func:`evaluate` decides, for the gated jobs only, which are blocked (with a
 :class:`WaitReason` naming the blocker) and which can never run (a dependency that can never
@@ -116,6 +116,7 @@ def evaluate(
     dependency_status: Mapping[str, str],
     array_active: Mapping[str, int],
     never_started: Container[str] = frozenset(),
+    array_quarantined: Mapping[str, int] | None = None,
 ) -> GateResult:
     """Decide the gated jobs of one pass.
 
@@ -123,9 +124,13 @@ def evaluate(
         gates: the pending jobs with a gate.
         dependency_status: job id -> current status of every job some gate depends on
             (a missing id means the job does not exist).
-        array_active: array id -> tasks of that array now SCHEDULED or RUNNING.
+        array_active: array id -> attempts of that array's tasks that hold GPUs now
+            (SCHEDULED or RUNNING, and fenced ones whose GPUs are QUARANTINED: their
+            processes may still run, so they count toward ``%N``).
         never_started: ids of those jobs whose code never started (``afternotok`` on one
             cancelled before it started can never be satisfied); empty: all started.
+        array_quarantined: array id -> how many of ``array_active`` are QUARANTINED (only
+            said in the reason).
 
     Array tasks are admitted in ``array_index`` order, so an array runs front to back.
     Deterministic: the same inputs give the same result.
@@ -179,10 +184,19 @@ def evaluate(
         room = max(0, limit - running)
         if room >= len(tasks):
             continue
+        fenced = (array_quarantined or {}).get(array_id, 0)
+        lost = (
+            f"; {fenced} of them fenced on a lost node, their GPUs QUARANTINED until their"
+            " processes are verified gone"
+            if fenced
+            else ""
+        )
         reason = WaitReason(  # one shared (frozen) value for every waiting task of the array
             "array_throttled",
-            f"array {array_id} has {running} of at most {limit} tasks running (%{limit})",
-            {"array_id": array_id, "running": running, "max_running": limit},
+            f"array {array_id} has {running} of at most {limit} tasks holding GPUs"
+            f" (%{limit}){lost}",
+            {"array_id": array_id, "running": running, "max_running": limit}
+            | ({"quarantined": fenced} if fenced else {}),
         )
         for g in tasks[room:]:
             blocked[g.job_id] = reason

@@ -57,6 +57,11 @@ class NodeState:
             count for "could this job ever fit" but receive no placements.
         images: container images the node holds (normalized references, see
             ``domain.images``); placement prefers them among equally good nodes (DD9).
+        silent_since_s: for a SUSPECT node (silent: its heartbeats stopped), its last
+            heartbeat; None otherwise. Only waiting reasons read it (``policy.explain``).
+        fence_at_s: for a SUSPECT node, when the failure detector fences its attempts (its
+            last heartbeat + the fence timeout; the GPUs they hold are QUARANTINED then, not
+            freed); None when unknown or not SUSPECT.
     """
 
     node_id: str
@@ -72,6 +77,8 @@ class NodeState:
     schedulable: bool = True
     status: str = "HEALTHY"
     images: frozenset[str] = frozenset()
+    silent_since_s: float | None = None
+    fence_at_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

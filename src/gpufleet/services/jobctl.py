@@ -4,10 +4,11 @@ job references (short id prefixes and names).
 Syntax follows Slurm where Slurm has one:
 
 * ``--array 0-99%8``: indexes as ranges (``0-99``), lists (``1,3,5``) and stepped ranges
-  (``0-15:4``), optionally ``%N``: at most N tasks SCHEDULED or RUNNING at once. One array id
-  (``a-...``); every task is an ordinary job with ``array_id``/``array_index``, and its
-  process sees ``GPUFLEET_ARRAY_ID``, ``GPUFLEET_ARRAY_INDEX``, ``GPUFLEET_ARRAY_TASK_COUNT``,
-  ``GPUFLEET_ARRAY_TASK_MIN`` and ``GPUFLEET_ARRAY_TASK_MAX`` (Slurm's ``SLURM_ARRAY_*``).
+  (``0-15:4``), optionally ``%N``: at most N tasks holding GPUs at once (``store.gating``).
+  One array id (``a-...``); every task is an ordinary job with ``array_id``/``array_index``,
+  and its process sees ``GPUFLEET_ARRAY_ID``, ``GPUFLEET_ARRAY_INDEX``,
+  ``GPUFLEET_ARRAY_TASK_COUNT``, ``GPUFLEET_ARRAY_TASK_MIN`` and ``GPUFLEET_ARRAY_TASK_MAX``
+  (Slurm's ``SLURM_ARRAY_*``).
 * ``--depends afterok:ID[:ID],afterany:ID,afternotok:ID``: all must hold (Slurm's ``,``);
   Slurm's ``?`` (any of) is not supported. An array id stands for all of its tasks.
 

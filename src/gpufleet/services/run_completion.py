@@ -329,15 +329,15 @@ def complete_run(
             usage=usage,
             ended_at=ended,
         )
-        if gang:
-            return _complete_gang_member(
-                session, run, job, run_to, why, values, now, retry_backoff
-            )
+        # the agent's word that this attempt's (this member's) processes are gone: its GPUs
+        # come back now, a gang member's too (the invariant is per GPU: a member's GPUs are
+        # not reused while its own processes may run, whatever its gang's other members do)
         gpus = allocate.release(
             session,
             run_id=run.id,
             now=now,
-            message=f"agent reported {report.outcome.lower()}",
+            message=f"agent reported {report.outcome.lower()}"
+            + (f" (rank {run.rank})" if gang else ""),
             known=reservation,
         )
         charge_usage(
@@ -348,6 +348,10 @@ def complete_run(
             released_at=now,
             known=team_usage,
         )
+        if gang:
+            return _complete_gang_member(
+                session, run, job, run_to, why, values, now, retry_backoff
+            )
         if not current:
             return CompletionResult.STALE, "not the job's current attempt; job unchanged"
         if job_to is not None:
@@ -575,12 +579,12 @@ def _complete_gang_member(
 
     * If it ended unsuccessfully, every other live member is marked PREEMPTING (reason
       ``gang``); the stop driver stops them (SIGTERM, grace, SIGKILL, verified).
-    * The member's GPUs stay reserved while any other member is live: a gang's GPUs come
-      back together, only once every member is verified gone, so no GPU of a stopping gang
-      is reused while part of it still runs.
-    * The last member to end releases every member's reservation, charges the team, and
-      moves the job: SUCCEEDED when every member succeeded (result: rank 0's manifest),
-      else the cause's outcome (a retry is ONE new gang attempt with a new token).
+    * The member's own GPUs were released by the caller (its agent's word that its
+      processes are gone): a finished member does not hold its GPUs until the slowest
+      member reports (a frozen node's member may not report before the fence).
+    * The last member to end moves the job: SUCCEEDED when every member succeeded (result:
+      rank 0's manifest), else the cause's outcome (a retry is ONE new gang attempt with a
+      new token).
     """
     failed = run_to != RunStatus.SUCCEEDED
     if values.get("charged_to") == "node":

@@ -1,7 +1,7 @@
 """What an ended attempt leaves behind, shared by completion (``run_completion``) and fencing
 (``services.nodes``): whether an attempt is the job's current one, the team charged the
 GPU-time it held, the job's next status after a failure (a retry with backoff, or FAILED), and
-the end of a gang attempt once every member has ended (its GPUs back together, the job moved).
+the end of a gang attempt once every member has ended (the job moved).
 """
 
 from __future__ import annotations
@@ -177,17 +177,19 @@ def finish_gang_if_done(
     *,
     retry_backoff: tuple[float, float] = (10.0, 300.0),
 ) -> str | None:
-    """If every member of the gang attempt ``token`` of ``job`` has ended: release every
-    member's RESERVED/CONFIRMED reservation (a fenced member's QUARANTINED one waits for its
-    agent's word), charge the team, and move the job (:func:`_end_gang_attempt`). Returns
-    the sentence of the job's move, or None while a member is still live."""
+    """If every member of the gang attempt ``token`` of ``job`` has ended: release any
+    member's RESERVED/CONFIRMED reservation still held (each member's own completion
+    releases its GPUs as it ends, ``run_completion.complete_run``; a fenced member's
+    QUARANTINED one waits for its agent's word), charge the team, and move the job
+    (:func:`_end_gang_attempt`). Returns the sentence of the job's move, or None while a
+    member is still live."""
     session.flush()
     members = gang_members(session, job.id, token)
     for m in members:
         session.refresh(m)
     if any(m.status not in RUN_TERMINAL for m in members):
         return None
-    for m in members:  # the last one: every member's GPUs come back together
+    for m in members:  # a member ended without its own release (none on the usual paths)
         if m.status == RunStatus.FENCED:
             continue
         gpus = allocate.release(

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import StaleState
-from gpufleet.domain.states import JobStatus, Machine
+from gpufleet.domain.states import RESERVATION_ACTIVE, JobStatus, Machine, ReservationStatus
 from gpufleet.policy import gates
 from gpufleet.policy.snapshot import ClusterSnapshot
-from gpufleet.store.tables import JobRow
+from gpufleet.store.tables import JobRow, ReservationRow
 from gpufleet.store.transitions import transition
 
 CHUNK = 500
@@ -89,17 +89,39 @@ def evaluate(session: Session, job_gates: list[gates.JobGate]) -> gates.GateResu
             if started_at is None:
                 never_started.add(job_id)
     arrays = sorted({g.array_id for g in job_gates if g.array_id and g.array_max_running})
-    active: dict[str, int] = {}
-    if arrays:
-        active = {
-            str(a): int(n)
-            for a, n in session.execute(
-                select(JobRow.array_id, func.count())
-                .where(JobRow.array_id.in_(arrays), JobRow.status.in_(ACTIVE))
-                .group_by(JobRow.array_id)
-            ).all()
-        }
-    return gates.evaluate(job_gates, status, active, never_started)
+    active, quarantined = array_holders(session, arrays) if arrays else ({}, {})
+    return gates.evaluate(job_gates, status, active, never_started, quarantined)
+
+
+def array_holders(session: Session, arrays: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """Per array id: how many of its tasks' attempts hold GPUs (what ``%N`` bounds), and how
+    many of those are QUARANTINED (fenced on a lost node: the job may be PENDING again while
+    the old attempt's processes may still run). An attempt is a job's token: a SCHEDULED or
+    RUNNING task's current one, or any with an active reservation (RESERVED, CONFIRMED or
+    QUARANTINED; a gang's members share one token and count once). Two indexed reads."""
+    held: dict[str, set[tuple[str, int]]] = {}
+    fenced: dict[str, set[tuple[str, int]]] = {}
+    for array_id, job_id, token in session.execute(
+        select(JobRow.array_id, JobRow.id, JobRow.fencing_epoch).where(
+            JobRow.array_id.in_(arrays), JobRow.status.in_(ACTIVE)
+        )
+    ).all():
+        held.setdefault(str(array_id), set()).add((job_id, int(token)))
+    for array_id, job_id, token, res_status in session.execute(
+        select(JobRow.array_id, ReservationRow.job_id, ReservationRow.token, ReservationRow.status)
+        .join(JobRow, JobRow.id == ReservationRow.job_id)
+        .where(
+            JobRow.array_id.in_(arrays),
+            ReservationRow.status.in_(sorted(RESERVATION_ACTIVE)),
+        )
+    ).all():
+        held.setdefault(str(array_id), set()).add((job_id, int(token)))
+        if res_status == ReservationStatus.QUARANTINED:
+            fenced.setdefault(str(array_id), set()).add((job_id, int(token)))
+    return (
+        {a: len(attempts) for a, attempts in held.items()},
+        {a: len(attempts) for a, attempts in fenced.items()},
+    )
 
 
 def gate_snapshot(

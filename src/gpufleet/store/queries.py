@@ -96,9 +96,20 @@ def spec_facts(spec: dict[str, Any]) -> SpecFacts:
     )
 
 
-def node_state(n: Any) -> NodeState:
+def node_state(n: Any, fence_after_s: float | None = None) -> NodeState:
     """The policy's view of a node row joined with its capacity (``load_snapshot`` and the
-    leader's ``store.snapshot_cache``)."""
+    leader's ``store.snapshot_cache``). ``fence_after_s``: the failure detector's silence
+    before a fence (``max(fence_timeout_s, heartbeats to SUSPECT)``, seconds), which dates
+    a SUSPECT node's ``fence_at_s`` from its last heartbeat (None: not dated)."""
+    beat = getattr(n, "last_heartbeat_at", None)
+    silent_since_s = (
+        beat.timestamp() if beat is not None and n.status == NodeStatus.SUSPECT else None
+    )
+    fence_at_s = (
+        silent_since_s + fence_after_s
+        if silent_since_s is not None and fence_after_s is not None
+        else None
+    )
     return NodeState(
         node_id=n.id,
         gpu_type=n.gpu_type,
@@ -113,6 +124,8 @@ def node_state(n: Any) -> NodeState:
         schedulable=n.status == NodeStatus.HEALTHY,
         status=n.status,
         images=frozenset(normalize_image(str(i.get("name", ""))) for i in n.images or ()),
+        silent_since_s=silent_since_s,
+        fence_at_s=fence_at_s,
     )
 
 
@@ -173,9 +186,10 @@ def running_job(
     predicted_s: float | None,
 ) -> RunningJob:
     """The policy's view of an attempt member holding GPUs (a row of ``RUNNING_COLUMNS``).
-    ``live``: the member itself still runs; an ended gang member keeps its GPUs until its
-    whole attempt ends and counts as stopping when its job has a PREEMPTING member
-    (``stopping_for``: job id -> the preemptor it stops for)."""
+    ``live``: the member itself still runs; an ended run that still holds a live
+    reservation (none on the usual paths: each member's completion releases its own GPUs)
+    counts as stopping when its job has a PREEMPTING member (``stopping_for``: job id -> the
+    preemptor it stops for)."""
     return RunningJob(
         run_id=run.id,
         job_id=run.job_id,
@@ -286,6 +300,7 @@ def load_snapshot(
     spec_cache: SpecCache | None = None,
     predictions: HistoryPredictor | None = None,
     displacement_window_s: float = 6 * 3600.0,
+    fence_after_s: float | None = None,
 ) -> ClusterSnapshot:
     """Everything one scheduling pass needs, in a handful of indexed queries (call inside
     ``Database.snapshot()`` so that they all see one moment).
@@ -299,6 +314,7 @@ def load_snapshot(
         displacement_window_s: how far back preempted runs are read as
             ``recent_displacements`` (the longer of one hour and the policy's
             ``anti_thrash_s``), seconds.
+        fence_after_s: a silent node's time to its fence (:func:`node_state`), seconds.
     """
     now_s = now.timestamp()
     node_rows = session.execute(
@@ -312,11 +328,12 @@ def load_snapshot(
             NodeRow.admin_labels,
             NodeRow.status,
             NodeRow.images,
+            NodeRow.last_heartbeat_at,
             NodeCapacityRow.total_gpus,
             NodeCapacityRow.available_gpus,
         ).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
     ).all()
-    nodes = [node_state(n) for n in node_rows]
+    nodes = [node_state(n, fence_after_s) for n in node_rows]
     specs = spec_cache if spec_cache is not None else SpecCache()
     # plain rows, not ORM objects, and no spec: at 10,000 pending, decoding every job's JSON
     # spec each pass costs more than the queries (the spec is immutable: see SpecCache)
@@ -358,8 +375,8 @@ def load_snapshot(
             )
         ).all()
     )
-    # a gang member that ended keeps its GPUs until its whole attempt has ended
-    # (services.run_settle.finish_gang_if_done): list it too, so the policy sees who holds them
+    # an ended run whose live reservation is still held (each member's completion releases
+    # its own GPUs, so none on the usual paths): list it too, so the policy sees who holds them
     live_ids = {r.id for r in running_rows}
     held = sorted(run_id for run_id in reserved_at if run_id not in live_ids)
     stopping_for = {

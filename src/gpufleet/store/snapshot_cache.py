@@ -149,6 +149,10 @@ _NODE_COLUMNS = (
     NodeRow.admin_labels,
     NodeRow.status,
     NodeRow.images,
+    # not WATCHED (a heartbeat must not make the node's row change each second): read only
+    # for a SUSPECT node's silence, and a silent node's last heartbeat stays what it was
+    # when it went SUSPECT (a status change, watched: the row is read again then)
+    NodeRow.last_heartbeat_at,
     NodeCapacityRow.total_gpus,
     NodeCapacityRow.available_gpus,
 )
@@ -214,9 +218,17 @@ class SnapshotCache:
             net against anything the change sequence could miss.
     """
 
-    def __init__(self, config: PolicyConfig | None = None, *, full_every_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        config: PolicyConfig | None = None,
+        *,
+        full_every_s: float = 60.0,
+        fence_after_s: float | None = None,
+    ) -> None:
         self._key: Callable[[PendingJob], QueueKey] = queue_key(config or PolicyConfig())
         self.full_every_s = full_every_s
+        self.fence_after_s = fence_after_s
+        """A silent node's time to its fence (``store.queries.node_state``), seconds."""
         self.stats = RefreshStats()
         self._floor: int | None = None
         self._server: str | None = None
@@ -406,7 +418,7 @@ class SnapshotCache:
         for n in rows:
             seen.add(n.id)
             old = self._nodes.get(n.id)
-            node = node_state(n)
+            node = node_state(n, self.fence_after_s)
             if old is None or old.gpu_type != node.gpu_type:
                 retyped.add(n.id)
             self._nodes[n.id] = node

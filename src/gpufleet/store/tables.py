@@ -169,7 +169,8 @@ class JobRow(Base):
     """The job array this job is a task of (``a-...``), or NULL."""
     array_index: Mapped[int | None] = mapped_column(Integer)
     array_max_running: Mapped[int | None] = mapped_column(Integer)
-    """The array's ``%N``: at most N of its tasks SCHEDULED or RUNNING at once."""
+    """The array's ``%N``: at most N of its tasks' attempts hold GPUs at once (SCHEDULED or
+    RUNNING, or fenced with QUARANTINED GPUs: ``store.gating.array_holders``)."""
     depends_on: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
     """``[{"type": "afterok"|"afterany"|"afternotok", "job_id": ...}]``, or NULL."""
     created_at: Mapped[datetime]
