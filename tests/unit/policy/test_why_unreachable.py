@@ -59,7 +59,7 @@ def test_quarantined_gpus_are_named_and_healthy_waits_say_nothing_more() -> None
 
 def test_an_arrays_limit_counts_its_quarantined_attempts() -> None:
     tasks = [gates.JobGate(f"t{i}", False, (), "a-1", i, 2) for i in range(4)]
-    result = gates.evaluate(tasks, {}, {"a-1": 2}, {"a-1": 2})
+    result = gates.evaluate(tasks, {}, {"a-1": 2}, array_quarantined={"a-1": 2})
     assert set(result.blocked) == {"t0", "t1", "t2", "t3"}
     reason = result.blocked["t0"]
     assert reason.details == {"array_id": "a-1", "running": 2, "max_running": 2, "quarantined": 2}
