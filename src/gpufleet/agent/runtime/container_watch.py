@@ -158,6 +158,8 @@ def poll_container(
     if not h.follower_done and _follower_done(h):
         h.follower_done = True  # the container has most likely ended: look now
         h.next_inspect_at = 0.0
+    if now < h.next_inspect_at and h.conmon_pid and _gone_without_engine(h):
+        h.next_inspect_at = 0.0  # conmon and the processes are gone (cheap: /proc, cgroup)
     if now < h.next_inspect_at:
         return None
     if h.term_sent_at is not None:
