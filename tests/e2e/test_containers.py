@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -245,9 +246,15 @@ def test_cancel_during_a_pull_from_a_hung_registry_frees_the_gpus(fleet: Fleet) 
 
 
 def _kill_conmon(engine: ContainerEngine, run_id: str) -> None:
-    st = engine.inspect(run_id)
-    assert st is not None and st.running and st.conmon_pid > 0, st
-    os.kill(st.conmon_pid, signal.SIGKILL)
+    """SIGKILL the podman monitor (conmon) of the container ``run_id``."""
+    out = subprocess.run(
+        [*engine.argv0, "inspect", "--format", "{{.State.ConmonPid}}", run_id],
+        env=engine.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    os.kill(int(out.strip()), signal.SIGKILL)
 
 
 @pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)

@@ -328,7 +328,10 @@ class ContainerEngine:
         self.jobnet: JobNet | None = None
         """The agent's job networking: pulls from its deny list are refused (None = none)."""
         self.min_free_mb = NODE_MIN_FREE_MB
+        # the engine's working directory (also conmon's, which writes an ``oom`` file into it
+        # on cgroup v1 when a container's memory group hits OOM): never the agent's own
         self.state_dir = state_dir
+        state_dir.mkdir(parents=True, exist_ok=True)
         self.oom_dir: Path | None = None
         """Where the OCI runtime wrapper saves each container's OOM counters
         (:meth:`keep_oom_counters`); None = not wrapped."""
@@ -396,6 +399,7 @@ class ContainerEngine:
                 capture_output=True,
                 text=True,
                 env=self.env,
+                cwd=self.state_dir,
                 timeout=timeout,
                 stdin=subprocess.DEVNULL,
             )
@@ -424,6 +428,7 @@ class ContainerEngine:
                 stdin=subprocess.DEVNULL,
                 text=True,
                 env=self.env,
+                cwd=self.state_dir,
                 start_new_session=True,
             )
         except OSError as exc:
@@ -814,5 +819,6 @@ class ContainerEngine:
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 env=self.env,
+                cwd=self.state_dir,
                 start_new_session=True,
             )
