@@ -158,11 +158,18 @@ class Containment:
         return sorted(busy)
 
     def remove_scope(self) -> None:
-        """Remove this agent's (empty) parent groups, e.g. at a clean stop; groups of attempts
-        still running keep them in place (rmdir fails with EBUSY/ENOTEMPTY)."""
+        """Remove this agent's (empty) parent groups, e.g. at a clean stop, also those a
+        container engine made in the other hierarchies (:meth:`engine_parent`); groups of
+        attempts still running keep them in place (rmdir fails with EBUSY/ENOTEMPTY)."""
         for base in self.bases.values():
             with contextlib.suppress(OSError):
                 base.rmdir()
+        found = self.engine_parent("x")
+        if found is not None and self.kind == "cgroup-v1":
+            rel = Path(found[0].strip("/")).parent
+            for root in _engine_roots():
+                with contextlib.suppress(OSError):
+                    (root / rel).rmdir()
 
     def command_prefix(self, *, uid: int | None = None, gid: int | None = None) -> tuple[str, ...]:
         """argv prefix for the command (``unshare ...`` for pidns; empty otherwise). With
@@ -210,13 +217,26 @@ def remove_engine_parent(parent: str) -> bool:
     rel = parent.strip("/")
     if not rel:
         return True
-    roots = [CGROUP_ROOT] if _is_v2() else sorted(set(_v1_mounts().values()))
     ok = True
-    for root in roots:
+    for root in _engine_roots():
         d = root / rel
         if d.is_dir():
             ok = _rmtree(d) and ok
     return ok
+
+
+def _engine_roots() -> list[Path]:
+    """Where an engine makes a container's groups: v2 the unified root; v1 every mounted
+    hierarchy, and the cgroup2 one of a hybrid host (runc makes groups there too)."""
+    if _is_v2():
+        return [CGROUP_ROOT]
+    roots = set(_v1_mounts().values())
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[2] == "cgroup2":
+                roots.add(Path(parts[1]))
+    return sorted(roots)
 
 
 def _is_v2() -> bool:
