@@ -140,7 +140,7 @@ def poll_container(
     if rec.stop_requested and h.term_sent_at is None:
         logger.info("run %s: SIGTERM to container %s (%s)", rec.run_id, h.name, rec.stop_reason)
         if not engine.kill(h.name, "TERM") and h.cgroup is not None:
-            h.cgroup.signal_all(signal.SIGTERM, exclude=_conmon(h))
+            h.cgroup.signal_all(signal.SIGTERM, exclude=_monitor_pids(h))
         h.term_sent_at = now
         h.next_inspect_at = 0.0
     if (
@@ -179,6 +179,15 @@ def poll_container(
             return None
         st, engine_ok = _inspect(engine, h)  # a normal end completing right now?
         lost = _running(st, engine_ok)
+    if _container_pids(h):
+        # the engine calls it ended (podman: "stopped" after a failed kill) while processes
+        # of it are left: not verified gone; they go through the cgroup, looked at again soon
+        if h.kill_sent_at is None:
+            h.kill_sent_at = now
+        h.kill_resent_at = now
+        _kill_cgroup(rec, h, f"{engine.kind} says it ended but processes are left")
+        h.next_inspect_at = now + INSPECT_STOPPING_S
+        return None
     h.main_exited = True
     if lost:
         logger.error("run %s: container %s: %s", rec.run_id, h.name, LOST_EXIT)
@@ -228,9 +237,18 @@ def _conmon(h: ContainerHandle) -> frozenset[int]:
     return frozenset()
 
 
+def _monitor_pids(h: ContainerHandle) -> frozenset[int]:
+    """conmon and what it runs (podman's ``container cleanup``): the ``conmon/`` sub-group
+    podman makes under the container's parent, and conmon's own pid. Spared by cgroup kills."""
+    if h.cgroup is None:
+        return _conmon(h)
+    monitor = JobCgroup(h.cgroup.kind, {c: d / "conmon" for c, d in h.cgroup.dirs.items()})
+    return frozenset(monitor.pids()) | _conmon(h)
+
+
 def _container_pids(h: ContainerHandle) -> set[int]:
-    """The container's processes (the cgroup's, conmon left out); empty without a cgroup."""
-    return h.cgroup.pids() - _conmon(h) if h.cgroup is not None else set()
+    """The container's own processes (the cgroup's but conmon's); empty without a cgroup."""
+    return h.cgroup.pids() - _monitor_pids(h) if h.cgroup is not None else set()
 
 
 def _kill_cgroup(rec: Any, h: ContainerHandle, why: str) -> None:
@@ -238,7 +256,7 @@ def _kill_cgroup(rec: Any, h: ContainerHandle, why: str) -> None:
         return
     logger.warning("run %s: SIGKILL through the container's cgroup (%s)", rec.run_id, why)
     try:
-        h.cgroup.kill_all(exclude=_conmon(h))
+        h.cgroup.kill_all(exclude=_monitor_pids(h))
     except OSError as exc:
         logger.error("run %s: cgroup kill failed: %s", rec.run_id, exc)
 
