@@ -5,6 +5,9 @@ engine these tests fail, they do not skip)."""
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -239,4 +242,89 @@ def test_cancel_during_a_pull_from_a_hung_registry_frees_the_gpus(fleet: Fleet) 
             lambda: fleet.get("/v1/nodes")["items"][0]["available_gpus"] == 4, 60, "GPUs freed"
         )
         assert _pulls_of(image) == []
+    assert fleet.check() == []
+
+
+def _kill_conmon(engine: ContainerEngine, run_id: str) -> None:
+    """SIGKILL the podman monitor (conmon) of the container ``run_id``."""
+    out = subprocess.run(
+        [*engine.argv0, "inspect", "--format", "{{.State.ConmonPid}}", run_id],
+        env=engine.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    os.kill(int(out.strip()), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)
+def test_a_container_whose_conmon_dies_ends_and_frees_its_gpus_and_can_be_cancelled(
+    fleet: Fleet, engine: ContainerEngine
+) -> None:
+    """Replay (issue 24, 7): conmon SIGKILLed while the command runs. podman says "running"
+    for good; the job used to stay RUNNING with its GPUs reserved, and a cancel left it
+    PREEMPTING ("container survives SIGKILL"). The agent watches the container's cgroup: the
+    job ends once its processes are gone, the cancel finishes, every GPU is free again."""
+    fleet.start_agent("a1", gpus="4xH100-80GB")
+    ends = fleet.submit(
+        {"image": BUSYBOX, "command": ["sh", "-c", "echo ready; sleep 4"], "gpu_count": 2}
+    )
+    script = "trap 'echo ignoring' TERM; echo ready; while true; do sleep 0.1; done"
+    cancelled = fleet.submit({"image": BUSYBOX, "command": ["sh", "-c", script], "gpu_count": 2})
+    runs = {}
+    for job_id in (ends, cancelled):
+        job = fleet.wait_status(job_id, {"RUNNING"}, timeout_s=60)
+        runs[job_id] = job["attempts"][0]["run_id"]
+        fleet.wait_for(lambda r=runs[job_id]: engine.find(LABEL_RUN, r), 30, "the container")
+        _kill_conmon(engine, runs[job_id])
+    with fleet.http() as c:
+        assert c.delete(f"/v1/jobs/{cancelled}").status_code == 202
+    job = fleet.wait_status(cancelled, TERMINAL, timeout_s=30)
+    assert job["status"] == "CANCELLED", job
+    job = fleet.wait_status(ends, TERMINAL, timeout_s=30)
+    assert job["status"] == "FAILED", job  # its exit status is lost: not a success
+    assert "exit status lost" in (fleet.tmp / "agent-a1.log").read_text()
+    fleet.wait_for(
+        lambda: fleet.get("/v1/nodes")["items"][0]["available_gpus"] == 4, 30, "GPUs freed"
+    )
+    assert all(engine.find(LABEL_RUN, r) == [] for r in runs.values())
+    assert fleet.check() == []
+
+
+@pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)
+@pytest.mark.fleet_settings(retry_backoff_s=0.1, retry_backoff_cap_s=0.2)
+def test_oom_verdicts_of_containers_follow_the_kernels_oom_kill_count(fleet: Fleet) -> None:
+    """Replay (issue 24, 8): a container (memory_mb 64) that fills its cgroup with page cache
+    (no OOM) and then dies of SIGKILL used to be OOM_KILLED with its retries skipped; one whose
+    child was OOM-killed and that then exited 1 said "exited with code 1". Now: FAILED after
+    its retries, and OOM_KILLED (not retried), as the process runtime says."""
+    fleet.start_agent("a1", gpus="2xH100-80GB")
+    page_cache = "dd if=/dev/zero of=/tmp/fill bs=1M count=160 2>/dev/null; sync; kill -9 $$"
+    child_oom = 'sh -c "x=\\$(head -c 200000000 /dev/zero | tr \\"\\\\0\\" a)"; exit 1'
+    filler = fleet.submit(
+        {
+            "image": BUSYBOX,
+            "command": ["sh", "-c", page_cache],
+            "gpu_count": 1,
+            "memory_mb": 64,
+            "max_retries": 2,
+        }
+    )
+    oom = fleet.submit(
+        {
+            "image": BUSYBOX,
+            "command": ["sh", "-c", child_oom],
+            "gpu_count": 1,
+            "memory_mb": 32,
+            "max_retries": 2,
+        }
+    )
+    job = fleet.wait_status(filler, TERMINAL, timeout_s=60)
+    assert job["status"] == "FAILED", job
+    assert len(job["attempts"]) == 3, job["attempts"]  # its retries were used
+    assert "OOM_KILLED" not in (job["failure_reason"] or ""), job["failure_reason"]
+    job = fleet.wait_status(oom, TERMINAL, timeout_s=60)
+    assert job["status"] == "FAILED", job
+    assert (job["failure_reason"] or "").startswith("OOM_KILLED"), job["failure_reason"]
+    assert len(job["attempts"]) == 1, job["attempts"]
     assert fleet.check() == []

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import os
+import signal
 import socket
 import threading
 import time
@@ -19,6 +21,7 @@ import pytest
 
 from gpufleet.agent.runtime.container import (
     LABEL_RUN,
+    LOST_EXIT,
     OOM_KILLED,
     ContainerEngine,
     ContainerHandle,
@@ -26,6 +29,7 @@ from gpufleet.agent.runtime.container import (
     ContainerRuntime,
     ImageUnavailable,
 )
+from gpufleet.agent.runtime.containment import detect
 from gpufleet.agent.workdir import RunPaths
 from tests.container_support import BUSYBOX, REGISTRY, fresh_image
 from tests.integration.test_agent_support import wait_until
@@ -51,12 +55,16 @@ class Rec:
 
 @pytest.fixture
 def runtime(tmp_path: Path):
-    rt = ContainerRuntime(ContainerEngine("podman", state_dir=tmp_path / "engine"), cdi=False)
+    found = detect(f"ctest-{uuid.uuid4().hex[:8]}")  # cgroup containment, as the agent's
+    rt = ContainerRuntime(
+        ContainerEngine("podman", state_dir=tmp_path / "engine"), cdi=False, containment=found
+    )
     rt.engine.ensure_present(BUSYBOX)
     names: list[str] = []
     yield rt, names
     for n in names:
         rt.release(n)
+    found.remove_scope()
 
 
 def _launch(tmp: Path, run_id: str, command: list[str], **kw) -> tuple[Rec, ContainerLaunch]:
@@ -490,3 +498,77 @@ def _pulls_of(image: str) -> list[int]:
         if b"pull" in argv and image.encode() in argv:
             pids.append(int(d.name))
     return pids
+
+
+# --------------------------------------------------------------------------- issue 24: 7, 8
+
+
+def _conmon_pid(rt: ContainerRuntime, name: str) -> int:
+    st = rt.engine.inspect(name)
+    assert st is not None and st.conmon_pid > 0, st
+    return st.conmon_pid
+
+
+def test_a_container_whose_conmon_died_ends_when_its_cgroup_is_empty(runtime, tmp_path):
+    """Replay (issue 24, 7): conmon SIGKILLed while the command runs; podman keeps saying
+    "running" for good. The attempt ends once the command has (its cgroup is empty), with the
+    exit status lost, and the container and its cgroup are removed."""
+    rt, names = runtime
+    rid = _run_id()
+    names.append(rid)
+    rec, launch = _launch(tmp_path, rid, ["sh", "-c", "echo ready; sleep 2; exit 3"])
+    h = rt.spawn(rec, launch)
+    assert h.cgroup is not None and h.cgroup.pids(), h
+    wait_until(lambda: "ready" in launch.paths.log.read_text(), timeout_s=30)
+    os.kill(_conmon_pid(rt, rid), signal.SIGKILL)
+    info = _until_exit(rt, rec, h, launch.paths, t=30)
+    assert info.message == LOST_EXIT and info.exit_code == -signal.SIGKILL, info
+    assert info.reason == ""
+    assert rt.engine.inspect(rid) is None  # the engine's state is cleaned too
+    assert not h.cgroup.exists()
+
+
+def test_a_stop_of_a_container_whose_conmon_died_kills_through_the_cgroup(runtime, tmp_path):
+    """Replay (issue 24, 7): with conmon dead, ``podman kill`` cannot end the container for
+    podman ("container survives SIGKILL"); the agent kills its processes through the cgroup
+    and the stop finishes."""
+    rt, names = runtime
+    rid = _run_id()
+    names.append(rid)
+    script = "trap 'echo got-term' TERM; echo ready; while true; do sleep 0.1; done"
+    rec, launch = _launch(tmp_path, rid, ["sh", "-c", script])
+    h = rt.spawn(rec, launch)
+    wait_until(lambda: "ready" in launch.paths.log.read_text(), timeout_s=30)
+    os.kill(_conmon_pid(rt, rid), signal.SIGKILL)
+    rec.stop_reason, rec.stop_grace_s = "cancel", 0.5
+    info = _until_exit(rt, rec, h, launch.paths, t=30)
+    assert info.exit_code == -signal.SIGKILL and not h.unkillable, info
+    assert rt.engine.inspect(rid) is None
+    assert h.cgroup is not None and not h.cgroup.exists()
+
+
+def test_page_cache_at_the_limit_then_sigkill_is_not_an_oom(runtime, tmp_path):
+    """Replay (issue 24, 8): a container with memory_mb 64 that fills its cgroup with page
+    cache (no OOM) and then dies of SIGKILL is not OOM_KILLED (it keeps its retries)."""
+    rt, names = runtime
+    rid = _run_id()
+    names.append(rid)
+    script = "dd if=/dev/zero of=/tmp/fill bs=1M count=160 2>/dev/null; sync; kill -9 $$"
+    rec, launch = _launch(tmp_path, rid, ["sh", "-c", script], memory_mb=64)
+    h = rt.spawn(rec, launch)
+    info = _until_exit(rt, rec, h, launch.paths)
+    assert info.exit_code == 137 and info.reason == "", info
+
+
+def test_a_child_oom_killed_then_exit_1_is_oom_killed(runtime, tmp_path):
+    """Replay (issue 24, 8): the kernel OOM-killed a child and the command then exited 1:
+    OOM_KILLED (as the process runtime says), from the kernel's oom_kill counter."""
+    rt, names = runtime
+    rid = _run_id()
+    names.append(rid)
+    script = 'sh -c "x=\\$(head -c 200000000 /dev/zero | tr \\"\\\\0\\" a)"; echo child=$?; exit 1'
+    rec, launch = _launch(tmp_path, rid, ["sh", "-c", script], memory_mb=32)
+    h = rt.spawn(rec, launch)
+    info = _until_exit(rt, rec, h, launch.paths)
+    assert "child=137" in launch.paths.log.read_text()
+    assert info.exit_code == 1 and info.reason == OOM_KILLED, info

@@ -486,6 +486,7 @@ def run_agent(
         userns=container_userns,
         pids_limit=container_pids_limit,
         read_only=container_read_only,
+        containment=found,
     )
     isolation, scratch, isolation_labels = _job_isolation(
         found,
@@ -700,6 +701,7 @@ def _container_runtime(
     userns: str = "auto",
     pids_limit: int = DEFAULT_PIDS_LIMIT,
     read_only: bool = False,
+    containment: Containment | None = None,
 ) -> tuple[ContainerRuntime | None, ImageReporter | None]:
     if kind == "none":
         logger.info("no container runtime (--runtime none): jobs with an image fail to start")
@@ -721,6 +723,7 @@ def _container_runtime(
         pids_limit=pids_limit,
         read_only=read_only,
         state_dir=state_dir / "engine",
+        containment=containment,
     )
     return runtime, ImageReporter(engine)
 

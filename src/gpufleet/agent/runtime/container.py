@@ -34,16 +34,25 @@ One attempt (:class:`ContainerRuntime`):
 * **start**, then ``logs --follow`` appends the container's output to the attempt's
   ``output.log`` (the agent's LogStreamer mirrors that file to the object store). The follower
   runs in its own session, so it keeps logging while a crashed agent is restarted.
+* **cgroup** (podman, on a node with cgroup containment): the container's ``--cgroup-parent``
+  is the attempt's own group under the agent's (:meth:`.Containment.engine_parent`); podman
+  puts ``conmon/`` and ``libpod-<id>/`` below it. The agent watches that group itself, as it
+  does a process attempt's, and runs podman with an OCI runtime wrapper that saves the
+  container group's OOM counters before ``runc delete`` removes it
+  (:meth:`.ContainerEngine.keep_oom_counters`).
 * **poll**: the end is seen when the log follower exits (cheap), or by ``inspect`` at most
   every :data:`.INSPECT_EVERY_S` seconds while a follower runs (every
-  :data:`.INSPECT_NO_FOLLOWER_S` without one; each ``inspect`` costs tens of ms of CPU).
-  Exit code and OOM come from ``inspect`` (``State.OOMKilled``; on cgroup v1 hosts where the
-  engine does not report it, exit 137 with the container's memory cgroup having reached its
-  limit also counts as OOM).
+  :data:`.INSPECT_NO_FOLLOWER_S` without one; each ``inspect`` costs tens of ms of CPU). A
+  container the engine calls running whose conmon is dead and whose cgroup holds no process
+  has ended (exit status lost, processes verified gone; podman would say running for good).
+  The exit code comes from ``inspect``; OOM is the process runtime's rule
+  (:func:`.containment.oom_verdict`: the kernel's OOM-kill counter and a failed command).
 * **stop** (seed DD5): ``kill --signal TERM``, ``rec.stop_grace_s`` seconds of grace,
-  ``kill --signal KILL`` (re-sent every second), *verified gone* = the engine says the
-  container is not running; then its exit is saved to ``exit.json`` and it is removed
-  (``rm``) before the attempt is reported, so its GPUs are released only after that.
+  ``kill --signal KILL`` (re-sent every second; through the cgroup while processes are left
+  or when the engine does not answer), *verified gone* = the engine says the container is
+  not running, or conmon is dead and the cgroup is empty; then its exit is saved to
+  ``exit.json`` and it is removed (``rm --force --time 0``, retried) before the attempt is
+  reported, so its GPUs are released only after that.
 * **adopt** after an agent restart: ``ps -a --filter label=gpufleet.run_id=<run_id>``; an
   attempt logged ``assigned`` but not ``started`` whose container exists is adopted, never
   started a second time; with no container it is abandoned (NEVER_STARTED).
@@ -107,11 +116,13 @@ from gpufleet.agent.runtime.container_watch import (
     INSPECT_NO_FOLLOWER_S,
     INSPECT_STOPPING_S,
     LOG_DRAIN_TIMEOUT_S,
+    LOST_EXIT,
     OOM_USAGE_FRACTION,
     ContainerHandle,
     poll_container,
     remove_cgroup,
 )
+from gpufleet.agent.runtime.containment import Containment, JobCgroup, remove_engine_parent
 from gpufleet.agent.runtime.jobnet import JobNet, attempt_namespace, drop_netns
 from gpufleet.agent.workdir import RunPaths
 
@@ -129,6 +140,7 @@ __all__ = [
     "LABEL_RUN",
     "LABEL_TOKEN",
     "LOG_DRAIN_TIMEOUT_S",
+    "LOST_EXIT",
     "MOUNTS",
     "OOM_KILLED",
     "OOM_USAGE_FRACTION",
@@ -171,6 +183,9 @@ class ContainerRuntime:
             stay writable).
         state_dir: where the user-namespace probe writes its throwaway tar (default: a temp
             dir).
+        containment: the node's (:func:`.containment.detect`); with cgroups, podman
+            containers go under the attempt's group and are watched there (module doc).
+            None: the engine's word only.
 
     Raises:
         ValueError: unknown ``userns`` mode or a negative ``pids_limit``.
@@ -189,6 +204,7 @@ class ContainerRuntime:
         pids_limit: int = DEFAULT_PIDS_LIMIT,
         read_only: bool = False,
         state_dir: Path | None = None,
+        containment: Containment | None = None,
     ) -> None:
         if userns not in USERNS_MODES:
             raise ValueError(f"container userns {userns!r}: use one of {', '.join(USERNS_MODES)}")
@@ -205,6 +221,18 @@ class ContainerRuntime:
 
         self.pids_limit = pids_limit
         self.read_only = read_only
+        self.containment = (
+            containment
+            if containment is not None and containment.is_cgroup and engine.kind == "podman"
+            else None
+        )
+        if self.containment is not None:
+            bases = [
+                self.containment.bases[c]
+                for c in ("memory", "unified")
+                if c in self.containment.bases
+            ]
+            engine.keep_oom_counters(bases)
         self.userns = False
         self.userns_problem = ""
         """Why container jobs cannot start here (``--container-userns on`` and the engine
@@ -330,9 +358,8 @@ class ContainerRuntime:
         mounts += [(paths.tmp, "/tmp", False), (paths.tmp, "/var/tmp", False)]
         devices = [f"{CDI_GPU_KIND}={i}" for i in launch.gpu_ids] if self.cdi else []
         labels = {LABEL_RUN: rec.run_id, LABEL_JOB: rec.job_id, LABEL_TOKEN: str(rec.token)}
-        cgroup_parent = (
-            f"/gpufleet/{name}" if self.engine.kind == "podman" and launch.memory_mb > 0 else ""
-        )
+        group = self.group_of(name)
+        cgroup_parent = group[0] if group is not None else ""
         netns = attempt_namespace(self.jobnet, rec.run_id, launch.env)
         security = self.security_for(rec, launch)
         user = launch.user
@@ -402,8 +429,7 @@ class ContainerRuntime:
             memory_mb=launch.memory_mb,
             paths=paths,
         )
-        st = self.engine.inspect(name)
-        h.pid = st.pid if st is not None else 0
+        self._watch(h, group)
         self._follow(h, paths)
         logger.info(
             "run %s: container %s started (%s image, pull %.3f s, create %.3f s, start %.3f s)",
@@ -415,6 +441,22 @@ class ContainerRuntime:
             phases["start_s"],
         )
         return h
+
+    def group_of(self, run_id: str) -> tuple[str, JobCgroup] | None:
+        """The attempt's ``--cgroup-parent`` and its group (None: no cgroup watching)."""
+        return self.containment.engine_parent(run_id) if self.containment is not None else None
+
+    def _watch(self, h: ContainerHandle, group: tuple[str, JobCgroup] | None) -> None:
+        """Fill in what the agent watches besides the engine: the container's init and conmon
+        (pids and start times) and its cgroup."""
+        st = self.engine.inspect(h.name)
+        h.pid = st.pid if st is not None else 0
+        if st is not None and st.conmon_pid:
+            h.conmon_pid = st.conmon_pid
+            h.conmon_start_ticks = procfs.start_ticks(st.conmon_pid) or 0
+        if group is not None:
+            h.cgroup_parent, h.cgroup = group
+        h.oom_dir = self.engine.oom_dir
 
     def _follow(self, h: ContainerHandle, paths: RunPaths) -> None:
         h.logs = self.engine.follow_logs(h.name, paths.log)
@@ -439,6 +481,8 @@ class ContainerRuntime:
             st = self.engine.inspect(names[0]) or st
         h = ContainerHandle(name=names[0], container_id=st.id, pid=st.pid, paths=paths)
         h.boot_id = procfs.boot_id()
+        group = self.group_of(rec.run_id)
+        self._watch(h, group if group is not None and st.cgroup_parent == group[0] else None)
         self._follow(h, paths)
         return h
 
@@ -456,7 +500,14 @@ class ContainerRuntime:
             logs_pid=int(state.get("logs_pid") or 0),
             logs_start_ticks=int(state.get("logs_start_ticks") or 0),
             paths=paths,
+            cgroup_parent=str(state.get("cgroup_parent") or ""),
+            conmon_pid=int(state.get("conmon_pid") or 0),
+            conmon_start_ticks=int(state.get("conmon_start_ticks") or 0),
+            oom_dir=self.engine.oom_dir,
         )
+        cgroup = state.get("cgroup")
+        if isinstance(cgroup, dict):
+            h.cgroup = JobCgroup.from_json(cgroup)
         if not (h.logs_pid and procfs.is_same_process_alive(h.logs_pid, h.logs_start_ticks)):
             st = self.engine.inspect(h.name)
             if st is not None and st.running:
@@ -496,5 +547,14 @@ class ContainerRuntime:
         ``rec``: a run_id or a record with ``run_id``."""
         run_id = rec if isinstance(rec, str) else rec.run_id
         self.engine.remove(run_id)
-        remove_cgroup(run_id)
+        state = {} if isinstance(rec, str) else getattr(rec, "runtime_state", None) or {}
+        group = self.group_of(run_id)
+        parent = str(state.get("cgroup_parent") or "") or (group[0] if group else "")
+        if parent:
+            remove_engine_parent(parent)
+        remove_cgroup(run_id)  # an attempt of an agent that used /gpufleet/<run_id>
+        cid = str(state.get("container_id") or "")
+        if self.engine.oom_dir is not None and cid:
+            with contextlib.suppress(OSError):
+                (self.engine.oom_dir / cid).unlink()
         drop_netns(self.jobnet, run_id)

@@ -28,6 +28,7 @@ import ipaddress
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -54,6 +55,12 @@ STOP_POLL_S = 0.5
 """How often (seconds) a pull looks at its attempt's stop request."""
 PULL_TERM_GRACE_S = 5.0
 """A stopped pull gets SIGTERM, then SIGKILL after this many seconds."""
+KILL_TIMEOUT_S = 10.0
+"""Bound (seconds) on one ``kill`` of a container: an engine that does not answer in that time is
+bypassed (the runtime signals the container's cgroup)."""
+REMOVE_ATTEMPTS = 3
+REMOVE_RETRY_S = 0.5
+"""``rm`` of a container is tried :data:`REMOVE_ATTEMPTS` times, this many seconds apart."""
 NODE_MIN_FREE_MB = 256
 """Free space (MiB) the engine's graph root must have for :meth:`ContainerEngine.node_problem`
 to find the node sound."""
@@ -64,6 +71,25 @@ _PODMAN_CONF = """\
 default_ulimits = []
 [engine]
 events_logger = "file"
+"""
+
+
+_OCI_WRAPPER = """\
+#!/bin/sh
+# Written by the gpufleet agent (ContainerEngine.keep_oom_counters): podman's OCI runtime for
+# its containers. On `delete` it first saves the container cgroup's OOM counters (cgroup v1
+# keeps them only in the group that runc is about to remove), then runs runc.
+for id; do :; done
+case " $* " in
+*" delete "*)
+  for d in {dirs}; do
+    if [ -d "$d" ]; then
+      cat "$d/memory.oom_control" "$d/memory.events" > {out}/"$id.tmp" 2>/dev/null
+      mv -f {out}/"$id.tmp" {out}/"$id"
+    fi
+  done ;;
+esac
+exec {runc} "$@"
 """
 
 
@@ -217,6 +243,7 @@ class ContainerState:
         exit_code: valid once not running.
         oom_killed: the engine saw the memory limit kill it.
         cgroup_parent: the cgroup parent the container was created under ("" = default).
+        conmon_pid: host pid of podman's monitor of the container (0 = unknown, docker).
     """
 
     id: str
@@ -228,6 +255,7 @@ class ContainerState:
     oom_killed: bool
     labels: Mapping[str, str]
     cgroup_parent: str = ""
+    conmon_pid: int = 0
 
 
 def node_fault_text(message: str) -> bool:
@@ -300,6 +328,13 @@ class ContainerEngine:
         self.jobnet: JobNet | None = None
         """The agent's job networking: pulls from its deny list are refused (None = none)."""
         self.min_free_mb = NODE_MIN_FREE_MB
+        # the engine's working directory (also conmon's, which writes an ``oom`` file into it
+        # on cgroup v1 when a container's memory group hits OOM): never the agent's own
+        self.state_dir = state_dir
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.oom_dir: Path | None = None
+        """Where the OCI runtime wrapper saves each container's OOM counters
+        (:meth:`keep_oom_counters`); None = not wrapped."""
         if kind == "podman":
             conf = state_dir / "containers.conf"
             state_dir.mkdir(parents=True, exist_ok=True)
@@ -307,6 +342,51 @@ class ContainerEngine:
                 conf.write_text(_PODMAN_CONF)
             self.env["CONTAINERS_CONF"] = str(conf)
             self.argv0 += ["--runtime", "runc", "--cgroup-manager", "cgroupfs"]
+
+    def keep_oom_counters(self, cgroup_bases: Sequence[Path]) -> Path | None:
+        """Run podman's containers with an OCI runtime wrapper that saves each container's
+        OOM-kill counters before its cgroup is deleted; returns the directory they are saved
+        in (``<state_dir>/oom/<container id>``), None when not possible (docker, no runc).
+
+        Why: on cgroup v1 the kernel counts an OOM kill only in the victim's own memory group
+        (``memory.oom_control`` ``oom_kill`` is not hierarchical), which for a container is
+        the engine's ``libpod-<id>`` group, and ``runc delete`` removes that group as soon as
+        the container has exited (podman's cleanup, before the agent may look). podman does
+        not report ``OOMKilled`` on such hosts either. The wrapper (``<state_dir>/oci/runc``,
+        passed as ``podman --runtime``; named ``runc`` so podman treats it as runc) copies
+        ``memory.oom_control``/``memory.events`` of ``<base>/*/libpod-<id>`` for each of
+        ``cgroup_bases`` on ``delete`` and then execs runc, so at any moment after the
+        container's processes are gone either its group or the saved copy exists. Every other
+        call is a bare ``exec runc``. Containers made with the wrapper can still be listed,
+        inspected and removed by a ``podman --runtime runc``.
+
+        Args:
+            cgroup_bases: the directories (memory hierarchy, v1; the unified one, v2) whose
+                sub-directories are the containers' ``--cgroup-parent`` groups.
+        """
+        runc = shutil.which("runc", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/usr/bin:/sbin")
+        if self.kind != "podman" or runc is None or "--runtime" not in self.argv0:
+            return None
+        oom_dir = self.state_dir / "oom"
+        wrapper = self.state_dir / "oci" / "runc"
+        dirs = " ".join(f'{shlex.quote(str(b))}/*/libpod-"$id"' for b in cgroup_bases)
+        text = _OCI_WRAPPER.format(
+            dirs=dirs, out=shlex.quote(str(oom_dir)), runc=shlex.quote(runc)
+        )
+        try:
+            oom_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            wrapper.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not wrapper.exists() or wrapper.read_text() != text:
+                tmp = wrapper.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(text)
+                tmp.chmod(0o755)
+                os.replace(tmp, wrapper)
+        except OSError as exc:
+            logger.warning("no OOM counters for containers (cannot write %s: %s)", wrapper, exc)
+            return None
+        self.argv0[self.argv0.index("--runtime") + 1] = str(wrapper)
+        self.oom_dir = oom_dir
+        return oom_dir
 
     # ------------------------------------------------------------------ plumbing
 
@@ -319,6 +399,7 @@ class ContainerEngine:
                 capture_output=True,
                 text=True,
                 env=self.env,
+                cwd=self.state_dir,
                 timeout=timeout,
                 stdin=subprocess.DEVNULL,
             )
@@ -347,6 +428,7 @@ class ContainerEngine:
                 stdin=subprocess.DEVNULL,
                 text=True,
                 env=self.env,
+                cwd=self.state_dir,
                 start_new_session=True,
             )
         except OSError as exc:
@@ -683,6 +765,7 @@ class ContainerEngine:
             oom_killed=bool(st.get("OOMKilled")),
             labels=dict(cfg.get("Labels") or {}),
             cgroup_parent=str(host.get("CgroupParent") or ""),
+            conmon_pid=int(st.get("ConmonPid") or 0),
         )
 
     def find(self, label: str, value: str) -> list[str]:
@@ -692,13 +775,38 @@ class ContainerEngine:
         ).stdout
         return [n.strip() for n in out.splitlines() if n.strip()]
 
-    def kill(self, name: str, sig: str) -> None:
-        """Send ``sig`` (``TERM``/``KILL``) to the container; a stopped one is not an error."""
-        self._run(["kill", "--signal", sig, name], check=False)
+    def kill(self, name: str, sig: str, *, timeout: float = KILL_TIMEOUT_S) -> bool:
+        """Send ``sig`` (``TERM``/``KILL``) to the container; a stopped one is not an error.
+        Returns False when the engine failed or gave no answer in ``timeout`` seconds (the
+        caller then signals the container's cgroup itself)."""
+        try:
+            return (
+                self._run(["kill", "--signal", sig, name], check=False, timeout=timeout).returncode
+                == 0
+            )
+        except EngineError as exc:
+            logger.warning("%s kill --signal %s %s: %s", self.kind, sig, name, exc)
+            return False
 
-    def remove(self, name: str) -> None:
-        """Remove the container (forcefully); a missing one is not an error."""
-        self._run(["rm", "--force", name], check=False)
+    def remove(self, name: str, *, attempts: int = REMOVE_ATTEMPTS) -> bool:
+        """Remove the container (forcefully, no stop timeout: ``rm --force --time 0`` with
+        podman); a missing one is not an error. Tried up to ``attempts`` times,
+        :data:`REMOVE_RETRY_S` apart, while the engine fails or still lists it (an engine
+        whose monitor died can fail the first ``rm``). Returns whether it is gone."""
+        args = ["rm", "--force", *(["--time", "0"] if self.kind == "podman" else []), name]
+        for i in range(max(1, attempts)):
+            if i:
+                time.sleep(REMOVE_RETRY_S)
+            try:
+                self._run(args, check=False)
+                if self.inspect(name) is None:
+                    return True
+            except EngineError as exc:
+                logger.warning(
+                    "%s rm %s (try %d of %d): %s", self.kind, name, i + 1, attempts, exc
+                )
+        logger.error("%s: container %s could not be removed", self.kind, name)
+        return False
 
     def follow_logs(self, name: str, log_path: Path) -> subprocess.Popen[bytes]:
         """Append the container's stdout+stderr to ``log_path`` until it ends.
@@ -711,5 +819,6 @@ class ContainerEngine:
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 env=self.env,
+                cwd=self.state_dir,
                 start_new_session=True,
             )

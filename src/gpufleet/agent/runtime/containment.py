@@ -29,6 +29,17 @@ Kinds, best first (chosen once at agent start by :func:`detect`):
 
 The cgroup paths are derivable from the run_id and also logged in the ``started`` event, so a
 restarted agent finds the group of an attempt it adopts.
+
+Container attempts (podman, :mod:`.container`) get a group of the same place and name
+(:meth:`Containment.engine_parent`): it is the container's ``--cgroup-parent``, under which the
+engine makes ``conmon/`` and ``libpod-<id>/``; the agent watches and, when the engine does not
+answer, kills the whole tree.
+
+**OOM, one rule for both runtimes** (:func:`oom_verdict`): an attempt was OOM-killed iff the
+kernel's OOM-kill counter of its cgroup (:func:`oom_kills`: v2 ``memory.events`` ``oom_kill``,
+hierarchical; v1 ``memory.oom_control`` ``oom_kill``, the group's own tasks only) is above zero
+and its command did not succeed. Neither the exit code (137 is any SIGKILL) nor the memory
+having reached the limit (page cache fills a limit without any OOM) decides it.
 """
 
 from __future__ import annotations
@@ -106,6 +117,31 @@ class Containment:
         dirs = {c: base / run_id for c, base in self.bases.items() if cpu_quota or c != "cpu"}
         return JobCgroup(self.kind, dirs)
 
+    def engine_parent(self, run_id: str) -> tuple[str, JobCgroup] | None:
+        """The cgroup a container engine puts one container attempt under, as the engine's
+        ``--cgroup-parent`` (a path from the hierarchy's root) and as the group the agent
+        watches (the engine makes ``conmon/`` and ``libpod-<id>/`` below it); None without
+        cgroups.
+
+        It is the attempt's own group name under this agent's groups: v2
+        ``/gpufleet/{scope}/{run_id}``; v1 the memory group's path
+        (``{agent's own memory group}/gpufleet/{scope}/{run_id}``) in every hierarchy, since
+        the engine takes one path for all controllers (its groups in the other hierarchies
+        may lie outside :attr:`bases`; :func:`remove_engine_parent` removes them all).
+        """
+        if not self.is_cgroup:
+            return None
+        if self.kind == "cgroup-v2":
+            rel = self.bases["unified"].relative_to(CGROUP_ROOT) / run_id
+            return "/" + str(rel), JobCgroup(self.kind, {"unified": CGROUP_ROOT / rel})
+        mounts = _v1_mounts()
+        try:
+            rel = self.bases["memory"].relative_to(mounts["memory"]) / run_id
+        except (KeyError, ValueError):
+            return None
+        dirs = {c: mounts[c] / rel for c in (*V1_REQUIRED, "pids") if c in mounts}
+        return "/" + str(rel), JobCgroup(self.kind, dirs)
+
     def prune(self, keep: set[str]) -> list[str]:
         """Remove this agent's empty attempt groups not in ``keep`` (left by a crash between
         an attempt's end and its cleanup). Returns the run_ids of groups that could not be
@@ -115,19 +151,25 @@ class Containment:
         for base in self.bases.values():
             with contextlib.suppress(OSError):
                 for d in base.iterdir():
-                    if d.is_dir() and d.name not in keep and not d.name.startswith("."):
-                        try:
-                            d.rmdir()
-                        except OSError:
-                            busy.add(d.name)
+                    if d.name in keep or d.name.startswith(".") or not d.is_dir():
+                        continue
+                    if not _rmtree(d):  # a container's tree: its empty sub-groups go too
+                        busy.add(d.name)
         return sorted(busy)
 
     def remove_scope(self) -> None:
-        """Remove this agent's (empty) parent groups, e.g. at a clean stop; groups of attempts
-        still running keep them in place (rmdir fails with EBUSY/ENOTEMPTY)."""
+        """Remove this agent's (empty) parent groups, e.g. at a clean stop, also those a
+        container engine made in the other hierarchies (:meth:`engine_parent`); groups of
+        attempts still running keep them in place (rmdir fails with EBUSY/ENOTEMPTY)."""
         for base in self.bases.values():
             with contextlib.suppress(OSError):
                 base.rmdir()
+        found = self.engine_parent("x")
+        if found is not None and self.kind == "cgroup-v1":
+            rel = Path(found[0].strip("/")).parent
+            for root in _engine_roots():
+                with contextlib.suppress(OSError):
+                    (root / rel).rmdir()
 
     def command_prefix(self, *, uid: int | None = None, gid: int | None = None) -> tuple[str, ...]:
         """argv prefix for the command (``unshare ...`` for pidns; empty otherwise). With
@@ -166,6 +208,35 @@ def detect(scope: str, *, want: str = "auto") -> Containment:
             return Containment("pidns", {}, "; ".join(problems), prefix)
         problems.append(f"{' '.join(prefix)} does not work here")
     return Containment("none", {}, "; ".join(problems) or f"containment forced to {want}")
+
+
+def remove_engine_parent(parent: str) -> bool:
+    """Remove a container attempt's ``--cgroup-parent`` (:meth:`Containment.engine_parent`)
+    and the empty groups the engine left below it, in every mounted hierarchy (v2: the
+    unified one). True when nothing of it is left (False: a process is still in it)."""
+    rel = parent.strip("/")
+    if not rel:
+        return True
+    ok = True
+    for root in _engine_roots():
+        d = root / rel
+        if d.is_dir():
+            ok = _rmtree(d) and ok
+    return ok
+
+
+def _engine_roots() -> list[Path]:
+    """Where an engine makes a container's groups: v2 the unified root; v1 every mounted
+    hierarchy, and the cgroup2 one of a hybrid host (runc makes groups there too)."""
+    if _is_v2():
+        return [CGROUP_ROOT]
+    roots = set(_v1_mounts().values())
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[2] == "cgroup2":
+                roots.add(Path(parts[1]))
+    return sorted(roots)
 
 
 def _is_v2() -> bool:
@@ -333,36 +404,40 @@ class JobCgroup:
         return self._main.is_dir()
 
     def pids(self) -> set[int]:
-        """Every live process of the attempt (union over the controllers' groups; zombies are
-        not listed). Empty when the group does not exist."""
+        """Every live process of the attempt: union over the controllers' groups and the
+        groups below them (a container engine's ``conmon/`` and ``libpod-<id>/``, or groups a
+        root job made); zombies are not listed. Empty when the group does not exist."""
         found: set[int] = set()
         for d in self.dirs.values():
-            try:
-                text = (d / "cgroup.procs").read_text()
-            except FileNotFoundError:
-                continue
-            found.update(int(p) for p in text.split())
+            for sub, _dirs, _files in os.walk(d):
+                try:
+                    text = (Path(sub) / "cgroup.procs").read_text()
+                except OSError:  # gone meanwhile
+                    continue
+                found.update(int(p) for p in text.split())
         return found
 
-    def signal_all(self, sig: int) -> int:
-        """Send ``sig`` to every process of the group. Returns how many were signalled."""
+    def signal_all(self, sig: int, *, exclude: frozenset[int] = frozenset()) -> int:
+        """Send ``sig`` to every process of the group but ``exclude``. Returns how many were
+        signalled."""
         n = 0
-        for pid in self.pids():
+        for pid in self.pids() - exclude:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
                 n += 1
         return n
 
-    def kill_all(self) -> None:
-        """SIGKILL every process without a fork race: ``cgroup.kill`` (v2), else freeze,
-        SIGKILL each pid, thaw (the kernel delivers the pending SIGKILLs on thaw)."""
-        if self.kind == "cgroup-v2":
+    def kill_all(self, *, exclude: frozenset[int] = frozenset()) -> None:
+        """SIGKILL every process without a fork race: ``cgroup.kill`` (v2; not with
+        ``exclude``), else freeze, SIGKILL each pid but ``exclude``, thaw (the kernel
+        delivers the pending SIGKILLs on thaw)."""
+        if self.kind == "cgroup-v2" and not exclude:
             kill_file = self.dirs["unified"] / "cgroup.kill"
             if kill_file.exists():
                 kill_file.write_text("1")
                 return
         with self._frozen():
-            self.signal_all(signal.SIGKILL)
+            self.signal_all(signal.SIGKILL, exclude=exclude)
 
     @contextlib.contextmanager
     def _frozen(self):  # type: ignore[no-untyped-def]
@@ -397,16 +472,17 @@ class JobCgroup:
 
     def oom_killed(self) -> bool:
         """Whether the kernel's OOM killer acted in this group (its memory limit was hit)."""
-        if self.kind == "cgroup-v2":
-            return _counter(self.dirs["unified"] / "memory.events", "oom_kill") > 0
-        mem = self.dirs["memory"]
-        kills = _counter(mem / "memory.oom_control", "oom_kill")
-        if kills >= 0:
+        kills = self.oom_kills()
+        if self.kind == "cgroup-v2" or kills >= 0:
             return kills > 0
         try:  # kernels before 4.13 have no oom_kill counter: the limit was hit at least
-            return int((mem / "memory.failcnt").read_text()) > 0
+            return int((self.dirs["memory"] / "memory.failcnt").read_text()) > 0
         except (OSError, ValueError):
             return False
+
+    def oom_kills(self) -> int:
+        """:func:`oom_kills` of this group (v1: its memory group); -1 when unknown."""
+        return oom_kills(self._main)
 
     def pids_limit_hit(self) -> int:
         """How often a fork was refused at ``pids.max`` (``pids.events`` ``max``); 0 when
@@ -427,16 +503,52 @@ class JobCgroup:
             return 0
 
     def remove(self) -> bool:
-        """Remove the group(s); False while a process is left (EBUSY) — retried later."""
+        """Remove the group(s) and the empty groups below them (bottom-up); False while a
+        process is left (EBUSY) — retried later."""
         ok = True
         for d in self.dirs.values():
-            try:
-                d.rmdir()
-            except FileNotFoundError:
-                pass
-            except OSError:
-                ok = False
+            ok = _rmtree(d) and ok
         return ok
+
+
+def _rmtree(d: Path) -> bool:
+    """rmdir ``d`` and its sub-groups, deepest first; True when ``d`` is gone."""
+    subs = sorted((Path(p) for p, _, _ in os.walk(d)), key=lambda p: len(p.parts), reverse=True)
+    for sub in subs:
+        with contextlib.suppress(OSError):
+            sub.rmdir()
+    return not d.exists()
+
+
+def oom_kills(directory: Path) -> int:
+    """How many processes the kernel's OOM killer killed in one cgroup directory.
+
+    v2: ``memory.events`` ``oom_kill`` (counts the whole subtree); v1:
+    ``memory.oom_control`` ``oom_kill`` (the group's own tasks only, Linux >= 4.13). A
+    *copy* of those files (the container runtime's saved counters) is read the same way: any
+    file whose lines hold ``oom_kill N``.
+
+    Args:
+        directory: a cgroup directory, or a saved counters file.
+
+    Returns:
+        The count; -1 when unknown (no such group, no counter on this kernel).
+    """
+    if directory.is_file():
+        return _counter(directory, "oom_kill")
+    for name in ("memory.events", "memory.oom_control"):
+        n = _counter(directory / name, "oom_kill")
+        if n >= 0:
+            return n
+    return -1
+
+
+def oom_verdict(kills: int, exit_code: int) -> bool:
+    """THE OOM rule of both runtimes: the attempt is ``OOM_KILLED`` iff the kernel's OOM
+    killer acted in its cgroup (``kills`` > 0, from :func:`oom_kills`) and the command did
+    not succeed (``exit_code`` != 0; a job whose child was OOM-killed but that exited 0 is a
+    success). ``kills`` -1 (unknown) is no verdict: False."""
+    return kills > 0 and exit_code != 0
 
 
 def _counter(path: Path, name: str) -> int:

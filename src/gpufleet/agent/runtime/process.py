@@ -40,7 +40,7 @@ from gpufleet.agent.runtime.base import (
     RunHandle,
     StartError,
 )
-from gpufleet.agent.runtime.containment import Containment, JobCgroup
+from gpufleet.agent.runtime.containment import Containment, JobCgroup, oom_verdict
 from gpufleet.agent.runtime.jobnet import JobNet, attempt_netns, drop_netns
 from gpufleet.agent.runtime.jobns import Isolation
 from gpufleet.agent.workdir import RunPaths
@@ -366,7 +366,13 @@ class ProcessRuntime:
     def _exit_info(self, rec: RunRecord, h: ProcessHandle, *, rebooted: bool = False) -> ExitInfo:
         data = _read_json(h.exit_file)
         reason, note = "", ""
-        if h.cgroup is not None and h.cgroup.oom_killed():
+        # the OOM rule shared with the container runtime (containment.oom_verdict): the
+        # kernel's OOM-kill counter of the attempt's group, and a command that failed
+        kills = h.cgroup.oom_kills() if h.cgroup is not None else -1
+        if kills < 0 and h.cgroup is not None and h.cgroup.oom_killed():
+            kills = 1  # a kernel without the counter (< 4.13): the limit was hit
+        if kills > 0:
+            assert h.cgroup is not None
             limit = h.cgroup.memory_limit_mb() or rec.memory_mb
             reason = OOM_KILLED
             note = (
@@ -381,14 +387,14 @@ class ProcessRuntime:
             return ExitInfo(
                 exit_code=code,
                 finished_at_s=time.time(),
-                message=note
+                message=(note if oom_verdict(kills, code) else "")
                 or "exit code from the shim's status (its exit file could not be written)",
-                reason=reason if code != 0 else "",
+                reason=reason if oom_verdict(kills, code) else "",
             )
         if data is not None and "exit_code" in data:
             start_error = str(data.get("start_error", ""))
             code = int(data["exit_code"])
-            if code == 0:
+            if not oom_verdict(kills, code):
                 reason, note = "", ""  # a child was OOM-killed but the command succeeded
             elif not note and code == -signal.SIGKILL and h.term_sent_at and h.kill_sent_at:
                 note = f"killed with SIGKILL after {rec.stop_grace_s:g} s grace"
