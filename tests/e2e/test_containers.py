@@ -284,6 +284,7 @@ def test_a_container_whose_conmon_dies_ends_and_frees_its_gpus_and_can_be_cancel
     job = fleet.wait_status(ends, TERMINAL, timeout_s=30)
     assert job["status"] == "FAILED", job  # its exit status is lost: not a success
     assert "exit status lost" in (fleet.tmp / "agent-a1.log").read_text()
+    assert "conmon) died: exit status lost" in job["failure_reason"], job  # said to the user
     fleet.wait_for(
         lambda: fleet.get("/v1/nodes")["items"][0]["available_gpus"] == 4, 30, "GPUs freed"
     )

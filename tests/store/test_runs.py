@@ -108,6 +108,21 @@ class TestCompletion:
         assert (job.status, run.exit_code) == ("FAILED", -9)
         assert job.failure_reason == "killed by signal 9 (SIGKILL)"
 
+    def test_the_agents_note_on_an_exit_reaches_the_failure_reason(
+        self, db: Database, store: ObjectStore
+    ) -> None:
+        """A container whose conmon died ends with its exit status lost: the job's reason
+        says so, not only "killed by signal 9" (the note used to stay in the agent's log)."""
+        job_id, epoch = setup(db)
+        r = reserve(db, job_id, "n1", 2, epoch=epoch)
+        rep = report(store, job_id, r, exit_code=-9)
+        note = "exit status lost (conmon died); processes verified gone"
+        runs.complete_run(db, store, dataclasses.replace(rep, message=note))
+        job, _, _ = state(db, job_id)
+        assert job.failure_reason == (
+            "killed by signal 9 (SIGKILL): exit status lost (conmon died); processes verified gone"
+        )
+
     def test_failure_with_a_retry_gets_a_new_attempt_and_a_higher_token(self, db, store) -> None:
         job_id, epoch = setup(db, max_retries=1)
         first = reserve(db, job_id, "n1", 2, epoch=epoch)

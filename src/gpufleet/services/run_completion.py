@@ -464,7 +464,9 @@ def _decide(
     elif report.outcome == Outcome.STOPPED:
         why = f"stopped by the agent: {report.message or 'no longer authoritative'}"
     else:
-        why = exit_reason(report.exit_code)
+        # the agent's note says what the code alone cannot ("exit status lost: conmon died,
+        # processes verified gone", "killed with SIGKILL after 5 s grace")
+        why = exit_reason(report.exit_code) + (f": {report.message}" if report.message else "")
     return RunStatus.FAILED, failed_next(session, job, current), why
 
 
