@@ -6,6 +6,7 @@ to the node they were placed on, even if another node registered the same addres
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
@@ -20,6 +21,7 @@ from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
 RPC_TIMEOUT_S = 5.0
+log = logging.getLogger("gpufleet.controller")
 
 
 class _FaultInterceptor(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
@@ -40,6 +42,11 @@ class _FaultInterceptor(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         if self.assign_hold_s and str(getattr(details, "method", "")).endswith("/AssignJob"):
+            log.warning(
+                "holding AssignJob %s for %.0f ms (GPUFLEET_FAULT_RPC test hook)",
+                getattr(request, "run_id", "?"),
+                self.assign_hold_s * 1000,
+            )
             time.sleep(self.assign_hold_s)
         if self.delay_s:
             time.sleep(self.rng.uniform(0, self.delay_s))
