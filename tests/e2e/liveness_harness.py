@@ -197,11 +197,14 @@ class Plane:
         via: tuple[str, str] | None = None,
         args: tuple[str, ...] = (),
         wait: bool = True,
+        wrap: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         """Start ``node_id``'s agent given the controllers ``order`` (indexes; default all,
         in order) as ``--controller a,b --join-address ja,jb``, or the one ``via`` pair
         (a load balancer's controller and join addresses); waits until it is HEALTHY
-        unless ``wait`` is False."""
+        unless ``wait`` is False. ``wrap``: a command the agent runs under (``faketime
+        ...``); ``env``: more environment."""
         order = order if order is not None else list(range(len(self.controllers)))
         controller = ",".join(self.addresses[i][0] for i in order)
         join = ",".join(self.addresses[i][1] for i in order)
@@ -210,6 +213,7 @@ class Plane:
         state_dir = self.tmp / "agents" / node_id
         tls_args, tls_env = agent_tls_args(self.db, self.settings, node_id, state_dir)
         argv = [
+            *wrap,
             sys.executable,
             "-m",
             "gpufleet.cli.main",
@@ -231,7 +235,12 @@ class Plane:
             *tls_args,
             *args,
         ]
-        proc = Proc(node_id, argv, dict(self.env, **tls_env), self.tmp / f"agent-{node_id}.log")
+        proc = Proc(
+            node_id,
+            argv,
+            dict(self.env, **tls_env, **(env or {})),
+            self.tmp / f"agent-{node_id}.log",
+        )
         self.agents[node_id] = proc
         proc.start()
         if wait:
