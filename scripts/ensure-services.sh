@@ -58,6 +58,15 @@ if [ -n "$missing" ]; then
   done
 fi
 
+# libfaketime for the skewed-clock test (tests/e2e/test_clock_skew.py; it skips without it).
+if ! command -v faketime >/dev/null 2>&1; then
+  for _ in $(seq 10); do  # another apt-get may hold the lock
+    $SUDO apt-get update -q && $SUDO env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q faketime && break
+    sleep 6
+  done
+fi
+
 # Container runtime for jobs with an `image` (tests need it; they fail, not skip, without it):
 # podman + runc, a local docker-registry on 127.0.0.1:5000 (plain HTTP, loopback only) and the
 # offline-built test images (scripts/build-test-images.sh). The agent passes its own podman

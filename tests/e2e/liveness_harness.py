@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -36,6 +38,69 @@ JOB = (
     "    f.write(os.environ['GPUFLEET_RUN_ID'] + ' ' + str(os.getpid()) + '\\n')\n"
     "time.sleep(float(sys.argv[2]))\n"
 )
+
+
+class TcpGate:
+    """A TCP forwarder from a local port to ``target`` that can be cut (every connection
+    closed, new ones closed at once: the client sees UNAVAILABLE, as in a partition that
+    resets) and restored. An agent given its address as ``--controller`` reaches the
+    controller only through it (TLS passes through untouched)."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.open = True
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            self.open = False
+            socks, self._socks = self._socks, []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def restore(self) -> None:
+        with self._lock:
+            self.open = True
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.open:
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=2)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._socks += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
 
 
 class Proc:
@@ -131,10 +196,15 @@ class Plane:
         gpus: str = "8xH100-80GB",
         via: tuple[str, str] | None = None,
         args: tuple[str, ...] = (),
+        wait: bool = True,
+        wrap: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         """Start ``node_id``'s agent given the controllers ``order`` (indexes; default all,
         in order) as ``--controller a,b --join-address ja,jb``, or the one ``via`` pair
-        (a load balancer's controller and join addresses); waits until it is HEALTHY."""
+        (a load balancer's controller and join addresses); waits until it is HEALTHY
+        unless ``wait`` is False. ``wrap``: a command the agent runs under (``faketime
+        ...``); ``env``: more environment."""
         order = order if order is not None else list(range(len(self.controllers)))
         controller = ",".join(self.addresses[i][0] for i in order)
         join = ",".join(self.addresses[i][1] for i in order)
@@ -143,6 +213,7 @@ class Plane:
         state_dir = self.tmp / "agents" / node_id
         tls_args, tls_env = agent_tls_args(self.db, self.settings, node_id, state_dir)
         argv = [
+            *wrap,
             sys.executable,
             "-m",
             "gpufleet.cli.main",
@@ -164,10 +235,16 @@ class Plane:
             *tls_args,
             *args,
         ]
-        proc = Proc(node_id, argv, dict(self.env, **tls_env), self.tmp / f"agent-{node_id}.log")
+        proc = Proc(
+            node_id,
+            argv,
+            dict(self.env, **tls_env, **(env or {})),
+            self.tmp / f"agent-{node_id}.log",
+        )
         self.agents[node_id] = proc
         proc.start()
-        self.wait_for(lambda: self.node_status(node_id) == "HEALTHY", 60, f"agent {node_id}")
+        if wait:
+            self.wait_for(lambda: self.node_status(node_id) == "HEALTHY", 60, f"agent {node_id}")
 
     def start_haproxy(self) -> tuple[str, str]:
         """haproxy in front of the controllers (the settings of docs/design/lifecycle.md,

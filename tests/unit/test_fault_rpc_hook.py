@@ -34,3 +34,21 @@ def test_drop_zero_passes_calls_through() -> None:
     hook = _FaultInterceptor("drop=0")
     outcome = hook.intercept_unary_unary(lambda *_: _Outcome(), None, 1)
     assert outcome.result() == "answer"
+
+
+class _Details:
+    def __init__(self, method: str) -> None:
+        self.method = method
+
+
+def test_assign_hold_delays_only_assign_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr("gpufleet.controller.agents.time.sleep", slept.append)
+    hook = _FaultInterceptor("assign_hold_ms=1500")
+    hook.intercept_unary_unary(lambda *_: _Outcome(), _Details("/gpufleet.v1.Agent/StopRun"), 1)
+    assert slept == []
+    outcome = hook.intercept_unary_unary(
+        lambda *_: _Outcome(), _Details("/gpufleet.v1.Agent/AssignJob"), 1
+    )
+    assert slept == [1.5]
+    assert outcome.result() == "answer"

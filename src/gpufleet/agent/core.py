@@ -12,6 +12,13 @@ Rules, in the order they are checked:
   refused too), and so is one whose token is lower than the highest seen for its job. A
   StopRun with a lower leader epoch is REJECTED_STALE (all survive restarts: they are in the
   log).
+* **No new start while out of touch.** An AssignJob that would start a new run_id, on an
+  agent that has heard no controller for longer than the contact timeout the controller
+  named (or not at all since it started), first renews contact (a heartbeat, at most ~3 s)
+  and so learns the current leader epoch; if no controller answers it is refused
+  (:class:`~gpufleet.agent.contact.OutOfTouch`, UNAVAILABLE: nothing logged or started).
+  A frozen or partitioned node thus never starts the fenced attempt a deposed leader's
+  late AssignJob carries (:mod:`gpufleet.agent.contact`).
 * **Epochs from the future are not believed.** A controller's RegisterNode/Heartbeat answer
   carries the epoch of the current lease, read from the database by any replica (leader or
   standby); the agent adopts it. A request (AssignJob/StopRun) may raise the known epoch by at
@@ -36,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from gpufleet.agent.assignment_log import AssignmentLog, RunRecord, RunStatus, is_disk_full
+from gpufleet.agent.contact import Contact
 from gpufleet.agent.gpu_health import GpuHealth
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.outbox import COMPLETE, CONFIRM, Outbox
@@ -97,6 +105,8 @@ class AgentCore:
         self.inventory = inventory
         self.default_grace_s = default_grace_s
         self.outbox: Outbox | None = None  # set by the wiring in main.py
+        # when the control plane was last heard (main.py wires it; None: no check, tests)
+        self.contact: Contact | None = None
         # called after each container start (it may have pulled): refresh the image list
         self.on_started: Callable[[], None] | None = None
         # Keys of log.runs are only added under this lock ("assigned", "tombstone"), so code
@@ -194,7 +204,16 @@ class AgentCore:
         Raises:
             OSError: the assignment could not be logged (nothing was started).
             EpochFromTheFuture: a new run_id with an unbelievable leader epoch (not logged).
+            OutOfTouch: a new run_id while no controller could be heard (not logged).
         """
+        contact = self.contact
+        if contact is not None and req.run_id not in self.log.runs:
+            # before the table lock: the heartbeat that renews contact lists the runs
+            try:
+                contact.ensure()
+            except Exception as exc:
+                logger.warning("run %s refused for now: %s", req.run_id, exc)
+                raise
         resp = self._assign_once(req)
         rec = self.log.runs.get(req.run_id)
         port = rec.env.get("MASTER_PORT", "") if rec is not None and req.gang_size > 1 else ""

@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from gpufleet.rpc import tls
+from gpufleet.rpc import tls, tls_hint
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
@@ -294,7 +294,11 @@ def _call_until_answered(call: Callable[[], Any], stop: threading.Event, what: s
                 ) from None
             attempts += 1
             if attempts in (1, 10) or attempts % 100 == 0:
-                logger.warning("%s not reachable yet (%s); retrying", what, code.name)
+                hint = tls_hint.hint(exc)
+                if hint is not None:  # it answered; the handshake failed on a certificate
+                    logger.error("cannot reach the %s: %s; retrying", what, hint)
+                else:
+                    logger.warning("%s not reachable yet (%s); retrying", what, code.name)
             stop.wait(delay)
             delay = min(RETRY_MAX_S, delay * 2)
     return None

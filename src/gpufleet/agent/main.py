@@ -637,6 +637,7 @@ def run_agent(
         object_store_url=store_url,
         probe_nonce=probe_nonce,
     )
+    core.contact = link.contact  # new work waits for a recent word from the control plane
     monitor = threading.Thread(
         target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True
     )

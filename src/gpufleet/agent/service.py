@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
 
 from gpufleet.agent import telemetry
+from gpufleet.agent.contact import Contact, OutOfTouch
 from gpufleet.agent.core import AgentCore, EpochFromTheFuture
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.runtime.container_images import ImageReporter
+from gpufleet.rpc import tls_hint
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
@@ -50,6 +53,9 @@ class AgentServicer(pb_grpc.AgentServicer):
             return self.core.assign(request)
         except EpochFromTheFuture as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise  # unreachable: abort raises
+        except OutOfTouch as exc:  # nothing logged: the leader re-sends it
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             raise  # unreachable: abort raises
         except OSError as exc:
             logger.error("run %s: cannot log the assignment: %s", request.run_id, exc)
@@ -101,6 +107,8 @@ class ControllerLink:
             credentials (a join token given at start), so registration is retried at once.
         on_reconnected: called when a heartbeat is answered after one or more that reached
             no controller (the agent's outbox retries its pending reports at once).
+        contact: noted at every answer (the contact timeout from registration); its ``ask``
+            is set to :meth:`renew_contact`. None: a private one.
     """
 
     def __init__(
@@ -122,8 +130,13 @@ class ControllerLink:
         on_reconnected: Callable[[], None] = lambda: None,
         object_store_url: str = "",
         probe_nonce: str = "",
+        contact: Contact | None = None,
     ) -> None:
         self.core = core
+        self.contact = contact if contact is not None else Contact()
+        self.contact.ask = self.renew_contact
+        self._beat = threading.Lock()  # one heartbeat at a time (loop or renew_contact)
+        self._reregister = False  # a renewing heartbeat was told to register again
         self.on_reconnected = on_reconnected
         self.object_store_url = object_store_url
         self.probe_nonce = probe_nonce
@@ -166,6 +179,8 @@ class ControllerLink:
         )
         attempts = 0
         while not self.stop_event.is_set():
+            sent_at = self.contact.now()
+            request.clock_unix_s = time.time()
             try:
                 resp = self.stub.RegisterNode(request, timeout=CALL_TIMEOUT_S)
             except grpc.RpcError as exc:
@@ -178,7 +193,10 @@ class ControllerLink:
                         delay = 0.1
                         continue
                 if attempts in (1, 10) or attempts % 100 == 0:
-                    if _code(exc).split(":")[0] in _REFUSALS:
+                    hint = tls_hint.hint(exc)
+                    if hint is not None:  # the handshake failed on a certificate's dates
+                        logger.error("cannot register with the controller: %s; retrying", hint)
+                    elif _code(exc).split(":")[0] in _REFUSALS:
                         # the controller answered: say what it objects to, not "unreachable"
                         logger.error(
                             "controller refused the registration of node %s: %s; retrying",
@@ -197,6 +215,7 @@ class ControllerLink:
                 self.stop_event.set()
                 return False
             self.core.note_leader_epoch(resp.leader_epoch)
+            self.contact.heard(sent_at, resp.contact_timeout_s)
             if self.fixed_interval_s is None and resp.heartbeat_interval_s > 0:
                 self.interval_s = resp.heartbeat_interval_s
             logger.info(
@@ -224,12 +243,37 @@ class ControllerLink:
 
         return mismatch(self.object_store_url, fleet_url) or ""
 
+    def renew_contact(self, limit_s: float) -> None:
+        """Hear the control plane within ``limit_s`` seconds (the contact rule of
+        :mod:`gpufleet.agent.contact`): wait for this process's registration, then send a
+        heartbeat unless another one answered meanwhile. A re-registration it asks for is
+        left to the heartbeat thread.
+
+        Raises:
+            grpc.RpcError: no controller answered.
+            TimeoutError: not registered, or another heartbeat in flight, within the limit.
+        """
+        deadline = time.monotonic() + limit_s
+        if not self.registered.wait(limit_s):
+            raise TimeoutError("not registered yet")
+        if not self._beat.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError("a heartbeat in flight got no answer")
+        try:
+            if self.contact.out_of_touch():
+                self._heartbeat(max(0.1, deadline - time.monotonic()), reregister=False)
+        finally:
+            self._beat.release()
+
     def heartbeat_once(self) -> None:
         """Send one heartbeat and apply the answer (stop list, re-registration).
 
         Raises:
             grpc.RpcError: the controller did not answer.
         """
+        with self._beat:
+            self._heartbeat(self.heartbeat_timeout_s(), reregister=True)
+
+    def _heartbeat(self, timeout_s: float, *, reregister: bool) -> None:
         images = self.images.images() if self.images is not None else None
         running, free, disk = (
             self.core.run_refs(checkpoints=True),
@@ -237,6 +281,7 @@ class ControllerLink:
             self.core.runner.disk_free_mb(),
         )
         telemetry.note_heartbeat(len(running), free, disk)
+        sent_at = self.contact.now()
         with telemetry.heartbeat_timer():
             resp = self.stub.Heartbeat(
                 pb.HeartbeatRequest(
@@ -253,9 +298,10 @@ class ControllerLink:
                     ],
                     images_reported=images is not None,
                 ),
-                timeout=self.heartbeat_timeout_s(),
+                timeout=timeout_s,
             )
         self.core.note_leader_epoch(resp.leader_epoch)
+        self.contact.heard(sent_at)
         if resp.prepull and self.images is not None:
             logger.info("controller asks to pre-pull %s", ", ".join(resp.prepull))
             self.images.prepull(resp.prepull)
@@ -272,7 +318,10 @@ class ControllerLink:
                 s.run_id,
                 pb.StopRunResponse.Result.Name(answer.result),
             )
-        if resp.reregister:
+        if resp.reregister and not reregister:
+            self._reregister = True  # the heartbeat thread does it (it may take long)
+        elif resp.reregister or self._reregister:
+            self._reregister = False
             logger.warning("controller does not know this node: registering again")
             self.register_until_answered()
 
@@ -294,7 +343,8 @@ class ControllerLink:
                 if _code(exc) == "UNAVAILABLE":  # no controller reachable: try again soon
                     wait_s = min(self.interval_s, UNREACHABLE_RETRY_S)
                 if failures in (1, 10) or failures % 100 == 0:
-                    logger.warning("heartbeat failed (%s)", _code(exc))
+                    hint = tls_hint.hint(exc)
+                    logger.warning("heartbeat failed (%s)", hint or _code(exc))
             except Exception:  # e.g. the assignment log refused a stop: keep heartbeating
                 logger.exception("heartbeat handling failed")
 

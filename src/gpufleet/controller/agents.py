@@ -6,6 +6,7 @@ to the node they were placed on, even if another node registered the same addres
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
@@ -20,21 +21,33 @@ from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 
 RPC_TIMEOUT_S = 5.0
+log = logging.getLogger("gpufleet.controller")
 
 
 class _FaultInterceptor(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """TEST HOOK (tests/chaos): ``GPUFLEET_FAULT_RPC="drop=0.1,delay_ms=200"`` makes every
     controller->agent call fail with UNAVAILABLE with probability ``drop`` (before it is sent,
     or after it was answered: a lost reply), and wait a random 0..``delay_ms`` ms first.
-    Read once at import; unset (production) it is never installed."""
+    ``assign_hold_ms=N`` holds every AssignJob exactly N ms after its request was built and
+    before it is sent (its deadline starts at the send): a deposed leader's late AssignJob
+    (tests/e2e/test_fencing_late_assign.py). Read once at import; unset (production) it is
+    never installed."""
 
     def __init__(self, spec: str) -> None:
         opts = dict(kv.split("=", 1) for kv in spec.split(",") if "=" in kv)
         self.drop = float(opts.get("drop", 0))
         self.delay_s = float(opts.get("delay_ms", 0)) / 1000.0
+        self.assign_hold_s = float(opts.get("assign_hold_ms", 0)) / 1000.0
         self.rng = random.Random()
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        if self.assign_hold_s and str(getattr(details, "method", "")).endswith("/AssignJob"):
+            log.warning(
+                "holding AssignJob %s for %.0f ms (GPUFLEET_FAULT_RPC test hook)",
+                getattr(request, "run_id", "?"),
+                self.assign_hold_s * 1000,
+            )
+            time.sleep(self.assign_hold_s)
         if self.delay_s:
             time.sleep(self.rng.uniform(0, self.delay_s))
         r = self.rng.random()

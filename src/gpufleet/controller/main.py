@@ -119,6 +119,7 @@ class Controller:
                 auth=auth,
                 max_node_failures=self.settings.max_node_failures,
                 retry_backoff=(self.settings.retry_backoff_s, self.settings.retry_backoff_cap_s),
+                contact_timeout_s=min(self.settings.leader_lease_s, self.settings.fence_timeout_s),
             ),
             server,
         )

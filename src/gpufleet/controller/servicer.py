@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
@@ -22,6 +23,8 @@ from gpufleet.store.db import Database
 
 log = logging.getLogger("gpufleet.controller")
 T = TypeVar("T")
+CLOCK_SKEW_WARN_S = 30.0
+"""A registering agent's clock further than this (seconds) from the controller's is logged."""
 
 _COMPLETION = {
     runs.CompletionResult.ACCEPTED: pb.ReportCompletionResponse.ACCEPTED,
@@ -43,6 +46,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         (plaintext: the node id is taken from the message, anyone can claim any node).
     probe_timeout_s: seconds, float, that RegisterNode waits at most for its read of the
         agent's probe object (well under the agent's 10 s call timeout).
+    contact_timeout_s: seconds told to agents at registration: one that has heard no
+        controller for longer asks for the current leader epoch before it starts new work
+        (``RegisterNodeResponse.contact_timeout_s``; 0 = no such check).
+    clock_skew_warn_s: a registering agent whose clock differs from this controller's by
+        more than this many seconds is warned about in the log (its TLS certificates are
+        checked against its own clock).
     """
 
     def __init__(
@@ -57,7 +66,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         max_node_failures: int = 3,
         retry_backoff: tuple[float, float] = (10.0, 300.0),
         probe_timeout_s: float = 6.0,
+        contact_timeout_s: float = 0.0,
+        clock_skew_warn_s: float = CLOCK_SKEW_WARN_S,
     ) -> None:
+        self.contact_timeout_s = contact_timeout_s
+        self.clock_skew_warn_s = clock_skew_warn_s
         self.db, self.store = db, store
         self.probes = ProbeReader(store, timeout_s=probe_timeout_s)
         self._store_unreadable = False  # logged once per outage of our own store
@@ -81,6 +94,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNodeResponse:
         node_id = self._node(context, "RegisterNode", request.node_id)
+        self._warn_clock_skew(node_id, request.clock_unix_s)
         refused = mismatch(request.object_store_url, self.store_url)
         if refused is not None:  # before the node is written: the scheduler never sees it
             log.warning("node %s not registered: %s", node_id, refused)
@@ -112,7 +126,28 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             leader_epoch=epoch,
             heartbeat_interval_s=self.heartbeat_interval_s,
             object_store_url=self.store_url,
+            contact_timeout_s=self.contact_timeout_s,
         )
+
+    def _warn_clock_skew(self, node_id: str, agent_clock_unix_s: float) -> None:
+        """Log a warning when the agent's clock (sent at registration; 0 = an older agent)
+        is more than ``clock_skew_warn_s`` from this controller's. Leases never compare two
+        machines' clocks, but each side checks the other's certificate against its own
+        clock: a node far behind or ahead sees fresh certificates as not yet valid or
+        expired."""
+        if agent_clock_unix_s <= 0:
+            return
+        skew_s = agent_clock_unix_s - time.time()
+        if abs(skew_s) > self.clock_skew_warn_s:
+            log.warning(
+                "node %s: its clock is %.0f s %s this controller's: fix its time (NTP);"
+                " certificates are checked against each machine's clock and will look"
+                " %s to it",
+                node_id,
+                abs(skew_s),
+                "behind" if skew_s < 0 else "ahead of",
+                "not yet valid" if skew_s < 0 else "expired early",
+            )
 
     def _probe_refusal(self, node_id: str, nonce: str) -> str | None:
         """The refusal when this controller's store lacks the agent's probe object or holds

@@ -136,6 +136,7 @@ class RegisterNodeRequest(_message.Message):
     INVENTORY_SOURCE_FIELD_NUMBER: _builtins.int
     OBJECT_STORE_URL_FIELD_NUMBER: _builtins.int
     OBJECT_STORE_PROBE_NONCE_FIELD_NUMBER: _builtins.int
+    CLOCK_UNIX_S_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     address: _builtins.str
     """host:port of the agent's gRPC server"""
@@ -158,6 +159,12 @@ class RegisterNodeRequest(_message.Message):
     node when it is absent or holds another nonce (the same URL, another store). Empty: an
     agent older than this check (not read).
     """
+    clock_unix_s: _builtins.float
+    """The agent's wall clock when it sent this (Unix seconds; 0: an agent older than this
+    field). The controller compares it with its own and warns about a large skew: leases use
+    the database's clock only, but TLS certificate validity is checked against each
+    machine's own clock.
+    """
     @_builtins.property
     def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___Gpu]: ...
     @_builtins.property
@@ -175,10 +182,11 @@ class RegisterNodeRequest(_message.Message):
         inventory_source: _builtins.str = ...,
         object_store_url: _builtins.str = ...,
         object_store_probe_nonce: _builtins.str = ...,
+        clock_unix_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_epoch", b"agent_epoch", "cpu", b"cpu", "gpus", b"gpus", "inventory_source", b"inventory_source", "labels", b"labels", "memory_mb", b"memory_mb", "node_id", b"node_id", "object_store_probe_nonce", b"object_store_probe_nonce", "object_store_url", b"object_store_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_epoch", b"agent_epoch", "clock_unix_s", b"clock_unix_s", "cpu", b"cpu", "gpus", b"gpus", "inventory_source", b"inventory_source", "labels", b"labels", "memory_mb", b"memory_mb", "node_id", b"node_id", "object_store_probe_nonce", b"object_store_probe_nonce", "object_store_url", b"object_store_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -192,6 +200,7 @@ class RegisterNodeResponse(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     OBJECT_STORE_URL_FIELD_NUMBER: _builtins.int
     REFUSED_FIELD_NUMBER: _builtins.int
+    CONTACT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     leader_epoch: _builtins.int
     heartbeat_interval_s: _builtins.float
     object_store_url: _builtins.str
@@ -200,6 +209,13 @@ class RegisterNodeResponse(_message.Message):
     """Non-empty: the node was NOT registered, and why (e.g. another object store than the
     fleet's, naming both URLs); the agent exits with this line.
     """
+    contact_timeout_s: _builtins.float
+    """Seconds: an agent that has had no heartbeat (or registration) answer for longer than this
+    asks the control plane for the current leader epoch (a heartbeat, ~3 s at most) before
+    it starts any new assignment, and refuses the assignment (UNAVAILABLE) if none answers:
+    a new leader may have fenced work it has not heard of. min(leader lease, fence timeout);
+    0: a controller older than this field (no such check).
+    """
     def __init__(
         self,
         *,
@@ -207,10 +223,11 @@ class RegisterNodeResponse(_message.Message):
         heartbeat_interval_s: _builtins.float = ...,
         object_store_url: _builtins.str = ...,
         refused: _builtins.str = ...,
+        contact_timeout_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "leader_epoch", b"leader_epoch", "object_store_url", b"object_store_url", "refused", b"refused"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["contact_timeout_s", b"contact_timeout_s", "heartbeat_interval_s", b"heartbeat_interval_s", "leader_epoch", b"leader_epoch", "object_store_url", b"object_store_url", "refused", b"refused"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
