@@ -101,9 +101,14 @@ def test_a_quarantined_node_is_not_placeable_and_its_fenced_gpus_stay_held(
     assert found == []
     (cap,) = view.nodes
     assert cap.available_gpus == 6
-    db.run_write(lambda s: nodes.heartbeat(s, "n1", 1, [], nodes.NodeHealth()))
+    verdict = db.run_write(lambda s: nodes.heartbeat(s, "n1", 1, [], nodes.NodeHealth()))
     view, found = check_database(db)
     assert found == [] and view.nodes[0].available_gpus == 8
+    # the released run is also stopped: the agent tombstones it, so a late copy of its
+    # AssignJob (held in a frozen node's socket buffer) is refused instead of starting it
+    assert [(h.run_id, h.token) for h in verdict.stop] == [(r.run_id, r.token)]
+    again = db.run_write(lambda s: nodes.heartbeat(s, "n1", 1, [], nodes.NodeHealth()))
+    assert again.stop == ()  # once: the reservation is released now
 
 
 def test_admin_check_reports_a_stuck_stop_by_job_id(tmp_path) -> None:

@@ -18,12 +18,12 @@ from typing import Any
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.states import RUN_ACTIVE, NodeStatus, RunStatus
+from gpufleet.domain.states import RUN_ACTIVE, NodeStatus, ReservationStatus, RunStatus
 from gpufleet.services.node_fence import release_gone_quarantined
 from gpufleet.services.node_health import apply_health, back_to_healthy
 from gpufleet.store import leader
 from gpufleet.store.dialect import db_now
-from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
+from gpufleet.store.tables import JobRow, JobRunRow, NodeRow, ReservationRow
 
 CHECKPOINT_CLOCK_SKEW_S = 60.0
 """How far ahead of the database clock a reported checkpoint time may be, seconds: the
@@ -48,7 +48,8 @@ class HeartbeatVerdict:
     known: bool
     """False: the node is not registered (the agent should register again)."""
     stop: tuple[HeartbeatRun, ...] = ()
-    """Runs the agent must stop: unknown, stale token, or terminal in the database."""
+    """Runs the agent must stop: unknown, stale token, or terminal in the database; and
+    fenced runs it no longer lists (their GPUs released now; the stop tombstones them)."""
     confirm: tuple[HeartbeatRun, ...] = ()
     """Runs the agent runs whose confirmation was lost: confirm them (lost ack != lost work)."""
     prepull: tuple[str, ...] = ()
@@ -112,11 +113,25 @@ def heartbeat(
         }
     session.execute(update(NodeRow).where(NodeRow.id == node_id).values(**values))
     # fenced runs the agent no longer lists are gone (it kills a fenced run it still has,
-    # through the stop list below, before it stops listing it): their GPUs come back
+    # through the stop list below, before it stops listing it): their GPUs come back, and
+    # the agent is told to stop them too, which tombstones a run it never had: a late copy
+    # of its AssignJob (sent before the fence, held in a frozen node's socket buffer) is then
+    # refused as stale rather than starting the fenced attempt's code
+    listed = {h.run_id for h in running}
+    gone = [
+        HeartbeatRun(run_id=run_id, job_id=job_id, token=int(token), state="GONE")
+        for run_id, job_id, token in session.execute(
+            select(ReservationRow.run_id, ReservationRow.job_id, ReservationRow.token).where(
+                ReservationRow.node_id == node_id,
+                ReservationRow.status == ReservationStatus.QUARANTINED,
+            )
+        ).all()
+        if run_id not in listed
+    ]
     release_gone_quarantined(
         session,
         node_id,
-        {h.run_id for h in running},
+        listed,
         message="the agent reports the fenced run gone",
     )
     if node.status == NodeStatus.SUSPECT:
@@ -126,7 +141,9 @@ def heartbeat(
     if health is not None:
         apply_health(session, node_id, health.health, now=now)
     if not running:
-        return HeartbeatVerdict(known=True, prepull=prepull, leader_epoch=lease_epoch)
+        return HeartbeatVerdict(
+            known=True, stop=tuple(gone), prepull=prepull, leader_epoch=lease_epoch
+        )
     rows = {
         r.id: (r, cur, epoch)
         for r, cur, epoch in session.execute(
@@ -135,7 +152,7 @@ def heartbeat(
             .where(JobRunRow.id.in_([h.run_id for h in running]))
         )
     }
-    stop, confirm = [], []
+    stop, confirm = list(gone), []
     for h in running:
         found = rows.get(h.run_id)
         if found is None:
