@@ -90,7 +90,9 @@ class _DropNoise(logging.Filter):
     """Per-node start-up warnings that say "this node is hollow" N times over."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(("job network: host", "no container runtime"))
+        return not str(record.msg).startswith(
+            ("job network: host", "no container runtime", "jobs run as the agent's own user")
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(threadName)s %(message)s",
         stream=sys.stderr,
     )
-    logging.getLogger("gpufleet.agent").addFilter(_DropNoise())
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_DropNoise())
     # one copy of `cryptography` for every node: joins and certificate checks then run in
     # this process, not in a child interpreter per node (agent.identity._pki)
     import cryptography.x509  # noqa: F401
