@@ -50,7 +50,7 @@ from gpufleet.agent.core import AgentCore
 from gpufleet.agent.gpu_health import GpuHealth
 from gpufleet.agent.identity import Renewer, ensure_credentials, tls_dir
 from gpufleet.agent.inventory import load_inventory
-from gpufleet.agent.outbox import Outbox
+from gpufleet.agent.outbox import WORKERS_PER_KIND, Outbox
 from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
 from gpufleet.agent.runtime import Runtimes, jobns, jobuser
 from gpufleet.agent.runtime.container import ContainerRuntime
@@ -62,6 +62,7 @@ from gpufleet.agent.runtime.container_engine import (
 from gpufleet.agent.runtime.container_images import ImageReporter
 from gpufleet.agent.runtime.containment import Containment
 from gpufleet.agent.runtime.containment import detect as detect_containment
+from gpufleet.agent.runtime.hollow import HollowOptions, HollowRuntime
 from gpufleet.agent.runtime.jobnet import NETWORK_LABEL, JobNet
 from gpufleet.agent.runtime.jobnet import configure as configure_job_network
 from gpufleet.agent.runtime.jobuser import DEFAULT_JOB_USER
@@ -301,6 +302,7 @@ def run_agent(
     container_userns: str = "auto",
     container_pids_limit: int = DEFAULT_PIDS_LIMIT,
     container_read_only: bool = True,
+    hollow: HollowOptions | None = None,
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -360,6 +362,12 @@ def run_agent(
             container writes only its mounts, all in the attempt's scratch filesystem, and
             podman's tmpfs ``/run``; off, its writable layer is on the engine's storage,
             unbounded by ``disk_mb``).
+        hollow: run as a *hollow node* (docs/design/hollow-nodes.md): everything is this
+            agent's except the job runtime, :class:`~gpufleet.agent.runtime.hollow.HollowRuntime`
+            (simulated attempts, no process); the node is not probed (no containment, job
+            network, container engine or scratch filesystems) and jobs run as the agent's
+            user. Its options let many agents share one process (``python -m
+            gpufleet.agent.hollow``). None: a real node.
 
     Raises:
         ValueError: ``gpus``, ``join_token``, a controller address or the advertise
@@ -385,7 +393,8 @@ def run_agent(
     stop = stop_event if stop_event is not None else threading.Event()
     state_dir = state_dir.expanduser().resolve()
     _lock = lock_state_dir(state_dir)  # held until this process exits
-    _install_signal_handlers(stop)
+    if hollow is None:
+        _install_signal_handlers(stop)
     # an agent started under nohup or as a background job inherits ignored HUP/INT/QUIT:
     # its jobs must not (exec keeps SIG_IGN, and the shim's sh cannot reset it)
     shim.unignore_signals()
@@ -447,7 +456,9 @@ def run_agent(
                 tls.CONTROLLER_NAME,
             )
 
-        channel = ControllerPool(controllers, secure)
+        channel = ControllerPool(
+            controllers, secure if hollow is None else hollow.wrap_channel(secure)
+        )
     store = ObjectStore(cfg.object_store_url)
     try:  # on a full disk written in place (see bump_agent_epoch)
         agent_epoch = log.bump_agent_epoch()
@@ -458,9 +469,12 @@ def run_agent(
             f"disk full at start: cannot record the agent epoch in {state_dir} "
             f"({exc.strerror}): needs 1 MiB free"
         ) from None
+    if hollow is not None:
+        job_uids, containment, job_network, container_runtime = "agent", "none", "host", "none"
+        job_disk_mb, job_pids_max = 0, 0
     users = jobuser.resolve(job_user, mode=job_uids)
     found = detect_containment(agent_scope(state_dir, node_id), want=containment)
-    if not found.is_cgroup:
+    if not found.is_cgroup and hollow is None:
         logger.warning(
             "containment: %s (%s): a job's processes are not held in a cgroup and it gets "
             "no memory limit",
@@ -488,16 +502,20 @@ def run_agent(
         read_only=container_read_only,
         containment=found,
     )
-    isolation, scratch, isolation_labels = _job_isolation(
-        found,
-        users,
-        state_dir,
-        jobs_dir or default_jobs_dir(state_dir, node_id, users),
-        pids_max=job_pids_max,
-        disk_mb=job_disk_mb,
-        reserve_mb=cfg.agent_disk_reserve_mb,
-    )
-    runtimes = Runtimes(ProcessRuntime(found, isolation, jobnet=net), container=containers)
+    if hollow is None:
+        isolation, scratch, isolation_labels = _job_isolation(
+            found,
+            users,
+            state_dir,
+            jobs_dir or default_jobs_dir(state_dir, node_id, users),
+            pids_max=job_pids_max,
+            disk_mb=job_disk_mb,
+            reserve_mb=cfg.agent_disk_reserve_mb,
+        )
+        runtimes = Runtimes(ProcessRuntime(found, isolation, jobnet=net), container=containers)
+    else:
+        scratch, isolation_labels = None, {JOB_ISOLATION_LABEL: "hollow"}
+        runtimes = Runtimes(HollowRuntime())
     runner = Runner(
         state_dir,
         store,
@@ -541,6 +559,7 @@ def run_agent(
         on_rejected=core.stop_stale,
         ready=registered,
         stop_event=stop,
+        workers_per_kind=WORKERS_PER_KIND if hollow is None else hollow.outbox_workers,
     )
     core.compact_log()  # a full disk: one line, the node unhealthy until space returns
     core.recover()
@@ -558,9 +577,16 @@ def run_agent(
         for run_id in runner.scratch_disks.prune(runner.jobs_dir, keep):
             logger.info("removed the scratch filesystem of ended attempt %s", run_id)
 
+    interceptors: list[grpc.ServerInterceptor] = []
+    if creds is not None:
+        interceptors.append(tls.RoleInterceptor(tls.ROLE_CONTROLLER, logger))
+    if hollow is not None:
+        interceptors += hollow.server_interceptors()
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc"),
-        interceptors=[] if creds is None else [tls.RoleInterceptor(tls.ROLE_CONTROLLER, logger)],
+        ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="agent-rpc")
+        if hollow is None
+        else hollow.executor(),
+        interceptors=interceptors,
         # never share the port with another process; accept the controllers' keepalive pings
         options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS],
     )
@@ -639,7 +665,10 @@ def run_agent(
     )
     core.contact = link.contact  # new work waits for a recent word from the control plane
     monitor = threading.Thread(
-        target=_monitor_loop, args=(core, stop), name="agent-monitor", daemon=True
+        target=_monitor_loop,
+        args=(core, stop, MONITOR_INTERVAL_S if hollow is None else hollow.monitor_interval_s),
+        name="agent-monitor",
+        daemon=True,
     )
     threads = [monitor, link.thread, *core.outbox.threads, streamer.thread]
     if renewer is not None:
@@ -817,8 +846,10 @@ def _job_isolation(
     return isolation, scratch, labels
 
 
-def _monitor_loop(core: AgentCore, stop: threading.Event) -> None:
-    while not stop.wait(MONITOR_INTERVAL_S):
+def _monitor_loop(
+    core: AgentCore, stop: threading.Event, interval_s: float = MONITOR_INTERVAL_S
+) -> None:
+    while not stop.wait(interval_s):
         try:
             core.monitor_once()
         except Exception:  # keep watching the other attempts; this one is retried next tick

@@ -66,7 +66,7 @@ class _Task:
 
 
 class Outbox:
-    """The confirm/complete task queue and its two worker threads (one per kind).
+    """The confirm/complete task queue and its worker threads (``workers_per_kind`` each).
 
     Args:
         log: the assignment log (records are read from and events appended to it).
@@ -78,7 +78,9 @@ class Outbox:
         agent_epoch: this agent process's epoch.
         on_rejected: called with a run_id whose confirmation was REJECTED (stop it).
         ready: set once the node is registered; no task runs before.
-        stop_event: ends the worker.
+        stop_event: ends the workers.
+        workers_per_kind: worker threads per kind (default :data:`WORKERS_PER_KIND`; a
+            hollow node, many to a process, has 1).
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class Outbox:
         on_rejected: Callable[[str], None],
         ready: threading.Event,
         stop_event: threading.Event,
+        workers_per_kind: int = WORKERS_PER_KIND,
     ) -> None:
         self.log = log
         self.runner = runner
@@ -114,7 +117,7 @@ class Outbox:
                 target=self._loop, args=(kind,), name=f"agent-{kind}-{i}", daemon=True
             )
             for kind in (CONFIRM, COMPLETE)
-            for i in range(WORKERS_PER_KIND)
+            for i in range(max(1, workers_per_kind))
         ]
 
     def enqueue(self, kind: str, run_id: str) -> None:
