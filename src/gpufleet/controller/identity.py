@@ -24,6 +24,7 @@ import grpc
 
 from gpufleet.controller.rpc_errors import guard
 from gpufleet.rpc import tls
+from gpufleet.rpc.ca import csr_key_sha256
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
 from gpufleet.services import node_identity
@@ -144,8 +145,10 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
     ) -> pb.CertificateResponse:
         node_id = request.node_id
         # the token first (one indexed read): this port needs no certificate, so nothing is
-        # parsed or signed for a caller without a usable token
-        guard(context, lambda: self._check_token(request.token, node_id))
+        # signed for a caller without a usable token. The CSR's key names a repeat of a join
+        # whose answer was lost (the agent retries the same request after a timeout).
+        key_sha256 = csr_key_sha256(request.csr_pem)
+        guard(context, lambda: self._check_token(request.token, node_id, key_sha256))
         try:
             cert = self.ca.sign_node_csr(request.csr_pem, node_id, self.ttl_s)
         except ValueError as exc:
@@ -163,6 +166,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
                     not_after=cert.not_valid_after_utc,
                     agent_epoch=request.agent_epoch,
                     held={r.run_id: r.token for r in request.held_runs},
+                    key_sha256=key_sha256,
                 )
             ),
         )
@@ -198,9 +202,11 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         log.info("node %s renewed its certificate: %s", node_id, serial)
         return self._answer(cert, node_id)
 
-    def _check_token(self, secret: str, node_id: str) -> None:
+    def _check_token(self, secret: str, node_id: str, key_sha256: str) -> None:
         with self.db.read() as s:
-            node_identity.check_join_token(s, secret=secret, node_id=node_id)
+            node_identity.check_join_token(
+                s, secret=secret, node_id=node_id, key_sha256=key_sha256
+            )
 
     def _answer(self, cert: object, node_id: str) -> pb.CertificateResponse:
         return pb.CertificateResponse(

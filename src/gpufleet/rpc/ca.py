@@ -163,6 +163,25 @@ class FleetCA:
         )
 
 
+def csr_key_sha256(csr_pem: bytes) -> str:
+    """sha256 (hex) of a CSR's public key (DER SubjectPublicKeyInfo); "" when the CSR cannot
+    be parsed (signing it refuses it then, with the reason). Parses only: no signature is
+    checked here."""
+    import hashlib
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        key = x509.load_pem_x509_csr(csr_pem).public_key()
+    except ValueError:
+        return ""
+    der = key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return hashlib.sha256(der).hexdigest()
+
+
 def ca_paths(pki_dir: Path) -> tuple[Path, Path]:
     return pki_dir / CA_KEY, pki_dir / CA_CERT
 

@@ -85,7 +85,7 @@ def create_join_token(
     return secret, expires
 
 
-def check_join_token(session: Session, *, secret: str, node_id: str) -> None:
+def check_join_token(session: Session, *, secret: str, node_id: str, key_sha256: str = "") -> None:
     """Whether ``secret`` may join as ``node_id`` now (read only: the token is not spent).
     The join port calls it before it parses or signs anything, so a bad token costs one
     indexed read, no signature; :func:`join` checks again when it spends the token.
@@ -96,16 +96,24 @@ def check_join_token(session: Session, *, secret: str, node_id: str) -> None:
             that exists already (rejoining needs a token made with ``--node-id``).
         ValidationFailed: bad node id.
     """
-    _usable_token(session, secret, node_id, db_now(session))
+    _usable_token(session, secret, node_id, db_now(session), key_sha256)
 
 
-def _usable_token(session: Session, secret: str, node_id: str, now: datetime) -> JoinTokenRow:
+def _usable_token(
+    session: Session, secret: str, node_id: str, now: datetime, key_sha256: str = ""
+) -> JoinTokenRow:
+    """The token row ``secret`` names, if it may join ``node_id`` now: unspent, or spent by
+    this very join (same node id and key, ``key_sha256``) whose answer was lost."""
     validate_node_id(node_id)
     row = session.execute(
         select(JoinTokenRow).where(JoinTokenRow.token_sha256 == hash_secret(secret))
     ).scalar_one_or_none()
-    if row is None or row.used_at is not None or row.expires_at <= now:
+    if row is None or row.expires_at <= now:
         raise Unauthenticated("invalid, used or expired join token")
+    if row.used_at is not None and not _is_repeat(row, node_id, key_sha256):
+        raise Unauthenticated("invalid, used or expired join token")
+    if row.used_at is not None:
+        return row  # a repeat: the node id was checked when the token was spent
     if row.node_id is not None and row.node_id != node_id:
         raise Forbidden(f"this join token is for node {row.node_id!r}", field="node_id")
     if row.node_id is None and _node_known(session, node_id):
@@ -117,6 +125,15 @@ def _usable_token(session: Session, secret: str, node_id: str, now: datetime) ->
     return row
 
 
+def _is_repeat(row: JoinTokenRow, node_id: str, key_sha256: str) -> bool:
+    """Whether a join with a spent token is the spending join again: the agent retries a
+    call that timed out with the same request (token, node id, CSR), so a first answer lost
+    after the commit would otherwise leave the node with a spent token and no certificate.
+    Only the holder of that key can use a certificate for it, so answering again gives
+    nobody anything new."""
+    return bool(key_sha256) and row.used_by == node_id and row.used_key_sha256 == key_sha256
+
+
 def join(
     session: Session,
     *,
@@ -126,6 +143,7 @@ def join(
     not_after: datetime,
     agent_epoch: int = 0,
     held: Mapping[str, int] | None = None,
+    key_sha256: str = "",
 ) -> None:
     """Spend a join token on ``node_id`` and record its new certificate, in one transaction.
     Older certificates of the node are revoked and its trust epoch goes up (a rejoin replaces
@@ -140,6 +158,11 @@ def join(
     fenced; a re-installed node (no state) has them all fenced and its agent epoch restarts
     at 0 (its epoch counter starts again).
 
+    ``key_sha256``: sha256 (hex) of the CSR's public key. The same join repeated (same token,
+    node id and key, the token unexpired: the agent's call timed out after this commit) is
+    answered with a certificate again, recorded under the trust epoch the first one got;
+    nothing is revoked or fenced again.
+
     Raises:
         Unauthenticated: unknown, used or expired token (one message for all three).
         Forbidden: the token is for another node id, or an unbound token names a node id
@@ -147,11 +170,41 @@ def join(
         ValidationFailed: bad node id.
     """
     now = db_now(session)
-    row = _usable_token(session, secret, node_id, now)
+    row = _usable_token(session, secret, node_id, now, key_sha256)
+    if row.used_at is not None:  # the same join again (its first answer was lost)
+        epoch = _trust_epoch(session, node_id, lock=True)
+        first = session.execute(
+            select(NodeCertRow)
+            .where(NodeCertRow.node_id == node_id)
+            .order_by(NodeCertRow.issued_at.desc())
+            .limit(1)
+        ).scalar_one_or_none()
+        if first is None or first.revoked_at is not None or first.trust_epoch != epoch:
+            # revoked, forgotten or rejoined since: the repeat must not outlive that
+            raise Unauthenticated("invalid, used or expired join token")
+        session.add(
+            NodeCertRow(
+                serial=serial,
+                node_id=node_id,
+                issued_at=now,
+                not_after=not_after,
+                reason="join",
+                trust_epoch=epoch,
+            )
+        )
+        record_event(
+            session,
+            "node_joined",
+            now=now,
+            node_id=node_id,
+            message=f"certificate {serial} issued again: the join was repeated with the same "
+            "key (its first answer did not reach the agent)",
+        )
+        return
     spent = session.execute(
         update(JoinTokenRow)
         .where(JoinTokenRow.id == row.id, JoinTokenRow.used_at.is_(None))
-        .values(used_at=now, used_by=node_id)
+        .values(used_at=now, used_by=node_id, used_key_sha256=key_sha256 or None)
     ).rowcount  # type: ignore[attr-defined]
     if spent != 1:  # a concurrent join spent it first
         raise Unauthenticated("invalid, used or expired join token")

@@ -337,6 +337,9 @@ class JoinTokenRow(Base):
     used_at: Mapped[datetime | None]
     used_by: Mapped[str | None] = mapped_column(String(128))
     """The node id that used it."""
+    used_key_sha256: Mapped[str | None] = mapped_column(String(64))
+    """sha256 (hex) of the public key the certificate it bought is for (migration 0010g): a
+    repeat of that join (same node, same key, token unexpired) is answered again."""
 
 
 class NodeCertRow(Base):
