@@ -368,3 +368,54 @@ def test_up_reports_an_agent_that_dies_at_once_and_refuses_bad_options(tmp_path:
         )  # fmt: skip
         assert bad.returncode == 2 and word in bad.stderr, (args, bad.stderr)
         assert "Traceback" not in bad.stderr
+
+
+def test_a_demo_stops_the_agent_a_killed_demo_left_before_it_empties_the_dir(
+    tmp_path: Path,
+) -> None:
+    """A demo killed with SIGKILL leaves its agent running, holding files in the demo's data
+    dir; the next demo deleted them from under it (the agent went on with deleted files,
+    retrying a dead controller for ever). The demo now stops such an agent first. Replayed with
+    a real agent process on the demo's state dir (its controller gone, as after the kill)."""
+    import time
+
+    from gpufleet.agent.main import state_dir_holder
+    from gpufleet.cli.demo import _stop_left_agents
+
+    state = tmp_path / "demo" / "agents" / "local-0"
+    state.mkdir(parents=True)
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpufleet.cli.main",
+            "agent",
+            "--insecure",
+            "--controller",
+            "127.0.0.1:1",  # the killed demo's controller: nothing answers
+            "--node-id",
+            "local-0",
+            "--gpus",
+            "1xH100-80GB",
+            "--state-dir",
+            str(state),
+            "--job-uids",
+            "agent",
+        ],
+        env={**os.environ, "GPUFLEET_DATA_DIR": str(tmp_path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while state_dir_holder(state) != agent.pid and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert state_dir_holder(state) == agent.pid
+        assert _stop_left_agents(tmp_path / "demo") == []
+        assert agent.wait(timeout=5) is not None  # stopped (SIGTERM), so the dir may go
+        assert state_dir_holder(state) is None
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()

@@ -116,6 +116,12 @@ BAD = [
     pytest.param({**JOB, "gpu_count": True}, "gpu_count", id="GPU count as a boolean"),
     pytest.param({**JOB, "command": ["echo", "a\x00b"]}, "command", id="NUL in the command"),
     pytest.param({**JOB, "name": "a\x00b"}, "name", id="NUL in the name"),
+    pytest.param({**JOB, "name": "bad name\n"}, "name", id="newline in the name"),
+    pytest.param({**JOB, "name": "x\x1b[31m"}, "name", id="escape sequence in the name"),
+    pytest.param({**JOB, "max_runtime_s": 1e300}, "max_runtime_s", id="max_runtime_s 1e300"),
+    pytest.param(
+        {**JOB, "expected_duration_s": 1e12}, "expected_duration_s", id="expected 31,000 years"
+    ),
     pytest.param({**JOB, "env": {"K": "v\x00"}}, "env", id="NUL in env"),
     pytest.param({**JOB, "cpu": 4096}, "cpu", id="more CPUs than any node"),
     pytest.param(

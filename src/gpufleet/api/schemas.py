@@ -29,8 +29,12 @@ from gpufleet.services.limits import (
 )
 
 MAX_ENV_BYTES = 64 * 1024
-Name = Annotated[str, Field(max_length=256, pattern=r"^[^\x00]*$")]
-"""A job name (or a filter on names): no NUL, which PostgreSQL text cannot hold."""
+Name = Annotated[str, Field(max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")]
+"""A job name (or a filter on names): no control character (a newline or an escape sequence
+would forge lines in the CLI's tables and logs; NUL PostgreSQL text cannot hold)."""
+MAX_DURATION_S = 366 * 86400.0
+"""The longest ``max_runtime_s`` / ``expected_duration_s`` accepted, seconds (366 days): a
+larger one is a typo (units) and would be read as "no estimate" by the predictions."""
 
 
 class DependencyIn(BaseModel):
@@ -72,8 +76,8 @@ class JobCreate(BaseModel):
     memory_mb: int = Field(default=0, ge=0, le=100_000_000)
     priority: Literal["CRITICAL", "HIGH", "NORMAL", "LOW"] = "NORMAL"
     max_retries: int = Field(default=0, ge=0, le=100)
-    expected_duration_s: float | None = Field(default=None, gt=0)
-    max_runtime_s: float | None = Field(default=None, gt=0)
+    expected_duration_s: float | None = Field(default=None, gt=0, le=MAX_DURATION_S)
+    max_runtime_s: float | None = Field(default=None, gt=0, le=MAX_DURATION_S)
     env: dict[str, str] = Field(default_factory=dict)
     node_selector: dict[str, str] = Field(default_factory=dict)
     preemptible: bool = True
@@ -310,7 +314,7 @@ class JobPatch(BaseModel):
 
     priority: Literal["CRITICAL", "HIGH", "NORMAL", "LOW"] | None = None
     name: Name | None = None
-    max_runtime_s: float | None = Field(default=None, gt=0)
+    max_runtime_s: float | None = Field(default=None, gt=0, le=MAX_DURATION_S)
 
 
 class BulkCancel(BaseModel):

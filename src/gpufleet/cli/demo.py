@@ -68,6 +68,15 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
             soft_wrap=True,
         )
         return 1
+    left = _stop_left_agents(data_dir)
+    if left:
+        lock.release()
+        Console(stderr=True).print(
+            f"[red]error:[/] agent pid(s) {', '.join(map(str, left))} of an earlier demo in "
+            f"{data_dir} did not stop: nothing was deleted; kill them and run the demo again",
+            soft_wrap=True,
+        )
+        return 1
     _empty_but(data_dir, keep=lock.path.name)
     logging.basicConfig(
         level=logging.INFO,
@@ -125,6 +134,55 @@ def run_demo(settings: Settings, *, keep_running: bool = False) -> int:
             except KeyboardInterrupt:
                 pass
         platform.stop()
+
+
+def _stop_left_agents(data_dir: Path, wait_s: float = 15.0) -> list[int]:
+    """Stop agents still running on ``data_dir``'s state dirs: a demo killed hard (SIGKILL)
+    leaves its agent behind, holding files the next demo would delete from under it. Each
+    gets SIGTERM, then SIGKILL after ``wait_s`` seconds; returns the pids still alive."""
+    import os
+    import signal
+    import time
+
+    from gpufleet.agent.main import state_dir_holder
+
+    pids = [
+        pid
+        for state in sorted((data_dir / "agents").glob("*"))
+        if (pid := state_dir_holder(state)) is not None and pid > 0
+    ]
+    for pid in pids:
+        Console(stderr=True).print(
+            f"stopping agent pid {pid}, left running by an earlier demo in {data_dir}"
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if _alive(p)]
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2 if alive else 0)
+    return [p for p in alive if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of ours counts as gone
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return True
 
 
 def _empty_but(directory: Path, keep: str) -> None:

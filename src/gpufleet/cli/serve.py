@@ -186,7 +186,8 @@ def demo(
 ) -> None:
     """Start the platform and run the example training workload through it: several jobs
     from two teams with 1, 2, 4 and 8 GPUs, to SUCCEEDED, with progress, logs and verified
-    manifests."""
+    manifests. Its state is in DATA_DIR/demo (emptied at start; one demo at a time there), its
+    ports are free ones chosen at start (the API's is printed)."""
     from gpufleet.cli.demo import run_demo
 
     raise typer.Exit(
