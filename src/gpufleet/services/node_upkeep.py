@@ -129,8 +129,8 @@ def mark_silent_nodes_suspect(session: Session, silent_for_s: float) -> list[str
             NodeStatus.SUSPECT,
             now=now,
             frm=[NodeStatus.HEALTHY, NodeStatus.UNHEALTHY],
-            values={"status_reason": f"no heartbeat for {silent_for_s:.0f} s"},
-            message=f"no heartbeat for {silent_for_s:.0f} s",
+            values={"status_reason": f"no heartbeat for over {silent_for_s:.0f} s"},
+            message=f"no heartbeat for over {silent_for_s:.0f} s",
             node_id=node_id,
         )
     return ids
