@@ -20,7 +20,7 @@ services:
 	scripts/ensure-services.sh
 
 test: install services
-	$(BIN)/pytest -q -n 2 --timeout 300
+	$(BIN)/pytest -q -n 2 --dist worksteal --timeout 300
 
 lint: install
 	$(BIN)/ruff check src tests

@@ -220,7 +220,7 @@ def test_an_agent_on_another_s3_server_with_the_same_bucket_is_refused(
         fleet = Fleet(tmp_path, object_store_url=url).start()
         try:
             fleet.start_agent("elsewhere", wait=False, env={"AWS_ENDPOINT_URL": other})
-            rc, errors = _exit_of(fleet, "elsewhere", timeout_s=120)
+            rc, errors = _exit_of(fleet, "elsewhere", timeout_s=40)  # seconds alone
             assert rc == 5, errors
             assert errors == [
                 "error: the controller cannot read this agent's probe object at "

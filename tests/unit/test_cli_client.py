@@ -424,8 +424,19 @@ class TestErrors:
         ],
     )
     def test_http_errors(
-        self, api: FakeApi, response: httpx.Response, want_exit: int, want_stderr: str
+        self,
+        api: FakeApi,
+        response: httpx.Response,
+        want_exit: int,
+        want_stderr: str,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
+        from gpufleet.client import _core
+
+        # a 503 is retried (~20 s of backoff in production): the same retries, quickly
+        monkeypatch.setattr(
+            _core, "SUBMIT_RETRY_DELAYS_S", (0.01,) * len(_core.SUBMIT_RETRY_DELAYS_S)
+        )
         api.on("POST", "/v1/jobs", response)
         result = cli("submit", "--", "x")
         assert result.exit_code == want_exit
