@@ -151,9 +151,15 @@ class Fleet:
             return str(node.address)
 
     def kill_agent(self, node_id: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` and wait for the agent's exit; one that has not exited after 10 s is
+        killed with SIGKILL (a stop must never leave an agent running past its test)."""
         proc = self.agents.pop(node_id)
         proc.send_signal(sig)
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
     def http(self, team: str = "vision") -> httpx.Client:
         return httpx.Client(
