@@ -182,23 +182,15 @@ def join(
         if first is None or first.revoked_at is not None or first.trust_epoch != epoch:
             # revoked, forgotten or rejoined since: the repeat must not outlive that
             raise Unauthenticated("invalid, used or expired join token")
-        session.add(
-            NodeCertRow(
-                serial=serial,
-                node_id=node_id,
-                issued_at=now,
-                not_after=not_after,
-                reason="join",
-                trust_epoch=epoch,
-            )
-        )
-        record_event(
+        _record_join_cert(
             session,
-            "node_joined",
-            now=now,
-            node_id=node_id,
-            message=f"certificate {serial} issued again: the join was repeated with the same "
-            "key (its first answer did not reach the agent)",
+            node_id,
+            serial,
+            not_after,
+            epoch,
+            now,
+            "issued again: the join was repeated with the same key (its first answer did not "
+            "reach the agent)",
         )
         return
     spent = session.execute(
@@ -245,6 +237,29 @@ def join(
                 now=now,
                 message="rejoined with a new certificate",
             )
+    _record_join_cert(
+        session,
+        node_id,
+        serial,
+        not_after,
+        epoch,
+        now,
+        "issued on a join token"
+        + (f"; {revoked} older certificate(s) revoked" if revoked else "")
+        + kept,
+    )
+
+
+def _record_join_cert(
+    session: Session,
+    node_id: str,
+    serial: str,
+    not_after: datetime,
+    trust_epoch: int,
+    now: datetime,
+    how: str,
+) -> None:
+    """Record a certificate a join bought, and the ``node_joined`` event saying ``how``."""
     session.add(
         NodeCertRow(
             serial=serial,
@@ -252,17 +267,11 @@ def join(
             issued_at=now,
             not_after=not_after,
             reason="join",
-            trust_epoch=epoch,
+            trust_epoch=trust_epoch,
         )
     )
     record_event(
-        session,
-        "node_joined",
-        now=now,
-        node_id=node_id,
-        message=f"certificate {serial} issued on a join token"
-        + (f"; {revoked} older certificate(s) revoked" if revoked else "")
-        + kept,
+        session, "node_joined", now=now, node_id=node_id, message=f"certificate {serial} {how}"
     )
 
 
