@@ -210,7 +210,9 @@ class ProcessRuntime:
             raise StartError(str(status["error"]))
         if status is None and popen.poll() is not None:
             raise StartError(
-                f"the shim exited ({popen.returncode}); see {paths.shim_log}", node_fault=True
+                f"the shim exited ({popen.returncode}){_last_line(paths.shim_log)}; "
+                f"see {paths.shim_log}",
+                node_fault=True,
             )
         if status is None:
             logger.warning("run %s: no handshake from the shim in time; watching it", rec.run_id)
@@ -394,9 +396,9 @@ class ProcessRuntime:
         if data is not None and "exit_code" in data:
             start_error = str(data.get("start_error", ""))
             code = int(data["exit_code"])
-            if not oom_verdict(kills, code):
-                reason, note = "", ""  # a child was OOM-killed but the command succeeded
-            elif not note and code == -signal.SIGKILL and h.term_sent_at and h.kill_sent_at:
+            if not oom_verdict(kills, code):  # no OOM kill, or a child's and the command ok
+                reason, note = "", ""
+            if not note and code == -signal.SIGKILL and h.term_sent_at and h.kill_sent_at:
                 note = f"killed with SIGKILL after {rec.stop_grace_s:g} s grace"
             return ExitInfo(
                 exit_code=code,
@@ -416,6 +418,15 @@ class ProcessRuntime:
         return ExitInfo(
             exit_code=-signal.SIGKILL, finished_at_s=time.time(), message=message, reason=reason
         )
+
+
+def _last_line(log: Path) -> str:
+    """``": <the log's last non-empty line>"`` (at most 300 characters), "" when none."""
+    try:
+        lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return f": {lines[-1][:300]}" if lines else ""
 
 
 def _what(h: ProcessHandle) -> str:
