@@ -216,24 +216,32 @@ def _job_after_fence(
 
 
 def release_gone_quarantined(
-    session: Session, node_id: str, still_known: set[str] | None, *, message: str
+    session: Session,
+    node_id: str,
+    still_known: set[str] | None,
+    *,
+    message: str,
+    released: list[tuple[str, str, int]] | None = None,
 ) -> int:
     """Release the QUARANTINED reservations of ``node_id`` whose runs the agent does not list
     (``still_known``; None = release all: an operator confirmed the node dead, -> EXPIRED).
-    A QUARANTINED node with none left becomes HEALTHY. Returns the GPUs returned."""
+    A QUARANTINED node with none left becomes HEALTHY. Returns the GPUs returned; appends
+    ``(run_id, job_id, token)`` of each released run to ``released`` when given."""
     now = db_now(session)
-    held = session.scalars(
-        select(ReservationRow.run_id).where(
+    held = session.execute(
+        select(ReservationRow.run_id, ReservationRow.job_id, ReservationRow.token).where(
             ReservationRow.node_id == node_id,
             ReservationRow.status == ReservationStatus.QUARANTINED,
         )
     ).all()
     back = 0
     left = 0
-    for run_id in held:
+    for run_id, job_id, token in held:
         if still_known is not None and run_id in still_known:
             left += 1
             continue
+        if released is not None:
+            released.append((run_id, job_id, int(token)))
         back += allocate.release(
             session,
             run_id=run_id,

@@ -18,12 +18,12 @@ from typing import Any
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.states import RUN_ACTIVE, NodeStatus, ReservationStatus, RunStatus
+from gpufleet.domain.states import RUN_ACTIVE, NodeStatus, RunStatus
 from gpufleet.services.node_fence import release_gone_quarantined
 from gpufleet.services.node_health import apply_health, back_to_healthy
 from gpufleet.store import leader
 from gpufleet.store.dialect import db_now
-from gpufleet.store.tables import JobRow, JobRunRow, NodeRow, ReservationRow
+from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
 
 CHECKPOINT_CLOCK_SKEW_S = 60.0
 """How far ahead of the database clock a reported checkpoint time may be, seconds: the
@@ -118,22 +118,15 @@ def heartbeat(
     # of its AssignJob (sent before the fence, held in a frozen node's socket buffer) is then
     # refused as stale rather than starting the fenced attempt's code
     listed = {h.run_id for h in running}
-    gone = [
-        HeartbeatRun(run_id=run_id, job_id=job_id, token=int(token), state="GONE")
-        for run_id, job_id, token in session.execute(
-            select(ReservationRow.run_id, ReservationRow.job_id, ReservationRow.token).where(
-                ReservationRow.node_id == node_id,
-                ReservationRow.status == ReservationStatus.QUARANTINED,
-            )
-        ).all()
-        if run_id not in listed
-    ]
+    released: list[tuple[str, str, int]] = []
     release_gone_quarantined(
         session,
         node_id,
         listed,
         message="the agent reports the fenced run gone",
+        released=released,
     )
+    gone = [HeartbeatRun(r, j, t, state="GONE") for r, j, t in released]
     if node.status == NodeStatus.SUSPECT:
         back_to_healthy(
             session, node_id, frm=NodeStatus.SUSPECT, now=now, message="heartbeat resumed"
