@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.agent.procfs import read_stat
 from tests.e2e.harness import Fleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)]
@@ -28,11 +29,8 @@ time.sleep(600)
 
 
 def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
+    st = read_stat(pid)
+    return st is not None and st.state not in "ZX"
 
 
 def status_of(fleet: Fleet, node_id: str) -> str | None:

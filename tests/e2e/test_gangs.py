@@ -16,11 +16,11 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gpufleet.agent.procfs import read_stat
 from gpufleet.controller.scheduler import PassStats
 from gpufleet.domain.errors import CapacityConflict, StaleState
 from gpufleet.objectstore import ObjectStore
@@ -99,11 +99,8 @@ def place(fleet: Fleet, job_id: str, nodes: tuple[str, ...] = ("a1", "a2")) -> N
 
 
 def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
+    st = read_stat(pid)
+    return st is not None and st.state not in "ZX"
 
 
 def pid_of(fleet: Fleet, attempt: int, rank: int) -> int:

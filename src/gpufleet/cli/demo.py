@@ -170,19 +170,11 @@ def _stop_left_agents(data_dir: Path, wait_s: float = 15.0) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    import os
+    """Whether ``pid`` runs (a zombie child of ours counts as gone)."""
+    from gpufleet.agent.procfs import read_stat
 
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child of ours counts as gone
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    return True
+    st = read_stat(pid)
+    return st is not None and st.state not in "ZX"
 
 
 def _empty_but(directory: Path, keep: str) -> None:
