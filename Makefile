@@ -7,8 +7,8 @@ BIN := $(VENV)/bin
 
 $(BIN)/gpufleet: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[examples,sim,dev,ddp]'
+	$(BIN)/pip install -q --no-cache-dir --upgrade pip
+	$(BIN)/pip install -q --no-cache-dir -e '.[examples,sim,dev,ddp]'
 	touch $@
 
 install: $(BIN)/gpufleet
