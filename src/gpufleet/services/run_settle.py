@@ -7,16 +7,17 @@ the end of a gang attempt once every member has ended (the job moved).
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import event, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.states import RUN_TERMINAL, JobStatus, Machine, RunStatus
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.usage import UsageLedger
 from gpufleet.services.run_stop import gang_members
-from gpufleet.store import allocate
+from gpufleet.store import allocate, outbox  # noqa: F401  (outbox: its before_commit first)
 from gpufleet.store.tables import JobRow, JobRunRow, TeamRow
 from gpufleet.store.transitions import transition
 
@@ -60,6 +61,9 @@ def failed_next(session: Session, job: JobRow, current: bool) -> JobStatus | Non
     return JobStatus.PENDING if failed_before < max_retries else JobStatus.FAILED
 
 
+_CHARGES = "gpufleet.team_charges"
+
+
 def charge_usage(
     session: Session,
     team_id: str,
@@ -74,14 +78,56 @@ def charge_usage(
     outcome (succeeded, failed, preempted, cancelled), decayed as ``policy.usage`` defines; so
     a retry or a preemption costs its team exactly the GPU-time it really held.
 
+    The charge is queued on ``session`` and written as the transaction's last statement, at
+    its commit (:func:`write_team_charges`): the team row is every attempt's of that team, so
+    it is locked only from that UPDATE to the commit, and a submit's foreign-key check on it
+    is never kept waiting (the row is updated, never locked FOR UPDATE). Charges commute
+    (each is an exact integral decayed to a common date, ``policy.usage``), so their order
+    across transactions does not matter.
+
     ``known``: the team's ``(usage_gpu_s, usage_as_of)`` as the caller read them (unlocked)
-    in this transaction: one UPDATE guarded by those values (optimistic); if another charge
-    changed them meanwhile, the row is locked and read as without ``known``."""
+    in this transaction: the guarded UPDATE is tried with those values first."""
     if gpus <= 0:
         return
-    if known is not None:
-        value, as_of_at = _charged(known[0], known[1], gpus, reserved_at, released_at, half_life_s)
-        t = TeamRow.__table__.c
+    charges: dict[str, _TeamCharges] = session.info.setdefault(_CHARGES, {})
+    queued = charges.setdefault(team_id, _TeamCharges(known, half_life_s))
+    queued.attempts.append((gpus, reserved_at, released_at))
+
+
+@dataclass
+class _TeamCharges:
+    known: tuple[float, datetime | None] | None
+    half_life_s: float
+    attempts: list[tuple[int, datetime, datetime]] = field(default_factory=list)
+
+    def applied(self, usage_gpu_s: float, usage_as_of: datetime | None) -> tuple[float, datetime]:
+        value, as_of = usage_gpu_s, usage_as_of
+        for gpus, reserved_at, released_at in self.attempts:
+            value, as_of = _charged(value, as_of, gpus, reserved_at, released_at, self.half_life_s)
+        assert as_of is not None  # at least one attempt
+        return value, as_of
+
+
+def write_team_charges(session: Session) -> None:
+    """Write the team charges queued on ``session`` (:func:`charge_usage`): per team one
+    UPDATE guarded by the values it read (optimistic: no lock before it); when another
+    transaction changed them meanwhile, the row is locked FOR NO KEY UPDATE (which a
+    foreign-key check does not wait for), read again and charged."""
+    charges: dict[str, _TeamCharges] | None = session.info.pop(_CHARGES, None)
+    if not charges:
+        return
+    t = TeamRow.__table__.c
+    for team_id in sorted(charges):  # one order everywhere: two transactions never deadlock
+        queued = charges[team_id]
+        known = queued.known
+        if known is None:
+            row = session.execute(
+                select(t.usage_gpu_s, t.usage_as_of).where(t.id == team_id)
+            ).first()
+            if row is None:
+                continue
+            known = (row[0], row[1])
+        value, as_of_at = queued.applied(*known)
         same_as_of = t.usage_as_of.is_(None) if known[1] is None else t.usage_as_of == known[1]
         hit = session.execute(
             update(TeamRow)
@@ -90,13 +136,34 @@ def charge_usage(
             .execution_options(synchronize_session=False)
         )
         if hit.rowcount == 1:  # type: ignore[attr-defined]
-            return
-    team = session.get(TeamRow, team_id, with_for_update=True)
-    if team is None:
-        return
-    team.usage_gpu_s, team.usage_as_of = _charged(
-        team.usage_gpu_s, team.usage_as_of, gpus, reserved_at, released_at, half_life_s
-    )
+            continue
+        row = session.execute(
+            select(t.usage_gpu_s, t.usage_as_of)
+            .where(t.id == team_id)
+            .with_for_update(key_share=True)
+        ).first()
+        if row is None:
+            continue
+        value, as_of_at = queued.applied(row[0], row[1])
+        session.execute(
+            update(TeamRow)
+            .where(t.id == team_id)
+            .values(usage_gpu_s=value, usage_as_of=as_of_at)
+            .execution_options(synchronize_session=False)
+        )
+
+
+@event.listens_for(Session, "before_commit")
+def _charge_at_commit(session: Session) -> None:
+    """Queued team charges go last before the commit (after the outbox's batched INSERTs,
+    whose listener is registered first: ``store.outbox`` is imported above)."""
+    write_team_charges(session)
+
+
+@event.listens_for(Session, "after_rollback")
+def _drop_charges(session: Session) -> None:
+    """A rolled-back transaction's charges are dropped with it."""
+    session.info.pop(_CHARGES, None)
 
 
 def _charged(
@@ -107,9 +174,14 @@ def _charged(
     released_at: datetime,
     half_life_s: float,
 ) -> tuple[float, datetime]:
-    """A team's (usage_gpu_s, usage_as_of) after charging one attempt (``policy.usage``)."""
+    """A team's (usage_gpu_s, usage_as_of) after charging one attempt (``policy.usage``).
+
+    Exact in any order: an attempt released before ``usage_as_of`` (its transaction
+    committed after a later one's) is decayed to ``usage_as_of``, which stays; a later one
+    moves it forward. (The stored value was once taken as of the earlier release instead,
+    which left the later charge undecayed and the earlier one decayed twice.)"""
     as_of = (usage_as_of or released_at).timestamp()
-    ledger = UsageLedger(usage_gpu_s, min(as_of, released_at.timestamp()), half_life_s)
+    ledger = UsageLedger(usage_gpu_s, as_of, half_life_s)
     ledger.charge_attempt(gpus, reserved_at.timestamp(), released_at.timestamp())
     return ledger.value, datetime.fromtimestamp(ledger.as_of_s, UTC)
 
