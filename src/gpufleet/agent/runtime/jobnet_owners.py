@@ -134,9 +134,17 @@ def host_lock() -> Iterator[None]:
 
 
 def me(tag: str, scope: str, job_uids: Iterable[tuple[int, int]] = ()) -> Owner:
-    """This process as the owner of ``tag``."""
+    """This process as the owner of ``tag``.
+
+    Raises:
+        OSError: its start time cannot be read (a record without it would look dead at once
+            and another agent would sweep this one's objects).
+    """
     pid = os.getpid()
-    return Owner(tag, scope, pid, procfs.start_ticks(pid) or 0, procfs.boot_id(), tuple(job_uids))
+    ticks = procfs.start_ticks(pid)
+    if ticks is None:
+        raise OSError(f"cannot read the start time of pid {pid} in /proc")
+    return Owner(tag, scope, pid, ticks, procfs.boot_id(), tuple(job_uids))
 
 
 def read(tag: str) -> Owner | None:
