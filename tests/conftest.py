@@ -71,3 +71,25 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
         _empty(database)
     yield database
     database.dispose()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Test hygiene: remove the job namespaces, veths and nftables tables of agents that are
+    gone (agent subprocesses killed with SIGKILL) and of this process's in-process agents
+    (all stopped by now), with the agent's own sweep; a job still in its namespace keeps it.
+    Only where an agent recorded one (root, with ``ip`` and ``nft``)."""
+    from gpufleet.agent.runtime import jobnet_owners
+
+    if os.geteuid() != 0 or not jobnet_owners.REGISTRY_DIR.is_dir():
+        return
+    try:
+        swept = jobnet_owners.sweep(ended_owners={os.getpid()})
+    except OSError as exc:
+        swept_line = f"job network sweep failed: {exc}"
+    else:
+        if not swept:
+            return
+        swept_line = f"job network: {swept.describe()}"
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(swept_line)

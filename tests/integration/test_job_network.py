@@ -567,3 +567,123 @@ def test_agent_killed_and_restarted_keeps_the_namespace_of_a_running_attempt(
             kill_leftover_groups(state)
             net.prune(keep=())
             net.teardown_rules()
+
+
+def _sub_agent(
+    fake: FakeController, address: str, tmp: Path, state: Path
+) -> tuple[subprocess.Popen[bytes], Any, pb_grpc.AgentStub]:
+    """An agent subprocess on ``state``, registered: (process, channel, stub)."""
+    from tests.integration.test_agent_support import agent_subprocess
+
+    before = len(fake.registrations)
+    tmp.mkdir(parents=True, exist_ok=True)
+    proc = agent_subprocess(address, tmp, state)
+    reg = fake.wait_for(lambda: fake.registrations[before:], 30)[0]
+    channel = support.test_pki().agent_channel(reg.address, reg.node_id)
+    return proc, channel, pb_grpc.AgentStub(channel)
+
+
+def _assign(stub: pb_grpc.AgentStub, run_id: str, code: str) -> int:
+    resp = stub.AssignJob(
+        pb.AssignJobRequest(
+            run_id=run_id,
+            job_id=f"j-{run_id}",
+            token=1,
+            attempt=1,
+            leader_epoch=support.LEADER_EPOCH,
+            command=[SYSTEM_PY, "-c", code],
+        ),
+        timeout=30,
+    )
+    assert resp.result == A.STARTED, resp.message
+    return int(resp.pid)
+
+
+def _gone(pid: int) -> bool:
+    from gpufleet.agent import procfs
+
+    st = procfs.read_stat(pid)
+    return st is None or st.state in "ZX"
+
+
+def _tables() -> str:
+    return subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+
+
+def test_a_killed_agents_network_is_swept_by_an_agent_on_another_state_dir(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of an agent and of one of its jobs, its state dir never used again (a wiped
+    node): the next agent to start on the host, on a state dir of its own, removes that
+    job's namespace and veth; the namespace of its job that still runs stays, with the
+    table that filters it, until that job has ended; a live agent's namespace and table are
+    never touched."""
+    dead_state, live_state = tmp_path / "dead-state", tmp_path / "live-state"
+    dead = JobNet("netns", agent_scope(dead_state.resolve(), "node-sub"))
+    live = JobNet("netns", agent_scope(live_state.resolve(), "node-sub"))
+    assert dead.tag != live.tag
+    held_go, live_go = tmp_path / "held-go", tmp_path / "live-go"
+
+    def wait(path: Path) -> str:
+        return f"import os, time\nwhile not os.path.exists({str(path)!r}): time.sleep(0.05)\n"
+
+    procs: list[subprocess.Popen[bytes]] = []
+    with fake_controller() as (fake, address):
+        try:
+            killed, channel, stub = _sub_agent(fake, address, tmp_path / "dead", dead_state)
+            procs.append(killed)
+            gone_pid = _assign(stub, "r-gone", wait(tmp_path / "never"))
+            held_pid = _assign(stub, "r-held", wait(held_go))
+            channel.close()
+            other, channel, stub = _sub_agent(fake, address, tmp_path / "live", live_state)
+            procs.append(other)
+            live_pid = _assign(stub, "r-live", wait(live_go))
+            channel.close()
+            fake.wait_for(lambda: {c.run_id for c in fake.confirms} >= {"r-gone", "r-live"})
+            held = wait_until(lambda: dead.lookup("r-held"), timeout_s=10)
+            assert dead.lookup("r-gone") is not None and live.lookup("r-live") is not None
+
+            killed.kill()  # the agent and one of its jobs: kill -9, no cleanup of any kind
+            killed.wait()
+            claim = json.loads((dead_state / "runs" / "r-gone" / "shim.json").read_text())
+            os.killpg(int(claim["pgid"]), signal.SIGKILL)
+            wait_until(lambda: _gone(gone_pid), timeout_s=10)
+
+            fresh = tmp_path / "fresh"  # another agent starts, on a state dir of its own
+            with inprocess_agent(fake, make_settings(address, fresh), fresh / "state"):
+                assert not (NETNS_DIR / dead.ns_name("r-gone")).exists()
+                assert links_with(dead.host_if("r-gone")) == []
+                kept = dead.lookup("r-held")  # a job runs in it: kept, with its filter
+                assert kept is not None and os.stat(kept.path).st_ino == os.stat(held.path).st_ino
+                assert os.readlink(f"/proc/{held_pid}/ns/net") == _ns_link(kept.path)
+                assert f"inet {dead.table}\n" in _tables() + "\n"
+                assert live.lookup("r-live") is not None  # the live agent's: untouched
+                assert f"inet {live.table}\n" in _tables() + "\n"
+
+                held_go.touch()  # the held job ends; the next sweep removes the rest
+                wait_until(lambda: _gone(held_pid), timeout_s=10)
+                from gpufleet.agent.runtime import jobnet_owners
+
+                swept = jobnet_owners.sweep()
+                assert dead.ns_name("r-held") in swept.namespaces, swept
+                assert dead.existing() == [] and links_with(dead.if_prefix) == []
+                assert f"inet {dead.table}\n" not in _tables() + "\n"
+                assert jobnet_owners.read(dead.tag) is None
+                assert live.lookup("r-live") is not None
+                assert f"inet {live.table}\n" in _tables() + "\n"
+                owner = jobnet_owners.read(live.tag)
+                assert owner is not None and owner.pid == other.pid
+                assert os.readlink(f"/proc/{live_pid}/ns/net") == _ns_link(
+                    NETNS_DIR / live.ns_name("r-live")
+                )
+        finally:
+            held_go.touch()
+            live_go.touch()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for state, net in ((dead_state, dead), (live_state, live)):
+                support.kill_leftover_groups(state)
+                net.prune(keep=())
+                net.teardown_rules()

@@ -29,6 +29,10 @@ the per-attempt range and the shared job user) and refuses the deny list, the jo
 agent's own ports and every node-local port outside DNS and the ephemeral range. See
 docs/design/security.md for what each choice costs.
 
+An agent killed with SIGKILL leaves all of this behind; the next agent to start on the host
+(on any state dir) removes what belongs to agents that are gone and no running job uses
+(:mod:`.jobnet_owners`).
+
 Where the agent cannot do this (not root, no ``ip``, no ``nft``, a probe fails) :func:`detect`
 returns ``kind="host"`` with the reason: jobs share the node's namespace, said at agent start
 and in the node label ``gpufleet/job-network``.
@@ -37,7 +41,6 @@ and in the node label ``gpufleet/job-network``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import ipaddress
 import logging
@@ -45,20 +48,20 @@ import os
 import shutil
 import socket
 import subprocess
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpufleet.agent.runtime import jobnet_owners as owners
 from gpufleet.agent.runtime.base import StartError
+from gpufleet.agent.runtime.jobnet_owners import NETNS_DIR
+from gpufleet.agent.runtime.jobnet_owners import host_lock as _host_lock
 from gpufleet.agent.runtime.jobuser import JobUsers
 
 logger = logging.getLogger("gpufleet.agent")
 
 DEFAULT_SUBNET = "10.231.0.0/16"
 METADATA_RANGE = "169.254.0.0/16"
-NETNS_DIR = Path("/run/netns")
-HOST_LOCK = Path("/run/gpufleet-jobnet.lock")
-"""Serialises address allocation between the agents of one host."""
 NETWORK_LABEL = "gpufleet/job-network"
 """Node label: ``netns`` or ``host`` (jobs share the node's network namespace)."""
 IP_TIMEOUT_S = 20.0
@@ -272,6 +275,7 @@ class JobNet:
         """
         if self.kind != "netns":
             return
+        self.claim()
         _nft(self.ruleset())
         if self.policy.egress != "none" or self.policy.allow:
             fwd = Path("/proc/sys/net/ipv4/ip_forward")
@@ -288,9 +292,25 @@ class JobNet:
             self.setup()
 
     def teardown_rules(self) -> None:
-        """Remove this agent's table (tests; an agent leaves it for its running jobs)."""
+        """Remove this agent's table and its ownership record (at a stop with no attempt
+        left, and tests; an agent leaves both for its running jobs)."""
         with contextlib.suppress(JobNetError):
             _nft(f"delete table inet {self.table}\n")
+        with _host_lock():
+            owners.release(self.tag)
+
+    def claim(self) -> None:
+        """Record this process as the owner of this agent's objects (an agent at its start:
+        taken over from a predecessor on the same state dir, see :mod:`.jobnet_owners`).
+
+        Raises:
+            OSError: the record cannot be written.
+        """
+        with _host_lock():
+            owners.claim(self._me(), take_over=True)
+
+    def _me(self) -> owners.Owner:
+        return owners.me(self.tag, self.scope, self.policy.job_uids)
 
     def ruleset(self) -> str:
         """The nft script of this agent's table (see the module doc)."""
@@ -391,6 +411,7 @@ class JobNet:
             found = self.lookup(run_id)
             if found is not None:
                 return found
+            owners.claim(self._me(), take_over=False)  # a live agent's tag stays its
             self._remove(name, host_if)  # half-made by a crash: start again
             host_ip, job_ip = self._allocate(run_id)
             ns = JobNetns(name, host_if, host_ip, job_ip)
@@ -583,16 +604,6 @@ def _addresses(*, all_links: bool = False) -> dict[str, str]:
     return out
 
 
-@contextlib.contextmanager
-def _host_lock() -> Iterator[None]:
-    with open(HOST_LOCK, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def host_network(env: Mapping[str, str]) -> bool:
     """Whether an attempt runs in the host namespace: a gang member (the controller sets
     ``GPUFLEET_GANG_SIZE``; jobs cannot set ``GPUFLEET_*`` variables themselves)."""
@@ -640,6 +651,18 @@ def drop_netns(jobnet: JobNet | None, run_id: str) -> None:
         logger.warning("run %s: cannot remove its network namespace: %s", run_id, exc)
 
 
+def _sweep() -> None:
+    """Remove what agents that are gone left (:func:`.jobnet_owners.sweep`); a failure is
+    logged, not fatal (the agent's own namespaces do not depend on it)."""
+    try:
+        swept = owners.sweep()
+    except OSError as exc:
+        logger.warning("job network: cannot sweep what dead agents left: %s", exc)
+        return
+    if swept:
+        logger.info("job network: %s", swept.describe())
+
+
 def detect(scope: str, policy: NetPolicy, *, want: str = "auto") -> JobNet:
     """Choose the node's job networking (see the module doc) and install its rules.
 
@@ -669,6 +692,8 @@ def detect(scope: str, policy: NetPolicy, *, want: str = "auto") -> JobNet:
     net = JobNet("netns", scope, policy)
     if not problem:
         try:
+            net.claim()  # before the sweep, so it never takes a predecessor's objects
+            _sweep()
             net.setup()
             probe = net.create(f".probe-{os.getpid()}")
             net.remove(f".probe-{os.getpid()}")
