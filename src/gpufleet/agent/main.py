@@ -392,7 +392,7 @@ def run_agent(
         telemetry.enable()  # before recovery: its uploads count
     stop = stop_event if stop_event is not None else threading.Event()
     state_dir = state_dir.expanduser().resolve()
-    _lock = lock_state_dir(state_dir)  # held until this process exits
+    _lock = lock_state_dir(state_dir)  # held until this agent stops (or its process exits)
     if hollow is None:
         _install_signal_handlers(stop)
     # an agent started under nohup or as a background job inherits ignored HUP/INT/QUIT:
@@ -719,6 +719,9 @@ def run_agent(
         if runner.jobs_dir != runner.runs_dir:
             with contextlib.suppress(OSError):
                 runner.jobs_dir.rmdir()
+        # an agent in a process that goes on (hollow nodes, a restart in the same process)
+        # gives its state dir back now, not when the frame happens to be freed
+        _lock.close()
     if link.refused is not None:
         raise StoreRefused(link.refused)
 
