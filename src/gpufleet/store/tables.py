@@ -109,6 +109,11 @@ class TeamRow(Base):
     to ``usage_as_of`` (``policy.usage``: half-life ``usage_half_life_s``)."""
     usage_as_of: Mapped[datetime | None]
     created_at: Mapped[datetime]
+    notify_secret: Mapped[str | None] = mapped_column(String(128))
+    """HMAC-SHA256 key of the team's completion webhooks (``services.notify``); NULL until
+    first read or rotated (migration 0011b)."""
+    notify_urls: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
+    """Webhook URLs a job of the team submitted without ``notify`` is given; NULL = none."""
 
 
 class ApiTokenRow(Base):
@@ -173,6 +178,9 @@ class JobRow(Base):
     RUNNING, or fenced with QUARANTINED GPUs: ``store.gating.array_holders``)."""
     depends_on: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
     """``[{"type": "afterok"|"afterany"|"afternotok", "job_id": ...}]``, or NULL."""
+    notify_urls: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
+    """Webhooks told of the job's end: its own ``notify``, else its team's defaults at
+    submit; NULL = none (no outbox row at its end). Migration 0011b."""
     created_at: Mapped[datetime]
     queued_at: Mapped[datetime]
     scheduled_at: Mapped[datetime | None]
@@ -508,3 +516,40 @@ class UsageRecordRow(Base):
     """``(end_at - start_at) * gpus`` in GPU-seconds (never negative)."""
     outcome: Mapped[str] = mapped_column(String(16))
     """The attempt's terminal status: SUCCEEDED, FAILED, CANCELLED, PREEMPTED or FENCED."""
+    peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    """Peak memory of the attempt's cgroup, bytes (``memory.peak`` on cgroup v2,
+    ``memory.max_usage_in_bytes`` on v1), as its agent reported it; NULL = not measured."""
+    cpu_seconds: Mapped[float | None] = mapped_column(Float)
+    """CPU time of the attempt's cgroup (user + system), seconds; NULL = not measured."""
+    gpu_util_pct: Mapped[float | None] = mapped_column(Float)
+    """Mean GPU utilization over the agent's NVML samples of the attempt's GPUs, percent;
+    NULL = no NVML on the node (or no sample)."""
+    gpu_mem_peak_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    """Highest GPU memory used on the attempt's GPUs (summed over them) in the samples,
+    bytes; NULL = not measured."""
+
+
+class NotifyOutboxRow(Base):
+    """A job's end to tell its webhooks: one row per finished job with ``notify_urls``,
+    written in the transaction that makes it terminal (``store/transitions.py``) and
+    delivered after commit by ``services.notify`` (the API server's worker), so a slow or
+    dead webhook never holds up the completion. Migration 0011b."""
+
+    __tablename__ = "notify_outbox"
+    __table_args__ = (Index("ix_notify_outbox_due", "delivered_at", "next_at"),)
+
+    job_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    team_id: Mapped[str] = mapped_column(String(64))
+    urls: Mapped[list[str]]
+    """The URLs still to deliver to (each removed once it answered 2xx)."""
+    status: Mapped[str] = mapped_column(String(24))
+    """The job's terminal status at the time of the row."""
+    attempts: Mapped[int] = mapped_column(Integer)
+    """Delivery rounds made so far."""
+    next_at: Mapped[datetime]
+    """Not tried again before this time (exponential backoff); also a claim's lease."""
+    created_at: Mapped[datetime]
+    delivered_at: Mapped[datetime | None]
+    """Set when every URL answered 2xx, or when the attempts ran out (``gave_up``)."""
+    gave_up: Mapped[bool] = mapped_column(Boolean)
+    last_error: Mapped[str | None] = mapped_column(Text)
