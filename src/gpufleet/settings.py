@@ -60,6 +60,35 @@ class Settings(BaseSettings):
         " on a shared key. The gang scheduler prefers nodes of one rack/switch.",
     )
 
+    allowed_mounts: str = Field(
+        default="",
+        description="Comma-separated host paths (and what is under them) a container job may"
+        " mount (--mount SRC:DST); a submit with another source is refused (422, naming"
+        " mounts[i].source). Empty: no fleet-level list (each agent's --allow-mount decides;"
+        " an agent allows none by default).",
+    )
+    notify_allow_hosts: str = Field(
+        default="",
+        description="Comma-separated host names or IP addresses completion webhooks may be"
+        " delivered to; empty: any host whose addresses are all public.",
+    )
+    notify_allow_private: bool = Field(
+        default=False,
+        description="Deliver webhooks to loopback, link-local, private and other non-public"
+        " addresses too (tests, an on-premises receiver); off: refused unless the host is in"
+        " notify_allow_hosts.",
+    )
+    notify_max_attempts: int = Field(
+        default=8, ge=1, le=100, description="Delivery rounds of one webhook before giving up."
+    )
+    notify_backoff_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="First retry delay of a failed webhook, seconds; doubled each round"
+        " (capped at 1 hour).",
+    )
+    notify_timeout_s: float = Field(default=5.0, gt=0, description="One delivery's timeout.")
+
     heartbeat_interval_s: float = 10.0
     suspect_after_missed: int = Field(default=3, description="Missed heartbeats before SUSPECT.")
     confirm_timeout_s: float = Field(default=30.0, description="RESERVED this long -> reconcile.")
@@ -257,3 +286,9 @@ class Settings(BaseSettings):
 
     def resolved_object_store_url(self) -> str:
         return self.object_store_url or f"file://{self.resolved_data_dir() / 'objects'}"
+
+    def allowed_mount_list(self) -> tuple[str, ...] | None:
+        """:attr:`allowed_mounts` as normalized paths; None when it is empty (no list)."""
+        raw = [p.strip() for p in self.allowed_mounts.split(",")]
+        items = tuple(p.rstrip("/") or "/" for p in raw if p)
+        return items or None

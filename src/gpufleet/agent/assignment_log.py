@@ -108,6 +108,9 @@ class RunRecord:
     cpu: float = 0.0  # CPU cores (quota); 0 = none
     pids_limit: int = 0  # processes and threads at once; 0 = the agent's default
     disk_mb: int = 0  # scratch filesystem size, MiB; 0 = the agent's default
+    # host paths mounted into a container: [{"source", "target", "read_only"}]
+    mounts: list[dict[str, Any]] = field(default_factory=list)
+    shm_size_mb: int = 0  # /dev/shm size, MiB; 0 = domain.mounts.default_shm_mb
     status: RunStatus = RunStatus.ASSIGNED
     assigned_at_s: float = 0.0
     pid: int = 0  # the user command
@@ -166,6 +169,8 @@ _ASSIGN_FIELDS = (
     "cpu",
     "pids_limit",
     "disk_mb",
+    "mounts",
+    "shm_size_mb",
 )
 
 

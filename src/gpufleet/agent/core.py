@@ -310,6 +310,17 @@ class AgentCore:
             cpu=req.cpu,
             pids_limit=req.pids_limit,
             disk_mb=req.disk_mb,
+            mounts=[
+                {"source": src, "target": dst, "read_only": ro}
+                for src, dst, ro in zip(
+                    req.mount_sources,
+                    req.mount_targets,
+                    list(req.mount_read_only)
+                    + [False] * (len(req.mount_sources) - len(req.mount_read_only)),
+                    strict=False,
+                )
+            ],
+            shm_size_mb=req.shm_size_mb,
         )
 
     def _start(

@@ -50,6 +50,7 @@ from gpufleet.agent.core import AgentCore
 from gpufleet.agent.gpu_health import GpuHealth
 from gpufleet.agent.identity import Renewer, ensure_credentials, tls_dir
 from gpufleet.agent.inventory import load_inventory
+from gpufleet.agent.mounts import normalize_allowed
 from gpufleet.agent.outbox import WORKERS_PER_KIND, Outbox
 from gpufleet.agent.runner import Runner, agent_scope, default_jobs_dir
 from gpufleet.agent.runtime import Runtimes, jobns, jobuser
@@ -298,6 +299,7 @@ def run_agent(
     job_egress_allow: str = "",
     job_pids_max: int = DEFAULT_JOB_PIDS_MAX,
     job_disk_mb: int = DEFAULT_JOB_DISK_MB,
+    allow_mounts: tuple[str, ...] | list[str] = (),
     kept_runs_mb: int | None = None,
     container_userns: str = "auto",
     container_pids_limit: int = DEFAULT_PIDS_LIMIT,
@@ -352,6 +354,9 @@ def run_agent(
             set no ``pids_limit``; 0 = none.
         job_disk_mb: size (MiB) of the scratch filesystem of an attempt whose job set no
             ``disk_mb`` (:mod:`gpufleet.agent.scratch`); 0 = none (plain directories).
+        allow_mounts: host paths (absolute; symlinks resolved) container jobs may mount,
+            with what is under them (``--allow-mount``, :mod:`gpufleet.agent.mounts`);
+            empty = none.
         kept_runs_mb: bound (MiB) on the local dirs (logs) of reported attempts the agent
             keeps for debugging (the last 20 at most); None = 2% of the state dir's
             filesystem, at most 1 GiB; 0 = none kept. Under disk pressure they go first.
@@ -525,6 +530,7 @@ def run_agent(
         scratch=scratch,
         pids_max=job_pids_max if found.pids else 0,
         kept_runs_mb=kept_runs_mb,
+        allow_mounts=normalize_allowed(allow_mounts),
     )
     labels = {
         **labels,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.agent.assignment_log import RunRecord
+from gpufleet.agent.mounts import attempt_shm_mb, checked_mounts
 from gpufleet.agent.runtime import ExitInfo, Launch, RunHandle, Runtime, Runtimes
 from gpufleet.agent.runtime.containment import Containment
 from gpufleet.agent.runtime.jobuser import JobUsers
@@ -86,6 +87,8 @@ class Runner:
         scratch: per-attempt scratch filesystems (:mod:`gpufleet.agent.scratch`); None or
             disabled: the job dirs are plain directories of the jobs dir's filesystem.
         pids_max: ``pids.max`` of an attempt whose job set no ``pids_limit``; 0 = none.
+        allow_mounts: host paths (real, absolute) container jobs may mount, with what is
+            under them (``--allow-mount``; ``agent.mounts``); empty = none.
         kept_runs_mb: bound (MiB) on the bytes of the kept directories of reported attempts
             (their logs, see :meth:`cleanup`); None = :func:`default_kept_runs_mb`; 0 =
             keep none.
@@ -106,6 +109,7 @@ class Runner:
         scratch: ScratchDisks | None = None,
         pids_max: int = 0,
         kept_runs_mb: int | None = None,
+        allow_mounts: tuple[str, ...] = (),
     ) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(state_dir, 0o700)
@@ -125,6 +129,7 @@ class Runner:
         # kept even when disabled: mounts made by an earlier agent are still removed
         self.scratch_disks = scratch
         self.pids_max = pids_max
+        self.allow_mounts = allow_mounts
         if kept_runs_mb is None:
             kept_runs_mb = default_kept_runs_mb(self.runs_dir)
         self.kept_runs_mb = kept_runs_mb
@@ -152,6 +157,9 @@ class Runner:
         t0 = time.monotonic()
         if not rec.command:
             raise StartError("empty command")
+        if rec.mounts and not rec.image:
+            raise StartError("mounts: a process job has no mounts (they are for containers)")
+        mounts = checked_mounts(rec.mounts, self.allow_mounts) if rec.mounts else ()
         runtime = self.runtimes.for_job(rec)
         paths = self.paths(rec.run_id)
         paths.root.mkdir(parents=True, exist_ok=True)
@@ -198,6 +206,8 @@ class Runner:
                 gpu_ids=tuple(rec.gpu_ids),
                 resume_dir=resume_dir,
                 pids_max=rec.pids_limit if rec.pids_limit > 0 else self.pids_max,
+                mounts=mounts,
+                shm_mb=attempt_shm_mb(rec.shm_size_mb, rec.memory_mb),
             )
             h = runtime.spawn(rec, launch)
             with self._lock:

@@ -131,6 +131,7 @@ def argv(
     hide_dirs: tuple[str, ...] = (),
     keep_file: str = "",
     restore_env: tuple[str, ...] = (),
+    shm_mb: int = 0,
 ) -> list[str]:
     """The shim's command line (see the module doc for each option).
 
@@ -150,6 +151,8 @@ def argv(
             directories, ``jobns.HIDDEN_DIRS``) with ``keep_file`` (absolute path inside one
             of them, e.g. resolv.conf's target) bound back where it was. A failed mount is a
             start error.
+        shm_mb: with ``mount_bin``, the size of the private ``/dev/shm`` tmpfs, MiB (0: the
+            kernel's default, half the node's RAM).
         restore_env: names of the job's loader variables (``LD_PRELOAD``...) that the
             agent passed as ``_GF_ENV_<name>`` (``jobns.hide_loader_env``): the shim sets
             them back only in the command's own process after the switch to the job user
@@ -189,6 +192,8 @@ def argv(
             out += ["--hide-dir", hidden]
         if keep_file:
             out += ["--keep-file", keep_file]
+        if shm_mb > 0:
+            out += ["--shm-size", str(int(shm_mb))]
     return [*out, "--", *command]
 
 

@@ -3,7 +3,8 @@
 #   sh shim.sh --exit-file F --log-file L [--claim-file C] [--status-fd N] [--cwd D]
 #              [--cwd-check] [--cgroup-procs P]... [--setpriv PATH --uid U --gid G
 #              [--groups G1,G2]] [--cwd-as U:G] [--mount-bin M [--private-tmp D]
-#              [--hide-pids] [--hide-dir D]... [--keep-file F]] [--restore-env NAME,NAME]
+#              [--hide-pids] [--hide-dir D]... [--keep-file F] [--shm-size MIB]]
+#              [--restore-env NAME,NAME]
 #              -- cmd [args...]
 #
 # Builtins only on the common path (no fork besides the command's own, no exec besides the
@@ -12,7 +13,7 @@
 
 _gf_exit= _gf_log= _gf_claim= _gf_status= _gf_cwd= _gf_check= _gf_procs= _gf_setpriv=
 _gf_uid= _gf_gid= _gf_groups= _gf_cwd_as= _gf_stage2= _gf_pwd= _gf_mount= _gf_tmp= _gf_hide=
-_gf_restore= _gf_hides= _gf_keep=
+_gf_restore= _gf_hides= _gf_keep= _gf_shm=
 _gf_nl='
 '
 while [ $# -gt 0 ]; do
@@ -36,6 +37,7 @@ while [ $# -gt 0 ]; do
         --hide-pids) _gf_hide=1; shift ;;
         --hide-dir) _gf_hides=$_gf_hides$2$_gf_nl; shift 2 ;;
         --keep-file) _gf_keep=$2; shift 2 ;;
+        --shm-size) _gf_shm=$2; shift 2 ;;
         --restore-env) _gf_restore=$2; shift 2 ;;
         --) shift; break ;;
         *) echo "gpufleet shim: unknown argument $1" >&2; exit 2 ;;
@@ -191,7 +193,8 @@ fi
                 || _gf_fail "cannot keep $_gf_keep visible"
             exec 7<&-
         fi
-        [ ! -d /dev/shm ] || "$_gf_mount" -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /dev/shm \
+        [ ! -d /dev/shm ] || "$_gf_mount" -t tmpfs \
+            -o "nosuid,nodev,mode=1777${_gf_shm:+,size=${_gf_shm}m}" tmpfs /dev/shm \
             2>/dev/null || _gf_fail "cannot mount the attempt's private /dev/shm"
         [ -z "$_gf_hide" ] || "$_gf_mount" -t proc -o nosuid,nodev,noexec,hidepid=invisible \
             proc /proc 2>/dev/null || _gf_fail "cannot mount /proc with hidepid=invisible"

@@ -69,6 +69,8 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 # the team's limits as submit_allowed just looked them up (cached)
                 max_outstanding_jobs=limits.max_outstanding_jobs if limits is not None else None,
                 runtime_limits=limits.runtime if limits is not None else None,
+                default_notify=limits.notify_urls if limits is not None else (),
+                allowed_mounts=state.settings.allowed_mount_list(),
                 control=jobs.SubmitControl(
                     array=body.array,
                     depends_on=[d.model_dump() for d in depends]
@@ -259,6 +261,9 @@ def job_out(
         working_dir=spec.get("working_dir"),
         pids_limit=spec.get("pids_limit"),
         disk_mb=spec.get("disk_mb"),
+        mounts=[dict(m) for m in spec.get("mounts") or []],
+        shm_size_mb=spec.get("shm_size_mb"),
+        notify=list(job.notify_urls or []),
         cpu=float(spec["resources"].get("cpu") or 0.0),
         memory_mb=int(spec["resources"].get("memory_mb") or 0),
         gpu_memory_mb=int(spec["resources"].get("gpu_memory_mb") or 0),

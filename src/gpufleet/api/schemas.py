@@ -17,7 +17,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from gpufleet.domain.images import reference_problem
+from gpufleet.domain.mounts import MAX_MOUNTS, MAX_SHM_MB, Mount, mount_problems, parse_mount
 from gpufleet.domain.types import JobSpec, PriorityClass, Resources
+from gpufleet.domain.webhooks import MAX_URL_LENGTH, MAX_URLS, url_problem
 from gpufleet.services.limits import (
     MAX_GPUS,
     MAX_OUTSTANDING_JOBS,
@@ -50,6 +52,20 @@ MIN_DISK_MB = 16
 """The smallest scratch filesystem an agent makes (ext4 needs a few MiB of its own)."""
 MAX_DISK_MB = 64 * 1024 * 1024
 """64 TiB."""
+
+
+class MountIn(BaseModel):
+    """A host path mounted into a container job (always ``nosuid,nodev``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    source: str = Field(min_length=1, max_length=4096)
+    """Absolute host path; must be under a path the fleet (``GPUFLEET_ALLOWED_MOUNTS``) and
+    the node (``gpufleet agent --allow-mount``) allow."""
+    target: str = Field(min_length=1, max_length=4096)
+    """Absolute path inside the container; not under /proc, /sys, /dev, nor on the job's
+    own mounts (/gpufleet, /tmp, /var/tmp)."""
+    read_only: bool = False
 
 
 class JobCreate(BaseModel):
@@ -86,6 +102,16 @@ class JobCreate(BaseModel):
     """Most processes and threads at once (the cgroup's pids.max); None: the node's default."""
     disk_mb: int | None = Field(default=None, ge=MIN_DISK_MB, le=MAX_DISK_MB)
     """Size of each attempt's scratch filesystem, MiB; None: the node's default."""
+    mounts: list[MountIn] = Field(default_factory=list, max_length=MAX_MOUNTS)
+    """Host paths mounted into a container job: objects, or ``"SRC:DST[:ro]"`` strings."""
+    shm_size_mb: int | None = Field(default=None, ge=1, le=MAX_SHM_MB)
+    """Size of ``/dev/shm`` (container and process jobs), MiB; None: a quarter of
+    ``memory_mb``, at least 1024 MiB (``domain.mounts.default_shm_mb``)."""
+    notify: list[Annotated[str, Field(max_length=MAX_URL_LENGTH)]] = Field(
+        default_factory=list, max_length=MAX_URLS
+    )
+    """Webhook URLs (http/https) POSTed the job's final record, signed (X-Gpufleet-Signature)
+    when it ends; empty: the team's default URLs."""
     array: str | None = Field(
         default=None,
         min_length=1,
@@ -157,6 +183,47 @@ class JobCreate(BaseModel):
                     {"i": i, "where": where, "msg": first["msg"]},
                 ) from None
         return items
+
+    @field_validator("mounts", mode="before")
+    @classmethod
+    def _mount_strings(cls, v: Any) -> Any:
+        """``"SRC:DST[:ro]"`` items (the CLI's and job files' form) as objects."""
+        if not isinstance(v, list):
+            return v
+        out = []
+        for i, item in enumerate(v):
+            if isinstance(item, str):
+                try:
+                    item = parse_mount(item).to_json()
+                except ValueError as exc:
+                    raise PydanticCustomError(
+                        "mount", "mounts[{i}]: {msg}", {"i": i, "msg": str(exc)}
+                    ) from None
+            out.append(item)
+        return out
+
+    @model_validator(mode="after")
+    def _mount_paths(self) -> JobCreate:
+        problems = mount_problems([Mount(m.source, m.target, m.read_only) for m in self.mounts])
+        if problems:
+            field, message = problems[0]
+            raise PydanticCustomError("mount", message, {"field": field})
+        if self.mounts and self.image is None:
+            raise PydanticCustomError(
+                "mount",
+                "mounts are for container jobs (give an image); a process job reads host"
+                " paths directly, as its user",
+                {"field": "mounts"},
+            )
+        return self
+
+    @field_validator("notify")
+    @classmethod
+    def _webhook_urls(cls, v: list[str]) -> list[str]:
+        for i, url in enumerate(v):
+            if (problem := url_problem(url)) is not None:
+                raise ValueError(f"notify[{i}] {url[:200]!r} {problem}")
+        return v
 
     @field_validator("image")
     @classmethod
@@ -277,6 +344,9 @@ class JobCreate(BaseModel):
             working_dir=self.working_dir,
             pids_limit=self.pids_limit,
             disk_mb=self.disk_mb,
+            mounts=tuple(Mount(m.source, m.target, m.read_only) for m in self.mounts),
+            shm_size_mb=self.shm_size_mb,
+            notify=tuple(self.notify),
         )
 
 
@@ -407,6 +477,12 @@ class JobOut(BaseModel):
     working_dir: str | None = None
     pids_limit: int | None = None
     disk_mb: int | None = None
+    mounts: list[dict[str, Any]] = []
+    """``[{"source", "target", "read_only"}]`` as submitted."""
+    shm_size_mb: int | None = None
+    """As submitted (None: the default, ``domain.mounts.default_shm_mb``)."""
+    notify: list[str] = []
+    """The webhooks told of the job's end (its own, else its team's defaults at submit)."""
     cpu: float = 0.0
     memory_mb: int = 0
     gpu_memory_mb: int = 0

@@ -484,6 +484,14 @@ def agent(
     job_egress_allow: Annotated[
         str, typer.Option(help="With --job-egress none: CIDR[:port],... jobs may reach.")
     ] = "",
+    allow_mount: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-mount",
+            help="Host path container jobs may mount (--mount SRC:DST), with what is under it;"
+            " repeatable (default: none).",
+        ),
+    ] = None,
     job_pids_max: Annotated[
         int,
         typer.Option(
@@ -653,4 +661,5 @@ def agent(
         job_pids_max=job_pids_max,
         job_disk_mb=job_disk_mb,
         kept_runs_mb=kept_runs_mb,
+        allow_mounts=tuple(allow_mount or ()),
     )

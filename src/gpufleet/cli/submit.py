@@ -123,6 +123,31 @@ def load_jobfile(path: Path) -> dict[str, Any]:
     return data
 
 
+def shm_size_mb_of(text: str | None) -> int | None:
+    """``--shm-size`` as MiB: a plain number is MiB; ``k``/``m``/``g``/``t`` (with an
+    optional ``b``/``ib``) are KiB..TiB, rounded up to whole MiB.
+
+    Raises:
+        ClientError: not a size (field ``shm_size_mb``).
+    """
+    if text is None:
+        return None
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    units = {"k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
+    scale = 1.0
+    if value and value[-1] in units:
+        scale, value = units[value[-1]], value[:-1]
+    try:
+        mb = float(value) * scale
+    except ValueError:
+        raise ClientError(
+            f"--shm-size {text!r} is not a size (MiB, or e.g. 512m, 8g)", field="shm_size_mb"
+        ) from None
+    if not mb > 0 or mb != mb:
+        raise ClientError(f"--shm-size {text!r} must be more than 0", field="shm_size_mb")
+    return max(1, int(-(-mb // 1)))
+
+
 def build_job_body(
     base: dict[str, Any],
     flags: dict[str, Any],
@@ -269,6 +294,31 @@ def submit(
             help="Size of each attempt's scratch filesystem, MiB (default: the node's).",
         ),
     ] = None,
+    mount: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--mount",
+            help="SRC:DST[:ro]: mount host path SRC at DST in a container job (nosuid,nodev;"
+            " SRC must be under a path the fleet and the node allow); repeatable.",
+        ),
+    ] = None,
+    shm_size: Annotated[
+        str | None,
+        typer.Option(
+            "--shm-size",
+            help="Size of /dev/shm: MiB, or with a unit (512m, 8g). Default: memory_mb / 4,"
+            " at least 1g.",
+            callback=nonempty,
+        ),
+    ] = None,
+    notify: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--notify",
+            help="URL POSTed the job's final record (JSON, signed X-Gpufleet-Signature) when"
+            " it ends; repeatable (default: the team's notify URLs).",
+        ),
+    ] = None,
     priority: Annotated[
         str | None, typer.Option(help="CRITICAL|HIGH|NORMAL|LOW.", callback=nonempty)
     ] = None,
@@ -359,6 +409,9 @@ def submit(
             "memory_mb": memory_mb,
             "pids_limit": pids_limit,
             "disk_mb": disk_mb,
+            "mounts": list(mount or []),
+            "shm_size_mb": shm_size_mb_of(shm_size),
+            "notify": list(notify or []),
             "priority": priority,
             "max_retries": max_retries,
             "expected_duration_s": expected_duration_s,

@@ -130,6 +130,9 @@ def submit_body(
     gpu_memory_mb: int | None = None,
     pids_limit: int | None = None,
     disk_mb: int | None = None,
+    mounts: Sequence[str | Mapping[str, Any]] | None = None,
+    shm_size_mb: int | None = None,
+    notify: Sequence[str] | None = None,
     node_selector: Mapping[str, str] | None = None,
     working_dir: str | None = None,
     array: str | None = None,
@@ -141,7 +144,9 @@ def submit_body(
     """The ``POST /v1/jobs`` body; ``None`` arguments are left to the server's defaults;
     a string command is split like a shell would (``shlex.split``). ``depends_on`` is Slurm
     syntax (``"afterok:ID:ID,afterany:ID"``) or a list of jobs (``afterok``) and
-    ``{"type": ..., "job_id": ...}`` mappings."""
+    ``{"type": ..., "job_id": ...}`` mappings. ``mounts``: ``"SRC:DST[:ro]"`` strings or
+    ``{"source", "target", "read_only"}`` mappings (container jobs); ``shm_size_mb``:
+    ``/dev/shm`` size, MiB; ``notify``: webhook URLs told of the job's end."""
     body: dict[str, Any] = {
         "command": shlex.split(command) if isinstance(command, str) else list(command),
         "gpu_count": gpus,
@@ -160,6 +165,9 @@ def submit_body(
         "gpu_memory_mb": gpu_memory_mb,
         "pids_limit": pids_limit,
         "disk_mb": disk_mb,
+        "mounts": [m if isinstance(m, str) else dict(m) for m in mounts] if mounts else None,
+        "shm_size_mb": shm_size_mb,
+        "notify": list(notify) if notify else None,
         "node_selector": dict(node_selector) if node_selector is not None else None,
         "working_dir": working_dir,
         "array": array,

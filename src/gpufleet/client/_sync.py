@@ -139,7 +139,9 @@ class Client:
             **fields: any other job field: ``gpu_type``, ``name``, ``image``, ``env``,
                 ``priority``, ``max_retries``, ``max_runtime_s``, ``expected_duration_s``,
                 ``cpu``, ``memory_mb``, ``gpu_memory_mb``, ``pids_limit`` (processes and
-                threads at once), ``disk_mb`` (scratch size, MiB), ``node_selector``,
+                threads at once), ``disk_mb`` (scratch size, MiB), ``mounts``
+                (``["SRC:DST[:ro]"]``, container jobs), ``shm_size_mb`` (``/dev/shm``,
+                MiB), ``notify`` (webhook URLs), ``node_selector``,
                 ``working_dir``,
                 ``array`` (Slurm syntax: ``"0-9"``, ``"1,3,5"``, ``"0-15:4%2"``),
                 ``depends_on`` (``"afterok:ID:ID,afterany:ID"``, or a list of jobs, each

@@ -197,6 +197,10 @@ class AssignmentDispatch:
             gang_size=run.gang_size,
             pids_limit=int(spec.get("pids_limit") or 0),
             disk_mb=int(spec.get("disk_mb") or 0),
+            mount_sources=[str(m["source"]) for m in spec.get("mounts") or []],
+            mount_targets=[str(m["target"]) for m in spec.get("mounts") or []],
+            mount_read_only=[bool(m.get("read_only")) for m in spec.get("mounts") or []],
+            shm_size_mb=int(spec.get("shm_size_mb") or 0),
         )
         return node.id, node.address, req
 

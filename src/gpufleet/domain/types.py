@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from gpufleet.domain.mounts import Mount
+
 
 class PriorityClass(enum.StrEnum):
     """Priority class of a job inside its team. Higher rank runs first; preemption is strictly
@@ -84,6 +86,13 @@ class JobSpec:
     disk_mb: int | None = None
     """Size of the attempt's scratch filesystem (work, checkpoints, artifacts, /tmp), MiB;
     None: the node's default."""
+    mounts: tuple[Mount, ...] = ()
+    """Host paths mounted into a container job (``domain.mounts``); a process job has none."""
+    shm_size_mb: int | None = None
+    """Size of the attempt's ``/dev/shm``, MiB; None: ``domain.mounts.default_shm_mb``."""
+    notify: tuple[str, ...] = ()
+    """Webhook URLs POSTed the job's final record when it ends (``services.notify``);
+    empty: its team's default URLs, if any."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,10 @@ from gpufleet.domain import jobsyntax
 from gpufleet.domain.errors import IdempotencyKeyReused, LimitExceeded, ValidationFailed
 from gpufleet.domain.ids import new_id, new_job_id
 from gpufleet.domain.images import check_reference
+from gpufleet.domain.mounts import mount_problems, within_any
 from gpufleet.domain.states import JobStatus
 from gpufleet.domain.types import JobSpec, Resources
+from gpufleet.domain.webhooks import url_problem
 from gpufleet.services import jobctl
 from gpufleet.services.job_admission import (
     apply_runtime_limits,
@@ -52,14 +54,49 @@ def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
     data["priority"] = spec.priority.value
     # a single-node job's stored spec (and so its idempotency payload hash) is what it was
     # before gangs existed: the gang fields are stored only when set
-    for key in ("pids_limit", "disk_mb"):  # stored only when given (same hash as before)
-        if data.get(key) is None:
+    data["mounts"] = [m.to_json() for m in spec.mounts]
+    data["notify"] = list(spec.notify)
+    # stored only when given (a job without them hashes as before they existed)
+    for key in ("pids_limit", "disk_mb", "shm_size_mb", "mounts", "notify"):
+        if data.get(key) is None or data.get(key) == []:
             data.pop(key, None)
     r = data["resources"]
     for key, unset in (("nodes", None), ("gpus_per_node", None), ("allow_partial_nodes", False)):
         if r.get(key) == unset:
             r.pop(key, None)
     return data
+
+
+def check_data_fields(spec: JobSpec, allowed_mounts: tuple[str, ...] | list[str] | None) -> None:
+    """The mounts and webhooks of ``spec`` (every path in checks them here).
+
+    Raises:
+        ValidationFailed: a mount on a process job (``mounts``: a process job reads host
+            paths as its user already), a bad source or target (``mounts[i].target``...), a
+            source outside the fleet's ``allowed_mounts`` (``mounts[i].source``), or a
+            webhook URL that is not http(s) (``notify[i]``); 422.
+    """
+    if spec.mounts and spec.image is None:
+        raise ValidationFailed(
+            "mounts are for container jobs (give an image); a process job reads host paths"
+            " directly, as its user",
+            field="mounts",
+        )
+    problems = mount_problems(spec.mounts)
+    if problems:
+        raise ValidationFailed(problems[0][1], field=problems[0][0])
+    if allowed_mounts is not None:
+        for i, m in enumerate(spec.mounts):
+            if not within_any(m.source, allowed_mounts):
+                allowed = ", ".join(allowed_mounts) or "none"
+                raise ValidationFailed(
+                    f"mounts[{i}].source {m.source!r} is not under a host path this fleet"
+                    f" allows (GPUFLEET_ALLOWED_MOUNTS: {allowed})",
+                    field=f"mounts[{i}].source",
+                )
+    for i, url in enumerate(spec.notify):
+        if (problem := url_problem(url)) is not None:
+            raise ValidationFailed(f"notify[{i}] {url[:200]!r} {problem}", field=f"notify[{i}]")
 
 
 def payload_sha256(spec: JobSpec) -> str:
@@ -107,11 +144,16 @@ def submit_job(
     submitted_by: str | None = None,
     max_outstanding_jobs: int | None = None,
     runtime_limits: tuple[float | None, float | None] | None = None,
+    default_notify: tuple[str, ...] | list[str] = (),
+    allowed_mounts: tuple[str, ...] | list[str] | None = None,
 ) -> Submitted:
     """Persist a new PENDING job, or return the earlier one for a repeated key.
     ``submitted_by``: the submitting API token's id (accounting's "user").
     ``max_outstanding_jobs``: the team's effective limit when the caller knows it (else read).
     ``runtime_limits``: the team's (default, maximum) run time when the caller knows them.
+    ``default_notify``: the team's default webhook URLs, given to a job without ``notify``.
+    ``allowed_mounts``: the fleet's allow list of host paths a job may mount (None: no
+    fleet-level list; each node still decides with its own ``--allow-mount``).
 
     A new job is one INSERT (plus the checks' reads when their caches are cold): the key is
     looked up only when the INSERT hits it (unique per team) or a check refuses the job.
@@ -131,6 +173,8 @@ def submit_job(
     """
     if spec.image is not None:
         check_reference(spec.image)  # every path in (REST, job files, SDK) checked here too
+    check_data_fields(spec, allowed_mounts)
+    notify_urls = list(spec.notify or default_notify) or None
     digest = payload_sha256(spec)
     array = None
     deps: list[tuple[str, str]] = []
@@ -230,6 +274,7 @@ def submit_job(
                         "array_max_running": array.max_running if array else None,
                         "depends_on": depends_on,
                         "pending_reason": jobctl.held_reason() if hold else None,
+                        "notify_urls": notify_urls,
                     }
                 )
             # Core, not the ORM: no unit of work for rows nobody reads back here (the ORM's

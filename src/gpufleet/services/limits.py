@@ -64,6 +64,8 @@ class TeamLimits:
             each (``services.job_admission.apply_runtime_limits``); None = not read.
         read_rate_per_s: read token-bucket refill (GET requests of the API), per second.
         read_burst: read token-bucket size.
+        notify_urls: the team's default webhook URLs (``teams.notify_urls``), given to a job
+            submitted without ``notify``.
     """
 
     max_outstanding_jobs: int
@@ -72,6 +74,7 @@ class TeamLimits:
     runtime: tuple[float | None, float | None] | None = None
     read_rate_per_s: float = 0.0
     read_burst: int = 1
+    notify_urls: tuple[str, ...] = ()
 
     @staticmethod
     def defaults(settings: Settings) -> TeamLimits:
@@ -92,6 +95,7 @@ class TeamLimits:
         max_runtime_limit_s: float | None = None,
         read_rate_per_s: float | None = None,
         read_burst: int | None = None,
+        notify_urls: list[str] | None = None,
     ) -> TeamLimits:
         """These defaults overridden by a team's own values (None = keep the default)."""
         return TeamLimits(
@@ -101,6 +105,7 @@ class TeamLimits:
             (default_max_runtime_s, max_runtime_limit_s),
             self.read_rate_per_s if read_rate_per_s is None else read_rate_per_s,
             self.read_burst if read_burst is None else read_burst,
+            tuple(notify_urls or ()),
         )
 
 
@@ -268,6 +273,7 @@ class SubmitAdmission:
                     TeamRow.max_runtime_limit_s,
                     TeamRow.read_rate_per_s,
                     TeamRow.read_burst,
+                    TeamRow.notify_urls,
                 ).where(TeamRow.id == team_id)
             ).first()
         limits = self.defaults if row is None else self.defaults.for_team(*row)

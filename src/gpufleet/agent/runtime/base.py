@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from gpufleet.agent.workdir import RunPaths, StartError
+from gpufleet.domain.mounts import Mount
 
 if TYPE_CHECKING:
     from gpufleet.agent.assignment_log import RunRecord
@@ -104,6 +105,9 @@ class Launch:
         resume_dir: the downloaded checkpoint dir, or None.
         pids_max: processes and threads at once (the job's ``pids_limit``, else the node's
             ``--job-pids-max``); 0 = no limit.
+        mounts: host paths to mount into a container (checked against the node's
+            ``--allow-mount``, sources resolved); always empty for a process job.
+        shm_mb: size of the attempt's ``/dev/shm``, MiB; 0 = the runtime's own default.
     """
 
     paths: RunPaths
@@ -116,6 +120,8 @@ class Launch:
     gpu_ids: tuple[int, ...] = ()
     resume_dir: Path | None = None
     pids_max: int = 0
+    mounts: tuple[Mount, ...] = ()
+    shm_mb: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -356,6 +356,9 @@ class ContainerRuntime:
         paths.tmp.mkdir(exist_ok=True)  # the runner made it (1777); a bare Launch has none
         os.chmod(paths.tmp, 0o1777)
         mounts += [(paths.tmp, "/tmp", False), (paths.tmp, "/var/tmp", False)]
+        # the job's host mounts last (nosuid,nodev like every bind mount; their owners as on
+        # the host: never chowned); their targets were checked not to cover the ones above
+        job_mounts = [(Path(m.source), m.target, m.read_only) for m in launch.mounts]
         devices = [f"{CDI_GPU_KIND}={i}" for i in launch.gpu_ids] if self.cdi else []
         labels = {LABEL_RUN: rec.run_id, LABEL_JOB: rec.job_id, LABEL_TOKEN: str(rec.token)}
         group = self.group_of(name)
@@ -370,7 +373,7 @@ class ContainerRuntime:
             # uid outright. Its writable directories go to that uid.
             if not security.userns:
                 run_as = f"{USERNS_HOST_BASE}:{USERNS_HOST_BASE}"
-            for d, _, ro in mounts:
+            for d, _, ro in mounts:  # the attempt's own directories, not the job's mounts
                 if not ro:
                     os.chown(d, USERNS_HOST_BASE, USERNS_HOST_BASE)
         t0 = time.monotonic()
@@ -381,12 +384,13 @@ class ContainerRuntime:
                 command=launch.command,
                 env_file=env_file,
                 labels=labels,
-                mounts=mounts,
+                mounts=[*mounts, *job_mounts],
                 workdir=launch.workdir or MOUNTS["work"],
                 devices=devices,
                 memory_mb=launch.memory_mb,
                 cpu=launch.cpu,
                 cgroup_parent=cgroup_parent,
+                shm_mb=launch.shm_mb,
                 user=run_as,
                 security=security,
                 network=f"ns:{netns.path}" if netns is not None else "host",

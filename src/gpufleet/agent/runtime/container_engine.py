@@ -706,13 +706,15 @@ class ContainerEngine:
         user: str = "",
         security: ContainerSecurity | None = None,
         network: str = "host",
+        shm_mb: int = 0,
     ) -> str:
         """Create (not start) a container; returns its id. ``user``: ``uid:gid`` (and
         ``--group-add`` is not used: supplementary groups stay the image's). ``security``:
         its hardening flags (default :class:`ContainerSecurity`: no capabilities,
         no-new-privileges, the default pids limit). ``network``: the ``--network`` value
         (``ns:/run/netns/NAME``: the attempt's namespace). Bind mounts are ``nosuid,nodev``
-        (podman). The image follows ``--``.
+        (podman). ``shm_mb``: ``--shm-size`` in MiB (0: the engine's default, 64 MB). The
+        image follows ``--``.
 
         Raises:
             ImageUnavailable: ``image`` is not a valid reference (nothing is run).
@@ -739,6 +741,8 @@ class ContainerEngine:
             args += ["--cpus", f"{cpu:g}"]
         if cgroup_parent:
             args += ["--cgroup-parent", cgroup_parent]
+        if shm_mb > 0:
+            args += ["--shm-size", f"{shm_mb}m"]
         return self._run([*args, "--", image, *command]).stdout.strip().splitlines()[-1]
 
     def start(self, name: str) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from gpufleet.agent.runtime.base import JobUser, Launch
 from gpufleet.agent.workdir import RunPaths
+from gpufleet.domain.mounts import Mount
 
 LABEL_RUN = "gpufleet.run_id"
 LABEL_JOB = "gpufleet.job_id"
@@ -75,6 +76,10 @@ class ContainerLaunch:
     workdir: str = ""
     resume_dir: Path | None = None
     user: JobUser | None = None
+    mounts: tuple[Mount, ...] = ()
+    """The job's host mounts (already allowed by the node, sources resolved)."""
+    shm_mb: int = 0
+    """``/dev/shm`` size, MiB (``--shm-size``); 0 = the engine's default."""
 
 
 def container_env(launch: ContainerLaunch, *, cdi: bool) -> dict[str, str]:
@@ -113,4 +118,6 @@ def launch_of(rec: Any, launch: Launch) -> ContainerLaunch:
         workdir=getattr(rec, "working_dir", "") or "",
         resume_dir=launch.resume_dir,
         user=launch.user,
+        mounts=tuple(launch.mounts),
+        shm_mb=int(launch.shm_mb),
     )

@@ -110,12 +110,10 @@ class ProcessRuntime:
         place that decides what wraps an attempt's shim."""
         namespace = launch.user.switch  # jobs as the agent's own user: no isolation promised
         iso = self.isolation
-        return [
-            *iso.shim_prefix(namespace=namespace),
-            *shim.argv(
-                **shim_args, **iso.shim_options(namespace=namespace, tmp_dir=str(launch.paths.tmp))
-            ),
-        ]
+        options = iso.shim_options(namespace=namespace, tmp_dir=str(launch.paths.tmp))
+        if options:  # the attempt's private /dev/shm, of the job's size
+            options["shm_mb"] = launch.shm_mb
+        return [*iso.shim_prefix(namespace=namespace), *shim.argv(**shim_args, **options)]
 
     # ------------------------------------------------------------------ start
 

@@ -528,6 +528,7 @@ class ReportCompletionRequest(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     ENDED_AT_UNIX_FIELD_NUMBER: _builtins.int
     SENT_AT_UNIX_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     run_id: _builtins.str
     token: _builtins.int
@@ -551,6 +552,10 @@ class ReportCompletionRequest(_message.Message):
     skew. 0 = unknown (the end is dated at the receipt).
     """
     sent_at_unix: _builtins.float
+    @_builtins.property
+    def resources(self) -> Global___AttemptResources:
+        """What the attempt used, as its agent measured it (unset: not measured)."""
+
     def __init__(
         self,
         *,
@@ -565,14 +570,66 @@ class ReportCompletionRequest(_message.Message):
         reason: _builtins.str = ...,
         ended_at_unix: _builtins.float = ...,
         sent_at_unix: _builtins.float = ...,
+        resources: Global___AttemptResources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended_at_unix", b"ended_at_unix", "exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_fault", b"node_fault", "node_id", b"node_id", "outcome", b"outcome", "reason", b"reason", "run_id", b"run_id", "sent_at_unix", b"sent_at_unix", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended_at_unix", b"ended_at_unix", "exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_fault", b"node_fault", "node_id", b"node_id", "outcome", b"outcome", "reason", b"reason", "resources", b"resources", "run_id", b"run_id", "sent_at_unix", b"sent_at_unix", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportCompletionRequest: _TypeAlias = ReportCompletionRequest  # noqa: Y015
+
+@_typing.final
+class AttemptResources(_message.Message):
+    """One attempt's resource use, from its cgroup and NVML. A field that was not measured is
+    unset (the has_ presence of proto3 optional).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEAK_RSS_BYTES_FIELD_NUMBER: _builtins.int
+    CPU_SECONDS_FIELD_NUMBER: _builtins.int
+    GPU_UTIL_PCT_FIELD_NUMBER: _builtins.int
+    GPU_MEM_PEAK_BYTES_FIELD_NUMBER: _builtins.int
+    peak_rss_bytes: _builtins.int
+    """memory.peak (v2) / memory.max_usage_in_bytes (v1)"""
+    cpu_seconds: _builtins.float
+    """cpu.stat usage_usec (v2) / cpuacct.usage (v1)"""
+    gpu_util_pct: _builtins.float
+    """mean over NVML samples of its GPUs, percent"""
+    gpu_mem_peak_bytes: _builtins.int
+    """highest sum of its GPUs' used memory, bytes"""
+    def __init__(
+        self,
+        *,
+        peak_rss_bytes: _builtins.int | None = ...,
+        cpu_seconds: _builtins.float | None = ...,
+        gpu_util_pct: _builtins.float | None = ...,
+        gpu_mem_peak_bytes: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cpu_seconds", b"_cpu_seconds", "_gpu_mem_peak_bytes", b"_gpu_mem_peak_bytes", "_gpu_util_pct", b"_gpu_util_pct", "_peak_rss_bytes", b"_peak_rss_bytes", "cpu_seconds", b"cpu_seconds", "gpu_mem_peak_bytes", b"gpu_mem_peak_bytes", "gpu_util_pct", b"gpu_util_pct", "peak_rss_bytes", b"peak_rss_bytes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cpu_seconds", b"_cpu_seconds", "_gpu_mem_peak_bytes", b"_gpu_mem_peak_bytes", "_gpu_util_pct", b"_gpu_util_pct", "_peak_rss_bytes", b"_peak_rss_bytes", "cpu_seconds", b"cpu_seconds", "gpu_mem_peak_bytes", b"gpu_mem_peak_bytes", "gpu_util_pct", b"gpu_util_pct", "peak_rss_bytes", b"peak_rss_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cpu_seconds: _TypeAlias = _typing.Literal["cpu_seconds"]  # noqa: Y015
+    _WhichOneofArgType__cpu_seconds: _TypeAlias = _typing.Literal["_cpu_seconds", b"_cpu_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__gpu_mem_peak_bytes: _TypeAlias = _typing.Literal["gpu_mem_peak_bytes"]  # noqa: Y015
+    _WhichOneofArgType__gpu_mem_peak_bytes: _TypeAlias = _typing.Literal["_gpu_mem_peak_bytes", b"_gpu_mem_peak_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__gpu_util_pct: _TypeAlias = _typing.Literal["gpu_util_pct"]  # noqa: Y015
+    _WhichOneofArgType__gpu_util_pct: _TypeAlias = _typing.Literal["_gpu_util_pct", b"_gpu_util_pct"]  # noqa: Y015
+    _WhichOneofReturnType__peak_rss_bytes: _TypeAlias = _typing.Literal["peak_rss_bytes"]  # noqa: Y015
+    _WhichOneofArgType__peak_rss_bytes: _TypeAlias = _typing.Literal["_peak_rss_bytes", b"_peak_rss_bytes"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cpu_seconds) -> _WhichOneofReturnType__cpu_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gpu_mem_peak_bytes) -> _WhichOneofReturnType__gpu_mem_peak_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gpu_util_pct) -> _WhichOneofReturnType__gpu_util_pct | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__peak_rss_bytes) -> _WhichOneofReturnType__peak_rss_bytes | None: ...
+
+Global___AttemptResources: _TypeAlias = AttemptResources  # noqa: Y015
 
 @_typing.final
 class ReportCompletionResponse(_message.Message):
@@ -662,6 +719,10 @@ class AssignJobRequest(_message.Message):
     GANG_SIZE_FIELD_NUMBER: _builtins.int
     PIDS_LIMIT_FIELD_NUMBER: _builtins.int
     DISK_MB_FIELD_NUMBER: _builtins.int
+    MOUNT_SOURCES_FIELD_NUMBER: _builtins.int
+    MOUNT_TARGETS_FIELD_NUMBER: _builtins.int
+    MOUNT_READ_ONLY_FIELD_NUMBER: _builtins.int
+    SHM_SIZE_MB_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     job_id: _builtins.str
     reservation_id: _builtins.str
@@ -694,12 +755,27 @@ class AssignJobRequest(_message.Message):
     of the attempt's scratch filesystem in MiB.
     """
     disk_mb: _builtins.int
+    shm_size_mb: _builtins.int
+    """Size of the attempt's /dev/shm, MiB (podman --shm-size; the process job's private tmpfs
+    size=); 0 = the default (domain.mounts.default_shm_mb of memory_mb).
+    """
     @_builtins.property
     def gpu_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def mount_sources(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Host paths mounted into a container job (parallel lists, one entry per mount: source on
+        the node, target in the container, read-only), always nosuid,nodev. The agent refuses a
+        source outside its --allow-mount paths (the start fails naming mounts[i].source).
+        """
+
+    @_builtins.property
+    def mount_targets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def mount_read_only(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]: ...
     def __init__(
         self,
         *,
@@ -722,10 +798,14 @@ class AssignJobRequest(_message.Message):
         gang_size: _builtins.int = ...,
         pids_limit: _builtins.int = ...,
         disk_mb: _builtins.int = ...,
+        mount_sources: _abc.Iterable[_builtins.str] | None = ...,
+        mount_targets: _abc.Iterable[_builtins.str] | None = ...,
+        mount_read_only: _abc.Iterable[_builtins.bool] | None = ...,
+        shm_size_mb: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "disk_mb", b"disk_mb", "env", b"env", "gang_size", b"gang_size", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "pids_limit", b"pids_limit", "rank", b"rank", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "disk_mb", b"disk_mb", "env", b"env", "gang_size", b"gang_size", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "mount_read_only", b"mount_read_only", "mount_sources", b"mount_sources", "mount_targets", b"mount_targets", "pids_limit", b"pids_limit", "rank", b"rank", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "shm_size_mb", b"shm_size_mb", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
