@@ -129,3 +129,47 @@ def test_process_job_gets_a_private_dev_shm_of_its_size(fleet: Fleet) -> None:
     job = fleet.wait_status(default, TERMINAL, timeout_s=60)
     assert job["status"] == "SUCCEEDED", job
     assert _shm_mb(_log(fleet, default)) == 1500
+
+
+ALLOCATE_200MB = (
+    "import time\n"
+    "block = bytearray(200 * 1024 * 1024)\n"
+    "for i in range(0, len(block), 4096):\n"
+    "    block[i] = 1\n"
+    "t = time.process_time()\n"
+    "while time.process_time() - t < 0.3:\n"
+    "    pass\n"
+    "print('allocated', len(block))\n"
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, job users)")
+@pytest.mark.skipif(not detect("probe").kind.startswith("cgroup"), reason="no cgroups here")
+@pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)
+def test_peak_rss_and_cpu_time_of_an_attempt_in_status_and_usage(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.e2e.test_cli_and_demo import cli
+
+    monkeypatch.setenv("COLUMNS", "300")
+    fleet.start_agent("a1", gpus="2xH100-80GB", job_uids="per-attempt")
+    job_id = fleet.submit({"command": [SYSTEM_PY, "-c", ALLOCATE_200MB], "memory_mb": 1024})
+    job = fleet.wait_status(job_id, TERMINAL, timeout_s=60)
+    assert job["status"] == "SUCCEEDED", job
+    used = job["attempts"][0]["resources"]
+    assert used["peak_rss_bytes"] >= 200 * 1024 * 1024, used
+    assert used["peak_rss_bytes"] < 1024 * 1024 * 1024, used
+    assert used["cpu_seconds"] >= 0.3, used
+    assert "gpu_util_pct" not in used  # no NVML on this node: not measured, not zero
+
+    status = cli(fleet, "status", job_id)
+    assert status.returncode == 0, status.stderr
+    assert "attempt 1 used: peak RSS 2" in status.stdout, status.stdout
+    usage = cli(fleet, "usage", "--by", "job")
+    assert usage.returncode == 0, usage.stderr
+    line = next(ln for ln in usage.stdout.splitlines() if job_id in ln)
+    assert "MiB" in line and "peak RSS" in usage.stdout, usage.stdout
+    data = fleet.get("/v1/usage?by=job")["items"]
+    (mine,) = [ln for ln in data if ln["key"] == job_id]
+    assert mine["peak_rss_bytes"] == used["peak_rss_bytes"]
+    assert mine["gpu_util_pct"] is None

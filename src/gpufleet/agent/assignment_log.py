@@ -132,6 +132,9 @@ class RunRecord:
     manifest_uri: str = ""
     report_result: str = ""
     node_fault: bool = False  # a start failure the node caused (not the job)
+    # what it used (cgroup, NVML): peak_rss_bytes, cpu_seconds, gpu_util_pct,
+    # gpu_mem_peak_bytes; each absent when not measured
+    resources: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pgid(self) -> int:
@@ -395,6 +398,7 @@ class AssignmentLog:
             rec.finished_at_s = float(line.get("finished_at_s", at_s))
             rec.message = line.get("message", "")
             rec.reason = line.get("reason", "")
+            rec.resources = dict(line.get("resources") or {})
         elif e == "uploaded":
             rec.manifest_uri = line["manifest_uri"]
         elif e == "reported":

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable
 from gpufleet.agent.assignment_log import AssignmentLog, RunRecord, RunStatus, is_disk_full
 from gpufleet.agent.contact import Contact
 from gpufleet.agent.gpu_health import GpuHealth
+from gpufleet.agent.gpu_usage import GpuSampler
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.outbox import COMPLETE, CONFIRM, Outbox
 from gpufleet.agent.runner import Runner
@@ -85,6 +86,8 @@ class AgentCore:
             itself unhealthy, before the disk is full; 0 disables the check.
         gpu_health: NVML checks of the node's GPUs (lost GPU, uncorrectable ECC, pending page
             retirement, critical XID); None: no checks (declared GPUs).
+        gpu_usage: NVML samples of each attempt's GPUs (utilization, memory), reported with
+            its completion; None: none (declared GPUs, no NVML).
     """
 
     def __init__(
@@ -97,9 +100,11 @@ class AgentCore:
         default_grace_s: float,
         disk_reserve_mb: int = 0,
         gpu_health: GpuHealth | None = None,
+        gpu_usage: GpuSampler | None = None,
     ) -> None:
         self.log = log
         self.gpu_health = gpu_health
+        self.gpu_usage = gpu_usage
         self.runner = runner
         self.streamer = streamer
         self.inventory = inventory
@@ -470,6 +475,8 @@ class AgentCore:
         now = time.monotonic()
         with self._lock:
             items = [(self.log.runs[rid], h) for rid, h in self._handles.items()]
+        if self.gpu_usage is not None and self.gpu_usage.enabled:
+            self.gpu_usage.sample((rec.run_id, rec.gpu_ids) for rec, _ in items)
         for rec, h in items:
             try:
                 info = self.runner.poll(rec, h, now)
@@ -484,6 +491,7 @@ class AgentCore:
                     self.log.note("start_failed", rec.run_id, message=info.message)
                 else:
                     outcome = "STOPPED" if rec.stop_requested else "EXITED"
+                    gpu = self.gpu_usage.take(rec.run_id) if self.gpu_usage is not None else {}
                     self.log.note(
                         "exited",
                         rec.run_id,
@@ -492,6 +500,7 @@ class AgentCore:
                         finished_at_s=info.finished_at_s,
                         message=info.message,
                         reason=info.reason,
+                        resources={**info.resources, **gpu},
                     )
                 del self._handles[rec.run_id]
             logger.info(

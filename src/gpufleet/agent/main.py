@@ -48,6 +48,7 @@ from gpufleet.agent.controllers import (
 )
 from gpufleet.agent.core import AgentCore
 from gpufleet.agent.gpu_health import GpuHealth
+from gpufleet.agent.gpu_usage import GpuSampler
 from gpufleet.agent.identity import Renewer, ensure_credentials, tls_dir
 from gpufleet.agent.inventory import load_inventory
 from gpufleet.agent.mounts import normalize_allowed
@@ -549,6 +550,7 @@ def run_agent(
         default_grace_s=cfg.default_grace_s,
         disk_reserve_mb=cfg.agent_disk_reserve_mb,
         gpu_health=GpuHealth.for_inventory(inventory.gpus, inventory.source),
+        gpu_usage=GpuSampler.for_inventory(inventory.source),
     )
     stub = cast(pb_grpc.ControllerStub, channel)
     registered = threading.Event()

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -268,6 +269,7 @@ class Outbox:
                 # minus their difference (a late report still ends at the exit)
                 ended_at_unix=rec.finished_at_s,
                 sent_at_unix=time.time(),
+                resources=_resources(rec.resources),
             ),
             timeout=CALL_TIMEOUT_S,
         )
@@ -301,3 +303,19 @@ def _phases(p: dict[str, object]) -> pb.StartPhases | None:
         create_s=float(p.get("create_s", 0.0)),  # type: ignore[arg-type]
         start_s=float(p.get("start_s", 0.0)),  # type: ignore[arg-type]
     )
+
+
+def _resources(figures: dict[str, Any]) -> pb.AttemptResources | None:
+    """The report's ``resources`` of an attempt's measured figures (None: none measured)."""
+    known = {k: v for k, v in figures.items() if k in _RESOURCE_FIELDS and v is not None}
+    if not known:
+        return None
+    out = pb.AttemptResources()
+    for k, v in known.items():
+        setattr(out, k, int(v) if k.endswith("_bytes") else float(v))
+    return out
+
+
+_RESOURCE_FIELDS = frozenset(
+    {"peak_rss_bytes", "cpu_seconds", "gpu_util_pct", "gpu_mem_peak_bytes"}
+)

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import Response
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from gpufleet.api.app import SUBMIT_SECONDS, SUBMITS, AppState, Lister, Submitter, Who, errors
 from gpufleet.api.schemas import (
@@ -24,8 +25,9 @@ from gpufleet.api.schemas import (
 from gpufleet.domain.errors import ValidationFailed
 from gpufleet.services import jobctl, jobs, limits
 from gpufleet.services import nodes as node_service
+from gpufleet.store.accounting import RESOURCE_COLUMNS
 from gpufleet.store.dialect import db_now
-from gpufleet.store.tables import JobRow, JobRunRow
+from gpufleet.store.tables import JobRow, JobRunRow, UsageRecordRow
 
 MAX_PAGE_SIZE = 500
 """The most jobs ``GET /v1/jobs`` answers in one page (``limit``)."""
@@ -104,6 +106,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
         with state.db.read() as s:
             job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
             out = job_out(job, runs, jobs.unverified_processes(s, runs))
+            attempt_resources(s, job, out)
             out.node_problems = node_service.node_problems(s, job)
             if out.pending_reason is not None:
                 out.pending_reason.position = jobs.queue_position(s, job)
@@ -225,6 +228,24 @@ def _drop_past_estimate(reason: PendingReasonOut, now: datetime) -> None:
     at = reason.estimated_start_at
     if at and datetime.fromisoformat(at.replace("Z", "+00:00")) < now:
         reason.estimated_start_at = None
+
+
+def attempt_resources(s: Session, job: JobRow, out: JobOut) -> None:
+    """Each ended attempt's measured figures (its usage record) on ``out.attempts``: one
+    read, for a job that has ended attempts."""
+    if not any(a.finished_at for a in out.attempts):
+        return
+    rows = s.execute(
+        select(
+            UsageRecordRow.run_id, *(getattr(UsageRecordRow, c) for c in RESOURCE_COLUMNS)
+        ).where(UsageRecordRow.job_id == job.id)
+    ).all()
+    figures = {
+        r[0]: {c: v for c, v in zip(RESOURCE_COLUMNS, r[1:], strict=True) if v is not None}
+        for r in rows
+    }
+    for a in out.attempts:
+        a.resources = figures.get(a.run_id) or None
 
 
 def job_out(

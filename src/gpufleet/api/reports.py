@@ -36,6 +36,14 @@ class UsageLineOut(BaseModel):
     gpu_hours: float
     attempts: int
     jobs: int
+    peak_rss_bytes: int | None = None
+    """The highest peak memory (cgroup) of the group's attempts, bytes; None: not measured."""
+    cpu_seconds: float | None = None
+    """CPU time of the group's attempts, seconds; None: not measured."""
+    gpu_util_pct: float | None = None
+    """Mean GPU utilization (NVML samples), weighted by GPU-seconds; None: not measured."""
+    gpu_mem_peak_bytes: int | None = None
+    """The highest GPU memory used, bytes; None: not measured."""
 
 
 class UsageOut(BaseModel):
@@ -185,6 +193,10 @@ def add_report_routes(
                         gpu_hours=round(ln.gpu_hours, 6),
                         attempts=ln.attempts,
                         jobs=ln.jobs,
+                        peak_rss_bytes=ln.peak_rss_bytes,
+                        cpu_seconds=ln.cpu_seconds,
+                        gpu_util_pct=ln.gpu_util_pct,
+                        gpu_mem_peak_bytes=ln.gpu_mem_peak_bytes,
                     )
                     for ln in lines
                 ],

@@ -433,6 +433,10 @@ class AttemptOut(BaseModel):
     last_checkpoint_at: str | None = None
     """The newest file time in the attempt's ``$GPUFLEET_CHECKPOINT_DIR`` its agent reported
     (ISO 8601, UTC; None: none reported). A preemption costs the work done since then."""
+    resources: dict[str, int | float] | None = None
+    """What the attempt used, as its agent measured it (from its usage record, once it
+    ended): ``peak_rss_bytes``, ``cpu_seconds``, ``gpu_util_pct``, ``gpu_mem_peak_bytes``,
+    each present only when measured; None: not ended or nothing measured."""
     processes_unverified: str | None = None
     """Set while this attempt's processes may still run: it was FENCED (its node went
     silent) and its agent has not yet reported them gone, e.g. ``"processes not verified

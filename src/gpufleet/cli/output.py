@@ -579,6 +579,30 @@ def gang_shape(job: dict[str, Any]) -> str:
     return f"{fmt(nodes)} x {fmt(per)} GPUs"
 
 
+def fmt_bytes(value: int | None) -> str:
+    """Bytes as MiB/GiB with one decimal (``-``: not measured)."""
+    if value is None:
+        return "-"
+    mib = value / (1024 * 1024)
+    return f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.1f} MiB"
+
+
+def resources_text(figures: dict[str, Any] | None) -> str:
+    """``peak RSS 210.3 MiB, CPU 1.52 s, GPU util 87%, GPU memory 30.1 GiB`` of what an
+    attempt used (the parts measured; "" when none is)."""
+    f = figures or {}
+    parts = []
+    if f.get("peak_rss_bytes") is not None:
+        parts.append(f"peak RSS {fmt_bytes(f['peak_rss_bytes'])}")
+    if f.get("cpu_seconds") is not None:
+        parts.append(f"CPU {f['cpu_seconds']:.2f} s")
+    if f.get("gpu_util_pct") is not None:
+        parts.append(f"GPU util {f['gpu_util_pct']:.0f}%")
+    if f.get("gpu_mem_peak_bytes") is not None:
+        parts.append(f"GPU memory {fmt_bytes(f['gpu_mem_peak_bytes'])}")
+    return ", ".join(parts)
+
+
 def print_job(job: dict[str, Any], wide: bool = False) -> None:
     """The ``status`` view: fields, attempts, and why the job is pending (if it is)."""
     from rich.table import Table
@@ -609,6 +633,7 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
         ("working_dir", "workdir"),
         ("cpu", "cpu"),
         ("memory_mb", "memory MiB"),
+        ("shm_size_mb", "shm MiB"),
         ("gpu_memory_mb", "GPU memory MiB"),
         ("expected_duration_s", "expected s"),
         ("max_runtime_s", "max runtime s"),
@@ -616,6 +641,11 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
     ):
         if job.get(key) not in (None, "", 0, 0.0):
             rows.append((label, fmt(job.get(key))))
+    for m in job.get("mounts") or []:
+        ro = ":ro" if m.get("read_only") else ""
+        rows.append(("mount", fmt(f"{m.get('source')}:{m.get('target')}{ro}")))
+    if job.get("notify"):
+        rows.append(("notify", fmt(", ".join(job["notify"]))))
     if job.get("env_keys"):
         rows.append(("env", fmt(sorted(job["env_keys"]))))
     if job.get("node_selector"):
@@ -641,6 +671,11 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
     out.print(grid)
     if job.get("attempts"):
         out.print(attempts_table(job["attempts"], wide=wide))
+        for run in job["attempts"]:
+            used = resources_text(run.get("resources"))
+            if used:
+                rank = f" r{run.get('rank')}" if (run.get("gang_size") or 1) > 1 else ""
+                out.print(f"attempt {run.get('attempt')}{rank} used: {used}", markup=False)
     if job.get("pending_reason"):
         out.print(Text("Pending: ", style="bold yellow"), end="")
         out.print("\n".join(pending_lines(job["pending_reason"])), markup=False)

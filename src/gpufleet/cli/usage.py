@@ -133,12 +133,14 @@ def usage(
         span = f"{output.fmt_time(data.get('since')) if data.get('since') else 'start'}"
         span += f" .. {output.fmt_time(data.get('until'))}"
         by_team = by is UsageBy.team
+        by_job = by is UsageBy.job  # one job's attempts: what they used is shown too
         table = output._table(
             by.value,
             *([] if by_team else ["team"]),
             "GPU-hours",
             "attempts",
             "jobs",
+            *(["peak RSS", "CPU-s", "GPU util", "GPU mem"] if by_job else []),
             title=f"usage {span}",
         )
         for ln in data.get("items") or []:
@@ -148,6 +150,7 @@ def usage(
                 output.cell(gpu_hours(ln["gpu_hours"])),
                 output.cell(ln["attempts"]),
                 output.cell(ln["jobs"]),
+                *(resource_cells(ln) if by_job else []),
             )
         table.add_row(
             output.cell("total"),
@@ -155,6 +158,18 @@ def usage(
             output.cell(gpu_hours(data["total_gpu_hours"])),
         )
         output.console().print(table)
+
+
+def resource_cells(figures: dict[str, Any]) -> list[Any]:
+    """Peak RSS, CPU seconds, GPU utilization and GPU memory of a usage line or attempt
+    (``-`` for each not measured)."""
+    cpu, util = figures.get("cpu_seconds"), figures.get("gpu_util_pct")
+    return [
+        output.cell(output.fmt_bytes(figures.get("peak_rss_bytes"))),
+        output.cell("-" if cpu is None else f"{cpu:.2f}"),
+        output.cell("-" if util is None else f"{util:.0f}%"),
+        output.cell(output.fmt_bytes(figures.get("gpu_mem_peak_bytes"))),
+    ]
 
 
 SHA_CHARS = 12  # a sha256 prefix in the narrow artifacts table (like git's short hashes)

@@ -279,6 +279,11 @@ class UsageLine:
     gpu_hours: float
     attempts: int
     jobs: int
+    peak_rss_bytes: int | None = None
+    """Highest peak memory of the group's attempts, bytes (None: not measured)."""
+    cpu_seconds: float | None = None
+    gpu_util_pct: float | None = None
+    gpu_mem_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +320,10 @@ class UsageReport:
                     gpu_hours=float(ln["gpu_hours"]),
                     attempts=int(ln["attempts"]),
                     jobs=int(ln["jobs"]),
+                    peak_rss_bytes=ln.get("peak_rss_bytes"),
+                    cpu_seconds=ln.get("cpu_seconds"),
+                    gpu_util_pct=ln.get("gpu_util_pct"),
+                    gpu_mem_peak_bytes=ln.get("gpu_mem_peak_bytes"),
                 )
                 for ln in d.get("items") or ()
             ),

@@ -274,6 +274,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             ended_ago_s=request.sent_at_unix - request.ended_at_unix
             if request.ended_at_unix > 0 and request.sent_at_unix > 0
             else None,
+            resources=_resources(request),
         )
         result, message = _guard(
             context,
@@ -305,3 +306,20 @@ def _phases(p: pb.StartPhases) -> dict[str, object]:
     for k in ("pull_s", "create_s", "start_s"):
         out[k] = round(getattr(p, k), 4)
     return out
+
+
+def _resources(request: pb.ReportCompletionRequest) -> dict[str, int | float] | None:
+    """The report's measured figures (only those set; None when none is)."""
+    if not request.HasField("resources"):
+        return None
+    r = request.resources
+    out: dict[str, int | float] = {}
+    if r.HasField("peak_rss_bytes") and r.peak_rss_bytes >= 0:
+        out["peak_rss_bytes"] = r.peak_rss_bytes
+    if r.HasField("gpu_mem_peak_bytes") and r.gpu_mem_peak_bytes >= 0:
+        out["gpu_mem_peak_bytes"] = r.gpu_mem_peak_bytes
+    if r.HasField("cpu_seconds") and 0 <= r.cpu_seconds < float("inf"):
+        out["cpu_seconds"] = r.cpu_seconds
+    if r.HasField("gpu_util_pct") and 0 <= r.gpu_util_pct <= 100:
+        out["gpu_util_pct"] = r.gpu_util_pct
+    return out or None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
@@ -83,6 +84,10 @@ class Report:
     ended_ago_s: float | None = None
     """Seconds from the attempt's end to the report's send, on the agent's clock (None:
     unknown): the end is dated that long before the report's receipt (:func:`ended_at`)."""
+    resources: Mapping[str, int | float] | None = None
+    """What the attempt used as its agent measured it (``peak_rss_bytes``, ``cpu_seconds``,
+    ``gpu_util_pct``, ``gpu_mem_peak_bytes``; each absent when not measured): written on
+    its usage record."""
 
 
 def ended_at(
@@ -328,6 +333,7 @@ def complete_run(
             message=f"rank {run.rank}: {why}" if gang else why,
             usage=usage,
             ended_at=ended,
+            resources=report.resources,
         )
         # the agent's word that this attempt's (this member's) processes are gone: its GPUs
         # come back now, a gang member's too (the invariant is per GPU: a member's GPUs are

@@ -17,7 +17,7 @@ end. GPU-seconds are never decayed here; the decayed fair-share figure is ``team
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -53,6 +53,7 @@ def record_attempt_end(
     outcome: str,
     end_at: datetime,
     facts: AttemptFacts | None = None,
+    resources: Mapping[str, int | float] | None = None,
 ) -> None:
     """Insert the usage record of ``run_id``, which has just reached terminal ``outcome`` at
     ``end_at`` (same transaction). GPU-seconds = ``(end_at - reservation time) * GPUs``.
@@ -61,9 +62,12 @@ def record_attempt_end(
     and moved to terminal by the caller's guarded UPDATE (so this is its first and only
     record): one INSERT, no read. Without: the attempt is read here, and a second call for
     the same run (cannot happen through the transition table, whose terminal states have no
-    way out) changes nothing."""
+    way out) changes nothing.
+
+    ``resources``: what the attempt's agent measured (``peak_rss_bytes``, ``cpu_seconds``,
+    ``gpu_util_pct``, ``gpu_mem_peak_bytes``; absent keys are NULL)."""
     if facts is not None:
-        _add_record(session, run_id, facts, outcome, end_at)
+        _add_record(session, run_id, facts, outcome, end_at, resources)
         return
     if session.get(UsageRecordRow, run_id) is not None:
         return
@@ -86,11 +90,20 @@ def record_attempt_end(
     ).one_or_none()
     if row is None:
         return
-    _add_record(session, run_id, row, outcome, end_at)
+    _add_record(session, run_id, row, outcome, end_at, resources)
+
+
+RESOURCE_COLUMNS = ("peak_rss_bytes", "cpu_seconds", "gpu_util_pct", "gpu_mem_peak_bytes")
+"""The usage record's measured figures (NULL: not measured)."""
 
 
 def _add_record(
-    session: Session, run_id: str, row: AttemptFacts | Any, outcome: str, end_at: datetime
+    session: Session,
+    run_id: str,
+    row: AttemptFacts | Any,
+    outcome: str,
+    end_at: datetime,
+    resources: Mapping[str, int | float] | None = None,
 ) -> None:
     gpus = len(row.gpu_ids or [])
     seconds = max(0.0, (end_at - row.created_at).total_seconds())
@@ -111,6 +124,8 @@ def _add_record(
             "end_at": max(end_at, row.created_at),
             "gpu_seconds": seconds * gpus,
             "outcome": outcome,
+            # every row names them (one multi-row INSERT needs one set of columns)
+            **{c: (resources or {}).get(c) for c in RESOURCE_COLUMNS},
         },
     )
 
@@ -134,6 +149,12 @@ class UsageLine:
         gpu_seconds: GPU-seconds inside the window (records clipped to it).
         attempts: records that overlap the window.
         jobs: distinct jobs among them.
+        peak_rss_bytes: the highest peak memory of the records that measured it (None:
+            none did).
+        cpu_seconds: CPU time summed over the records that measured it (None: none did).
+        gpu_util_pct: mean GPU utilization over the records that measured it, weighted by
+            their GPU-seconds (None: none did).
+        gpu_mem_peak_bytes: the highest GPU memory peak (None: none measured).
     """
 
     key: str
@@ -141,6 +162,10 @@ class UsageLine:
     gpu_seconds: float
     attempts: int
     jobs: int
+    peak_rss_bytes: int | None = None
+    cpu_seconds: float | None = None
+    gpu_util_pct: float | None = None
+    gpu_mem_peak_bytes: int | None = None
 
     @property
     def gpu_hours(self) -> float:
@@ -185,6 +210,7 @@ def summarize(
     owner within a team (two teams' tokens of the same name are two lines)."""
     sums: dict[tuple[str, str | None], list[float]] = {}
     job_sets: dict[tuple[str, str | None], set[str]] = {}
+    figures: dict[tuple[str, str | None], _Figures] = {}
     for rec in records:
         secs = clipped_gpu_seconds(rec, since, until)
         if by is GroupBy.TEAM:
@@ -199,8 +225,46 @@ def summarize(
         acc[0] += secs
         acc[1] += 1
         job_sets.setdefault(k, set()).add(rec.job_id)
+        figures.setdefault(k, _Figures()).add(rec)
     lines = [
-        UsageLine(key, team, round(v[0], 3), int(v[1]), len(job_sets[(key, team)]))
+        UsageLine(
+            key,
+            team,
+            round(v[0], 3),
+            int(v[1]),
+            len(job_sets[(key, team)]),
+            *figures[(key, team)].values(),
+        )
         for (key, team), v in sums.items()
     ]
     return sorted(lines, key=lambda ln: (-ln.gpu_seconds, ln.key, ln.team or ""))
+
+
+@dataclass(slots=True)
+class _Figures:
+    """The measured figures of one group of records (see :class:`UsageLine`)."""
+
+    rss: int | None = None
+    cpu: float | None = None
+    util_weighted: float = 0.0
+    util_weight: float = 0.0
+    util_any: bool = False
+    gpu_mem: int | None = None
+
+    def add(self, rec: UsageRecordRow) -> None:
+        if rec.peak_rss_bytes is not None:
+            self.rss = max(self.rss or 0, rec.peak_rss_bytes)
+        if rec.cpu_seconds is not None:
+            self.cpu = (self.cpu or 0.0) + rec.cpu_seconds
+        if rec.gpu_util_pct is not None:
+            weight = max(rec.gpu_seconds, 1e-9)
+            self.util_weighted += rec.gpu_util_pct * weight
+            self.util_weight += weight
+            self.util_any = True
+        if rec.gpu_mem_peak_bytes is not None:
+            self.gpu_mem = max(self.gpu_mem or 0, rec.gpu_mem_peak_bytes)
+
+    def values(self) -> tuple[int | None, float | None, float | None, int | None]:
+        util = round(self.util_weighted / self.util_weight, 2) if self.util_any else None
+        cpu = round(self.cpu, 3) if self.cpu is not None else None
+        return self.rss, cpu, util, self.gpu_mem

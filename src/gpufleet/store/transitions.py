@@ -62,6 +62,7 @@ def transition(
     node_id: str | None = None,
     usage: accounting.AttemptFacts | None = None,
     ended_at: datetime | None = None,
+    resources: Mapping[str, int | float] | None = None,
 ) -> str:
     """Move ``entity_id`` of ``machine`` to ``to`` from one of ``frm``; returns the old status.
 
@@ -75,6 +76,8 @@ def transition(
         ended_at: a run reaching a terminal status: when its processes really ended (UTC,
             on the database's clock, at most ``now``), the end of its usage record; None =
             ``now`` (the attempt ends as the transition is made).
+        resources: a run reaching a terminal status: what its agent measured of it, for its
+            usage record (``accounting.record_attempt_end``); None = not measured.
 
     Raises:
         IllegalTransition: an edge ``frm -> to`` is not in the table.
@@ -118,6 +121,7 @@ def transition(
             outcome=str(to),
             end_at=now if ended_at is None else min(ended_at, now),
             facts=usage,
+            resources=resources,
         )
     record_transition(
         session,

@@ -34,7 +34,8 @@ fails image jobs at start with :data:`NO_CONTAINER_RUNTIME`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -135,6 +136,8 @@ class ExitInfo:
         message: a note for the report (e.g. SIGKILL after grace, memory limit).
         reason: a machine-readable cause, "" or :data:`OOM_KILLED`; it is carried in the
             completion report and becomes the job's failure reason.
+        resources: what the attempt used, from its cgroup (``JobCgroup.usage``:
+            ``peak_rss_bytes``, ``cpu_seconds``); empty when not measured.
     """
 
     exit_code: int
@@ -142,6 +145,7 @@ class ExitInfo:
     never_started: bool = False
     message: str = ""
     reason: str = ""
+    resources: Mapping[str, int | float] = field(default_factory=dict)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -73,6 +73,7 @@ them, and re-exports the others' public names):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
@@ -544,6 +545,11 @@ class ContainerRuntime:
         info = poll_container(self.engine, rec, h, now, paths)
         if info is not None:  # the container is gone: so is the use of its namespace
             drop_netns(self.jobnet, rec.run_id)
+            group = self.group_of(rec.run_id)
+            if group is not None and not info.resources:
+                # the --cgroup-parent group outlives the container's own: hierarchical
+                # counters (v1 with use_hierarchy, v2 always) hold its processes' use
+                info = dataclasses.replace(info, resources=group[1].usage())
         return info
 
     def release(self, rec: Any) -> None:

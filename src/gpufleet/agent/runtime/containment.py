@@ -58,7 +58,7 @@ logger = logging.getLogger("gpufleet.agent")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_REQUIRED = ("memory", "freezer")
-V1_OPTIONAL = ("pids", "cpu")
+V1_OPTIONAL = ("pids", "cpu", "cpuacct")
 CPU_PERIOD_US = 100_000
 FREEZE_WAIT_S = 2.0
 UNSHARE_PREFIX = (
@@ -502,6 +502,29 @@ class JobCgroup:
         except (OSError, ValueError):
             return 0
 
+    def usage(self) -> dict[str, int | float]:
+        """What the group's processes used, read before it is removed: ``peak_rss_bytes``
+        (v2 ``memory.peak``, Linux >= 5.19; v1 ``memory.max_usage_in_bytes``: page cache
+        included, as the limit counts it) and ``cpu_seconds`` (v2 ``cpu.stat``
+        ``usage_usec``; v1 ``cpuacct.usage``, ns), user + system. Each is left out when the
+        kernel does not give it; never raises."""
+        out: dict[str, int | float] = {}
+        if self.kind == "cgroup-v2":
+            d = self.dirs["unified"]
+            peak = _read_int(d / "memory.peak")
+            usec = _counter(d / "cpu.stat", "usage_usec")
+            if usec >= 0:
+                out["cpu_seconds"] = usec / 1e6
+        else:
+            peak = _read_int(self.dirs["memory"] / "memory.max_usage_in_bytes")
+            acct = self.dirs.get("cpuacct") or self.dirs.get("cpu")
+            ns = _read_int(acct / "cpuacct.usage") if acct is not None else -1
+            if ns >= 0:
+                out["cpu_seconds"] = ns / 1e9
+        if peak >= 0:
+            out["peak_rss_bytes"] = peak
+        return out
+
     def remove(self) -> bool:
         """Remove the group(s) and the empty groups below them (bottom-up); False while a
         process is left (EBUSY) — retried later."""
@@ -509,6 +532,14 @@ class JobCgroup:
         for d in self.dirs.values():
             ok = _rmtree(d) and ok
         return ok
+
+
+def _read_int(path: Path) -> int:
+    """The integer a cgroup file holds, or -1 (missing, unreadable, not a number)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def _rmtree(d: Path) -> bool:

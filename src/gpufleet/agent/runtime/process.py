@@ -16,6 +16,7 @@ node's containment:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -364,6 +365,14 @@ class ProcessRuntime:
         return not procfs.is_same_process_alive(h.shim_pid, h.shim_start_ticks)
 
     def _exit_info(self, rec: RunRecord, h: ProcessHandle, *, rebooted: bool = False) -> ExitInfo:
+        info = self._exit_status(rec, h, rebooted=rebooted)
+        if h.cgroup is None or rebooted or info.never_started:
+            return info
+        return dataclasses.replace(info, resources=h.cgroup.usage())  # before its removal
+
+    def _exit_status(
+        self, rec: RunRecord, h: ProcessHandle, *, rebooted: bool = False
+    ) -> ExitInfo:
         data = _read_json(h.exit_file)
         reason, note = "", ""
         # the OOM rule shared with the container runtime (containment.oom_verdict): the
