@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gpufleet.domain.mounts import Mount
 from gpufleet.domain.types import JobSpec, PriorityClass, Resources
 from gpufleet.services.jobs import payload_sha256, spec_to_dict
 
@@ -45,8 +46,10 @@ def reference(spec: JobSpec) -> dict[str, Any]:
     data["env"] = dict(spec.env)
     data["node_selector"] = dict(spec.node_selector)
     data["priority"] = spec.priority.value
-    for key in ("pids_limit", "disk_mb"):  # added later: stored only when set
-        if data.get(key) is None:
+    data["mounts"] = [dict(m) for m in data["mounts"]]
+    data["notify"] = list(spec.notify)
+    for key in ("pids_limit", "disk_mb", "shm_size_mb", "mounts", "notify"):  # added later:
+        if data.get(key) in (None, []):  # stored only when set
             data.pop(key, None)
     r = data["resources"]
     for key, unset in (("nodes", None), ("gpus_per_node", None), ("allow_partial_nodes", False)):
@@ -56,9 +59,16 @@ def reference(spec: JobSpec) -> dict[str, Any]:
 
 
 BOUNDED = replace(MINIMAL, pids_limit=256, disk_mb=2048)
+DATA = replace(
+    MINIMAL,
+    image="registry.local/x:1",
+    mounts=(Mount("/data/a", "/a", True),),
+    shm_size_mb=4096,
+    notify=("https://hooks.example/x",),
+)
 
 
-@pytest.mark.parametrize("spec", [MINIMAL, FULL, BOUNDED])
+@pytest.mark.parametrize("spec", [MINIMAL, FULL, BOUNDED, DATA])
 def test_spec_dict_is_what_asdict_gave(spec: JobSpec) -> None:
     assert spec_to_dict(spec) == reference(spec)
 
