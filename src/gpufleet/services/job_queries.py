@@ -73,10 +73,12 @@ def list_jobs(
     cursor: str | None = None,
     array_id: str | None = None,
     name: str | None = None,
+    owner: str | None = None,
 ) -> tuple[list[JobRow], str | None]:
     """Newest first; ``cursor`` is the last job id of the previous page (ids sort by time).
     ``status``: one status or a comma list (``PENDING,RUNNING``: any of them);
-    ``array_id``/``name``: only that array's tasks / jobs of that name.
+    ``array_id``/``name``/``owner``: only that array's tasks / jobs of that name / jobs
+    that user submitted.
 
     Raises:
         ValidationFailed: an unknown status (field ``status``) or a bad cursor.
@@ -88,6 +90,8 @@ def list_jobs(
         q = q.where(JobRow.array_id == array_id)
     if name is not None:
         q = q.where(JobRow.name == name)
+    if owner is not None:
+        q = q.where(JobRow.owner == owner)
     if status is not None:
         wanted = [part.strip() for part in status.split(",")]
         for one in wanted:
