@@ -358,8 +358,9 @@ def _fit(natural: dict[str, int], budget: int, floor: dict[str, int]) -> dict[st
 
 
 def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
-    """JOB NAME OWNER STATUS GPUS AGE TIME LEFT (narrow, within 80 columns), with a TEAM
-    column after NAME when the jobs belong to more than one team (an admin's listing). JOB is
+    """JOB NAME STATUS GPUS AGE TIME LEFT (narrow, within 80 columns), with a TEAM column
+    after NAME when the jobs belong to more than one team (an admin's listing) and an OWNER
+    column when they were submitted by more than one user (``list --mine`` needs none). JOB is
     a reference ``status``/``cancel``/``logs`` take: an array task as ``ARRAY_INDEX``, other
     jobs by an id prefix unique in the table (:func:`job_refs`). TIME is how long the latest
     attempt has run, LEFT what is left of its ``max_runtime_s`` while it runs. Free-text
@@ -396,6 +397,7 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
             )
         return table
     teams = len({job.get("team") for job in jobs}) > 1
+    owners = len({job.get("owner") for job in jobs}) > 1
     rows = []
     for job in jobs:
         job_id = str(job.get("job_id") or "")
@@ -412,19 +414,21 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
                 "LEFT": span(job.get("time_left_s")),
             }
         )
-    flexible = ["NAME", *(["TEAM"] if teams else []), "OWNER", "GPUS"]
+    who = [*(["TEAM"] if teams else []), *(["OWNER"] if owners else [])]
+    flexible = ["NAME", *who, "GPUS"]
     fixed = ["JOB", "STATUS", "AGE", "TIME", "LEFT"]
-    columns = ["JOB", "NAME", *(["TEAM"] if teams else []), "OWNER", "STATUS", "GPUS"]
+    columns = ["JOB", "NAME", *who, "STATUS", "GPUS"]
     columns += ["AGE", "TIME", "LEFT"]
 
     def widest(name: str) -> int:
         return max([len(name), *(len(r[name]) for r in rows)])
 
-    budget = NARROW_WIDTH - (len(columns) - 1) - sum(widest(c) for c in fixed)
+    # (cells are padded by one character on each side but the outer edges: 2 per gap)
+    budget = NARROW_WIDTH - 2 * (len(columns) - 1) - sum(widest(c) for c in fixed)
     caps = _fit(
         {c: min(widest(c), _NARROW_CAPS.get(c, 20)) for c in flexible},
         budget,
-        {c: min(widest(c), len(c) + 1) for c in flexible},
+        {c: min(widest(c), len(c)) for c in flexible},
     )
     table = _table(
         *columns,
