@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query
@@ -254,34 +254,6 @@ def _drop_past_estimate(reason: PendingReasonOut, now: datetime) -> None:
         reason.estimated_start_at = None
 
 
-def run_times(
-    job: JobRow, runs: list[JobRunRow], now: datetime | None
-) -> tuple[float | None, float | None]:
-    """(elapsed, left) in seconds: how long the job's latest attempt has run (to its end, or
-    to ``now``, the database's clock, while it runs; None if it never started), and, while
-    the job is RUNNING with a ``max_runtime_s``, how much of that limit is left (>= 0; the
-    limit applies per attempt, as ``controller.stops`` enforces it). Both None without
-    ``now``."""
-    if now is None:
-        return None, None
-    started = [(r.attempt, r.started_at, r) for r in runs if r.started_at is not None]
-    if not started:
-        return None, None
-    _, start, last = max(started, key=lambda t: (t[0], t[1]))
-    # a finished attempt's end; while the job runs, now; else (a member still marked
-    # running of a finished job) the job's end
-    end = last.finished_at or (now if job.status == "RUNNING" else job.finished_at) or now
-    elapsed = max(0.0, (_utc(end) - _utc(start)).total_seconds())
-    limit = job.max_runtime_s if job.max_runtime_s is not None else job.spec.get("max_runtime_s")
-    left = max(0.0, float(limit) - elapsed) if limit and job.status == "RUNNING" else None
-    return round(elapsed, 3), None if left is None else round(left, 3)
-
-
-def _utc(at: datetime) -> datetime:
-    """SQLite hands back naive datetimes (UTC): make every one aware for arithmetic."""
-    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
-
-
 def job_out(
     job: JobRow,
     runs: list[JobRunRow],
@@ -294,7 +266,7 @@ def job_out(
     ``processes_unverified``; ``now`` (the database's clock): for ``elapsed_s`` and
     ``time_left_s`` (None without it)."""
     spec = job.spec
-    elapsed_s, time_left_s = run_times(job, runs, now)
+    elapsed_s, time_left_s = jobs.run_times(job, runs, now)
     reason = job.pending_reason if job.status == "PENDING" else None
     unverified = unverified or {}
     first_unverified = next((r.id for r in runs if r.id in unverified), None)
