@@ -121,3 +121,41 @@ def test_the_readme_sdk_example_runs(fleet: Fleet) -> None:
     assert "SUCCEEDED 0 a1" in done.stdout
     assert "final test_acc=" in done.stdout
     assert "404 not_found" in done.stdout
+
+
+@pytest.mark.parametrize("fleet", ["sqlite"], indirect=True)
+def test_a_running_job_shows_its_owner_run_time_and_time_left(fleet: Fleet) -> None:
+    """Issue 26: list/status/the dashboard show how long a job has run and how much of its
+    max runtime is left (the server's clock), and who submitted it."""
+    import json
+    import time
+
+    import httpx
+
+    fleet.start_agent("a1")
+    job_id = _cli(
+        fleet, "submit", "-q", "--max-runtime-s", "600", "--", "sleep", "60"
+    ).stdout.strip()
+    deadline = time.monotonic() + 90
+    got: dict[str, object] = {}
+    while time.monotonic() < deadline:
+        got = json.loads(_cli(fleet, "status", job_id, "-o", "json").stdout)
+        if got["status"] == "RUNNING" and (got.get("elapsed_s") or 0) >= 2:
+            break
+        time.sleep(0.5)
+    assert got["status"] == "RUNNING", got
+    elapsed, left = float(got["elapsed_s"]), float(got["time_left_s"])  # type: ignore[arg-type]
+    assert 2 <= elapsed < 90 and abs(elapsed + left - 600) < 1, got
+    assert got["owner"]  # the harness's token: no name, so its id is its user
+    shown = _cli(fleet, "status", job_id).stdout
+    assert "elapsed" in shown and "time left" in shown and "of 10m" in shown, shown
+    row = next(line for line in _cli(fleet, "list").stdout.splitlines() if "RUNNING" in line)
+    assert row.split()[-1].endswith("m") and row.split()[-2].endswith("s"), row
+    page = httpx.get(
+        f"{fleet.api.url}/ui/jobs/{job_id}", cookies={"gpufleet_token": fleet.tokens["vision"]}
+    )
+    assert page.status_code == 200
+    assert 'id="job-time-left"' in page.text and 'id="job-owner"' in page.text, page.text[:2000]
+    assert _cli(fleet, "cancel", job_id).returncode == 0
+    done = json.loads(_cli(fleet, "status", job_id, "-o", "json").stdout)
+    assert done["time_left_s"] is None or done["status"] != "RUNNING"

@@ -42,7 +42,7 @@ def test_the_config_fast_path_leaves_real_yaml_to_yaml(text: str) -> None:
 
 def _job(i: int, status: str) -> dict[str, object]:
     return {
-        "job_id": f"j-01m8pp551385zg6d7ee5qva0j{i}",
+        "job_id": f"j-01m8pp55138{i}zg6d7ee5qva0j0",
         "name": "a-very-long-experiment-name-" * 3,
         "status": status,
         "gpu_count": 8,
@@ -60,8 +60,51 @@ def test_the_jobs_table_fits_80_columns_and_wide_keeps_ids_whole() -> None:
     lines = narrow.getvalue().splitlines()
     assert max(len(line) for line in lines) <= 80
     assert all(s in narrow.getvalue() for s in ("PENDING", "SUCCEEDED", "DEPENDENCY_FAILED"))
-    assert "j-01m8pp551385 " in narrow.getvalue() and jobs[0]["job_id"] not in narrow.getvalue()
+    assert "j-01m8pp551380 " in narrow.getvalue() and jobs[0]["job_id"] not in narrow.getvalue()
+    assert lines[0].split()[-3:] == ["AGE", "TIME", "LEFT"]
     assert all(str(j["job_id"]) in wide.getvalue() for j in jobs)
+
+
+class TestTableRefs:
+    """Issue 26: a 10-task array showed one short id twice (tasks made in the same
+    millisecond share their first 12 characters, and 14 by chance)."""
+
+    def test_prefixes_grow_until_unique_in_the_table(self) -> None:
+        ids = ["j-01m8pp55138zzzaa", "j-01m8pp55138zzzab", "j-01m8pp5513xyyyyy"]
+        got = output.unique_prefixes(ids)
+        assert got == {
+            "j-01m8pp55138zzzaa": "j-01m8pp55138zzzaa",
+            "j-01m8pp55138zzzab": "j-01m8pp55138zzzab",
+            "j-01m8pp5513xyyyyy": "j-01m8pp5513xy",
+        }
+
+    def test_array_tasks_are_array_index_and_others_keep_their_id(self) -> None:
+        jobs = [
+            {"job_id": "j-01m8pp55138aaaaaaa", "array_id": "a-01m8pp55137bbbbb", "array_index": 3},
+            {"job_id": "j-01m8pp55138aaaaaab", "array_id": "a-01m8pp55137bbbbb", "array_index": 4},
+            {"job_id": "j-01m8pp55139ccccccc"},
+        ]
+        assert output.job_refs(jobs) == {
+            "j-01m8pp55138aaaaaaa": "a-01m8pp55137b_3",
+            "j-01m8pp55138aaaaaab": "a-01m8pp55137b_4",
+            "j-01m8pp55139ccccccc": "j-01m8pp55139c",
+        }
+        assert output.job_refs(jobs, wide=True)["j-01m8pp55138aaaaaaa"] == ("a-01m8pp55137bbbbb_3")
+
+    def test_a_wide_status_and_long_refs_still_fit_80_columns(self) -> None:
+        jobs = [
+            {**_job(i, "DEPENDENCY_FAILED"), "owner": "someone@example.org",
+             "array_id": "a-01m8pp55137bbbbbbbbbbbbbbb", "array_index": 100 + i,
+             "team": "vision", "elapsed_s": 7200.0, "time_left_s": 1800.0}
+            for i in range(3)
+        ]  # fmt: skip
+        narrow = io.StringIO()
+        Console(file=narrow, width=80).print(output.jobs_table(jobs))
+        lines = narrow.getvalue().splitlines()
+        assert max(len(line) for line in lines) <= 80, narrow.getvalue()
+        assert lines[0].split()[-3:] == ["AGE", "TIME", "LEFT"], lines[0]
+        assert "a-01m8pp55137b_100" in narrow.getvalue()
+        assert "2.0h" in lines[1] and "30m" in lines[1]
 
 
 def test_commands_are_shell_quoted() -> None:
@@ -97,7 +140,7 @@ def test_jobs_table_names_teams_when_they_differ_and_marks_held_jobs() -> None:
     assert max(len(line) for line in text.splitlines()) <= 80
     assert "TEAM" in text.splitlines()[0] and " nlp " in text and "vision" in text
     assert "PENDING (held)" in text and "DEPENDENCY_FAILED" in text
-    assert "j-01m8pp551385 " in text
+    assert "j-01m8pp551380 " in text
     one_team = io.StringIO()
     Console(file=one_team, width=80).print(output.jobs_table(jobs[:1] + jobs[2:]))
     assert "TEAM" not in one_team.getvalue().splitlines()[0]

@@ -149,6 +149,7 @@ def router(
                 name=body.name,
                 is_admin=body.admin,
                 create_team_if_missing=body.create_team,
+                user=body.user,
             )
         )
         return {"team": body.team, "token": raw}

@@ -23,7 +23,7 @@ from gpufleet.api.schemas import (
     PendingReasonOut,
 )
 from gpufleet.domain.errors import ValidationFailed
-from gpufleet.services import jobctl, jobs, limits
+from gpufleet.services import auth, jobctl, jobs, limits
 from gpufleet.services import nodes as node_service
 from gpufleet.store.accounting import RESOURCE_COLUMNS
 from gpufleet.store.dialect import db_now
@@ -81,6 +81,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                     hold=body.hold,
                 ),
                 submitted_by=who.token_id,
+                owner=who.user or None,
             )
             if out.created:
                 state.waker.wake()
@@ -105,12 +106,12 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
         job_id = jobctl.resolve(state.db, None if who.is_admin else who.team_id, job_id)
         with state.db.read() as s:
             job, runs = jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
-            out = job_out(job, runs, jobs.unverified_processes(s, runs))
+            now = db_now(s)
+            out = job_out(job, runs, jobs.unverified_processes(s, runs), now=now)
             attempt_resources(s, job, out)
             out.node_problems = node_service.node_problems(s, job)
             if out.pending_reason is not None:
                 out.pending_reason.position = jobs.queue_position(s, job)
-                now = db_now(s)
                 _count_down_backoff(out.pending_reason, now)
                 _drop_past_estimate(out.pending_reason, now)
             return out
@@ -161,7 +162,20 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
             ),
         ] = None,
         name: Annotated[str | None, Query(max_length=256)] = None,
+        user: Annotated[
+            str | None,
+            Query(
+                max_length=64,
+                description="Only jobs this user submitted (their owner; 400 naming `user`"
+                " for a name that is not a valid user name).",
+            ),
+        ] = None,
+        mine: Annotated[
+            bool,
+            Query(description="Only jobs the caller's user submitted (with `user`: a 400)."),
+        ] = False,
     ) -> JobList:
+        owner = _owner_filter(who.user, user, mine)
         with state.db.read() as s:
             if array_id is not None:  # an unknown array is a 404, not an empty page
                 array_id = jobctl.resolve_array_ref(
@@ -175,7 +189,9 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 cursor=cursor,
                 array_id=array_id,
                 name=name,
+                owner=owner,
             )
+            now = db_now(s)
             runs: dict[str, list[JobRunRow]] = {}
             if rows:
                 for r in s.scalars(
@@ -186,7 +202,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                     runs.setdefault(r.job_id, []).append(r)
             unverified = jobs.unverified_processes(s, (r for rs in runs.values() for r in rs))
             return JobList(
-                items=[job_out(j, runs.get(j.id, []), unverified) for j in rows],
+                items=[job_out(j, runs.get(j.id, []), unverified, now=now) for j in rows],
                 next_cursor=nxt,
             )
 
@@ -208,6 +224,19 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
         }
 
     return r
+
+
+def _owner_filter(caller: str, user: str | None, mine: bool) -> str | None:
+    """The owner ``GET /v1/jobs`` filters on: ``user``, or the caller's own with ``mine``
+    (``squeue -u NAME`` / ``--me``). Raises ValidationFailed naming ``user`` (a bad name) or
+    ``mine`` (both given)."""
+    if mine and user is not None:
+        raise ValidationFailed("give either mine or user, not both", field="mine")
+    if user is not None:
+        return auth.check_user_name(user)
+    if mine:  # (a token always has a user: migration 0011a; no owner is "")
+        return caller
+    return None
 
 
 def _count_down_backoff(reason: PendingReasonOut, now: datetime) -> None:
@@ -249,12 +278,18 @@ def attempt_resources(s: Session, job: JobRow, out: JobOut) -> None:
 
 
 def job_out(
-    job: JobRow, runs: list[JobRunRow], unverified: Mapping[str, str] | None = None
+    job: JobRow,
+    runs: list[JobRunRow],
+    unverified: Mapping[str, str] | None = None,
+    *,
+    now: datetime | None = None,
 ) -> JobOut:
     """The job as the API shows it; ``unverified``: run id -> why its processes may still
     run (``jobs.unverified_processes``), for the attempts' and the job's
-    ``processes_unverified``."""
+    ``processes_unverified``; ``now`` (the database's clock): for ``elapsed_s`` and
+    ``time_left_s`` (None without it)."""
     spec = job.spec
+    elapsed_s, time_left_s = jobs.run_times(job, runs, now)
     reason = job.pending_reason if job.status == "PENDING" else None
     unverified = unverified or {}
     first_unverified = next((r.id for r in runs if r.id in unverified), None)
@@ -262,6 +297,7 @@ def job_out(
         job_id=job.id,
         name=job.name,
         team=job.team_id,
+        owner=job.owner,
         status=job.status,
         priority=job.priority,
         gpu_count=job.gpu_count,
@@ -292,6 +328,8 @@ def job_out(
         max_runtime_s=(
             job.max_runtime_s if job.max_runtime_s is not None else spec.get("max_runtime_s")
         ),
+        elapsed_s=elapsed_s,
+        time_left_s=time_left_s,
         preemptible=bool(spec.get("preemptible", True)),
         node_selector=dict(spec.get("node_selector") or {}),
         env_keys=sorted(spec.get("env") or {}),

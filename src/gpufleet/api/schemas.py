@@ -455,6 +455,10 @@ class JobOut(BaseModel):
     job_id: str
     name: str
     team: str
+    owner: str | None = Field(
+        default=None,
+        description="The user whose token submitted it (None: made outside the API).",
+    )
     status: str
     priority: str
     gpu_count: int
@@ -492,6 +496,16 @@ class JobOut(BaseModel):
     gpu_memory_mb: int = 0
     expected_duration_s: float | None = None
     max_runtime_s: float | None = None
+    elapsed_s: float | None = Field(
+        default=None,
+        description="Seconds the latest attempt has run (to its end, or to now while it"
+        " runs; the database's clock); None: never started.",
+    )
+    time_left_s: float | None = Field(
+        default=None,
+        description="While RUNNING with a max_runtime_s: seconds of it left for this"
+        " attempt (>= 0); else None.",
+    )
     preemptible: bool = True
     node_selector: dict[str, str] = {}
     env_keys: list[str] = []
@@ -587,6 +601,13 @@ class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     team: str = Field(min_length=1, max_length=64)
     name: str = Field(default="", max_length=128, pattern=r"^[^\x00]*$")
+    user: str | None = Field(
+        default=None,
+        max_length=64,
+        description="The person the token stands for: the owner of the jobs it submits"
+        " (1-64 of letters, digits and _ . @ + -). Default: the name when it is a valid user"
+        " name, else the token's id.",
+    )
     admin: bool = False
     create_team: bool = Field(default=False, description="Create the team if it is missing.")
 
@@ -615,6 +636,7 @@ class TokenOut(BaseModel):
     id: str
     team: str
     name: str
+    user: str = Field(description="The person the token stands for (its jobs' owner).")
     admin: bool
     created_at: str | None
     revoked_at: str | None

@@ -84,6 +84,16 @@ def _fmt_ts(value: datetime | None) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value else ""
 
 
+def _fmt_span(seconds: float | None) -> str | None:
+    """``1:02:03`` (h:mm:ss) or ``2d 03:04:05``; None for None."""
+    if seconds is None:
+        return None
+    days, rest = divmod(int(seconds), 86400)
+    h, rest = divmod(rest, 3600)
+    m, sec = divmod(rest, 60)
+    return (f"{days}d " if days else "") + f"{h}:{m:02d}:{sec:02d}"
+
+
 def _fmt_bytes(n: int | None) -> str:
     if n is None:
         return ""
@@ -545,8 +555,11 @@ def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) 
     position = None
     if job.status == JobStatus.PENDING:
         position = jobs.queue_position(s, job)
+    elapsed_s, left_s = jobs.run_times(job, runs, db_now(s))
     return {
         "job": job,
+        "elapsed": _fmt_span(elapsed_s),
+        "time_left": _fmt_span(left_s),
         "spec_json": json.dumps(public_spec(job.spec), indent=2, sort_keys=True),
         "attempts": attempts,
         "events": events,

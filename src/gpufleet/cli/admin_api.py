@@ -393,7 +393,16 @@ def team_list(
 @token_app.command("create")
 def token_create(
     team: Annotated[str, typer.Option(help="The token's team (it must exist).")],
-    name: Annotated[str, typer.Option(help="Owner name (accounting's 'user').")] = "",
+    name: Annotated[str, typer.Option(help="The token's name (what it is for).")] = "",
+    user: Annotated[
+        str | None,
+        typer.Option(
+            "--user",
+            help="The person the token stands for: the owner of the jobs it submits"
+            " (`gpufleet list --mine`, accounting's user). Default: --name when it is a"
+            " valid user name, else the token's id.",
+        ),
+    ] = None,
     admin: bool = False,
     create_team: Annotated[
         bool,
@@ -425,7 +434,12 @@ def token_create(
 
         def make(s: Any) -> str:
             return auth.create_token(
-                s, team, name=name, is_admin=admin, create_team_if_missing=create_team
+                s,
+                team,
+                name=name,
+                is_admin=admin,
+                create_team_if_missing=create_team,
+                user=user,
             )
 
         print(run_admin(data_dir, make))
@@ -435,7 +449,13 @@ def token_create(
             http,
             "POST",
             "/v1/admin/tokens",
-            json={"team": team, "name": name, "admin": admin, "create_team": create_team},
+            json={
+                "team": team,
+                "name": name,
+                "admin": admin,
+                "create_team": create_team,
+                **({"user": user} if user is not None else {}),
+            },
         )
         print(data["token"])
 
@@ -449,7 +469,7 @@ def token_list(
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """List API tokens: id, team, name, admin, created, revoked (never the token itself).
+    """List API tokens: id, team, name, user, admin, created, revoked (never the token itself).
     Ids are never cut (paste one into `admin token revoke`); --wide shows times in UTC."""
     wide = wide or out == "wide"
     with _session(url, token) as http:
@@ -476,6 +496,7 @@ def token_columns(wide: bool) -> list[tuple[str, Any]]:
         ("id", lambda r: r["id"]),
         ("team", lambda r: r["team"]),
         ("name", lambda r: r["name"]),
+        ("user", lambda r: r.get("user")),
         ("admin", lambda r: "yes" if r["admin"] else "no"),
         ("created", at("created_at")),
         ("revoked", at("revoked_at")),

@@ -54,14 +54,19 @@ def fetch_jobs(
     all_pages: bool,
     array: str | None = None,
     name: str | None = None,
+    user: str | None = None,
+    mine: bool = False,
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Jobs newest first: one page of ``limit``, or every page; and the next cursor. ``array``
-    and ``name`` filter by array id and job name."""
+    """Jobs newest first: one page of ``limit``, or every page; and the next cursor. ``array``,
+    ``name`` and ``user`` filter by array id, job name and owner; ``mine``: the caller's own
+    (the server checks both: a 4xx naming ``user`` or ``mine``)."""
     params: dict[str, Any] = {
         "limit": limit,
         **({"status": status_filter.upper()} if status_filter else {}),
         **({"array_id": array} if array is not None else {}),  # "": a 404, not every job
         **({"name": name} if name else {}),
+        **({"user": user} if user is not None else {}),
+        **({"mine": "true"} if mine else {}),
     }
     items: list[dict[str, Any]] = []
     while True:
@@ -108,12 +113,29 @@ def list_jobs(
     name: Annotated[
         str | None, typer.Option("--name", help="Only jobs of this name.", callback=nonempty)
     ] = None,
+    user: Annotated[
+        str | None,
+        typer.Option(
+            "--user",
+            "-u",
+            help="Only jobs this user submitted (their OWNER; like squeue -u).",
+            callback=nonempty,
+        ),
+    ] = None,
+    mine: Annotated[
+        bool,
+        typer.Option("--mine", "--me", help="Only jobs you submitted (your token's user)."),
+    ] = False,
     out: OutputOpt = OutputFormat.table,
     wide: WideOpt = False,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """List jobs, newest first (one page unless --all; --watch to keep it refreshed)."""
+    """List jobs, newest first (one page unless --all; --watch to keep it refreshed). JOB is
+    what other commands take: an id prefix unique in the table, or ARRAY_INDEX for an array's
+    task; TIME: how long it has run, LEFT: what is left of its max runtime."""
+    if user is not None and mine:
+        raise typer.BadParameter("give --user or --mine, not both", param_hint="--mine")
     out = _fmt(out, wide)
     states = ",".join(status_filter) if status_filter else None
     with _session(url, token) as http:
@@ -121,12 +143,16 @@ def list_jobs(
             from gpufleet.cli import live
 
             def render() -> Any:
-                items, _ = fetch_jobs(http, states, limit, all_pages, array=array, name=name)
+                items, _ = fetch_jobs(
+                    http, states, limit, all_pages, array=array, name=name, user=user, mine=mine
+                )
                 return output.jobs_table(items, wide=out is OutputFormat.wide)
 
             live.watch(render, interval, count, title="gpufleet list")
             return
-        items, cursor = fetch_jobs(http, states, limit, all_pages, array=array, name=name)
+        items, cursor = fetch_jobs(
+            http, states, limit, all_pages, array=array, name=name, user=user, mine=mine
+        )
         if structured(out):
             output.print_data({"items": items, "next_cursor": cursor}, out.value)
             return

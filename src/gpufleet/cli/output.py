@@ -264,6 +264,7 @@ _NARROW_CAPS = {
     "REASON": 20,
     "NODE": 16,
     "GPU TYPE": 12,
+    "OWNER": 12,
 }
 
 
@@ -293,53 +294,150 @@ def job_status_text(job: dict[str, Any]) -> Text:
     )
 
 
+def unique_prefixes(ids: list[str], minimum: int = SHORT_ID_CHARS) -> dict[str, str]:
+    """Each id cut to the shortest prefix of at least ``minimum`` characters that no other
+    id of ``ids`` starts with (git's abbreviated hashes): ids made in the same millisecond
+    (an array's tasks) share their first 12 characters and may share 14."""
+    ordered = sorted(set(ids))
+
+    def common(a: str, b: str) -> int:
+        n = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    out: dict[str, str] = {}
+    for i, value in enumerate(ordered):
+        need = minimum
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(ordered):
+                need = max(need, common(value, ordered[j]) + 1)
+        out[value] = value[:need]
+    return out
+
+
+def job_refs(jobs: list[dict[str, Any]], wide: bool = False) -> dict[str, str]:
+    """Job id -> what a table shows for it, a reference every command takes: an array task
+    as ``ARRAY_INDEX`` (Slurm's ``JOBID_INDEX``: ``a-01hz3k5m7q8r_3``), any other job as its
+    id; narrow: ids cut to prefixes unique among ``jobs`` (:func:`unique_prefixes`)."""
+    ids = [str(j.get("job_id") or "") for j in jobs]
+    arrays = [str(j["array_id"]) for j in jobs if j.get("array_id")]
+    short = {i: i for i in ids + arrays} if wide else unique_prefixes(ids + arrays)
+    refs: dict[str, str] = {}
+    for job, job_id in zip(jobs, ids, strict=True):
+        array, index = job.get("array_id"), job.get("array_index")
+        if array and index is not None:
+            refs[job_id] = f"{short[str(array)]}_{index}"
+        else:
+            refs[job_id] = short.get(job_id, job_id)
+    return refs
+
+
+def span(seconds: Any) -> str:
+    """A duration as ``45s``, ``12m``, ``3.0h``, ``2.1d``; ``-`` for None."""
+    if not isinstance(seconds, int | float):
+        return "-"
+    return _span(max(0.0, float(seconds)))
+
+
+NARROW_WIDTH = 80
+
+
+def _fit(natural: dict[str, int], budget: int, floor: dict[str, int]) -> dict[str, int]:
+    """Widths for the flexible columns: their ``natural`` widths, the widest cut one at a
+    time (not below ``floor``) until they fit in ``budget`` characters."""
+    widths = dict(natural)
+    while sum(widths.values()) > budget:
+        name = max(widths, key=lambda k: (widths[k] - floor[k], k))
+        if widths[name] <= floor[name]:
+            break
+        widths[name] -= 1
+    return widths
+
+
 def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
-    """JOB NAME STATUS GPUS AGE (narrow, under 80 columns), with a TEAM column after NAME
-    when the jobs belong to more than one team (an admin's listing); wide adds team, priority,
-    node, exit code, created, and shows full ids. A held pending job shows ``PENDING (held)``."""
+    """JOB NAME STATUS GPUS AGE TIME LEFT (narrow, within 80 columns), with a TEAM column
+    after NAME when the jobs belong to more than one team (an admin's listing) and an OWNER
+    column when they were submitted by more than one user (``list --mine`` needs none). JOB is
+    a reference ``status``/``cancel``/``logs`` take: an array task as ``ARRAY_INDEX``, other
+    jobs by an id prefix unique in the table (:func:`job_refs`). TIME is how long the latest
+    attempt has run, LEFT what is left of its ``max_runtime_s`` while it runs. Free-text
+    columns give way (an ellipsis) so that a row fits. Wide adds priority, node, exit code,
+    created, the full job id and the task's ``ARRAY_INDEX`` (TASK). A held pending job shows
+    ``PENDING (held)``."""
     from rich.text import Text
 
+    refs = job_refs(jobs, wide=wide)
     if wide:
+        tasks = any(j.get("array_id") for j in jobs)
         table = _table(
-            "JOB", "NAME", "TEAM", "STATUS", "PRIORITY", "GPUS", "NODE", "EXIT", "CREATED",
+            "JOB", "NAME", "TEAM", "OWNER", "STATUS", "PRIORITY", "GPUS", "NODE", "EXIT",
+            "CREATED", "TIME", "LEFT", *(["TASK"] if tasks else []),
             wide=True,
         )  # fmt: skip
-    else:
-        teams = len({job.get("team") for job in jobs}) > 1
-        table = _table(
-            "JOB",
-            "NAME",
-            *(["TEAM"] if teams else []),
-            "STATUS",
-            "GPUS",
-            "AGE",
-            keep={"STATUS": max((len(job_status(j)) for j in jobs), default=0), "AGE": 6},
-            # room for TEAM within 80 columns: 14 + 14 + 10 + 17 + 10 + 6 + 5 gaps = 76
-            caps={"NAME": 14, "TEAM": 10, "GPUS": 10} if teams else None,
-        )
-    for job in jobs:
-        last = (job.get("attempts") or [{}])[-1]
-        if wide:
+        for job in jobs:
+            last = (job.get("attempts") or [{}])[-1]
+            job_id = str(job.get("job_id") or "")
             table.add_row(
-                cell(job.get("job_id")),
+                cell(job_id),
                 cell(job.get("name")),
                 cell(job.get("team")),
+                cell(job.get("owner")),
                 job_status_text(job),
                 cell(job.get("priority")),
                 Text(clean(gpus_text(job))),
                 cell(last.get("node_id")),
                 cell(last.get("exit_code")),
                 cell_time(job.get("created_at")),
+                Text(span(job.get("elapsed_s"))),
+                Text(span(job.get("time_left_s"))),
+                *([Text(clean(refs[job_id]) if job.get("array_id") else "-")] if tasks else []),
             )
-        else:
-            table.add_row(
-                Text(short_id(job.get("job_id"))),
-                cell(job.get("name")),
-                *([cell(job.get("team"))] if teams else []),
-                job_status_text(job),
-                Text(clean(gpus_text(job))),
-                Text(age(job.get("created_at"))),
-            )
+        return table
+    teams = len({job.get("team") for job in jobs}) > 1
+    owners = len({job.get("owner") for job in jobs}) > 1
+    rows = []
+    for job in jobs:
+        job_id = str(job.get("job_id") or "")
+        rows.append(
+            {
+                "JOB": clean(refs.get(job_id, job_id)),
+                "NAME": fmt(job.get("name")),
+                "TEAM": fmt(job.get("team")),
+                "OWNER": fmt(job.get("owner")),
+                "STATUS": clean(job_status(job)),
+                "GPUS": clean(gpus_text(job)),
+                "AGE": age(job.get("created_at")),
+                "TIME": span(job.get("elapsed_s")),
+                "LEFT": span(job.get("time_left_s")),
+            }
+        )
+    who = [*(["TEAM"] if teams else []), *(["OWNER"] if owners else [])]
+    flexible = ["NAME", *who, "GPUS"]
+    fixed = ["JOB", "STATUS", "AGE", "TIME", "LEFT"]
+    columns = ["JOB", "NAME", *who, "STATUS", "GPUS"]
+    columns += ["AGE", "TIME", "LEFT"]
+
+    def widest(name: str) -> int:
+        return max([len(name), *(len(r[name]) for r in rows)])
+
+    # (cells are padded by one character on each side but the outer edges: 2 per gap)
+    budget = NARROW_WIDTH - 2 * (len(columns) - 1) - sum(widest(c) for c in fixed)
+    caps = _fit(
+        {c: min(widest(c), _NARROW_CAPS.get(c, 20)) for c in flexible},
+        budget,
+        {c: min(widest(c), len(c)) for c in flexible},
+    )
+    table = _table(
+        *columns,
+        keep={c: widest(c) for c in fixed[1:]},
+        caps=caps,
+    )
+    table.columns[0].min_width = widest("JOB")
+    for r, job in zip(rows, jobs, strict=True):
+        table.add_row(*(job_status_text(job) if c == "STATUS" else Text(r[c]) for c in columns))
     return table
 
 
@@ -603,6 +701,11 @@ def resources_text(figures: dict[str, Any] | None) -> str:
     return ", ".join(parts)
 
 
+def _time_left(job: dict[str, Any]) -> str:
+    """``12m of 1.0h``: what is left of the running attempt's max runtime."""
+    return f"{span(job.get('time_left_s'))} of {span(job.get('max_runtime_s'))}"
+
+
 def print_job(job: dict[str, Any], wide: bool = False) -> None:
     """The ``status`` view: fields, attempts, and why the job is pending (if it is)."""
     from rich.table import Table
@@ -616,6 +719,7 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
         ("job", fmt(job.get("job_id"))),
         ("name", fmt(job.get("name"))),
         ("team", fmt(job.get("team"))),
+        *([("owner", fmt(job.get("owner")))] if job.get("owner") else []),
         ("status", status_text(job.get("status"))),
         ("priority", fmt(job.get("priority"))),
         ("gpus", f"{fmt(job.get('gpu_count'))} x {fmt(job.get('gpu_types') or 'any')}"),
@@ -625,6 +729,8 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
         ("scheduled", fmt_time(job.get("scheduled_at"))),
         ("started", fmt_time(job.get("started_at"))),
         ("finished", fmt_time(job.get("finished_at"))),
+        *([("elapsed", span(job["elapsed_s"]))] if job.get("elapsed_s") is not None else []),
+        *([("time left", _time_left(job))] if job.get("time_left_s") is not None else []),
         ("result", fmt(job.get("result_uri"))),
     ]
     # shown when the server sends them (newer servers do)
@@ -653,7 +759,8 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
     if job.get("preemptible") is False:
         rows.append(("preemptible", "no"))
     if job.get("array_id"):
-        rows.append(("array", f"{fmt(job.get('array_id'))} [{fmt(job.get('array_index'))}]"))
+        # ARRAY_INDEX: what `status`, `cancel`, `logs` take for this task
+        rows.append(("array", f"{fmt(job.get('array_id'))}_{fmt(job.get('array_index'))}"))
     if job.get("depends_on"):
         items = [f"{d.get('type')}:{d.get('job_id')}" for d in job["depends_on"]]
         more = f" ... ({len(items)} in all)" if len(items) > 4 else ""

@@ -220,8 +220,10 @@ class AsyncClient:
         cursor: str | None = None,
         array_id: str | None = None,
         name: str | None = None,
+        user: str | None = None,
+        mine: bool = False,
     ) -> JobPage:
-        params = _core.list_params(status, limit, cursor, array_id, name)
+        params = _core.list_params(status, limit, cursor, array_id, name, user, mine)
         return _core.page_of(await self.request("GET", "/v1/jobs", params=params))
 
     async def list(
@@ -231,11 +233,19 @@ class AsyncClient:
         page_size: int = 100,
         array_id: str | None = None,
         name: str | None = None,
+        user: str | None = None,
+        mine: bool = False,
     ) -> AsyncIterator[Job]:
         cursor = None
         while True:
             page = await self.list_page(
-                status=status, limit=page_size, cursor=cursor, array_id=array_id, name=name
+                status=status,
+                limit=page_size,
+                cursor=cursor,
+                array_id=array_id,
+                name=name,
+                user=user,
+                mine=mine,
             )
             for item in page.items:
                 yield item

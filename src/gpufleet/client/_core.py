@@ -341,8 +341,14 @@ def list_params(
     cursor: str | None,
     array_id: str | None = None,
     name: str | None = None,
+    user: str | None = None,
+    mine: bool = False,
 ) -> dict[str, Any]:
     params: dict[str, Any] = {"limit": limit}
+    if user is not None:  # the server checks it (400, field "user")
+        params["user"] = user
+    if mine:
+        params["mine"] = "true"
     if array_id is not None:  # "" too: the server answers 404, not every job
         params["array_id"] = array_id
     if name:

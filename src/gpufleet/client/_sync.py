@@ -304,10 +304,14 @@ class Client:
         cursor: str | None = None,
         array_id: str | None = None,
         name: str | None = None,
+        user: str | None = None,
+        mine: bool = False,
     ) -> JobPage:
         """One page of jobs, newest first (``limit`` 1..500), optionally only one state,
-        one array's tasks or one name."""
-        params = _core.list_params(status, limit, cursor, array_id, name)
+        one array's tasks, one name, one owner (``user``) or the caller's own (``mine``,
+        like ``squeue --me``). Raises ValidationFailed (field ``user``/``mine``) for a bad
+        user name or both given."""
+        params = _core.list_params(status, limit, cursor, array_id, name, user, mine)
         return _core.page_of(self.request("GET", "/v1/jobs", params=params))
 
     def list(
@@ -317,13 +321,21 @@ class Client:
         page_size: int = 100,
         array_id: str | None = None,
         name: str | None = None,
+        user: str | None = None,
+        mine: bool = False,
     ) -> Iterator[Job]:
         """Every job (of the token's team; all teams for an admin token), newest first,
         fetched a page at a time as the iterator advances; filters as :meth:`list_page`."""
         cursor = None
         while True:
             page = self.list_page(
-                status=status, limit=page_size, cursor=cursor, array_id=array_id, name=name
+                status=status,
+                limit=page_size,
+                cursor=cursor,
+                array_id=array_id,
+                name=name,
+                user=user,
+                mine=mine,
             )
             yield from page.items
             if page.next_cursor is None:

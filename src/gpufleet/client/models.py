@@ -103,6 +103,13 @@ class Job:
     depends_on: tuple[dict[str, str], ...] = ()
     """``({"type": "afterok", "job_id": ...}, ...)``."""
     max_runtime_s: float | None = None
+    owner: str | None = None
+    """The user whose token submitted it (None: made outside the API, or an older server)."""
+    elapsed_s: float | None = None
+    """Seconds its latest attempt has run (to its end, or to the server's now while it runs;
+    None: never started)."""
+    time_left_s: float | None = None
+    """While RUNNING with a ``max_runtime_s``: seconds of it left (else None)."""
     processes_unverified: str | None = None
     """Set while the code of one of its attempts may still run although the job shows
     otherwise (CANCELLED at once after its node was fenced): which attempt, which node;
@@ -150,6 +157,9 @@ class Job:
             array_index=d.get("array_index"),
             depends_on=tuple(dict(x) for x in d.get("depends_on") or ()),
             max_runtime_s=d.get("max_runtime_s"),
+            owner=_str(d.get("owner")),
+            elapsed_s=d.get("elapsed_s"),
+            time_left_s=d.get("time_left_s"),
             processes_unverified=_str(d.get("processes_unverified")),
         )
 

@@ -171,6 +171,40 @@ def _unreachable_details(found: Sequence[Unreachable]) -> list[dict[str, Any]]:
     ]
 
 
+def _held(allocated: int, guaranteed: int, gpu_type: str) -> str:
+    """``"it holds 2 A100 GPU(s) against a guarantee of 4"`` / ``"it has no A100
+    guarantee"``."""
+    if guaranteed <= 0:
+        return f"it has no {gpu_type} guarantee"
+    return f"it holds {allocated} {gpu_type} GPU(s) against a guarantee of {guaranteed}"
+
+
+def _over_borrow_limit(team_id: str, need: int, borrowed: int, limit: int | None) -> str:
+    """What an ``over_borrow_limit`` refusal waits for: the job alone asks more than the
+    limit (it never starts under it), the team's current borrowing leaves too little room
+    (it starts when borrowed work ends), or neither: the room is kept for the team's own
+    preempting jobs ahead of it in the queue (``PassState.quota_kept_for``)."""
+    # (no limit: refused only via the quota kept for preemptors)
+    limit_txt = "its quota" if limit is None else f"its borrow limit of {limit} GPU(s)"
+    if limit is not None and need > limit:
+        return (
+            f"This job needs {need} GPU(s) above team {team_id}'s guarantee, more than "
+            f"{limit_txt} allows at all: it cannot start until an admin raises the limit "
+            f"or it is resubmitted smaller"
+        )
+    if limit is not None and borrowed + need > limit:
+        return (
+            f"Team {team_id} already borrows {borrowed} GPU(s) above its guarantees and this "
+            f"job needs {need} more, over {limit_txt}: it starts when some of that borrowed "
+            f"work ends"
+        )
+    return (
+        f"Team {team_id} borrows {borrowed} GPU(s) above its guarantees; the rest of "
+        f"{limit_txt} is kept for its higher-priority jobs ahead in the queue that are "
+        f"preempting for GPUs, and this job's {need} would not fit beside them"
+    )
+
+
 class WaitingReasons(Mapping[str, WaitReason]):
     """Lazy ``job_id -> WaitReason`` for every pending job the pass did not place.
 
@@ -314,16 +348,18 @@ class WaitingReasons(Mapping[str, WaitReason]):
                 borrowed=book.borrowed_total(job.team_id),
                 borrow_limit=ts.borrow_limit_gpus,
             )
+            alloc, guar = d["allocated"], d["guaranteed"]
+            # GPUs this job adds above the team's guarantee (what ``TeamBook.admit`` refused)
+            need = max(0, alloc + res.gpu_count - guar) - max(0, alloc - guar)
+            d["would_borrow"] = need
             if code == "team_at_guarantee":
                 msg = (
-                    f"Team {job.team_id} uses its whole guarantee of "
-                    f"{d['guaranteed']} {gpu_type} GPU(s) and borrowing is off."
+                    f"Borrowing is off and this job's {res.gpu_count} {gpu_type} GPU(s) do not "
+                    f"fit in team {job.team_id}'s guarantee ({_held(alloc, guar, gpu_type)})."
                 )
             elif code == "over_borrow_limit":
-                msg = (
-                    f"Team {job.team_id} already borrows {d['borrowed']} GPU(s) above its "
-                    f"guarantee, the most its borrow limit ({ts.borrow_limit_gpus}) allows."
-                )
+                msg = _over_borrow_limit(job.team_id, need, d["borrowed"], ts.borrow_limit_gpus)
+                msg = f"{msg} ({_held(alloc, guar, gpu_type)})."
             else:
                 keepers = book.kept_back_by_others(job.team_id, gpu_type)
                 kept = sum(k for _, k, _ in keepers)
@@ -337,8 +373,9 @@ class WaitingReasons(Mapping[str, WaitReason]):
                 )
                 msg = (
                     f"The idle {gpu_type} GPUs are other teams' unused guarantee that they "
-                    f"do not lend ({who or 'lending limits'}); team {job.team_id} is above "
-                    f"its own guarantee."
+                    f"do not lend ({who or 'lending limits'}); this job would borrow {need} "
+                    f"of them beyond team {job.team_id}'s own guarantee "
+                    f"({_held(alloc, guar, gpu_type)})."
                 )
                 if cap and kept >= cap:
                     msg += (

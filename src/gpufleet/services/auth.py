@@ -17,15 +17,31 @@ from gpufleet.store.dialect import db_now, insert_if_absent
 from gpufleet.store.tables import ApiTokenRow, TeamRow
 
 TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+USER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+-]{0,63}$")
+"""A token's user (a job's owner): 1-64 of letters, digits and ``_ . @ + -`` (a login name
+or an e-mail address), starting with a letter or digit."""
+
+
+def check_user_name(user: str, field: str = "user") -> str:
+    """``user`` if it is a valid user name; else raises ValidationFailed naming ``field``."""
+    if not USER_NAME.match(user):
+        raise ValidationFailed(
+            f"user {user!r}: use 1-64 of letters, digits and _ . @ + - (starting with a"
+            " letter or digit)",
+            field=field,
+        )
+    return user
 
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling: the team from the token, and whether it is an admin token."""
+    """Who is calling: the team from the token, whether it is an admin token, and the user
+    the token stands for (the owner of the jobs it submits)."""
 
     team_id: str
     is_admin: bool
     token_id: str
+    user: str = ""
 
 
 def _hash(raw: str) -> str:
@@ -71,10 +87,15 @@ def create_token(
     name: str = "",
     is_admin: bool = False,
     create_team_if_missing: bool = False,
+    user: str | None = None,
 ) -> str:
-    """Create an API token for ``team_id``; returns the raw token (shown once). Raises
-    ValidationFailed (field ``team``, the message lists the known teams) for an unknown team
-    unless ``create_team_if_missing``."""
+    """Create an API token for ``team_id``; returns the raw token (shown once). ``user``: the
+    person it stands for (the owner of the jobs it submits); None: the token's ``name`` when
+    that is a valid user name, else the token's id. Raises ValidationFailed (field ``team``,
+    the message lists the known teams) for an unknown team unless ``create_team_if_missing``,
+    and (field ``user``) for a bad user name."""
+    if user is not None:
+        check_user_name(user)
     if create_team_if_missing:
         create_team(session, team_id, exist_ok=True)
     if not TEAM_NAME.match(team_id) or session.get(TeamRow, team_id) is None:
@@ -86,12 +107,16 @@ def create_token(
             field="team",
         )
     raw = "gft_" + secrets.token_urlsafe(32)
+    token_id = new_id("tok")
+    if user is None:
+        user = name if USER_NAME.match(name) else token_id
     session.add(
         ApiTokenRow(
-            id=new_id("tok"),
+            id=token_id,
             team_id=team_id,
             token_sha256=_hash(raw),
             name=name,
+            user_name=user,
             is_admin=is_admin,
             created_at=db_now(session),
         )
@@ -109,7 +134,9 @@ def authenticate(session: Session, raw: str | None) -> Principal:
     ).scalar_one_or_none()
     if row is None or row.revoked_at is not None:
         raise Unauthenticated("invalid or revoked token")
-    return Principal(team_id=row.team_id, is_admin=row.is_admin, token_id=row.id)
+    return Principal(
+        team_id=row.team_id, is_admin=row.is_admin, token_id=row.id, user=row.user_name
+    )
 
 
 def describe_token(row: ApiTokenRow) -> dict[str, Any]:
@@ -118,6 +145,7 @@ def describe_token(row: ApiTokenRow) -> dict[str, Any]:
         "id": row.id,
         "team": row.team_id,
         "name": row.name,
+        "user": row.user_name,
         "admin": row.is_admin,
         "created_at": _iso(row.created_at),
         "revoked_at": _iso(row.revoked_at),

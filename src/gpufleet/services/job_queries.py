@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import UTC, datetime
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -73,10 +73,12 @@ def list_jobs(
     cursor: str | None = None,
     array_id: str | None = None,
     name: str | None = None,
+    owner: str | None = None,
 ) -> tuple[list[JobRow], str | None]:
     """Newest first; ``cursor`` is the last job id of the previous page (ids sort by time).
     ``status``: one status or a comma list (``PENDING,RUNNING``: any of them);
-    ``array_id``/``name``: only that array's tasks / jobs of that name.
+    ``array_id``/``name``/``owner``: only that array's tasks / jobs of that name / jobs
+    that user submitted.
 
     Raises:
         ValidationFailed: an unknown status (field ``status``) or a bad cursor.
@@ -88,6 +90,8 @@ def list_jobs(
         q = q.where(JobRow.array_id == array_id)
     if name is not None:
         q = q.where(JobRow.name == name)
+    if owner is not None:
+        q = q.where(JobRow.owner == owner)
     if status is not None:
         wanted = [part.strip() for part in status.split(",")]
         for one in wanted:
@@ -144,3 +148,31 @@ def job_events(session: Session, job_id: str, limit: int = 200) -> list[Scheduli
 
 def iso(ts: datetime | None) -> str | None:
     return ts.isoformat().replace("+00:00", "Z") if ts else None
+
+
+def run_times(
+    job: JobRow, runs: list[JobRunRow], now: datetime | None
+) -> tuple[float | None, float | None]:
+    """(elapsed, left) in seconds: how long the job's latest attempt has run (to its end, or
+    to ``now``, the database's clock, while it runs; None if it never started), and, while
+    the job is RUNNING with a ``max_runtime_s``, how much of that limit is left (>= 0; the
+    limit applies per attempt, as ``controller.stops`` enforces it). Both None without
+    ``now``."""
+    if now is None:
+        return None, None
+    started = [(r.attempt, r.started_at, r) for r in runs if r.started_at is not None]
+    if not started:
+        return None, None
+    _, start, last = max(started, key=lambda t: (t[0], t[1]))
+    # a finished attempt's end; while the job runs, now; else (a member still marked
+    # running of a finished job) the job's end
+    end = last.finished_at or (now if job.status == "RUNNING" else job.finished_at) or now
+    elapsed = max(0.0, (_utc(end) - _utc(start)).total_seconds())
+    limit = job.max_runtime_s if job.max_runtime_s is not None else job.spec.get("max_runtime_s")
+    left = max(0.0, float(limit) - elapsed) if limit and job.status == "RUNNING" else None
+    return round(elapsed, 3), None if left is None else round(left, 3)
+
+
+def _utc(at: datetime) -> datetime:
+    """SQLite hands back naive datetimes (UTC): make every one aware for arithmetic."""
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)

@@ -142,13 +142,15 @@ def submit_job(
     default_max_outstanding_jobs: int = 0,
     control: SubmitControl | None = None,
     submitted_by: str | None = None,
+    owner: str | None = None,
     max_outstanding_jobs: int | None = None,
     runtime_limits: tuple[float | None, float | None] | None = None,
     default_notify: tuple[str, ...] | list[str] = (),
     allowed_mounts: tuple[str, ...] | list[str] | None = None,
 ) -> Submitted:
     """Persist a new PENDING job, or return the earlier one for a repeated key.
-    ``submitted_by``: the submitting API token's id (accounting's "user").
+    ``submitted_by``: the submitting API token's id (accounting's "user"); ``owner``: the
+    user that token stands for (``jobs.owner``, what ``list --user/--mine`` filter on).
     ``max_outstanding_jobs``: the team's effective limit when the caller knows it (else read).
     ``runtime_limits``: the team's (default, maximum) run time when the caller knows them.
     ``default_notify``: the team's default webhook URLs, given to a job without ``notify``.
@@ -263,6 +265,7 @@ def submit_job(
                         "gpu_count": spec.resources.gpu_count,
                         "max_runtime_s": spec.max_runtime_s,
                         "submitted_by": submitted_by,
+                        "owner": owner,
                         "status": JobStatus.PENDING,
                         "cancel_requested": False,
                         "fencing_epoch": 0,

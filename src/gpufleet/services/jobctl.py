@@ -126,17 +126,46 @@ _JOBS = _RefKind("job", "j-", JobRow.id, _FULL_ID, "ambiguous_job_ref")
 _ARRAYS = _RefKind("array", "a-", JobRow.array_id, _ARRAY_ID, "ambiguous_array_ref")
 
 
+_TASK_REF = re.compile(r"^(.+)_([0-9]{1,9})$")
+"""``ARRAY_INDEX`` (Slurm's ``JOBID_INDEX``): an array reference, ``_`` and a task index."""
+
+
 def resolve_job_ref(
     session: Session, team_id: str | None, ref: str, *, field: str = "job_id"
 ) -> str:
-    """The job id ``ref`` stands for: a full id, a unique id prefix, or a job name (the
-    newest of that name). ``team_id=None`` (admin) looks at every team.
+    """The job id ``ref`` stands for: a full id, a unique id prefix, a job name (the newest
+    of that name), or an array task as ``ARRAY_INDEX`` (``a-01hz3k_3``, ``sweep_3``: the
+    array by :func:`resolve_array_ref`'s rules, then its task of that index). With an
+    ``a-`` the task form is the only reading; ``sweep_3`` is first a job name or id prefix,
+    and a task of array ``sweep`` only when nothing else matches. ``team_id=None`` (admin)
+    looks at every team.
 
     Raises:
-        NotFound: nothing matches (404).
+        NotFound: nothing matches (404), or the array has no task of that index.
         ValidationFailed: ambiguous; the message lists up to 10 candidates (422).
     """
-    return _resolve_ref(session, team_id, ref, _JOBS, field)
+    task = _TASK_REF.match(ref) if len(ref) <= 256 else None
+    if task is None:
+        return _resolve_ref(session, team_id, ref, _JOBS, field)
+    if not ref.lower().startswith(_ARRAYS.tag):
+        try:
+            return _resolve_ref(session, team_id, ref, _JOBS, field)
+        except NotFound:
+            pass
+    base, index = task.group(1), int(task.group(2))
+    try:
+        array_id = _resolve_ref(session, team_id, base, _ARRAYS, field)
+    except NotFound:
+        raise NotFound(
+            f"no job {ref!r} (no job has that id or name, and {base!r} is no array)",
+            field=field,
+        ) from None
+    job_id = session.scalars(
+        select(JobRow.id).where(JobRow.array_id == array_id, JobRow.array_index == index)
+    ).first()
+    if job_id is None:
+        raise NotFound(f"no job {ref!r}: array {array_id} has no task {index}", field=field)
+    return str(job_id)
 
 
 def resolve_array_ref(

@@ -34,6 +34,7 @@ from gpufleet.services.job_queries import (
     job_events,
     list_jobs,
     queue_position,
+    run_times,
     unverified_processes,
 )
 from gpufleet.services.job_submit import (
@@ -64,6 +65,7 @@ __all__ = [
     "list_jobs",
     "payload_sha256",
     "queue_position",
+    "run_times",
     "spec_to_dict",
     "submit_job",
     "team_runtime_limits",

@@ -123,6 +123,9 @@ class ApiTokenRow(Base):
     team_id: Mapped[str] = mapped_column(ForeignKey("teams.id"), index=True)
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
     name: Mapped[str] = mapped_column(String(128), default="")
+    user_name: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    """The person the token stands for (``jobs.owner`` of what it submits; migration 0011a):
+    given at creation, else the token's name when that is a valid user name, else its id."""
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
@@ -137,6 +140,7 @@ class JobRow(Base):
         Index("ix_jobs_status_gated", "status", "gated"),
         Index("ix_jobs_array_id", "array_id"),
         Index("ix_jobs_team_id_name", "team_id", "name"),
+        Index("ix_jobs_team_id_owner", "team_id", "owner", "id"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -163,6 +167,9 @@ class JobRow(Base):
     submitted_by: Mapped[str | None] = mapped_column(String(64))
     """Id of the API token that submitted it (accounting's "user"); None for jobs made
     before it was recorded or outside the API."""
+    owner: Mapped[str | None] = mapped_column(String(64))
+    """The submitting token's ``user_name`` (``list --user/--mine``; migration 0011a); None for a
+    job made outside the API or by a token since deleted."""
     retry_after: Mapped[datetime | None]
     """A retry after a failure is not placed before this time (exponential backoff)."""
     held: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))

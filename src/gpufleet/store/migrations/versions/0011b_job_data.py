@@ -2,7 +2,7 @@
 URLs) and per-attempt resource figures on the usage records
 
 Revision ID: 0011b
-Revises: 0010g
+Revises: 0011a
 Create Date: 2026-12-03 10:00:00
 
 - ``notify_outbox``: one row per finished job that has webhooks, written in the transaction
@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0011b"
-down_revision: str | None = "0010g"
+down_revision: str | None = "0011a"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
