@@ -258,6 +258,12 @@ class Faults:
         row, _ = self._lease(db)
         assert row is not None
         placed_db = self._first_placement(db, row.epoch)
+        with db.read() as s:  # the first GPUs freed after the kill (a full fleet places
+            freed_db = s.execute(  # nothing before a job ends)
+                select(func.min(ReservationRow.released_at)).where(
+                    ReservationRow.released_at > kill_db
+                )
+            ).scalar_one()
         lease_s = float(self.env.get("GPUFLEET_LEADER_LEASE_S", "15"))
         self._row("a", "leader lease s (setting)", lease_s)
         self._row("a", "pending at the kill", pending)
@@ -272,6 +278,12 @@ class Faults:
             "lease expiry -> placements resume s (goal < 15)",
             (placed_db - lease.expires_at).total_seconds(),
         )
+        if freed_db is not None:
+            self._row(
+                "a",
+                "max(standby leads, first GPUs freed) -> placements resume s",
+                (placed_db - max(lead_db, freed_db)).total_seconds(),
+            )
         self.procs[name + "-killed"] = self.procs.pop(name)  # unreaped, stopped at the end
         self.start_controller(name)  # back, as the standby
 
@@ -282,18 +294,11 @@ class Faults:
                 set(s.scalars(select(JobRunRow.node_id).where(JobRunRow.status == "RUNNING")))
             )
         self.silenced = busy[:: max(1, len(busy) // k)][:k]
-        with db.read() as s:
-            victims = set(
-                s.scalars(
-                    select(JobRunRow.job_id).where(
-                        JobRunRow.node_id.in_(self.silenced), JobRunRow.status.in_(LIVE_RUNS)
-                    )
-                )
-            )
         self.control.write_text("\n".join(self.silenced) + "\n")
         t0 = time.monotonic()
         marks: dict[str, float] = {}
         violations, samples, last_check = 0, 0, 0.0
+        victims: set[str] = set()
         deadline = t0 + 600
         while len(marks) < 3 and time.monotonic() < deadline:
             with db.read() as s:
@@ -301,6 +306,13 @@ class Faults:
                     s.execute(
                         select(NodeRow.id, NodeRow.status).where(NodeRow.id.in_(self.silenced))
                     ).all()
+                )
+                victims = set(  # jobs whose attempts were fenced on a silenced node
+                    s.scalars(
+                        select(JobRunRow.job_id).where(
+                            JobRunRow.node_id.in_(self.silenced), JobRunRow.status == "FENCED"
+                        )
+                    )
                 )
                 replaced = s.execute(
                     select(func.count(func.distinct(JobRunRow.job_id))).where(
@@ -324,7 +336,7 @@ class Faults:
         hb = float(self.env.get("GPUFLEET_HEARTBEAT_INTERVAL_S", "10"))
         missed = int(self.env.get("GPUFLEET_SUSPECT_AFTER_MISSED", "3"))
         fence = float(self.env.get("GPUFLEET_FENCE_TIMEOUT_S", "60"))
-        self._row("b", "nodes silenced (jobs on them)", f"{k} ({len(victims)})")
+        self._row("b", "nodes silenced (jobs fenced on them)", f"{k} ({len(victims)})")
         self._row(
             "b",
             f"-> all SUSPECT s (window {hb * missed:g} s + 1 beat)",
@@ -370,9 +382,11 @@ class Faults:
         self._row("c", "bound: heartbeat + reconnect backoff s", hb + 1.0)
         with db.read() as s:
             sick = s.execute(
-                select(func.count()).select_from(NodeRow).where(NodeRow.status != "HEALTHY")
+                select(func.count())
+                .select_from(NodeRow)
+                .where(NodeRow.status != "HEALTHY", NodeRow.id.notin_(self.silenced))
             ).scalar_one()
-        self._row("c", "nodes not HEALTHY after all heard", sick)
+        self._row("c", "nodes not HEALTHY after all heard (not silenced in b)", sick)
 
     def _api_kill(self, db: Database) -> None:
         stop = threading.Event()
