@@ -127,7 +127,10 @@ def assert_each_succeeded_once(
     """Every job SUCCEEDED with exactly one SUCCEEDED attempt; each of its other attempts
     passes ``other_allowed`` (e.g. FENCED on a silenced node)."""
     with db.read() as s:
-        statuses = dict(s.execute(select(JobRow.id, JobRow.status).where(JobRow.id.in_(jobs))))
+        statuses = {
+            r.id: r.status
+            for r in s.execute(select(JobRow.id, JobRow.status).where(JobRow.id.in_(jobs)))
+        }
         runs = list(s.scalars(select(JobRunRow).where(JobRunRow.job_id.in_(jobs))))
         for r in runs:
             s.expunge(r)
