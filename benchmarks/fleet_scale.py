@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import fleet_faults
 import httpx
 from _common import (
     DEFAULT_POSTGRES_URL,
@@ -121,6 +122,7 @@ def run_row(url: str, n: int, args: argparse.Namespace) -> Row:
     logs = {k: open(tmp / f"{k}.log", "ab") for k in ("controller", "api", "hollow")}  # noqa: SIM115
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
+        faults = fleet_faults.start(args, procs, exe, env, tmp, addr, join, port, token)
         procs["controller"] = subprocess.Popen(
             [*exe, "controller", "--address", addr, "--join-address", join],
             env=env,
@@ -145,9 +147,10 @@ def run_row(url: str, n: int, args: argparse.Namespace) -> Row:
                 "--count",
                 str(n),
                 "--controller",
-                addr,
+                faults.controller_list(),
                 "--join-address",
-                join,
+                faults.join_list(),
+                *faults.hollow_args(),
                 "--object-store-url",
                 settings.resolved_object_store_url(),
                 "--ca-cert",
@@ -204,12 +207,13 @@ def run_row(url: str, n: int, args: argparse.Namespace) -> Row:
         ]
         latencies: list[float] = []
         lock = threading.Lock()
-        base = f"http://127.0.0.1:{port}"
 
         def submit_some(chunk: list[dict[str, object]]) -> list[str]:
             out = []
             with httpx.Client(
-                base_url=base, timeout=60, headers={"Authorization": f"Bearer {token}"}
+                base_url=faults.next_base(),
+                timeout=60,
+                headers={"Authorization": f"Bearer {token}"},
             ) as c:
                 for body in chunk:
                     s0 = time.perf_counter()
@@ -233,6 +237,7 @@ def run_row(url: str, n: int, args: argparse.Namespace) -> Row:
         submit_wall = time.monotonic() - first_submit
         assert len(set(job_ids)) == n_jobs, "a submit lost or duplicated"
         total_gpus = 8 * n_up
+        faults.run(db, n_up)  # --faults: a-d of fleet_faults.py, before the drain
         alloc: list[float] = []
         peak_rss = dict.fromkeys(procs, 0.0)
         c1, w1 = cpu_s(ctl), time.monotonic()
@@ -269,6 +274,7 @@ def run_row(url: str, n: int, args: argparse.Namespace) -> Row:
         with db.read() as s:
             statuses = s.scalars(select(JobRow.status)).all()
         violations = len(check_database(db)[1])
+        faults.finish(db)
         lat = sorted(latencies)
         return Row(
             nodes=n,
@@ -286,11 +292,13 @@ def run_row(url: str, n: int, args: argparse.Namespace) -> Row:
             ctl_rss_mb=round(peak_rss["controller"], 0),
             api_rss_mb=round(peak_rss["api"], 0),
             hollow_rss_mb=round(peak_rss["hollow"], 0),
-            all_succeeded=all(st == "SUCCEEDED" for st in statuses) and len(statuses) == n_jobs,
+            all_succeeded=all(st == "SUCCEEDED" for st in statuses)
+            and len(statuses) == n_jobs + faults.extra_jobs,
             violations=violations,
         )
     finally:
         stop_processes(procs.values(), timeout_s=20)
+        faults.close()
         for f in logs.values():
             f.close()
         db.dispose()
@@ -306,6 +314,7 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--postgres-url", default=DEFAULT_POSTGRES_URL)
     p.add_argument("--json", type=Path)
+    fleet_faults.add_arguments(p)
     args = p.parse_args()
     rows = []
     for n in args.nodes:
@@ -340,6 +349,7 @@ def main() -> None:
         f"{args.jobs_per_node} jobs/node of 1/2/4/8 GPUs, {args.run_s:g} s each; heartbeat 10 s; "
         f"{args.submitters} submitters; {machine()}"
     )
+    fleet_faults.print_results(out)
     write_rows_json(args.json, rows)
 
 

@@ -8,10 +8,7 @@ GPU in two reservations at any sample (the invariant checker), the silenced node
 
 from __future__ import annotations
 
-import json
-import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,9 +16,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from gpufleet.processes import new_join_token
-from gpufleet.rpc import tls
-from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
+from gpufleet.store.tables import JobRow, JobRunRow
+from tests.e2e import hollow_fleet
 from tests.e2e.harness import Fleet
 
 pytestmark = pytest.mark.postgres
@@ -33,46 +29,13 @@ SILENCE = 3
 
 def start_hollow(fleet: Fleet, count: int, control: Path) -> subprocess.Popen[bytes]:
     """``python -m gpufleet.agent.hollow`` with ``count`` nodes joined to ``fleet``."""
-    ids = [f"hollow-{i:04d}" for i in range(count)]
-    tokens = {n: new_join_token(fleet.db, fleet.settings, n, 600)[0] for n in ids}
-    token_file = fleet.tmp / "hollow-tokens.json"
-    token_file.write_text(json.dumps(tokens))
-    token_file.chmod(0o600)
-    log = open(fleet.tmp / "hollow.log", "ab")  # noqa: SIM115
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpufleet.agent.hollow",
-            "--count",
-            str(count),
-            "--controller",
-            fleet.settings.controller_address,
-            "--join-address",
-            fleet.settings.resolved_join_address(),
-            "--object-store-url",
-            fleet.settings.resolved_object_store_url(),
-            "--ca-cert",
-            str(tls.ca_paths(fleet.settings.resolved_pki_dir())[1]),
-            "--tokens",
-            str(token_file),
-            "--state-root",
-            str(fleet.tmp / "hollow"),
-            "--control",
-            str(control),
-            "--default-grace-s",
-            "1",
-            "--start-rate",
-            "0",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
+    return hollow_fleet.start_hollow(
+        fleet.db, fleet.settings, fleet.tmp, count, control, args=("--start-rate", "0")
     )
 
 
 def node_statuses(fleet: Fleet) -> dict[str, str]:
-    with fleet.db.read() as s:
-        return {n.id: n.status for n in s.scalars(select(NodeRow))}
+    return hollow_fleet.node_statuses(fleet.db)
 
 
 @pytest.fixture
@@ -129,12 +92,7 @@ def test_hollow_fleet_runs_every_job_once_and_fences_only_silenced_nodes(
                 jobs.append(r.json()["job_id"])
 
         def pick_running_nodes() -> bool:
-            with fleet.db.read() as s:
-                rows = s.scalars(
-                    select(JobRunRow.node_id).where(JobRunRow.status == "RUNNING")
-                ).all()
-            busy = sorted(set(rows))
-            silenced[:] = busy[:: max(1, len(busy) // SILENCE)][:SILENCE]
+            silenced[:] = hollow_fleet.busy_nodes(fleet.db, SILENCE)
             return len(silenced) == SILENCE
 
         fleet.wait_for(pick_running_nodes, 15, f"{SILENCE} nodes running attempts")
@@ -161,11 +119,7 @@ def test_hollow_fleet_runs_every_job_once_and_fences_only_silenced_nodes(
         time.sleep(0.5)  # one more sample of the checker after the last completions
         nodes = node_statuses(fleet)  # before the hollow nodes stop (they go silent then)
     finally:
-        hollow.send_signal(signal.SIGTERM)
-        try:
-            hollow.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            hollow.kill()
+        hollow_fleet.stop_hollow(hollow)
     with fleet.db.read() as s:
         statuses = {
             r.id: r.status
