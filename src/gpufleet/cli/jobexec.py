@@ -180,6 +180,13 @@ def _size() -> tuple[int, int]:
 
 
 def _exit_for(exc: BaseException) -> typer.Exit:
+    from websockets.exceptions import ConnectionClosed
+
+    if isinstance(exc, ConnectionClosed):  # closed while sending: the close says why
+        rcvd = exc.rcvd
+        exc = Refused(
+            rcvd.reason if rcvd else "the server closed the session", rcvd.code if rcvd else 1006
+        )
     if isinstance(exc, Refused):
         output.print_error(exc.args[0])
         # 44xx: the caller's request (no job, not running, too many); others: try later
@@ -203,12 +210,11 @@ def exec_(
 ) -> None:
     """Run COMMAND inside a running job (its user, cgroup, namespaces, env and GPUs):
     ``gpufleet exec JOB -- nvidia-smi``. Exits with the command's exit code."""
-    from gpufleet.client.config import ConfigError
 
     try:
         ws = connect(url, token, job, rank)
         code = run_session(ws, list(command), tty=tty, stdin=stdin)
-    except (Refused, OSError, ConfigError) as exc:
+    except Exception as exc:  # Refused, ConnectionClosed, OSError, ConfigError
         raise _exit_for(exc) from None
     raise typer.Exit(code)
 
@@ -223,12 +229,11 @@ def shell(
 ) -> None:
     """An interactive shell inside a running job (a terminal; bash where the job has it).
     Exits with the shell's exit code."""
-    from gpufleet.client.config import ConfigError
 
     try:
         ws = connect(url, token, job, rank)
         code = run_session(ws, ["/bin/sh", "-c", SHELL], tty=True, stdin=True)
-    except (Refused, OSError, ConfigError) as exc:
+    except Exception as exc:  # Refused, ConnectionClosed, OSError, ConfigError
         raise _exit_for(exc) from None
     raise typer.Exit(code)
 
@@ -279,7 +284,6 @@ def port_forward(
 ) -> None:
     """Listen on LOCAL and carry each connection to 127.0.0.1:REMOTE inside the job's network
     namespace (until Ctrl-C): ``gpufleet port-forward JOB 8888:8888``."""
-    from gpufleet.client.config import ConfigError
 
     local_s, _, remote_s = ports.partition(":")
     try:
@@ -299,7 +303,7 @@ def port_forward(
             conn, _ = server.accept()
             try:
                 ws = connect(url, token, job, rank)
-            except (OSError, ConfigError) as exc:
+            except Exception as exc:  # OSError, ConfigError, a refused handshake
                 typer.echo(f"port-forward: {output.clean(str(exc))}", err=True)
                 conn.close()
                 continue
