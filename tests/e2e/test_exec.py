@@ -80,10 +80,17 @@ def _running_job(fleet: Fleet, body: dict[str, Any]) -> tuple[str, int]:
     fleet.wait_status(job_id, {"RUNNING"}, 60)
     from gpufleet.store.tables import JobRunRow
 
-    with fleet.db.read() as s:
-        run = s.query(JobRunRow).filter_by(job_id=job_id, status="RUNNING").one()
-        assert run.pid, run.id
-        return job_id, int(run.pid)
+    pids: list[int] = []
+
+    def started() -> bool:  # the pid comes with the agent's confirmation
+        with fleet.db.read() as s:
+            run = s.query(JobRunRow).filter_by(job_id=job_id, status="RUNNING").one()
+            if run.pid:
+                pids.append(int(run.pid))
+        return bool(pids)
+
+    fleet.wait_for(started, 60, f"{job_id}'s pid")
+    return job_id, pids[0]
 
 
 def _ns(pid: int | str, kind: str) -> str:
@@ -106,7 +113,13 @@ def _environ(pid: int) -> dict[str, str]:
 def fleet_n1(tmp_path: Path) -> Any:
     f = Fleet(tmp_path).start()
     try:
-        f.start_agent("n1", gpus="4xH100-80GB", job_uids="per-attempt")
+        f.start_agent("n1", gpus="4xH100-80GB", job_uids="per-attempt", wait=False)
+        # a first start of an agent with job users and networks takes long on a busy machine
+        f.wait_for(
+            lambda: f.node("n1")["status"] == "HEALTHY" if f.get("/v1/nodes")["items"] else False,
+            120,
+            "agent n1",
+        )
         yield f
     finally:
         f.stop()
@@ -203,7 +216,7 @@ def test_shell_on_a_pty_exits_with_the_shells_code(fleet_n1: Fleet) -> None:
     )
     os.close(slave)
     seen = b""
-    os.write(master, b"tty; echo ppid=$PPID; exit 3\n")
+    os.write(master, b"tty; echo ppid=$PPID; exit 3\n")  # typed ahead, before the prompt
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and proc.poll() is None:
         if select.select([master], [], [], 0.2)[0]:

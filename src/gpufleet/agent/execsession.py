@@ -436,7 +436,10 @@ class ExecSessions:
                         continue
                     last[0] = time.monotonic()
                     bucket.take(len(data))
-                    yield pb.ExecFrame(**{outs[fd]: data})
+                    if outs[fd] == "stderr":
+                        yield pb.ExecFrame(stderr=data)
+                    else:
+                        yield pb.ExecFrame(stdout=data)
         finally:
             if why or outs:
                 _kill_session(proc)

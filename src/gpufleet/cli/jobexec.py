@@ -124,7 +124,7 @@ def run_session(
         import tty as ttymod
 
         restore = termios.tcgetattr(sys.stdin.fileno())
-        ttymod.setraw(sys.stdin.fileno())
+        ttymod.setraw(sys.stdin.fileno(), termios.TCSANOW)  # keep what was typed ahead
 
         def resized(*_: Any) -> None:
             r, c = _size()
