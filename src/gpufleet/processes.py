@@ -255,9 +255,24 @@ class ApiServer:
     """uvicorn in a thread (``gpufleet up``) or in the foreground (``gpufleet server``)."""
 
     def __init__(
-        self, settings: Settings, db: Database, waker: Waker, port: int | None = None
+        self,
+        settings: Settings,
+        db: Database,
+        waker: Waker,
+        port: int | None = None,
+        *,
+        insecure_agents: bool = False,
     ) -> None:
+        from gpufleet.api.jobexec import AgentDialer
+
         state = AppState(settings, db, waker, ObjectStore(settings.resolved_object_store_url()))
+        # exec sessions: this server's own `api` certificate from the fleet CA, when it has
+        # the CA's key (docs/design/security.md, "Getting into a running job")
+        state.agent_dialer = (
+            AgentDialer(None, plaintext=True)
+            if insecure_agents
+            else AgentDialer.from_pki_dir(settings.resolved_pki_dir())
+        )
         self.port = port if port is not None else settings.server_port
         config = uvicorn.Config(
             create_app(state),
@@ -320,7 +335,7 @@ class LocalPlatform:
             timeout_s=settings.redis_timeout_s,
         )
         self.controller = Controller(settings, self.db, self.waker, insecure=insecure)
-        self.api = ApiServer(settings, self.db, self.waker)
+        self.api = ApiServer(settings, self.db, self.waker, insecure_agents=insecure)
         self.gpus, self.node_id, self.agent_port = gpus, node_id, agent_port
         self.agent: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()

@@ -554,6 +554,25 @@ class AgentCore:
                     ref.last_checkpoint_unix = newest or 0.0
         return refs
 
+    def live_attempt(self, run_id: str, token: int) -> tuple[RunRecord, RunHandle]:
+        """The record and handle of ``run_id`` while it runs here under ``token`` (an exec
+        session's target).
+
+        Raises:
+            LookupError: not running here (never, not yet, or no longer; a stop in progress
+                counts as no longer), or under another token (message says which).
+        """
+        with self._lock:
+            rec = self.log.runs.get(run_id)
+            h = self._handles.get(run_id)
+            if rec is None or rec.status != RunStatus.RUNNING or h is None:
+                raise LookupError(f"run {run_id} is not running on this node")
+            if rec.token != token:
+                raise LookupError(f"run {run_id} runs under another token than {token}")
+            if rec.stop_requested:
+                raise LookupError(f"run {run_id} is being stopped")
+            return rec, h
+
     def free_gpus(self) -> int:
         """GPUs of this node not held by a live attempt."""
         with self._lock:

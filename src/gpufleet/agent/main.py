@@ -47,6 +47,7 @@ from gpufleet.agent.controllers import (
     split_host_port,
 )
 from gpufleet.agent.core import AgentCore
+from gpufleet.agent.execsession import ExecLimits
 from gpufleet.agent.gpu_health import GpuHealth
 from gpufleet.agent.gpu_usage import GpuSampler
 from gpufleet.agent.identity import Renewer, ensure_credentials, tls_dir
@@ -85,7 +86,10 @@ logger = logging.getLogger("gpufleet.agent")
 
 MONITOR_INTERVAL_S = 0.05
 LOG_SYNC_INTERVAL_S = 1.0
-GRPC_WORKERS = 8
+GRPC_WORKERS = 8 + ExecLimits().sessions_per_agent
+"""The controller's calls (8 at once) plus every exec session the agent admits (each holds
+a worker for its whole length): exec sessions never starve AssignJob or StopRun."""
+EXEC_METHOD = "/gpufleet.v1.Agent/Exec"
 STOP_THREADS_S = 4.0
 """Seconds a stopping agent waits for its threads (heartbeat, outbox, log mirror, renewal)."""
 
@@ -587,7 +591,9 @@ def run_agent(
 
     interceptors: list[grpc.ServerInterceptor] = []
     if creds is not None:
-        interceptors.append(tls.RoleInterceptor(tls.ROLE_CONTROLLER, logger))
+        interceptors.append(
+            tls.RoleInterceptor(tls.ROLE_CONTROLLER, logger, roles={EXEC_METHOD: tls.ROLE_API})
+        )
     if hollow is not None:
         interceptors += hollow.server_interceptors()
     server = grpc.server(

@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import grpc
 
 from gpufleet.agent import telemetry
 from gpufleet.agent.contact import Contact, OutOfTouch
 from gpufleet.agent.core import AgentCore, EpochFromTheFuture
+from gpufleet.agent.execsession import ExecLimits, ExecRefused, ExecSessions, target_of
 from gpufleet.agent.inventory import Inventory
 from gpufleet.agent.runtime.container_images import ImageReporter
 from gpufleet.rpc import tls_hint
@@ -40,9 +42,12 @@ class AgentServicer(pb_grpc.AgentServicer):
     """Controller -> agent calls. Logging failures (disk full) become UNAVAILABLE: nothing was
     started, and the controller may retry the same run_id."""
 
-    def __init__(self, core: AgentCore, agent_epoch: int) -> None:
+    def __init__(
+        self, core: AgentCore, agent_epoch: int, exec_limits: ExecLimits | None = None
+    ) -> None:
         self.core = core
         self.agent_epoch = agent_epoch
+        self.exec = ExecSessions(partial(target_of, core), exec_limits)
 
     def AssignJob(
         self, request: pb.AssignJobRequest, context: grpc.ServicerContext
@@ -83,6 +88,15 @@ class AgentServicer(pb_grpc.AgentServicer):
         context: grpc.ServicerContext,  # noqa: ARG002
     ) -> pb.ListRunsResponse:
         return pb.ListRunsResponse(agent_epoch=self.agent_epoch, runs=self.core.run_refs())
+
+    def Exec(
+        self, request_iterator: Iterator[pb.ExecFrame], context: grpc.ServicerContext
+    ) -> Iterator[pb.ExecFrame]:
+        """An exec session (:mod:`gpufleet.agent.execsession`); refusals are statuses."""
+        try:
+            yield from self.exec.serve(request_iterator, context.is_active)
+        except ExecRefused as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
 
 class ControllerLink:

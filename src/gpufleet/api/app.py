@@ -64,6 +64,11 @@ class AppState:
     admission: limits.SubmitAdmission | None = None
     """Per-team submit-rate check; built from ``settings`` by ``create_app`` when None."""
     list_slots: dict[str, asyncio.Semaphore] = field(default_factory=dict)
+    agent_dialer: Any = None
+    """``api.jobexec.AgentDialer``: how this server reaches agents for exec sessions (None:
+    exec is off, 503)."""
+    exec_tasks: set[Any] = field(default_factory=set)
+    """Background tasks of ended exec sessions (kept referenced until done)."""
     """Per team: the job lists it may have in progress at once (``list_slot``)."""
 
 
@@ -287,9 +292,10 @@ def create_app(state: AppState) -> FastAPI:
     # routes by resource, in this order (it is the document's); imported here because each
     # imports this module (AppState, the auth dependencies, errors)
     from gpufleet.api import admin as admin_api
-    from gpufleet.api import jobctl, jobs, logs, nodes
+    from gpufleet.api import jobctl, jobexec, jobs, logs, nodes
 
     app.include_router(jobs.router(state, defaults=defaults))
+    app.include_router(jobexec.router(state))
     app.include_router(logs.router(state, outage=outage))
     add_report_routes(app, db=state.db, store=state.store, principal=principal, errors=errors)
     add_admin_node_routes(

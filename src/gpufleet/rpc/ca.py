@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpufleet.rpc.pki import (
+    API_CERT_TTL_S,
     CA_TTL_S,
     CLOCK_SKEW_S,
     CONTROLLER_CERT_TTL_S,
     CONTROLLER_NAME,
     ORG,
+    ROLE_API,
     ROLE_CONTROLLER,
     ROLE_NODE,
     PkiError,
@@ -134,6 +136,21 @@ class FleetCA:
                 sans.append(x509.DNSName(h))
         cert = self._issue(
             key.public_key(), _name(ROLE_CONTROLLER, "gpufleet-controller"), sans, ttl_s
+        )
+        return key_pem(key), cert_pem(cert) + self.cert_pem
+
+    def issue_api(self, ttl_s: float = API_CERT_TTL_S) -> tuple[bytes, bytes]:
+        """A new API-server client key and certificate (``OU=api``, ``CN=gpufleet-api``, no
+        name an agent or a controller verifies as a server): (key PEM, chain PEM). Agents take
+        it for ``Exec`` only."""
+        from cryptography import x509
+
+        key = new_key()
+        cert = self._issue(
+            key.public_key(),
+            _name(ROLE_API, "gpufleet-api"),
+            [x509.DNSName("api.gpufleet")],
+            ttl_s,
         )
         return key_pem(key), cert_pem(cert) + self.cert_pem
 

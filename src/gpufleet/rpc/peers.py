@@ -93,29 +93,39 @@ class RoleInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is 
     view of the verified certificate (:func:`peer_role`), so a process using it needs no
     ``cryptography``."""
 
-    def __init__(self, role: str, logger: Any, exempt: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        role: str,
+        logger: Any,
+        exempt: frozenset[str] = frozenset(),
+        roles: dict[str, str] | None = None,
+    ) -> None:
         self.role, self.log, self.exempt = role, logger, exempt
+        self.roles = dict(roles or {})
+        """Methods (full names) that need another role than ``role`` (``Agent.Exec``:
+        ``api``); the others need ``role``."""
 
     def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method in self.exempt:
             return handler
+        needed = self.roles.get(method, self.role)
 
         def guard(inner: Any) -> Any:
             def checked(request: Any, context: grpc.ServicerContext) -> Any:
-                if peer_role(context) != self.role:
+                if peer_role(context) != needed:
                     subject = context.auth_context().get("x509_subject")
                     self.log.warning(
                         "refused %s from %s (%s): needs a %s certificate",
                         method.rsplit("/", 1)[-1],
                         context.peer(),
                         subject[0].decode("utf-8", "replace") if subject else "no certificate",
-                        self.role,
+                        needed,
                     )
                     context.abort(
                         grpc.StatusCode.PERMISSION_DENIED,
-                        f"this call needs a {self.role} certificate",
+                        f"this call needs a {needed} certificate",
                     )
                 return inner(request, context)
 

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 ORG = "gpufleet"
 ROLE_CONTROLLER = "controller"
 ROLE_NODE = "node"
+ROLE_API = "api"
+"""An API server's client certificate: ``Agent.Exec`` only (docs/design/security.md)."""
+API_CERT_TTL_S = 365 * 86400
 CONTROLLER_NAME = "controller.gpufleet"
 NODE_SUFFIX = ".node.gpufleet"
 CA_TTL_S = 10 * 365 * 86400

@@ -677,6 +677,177 @@ class ReportCompletionResponse(_message.Message):
 Global___ReportCompletionResponse: _TypeAlias = ReportCompletionResponse  # noqa: Y015
 
 @_typing.final
+class ExecStart(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    TTY_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    COLS_FIELD_NUMBER: _builtins.int
+    FORWARD_PORT_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    token: _builtins.int
+    """the attempt's fencing token; another one is refused"""
+    tty: _builtins.bool
+    """a pseudo-terminal (stdout carries both streams)"""
+    rows: _builtins.int
+    cols: _builtins.int
+    forward_port: _builtins.int
+    """> 0: relay a TCP connection to 127.0.0.1:port in the job's netns"""
+    actor: _builtins.str
+    """who asked (token id, team): the agent's log line"""
+    @_builtins.property
+    def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """argv; empty with forward_port set"""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        token: _builtins.int = ...,
+        command: _abc.Iterable[_builtins.str] | None = ...,
+        tty: _builtins.bool = ...,
+        rows: _builtins.int = ...,
+        cols: _builtins.int = ...,
+        forward_port: _builtins.int = ...,
+        actor: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actor", b"actor", "cols", b"cols", "command", b"command", "forward_port", b"forward_port", "rows", b"rows", "run_id", b"run_id", "token", b"token", "tty", b"tty"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExecStart: _TypeAlias = ExecStart  # noqa: Y015
+
+@_typing.final
+class ExecResize(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    COLS_FIELD_NUMBER: _builtins.int
+    rows: _builtins.int
+    cols: _builtins.int
+    def __init__(
+        self,
+        *,
+        rows: _builtins.int = ...,
+        cols: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cols", b"cols", "rows", b"rows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExecResize: _TypeAlias = ExecResize  # noqa: Y015
+
+@_typing.final
+class ExecStarted(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    UID_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    """the exec'd process (host pid; 0 for a port-forward)"""
+    uid: _builtins.int
+    """the uid it runs as (-1: unknown, a container's)"""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        uid: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid", "uid", b"uid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExecStarted: _TypeAlias = ExecStarted  # noqa: Y015
+
+@_typing.final
+class ExecExit(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    exit_code: _builtins.int
+    """-N: killed by signal N"""
+    message: _builtins.str
+    """why it ended, when not by itself (idle timeout, attempt ended)"""
+    def __init__(
+        self,
+        *,
+        exit_code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExecExit: _TypeAlias = ExecExit  # noqa: Y015
+
+@_typing.final
+class ExecFrame(_message.Message):
+    """One frame of an exec session, both ways (gRPC to the agent, WebSocket binary messages from
+    the CLI to the API server).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    STDIN_FIELD_NUMBER: _builtins.int
+    STDIN_EOF_FIELD_NUMBER: _builtins.int
+    RESIZE_FIELD_NUMBER: _builtins.int
+    STARTED_FIELD_NUMBER: _builtins.int
+    STDOUT_FIELD_NUMBER: _builtins.int
+    STDERR_FIELD_NUMBER: _builtins.int
+    EXIT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    stdin: _builtins.bytes
+    stdin_eof: _builtins.bool
+    stdout: _builtins.bytes
+    stderr: _builtins.bytes
+    error: _builtins.str
+    """refused or failed before or while starting (then the end)"""
+    @_builtins.property
+    def start(self) -> Global___ExecStart: ...
+    @_builtins.property
+    def resize(self) -> Global___ExecResize: ...
+    @_builtins.property
+    def started(self) -> Global___ExecStarted: ...
+    @_builtins.property
+    def exit(self) -> Global___ExecExit: ...
+    def __init__(
+        self,
+        *,
+        start: Global___ExecStart | None = ...,
+        stdin: _builtins.bytes = ...,
+        stdin_eof: _builtins.bool = ...,
+        resize: Global___ExecResize | None = ...,
+        started: Global___ExecStarted | None = ...,
+        stdout: _builtins.bytes = ...,
+        stderr: _builtins.bytes = ...,
+        exit: Global___ExecExit | None = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "exit", b"exit", "kind", b"kind", "resize", b"resize", "start", b"start", "started", b"started", "stderr", b"stderr", "stdin", b"stdin", "stdin_eof", b"stdin_eof", "stdout", b"stdout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "exit", b"exit", "kind", b"kind", "resize", b"resize", "start", b"start", "started", b"started", "stderr", b"stderr", "stdin", b"stdin", "stdin_eof", b"stdin_eof", "stdout", b"stdout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["start", "stdin", "stdin_eof", "resize", "started", "stdout", "stderr", "exit", "error"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___ExecFrame: _TypeAlias = ExecFrame  # noqa: Y015
+
+@_typing.final
 class AssignJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

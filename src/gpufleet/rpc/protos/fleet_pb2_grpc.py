@@ -262,6 +262,11 @@ class AgentStub:
                 request_serializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ListRunsRequest.SerializeToString,
                 response_deserializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ListRunsResponse.FromString,
                 _registered_method=True)
+        self.Exec = channel.stream_stream(
+                '/gpufleet.v1.Agent/Exec',
+                request_serializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ExecFrame.SerializeToString,
+                response_deserializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ExecFrame.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -290,6 +295,16 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exec(self, request_iterator, context):
+        """API server -> agent (an `api` certificate only; docs/design/security.md, "Getting into a
+        running job"): a command, a shell or one forwarded TCP connection inside a running
+        attempt's containment. The first client frame is `start`; then `stdin`, `resize` and
+        `stdin_eof`. The agent answers `started`, then `stdout`/`stderr`, and ends with `exit`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -307,6 +322,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.ListRuns,
                     request_deserializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ListRunsRequest.FromString,
                     response_serializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ListRunsResponse.SerializeToString,
+            ),
+            'Exec': grpc.stream_stream_rpc_method_handler(
+                    servicer.Exec,
+                    request_deserializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ExecFrame.FromString,
+                    response_serializer=gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ExecFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +412,33 @@ class Agent:
             '/gpufleet.v1.Agent/ListRuns',
             gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ListRunsRequest.SerializeToString,
             gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ListRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exec(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gpufleet.v1.Agent/Exec',
+            gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ExecFrame.SerializeToString,
+            gpufleet_dot_rpc_dot_protos_dot_fleet__pb2.ExecFrame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -112,6 +112,12 @@ class AgentStub:
     """Cancel, preempt or time out one attempt: SIGTERM, grace, SIGKILL, verify, then report."""
     ListRuns: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.ListRunsRequest, _fleet_pb2.ListRunsResponse]
     """The attempts the agent knows about (reconciliation asks before it releases)."""
+    Exec: _grpc.StreamStreamMultiCallable[_fleet_pb2.ExecFrame, _fleet_pb2.ExecFrame]
+    """API server -> agent (an `api` certificate only; docs/design/security.md, "Getting into a
+    running job"): a command, a shell or one forwarded TCP connection inside a running
+    attempt's containment. The first client frame is `start`; then `stdin`, `resize` and
+    `stdin_eof`. The agent answers `started`, then `stdout`/`stderr`, and ends with `exit`.
+    """
 
 @_typing.type_check_only
 class AgentAsyncStub(AgentStub):
@@ -124,6 +130,12 @@ class AgentAsyncStub(AgentStub):
     """Cancel, preempt or time out one attempt: SIGTERM, grace, SIGKILL, verify, then report."""
     ListRuns: _aio.UnaryUnaryMultiCallable[_fleet_pb2.ListRunsRequest, _fleet_pb2.ListRunsResponse]  # type: ignore[assignment]
     """The attempts the agent knows about (reconciliation asks before it releases)."""
+    Exec: _aio.StreamStreamMultiCallable[_fleet_pb2.ExecFrame, _fleet_pb2.ExecFrame]  # type: ignore[assignment]
+    """API server -> agent (an `api` certificate only; docs/design/security.md, "Getting into a
+    running job"): a command, a shell or one forwarded TCP connection inside a running
+    attempt's containment. The first client frame is `start`; then `stdin`, `resize` and
+    `stdin_eof`. The agent answers `started`, then `stdout`/`stderr`, and ends with `exit`.
+    """
 
 class AgentServicer(metaclass=_abc_1.ABCMeta):
     """---------------------------------------------------------------- controller -> agent"""
@@ -151,6 +163,18 @@ class AgentServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_fleet_pb2.ListRunsResponse, _abc.Awaitable[_fleet_pb2.ListRunsResponse]]:
         """The attempts the agent knows about (reconciliation asks before it releases)."""
+
+    @_abc_1.abstractmethod
+    def Exec(
+        self,
+        request_iterator: _MaybeAsyncIterator[_fleet_pb2.ExecFrame],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_fleet_pb2.ExecFrame], _abc.AsyncIterator[_fleet_pb2.ExecFrame]]:
+        """API server -> agent (an `api` certificate only; docs/design/security.md, "Getting into a
+        running job"): a command, a shell or one forwarded TCP connection inside a running
+        attempt's containment. The first client frame is `start`; then `stdin`, `resize` and
+        `stdin_eof`. The agent answers `started`, then `stdout`/`stderr`, and ends with `exit`.
+        """
 
 def add_AgentServicer_to_server(servicer: AgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
