@@ -20,8 +20,10 @@ from gpufleet.api.schemas import (
     JobList,
     JobOut,
     PendingReasonOut,
+    StartEstimateOut,
 )
 from gpufleet.domain.errors import ValidationFailed
+from gpufleet.policy.start_estimate import NOT_YET, describe_stored
 from gpufleet.services import jobctl, jobs, limits
 from gpufleet.services import nodes as node_service
 from gpufleet.store.dialect import db_now
@@ -108,6 +110,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 now = db_now(s)
                 _count_down_backoff(out.pending_reason, now)
                 _drop_past_estimate(out.pending_reason, now)
+                _start_estimate_text(out.pending_reason, now)
             return out
 
     @r.get("/v1/jobs/{job_id}/events", responses=errors(404))
@@ -180,10 +183,13 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 ):
                     runs.setdefault(r.job_id, []).append(r)
             unverified = jobs.unverified_processes(s, (r for rs in runs.values() for r in rs))
-            return JobList(
-                items=[job_out(j, runs.get(j.id, []), unverified) for j in rows],
-                next_cursor=nxt,
-            )
+            items = [job_out(j, runs.get(j.id, []), unverified) for j in rows]
+            if any(o.pending_reason is not None for o in items):
+                now = db_now(s)
+                for o in items:
+                    if o.pending_reason is not None:
+                        _start_estimate_text(o.pending_reason, now)
+            return JobList(items=items, next_cursor=nxt)
 
     @r.delete("/v1/jobs/{job_id}", status_code=202, responses=errors(404, 409))
     def cancel(job_id: str, who: Who) -> dict[str, Any]:
@@ -223,6 +229,16 @@ def _drop_past_estimate(reason: PendingReasonOut, now: datetime) -> None:
     at = reason.estimated_start_at
     if at and datetime.fromisoformat(at.replace("Z", "+00:00")) < now:
         reason.estimated_start_at = None
+
+
+def _start_estimate_text(reason: PendingReasonOut, now: datetime) -> None:
+    """Fill ``start_estimate.text`` as of ``now`` (the database clock): the range counts
+    down between the leader's recomputations. A reason without an estimate yet gets an
+    "unknown because" one."""
+    est = reason.start_estimate
+    if est is None:
+        est = reason.start_estimate = StartEstimateOut(unknown=NOT_YET)
+    est.text = describe_stored(est.model_dump(), now.timestamp())
 
 
 def job_out(

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.decisions import CycleResult, HoldForBackfill, Place, PlaceGang
@@ -46,7 +47,7 @@ from gpufleet.policy.predictor import Spread
 from gpufleet.policy.priority import queue_key
 from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob, RunningJob
 
-__all__ = ["StartEstimate", "describe", "estimate_starts"]
+__all__ = ["StartEstimate", "describe", "describe_stored", "estimate_starts"]
 
 Spreads = Callable[[str], Spread | None]
 """Job id -> the spread of durations of similar finished jobs, or None (no history)."""
@@ -121,9 +122,38 @@ def describe(est: StartEstimate, now_s: float) -> str:
     limits``, or ``unknown because ...``; ``now_s`` on the estimate's clock."""
     if est.unknown is not None or est.earliest_s is None or est.latest_s is None:
         return f"unknown because {est.unknown or 'no estimate was computed'}"
-    when = _round_span(est.earliest_s - now_s, est.latest_s - now_s)
+    if est.latest_s < now_s - 0.5:  # read after the range passed (it is recomputed often)
+        when = "any moment now (later than the estimate)"
+    else:
+        when = _round_span(est.earliest_s - now_s, est.latest_s - now_s)
     ahead = f"{est.ahead} job{'s' if est.ahead != 1 else ''} ahead"
     return f"{when}; {ahead}, {est.basis}"
+
+
+NOT_YET = "the scheduler has not estimated it yet (it does every ~10 s)"
+
+
+def _epoch(at: object) -> float | None:
+    if not isinstance(at, str) or not at:
+        return None
+    return datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
+
+
+def describe_stored(stored: Mapping[str, object] | None, now_s: float) -> str:
+    """:func:`describe` of an estimate in its stored form (``earliest_at``/``latest_at`` ISO
+    8601, ``ahead``, ``basis``, ``unknown``: what the leader writes into
+    ``pending_reason.start_estimate``) as of ``now_s`` (epoch seconds); None: not yet."""
+    if not stored:
+        return f"unknown because {NOT_YET}"
+    ahead = stored.get("ahead")
+    est = StartEstimate(
+        _epoch(stored.get("earliest_at")),
+        _epoch(stored.get("latest_at")),
+        ahead if isinstance(ahead, int) else 0,
+        str(stored.get("basis") or ""),
+        str(stored["unknown"]) if stored.get("unknown") else None,
+    )
+    return describe(est, now_s)
 
 
 def _duration(
