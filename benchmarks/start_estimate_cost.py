@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from policy_pass import build  # noqa: E402
+from policy_pass import build
 
-from gpufleet.policy.config import PolicyConfig  # noqa: E402
-from gpufleet.policy.cycle import schedule  # noqa: E402
-from gpufleet.policy.predictor import Spread  # noqa: E402
-from gpufleet.policy.start_estimate import estimate_starts  # noqa: E402
+from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.cycle import schedule
+from gpufleet.policy.predictor import Spread
+from gpufleet.policy.start_estimate import estimate_starts
 
 
 def main() -> None:

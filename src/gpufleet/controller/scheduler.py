@@ -137,7 +137,8 @@ RESERVE_THREADS = 4
 REASONS_REFRESH_S = 2.0
 START_ESTIMATE_REFRESH_S = 10.0
 """How often the leader recomputes every waiting job's start estimate
-(``policy.start_estimate``; ~0.4 s of CPU at 10,000 pending x 1,000 nodes, docs/design/scheduling-policy.md)."""
+(``policy.start_estimate``; ~0.4 s of CPU at 10,000 pending x 1,000 nodes:
+docs/design/scheduling-policy.md)."""
 PREDICTION_REFRESH_S = 10.0
 """How often the leader reads the attempts that finished since it last looked (one indexed
 query on ``usage_records``) into its duration predictor."""
