@@ -21,8 +21,10 @@ from gpufleet.api.schemas import (
     JobList,
     JobOut,
     PendingReasonOut,
+    StartEstimateOut,
 )
 from gpufleet.domain.errors import ValidationFailed
+from gpufleet.policy.start_estimate import NOT_YET, describe_stored
 from gpufleet.services import auth, jobctl, jobs, limits
 from gpufleet.services import nodes as node_service
 from gpufleet.store.accounting import RESOURCE_COLUMNS
@@ -114,6 +116,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 out.pending_reason.position = jobs.queue_position(s, job)
                 _count_down_backoff(out.pending_reason, now)
                 _drop_past_estimate(out.pending_reason, now)
+                _start_estimate_text(out.pending_reason, now)
             return out
 
     @r.get("/v1/jobs/{job_id}/events", responses=errors(404))
@@ -201,10 +204,11 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 ):
                     runs.setdefault(r.job_id, []).append(r)
             unverified = jobs.unverified_processes(s, (r for rs in runs.values() for r in rs))
-            return JobList(
-                items=[job_out(j, runs.get(j.id, []), unverified, now=now) for j in rows],
-                next_cursor=nxt,
-            )
+            items = [job_out(j, runs.get(j.id, []), unverified, now=now) for j in rows]
+            for o in items:
+                if o.pending_reason is not None:
+                    _start_estimate_text(o.pending_reason, now)
+            return JobList(items=items, next_cursor=nxt)
 
     @r.delete("/v1/jobs/{job_id}", status_code=202, responses=errors(404, 409))
     def cancel(job_id: str, who: Who) -> dict[str, Any]:
@@ -275,6 +279,16 @@ def attempt_resources(s: Session, job: JobRow, out: JobOut) -> None:
     }
     for a in out.attempts:
         a.resources = figures.get(a.run_id) or None
+
+
+def _start_estimate_text(reason: PendingReasonOut, now: datetime) -> None:
+    """Fill ``start_estimate.text`` as of ``now`` (the database clock): the range counts
+    down between the leader's recomputations. A reason without an estimate yet gets an
+    "unknown because" one."""
+    est = reason.start_estimate
+    if est is None:
+        est = reason.start_estimate = StartEstimateOut(unknown=NOT_YET)
+    est.text = describe_stored(est.model_dump(), now.timestamp())
 
 
 def job_out(

@@ -443,12 +443,34 @@ class AttemptOut(BaseModel):
     gone: node n1 unreachable (...)"``; None once they are (or for an attempt never fenced)."""
 
 
+class StartEstimateOut(BaseModel):
+    """When a waiting job is expected to start (the leader's ``policy.start_estimate``,
+    recomputed every ~10 s): the p10..p90 range of its start, or why it is unknown."""
+
+    earliest_at: str | None = None
+    """The p10 start (ISO 8601 UTC); None when unknown."""
+    latest_at: str | None = None
+    """The p90 start (ISO 8601 UTC); None when unknown."""
+    ahead: int = 0
+    """Waiting jobs expected to start before it on the same GPU type."""
+    basis: str = ""
+    """What the range rests on, e.g. ``running work bounded by time limits``."""
+    unknown: str | None = None
+    """Why there is no range (words after "unknown because"); None when there is one."""
+    reserved: bool = False
+    """The scheduler holds a backfill reservation for it."""
+    text: str = ""
+    """One line, as of the read: ``in 20-45 min; 3 jobs ahead, running work bounded by
+    time limits`` or ``unknown because ...``."""
+
+
 class PendingReasonOut(BaseModel):
     code: str
     message: str
     details: dict[str, Any] = {}
     position: int | None = None
     estimated_start_at: str | None = None
+    start_estimate: StartEstimateOut | None = None
 
 
 class JobOut(BaseModel):

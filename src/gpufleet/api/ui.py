@@ -49,6 +49,7 @@ from gpufleet.domain.errors import GpufleetError, NotFound, Unauthenticated, Val
 from gpufleet.domain.manifest import Manifest
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, ReservationStatus, RunStatus
 from gpufleet.objectstore import ObjectStore, attempt_prefix
+from gpufleet.policy.start_estimate import describe_stored
 from gpufleet.services import auth, jobctl, jobs, teams
 from gpufleet.store import accounting
 from gpufleet.store.dialect import db_now
@@ -456,6 +457,7 @@ def queue_context(s: Session, p: auth.Principal) -> dict[str, Any]:
                     "message", "Queued; the scheduler has not looked at it yet."
                 ),
                 "estimated_start_at": est,
+                "start_estimate": describe_stored(reason.get("start_estimate"), now.timestamp()),
                 "cancel_requested": j.cancel_requested,
                 "held": bool(j.held),
             }
@@ -565,6 +567,11 @@ def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) 
         "events": events,
         "position": position,
         "reason": job.pending_reason if job.status == JobStatus.PENDING else None,
+        "start_estimate": describe_stored(
+            (job.pending_reason or {}).get("start_estimate"), db_now(s).timestamp()
+        )
+        if job.status == JobStatus.PENDING
+        else None,
         "finished": job.status in JOB_TERMINAL,
         "unverified": next(
             (f"attempt {r.id}: {unverified[r.id]}" for r in runs if r.id in unverified), None

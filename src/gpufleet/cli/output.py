@@ -639,6 +639,9 @@ def pending_lines(reason: dict[str, Any]) -> list[str]:
     start = reason.get("estimated_start_at")
     if start:  # only when the server has one (backfill's reservation for the job)
         lines.append(f"  estimated start: {fmt_time(start, relative=True)}")
+    est = reason.get("start_estimate")
+    if isinstance(est, dict) and est.get("text"):  # the p10..p90 range, or why unknown
+        lines.append(f"  start:           {clean(str(est['text']))}")
     return lines
 
 

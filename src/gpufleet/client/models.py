@@ -55,6 +55,40 @@ class Attempt:
 
 
 @dataclass(frozen=True, slots=True)
+class StartEstimate:
+    """A waiting job's estimated start: ``earliest_at``/``latest_at`` (ISO-8601 UTC, the
+    p10..p90 range; None when unknown), ``ahead`` (jobs expected to start before it on its
+    GPU type), ``basis`` (what the range rests on), ``unknown`` (why there is no range),
+    ``reserved`` (a backfill reservation holds GPUs for it) and ``text`` (one line as of the
+    read, e.g. ``in 20-45 min; 3 jobs ahead, running work bounded by time limits``)."""
+
+    earliest_at: str | None
+    latest_at: str | None
+    ahead: int
+    basis: str
+    unknown: str | None
+    reserved: bool
+    text: str
+
+    @property
+    def bounded(self) -> bool:
+        """True when there is a range (``unknown`` is None)."""
+        return self.unknown is None and self.latest_at is not None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StartEstimate:
+        return cls(
+            earliest_at=_str(d.get("earliest_at")),
+            latest_at=_str(d.get("latest_at")),
+            ahead=int(d.get("ahead") or 0),
+            basis=str(d.get("basis") or ""),
+            unknown=_str(d.get("unknown")),
+            reserved=bool(d.get("reserved")),
+            text=str(d.get("text") or ""),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class PendingReason:
     """Why a job waits: a stable ``code``, a sentence, details, queue position (1 = next) and
     the estimated start (ISO-8601 UTC) when the server can give one."""
@@ -64,15 +98,19 @@ class PendingReason:
     details: dict[str, Any]
     position: int | None
     estimated_start_at: str | None
+    start_estimate: StartEstimate | None = None
+    """When it is expected to start (a p10..p90 range with its basis), or why unknown."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PendingReason:
+        est = d.get("start_estimate")
         return cls(
             code=str(d.get("code")),
             message=str(d.get("message") or d.get("code") or "pending"),
             details=dict(d.get("details") or {}),
             position=d.get("position"),
             estimated_start_at=_str(d.get("estimated_start_at")),
+            start_estimate=StartEstimate.from_dict(est) if isinstance(est, dict) else None,
         )
 
 

@@ -31,7 +31,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["DurationPredictor", "JobKey", "Prediction"]
+__all__ = ["DurationPredictor", "JobKey", "Prediction", "Spread"]
 
 LEVELS: tuple[tuple[str, float], ...] = (
     ("team+user+name+gpus", 1.0),
@@ -73,6 +73,28 @@ class Prediction:
     confidence: float
     samples: int
     basis: str
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """A range of likely durations (what a start estimate is built on).
+
+    Attributes:
+        low_s / high_s: the ``low`` and ``high`` quantiles of the durations at the level
+            used, seconds (0 < low_s <= high_s).
+        samples: finished runs behind it.
+        basis: the history level used (a name from ``LEVELS``).
+    """
+
+    low_s: float
+    high_s: float
+    samples: int
+    basis: str
+
+
+def _quantile(s: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``s`` (nearest rank, as ``predict``)."""
+    return s[max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))]
 
 
 class DurationPredictor:
@@ -119,4 +141,17 @@ class DurationPredictor:
                 q = self._cache[k] = s[min(len(s) - 1, math.ceil(self.quantile * len(s)) - 1)]
             confidence = factor * len(h) / self.window
             return Prediction(q, confidence, len(h), basis)
+        return None
+
+    def spread(self, key: JobKey, low: float = 0.1, high: float = 0.9) -> Spread | None:
+        """The ``low``..``high`` quantiles (0 < low <= high <= 1) of past durations at the
+        most specific level with ``min_samples`` runs (the level ``predict`` uses), or None
+        without enough history. Sorts the level's window (<= ``window`` values) per call:
+        callers that ask often memoize per key (``store.predictions``)."""
+        for k, (basis, _) in zip(key.levels(), LEVELS, strict=True):
+            h = self._hist.get(k)
+            if h is None or len(h) < self.min_samples:
+                continue
+            s = sorted(h)
+            return Spread(_quantile(s, low), _quantile(s, high), len(h), basis)
         return None

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.states import RunStatus
-from gpufleet.policy.predictor import DurationPredictor, JobKey, Prediction
+from gpufleet.policy.predictor import DurationPredictor, JobKey, Prediction, Spread
 from gpufleet.store.tables import JobRow, UsageRecordRow
 
 WARM_LIMIT = 5000
@@ -44,6 +44,7 @@ class HistoryPredictor:
         """``end_at`` of the newest attempt observed (None before the first refresh)."""
         self.observed = 0
         self._memo: dict[JobKey, Prediction | None] = {}
+        self._spreads: dict[JobKey, Spread | None] = {}
 
     def refresh(self, session: Session) -> int:
         """Observe the attempts that ended since the last refresh (at the first, the last
@@ -82,6 +83,7 @@ class HistoryPredictor:
                 self.seen_until = newest
         self.observed += n
         self._memo.clear()
+        self._spreads.clear()
         return n
 
     @staticmethod
@@ -97,3 +99,13 @@ class HistoryPredictor:
             self._memo[key] = self.predictor.predict(key)
         p = self._memo[key]
         return p.seconds if p is not None else None
+
+    def spread(
+        self, team_id: str, user: str | None, name: str | None, gpu_count: int
+    ) -> Spread | None:
+        """The p10..p90 run times of similar finished jobs (``DurationPredictor.spread``),
+        memoized until the next refresh; None without enough history."""
+        key = self.key(team_id, user, name, gpu_count)
+        if key not in self._spreads:
+            self._spreads[key] = self.predictor.spread(key)
+        return self._spreads[key]

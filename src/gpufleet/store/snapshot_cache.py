@@ -349,6 +349,11 @@ class SnapshotCache:
                 out[job_id] = entry[1]
         return out
 
+    def prediction_key(self, job_id: str) -> tuple[str, str | None, str | None, int] | None:
+        """What the prediction of a cached pending or running job is keyed on: (team,
+        submitter, name, GPU count); None for a job the cache does not hold."""
+        return self._pkeys.get(job_id)
+
     # -- reads ---------------------------------------------------------------------------
     def _full(self, session: Session) -> None:
         self._read_nodes(session, None)
