@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import fleet_workload
 import httpx
 from _common import (
     DEFAULT_POSTGRES_URL,
@@ -306,7 +307,17 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--postgres-url", default=DEFAULT_POSTGRES_URL)
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--workload",
+        choices=("uniform", "philly"),
+        default="uniform",
+        help="uniform: --jobs-per-node jobs of 1/2/4/8 GPUs; philly: fleet_workload.py",
+    )
+    fleet_workload.add_arguments(p)
     args = p.parse_args()
+    if args.workload == "philly":
+        fleet_workload.main(args, BENCH_DATABASE)
+        return
     rows = []
     for n in args.nodes:
         with fresh_postgres_database(args.postgres_url, BENCH_DATABASE) as url:
