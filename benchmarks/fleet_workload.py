@@ -498,15 +498,13 @@ def add_arguments(p: Any) -> None:
 
 def traces_dir(arg: Path | None) -> Path:
     """``--traces-dir``, else ``$GPUFLEET_TRACES_DIR``, else ``../shared/traces`` from the
-    checkout root (never copied into the repository)."""
-    import os
-
+    checkout root, as ``gpufleet sim`` finds it (``sim.config.default_traces_dir``; a git
+    worktree elsewhere sets the variable). Trace files are read in place, never copied."""
     if arg is not None:
         return arg
-    env = os.environ.get("GPUFLEET_TRACES_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+    from gpufleet.sim.config import default_traces_dir
+
+    return default_traces_dir()
 
 
 def workload_from_args(n: int, args: Any) -> Workload:
@@ -1154,9 +1152,11 @@ def main(args: Any, database: str) -> None:
     for n in args.nodes:
         with fresh_postgres_database(args.postgres_url, database) as url:
             r = run_live(url, n, args)
+        results.append(r)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
         if not args.no_sim:
             r["sim"] = live_vs_sim.simulate(r)
-        results.append(r)
         if args.json:  # after each row: a later row that fails keeps the earlier ones
             args.json.write_text(json.dumps(results, indent=1, default=str) + "\\n")
     out = table_console(240)

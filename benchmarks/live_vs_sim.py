@@ -116,7 +116,7 @@ def simulate(result: Mapping[str, Any], grace_s: float = SIM_GRACE_S) -> dict[st
         "alloc_backlogged_pct": alloc,
         "preemptions": rec.preemptions,
         "passes": eng.passes,
-        "violations": len(eng.violations),
+        "violations": eng.violations,
         "makespan_s": eng.now,
     }
 
