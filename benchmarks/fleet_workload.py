@@ -1148,6 +1148,11 @@ def main(args: Any, database: str) -> None:
     import live_vs_sim
     from _common import fresh_postgres_database, machine, table_console
 
+    import os
+
+    # a name of its own: fresh_postgres_database drops the database WITH (FORCE), and another
+    # fleet_scale.py run on the same server (the uniform workload) uses ``database``
+    database = f"{database}_philly_{os.getpid()}"
     results = []
     for n in args.nodes:
         with fresh_postgres_database(args.postgres_url, database) as url:
