@@ -814,6 +814,7 @@ def run_live(url: str, n: int, args: Any) -> dict[str, Any]:
         base = f"http://127.0.0.1:{port}"
         sent: dict[int, dict[str, Any]] = {}
         errors: list[str] = []
+        retried: list[str] = []
         lock = threading.Lock()
 
         def submit_some(chunk: list[WorkloadJob]) -> None:
@@ -831,11 +832,22 @@ def run_live(url: str, n: int, args: Any) -> dict[str, Any]:
                     if delay > 0:
                         time.sleep(delay)
                     s0 = time.monotonic()
-                    r = c.post(
-                        "/v1/jobs",
-                        json=job.body(),
-                        headers={"Idempotency-Key": str(uuid.uuid4())},
-                    )
+                    key = str(uuid.uuid4())
+                    r = None
+                    for _ in range(3):  # the same key: a retried submit is one job
+                        try:
+                            r = c.post(
+                                "/v1/jobs", json=job.body(), headers={"Idempotency-Key": key}
+                            )
+                            break
+                        except httpx.TransportError as exc:
+                            # e.g. a keep-alive connection the server closed while idle
+                            with lock:
+                                retried.append(f"{type(exc).__name__}: {exc}")
+                    if r is None:
+                        with lock:
+                            errors.append(retried[-1])
+                        continue
                     dt = time.monotonic() - s0
                     with lock:
                         if r.status_code >= 300:
@@ -923,6 +935,7 @@ def run_live(url: str, n: int, args: Any) -> dict[str, Any]:
             "workload": wl.summary(),
             "submit_errors": len(errors),
             "submit_errors_sample": errors[:5],
+            "submit_retries": len(retried),
             "heartbeat": heartbeat,
             "phases": _phases(wl, sent, samples, submit_end, end_t),
             "start_latency": _start_latency(jobs_out, samples, t0_wall),
@@ -1135,7 +1148,7 @@ def print_report(results: Sequence[Mapping[str, Any]], out: Any) -> None:
             f"{hb['ctl_cpu_ms_per_hb']} ms CPU, PostgreSQL {hb['pg_cpu_ms_per_hb']} ms CPU, "
             f"{hb['pg_xact_per_hb']} transactions per heartbeat (idle passes included); "
             f"all SUCCEEDED {r['all_succeeded']}, violations {r['violations']}, "
-            f"submit errors {r['submit_errors']}, preemptions {r['preemptions']}; "
+            f"submit errors {r['submit_errors']} (retried {r.get('submit_retries', 0)}), preemptions {r['preemptions']}; "
             f"all HEALTHY after {r['register_s']} s; {r['stats_source']}"
         )
 
@@ -1153,6 +1166,11 @@ def main(args: Any, database: str) -> None:
     # a name of its own: fresh_postgres_database drops the database WITH (FORCE), and another
     # fleet_scale.py run on the same server (the uniform workload) uses ``database``
     database = f"{database}_philly_{os.getpid()}"
+    import signal
+    import sys
+
+    # SIGTERM ends the run through its finally blocks (processes stopped, database dropped)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = []
     for n in args.nodes:
         with fresh_postgres_database(args.postgres_url, database) as url:
