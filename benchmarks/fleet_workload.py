@@ -349,7 +349,7 @@ def generate(
     # none larger than the fleet
     i0 = rng.randrange(max(1, len(trace) // 2))
     span = trace[-1].t_s - trace[0].t_s + 1.0
-    seq = [j for j in trace[i0:]] + [
+    seq = list(trace[i0:]) + [
         TraceJob(j.t_s + span, j.duration_s, j.gpus, j.vc) for j in trace[:i0]
     ]
     seq = [j for j in seq if j.gpus <= capacity]
@@ -636,8 +636,16 @@ def run_live(url: str, n: int, args: Any) -> dict[str, Any]:
     stop = threading.Event()
     try:
         procs["controller"] = subprocess.Popen(
-            [*exe, "controller", "--address", addr, "--join-address", join]
-            + ["--metrics-port", str(mport)],
+            [
+                *exe,
+                "controller",
+                "--address",
+                addr,
+                "--join-address",
+                join,
+                "--metrics-port",
+                str(mport),
+            ],
             env=env,
             stdout=logs["controller"],
             stderr=subprocess.STDOUT,
@@ -654,12 +662,14 @@ def run_live(url: str, n: int, args: Any) -> dict[str, Any]:
         )
         t_start = time.monotonic()
         procs["hollow"] = subprocess.Popen(
-            [sys.executable, "-m", "gpufleet.agent.hollow", "--count", str(n)]
-            + ["--controller", addr, "--join-address", join]
-            + ["--object-store-url", settings.resolved_object_store_url()]
-            + ["--ca-cert", str(tls.ca_paths(settings.resolved_pki_dir())[1])]
-            + ["--tokens", str(tmp / "tokens.json"), "--state-root", str(tmp / "hollow")]
-            + ["--gpu-mix", gpu_mix_arg(wl.fleet)],
+            [
+                *(sys.executable, "-m", "gpufleet.agent.hollow", "--count", str(n)),
+                *("--controller", addr, "--join-address", join),
+                *("--object-store-url", settings.resolved_object_store_url()),
+                *("--ca-cert", str(tls.ca_paths(settings.resolved_pki_dir())[1])),
+                *("--tokens", str(tmp / "tokens.json"), "--state-root", str(tmp / "hollow")),
+                *("--gpu-mix", gpu_mix_arg(wl.fleet)),
+            ],
             env=env,
             stdout=logs["hollow"],
             stderr=subprocess.STDOUT,
@@ -751,7 +761,6 @@ def run_live(url: str, n: int, args: Any) -> dict[str, Any]:
 
         # the sampler
         samples: list[dict[str, Any]] = []
-        t0_wall = time.time()
         t0 = time.monotonic()
 
         def sample_once() -> None:
@@ -802,7 +811,7 @@ def run_live(url: str, n: int, args: Any) -> dict[str, Any]:
                 t = time.monotonic()
                 try:
                     sample_once()
-                except Exception as exc:  # noqa: BLE001  (a sample lost is not a run lost)
+                except Exception as exc:  # a sample lost is not a run lost
                     console.print(f"sample failed: {exc}")
                 stop.wait(max(0.0, 1.0 - (time.monotonic() - t)))
 
@@ -938,7 +947,7 @@ def run_live(url: str, n: int, args: Any) -> dict[str, Any]:
             "submit_retries": len(retried),
             "heartbeat": heartbeat,
             "phases": _phases(wl, sent, samples, submit_end, end_t),
-            "start_latency": _start_latency(jobs_out, samples, t0_wall),
+            "start_latency": _start_latency(jobs_out, samples),
             "preemptions": preempted,
             "preemptions_metric": samples[-1]["prom"]["preemptions"],
             "alloc_backlogged_pct": _alloc(samples, 0.0, end_t, 8 * n_up),
@@ -1022,7 +1031,7 @@ def _phases(
 
 
 def _start_latency(
-    jobs: Sequence[Mapping[str, Any]], samples: Sequence[Mapping[str, Any]], t0_wall: float
+    jobs: Sequence[Mapping[str, Any]], samples: Sequence[Mapping[str, Any]]
 ) -> dict[str, Any]:
     """Submit -> RUNNING (first attempt) by priority, over all jobs and over the single-node
     jobs submitted when the last sample before showed a node (of the job's pinned type, if
@@ -1148,7 +1157,8 @@ def print_report(results: Sequence[Mapping[str, Any]], out: Any) -> None:
             f"{hb['ctl_cpu_ms_per_hb']} ms CPU, PostgreSQL {hb['pg_cpu_ms_per_hb']} ms CPU, "
             f"{hb['pg_xact_per_hb']} transactions per heartbeat (idle passes included); "
             f"all SUCCEEDED {r['all_succeeded']}, violations {r['violations']}, "
-            f"submit errors {r['submit_errors']} (retried {r.get('submit_retries', 0)}), preemptions {r['preemptions']}; "
+            f"submit errors {r['submit_errors']} (retried {r.get('submit_retries', 0)}), "
+            f"preemptions {r['preemptions']}; "
             f"all HEALTHY after {r['register_s']} s; {r['stats_source']}"
         )
 
@@ -1157,18 +1167,16 @@ def main(args: Any, database: str) -> None:
     """``fleet_scale.py --workload philly``: a run per ``--nodes``, each on a fresh database,
     each compared with the simulator unless ``--no-sim``; tables on stdout, ``--json``."""
     import json
+    import os
+    import signal
+    import sys
 
     import live_vs_sim
     from _common import fresh_postgres_database, machine, table_console
 
-    import os
-
     # a name of its own: fresh_postgres_database drops the database WITH (FORCE), and another
     # fleet_scale.py run on the same server (the uniform workload) uses ``database``
     database = f"{database}_philly_{os.getpid()}"
-    import signal
-    import sys
-
     # SIGTERM ends the run through its finally blocks (processes stopped, database dropped)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = []
