@@ -1189,7 +1189,7 @@ def main(args: Any, database: str) -> None:
         if not args.no_sim:
             r["sim"] = live_vs_sim.simulate(r)
         if args.json:  # after each row: a later row that fails keeps the earlier ones
-            args.json.write_text(json.dumps(results, indent=1, default=str) + "\\n")
+            args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
     out = table_console(240)
     print_report(results, out)
     for r in results:
