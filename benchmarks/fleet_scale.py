@@ -18,6 +18,10 @@ For each ``--nodes`` value (a row each):
 
 Numbers from a shared 2-core machine measure the software's cost curve, never GPUs.
 
+``--workload philly`` runs instead a Philly-shaped workload on a mixed H100/A100/L4 fleet with
+per-team guarantees, reported per phase and compared with the simulator
+(``fleet_workload.py``, ``live_vs_sim.py``; docs/design/hollow-nodes.md).
+
 Usage: python benchmarks/fleet_scale.py [--nodes 100,300] [--json out.json]
 """
 
