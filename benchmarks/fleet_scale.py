@@ -18,6 +18,10 @@ For each ``--nodes`` value (a row each):
 
 Numbers from a shared 2-core machine measure the software's cost curve, never GPUs.
 
+``--workload philly`` runs instead a Philly-shaped workload on a mixed H100/A100/L4 fleet with
+per-team guarantees, reported per phase and compared with the simulator
+(``fleet_workload.py``, ``live_vs_sim.py``; docs/design/hollow-nodes.md).
+
 Usage: python benchmarks/fleet_scale.py [--nodes 100,300] [--json out.json]
 """
 
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import fleet_faults
+import fleet_workload
 import httpx
 from _common import (
     DEFAULT_POSTGRES_URL,
@@ -62,7 +67,7 @@ from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
 from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
 
-BENCH_DATABASE = "gpufleet_bench_fleet_scale"
+BENCH_DATABASE = f"gpufleet_bench_fleet_scale_{os.getpid()}"
 LIVE_RUNS = ("ASSIGNED", "RUNNING", "PREEMPTING")
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -315,7 +320,17 @@ def main() -> None:
     p.add_argument("--postgres-url", default=DEFAULT_POSTGRES_URL)
     p.add_argument("--json", type=Path)
     fleet_faults.add_arguments(p)
+    p.add_argument(
+        "--workload",
+        choices=("uniform", "philly"),
+        default="uniform",
+        help="uniform: --jobs-per-node jobs of 1/2/4/8 GPUs; philly: fleet_workload.py",
+    )
+    fleet_workload.add_arguments(p)
     args = p.parse_args()
+    if args.workload == "philly":
+        fleet_workload.main(args, BENCH_DATABASE)
+        return
     rows = []
     for n in args.nodes:
         with fresh_postgres_database(args.postgres_url, BENCH_DATABASE) as url:
