@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import typer
 
-from gpufleet.cli import fleet, jobctl, joblogs, jobs, usage
+from gpufleet.cli import fleet, jobctl, joblogs, jobs, notify, usage
 from gpufleet.cli.submit import _SubmitCommand, submit
 
 
@@ -37,3 +37,4 @@ def register_client_commands(app: typer.Typer) -> None:
     app.command("nodes")(fleet.nodes)
     app.command("top")(fleet.top)
     usage.register(app)
+    notify.register(app)
