@@ -42,9 +42,7 @@ def test_webhook_of_a_finished_job(fleet: Fleet) -> None:
     receiver = Receiver([500])  # the first delivery fails: retried
     try:
         fleet.start_agent("n1", gpus="2xH100-80GB")
-        job_id = fleet.submit(
-            {"command": ["true"], "gpu_count": 1, "notify": [receiver.url]}
-        )
+        job_id = fleet.submit({"command": ["true"], "gpu_count": 1, "notify": [receiver.url]})
         fleet.wait_status(job_id, {"SUCCEEDED"}, timeout_s=60)
         fleet.wait_for(lambda: len(receiver.got) >= 2, 30, "the retried delivery")
         headers, body = receiver.got[-1]
@@ -63,9 +61,7 @@ def test_webhook_of_a_finished_job(fleet: Fleet) -> None:
             assert c.get("/v1/teams/vision/notify-secret").status_code == 403
 
         # team defaults, set by an admin where team settings are set
-        admin = fleet.db.run_write(
-            lambda s: auth.create_token(s, "vision", is_admin=True)
-        )
+        admin = fleet.db.run_write(lambda s: auth.create_token(s, "vision", is_admin=True))
         cli(fleet, admin, "admin", "team", "set", "nlp", "--notify", receiver.url)
         other = fleet.submit({"command": ["true"], "gpu_count": 1}, team="nlp")
         fleet.wait_status(other, {"SUCCEEDED"}, timeout_s=60, team="nlp")

@@ -32,7 +32,7 @@ class Receiver:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.got.append(({k.lower(): v for k, v in self.headers.items()}, body))
                 code = outer.answers.pop(0) if outer.answers else 200
@@ -115,8 +115,9 @@ def test_signed_delivery_of_the_final_record(platform: Platform, receiver: Recei
     assert webhooks.verify(
         secret, body, headers["x-gpufleet-signature"], headers["x-gpufleet-timestamp"]
     )
-    assert not webhooks.verify("another", body, headers["x-gpufleet-signature"],
-                               headers["x-gpufleet-timestamp"])
+    assert not webhooks.verify(
+        "another", body, headers["x-gpufleet-signature"], headers["x-gpufleet-timestamp"]
+    )
     assert headers["x-gpufleet-delivery"] == job_id
     record = json.loads(body)
     assert record["job_id"] == job_id and record["status"] == "SUCCEEDED"

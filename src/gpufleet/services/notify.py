@@ -190,7 +190,9 @@ def claim_due(db: Database, limit: int = 32) -> list[Claim]:
             if job is None:
                 continue
             body = json.dumps(final_record(job), separators=(",", ":")).encode()
-            claims.append(Claim(r.job_id, list(r.urls), r.attempts, team_secret(s, r.team_id), body))
+            claims.append(
+                Claim(r.job_id, list(r.urls), r.attempts, team_secret(s, r.team_id), body)
+            )
         return claims
 
     return db.run_write(run)
@@ -297,9 +299,7 @@ def deliver_due(db: Database, settings: Settings, client: httpx.Client | None = 
 def make_client(settings: Settings) -> httpx.Client:
     """The delivery client: ``notify_timeout_s``, no redirects (a redirect could point at a
     refused address), no proxy settings from the environment."""
-    return httpx.Client(
-        timeout=settings.notify_timeout_s, follow_redirects=False, trust_env=False
-    )
+    return httpx.Client(timeout=settings.notify_timeout_s, follow_redirects=False, trust_env=False)
 
 
 class NotifyWorker:
