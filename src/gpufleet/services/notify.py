@@ -108,7 +108,8 @@ def address_problem(url: str, settings: Settings) -> str | None:
         return f"host {host!r} does not resolve ({exc})"
     for info in infos:
         addr = ipaddress.ip_address(str(info[4][0]).split("%")[0])
-        if not addr.is_global and not settings.notify_allow_private:
+        public = addr.is_global and not (addr.is_multicast or addr.is_reserved)
+        if not public and not settings.notify_allow_private:
             return (
                 f"refused: {host!r} resolves to the non-public address {addr} (allow it with"
                 " notify_allow_hosts or notify_allow_private)"
@@ -215,14 +216,16 @@ def deliver(claim: Claim, settings: Settings, client: httpx.Client) -> Outcome:
             webhooks.DELIVERY_HEADER: claim.job_id,
         }
         try:
-            resp = client.post(url, content=claim.body, headers=headers)
+            # streamed and closed unread: only the status counts, a huge answer costs nothing
+            with client.stream("POST", url, content=claim.body, headers=headers) as resp:
+                code = resp.status_code
         except httpx.HTTPError as exc:
             out.failed[url] = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
             continue
-        if 200 <= resp.status_code < 300:
+        if 200 <= code < 300:
             out.delivered.append(url)
         else:
-            out.failed[url] = f"HTTP {resp.status_code}"
+            out.failed[url] = f"HTTP {code}"
     return out
 
 
