@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 
 from gpufleet.domain import webhooks
+from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.services import notify
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
 from gpufleet.store.tables import NotifyOutboxRow, SchedulingEventRow
+from tests.store.test_runs import write_manifest
 from tests.store.test_sql_budget import Platform
 
 
@@ -67,7 +69,24 @@ def platform(db: Database, tmp_path: Path) -> Iterator[Platform]:
     p.close()
 
 
-def run_job(p: Platform, urls: list[str]) -> str:
+def fail(p: Platform, job_id: str, run_id: str, token: int) -> None:
+    """The attempt exited 1 (no retries left: the job FAILED)."""
+    uri = write_manifest(p.store, job_id, run_id, token)
+    resp = p.servicer.ReportCompletion(
+        pb.ReportCompletionRequest(
+            node_id="n1",
+            run_id=run_id,
+            token=token,
+            outcome=pb.ReportCompletionRequest.EXITED,
+            exit_code=1,
+            manifest_uri=uri,
+        ),
+        None,  # type: ignore[arg-type]
+    )
+    assert resp.result == pb.ReportCompletionResponse.ACCEPTED, resp.message
+
+
+def run_job(p: Platform, urls: list[str], *, failed: bool = False) -> str:
     p.state.principals.clear()
     r = p.client.post(
         "/v1/jobs",
@@ -80,7 +99,10 @@ def run_job(p: Platform, urls: list[str]) -> str:
     p.wait_dispatched()
     run_id, token = p.run_of(job_id)
     p.confirm(run_id, token)
-    p.complete(job_id, run_id, token)
+    if failed:
+        fail(p, job_id, run_id, token)
+    else:
+        p.complete(job_id, run_id, token)
     return job_id
 
 
@@ -164,3 +186,25 @@ def test_allow_hosts_lets_one_host_through(platform: Platform, receiver: Receive
     job_id = run_job(platform, [receiver.url])
     assert notify.deliver_due(platform.db, Settings(notify_allow_hosts="127.0.0.1")) == 1
     assert len(receiver.got) == 1 and not outbox(platform.db, job_id).gave_up
+
+
+def test_a_requeued_job_is_told_of_its_second_end(platform: Platform, receiver: Receiver) -> None:
+    db = platform.db
+    job_id = run_job(platform, [receiver.url], failed=True)
+    assert outbox(db, job_id).status == "FAILED"
+    assert notify.deliver_due(db, LOOPBACK) == 1
+    r = platform.client.post(
+        f"/v1/jobs/{job_id}/requeue", headers={"Authorization": f"Bearer {platform.token}"}
+    )
+    assert r.status_code == 200, r.text
+    with db.read() as s:  # the earlier end's row went with the revival
+        assert s.get(NotifyOutboxRow, job_id) is None
+    assert platform.schedule()
+    platform.wait_dispatched()
+    run_id, token = platform.run_of(job_id)
+    platform.confirm(run_id, token)
+    platform.complete(job_id, run_id, token)
+    assert outbox(db, job_id).delivered_at is None
+    assert notify.deliver_due(db, LOOPBACK) == 1
+    assert [h["x-gpufleet-delivery"] for h, _ in receiver.got] == [job_id, job_id]
+    assert [json.loads(b)["status"] for _, b in receiver.got] == ["FAILED", "SUCCEEDED"]
