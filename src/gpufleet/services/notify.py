@@ -94,27 +94,50 @@ def set_team_urls(session: Session, team_id: str, urls: list[str]) -> list[str]:
 
 def address_problem(url: str, settings: Settings) -> str | None:
     """Why ``url``'s host may not be delivered to (None: it may): it does not resolve, or one
-    of its addresses is not global (loopback, private, link-local, ...) and neither is the
-    host in ``notify_allow_hosts`` nor ``notify_allow_private`` set."""
+    of its addresses is not global (loopback, private, link-local, multicast, ...) and
+    neither is the host in ``notify_allow_hosts`` nor ``notify_allow_private`` set."""
+    return check_address(url, settings)[0]
+
+
+def check_address(url: str, settings: Settings) -> tuple[str | None, str | None]:
+    """(:func:`address_problem`, the checked address to connect to): the delivery connects
+    to that address, not to a second resolution of the name, so a DNS answer that changes
+    after the check (rebinding) cannot send it to a refused address."""
     parts = urlsplit(url)
     host = (parts.hostname or "").lower()
     allowed = {h.strip().lower() for h in settings.notify_allow_hosts.split(",") if h.strip()}
-    if host in allowed:
-        return None
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
-        return f"host {host!r} does not resolve ({exc})"
-    for info in infos:
-        addr = ipaddress.ip_address(str(info[4][0]).split("%")[0])
-        public = addr.is_global and not (addr.is_multicast or addr.is_reserved)
-        if not public and not settings.notify_allow_private:
-            return (
-                f"refused: {host!r} resolves to the non-public address {addr} (allow it with"
-                " notify_allow_hosts or notify_allow_private)"
-            )
-    return None
+        return f"host {host!r} does not resolve ({exc})", None
+    addrs = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
+    if not addrs:
+        return f"host {host!r} has no address", None
+    if host not in allowed and not settings.notify_allow_private:
+        for addr in addrs:
+            if not addr.is_global or addr.is_multicast or addr.is_reserved:
+                return (
+                    f"refused: {host!r} resolves to the non-public address {addr} (allow it"
+                    " with notify_allow_hosts or notify_allow_private)",
+                    None,
+                )
+    return None, str(addrs[0])
+
+
+def pinned(url: str, address: str) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(``url`` with its host replaced by ``address``, the ``Host`` header, the request
+    extensions): TLS still checks the certificate against the URL's host name
+    (``sni_hostname``)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    shown = f"[{address}]" if ":" in address else address
+    netloc = shown if parts.port is None else f"{shown}:{parts.port}"
+    host_header = host if parts.port is None else f"{host}:{parts.port}"
+    if ":" in host and not host.startswith("["):
+        host_header = f"[{host}]" if parts.port is None else f"[{host}]:{parts.port}"
+    ext = {"sni_hostname": host} if parts.scheme == "https" else {}
+    return parts._replace(netloc=netloc).geturl(), {"Host": host_header}, ext
 
 
 @dataclass
@@ -203,10 +226,11 @@ def deliver(claim: Claim, settings: Settings, client: httpx.Client) -> Outcome:
     """One round of ``claim``: each URL checked and POSTed; no database access."""
     out = Outcome()
     for url in claim.urls:
-        problem = address_problem(url, settings)
-        if problem:
-            out.refused[url] = problem
+        problem, address = check_address(url, settings)
+        if problem or address is None:
+            out.refused[url] = problem or "no address"
             continue
+        target, host_header, ext = pinned(url, address)
         ts = int(time.time())
         headers = {
             "Content-Type": "application/json",
@@ -214,10 +238,13 @@ def deliver(claim: Claim, settings: Settings, client: httpx.Client) -> Outcome:
             webhooks.SIGNATURE_HEADER: webhooks.sign(claim.secret, ts, claim.body),
             webhooks.TIMESTAMP_HEADER: str(ts),
             webhooks.DELIVERY_HEADER: claim.job_id,
+            **host_header,
         }
         try:
             # streamed and closed unread: only the status counts, a huge answer costs nothing
-            with client.stream("POST", url, content=claim.body, headers=headers) as resp:
+            with client.stream(
+                "POST", target, content=claim.body, headers=headers, extensions=ext
+            ) as resp:
                 code = resp.status_code
         except httpx.HTTPError as exc:
             out.failed[url] = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
