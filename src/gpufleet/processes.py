@@ -24,6 +24,7 @@ from gpufleet.controller.main import Controller
 from gpufleet.objectstore import ObjectStore
 from gpufleet.queue import Waker, make_waker
 from gpufleet.services import auth
+from gpufleet.services.notify import NotifyWorker
 from gpufleet.settings import Settings
 from gpufleet.store.db import Database
 from gpufleet.store.migrate import check_schema
@@ -291,6 +292,17 @@ class ApiServer:
         shown = f"[{host}]" if ":" in host else host
         self.url = f"{'https' if self.tls else 'http'}://{shown}:{self.port}"
         self._thread: threading.Thread | None = None
+        # completion webhooks go from the API server: it runs in `gpufleet up` and in every
+        # `gpufleet server` of a split deployment (N servers share rows, SKIP LOCKED)
+        self.notifier = NotifyWorker(db, settings)
+
+    def run(self) -> None:
+        """Serve in the foreground (``gpufleet server``) with the webhook worker."""
+        self.notifier.start()
+        try:
+            self.server.run()
+        finally:
+            self.notifier.stop()
 
     def start_in_thread(self) -> None:
         self.server.config.install_signal_handlers = False  # type: ignore[attr-defined]
@@ -301,8 +313,10 @@ class ApiServer:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 raise RuntimeError(f"API server did not start on {self.url}")
             time.sleep(0.05)
+        self.notifier.start()
 
     def stop(self) -> None:
+        self.notifier.stop()
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)

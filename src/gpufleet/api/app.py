@@ -293,6 +293,7 @@ def create_app(state: AppState) -> FastAPI:
     # imports this module (AppState, the auth dependencies, errors)
     from gpufleet.api import admin as admin_api
     from gpufleet.api import jobctl, jobexec, jobs, logs, nodes
+    from gpufleet.api import notify as notify_api
 
     app.include_router(jobs.router(state, defaults=defaults))
     app.include_router(jobexec.router(state))
@@ -309,6 +310,7 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(nodes.router(state))
     app.include_router(admin_api.router(state, defaults=defaults, admission=admission))
     jobctl.register_jobctl_routes(app, state, job_out=jobs.job_out)
+    app.include_router(notify_api.router(state, admission=admission))
     return app
 
 

@@ -240,6 +240,17 @@ def team_set(
             " a submit above it is refused; 0 = no limit.",
         ),
     ] = None,
+    notify: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--notify",
+            help="A webhook URL told of the end of each job of the team submitted without"
+            " --notify (repeatable; replaces the team's list).",
+        ),
+    ] = None,
+    no_notify: Annotated[
+        bool, typer.Option("--no-notify", help="Clear the team's default webhook URLs.")
+    ] = False,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
@@ -263,12 +274,25 @@ def team_set(
             "default_max_runtime_s": _runtime(default_runtime, "--default-runtime"),
             "max_runtime_limit_s": _runtime(max_runtime, "--max-runtime"),
         }
+        if notify and no_notify:
+            raise ClientError("give --notify or --no-notify, not both", "--no-notify")
+        if notify or no_notify:
+            data = _call(
+                http,
+                "PUT",
+                f"/v1/admin/teams/{name}/notify-urls",
+                json={"urls": list(notify or [])},
+            )
+            shown = ", ".join(data["urls"]) or "none"
+            typer.echo(output.clean(f"team {name} webhook URLs: {shown}"))
+            if all(v is None for v in body.values()):
+                return
         if all(v is None for v in body.values()):
             raise ClientError(
                 "nothing to change: pass --weight, --nominal-quota, --borrowing-limit,"
                 " --lending-limit, --max-outstanding, --submit-rate, --submit-burst,"
                 " --read-rate, --read-burst,"
-                " --default-runtime or --max-runtime"
+                " --default-runtime, --max-runtime or --notify"
             )
         if lending_limit:
             typer.echo(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import typer
 
-from gpufleet.cli import fleet, jobctl, jobexec, joblogs, jobs, usage
+from gpufleet.cli import fleet, jobctl, jobexec, joblogs, jobs, notify, usage
 from gpufleet.cli.submit import _SubmitCommand, submit
 
 
@@ -38,3 +38,4 @@ def register_client_commands(app: typer.Typer) -> None:
     app.command("top")(fleet.top)
     usage.register(app)
     jobexec.register(app)  # exec, shell, port-forward
+    notify.register(app)

@@ -300,7 +300,7 @@ def server(
             " serve https (--tls-cert/--tls-key) or put a TLS proxy in front",
             settings.server_host,
         )
-    api.server.run()
+    api.run()
 
 
 def tls_problem(cert: Path | None, key: Path | None) -> str | None:

@@ -20,11 +20,11 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import ClauseElement, Table, bindparam, null, select, update
+from sqlalchemy import ClauseElement, Table, bindparam, delete, null, select, update
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import StaleState
-from gpufleet.domain.states import RUN_TERMINAL, Machine, check_transition
+from gpufleet.domain.states import JOB_TERMINAL, RUN_TERMINAL, Machine, check_transition
 from gpufleet.store import accounting
 from gpufleet.store.dialect import now_sql
 from gpufleet.store.outbox import queue_insert
@@ -33,6 +33,7 @@ from gpufleet.store.tables import (
     JobRow,
     JobRunRow,
     NodeRow,
+    NotifyOutboxRow,
     ReservationRow,
     SchedulingEventRow,
 )
@@ -87,7 +88,13 @@ def transition(
     triggers = {s: check_transition(machine, s, to) for s in sources}
     guard = guard or {}
     values = values or {}
-    lock, change = _statements(machine, tuple(sources), guard, values)
+    # a job's end (or a finished job's revival): the UPDATE returns the job's webhooks, so
+    # that a job with some gets its outbox row in this transaction and one without sends
+    # no statement more
+    notify = machine is Machine.JOB and (
+        to in JOB_TERMINAL or any(s in JOB_TERMINAL for s in sources)
+    )
+    lock, change = _statements(machine, tuple(sources), guard, values, notify)
     params = {
         "p_id": entity_id,
         "p_to": to,
@@ -96,6 +103,7 @@ def transition(
     }
     old: str | None = None
     result = None
+    returned: list[Any] = []
     if lock is None:
         # one possible source: the guarded UPDATE alone locks, checks and moves the row (one
         # statement); its row count says whether the row was there in that state
@@ -107,7 +115,12 @@ def transition(
         old = session.execute(lock, params).scalar_one_or_none()
         if old is not None:
             result = session.execute(change, params)
-    if old is None or result is None or result.rowcount != 1:  # type: ignore[attr-defined]
+    if notify and result is not None:
+        returned = list(result.all())  # with RETURNING the rows, not rowcount, say it moved
+        matched = len(returned)
+    else:
+        matched = -1 if result is None else result.rowcount  # type: ignore[attr-defined]
+    if old is None or result is None or matched != 1:
         raise StaleState(
             f"{machine.value} {entity_id}: not in {sources}"
             + (f" with {dict(guard)}" if guard else "")
@@ -123,6 +136,8 @@ def transition(
             facts=usage,
             resources=resources,
         )
+    if notify and returned and returned[0].notify_urls:
+        _queue_notify(session, entity_id, returned[0], str(old), to, now)
     record_transition(
         session,
         machine,
@@ -155,19 +170,54 @@ def _bound(value: Any) -> bool:
     return value is not None and not isinstance(value, ClauseElement)
 
 
+def _queue_notify(
+    session: Session, job_id: str, job: Any, old: str, to: str, now: datetime
+) -> None:
+    """The outbox row of a job with webhooks that has just ended (``to`` terminal), due at
+    once; a finished job made PENDING again (``old`` terminal) drops the row of its earlier
+    end, delivered or not, so that its next end gets a fresh one."""
+    if old in JOB_TERMINAL:
+        session.execute(delete(NotifyOutboxRow).where(NotifyOutboxRow.job_id == job_id))
+    if to in JOB_TERMINAL:
+        queue_insert(
+            session,
+            NotifyOutboxRow.__table__,
+            {
+                "job_id": job_id,
+                "team_id": job.team_id,
+                "urls": list(job.notify_urls),
+                "status": to,
+                "attempts": 0,
+                "next_at": now,
+                "created_at": now,
+                "delivered_at": None,
+                "gave_up": False,
+                "last_error": None,
+            },
+        )
+
+
 def _statements(
     machine: Machine,
     sources: tuple[str, ...],
     guard: Mapping[str, Any],
     values: Mapping[str, Any],
+    notify: bool = False,
 ) -> tuple[Any, Any]:
     """(the locking read of the status, or None with one source state; the guarded UPDATE)
-    of one shape. A guard on None or a value that is a SQL expression is built for this call
+    of one shape; ``notify``: the UPDATE returns the job's ``notify_urls`` and ``team_id``.
+    A guard on None or a value that is a SQL expression is built for this call
     only (not kept): ``= NULL`` would never match, and an expression is no parameter."""
     keep = all(v is not None for v in guard.values()) and not any(
         isinstance(v, ClauseElement) for v in values.values()
     )
-    key = (machine, sources, tuple(guard), tuple((k, _bound(v)) for k, v in values.items()))
+    key = (
+        machine,
+        sources,
+        tuple(guard),
+        tuple((k, _bound(v)) for k, v in values.items()),
+        notify,
+    )
     hit = _STATEMENTS.get(key) if keep else None
     if hit is not None:
         return hit
@@ -188,6 +238,8 @@ def _statements(
         }
     )
     change = update(table).where(*conds).values(sets)
+    if notify:
+        change = change.returning(cols.notify_urls, cols.team_id)
     lock = None if len(sources) == 1 else select(cols.status).where(*conds).with_for_update()
     if keep:
         if len(_STATEMENTS) >= 512:  # a bound: call sites have a few dozen shapes
