@@ -124,7 +124,9 @@ def main() -> None:
         rows = {
             "no abuse": _run(_scenario(args.days, None, None), ordering, args.traces_dir, vc),
             "abuse": _run(_scenario(args.days, vc, None), ordering, args.traces_dir, vc),
-            "abuse + budget": _run(_scenario(args.days, vc, budget), ordering, args.traces_dir, vc),
+            "abuse + budget": _run(
+                _scenario(args.days, vc, budget), ordering, args.traces_dir, vc
+            ),
         }
         base = rows["no abuse"]["others_p95"]
         for name, r in rows.items():

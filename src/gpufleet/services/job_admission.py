@@ -23,8 +23,10 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import LimitExceeded, ValidationFailed
 from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import JOB_TERMINAL
-from gpufleet.domain.types import JobSpec, Resources
+from gpufleet.domain.types import JobSpec, PriorityClass, Resources
+from gpufleet.policy.limits import Disallowed, demotion_target
 from gpufleet.store.tables import JobRow, NodeCapacityRow, NodeRow, TeamRow
+from gpufleet.store.team_limits import limits_from_json
 
 
 def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) -> None:
@@ -362,3 +364,30 @@ def apply_runtime_limits(
         return replace(spec, max_runtime_s=bound) if bound is not None else spec
     check_runtime_limit(team_id, spec.max_runtime_s, limit)
     return spec
+
+
+def apply_class_limits(
+    session: Session, team_id: str, spec: JobSpec
+) -> tuple[JobSpec, PriorityClass | None]:
+    """The team's allowed priority classes applied to ``spec`` (``teams.limits``,
+    ``policy.limits``): a class the team may not use is refused or demoted to
+    ``policy.limits.demotion_target``, as the team's ``disallowed`` says. Returns the spec
+    and the class it asked for when it was demoted (else None). Budgets are not checked
+    here: they are the pass's (a rolling window moves between submit and start).
+
+    Raises:
+        ValidationFailed: the class is not allowed and the team refuses (422, field
+            ``priority``, the allowed classes named).
+    """
+    raw = session.execute(select(TeamRow.limits).where(TeamRow.id == team_id)).scalar()
+    lim = limits_from_json(raw)
+    allowed = lim.allowed_classes
+    if allowed is None or spec.priority in allowed:
+        return spec, None
+    names = ", ".join(p.value for p in sorted(allowed, key=lambda p: -p.rank))
+    if lim.disallowed is Disallowed.REFUSE:
+        raise ValidationFailed(
+            f"priority {spec.priority.value} is not allowed for team {team_id} (allowed: {names})",
+            field="priority",
+        )
+    return replace(spec, priority=demotion_target(allowed)), spec.priority

@@ -25,6 +25,7 @@ from gpufleet.domain.states import JobStatus
 from gpufleet.domain.types import JobSpec, Resources
 from gpufleet.services import jobctl
 from gpufleet.services.job_admission import (
+    apply_class_limits,
     apply_runtime_limits,
     check_fits_fleet,
     check_outstanding_limit,
@@ -32,6 +33,7 @@ from gpufleet.services.job_admission import (
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now, now_sql
 from gpufleet.store.tables import JobRow
+from gpufleet.store.transitions import record_event
 
 _SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
 _RESOURCES_FIELDS = tuple(f.name for f in fields(Resources))
@@ -172,6 +174,7 @@ def submit_job(
             try:
                 check_fits_fleet(session, spec, fallback_max_gpus)
                 spec = apply_runtime_limits(session, team_id, spec, runtime_limits)
+                spec, asked = apply_class_limits(session, team_id, spec)
                 check_outstanding_limit(
                     session,
                     team_id,
@@ -238,6 +241,20 @@ def submit_job(
             ins = insert(cast(Table, JobRow.__table__)).values(created_at=now, queued_at=now)
             for i in range(0, len(rows), 500):
                 session.execute(ins, rows[i : i + 500] if len(rows) > 1 else rows[0])
+            if asked is not None:  # a class the team may not use, demoted (policy.limits)
+                for demoted_id in ids:
+                    record_event(
+                        session,
+                        "priority_demoted",
+                        job_id=demoted_id,
+                        message=f"submitted at {asked.value}, which team {team_id} may not"
+                        f" use: runs at {spec.priority.value}",
+                        details={
+                            "from": asked.value,
+                            "to": spec.priority.value,
+                            "ground": "class_not_allowed",
+                        },
+                    )
         return Submitted(ids[0], JobStatus.PENDING, True, array_id, tuple(ids) if array_id else ())
     except IntegrityError as err:
         # A concurrent retry with the same key committed first: answer with its job.

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpufleet.store.outbox import queue_insert
@@ -44,6 +44,8 @@ class AttemptFacts:
     submitted_by: str | None
     gpu_type: str
     name: str | None
+    priority: str | None = None
+    """The class the attempt is charged to (the run's ``priority``, else its job's)."""
 
 
 def record_attempt_end(
@@ -78,6 +80,7 @@ def record_attempt_end(
             JobRow.submitted_by,
             NodeRow.gpu_type,
             ApiTokenRow.name,
+            func.coalesce(JobRunRow.priority, JobRow.priority).label("priority"),
         )
         .join(JobRow, JobRow.id == JobRunRow.job_id)
         .join(NodeRow, NodeRow.id == JobRunRow.node_id)
@@ -111,6 +114,7 @@ def _add_record(
             "end_at": max(end_at, row.created_at),
             "gpu_seconds": seconds * gpus,
             "outcome": outcome,
+            "priority": row.priority,
         },
     )
 

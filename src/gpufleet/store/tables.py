@@ -108,6 +108,9 @@ class TeamRow(Base):
     """Charged GPU-seconds of finished attempts (every attempt, whatever its outcome), decayed
     to ``usage_as_of`` (``policy.usage``: half-life ``usage_half_life_s``)."""
     usage_as_of: Mapped[datetime | None]
+    limits: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    """Allowed priority classes, class budgets and GPU-hour budgets (migration 0011e;
+    ``services.team_limits`` validates it, ``store.team_limits`` reads it); None = none."""
     created_at: Mapped[datetime]
 
 
@@ -222,6 +225,9 @@ class JobRunRow(Base):
     stop_requested_at: Mapped[datetime | None]
     preempted_for_job_id: Mapped[str | None] = mapped_column(String(40))
     """The job these GPUs are being freed for (stop_reason preempt)."""
+    priority: Mapped[str | None] = mapped_column(String(16))
+    """The class the attempt was placed at when a team limit demoted it (migration 0011e;
+    None: its job's class): what preemption sees and what its GPU-time is charged to."""
     preempt_reason: Mapped[str | None] = mapped_column(String(16))
     """The policy's ground for a preempt stop: ``reclaim``, ``priority`` or ``defragment``
     (``Preempt.reason``); read back as ``ClusterSnapshot.recent_displacements``."""
@@ -508,3 +514,6 @@ class UsageRecordRow(Base):
     """``(end_at - start_at) * gpus`` in GPU-seconds (never negative)."""
     outcome: Mapped[str] = mapped_column(String(16))
     """The attempt's terminal status: SUCCEEDED, FAILED, CANCELLED, PREEMPTED or FENCED."""
+    priority: Mapped[str | None] = mapped_column(String(16), default=None)
+    """The class the attempt is charged to (the run's ``priority``, else its job's; migration
+    0011e; None for older records): what a team's class budgets count."""
