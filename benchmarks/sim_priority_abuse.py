@@ -133,9 +133,11 @@ def main() -> None:
             vs = f" ({r['others_p95'] / base - 1:+.1%})" if name != "no abuse" and base else ""
             peak = "" if r["crit_peak"] is None else f"{r['crit_peak']:,.1f}"
             dem = f"{r['demoted']} ({r['demoted_starts']})" if name == "abuse + budget" else ""
+            alloc = r["alloc"] or 0.0
             print(
-                f"| {ordering} | {name} | {r['others_p95']:,.0f} s{vs} | {r['others_mean']:,.0f} s"
-                f" | {r['vc_p95']:,.0f} s | {dem} | {peak} | {r['alloc'] or 0:.3f} | {r['cpu_s']:.0f} |"
+                f"| {ordering} | {name} | {r['others_p95']:,.0f} s{vs}"
+                f" | {r['others_mean']:,.0f} s | {r['vc_p95']:,.0f} s | {dem} | {peak}"
+                f" | {alloc:.3f} | {r['cpu_s']:.0f} |"
             )
 
 

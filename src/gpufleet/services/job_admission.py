@@ -24,7 +24,8 @@ from gpufleet.domain.errors import LimitExceeded, ValidationFailed
 from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import JOB_TERMINAL
 from gpufleet.domain.types import JobSpec, PriorityClass, Resources
-from gpufleet.policy.limits import Disallowed, demotion_target
+from gpufleet.policy.limits import Disallowed, TeamLimits, demotion_target
+from gpufleet.store.db import Database
 from gpufleet.store.tables import JobRow, NodeCapacityRow, NodeRow, TeamRow
 from gpufleet.store.team_limits import limits_from_json
 
@@ -391,3 +392,30 @@ def apply_class_limits(
             field="priority",
         )
     return replace(spec, priority=demotion_target(allowed)), spec.priority
+
+
+_class_rules: dict[str, tuple[float, TeamLimits]] = {}
+CLASS_RULES_TTL_S = 5.0
+
+
+def clear_class_rules() -> None:
+    """Forget the cached class rules (a team's limits changed in this process)."""
+    _class_rules.clear()
+
+
+def demotes_class(db: Database, team_id: str, spec: JobSpec) -> bool:
+    """Whether ``spec``'s class is one its team demotes at submit (read at most every
+    ``CLASS_RULES_TTL_S`` per team: the submit path picks its transaction by it)."""
+    now = time.monotonic()
+    hit = _class_rules.get(team_id)
+    if hit is None or now - hit[0] >= CLASS_RULES_TTL_S:
+        with db.read() as session:
+            raw = session.execute(select(TeamRow.limits).where(TeamRow.id == team_id)).scalar()
+        hit = (now, limits_from_json(raw))
+        _class_rules[team_id] = hit
+    lim = hit[1]
+    return (
+        lim.allowed_classes is not None
+        and spec.priority not in lim.allowed_classes
+        and lim.disallowed is Disallowed.DEMOTE
+    )

@@ -29,6 +29,7 @@ from gpufleet.services.job_admission import (
     apply_runtime_limits,
     check_fits_fleet,
     check_outstanding_limit,
+    demotes_class,
 )
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now, now_sql
@@ -165,7 +166,11 @@ def submit_job(
         # INSERT, a transaction of its own (db.one_write: no BEGIN IMMEDIATE on SQLite; the
         # checks' reads need not be atomic with it, a concurrent replay of the key hits the
         # unique index, answered below); an array's batches are one transaction
-        with db.write_tx() if array is not None else db.one_write() as session:
+        # a class the team may not use and demotes: the job and its event, two statements
+        # (the rule is cached for a few seconds: a demotion found inside a one-statement
+        # write, the rule changed meanwhile, has its event left out, not the job refused)
+        in_tx = array is not None or demotes_class(db, team_id, spec)
+        with db.write_tx() if in_tx else db.one_write() as session:
             if control is not None and control != SubmitControl():
                 # an array, dependencies or a hold: a replay is answered before resolving them
                 found = existing(session)
@@ -241,7 +246,7 @@ def submit_job(
             ins = insert(cast(Table, JobRow.__table__)).values(created_at=now, queued_at=now)
             for i in range(0, len(rows), 500):
                 session.execute(ins, rows[i : i + 500] if len(rows) > 1 else rows[0])
-            if asked is not None:  # a class the team may not use, demoted (policy.limits)
+            if asked is not None and in_tx:  # a class the team may not use, demoted
                 for demoted_id in ids:
                     record_event(
                         session,
