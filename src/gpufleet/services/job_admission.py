@@ -368,27 +368,28 @@ def apply_runtime_limits(
 
 
 def apply_class_limits(
-    session: Session, team_id: str, spec: JobSpec
+    db: Database, team_id: str, spec: JobSpec
 ) -> tuple[JobSpec, PriorityClass | None]:
     """The team's allowed priority classes applied to ``spec`` (``teams.limits``,
-    ``policy.limits``): a class the team may not use is refused or demoted to
-    ``policy.limits.demotion_target``, as the team's ``disallowed`` says. Returns the spec
-    and the class it asked for when it was demoted (else None). Budgets are not checked
-    here: they are the pass's (a rolling window moves between submit and start).
+    ``policy.limits``; the rule as :func:`class_rules` caches it): a class the team may not
+    use is refused or demoted to ``policy.limits.demotion_target``, as the team's
+    ``disallowed`` says. Returns the spec and the class it asked for when it was demoted
+    (else None). Budgets are not checked here: they are the pass's (a rolling window moves
+    between submit and start).
 
     Raises:
         ValidationFailed: the class is not allowed and the team refuses (422, field
             ``priority``, the allowed classes named).
     """
-    raw = session.execute(select(TeamRow.limits).where(TeamRow.id == team_id)).scalar()
-    lim = limits_from_json(raw)
+    lim = class_rules(db, team_id)
     allowed = lim.allowed_classes
     if allowed is None or spec.priority in allowed:
         return spec, None
     names = ", ".join(p.value for p in sorted(allowed, key=lambda p: -p.rank))
     if lim.disallowed is Disallowed.REFUSE:
         raise ValidationFailed(
-            f"priority {spec.priority.value} is not allowed for team {team_id} (allowed: {names})",
+            f"priority {spec.priority.value} is not allowed for team {team_id}"
+            f" (allowed: {names})",
             field="priority",
         )
     return replace(spec, priority=demotion_target(allowed)), spec.priority
@@ -403,9 +404,9 @@ def clear_class_rules() -> None:
     _class_rules.clear()
 
 
-def demotes_class(db: Database, team_id: str, spec: JobSpec) -> bool:
-    """Whether ``spec``'s class is one its team demotes at submit (read at most every
-    ``CLASS_RULES_TTL_S`` per team: the submit path picks its transaction by it)."""
+def class_rules(db: Database, team_id: str) -> TeamLimits:
+    """The team's limits, read at most every ``CLASS_RULES_TTL_S`` per team (a change made
+    through this process's admin API clears the cache at once)."""
     now = time.monotonic()
     hit = _class_rules.get(team_id)
     if hit is None or now - hit[0] >= CLASS_RULES_TTL_S:
@@ -413,7 +414,13 @@ def demotes_class(db: Database, team_id: str, spec: JobSpec) -> bool:
             raw = session.execute(select(TeamRow.limits).where(TeamRow.id == team_id)).scalar()
         hit = (now, limits_from_json(raw))
         _class_rules[team_id] = hit
-    lim = hit[1]
+    return hit[1]
+
+
+def demotes_class(db: Database, team_id: str, spec: JobSpec) -> bool:
+    """Whether ``spec``'s class is one its team demotes at submit (the submit path picks its
+    transaction by it: the job and its event are two statements)."""
+    lim = class_rules(db, team_id)
     return (
         lim.allowed_classes is not None
         and spec.priority not in lim.allowed_classes

@@ -179,7 +179,7 @@ def submit_job(
             try:
                 check_fits_fleet(session, spec, fallback_max_gpus)
                 spec = apply_runtime_limits(session, team_id, spec, runtime_limits)
-                spec, asked = apply_class_limits(session, team_id, spec)
+                spec, asked = apply_class_limits(db, team_id, spec)
                 check_outstanding_limit(
                     session,
                     team_id,
