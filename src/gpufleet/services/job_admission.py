@@ -388,8 +388,7 @@ def apply_class_limits(
     names = ", ".join(p.value for p in sorted(allowed, key=lambda p: -p.rank))
     if lim.disallowed is Disallowed.REFUSE:
         raise ValidationFailed(
-            f"priority {spec.priority.value} is not allowed for team {team_id}"
-            f" (allowed: {names})",
+            f"priority {spec.priority.value} is not allowed for team {team_id} (allowed: {names})",
             field="priority",
         )
     return replace(spec, priority=demotion_target(allowed)), spec.priority
