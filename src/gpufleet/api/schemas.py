@@ -698,6 +698,11 @@ class TeamQuotaUpdate(BaseModel):
     read_burst: int | None = Field(default=None, ge=1, le=MAX_SUBMIT_BURST)
     default_max_runtime_s: float | None = Field(default=None, ge=0, le=MAX_RUNTIME_S)
     max_runtime_limit_s: float | None = Field(default=None, ge=0, le=MAX_RUNTIME_S)
+    limits: dict[str, Any] | None = Field(
+        default=None,
+        description="Allowed priority classes, class budgets and GPU-hour budgets"
+        " (docs/design/scheduling-policy.md, 'Team limits'); {} removes them.",
+    )
 
     @model_validator(mode="after")
     def _one_name_each(self) -> TeamQuotaUpdate:
@@ -731,4 +736,5 @@ class TeamQuotaUpdate(BaseModel):
             "read_burst": self.read_burst,
             "default_max_runtime_s": self.default_max_runtime_s,
             "max_runtime_limit_s": self.max_runtime_limit_s,
+            "limits": self.limits,
         }

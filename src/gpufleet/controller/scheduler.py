@@ -34,6 +34,7 @@ from gpufleet.controller.stops import StopDriver, send_stop
 from gpufleet.domain.errors import CapacityConflict, NotLeader, StaleState
 from gpufleet.domain.states import JobStatus
 from gpufleet.objectstore import ObjectStore
+from gpufleet.policy import limits
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import (
@@ -57,6 +58,7 @@ from gpufleet.store.dialect import db_now
 from gpufleet.store.predictions import HistoryPredictor
 from gpufleet.store.snapshot_cache import SnapshotCache
 from gpufleet.store.tables import JobRow, NodeRow
+from gpufleet.store.team_limits import LEDGER_REFRESH_S, ledger_use, load_team_limits
 from gpufleet.store.transitions import record_event
 
 log = logging.getLogger("gpufleet.controller")
@@ -234,6 +236,13 @@ class Scheduler(AssignmentDispatch):
         self._heard: set[str] = set()
         """Nodes heard from since ``_heard_since`` (this leadership's ``listening_since``)."""
         self._heard_since: datetime | None = None
+        self._ledger: tuple[dict[str, limits.TeamLimits], float, Any] | None = None
+        """(limits, monotonic time, ledger use) as last read (``_apply_limits``)."""
+        self._demoted_now: dict[str, limits.Demotion] = {}
+        self._announced: set[str] = set()
+        """Jobs whose demotion this leader already recorded as an event."""
+        self.budget_statuses: dict[tuple[str, str], limits.BudgetStatus] = {}
+        """Every team budget at the last pass (metrics)."""
         self.stops: StopDriver | None = None
         """Sends the StopRun of preemption victims (set by the controller's wiring)."""
         """pending_reason per waiting job as this leader last wrote it (saves decoding 10k
@@ -269,6 +278,10 @@ class Scheduler(AssignmentDispatch):
                 # the policy
                 gated = gating.gate_snapshot(s, snap, self._snapshots.queued)
                 snap = self._without_unheard_nodes(s, gated.snapshot)
+                # team limits (policy.limits): disallowed classes and classes over their
+                # budget demoted, jobs over a hard GPU-hour budget held, for this pass only
+                limited = self._apply_limits(s, snap)
+                snap = limited.snapshot
                 if self._stored_epoch != self.leadership.epoch:
                     self._stored, self._stored_epoch = None, self.leadership.epoch
                 if self._stored is None:  # first pass of this leader: what earlier leaders wrote
@@ -344,6 +357,8 @@ class Scheduler(AssignmentDispatch):
             if gated.result.blocked
             else result.waiting
         )
+        if limited.held or limited.demoted:
+            waiting = self._limited_reasons(waiting, limited, snap.now_s)
         fresh = self._estimate(snap, result, waiting)
         stored = {j: self._stored.get(j) for j in waiting}
         self._stored = stored
@@ -389,6 +404,59 @@ class Scheduler(AssignmentDispatch):
         self._estimates = out
         self.estimate_cpu_s = time.process_time() - c0
         return True
+
+    def _apply_limits(self, s: Session, snap: ClusterSnapshot) -> limits.LimitsResult:
+        """``policy.limits.apply_limits`` with the teams' limits (read every pass: a small
+        table) and the ledger's use (``store.team_limits.ledger_use``, read again every
+        ``LEDGER_REFRESH_S`` or when the limits changed)."""
+        team_limits = load_team_limits(s)
+        self._demoted_now = {}
+        if not team_limits:
+            self._ledger = None
+            return limits.LimitsResult(snap)
+        mono = time.monotonic()
+        if (
+            self._ledger is None
+            or self._ledger[0] != team_limits
+            or mono - self._ledger[1] >= LEDGER_REFRESH_S
+        ):
+            self._ledger = (team_limits, mono, ledger_use(s, team_limits, snap.now_s))
+        out = limits.apply_limits(snap, team_limits, self._ledger[2], self.policy)
+        self._demoted_now = dict(out.demoted)
+        self.budget_statuses = dict(out.statuses)
+        return out
+
+    def _limited_reasons(
+        self, waiting: Mapping[str, WaitReason], limited: limits.LimitsResult, now_s: float
+    ) -> Mapping[str, WaitReason]:
+        """The pass's waiting reasons with the limits' holds, and the demoted jobs' reasons
+        saying so; a demotion is an event once per job and leadership."""
+        over: dict[str, WaitReason] = dict(limited.held)
+        for job_id, d in limited.demoted.items():
+            base = waiting.get(job_id)
+            if base is not None:
+                over[job_id] = limits.with_demotion(base, d, now_s)
+        fresh = [d for j, d in limited.demoted.items() if j not in self._announced]
+        if fresh:
+            self._announced.update(d.job_id for d in fresh)
+
+            def tx(s: Session) -> None:
+                for d in fresh:
+                    record_event(
+                        s,
+                        "priority_demoted",
+                        job_id=d.job_id,
+                        message=limits.demotion_note(d, now_s),
+                        details={
+                            "from": d.requested.value,
+                            "to": d.effective.value,
+                            "ground": d.ground,
+                            "until_s": d.until_s,
+                        },
+                    )
+
+            self.db.run_write(tx)
+        return ChainMap(over, waiting)  # type: ignore[arg-type]
 
     def _without_unheard_nodes(self, s: Session, snap: ClusterSnapshot) -> ClusterSnapshot:
         """``snap`` with the nodes this leader has not heard from made unschedulable: no
@@ -495,7 +563,13 @@ class Scheduler(AssignmentDispatch):
             leader_epoch=self.leadership.epoch,
             lease_s=self.settings.reservation_lease_s,
             holds=decision.job_id in self._holding,
+            priority=self._run_priority(decision.job_id),
         )
+
+    def _run_priority(self, job_id: str) -> str | None:
+        """The class a demoted job's attempt runs at (``job_runs.priority``), else None."""
+        d = self._demoted_now.get(job_id)
+        return d.effective.value if d is not None else None
 
     def _place_gang(self, decision: PlaceGang, seen_epoch: int, stats: PassStats) -> None:
         """Reserve every member of the gang or none (one transaction), then AssignJob to rank
@@ -510,6 +584,7 @@ class Scheduler(AssignmentDispatch):
                 leader_epoch=self.leadership.epoch,
                 lease_s=self.settings.reservation_lease_s,
                 holds=decision.job_id in self._holding,
+                priority=self._run_priority(decision.job_id),
             )
         )
         stats.placed += 1

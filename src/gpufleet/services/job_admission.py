@@ -23,8 +23,11 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import LimitExceeded, ValidationFailed
 from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import JOB_TERMINAL
-from gpufleet.domain.types import JobSpec, Resources
+from gpufleet.domain.types import JobSpec, PriorityClass, Resources
+from gpufleet.policy.limits import Disallowed, TeamLimits, demotion_target
+from gpufleet.store.db import Database
 from gpufleet.store.tables import JobRow, NodeCapacityRow, NodeRow, TeamRow
+from gpufleet.store.team_limits import limits_from_json
 
 
 def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) -> None:
@@ -362,3 +365,63 @@ def apply_runtime_limits(
         return replace(spec, max_runtime_s=bound) if bound is not None else spec
     check_runtime_limit(team_id, spec.max_runtime_s, limit)
     return spec
+
+
+def apply_class_limits(
+    db: Database, team_id: str, spec: JobSpec
+) -> tuple[JobSpec, PriorityClass | None]:
+    """The team's allowed priority classes applied to ``spec`` (``teams.limits``,
+    ``policy.limits``; the rule as :func:`class_rules` caches it): a class the team may not
+    use is refused or demoted to ``policy.limits.demotion_target``, as the team's
+    ``disallowed`` says. Returns the spec and the class it asked for when it was demoted
+    (else None). Budgets are not checked here: they are the pass's (a rolling window moves
+    between submit and start).
+
+    Raises:
+        ValidationFailed: the class is not allowed and the team refuses (422, field
+            ``priority``, the allowed classes named).
+    """
+    lim = class_rules(db, team_id)
+    allowed = lim.allowed_classes
+    if allowed is None or spec.priority in allowed:
+        return spec, None
+    names = ", ".join(p.value for p in sorted(allowed, key=lambda p: -p.rank))
+    if lim.disallowed is Disallowed.REFUSE:
+        raise ValidationFailed(
+            f"priority {spec.priority.value} is not allowed for team {team_id} (allowed: {names})",
+            field="priority",
+        )
+    return replace(spec, priority=demotion_target(allowed)), spec.priority
+
+
+_class_rules: dict[str, tuple[float, TeamLimits]] = {}
+CLASS_RULES_TTL_S = 5.0
+
+
+def clear_class_rules() -> None:
+    """Forget the cached class rules (a team's limits changed in this process)."""
+    _class_rules.clear()
+
+
+def class_rules(db: Database, team_id: str) -> TeamLimits:
+    """The team's limits, read at most every ``CLASS_RULES_TTL_S`` per team (a change made
+    through this process's admin API clears the cache at once)."""
+    now = time.monotonic()
+    hit = _class_rules.get(team_id)
+    if hit is None or now - hit[0] >= CLASS_RULES_TTL_S:
+        with db.read() as session:
+            raw = session.execute(select(TeamRow.limits).where(TeamRow.id == team_id)).scalar()
+        hit = (now, limits_from_json(raw))
+        _class_rules[team_id] = hit
+    return hit[1]
+
+
+def demotes_class(db: Database, team_id: str, spec: JobSpec) -> bool:
+    """Whether ``spec``'s class is one its team demotes at submit (the submit path picks its
+    transaction by it: the job and its event are two statements)."""
+    lim = class_rules(db, team_id)
+    return (
+        lim.allowed_classes is not None
+        and spec.priority not in lim.allowed_classes
+        and lim.disallowed is Disallowed.DEMOTE
+    )

@@ -27,13 +27,16 @@ from gpufleet.domain.types import JobSpec, Resources
 from gpufleet.domain.webhooks import url_problem
 from gpufleet.services import jobctl
 from gpufleet.services.job_admission import (
+    apply_class_limits,
     apply_runtime_limits,
     check_fits_fleet,
     check_outstanding_limit,
+    demotes_class,
 )
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now, now_sql
 from gpufleet.store.tables import JobRow
+from gpufleet.store.transitions import record_event
 
 _SPEC_FIELDS = tuple(f.name for f in fields(JobSpec))
 _RESOURCES_FIELDS = tuple(f.name for f in fields(Resources))
@@ -209,7 +212,11 @@ def submit_job(
         # INSERT, a transaction of its own (db.one_write: no BEGIN IMMEDIATE on SQLite; the
         # checks' reads need not be atomic with it, a concurrent replay of the key hits the
         # unique index, answered below); an array's batches are one transaction
-        with db.write_tx() if array is not None else db.one_write() as session:
+        # a class the team may not use and demotes: the job and its event, two statements
+        # (the rule is cached for a few seconds: a demotion found inside a one-statement
+        # write, the rule changed meanwhile, has its event left out, not the job refused)
+        in_tx = array is not None or demotes_class(db, team_id, spec)
+        with db.write_tx() if in_tx else db.one_write() as session:
             if control is not None and control != SubmitControl():
                 # an array, dependencies or a hold: a replay is answered before resolving them
                 found = existing(session)
@@ -218,6 +225,7 @@ def submit_job(
             try:
                 check_fits_fleet(session, spec, fallback_max_gpus)
                 spec = apply_runtime_limits(session, team_id, spec, runtime_limits)
+                spec, asked = apply_class_limits(db, team_id, spec)
                 check_outstanding_limit(
                     session,
                     team_id,
@@ -286,6 +294,20 @@ def submit_job(
             ins = insert(cast(Table, JobRow.__table__)).values(created_at=now, queued_at=now)
             for i in range(0, len(rows), 500):
                 session.execute(ins, rows[i : i + 500] if len(rows) > 1 else rows[0])
+            if asked is not None and in_tx:  # a class the team may not use, demoted
+                for demoted_id in ids:
+                    record_event(
+                        session,
+                        "priority_demoted",
+                        job_id=demoted_id,
+                        message=f"submitted at {asked.value}, which team {team_id} may not"
+                        f" use: runs at {spec.priority.value}",
+                        details={
+                            "from": asked.value,
+                            "to": spec.priority.value,
+                            "ground": "class_not_allowed",
+                        },
+                    )
         return Submitted(ids[0], JobStatus.PENDING, True, array_id, tuple(ids) if array_id else ())
     except IntegrityError as err:
         # A concurrent retry with the same key committed first: answer with its job.

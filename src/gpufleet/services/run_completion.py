@@ -264,6 +264,7 @@ def complete_run(
                 job.submitted_by,
                 row.gpu_type,
                 row.name,
+                run.priority or job.priority,
             )
             if row.gpu_type is not None
             else None

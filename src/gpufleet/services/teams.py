@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import NotFound, ValidationFailed
 from gpufleet.domain.states import RUN_ACTIVE, JobStatus
 from gpufleet.services.auth import TEAM_NAME
+from gpufleet.services.job_admission import clear_class_rules
 from gpufleet.services.limits import (
     MAX_GPU_TYPES,
     MAX_GPUS,
@@ -30,6 +31,7 @@ from gpufleet.services.limits import (
     MIN_WEIGHT,
     TeamLimits,
 )
+from gpufleet.services.team_limits import normalize_limits
 from gpufleet.store.queries import kept_back
 from gpufleet.store.tables import JobRow, JobRunRow, NodeCapacityRow, NodeRow, TeamRow
 
@@ -66,6 +68,9 @@ class QuotaUpdate:
     read_burst: int | None = None
     default_max_runtime_s: float | None = None
     max_runtime_limit_s: float | None = None
+    limits: dict[str, Any] | None = None
+    """Allowed classes, class budgets, GPU-hour budgets (``services.team_limits``); ``{}``
+    removes them all; None leaves them as they are."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +268,9 @@ def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> QuotaChang
             f" max_runtime_limit_s ({team.max_runtime_limit_s:g} s)",
             field="default_max_runtime_s",
         )
+    if upd.limits is not None:
+        team.limits = normalize_limits(upd.limits)
+        clear_class_rules()
     session.flush()
     return QuotaChange(team, warnings)
 
@@ -314,6 +322,7 @@ def describe_teams(session: Session, defaults: TeamLimits | None = None) -> list
             else defaults.read_burst,
             "default_max_runtime_s": t.default_max_runtime_s,
             "max_runtime_limit_s": t.max_runtime_limit_s,
+            "limits": t.limits or {},
             # decayed (half-life usage_half_life_s): the fair-share figure, not accounting
             # (accounting is GET /v1/usage); ``usage_gpu_s`` is its older name
             "fair_share_usage_gpu_s": round(t.usage_gpu_s, 3),

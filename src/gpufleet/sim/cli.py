@@ -194,9 +194,11 @@ def run_scenario(
     if not policy.borrowing:
         groups = partition(groups, sc.teams)
         opts = replace(opts, partition_label=PARTITION_LABEL)
-    eng = Engine(groups, sc.teams, sc.jobs, policy, opts)
+    eng = Engine(groups, sc.teams, sc.jobs, policy, opts, limits=sc.limits)
     eng.run(progress)
     rep = eng.rec.report()
+    if sc.limits:
+        rep["limits"] = eng.limits_report()
     rep["gangs"] = gang_summary(eng)
     rep["run"] = {
         "policy": _policy_dict(policy),

@@ -23,6 +23,7 @@ import yaml
 
 from gpufleet.domain.yamlfile import load_yaml, yaml_problem
 from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.limits import TeamLimits
 from gpufleet.sim.engine import EngineOptions
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 from gpufleet.sim.scenario_cluster import (
@@ -48,6 +49,7 @@ from gpufleet.sim.scenario_fields import (
     _opt,
     _text,
 )
+from gpufleet.sim.scenario_limits import parse_limits
 from gpufleet.sim.scenario_policy import BASELINES, POLICY_KEYS, parse_policy, policy_for
 from gpufleet.sim.scenario_workload import (
     JOB_KEYS,
@@ -105,6 +107,9 @@ class Scenario:
     """The runtime estimate each workload source gives the scheduler (``philly``,
     ``openb_pods``, ``synthetic`` per team: ``exact`` or ``none``; ``jobs``:
     ``expected_duration_s``, each job's own)."""
+    limits: dict[str, TeamLimits] = field(default_factory=dict)
+    """``limits:``: team limits (``policy.limits``; ``sim.scenario_limits``), applied in
+    every run of the scenario, baselines included."""
     warnings: tuple[str, ...] = ()
     """Doubtful but valid input (guarantees above the fleet, a guarantee on a GPU type the
     fleet lacks, Philly VCs rounded up to one node): one line each, for the CLI and
@@ -112,7 +117,17 @@ class Scenario:
 
 
 SCENARIO_KEYS = frozenset(
-    {"name", "traces_dir", "cluster", "teams", "workload", "policy", "engine", "compare"}
+    {
+        "name",
+        "traces_dir",
+        "cluster",
+        "teams",
+        "workload",
+        "policy",
+        "engine",
+        "compare",
+        "limits",
+    }
 )
 
 
@@ -205,6 +220,7 @@ def load_scenario(path: Path, traces_dir: Path | None = None, seed: int = 0) -> 
         load_stats=workload.stats,
         raw=raw,
         estimates=workload.estimates,
+        limits=parse_limits(raw.get("limits"), at("limits")),
         warnings=tuple(warnings),
     )
 

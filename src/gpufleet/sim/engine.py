@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from gpufleet.domain.invariants import check_invariants
@@ -39,6 +39,7 @@ from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import HoldForBackfill, Place, PlaceGang, Preempt
 from gpufleet.policy.gang import could_ever_fit, explicit_gang
 from gpufleet.policy.headroom import is_large
+from gpufleet.policy.limits import BudgetStatus, Demotion, TeamLimits, apply_limits
 from gpufleet.policy.predictor import DurationPredictor, JobKey
 from gpufleet.policy.priority import queue_key, queued_at
 from gpufleet.policy.quota import TeamBook
@@ -54,6 +55,7 @@ from gpufleet.policy.snapshot import (
 from gpufleet.policy.usage import decay_factor, interval_gpu_s
 from gpufleet.sim.fleet import InMemoryFleet, SimRun, kept_work
 from gpufleet.sim.gating import SimGates
+from gpufleet.sim.ledger import SimLedger
 from gpufleet.sim.metrics import Recorder
 from gpufleet.sim.model import NodeGroup, SimJob, TeamSpec
 
@@ -111,8 +113,23 @@ class Engine:
         jobs: Iterable[SimJob],
         config: PolicyConfig,
         options: EngineOptions | None = None,
+        limits: Mapping[str, TeamLimits] | None = None,
     ) -> None:
         self.cfg = config
+        self.limits = {t: lim for t, lim in (limits or {}).items() if not lim.empty}
+        """Team limits (``policy.limits``): allowed classes, class and GPU-hour budgets."""
+        self.ledger = SimLedger(self.limits)
+        self._demoted: Mapping[str, Demotion] = {}
+        """The last pass's demotions (the class an attempt placed in it is charged to)."""
+        self.demoted_jobs: dict[str, set[str]] = {}
+        """Team -> jobs that were offered demoted in at least one pass."""
+        self.demoted_starts: dict[str, int] = {}
+        """Team -> attempts that started demoted."""
+        self.budget_held_jobs: dict[str, set[str]] = {}
+        """Team -> jobs a budget held back in at least one pass."""
+        self.budget_peak: dict[tuple[str, str], float] = {}
+        """(team, budget key) -> the highest use seen at a pass, GPU-hours."""
+        self.budget_last: dict[tuple[str, str], BudgetStatus] = {}
         self.opt = options or EngineOptions()
         self.fleet = InMemoryFleet(groups)
         self.predictor: DurationPredictor | None = None
@@ -559,6 +576,17 @@ class Engine:
 
     def _release(self, run: SimRun, outcome: RunStatus, timeout: bool = False) -> None:
         self._alloc(run, -1)
+        if self.limits:
+            js0 = self.fleet.jobs[run.job_id]
+            gpus = sum(len(m.gpu_ids) for m in run.members) or len(run.gpu_ids)
+            self.ledger.record(
+                run.team_id,
+                run.priority or js0.spec.priority,
+                run.gpu_type,
+                run.reserved_s,
+                self.now,
+                gpus,
+            )
         self._bury(run.run_id)
         if self.predictor is not None and outcome is RunStatus.SUCCEEDED:
             spec = self.fleet.jobs[run.job_id].spec
@@ -575,6 +603,10 @@ class Engine:
         pj = self.fleet.pending_view(js)
         self._dequeue(pj)
         run = self.fleet.reserve_gang(job_id, members, self.now)
+        dem = self._demoted.get(job_id)
+        if dem is not None:
+            run.priority = dem.effective
+            self.demoted_starts[run.team_id] = self.demoted_starts.get(run.team_id, 0) + 1
         self.fleet.confirm(run)
         acc = self._team(run.team_id)
         guar = acc.spec.guaranteed_gpus.get(run.gpu_type, 0)
@@ -684,6 +716,8 @@ class Engine:
                 tid = self._specs[job_id].team_id
                 held[tid] = held.get(tid, 0) + 1
             self._held_by_team = held
+        if self.limits:
+            snap = self._apply_limits(snap)
         result = schedule(snap, self.cfg)
         for job_id in result.released_holds:
             self._drop_holds(job_id)
@@ -703,6 +737,43 @@ class Engine:
                 )
         self.reservations = tuple(reservations) + result.shields
         self.rec.last_waiting = result.waiting
+
+    def _apply_limits(self, snap: ClusterSnapshot) -> ClusterSnapshot:
+        """The team limits (``policy.limits.apply_limits``) on the pass's snapshot, with
+        the demotions and budget holds recorded for the report."""
+        lr = apply_limits(snap, self.limits, self.ledger.uses(self.now), self.cfg)
+        self._demoted = lr.demoted
+        for job_id in lr.demoted:
+            self.demoted_jobs.setdefault(self._specs[job_id].team_id, set()).add(job_id)
+        for job_id in lr.held:
+            self.budget_held_jobs.setdefault(self._specs[job_id].team_id, set()).add(job_id)
+        for key, st in lr.statuses.items():
+            self.budget_peak[key] = max(self.budget_peak.get(key, 0.0), st.used_gpu_h)
+            self.budget_last[key] = st
+        return lr.snapshot
+
+    def limits_report(self) -> dict[str, object]:
+        """Per team: each budget (limit, use at the last pass, the highest use seen) and
+        the jobs demoted or held by a budget."""
+        out: dict[str, object] = {}
+        for team_id in sorted(self.limits):
+            budgets = {
+                key: {
+                    "limit_gpu_h": st.limit_gpu_h,
+                    "used_gpu_h_at_end": round(st.used_gpu_h, 3),
+                    "peak_used_gpu_h": round(self.budget_peak.get((t, key), 0.0), 3),
+                    "hard": st.hard,
+                }
+                for (t, key), st in sorted(self.budget_last.items())
+                if t == team_id
+            }
+            out[team_id] = {
+                "budgets": budgets,
+                "demoted_jobs": len(self.demoted_jobs.get(team_id, ())),
+                "demoted_starts": self.demoted_starts.get(team_id, 0),
+                "budget_held_jobs": len(self.budget_held_jobs.get(team_id, ())),
+            }
+        return out
 
     def run(self, progress: Callable[[float, int], None] | None = None) -> None:
         """Run to the end (or the horizon). ``progress(sim_time_s, events_done)`` is called

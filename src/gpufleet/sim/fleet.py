@@ -22,7 +22,7 @@ from gpufleet.domain.states import (
     RunStatus,
     check_transition,
 )
-from gpufleet.domain.types import Resources
+from gpufleet.domain.types import PriorityClass, Resources
 from gpufleet.policy.fleet_index import FleetIndex
 from gpufleet.policy.snapshot import NodeState, PendingJob, RunningJob
 from gpufleet.sim.model import NodeGroup, SimJob
@@ -99,6 +99,9 @@ class SimRun:
     members: tuple[SimMember, ...] = ()
     predicted_s: float | None = None
     """The platform's prediction of this attempt's run time when it started (None: none)."""
+    priority: PriorityClass | None = None
+    """The class the attempt was placed at when a team limit demoted it (``policy.limits``;
+    None: its job's class): what its GPU-time is charged to and what preemption sees."""
     borrowed: bool = False
     """The placement borrowed: it took its team above its guarantee on ``gpu_type`` (the
     engine sets it from the team's allocation before the start, as ``TeamBook.admit``
@@ -366,7 +369,7 @@ class InMemoryFleet:
                     job_id=run.job_id,
                     team_id=run.team_id,
                     node_id=m.node_id,
-                    priority=s.priority,
+                    priority=run.priority or s.priority,
                     gpu_count=len(m.gpu_ids),
                     gpu_type=run.gpu_type,
                     started_at_s=run.reserved_s,

@@ -56,7 +56,17 @@ PHILLY_END = "2017-12-01 00:00:00"
 """``workload.philly``'s window by default (``start``, ``end``): Oct-Nov 2017, the published
 figures' window."""
 PHILLY_KEYS = frozenset(
-    {"path", "start", "end", "teams", "estimate", "oversize", "arrival_speedup", "checkpoint_s"}
+    {
+        "path",
+        "start",
+        "end",
+        "teams",
+        "estimate",
+        "oversize",
+        "arrival_speedup",
+        "checkpoint_s",
+        "priorities",
+    }
 )
 SYNTHETIC_TEAM_KEYS = frozenset(
     {
@@ -179,6 +189,17 @@ def parse_workload(
                 checkpoint_s=checkpoint,
             ),
         )
+        # ``priorities: {VC: CRITICAL}``: every job of that VC asks for that class (the
+        # trace has none; this is how a scenario makes one VC abuse priority)
+        prios = {
+            str(k): _priority(v, f"{w}.priorities[{k}]")
+            for k, v in _mapping(p.get("priorities"), f"{w}.priorities").items()
+        }
+        if prios:
+            loaded = [
+                dataclasses.replace(j, priority=prios[j.team_id]) if j.team_id in prios else j
+                for j in loaded
+            ]
         jobs.extend(loaded)
         stats["philly"] = dataclasses.asdict(st)
         if keep is not None:

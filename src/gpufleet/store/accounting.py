@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpufleet.store.outbox import queue_insert
@@ -44,6 +44,8 @@ class AttemptFacts:
     submitted_by: str | None
     gpu_type: str
     name: str | None
+    priority: str | None = None
+    """The class the attempt is charged to (the run's ``priority``, else its job's)."""
 
 
 def record_attempt_end(
@@ -82,6 +84,7 @@ def record_attempt_end(
             JobRow.submitted_by,
             NodeRow.gpu_type,
             ApiTokenRow.name,
+            func.coalesce(JobRunRow.priority, JobRow.priority).label("priority"),
         )
         .join(JobRow, JobRow.id == JobRunRow.job_id)
         .join(NodeRow, NodeRow.id == JobRunRow.node_id)
@@ -126,6 +129,7 @@ def _add_record(
             "outcome": outcome,
             # every row names them (one multi-row INSERT needs one set of columns)
             **{c: (resources or {}).get(c) for c in RESOURCE_COLUMNS},
+            "priority": row.priority,
         },
     )
 

@@ -88,11 +88,14 @@ def reserve(
     lease_s: float,
     now: datetime | None = None,
     holds: bool = True,
+    priority: str | None = None,
 ) -> Reserved:
     """Reserve ``gpu_count`` GPUs of ``node_id`` for a new attempt of ``job_id``.
 
     ``holds``: the job may have GPU holds (``gpu_holds`` rows), deleted here; False (the
     caller's snapshot showed none, and only the leader creates them) saves that statement.
+    ``priority``: the class the attempt runs at when a team limit demoted it
+    (``job_runs.priority``); None: its job's.
 
     Raises:
         NotLeader: the caller's (holder, epoch) no longer holds the lease.
@@ -110,6 +113,7 @@ def reserve(
         lease_s=lease_s,
         now=now,
         holds=holds,
+        priority=priority,
     ).members[0]
 
 
@@ -124,6 +128,7 @@ def place(
     leader_epoch: int,
     lease_s: float,
     holds: bool = True,
+    priority: str | None = None,
 ) -> Reserved:
     """:func:`reserve` as the scheduler applies a placement: in a transaction of its own. Where
     the database runs INSERT/UPDATE inside WITH (PostgreSQL), ONE statement in autocommit,
@@ -145,6 +150,7 @@ def place(
         leader_epoch=leader_epoch,
         lease_s=lease_s,
         holds=holds,
+        priority=priority,
     )
     if not dml_in_cte(db.engine.dialect.name):
         return db.run_write(in_tx)
@@ -165,6 +171,7 @@ def place(
             "p_lease_s": float(lease_s),
             "p_head": f"reserved {gpu_count} GPU(s) [",
             "p_tail": f"] on {node_id}, token {token}",
+            "p_prio": priority,
         },
     )
     assert row is not None
@@ -201,6 +208,7 @@ def _add_member(
     leader_epoch: int,
     lease_s: float,
     now: datetime,
+    priority: str | None = None,
 ) -> Reserved:
     """The run row and the reservation row of one member of an attempt (a single-node attempt
     is rank 0 of 1), under the attempt's fencing ``token``; the GPUs are already claimed."""
@@ -221,6 +229,7 @@ def _add_member(
             "rank": rank,
             "gang_size": gang_size,
             "created_at": now,
+            "priority": priority,
         },
     )
     queue_insert(
@@ -395,6 +404,7 @@ def reserve_gang(
     lease_s: float,
     now: datetime | None = None,
     holds: bool = True,
+    priority: str | None = None,
 ) -> ReservedGang:
     """Reserve every member of a gang attempt of ``job_id``, or none: one transaction.
 
@@ -472,6 +482,7 @@ def reserve_gang(
             leader_epoch,
             lease_s,
             now,
+            priority,
         )
         for rank, node_id, _count in by_rank
     ]

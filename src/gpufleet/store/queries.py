@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.images import normalize_image
@@ -280,7 +280,8 @@ RUNNING_COLUMNS = (
     JobRunRow.rank,
     JobRunRow.gang_size,
     JobRow.team_id,
-    JobRow.priority,
+    # the class the attempt was placed at (a team limit may have demoted it), else the job's
+    func.coalesce(JobRunRow.priority, JobRow.priority).label("priority"),
     JobRow.max_runtime_s,
     JobRow.name,
     JobRow.submitted_by,

@@ -84,9 +84,10 @@ WITH job AS MATERIALIZED (
     RETURNING id
 ), run AS (
     INSERT INTO job_runs
-        (id, job_id, attempt, node_id, status, token, gpu_ids, rank, gang_size, created_at)
+        (id, job_id, attempt, node_id, status, token, gpu_ids, rank, gang_size, created_at,
+         priority)
     SELECT :p_run, moved.id, :p_token, :p_node, '{RunStatus.ASSIGNED}', :p_token, got.ids,
-        0, 1, cap.now
+        0, 1, cap.now, CAST(:p_prio AS VARCHAR(16))
     FROM moved, got, cap
     RETURNING id
 ), res AS (

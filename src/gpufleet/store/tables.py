@@ -108,6 +108,9 @@ class TeamRow(Base):
     """Charged GPU-seconds of finished attempts (every attempt, whatever its outcome), decayed
     to ``usage_as_of`` (``policy.usage``: half-life ``usage_half_life_s``)."""
     usage_as_of: Mapped[datetime | None]
+    limits: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    """Allowed priority classes, class budgets and GPU-hour budgets (migration 0011e;
+    ``services.team_limits`` validates it, ``store.team_limits`` reads it); None = none."""
     created_at: Mapped[datetime]
     notify_secret: Mapped[str | None] = mapped_column(String(128))
     """HMAC-SHA256 key of the team's completion webhooks (``services.notify``); NULL until
@@ -237,6 +240,9 @@ class JobRunRow(Base):
     stop_requested_at: Mapped[datetime | None]
     preempted_for_job_id: Mapped[str | None] = mapped_column(String(40))
     """The job these GPUs are being freed for (stop_reason preempt)."""
+    priority: Mapped[str | None] = mapped_column(String(16))
+    """The class the attempt was placed at when a team limit demoted it (migration 0011e;
+    None: its job's class): what preemption sees and what its GPU-time is charged to."""
     preempt_reason: Mapped[str | None] = mapped_column(String(16))
     """The policy's ground for a preempt stop: ``reclaim``, ``priority`` or ``defragment``
     (``Preempt.reason``); read back as ``ClusterSnapshot.recent_displacements``."""
@@ -534,6 +540,10 @@ class UsageRecordRow(Base):
     gpu_mem_peak_bytes: Mapped[int | None] = mapped_column(BigInteger)
     """Highest GPU memory used on the attempt's GPUs (summed over them) in the samples,
     bytes; NULL = not measured."""
+
+    priority: Mapped[str | None] = mapped_column(String(16), default=None)
+    """The class the attempt is charged to (the run's ``priority``, else its job's; migration
+    0011e; None for older records): what a team's class budgets count."""
 
 
 class NotifyOutboxRow(Base):

@@ -1,0 +1,89 @@
+"""Team limits in the store (both databases): validation, the ledger's use per window, and
+the submit-time class rule."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from gpufleet.domain.errors import ValidationFailed
+from gpufleet.services.teams import QuotaUpdate, update_quota
+from gpufleet.store.db import Database
+from gpufleet.store.tables import JobRow, UsageRecordRow
+from gpufleet.store.team_limits import ledger_use, load_team_limits
+from tests.factories import create_node, create_team, submit
+
+NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
+
+
+def _set(db: Database, team: str, limits: dict[str, object]) -> None:
+    db.run_write(lambda s: update_quota(s, team, QuotaUpdate(limits=limits)))
+
+
+def _record(db: Database, run: str, prio: str, start: datetime, end: datetime, gpus: int) -> None:
+    def tx(s):  # type: ignore[no-untyped-def]
+        s.add(
+            UsageRecordRow(
+                run_id=run,
+                job_id="j-" + run,
+                attempt=1,
+                team_id="team-a",
+                token_id=None,
+                user="",
+                node_id="n1",
+                gpu_type="H100",
+                gpus=gpus,
+                start_at=start,
+                end_at=end,
+                gpu_seconds=(end - start).total_seconds() * gpus,
+                outcome="SUCCEEDED",
+                priority=prio,
+            )
+        )
+
+    db.run_write(tx)
+
+
+def test_ledger_use_clips_to_the_window_and_counts_by_class(db: Database) -> None:
+    create_team(db)
+    _set(db, "team-a", {"class_budgets": {"CRITICAL": {"gpu_hours": 10, "window_s": 86400}}})
+    day = timedelta(days=1)
+    h = timedelta(hours=1)
+    _record(db, "r1", "CRITICAL", NOW - 2 * day, NOW - day - h, 8)  # ended before: no
+    _record(db, "r2", "CRITICAL", NOW - day - 2 * h, NOW - day + h, 2)  # 1 h inside: 2 GPU-h
+    _record(db, "r3", "CRITICAL", NOW - 3 * h, NOW - h, 4)  # 8 GPU-h
+    _record(db, "r4", "NORMAL", NOW - 3 * h, NOW - h, 4)  # another class
+    with db.read() as s:
+        limits = load_team_limits(s)
+        use = ledger_use(s, limits, NOW.timestamp())
+    got = use[("team-a", "class:CRITICAL")]
+    assert got.used_gpu_s == pytest.approx(10 * 3600)
+    assert [round(g / 3600, 3) for _, g in got.releases] == [2.0, 8.0]  # by end, clipped
+
+
+def test_bad_limits_are_refused_naming_the_field(db: Database) -> None:
+    create_team(db)
+    bad = {"class_budgets": {"CRITICAL": {"gpu_hours": -1}}}
+    with pytest.raises(ValidationFailed) as err:
+        _set(db, "team-a", bad)
+    assert err.value.field == "limits.class_budgets.CRITICAL.gpu_hours"
+    with pytest.raises(ValidationFailed) as err:
+        _set(db, "team-a", {"allowed_classes": ["URGENT"]})
+    assert err.value.field == "limits.allowed_classes[0]"
+    with pytest.raises(ValidationFailed) as err:
+        _set(db, "team-a", {"gpu_budgets": [{"gpu_hours": 5, "period": "rolling"}]})
+    assert err.value.field == "limits.gpu_budgets[0].window_s"
+
+
+def test_a_disallowed_class_is_refused_or_demoted_at_submit(db: Database) -> None:
+    create_team(db)
+    create_node(db)
+    _set(db, "team-a", {"allowed_classes": ["NORMAL", "LOW"], "disallowed": "refuse"})
+    with pytest.raises(ValidationFailed) as err:
+        submit(db, priority="CRITICAL")
+    assert err.value.field == "priority"
+    _set(db, "team-a", {"allowed_classes": ["NORMAL", "LOW"], "disallowed": "demote"})
+    job = submit(db, priority="CRITICAL")
+    with db.read() as s:
+        assert s.get(JobRow, job.job_id).priority == "NORMAL"  # type: ignore[union-attr]
