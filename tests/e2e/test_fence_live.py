@@ -28,7 +28,9 @@ def _reservations(fleet: Fleet, node_id: str) -> list[str]:
 def test_fence_confirm_dead_refuses_a_node_that_is_heartbeating(fleet: Fleet) -> None:
     fleet.start_agent("n1", gpus="2xH100-80GB")
     fleet.start_agent("n2", gpus="2xH100-80GB")
-    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    # the marker: Fleet.stop() kills the job, which outlives the agent killed below
+    marker = f"gpufleet-test-marker-{fleet.tmp.name}"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)", marker]
     job = fleet.submit({"command": sleeper, "gpu_count": 2, "gpu_type": "H100"})
     fleet.wait_status(job, {"RUNNING"})
     node = fleet.job(job)["attempts"][-1]["node_id"]

@@ -5,11 +5,13 @@ it has not heard from, agents fail over between the controllers they are given.
 Real processes throughout: ``gpufleet controller`` subprocesses (killed with SIGKILL, never
 given the chance to release the lease), ``gpufleet agent`` subprocesses with mutual TLS and a
 list of controllers, jobs that record each start. Short timings (heartbeat 1 s, fence 4 s)
-except one test with the production defaults (heartbeat 10 s, fence 60 s).
+except one test with the production defaults' proportions (scaled by
+``GPUFLEET_TEST_PRODUCTION_SCALE``, 0.2 unless set; ``=1``: the defaults themselves).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import time
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.settings import Settings
 from tests.e2e.conftest import database_url_for
 from tests.e2e.liveness_harness import Plane
 from tests.ports import free_port
@@ -38,6 +41,8 @@ SHORT = {
     "GPUFLEET_DEFAULT_GRACE_S": "1",
     "GPUFLEET_AGENT_DISK_RESERVE_MB": "2",
 }
+PRODUCTION_SCALE = float(os.environ.get("GPUFLEET_TEST_PRODUCTION_SCALE", "0.2"))
+"""The production-timings test runs the Settings defaults times this (1: as they are)."""
 NOTHING_FENCED = {"fence_events": 0, "fenced_runs": 0, "nodes_not_healthy": 0}
 
 
@@ -134,23 +139,37 @@ def test_a_stopped_control_plane_fences_no_live_node(
         _stopped_control_plane(p, 2.5 * FENCE_S, restart_agent=True)
 
 
+def _production_timings(scale: float) -> dict[str, str]:
+    """The Settings defaults of every interval the liveness rules use (heartbeat, fence,
+    confirm, scheduler tick, leader lease), each times ``scale``, so every ratio between them
+    is the production one; the suspect count (missed heartbeats) is a count, kept as is."""
+    fields = Settings.model_fields
+    names = {
+        "GPUFLEET_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
+        "GPUFLEET_FENCE_TIMEOUT_S": "fence_timeout_s",
+        "GPUFLEET_CONFIRM_TIMEOUT_S": "confirm_timeout_s",
+        "GPUFLEET_SCHEDULER_TICK_S": "scheduler_tick_s",
+        "GPUFLEET_LEADER_LEASE_S": "leader_lease_s",
+    }
+    timings = {env: str(float(fields[name].default) * scale) for env, name in names.items()}
+    return timings | {"GPUFLEET_SUSPECT_AFTER_MISSED": str(fields["suspect_after_missed"].default)}
+
+
 @pytest.mark.timeout(900)
 def test_production_timings_a_control_plane_stopped_for_twice_the_fence_timeout(
     tmp_path: Path,
 ) -> None:
-    """The production defaults (heartbeat 10 s, suspect after 3 missed, fence 60 s, lease
-    15 s): the control plane is killed for 120 s with jobs running and one ending during the
-    stop. 0 nodes fenced, 0 jobs re-run, the job that ended SUCCEEDED with one attempt.
-    (Takes ~4 minutes.)"""
-    defaults = {
-        "GPUFLEET_HEARTBEAT_INTERVAL_S": "10",
-        "GPUFLEET_FENCE_TIMEOUT_S": "60",
-        "GPUFLEET_CONFIRM_TIMEOUT_S": "30",
-        "GPUFLEET_SCHEDULER_TICK_S": "1",
-        "GPUFLEET_LEADER_LEASE_S": "15",
-    }
-    with plane(tmp_path, None, 1, **defaults) as p:
-        _stopped_control_plane(p, 120.0, restart_agent=False)
+    """The production defaults' proportions (heartbeat 10 s, suspect after 3 missed, fence
+    60 s, confirm 30 s, lease 15 s, tick 1 s), scaled by ``GPUFLEET_TEST_PRODUCTION_SCALE``
+    (0.2 unless set: heartbeat 2 s, fence 12 s; ``GPUFLEET_TEST_PRODUCTION_SCALE=1`` runs the
+    defaults themselves, ~4 minutes): the control plane is killed for twice the fence timeout
+    with jobs running and one ending during the stop. 0 nodes fenced, 0 jobs re-run, the job
+    that ended SUCCEEDED with one attempt. (~1 minute at 0.2.)"""
+    timings = _production_timings(PRODUCTION_SCALE)
+    with plane(tmp_path, None, 1, **timings) as p:
+        _stopped_control_plane(
+            p, 2 * float(timings["GPUFLEET_FENCE_TIMEOUT_S"]), restart_agent=False
+        )
 
 
 @pytest.mark.parametrize("how", ["kill", "freeze"])

@@ -23,9 +23,11 @@ pytestmark = pytest.mark.slow
 
 
 def _exit_of(fleet: Fleet, node_id: str, timeout_s: float = 60) -> tuple[int, list[str]]:
-    """The agent's exit status and the ``error:`` lines of its log."""
-    proc = fleet.agents.pop(node_id)
-    rc = proc.wait(timeout=timeout_s)
+    """The agent's exit status and the ``error:`` lines of its log. An agent that has not
+    exited within ``timeout_s`` stays in ``fleet.agents`` (TimeoutExpired), so that
+    ``fleet.stop()`` stops it."""
+    rc = fleet.agents[node_id].wait(timeout=timeout_s)
+    del fleet.agents[node_id]
     log = (fleet.tmp / f"agent-{node_id}.log").read_text(errors="replace")
     return rc, [ln for ln in log.splitlines() if ln.startswith("error:")]
 

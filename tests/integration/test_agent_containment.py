@@ -17,6 +17,7 @@ import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -350,6 +351,80 @@ class TestJobsCannotReachThePlatform:
         assert "working_dir" in resp.message and str(private) in resp.message
         assert "Permission denied" in resp.message
         assert fake.wait_report("r-wd").outcome == R.NEVER_STARTED
+
+
+STAGE2_PROBE = r"""
+import json, os, sys
+seen = {
+    "uid": os.getuid(),
+    "cwd": os.getcwd(),
+    "ld": os.environ.get("LD_LIBRARY_PATH"),
+    "stdin": os.readlink("/proc/self/fd/0"),
+    "stdin_bytes": len(sys.stdin.buffer.read()),
+    "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+}
+with open(os.path.join(os.environ["GPUFLEET_ARTIFACTS_DIR"], "seen.json"), "w") as f:
+    json.dump(seen, f)
+"""
+
+
+class TestTheShimsSecondStage:
+    """The shim's second stage (run as the job user: a working_dir the job chose, loader
+    variables set back, unshare's stage under pidns) reads the script from a descriptor the
+    first stage opened as root, never from its path: a package the job user cannot read (a
+    venv under /root, any 0700 parent) must still start jobs, with stdin /dev/null."""
+
+    @pytest.fixture
+    def unreadable_shim(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+        from gpufleet.agent import shim
+
+        package = tmp_path / "venv" / "gpufleet" / "agent"  # under pytest's 0700 tmp root too
+        package.mkdir(parents=True)
+        (tmp_path / "venv").chmod(0o700)
+        script = package / "shim.sh"
+        shutil.copyfile(shim.SHIM_SH, script)
+        script.chmod(0o644)
+        monkeypatch.setattr(shim, "SHIM_SH", script)
+        return script
+
+    def _run(self, setup, run_id: str, **assign: Any) -> dict[str, Any]:
+        fake, agent, store, _ = setup
+        resp = agent.assign(
+            run_id=run_id, job_id=f"j-{run_id}", token=1, command=py(STAGE2_PROBE), **assign
+        )
+        assert resp.result == A.STARTED, resp.message
+        report = fake.wait_report(run_id, timeout_s=30)
+        assert (report.outcome, report.exit_code) == (R.EXITED, 0), report.message
+        prefix = f"jobs/j-{run_id}/attempts/{run_id}"
+        seen = json.loads(store.get_bytes(f"{prefix}/artifacts/seen.json"))
+        assert seen["uid"] not in (0, os.getuid())
+        # stdin: /dev/null, not the script the stage read; no descriptor of the shim's left
+        assert (seen["stdin"], seen["stdin_bytes"]) == ("/dev/null", 0)
+        assert [fd for fd in seen["fds"] if fd > 2] == [3], seen["fds"]  # 3: listdir's own
+        return seen
+
+    def test_a_working_dir_the_job_chose(self, env, public_tmp: Path, unreadable_shim) -> None:
+        workdir = public_tmp / f"workdir-{env[1].extra['containment']}"
+        workdir.mkdir()
+        workdir.chmod(0o755)
+
+        seen = self._run(env, f"r-s2wd-{env[1].extra['containment']}", working_dir=str(workdir))
+
+        assert seen["cwd"] == str(workdir)
+
+    def test_loader_variables_set_back_as_the_job_user(self, env, unreadable_shim) -> None:
+        fake, agent, _, _ = env
+        kind = dict(fake.registrations[-1].labels)["gpufleet/containment"]
+        if agent.extra["containment"] == "pidns" and kind != "pidns":
+            pytest.skip(f"no PID-namespace containment on this machine (the agent got {kind})")
+
+        seen = self._run(
+            env, f"r-s2ld-{agent.extra['containment']}", env={"LD_LIBRARY_PATH": "/opt/gf-libs"}
+        )
+
+        assert seen["ld"] == "/opt/gf-libs"
+        if agent.extra["containment"] == "pidns":
+            assert kind == "pidns"  # unshare --setuid ran the second stage
 
 
 ADOPTEE = r"""

@@ -655,7 +655,7 @@ def test_a_resolv_conf_target_inside_a_hidden_directory_stays_readable(public: P
     log, exit_file = public / "shim.log", public / "shim.exit"
     code = (
         "import os, sys; d = sys.argv[1]; print(sorted(os.listdir(d)));"
-        " print(open(sys.argv[2]).read().strip())"
+        " print(open(sys.argv[2]).read().strip(), flush=True); print('err', file=sys.stderr)"
     )
     argv = [
         *iso.shim_prefix(namespace=True),
@@ -669,5 +669,6 @@ def test_a_resolv_conf_target_inside_a_hidden_directory_stays_readable(public: P
     subprocess.run(argv, check=True, timeout=30)
     assert json.loads(exit_file.read_text())["exit_code"] == 0, log.read_text()
     lines = log.read_text().splitlines()
-    assert lines == ["['systemd']", "nameserver 127.0.0.53"], lines
+    # stderr too: the shim's own quiet open of the kept file must not silence the command
+    assert lines == ["['systemd']", "nameserver 127.0.0.53", "err"], lines
     assert (hidden / "daemon.sock").exists(), "nothing of it reached the host"

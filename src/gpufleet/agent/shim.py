@@ -9,7 +9,7 @@ command line with :func:`argv`::
     /bin/sh shim.sh --exit-file F --log-file L [--claim-file C] [--status-fd N] [--cwd D]
         [--cwd-check] [--cgroup-procs P]... [--setpriv PATH --uid U --gid G [--groups G1,G2]]
         [--cwd-as U:G] [--mount-bin M [--private-tmp D] [--hide-pids]]
-        [--restore-env NAME,NAME] -- cmd [args...]
+        [--restore-env NAME,NAME] [--script-stdin] -- cmd [args...]
 
 The agent runs it under ``setpriv --no-new-privs`` and, for jobs as job users, in a mount
 namespace of its own (``unshare --mount --ipc``; :mod:`gpufleet.agent.runtime.jobns`): with
@@ -41,7 +41,12 @@ outlives an agent crash (``kill -9``). It:
    (a ``working_dir`` the job chose) the directory is entered only after the switch (a second
    ``sh`` stage), so the kernel checks the job user's access. ``--cwd-as`` is for a command
    prefix that switches users itself (``unshare --setuid``): the directory is checked as the
-   job user, then entered as the agent's user. The shim itself stays outside the cgroup (its
+   job user, then entered as the agent's user. A second stage is this same script read from
+   its stdin (``sh -s``, :func:`stage2_argv`), not from its path: the child opens the script
+   on fd 6 while it is still the agent's user, so the job user needs no access to the
+   installed package (a venv under ``/root``, any 0700 parent, a path under the node's
+   ``/tmp``, which the private ``/tmp`` hides); the second stage gives the command
+   ``/dev/null`` as its stdin, as the first does. The shim itself stays outside the cgroup (its
    memory is not charged to the job, and the OOM killer cannot pick it) and keeps the agent's
    user (it writes the agent's files);
 4. the child writes one JSON line to ``--status-fd`` just before its exec (so ``pid`` is the
@@ -132,6 +137,7 @@ def argv(
     keep_file: str = "",
     restore_env: tuple[str, ...] = (),
     shm_mb: int = 0,
+    script_stdin: bool = False,
 ) -> list[str]:
     """The shim's command line (see the module doc for each option).
 
@@ -157,6 +163,10 @@ def argv(
             agent passed as ``_GF_ENV_<name>`` (``jobns.hide_loader_env``): the shim sets
             them back only in the command's own process after the switch to the job user
             (a second ``sh`` stage when switching), so no program running as root sees them.
+        script_stdin: ``command`` ends in a second stage of this shim (:func:`stage2_argv`,
+            after a prefix that switches users, ``unshare --setuid``): the command starts
+            with the script on its stdin (fd 6, opened as the agent's user) instead of
+            ``/dev/null``; the second stage gives the job's command ``/dev/null``.
     """
     if status_fd is not None and not 1 <= status_fd <= 9:
         raise ValueError(f"status_fd must be 1-9, not {status_fd}")
@@ -182,6 +192,8 @@ def argv(
         out += ["--setpriv", SETPRIV, "--cwd-as", f"{cwd_as[0]}:{cwd_as[1]}"]
     if restore_env:
         out += ["--restore-env", ",".join(restore_env)]
+    if script_stdin:
+        out.append("--script-stdin")
     if mount_bin:
         out += ["--mount-bin", mount_bin]
         if private_tmp:
@@ -195,6 +207,23 @@ def argv(
         if shm_mb > 0:
             out += ["--shm-size", str(int(shm_mb))]
     return [*out, "--", *command]
+
+
+def stage2_argv(*, restore_env: tuple[str, ...] | list[str]) -> list[str]:
+    """The argv that runs a second stage of the shim, to put between a prefix that switches
+    users itself (``unshare ... --setuid U --``) and the job's command: ``sh -s -- --stage2
+    --restore-env A,B --``. It reads the script from its stdin, so the outer shim must get
+    ``script_stdin=True`` (:func:`argv`); the job user never opens :data:`SHIM_SH`.
+
+    Args:
+        restore_env: loader variable names to set back as the job user (non-empty).
+
+    Raises:
+        ValueError: ``restore_env`` is empty (nothing for a second stage to do).
+    """
+    if not restore_env:
+        raise ValueError("a second stage needs restore_env")
+    return [SH, "-s", "--", "--stage2", "--restore-env", ",".join(restore_env), "--"]
 
 
 INHERITED_IGNORES = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2")

@@ -4,8 +4,14 @@
 #              [--cwd-check] [--cgroup-procs P]... [--setpriv PATH --uid U --gid G
 #              [--groups G1,G2]] [--cwd-as U:G] [--mount-bin M [--private-tmp D]
 #              [--hide-pids] [--hide-dir D]... [--keep-file F] [--shm-size MIB]]
-#              [--restore-env NAME,NAME]
-#              -- cmd [args...]
+#              [--restore-env NAME,NAME] [--script-stdin] -- cmd [args...]
+#
+# A second stage (as the job user, after setpriv or unshare --setuid) is this script read from
+# its stdin: sh -s -- --stage2 ... -- cmd (shim.stage2_argv). The job user may not be able to
+# read the script's path (a package under a 0700 directory, or under /tmp, which the private
+# /tmp below hides), so the first stage opens it, as the agent's user, on fd 6 and gives it
+# the second stage as stdin; the second stage gives the command /dev/null, as the first does.
+# --script-stdin: the command is such a second stage (the pidns prefix: unshare ... -- sh -s).
 #
 # Builtins only on the common path (no fork besides the command's own, no exec besides the
 # command's and, when switching users, setpriv's): this runs once per attempt.
@@ -13,7 +19,7 @@
 
 _gf_exit= _gf_log= _gf_claim= _gf_status= _gf_cwd= _gf_check= _gf_procs= _gf_setpriv=
 _gf_uid= _gf_gid= _gf_groups= _gf_cwd_as= _gf_stage2= _gf_pwd= _gf_mount= _gf_tmp= _gf_hide=
-_gf_restore= _gf_hides= _gf_keep= _gf_shm=
+_gf_restore= _gf_hides= _gf_keep= _gf_shm= _gf_s2in= _gf_s2=
 _gf_nl='
 '
 while [ $# -gt 0 ]; do
@@ -39,6 +45,7 @@ while [ $# -gt 0 ]; do
         --keep-file) _gf_keep=$2; shift 2 ;;
         --shm-size) _gf_shm=$2; shift 2 ;;
         --restore-env) _gf_restore=$2; shift 2 ;;
+        --script-stdin) _gf_s2in=1; shift ;;
         --) shift; break ;;
         *) echo "gpufleet shim: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -104,6 +111,9 @@ _gf_exec() {
     read -r _gf_self _gf_rest < /proc/self/stat
     [ -z "$_gf_status" ] || { printf '{"pid": %s}\n' "$_gf_self" >&9; exec 9>&-; }
     _gf_env
+    # a second stage's stdin is this script; the command's is /dev/null
+    [ -z "$_gf_stage2" ] || exec 8>&- "$@" < /dev/null
+    [ -z "$_gf_s2in" ] || exec 8>&- "$@" <&6 6<&-
     exec 8>&- "$@"
 }
 
@@ -157,6 +167,12 @@ fi
 : > "$_gf_exit" || exit 1
 
 (
+    # a second stage as the job user reads this script from fd 6, opened here (as the agent's
+    # user, before any mount). `command`: a failed redirection of exec would end the shell;
+    # the braces: exec's own 2>/dev/null would stay in force for the command
+    [ -z "$_gf_uid" ] || [ -z "$_gf_check$_gf_restore" ] || _gf_s2=1
+    [ -z "$_gf_s2$_gf_s2in" ] || { command exec 6< "$0"; } 2>/dev/null \
+        || _gf_fail "cannot open the shim script $0"
     # the child: join the cgroup(s) before anything of the command runs
     _gf_step="join the cgroup"
     while [ -n "$_gf_procs" ]; do
@@ -178,7 +194,7 @@ fi
         # the node's socket directories (/run: PostgreSQL, MySQL, Redis, podman, D-Bus...)
         # under an empty tmpfs each; the one file the job still needs from them (resolv.conf's
         # target) is opened before and bound back after, through /proc/self/fd/7
-        [ -z "$_gf_keep" ] || exec 7< "$_gf_keep" 2>/dev/null \
+        [ -z "$_gf_keep" ] || { command exec 7< "$_gf_keep"; } 2>/dev/null \
             || _gf_fail "cannot open $_gf_keep to keep it visible"
         while [ -n "$_gf_hides" ]; do
             "$_gf_mount" -t tmpfs -o nosuid,nodev,noexec,mode=0755,size=1m tmpfs \
@@ -212,12 +228,13 @@ fi
     fi
     if [ -n "$_gf_uid" ]; then
         [ -n "$_gf_groups" ] && _gf_g=--groups=$_gf_groups || _gf_g=--clear-groups
-        if [ -n "$_gf_check" ] || [ -n "$_gf_restore" ]; then
+        if [ -n "$_gf_s2" ]; then
             # a working directory chosen by the job: enter it as the job user; loader
-            # variables to set back: only as the job user
+            # variables to set back: only as the job user (this script on stdin, from fd 6)
             exec "$_gf_setpriv" --reuid="$_gf_uid" --regid="$_gf_gid" "$_gf_g" -- \
-                /bin/sh "$0" --stage2 ${_gf_pwd:+--keep-pwd} --cwd "$_gf_cwd" \
-                ${_gf_status:+--status-fd 9} ${_gf_restore:+--restore-env $_gf_restore} -- "$@"
+                /bin/sh -s -- --stage2 ${_gf_pwd:+--keep-pwd} --cwd "$_gf_cwd" \
+                ${_gf_status:+--status-fd 9} ${_gf_restore:+--restore-env $_gf_restore} \
+                -- "$@" <&6 6<&-
         fi
         # the attempt's own work directory belongs to the job user
         [ -z "$_gf_cwd" ] || cd -P -- "$_gf_cwd" 2>/dev/null \

@@ -144,9 +144,10 @@ class ProcessRuntime:
         if self.containment.kind == "pidns":
             # unshare must run privileged to make the namespace; it switches users itself
             prefix_ids = {"uid": user.uid, "gid": user.gid} if user.switch else {}
-            if hidden:  # set back by a shim stage that unshare runs as the job user
-                restore = ["--stage2", "--restore-env", ",".join(hidden), "--"]
-                command = [shim.SH, str(shim.SHIM_SH), *restore, *command]
+            if hidden:  # set back by a shim stage that unshare runs as the job user (the script
+                # on its stdin: the job user may not be able to read the package's files)
+                command = [*shim.stage2_argv(restore_env=hidden), *command]
+                ids["script_stdin"] = True
             command = [*self.containment.command_prefix(**prefix_ids), *command]
             if user.switch:
                 ids["cwd_as"] = (user.uid, user.gid)
