@@ -296,11 +296,13 @@ def test_an_agent_reused_after_up_was_killed_hard_is_stopped_with_the_next_up(
     state_dir = data / "agents" / "local-0"
     cmd = [sys.executable, "-m", "gpufleet.cli.main", "up", "--data-dir", str(data),
            "--port", str(api), "--controller-port", str(ctl)]  # fmt: skip
+    started: list[subprocess.Popen[bytes]] = []  # stopped in the end whatever the outcome
 
     def start(name: str) -> subprocess.Popen[bytes]:
         out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         with open(out, "wb") as so, open(err, "wb") as se:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=so, stderr=se)
+        started.append(proc)
         _wait_for(
             lambda: (
                 "gpufleet is up" in (tmp_path / f"{name}.out").read_text()
@@ -312,9 +314,8 @@ def test_an_agent_reused_after_up_was_killed_hard_is_stopped_with_the_next_up(
         assert proc.poll() is None, (tmp_path / f"{name}.err").read_text()[-3000:]
         return proc
 
-    first = start("first")
-    second: subprocess.Popen[bytes] | None = None
     try:
+        first = start("first")
         agent = state_dir_holder(state_dir)
         assert agent is not None and agent > 0
         first.kill()
@@ -335,9 +336,10 @@ def test_an_agent_reused_after_up_was_killed_hard_is_stopped_with_the_next_up(
         assert second.wait(timeout=60) == 0, (tmp_path / "second.err").read_text()[-3000:]
         assert state_dir_holder(state_dir) is None  # the reused agent was stopped too
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
+        for proc in started:
+            if proc.poll() is None:
                 proc.kill()
+                proc.wait(timeout=30)
         left = state_dir_holder(state_dir)
         if left is not None and left > 0:
             os.kill(left, signal.SIGKILL)

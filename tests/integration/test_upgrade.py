@@ -79,33 +79,6 @@ class Platform:
             [*EXE, *args], env=self.env, text=True, capture_output=True, timeout=timeout
         )
 
-    def clis(
-        self, *commands: tuple[str, ...], timeout: float = 120
-    ) -> list[subprocess.CompletedProcess[str]]:
-        """Run independent CLI commands at the same time (each CLI start is seconds of
-        interpreter start-up on a busy box); their results in the order given."""
-        procs = [
-            subprocess.Popen(
-                [*EXE, *args],
-                env=self.env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-            for args in commands
-        ]
-        out = []
-        try:
-            for args, proc in zip(commands, procs, strict=True):
-                stdout, stderr = proc.communicate(timeout=timeout)
-                out.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        return out
-
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
             [*EXE, *args],
@@ -227,24 +200,14 @@ def _revision(db: Database) -> str | None:
     return schema_state(db).current
 
 
-def _refusal_args(p: Platform, command: str, *extra: str) -> tuple[str, ...]:
-    args = ("--address", p.controller_address) if command == "controller" else ()
-    return (command, *args, *extra)
-
-
-def _refused_line(got: subprocess.CompletedProcess[str]) -> str:
-    """It exited 2 at once with one ``error:`` line: that line."""
+def _refusal(p: Platform, command: str, *extra: str) -> str:
+    """Start ``gpufleet <command>``: it must exit 2 at once with one ``error:`` line."""
+    args = ["--address", p.controller_address] if command == "controller" else []
+    got = p.cli(command, *args, *extra, timeout=60)
     assert got.returncode == 2, (got.returncode, got.stdout[-2000:], got.stderr[-2000:])
     lines = [ln for ln in got.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1, got.stderr
     return lines[0]
-
-
-def _refusals(p: Platform, *commands: tuple[str, ...]) -> list[str]:
-    """Start each ``gpufleet <command> [extra...]`` (all at once): each must exit 2 at once
-    with one ``error:`` line; those lines, in order."""
-    got = p.clis(*(_refusal_args(p, *c) for c in commands), timeout=60)
-    return [_refused_line(g) for g in got]
 
 
 def test_migrate_takes_the_previous_releases_schema_to_head_with_live_jobs(
@@ -254,7 +217,8 @@ def test_migrate_takes_the_previous_releases_schema_to_head_with_live_jobs(
     head = head_revision()
     assert head != PREVIOUS
     # an empty database: the servers refuse, the migrate command creates the schema
-    for line in _refusals(p, ("server",), ("controller",)):
+    for command in ("server", "controller"):
+        line = _refusal(p, command)
         assert "no gpufleet schema" in line and "gpufleet admin migrate" in line, line
     got = p.cli("admin", "migrate")
     assert got.returncode == 0, got.stderr
@@ -290,19 +254,15 @@ def test_migrate_takes_the_previous_releases_schema_to_head_with_live_jobs(
         held = [r for r in before["reservations"] if r[4] == "CONFIRMED"]
         assert len(held) == 1 and held[0][2] == "n1", before["reservations"]
 
-        # the new code does not start on the old schema, and says what to run; `admin
-        # check` refuses too, `migrate --check` only reads (all four at once)
-        server, controller, refused, check = p.clis(
-            _refusal_args(p, "server"),
-            _refusal_args(p, "controller"),
-            ("admin", "check"),
-            ("admin", "migrate", "--check"),
-        )
-        for line in (_refused_line(server), _refused_line(controller)):
+        # the new code does not start on the old schema, and says what to run
+        for command in ("server", "controller"):
+            line = _refusal(p, command)
             assert f"at revision {PREVIOUS}, older than this gpufleet's {head}" in line, line
             assert "`gpufleet admin migrate`" in line, line
+        refused = p.cli("admin", "check")
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert "gpufleet admin migrate" in refused.stderr, refused.stderr
+        check = p.cli("admin", "migrate", "--check")
         assert check.returncode == 1, check.stdout + check.stderr
         assert f"current revision: {PREVIOUS}; target: {head}" in check.stdout
         assert "pending" in check.stdout and head in check.stdout
@@ -340,22 +300,15 @@ def test_a_schema_newer_than_the_code_is_refused_unless_allowed(platform: Platfo
         assert _revision(db) == "0099z"
     finally:
         db.dispose()
-    # all at once: --migrate cannot help either (this code has no way down from an unknown
-    # revision), nor can `admin migrate`
-    server, controller, migrating, got, check = p.clis(
-        _refusal_args(p, "server"),
-        _refusal_args(p, "controller"),
-        _refusal_args(p, "server", "--migrate"),
-        ("admin", "migrate"),
-        ("admin", "migrate", "--check"),
-        timeout=60,
-    )
-    for line in (_refused_line(server), _refused_line(controller)):
+    for command in ("server", "controller"):
+        line = _refusal(p, command)
         assert "revision 0099z, which this gpufleet" in line and "does not know" in line, line
-    line = _refused_line(migrating)
+    # --migrate cannot help either: this code has no way down from an unknown revision
+    line = _refusal(p, "server", "--migrate")
     assert "0099z" in line, line
+    got = p.cli("admin", "migrate")
     assert got.returncode == 2 and "0099z" in got.stderr, got.stdout + got.stderr
-    assert check.returncode == 2, check.stdout + check.stderr
+    assert p.cli("admin", "migrate", "--check").returncode == 2
 
     # the previous release beside the new one during a rolling upgrade: allowed explicitly
     api = p.spawn("server", "server", "--allow-newer-schema")
