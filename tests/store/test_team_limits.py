@@ -87,3 +87,22 @@ def test_a_disallowed_class_is_refused_or_demoted_at_submit(db: Database) -> Non
     job = submit(db, priority="CRITICAL")
     with db.read() as s:
         assert s.get(JobRow, job.job_id).priority == "NORMAL"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("mode", ["refuse", "demote"])
+def test_an_update_to_a_disallowed_class_is_refused(db: Database, mode: str) -> None:
+    """``update --priority`` asks for a class by name: refused in either mode (it was
+    stored, and status showed the class the team may not use)."""
+    from gpufleet.services.jobctl import JobPatch, patch_job
+
+    create_team(db)
+    create_node(db)
+    job = submit(db, priority="NORMAL")
+    _set(db, "team-a", {"allowed_classes": ["NORMAL", "LOW"], "disallowed": mode})
+    with pytest.raises(ValidationFailed) as err:
+        db.run_write(lambda s: patch_job(s, "team-a", job.job_id, JobPatch(priority="CRITICAL")))
+    assert err.value.field == "priority"
+    assert "allowed: NORMAL, LOW" in str(err.value)
+    db.run_write(lambda s: patch_job(s, "team-a", job.job_id, JobPatch(priority="LOW")))
+    with db.read() as s:
+        assert s.get(JobRow, job.job_id).priority == "LOW"  # type: ignore[union-attr]

@@ -38,7 +38,8 @@ from gpufleet.services.job_cancel import cancel_job
 from gpufleet.services.run_stop import request_stop
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
-from gpufleet.store.tables import JobRow, JobRunRow
+from gpufleet.store.tables import JobRow, JobRunRow, TeamRow
+from gpufleet.store.team_limits import limits_from_json
 from gpufleet.store.transitions import record_event, transition
 
 MIN_PREFIX = 4
@@ -385,6 +386,19 @@ def requeue_job(session: Session, team_id: str | None, job_id: str) -> str:
 # --- PATCH -----------------------------------------------------------------------------------
 
 
+def _check_class_allowed(session: Session, team_id: str, cls: PriorityClass) -> None:
+    """Raises ValidationFailed (422, ``priority``) when ``team_id``'s limits do not allow
+    ``cls`` (read in ``session``, not from the submit path's cache)."""
+    raw = session.execute(select(TeamRow.limits).where(TeamRow.id == team_id)).scalar()
+    allowed = limits_from_json(raw).allowed_classes
+    if allowed is not None and cls not in allowed:
+        names = ", ".join(p.value for p in sorted(allowed, key=lambda p: -p.rank))
+        raise ValidationFailed(
+            f"priority {cls.value} is not allowed for team {team_id} (allowed: {names})",
+            field="priority",
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class JobPatch:
     priority: str | None = None
@@ -395,14 +409,16 @@ class JobPatch:
 def patch_job(session: Session, team_id: str | None, job_id: str, patch: JobPatch) -> JobRow:
     """Change a job's priority class, name or max_runtime_s, each with an event.
 
-    Any class a submit may use is allowed (teams have no per-class restriction yet; the
-    policy's aging and fair share bound what a class buys). A new priority applies to the
+    A class the job's team may not use (``teams.limits.allowed_classes``) is refused, in
+    either ``disallowed`` mode (an update asks for that class by name: demoting it would
+    store another one). A new priority applies to the
     next pass (pending) and to preemption decisions (running); a new max_runtime_s applies to
     the running attempt too (the controller's stop driver reads it), counted from its start.
 
     Raises:
         Conflict: priority or max_runtime_s of a finished job (409 ``job_already_finished``).
-        ValidationFailed: max_runtime_s below the job's expected_duration_s (422).
+        ValidationFailed: max_runtime_s below the job's expected_duration_s (422), or a
+            priority class the team may not use (422, field ``priority``).
     """
     job = _job_for_update(session, team_id, job_id)
     changes: dict[str, list[Any]] = {}
@@ -416,6 +432,7 @@ def patch_job(session: Session, team_id: str | None, job_id: str, patch: JobPatc
         )
     if patch.priority is not None and patch.priority != job.priority:
         cls = PriorityClass(patch.priority)
+        _check_class_allowed(session, job.team_id, cls)
         changes["priority"] = [job.priority, cls.value]
         job.priority, job.priority_rank = cls.value, cls.rank
     if patch.name is not None and patch.name != job.name:
