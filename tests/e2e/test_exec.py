@@ -10,6 +10,7 @@ import os
 import pty
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -200,6 +201,54 @@ def test_port_forward_reaches_the_jobs_own_loopback(fleet_n1: Fleet) -> None:
         proc.wait(timeout=10)
     kinds = [e["details"] for e in fleet.get(f"/v1/jobs/{job_id}/events")["items"]]
     assert any(d and d.get("forward_port") == remote for d in kinds)
+
+    # refused before listening: a job that does not exist, a local port in use (exit 2, a
+    # message, no traceback)
+    cli = [sys.executable, "-m", "gpufleet.cli.main", "port-forward"]
+    gone = subprocess.run(
+        [*cli, "j-doesnotexist00", f"{free_port()}:{remote}"],
+        env=_cli_env(fleet),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert gone.returncode == 2 and "Traceback" not in gone.stderr, gone.stderr
+    assert "forwarding" not in gone.stderr
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        taken = subprocess.run(
+            [*cli, job_id, f"{busy.getsockname()[1]}:{remote}"],
+            env=_cli_env(fleet),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert taken.returncode == 2 and "cannot listen" in taken.stderr, taken.stderr
+    assert "Traceback" not in taken.stderr
+    # nothing listens on that port in the job: the local connection is closed, not left hanging
+    local = free_port()
+    proc = subprocess.Popen(
+        [*cli, job_id, f"{local}:{free_port()}"],
+        env=_cli_env(fleet),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline, outcome = time.monotonic() + 30, None
+        while time.monotonic() < deadline and outcome is None:
+            try:
+                httpx.get(f"http://127.0.0.1:{local}/", timeout=15)
+                outcome = "answered"
+            except httpx.ConnectError:
+                time.sleep(0.2)  # not listening yet
+            except httpx.TimeoutException:
+                outcome = "hung"
+            except httpx.TransportError:
+                outcome = "closed"
+        assert outcome == "closed"
+    finally:
+        proc.terminate()
+        _out, err = proc.communicate(timeout=10)
+    assert b"Traceback" not in err, err.decode(errors="replace")
 
 
 def test_shell_on_a_pty_exits_with_the_shells_code(fleet_n1: Fleet) -> None:

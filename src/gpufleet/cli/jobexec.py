@@ -72,9 +72,9 @@ def connect(url: str | None, token: str | None, job: str, rank: int) -> Any:
     )
 
 
-def _frames(ws: Any) -> Any:
+def _frames(ws: Any, *, stop_on_error: bool = False) -> Any:
     """The server's frames until the socket closes; raises :class:`Refused` after an error
-    frame (with the close code)."""
+    frame (with the close code; at the error frame itself with ``stop_on_error``)."""
     from websockets.exceptions import ConnectionClosed
 
     from gpufleet.rpc.protos import fleet_pb2 as pb
@@ -94,6 +94,8 @@ def _frames(ws: Any) -> Any:
         frame = pb.ExecFrame.FromString(data)
         if frame.WhichOneof("kind") == "error":
             error = frame.error
+            if stop_on_error:
+                raise Refused(error, 4000)
             continue
         yield frame
 
@@ -242,8 +244,6 @@ def forward_connection(ws: Any, conn: socket.socket, port: int) -> None:
     """Relay one accepted local connection through ``ws`` to ``127.0.0.1:port`` in the job."""
     from gpufleet.rpc.protos import fleet_pb2 as pb
 
-    ws.send(pb.ExecFrame(start=pb.ExecStart(forward_port=port)).SerializeToString())
-
     def pump_in() -> None:
         try:
             while True:
@@ -255,18 +255,22 @@ def forward_connection(ws: Any, conn: socket.socket, port: int) -> None:
         except Exception:
             return
 
-    threading.Thread(target=pump_in, name="forward-in", daemon=True).start()
     try:
-        for frame in _frames(ws):
+        ws.send(pb.ExecFrame(start=pb.ExecStart(forward_port=port)).SerializeToString())
+        threading.Thread(target=pump_in, name="forward-in", daemon=True).start()
+        for frame in _frames(ws, stop_on_error=True):
             if frame.WhichOneof("kind") == "stdout":
                 conn.sendall(frame.stdout)
     except Refused as exc:
         typer.echo(f"port-forward: {output.clean(exc.args[0])}", err=True)
-    except OSError:
-        pass
+    except Exception as exc:  # OSError, the socket closed by the server (ConnectionClosed)
+        typer.echo(f"port-forward: {output.clean(str(exc))}", err=True)
     finally:
         with contextlib.suppress(Exception):
             ws.close()
+        # the local client sees the end at once (a refused or failed forward left it hanging)
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
         conn.close()
 
 
@@ -293,7 +297,23 @@ def port_forward(
     except ValueError:
         output.print_error(f"PORTS must be LOCAL:REMOTE port numbers, not {ports!r}")
         raise typer.Exit(2) from None
-    server = socket.create_server((address, local))
+    # the job first: a job that does not exist, is another team's or does not run is refused
+    # before anything listens
+    from gpufleet.cli.options import path_segment
+    from gpufleet.cli.session import _call, _session
+
+    with _session(url, token) as http:
+        data = _call(http, "GET", f"/v1/jobs/{path_segment(job)}")
+    if data.get("status") != "RUNNING":
+        output.print_error(
+            f"job {job} does not run (it is {data.get('status')}): nothing to forward to"
+        )
+        raise typer.Exit(2)
+    try:
+        server = socket.create_server((address, local))
+    except OSError as exc:
+        output.print_error(f"cannot listen on {address}:{local}: {exc.strerror or exc}")
+        raise typer.Exit(2) from None
     typer.echo(
         f"forwarding {address}:{server.getsockname()[1]} -> 127.0.0.1:{remote} in job {job}",
         err=True,
