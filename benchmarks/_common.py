@@ -14,6 +14,7 @@ import platform
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -109,3 +110,30 @@ def write_rows_json(path: Path | None, rows: Sequence[Any]) -> None:
     """Write the dataclass ``rows`` to ``path`` as a JSON list (nothing when ``path`` is None)."""
     if path:
         path.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+
+
+def wait_healthy(db: Any, n: int, console: Any, log_hint: str, stuck_s: float = 30.0) -> int:
+    """Wait until ``n`` nodes are HEALTHY, or until none more became so for ``stuck_s``
+    (a node that cannot join: the run goes on with those that did, and says so); returns
+    how many are HEALTHY."""
+    from sqlalchemy import func, select
+
+    from gpufleet.store.tables import NodeRow
+
+    def healthy() -> int:
+        with db.read() as s:
+            return int(
+                s.execute(
+                    select(func.count()).select_from(NodeRow).where(NodeRow.status == "HEALTHY")
+                ).scalar_one()
+            )
+
+    seen, since = 0, time.monotonic()
+    while (up := healthy()) < n:
+        if up > seen:
+            seen, since = up, time.monotonic()
+        elif time.monotonic() - since > stuck_s:
+            console.print(f"only {up} of {n} nodes HEALTHY; see {log_hint}")
+            break
+        time.sleep(0.5)
+    return healthy()

@@ -55,6 +55,7 @@ from _common import (
     percentile,
     stop_processes,
     table_console,
+    wait_healthy,
     write_rows_json,
 )
 from rich.table import Table
@@ -65,7 +66,7 @@ from gpufleet.rpc import tls
 from gpufleet.services import auth
 from gpufleet.settings import Settings
 from gpufleet.store.queries import check_database
-from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
+from gpufleet.store.tables import JobRow, JobRunRow
 
 BENCH_DATABASE = f"gpufleet_bench_fleet_scale_{os.getpid()}"
 LIVE_RUNS = ("ASSIGNED", "RUNNING", "PREEMPTING")
@@ -172,25 +173,7 @@ def run_row(url: str, n: int, args: argparse.Namespace) -> Row:
             stderr=subprocess.STDOUT,
         )
 
-        def healthy() -> int:
-            with db.read() as s:
-                return int(
-                    s.execute(
-                        select(func.count())
-                        .select_from(NodeRow)
-                        .where(NodeRow.status == "HEALTHY")
-                    ).scalar_one()
-                )
-
-        seen, since = 0, time.monotonic()
-        while (up := healthy()) < n:
-            if up > seen:
-                seen, since = up, time.monotonic()
-            elif time.monotonic() - since > 30:  # stuck (a node that cannot join): go on
-                console.print(f"only {up} of {n} nodes HEALTHY; see {tmp}/hollow.log")
-                break
-            time.sleep(0.5)
-        n_up = healthy()
+        n_up = wait_healthy(db, n, console, f"{tmp}/hollow.log")
         register_s = time.monotonic() - t0
         console.print(f"{n} nodes: all HEALTHY after {register_s:.1f} s; idle window ...")
         ctl = procs["controller"].pid

@@ -587,7 +587,7 @@ def run_live(url: str, n: int, args: Any) -> dict[str, Any]:
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
-    from _common import child_env, console, free_port, stop_processes
+    from _common import child_env, console, free_port, stop_processes, wait_healthy
     from fleet_scale import LIVE_RUNS, cpu_s, rss_mb
     from sqlalchemy import func, select, text
 
@@ -597,7 +597,7 @@ def run_live(url: str, n: int, args: Any) -> dict[str, Any]:
     from gpufleet.services.teams import QuotaUpdate, update_quota
     from gpufleet.settings import Settings
     from gpufleet.store.queries import check_database
-    from gpufleet.store.tables import JobRow, JobRunRow, NodeRow
+    from gpufleet.store.tables import JobRow, JobRunRow
 
     wl = workload_from_args(n, args)
     console.print(
@@ -675,25 +675,7 @@ def run_live(url: str, n: int, args: Any) -> dict[str, Any]:
             stderr=subprocess.STDOUT,
         )
 
-        def healthy() -> int:
-            with db.read() as s:
-                return int(
-                    s.execute(
-                        select(func.count())
-                        .select_from(NodeRow)
-                        .where(NodeRow.status == "HEALTHY")
-                    ).scalar_one()
-                )
-
-        seen, since = 0, time.monotonic()
-        while (up := healthy()) < n:
-            if up > seen:
-                seen, since = up, time.monotonic()
-            elif time.monotonic() - since > 30:
-                console.print(f"only {up} of {n} nodes HEALTHY; see {tmp}/hollow.log")
-                break
-            time.sleep(0.5)
-        n_up = healthy()
+        n_up = wait_healthy(db, n, console, f"{tmp}/hollow.log")
         register_s = time.monotonic() - t_start
         node_type = {
             f"hollow-{i:04d}": g.gpu_type
