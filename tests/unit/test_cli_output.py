@@ -272,3 +272,21 @@ def test_wide_attempts_show_the_last_checkpoint() -> None:
     Console(file=buf, width=240).print(output.attempts_table([attempt], wide=True))
     text = buf.getvalue()
     assert "CHECKPOINT" in text and "10:42:07" in text
+
+
+def test_a_reservations_start_is_not_contradicted_by_a_not_yet_estimate() -> None:
+    """A new job with a backfill reservation showed "estimated start ... (in 2m)" beside
+    "start: unknown because the scheduler has not estimated it yet"."""
+    from gpufleet.cli.output import pending_lines
+
+    reason = {
+        "code": "reserved",
+        "message": "waits for its reservation",
+        "estimated_start_at": "2099-01-01T00:00:00Z",
+        "start_estimate": {"unknown": "not estimated yet", "text": "unknown because ..."},
+    }
+    lines = pending_lines(reason)
+    assert any("estimated start:" in line for line in lines)
+    assert not any(line.strip().startswith("start:") for line in lines)
+    ranged = {**reason, "start_estimate": {"earliest_s": 1.0, "text": "in 2-5 min"}}
+    assert any("in 2-5 min" in line for line in pending_lines(ranged))

@@ -640,7 +640,9 @@ def pending_lines(reason: dict[str, Any]) -> list[str]:
     if start:  # only when the server has one (backfill's reservation for the job)
         lines.append(f"  estimated start: {fmt_time(start, relative=True)}")
     est = reason.get("start_estimate")
-    if isinstance(est, dict) and est.get("text"):  # the p10..p90 range, or why unknown
+    # the p10..p90 range, or why unknown (not beside a reservation's time: a new job's
+    # "not estimated yet" read as a contradiction of it)
+    if isinstance(est, dict) and est.get("text") and not (start and est.get("unknown")):
         lines.append(f"  start:           {clean(str(est['text']))}")
     return lines
 
