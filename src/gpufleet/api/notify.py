@@ -86,7 +86,7 @@ def router(state: AppState, *, admission: limits.SubmitAdmission) -> APIRouter:
     @r.put(
         "/v1/admin/teams/{team}/notify-urls",
         response_model=NotifyUrlsOut,
-        responses=errors(403, 404),
+        responses=errors(400, 403, 404, 413),
     )
     def put_urls(team: str, body: NotifyUrlsPut, _: Admin) -> NotifyUrlsOut:
         """Set the team's default webhook URLs (``[]`` clears them); 422 names a bad one."""
