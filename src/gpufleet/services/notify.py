@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import httpx
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from gpufleet.domain import webhooks
@@ -355,7 +356,10 @@ class NotifyWorker:
             while not self._stop.is_set():
                 try:
                     busy = deliver_due(self.db, self.settings, client)
-                except Exception:  # the database away, a bug: logged, tried again later
+                except OperationalError as exc:  # the database away: one line, tried later
+                    log.warning("webhook delivery pass failed: %s", str(exc).splitlines()[0])
+                    busy = 0
+                except Exception:  # a bug: logged with its traceback, tried again later
                     log.warning("webhook delivery pass failed", exc_info=True)
                     busy = 0
                 self._stop.wait(0.05 if busy else self.interval_s)
