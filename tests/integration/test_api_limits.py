@@ -308,3 +308,32 @@ class TestOutstandingCount:
             assert len(counts) >= 5
         finally:
             event.remove(db.engine, "before_cursor_execute", seen)
+
+
+class TestPriorityClasses:
+    def test_the_api_refuses_or_demotes_a_class_as_the_teams_limits_say_at_once(
+        self, db, tokens, tmp_path
+    ) -> None:
+        """Submits read the class rules from the API's cached team limits: a change made
+        through the admin API applies to the next submit (the cache is dropped)."""
+        headers = {"Authorization": f"Bearer {tokens['nlp']}"}
+
+        def post(key: str) -> Any:
+            return client.post(
+                "/v1/jobs",
+                json={**JOB, "priority": "CRITICAL"},
+                headers={**headers, "Idempotency-Key": key},
+            )
+
+        with make_client(db, tmp_path) as client:
+            assert post("before").status_code == 201  # cached with no limits
+            rules = {"allowed_classes": ["NORMAL", "LOW"], "disallowed": "refuse"}
+            assert put_team(client, tokens["admin"], "nlp", {"limits": rules}).status_code == 200
+            r = post("refused")
+            assert r.status_code == 422 and r.json()["field"] == "priority", r.text
+            rules["disallowed"] = "demote"
+            assert put_team(client, tokens["admin"], "nlp", {"limits": rules}).status_code == 200
+            r = post("demoted")
+            assert r.status_code == 201, r.text
+            job = client.get(f"/v1/jobs/{r.json()['job_id']}", headers=headers).json()
+            assert job["priority"] == "NORMAL"

@@ -274,7 +274,6 @@ def test_one_job_life_fits_the_statement_budget(
     monkeypatch.setattr(limits, "LIMITS_TTL_S", 3600.0)
     monkeypatch.setattr(job_admission, "OUTSTANDING_COUNT_TTL_S", 3600.0)
     monkeypatch.setattr(job_admission, "SHAPES_TTL_S", 3600.0)
-    monkeypatch.setattr(job_admission, "CLASS_RULES_TTL_S", 3600.0)
     p = Platform(db, tmp_path)
     counter = StatementCounter(db)
     try:

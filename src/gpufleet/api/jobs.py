@@ -74,6 +74,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 max_outstanding_jobs=limits.max_outstanding_jobs if limits is not None else None,
                 runtime_limits=limits.runtime if limits is not None else None,
                 default_notify=limits.notify_urls if limits is not None else (),
+                class_rules=limits.classes if limits is not None else None,
                 allowed_mounts=state.settings.allowed_mount_list(),
                 control=jobs.SubmitControl(
                     array=body.array,

@@ -25,7 +25,6 @@ from gpufleet.domain.labels import effective_labels
 from gpufleet.domain.states import JOB_TERMINAL
 from gpufleet.domain.types import JobSpec, PriorityClass, Resources
 from gpufleet.policy.limits import Disallowed, TeamLimits, demotion_target
-from gpufleet.store.db import Database
 from gpufleet.store.tables import JobRow, NodeCapacityRow, NodeRow, TeamRow
 from gpufleet.store.team_limits import limits_from_json
 
@@ -367,61 +366,50 @@ def apply_runtime_limits(
     return spec
 
 
+def read_class_rules(session: Session, team_id: str) -> TeamLimits:
+    """The team's limits (``teams.limits``) as the policy reads them; an unknown team or
+    none set: no limits."""
+    raw = session.execute(select(TeamRow.limits).where(TeamRow.id == team_id)).scalar()
+    return limits_from_json(raw)
+
+
+def check_class_allowed(rules: TeamLimits, team_id: str, cls: PriorityClass) -> None:
+    """Raises ValidationFailed (422, field ``priority``, the allowed classes named) when
+    ``rules`` do not let ``team_id`` use ``cls``."""
+    allowed = rules.allowed_classes
+    if allowed is not None and cls not in allowed:
+        names = ", ".join(p.value for p in sorted(allowed, key=lambda p: -p.rank))
+        raise ValidationFailed(
+            f"priority {cls.value} is not allowed for team {team_id} (allowed: {names})",
+            field="priority",
+        )
+
+
 def apply_class_limits(
-    db: Database, team_id: str, spec: JobSpec
+    rules: TeamLimits, team_id: str, spec: JobSpec
 ) -> tuple[JobSpec, PriorityClass | None]:
-    """The team's allowed priority classes applied to ``spec`` (``teams.limits``,
-    ``policy.limits``; the rule as :func:`class_rules` caches it): a class the team may not
-    use is refused or demoted to ``policy.limits.demotion_target``, as the team's
-    ``disallowed`` says. Returns the spec and the class it asked for when it was demoted
-    (else None). Budgets are not checked here: they are the pass's (a rolling window moves
-    between submit and start).
+    """The team's allowed priority classes (``rules``: ``teams.limits``, ``policy.limits``)
+    applied to ``spec``: a class the team may not use is refused or demoted to
+    ``policy.limits.demotion_target``, as the team's ``disallowed`` says. Returns the spec
+    and the class it asked for when it was demoted (else None). Budgets are not checked
+    here: they are the pass's (a rolling window moves between submit and start).
 
     Raises:
         ValidationFailed: the class is not allowed and the team refuses (422, field
             ``priority``, the allowed classes named).
     """
-    lim = class_rules(db, team_id)
-    allowed = lim.allowed_classes
-    if allowed is None or spec.priority in allowed:
+    if not demotes_class(rules, spec):
+        check_class_allowed(rules, team_id, spec.priority)
         return spec, None
-    names = ", ".join(p.value for p in sorted(allowed, key=lambda p: -p.rank))
-    if lim.disallowed is Disallowed.REFUSE:
-        raise ValidationFailed(
-            f"priority {spec.priority.value} is not allowed for team {team_id} (allowed: {names})",
-            field="priority",
-        )
-    return replace(spec, priority=demotion_target(allowed)), spec.priority
+    assert rules.allowed_classes is not None
+    return replace(spec, priority=demotion_target(rules.allowed_classes)), spec.priority
 
 
-_class_rules: dict[str, tuple[float, TeamLimits]] = {}
-CLASS_RULES_TTL_S = 5.0
-
-
-def clear_class_rules() -> None:
-    """Forget the cached class rules (a team's limits changed in this process)."""
-    _class_rules.clear()
-
-
-def class_rules(db: Database, team_id: str) -> TeamLimits:
-    """The team's limits, read at most every ``CLASS_RULES_TTL_S`` per team (a change made
-    through this process's admin API clears the cache at once)."""
-    now = time.monotonic()
-    hit = _class_rules.get(team_id)
-    if hit is None or now - hit[0] >= CLASS_RULES_TTL_S:
-        with db.read() as session:
-            raw = session.execute(select(TeamRow.limits).where(TeamRow.id == team_id)).scalar()
-        hit = (now, limits_from_json(raw))
-        _class_rules[team_id] = hit
-    return hit[1]
-
-
-def demotes_class(db: Database, team_id: str, spec: JobSpec) -> bool:
+def demotes_class(rules: TeamLimits, spec: JobSpec) -> bool:
     """Whether ``spec``'s class is one its team demotes at submit (the submit path picks its
     transaction by it: the job and its event are two statements)."""
-    lim = class_rules(db, team_id)
     return (
-        lim.allowed_classes is not None
-        and spec.priority not in lim.allowed_classes
-        and lim.disallowed is Disallowed.DEMOTE
+        rules.allowed_classes is not None
+        and spec.priority not in rules.allowed_classes
+        and rules.disallowed is Disallowed.DEMOTE
     )

@@ -25,6 +25,7 @@ from gpufleet.domain.mounts import mount_problems, within_any
 from gpufleet.domain.states import JobStatus
 from gpufleet.domain.types import JobSpec, Resources
 from gpufleet.domain.webhooks import url_problem
+from gpufleet.policy.limits import TeamLimits
 from gpufleet.services import jobctl
 from gpufleet.services.job_admission import (
     apply_class_limits,
@@ -32,6 +33,7 @@ from gpufleet.services.job_admission import (
     check_fits_fleet,
     check_outstanding_limit,
     demotes_class,
+    read_class_rules,
 )
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now, now_sql
@@ -149,6 +151,7 @@ def submit_job(
     max_outstanding_jobs: int | None = None,
     runtime_limits: tuple[float | None, float | None] | None = None,
     default_notify: tuple[str, ...] | list[str] = (),
+    class_rules: TeamLimits | None = None,
     allowed_mounts: tuple[str, ...] | list[str] | None = None,
 ) -> Submitted:
     """Persist a new PENDING job, or return the earlier one for a repeated key.
@@ -157,6 +160,8 @@ def submit_job(
     ``max_outstanding_jobs``: the team's effective limit when the caller knows it (else read).
     ``runtime_limits``: the team's (default, maximum) run time when the caller knows them.
     ``default_notify``: the team's default webhook URLs, given to a job without ``notify``.
+    ``class_rules``: the team's limits (its allowed priority classes) when the caller knows
+    them (the API's cached team limits); None = read here.
     ``allowed_mounts``: the fleet's allow list of host paths a job may mount (None: no
     fleet-level list; each node still decides with its own ``--allow-mount``).
 
@@ -213,9 +218,10 @@ def submit_job(
         # checks' reads need not be atomic with it, a concurrent replay of the key hits the
         # unique index, answered below); an array's batches are one transaction
         # a class the team may not use and demotes: the job and its event, two statements
-        # (the rule is cached for a few seconds: a demotion found inside a one-statement
-        # write, the rule changed meanwhile, has its event left out, not the job refused)
-        in_tx = array is not None or demotes_class(db, team_id, spec)
+        if class_rules is None:
+            with db.read() as session:
+                class_rules = read_class_rules(session, team_id)
+        in_tx = array is not None or demotes_class(class_rules, spec)
         with db.write_tx() if in_tx else db.one_write() as session:
             if control is not None and control != SubmitControl():
                 # an array, dependencies or a hold: a replay is answered before resolving them
@@ -225,7 +231,7 @@ def submit_job(
             try:
                 check_fits_fleet(session, spec, fallback_max_gpus)
                 spec = apply_runtime_limits(session, team_id, spec, runtime_limits)
-                spec, asked = apply_class_limits(db, team_id, spec)
+                spec, asked = apply_class_limits(class_rules, team_id, spec)
                 check_outstanding_limit(
                     session,
                     team_id,

@@ -33,13 +33,17 @@ from gpufleet.domain.errors import Conflict, NotFound, StaleState, ValidationFai
 from gpufleet.domain.jobsyntax import MAX_DEPENDENCIES
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, Machine, RunStatus
 from gpufleet.domain.types import PriorityClass
-from gpufleet.services.job_admission import check_runtime_limit, team_runtime_limits
+from gpufleet.services.job_admission import (
+    check_class_allowed,
+    check_runtime_limit,
+    read_class_rules,
+    team_runtime_limits,
+)
 from gpufleet.services.job_cancel import cancel_job
 from gpufleet.services.run_stop import request_stop
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
-from gpufleet.store.tables import JobRow, JobRunRow, TeamRow
-from gpufleet.store.team_limits import limits_from_json
+from gpufleet.store.tables import JobRow, JobRunRow
 from gpufleet.store.transitions import record_event, transition
 
 MIN_PREFIX = 4
@@ -386,19 +390,6 @@ def requeue_job(session: Session, team_id: str | None, job_id: str) -> str:
 # --- PATCH -----------------------------------------------------------------------------------
 
 
-def _check_class_allowed(session: Session, team_id: str, cls: PriorityClass) -> None:
-    """Raises ValidationFailed (422, ``priority``) when ``team_id``'s limits do not allow
-    ``cls`` (read in ``session``, not from the submit path's cache)."""
-    raw = session.execute(select(TeamRow.limits).where(TeamRow.id == team_id)).scalar()
-    allowed = limits_from_json(raw).allowed_classes
-    if allowed is not None and cls not in allowed:
-        names = ", ".join(p.value for p in sorted(allowed, key=lambda p: -p.rank))
-        raise ValidationFailed(
-            f"priority {cls.value} is not allowed for team {team_id} (allowed: {names})",
-            field="priority",
-        )
-
-
 @dataclass(frozen=True, slots=True)
 class JobPatch:
     priority: str | None = None
@@ -432,7 +423,7 @@ def patch_job(session: Session, team_id: str | None, job_id: str, patch: JobPatc
         )
     if patch.priority is not None and patch.priority != job.priority:
         cls = PriorityClass(patch.priority)
-        _check_class_allowed(session, job.team_id, cls)
+        check_class_allowed(read_class_rules(session, job.team_id), job.team_id, cls)
         changes["priority"] = [job.priority, cls.value]
         job.priority, job.priority_rank = cls.value, cls.rank
     if patch.name is not None and patch.name != job.name:

@@ -17,14 +17,17 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import select
 
 from gpufleet.domain.errors import LimitExceeded
+from gpufleet.policy.limits import TeamLimits as PolicyTeamLimits
 from gpufleet.queue.hint import DEFAULT_PREFIX, DEFAULT_TIMEOUT_S, shared_hint
 from gpufleet.store.tables import TeamRow
+from gpufleet.store.team_limits import limits_from_json
 
 if TYPE_CHECKING:
     from gpufleet.settings import Settings
@@ -66,6 +69,8 @@ class TeamLimits:
         read_burst: read token-bucket size.
         notify_urls: the team's default webhook URLs (``teams.notify_urls``), given to a job
             submitted without ``notify``.
+        classes: the team's ``teams.limits`` (allowed priority classes, budgets:
+            ``policy.limits``); None = not read (the submit reads them itself).
     """
 
     max_outstanding_jobs: int
@@ -75,6 +80,7 @@ class TeamLimits:
     read_rate_per_s: float = 0.0
     read_burst: int = 1
     notify_urls: tuple[str, ...] = ()
+    classes: PolicyTeamLimits | None = None
 
     @staticmethod
     def defaults(settings: Settings) -> TeamLimits:
@@ -96,6 +102,7 @@ class TeamLimits:
         read_rate_per_s: float | None = None,
         read_burst: int | None = None,
         notify_urls: list[str] | None = None,
+        limits: Mapping[str, Any] | None = None,
     ) -> TeamLimits:
         """These defaults overridden by a team's own values (None = keep the default)."""
         return TeamLimits(
@@ -106,6 +113,7 @@ class TeamLimits:
             self.read_rate_per_s if read_rate_per_s is None else read_rate_per_s,
             self.read_burst if read_burst is None else read_burst,
             tuple(notify_urls or ()),
+            limits_from_json(limits),
         )
 
 
@@ -274,6 +282,7 @@ class SubmitAdmission:
                     TeamRow.read_rate_per_s,
                     TeamRow.read_burst,
                     TeamRow.notify_urls,
+                    TeamRow.limits,
                 ).where(TeamRow.id == team_id)
             ).first()
         limits = self.defaults if row is None else self.defaults.for_team(*row)

@@ -18,7 +18,6 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import NotFound, ValidationFailed
 from gpufleet.domain.states import RUN_ACTIVE, JobStatus
 from gpufleet.services.auth import TEAM_NAME
-from gpufleet.services.job_admission import clear_class_rules
 from gpufleet.services.limits import (
     MAX_GPU_TYPES,
     MAX_GPUS,
@@ -270,7 +269,6 @@ def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> QuotaChang
         )
     if upd.limits is not None:
         team.limits = normalize_limits(upd.limits)
-        clear_class_rules()
     session.flush()
     return QuotaChange(team, warnings)
 
