@@ -4,6 +4,7 @@ the submit-time class rule."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,48 @@ def test_an_update_to_a_disallowed_class_is_refused(db: Database, mode: str) -> 
     db.run_write(lambda s: patch_job(s, "team-a", job.job_id, JobPatch(priority="LOW")))
     with db.read() as s:
         assert s.get(JobRow, job.job_id).priority == "LOW"  # type: ignore[union-attr]
+
+
+def test_a_live_pass_holds_a_team_over_its_hard_budget_and_sees_a_limits_change(
+    db: Database, tmp_path: Path
+) -> None:
+    """The scheduler reads the teams' limits with its snapshot's teams: a hard GPU-hour
+    budget spent holds the team's job PENDING (``budget_exhausted``), and the budget
+    removed lets the next pass place it."""
+    from gpufleet.controller.leadership import Leadership
+    from gpufleet.controller.scheduler import Scheduler
+    from gpufleet.objectstore import ObjectStore
+    from gpufleet.settings import Settings
+    from tests.factories import become_leader
+
+    create_team(db)
+    create_node(db)
+    start = datetime.now(UTC) - timedelta(hours=2)
+    _record(db, "r-spent", "NORMAL", start, start + timedelta(hours=1), 2)  # 2 GPU-h
+    _set(db, "team-a", {"gpu_budgets": [{"gpu_hours": 1, "period": "month", "hard": True}]})
+    job = submit(db)
+    epoch = become_leader(db, "limits-test", lease_s=3600)
+    sched = Scheduler(
+        db,
+        ObjectStore(str(tmp_path / "objects")),
+        Settings(data_dir=tmp_path),
+        Leadership("limits-test", epoch),
+        _NoAgent(),  # type: ignore[arg-type]
+    )
+    try:
+        assert sched.run_pass().placed == 0
+        with db.read() as s:
+            row = s.get(JobRow, job.job_id)
+            assert row is not None and row.status == "PENDING"
+            assert (row.pending_reason or {}).get("code") == "budget_exhausted", row.pending_reason
+        _set(db, "team-a", {})
+        assert sched.run_pass().placed == 1
+    finally:
+        sched.close()
+
+
+class _NoAgent:
+    def assign(self, node_id: str, address: str, req: object) -> object:
+        from gpufleet.rpc.protos import fleet_pb2 as pb
+
+        return pb.AssignJobResponse(result=pb.AssignJobResponse.STARTED)

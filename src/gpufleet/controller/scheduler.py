@@ -58,7 +58,7 @@ from gpufleet.store.dialect import db_now
 from gpufleet.store.predictions import HistoryPredictor
 from gpufleet.store.snapshot_cache import SnapshotCache
 from gpufleet.store.tables import JobRow, NodeRow
-from gpufleet.store.team_limits import LEDGER_REFRESH_S, ledger_use, load_team_limits
+from gpufleet.store.team_limits import LEDGER_REFRESH_S, ledger_use
 from gpufleet.store.transitions import record_event
 
 log = logging.getLogger("gpufleet.controller")
@@ -406,10 +406,11 @@ class Scheduler(AssignmentDispatch):
         return True
 
     def _apply_limits(self, s: Session, snap: ClusterSnapshot) -> limits.LimitsResult:
-        """``policy.limits.apply_limits`` with the teams' limits (read every pass: a small
-        table) and the ledger's use (``store.team_limits.ledger_use``, read again every
-        ``LEDGER_REFRESH_S`` or when the limits changed)."""
-        team_limits = load_team_limits(s)
+        """``policy.limits.apply_limits`` with the teams' limits (read with the snapshot's
+        teams: ``SnapshotCache.team_limits``) and the ledger's use
+        (``store.team_limits.ledger_use``, read again every ``LEDGER_REFRESH_S`` or when the
+        limits changed)."""
+        team_limits = self._snapshots.team_limits
         self._demoted_now = {}
         if not team_limits:
             self._ledger = None

@@ -38,6 +38,7 @@ from sqlalchemy.sql.elements import BindParameter
 from gpufleet.domain.states import JobStatus, ReservationStatus, RunStatus
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.fleet_index import FleetIndex
+from gpufleet.policy.limits import TeamLimits
 from gpufleet.policy.priority import QueueKey, queue_key
 from gpufleet.policy.snapshot import (
     BackfillReservation,
@@ -73,6 +74,7 @@ from gpufleet.store.tables import (
     ReservationRow,
     TeamRow,
 )
+from gpufleet.store.team_limits import limits_from_json
 
 log = logging.getLogger("gpufleet.store.snapshot_cache")
 
@@ -178,6 +180,7 @@ _TEAMS = select(
     TeamRow.lending_limit_gpus,
     TeamRow.usage_gpu_s,
     TeamRow.usage_as_of,
+    TeamRow.limits,
 )
 _HOLDS = select(
     GpuHoldRow.job_id,
@@ -246,6 +249,10 @@ class SnapshotCache:
         self._queued: set[str] = set()
         self._backoff: set[str] = set()
         self._teams: dict[str, _Team] = {}
+        self._limits_parsed: dict[str, tuple[Any, TeamLimits]] = {}
+        # every team's ``teams.limits`` as of the last load (teams with none left out), read
+        # with the teams' other columns (the scheduler's limits step)
+        self.team_limits: dict[str, TeamLimits] = {}
         self._nodes: dict[str, NodeState] = {}
         self._fleet: FleetIndex | None = None
         """Free lists and static facts of ``_nodes``, kept across passes as the simulator
@@ -609,7 +616,14 @@ class SnapshotCache:
             start_s = since if since is not None else r.started_at_s
             running_by_team.setdefault(r.team_id, []).append((r.gpu_count, start_s))
         teams = {}
+        team_limits: dict[str, TeamLimits] = {}
         for t in session.execute(_TEAMS):
+            if t.limits:  # parsed again only when the stored JSON changed
+                parsed = self._limits_parsed.get(t.id)
+                if parsed is None or parsed[0] != t.limits:
+                    parsed = self._limits_parsed[t.id] = (t.limits, limits_from_json(t.limits))
+                if not parsed[1].empty:
+                    team_limits[t.id] = parsed[1]
             as_of = (t.usage_as_of or now).timestamp()
             ledger = UsageLedger(t.usage_gpu_s, min(as_of, now_s), usage_half_life_s)
             teams[t.id] = TeamState(
@@ -620,6 +634,7 @@ class SnapshotCache:
                 lending_limit_gpus=kept_back(t.guaranteed_gpus or {}, t.lending_limit_gpus or {}),
                 usage_gpu_s=ledger.with_running(now_s, running_by_team.get(t.id, [])),
             )
+        self.team_limits = team_limits
         holds = tuple(
             GpuHold(h.job_id, h.node_id, h.gpu_count, h.since.timestamp(), h.reason)
             for h in session.execute(_HOLDS)
