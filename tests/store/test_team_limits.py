@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from gpufleet.domain.errors import ValidationFailed
+from gpufleet.services.job_admission import read_class_rules
 from gpufleet.services.teams import QuotaUpdate, update_quota
 from gpufleet.store.db import Database
 from gpufleet.store.tables import JobRow, UsageRecordRow
-from gpufleet.store.team_limits import ledger_use, load_team_limits
+from gpufleet.store.team_limits import ledger_use
 from tests.factories import create_node, create_team, submit
 
 NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
@@ -56,7 +57,7 @@ def test_ledger_use_clips_to_the_window_and_counts_by_class(db: Database) -> Non
     _record(db, "r3", "CRITICAL", NOW - 3 * h, NOW - h, 4)  # 8 GPU-h
     _record(db, "r4", "NORMAL", NOW - 3 * h, NOW - h, 4)  # another class
     with db.read() as s:
-        limits = load_team_limits(s)
+        limits = {"team-a": read_class_rules(s, "team-a")}
         use = ledger_use(s, limits, NOW.timestamp())
     got = use[("team-a", "class:CRITICAL")]
     assert got.used_gpu_s == pytest.approx(10 * 3600)

@@ -34,9 +34,9 @@ from gpufleet.policy.limits import (
     Period,
     TeamLimits,
 )
-from gpufleet.store.tables import TeamRow, UsageRecordRow
+from gpufleet.store.tables import UsageRecordRow
 
-__all__ = ["LEDGER_REFRESH_S", "ledger_use", "limits_from_json", "load_team_limits"]
+__all__ = ["LEDGER_REFRESH_S", "ledger_use", "limits_from_json"]
 
 LEDGER_REFRESH_S = 30.0
 
@@ -71,13 +71,6 @@ def limits_from_json(raw: Mapping[str, Any] | None) -> TeamLimits:
             for b in raw.get("gpu_budgets") or ()
         ),
     )
-
-
-def load_team_limits(session: Session) -> dict[str, TeamLimits]:
-    """Every team's limits (teams without any left out)."""
-    rows = session.execute(select(TeamRow.id, TeamRow.limits).where(TeamRow.limits.is_not(None)))
-    out = {team_id: limits_from_json(raw) for team_id, raw in rows}
-    return {t: lim for t, lim in out.items() if not lim.empty}
 
 
 def _ts(now_s: float) -> datetime:
