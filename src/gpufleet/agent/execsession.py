@@ -419,11 +419,8 @@ class ExecSessions:
         why = ""
         try:
             while outs:
-                if not is_active():
-                    why = "the caller went away"
-                    break
-                if time.monotonic() - last[0] > self.limits.idle_timeout_s:
-                    why = f"idle for {self.limits.idle_timeout_s:g} s"
+                why = _why_end(is_active, last[0], self.limits.idle_timeout_s)
+                if why:
                     break
                 ready, _, _ = select.select(list(outs), [], [], 0.5)
                 for fd in ready:
@@ -491,11 +488,8 @@ class ExecSessions:
         why = ""
         try:
             while True:
-                if not is_active():
-                    why = "the caller went away"
-                    break
-                if time.monotonic() - last[0] > self.limits.idle_timeout_s:
-                    why = f"idle for {self.limits.idle_timeout_s:g} s"
+                why = _why_end(is_active, last[0], self.limits.idle_timeout_s)
+                if why:
                     break
                 if not select.select([sock], [], [], 0.5)[0]:
                     continue
@@ -511,6 +505,16 @@ class ExecSessions:
         finally:
             sock.close()
         yield pb.ExecFrame(exit=pb.ExecExit(exit_code=0, message=why))
+
+
+def _why_end(is_active: Any, last_s: float, idle_timeout_s: float) -> str:
+    """Why a session ends now ("" = it goes on): its caller went away, or nothing moved
+    either way since ``last_s`` (monotonic seconds) for ``idle_timeout_s``."""
+    if not is_active():
+        return "the caller went away"
+    if time.monotonic() - last_s > idle_timeout_s:
+        return f"idle for {idle_timeout_s:g} s"
+    return ""
 
 
 def _set_size(fd: int, rows: int, cols: int) -> None:
