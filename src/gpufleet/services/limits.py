@@ -70,7 +70,7 @@ class TeamLimits:
         notify_urls: the team's default webhook URLs (``teams.notify_urls``), given to a job
             submitted without ``notify``.
         classes: the team's ``teams.limits`` (allowed priority classes, budgets:
-            ``policy.limits``); None = not read (the submit reads them itself).
+            ``policy.limits``); the default limits nothing.
     """
 
     max_outstanding_jobs: int
@@ -80,7 +80,7 @@ class TeamLimits:
     read_rate_per_s: float = 0.0
     read_burst: int = 1
     notify_urls: tuple[str, ...] = ()
-    classes: PolicyTeamLimits | None = None
+    classes: PolicyTeamLimits = PolicyTeamLimits()
 
     @staticmethod
     def defaults(settings: Settings) -> TeamLimits:
