@@ -55,6 +55,9 @@ LIMITS_TTL_S = 1.0
 """A team's limits are remembered this long per server: a change applies within it."""
 
 
+_NO_CLASS_LIMITS = PolicyTeamLimits()  # frozen: one shared value
+
+
 @dataclass(frozen=True, slots=True)
 class TeamLimits:
     """A team's effective limits; 0 = no limit.
@@ -80,7 +83,7 @@ class TeamLimits:
     read_rate_per_s: float = 0.0
     read_burst: int = 1
     notify_urls: tuple[str, ...] = ()
-    classes: PolicyTeamLimits = PolicyTeamLimits()
+    classes: PolicyTeamLimits = _NO_CLASS_LIMITS
 
     @staticmethod
     def defaults(settings: Settings) -> TeamLimits:
