@@ -55,12 +55,12 @@ def plane(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Plane]:
         p.stop()
 
 
-def submit_hollow(p: Plane, i: int) -> str:
+def submit_hollow(p: Plane, i: int, run_s: int = 2) -> str:
     spec = JobSpec(
         command=("hollow",),
         resources=Resources(1 + i % 4, ()),
         name=f"f-{i}",
-        env={"HOLLOW_RUN_S": "2", "HOLLOW_ARTIFACT_BYTES": str(64 * (i % 3))},
+        env={"HOLLOW_RUN_S": str(run_s), "HOLLOW_ARTIFACT_BYTES": str(64 * (i % 3))},
     )
     return submit_job(p.db, team_id=TEAM, idempotency_key=str(uuid.uuid4()), spec=spec).job_id
 
@@ -92,7 +92,7 @@ def test_leader_kill_and_silenced_nodes_at_scale_run_every_job_once(plane: Plane
     try:
         p.wait_for(lambda: hollow_fleet.healthy_count(p.db) == NODES, 90, "hollow nodes HEALTHY")
         sampler.start()
-        jobs = [submit_hollow(p, i) for i in range(JOBS)]
+        jobs = [submit_hollow(p, i) for i in range(JOBS // 2)]
         silenced: list[str] = []
 
         def busy() -> bool:
@@ -102,6 +102,9 @@ def test_leader_kill_and_silenced_nodes_at_scale_run_every_job_once(plane: Plane
         p.wait_for(busy, 60, f"{SILENCE} nodes running attempts")
         control.write_text("\n".join(silenced) + "\n")
         time.sleep(1.0)  # the hollow process reads its control file every 0.5 s
+        # the second half asks for more GPU-seconds than the fleet has free (~1,250 GPUs for
+        # 6 s on 800), so a backlog is waiting at the kill however fast the first half ran
+        jobs += [submit_hollow(p, i, run_s=6) for i in range(JOBS // 2, JOBS)]
         leader = p.leader()
         assert leader is not None
         epoch = p.lease_epoch()
