@@ -533,6 +533,72 @@ def test_a_rejoin_after_the_certificate_expired_keeps_the_running_job(tmp_path: 
         fleet.stop()
 
 
+def test_a_running_agent_whose_certificate_expired_joins_again_from_its_token_file(
+    tmp_path: Path,
+) -> None:
+    """Node certificates of 6 s; a running agent, started with --join-token-file, is frozen
+    (SIGSTOP) until its certificate has expired. Resumed with only the spent token in the
+    file, it says what to do (one error line naming the command) instead of failing renewal
+    after renewal; once a new token is written there it joins again without a restart,
+    keeping its running job (one attempt, SUCCEEDED)."""
+    import signal
+
+    from gpufleet.processes import new_join_token
+
+    fleet = Fleet(tmp_path, node_cert_ttl_s=6.0).start()
+    token_file = fleet.tmp / "join-token"
+    token_file.write_text(new_join_token(fleet.db, fleet.settings, "n1", 900)[0] + "\n")
+    log = fleet.tmp / "agent-n1.log"
+    try:
+        fleet.start_agent(
+            "n1",
+            gpus="1xA100-40GB",
+            env={"GPUFLEET_JOIN_TOKEN": ""},
+            args=("--join-token-file", str(token_file)),
+        )
+        go = fleet.tmp / "go"
+        code = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+        job_id = fleet.submit({"command": [sys.executable, "-c", code]})
+        fleet.wait_status(job_id, {"RUNNING"})
+        fleet.signal_agent("n1", signal.SIGSTOP)
+        expiry = creds_of(fleet, "n1").not_after
+        fleet.wait_for(
+            lambda: datetime.now(UTC) > expiry + timedelta(seconds=1),
+            20,
+            "the certificate to expire",
+        )
+        fleet.signal_agent("n1", signal.SIGCONT)
+        fleet.wait_for(
+            lambda: "has no unspent join token" in log.read_text(), 20, "the agent to say so"
+        )
+        said = log.read_text()
+        assert "gpufleet admin node join-token --node-id n1" in said, said[-2000:]
+        assert str(token_file) in said
+        token_file.write_text(new_join_token(fleet.db, fleet.settings, "n1", 900)[0] + "\n")
+
+        def rejoined() -> bool:
+            with fleet.db.read() as s:
+                joins = s.scalars(
+                    select(SchedulingEventRow.kind).where(
+                        SchedulingEventRow.node_id == "n1",
+                        SchedulingEventRow.kind == "node_joined",
+                    )
+                ).all()
+            return len(joins) == 2 and fleet.node("n1")["status"] == "HEALTHY"
+
+        fleet.wait_for(rejoined, 30, "n1 to join again and be HEALTHY")
+        assert creds_of(fleet, "n1").not_after > expiry
+        assert fleet.job(job_id)["status"] == "RUNNING"
+        go.touch()
+        done = fleet.wait_status(job_id, TERMINAL)
+        assert done["status"] == "SUCCEEDED", done
+        assert [a["status"] for a in done["attempts"]] == ["SUCCEEDED"]
+        assert log.read_text().count("has no unspent join token") == 1
+        assert fleet.check() == []
+    finally:
+        fleet.stop()
+
+
 def test_operator_cli_joins_lists_revokes_and_forgets_a_node(fleet: Fleet) -> None:
     """The operator's path end to end, through the CLI: a join token, an agent that gets the
     CA from the controller by the token's fingerprint (no --ca-cert), then revoke and forget."""

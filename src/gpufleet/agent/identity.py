@@ -46,6 +46,44 @@ class JoinRefused(tls.PkiError):
     """The controller refused the join (bad, used or expired token; wrong node id)."""
 
 
+class JoinTokens:
+    """Where an agent's join token comes from: one given at start (``--join-token``), or a
+    file read again at every join (``--join-token-file``), so that a running agent can be
+    let back in with a new token, without a restart, after its certificate expired or was
+    revoked. A token is good for one join: :meth:`fresh` never answers the one the last
+    join used (``spent``)."""
+
+    def __init__(self, token: str | None, path: Path | None) -> None:
+        if token and path is not None:
+            raise ValueError("give --join-token or --join-token-file, not both")
+        self.token, self.path = token or None, path
+        self.spent: str | None = None
+
+    def current(self) -> str | None:
+        """The token there is now (the file's first line, stripped); None when there is
+        none or the file cannot be read (logged)."""
+        if self.path is None:
+            return self.token
+        try:
+            text = self.path.read_text()
+        except OSError as exc:
+            logger.error("cannot read the join token file %s: %s", self.path, exc)
+            return None
+        lines = text.strip().splitlines()
+        return lines[0].strip() if lines else None
+
+    def fresh(self) -> str | None:
+        """:meth:`current` unless a join already used it."""
+        token = self.current()
+        return None if token == self.spent else token
+
+    def where(self) -> str:
+        """Where a new token goes, for messages."""
+        if self.path is not None:
+            return f"write it to {self.path} (--join-token-file)"
+        return "restart the agent with it (--join-token, or --join-token-file to need no restart)"
+
+
 def tls_dir(state_dir: Path) -> Path:
     return state_dir / "tls"
 
@@ -336,11 +374,21 @@ class ControllerChannel:
             self._channel.close()
 
 
+EXPIRED_RETRY_S = 5.0
+"""Seconds between looks for an unspent join token once the node certificate has expired
+(a join is tried only with one; the "cannot join again" error is said once a minute)."""
+
+
 class Renewer:
     """Renews the node certificate at 2/3 of its lifetime over the mutual-TLS channel, saves
     it, and calls ``on_renewed(credentials)``. A failed renewal is retried every
     ``min(60 s, 1/10 of the time left)``. ``facts`` are those of ``creds``' certificate
-    (:func:`ensure_credentials`); the key and CSR are made by :func:`new_csr`."""
+    (:func:`ensure_credentials`); the key and CSR are made by :func:`new_csr`.
+
+    A certificate that expired before it was renewed (the agent was stopped or cut off past
+    its lifetime) cannot renew itself: ``on_expired()`` is called instead, every
+    :data:`EXPIRED_RETRY_S`, until it answers True (it joined again and replaced
+    ``creds``/``facts``)."""
 
     def __init__(
         self,
@@ -351,9 +399,11 @@ class Renewer:
         channel: ControllerChannel,
         on_renewed: Callable[[tls.NodeCredentials], None],
         stop: threading.Event,
+        on_expired: Callable[[], bool] | None = None,
     ) -> None:
         self.creds, self.facts, self.node_id, self.directory = creds, facts, node_id, directory
         self.channel, self.on_renewed, self.stop = channel, on_renewed, stop
+        self.on_expired = on_expired
         self.thread = threading.Thread(target=self._loop, name="agent-renew", daemon=True)
 
     def _loop(self) -> None:
@@ -362,6 +412,11 @@ class Renewer:
             wait_s = (self.facts.renew_at() - now).total_seconds()
             if wait_s > 0:
                 self.stop.wait(wait_s)
+                continue
+            if now >= self.facts.not_after:  # no renewal over an expired certificate
+                if self.on_expired is not None and self.on_expired():
+                    continue  # joined again: new credentials and facts
+                self.stop.wait(EXPIRED_RETRY_S)
                 continue
             try:
                 self.renew_once()

@@ -160,7 +160,7 @@ class AgentConfig:
         )
 
 
-_PATH_ARGS = ("state_dir", "ca_cert", "jobs_dir")
+_PATH_ARGS = ("state_dir", "ca_cert", "jobs_dir", "join_token_file")
 
 
 def exec_agent(config: AgentConfig, **kwargs: Any) -> None:
@@ -290,6 +290,7 @@ def run_agent(
     advertise_host: str | None = None,
     insecure: bool = False,
     join_token: str | None = None,
+    join_token_file: Path | None = None,
     ca_cert: Path | None = None,
     job_user: str = DEFAULT_JOB_USER,
     job_uids: str = "per-attempt",
@@ -333,6 +334,11 @@ def run_agent(
             with ``join_token`` when there is none (see ``agent.identity``), and only a
             controller certificate may call AssignJob/StopRun/ListRuns.
         join_token: ``gfj1.<ca sha256>.<secret>`` from ``gpufleet admin node join-token``.
+        join_token_file: a file holding such a token instead (not with ``join_token``),
+            read at start and again each time the agent must join again: its certificate
+            expired while the agent ran (stopped or cut off past its lifetime) or was
+            revoked. A token is spent by one join: put a new one there to let a running
+            agent back in without a restart.
         ca_cert: the fleet CA certificate (else fetched and checked against the token).
         job_user: the unprivileged user jobs run as (created when missing and root).
         job_uids: ``per-attempt`` (each attempt its own uid, the job user's group),
@@ -391,6 +397,7 @@ def run_agent(
             the fleet's): the agent stopped without registering.
     """
     cfg = settings if isinstance(settings, AgentConfig) else AgentConfig.from_settings(settings)
+    tokens = identity.JoinTokens(join_token, join_token_file)
     controllers = parse_controllers(cfg.controller_address)
     host, port, advertised_port = _advertised(advertise_host, port, controllers[0])
     metrics_auth = None
@@ -428,7 +435,6 @@ def run_agent(
         ]
 
     creds: tls.NodeCredentials | None = None
-    joined_now = True  # the credentials in use were just made by a join (or there are none)
     if insecure:
         logger.warning(
             "INSECURE: agent gRPC is plaintext and unauthenticated (--insecure): anyone who "
@@ -444,20 +450,19 @@ def run_agent(
             state_dir,
             node_id,
             join_address=cfg.join_address,
-            join_token=join_token,
             ca_cert=ca_cert,
             stop=stop,
             held=held,
         )
-        found_creds = credentials()
+        first_token = tokens.current()
+        found_creds = credentials(join_token=first_token)
         if found_creds is None:  # stopped before the controller answered the join
             log.close()
             return
         creds, facts = found_creds
         holder = creds
-        # a saved certificate was used (not one just joined): a revoked one may be replaced
-        # by joining again with the token given at start
-        joined_now = saved is None or saved.chain_pem != creds.chain_pem
+        if saved is None or saved.chain_pem != creds.chain_pem:
+            tokens.spent = first_token  # a join made these credentials
 
         def secure(address: str) -> grpc.Channel:
             return tls.secure_channel(
@@ -621,30 +626,54 @@ def run_agent(
             server_creds.replace(new.key_pem, new.chain_pem, new.ca_pem)
             channel.reconnect()
 
-        renewer = Renewer(creds, facts, node_id, tls_dir(state_dir), channel, renewed, stop)
-        if join_token and not joined_now:
+        last_said = [0.0]  # monotonic time of the last "cannot join again" (one a minute)
 
-            def rejoin() -> bool:
-                """The saved certificate was refused as revoked (the node was revoked or
-                forgotten): join again with the token given at start, if it is a new one."""
-                assert renewer is not None
-                try:
-                    got = credentials(rejoin=True)
-                except (tls.PkiError, identity.JoinRefused, ValueError) as exc:
+        def join_again(why: str) -> bool:
+            """Join again with a token not yet spent (``tokens``): the saved certificate was
+            refused as revoked (the node was revoked or forgotten), or it expired while this
+            agent ran (stopped or cut off past its lifetime). The attempts the assignment log
+            holds go with the join, so the controller keeps them."""
+            assert renewer is not None
+            token = tokens.fresh()
+            if token is None:
+                if time.monotonic() - last_said[0] >= 60.0:
+                    last_said[0] = time.monotonic()
                     logger.error(
-                        "cannot join again with the join token given at start (%s): get a "
-                        "new one with `gpufleet admin node join-token --node-id %s`",
-                        exc,
+                        "node certificate %s: this agent cannot reach the controller until it "
+                        "joins again, and it has no unspent join token: get one with "
+                        "`gpufleet admin node join-token --node-id %s` and %s",
+                        why,
                         node_id,
+                        tokens.where(),
                     )
-                    return False
-                if got is None:
-                    return False
-                renewer.creds, renewer.facts = got
-                renewed(got[0])
-                return True
+                return False
+            tokens.spent = token  # good for one join, refused or not
+            logger.warning("node certificate %s: joining again", why)
+            try:
+                got = credentials(join_token=token, rejoin=why.startswith("refused"))
+            except (tls.PkiError, identity.JoinRefused, ValueError) as exc:
+                logger.error(
+                    "cannot join again (%s): get a new join token with `gpufleet admin node "
+                    "join-token --node-id %s` and %s",
+                    exc,
+                    node_id,
+                    tokens.where(),
+                )
+                return False
+            if got is None:
+                return False
+            renewer.creds, renewer.facts = got
+            renewed(got[0])
+            return True
 
-            rejoin_after_revocation = rejoin
+        def on_expired() -> bool:
+            assert renewer is not None
+            return join_again(f"expired at {renewer.facts.not_after:%Y-%m-%d %H:%M:%S}Z")
+
+        renewer = Renewer(
+            creds, facts, node_id, tls_dir(state_dir), channel, renewed, stop, on_expired
+        )
+        rejoin_after_revocation = partial(join_again, "refused by the controller as revoked")
     if bound == 0:
         raise OSError(f"cannot listen on {_join(host, port)}")
     net.add_own_ports(bound, metrics_port)

@@ -116,9 +116,9 @@ class ControllerLink:
         registered: set after the first successful registration.
         stop_event: ends the heartbeat thread.
         images: the node's image list and pre-pulls (None: no container runtime).
-        rejoin: called once when the controller refuses this node's certificate as revoked
+        rejoin: called when the controller refuses this node's certificate as revoked
             (PERMISSION_DENIED at registration); True when it joined again with new
-            credentials (a join token given at start), so registration is retried at once.
+            credentials (a join token not yet spent), so registration is retried at once.
         on_reconnected: called when a heartbeat is answered after one or more that reached
             no controller (the agent's outbox retries its pending reports at once).
         contact: noted at every answer (the contact timeout from registration); its ``ask``
@@ -200,12 +200,11 @@ class ControllerLink:
             except grpc.RpcError as exc:
                 attempts += 1
                 code = _code(exc)
-                if code.startswith("PERMISSION_DENIED") and "revoked" in code and self.rejoin:
-                    rejoin, self.rejoin = self.rejoin, None  # a join token is spent once
-                    logger.error("controller refused this node's certificate: %s", code)
-                    if rejoin():
-                        delay = 0.1
-                        continue
+                revoked = code.startswith("PERMISSION_DENIED") and "revoked" in code
+                # a token is spent once: rejoin answers False after that
+                if revoked and self.rejoin is not None and self.rejoin():
+                    delay = 0.1
+                    continue
                 if attempts in (1, 10) or attempts % 100 == 0:
                     hint = tls_hint.hint(exc)
                     if hint is not None:  # the handshake failed on a certificate's dates

@@ -573,6 +573,15 @@ def agent(
             "node certificate.",
         ),
     ] = None,
+    join_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="GPUFLEET_JOIN_TOKEN_FILE",
+            help="A file holding the join token instead, read again whenever the agent must "
+            "join again (its certificate expired while it was stopped, or was revoked): a new "
+            "token written there lets the running agent back in.",
+        ),
+    ] = None,
     ca_cert: Annotated[
         Path | None,
         typer.Option(help="Fleet CA certificate (default: fetched, checked against the token)."),
@@ -647,6 +656,7 @@ def agent(
         container_read_only=container_read_only,
         insecure=insecure,
         join_token=join_token,
+        join_token_file=join_token_file,
         ca_cert=ca_cert,
         job_user=job_user,
         job_uids=job_uids,

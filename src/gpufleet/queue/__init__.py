@@ -93,7 +93,7 @@ class RedisWaker:
         while not self._stop.is_set():
             try:
                 if pubsub is None:
-                    pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                    pubsub = client.pubsub(ignore_subscribe_messages=True)
                     pubsub.subscribe(self.channel)
                     if down_since is not None:
                         log.warning("redis wake listener: subscribed again to %s", self.channel)
