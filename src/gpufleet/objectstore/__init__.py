@@ -259,7 +259,10 @@ class ObjectStore:
         else:
             import fsspec
 
-            self.fs, self._root = fsspec.core.url_to_fs(self.base_url)
+            # a filesystem of its own: fsspec's instance cache keys on the URL and arguments,
+            # not on the environment s3fs reads its endpoint and credentials from
+            # (AWS_ENDPOINT_URL, AWS_*), so a cached one could talk to another server
+            self.fs, self._root = fsspec.core.url_to_fs(self.base_url, skip_instance_cache=True)
         if self._protocol == "file":
             Path(self._root).mkdir(parents=True, exist_ok=True)
 
