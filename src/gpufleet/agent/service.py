@@ -201,6 +201,8 @@ class ControllerLink:
                 attempts += 1
                 code = _code(exc)
                 revoked = code.startswith("PERMISSION_DENIED") and "revoked" in code
+                if revoked and (attempts in (1, 10) or attempts % 100 == 0):
+                    logger.error("controller refused this node's certificate: %s", code)
                 # a token is spent once: rejoin answers False after that
                 if revoked and self.rejoin is not None and self.rejoin():
                     delay = 0.1
