@@ -74,6 +74,11 @@ class PassStats:
     placed_runs: list[str] = field(default_factory=list)
     applied: list[Decision] = field(default_factory=list)
     """Decisions committed in this pass (for the metrics)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds (wall, ``time.perf_counter``) per phase of the pass: ``read`` (snapshot,
+    gates, limits), ``policy`` (``policy.schedule``), ``apply`` (reservations, preemptions,
+    holds), ``estimate`` (start estimates, when recomputed), ``reasons`` (pending reasons
+    written), ``metrics``; for benchmarks/leader_pass.py and logs."""
 
 
 def _at(t: float | None) -> str | None:
@@ -293,6 +298,8 @@ class Scheduler(AssignmentDispatch):
         except BaseException:
             self._snapshots.invalidate()  # any doubt (a lost connection...): read it all again
             raise
+        t_read = time.perf_counter()
+        stats.phases["read"] = t_read - t0
         stats.pending = sum(len(q) for q in (snap.queues or {}).values()) or len(snap.pending)
         # jobs that may hold GPUs (only this leader creates holds: those of the snapshot and
         # of this pass's preemptions); placing any other job need not delete its holds
@@ -305,7 +312,10 @@ class Scheduler(AssignmentDispatch):
                 log.info("dependency never satisfiable: %d job(s) DEPENDENCY_FAILED", len(ended))
             except SQLAlchemyError as exc:  # placements go on; the next pass tries again
                 loop_failed("ending jobs with unsatisfiable dependencies", exc)
+        t_policy = time.perf_counter()
         result = schedule(snap, self.policy)
+        stats.phases["policy"] = time.perf_counter() - t_policy
+        t_apply = time.perf_counter()
         pending = self._snapshots.pending_jobs(_job_ids(result.decisions))
         backfill: list[BackfillReservation] = []
         batch: list[Place] = []  # consecutive placements, reserved together (_place_batch)
@@ -357,13 +367,19 @@ class Scheduler(AssignmentDispatch):
             if gated.result.blocked
             else result.waiting
         )
+        t_est = time.perf_counter()
+        stats.phases["apply"] = t_est - t_apply
         if limited.held or limited.demoted:
             waiting = self._limited_reasons(waiting, limited, snap.now_s)
         fresh = self._estimate(snap, result, waiting)
+        t_reasons = time.perf_counter()
+        stats.phases["estimate"] = t_reasons - t_est
         stored = {j: self._stored.get(j) for j in waiting}
         self._stored = stored
         self._store_reasons(waiting, stored, snap.now_s, fresh)
-        stats.seconds = time.perf_counter() - t0
+        t_metrics = time.perf_counter()
+        stats.phases["reasons"] = t_metrics - t_reasons
+        stats.seconds = t_metrics - t0
         metrics.observe_pass(
             snap,
             result,
@@ -373,6 +389,7 @@ class Scheduler(AssignmentDispatch):
             config=self.policy,
             pending_by_id=pending,
         )
+        stats.phases["metrics"] = time.perf_counter() - t_metrics
         return stats
 
     def _estimate(
