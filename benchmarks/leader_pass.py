@@ -12,6 +12,9 @@ agent client that answers every AssignJob STARTED at once, it times:
 - ``steady``: ``--passes`` passes, each after ``--churn`` attempts ended (their GPUs
   released) and as many jobs submitted: a backlogged fleet, a few placements per pass; the
   start estimate is recomputed on every pass (as the leader does every 10 s);
+- ``back-to-back``: after each steady pass, the next one at once (as after a wake-up): with
+  the background writer (the controller's, the default here) it waits for the steady pass's
+  reasons write where it needs it (counted in ``reasons``);
 - ``fill``: one pass on the same M pending jobs with the whole fleet free (thousands of
   placements in one pass, as when a fleet comes up under a backlog), then the dispatch of
   every placed attempt (``dispatch ms``: until the assign pool is idle).
@@ -79,7 +82,7 @@ PHASES = ("read", "policy", "apply", "estimate", "reasons", "metrics", "total")
 class StartedAgent:
     """AssignJob answered STARTED at once (the confirmation is the benchmark's to send)."""
 
-    def assign(self, node_id: str, address: str, req: pb.AssignJobRequest) -> Any:
+    def assign(self, _node_id: str, _address: str, _req: pb.AssignJobRequest) -> Any:
         return pb.AssignJobResponse(result=pb.AssignJobResponse.STARTED)
 
 
@@ -104,9 +107,7 @@ def seed_fleet(db: Database, n_nodes: int) -> None:
     )
     for i, gpu_type in enumerate(types):
         gpus = tuple(GpuDevice(g, f"n{i}-{g}", gpu_type, 81920) for g in range(8))
-        inv = nodes.NodeInventory(
-            f"n{i:05d}", "127.0.0.1:1", 1, gpus, 64, 512_000, {}, "declared"
-        )
+        inv = nodes.NodeInventory(f"n{i:05d}", "127.0.0.1:1", 1, gpus, 64, 512_000, {}, "declared")
         db.run_write(lambda s, inv=inv: nodes.register_node(s, inv))
     db.run_write(lambda s: s.execute(update(NodeRow).values(last_heartbeat_at=db_now(s))))
 
@@ -184,7 +185,7 @@ def confirm_all(db: Database, run_ids: list[str]) -> None:
         return
     with db.read() as s:
         found = s.execute(select(JobRunRow.id, JobRunRow.token).where(JobRunRow.id.in_(run_ids)))
-        tokens = {r: t for r, t in found}
+        tokens = dict(found.all())
     for k in range(0, len(run_ids), 500):
         chunk = run_ids[k : k + 500]
 
@@ -250,6 +251,8 @@ class PhaseClock:
             self._wrap_method(name, "apply")
         self._wrap_method("_estimate", "estimate")
         self._wrap_method("_store_reasons", "reasons")
+        if hasattr(sched, "_join_writes"):  # waiting for the previous pass's reasons write
+            self._wrap_method("_join_writes", "reasons")
         self._wrap_module_attr(scheduler_mod.metrics, "observe_pass", "metrics")
 
     def _timed(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
@@ -310,7 +313,9 @@ def database(kind: str, admin_url: str, tag: str) -> Iterator[Database]:
             db.dispose()
 
 
-def new_scheduler(db: Database, tmp: Path) -> tuple[Scheduler, PhaseClock]:
+def new_scheduler(
+    db: Database, tmp: Path, background: bool = False
+) -> tuple[Scheduler, PhaseClock]:
     epoch = db.run_write(lambda s: leader.try_acquire(s, HOLDER, 3600))
     assert epoch is not None
     with db.read() as s:
@@ -322,6 +327,8 @@ def new_scheduler(db: Database, tmp: Path) -> tuple[Scheduler, PhaseClock]:
         settings,
         Leadership(HOLDER, epoch, listening_since=since),
         StartedAgent(),  # type: ignore[arg-type]
+        # as the controller runs it (older code has no such argument: in-pass writes)
+        **({"background": True} if background else {}),
     )
     return sched, PhaseClock(sched)
 
@@ -356,7 +363,7 @@ def measure(
         # throw-away leader and confirmed
         seed_jobs(db, 0, rng, gpu_budget=int(n_nodes * 8 * args.running))
         warm, _clock = new_scheduler(db, tmp)
-        warm.predictions.refresh = lambda s: None  # type: ignore[method-assign]
+        warm.predictions.refresh = lambda _s: None  # type: ignore[method-assign]
         st = warm.run_pass()
         drain(warm)
         warm.close()
@@ -369,7 +376,7 @@ def measure(
             flush=True,
         )
 
-        sched, clock = new_scheduler(db, tmp)
+        sched, clock = new_scheduler(db, tmp, args.background)
         stats, ph = clock.run()
         row("first", stats, ph, dispatch=round(drain(sched), 1))
         prof = cProfile.Profile() if args.profile else None
@@ -383,7 +390,10 @@ def measure(
             if prof is not None:
                 prof.disable()
             row("steady", stats, ph, dispatch=round(drain(sched), 1))
-            confirm_all(db, stats.placed_runs)
+            # the next pass at once (a wake-up): it meets the previous pass's writes
+            stats2, ph2 = clock.run()
+            row("back-to-back", stats2, ph2, dispatch=round(drain(sched), 1))
+            confirm_all(db, stats.placed_runs + stats2.placed_runs)
         if prof is not None:
             prof.dump_stats(args.profile)
         sched.close()
@@ -396,7 +406,7 @@ def measure(
         tmp = Path(tmp_s)
         seed_fleet(db, n_nodes)
         seed_jobs(db, n_pending, rng)
-        sched, clock = new_scheduler(db, tmp)
+        sched, clock = new_scheduler(db, tmp, args.background)
         sched._estimated_s = time.monotonic()  # a fill pass right after a steady one
         stats, ph = clock.run()
         d = drain(sched)
@@ -409,14 +419,12 @@ def steady_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The per-pass rows with the steady passes replaced by their medians."""
     out: list[dict[str, Any]] = []
     for r in rows:
-        if r["scenario"] != "steady":
+        if r["scenario"] not in ("steady", "back-to-back"):
             out.append(r)
             continue
-        group = (r["database"], r["nodes"], r["label"])
+        group = (r["database"], r["nodes"], r["label"], r["scenario"])
         steady = [
-            x
-            for x in rows
-            if x["scenario"] == "steady" and (x["database"], x["nodes"], x["label"]) == group
+            x for x in rows if (x["database"], x["nodes"], x["label"], x["scenario"]) == group
         ]
         if r is steady[0]:
             med = dict(r)
@@ -424,7 +432,7 @@ def steady_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 med[k] = round(statistics.median(x[k] for x in steady), 1)
             for k in ("placed", "pending"):
                 med[k] = int(statistics.median(x[k] for x in steady))
-            med["scenario"] = f"steady (median of {len(steady)})"
+            med["scenario"] = f"{r['scenario']} (median of {len(steady)})"
             out.append(med)
     return out
 
@@ -444,6 +452,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write every pass's row here")
     ap.add_argument("--profile", type=Path, help="cProfile of the steady passes (last size)")
     ap.add_argument("--label", default="", help="a label for this run's rows (e.g. before)")
+    ap.add_argument(
+        "--in-pass",
+        dest="background",
+        action="store_false",
+        help="pending reasons and estimates inside the pass (the scheduler's default;"
+        " the controller runs them in the background; older code only has this)",
+    )
     args = ap.parse_args()
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",") if s]
     rows: list[dict[str, Any]] = []
@@ -457,7 +472,8 @@ def main() -> None:
     for c in cols:
         table.add_column(c, justify="left" if c in ("database", "scenario") else "right")
     for r in steady_summary(rows):
-        table.add_row(*(f"{r[c]:,.0f}" if isinstance(r[c], (int, float)) else str(r[c]) for c in cols))
+        cells = (f"{r[c]:,.0f}" if isinstance(r[c], (int, float)) else str(r[c]) for c in cols)
+        table.add_row(*cells)
     table_console(160).print(table)
     table_console(160).print(
         f"dispatch = the assign pool draining after the pass (fake agent); {machine()};"
