@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import inspect
 import json
 import os
 import random
@@ -76,6 +77,7 @@ HOLDER = "bench-leader-pass"
 MIX = (("H100", 0.6), ("A100", 0.3), ("L4", 0.1))
 TEAMS = [f"team-{i}" for i in range(6)]
 SIZES = (1, 1, 1, 2, 2, 4, 8, 8)  # GPUs per job, drawn uniformly
+_HAS_BACKGROUND = "background" in inspect.signature(Scheduler.__init__).parameters
 PHASES = ("read", "policy", "apply", "estimate", "reasons", "metrics", "total")
 
 
@@ -328,7 +330,7 @@ def new_scheduler(
         Leadership(HOLDER, epoch, listening_since=since),
         StartedAgent(),  # type: ignore[arg-type]
         # as the controller runs it (older code has no such argument: in-pass writes)
-        **({"background": True} if background else {}),
+        **({"background": True} if background and _HAS_BACKGROUND else {}),
     )
     return sched, PhaseClock(sched)
 
@@ -396,6 +398,8 @@ def measure(
             confirm_all(db, stats.placed_runs + stats2.placed_runs)
         if prof is not None:
             prof.dump_stats(args.profile)
+        if hasattr(sched, "_join_writes"):
+            sched._join_writes()  # before the database goes
         sched.close()
 
     if args.no_fill:
@@ -411,6 +415,8 @@ def measure(
         stats, ph = clock.run()
         d = drain(sched)
         row("fill", stats, ph, dispatch=round(d, 1))
+        if hasattr(sched, "_join_writes"):
+            sched._join_writes()
         sched.close()
     return rows
 

@@ -390,15 +390,22 @@ class Scheduler(AssignmentDispatch):
         )
         t_est = time.perf_counter()
         stats.phases["apply"] = t_est - t_apply
-        self._join_writes()  # the previous pass's reasons, before this pass compares with them
-        if limited.held or limited.demoted:
-            waiting = self._limited_reasons(waiting, limited, snap.now_s)
-        fresh = self._estimate(snap, result, waiting)
-        t_reasons = time.perf_counter()
-        stats.phases["estimate"] = t_reasons - t_est
-        stored = {j: self._stored.get(j) for j in waiting}
-        self._stored = stored
-        self._store_reasons(waiting, stored, snap.now_s, fresh)
+        t_reasons = t_est
+        if self._writing is not None and not self._writing[0].done():
+            # the writer is still busy with an earlier pass's reasons (thousands of rows, a
+            # pass that followed at once): this pass leaves its reasons to the next one
+            # rather than wait (a waiting job's reason is at most a pass older)
+            log.debug("pending reasons of this pass skipped: the writer is busy")
+        else:
+            self._join_writes()  # the previous pass's reasons, before this pass compares
+            if limited.held or limited.demoted:
+                waiting = self._limited_reasons(waiting, limited, snap.now_s)
+            fresh = self._estimate(snap, result, waiting)
+            t_reasons = time.perf_counter()
+            stats.phases["estimate"] = t_reasons - t_est
+            stored = {j: self._stored.get(j) for j in waiting}
+            self._stored = stored
+            self._store_reasons(waiting, stored, snap.now_s, fresh)
         t_metrics = time.perf_counter()
         stats.phases["reasons"] = t_metrics - t_reasons
         stats.seconds = t_metrics - t0
