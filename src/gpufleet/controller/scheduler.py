@@ -15,7 +15,8 @@ import logging
 import time
 from collections import ChainMap
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache, partial
@@ -74,6 +75,11 @@ class PassStats:
     placed_runs: list[str] = field(default_factory=list)
     applied: list[Decision] = field(default_factory=list)
     """Decisions committed in this pass (for the metrics)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds (wall, ``time.perf_counter``) per phase of the pass: ``read`` (snapshot,
+    gates, limits), ``policy`` (``policy.schedule``), ``apply`` (reservations, preemptions,
+    holds), ``estimate`` (start estimates, when recomputed), ``reasons`` (pending reasons
+    written), ``metrics``; for benchmarks/leader_pass.py and logs."""
 
 
 def _at(t: float | None) -> str | None:
@@ -197,7 +203,12 @@ class Scheduler(AssignmentDispatch):
         leadership: Leadership,
         agents: AgentClients,
         policy: PolicyConfig | None = None,
+        *,
+        background: bool = False,
     ) -> None:
+        """``background``: write the pending reasons and compute the start estimates on a
+        thread of their own, off the pass's critical path (the controller's leader does);
+        False (tests, benchmarks' "before"): inside :meth:`run_pass`, as they return."""
         self.db, self.store, self.settings = db, store, settings
         self.leadership, self.agents = leadership, agents
         self.policy = policy or PolicyConfig()
@@ -207,6 +218,19 @@ class Scheduler(AssignmentDispatch):
             if db.is_sqlite  # one writer at a time anyway
             else ThreadPoolExecutor(max_workers=RESERVE_THREADS, thread_name_prefix="reserve")
         )
+        self._writer = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="reasons") if background else None
+        )
+        """With ``background``: ONE thread that writes each pass's pending reasons and
+        computes the start estimate, in pass order (see :meth:`_store_reasons`)."""
+        self._writing: (
+            tuple[Future[Any], dict[str, object], dict[str, dict[str, object]]] | None
+        ) = None
+        """The last pass's reasons write in the background: (future, the ``stored`` map it
+        updates once committed, the rows it writes); None when none is outstanding."""
+        self._estimating: tuple[Future[dict[str, StartEstimate]], frozenset[str]] | None = None
+        """A start estimate being computed in the background: (future, the waiting jobs of
+        the pass it was computed on)."""
         self._backfill: tuple[BackfillReservation, ...] = ()
         self.predictions = HistoryPredictor()
         """Run-time predictions from finished attempts (ordering and reservations, never
@@ -261,6 +285,8 @@ class Scheduler(AssignmentDispatch):
                     self._predictions_read_s is None
                     or mono - self._predictions_read_s >= PREDICTION_REFRESH_S
                 ):
+                    if self._estimating is not None:  # it reads the predictor: not while
+                        wait_futures([self._estimating[0]])  # the refresh changes it
                     self.predictions.refresh(s)
                     self._predictions_read_s = mono
                 # only the rows changed since the last pass are read (a full read on the
@@ -293,6 +319,8 @@ class Scheduler(AssignmentDispatch):
         except BaseException:
             self._snapshots.invalidate()  # any doubt (a lost connection...): read it all again
             raise
+        t_read = time.perf_counter()
+        stats.phases["read"] = t_read - t0
         stats.pending = sum(len(q) for q in (snap.queues or {}).values()) or len(snap.pending)
         # jobs that may hold GPUs (only this leader creates holds: those of the snapshot and
         # of this pass's preemptions); placing any other job need not delete its holds
@@ -305,7 +333,10 @@ class Scheduler(AssignmentDispatch):
                 log.info("dependency never satisfiable: %d job(s) DEPENDENCY_FAILED", len(ended))
             except SQLAlchemyError as exc:  # placements go on; the next pass tries again
                 loop_failed("ending jobs with unsatisfiable dependencies", exc)
+        t_policy = time.perf_counter()
         result = schedule(snap, self.policy)
+        stats.phases["policy"] = time.perf_counter() - t_policy
+        t_apply = time.perf_counter()
         pending = self._snapshots.pending_jobs(_job_ids(result.decisions))
         backfill: list[BackfillReservation] = []
         batch: list[Place] = []  # consecutive placements, reserved together (_place_batch)
@@ -357,13 +388,27 @@ class Scheduler(AssignmentDispatch):
             if gated.result.blocked
             else result.waiting
         )
-        if limited.held or limited.demoted:
-            waiting = self._limited_reasons(waiting, limited, snap.now_s)
-        fresh = self._estimate(snap, result, waiting)
-        stored = {j: self._stored.get(j) for j in waiting}
-        self._stored = stored
-        self._store_reasons(waiting, stored, snap.now_s, fresh)
-        stats.seconds = time.perf_counter() - t0
+        t_est = time.perf_counter()
+        stats.phases["apply"] = t_est - t_apply
+        t_reasons = t_est
+        if self._writing is not None and not self._writing[0].done():
+            # the writer is still busy with an earlier pass's reasons (thousands of rows, a
+            # pass that followed at once): this pass leaves its reasons to the next one
+            # rather than wait (a waiting job's reason is at most a pass older)
+            log.debug("pending reasons of this pass skipped: the writer is busy")
+        else:
+            self._join_writes()  # the previous pass's reasons, before this pass compares
+            if limited.held or limited.demoted:
+                waiting = self._limited_reasons(waiting, limited, snap.now_s)
+            fresh = self._estimate(snap, result, waiting)
+            t_reasons = time.perf_counter()
+            stats.phases["estimate"] = t_reasons - t_est
+            stored = {j: self._stored.get(j) for j in waiting}
+            self._stored = stored
+            self._store_reasons(waiting, stored, snap.now_s, fresh)
+        t_metrics = time.perf_counter()
+        stats.phases["reasons"] = t_metrics - t_reasons
+        stats.seconds = t_metrics - t0
         metrics.observe_pass(
             snap,
             result,
@@ -373,6 +418,7 @@ class Scheduler(AssignmentDispatch):
             config=self.policy,
             pending_by_id=pending,
         )
+        stats.phases["metrics"] = time.perf_counter() - t_metrics
         return stats
 
     def _estimate(
@@ -381,11 +427,40 @@ class Scheduler(AssignmentDispatch):
         """Recompute every waiting job's start estimate, at most every
         ``START_ESTIMATE_REFRESH_S`` (the policy's own play of the queue,
         ``policy.start_estimate``, on the pass's snapshot and decisions); True when it did.
-        Jobs the gates hold back get "unknown" with their reason."""
+        Jobs the gates hold back get "unknown" with their reason.
+
+        In the background (``background``): the estimate of the pass that starts it is
+        computed on the writer thread, and the first pass that finds it done takes it (True
+        then): the estimate is one pass older than its reasons, at most."""
         mono = time.monotonic()
+        if self._writer is not None and self._estimating is not None:
+            fut, estimated = self._estimating
+            if not fut.done():
+                return False
+            self._estimating = None
+            try:
+                found = fut.result()
+            except Exception as exc:  # the reasons go on without new estimates
+                loop_failed("start estimate", exc)
+                return False
+            self._estimates = self._estimate_json(found, waiting, estimated)
+            return True
         if self._estimated_s is not None and mono - self._estimated_s < START_ESTIMATE_REFRESH_S:
             return False
         self._estimated_s = mono
+        if self._writer is not None:
+            fut = self._writer.submit(self._estimate_starts, snap, result)
+            self._estimating = (fut, frozenset(waiting))
+            return False
+        self._estimates = self._estimate_json(self._estimate_starts(snap, result), waiting)
+        return True
+
+    def _estimate_starts(
+        self, snap: ClusterSnapshot, result: CycleResult
+    ) -> dict[str, StartEstimate]:
+        """``policy.start_estimate.estimate_starts`` on a pass's snapshot and decisions, with
+        the predictor's spreads; sets ``estimate_cpu_s``. Pure but for the predictor (not
+        refreshed meanwhile: ``run_pass`` waits for a background estimate first)."""
         c0 = time.process_time()
         keys, predictions = self._snapshots.prediction_key, self.predictions
 
@@ -394,16 +469,29 @@ class Scheduler(AssignmentDispatch):
             return predictions.spread(*key) if key is not None else None
 
         found = estimate_starts(snap, result, self.policy, spread)
+        self.estimate_cpu_s = time.process_time() - c0
+        return found
+
+    @staticmethod
+    def _estimate_json(
+        found: Mapping[str, StartEstimate],
+        waiting: Mapping[str, WaitReason],
+        estimated: frozenset[str] | None = None,
+    ) -> dict[str, dict[str, object]]:
+        """``estimate_json`` per waiting job: its estimate, or "not eligible to start yet"
+        with its reason's code when the estimate left it out. ``estimated``: the waiting jobs
+        of the pass the estimate was computed on (None: ``waiting``'s); a job that arrived
+        since gets none (as between two estimates)."""
         out: dict[str, dict[str, object]] = {}
         for job_id in waiting:
             est = found.get(job_id)
             if est is None:
+                if estimated is not None and job_id not in estimated:
+                    continue
                 code = waiting[job_id].code
                 est = StartEstimate(None, None, 0, "", f"it is not eligible to start yet ({code})")
             out[job_id] = estimate_json(est)
-        self._estimates = out
-        self.estimate_cpu_s = time.process_time() - c0
-        return True
+        return out
 
     def _apply_limits(self, s: Session, snap: ClusterSnapshot) -> limits.LimitsResult:
         """``policy.limits.apply_limits`` with the teams' limits (read with the snapshot's
@@ -683,10 +771,33 @@ class Scheduler(AssignmentDispatch):
                     details={"code": reason.code, **dict(reason.details)},
                 )
 
-        self.db.run_write(tx)
-        stored.update(changed)  # only once written
+        if self._writer is None:
+            self.db.run_write(tx)
+            stored.update(changed)  # only once written
+            return
+        # off the pass's critical path: the next pass joins it (``_join_writes``) before it
+        # compares its own reasons with ``stored``, so writes stay in pass order and
+        # ``stored`` is updated only once written, by the pass thread
+        self._writing = (self._writer.submit(self.db.run_write, tx), stored, changed)
+
+    def _join_writes(self) -> None:
+        """Wait for the previous pass's background reasons write; record what it wrote in
+        its ``stored`` map once committed (a failure is logged: those reasons are compared
+        and written again by this pass)."""
+        writing, self._writing = self._writing, None
+        if writing is None:
+            return
+        fut, stored, changed = writing
+        try:
+            fut.result()
+        except Exception as exc:
+            loop_failed("writing pending reasons", exc)
+            return
+        stored.update(changed)
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._reserve_pool is not None:
             self._reserve_pool.shutdown(wait=False, cancel_futures=True)
