@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tests.unit.policy.policy_builders import job, node, run, snap, team
+
 from gpufleet.domain.types import PriorityClass as P
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
@@ -19,7 +21,6 @@ from gpufleet.policy.waste import (
     lost_gpu_h,
     waste_by_team,
 )
-from tests.unit.policy.policy_builders import job, node, run, snap, team
 
 HOUR = 3600.0
 NOW = 10 * HOUR
