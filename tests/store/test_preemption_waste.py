@@ -6,7 +6,6 @@ back per team from ``job_runs`` (``gpufleet usage`` and the cap's window)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ def _set(db: Database, limits: dict[str, object]) -> None:
 
 
 @pytest.fixture
-def two_hours_of_low_work(db: Database) -> Iterator[tuple[int, str]]:
+def two_hours_of_low_work(db: Database) -> tuple[int, str]:
     """Team a runs a LOW job on all 8 GPUs of n1, started 2 h ago and never checkpointed
     (16 GPU-h lost if preempted now); (leader epoch, its run id)."""
     create_team(db)
@@ -54,7 +53,7 @@ def two_hours_of_low_work(db: Database) -> Iterator[tuple[int, str]]:
         )
 
     db.run_write(backdate)
-    yield epoch, r.run_id
+    return epoch, r.run_id
 
 
 def _scheduler(db: Database, tmp_path: Path, epoch: int, **settings: Any) -> Scheduler:
