@@ -22,6 +22,7 @@ from gpufleet.services import artifacts, auth, jobs
 from gpufleet.store import accounting
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
+from gpufleet.store.preemption_waste import waste_per_team
 from gpufleet.store.tables import TeamRow
 
 CSV = "text/csv; charset=utf-8"
@@ -44,6 +45,10 @@ class UsageLineOut(BaseModel):
     """Mean GPU utilization (NVML samples), weighted by GPU-seconds; None: not measured."""
     gpu_mem_peak_bytes: int | None = None
     """The highest GPU memory used, bytes; None: not measured."""
+    preemption_waste_gpu_hours: float | None = None
+    """``by=team`` only: GPU-hours of the team's work lost to preemption and reclaim (GPUs x
+    time since each victim's last checkpoint, or its start) for stops requested in the
+    window; what the preemption waste cap counts. None for other groupings."""
 
 
 class UsageOut(BaseModel):
@@ -179,6 +184,11 @@ def add_report_routes(
                     # a typo must not read as "no usage" (a deleted team's history still shows)
                     raise NotFound(f"no team {team!r}", field="team")
                 lines = accounting.summarize(recs, by, start, upto)
+                waste = (
+                    waste_per_team(s, start, upto, scope)
+                    if by is accounting.GroupBy.TEAM
+                    else None
+                )
             total = round(sum(ln.gpu_seconds for ln in lines), 3)
             return UsageOut(
                 since=jobs.iso(start),
@@ -197,6 +207,9 @@ def add_report_routes(
                         cpu_seconds=ln.cpu_seconds,
                         gpu_util_pct=ln.gpu_util_pct,
                         gpu_mem_peak_bytes=ln.gpu_mem_peak_bytes,
+                        preemption_waste_gpu_hours=None
+                        if waste is None
+                        else round(waste.get(ln.key, 0.0), 6),
                     )
                     for ln in lines
                 ],

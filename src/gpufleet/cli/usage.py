@@ -140,16 +140,20 @@ def usage(
             "GPU-hours",
             "attempts",
             "jobs",
+            *(["lost to preemption"] if by_team else []),
             *(["peak RSS", "CPU-s", "GPU util", "GPU mem"] if by_job else []),
             title=f"usage {span}",
         )
         for ln in data.get("items") or []:
+            lost = ln.get("preemption_waste_gpu_hours")
             table.add_row(
                 output.cell(ln["key"]),
                 *([] if by_team else [output.cell(ln.get("team") or "-")]),
                 output.cell(gpu_hours(ln["gpu_hours"])),
                 output.cell(ln["attempts"]),
                 output.cell(ln["jobs"]),
+                # GPU-hours since the victims' last checkpoints (what the waste cap counts)
+                *([output.cell("-" if lost is None else gpu_hours(lost))] if by_team else []),
                 *(resource_cells(ln) if by_job else []),
             )
         table.add_row(

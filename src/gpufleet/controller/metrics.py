@@ -42,11 +42,19 @@ from sqlalchemy import select
 
 from gpufleet.domain.types import Resources
 from gpufleet.policy.config import PolicyConfig
-from gpufleet.policy.decisions import CycleResult, Decision, HoldForBackfill, Place, PlaceGang
+from gpufleet.policy.decisions import (
+    CycleResult,
+    Decision,
+    HoldForBackfill,
+    Place,
+    PlaceGang,
+    Preempt,
+)
 from gpufleet.policy.placement import FreeIndex
 from gpufleet.policy.priority import queued_at
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob
+from gpufleet.policy.waste import lost_gpu_h
 from gpufleet.store.db import Database, is_unavailable
 from gpufleet.store.tables import JobRow, JobRunRow
 
@@ -148,6 +156,13 @@ PREEMPTIONS = Counter(
     "Attempts the leader asked to stop to make room, by reason: reclaim (a team takes back "
     "its guarantee) or priority (strictly higher-priority work).",
     ["reason"],
+)
+PREEMPTION_WASTE = Counter(
+    "gpufleet_preemption_waste_gpu_hours_total",
+    "GPU-hours of work lost to the preemptions the leader made, by victim team: GPUs x time "
+    "since each victim's last checkpoint (or its start); what the preemption waste cap "
+    "(policy.waste) counts.",
+    ["team"],
 )
 STOPS = Counter(
     "gpufleet_stop_requests_total",
@@ -630,6 +645,15 @@ def _buckets(
 
 def _le(b: float) -> str:
     return str(float(b))
+
+
+def count_waste(snap: ClusterSnapshot, decision: Preempt) -> None:
+    """Count the work ``decision``'s victims lose (``PREEMPTION_WASTE``), priced at the
+    pass's clock from the snapshot's attempts (a victim not in it is not counted)."""
+    victims = set(decision.victim_run_ids)
+    for r in snap.running:
+        if r.run_id in victims:
+            PREEMPTION_WASTE.labels(r.team_id).inc(lost_gpu_h(r, snap.now_s))
 
 
 def _register() -> None:

@@ -57,6 +57,7 @@ from gpufleet.store import allocate, gating
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.predictions import HistoryPredictor
+from gpufleet.store.preemption_waste import waste_state
 from gpufleet.store.snapshot_cache import SnapshotCache
 from gpufleet.store.tables import JobRow, NodeRow
 from gpufleet.store.team_limits import LEDGER_REFRESH_S, ledger_use
@@ -212,6 +213,12 @@ class Scheduler(AssignmentDispatch):
         self.db, self.store, self.settings = db, store, settings
         self.leadership, self.agents = leadership, agents
         self.policy = policy or PolicyConfig()
+        if settings.preemption_waste_gpu_h is not None:  # the fleet's waste cap (policy.waste)
+            self.policy = replace(
+                self.policy,
+                preemption_waste_gpu_h=settings.preemption_waste_gpu_h,
+                preemption_waste_window_s=settings.preemption_waste_window_s,
+            )
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="assign")
         self._reserve_pool = (
             None
@@ -308,6 +315,17 @@ class Scheduler(AssignmentDispatch):
                 # budget demoted, jobs over a hard GPU-hour budget held, for this pass only
                 limited = self._apply_limits(s, snap)
                 snap = limited.snapshot
+                # the preemption waste caps' state (policy.waste; only when a cap is set)
+                waste = waste_state(
+                    s,
+                    now,
+                    self._snapshots.team_limits,
+                    self.policy.preemption_waste_window_s
+                    if self.policy.preemption_waste_gpu_h is not None
+                    else None,
+                )
+                if waste is not None:
+                    snap = replace(snap, preemption_waste=waste)
                 if self._stored_epoch != self.leadership.epoch:
                     self._stored, self._stored_epoch = None, self.leadership.epoch
                 if self._stored is None:  # first pass of this leader: what earlier leaders wrote
@@ -359,6 +377,7 @@ class Scheduler(AssignmentDispatch):
                     self._place_gang(decision, pending[decision.job_id].attempt, stats)
                 elif isinstance(decision, Preempt):
                     self._preempt(decision, stats)
+                    metrics.count_waste(snap, decision)
                 elif isinstance(decision, HoldForBackfill):
                     backfill.append(
                         BackfillReservation(

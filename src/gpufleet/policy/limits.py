@@ -50,6 +50,7 @@ from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.decisions import WaitReason
 from gpufleet.policy.priority import queue_key
 from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob, RunningJob
+from gpufleet.policy.waste import WasteLimit
 
 __all__ = [
     "WARN_FRACTIONS",
@@ -137,10 +138,18 @@ class TeamLimits:
     disallowed: Disallowed = Disallowed.REFUSE
     class_budgets: tuple[ClassBudget, ...] = ()
     gpu_budgets: tuple[GpuBudget, ...] = ()
+    preemption_waste: WasteLimit | None = None
+    """The work preemption may destroy of this team's attempts per window (``policy.waste``;
+    not applied here: the pass's victim search keeps it)."""
 
     @property
     def empty(self) -> bool:
-        return self.allowed_classes is None and not self.class_budgets and not self.gpu_budgets
+        return (
+            self.allowed_classes is None
+            and not self.class_budgets
+            and not self.gpu_budgets
+            and self.preemption_waste is None
+        )
 
     def window(self, key: str, now_s: float) -> tuple[float, float | None]:
         """``(start_s, length_s)`` of the budget ``key``'s window at ``now_s`` (length None:

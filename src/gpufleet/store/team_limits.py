@@ -4,7 +4,8 @@
 
     {"allowed_classes": ["NORMAL", "LOW"], "disallowed": "refuse",
      "class_budgets": {"CRITICAL": {"gpu_hours": 50, "window_s": 604800, "over": "demote"}},
-     "gpu_budgets": [{"gpu_hours": 1000, "period": "month", "gpu_type": null, "hard": true}]}
+     "gpu_budgets": [{"gpu_hours": 1000, "period": "month", "gpu_type": null, "hard": true}],
+     "preemption_waste": {"gpu_hours": 20, "window_s": 86400}}
 
 :func:`ledger_use` sums ``usage_records`` per (team, budget) window: per team and distinct
 window start, one GROUP BY over the team's records ending inside it
@@ -34,6 +35,7 @@ from gpufleet.policy.limits import (
     Period,
     TeamLimits,
 )
+from gpufleet.policy.waste import DEFAULT_WINDOW_S, WasteLimit
 from gpufleet.store.tables import UsageRecordRow
 
 __all__ = ["LEDGER_REFRESH_S", "ledger_use", "limits_from_json"]
@@ -70,6 +72,12 @@ def limits_from_json(raw: Mapping[str, Any] | None) -> TeamLimits:
             )
             for b in raw.get("gpu_budgets") or ()
         ),
+        preemption_waste=WasteLimit(
+            float(raw["preemption_waste"]["gpu_hours"]),
+            float(raw["preemption_waste"].get("window_s", DEFAULT_WINDOW_S)),
+        )
+        if raw.get("preemption_waste")
+        else None,
     )
 
 
