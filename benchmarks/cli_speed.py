@@ -102,7 +102,8 @@ def main() -> None:
                     for label, exe in bins.items():
                         if argv is None and label != "after":
                             continue
-                        full = [sys.executable, "-c", "pass"] if argv is None else [str(exe), *argv]
+                        pass_ = [sys.executable, "-c", "pass"]
+                        full = pass_ if argv is None else [str(exe), *argv]
                         wall, cpu, rc = timed(full, client_env)
                         if rc != 0:  # e.g. an older binary without --suggest
                             failed[(name, label)] = rc
@@ -122,7 +123,8 @@ def main() -> None:
             if not xs:
                 row += ["", ""]
                 continue
-            mark = " (exit %d)" % failed[(name, label)] if (name, label) in failed else ""
+            rc = failed.get((name, label))
+            mark = f" (exit {rc})" if rc is not None else ""
             row.append(f"{statistics.median(c for _, c in xs):.0f}{mark}")
             row.append(f"{statistics.median(w for w, _ in xs):.0f}")
         table.add_row(*row)

@@ -462,5 +462,5 @@ class TestFullRebuild:
 def test_the_migration_watches_the_columns_the_cache_reads() -> None:
     from importlib import import_module
 
-    migration = import_module("gpufleet.store.migrations.versions.0008c_run_last_checkpoint")
+    migration = import_module("gpufleet.store.migrations.versions.0012_day26_watch_job_resources")
     assert migration.WATCHED == WATCHED

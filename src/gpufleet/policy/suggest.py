@@ -135,9 +135,13 @@ def _sizes(snapshot: ClusterSnapshot, job: PendingJob) -> list[int]:
         return []  # an explicit gang keeps its shape (a change of nodes is a resubmit)
     sizes: set[int] = set()
     for node in snapshot.nodes:
-        if 0 < node.free_gpus < n and node.schedulable:
-            if node_accepts(node, replace(res, gpu_count=node.free_gpus), job.node_selector):
-                sizes.add(node.free_gpus)
+        k = node.free_gpus
+        if (
+            0 < k < n
+            and node.schedulable
+            and node_accepts(node, replace(res, gpu_count=k), job.node_selector)
+        ):
+            sizes.add(k)
     half = n // 2
     while half >= 1:
         sizes.add(half)

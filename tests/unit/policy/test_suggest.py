@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gpufleet.policy.suggest import suggest
-
 from tests.unit.policy.policy_builders import job, node, run, snap, team
+
+from gpufleet.policy.suggest import suggest
 
 
 def test_fewer_gpus_largest_count_that_starts_now() -> None:
