@@ -222,7 +222,8 @@ class JobCreate(BaseModel):
     def _webhook_urls(cls, v: list[str]) -> list[str]:
         for i, url in enumerate(v):
             if (problem := url_problem(url)) is not None:
-                raise ValueError(f"notify[{i}] {url[:200]!r} {problem}")
+                which = f" (entry {i + 1})" if len(v) > 1 else ""
+                raise ValueError(f"notify URL {url[:200]!r}{which} {problem}")
         return v
 
     @field_validator("image")
