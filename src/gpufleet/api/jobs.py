@@ -259,7 +259,7 @@ def _owner_filter(caller: str, user: str | None, mine: bool) -> str | None:
     (``squeue -u NAME`` / ``--me``). Raises ValidationFailed naming ``user`` (a bad name) or
     ``mine`` (both given)."""
     if mine and user is not None:
-        raise ValidationFailed("give either mine or user, not both", field="query.mine")
+        raise ValidationFailed("give either mine or user, not both", field="mine")
     if user is not None:
         return auth.check_user_name(user)
     if mine:  # (a token always has a user: migration 0011a; no owner is "")
