@@ -104,7 +104,7 @@ class TerminalLogFilter:
 def console() -> Console:
     from rich.console import Console
 
-    return Console(highlight=False)
+    return Console(highlight=False, emoji=False)
 
 
 def print_error(message: str, field: str | None = None) -> None:
@@ -112,7 +112,8 @@ def print_error(message: str, field: str | None = None) -> None:
     from rich.console import Console
 
     text = clean(f"error: {message}" + (f" (field: {field})" if field else ""))
-    Console(stderr=True, highlight=False, soft_wrap=True).print(text, style="red", markup=False)
+    console = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+    console.print(text, style="red", markup=False)
 
 
 def print_json(data: Any) -> None:
@@ -133,7 +134,7 @@ def table_console(wide: bool = False) -> Console:
     """Where tables go: the terminal's width (80 in a pipe); wide: as wide as the rows."""
     from rich.console import Console
 
-    return Console(highlight=False, width=WIDE_WIDTH if wide else None)
+    return Console(highlight=False, emoji=False, width=WIDE_WIDTH if wide else None)
 
 
 def short_id(value: Any, wide: bool = False) -> str:

@@ -29,7 +29,6 @@ from gpufleet.cli.options import (
 )
 from gpufleet.cli.session import _sdk, _session
 from gpufleet.client.errors import ApiError, GpufleetClientError, TransportError
-from gpufleet.domain.mounts import MAX_SHM_MB
 
 if TYPE_CHECKING:
     import httpx
@@ -146,6 +145,8 @@ def shm_size_mb_of(text: str | None) -> int | None:
         ) from None
     if not mb > 0 or mb != mb:
         raise ClientError(f"--shm-size {text!r} must be more than 0", field="shm_size_mb")
+    from gpufleet.domain.mounts import MAX_SHM_MB
+
     if mb > MAX_SHM_MB:
         raise ClientError(
             f"--shm-size {text!r} is above the most a job may ask for "
