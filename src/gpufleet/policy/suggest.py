@@ -36,7 +36,7 @@ from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import CycleResult, HoldForBackfill, Place, PlaceGang, Preempt
 from gpufleet.policy.explain import span, when
 from gpufleet.policy.fleet_index import node_accepts
-from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob
+from gpufleet.policy.snapshot import ClusterSnapshot, NodeState, PendingJob
 
 __all__ = ["MAX_PASSES", "Suggestion", "Suggestions", "suggest"]
 
@@ -149,28 +149,50 @@ def _sizes(snapshot: ClusterSnapshot, job: PendingJob) -> list[int]:
     return sorted(sizes, reverse=True)[:MAX_SIZES]
 
 
-def _windows(result: CycleResult, job: PendingJob, now_s: float) -> list[float]:
-    """Candidate ``max_runtime_s`` values, longest first: the time to each backfill
-    reservation of the pass (other jobs'), rounded down to a minute, shorter than the job's
-    bound and not below its ``expected_duration_s``."""
+def _windows(
+    result: CycleResult, job: PendingJob, now_s: float
+) -> list[tuple[float, HoldForBackfill]]:
+    """Candidate ``max_runtime_s`` values, longest first, each with the reservation it ends
+    before: the time to each backfill reservation of the pass (other jobs'), rounded down to a
+    minute, shorter than the job's bound and not below its ``expected_duration_s``."""
     floor = job.expected_duration_s or 0.0
     bound = job.max_runtime_s if job.max_runtime_s is not None else math.inf
-    out: set[float] = set()
-    for d in result.decisions:
-        if isinstance(d, HoldForBackfill) and d.job_id != job.job_id:
-            window = math.floor((d.start_at_s - now_s) / 60.0) * 60.0
-            if window >= 60.0 and window >= floor and window < bound:
-                out.add(window)
-    return sorted(out, reverse=True)[:3]
+    out: dict[float, HoldForBackfill] = {}
+    for d in sorted(
+        (d for d in result.decisions if isinstance(d, HoldForBackfill)),
+        key=lambda d: (d.start_at_s, d.job_id, d.node_id),
+    ):
+        if d.job_id == job.job_id:
+            continue
+        window = math.floor((d.start_at_s - now_s) / 60.0) * 60.0
+        if window >= 60.0 and window >= floor and window < bound:
+            out.setdefault(window, d)
+    return sorted(out.items(), reverse=True)[:3]
 
 
-def _first_reservation(result: CycleResult, job_id: str | None = None) -> HoldForBackfill | None:
+def _first_reservation(
+    result: CycleResult,
+    job_id: str | None = None,
+    nodes: Mapping[str, NodeState] | None = None,
+    job: PendingJob | None = None,
+) -> HoldForBackfill | None:
+    """The earliest backfill reservation of the pass (of ``job_id`` only, when given);
+    with ``nodes`` and ``job``, one on a node of a type the job accepts comes first."""
     holds = [
         d
         for d in result.decisions
         if isinstance(d, HoldForBackfill) and (job_id is None or d.job_id == job_id)
     ]
+    if nodes is not None and job is not None and job.resources.gpu_types:
+        types = set(job.resources.gpu_types)
+        mine = [d for d in holds if d.node_id in nodes and nodes[d.node_id].gpu_type in types]
+        holds = mine or holds
     return min(holds, key=lambda d: (d.start_at_s, d.job_id, d.node_id), default=None)
+
+
+def _at(at_s: float, now_s: float) -> str:
+    text = when(at_s, now_s)
+    return "due now" if text == "now" else text
 
 
 def _none_reason(
@@ -180,19 +202,24 @@ def _none_reason(
     own = _first_reservation(base, job.job_id)
     if own is not None:
         return (
-            f"nothing starts it sooner: it is reserved to start {when(own.start_at_s, now)} "
+            f"nothing starts it sooner: it is reserved to start {_at(own.start_at_s, now)} "
             f"on {own.node_id}"
         )
-    other = _first_reservation(base)
-    what = ", ".join(tried) if tried else "no smaller size, other GPU type or shorter run time"
+    nodes = {n.node_id: n for n in snapshot.nodes}
+    other = _first_reservation(base, None, nodes, job)
+    what = (
+        f"tried {', '.join(tried)}"
+        if tried
+        else "no smaller size, other GPU type or shorter run time to try"
+    )
     if other is not None:
         return (
             f"nothing starts it before the reserved {other.gpu_count}-GPU job {other.job_id} "
-            f"{when(other.start_at_s, now)} on {other.node_id} (tried: {what})"
+            f"({_at(other.start_at_s, now)} on {other.node_id}; {what})"
         )
     reason = base.waiting.get(job.job_id)
     because = f": {reason.message}" if reason is not None else ""
-    return f"nothing starts it now (tried: {what}){because}"
+    return f"nothing starts it now ({what}){because}"
 
 
 def suggest(
@@ -266,17 +293,10 @@ def suggest(
             tried.append("GPU type " + "/".join(others))
 
     windows = _windows(base, job, now)
-    for w in windows:
+    for w, hold in windows:
         hit = attempt(replace(job, max_runtime_s=w))
         if hit is not None:
             nodes, backfilled = hit
-            first = _first_reservation(base)
-            before = (
-                f" (it fits before the reserved job {first.job_id} starts "
-                f"{when(first.start_at_s, now)})"
-                if first is not None
-                else ""
-            )
             predicted = job.expected_duration_s or job.predicted_duration_s
             caveat = (
                 f"; its predicted run time is {span(predicted)}, so it may be stopped at the limit"
@@ -287,14 +307,16 @@ def suggest(
                 Suggestion(
                     "max_runtime",
                     {"max_runtime_s": w},
-                    f"a max runtime of {span(w)} would start it now {_on(nodes)}{before}{caveat}",
+                    f"a max runtime of {span(w)} would start it now {_on(nodes)} (it ends "
+                    f"before the reserved job {hold.job_id} starts "
+                    f"{_at(hold.start_at_s, now)} on {hold.node_id}){caveat}",
                     nodes,
                     backfilled,
                 )
             )
             break
     if windows and not any(s.kind == "max_runtime" for s in found):
-        tried.append("max runtime " + "/".join(span(w) for w in windows))
+        tried.append("max runtime " + "/".join(span(w) for w, _ in windows))
 
     details: dict[str, Any] = {"preempting_for_it": preempting}
     if found:

@@ -59,6 +59,7 @@ def test_shorter_max_runtime_fits_the_backfill_window() -> None:
     assert "max_runtime" in by, out
     assert by["max_runtime"].change["max_runtime_s"] <= 3600
     assert by["max_runtime"].backfilled
+    assert "ends before the reserved job head starts in 1h 00m on n1" in by["max_runtime"].message
 
 
 def test_nothing_names_the_reservation_first() -> None:
@@ -72,7 +73,7 @@ def test_nothing_names_the_reservation_first() -> None:
     out = suggest(s, "one")
     assert out.suggestions == ()
     assert out.none_reason is not None
-    assert "reserved 8-GPU job head" in out.none_reason
+    assert "reserved 8-GPU job head (in 1h 00m on n1; " in out.none_reason
     own = suggest(s, "head")
     assert own.none_reason is not None and "it is reserved to start in 1h 00m on n1" in (
         own.none_reason
