@@ -222,7 +222,8 @@ class JobCreate(BaseModel):
     def _webhook_urls(cls, v: list[str]) -> list[str]:
         for i, url in enumerate(v):
             if (problem := url_problem(url)) is not None:
-                raise ValueError(f"notify[{i}] {url[:200]!r} {problem}")
+                which = f" (entry {i + 1})" if len(v) > 1 else ""
+                raise ValueError(f"notify URL {url[:200]!r}{which} {problem}")
         return v
 
     @field_validator("image")
@@ -385,6 +386,12 @@ class JobPatch(BaseModel):
     priority: Literal["CRITICAL", "HIGH", "NORMAL", "LOW"] | None = None
     name: Name | None = None
     max_runtime_s: float | None = Field(default=None, gt=0, le=MAX_DURATION_S)
+    gpu_count: int | None = Field(default=None, ge=1, le=1024, description="PENDING jobs only.")
+    gpu_types: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        default=None,
+        max_length=16,
+        description="Acceptable GPU types, in order of preference ([] = any); PENDING jobs only.",
+    )
 
 
 class BulkCancel(BaseModel):

@@ -29,7 +29,6 @@ from gpufleet.cli.options import (
 )
 from gpufleet.cli.session import _sdk, _session
 from gpufleet.client.errors import ArtifactMismatch, TransportError
-from gpufleet.domain.manifest import path_problem
 
 if TYPE_CHECKING:
     from gpufleet.client.models import Artifact
@@ -204,6 +203,8 @@ def _target(root: Path, path: str) -> Path:
     Raises:
         ClientError: an absolute path or one with ``..`` (a server must never send one).
     """
+    from gpufleet.domain.manifest import path_problem  # (dataclasses: only when needed)
+
     problem = path_problem(path)  # the rule the controller checked the manifest with
     if problem is not None:
         raise ClientError(f"refusing artifact path: {problem}", "path")
