@@ -269,6 +269,9 @@ class Scheduler(AssignmentDispatch):
         self._heard_since: datetime | None = None
         self._ledger: tuple[dict[str, limits.TeamLimits], float, Any] | None = None
         """(limits, monotonic time, ledger use) as last read (``_apply_limits``)."""
+        self._ledger_runs: frozenset[str] = frozenset()
+        """Running attempts of teams with a budget at the last pass (one that ended since
+        makes the ledger be read again)."""
         self._demoted_now: dict[str, limits.Demotion] = {}
         self._announced: set[str] = set()
         """Jobs whose demotion this leader already recorded as an event."""
@@ -523,8 +526,16 @@ class Scheduler(AssignmentDispatch):
             self._ledger = None
             return limits.LimitsResult(snap)
         mono = time.monotonic()
+        # an attempt of a budgeted team that ended since the last pass moved its use from
+        # the running part (counted by the policy) into the ledger: read the ledger again,
+        # or the budget would look less used until the next refresh
+        budgeted = {t for t, lim in team_limits.items() if lim.class_budgets or lim.gpu_budgets}
+        runs = frozenset(r.run_id for r in snap.running if r.team_id in budgeted)
+        ended = not self._ledger_runs <= runs
+        self._ledger_runs = runs
         if (
             self._ledger is None
+            or ended
             or self._ledger[0] != team_limits
             or mono - self._ledger[1] >= LEDGER_REFRESH_S
         ):

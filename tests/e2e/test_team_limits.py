@@ -1,0 +1,229 @@
+"""Team limits on a real platform (API server, controller, a real agent, real job processes;
+both databases): a class the team may not use is refused or demoted as the admin chose; a
+team over its CRITICAL GPU-hour budget gets its new CRITICAL jobs demoted and ``why`` says
+until when; a hard team GPU-hour budget holds new jobs PENDING (``budget_exhausted``, with
+the renewal time) while the team's running job finishes. Usage is pushed over a budget with
+tiny budgets (0.001 GPU-h = 3.6 GPU-seconds) and short jobs, or with a usage record seeded
+through the store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from functools import partial
+from typing import Any
+
+import httpx
+import pytest
+
+from gpufleet.services import auth
+from gpufleet.store.tables import JobRunRow, UsageRecordRow
+from tests.e2e.harness import TERMINAL, Fleet
+
+pytestmark = pytest.mark.slow
+
+
+def _admin(fleet: Fleet) -> str:
+    return fleet.db.run_write(
+        partial(auth.create_token, team_id="ops", is_admin=True, create_team_if_missing=True)
+    )
+
+
+def set_limits(fleet: Fleet, limits: dict[str, Any], team: str = "vision") -> None:
+    r = httpx.put(
+        f"{fleet.api.url}/v1/admin/teams/{team}",
+        json={"limits": limits},
+        headers={"Authorization": f"Bearer {_admin(fleet)}"},
+    )
+    assert r.status_code == 200, r.text
+
+
+def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(
+        os.environ,
+        GPUFLEET_URL=fleet.api.url,
+        GPUFLEET_TOKEN=fleet.tokens["vision"],
+        GPUFLEET_CONFIG=str(fleet.tmp / "none.yaml"),
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "gpufleet.cli.main", *args],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def events(fleet: Fleet, job_id: str, kind: str) -> list[dict[str, Any]]:
+    items = fleet.get(f"/v1/jobs/{job_id}/events")["items"]
+    return [e for e in items if e["kind"] == kind]
+
+
+def reason(fleet: Fleet, job_id: str, code: str | None = None, text: str = "") -> dict[str, Any]:
+    """The job's pending_reason once the scheduler wrote one with ``code`` (any code when
+    None) and ``text`` in its message."""
+    found: dict[str, Any] = {}
+
+    def ok() -> bool:
+        r = fleet.job(job_id).get("pending_reason") or {}
+        found.clear()
+        found.update(r)
+        return bool(r) and (code is None or r.get("code") == code) and text in r["message"]
+
+    fleet.wait_for(ok, 20, f"{job_id}'s reason {code} {text!r} (last: {found})")
+    return found
+
+
+def sleeper(seconds: float, priority: str = "NORMAL", gpus: int = 1) -> dict[str, Any]:
+    return {
+        "command": [sys.executable, "-c", f"import time; time.sleep({seconds})"],
+        "gpu_count": gpus,
+        "priority": priority,
+    }
+
+
+def test_a_class_the_team_may_not_use_is_refused_or_demoted_as_configured(
+    fleet: Fleet,
+) -> None:
+    # refuse: 422 naming priority, the allowed classes listed
+    set_limits(fleet, {"allowed_classes": ["HIGH", "NORMAL", "LOW"], "disallowed": "refuse"})
+    with fleet.http() as c:
+        r = c.post("/v1/jobs", json=sleeper(1, "CRITICAL"), headers={"Idempotency-Key": "refused"})
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == "priority", r.text
+    assert "CRITICAL is not allowed" in r.json()["message"]
+    # another team is not limited by vision's rule
+    fleet.submit(sleeper(0, "CRITICAL"), team="nlp")
+
+    # demote: the job runs at the highest allowed class at or below NORMAL, with an event
+    set_limits(fleet, {"allowed_classes": ["HIGH", "NORMAL", "LOW"], "disallowed": "demote"})
+    demoted = fleet.submit(sleeper(0, "CRITICAL"))
+    assert fleet.job(demoted)["priority"] == "NORMAL"
+    (ev,) = events(fleet, demoted, "priority_demoted")
+    assert ev["details"] == {"from": "CRITICAL", "to": "NORMAL", "ground": "class_not_allowed"}
+
+    # a CRITICAL job submitted before CRITICAL was taken away is demoted by the pass, and
+    # `why` says so (no agent yet: it waits)
+    set_limits(fleet, {})
+    early = fleet.submit(sleeper(0, "CRITICAL"))
+    set_limits(fleet, {"allowed_classes": ["NORMAL", "LOW"]})
+    reason(fleet, early, text="runs at NORMAL, not CRITICAL")
+    why = cli(fleet, "why", early)
+    assert why.returncode == 0, why.stderr
+    assert "runs at NORMAL, not CRITICAL: its team may not use CRITICAL" in why.stdout, why.stdout
+    fleet.wait_for(lambda: events(fleet, early, "priority_demoted"), 10, "the pass's event")
+
+    fleet.start_agent("a1", gpus="2xH100-80GB")
+    for j in (demoted, early):
+        assert fleet.wait_status(j, TERMINAL, 30)["status"] == "SUCCEEDED"
+    with fleet.db.read() as s:
+        placed = s.query(JobRunRow.priority).filter(JobRunRow.job_id == early).scalar()
+    assert placed == "NORMAL"  # charged to the class it was placed at
+    assert fleet.check() == []
+
+
+def _seed_usage(fleet: Fleet, priority: str, gpu_hours: float, team: str = "vision") -> None:
+    """One ended attempt of ``gpu_hours`` on 1 GPU, ending a minute ago (the ledger)."""
+    end = datetime.now(UTC) - timedelta(minutes=1)
+    start = end - timedelta(hours=gpu_hours)
+
+    def tx(s: Any) -> None:
+        s.add(
+            UsageRecordRow(
+                run_id=f"seeded-{priority}",
+                job_id=f"seeded-{priority}",
+                attempt=1,
+                team_id=team,
+                token_id=None,
+                user="",
+                node_id="gone",
+                gpu_type="H100-80GB",
+                gpus=1,
+                start_at=start,
+                end_at=end,
+                gpu_seconds=gpu_hours * 3600.0,
+                outcome="SUCCEEDED",
+                priority=priority,
+            )
+        )
+
+    fleet.db.run_write(tx)
+
+
+def test_a_team_over_its_critical_budget_gets_new_critical_jobs_demoted(fleet: Fleet) -> None:
+    # 1 CRITICAL GPU-h used in the last hour against a budget of 0.5 per hour
+    _seed_usage(fleet, "CRITICAL", 1.0)
+    set_limits(fleet, {"class_budgets": {"CRITICAL": {"gpu_hours": 0.5, "window_s": 3600}}})
+    job = fleet.submit(sleeper(0, "CRITICAL"))
+    got = reason(fleet, job, text="demoted from CRITICAL to NORMAL")
+    assert got["details"]["demoted"]["ground"] == "class_budget"
+    until = got["details"]["demoted"]["until_s"]
+    # the seeded attempt leaves the 1-hour window an hour after its end: ~59 min from now
+    assert 0 < until - datetime.now(UTC).timestamp() <= 3600
+    why = cli(fleet, "why", job)
+    assert why.returncode == 0, why.stderr
+    assert "CRITICAL budget is used up, until it renews in" in why.stdout, why.stdout
+    (ev,) = events(fleet, job, "priority_demoted")
+    assert ev["details"]["ground"] == "class_budget" and ev["details"]["to"] == "NORMAL"
+    # it runs, at NORMAL; its requested class is kept for when the budget renews
+    fleet.start_agent("a1", gpus="1xH100-80GB")
+    assert fleet.wait_status(job, TERMINAL, 30)["status"] == "SUCCEEDED"
+    assert fleet.job(job)["priority"] == "CRITICAL"
+    with fleet.db.read() as s:
+        placed = s.query(JobRunRow.priority).filter(JobRunRow.job_id == job).scalar()
+    assert placed == "NORMAL"
+
+
+def test_a_hard_budget_holds_new_jobs_while_the_running_one_finishes(fleet: Fleet) -> None:
+    # 0.001 GPU-h = 3.6 GPU-seconds per hour: the running job's own use exhausts it
+    set_limits(
+        fleet,
+        {
+            "gpu_budgets": [
+                {"gpu_hours": 0.001, "period": "rolling", "window_s": 3600, "hard": True}
+            ]
+        },
+    )
+    fleet.start_agent("a1", gpus="2xH100-80GB")
+    running = fleet.submit(sleeper(6))
+    started = fleet.wait_status(running, {"RUNNING"}, 20)
+    fleet.wait_for(
+        lambda: (
+            (
+                datetime.now(UTC)
+                - datetime.fromisoformat(started["started_at"].replace("Z", "+00:00"))
+            ).total_seconds()
+            > 4
+        ),
+        10,
+        "the running job to pass 3.6 GPU-seconds",
+    )
+    held = fleet.submit(sleeper(0))
+    got = reason(fleet, held, "budget_exhausted")
+    assert got["details"]["budget"] == "gpu:*:rolling"
+    assert got["details"]["renews_at_s"] > datetime.now(UTC).timestamp()
+    assert "running jobs are not stopped" in got["message"]
+    why = cli(fleet, "why", held)
+    assert "used its GPU-hour budget" in why.stdout and "until it renews in" in why.stdout
+    # the running job is not stopped: it ends on its own, and the held one still waits
+    # (its use is in the ledger now)
+    done = fleet.wait_status(running, TERMINAL, 20)
+    assert done["status"] == "SUCCEEDED", done
+    assert len(done["attempts"]) == 1
+    time.sleep(2)  # a few passes after its end
+    fleet.wait_for(
+        lambda: fleet.get("/v1/usage")["total_gpu_seconds"] > 3.6, 10, "the ended attempt's record"
+    )
+    assert reason(fleet, held, "budget_exhausted")
+    assert fleet.job(held)["status"] == "PENDING"
+    # the budget raised: it starts
+    set_limits(
+        fleet,
+        {"gpu_budgets": [{"gpu_hours": 10, "period": "rolling", "window_s": 3600, "hard": True}]},
+    )
+    assert fleet.wait_status(held, TERMINAL, 20)["status"] == "SUCCEEDED"
+    assert fleet.check() == []
