@@ -162,6 +162,32 @@ def usage(
             output.cell(gpu_hours(data["total_gpu_hours"])),
         )
         output.console().print(table)
+        if data.get("budgets"):
+            output.console().print(budgets_table(data["budgets"]))
+            for b in data["budgets"]:
+                if b.get("warning"):
+                    typer.echo(output.clean(f"warning: {b['warning']}"), err=True)
+
+
+def budgets_table(budgets: Sequence[dict[str, Any]]) -> Any:
+    """TEAM BUDGET MODE GPU-H USED REMAINING RENEWS AT: each team budget now (GPU-hours;
+    ``used`` with its percentage; ``rolling``: a rolling window not used up renews as its
+    use ages out)."""
+    table = output._table(
+        "team", "budget", "mode", "GPU-h", "used", "remaining", "renews at", title="budgets"
+    )
+    for b in budgets:
+        renews = b.get("renews_at")
+        table.add_row(
+            output.cell(b["team"]),
+            output.cell(b["budget"]),
+            output.cell(b["mode"]),
+            output.cell(f"{b['limit_gpu_hours']:g}"),
+            output.cell(f"{gpu_hours(b['used_gpu_hours'])} ({b['used_ratio'] * 100:.0f}%)"),
+            output.cell(gpu_hours(b["remaining_gpu_hours"])),
+            output.cell(output.fmt_time(renews) if renews else "rolling"),
+        )
+    return table
 
 
 def resource_cells(figures: dict[str, Any]) -> list[Any]:

@@ -524,6 +524,9 @@ class Scheduler(AssignmentDispatch):
         self._demoted_now = {}
         if not team_limits:
             self._ledger = None
+            if self.budget_statuses:
+                self.budget_statuses = {}
+                metrics.publish_budgets({})
             return limits.LimitsResult(snap)
         mono = time.monotonic()
         # an attempt of a budgeted team that ended since the last pass moved its use from
@@ -543,6 +546,7 @@ class Scheduler(AssignmentDispatch):
         out = limits.apply_limits(snap, team_limits, self._ledger[2], self.policy)
         self._demoted_now = dict(out.demoted)
         self.budget_statuses = dict(out.statuses)
+        metrics.publish_budgets(self.budget_statuses)
         return out
 
     def _limited_reasons(
@@ -555,6 +559,29 @@ class Scheduler(AssignmentDispatch):
             base = waiting.get(job_id)
             if base is not None:
                 over[job_id] = limits.with_demotion(base, d, now_s)
+        # soft budgets at 80% / 100% warn in the waiting jobs' reasons (`why`): the
+        # threshold is said, not the exact use, so a reason is not rewritten every pass
+        warned = {
+            t: notes
+            for t in {t for t, _ in limited.statuses}
+            if (notes := limits.soft_warnings(limited.statuses, t, exact=False))
+        }
+        if warned:
+            snap = limited.snapshot
+            for team_id, notes in warned.items():
+                queue: Iterable[Any] = (
+                    snap.queues.get(team_id, ())
+                    if snap.queues is not None
+                    else (j for j in snap.pending if j.team_id == team_id)
+                )
+                for job in queue:
+                    base = over.get(job.job_id) or waiting.get(job.job_id)
+                    if base is not None:
+                        over[job.job_id] = replace(
+                            base,
+                            message=f"{base.message}; {'; '.join(notes)}",
+                            details={**dict(base.details), "budget_warnings": notes},
+                        )
         fresh = [d for j, d in limited.demoted.items() if j not in self._announced]
         if fresh:
             self._announced.update(d.job_id for d in fresh)
