@@ -227,3 +227,55 @@ def test_a_hard_budget_holds_new_jobs_while_the_running_one_finishes(fleet: Flee
     )
     assert fleet.wait_status(held, TERMINAL, 20)["status"] == "SUCCEEDED"
     assert fleet.check() == []
+
+
+def test_a_soft_budget_warns_in_submit_why_usage_and_metrics(fleet: Fleet) -> None:
+    from prometheus_client import REGISTRY
+
+    # 0.9 of 1 GPU-h used in the window: 90%, over the 80% warning, under 100%
+    _seed_usage(fleet, "NORMAL", 0.9)
+    set_limits(
+        fleet,
+        {"gpu_budgets": [{"gpu_hours": 1, "period": "rolling", "window_s": 7200, "hard": False}]},
+    )
+    sub = cli(fleet, "submit", "--", sys.executable, "-c", "pass")
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip()
+    assert (
+        "warning: team vision has used 90% (0.9 of 1 GPU-h) of its soft rolling-window"
+        " GPU-hour budget; jobs still start" in sub.stderr
+    ), sub.stderr
+    got = reason(fleet, job, text="over 80% of its soft rolling-window GPU-hour budget")
+    assert got["code"] != "budget_exhausted"
+    why = cli(fleet, "why", job)
+    assert "over 80% of its soft" in why.stdout, why.stdout
+    labels = {"team": "vision", "budget": "gpu:*:rolling", "mode": "soft"}
+    fleet.wait_for(
+        lambda: REGISTRY.get_sample_value("gpufleet_team_budget_used_ratio", labels) is not None,
+        10,
+        "the budget gauge",
+    )
+    ratio = REGISTRY.get_sample_value("gpufleet_team_budget_used_ratio", labels)
+    assert ratio == pytest.approx(0.9, abs=0.01)
+
+    usage = fleet.get("/v1/usage")
+    (b,) = usage["budgets"]
+    assert b["team"] == "vision" and b["mode"] == "soft" and b["limit_gpu_hours"] == 1
+    assert b["used_gpu_hours"] == pytest.approx(0.9, abs=0.001)
+    assert b["remaining_gpu_hours"] == pytest.approx(0.1, abs=0.001)
+    table = cli(fleet, "usage")
+    assert table.returncode == 0, table.stderr
+    assert "gpu:*:rolling" in table.stdout and "soft" in table.stdout, table.stdout
+    assert "90%" in table.stdout, table.stdout
+
+    # over 100%: still soft, the job still starts; the warning says all of it is used
+    _seed_usage(fleet, "HIGH", 0.2)
+    set_limits(  # the same limits: the API server forgets the team's cached use
+        fleet,
+        {"gpu_budgets": [{"gpu_hours": 1, "period": "rolling", "window_s": 7200, "hard": False}]},
+    )
+    again = cli(fleet, "submit", "--", sys.executable, "-c", "pass")
+    assert "has used 110% (1.1 of 1 GPU-h)" in again.stderr, again.stderr
+    fleet.start_agent("a1", gpus="1xH100-80GB")
+    for j in (job, again.stdout.strip()):
+        assert fleet.wait_status(j, TERMINAL, 30)["status"] == "SUCCEEDED"

@@ -420,7 +420,7 @@ class Scheduler(AssignmentDispatch):
             log.debug("pending reasons of this pass skipped: the writer is busy")
         else:
             self._join_writes()  # the previous pass's reasons, before this pass compares
-            if limited.held or limited.demoted:
+            if limited.held or limited.demoted or limits.any_soft_warning(limited.statuses):
                 waiting = self._limited_reasons(waiting, limited, snap.now_s)
             fresh = self._estimate(snap, result, waiting)
             t_reasons = time.perf_counter()

@@ -64,6 +64,7 @@ __all__ = [
     "OverBudget",
     "Period",
     "TeamLimits",
+    "any_soft_warning",
     "apply_limits",
     "budget_label",
     "budget_statuses",
@@ -403,6 +404,11 @@ def soft_warning(b: BudgetStatus, *, exact: bool = True) -> str | None:
         f"team {b.team_id} has used {used} of its soft {budget_label(b)} budget;"
         " jobs still start"
     )
+
+
+def any_soft_warning(statuses: Mapping[tuple[str, str], BudgetStatus]) -> bool:
+    """Whether any soft GPU-hour budget in ``statuses`` is at 80% or more."""
+    return any(soft_warning(b) is not None for b in statuses.values())
 
 
 def soft_warnings(
