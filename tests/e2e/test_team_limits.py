@@ -41,11 +41,11 @@ def set_limits(fleet: Fleet, limits: dict[str, Any], team: str = "vision") -> No
     assert r.status_code == 200, r.text
 
 
-def cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
+def cli(fleet: Fleet, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(
         os.environ,
         GPUFLEET_URL=fleet.api.url,
-        GPUFLEET_TOKEN=fleet.tokens["vision"],
+        GPUFLEET_TOKEN=token or fleet.tokens["vision"],
         GPUFLEET_CONFIG=str(fleet.tmp / "none.yaml"),
     )
     return subprocess.run(
@@ -234,10 +234,28 @@ def test_a_soft_budget_warns_in_submit_why_usage_and_metrics(fleet: Fleet) -> No
 
     # 0.9 of 1 GPU-h used in the window: 90%, over the 80% warning, under 100%
     _seed_usage(fleet, "NORMAL", 0.9)
-    set_limits(
-        fleet,
-        {"gpu_budgets": [{"gpu_hours": 1, "period": "rolling", "window_s": 7200, "hard": False}]},
+    admin = _admin(fleet)
+    bad = cli(
+        fleet, "admin", "team", "set", "vision", "--budget", "1", "--budget-mode", "x", token=admin
     )
+    assert bad.returncode != 0 and "--budget-mode" in bad.stderr, bad.stderr
+    # set from the CLI, no JSON
+    done = cli(
+        fleet,
+        "admin",
+        "team",
+        "set",
+        "vision",
+        "--budget",
+        "1",
+        "--budget-window",
+        "2h",
+        "--budget-mode",
+        "soft",
+        token=admin,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "limits: 1 GPU-h/2h soft" in done.stdout, done.stdout
     sub = cli(fleet, "submit", "--", sys.executable, "-c", "pass")
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip()
