@@ -579,7 +579,7 @@ class Scheduler(AssignmentDispatch):
                     if base is not None:
                         over[job.job_id] = replace(
                             base,
-                            message=f"{base.message}; {'; '.join(notes)}",
+                            message=f"{base.message.rstrip('.')}; {'; '.join(notes)}",
                             details={**dict(base.details), "budget_warnings": notes},
                         )
         fresh = [d for j, d in limited.demoted.items() if j not in self._announced]

@@ -513,7 +513,7 @@ def with_demotion(reason: WaitReason, d: Demotion, now_s: float) -> WaitReason:
     """``reason`` with the demotion said in its sentence and ``details.demoted``."""
     return replace(
         reason,
-        message=f"{reason.message}; {demotion_note(d, now_s)}",
+        message=f"{reason.message.rstrip('.')}; {demotion_note(d, now_s)}",
         details={
             **dict(reason.details),
             "demoted": {
