@@ -50,11 +50,11 @@ from gpufleet.policy.decisions import (
     PlaceGang,
     Preempt,
 )
+from gpufleet.policy.limits import BudgetStatus
 from gpufleet.policy.placement import FreeIndex
 from gpufleet.policy.priority import queued_at
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob
-from gpufleet.policy.limits import BudgetStatus
 from gpufleet.policy.waste import lost_gpu_h
 from gpufleet.store.db import Database, is_unavailable
 from gpufleet.store.tables import JobRow, JobRunRow

@@ -401,8 +401,7 @@ def soft_warning(b: BudgetStatus, *, exact: bool = True) -> str | None:
         else ("all" if b.warning >= 1.0 else f"over {b.warning * 100:.0f}%")
     )
     return (
-        f"team {b.team_id} has used {used} of its soft {budget_label(b)} budget;"
-        " jobs still start"
+        f"team {b.team_id} has used {used} of its soft {budget_label(b)} budget; jobs still start"
     )
 
 

@@ -28,8 +28,8 @@ from gpufleet.domain.types import PriorityClass
 from gpufleet.policy.limits import BudgetStatus, submit_warnings
 from gpufleet.policy.limits import TeamLimits as PolicyTeamLimits
 from gpufleet.queue.hint import DEFAULT_PREFIX, DEFAULT_TIMEOUT_S, shared_hint
-from gpufleet.store.tables import TeamRow
 from gpufleet.store.dialect import db_now
+from gpufleet.store.tables import TeamRow
 from gpufleet.store.team_limits import limits_from_json, team_budgets
 
 if TYPE_CHECKING:
