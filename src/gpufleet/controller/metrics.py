@@ -644,7 +644,8 @@ def _state_metrics(view: FleetView | None) -> Iterator[Metric]:
 
 def _budget_metrics(budgets: Mapping[tuple[str, str], BudgetStatus]) -> Iterator[Metric]:
     """Each team budget's used fraction, use and size (labels: team, budget key such as
-    ``gpu:*:month`` or ``class:CRITICAL``, and ``mode``: hard or soft)."""
+    ``gpu:*:month`` or ``class:CRITICAL``, and ``mode``: hard or soft; a class budget's
+    demote or hold), as ``GET /v1/usage``'s ``budgets`` says them."""
     labels = ["team", "budget", "mode"]
     ratio = GaugeMetricFamily(
         "gpufleet_team_budget_used_ratio",
@@ -664,7 +665,11 @@ def _budget_metrics(budgets: Mapping[tuple[str, str], BudgetStatus]) -> Iterator
         labels=labels,
     )
     for (team, key), b in sorted(budgets.items()):
-        lv = [team, key, "hard" if b.hard else "soft"]
+        if b.priority is not None:  # a class budget: what a job over it gets
+            mode = "hold" if b.hard else "demote"
+        else:
+            mode = "hard" if b.hard else "soft"
+        lv = [team, key, mode]
         ratio.add_metric(lv, b.fraction if b.limit_gpu_h > 0 else 1.0)
         used.add_metric(lv, b.used_gpu_h)
         limit.add_metric(lv, b.limit_gpu_h)
