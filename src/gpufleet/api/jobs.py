@@ -64,11 +64,12 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 )
             depends = body.depends_on
             limits = state.admission.limits(who.team_id) if state.admission is not None else None
+            spec = body.to_spec()
             out = jobs.submit_job(
                 state.db,
                 team_id=who.team_id,
                 idempotency_key=idempotency_key,
-                spec=body.to_spec(),
+                spec=spec,
                 fallback_max_gpus=state.settings.max_gpus_per_node,
                 default_max_outstanding_jobs=defaults.max_outstanding_jobs,
                 # the team's limits as submit_allowed just looked them up (cached)
@@ -95,6 +96,11 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 status=out.status,
                 array_id=out.array_id,
                 job_ids=list(out.job_ids) if out.array_id is not None else None,
+                warnings=(
+                    state.admission.budget_warnings(who.team_id, spec.priority) or None
+                    if out.created and state.admission is not None
+                    else None
+                ),
             )
             # the body serialized here, once: a returned model would be validated again
             # against response_model and encoded by FastAPI (~10% of a submit's server CPU)

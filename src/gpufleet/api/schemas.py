@@ -376,6 +376,10 @@ class JobCreated(BaseModel):
     """Set for an array submit: ``job_id`` is then its first task."""
     job_ids: list[str] | None = None
     """An array's task job ids, by index."""
+    warnings: list[str] | None = None
+    """Set when the team is near or over a GPU-hour budget (``policy.limits``): a soft
+    budget at 80% or 100% used, a hard budget used up (the job waits until it renews), the
+    job's class budget used up (it runs at NORMAL, or waits)."""
 
 
 class JobPatch(BaseModel):

@@ -487,6 +487,8 @@ def submit(
             typer.echo(
                 f"(replay: a job was already submitted with idempotency key {key})", err=True
             )
+        for w in created.raw.get("warnings") or ():  # team budgets near or over (stderr)
+            typer.echo(output.clean(f"warning: {w}"), err=True)
         array_id = created.raw.get("array_id")
         if quiet:
             typer.echo(output.clean(str(array_id or created.job_id)))

@@ -161,6 +161,52 @@ def usage(
             output.cell(gpu_hours(data["total_gpu_hours"])),
         )
         output.console().print(table)
+        if data.get("budgets"):
+            output.console().print(budgets_table(data["budgets"]))
+            for b in data["budgets"]:
+                if b.get("warning"):
+                    typer.echo(output.clean(f"warning: {b['warning']}"), err=True)
+
+
+def budgets_table(budgets: Sequence[dict[str, Any]]) -> Any:
+    """TEAM BUDGET MODE GPU-H USED LEFT RENEWS: each team budget now (GPU-hours; ``used``
+    with its percentage; budget ``CRITICAL`` is a class budget, ``month``/``rolling`` (and
+    a GPU type) a GPU-hour budget; renews ``rolling``: a rolling window not used up, whose
+    use ages out as it goes). Fits 80 columns."""
+    table = output._table(
+        "team",
+        "budget",
+        "mode",
+        "GPU-h",
+        "used",
+        "left",
+        "renews",
+        title="budgets",
+        keep={"budget": 10, "mode": 6, "used": 12, "renews": 16},
+    )
+    for b in budgets:
+        renews = b.get("renews_at")
+        kind = b.get("priority") or b["budget"].rsplit(":", 1)[-1]
+        name = f"{kind} {b['gpu_type']}" if b.get("gpu_type") else kind
+        table.add_row(
+            output.cell(b["team"]),
+            output.cell(name),
+            output.cell(b["mode"]),
+            output.cell(f"{b['limit_gpu_hours']:g}"),
+            output.cell(f"{gpu_hours(b['used_gpu_hours'])} ({b['used_ratio'] * 100:.0f}%)"),
+            output.cell(gpu_hours(b["remaining_gpu_hours"])),
+            output.cell(_minute(renews) if renews else "rolling"),
+        )
+    return table
+
+
+def _minute(iso: str) -> str:
+    """``2026-12-04 20:26``: an ISO time to the minute, UTC (as every CLI time)."""
+    try:
+        at = datetime.fromisoformat(iso.replace("Z", "+00:00")).astimezone(UTC)
+    except ValueError:
+        return output.clean(iso)
+    return at.strftime("%Y-%m-%d %H:%M")
 
 
 def resource_cells(figures: dict[str, Any]) -> list[Any]:

@@ -50,6 +50,7 @@ from gpufleet.policy.decisions import (
     PlaceGang,
     Preempt,
 )
+from gpufleet.policy.limits import BudgetStatus
 from gpufleet.policy.placement import FreeIndex
 from gpufleet.policy.priority import queued_at
 from gpufleet.policy.quota import TeamBook
@@ -316,6 +317,8 @@ class _Published:
         self.lease_renewed_monotonic: float | None = None
         self.node_status: dict[str, str] | None = None
         """Node statuses of the previous pass (None: no pass yet under this leadership)."""
+        self.budgets: Mapping[tuple[str, str], BudgetStatus] = {}
+        """Every team budget at the last pass (``policy.limits``): the budget gauges."""
 
     def current(self) -> FleetView | None:
         with self.lock:
@@ -339,6 +342,13 @@ def publish(view: FleetView | None) -> None:
         _published.view, _published.pending = view, None
 
 
+def publish_budgets(statuses: Mapping[tuple[str, str], BudgetStatus]) -> None:
+    """Serve these team budgets (``policy.limits.BudgetStatus`` by (team, key)) as
+    ``gpufleet_team_budget_*`` from now on (the leader's last pass)."""
+    with _published.lock:
+        _published.budgets = statuses
+
+
 def publish_pass(
     snap: ClusterSnapshot, result: CycleResult | None, config: PolicyConfig | None = None
 ) -> None:
@@ -359,6 +369,7 @@ def note_lease(epoch: int) -> None:
         if not epoch:
             _published.view, _published.pending = None, None
             _published.node_status = None
+            _published.budgets = {}
 
 
 _KIND: dict[type, str] = {
@@ -532,6 +543,9 @@ class FleetCollector(Collector):
             lease_age.add_metric([], time.monotonic() - renewed)
         yield lease_age
         yield from _state_metrics(view)
+        with _published.lock:
+            budgets = _published.budgets if renewed is not None else {}
+        yield from _budget_metrics(budgets)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # values change label sets; describe nothing (collected lazily)
@@ -626,6 +640,40 @@ def _state_metrics(view: FleetView | None) -> Iterator[Metric]:
         pending.add_metric([], view.pending)
     yield from (depth, age, gpus, held, nodes, free, fit, team_gpus, share, usage, weight)
     yield pending
+
+
+def _budget_metrics(budgets: Mapping[tuple[str, str], BudgetStatus]) -> Iterator[Metric]:
+    """Each team budget's used fraction, use and size (labels: team, budget key such as
+    ``gpu:*:month`` or ``class:CRITICAL``, and ``mode``: hard or soft; a class budget's
+    demote or hold), as ``GET /v1/usage``'s ``budgets`` says them."""
+    labels = ["team", "budget", "mode"]
+    ratio = GaugeMetricFamily(
+        "gpufleet_team_budget_used_ratio",
+        "Used fraction of each team GPU-hour budget in its current period or window (ended "
+        "attempts from the ledger plus the running ones); soft budgets warn at 0.8 and 1, "
+        "hard ones hold new jobs at 1.",
+        labels=labels,
+    )
+    used = GaugeMetricFamily(
+        "gpufleet_team_budget_used_gpu_hours",
+        "GPU-hours used of each team budget in its current period or window.",
+        labels=labels,
+    )
+    limit = GaugeMetricFamily(
+        "gpufleet_team_budget_limit_gpu_hours",
+        "GPU-hours of each team budget per period or window.",
+        labels=labels,
+    )
+    for (team, key), b in sorted(budgets.items()):
+        if b.priority is not None:  # a class budget: what a job over it gets
+            mode = "hold" if b.hard else "demote"
+        else:
+            mode = "hard" if b.hard else "soft"
+        lv = [team, key, mode]
+        ratio.add_metric(lv, b.fraction if b.limit_gpu_h > 0 else 1.0)
+        used.add_metric(lv, b.used_gpu_h)
+        limit.add_metric(lv, b.limit_gpu_h)
+    yield from (ratio, used, limit)
 
 
 def _buckets(

@@ -269,6 +269,9 @@ class Scheduler(AssignmentDispatch):
         self._heard_since: datetime | None = None
         self._ledger: tuple[dict[str, limits.TeamLimits], float, Any] | None = None
         """(limits, monotonic time, ledger use) as last read (``_apply_limits``)."""
+        self._ledger_runs: frozenset[str] = frozenset()
+        """Running attempts of teams with a budget at the last pass (one that ended since
+        makes the ledger be read again)."""
         self._demoted_now: dict[str, limits.Demotion] = {}
         self._announced: set[str] = set()
         """Jobs whose demotion this leader already recorded as an event."""
@@ -417,7 +420,7 @@ class Scheduler(AssignmentDispatch):
             log.debug("pending reasons of this pass skipped: the writer is busy")
         else:
             self._join_writes()  # the previous pass's reasons, before this pass compares
-            if limited.held or limited.demoted:
+            if limited.held or limited.demoted or limits.any_soft_warning(limited.statuses):
                 waiting = self._limited_reasons(waiting, limited, snap.now_s)
             fresh = self._estimate(snap, result, waiting)
             t_reasons = time.perf_counter()
@@ -521,10 +524,21 @@ class Scheduler(AssignmentDispatch):
         self._demoted_now = {}
         if not team_limits:
             self._ledger = None
+            if self.budget_statuses:
+                self.budget_statuses = {}
+                metrics.publish_budgets({})
             return limits.LimitsResult(snap)
         mono = time.monotonic()
+        # an attempt of a budgeted team that ended since the last pass moved its use from
+        # the running part (counted by the policy) into the ledger: read the ledger again,
+        # or the budget would look less used until the next refresh
+        budgeted = {t for t, lim in team_limits.items() if lim.class_budgets or lim.gpu_budgets}
+        runs = frozenset(r.run_id for r in snap.running if r.team_id in budgeted)
+        ended = not self._ledger_runs <= runs
+        self._ledger_runs = runs
         if (
             self._ledger is None
+            or ended
             or self._ledger[0] != team_limits
             or mono - self._ledger[1] >= LEDGER_REFRESH_S
         ):
@@ -532,6 +546,7 @@ class Scheduler(AssignmentDispatch):
         out = limits.apply_limits(snap, team_limits, self._ledger[2], self.policy)
         self._demoted_now = dict(out.demoted)
         self.budget_statuses = dict(out.statuses)
+        metrics.publish_budgets(self.budget_statuses)
         return out
 
     def _limited_reasons(
@@ -544,6 +559,29 @@ class Scheduler(AssignmentDispatch):
             base = waiting.get(job_id)
             if base is not None:
                 over[job_id] = limits.with_demotion(base, d, now_s)
+        # soft budgets at 80% / 100% warn in the waiting jobs' reasons (`why`): the
+        # threshold is said, not the exact use, so a reason is not rewritten every pass
+        warned = {
+            t: notes
+            for t in {t for t, _ in limited.statuses}
+            if (notes := limits.soft_warnings(limited.statuses, t, exact=False))
+        }
+        if warned:
+            snap = limited.snapshot
+            for team_id, notes in warned.items():
+                queue: Iterable[Any] = (
+                    snap.queues.get(team_id, ())
+                    if snap.queues is not None
+                    else (j for j in snap.pending if j.team_id == team_id)
+                )
+                for job in queue:
+                    base = over.get(job.job_id) or waiting.get(job.job_id)
+                    if base is not None:
+                        over[job.job_id] = replace(
+                            base,
+                            message=f"{base.message.rstrip('.')}; {'; '.join(notes)}",
+                            details={**dict(base.details), "budget_warnings": notes},
+                        )
         fresh = [d for j, d in limited.demoted.items() if j not in self._announced]
         if fresh:
             self._announced.update(d.job_id for d in fresh)
