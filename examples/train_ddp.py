@@ -21,7 +21,8 @@ resumes at another.
 
 **Stops.** SIGTERM only sets a flag; every step the ranks all-reduce (MAX) their flags, so a
 SIGTERM that reaches any one rank stops *all* of them after the same step: each writes the
-checkpoint and exits 143. A rank that dies (SIGKILL, crash) makes the others' next collective
+checkpoint, creates ``$GPUFLEET_CHECKPOINT_DONE`` (the checkpoint handshake: its agent then
+stops it without waiting out the grace) and exits 143. A rank that dies (SIGKILL, crash) makes the others' next collective
 fail: they print the error and exit 1 (the platform then stops and retries the whole gang).
 
 **Checkpoints.** Every rank writes the same ``ckpt.pt`` (model, optimizer, step, generator
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         while step < args.steps:
             if stop_agreed(distributed):
                 save()
+                if os.environ.get("GPUFLEET_CHECKPOINT_DONE"):  # the handshake: stop me now
+                    Path(os.environ["GPUFLEET_CHECKPOINT_DONE"]).touch()
                 log(f"SIGTERM: checkpointed step {step}, exiting {EXIT_SIGTERM}")
                 return EXIT_SIGTERM
             batch = torch.randint(0, len(y_tr_t), (args.batch_size,), generator=gen)

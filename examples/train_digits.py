@@ -6,6 +6,10 @@ anywhere and shows the job contract the agent relies on; see examples/README.md:
 * env in: ``GPUFLEET_CHECKPOINT_DIR``, ``GPUFLEET_ARTIFACTS_DIR``, ``GPUFLEET_RESUME_FROM``
   (a local directory holding an earlier attempt's ``ckpt.npz``, or unset/empty),
   ``GPUFLEET_JOB_ID``, ``GPUFLEET_RUN_ID``, ``CUDA_VISIBLE_DEVICES``;
+* checkpoint handshake: on SIGTERM it writes its checkpoint, then creates the file named by
+  ``GPUFLEET_CHECKPOINT_DONE`` (when set): the agent stops the attempt at once instead of
+  waiting out the grace period (``--teardown-s`` simulates a slow shutdown after the
+  checkpoint, ``--no-checkpoint-signal`` leaves the file out);
 * exit codes: 0 done (artifacts written); 143 (= 128 + SIGTERM) stopped by SIGTERM *after*
   writing a checkpoint, so the attempt can be resumed; ``--fail-exit-code`` (default 3) for the
   injected failure of ``--fail-at-step``; anything else is an ordinary failure.
@@ -52,7 +56,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.01, help="seconds slept per step")
     p.add_argument("--fail-at-step", type=int, default=None, help="exit non-zero at this step")
     p.add_argument("--fail-exit-code", type=int, default=3)
+    p.add_argument(
+        "--teardown-s",
+        type=float,
+        default=0.0,
+        help="seconds of (simulated) shutdown after the SIGTERM checkpoint, before exiting",
+    )
+    p.add_argument(
+        "--no-checkpoint-signal",
+        action="store_true",
+        help="do not create $GPUFLEET_CHECKPOINT_DONE after the SIGTERM checkpoint",
+    )
     return p.parse_args(argv)
+
+
+def signal_checkpoint_done() -> None:
+    """Tell the agent the checkpoint is durable (the handshake): create the file it names in
+    ``GPUFLEET_CHECKPOINT_DONE``. Call only after the checkpoint's final rename."""
+    path = os.environ.get("GPUFLEET_CHECKPOINT_DONE")
+    if path:
+        Path(path).touch()
 
 
 def load_data(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -167,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     while step < args.steps:
         if _stop_requested:
             save_checkpoint(ckpt_dir, params, step, rng)
+            if not args.no_checkpoint_signal:
+                signal_checkpoint_done()
             print(f"SIGTERM: checkpointed step {step}, exiting {EXIT_SIGTERM}", flush=True)
+            time.sleep(args.teardown_s)  # e.g. data loaders and process groups shutting down
             return EXIT_SIGTERM
         batch = rng.integers(0, len(y_tr), args.batch_size)
         sgd_step(params, x_tr[batch], y_tr[batch], args.lr)

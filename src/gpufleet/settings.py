@@ -118,6 +118,15 @@ class Settings(BaseSettings):
         " (seconds) it reads everything again, a safety net (store.snapshot_cache).",
     )
     default_grace_s: float = Field(default=30.0, description="SIGTERM -> SIGKILL grace for stops.")
+    preemption_waste_gpu_h: float | None = Field(
+        default=None,
+        ge=0,
+        description="Fleet-wide cap on the GPU-hours of work preemption may lose (GPUs x time"
+        " since the victims' last checkpoints) per preemption_waste_window_s; unset = unlimited.",
+    )
+    preemption_waste_window_s: float = Field(
+        default=86400.0, gt=0, description="Rolling window of the preemption waste cap, seconds."
+    )
     agent_disk_reserve_mb: int = Field(
         default=1024,
         description="An agent whose state or scratch directory has less free space (MiB)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pty
 import select
+import shlex
 import shutil
 import socket
 import subprocess
@@ -279,6 +280,29 @@ def test_shell_on_a_pty_exits_with_the_shells_code(fleet_n1: Fleet) -> None:
     assert rc == 3, text
     assert "ppid=" in text
     assert "/dev/pts/" in text  # a terminal on the job's side too
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs script (util-linux)")
+def test_exec_tty_without_stdin_prints_only_the_output(fleet_n1: Fleet, tmp_path: Path) -> None:
+    """``exec -t`` on a terminal whose own stdin ends (``script < /dev/null``, as a CI log or
+    a recorder runs it): stdin is not forwarded without ``-i`` (it was, and the EOF byte that
+    ``script`` writes came back echoed by the job's terminal as a stray ``^@``), and lines end
+    with one CR LF."""
+    fleet = fleet_n1
+    job_id, _pid = _running_job(fleet, {"command": _sleeper(fleet)})
+    cli = shlex.join(
+        [sys.executable, "-m", "gpufleet.cli.main", "exec", "-t", job_id, "--", "echo", "only"]
+    )
+    r = subprocess.run(
+        ["script", "-qec", cli, str(tmp_path / "typescript")],
+        env=_cli_env(fleet),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 0, r
+    assert r.stdout == b"only\r\n", r.stdout
 
 
 @pytest.mark.skipif(shutil.which("podman") is None, reason="needs podman")

@@ -52,7 +52,39 @@ class TestSubmitRefuses:
         client, tokens = api
         r = client.post("/v1/jobs", json={**JOB, "depends_on": 5}, headers=hdr(tokens["vision"]))
         assert r.json()["field"] == "depends_on"
-        assert r.json()["message"] == "depends_on: depends_on must be a string or a list, not int"
+        # a message that starts with the field's name is not prefixed with it a second time
+        assert r.json()["message"] == "depends_on must be a string or a list, not int"
+
+    @pytest.mark.parametrize(
+        ("extra", "field", "message"),
+        [
+            pytest.param(
+                {"image": "busybox", "shm_size_mb": 10**11},
+                "shm_size_mb",
+                "shm_size_mb: 100000000000 is out of range: it must be at most 16777216",
+                id="shm_size_mb too big",
+            ),
+            pytest.param(
+                {"notify": ["notaurl"]},
+                "notify",
+                "notify URL 'notaurl' must be an http:// or https:// URL",
+                id="notify not a URL",
+            ),
+            pytest.param(
+                {"gpu_count": 0},
+                "gpu_count",
+                "gpu_count: 0 is out of range: it must be at least 1",
+                id="gpu_count 0",
+            ),
+        ],
+    )
+    def test_plain_words_naming_the_field(
+        self, api: Any, extra: dict[str, Any], field: str, message: str
+    ) -> None:
+        client, tokens = api
+        r = client.post("/v1/jobs", json={**JOB, **extra}, headers=hdr(tokens["vision"]))
+        assert r.status_code == 422, r.text
+        assert r.json()["field"] == field and r.json()["message"] == message, r.text
 
     @pytest.mark.parametrize(
         "extra",

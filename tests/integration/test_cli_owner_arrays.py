@@ -114,6 +114,10 @@ class TestOwner:
             r = httpx.get(f"{fleet.url}/v1/jobs", params=params, headers=h)
             assert 400 <= r.status_code < 500, (params, r.status_code, r.text)
             assert r.json()["field"] == field, r.text
+        # a value that is no boolean: pydantic's location, in a sentence that says what to give
+        r = httpx.get(f"{fleet.url}/v1/jobs", params={"mine": "maybe"}, headers=h)
+        assert r.status_code == 422 and r.json()["field"] == "query.mine", r.text
+        assert "'maybe' is not a boolean: give true or false" in r.json()["message"]
         both = fleet.cli("alice", "list", "--user", "bob", "--mine")
         assert both.returncode == 2 and "--mine" in both.stderr
 

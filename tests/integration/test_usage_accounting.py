@@ -30,6 +30,7 @@ from gpufleet.services.jobs import submit_job
 from gpufleet.store import allocate
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
+from gpufleet.store.preemption_waste import waste_per_team
 from gpufleet.store.tables import ApiTokenRow, JobRow, JobRunRow, UsageRecordRow
 from tests.factories import become_leader, create_node
 from tests.integration.server_proc import ServerProcess
@@ -222,6 +223,13 @@ def test_usage_of_200_jobs_matches_their_attempts_to_the_second(
             for team, secs in want_team.items():
                 assert abs(by_team[team] - secs) < 1.0, (team, by_team[team], secs)
             assert abs(got["total_gpu_hours"] * 3600 - sum(want_team.values())) < 1.0
+            # the work each team lost to preemption (what the waste cap counts)
+            with db.read() as s:
+                want_waste = waste_per_team(s, None, None)
+            assert sum(want_waste.values()) > 0
+            for ln in got["items"]:
+                lost = want_waste.get(ln["key"], 0.0)
+                assert abs(ln["preemption_waste_gpu_hours"] - lost) < 1e-3, (ln, lost)
 
             got = http.get("/v1/usage", params={"by": "user"}, headers=admin).json()
             by_user = {f"{ln['team']}/{ln['key']}": ln["gpu_seconds"] for ln in got["items"]}

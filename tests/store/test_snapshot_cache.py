@@ -10,6 +10,7 @@ import math
 import random
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from gpufleet.domain.errors import (
     IllegalTransition,
     NotFound,
     StaleState,
+    ValidationFailed,
 )
 from gpufleet.domain.states import JobStatus, NodeStatus, RunStatus
 from gpufleet.domain.types import GpuDevice, JobSpec, PriorityClass, Resources
@@ -254,11 +256,19 @@ class World:
         statuses = self.rng.choice([["PENDING"], ["SCHEDULED", "RUNNING"]])
         job = self.pick(select(JobRow.id).where(JobRow.status.in_(statuses)))
         if job is not None:
+            pending = statuses == ["PENDING"]
             patch = jobctl.JobPatch(
                 priority=self.rng.choice(["LOW", "NORMAL", "HIGH"]),
                 max_runtime_s=self.rng.choice([None, 3600.0]),
+                # a PENDING job's GPUs may change too (why --suggest, migration 0012_day26)
+                gpu_count=self.rng.choice([None, 1, 2]) if pending else None,
+                gpu_types=self.rng.choice([None, [], ["H100"]]) if pending else None,
             )
-            self.db.run_write(lambda s: jobctl.patch_job(s, None, job.id, patch))
+            try:
+                self.db.run_write(lambda s: jobctl.patch_job(s, None, job.id, patch))
+            except ValidationFailed:  # a gang's size (nodes x gpus_per_node) does not change
+                keep = replace(patch, gpu_count=None)
+                self.db.run_write(lambda s: jobctl.patch_job(s, None, job.id, keep))
 
     def node_status(self) -> None:
         node = self.pick(select(NodeCapacityRow.node_id))
@@ -462,5 +472,5 @@ class TestFullRebuild:
 def test_the_migration_watches_the_columns_the_cache_reads() -> None:
     from importlib import import_module
 
-    migration = import_module("gpufleet.store.migrations.versions.0008c_run_last_checkpoint")
+    migration = import_module("gpufleet.store.migrations.versions.0012_day26_watch_job_resources")
     assert migration.WATCHED == WATCHED

@@ -288,3 +288,21 @@ class TestServerUrlAndConfig:
         monkeypatch.setenv("GPUFLEET_CONFIG", str(config))
         result = cli("list")
         assert result.exit_code == 2 and "does not exist" not in result.stderr
+
+
+class TestContainerAndNotifyFlags:
+    """``--shm-size`` above the server's bound and a bad ``--notify`` URL are refused before
+    anything is sent, naming the flag (they came back as pydantic's raw wording)."""
+
+    def test_shm_size_too_big(self, api: FakeApi) -> None:
+        result = cli("submit", "--image", "python:3", "--shm-size", "100000g", "--", "true")
+        assert result.exit_code == 2, result.output
+        assert "--shm-size '100000g' is above the most a job may ask for" in result.stderr
+        assert "(16t = 16777216 MiB)" in result.stderr and not api.requests
+
+    @pytest.mark.parametrize("url", ["notaurl", "ftp://host/x", "http://x y"])
+    def test_notify_url(self, api: FakeApi, url: str) -> None:
+        result = cli("submit", "--notify", url, "--", "true")
+        assert result.exit_code == 2, result.output
+        assert f"--notify {url!r}" in result.stderr and "field: notify" in result.stderr
+        assert not api.requests

@@ -290,3 +290,18 @@ def test_a_reservations_start_is_not_contradicted_by_a_not_yet_estimate() -> Non
     assert not any(line.strip().startswith("start:") for line in lines)
     ranged = {**reason, "start_estimate": {"earliest_s": 1.0, "text": "in 2-5 min"}}
     assert any("in 2-5 min" in line for line in pending_lines(ranged))
+
+
+def test_token_id_owners_show_as_unique_id_prefixes_not_cut() -> None:
+    """A token without a user name owns its jobs by its id; two made in the same second
+    share their first characters, which an ellipsis used to leave as all that showed."""
+    owners = ["tok-01m9176kjak3rm019180nwx3w8", "tok-01m9176kjqzzrm019180nwx3w8", "alice"]
+    jobs = [{**_job(i, "PENDING"), "owner": o} for i, o in enumerate(owners)]
+    text = _render(output.jobs_table(jobs))
+    assert "tok-01m9176kjak3" in text and "tok-01m9176kjqzz" in text
+    assert "alice" in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert output.token_owner_refs(jobs) == {
+        "tok-01m9176kjak3rm019180nwx3w8": "tok-01m9176kjak3",
+        "tok-01m9176kjqzzrm019180nwx3w8": "tok-01m9176kjqzz",
+    }

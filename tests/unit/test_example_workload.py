@@ -90,9 +90,10 @@ class TestTrainDigits:
     def test_sigterm_checkpoints_exits_143_and_resume_matches_uninterrupted(
         self, tmp_path: Path, full_run: FullRun
     ) -> None:
+        done = tmp_path / "checkpoint-done"
         proc = subprocess.Popen(  # 20 ms steps, so SIGTERM lands mid-run
             [sys.executable, str(SCRIPT), *cli(step_sleep=0.02)],
-            env=job_env(tmp_path, "a1"),
+            env=job_env(tmp_path, "a1", GPUFLEET_CHECKPOINT_DONE=str(done)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -105,6 +106,7 @@ class TestTrainDigits:
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 143, err
         assert "SIGTERM: checkpointed step" in out
+        assert done.exists()  # the handshake: the agent may stop it now
         with np.load(tmp_path / "a1" / "ckpt" / "ckpt.npz") as ckpt:
             stopped_at = int(ckpt["step"])
         assert 30 <= stopped_at < 300

@@ -15,7 +15,8 @@ Events, one JSON object per line, ``"e"`` naming the kind::
     start_failed    message (the attempt is reported NEVER_STARTED)
     confirmed       result of ConfirmAssignment (CONFIRMED or REJECTED)
     stop_requested  reason, grace_s (survives a restart: the stop resumes)
-    exited          exit_code, outcome (EXITED or STOPPED), finished_at_s, message, reason
+    exited          exit_code, outcome (EXITED or STOPPED), finished_at_s, message, reason,
+                    resources, stop_handshake
     uploaded        manifest_uri
     reported        result of ReportCompletion (ACCEPTED, STALE or REJECTED)
     tombstone       StopRun for a run never assigned here: a late AssignJob must not start it
@@ -135,6 +136,9 @@ class RunRecord:
     # what it used (cgroup, NVML): peak_rss_bytes, cpu_seconds, gpu_util_pct,
     # gpu_mem_peak_bytes; each absent when not measured
     resources: dict[str, Any] = field(default_factory=dict)
+    # a stop's checkpoint handshake (agent.checkpoint_signal.summary): signalled, grace_s,
+    # signal_after_s, saved_s; empty when no SIGTERM was sent
+    stop_handshake: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pgid(self) -> int:
@@ -399,6 +403,7 @@ class AssignmentLog:
             rec.message = line.get("message", "")
             rec.reason = line.get("reason", "")
             rec.resources = dict(line.get("resources") or {})
+            rec.stop_handshake = dict(line.get("stop_handshake") or {})
         elif e == "uploaded":
             rec.manifest_uri = line["manifest_uri"]
         elif e == "reported":

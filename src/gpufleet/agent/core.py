@@ -501,6 +501,7 @@ class AgentCore:
                         message=info.message,
                         reason=info.reason,
                         resources={**info.resources, **gpu},
+                        stop_handshake=dict(info.stop_handshake),
                     )
                 del self._handles[rec.run_id]
             logger.info(

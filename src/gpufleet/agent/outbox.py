@@ -270,6 +270,7 @@ class Outbox:
                 ended_at_unix=rec.finished_at_s,
                 sent_at_unix=time.time(),
                 resources=_resources(rec.resources),
+                stop_handshake=_handshake(rec.stop_handshake),
             ),
             timeout=CALL_TIMEOUT_S,
         )
@@ -314,6 +315,18 @@ def _resources(figures: dict[str, Any]) -> pb.AttemptResources | None:
     for k, v in known.items():
         setattr(out, k, int(v) if k.endswith("_bytes") else float(v))
     return out
+
+
+def _handshake(figures: dict[str, Any]) -> pb.StopHandshake | None:
+    """The report's ``stop_handshake`` (None: no SIGTERM was sent)."""
+    if not figures:
+        return None
+    return pb.StopHandshake(
+        signalled=bool(figures.get("signalled")),
+        grace_s=float(figures.get("grace_s") or 0.0),
+        signal_after_s=float(figures.get("signal_after_s") or 0.0),
+        saved_s=float(figures.get("saved_s") or 0.0),
+    )
 
 
 _RESOURCE_FIELDS = frozenset(

@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from gpufleet.agent import checkpoint_signal
 from gpufleet.agent.assignment_log import RunRecord
 from gpufleet.agent.mounts import attempt_shm_mb, checked_mounts
 from gpufleet.agent.runtime import ExitInfo, Launch, RunHandle, Runtime, Runtimes
@@ -267,12 +268,30 @@ class Runner:
     # ------------------------------------------------------------------ watch and stop
 
     def poll(self, rec: RunRecord, h: RunHandle, now: float) -> ExitInfo | None:
-        """One monitoring step of the attempt's runtime (see :mod:`.runtime.base`)."""
+        """One monitoring step of the attempt's runtime (see :mod:`.runtime.base`), with the
+        checkpoint handshake of a stop (:mod:`.checkpoint_signal`) around it."""
+        done = self.paths(rec.run_id).checkpoint_done
+        checkpoint_signal.before_poll(rec, h, done)
         info = self._runtime_of(h).poll(rec, h, now)
-        if info is not None:
-            with self._lock:
-                self._live.pop(rec.run_id, None)
-            info = self._disk_full(rec, info)
+        if info is None:
+            checkpoint_signal.after_poll(rec, h, done, now)
+            return None
+        with self._lock:
+            self._live.pop(rec.run_id, None)
+        info = self._disk_full(rec, info)
+        handshake = checkpoint_signal.summary(rec, h)
+        if handshake:
+            message = info.message
+            if (
+                handshake["signalled"]
+                and handshake.get("saved_s", 0.0) > 0
+                and (not message or message.startswith("killed with SIGKILL after"))
+            ):
+                message = (
+                    f"stopped {handshake['signal_after_s']:g} s after SIGTERM on its checkpoint"
+                    f" signal ({handshake['saved_s']:g} s of {rec.stop_grace_s:g} s grace saved)"
+                )
+            info = replace(info, stop_handshake=handshake, message=message)
         return info
 
     def _disk_full(self, rec: RunRecord, info: ExitInfo) -> ExitInfo:

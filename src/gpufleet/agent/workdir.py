@@ -4,7 +4,8 @@ Job-visible directories, in ``{jobs_dir}/{run_id}/`` (mode 0700, owned by the at
 ``jobs_dir`` is 0711, so a job can reach its own directory but not list or enter another's)
 or in ``{state_dir}/runs/{run_id}/`` when the agent cannot switch users::
 
-    work/          the command's working directory and HOME
+    work/          the command's working directory and HOME; holds the entry named by
+                   GPUFLEET_CHECKPOINT_DONE (:mod:`gpufleet.agent.checkpoint_signal`)
     checkpoints/   GPUFLEET_CHECKPOINT_DIR (empty at start; uploaded at exit)
     artifacts/     GPUFLEET_ARTIFACTS_DIR (uploaded at exit)
     resume/        GPUFLEET_RESUME_FROM (objects under resume_from_uri, downloaded before start)
@@ -46,6 +47,10 @@ class StartError(Exception):
         self.node_fault = node_fault
 
 
+CHECKPOINT_DONE_NAME = ".gpufleet-checkpoint-done"
+"""The checkpoint handshake's file, in the attempt's work directory."""
+
+
 @dataclass(frozen=True, slots=True)
 class RunPaths:
     """The on-disk layout of one attempt (see module doc).
@@ -65,6 +70,12 @@ class RunPaths:
     @property
     def work(self) -> Path:
         return self._jobs / "work"
+
+    @property
+    def checkpoint_done(self) -> Path:
+        """``$GPUFLEET_CHECKPOINT_DONE``: the job creates it once its checkpoint after a
+        SIGTERM is durable (:mod:`gpufleet.agent.checkpoint_signal`)."""
+        return self.work / CHECKPOINT_DONE_NAME
 
     @property
     def checkpoints(self) -> Path:
@@ -133,8 +144,10 @@ def build_env(
        reservation's GPU indexes, comma list; empty = no GPU), ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
        (so CUDA's numbering matches NVML's), ``GPUFLEET_JOB_ID``, ``GPUFLEET_RUN_ID``,
        ``GPUFLEET_ATTEMPT``, ``GPUFLEET_FENCING_TOKEN``, ``GPUFLEET_CHECKPOINT_DIR``,
-       ``GPUFLEET_ARTIFACTS_DIR`` and ``GPUFLEET_RESUME_FROM`` (a directory holding the
-       previous attempt's checkpoints, or empty when there are none).
+       ``GPUFLEET_ARTIFACTS_DIR``, ``GPUFLEET_RESUME_FROM`` (a directory holding the
+       previous attempt's checkpoints, or empty when there are none) and
+       ``GPUFLEET_CHECKPOINT_DONE`` (the file to create once a checkpoint after SIGTERM is
+       durable: the stop then ends without waiting out its grace).
     """
     env = {"PATH": DEFAULT_PATH, "HOME": home}
     for k, v in agent_env.items():
@@ -152,6 +165,7 @@ def build_env(
             "GPUFLEET_CHECKPOINT_DIR": str(paths.checkpoints),
             "GPUFLEET_ARTIFACTS_DIR": str(paths.artifacts),
             "GPUFLEET_RESUME_FROM": str(resume_dir) if resume_dir is not None else "",
+            "GPUFLEET_CHECKPOINT_DONE": str(paths.checkpoint_done),
         }
     )
     return env

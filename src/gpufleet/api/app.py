@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -200,6 +200,27 @@ async def list_slot(request: Request, who: Who) -> AsyncIterator[auth.Principal]
 Lister = Annotated[auth.Principal, Depends(list_slot)]
 
 
+_BOUNDS = {
+    "less_than_equal": ("at most", "le"),
+    "less_than": ("below", "lt"),
+    "greater_than_equal": ("at least", "ge"),
+    "greater_than": ("above", "gt"),
+}
+
+
+def _plain_words(error: Mapping[str, Any]) -> str | None:
+    """A clear sentence for pydantic's most common refusals of a value (a number out of its
+    bounds, a word that is not a boolean), or None to keep pydantic's own message."""
+    kind, ctx, value = error.get("type"), error.get("ctx") or {}, error.get("input")
+    shown = repr(value) if isinstance(value, str) else str(value)
+    if kind in _BOUNDS:
+        words, key = _BOUNDS[str(kind)]
+        return f"{shown[:100]} is out of range: it must be {words} {ctx.get(key)}"
+    if kind == "bool_parsing":
+        return f"{shown[:100]} is not a boolean: give true or false (1/0, yes/no, on/off)"
+    return None
+
+
 def create_app(state: AppState) -> FastAPI:
     # every operation may answer these (bad token, bad input, database down); the others
     # are declared per operation, so that the document lists every status the server sends
@@ -266,8 +287,11 @@ def create_app(state: AppState) -> FastAPI:
             return _error(
                 400, "malformed_json", f"the body is not valid JSON: {first.get('msg')}", "body"
             )
-        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        return _error(422, "validation_error", f"{field}: {msg}", field)
+        msg = _plain_words(first) or str(first.get("msg", "invalid request")).removeprefix(
+            "Value error, "
+        )
+        text = msg if msg.startswith(field.split(".")[-1] + " ") else f"{field}: {msg}"
+        return _error(422, "validation_error", text, field)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -71,10 +71,14 @@ def register_jobctl_routes(
 
     @app.patch("/v1/jobs/{job_id}", response_model=JobOut, responses=errors(400, 404, 409, 413))
     def patch(job_id: str, body: JobPatch, who: Who) -> JobOut:
-        """Change ``priority``, ``name`` or ``max_runtime_s`` (each change is an event).
-        A finished job may change only its name (409 ``job_already_finished``)."""
+        """Change ``priority``, ``name`` or ``max_runtime_s`` (each change is an event), and
+        while the job is PENDING its ``gpu_count`` and ``gpu_types`` (409 ``job_not_pending``
+        otherwise; a suggestion of ``GET /v1/jobs/{id}/suggestions`` is such a body). A
+        finished job may change only its name (409 ``job_already_finished``)."""
         upd = jobctl.JobPatch(**body.model_dump())
-        return act(partial(_patch, upd=upd), job_id, who)
+        return act(
+            partial(_patch, upd=upd, max_gpus=state.settings.max_gpus_per_node), job_id, who
+        )
 
     @app.post("/v1/jobs/cancel", responses=errors(400, 404, 413))
     def cancel_many(body: BulkCancel, who: Who) -> dict[str, Any]:
@@ -118,5 +122,7 @@ def register_jobctl_routes(
         }
 
 
-def _patch(session: Session, team_id: str | None, job_id: str, *, upd: jobctl.JobPatch) -> None:
-    jobctl.patch_job(session, team_id, job_id, upd)
+def _patch(
+    session: Session, team_id: str | None, job_id: str, *, upd: jobctl.JobPatch, max_gpus: int
+) -> None:
+    jobctl.patch_job(session, team_id, job_id, upd, fallback_max_gpus=max_gpus)

@@ -27,6 +27,7 @@ from gpufleet.domain.errors import ValidationFailed
 from gpufleet.policy.start_estimate import NOT_YET, describe_stored
 from gpufleet.services import auth, jobctl, jobs, limits
 from gpufleet.services import nodes as node_service
+from gpufleet.services import suggest as suggest_service
 from gpufleet.store.accounting import RESOURCE_COLUMNS
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import JobRow, JobRunRow, UsageRecordRow
@@ -63,11 +64,12 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 )
             depends = body.depends_on
             limits = state.admission.limits(who.team_id) if state.admission is not None else None
+            spec = body.to_spec()
             out = jobs.submit_job(
                 state.db,
                 team_id=who.team_id,
                 idempotency_key=idempotency_key,
-                spec=body.to_spec(),
+                spec=spec,
                 fallback_max_gpus=state.settings.max_gpus_per_node,
                 default_max_outstanding_jobs=defaults.max_outstanding_jobs,
                 # the team's limits as submit_allowed just looked them up (cached)
@@ -94,6 +96,11 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 status=out.status,
                 array_id=out.array_id,
                 job_ids=list(out.job_ids) if out.array_id is not None else None,
+                warnings=(
+                    state.admission.budget_warnings(who.team_id, spec.priority) or None
+                    if out.created and state.admission is not None
+                    else None
+                ),
             )
             # the body serialized here, once: a returned model would be validated again
             # against response_model and encoded by FastAPI (~10% of a submit's server CPU)
@@ -119,6 +126,28 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 _drop_past_estimate(out.pending_reason, now)
                 _start_estimate_text(out.pending_reason, now)
             return out
+
+    @r.get("/v1/jobs/{job_id}/suggestions", responses=errors(404))
+    def suggestions(job_id: str, who: Lister) -> dict[str, Any]:
+        """What would start this waiting job now (``gpufleet why JOB --suggest``): the
+        scheduling policy's what-if passes over the current fleet, each with one change of
+        the job: fewer GPUs, another GPU type, a max runtime that fits before a backfill
+        reservation. Each suggestion has ``kind``, ``change`` (the PATCH body that applies
+        it), ``message`` and ``node_ids``; ``none_reason`` says why nothing does (or why
+        nothing was evaluated: not PENDING, held, dependencies, retry backoff, a team
+        limit). Reads the whole fleet: counted as a job list (``team_list_concurrency``)."""
+        team = None if who.is_admin else who.team_id
+        job_id = jobctl.resolve(state.db, team, job_id)
+        settings = state.settings
+        return suggest_service.job_suggestions(
+            state.db,
+            team,
+            job_id,
+            fence_after_s=max(
+                settings.fence_timeout_s,
+                settings.heartbeat_interval_s * settings.suspect_after_missed,
+            ),
+        )
 
     @r.get("/v1/jobs/{job_id}/events", responses=errors(404))
     def events(job_id: str, who: Who) -> dict[str, Any]:

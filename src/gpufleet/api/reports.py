@@ -18,11 +18,14 @@ from pydantic import BaseModel
 
 from gpufleet.domain.errors import Forbidden, NotFound, ValidationFailed
 from gpufleet.objectstore import ObjectStore
+from gpufleet.policy.limits import BudgetStatus, next_month_s, soft_warning
 from gpufleet.services import artifacts, auth, jobs
 from gpufleet.store import accounting
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
+from gpufleet.store.preemption_waste import waste_per_team
 from gpufleet.store.tables import TeamRow
+from gpufleet.store.team_limits import team_budgets
 
 CSV = "text/csv; charset=utf-8"
 
@@ -44,6 +47,36 @@ class UsageLineOut(BaseModel):
     """Mean GPU utilization (NVML samples), weighted by GPU-seconds; None: not measured."""
     gpu_mem_peak_bytes: int | None = None
     """The highest GPU memory used, bytes; None: not measured."""
+    preemption_waste_gpu_hours: float | None = None
+    """``by=team`` only: GPU-hours of the team's work lost to preemption and reclaim (GPUs x
+    time since each victim's last checkpoint, or its start) for stops requested in the
+    window; what the preemption waste cap counts. None for other groupings."""
+
+
+class BudgetOut(BaseModel):
+    """One team budget now (``policy.limits``): its size, use and renewal."""
+
+    team: str
+    budget: str
+    """``gpu:*:month``, ``gpu:H100:rolling``, ``class:CRITICAL``."""
+    priority: str | None
+    """A class budget's class (None: a GPU-hour budget)."""
+    gpu_type: str | None
+    """A GPU-hour budget's GPU type (None: every type together)."""
+    mode: str
+    """``hard`` (new jobs wait when used up) or ``soft`` (warns at 80% and 100%); a class
+    budget: ``demote`` or ``hold``."""
+    limit_gpu_hours: float
+    used_gpu_hours: float
+    """Ended attempts in the period or window (the ledger) plus the running ones' part."""
+    remaining_gpu_hours: float
+    used_ratio: float
+    window_start: str | None
+    renews_at: str | None
+    """When the budget is back: the next month for a monthly one; for a rolling window
+    used up, when enough use has left it; None for a rolling window not used up."""
+    warning: str | None = None
+    """A soft budget's warning at 80% or more."""
 
 
 class UsageOut(BaseModel):
@@ -57,6 +90,34 @@ class UsageOut(BaseModel):
     items: list[UsageLineOut]
     total_gpu_seconds: float
     total_gpu_hours: float
+    budgets: list[BudgetOut] = []
+    """The budgets of the teams shown (``team``; a team token: its own) now, whatever the
+    window asked for (``policy.limits``)."""
+
+
+def budget_out(b: BudgetStatus, now_s: float) -> BudgetOut:
+    """One :class:`~gpufleet.policy.limits.BudgetStatus` as the API shows it."""
+    renews = b.renews_at_s
+    if renews is None and b.key.endswith(":month"):
+        renews = next_month_s(now_s)
+    if b.priority is not None:
+        mode = "hold" if b.hard else "demote"
+    else:
+        mode = "hard" if b.hard else "soft"
+    return BudgetOut(
+        team=b.team_id,
+        budget=b.key,
+        priority=b.priority.value if b.priority is not None else None,
+        gpu_type=b.gpu_type,
+        mode=mode,
+        limit_gpu_hours=b.limit_gpu_h,
+        used_gpu_hours=round(b.used_gpu_h, 6),
+        remaining_gpu_hours=round(b.remaining_gpu_h, 6),
+        used_ratio=round(b.fraction, 6) if b.limit_gpu_h > 0 else 1.0,
+        window_start=jobs.iso(datetime.fromtimestamp(b.window_start_s, UTC)),
+        renews_at=jobs.iso(datetime.fromtimestamp(renews, UTC)) if renews is not None else None,
+        warning=soft_warning(b),
+    )
 
 
 class ArtifactOut(BaseModel):
@@ -179,6 +240,13 @@ def add_report_routes(
                     # a typo must not read as "no usage" (a deleted team's history still shows)
                     raise NotFound(f"no team {team!r}", field="team")
                 lines = accounting.summarize(recs, by, start, upto)
+                waste = (
+                    waste_per_team(s, start, upto, scope)
+                    if by is accounting.GroupBy.TEAM
+                    else None
+                )
+                now_s = db_now(s).timestamp()
+                budgets = [budget_out(b, now_s) for b in team_budgets(s, scope, now_s)]
             total = round(sum(ln.gpu_seconds for ln in lines), 3)
             return UsageOut(
                 since=jobs.iso(start),
@@ -197,11 +265,15 @@ def add_report_routes(
                         cpu_seconds=ln.cpu_seconds,
                         gpu_util_pct=ln.gpu_util_pct,
                         gpu_mem_peak_bytes=ln.gpu_mem_peak_bytes,
+                        preemption_waste_gpu_hours=None
+                        if waste is None
+                        else round(waste.get(ln.key, 0.0), 6),
                     )
                     for ln in lines
                 ],
                 total_gpu_seconds=total,
                 total_gpu_hours=round(total / 3600.0, 6),
+                budgets=budgets,
             )
 
         out = read()

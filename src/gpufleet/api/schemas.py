@@ -222,7 +222,8 @@ class JobCreate(BaseModel):
     def _webhook_urls(cls, v: list[str]) -> list[str]:
         for i, url in enumerate(v):
             if (problem := url_problem(url)) is not None:
-                raise ValueError(f"notify[{i}] {url[:200]!r} {problem}")
+                which = f" (entry {i + 1})" if len(v) > 1 else ""
+                raise ValueError(f"notify URL {url[:200]!r}{which} {problem}")
         return v
 
     @field_validator("image")
@@ -375,6 +376,10 @@ class JobCreated(BaseModel):
     """Set for an array submit: ``job_id`` is then its first task."""
     job_ids: list[str] | None = None
     """An array's task job ids, by index."""
+    warnings: list[str] | None = None
+    """Set when the team is near or over a GPU-hour budget (``policy.limits``): a soft
+    budget at 80% or 100% used, a hard budget used up (the job waits until it renews), the
+    job's class budget used up (it runs at NORMAL, or waits)."""
 
 
 class JobPatch(BaseModel):
@@ -385,6 +390,12 @@ class JobPatch(BaseModel):
     priority: Literal["CRITICAL", "HIGH", "NORMAL", "LOW"] | None = None
     name: Name | None = None
     max_runtime_s: float | None = Field(default=None, gt=0, le=MAX_DURATION_S)
+    gpu_count: int | None = Field(default=None, ge=1, le=1024, description="PENDING jobs only.")
+    gpu_types: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        default=None,
+        max_length=16,
+        description="Acceptable GPU types, in order of preference ([] = any); PENDING jobs only.",
+    )
 
 
 class BulkCancel(BaseModel):

@@ -251,12 +251,78 @@ def team_set(
     no_notify: Annotated[
         bool, typer.Option("--no-notify", help="Clear the team's default webhook URLs.")
     ] = False,
+    allow_classes: Annotated[
+        str | None,
+        typer.Option(
+            "--allow-classes",
+            help="Priority classes the team may use, e.g. NORMAL,HIGH (all = every class).",
+        ),
+    ] = None,
+    disallowed: Annotated[
+        str | None,
+        typer.Option(
+            "--disallowed", help="A submit of another class: refuse (422) or demote (NORMAL)."
+        ),
+    ] = None,
+    budget: Annotated[
+        str | None,
+        typer.Option("--budget", help="GPU-hours per period (--budget-window); none = remove it."),
+    ] = None,
+    budget_window: Annotated[
+        str | None,
+        typer.Option(
+            "--budget-window", help="month (UTC calendar month, default) or a window: 30d."
+        ),
+    ] = None,
+    budget_gpu_type: Annotated[
+        str | None,
+        typer.Option("--budget-gpu-type", help="The budget of one GPU type (default: all)."),
+    ] = None,
+    budget_mode: Annotated[
+        str | None,
+        typer.Option(
+            "--budget-mode",
+            help="hard (default: new jobs wait once it is used up) or soft (warns at 80%"
+            " and 100%).",
+        ),
+    ] = None,
+    class_budget: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--class-budget",
+            help="CLASS=GPU_HOURS/WINDOW for HIGH or CRITICAL, e.g. CRITICAL=50/7d"
+            " (repeatable; CRITICAL=none removes it).",
+        ),
+    ] = None,
+    class_over: Annotated[
+        str | None,
+        typer.Option("--class-over", help="A class over its budget: demote (default) or hold."),
+    ] = None,
+    no_limits: Annotated[
+        bool,
+        typer.Option("--no-limits", help="Remove the team's class rules and budgets."),
+    ] = False,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
     """Set a team's quota and limits (Kueue's names: nominal quota, borrowing limit, lending
-    limit). A quota that can never be met is refused with the numbers; one that may not be
-    met is set with a warning. The scheduler uses it from its next pass."""
+    limit; priority classes and GPU-hour budgets: README, "team limits"). A quota that can
+    never be met is refused with the numbers; one that may not be met is set with a
+    warning. The limit flags change the team's current limits (others are kept). The
+    scheduler uses it from its next pass."""
+    from gpufleet.cli.admin_limits import LimitFlags, merge_limits
+
+    flags = LimitFlags(
+        allow_classes=allow_classes,
+        disallowed=disallowed,
+        budget=budget,
+        budget_window=budget_window,
+        budget_gpu_type=budget_gpu_type,
+        budget_mode=budget_mode,
+        class_budget=class_budget,
+        class_over=class_over,
+        no_limits=no_limits,
+    )
     with _session(url, token) as http:
         if nominal_quota and guarantee:
             raise ClientError("give --nominal-quota or --guarantee, not both", "--guarantee")
@@ -273,7 +339,15 @@ def team_set(
             "read_burst": read_burst,
             "default_max_runtime_s": _runtime(default_runtime, "--default-runtime"),
             "max_runtime_limit_s": _runtime(max_runtime, "--max-runtime"),
+            "limits": None,
         }
+        if flags.given:
+            merge_limits({}, flags)  # a bad flag is refused before anything is read
+            listed = _call(http, "GET", "/v1/admin/teams")["items"]
+            found = next((t for t in listed if t.get("team") == name), None)
+            if found is None:
+                raise ClientError(f"no team {name!r} (admin team list)", field="name")
+            body["limits"] = merge_limits(found.get("limits") or {}, flags)
         if notify and no_notify:
             raise ClientError("give --notify or --no-notify, not both", "--no-notify")
         if notify or no_notify:
@@ -292,7 +366,8 @@ def team_set(
                 "nothing to change: pass --weight, --nominal-quota, --borrowing-limit,"
                 " --lending-limit, --max-outstanding, --submit-rate, --submit-burst,"
                 " --read-rate, --read-burst,"
-                " --default-runtime, --max-runtime or --notify"
+                " --default-runtime, --max-runtime, --notify, --allow-classes,"
+                " --disallowed, --budget, --class-budget or --no-limits"
             )
         if lending_limit:
             typer.echo(
@@ -315,6 +390,34 @@ def team_set(
         )
         _echo_warnings(data)
         typer.echo(output.clean(f"team {name} updated"))
+        if flags.given:
+            typer.echo(output.clean(f"limits: {limits_line(data.get('limits') or {})}"))
+
+
+def _span(seconds: float) -> str:
+    """``7d``, ``12h``, ``30m``, ``45s``: a window in its largest whole unit."""
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n and seconds % n == 0:
+            return f"{seconds / n:g}{unit}"
+    return f"{seconds:g}s"
+
+
+def limits_line(lim: dict[str, Any]) -> str:
+    """A team's ``limits`` in one line: ``classes NORMAL,LOW (demote); CRITICAL 50 GPU-h/7d
+    (demote); 500 GPU-h/month hard``; ``none``."""
+    parts: list[str] = []
+    if lim.get("allowed_classes"):
+        parts.append(f"classes {','.join(lim['allowed_classes'])} ({lim.get('disallowed')})")
+    for cls, b in (lim.get("class_budgets") or {}).items():
+        parts.append(f"{cls} {b['gpu_hours']:g} GPU-h/{_span(b['window_s'])} ({b['over']})")
+    for b in lim.get("gpu_budgets") or []:
+        per = "month" if b["period"] == "month" else _span(b["window_s"])
+        on = f" on {b['gpu_type']}" if b.get("gpu_type") else ""
+        parts.append(f"{b['gpu_hours']:g} GPU-h/{per}{on} {'hard' if b['hard'] else 'soft'}")
+    if lim.get("preemption_waste"):
+        w = lim["preemption_waste"]
+        parts.append(f"waste {w['gpu_hours']:g} GPU-h/{_span(w['window_s'])}")
+    return "; ".join(parts) or "none"
 
 
 def _runtime(text: str | None, flag: str) -> float | None:

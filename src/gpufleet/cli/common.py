@@ -55,8 +55,10 @@ def escape(markup: str) -> str:
     return rich_escape(markup)
 
 
-err: Console = _LazyConsole(stderr=True)  # type: ignore[assignment]
-out: Console = _LazyConsole()  # type: ignore[assignment]
+# emoji=False: a job's name or a server's message with ``:rocket:`` in it is printed as it is
+# (and rich's 3,000-entry emoji table is not loaded)
+err: Console = _LazyConsole(stderr=True, emoji=False)  # type: ignore[assignment]
+out: Console = _LazyConsole(emoji=False)  # type: ignore[assignment]
 
 
 DataDir = Annotated[

@@ -80,19 +80,43 @@ def update(
         str | None,
         typer.Option("--time", "-t", help="New max runtime as a duration: 2h, 1:30:00."),
     ] = None,
+    gpus: Annotated[
+        int | None,
+        typer.Option("--gpus", min=1, max=1024, help="New GPU count (a PENDING job only)."),
+    ] = None,
+    gpu_type: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--gpu-type",
+            help="New acceptable GPU type; repeat in preference order; 'any' for any type "
+            "(a PENDING job only).",
+        ),
+    ] = None,
     out: OutputOpt = OutputFormat.table,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """Change a job's priority, name or max runtime (PATCH /v1/jobs/ID)."""
+    """Change a job's priority, name or max runtime, and while it is PENDING its GPU count
+    and GPU types (PATCH /v1/jobs/ID): what `gpufleet why JOB --suggest` proposes."""
     with _session(url, token) as http:
         max_runtime_s = max_runtime_of(time_limit, max_runtime_s)
-        if priority is None and name is None and max_runtime_s is None:
+        types = None if gpu_type is None else [t for t in gpu_type if t.lower() != "any"]
+        if all(v is None for v in (priority, name, max_runtime_s, gpus, types)):
             raise ClientError(
-                "nothing to change: pass --priority, --name, --time or --max-runtime-s"
+                "nothing to change: pass --priority, --name, --time, --max-runtime-s, --gpus "
+                "or --gpu-type"
             )
         data = (
-            _sdk(http).update(job, priority=priority, name=name, max_runtime_s=max_runtime_s).raw
+            _sdk(http)
+            .update(
+                job,
+                priority=priority,
+                name=name,
+                max_runtime_s=max_runtime_s,
+                gpu_count=gpus,
+                gpu_types=types,
+            )
+            .raw
         )
         limit = data.get("max_runtime_s")
         _emit(
@@ -100,7 +124,9 @@ def update(
             data,
             f"updated: {data.get('job_id')} priority={data.get('priority')} "
             f"name={data.get('name') or '-'} "
-            f"max_runtime={'unlimited' if limit is None else f'{limit:g} s'}",
+            f"max_runtime={'unlimited' if limit is None else f'{limit:g} s'}"
+            + (f" gpus={data.get('gpu_count')}" if gpus is not None else "")
+            + (f" gpu_type={'/'.join(types) or 'any'}" if types is not None else ""),
         )
 
 

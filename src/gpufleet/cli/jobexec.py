@@ -121,12 +121,27 @@ def run_session(
         ).SerializeToString()
     )
     restore = None
-    if tty and sys.stdin.isatty():
+    restore_out: tuple[int, Any] | None = None
+    # stdin goes to the session only when asked for (-i; ``shell`` always): ``exec -t`` alone
+    # is a terminal for the output, as ``docker exec -t``. Forwarding it anyway sent whatever
+    # the local side wrote there (``script`` writes an EOF byte when its own stdin ends),
+    # which the remote terminal echoed as a stray ``^@``. The local terminal is made raw
+    # only when keys go through (else Ctrl-C stays local: it ends the call and the session).
+    if tty and stdin and sys.stdin.isatty():
         import termios
         import tty as ttymod
 
         restore = termios.tcgetattr(sys.stdin.fileno())
         ttymod.setraw(sys.stdin.fileno(), termios.TCSANOW)  # keep what was typed ahead
+    elif tty and sys.stdout.isatty():
+        import termios
+
+        # the remote terminal already ends lines with CR LF: no second CR from this one
+        restore_out = (sys.stdout.fileno(), termios.tcgetattr(sys.stdout.fileno()))
+        attrs = termios.tcgetattr(sys.stdout.fileno())
+        attrs[1] &= ~termios.OPOST
+        termios.tcsetattr(sys.stdout.fileno(), termios.TCSANOW, attrs)
+    if tty and sys.stdout.isatty():
 
         def resized(*_: Any) -> None:
             r, c = _size()
@@ -147,7 +162,7 @@ def run_session(
         except Exception:  # the session ended
             return
 
-    if stdin or tty:
+    if stdin:
         threading.Thread(target=pump_in, name="exec-stdin", daemon=True).start()
     else:
         ws.send(pb.ExecFrame(stdin_eof=True).SerializeToString())
@@ -168,6 +183,10 @@ def run_session(
             import termios
 
             termios.tcsetattr(sys.stdin.fileno(), termios.TCSADRAIN, restore)
+        if restore_out is not None:
+            import termios
+
+            termios.tcsetattr(restore_out[0], termios.TCSADRAIN, restore_out[1])
         with contextlib.suppress(Exception):
             ws.close()
     return 128 - code if code < 0 else code

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -163,24 +164,70 @@ def list_jobs(
             typer.echo("more jobs: pass --all to list every page", err=True)
 
 
+def _update_flags(change: dict[str, Any]) -> str:
+    """The ``gpufleet update`` options that apply a suggestion's ``change``."""
+    flags = []
+    if "gpu_count" in change:
+        flags.append(f"--gpus {change['gpu_count']}")
+    for t in change.get("gpu_types") or ():
+        flags.append(f"--gpu-type {shlex.quote(str(t))}")
+    if "max_runtime_s" in change:
+        sec = int(change["max_runtime_s"])
+        unit = next((f"{sec // n}{u}" for u, n in (("h", 3600), ("m", 60)) if sec % n == 0), "")
+        flags.append(f"--time {unit or f'{sec}s'}")
+    return " ".join(flags)
+
+
+def _print_suggestions(job: str, sugg: dict[str, Any]) -> None:
+    if sugg.get("starts_as_is"):
+        typer.echo("What would start it now: nothing to change, the next pass starts it as it is.")
+        return
+    items = sugg.get("suggestions") or []
+    if not items:
+        none = sugg.get("none_reason") or "nothing"
+        typer.echo(output.clean(f"What would start it now: {none}"))
+        return
+    typer.echo("What would start it now (gpufleet update applies one):")
+    ref = shlex.quote(job)
+    for item in items:
+        typer.echo(output.clean(f"  - {item.get('message')}"))
+        typer.echo(output.clean(f"      gpufleet update {ref} {_update_flags(item['change'])}"))
+
+
 def why(
-    job: JobArg, out: OutputOpt = OutputFormat.table, url: UrlOpt = None, token: TokenOpt = None
+    job: JobArg,
+    suggest: Annotated[
+        bool,
+        typer.Option(
+            "--suggest",
+            help="Also say what would start it now (fewer GPUs, another GPU type, a shorter "
+            "max runtime), evaluated by the scheduling policy on the current fleet.",
+        ),
+    ] = False,
+    out: OutputOpt = OutputFormat.table,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
 ) -> None:
     """Explain why a job is not running yet (with the estimated start when there is one)."""
     with _session(url, token) as http:
         data = _call(http, "GET", f"/v1/jobs/{path_segment(job)}")
         reason, state = data.get("pending_reason"), data.get("status")
+        sugg = (
+            _call(http, "GET", f"/v1/jobs/{path_segment(data.get('job_id') or job)}/suggestions")
+            if suggest
+            else None
+        )
         if structured(out):
-            output.print_data(
-                {
-                    "job_id": data.get("job_id"),
-                    "status": state,
-                    "pending_reason": reason,
-                    "node_problems": data.get("node_problems") or [],
-                    "processes_unverified": data.get("processes_unverified"),
-                },
-                out.value,
-            )
+            shown = {
+                "job_id": data.get("job_id"),
+                "status": state,
+                "pending_reason": reason,
+                "node_problems": data.get("node_problems") or [],
+                "processes_unverified": data.get("processes_unverified"),
+            }
+            if sugg is not None:
+                shown["suggestions"] = sugg
+            output.print_data(shown, out.value)
             return
         if reason:
             typer.echo("\n".join(output.pending_lines(reason)))
@@ -195,3 +242,5 @@ def why(
             typer.echo(output.clean(f"but {data['processes_unverified']}"))
         for line in output.node_problem_lines(data):
             typer.echo(output.clean(line))
+        if sugg is not None:
+            _print_suggestions(job, sugg)

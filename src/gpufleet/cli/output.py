@@ -104,7 +104,7 @@ class TerminalLogFilter:
 def console() -> Console:
     from rich.console import Console
 
-    return Console(highlight=False)
+    return Console(highlight=False, emoji=False)
 
 
 def print_error(message: str, field: str | None = None) -> None:
@@ -112,7 +112,8 @@ def print_error(message: str, field: str | None = None) -> None:
     from rich.console import Console
 
     text = clean(f"error: {message}" + (f" (field: {field})" if field else ""))
-    Console(stderr=True, highlight=False, soft_wrap=True).print(text, style="red", markup=False)
+    console = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+    console.print(text, style="red", markup=False)
 
 
 def print_json(data: Any) -> None:
@@ -133,7 +134,7 @@ def table_console(wide: bool = False) -> Console:
     """Where tables go: the terminal's width (80 in a pipe); wide: as wide as the rows."""
     from rich.console import Console
 
-    return Console(highlight=False, width=WIDE_WIDTH if wide else None)
+    return Console(highlight=False, emoji=False, width=WIDE_WIDTH if wide else None)
 
 
 def short_id(value: Any, wide: bool = False) -> str:
@@ -318,6 +319,19 @@ def unique_prefixes(ids: list[str], minimum: int = SHORT_ID_CHARS) -> dict[str, 
     return out
 
 
+_TOKEN_ID = re.compile(r"^tok-[0-9a-z]{26}$")
+"""A token id (``domain.ids.new_id("tok")``): the owner of jobs whose token has no user name."""
+SHORT_TOKEN_CHARS = 16  # "tok-" + 10 time characters + 2 random ones, as SHORT_ID_CHARS
+
+
+def token_owner_refs(jobs: list[dict[str, Any]]) -> dict[str, str]:
+    """Owner -> its short form, for the owners that are token ids (a token made without a
+    user name owns its jobs by its id): an id prefix unique among them, as job ids are cut
+    (``tok-`` + 12 characters at least), instead of an ellipsis after the shared time part."""
+    ids = sorted({str(o) for j in jobs if _TOKEN_ID.match(str(o := j.get("owner") or ""))})
+    return unique_prefixes(ids, SHORT_TOKEN_CHARS) if ids else {}
+
+
 def job_refs(jobs: list[dict[str, Any]], wide: bool = False) -> dict[str, str]:
     """Job id -> what a table shows for it, a reference every command takes: an array task
     as ``ARRAY_INDEX`` (Slurm's ``JOBID_INDEX``: ``a-01hz3k5m7q8r_3``), any other job as its
@@ -398,6 +412,7 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
         return table
     teams = len({job.get("team") for job in jobs}) > 1
     owners = len({job.get("owner") for job in jobs}) > 1
+    owner_refs = token_owner_refs(jobs)
     rows = []
     for job in jobs:
         job_id = str(job.get("job_id") or "")
@@ -406,7 +421,7 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
                 "JOB": clean(refs.get(job_id, job_id)),
                 "NAME": fmt(job.get("name")),
                 "TEAM": fmt(job.get("team")),
-                "OWNER": fmt(job.get("owner")),
+                "OWNER": fmt(owner_refs.get(str(job.get("owner")), job.get("owner"))),
                 "STATUS": clean(job_status(job)),
                 "GPUS": clean(gpus_text(job)),
                 "AGE": age(job.get("created_at")),
@@ -425,10 +440,12 @@ def jobs_table(jobs: list[dict[str, Any]], wide: bool = False) -> Table:
 
     # (cells are padded by one character on each side but the outer edges: 2 per gap)
     budget = NARROW_WIDTH - 2 * (len(columns) - 1) - sum(widest(c) for c in fixed)
+    # a token id's short form is never cut (cut, every token id looks the same)
+    whole = {"OWNER": max((len(r) for r in owner_refs.values()), default=0)}
     caps = _fit(
-        {c: min(widest(c), _NARROW_CAPS.get(c, 20)) for c in flexible},
+        {c: min(widest(c), max(_NARROW_CAPS.get(c, 20), whole.get(c, 0))) for c in flexible},
         budget,
-        {c: min(widest(c), len(c)) for c in flexible},
+        {c: min(widest(c), max(len(c), whole.get(c, 0))) for c in flexible},
     )
     table = _table(
         *columns,

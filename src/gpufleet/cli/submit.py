@@ -145,7 +145,29 @@ def shm_size_mb_of(text: str | None) -> int | None:
         ) from None
     if not mb > 0 or mb != mb:
         raise ClientError(f"--shm-size {text!r} must be more than 0", field="shm_size_mb")
+    from gpufleet.domain.mounts import MAX_SHM_MB
+
+    if mb > MAX_SHM_MB:
+        raise ClientError(
+            f"--shm-size {text!r} is above the most a job may ask for "
+            f"({MAX_SHM_MB // (1024 * 1024)}t = {MAX_SHM_MB} MiB)",
+            field="shm_size_mb",
+        )
     return max(1, int(-(-mb // 1)))
+
+
+def notify_urls_of(urls: list[str] | None) -> list[str]:
+    """``--notify`` values, each checked as the server checks a webhook URL.
+
+    Raises:
+        ClientError: one is not an http(s) URL with a host (field ``notify``).
+    """
+    from gpufleet.domain.webhooks import url_problem as webhook_problem
+
+    for url in urls or []:
+        if (problem := webhook_problem(url)) is not None:
+            raise ClientError(f"--notify {url[:200]!r} {problem}", field="notify")
+    return list(urls or [])
 
 
 def build_job_body(
@@ -411,7 +433,7 @@ def submit(
             "disk_mb": disk_mb,
             "mounts": list(mount or []),
             "shm_size_mb": shm_size_mb_of(shm_size),
-            "notify": list(notify or []),
+            "notify": notify_urls_of(notify),
             "priority": priority,
             "max_retries": max_retries,
             "expected_duration_s": expected_duration_s,
@@ -465,6 +487,8 @@ def submit(
             typer.echo(
                 f"(replay: a job was already submitted with idempotency key {key})", err=True
             )
+        for w in created.raw.get("warnings") or ():  # team budgets near or over (stderr)
+            typer.echo(output.clean(f"warning: {w}"), err=True)
         array_id = created.raw.get("array_id")
         if quiet:
             typer.echo(output.clean(str(array_id or created.job_id)))

@@ -29,7 +29,6 @@ from gpufleet.cli.options import (
 )
 from gpufleet.cli.session import _sdk, _session
 from gpufleet.client.errors import ArtifactMismatch, TransportError
-from gpufleet.domain.manifest import path_problem
 
 if TYPE_CHECKING:
     from gpufleet.client.models import Artifact
@@ -140,16 +139,20 @@ def usage(
             "GPU-hours",
             "attempts",
             "jobs",
+            *(["lost to preemption"] if by_team else []),
             *(["peak RSS", "CPU-s", "GPU util", "GPU mem"] if by_job else []),
             title=f"usage {span}",
         )
         for ln in data.get("items") or []:
+            lost = ln.get("preemption_waste_gpu_hours")
             table.add_row(
                 output.cell(ln["key"]),
                 *([] if by_team else [output.cell(ln.get("team") or "-")]),
                 output.cell(gpu_hours(ln["gpu_hours"])),
                 output.cell(ln["attempts"]),
                 output.cell(ln["jobs"]),
+                # GPU-hours since the victims' last checkpoints (what the waste cap counts)
+                *([output.cell("-" if lost is None else gpu_hours(lost))] if by_team else []),
                 *(resource_cells(ln) if by_job else []),
             )
         table.add_row(
@@ -158,6 +161,52 @@ def usage(
             output.cell(gpu_hours(data["total_gpu_hours"])),
         )
         output.console().print(table)
+        if data.get("budgets"):
+            output.console().print(budgets_table(data["budgets"]))
+            for b in data["budgets"]:
+                if b.get("warning"):
+                    typer.echo(output.clean(f"warning: {b['warning']}"), err=True)
+
+
+def budgets_table(budgets: Sequence[dict[str, Any]]) -> Any:
+    """TEAM BUDGET MODE GPU-H USED LEFT RENEWS: each team budget now (GPU-hours; ``used``
+    with its percentage; budget ``CRITICAL`` is a class budget, ``month``/``rolling`` (and
+    a GPU type) a GPU-hour budget; renews ``rolling``: a rolling window not used up, whose
+    use ages out as it goes). Fits 80 columns."""
+    table = output._table(
+        "team",
+        "budget",
+        "mode",
+        "GPU-h",
+        "used",
+        "left",
+        "renews",
+        title="budgets",
+        keep={"budget": 10, "mode": 6, "used": 12, "renews": 16},
+    )
+    for b in budgets:
+        renews = b.get("renews_at")
+        kind = b.get("priority") or b["budget"].rsplit(":", 1)[-1]
+        name = f"{kind} {b['gpu_type']}" if b.get("gpu_type") else kind
+        table.add_row(
+            output.cell(b["team"]),
+            output.cell(name),
+            output.cell(b["mode"]),
+            output.cell(f"{b['limit_gpu_hours']:g}"),
+            output.cell(f"{gpu_hours(b['used_gpu_hours'])} ({b['used_ratio'] * 100:.0f}%)"),
+            output.cell(gpu_hours(b["remaining_gpu_hours"])),
+            output.cell(_minute(renews) if renews else "rolling"),
+        )
+    return table
+
+
+def _minute(iso: str) -> str:
+    """``2026-12-04 20:26``: an ISO time to the minute, UTC (as every CLI time)."""
+    try:
+        at = datetime.fromisoformat(iso.replace("Z", "+00:00")).astimezone(UTC)
+    except ValueError:
+        return output.clean(iso)
+    return at.strftime("%Y-%m-%d %H:%M")
 
 
 def resource_cells(figures: dict[str, Any]) -> list[Any]:
@@ -200,6 +249,8 @@ def _target(root: Path, path: str) -> Path:
     Raises:
         ClientError: an absolute path or one with ``..`` (a server must never send one).
     """
+    from gpufleet.domain.manifest import path_problem  # (dataclasses: only when needed)
+
     problem = path_problem(path)  # the rule the controller checked the manifest with
     if problem is not None:
         raise ClientError(f"refusing artifact path: {problem}", "path")

@@ -141,6 +141,12 @@ class AsyncClient:
     async def why(self, job: JobRef) -> Job:
         return await self.get(job)
 
+    async def suggestions(self, job: JobRef) -> dict[str, Any]:
+        data: dict[str, Any] = await self.request(
+            "GET", f"/v1/jobs/{job_segment(job)}/suggestions"
+        )
+        return data
+
     async def wait(
         self,
         job: JobRef,
@@ -271,8 +277,10 @@ class AsyncClient:
         priority: str | None = None,
         name: str | None = None,
         max_runtime_s: float | None = None,
+        gpu_count: int | None = None,
+        gpu_types: Sequence[str] | None = None,
     ) -> Job:
-        body = _core.patch_body(priority, name, max_runtime_s)
+        body = _core.patch_body(priority, name, max_runtime_s, gpu_count, gpu_types)
         path = f"/v1/jobs/{job_segment(job)}"
         return Job.from_dict(await self.request("PATCH", path, json=body))
 

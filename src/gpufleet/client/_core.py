@@ -197,9 +197,13 @@ def dependencies(
 
 
 def patch_body(
-    priority: str | None, name: str | None, max_runtime_s: float | None
+    priority: str | None,
+    name: str | None,
+    max_runtime_s: float | None,
+    gpu_count: int | None = None,
+    gpu_types: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """The ``PATCH /v1/jobs/{id}`` body (only the fields given).
+    """The ``PATCH /v1/jobs/{id}`` body (only the fields given; ``gpu_types=[]``: any type).
 
     Raises:
         ValueError: nothing to change.
@@ -211,8 +215,14 @@ def patch_body(
         body["name"] = name
     if max_runtime_s is not None:
         body["max_runtime_s"] = max_runtime_s
+    if gpu_count is not None:
+        body["gpu_count"] = gpu_count
+    if gpu_types is not None:
+        body["gpu_types"] = list(gpu_types)
     if not body:
-        raise ValueError("nothing to change: give priority, name or max_runtime_s")
+        raise ValueError(
+            "nothing to change: give priority, name, max_runtime_s, gpu_count or gpu_types"
+        )
     return body
 
 

@@ -198,6 +198,14 @@ class Client:
         estimated start) and ``raw["node_problems"]``; None reason when it is not pending."""
         return self.get(job)
 
+    def suggestions(self, job: JobRef) -> dict[str, Any]:
+        """What would start a waiting job now (``GET /v1/jobs/{id}/suggestions``):
+        ``starts_as_is``, ``suggestions`` (each ``kind``, ``change``, ``message``,
+        ``node_ids``), ``none_reason``. Apply one with ``update(job, **s["change"])``.
+        Raises NotFound."""
+        data: dict[str, Any] = self.request("GET", f"/v1/jobs/{job_segment(job)}/suggestions")
+        return data
+
     def wait(
         self,
         job: JobRef,
@@ -373,15 +381,20 @@ class Client:
         priority: str | None = None,
         name: str | None = None,
         max_runtime_s: float | None = None,
+        gpu_count: int | None = None,
+        gpu_types: Sequence[str] | None = None,
     ) -> Job:
-        """Change a job's priority (CRITICAL|HIGH|NORMAL|LOW), name or max runtime (seconds)
-        (``PATCH /v1/jobs/{id}``); each change is an event.
+        """Change a job's priority (CRITICAL|HIGH|NORMAL|LOW), name or max runtime (seconds),
+        and while it is PENDING its GPU count and acceptable GPU types (``[]``: any)
+        (``PATCH /v1/jobs/{id}``); each change is an event. A suggestion of
+        :meth:`suggestions` is applied with ``update(job, **suggestion["change"])``.
 
         Raises:
             ValueError: nothing to change. ValidationError: a bad value (``.field``).
-            Conflict: a finished job may change only its name (``job_already_finished``).
+            Conflict: a finished job may change only its name (``job_already_finished``);
+                GPUs change only while PENDING (``job_not_pending``).
         """
-        body = _core.patch_body(priority, name, max_runtime_s)
+        body = _core.patch_body(priority, name, max_runtime_s, gpu_count, gpu_types)
         return Job.from_dict(self.request("PATCH", f"/v1/jobs/{job_segment(job)}", json=body))
 
     def cancel_many(

@@ -71,7 +71,10 @@ class Controller:
         if self.tls is not None:
             self._record_ca(self.tls.ca.fingerprint, settings)
         self.agents = AgentClients(self.tls.agent_channel_credentials() if self.tls else None)
-        self.scheduler = Scheduler(db, self.store, settings, self.leadership, self.agents, policy)
+        # the pending reasons and start estimates off the pass's critical path
+        self.scheduler = Scheduler(
+            db, self.store, settings, self.leadership, self.agents, policy, background=True
+        )
         self.stops = StopDriver(db, self.store, settings, self.leadership, self.agents)
         self.scheduler.stops = self.stops
         self.reconciler = Reconciler(

@@ -42,11 +42,20 @@ from sqlalchemy import select
 
 from gpufleet.domain.types import Resources
 from gpufleet.policy.config import PolicyConfig
-from gpufleet.policy.decisions import CycleResult, Decision, HoldForBackfill, Place, PlaceGang
+from gpufleet.policy.decisions import (
+    CycleResult,
+    Decision,
+    HoldForBackfill,
+    Place,
+    PlaceGang,
+    Preempt,
+)
+from gpufleet.policy.limits import BudgetStatus
 from gpufleet.policy.placement import FreeIndex
 from gpufleet.policy.priority import queued_at
 from gpufleet.policy.quota import TeamBook
 from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob
+from gpufleet.policy.waste import lost_gpu_h
 from gpufleet.store.db import Database, is_unavailable
 from gpufleet.store.tables import JobRow, JobRunRow
 
@@ -148,6 +157,13 @@ PREEMPTIONS = Counter(
     "Attempts the leader asked to stop to make room, by reason: reclaim (a team takes back "
     "its guarantee) or priority (strictly higher-priority work).",
     ["reason"],
+)
+PREEMPTION_WASTE = Counter(
+    "gpufleet_preemption_waste_gpu_hours_total",
+    "GPU-hours of work lost to the preemptions the leader made, by victim team: GPUs x time "
+    "since each victim's last checkpoint (or its start); what the preemption waste cap "
+    "(policy.waste) counts.",
+    ["team"],
 )
 STOPS = Counter(
     "gpufleet_stop_requests_total",
@@ -301,6 +317,8 @@ class _Published:
         self.lease_renewed_monotonic: float | None = None
         self.node_status: dict[str, str] | None = None
         """Node statuses of the previous pass (None: no pass yet under this leadership)."""
+        self.budgets: Mapping[tuple[str, str], BudgetStatus] = {}
+        """Every team budget at the last pass (``policy.limits``): the budget gauges."""
 
     def current(self) -> FleetView | None:
         with self.lock:
@@ -324,6 +342,13 @@ def publish(view: FleetView | None) -> None:
         _published.view, _published.pending = view, None
 
 
+def publish_budgets(statuses: Mapping[tuple[str, str], BudgetStatus]) -> None:
+    """Serve these team budgets (``policy.limits.BudgetStatus`` by (team, key)) as
+    ``gpufleet_team_budget_*`` from now on (the leader's last pass)."""
+    with _published.lock:
+        _published.budgets = statuses
+
+
 def publish_pass(
     snap: ClusterSnapshot, result: CycleResult | None, config: PolicyConfig | None = None
 ) -> None:
@@ -344,6 +369,7 @@ def note_lease(epoch: int) -> None:
         if not epoch:
             _published.view, _published.pending = None, None
             _published.node_status = None
+            _published.budgets = {}
 
 
 _KIND: dict[type, str] = {
@@ -517,6 +543,9 @@ class FleetCollector(Collector):
             lease_age.add_metric([], time.monotonic() - renewed)
         yield lease_age
         yield from _state_metrics(view)
+        with _published.lock:
+            budgets = _published.budgets if renewed is not None else {}
+        yield from _budget_metrics(budgets)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # values change label sets; describe nothing (collected lazily)
@@ -613,6 +642,40 @@ def _state_metrics(view: FleetView | None) -> Iterator[Metric]:
     yield pending
 
 
+def _budget_metrics(budgets: Mapping[tuple[str, str], BudgetStatus]) -> Iterator[Metric]:
+    """Each team budget's used fraction, use and size (labels: team, budget key such as
+    ``gpu:*:month`` or ``class:CRITICAL``, and ``mode``: hard or soft; a class budget's
+    demote or hold), as ``GET /v1/usage``'s ``budgets`` says them."""
+    labels = ["team", "budget", "mode"]
+    ratio = GaugeMetricFamily(
+        "gpufleet_team_budget_used_ratio",
+        "Used fraction of each team GPU-hour budget in its current period or window (ended "
+        "attempts from the ledger plus the running ones); soft budgets warn at 0.8 and 1, "
+        "hard ones hold new jobs at 1.",
+        labels=labels,
+    )
+    used = GaugeMetricFamily(
+        "gpufleet_team_budget_used_gpu_hours",
+        "GPU-hours used of each team budget in its current period or window.",
+        labels=labels,
+    )
+    limit = GaugeMetricFamily(
+        "gpufleet_team_budget_limit_gpu_hours",
+        "GPU-hours of each team budget per period or window.",
+        labels=labels,
+    )
+    for (team, key), b in sorted(budgets.items()):
+        if b.priority is not None:  # a class budget: what a job over it gets
+            mode = "hold" if b.hard else "demote"
+        else:
+            mode = "hard" if b.hard else "soft"
+        lv = [team, key, mode]
+        ratio.add_metric(lv, b.fraction if b.limit_gpu_h > 0 else 1.0)
+        used.add_metric(lv, b.used_gpu_h)
+        limit.add_metric(lv, b.limit_gpu_h)
+    yield from (ratio, used, limit)
+
+
 def _buckets(
     values: Sequence[float], bounds: Sequence[float]
 ) -> tuple[list[tuple[str, float]], float]:
@@ -630,6 +693,15 @@ def _buckets(
 
 def _le(b: float) -> str:
     return str(float(b))
+
+
+def count_waste(snap: ClusterSnapshot, decision: Preempt) -> None:
+    """Count the work ``decision``'s victims lose (``PREEMPTION_WASTE``), priced at the
+    pass's clock from the snapshot's attempts (a victim not in it is not counted)."""
+    victims = set(decision.victim_run_ids)
+    for r in snap.running:
+        if r.run_id in victims:
+            PREEMPTION_WASTE.labels(r.team_id).inc(lost_gpu_h(r, snap.now_s))
 
 
 def _register() -> None:

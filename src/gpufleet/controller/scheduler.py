@@ -15,7 +15,8 @@ import logging
 import time
 from collections import ChainMap
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache, partial
@@ -56,6 +57,7 @@ from gpufleet.store import allocate, gating
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
 from gpufleet.store.predictions import HistoryPredictor
+from gpufleet.store.preemption_waste import waste_state
 from gpufleet.store.snapshot_cache import SnapshotCache
 from gpufleet.store.tables import JobRow, NodeRow
 from gpufleet.store.team_limits import LEDGER_REFRESH_S, ledger_use
@@ -74,6 +76,11 @@ class PassStats:
     placed_runs: list[str] = field(default_factory=list)
     applied: list[Decision] = field(default_factory=list)
     """Decisions committed in this pass (for the metrics)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds (wall, ``time.perf_counter``) per phase of the pass: ``read`` (snapshot,
+    gates, limits), ``policy`` (``policy.schedule``), ``apply`` (reservations, preemptions,
+    holds), ``estimate`` (start estimates, when recomputed), ``reasons`` (pending reasons
+    written), ``metrics``; for benchmarks/leader_pass.py and logs."""
 
 
 def _at(t: float | None) -> str | None:
@@ -197,16 +204,40 @@ class Scheduler(AssignmentDispatch):
         leadership: Leadership,
         agents: AgentClients,
         policy: PolicyConfig | None = None,
+        *,
+        background: bool = False,
     ) -> None:
+        """``background``: write the pending reasons and compute the start estimates on a
+        thread of their own, off the pass's critical path (the controller's leader does);
+        False (tests, benchmarks' "before"): inside :meth:`run_pass`, as they return."""
         self.db, self.store, self.settings = db, store, settings
         self.leadership, self.agents = leadership, agents
         self.policy = policy or PolicyConfig()
+        if settings.preemption_waste_gpu_h is not None:  # the fleet's waste cap (policy.waste)
+            self.policy = replace(
+                self.policy,
+                preemption_waste_gpu_h=settings.preemption_waste_gpu_h,
+                preemption_waste_window_s=settings.preemption_waste_window_s,
+            )
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="assign")
         self._reserve_pool = (
             None
             if db.is_sqlite  # one writer at a time anyway
             else ThreadPoolExecutor(max_workers=RESERVE_THREADS, thread_name_prefix="reserve")
         )
+        self._writer = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="reasons") if background else None
+        )
+        """With ``background``: ONE thread that writes each pass's pending reasons and
+        computes the start estimate, in pass order (see :meth:`_store_reasons`)."""
+        self._writing: (
+            tuple[Future[Any], dict[str, object], dict[str, dict[str, object]]] | None
+        ) = None
+        """The last pass's reasons write in the background: (future, the ``stored`` map it
+        updates once committed, the rows it writes); None when none is outstanding."""
+        self._estimating: tuple[Future[dict[str, StartEstimate]], frozenset[str]] | None = None
+        """A start estimate being computed in the background: (future, the waiting jobs of
+        the pass it was computed on)."""
         self._backfill: tuple[BackfillReservation, ...] = ()
         self.predictions = HistoryPredictor()
         """Run-time predictions from finished attempts (ordering and reservations, never
@@ -238,6 +269,9 @@ class Scheduler(AssignmentDispatch):
         self._heard_since: datetime | None = None
         self._ledger: tuple[dict[str, limits.TeamLimits], float, Any] | None = None
         """(limits, monotonic time, ledger use) as last read (``_apply_limits``)."""
+        self._ledger_runs: frozenset[str] = frozenset()
+        """Running attempts of teams with a budget at the last pass (one that ended since
+        makes the ledger be read again)."""
         self._demoted_now: dict[str, limits.Demotion] = {}
         self._announced: set[str] = set()
         """Jobs whose demotion this leader already recorded as an event."""
@@ -261,6 +295,8 @@ class Scheduler(AssignmentDispatch):
                     self._predictions_read_s is None
                     or mono - self._predictions_read_s >= PREDICTION_REFRESH_S
                 ):
+                    if self._estimating is not None:  # it reads the predictor: not while
+                        wait_futures([self._estimating[0]])  # the refresh changes it
                     self.predictions.refresh(s)
                     self._predictions_read_s = mono
                 # only the rows changed since the last pass are read (a full read on the
@@ -282,6 +318,17 @@ class Scheduler(AssignmentDispatch):
                 # budget demoted, jobs over a hard GPU-hour budget held, for this pass only
                 limited = self._apply_limits(s, snap)
                 snap = limited.snapshot
+                # the preemption waste caps' state (policy.waste; only when a cap is set)
+                waste = waste_state(
+                    s,
+                    now,
+                    self._snapshots.team_limits,
+                    self.policy.preemption_waste_window_s
+                    if self.policy.preemption_waste_gpu_h is not None
+                    else None,
+                )
+                if waste is not None:
+                    snap = replace(snap, preemption_waste=waste)
                 if self._stored_epoch != self.leadership.epoch:
                     self._stored, self._stored_epoch = None, self.leadership.epoch
                 if self._stored is None:  # first pass of this leader: what earlier leaders wrote
@@ -293,6 +340,8 @@ class Scheduler(AssignmentDispatch):
         except BaseException:
             self._snapshots.invalidate()  # any doubt (a lost connection...): read it all again
             raise
+        t_read = time.perf_counter()
+        stats.phases["read"] = t_read - t0
         stats.pending = sum(len(q) for q in (snap.queues or {}).values()) or len(snap.pending)
         # jobs that may hold GPUs (only this leader creates holds: those of the snapshot and
         # of this pass's preemptions); placing any other job need not delete its holds
@@ -305,7 +354,10 @@ class Scheduler(AssignmentDispatch):
                 log.info("dependency never satisfiable: %d job(s) DEPENDENCY_FAILED", len(ended))
             except SQLAlchemyError as exc:  # placements go on; the next pass tries again
                 loop_failed("ending jobs with unsatisfiable dependencies", exc)
+        t_policy = time.perf_counter()
         result = schedule(snap, self.policy)
+        stats.phases["policy"] = time.perf_counter() - t_policy
+        t_apply = time.perf_counter()
         pending = self._snapshots.pending_jobs(_job_ids(result.decisions))
         backfill: list[BackfillReservation] = []
         batch: list[Place] = []  # consecutive placements, reserved together (_place_batch)
@@ -328,6 +380,7 @@ class Scheduler(AssignmentDispatch):
                     self._place_gang(decision, pending[decision.job_id].attempt, stats)
                 elif isinstance(decision, Preempt):
                     self._preempt(decision, stats)
+                    metrics.count_waste(snap, decision)
                 elif isinstance(decision, HoldForBackfill):
                     backfill.append(
                         BackfillReservation(
@@ -357,13 +410,27 @@ class Scheduler(AssignmentDispatch):
             if gated.result.blocked
             else result.waiting
         )
-        if limited.held or limited.demoted:
-            waiting = self._limited_reasons(waiting, limited, snap.now_s)
-        fresh = self._estimate(snap, result, waiting)
-        stored = {j: self._stored.get(j) for j in waiting}
-        self._stored = stored
-        self._store_reasons(waiting, stored, snap.now_s, fresh)
-        stats.seconds = time.perf_counter() - t0
+        t_est = time.perf_counter()
+        stats.phases["apply"] = t_est - t_apply
+        t_reasons = t_est
+        if self._writing is not None and not self._writing[0].done():
+            # the writer is still busy with an earlier pass's reasons (thousands of rows, a
+            # pass that followed at once): this pass leaves its reasons to the next one
+            # rather than wait (a waiting job's reason is at most a pass older)
+            log.debug("pending reasons of this pass skipped: the writer is busy")
+        else:
+            self._join_writes()  # the previous pass's reasons, before this pass compares
+            if limited.held or limited.demoted or limits.any_soft_warning(limited.statuses):
+                waiting = self._limited_reasons(waiting, limited, snap.now_s)
+            fresh = self._estimate(snap, result, waiting)
+            t_reasons = time.perf_counter()
+            stats.phases["estimate"] = t_reasons - t_est
+            stored = {j: self._stored.get(j) for j in waiting}
+            self._stored = stored
+            self._store_reasons(waiting, stored, snap.now_s, fresh)
+        t_metrics = time.perf_counter()
+        stats.phases["reasons"] = t_metrics - t_reasons
+        stats.seconds = t_metrics - t0
         metrics.observe_pass(
             snap,
             result,
@@ -373,6 +440,7 @@ class Scheduler(AssignmentDispatch):
             config=self.policy,
             pending_by_id=pending,
         )
+        stats.phases["metrics"] = time.perf_counter() - t_metrics
         return stats
 
     def _estimate(
@@ -381,11 +449,40 @@ class Scheduler(AssignmentDispatch):
         """Recompute every waiting job's start estimate, at most every
         ``START_ESTIMATE_REFRESH_S`` (the policy's own play of the queue,
         ``policy.start_estimate``, on the pass's snapshot and decisions); True when it did.
-        Jobs the gates hold back get "unknown" with their reason."""
+        Jobs the gates hold back get "unknown" with their reason.
+
+        In the background (``background``): the estimate of the pass that starts it is
+        computed on the writer thread, and the first pass that finds it done takes it (True
+        then): the estimate is one pass older than its reasons, at most."""
         mono = time.monotonic()
+        if self._writer is not None and self._estimating is not None:
+            fut, estimated = self._estimating
+            if not fut.done():
+                return False
+            self._estimating = None
+            try:
+                found = fut.result()
+            except Exception as exc:  # the reasons go on without new estimates
+                loop_failed("start estimate", exc)
+                return False
+            self._estimates = self._estimate_json(found, waiting, estimated)
+            return True
         if self._estimated_s is not None and mono - self._estimated_s < START_ESTIMATE_REFRESH_S:
             return False
         self._estimated_s = mono
+        if self._writer is not None:
+            fut = self._writer.submit(self._estimate_starts, snap, result)
+            self._estimating = (fut, frozenset(waiting))
+            return False
+        self._estimates = self._estimate_json(self._estimate_starts(snap, result), waiting)
+        return True
+
+    def _estimate_starts(
+        self, snap: ClusterSnapshot, result: CycleResult
+    ) -> dict[str, StartEstimate]:
+        """``policy.start_estimate.estimate_starts`` on a pass's snapshot and decisions, with
+        the predictor's spreads; sets ``estimate_cpu_s``. Pure but for the predictor (not
+        refreshed meanwhile: ``run_pass`` waits for a background estimate first)."""
         c0 = time.process_time()
         keys, predictions = self._snapshots.prediction_key, self.predictions
 
@@ -394,16 +491,29 @@ class Scheduler(AssignmentDispatch):
             return predictions.spread(*key) if key is not None else None
 
         found = estimate_starts(snap, result, self.policy, spread)
+        self.estimate_cpu_s = time.process_time() - c0
+        return found
+
+    @staticmethod
+    def _estimate_json(
+        found: Mapping[str, StartEstimate],
+        waiting: Mapping[str, WaitReason],
+        estimated: frozenset[str] | None = None,
+    ) -> dict[str, dict[str, object]]:
+        """``estimate_json`` per waiting job: its estimate, or "not eligible to start yet"
+        with its reason's code when the estimate left it out. ``estimated``: the waiting jobs
+        of the pass the estimate was computed on (None: ``waiting``'s); a job that arrived
+        since gets none (as between two estimates)."""
         out: dict[str, dict[str, object]] = {}
         for job_id in waiting:
             est = found.get(job_id)
             if est is None:
+                if estimated is not None and job_id not in estimated:
+                    continue
                 code = waiting[job_id].code
                 est = StartEstimate(None, None, 0, "", f"it is not eligible to start yet ({code})")
             out[job_id] = estimate_json(est)
-        self._estimates = out
-        self.estimate_cpu_s = time.process_time() - c0
-        return True
+        return out
 
     def _apply_limits(self, s: Session, snap: ClusterSnapshot) -> limits.LimitsResult:
         """``policy.limits.apply_limits`` with the teams' limits (read with the snapshot's
@@ -414,10 +524,21 @@ class Scheduler(AssignmentDispatch):
         self._demoted_now = {}
         if not team_limits:
             self._ledger = None
+            if self.budget_statuses:
+                self.budget_statuses = {}
+                metrics.publish_budgets({})
             return limits.LimitsResult(snap)
         mono = time.monotonic()
+        # an attempt of a budgeted team that ended since the last pass moved its use from
+        # the running part (counted by the policy) into the ledger: read the ledger again,
+        # or the budget would look less used until the next refresh
+        budgeted = {t for t, lim in team_limits.items() if lim.class_budgets or lim.gpu_budgets}
+        runs = frozenset(r.run_id for r in snap.running if r.team_id in budgeted)
+        ended = not self._ledger_runs <= runs
+        self._ledger_runs = runs
         if (
             self._ledger is None
+            or ended
             or self._ledger[0] != team_limits
             or mono - self._ledger[1] >= LEDGER_REFRESH_S
         ):
@@ -425,6 +546,7 @@ class Scheduler(AssignmentDispatch):
         out = limits.apply_limits(snap, team_limits, self._ledger[2], self.policy)
         self._demoted_now = dict(out.demoted)
         self.budget_statuses = dict(out.statuses)
+        metrics.publish_budgets(self.budget_statuses)
         return out
 
     def _limited_reasons(
@@ -437,6 +559,29 @@ class Scheduler(AssignmentDispatch):
             base = waiting.get(job_id)
             if base is not None:
                 over[job_id] = limits.with_demotion(base, d, now_s)
+        # soft budgets at 80% / 100% warn in the waiting jobs' reasons (`why`): the
+        # threshold is said, not the exact use, so a reason is not rewritten every pass
+        warned = {
+            t: notes
+            for t in {t for t, _ in limited.statuses}
+            if (notes := limits.soft_warnings(limited.statuses, t, exact=False))
+        }
+        if warned:
+            snap = limited.snapshot
+            for team_id, notes in warned.items():
+                queue: Iterable[Any] = (
+                    snap.queues.get(team_id, ())
+                    if snap.queues is not None
+                    else (j for j in snap.pending if j.team_id == team_id)
+                )
+                for job in queue:
+                    base = over.get(job.job_id) or waiting.get(job.job_id)
+                    if base is not None:
+                        over[job.job_id] = replace(
+                            base,
+                            message=f"{base.message.rstrip('.')}; {'; '.join(notes)}",
+                            details={**dict(base.details), "budget_warnings": notes},
+                        )
         fresh = [d for j, d in limited.demoted.items() if j not in self._announced]
         if fresh:
             self._announced.update(d.job_id for d in fresh)
@@ -683,10 +828,33 @@ class Scheduler(AssignmentDispatch):
                     details={"code": reason.code, **dict(reason.details)},
                 )
 
-        self.db.run_write(tx)
-        stored.update(changed)  # only once written
+        if self._writer is None:
+            self.db.run_write(tx)
+            stored.update(changed)  # only once written
+            return
+        # off the pass's critical path: the next pass joins it (``_join_writes``) before it
+        # compares its own reasons with ``stored``, so writes stay in pass order and
+        # ``stored`` is updated only once written, by the pass thread
+        self._writing = (self._writer.submit(self.db.run_write, tx), stored, changed)
+
+    def _join_writes(self) -> None:
+        """Wait for the previous pass's background reasons write; record what it wrote in
+        its ``stored`` map once committed (a failure is logged: those reasons are compared
+        and written again by this pass)."""
+        writing, self._writing = self._writing, None
+        if writing is None:
+            return
+        fut, stored, changed = writing
+        try:
+            fut.result()
+        except Exception as exc:
+            loop_failed("writing pending reasons", exc)
+            return
+        stored.update(changed)
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._reserve_pool is not None:
             self._reserve_pool.shutdown(wait=False, cancel_futures=True)

@@ -275,6 +275,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             if request.ended_at_unix > 0 and request.sent_at_unix > 0
             else None,
             resources=_resources(request),
+            stop_handshake=_handshake(request),
         )
         result, message = _guard(
             context,
@@ -323,3 +324,20 @@ def _resources(request: pb.ReportCompletionRequest) -> dict[str, int | float] | 
     if r.HasField("gpu_util_pct") and 0 <= r.gpu_util_pct <= 100:
         out["gpu_util_pct"] = r.gpu_util_pct
     return out or None
+
+
+def _handshake(request: pb.ReportCompletionRequest) -> runs.StopHandshake | None:
+    """The report's checkpoint handshake (None: none, or figures no real stop gives: a node
+    is not trusted, so a negative or non-finite number is dropped, never stored)."""
+    if not request.HasField("stop_handshake"):
+        return None
+    h = request.stop_handshake
+    figures = (h.grace_s, h.signal_after_s, h.saved_s)
+    if not all(0 <= x < 1e9 for x in figures):
+        return None
+    return runs.StopHandshake(
+        signalled=h.signalled,
+        grace_s=h.grace_s,
+        signal_after_s=h.signal_after_s if h.signalled else None,
+        saved_s=min(h.saved_s, h.grace_s),
+    )

@@ -122,6 +122,10 @@ class PolicyConfig:
             guarantee when the GPUs free elsewhere (on nodes without a reservation or shield)
             can hold them at once: a move, not a reclaim (``policy.defrag``); False = only
             the preemptor's own team's, borrowed, or (preemptor within its guarantee) any.
+        preemption_waste_gpu_h: fleet-wide cap on the work preemption may lose (GPU-hours
+            since the victims' last checkpoints) per ``preemption_waste_window_s``; None =
+            unlimited (``policy.waste``; teams' own caps come with the snapshot).
+        preemption_waste_window_s: the fleet cap's rolling window, seconds.
     """
 
     placement: Placement = Placement.BEST_FIT
@@ -148,3 +152,5 @@ class PolicyConfig:
     displacement_budget_share: float = 0.05
     anti_thrash_s: float = 6 * 3600.0
     defrag_migrate: bool = True
+    preemption_waste_gpu_h: float | None = None
+    preemption_waste_window_s: float = 24 * 3600.0

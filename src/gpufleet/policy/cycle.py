@@ -44,6 +44,7 @@ from gpufleet.policy.gang import find_gang, member_resources, static_fit
 from gpufleet.policy.pass_state import PassState
 from gpufleet.policy.placement import Shadow
 from gpufleet.policy.snapshot import BackfillReservation, ClusterSnapshot, PendingJob
+from gpufleet.policy.waste import with_waste_reasons
 
 __all__ = ["schedule"]
 
@@ -543,7 +544,8 @@ class _Pass(PassState):
             self.running.by_node,
         )
         shields = self.shielded.feed_back(self.index)
-        return CycleResult(tuple(self.decisions), waiting, tuple(self.released), shields)
+        reasons = with_waste_reasons(waiting, self._victims)  # (policy.waste)
+        return CycleResult(tuple(self.decisions), reasons, tuple(self.released), shields)
 
 
 def schedule(snapshot: ClusterSnapshot, config: PolicyConfig | None = None) -> CycleResult:

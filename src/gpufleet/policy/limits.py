@@ -50,6 +50,7 @@ from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.decisions import WaitReason
 from gpufleet.policy.priority import queue_key
 from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob, RunningJob
+from gpufleet.policy.waste import WasteLimit
 
 __all__ = [
     "WARN_FRACTIONS",
@@ -63,12 +64,18 @@ __all__ = [
     "OverBudget",
     "Period",
     "TeamLimits",
+    "any_soft_warning",
     "apply_limits",
+    "budget_label",
     "budget_statuses",
     "demotion_note",
     "demotion_target",
     "month_start_s",
     "next_month_s",
+    "soft_warning",
+    "soft_warnings",
+    "statuses_at",
+    "submit_warnings",
     "with_demotion",
 ]
 
@@ -137,10 +144,18 @@ class TeamLimits:
     disallowed: Disallowed = Disallowed.REFUSE
     class_budgets: tuple[ClassBudget, ...] = ()
     gpu_budgets: tuple[GpuBudget, ...] = ()
+    preemption_waste: WasteLimit | None = None
+    """The work preemption may destroy of this team's attempts per window (``policy.waste``;
+    not applied here: the pass's victim search keeps it)."""
 
     @property
     def empty(self) -> bool:
-        return self.allowed_classes is None and not self.class_budgets and not self.gpu_budgets
+        return (
+            self.allowed_classes is None
+            and not self.class_budgets
+            and not self.gpu_budgets
+            and self.preemption_waste is None
+        )
 
     def window(self, key: str, now_s: float) -> tuple[float, float | None]:
         """``(start_s, length_s)`` of the budget ``key``'s window at ``now_s`` (length None:
@@ -288,11 +303,24 @@ def budget_statuses(
     """Every budget of every team in ``limits`` at ``snapshot.now_s``: the ledger's use plus
     the elapsed part of the team's running attempts inside the window (a class budget counts
     attempts placed at its class, a typed budget attempts on its GPU type)."""
-    now = snapshot.now_s
+    return statuses_at(snapshot.now_s, snapshot.running, limits, ledger)
+
+
+def statuses_at(
+    now_s: float,
+    running_attempts: Iterable[RunningJob],
+    limits: Mapping[str, TeamLimits],
+    ledger: Mapping[tuple[str, str], LedgerUse],
+) -> dict[tuple[str, str], BudgetStatus]:
+    """:func:`budget_statuses` from its parts: ``running_attempts`` are the attempts holding
+    GPUs now (only ``team_id``, ``priority``, ``gpu_count``, ``gpu_type`` and
+    ``started_at_s`` are read), ``now_s`` epoch seconds. What the API answers (``usage``,
+    ``submit``'s warnings) without a scheduling snapshot."""
+    now = now_s
     running: dict[str, list[RunningJob]] = {}
     budgeted = {t for t, lim in limits.items() if lim.class_budgets or lim.gpu_budgets}
     if budgeted:
-        for r in snapshot.running:
+        for r in running_attempts:
             if r.team_id in budgeted:
                 running.setdefault(r.team_id, []).append(r)
     out: dict[tuple[str, str], BudgetStatus] = {}
@@ -348,6 +376,74 @@ def budget_statuses(
                 renews,
                 gb.hard,
                 gpu_type=gb.gpu_type,
+            )
+    return out
+
+
+def budget_label(b: BudgetStatus) -> str:
+    """``CRITICAL class``, ``monthly``, ``rolling H100``: a budget as a sentence names it."""
+    if b.priority is not None:
+        return f"{b.priority.value} class"
+    period = "monthly" if b.key.endswith(":month") else "rolling-window"
+    return f"{period} {b.gpu_type} GPU-hour" if b.gpu_type else f"{period} GPU-hour"
+
+
+def soft_warning(b: BudgetStatus, *, exact: bool = True) -> str | None:
+    """The warning of a soft GPU-hour budget at or over 80% (:data:`WARN_FRACTIONS`), else
+    None (hard budgets and class budgets hold or demote instead: their own sentences).
+    ``exact``: the percentage used (``submit``); else the threshold reached, a sentence that
+    stays the same while the use grows (the scheduler's stored reasons)."""
+    if b.hard or b.priority is not None or b.warning is None:
+        return None
+    used = (
+        f"{b.fraction * 100:.0f}% ({b.used_gpu_h:.3g} of {b.limit_gpu_h:g} GPU-h)"
+        if exact
+        else ("all" if b.warning >= 1.0 else f"over {b.warning * 100:.0f}%")
+    )
+    return (
+        f"team {b.team_id} has used {used} of its soft {budget_label(b)} budget; jobs still start"
+    )
+
+
+def any_soft_warning(statuses: Mapping[tuple[str, str], BudgetStatus]) -> bool:
+    """Whether any soft GPU-hour budget in ``statuses`` is at 80% or more."""
+    return any(soft_warning(b) is not None for b in statuses.values())
+
+
+def soft_warnings(
+    statuses: Mapping[tuple[str, str], BudgetStatus], team_id: str, *, exact: bool = True
+) -> list[str]:
+    """:func:`soft_warning` of each of ``team_id``'s budgets that warns, by budget key."""
+    out: list[str] = []
+    for (team, _), b in sorted(statuses.items()):
+        if team == team_id and (w := soft_warning(b, exact=exact)) is not None:
+            out.append(w)
+    return out
+
+
+def submit_warnings(
+    statuses: Iterable[BudgetStatus], priority: PriorityClass, now_s: float
+) -> list[str]:
+    """What ``submit`` tells a job of ``priority`` about its team's budgets (``statuses``:
+    the team's): each soft budget at 80% or more (the percentage used), each exhausted
+    hard budget (the job waits until the renewal), and the job's class budget when used
+    up (demoted or held until it renews). Empty when nothing is near a limit."""
+    out: list[str] = []
+    for b in statuses:
+        if (w := soft_warning(b)) is not None:
+            out.append(w)
+        elif b.exhausted and b.priority is None and b.hard:
+            out.append(
+                f"team {b.team_id} has used its {budget_label(b)} budget"
+                f" ({b.used_gpu_h:.3g} of {b.limit_gpu_h:g} GPU-h): the job waits"
+                f" {_when(b.renews_at_s, now_s)}"
+            )
+        elif b.exhausted and b.priority is priority:
+            what = "waits" if b.hard else "runs at NORMAL"
+            out.append(
+                f"team {b.team_id} has used its {priority.value} budget"
+                f" ({b.used_gpu_h:.3g} of {b.limit_gpu_h:g} GPU-h): the job {what}"
+                f" {_when(b.renews_at_s, now_s)}"
             )
     return out
 
@@ -416,7 +512,7 @@ def with_demotion(reason: WaitReason, d: Demotion, now_s: float) -> WaitReason:
     """``reason`` with the demotion said in its sentence and ``details.demoted``."""
     return replace(
         reason,
-        message=f"{reason.message}; {demotion_note(d, now_s)}",
+        message=f"{reason.message.rstrip('.')}; {demotion_note(d, now_s)}",
         details={
             **dict(reason.details),
             "demoted": {

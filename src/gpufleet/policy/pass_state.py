@@ -32,6 +32,7 @@ from gpufleet.policy.snapshot import (
     PendingJob,
     RunningJob,
 )
+from gpufleet.policy.waste import victim_search
 
 __all__ = ["PassState"]
 
@@ -165,7 +166,10 @@ class PassState:
     def victims(self) -> VictimSearch:
         if self._victims is None:
             aged = self.cfg.head_start_s if self.cfg.ordering is Ordering.FAIR_SHARE else None
-            self._victims = VictimSearch(self.running, self.book, self.now, aged)
+            # (policy.waste: capped by the preemption waste caps when any is set)
+            self._victims = victim_search(
+                self.running, self.book, self.now, aged, self.snap.preemption_waste, self.cfg
+            )
         return self._victims
 
     def quota_kept_for(self, job: PendingJob, gpu_type: str) -> int:

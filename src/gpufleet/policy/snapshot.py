@@ -14,6 +14,7 @@ from gpufleet.domain.types import PriorityClass, Resources
 
 if TYPE_CHECKING:
     from gpufleet.policy.fleet_index import FleetIndex
+    from gpufleet.policy.waste import WasteState
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +224,11 @@ class ClusterSnapshot:
     then the pass never defragments (headroom still applies): without this state the budget
     and the anti-thrash window could not hold. The simulator keeps them in memory; the live
     store reads them from ``job_runs`` (``store.queries.recent_displacements``)."""
+    preemption_waste: WasteState | None = None
+    """The preemption waste caps' state (``policy.waste``): the work lost to recent
+    preemptions, per victim team, and the teams' caps. Drivers give it whenever a cap is set
+    (a team's, or the fleet's ``PolicyConfig.preemption_waste_gpu_h``); None: no cap is
+    (a fleet cap without it would count only the pass's own preemptions)."""
     fleet_index: FleetIndex | None = None
     """Optional fast path for drivers that keep their node states between passes (the
     simulator): a ``policy.fleet_index.FleetIndex`` describing exactly ``nodes``, kept up to

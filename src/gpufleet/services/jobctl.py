@@ -32,9 +32,10 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import Conflict, NotFound, StaleState, ValidationFailed
 from gpufleet.domain.jobsyntax import MAX_DEPENDENCIES
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, Machine, RunStatus
-from gpufleet.domain.types import PriorityClass
+from gpufleet.domain.types import JobSpec, PriorityClass
 from gpufleet.services.job_admission import (
     check_class_allowed,
+    check_fits_fleet,
     check_runtime_limit,
     read_class_rules,
     team_runtime_limits,
@@ -43,6 +44,7 @@ from gpufleet.services.job_cancel import cancel_job
 from gpufleet.services.run_stop import request_stop
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import db_now
+from gpufleet.store.queries import spec_facts
 from gpufleet.store.tables import JobRow, JobRunRow
 from gpufleet.store.transitions import record_event, transition
 
@@ -395,10 +397,20 @@ class JobPatch:
     priority: str | None = None
     name: str | None = None
     max_runtime_s: float | None = None
+    gpu_count: int | None = None
+    gpu_types: list[str] | None = None
+    """Acceptable GPU types (an empty list: any type)."""
 
 
-def patch_job(session: Session, team_id: str | None, job_id: str, patch: JobPatch) -> JobRow:
-    """Change a job's priority class, name or max_runtime_s, each with an event.
+def patch_job(
+    session: Session,
+    team_id: str | None,
+    job_id: str,
+    patch: JobPatch,
+    fallback_max_gpus: int = 8,
+) -> JobRow:
+    """Change a job's priority class, name, max_runtime_s, or (while it is PENDING) its GPU
+    count and acceptable GPU types, each with an event.
 
     A class the job's team may not use (``teams.limits.allowed_classes``) is refused, in
     either ``disallowed`` mode (an update asks for that class by name: demoting it would
@@ -406,10 +418,17 @@ def patch_job(session: Session, team_id: str | None, job_id: str, patch: JobPatc
     next pass (pending) and to preemption decisions (running); a new max_runtime_s applies to
     the running attempt too (the controller's stop driver reads it), counted from its start.
 
+    A new GPU count or type list applies from the next pass (what ``gpufleet why JOB
+    --suggest`` proposes); it is checked against the fleet as a submit is. A multi-node job
+    given by ``nodes``/``gpus_per_node`` keeps its shape (a new shape is a new submit).
+
     Raises:
-        Conflict: priority or max_runtime_s of a finished job (409 ``job_already_finished``).
-        ValidationFailed: max_runtime_s below the job's expected_duration_s (422), or a
-            priority class the team may not use (422, field ``priority``).
+        Conflict: priority or max_runtime_s of a finished job (409 ``job_already_finished``);
+            gpu_count or gpu_types of a job that is not PENDING (409 ``job_not_pending``).
+        ValidationFailed: max_runtime_s below the job's expected_duration_s (422), a
+            priority class the team may not use (422, field ``priority``), a GPU count or
+            type no node can hold (422, field ``gpu_count`` or ``gpu_type``), a GPU count of
+            an explicit gang (422, field ``gpu_count``).
     """
     job = _job_for_update(session, team_id, job_id)
     changes: dict[str, list[Any]] = {}
@@ -443,8 +462,17 @@ def patch_job(session: Session, team_id: str | None, job_id: str, patch: JobPatc
         )
         changes["max_runtime_s"] = [job.max_runtime_s, patch.max_runtime_s]
         job.max_runtime_s = patch.max_runtime_s
+    resources = _patched_resources(session, job, patch, fallback_max_gpus)
+    if resources is not None:
+        old_res = job.spec["resources"]
+        for key in ("gpu_count", "gpu_types"):
+            if (old_res.get(key) or None) != (resources.get(key) or None):
+                changes[key] = [old_res.get(key), resources.get(key)]
+        job.gpu_count = int(resources["gpu_count"])
     if changes:
         spec = dict(job.spec)
+        if resources is not None:
+            spec["resources"] = resources
         if "priority" in changes:
             spec["priority"] = job.priority
         if "name" in changes:
@@ -461,6 +489,48 @@ def patch_job(session: Session, team_id: str | None, job_id: str, patch: JobPatc
             details={k: {"from": old, "to": new} for k, (old, new) in changes.items()},
         )
     return job
+
+
+def _patched_resources(
+    session: Session, job: JobRow, patch: JobPatch, fallback_max_gpus: int
+) -> dict[str, Any] | None:
+    """The job's stored ``resources`` with the patch's GPU count and types, checked as a
+    submit checks them; None when the patch changes neither.
+
+    Raises:
+        Conflict: the job is not PENDING (409 ``job_not_pending``).
+        ValidationFailed: an explicit gang's count, or a shape no node can hold (422).
+    """
+    if patch.gpu_count is None and patch.gpu_types is None:
+        return None
+    field = "gpu_count" if patch.gpu_count is not None else "gpu_type"
+    if job.status != JobStatus.PENDING:
+        raise Conflict(
+            f"job {job.id} is {job.status}; its GPU count and type change only while it is "
+            "PENDING",
+            field=field,
+            code="job_not_pending",
+        )
+    res = dict(job.spec["resources"])
+    if patch.gpu_count is not None:
+        if res.get("nodes") or res.get("gpus_per_node"):
+            raise ValidationFailed(
+                "the job gives nodes/gpus_per_node (an explicit gang): its size changes by a "
+                "new submit",
+                field="gpu_count",
+            )
+        res["gpu_count"] = patch.gpu_count
+    if patch.gpu_types is not None:
+        res["gpu_types"] = list(dict.fromkeys(patch.gpu_types))
+    spec = dict(job.spec)
+    spec["resources"] = res
+    facts = spec_facts(spec)
+    check_fits_fleet(
+        session,
+        JobSpec(command=("-",), resources=facts.resources, node_selector=facts.node_selector),
+        fallback_max_gpus,
+    )
+    return res
 
 
 # --- bulk cancel -----------------------------------------------------------------------------

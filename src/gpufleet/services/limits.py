@@ -24,10 +24,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqlalchemy import select
 
 from gpufleet.domain.errors import LimitExceeded
+from gpufleet.domain.types import PriorityClass
+from gpufleet.policy.limits import BudgetStatus, submit_warnings
 from gpufleet.policy.limits import TeamLimits as PolicyTeamLimits
 from gpufleet.queue.hint import DEFAULT_PREFIX, DEFAULT_TIMEOUT_S, shared_hint
+from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import TeamRow
-from gpufleet.store.team_limits import limits_from_json
+from gpufleet.store.team_limits import limits_from_json, team_budgets
 
 if TYPE_CHECKING:
     from gpufleet.settings import Settings
@@ -53,6 +56,9 @@ limit of 1e-300 s is a typo, not a policy."""
 
 LIMITS_TTL_S = 1.0
 """A team's limits are remembered this long per server: a change applies within it."""
+BUDGETS_TTL_S = 5.0
+"""A team's budget use, as ``submit``'s warnings read it, is remembered this long per
+server (a team submitting thousands of jobs does not sum its ledger for each)."""
 
 
 _NO_CLASS_LIMITS = PolicyTeamLimits()  # frozen: one shared value
@@ -265,6 +271,8 @@ class SubmitAdmission:
     def __init__(self, db: Database, limiter: RateLimiter, defaults: TeamLimits) -> None:
         self.db, self.limiter, self.defaults = db, limiter, defaults
         self._cache: dict[str, tuple[float, TeamLimits]] = {}
+        self._budgets: dict[str, tuple[float, float, tuple[BudgetStatus, ...]]] = {}
+        """team -> (monotonic read time, database time then, its budgets)."""
         self._lock = threading.Lock()
 
     def limits(self, team_id: str) -> TeamLimits:
@@ -295,6 +303,27 @@ class SubmitAdmission:
             self._cache[team_id] = (now, limits)
         return limits
 
+    def budget_warnings(self, team_id: str, priority: PriorityClass) -> list[str]:
+        """The warnings ``submit`` answers for a job of ``priority`` of ``team_id``
+        (``policy.limits.submit_warnings``: soft budgets at 80% / 100%, exhausted hard and
+        class budgets). Teams without budgets cost nothing (their cached limits say so);
+        the others' budgets are read at most every ``BUDGETS_TTL_S`` per server."""
+        rules = self.limits(team_id).classes
+        if not rules.gpu_budgets and not rules.class_budgets:
+            return []
+        now = time.monotonic()
+        with self._lock:
+            hit = self._budgets.get(team_id)
+        if hit is None or now - hit[0] >= BUDGETS_TTL_S:
+            with self.db.read() as s:
+                at = db_now(s).timestamp()
+                hit = (now, at, tuple(team_budgets(s, team_id, at)))
+            with self._lock:
+                if len(self._budgets) > 10_000:
+                    self._budgets.clear()
+                self._budgets[team_id] = hit
+        return submit_warnings(hit[2], priority, hit[1] + (now - hit[0]))
+
     def check_needs_io(self, team_id: str, *, read: bool = False) -> bool:
         """Whether :meth:`check_submit_rate` (``read``: :meth:`check_read_rate`) for
         ``team_id`` may block: the team's limits are not cached, or its rate is limited
@@ -311,6 +340,7 @@ class SubmitAdmission:
         """Drop a team's cached limits (they were changed through this server)."""
         with self._lock:
             self._cache.pop(team_id, None)
+            self._budgets.pop(team_id, None)
 
     def check_submit_rate(self, team_id: str) -> None:
         """Take one submit from the team's bucket.

@@ -52,7 +52,7 @@ from gpufleet.store.tables import (
     SchedulingEventRow,
     TeamRow,
 )
-from gpufleet.store.transitions import transition
+from gpufleet.store.transitions import record_event, transition
 
 
 class Outcome(enum.StrEnum):
@@ -65,6 +65,42 @@ class CompletionResult(enum.StrEnum):
     ACCEPTED = "ACCEPTED"
     STALE = "STALE"
     REJECTED = "REJECTED"
+
+
+@dataclass(frozen=True, slots=True)
+class StopHandshake:
+    """What a stop's checkpoint handshake did, as the agent reports it (seconds; see
+    ``gpufleet.agent.checkpoint_signal``).
+
+    Attributes:
+        signalled: the job said its checkpoint was durable during the grace period.
+        grace_s: the stop's grace period.
+        signal_after_s: SIGTERM to the signal; None when not signalled.
+        saved_s: grace the stop did not wait because of the signal (0: the job ended by
+            itself first, or did not signal).
+    """
+
+    signalled: bool
+    grace_s: float
+    signal_after_s: float | None = None
+    saved_s: float = 0.0
+
+    def details(self) -> dict[str, Any]:
+        """The ``checkpoint_handshake`` event's details."""
+        out: dict[str, Any] = {"signalled": self.signalled, "grace_s": self.grace_s}
+        if self.signal_after_s is not None:
+            out["signal_after_s"] = self.signal_after_s
+        out["saved_s"] = self.saved_s
+        return out
+
+    def describe(self) -> str:
+        """One line for the event's message."""
+        if not self.signalled:
+            return f"no checkpoint signal during the {self.grace_s:g} s grace"
+        return (
+            f"checkpoint signalled {self.signal_after_s or 0.0:g} s after SIGTERM;"
+            f" {self.saved_s:g} s of the {self.grace_s:g} s grace saved"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +124,9 @@ class Report:
     """What the attempt used as its agent measured it (``peak_rss_bytes``, ``cpu_seconds``,
     ``gpu_util_pct``, ``gpu_mem_peak_bytes``; each absent when not measured): written on
     its usage record."""
+    stop_handshake: StopHandshake | None = None
+    """A stopped attempt's checkpoint handshake (None: no SIGTERM was sent): recorded as a
+    ``checkpoint_handshake`` event of the attempt."""
 
 
 def ended_at(
@@ -336,6 +375,17 @@ def complete_run(
             ended_at=ended,
             resources=report.resources,
         )
+        if report.stop_handshake is not None and report.outcome == Outcome.STOPPED:
+            record_event(
+                session,
+                "checkpoint_handshake",
+                now=now,
+                message=report.stop_handshake.describe(),
+                job_id=job.id,
+                run_id=run.id,
+                node_id=run.node_id,
+                details=report.stop_handshake.details(),
+            )
         # the agent's word that this attempt's (this member's) processes are gone: its GPUs
         # come back now, a gang member's too (the invariant is per GPU: a member's GPUs are
         # not reused while its own processes may run, whatever its gang's other members do)

@@ -7,7 +7,8 @@ Input (stored normalized in ``teams.limits``; ``store.team_limits`` reads it)::
      "class_budgets": {"CRITICAL": {"gpu_hours": 50, "window_s": 604800,
                                     "over": "demote" | "hold"}},
      "gpu_budgets": [{"gpu_hours": 1000, "period": "month" | "rolling",
-                      "window_s": null, "gpu_type": "H100" | null, "hard": false}]}
+                      "window_s": null, "gpu_type": "H100" | null, "hard": false}],
+     "preemption_waste": {"gpu_hours": 20, "window_s": 86400}}  # work its jobs may lose
 
 ``{}`` removes every limit. Errors are ``ValidationFailed`` (422) naming the field, e.g.
 ``limits.class_budgets.CRITICAL.gpu_hours``.
@@ -25,7 +26,7 @@ __all__ = ["MAX_BUDGET_GPU_H", "MAX_WINDOW_S", "normalize_limits"]
 
 MAX_BUDGET_GPU_H = 1e9
 MAX_WINDOW_S = 366 * 86400.0
-_TOP = {"allowed_classes", "disallowed", "class_budgets", "gpu_budgets"}
+_TOP = {"allowed_classes", "disallowed", "class_budgets", "gpu_budgets", "preemption_waste"}
 
 
 def _bad(field: str, msg: str) -> ValidationFailed:
@@ -130,4 +131,13 @@ def normalize_limits(raw: Any) -> dict[str, Any] | None:
         )
     if gbs:
         out["gpu_budgets"] = gbs
+    if t.get("preemption_waste") is not None:
+        f = "limits.preemption_waste"
+        w = _keys(t["preemption_waste"], f, {"gpu_hours", "window_s"})
+        out["preemption_waste"] = {
+            "gpu_hours": _num(w.get("gpu_hours"), f"{f}.gpu_hours", 0, MAX_BUDGET_GPU_H),
+            "window_s": _num(
+                w.get("window_s", 86400), f"{f}.window_s", 0, MAX_WINDOW_S, low_open=True
+            ),
+        }
     return out

@@ -199,6 +199,10 @@ def run_scenario(
     rep = eng.rec.report()
     if sc.limits:
         rep["limits"] = eng.limits_report()
+    if eng.waste_by_team:  # GPU-hours lost to preemption per victim team (policy.waste)
+        rep["preemption_waste_gpu_h"] = {
+            t: round(v, 3) for t, v in sorted(eng.waste_by_team.items())
+        }
     rep["gangs"] = gang_summary(eng)
     rep["run"] = {
         "policy": _policy_dict(policy),

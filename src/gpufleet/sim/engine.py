@@ -53,6 +53,7 @@ from gpufleet.policy.snapshot import (
     TeamState,
 )
 from gpufleet.policy.usage import decay_factor, interval_gpu_s
+from gpufleet.policy.waste import Waste, WasteState
 from gpufleet.sim.fleet import InMemoryFleet, SimRun, kept_work
 from gpufleet.sim.gating import SimGates
 from gpufleet.sim.ledger import SimLedger
@@ -130,6 +131,20 @@ class Engine:
         self.budget_peak: dict[tuple[str, str], float] = {}
         """(team, budget key) -> the highest use seen at a pass, GPU-hours."""
         self.budget_last: dict[tuple[str, str], BudgetStatus] = {}
+        self._waste_caps = {
+            t: lim.preemption_waste
+            for t, lim in self.limits.items()
+            if lim.preemption_waste is not None
+        }
+        windows = [c.window_s for c in self._waste_caps.values()]
+        if config.preemption_waste_gpu_h is not None:
+            windows.append(config.preemption_waste_window_s)
+        self._waste_window_s: float | None = max(windows) if windows else None
+        """The longest preemption waste window in force (None: no cap, ``policy.waste``)."""
+        self.waste: list[Waste] = []
+        """Losses of the last ``_waste_window_s`` (``snapshot.preemption_waste``)."""
+        self.waste_by_team: dict[str, float] = {}
+        """Team -> GPU-hours of its work lost to preemption over the whole run (reported)."""
         self.opt = options or EngineOptions()
         self.fleet = InMemoryFleet(groups)
         self.predictor: DurationPredictor | None = None
@@ -641,6 +656,9 @@ class Engine:
             elapsed = self.now - run.reserved_s
             lost_h = spec.gpus * (elapsed - kept_work(elapsed, spec.checkpoint_s)) / 3600.0
             self.displacements.append(Displacement(run.job_id, self.now, lost_h, d.reason))
+            if self._waste_window_s is not None:  # the preemption waste caps (policy.waste)
+                self.waste.append(Waste(spec.team_id, self.now, lost_h))
+            self.waste_by_team[spec.team_id] = self.waste_by_team.get(spec.team_id, 0.0) + lost_h
         # One hold per (preemptor, node), as the live store keeps them
         # (``services.preemption.apply_preemption``): a later preemption for the same job
         # adds a hold, or updates the one on that node and keeps its age; older holds stay
@@ -690,8 +708,22 @@ class Engine:
             reservations=self.reservations,
             queues=self.queues,
             recent_displacements=self._recent_displacements(),
+            preemption_waste=self._waste_state(),
             fleet_index=self.fleet.fleet_index,
         )
+
+    def _waste_state(self) -> WasteState | None:
+        """The preemption waste caps' state (``policy.waste``), the losses pruned to the
+        longest window in force; None when no cap is set."""
+        if self._waste_window_s is None:
+            return None
+        ws = self.waste
+        i = 0
+        while i < len(ws) and self.now - ws[i].at_s >= self._waste_window_s:
+            i += 1
+        if i:
+            del ws[:i]
+        return WasteState(tuple(ws), self._waste_caps)
 
     def _recent_displacements(self) -> tuple[Displacement, ...]:
         keep = max(3600.0, self.cfg.anti_thrash_s)
@@ -772,6 +804,7 @@ class Engine:
                 "demoted_jobs": len(self.demoted_jobs.get(team_id, ())),
                 "demoted_starts": self.demoted_starts.get(team_id, 0),
                 "budget_held_jobs": len(self.budget_held_jobs.get(team_id, ())),
+                "preemption_waste_gpu_h": round(self.waste_by_team.get(team_id, 0.0), 3),
             }
         return out
 

@@ -11,7 +11,11 @@ limits:
     gpu_budgets:
       - {gpu_hours: 1000, period: month}                       # in total, soft
       - {gpu_hours: 200, period: rolling, window_h: 24, gpu_type: H100, hard: true}
+    preemption_waste: {gpu_hours: 20, window_h: 24}   # work its jobs may lose (policy.waste)
 ```
+
+The fleet's own waste cap is a ``policy:`` knob (``preemption_waste_gpu_h``,
+``preemption_waste_window_s``).
 
 A refused submit is a live-API outcome (422); the simulator has no submitter to answer, so
 ``disallowed: refuse`` is read as the pass-time rule, a demotion.
@@ -30,6 +34,7 @@ from gpufleet.policy.limits import (
     Period,
     TeamLimits,
 )
+from gpufleet.policy.waste import WasteLimit
 from gpufleet.sim.scenario_fields import (
     ScenarioError,
     _bool,
@@ -44,7 +49,10 @@ from gpufleet.sim.scenario_fields import (
 
 __all__ = ["LIMIT_KEYS", "parse_limits"]
 
-LIMIT_KEYS = frozenset({"allowed_classes", "disallowed", "class_budgets", "gpu_budgets"})
+LIMIT_KEYS = frozenset(
+    {"allowed_classes", "disallowed", "class_budgets", "gpu_budgets", "preemption_waste"}
+)
+_WASTE_KEYS = frozenset({"gpu_hours", "window_h"})
 _CLASS_BUDGET_KEYS = frozenset({"gpu_hours", "window_h", "over"})
 _GPU_BUDGET_KEYS = frozenset({"gpu_hours", "period", "window_h", "gpu_type", "hard"})
 
@@ -100,10 +108,19 @@ def parse_limits(raw: Any, where: str) -> dict[str, TeamLimits]:
         keys = [b.key for b in gbs]
         if len(set(keys)) != len(keys):
             raise ScenarioError(f"{w}.gpu_budgets: two budgets of one GPU type and period")
+        waste: WasteLimit | None = None
+        if t.get("preemption_waste") is not None:
+            ww = f"{w}.preemption_waste"
+            pw = _mapping(t["preemption_waste"], ww, _WASTE_KEYS)
+            waste = WasteLimit(
+                _number(pw.get("gpu_hours"), f"{ww}.gpu_hours", ge=0),
+                _number(pw.get("window_h", 24), f"{ww}.window_h", gt=0) * 3600.0,
+            )
         out[str(team)] = TeamLimits(
             allowed,
             Disallowed(_choice(t.get("disallowed", "refuse"), f"{w}.disallowed", Disallowed)),
             tuple(cbs),
             tuple(gbs),
+            waste,
         )
     return out

@@ -90,6 +90,8 @@ _POLICY_BOUNDS: Mapping[str, dict[str, Any]] = {
     "defrag_drain_horizon_s": {"ge": 0},
     "displacement_budget_share": {"ge": 0, "le": 1},
     "anti_thrash_s": {"ge": 0},
+    "preemption_waste_gpu_h": {"ge": 0},
+    "preemption_waste_window_s": {"gt": 0},
 }
 """Bounds of the numeric ``policy`` knobs (``_number`` keywords)."""
 
@@ -116,7 +118,12 @@ def _policy_knobs(raw: Any, where: str) -> dict[str, Any]:
             }
         elif key in ("usage_half_life_s", "hold_timeout_s") and value in ("inf", None):
             out[key] = math.inf
-        elif key in ("default_runtime_estimate_s", "headroom_wait_s", "defrag_wait_s"):
+        elif key in (
+            "default_runtime_estimate_s",
+            "headroom_wait_s",
+            "defrag_wait_s",
+            "preemption_waste_gpu_h",
+        ):
             out[key] = _opt(value, at, **_POLICY_BOUNDS[key])
         else:
             bounds = _POLICY_BOUNDS.get(key, {})

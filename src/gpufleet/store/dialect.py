@@ -332,6 +332,8 @@ def _insert_many(session: Session, table: TableClause, rows: list[dict[str, Any]
     for row in rows[1:]:
         for k, v in exprs.items():
             other = row.get(k)
+            if other is v:  # now_sql's one expression object (the usual case): no compare
+                continue
             if not isinstance(other, ClauseElement) or not v.compare(other):
                 session.execute(insert(table).values(rows))
                 return
@@ -425,9 +427,12 @@ def now_sql(session: Session, *, stable: bool = False) -> ColumnElement[Any]:
     return now_sql_for(session.get_bind().dialect.name, stable=stable)
 
 
+@functools.cache
 def now_sql_for(dialect: str, *, stable: bool = False) -> ColumnElement[Any]:
     """:func:`now_sql` for a dialect name (``sqlite``, ``postgresql``), for statements built
-    once and kept."""
+    once and kept. One expression object per (dialect, stable), built once: rows queued with
+    it are recognised as holding the same clock by identity (``_insert_many``), not by a
+    structural compare per row (~85 us each: 0.5 s for a pass's 6,000 event rows)."""
     if dialect == "sqlite":
         # SQLite keeps datetimes as text, compared as text: store the clock in SQLAlchemy's
         # own format (6 fractional digits; %f gives 3), or a value written by this expression

@@ -217,9 +217,11 @@ def running_job(
 
 
 class SpecCache:
-    """Parsed job specs kept across scheduling passes (a job's spec never changes), so a pass
-    reads and decodes only the specs of jobs it has not seen yet. Entries of jobs absent from
-    a pass are dropped."""
+    """Parsed job specs kept across scheduling passes, so a pass reads and decodes only the
+    specs of jobs it has not seen yet. Entries of jobs absent from a pass are dropped. A spec
+    changes only by a PATCH of a PENDING job's GPUs (``services.jobctl.patch_job``), which a
+    cache kept across passes does not see: the leader's ``store.snapshot_cache`` reads a
+    changed pending job's spec again; ``load_snapshot`` without a cache reads every spec."""
 
     CHUNK = 500
 

@@ -89,6 +89,8 @@ WATCHED: dict[str, tuple[str, ...]] = {
         "max_runtime_s",
         "team_id",
         "created_at",
+        "gpu_count",
+        "spec",
     ),
     "job_runs": (
         "status",
@@ -459,10 +461,14 @@ class SnapshotCache:
         else:
             rows = session.execute(_CHANGED_JOBS, {"floor": floor}).all()
         self.stats.jobs += len(rows)
+        # a changed PENDING job's spec is read again: PATCH may change its GPUs (a watched
+        # change of gpu_count or spec, migration 0012_day26)
         new = [
             r.id
             for r in rows
-            if r.id not in self._facts and r.status == JobStatus.PENDING and not r.cancel_requested
+            if (floor is not None or r.id not in self._facts)
+            and r.status == JobStatus.PENDING
+            and not r.cancel_requested
         ]
         self._lookup_facts(session, new)
         avoid = failed_start_nodes(

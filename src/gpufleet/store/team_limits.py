@@ -4,7 +4,8 @@
 
     {"allowed_classes": ["NORMAL", "LOW"], "disallowed": "refuse",
      "class_budgets": {"CRITICAL": {"gpu_hours": 50, "window_s": 604800, "over": "demote"}},
-     "gpu_budgets": [{"gpu_hours": 1000, "period": "month", "gpu_type": null, "hard": true}]}
+     "gpu_budgets": [{"gpu_hours": 1000, "period": "month", "gpu_type": null, "hard": true}],
+     "preemption_waste": {"gpu_hours": 20, "window_s": 86400}}
 
 :func:`ledger_use` sums ``usage_records`` per (team, budget) window: per team and distinct
 window start, one GROUP BY over the team's records ending inside it
@@ -24,8 +25,10 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from gpufleet.domain.states import RunStatus
 from gpufleet.domain.types import PriorityClass
 from gpufleet.policy.limits import (
+    BudgetStatus,
     ClassBudget,
     Disallowed,
     GpuBudget,
@@ -33,10 +36,15 @@ from gpufleet.policy.limits import (
     OverBudget,
     Period,
     TeamLimits,
+    statuses_at,
 )
-from gpufleet.store.tables import UsageRecordRow
+from gpufleet.policy.snapshot import RunningJob
+from gpufleet.policy.waste import DEFAULT_WINDOW_S, WasteLimit
+from gpufleet.store.tables import JobRow, JobRunRow, NodeRow, TeamRow, UsageRecordRow
 
-__all__ = ["LEDGER_REFRESH_S", "ledger_use", "limits_from_json"]
+__all__ = ["LEDGER_REFRESH_S", "ledger_use", "limits_from_json", "team_budgets"]
+
+_LIVE_RUNS = (RunStatus.ASSIGNED, RunStatus.RUNNING, RunStatus.PREEMPTING)
 
 LEDGER_REFRESH_S = 30.0
 
@@ -70,6 +78,12 @@ def limits_from_json(raw: Mapping[str, Any] | None) -> TeamLimits:
             )
             for b in raw.get("gpu_budgets") or ()
         ),
+        preemption_waste=WasteLimit(
+            float(raw["preemption_waste"]["gpu_hours"]),
+            float(raw["preemption_waste"].get("window_s", DEFAULT_WINDOW_S)),
+        )
+        if raw.get("preemption_waste")
+        else None,
     )
 
 
@@ -135,3 +149,71 @@ def ledger_use(
                         releases.append((end, gpus * max(0.0, end - max(_epoch(s_at), ws))))
                 out[(team_id, key)] = LedgerUse(used, releases)
     return out
+
+
+def running_attempts(session: Session, team_ids: list[str]) -> list[RunningJob]:
+    """The attempts of ``team_ids`` that have not ended (one row per gang member), as the
+    policy's budget arithmetic reads them (team, class placed at, GPUs, type, start)."""
+    if not team_ids:
+        return []
+    rows = session.execute(
+        select(
+            JobRunRow.id,
+            JobRunRow.job_id,
+            JobRow.team_id,
+            JobRunRow.node_id,
+            JobRunRow.priority,
+            JobRow.priority,
+            JobRunRow.gpu_ids,
+            NodeRow.gpu_type,
+            JobRunRow.started_at,
+            JobRunRow.created_at,
+        )
+        .join(JobRow, JobRow.id == JobRunRow.job_id)
+        .join(NodeRow, NodeRow.id == JobRunRow.node_id)
+        .where(JobRow.team_id.in_(team_ids), JobRunRow.status.in_(_LIVE_RUNS))
+    ).all()
+    return [
+        RunningJob(
+            run_id=run_id,
+            job_id=job_id,
+            team_id=team_id,
+            node_id=node_id,
+            priority=PriorityClass(placed or asked),
+            gpu_count=len(gpu_ids or ()),
+            gpu_type=gpu_type,
+            started_at_s=_epoch(started_at or created_at),
+        )
+        for (
+            run_id,
+            job_id,
+            team_id,
+            node_id,
+            placed,
+            asked,
+            gpu_ids,
+            gpu_type,
+            started_at,
+            created_at,
+        ) in rows
+    ]
+
+
+def team_budgets(session: Session, team_id: str | None, now_s: float) -> list[BudgetStatus]:
+    """Every budget (class and GPU-hour) of ``team_id`` (None: of every team) at ``now_s``:
+    the ledger's use in its window plus the running attempts' elapsed part, ordered by team
+    and budget key. Teams without budgets read nothing more than their ``limits``."""
+    q = select(TeamRow.id, TeamRow.limits)
+    if team_id is not None:
+        q = q.where(TeamRow.id == team_id)
+    limits = {
+        t: lim
+        for t, raw in session.execute(q).all()
+        if (lim := limits_from_json(raw)).class_budgets or lim.gpu_budgets
+    }
+    if not limits:
+        return []
+    ledger = ledger_use(session, limits, now_s)
+    running = running_attempts(session, sorted(limits))
+    found = statuses_at(now_s, running, limits, ledger)
+    return [found[k] for k in sorted(found)]

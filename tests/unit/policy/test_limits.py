@@ -171,3 +171,27 @@ def test_teams_without_limits_are_untouched() -> None:
     s = snap([node("n1", 8)], [job("j1", priority=P.CRITICAL)], teams=[team("a")])
     assert apply_limits(s, {}, {}, CFG).snapshot is s
     assert apply_limits(s, {"a": TeamLimits()}, {}, CFG).snapshot is s
+
+
+def test_soft_budgets_warn_at_80_and_100_percent_and_submit_says_what_happens() -> None:
+    from gpufleet.policy.limits import BudgetStatus, soft_warning, submit_warnings
+
+    def b(used: float, *, hard: bool = False, prio: P | None = None) -> BudgetStatus:
+        key = f"class:{prio.value}" if prio else "gpu:*:month"
+        return BudgetStatus("t", key, 10.0, used, 0.0, 3600.0 if used >= 10 else None, hard, prio)
+
+    assert soft_warning(b(7.9)) is None
+    assert soft_warning(b(8.5), exact=False) == (
+        "team t has used over 80% of its soft monthly GPU-hour budget; jobs still start"
+    )
+    assert "used all of" in (soft_warning(b(12.0), exact=False) or "")
+    assert "85% (8.5 of 10 GPU-h)" in (soft_warning(b(8.5)) or "")
+    assert soft_warning(b(12.0, hard=True)) is None  # hard ones hold instead
+    got = submit_warnings([b(12.0, hard=True), b(11.0, prio=P.CRITICAL)], P.CRITICAL, 0.0)
+    assert got == [
+        "team t has used its monthly GPU-hour budget (12 of 10 GPU-h): the job waits until"
+        " it renews in 1.0 h",
+        "team t has used its CRITICAL budget (11 of 10 GPU-h): the job runs at NORMAL until"
+        " it renews in 1.0 h",
+    ]
+    assert submit_warnings([b(11.0, prio=P.CRITICAL)], P.NORMAL, 0.0) == []

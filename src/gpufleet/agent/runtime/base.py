@@ -17,8 +17,10 @@ says how it ended. The agent core never touches processes or containers itself; 
 ``poll(rec, handle, now) -> ExitInfo | None``
     One monitoring step, every ~50 ms. Advances a requested stop and detects the end. The
     stop protocol is the same for every runtime (seed DD5): when ``rec.stop_requested``,
-    SIGTERM to *every* process of the attempt; after ``rec.stop_grace_s`` seconds SIGKILL to
-    every process; then the attempt must be *verified gone* (no process of it left). When the
+    SIGTERM to *every* process of the attempt; after ``rec.stop_grace_s`` seconds, or as soon
+    as the job signalled its checkpoint durable (``handle.checkpoint_done_at``, the handshake
+    of :mod:`gpufleet.agent.checkpoint_signal`; :func:`grace_over`), SIGKILL to every
+    process; then the attempt must be *verified gone* (no process of it left). When the
     main process ends on its own, whatever else is left of the attempt is killed too (container
     semantics). Return :class:`ExitInfo` only once verified gone; before that, None. Set
     ``handle.unkillable`` when processes survive SIGKILL for ``KILL_VERIFY_TIMEOUT_S`` (the
@@ -56,6 +58,7 @@ __all__ = [
     "RunHandle",
     "Runtime",
     "StartError",
+    "grace_over",
 ]
 
 KILL_RESEND_S = 1.0
@@ -138,6 +141,7 @@ class ExitInfo:
             completion report and becomes the job's failure reason.
         resources: what the attempt used, from its cgroup (``JobCgroup.usage``:
             ``peak_rss_bytes``, ``cpu_seconds``); empty when not measured.
+        stop_handshake: see the field.
     """
 
     exit_code: int
@@ -146,6 +150,10 @@ class ExitInfo:
     message: str = ""
     reason: str = ""
     resources: Mapping[str, int | float] = field(default_factory=dict)
+    stop_handshake: Mapping[str, Any] = field(default_factory=dict)
+    """A stop's checkpoint handshake (:func:`gpufleet.agent.checkpoint_signal.summary`:
+    ``signalled``, ``grace_s``, ``signal_after_s``, ``saved_s``); empty when no SIGTERM
+    was sent (the attempt ended on its own)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -160,6 +168,8 @@ class RunHandle:
         boot_id: ``/proc/sys/kernel/random/boot_id`` at start ("" = unknown); a handle from an
             earlier boot is dead by definition.
         term_sent_at / kill_sent_at / kill_resent_at: stop progress.
+        checkpoint_done_at: when the agent saw the job's checkpoint signal after SIGTERM
+            (``$GPUFLEET_CHECKPOINT_DONE``); None = not (yet) signalled.
         main_exited: the main process has ended.
         unkillable: processes survived SIGKILL for ``KILL_VERIFY_TIMEOUT_S``.
     """
@@ -170,6 +180,7 @@ class RunHandle:
     term_sent_at: float | None = None
     kill_sent_at: float | None = None
     kill_resent_at: float | None = None
+    checkpoint_done_at: float | None = None
     main_exited: bool = False
     unkillable: bool = False
 
@@ -177,6 +188,15 @@ class RunHandle:
         """JSON fields for the ``started`` event: ``pid``, ``boot_id`` and ``runtime_state``
         (a dict the runtime reads back in :meth:`Runtime.adopt`)."""
         return {"pid": self.pid, "boot_id": self.boot_id, "runtime_state": {}}
+
+
+def grace_over(rec: RunRecord, h: RunHandle, now: float) -> bool:
+    """Whether a stop's grace has ended at ``now`` (monotonic seconds): SIGTERM was sent and
+    either ``rec.stop_grace_s`` seconds passed or the job signalled its checkpoint durable
+    (``h.checkpoint_done_at``), whichever came first. Shared by every runtime's ``poll``."""
+    if h.term_sent_at is None:
+        return False
+    return h.checkpoint_done_at is not None or now - h.term_sent_at >= rec.stop_grace_s
 
 
 class Runtime(Protocol):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.agent.runtime.base import JobUser, Launch
-from gpufleet.agent.workdir import RunPaths
+from gpufleet.agent.workdir import CHECKPOINT_DONE_NAME, RunPaths
 from gpufleet.domain.mounts import Mount
 
 LABEL_RUN = "gpufleet.run_id"
@@ -89,6 +89,7 @@ def container_env(launch: ContainerLaunch, *, cdi: bool) -> dict[str, str]:
     env["GPUFLEET_CHECKPOINT_DIR"] = MOUNTS["checkpoints"]
     env["GPUFLEET_ARTIFACTS_DIR"] = MOUNTS["artifacts"]
     env["GPUFLEET_RESUME_FROM"] = MOUNTS["resume"] if launch.resume_dir is not None else ""
+    env["GPUFLEET_CHECKPOINT_DONE"] = f"{MOUNTS['work']}/{CHECKPOINT_DONE_NAME}"
     env["GPUFLEET_GPU_IDS"] = ",".join(str(i) for i in launch.gpu_ids)
     if cdi:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(launch.gpu_ids)))

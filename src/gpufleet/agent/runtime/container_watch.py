@@ -20,7 +20,8 @@ and come back after an agent restart). :func:`poll_container` is one monitoring 
   :meth:`.ContainerEngine.keep_oom_counters`) above zero and an exit code other than 0.
   Neither exit 137 nor a memory peak at the limit (page cache) is an OOM. Without a cgroup
   (a rootless engine) the engine's ``State.OOMKilled`` is used;
-* stop (seed DD5): ``kill --signal TERM``, ``rec.stop_grace_s`` seconds of grace,
+* stop (seed DD5): ``kill --signal TERM``, ``rec.stop_grace_s`` seconds of grace (ended early
+  by the job's checkpoint signal, :func:`.base.grace_over`),
   ``kill --signal KILL`` (re-sent every second); while processes of the container are left
   after that (or when the engine fails or gives no answer to a kill), they are killed through
   the cgroup (frozen, SIGKILL, thawed; conmon is spared so it can still record the exit).
@@ -50,6 +51,7 @@ from gpufleet.agent.runtime.base import (
     OOM_KILLED,
     ExitInfo,
     RunHandle,
+    grace_over,
 )
 from gpufleet.agent.runtime.container_engine import ContainerEngine, ContainerState, EngineError
 from gpufleet.agent.runtime.containment import (
@@ -143,14 +145,13 @@ def poll_container(
             h.cgroup.signal_all(signal.SIGTERM, exclude=_monitor_pids(h))
         h.term_sent_at = now
         h.next_inspect_at = 0.0
-    if (
-        h.kill_sent_at is None
-        and h.term_sent_at is not None
-        and now - h.term_sent_at >= rec.stop_grace_s
-    ):
-        logger.warning(
-            "run %s: container alive after %g s grace: SIGKILL", rec.run_id, rec.stop_grace_s
-        )
+    if h.kill_sent_at is None and grace_over(rec, h, now):
+        if h.checkpoint_done_at is not None:
+            logger.info("run %s: checkpoint signalled: SIGKILL the container", rec.run_id)
+        else:
+            logger.warning(
+                "run %s: container alive after %g s grace: SIGKILL", rec.run_id, rec.stop_grace_s
+            )
         if not engine.kill(h.name, "KILL"):
             _kill_cgroup(rec, h, "the engine did not kill it")
         h.kill_sent_at = h.kill_resent_at = now

@@ -40,6 +40,7 @@ from gpufleet.agent.runtime.base import (
     Launch,
     RunHandle,
     StartError,
+    grace_over,
 )
 from gpufleet.agent.runtime.containment import Containment, JobCgroup, oom_verdict
 from gpufleet.agent.runtime.jobnet import JobNet, attempt_netns, drop_netns
@@ -285,8 +286,9 @@ class ProcessRuntime:
         """One monitoring step (the stop protocol of :mod:`.base`).
 
         SIGTERM goes to every process of the attempt (the cgroup's pids, else the shim's
-        group); after ``rec.stop_grace_s`` SIGKILL to every process (cgroup: frozen first, so
-        nothing forks in between); re-sent every second while any is left; after 30 s
+        group); after ``rec.stop_grace_s`` (or the job's checkpoint signal) SIGKILL to every
+        process (cgroup: frozen first, so nothing forks in between); re-sent every second
+        while any is left; after 30 s
         ``h.unkillable`` is set and the attempt is never reported finished while it lasts.
         """
         assert isinstance(h, ProcessHandle)
@@ -298,12 +300,10 @@ class ProcessRuntime:
             self._signal(h, signal.SIGTERM)
             h.term_sent_at = now
         h.main_exited = h.main_exited or self._shim_exited(h)
-        if (
-            h.kill_sent_at is None
-            and h.term_sent_at is not None
-            and now - h.term_sent_at >= rec.stop_grace_s
-        ):
-            if not h.main_exited:
+        if h.kill_sent_at is None and grace_over(rec, h, now):
+            if not h.main_exited and h.checkpoint_done_at is not None:
+                logger.info("run %s: checkpoint signalled: SIGKILL what is left", rec.run_id)
+            elif not h.main_exited:
                 logger.warning(
                     "run %s: alive after %g s grace: SIGKILL", rec.run_id, rec.stop_grace_s
                 )

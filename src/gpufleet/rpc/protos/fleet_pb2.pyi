@@ -529,6 +529,7 @@ class ReportCompletionRequest(_message.Message):
     ENDED_AT_UNIX_FIELD_NUMBER: _builtins.int
     SENT_AT_UNIX_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
+    STOP_HANDSHAKE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     run_id: _builtins.str
     token: _builtins.int
@@ -556,6 +557,12 @@ class ReportCompletionRequest(_message.Message):
     def resources(self) -> Global___AttemptResources:
         """What the attempt used, as its agent measured it (unset: not measured)."""
 
+    @_builtins.property
+    def stop_handshake(self) -> Global___StopHandshake:
+        """A stop's checkpoint handshake ($GPUFLEET_CHECKPOINT_DONE): unset when the agent sent no
+        SIGTERM (the attempt ended on its own).
+        """
+
     def __init__(
         self,
         *,
@@ -571,14 +578,49 @@ class ReportCompletionRequest(_message.Message):
         ended_at_unix: _builtins.float = ...,
         sent_at_unix: _builtins.float = ...,
         resources: Global___AttemptResources | None = ...,
+        stop_handshake: Global___StopHandshake | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources", "stop_handshake", b"stop_handshake"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended_at_unix", b"ended_at_unix", "exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_fault", b"node_fault", "node_id", b"node_id", "outcome", b"outcome", "reason", b"reason", "resources", b"resources", "run_id", b"run_id", "sent_at_unix", b"sent_at_unix", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended_at_unix", b"ended_at_unix", "exit_code", b"exit_code", "manifest_uri", b"manifest_uri", "message", b"message", "node_fault", b"node_fault", "node_id", b"node_id", "outcome", b"outcome", "reason", b"reason", "resources", b"resources", "run_id", b"run_id", "sent_at_unix", b"sent_at_unix", "stop_handshake", b"stop_handshake", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportCompletionRequest: _TypeAlias = ReportCompletionRequest  # noqa: Y015
+
+@_typing.final
+class StopHandshake(_message.Message):
+    """What the checkpoint handshake of one stop did (seconds on the agent's monotonic clock)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIGNALLED_FIELD_NUMBER: _builtins.int
+    GRACE_S_FIELD_NUMBER: _builtins.int
+    SIGNAL_AFTER_S_FIELD_NUMBER: _builtins.int
+    SAVED_S_FIELD_NUMBER: _builtins.int
+    signalled: _builtins.bool
+    """the job created its checkpoint-done file during the grace"""
+    grace_s: _builtins.float
+    """the stop's grace period"""
+    signal_after_s: _builtins.float
+    """SIGTERM to the signal (signalled only)"""
+    saved_s: _builtins.float
+    """grace not waited because of the signal (0: ended by itself)"""
+    def __init__(
+        self,
+        *,
+        signalled: _builtins.bool = ...,
+        grace_s: _builtins.float = ...,
+        signal_after_s: _builtins.float = ...,
+        saved_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_s", b"grace_s", "saved_s", b"saved_s", "signal_after_s", b"signal_after_s", "signalled", b"signalled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopHandshake: _TypeAlias = StopHandshake  # noqa: Y015
 
 @_typing.final
 class AttemptResources(_message.Message):

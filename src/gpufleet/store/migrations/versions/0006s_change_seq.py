@@ -66,7 +66,9 @@ WATCHED: dict[str, tuple[str, ...]] = {
     ),
     "node_capacity": ("total_gpus", "available_gpus"),
 }
-JSON_COLUMNS = {"gpu_ids", "labels", "admin_labels", "images"}
+JSON_COLUMNS = {"gpu_ids", "labels", "admin_labels", "images", "spec"}
+"""Columns PostgreSQL compares as text (``json`` has no equality); ``spec`` is watched from
+0012_day26 on."""
 
 
 def upgrade() -> None:

@@ -1,0 +1,80 @@
+"""policy.suggest: what-if passes over one snapshot (pure)."""
+
+from __future__ import annotations
+
+from tests.unit.policy.policy_builders import job, node, run, snap, team
+
+from gpufleet.policy.suggest import suggest
+
+
+def test_fewer_gpus_largest_count_that_starts_now() -> None:
+    # n7 has 4 of 8 free; the 8-GPU job waits; 4 GPUs start now on n7
+    s = snap(
+        [node("n7", free=4)],
+        pending=[job("big", gpus=8)],
+        running=[run("r1", "n7", gpus=4, started=0.0, max_runtime_s=7200)],
+        teams=[team("a")],
+        now=100.0,
+    )
+    out = suggest(s, "big")
+    assert out.waiting and not out.starts_as_is
+    kinds = {x.kind: x for x in out.suggestions}
+    assert kinds["fewer_gpus"].change == {"gpu_count": 4}
+    assert kinds["fewer_gpus"].node_ids == ("n7",)
+    assert kinds["fewer_gpus"].message == "4 GPUs would start now on n7"
+
+
+def test_starts_as_is_and_not_waiting() -> None:
+    s = snap([node("n1", free=8)], pending=[job("j", gpus=2)], teams=[team("a")])
+    assert suggest(s, "j").starts_as_is
+    out = suggest(s, "other")
+    assert not out.waiting and out.suggestions == ()
+
+
+def test_another_gpu_type() -> None:
+    s = snap(
+        [node("h1", free=0, gpu_type="H100"), node("a1", free=8, gpu_type="A100")],
+        pending=[job("j", gpus=4, types=("H100",))],
+        running=[run("r", "h1", gpus=8, gpu_type="H100", max_runtime_s=3600)],
+        teams=[team("a")],
+    )
+    out = suggest(s, "j")
+    by = {x.kind: x for x in out.suggestions}
+    assert by["gpu_type"].change == {"gpu_types": ["A100"]}
+    assert by["gpu_type"].node_ids == ("a1",)
+
+
+def test_shorter_max_runtime_fits_the_backfill_window() -> None:
+    # head: 8 GPUs reserved on n1 when r ends (t=3600); small has no bound and would delay it;
+    # with max_runtime under the window it backfills now on the 4 free GPUs
+    s = snap(
+        [node("n1", free=4)],
+        pending=[job("head", gpus=8, at=0.0), job("small", gpus=4, at=1.0)],
+        running=[run("r", "n1", gpus=4, max_runtime_s=3600)],
+        teams=[team("a")],
+        now=0.0,
+    )
+    out = suggest(s, "small")
+    by = {x.kind: x for x in out.suggestions}
+    assert "max_runtime" in by, out
+    assert by["max_runtime"].change["max_runtime_s"] <= 3600
+    assert by["max_runtime"].backfilled
+    assert "ends before the reserved job head starts in 1h 00m on n1" in by["max_runtime"].message
+
+
+def test_nothing_names_the_reservation_first() -> None:
+    # one node, full until t=3600; a 1-GPU job cannot start by any change
+    s = snap(
+        [node("n1", free=0)],
+        pending=[job("head", gpus=8, at=0.0), job("one", gpus=1, at=1.0)],
+        running=[run("r", "n1", gpus=8, max_runtime_s=3600)],
+        teams=[team("a")],
+    )
+    out = suggest(s, "one")
+    assert out.suggestions == ()
+    assert out.none_reason is not None
+    assert "reserved 8-GPU job head (in 1h 00m on n1; " in out.none_reason
+    own = suggest(s, "head")
+    assert own.none_reason is not None and "it is reserved to start in 1h 00m on n1" in (
+        own.none_reason
+    )
