@@ -69,6 +69,7 @@ def resources_of(spec: dict[str, object]) -> Resources:
         nodes=int(r["nodes"]) if r.get("nodes") else None,
         gpus_per_node=int(r["gpus_per_node"]) if r.get("gpus_per_node") else None,
         allow_partial_nodes=bool(r.get("allow_partial_nodes") or False),
+        gpu_fraction=float(f) if (f := r.get("gpu_fraction")) is not None else None,
     )
 
 
