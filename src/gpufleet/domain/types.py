@@ -85,6 +85,12 @@ GPU_MILLI = 1000
 (``node_gpus.shared_milli``), so that 1/8 + ... + 1/8 is exactly 1 and never 1.0000001."""
 
 
+SHARED_GPU_HOLDER = "*shared"
+"""``node_gpus.holder_run_id`` of a GPU held by share reservations (no run id starts with
+``*``): one holder column, so a whole-GPU claim (``holder_run_id IS NULL``) never takes a GPU
+holding shares, and a share never lands on a GPU a run holds whole."""
+
+
 def milli_of(fraction: float | None) -> int:
     """``fraction`` of a GPU in thousandths (0 for None: a whole-GPU job)."""
     return 0 if fraction is None else round(fraction * GPU_MILLI)

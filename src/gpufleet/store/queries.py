@@ -489,8 +489,11 @@ def recent_displacements(
 def load_invariant_view(session: Session) -> InvariantView:
     """The whole allocation state, read in one transaction, for ``check_invariants``."""
     holders: dict[str, dict[int, str | None]] = {}
+    shares: dict[str, dict[int, int]] = {}
     for g in session.scalars(select(NodeGpuRow)):
         holders.setdefault(g.node_id, {})[g.gpu_index] = g.holder_run_id
+        if g.shared_milli:
+            shares.setdefault(g.node_id, {})[g.gpu_index] = g.shared_milli
     beats = {
         n.id: (n.last_heartbeat_at, n.health)
         for n in session.execute(select(NodeRow.id, NodeRow.last_heartbeat_at, NodeRow.health))
@@ -513,11 +516,14 @@ def load_invariant_view(session: Session) -> InvariantView:
             holders.get(c.node_id, {}),
             last_heartbeat_s=beat(c.node_id),
             listed_runs=listed(c.node_id),
+            gpu_shares=shares.get(c.node_id, {}),
         )
         for c in session.scalars(select(NodeCapacityRow))
     )
     reservations = tuple(
-        ReservationView(r.id, r.run_id, r.job_id, r.node_id, tuple(r.gpu_ids), r.status)
+        ReservationView(
+            r.id, r.run_id, r.job_id, r.node_id, tuple(r.gpu_ids), r.status, r.gpu_milli
+        )
         for r in session.scalars(
             select(ReservationRow).where(ReservationRow.status.in_(sorted(RESERVATION_ACTIVE)))
         )
