@@ -44,7 +44,7 @@ def share(db: Database, job_id: str, milli: int, *, epoch: int, node: str = "n1"
     )
 
 
-def release(db: Database, run_id: str) -> int:
+def release(db: Database, run_id: str) -> float:
     return db.run_write(lambda s: allocate.release(s, run_id=run_id, now=None, message="stopped"))
 
 
@@ -127,11 +127,11 @@ class TestShares:
     ) -> None:
         jobs = [submit(db, gpus=1).job_id for _ in range(3)]
         a, b = share(db, jobs[0], 250, epoch=fleet), share(db, jobs[1], 500, epoch=fleet)
-        assert release(db, a.run_id) == 0  # GPU 0 still holds b's share
+        assert release(db, a.run_id) == 0.25  # its fraction; GPU 0 still holds b's share
         assert gpus(db)[0] == (SHARED_GPU_HOLDER, 500) and available(db) == 1
         assert release(db, a.run_id) == 0  # twice: a no-op
         assert gpus(db)[0] == (SHARED_GPU_HOLDER, 500)
-        assert release(db, b.run_id) == 1  # the last share: a whole free GPU again
+        assert release(db, b.run_id) == 0.5  # the last share: a whole free GPU again
         assert gpus(db)[0] == (None, 0) and available(db) == 2
         assert reserve(db, jobs[2], "n1", 2, epoch=fleet).gpu_ids == (0, 1)
         assert violations(db) == []
@@ -155,7 +155,7 @@ class TestShares:
                 s, run_id=a.run_id, now=None, message="agent: gone", only_quarantined=True
             )
         )
-        assert got == 1 and gpus(db)[0] == (None, 0)
+        assert got == 0.5 and gpus(db)[0] == (None, 0)
         assert violations(db) == []
 
 
@@ -210,6 +210,30 @@ def test_racing_share_reservers_never_exceed_one_gpu(db: Database) -> None:
             release(db, r.run_id)
         assert gpus(db) == {0: (None, 0), 1: (None, 0)}
         assert violations(db) == []
+
+
+def test_a_shares_usage_record_charges_its_fraction(db: Database, fleet: int) -> None:
+    """A 0.25-GPU attempt is charged 0.25 GPU-seconds per second it held its share, in its
+    usage record and in a window clipped out of it."""
+    from datetime import timedelta
+
+    from gpufleet.store import accounting
+    from gpufleet.store.tables import UsageRecordRow
+
+    a = share(db, submit(db, gpus=1).job_id, 250, epoch=fleet)
+    with db.read() as s:
+        start = s.execute(
+            select(ReservationRow.created_at).where(ReservationRow.run_id == a.run_id)
+        ).scalar_one()
+    end = start + timedelta(seconds=100)
+    db.run_write(
+        lambda s: accounting.record_attempt_end(s, a.run_id, outcome="SUCCEEDED", end_at=end)
+    )
+    with db.read() as s:
+        rec = s.get(UsageRecordRow, a.run_id)
+        assert (rec.gpus, rec.gpu_seconds) == (1, pytest.approx(25.0))
+        half = accounting.clipped_gpu_seconds(rec, start + timedelta(seconds=50), None)
+        assert half == pytest.approx(12.5)
 
 
 def test_the_checker_reports_overbooked_and_mixed_gpus() -> None:

@@ -76,8 +76,8 @@ class Resources:
     @property
     def gpus(self) -> float:
         """GPUs this job charges (accounting, fair share, quota): ``gpu_fraction`` for a
-        share, else ``gpu_count``."""
-        return self.gpu_fraction if self.gpu_fraction is not None else float(self.gpu_count)
+        share, else ``gpu_count`` (an int then: whole-GPU arithmetic stays integral)."""
+        return self.gpu_fraction if self.gpu_fraction is not None else self.gpu_count
 
 
 GPU_MILLI = 1000

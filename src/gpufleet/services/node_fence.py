@@ -222,10 +222,11 @@ def release_gone_quarantined(
     *,
     message: str,
     released: list[tuple[str, str, int]] | None = None,
-) -> int:
+) -> float:
     """Release the QUARANTINED reservations of ``node_id`` whose runs the agent does not list
     (``still_known``; None = release all: an operator confirmed the node dead, -> EXPIRED).
-    A QUARANTINED node with none left becomes HEALTHY. Returns the GPUs returned; appends
+    A QUARANTINED node with none left becomes HEALTHY. Returns the GPUs returned (a share
+    counts its fraction); appends
     ``(run_id, job_id, token)`` of each released run to ``released`` when given."""
     now = db_now(session)
     held = session.execute(
@@ -234,7 +235,7 @@ def release_gone_quarantined(
             ReservationRow.status == ReservationStatus.QUARANTINED,
         )
     ).all()
-    back = 0
+    back: float = 0
     left = 0
     for run_id, job_id, token in held:
         if still_known is not None and run_id in still_known:

@@ -710,7 +710,7 @@ def release(
     message: str,
     only_quarantined: bool = False,
     known: ActiveReservation | None = None,
-) -> int:
+) -> float:
     """Release the active reservation of ``run_id`` (RESERVED, CONFIRMED or QUARANTINED;
     ``only_quarantined``: only a QUARANTINED one): reservation -> RELEASED (or EXPIRED),
     GPU rows freed, capacity returned. Returns the number of GPUs returned (0 if the run held
@@ -718,7 +718,8 @@ def release(
 
     Call only with the agent's word that the attempt's processes are gone, or on a fence.
     A share reservation (``gpu_count`` 0) gives its part of its GPU back
-    (:func:`_release_share`); it returns 1 when that frees the GPU (its last share), else 0.
+    (:func:`_release_share`) and returns that fraction (0.25 for a quarter): what the
+    caller charges the team for (GPU-seconds per second held).
 
     ``known``: the run's active reservation as the caller read it in this transaction (with
     ``now``): it is moved by one UPDATE guarded by that status, without a read first; if it
@@ -850,10 +851,10 @@ def _unshare_statements(dialect: str) -> tuple[Any, Any, Any, Any]:
     return share, lock, take_off, up
 
 
-def _release_share(session: Session, res_id: str, node_id: str, run_id: str) -> int:
+def _release_share(session: Session, res_id: str, node_id: str, run_id: str) -> float:
     """Give a share reservation's part of its GPU back (its row already moved out of the
-    active states by :func:`release`). Returns 1 when that freed the GPU (its last share: a
-    whole free GPU again, in ``available_gpus``), else 0.
+    active states by :func:`release`); with the last share of the GPU, the GPU is a whole
+    free GPU again (in ``available_gpus``). Returns the share as a fraction of a GPU.
 
     Raises:
         StaleState: the GPU row does not hold the share (an invariant is broken; never
@@ -868,11 +869,10 @@ def _release_share(session: Session, res_id: str, node_id: str, run_id: str) -> 
         raise StaleState(
             f"node {node_id}: GPU {gpu_ids[0]} does not hold run {run_id}'s share ({milli}/1000)"
         )
-    if int(left[0]) != 0:
-        return 0
-    if up is not None and session.execute(up, params).rowcount != 1:  # type: ignore[attr-defined]
+    freed = int(left[0]) == 0
+    if freed and up is not None and session.execute(up, params).rowcount != 1:  # type: ignore[attr-defined]
         raise StaleState(f"node {node_id}: returning GPU {gpu_ids[0]} would exceed total")
-    return 1
+    return int(milli) / GPU_MILLI
 
 
 def set_inventory(

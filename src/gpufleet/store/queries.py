@@ -127,6 +127,7 @@ def node_state(n: Any, fence_after_s: float | None = None) -> NodeState:
         images=frozenset(normalize_image(str(i.get("name", ""))) for i in n.images or ()),
         silent_since_s=silent_since_s,
         fence_at_s=fence_at_s,
+        gpu_sharing=getattr(n, "gpu_sharing", None) or "none",
     )
 
 
@@ -199,6 +200,8 @@ def running_job(
         priority=PriorityClass(run.priority),
         gpu_count=len(run.gpu_ids),
         gpu_type=gpu_type,
+        gpu_milli=facts.resources.gpu_milli,
+        gpu_index=int(run.gpu_ids[0]) if facts.resources.gpu_milli and run.gpu_ids else None,
         started_at_s=(run.started_at or run.created_at).timestamp(),
         last_checkpoint_s=(
             run.last_checkpoint_at.timestamp() if run.last_checkpoint_at is not None else None
@@ -330,6 +333,7 @@ def load_snapshot(
             NodeRow.admin_labels,
             NodeRow.status,
             NodeRow.images,
+            NodeRow.gpu_sharing,
             NodeRow.last_heartbeat_at,
             NodeCapacityRow.total_gpus,
             NodeCapacityRow.available_gpus,

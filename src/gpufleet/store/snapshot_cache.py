@@ -151,6 +151,9 @@ _NODE_COLUMNS = (
     NodeRow.admin_labels,
     NodeRow.status,
     NodeRow.images,
+    # not WATCHED: an agent's new --gpu-sharing mode is seen by the next full read
+    # (``full_every_s``) or the node's next watched change; shares placed stay either way
+    NodeRow.gpu_sharing,
     # not WATCHED (a heartbeat must not make the node's row change each second): read only
     # for a SUSPECT node's silence, and a silent node's last heartbeat stays what it was
     # when it went SUSPECT (a status change, watched: the row is read again then)
