@@ -601,6 +601,12 @@ class NodeOut(BaseModel):
     """The agent's last health report: health, disk_free_mb, recent_start_failures."""
     images: list[str] = []
     """Container images the node holds (names), from its heartbeats."""
+    gpu_sharing: str = "none"
+    """Whether jobs asking for a GPU fraction may share its GPUs: none, timeslice or mps
+    (its agent's ``--gpu-sharing``)."""
+    shared_gpus: dict[str, float] = {}
+    """GPU index -> the fraction of it share reservations hold now (GPUs with shares
+    only; a shared GPU is not in ``available_gpus``)."""
 
 
 class NodeList(BaseModel):

@@ -26,6 +26,7 @@ from gpufleet.cli.common import (
 )
 from gpufleet.cli.config import client_config_path, default_config_path, write_client_config
 from gpufleet.domain.errors import GpufleetError
+from gpufleet.domain.types import GpuSharing
 
 if TYPE_CHECKING:
     from gpufleet.settings import Settings
@@ -492,6 +493,16 @@ def agent(
             " repeatable (default: none).",
         ),
     ] = None,
+    gpu_sharing: Annotated[
+        GpuSharing,
+        typer.Option(
+            "--gpu-sharing",
+            help="Whether jobs asking for a GPU fraction (--gpu-fraction) may share this"
+            " node's GPUs: none (whole GPUs only), timeslice (no isolation: compute and memory"
+            " shared), mps (SM share per job via CUDA MPS; run the MPS control daemon)."
+            " See docs/design/runtime.md.",
+        ),
+    ] = GpuSharing.NONE,
     job_pids_max: Annotated[
         int,
         typer.Option(
@@ -662,4 +673,5 @@ def agent(
         job_disk_mb=job_disk_mb,
         kept_runs_mb=kept_runs_mb,
         allow_mounts=tuple(allow_mount or ()),
+        gpu_sharing=gpu_sharing.value,
     )

@@ -129,6 +129,16 @@ class GpuSharing(enum.StrEnum):
     MPS = "mps"
 
 
+def sharing_of(reported: str) -> GpuSharing:
+    """An agent's reported sharing mode; empty (an agent older than the field) or unknown
+    (a newer agent's mode this controller does not know) is ``NONE``: whole GPUs only, the
+    safe reading."""
+    try:
+        return GpuSharing(reported) if reported else GpuSharing.NONE
+    except ValueError:
+        return GpuSharing.NONE
+
+
 @dataclass(frozen=True, slots=True)
 class JobSpec:
     """The normalized, immutable request a user submitted (stored as JSON on the job row)."""

@@ -1,0 +1,53 @@
+"""A GPU share's environment (``agent.workdir.share_env``) and the reading of an agent's
+reported sharing mode (``domain.types.sharing_of``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufleet.agent.workdir import share_env
+from gpufleet.domain.types import GpuSharing, fraction_problem, sharing_of
+
+
+@pytest.mark.parametrize(
+    ("milli", "mode", "want"),
+    [
+        pytest.param(0, "mps", {}, id="whole GPUs: nothing"),
+        pytest.param(500, "timeslice", {"GPUFLEET_GPU_FRACTION": "0.5"}, id="time-slicing"),
+        pytest.param(
+            250,
+            "mps",
+            {"GPUFLEET_GPU_FRACTION": "0.25", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"},
+            id="mps: its share of the SMs",
+        ),
+        pytest.param(
+            125,
+            "mps",
+            {"GPUFLEET_GPU_FRACTION": "0.125", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "12"},
+            id="an eighth",
+        ),
+    ],
+)
+def test_share_env(milli: int, mode: str, want: dict[str, str]) -> None:
+    assert share_env(milli, mode) == want
+
+
+@pytest.mark.parametrize(
+    ("reported", "want"),
+    [
+        ("", GpuSharing.NONE),  # an agent older than the field
+        ("mps", GpuSharing.MPS),
+        ("timeslice", GpuSharing.TIMESLICE),
+        ("mig", GpuSharing.NONE),  # a mode this controller does not know: whole GPUs
+    ],
+)
+def test_sharing_of(reported: str, want: GpuSharing) -> None:
+    assert sharing_of(reported) is want
+
+
+@pytest.mark.parametrize(
+    ("fraction", "steps", "ok"),
+    [(0.125, 8, True), (0.875, 8, True), (0.3, 8, False), (0.3, 10, True), (0.25, 2, False)],
+)
+def test_fraction_steps(fraction: float, steps: int, ok: bool) -> None:
+    assert (fraction_problem(fraction, steps) is None) == ok
