@@ -510,6 +510,7 @@ def nodes_table(nodes: list[dict[str, Any]], wide: bool = False) -> Table:
         "GPU TYPE",
         "GPU MEM MB",
         "GPUS FREE/TOTAL",
+        "GPU SHARING",
         "CONTAINMENT",
         "LABELS",
         "ADDRESS",
@@ -527,6 +528,7 @@ def nodes_table(nodes: list[dict[str, Any]], wide: bool = False) -> Table:
             cell(node.get("gpu_type")),
             cell(node.get("gpu_memory_mb")),
             Text(f"{fmt(node.get('available_gpus'))}/{fmt(node.get('total_gpus'))}"),
+            cell(sharing_text(node)),
             cell(containment_text(own)),
             cell(labels or None),
             cell(node.get("address")),
@@ -535,6 +537,19 @@ def nodes_table(nodes: list[dict[str, Any]], wide: bool = False) -> Table:
             Text(str(len(node.get("images") or []))),
         )
     return table
+
+
+def sharing_text(node: dict[str, Any]) -> str | None:
+    """A node's GPU sharing mode and its shared GPUs' fill, e.g. ``mps (gpu 0: 0.75)``;
+    None for a node that does not share (or an older server)."""
+    mode = node.get("gpu_sharing")
+    if not mode or mode == "none":
+        return None
+    fills = node.get("shared_gpus") or {}
+    if not fills:
+        return str(mode)
+    parts = ", ".join(f"gpu {i}: {f:g}" for i, f in sorted(fills.items(), key=lambda kv: kv[0]))
+    return f"{mode} ({parts})"
 
 
 def attempts_table(attempts: list[dict[str, Any]], wide: bool = False) -> Table:

@@ -54,7 +54,7 @@ class Resources:
         gpu_fraction: a share of ONE GPU, 0 < f < 1 (then ``gpu_count`` is 1), in steps the
             fleet allows (``Settings.gpu_fraction_steps``); None: whole GPUs. A share lands
             only on a node whose GPUs are shareable (``GpuSharing``), beside other shares of
-            the same GPU, never beside a whole-GPU job (docs/design/gpu-sharing.md).
+            the same GPU, never beside a whole-GPU job (docs/design/allocation.md, "GPU shares").
     """
 
     gpu_count: int
