@@ -26,7 +26,9 @@ from tests.factories import create_node
 CMD = ["python3", "eval.py"]
 
 
-def _api(db: Database, tmp_path: Path, **settings: object) -> Iterator[tuple[TestClient, dict]]:
+def _api(
+    db: Database, tmp_path: Path, sharing: str = "timeslice", **settings: object
+) -> Iterator[tuple[TestClient, dict]]:
     app = create_app(
         AppState(
             Settings(data_dir=tmp_path, **settings),
@@ -38,7 +40,7 @@ def _api(db: Database, tmp_path: Path, **settings: object) -> Iterator[tuple[Tes
     token = db.run_write(
         lambda s: (auth.create_team(s, "vision"), auth.create_token(s, "vision"))[1]
     )
-    create_node(db, "n1", gpus=4)
+    create_node(db, "n1", gpus=4, gpu_sharing=sharing)
     forget_fleet_shapes()
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client, {"Authorization": f"Bearer {token}"}
@@ -107,6 +109,16 @@ def test_the_fleet_step_setting_decides_the_allowed_shares(db: Database, tmp_pat
     assert post(client, {"command": CMD, "gpu_fraction": 0.75}, "q").status_code == 201
     r = post(client, {"command": CMD, "gpu_fraction": 0.125}, "e")
     assert r.status_code == 422 and "multiple of 1/4" in r.json()["message"], r.text
+    api.close()
+
+
+def test_a_share_is_refused_where_no_node_shares_its_gpus(db: Database, tmp_path: Path) -> None:
+    api = _api(db, tmp_path, sharing="none")
+    client = next(api)
+    r = post(client, {"command": CMD, "gpu_fraction": 0.5}, "s")
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == "gpu_fraction" and "--gpu-sharing" in r.json()["message"]
+    assert post(client, {"command": CMD}, "w").status_code == 201  # whole GPUs are fine
     api.close()
 
 
