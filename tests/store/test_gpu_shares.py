@@ -253,3 +253,33 @@ def test_the_checker_reports_overbooked_and_mixed_gpus() -> None:
     found = [str(v) for v in check_invariants(InvariantView((node,), res, (), ()))]
     assert any("sum to 1.25 of a GPU" in v for v in found), found
     assert any("held whole by ['r3'] and shared by ['r4']" in v for v in found), found
+
+
+def test_fencing_a_node_with_shares_quarantines_them_until_the_agents_word(
+    db: Database, fleet: int
+) -> None:
+    """A fence moves each share's reservation to QUARANTINED with the attempt FENCED (its
+    job re-queued): the GPU keeps its shares, no new share or whole job gets it, and only the
+    agent's word (here: an operator confirming the node dead) gives it back whole."""
+    from gpufleet.services import nodes
+    from gpufleet.services.node_fence import release_gone_quarantined
+
+    jobs = [submit(db, gpus=1).job_id for _ in range(3)]
+    a, b = share(db, jobs[0], 500, epoch=fleet), share(db, jobs[1], 375, epoch=fleet)
+    fenced = db.run_write(
+        lambda s: nodes.fence_node(s, "n1", reason="silent", max_node_failures=3)
+    )
+    assert {f.run_id for f in fenced} == {a.run_id, b.run_id}
+    with db.read() as s:
+        states = s.execute(
+            select(ReservationRow.status).where(ReservationRow.node_id == "n1")
+        ).scalars()
+        assert set(states) == {ReservationStatus.QUARANTINED}
+    assert gpus(db)[0] == (SHARED_GPU_HOLDER, 875) and available(db) == 1
+    assert violations(db) == []
+    back = db.run_write(
+        lambda s: release_gone_quarantined(s, "n1", None, message="operator: node dead")
+    )
+    assert back == pytest.approx(0.875)
+    assert gpus(db)[0] == (None, 0) and available(db) == 2
+    assert violations(db) == []

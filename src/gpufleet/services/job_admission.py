@@ -238,10 +238,7 @@ def _fleet_shapes(session: Session) -> list[NodeShape]:
         )
         counted[shape] = counted.get(shape, 0) + 1
     shapes = sorted(
-        (
-            replace(s, count=n)
-            for s, n in counted.items()
-        ),
+        (replace(s, count=n) for s, n in counted.items()),
         key=lambda n: (n.gpu_type, n.total_gpus, n.gpu_memory_mb, n.labels),
     )
     with _shapes_lock:

@@ -25,6 +25,7 @@ from gpufleet.domain.states import (
     ReservationStatus,
     RunStatus,
 )
+from gpufleet.domain.types import GPU_MILLI
 from gpufleet.services import runs
 from gpufleet.services.node_health import back_to_healthy
 from gpufleet.store import allocate, leader
@@ -124,8 +125,9 @@ def fence_node(
                 node_id=node_id,
                 message=reason,
             )
+            held = res.gpu_milli / GPU_MILLI if res.gpu_milli else res.gpu_count  # a share
             runs.charge_usage(
-                session, job.team_id, res.gpu_count, reserved_at=run.created_at, released_at=now
+                session, job.team_id, held, reserved_at=run.created_at, released_at=now
             )
         current = runs.is_current(job, run)
         job_to = _job_after_fence(session, job, run, max_node_failures) if current else None
