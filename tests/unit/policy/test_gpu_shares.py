@@ -156,3 +156,24 @@ class TestAccounting:
         snap = replace(snap, pending=(share_job("j2", 0.625),))
         out = schedule(snap, cfg)
         assert not out.decisions and out.waiting["j2"].code == "team_at_guarantee"
+
+
+def test_a_share_is_no_preemption_victim() -> None:
+    """Stopping one share frees no whole GPU while its GPU holds others: a HIGH whole-GPU job
+    of the team does not preempt its LOW shares (it waits); a LOW whole job is preempted."""
+    from gpufleet.domain.types import PriorityClass
+
+    low = PriorityClass.LOW
+    shares = (
+        replace(share_run("r1", "n1", 0, 500), priority=low),
+        replace(share_run("r2", "n1", 0, 500), priority=low),
+    )
+    high = job("h", gpus=1, priority=PriorityClass.HIGH, at=5.0)
+    snap = ClusterSnapshot(
+        now_s=10.0, nodes=(shared(node("n1", free=0, total=1)),), running=shares, pending=(high,)
+    )
+    out = schedule(snap)
+    assert out.decisions == ()
+    whole = replace(run("w1", "n1", priority=low), queued_at_s=0.0)
+    out = schedule(replace(snap, running=(whole,)))
+    assert [type(d).__name__ for d in out.decisions] == ["Preempt"]
