@@ -389,23 +389,25 @@ class _Pass(PassState):
     ) -> list[NodeState]:
         """Nodes of ``gpu_type`` that could take ``job``'s share: shared GPUs, the job's
         static filter (memory, CPU, labels) and, with ``schedulable``, HEALTHY and not
-        cordoned; in node-id order."""
+        cordoned; in node-id order (the shareable nodes of a type are listed once a pass)."""
         res, sel = job.resources, job.node_selector
-        return [
-            n
-            for _, n in sorted(self.index.nodes.items())
-            if n.gpu_type == gpu_type
-            and n.gpu_sharing != "none"
-            and (n.schedulable or not schedulable)
-            and node_accepts(n, res, sel)
-        ]
+        key = (gpu_type, schedulable, res.gpu_memory_mb, res.cpu, res.memory_mb, selector_key(sel))
+        hit = self.share_node_memo.get(key)
+        if hit is None:
+            hit = self.share_node_memo[key] = [
+                n
+                for n in self.shareable(gpu_type)
+                if (n.schedulable or not schedulable) and node_accepts(n, res, sel)
+            ]
+        return hit
 
     def try_place_share(self, job: PendingJob) -> Cause | None:
         """Place a share of one GPU (``policy.shares``): quota counts its fraction; the
         fullest shared GPU with room first, else a free GPU of the shareable node with the
         fewest free GPUs. Shares take no preemption, hold or backfill reservation (a share
         waits for room); their CPU and memory are checked against the node's totals only
-        when they join a GPU already shared."""
+        when they join a GPU already shared. A share of a shape that found no room is not
+        searched again in the pass for one as large or larger (room only shrinks)."""
         res = job.resources
         types = res.gpu_types or self.index.gpu_types
         refusal: Cause | None = None
@@ -413,6 +415,10 @@ class _Pass(PassState):
             code = self.admit(job, t, res.gpus, self.index.free_by_type.get(t, 0))
             if code is not None:
                 refusal = refusal or (code, t)
+                continue
+            key = (t, res.gpu_memory_mb, res.cpu, res.memory_mb, selector_key(job.node_selector))
+            failed = self.share_fail_memo.get(key)
+            if failed is not None and res.gpu_milli >= failed:
                 continue
             nodes = self.share_nodes(job, t)
             pick = self.shares.best_shared(nodes, res.gpu_milli)
@@ -428,6 +434,7 @@ class _Pass(PassState):
             if pick is not None:
                 self._place_share(job, pick, t)
                 return None
+            self.share_fail_memo[key] = min(failed or res.gpu_milli, res.gpu_milli)
         if refusal is not None and len(types) == 1:
             return refusal
         return refusal or ("no_node_fits_now",)

@@ -153,6 +153,12 @@ class PassState:
         self._running: RunningIndex | None = None
         self._victims: VictimSearch | None = None
         self._shares: ShareBook | None = None
+        self._shareable: dict[str, list[NodeState]] | None = None
+        self.share_fail_memo: dict[tuple[object, ...], int] = {}
+        self.share_node_memo: dict[tuple[object, ...], list[NodeState]] = {}
+        """Per share shape, the shareable nodes its static filter accepts (``share_nodes``)."""
+        """Per share shape (type, memory, CPU, memory, selector), the smallest share (in
+        thousandths) that found no room in this pass."""
         # Smallest GPU count known not to fit now, per job shape (free only shrinks).
         self.fail_memo: dict[tuple[object, ...], int] = {}
         self.shielded = Shielded({}, {})  # DD7 headroom for large jobs (policy.defrag)
@@ -169,6 +175,17 @@ class PassState:
         if self._shares is None:
             self._shares = ShareBook.of(self.snap.running)
         return self._shares
+
+    def shareable(self, gpu_type: str) -> list[NodeState]:
+        """The nodes of ``gpu_type`` whose GPUs take shares (any status), in node-id order;
+        listed once per pass."""
+        if self._shareable is None:
+            by_type: dict[str, list[NodeState]] = {}
+            for _, n in sorted(self.index.nodes.items()):
+                if n.gpu_sharing != "none":
+                    by_type.setdefault(n.gpu_type, []).append(n)
+            self._shareable = by_type
+        return self._shareable.get(gpu_type, [])
 
     @property
     def victims(self) -> VictimSearch:
