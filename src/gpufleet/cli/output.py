@@ -273,9 +273,11 @@ def _widest(rows: list[dict[str, Any]], key: str) -> int:
 
 
 def gpus_text(job: dict[str, Any]) -> str:
-    """``2 H100`` or ``8 any``; several acceptable types are joined with ``|``."""
+    """``2 H100`` or ``8 any``; several acceptable types are joined with ``|``; a share of a
+    GPU shows its fraction (``0.25 any``)."""
     types = job.get("gpu_types") or []
-    return f"{fmt(job.get('gpu_count'))} {'|'.join(str(t) for t in types) if types else 'any'}"
+    count = job.get("gpu_fraction") or job.get("gpu_count")
+    return f"{fmt(count)} {'|'.join(str(t) for t in types) if types else 'any'}"
 
 
 def job_status(job: dict[str, Any]) -> str:
@@ -742,7 +744,12 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
         *([("owner", fmt(job.get("owner")))] if job.get("owner") else []),
         ("status", status_text(job.get("status"))),
         ("priority", fmt(job.get("priority"))),
-        ("gpus", f"{fmt(job.get('gpu_count'))} x {fmt(job.get('gpu_types') or 'any')}"),
+        (
+            "gpus",
+            f"{fmt(job.get('gpu_fraction'))} of 1 x {fmt(job.get('gpu_types') or 'any')}"
+            if job.get("gpu_fraction")
+            else f"{fmt(job.get('gpu_count'))} x {fmt(job.get('gpu_types') or 'any')}",
+        ),
         ("command", quoted(job.get("command"))),
         *([("nodes", gang_shape(job))] if job.get("nodes") or job.get("gpus_per_node") else []),
         ("created", fmt_time(job.get("created_at"))),

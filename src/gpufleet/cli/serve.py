@@ -64,6 +64,14 @@ def up(
     gpus: Annotated[
         str | None, typer.Option(help="Declared GPUs when NVML finds none, e.g. 8xH100-80GB.")
     ] = "8xH100-80GB",
+    gpu_sharing: Annotated[
+        GpuSharing,
+        typer.Option(
+            "--gpu-sharing",
+            help="The local agent's --gpu-sharing: none (default), timeslice or mps; jobs with"
+            " --gpu-fraction need timeslice or mps.",
+        ),
+    ] = GpuSharing.NONE,
     insecure: Annotated[
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
@@ -121,7 +129,9 @@ def up(
         uids, note = default_job_uids()
         if note:
             err.print(f"[yellow]note:[/] {escape(note)}")
-    platform = LocalPlatform(settings, gpus=gpus, insecure=insecure, job_uids=uids)
+    platform = LocalPlatform(
+        settings, gpus=gpus, insecure=insecure, job_uids=uids, gpu_sharing=gpu_sharing.value
+    )
     cfg_path = client_config_path(settings.resolved_data_dir())
     token = reusable_token(platform.db, cfg_path) or ensure_admin_token(platform.db)
     agent_log = platform.agent_log_path()
