@@ -84,6 +84,7 @@ class TestPlacement:
         out = schedule(snap)
         assert [d.job_id for d in out.decisions if isinstance(d, Place)] == ["j0", "j1"]
         assert out.waiting["j2"].code == "no_node_fits_now"
+        assert "0.5 of a GPU" in out.waiting["j2"].message
 
     def test_a_share_joins_the_fullest_shared_gpu_before_opening_one(self) -> None:
         snap = ClusterSnapshot(
