@@ -63,7 +63,7 @@ class UsageLedger:
         self.advance(end_s)
         self.value += interval_gpu_s(gpu_count, start_s, end_s, self.as_of_s, self.half_life_s)
 
-    def with_running(self, now_s: float, running: list[tuple[int, float]]) -> float:
+    def with_running(self, now_s: float, running: list[tuple[float, float]]) -> float:
         """Usage at ``now_s`` including the elapsed part of running attempts
         ``[(gpu_count, started_at_s), ...]`` (what ``TeamState.usage_gpu_s`` should hold)."""
         extra = sum(interval_gpu_s(g, s, now_s, now_s, self.half_life_s) for g, s in running)

@@ -419,11 +419,11 @@ def load_snapshot(
                 predicted_s=predicted(run),
             )
         )
-    running_by_team: dict[str, list[tuple[int, float]]] = {}
+    running_by_team: dict[str, list[tuple[float, float]]] = {}
     for r in running:
         since = reserved_at.get(r.run_id)
         start_s = since.timestamp() if since is not None else r.started_at_s
-        running_by_team.setdefault(r.team_id, []).append((r.gpu_count, start_s))
+        running_by_team.setdefault(r.team_id, []).append((r.gpus, start_s))
     teams = {}
     for t in session.scalars(select(TeamRow)):
         as_of = (t.usage_as_of or now).timestamp()

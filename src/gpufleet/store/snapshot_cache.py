@@ -613,11 +613,11 @@ class SnapshotCache:
         usage_half_life_s: float,
         displacements: tuple[Displacement, ...],
     ) -> ClusterSnapshot:
-        running_by_team: dict[str, list[tuple[int, float]]] = {}
+        running_by_team: dict[str, list[tuple[float, float]]] = {}
         for r in self._runs.values():
             since = self._reserved_at_s.get(r.run_id)
             start_s = since if since is not None else r.started_at_s
-            running_by_team.setdefault(r.team_id, []).append((r.gpu_count, start_s))
+            running_by_team.setdefault(r.team_id, []).append((r.gpus, start_s))
         teams = {}
         team_limits: dict[str, TeamLimits] = {}
         for t in session.execute(_TEAMS):
