@@ -51,3 +51,27 @@ def test_sharing_of(reported: str, want: GpuSharing) -> None:
 )
 def test_fraction_steps(fraction: float, steps: int, ok: bool) -> None:
     assert (fraction_problem(fraction, steps) is None) == ok
+
+
+def test_a_shares_fraction_and_mode_survive_the_assignment_logs_replay(tmp_path) -> None:
+    """An agent restarted with a share running still knows its fraction (its own GPU check
+    and the job's environment read them from the replayed record)."""
+    from gpufleet.agent.assignment_log import AssignmentLog
+
+    log = AssignmentLog(tmp_path)
+    log.append(
+        "assigned",
+        "r1",
+        job_id="j1",
+        reservation_id="res1",
+        token=1,
+        leader_epoch=1,
+        attempt=1,
+        gpu_ids=[0],
+        command=["true"],
+        gpu_milli=375,
+        gpu_sharing="mps",
+    )
+    log.close()
+    rec = AssignmentLog(tmp_path).runs["r1"]
+    assert (rec.gpu_ids, rec.gpu_milli, rec.gpu_sharing) == ([0], 375, "mps")
