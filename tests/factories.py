@@ -35,6 +35,7 @@ def create_node(
     gpus: int = 8,
     gpu_type: str = "H100",
     address: str = "127.0.0.1:1",
+    gpu_sharing: str = "none",
 ) -> str:
     inv = nodes.NodeInventory(
         node_id=node_id,
@@ -45,6 +46,7 @@ def create_node(
         memory_mb=512_000,
         labels={},
         inventory_source="declared",
+        gpu_sharing=gpu_sharing,
     )
     db.run_write(lambda s: nodes.register_node(s, inv))
     return node_id

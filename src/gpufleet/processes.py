@@ -334,8 +334,10 @@ class LocalPlatform:
         agent_port: int = 0,
         insecure: bool = False,
         job_uids: str | None = None,
+        gpu_sharing: str = "none",
     ) -> None:
         self.settings = settings
+        self.gpu_sharing = gpu_sharing
         settings.private_data_dir()  # database, tokens, objects, agent state: no job reads them
         self.job_uids = job_uids
         self.insecure = insecure
@@ -399,6 +401,8 @@ class LocalPlatform:
             cmd += ["--gpus", self.gpus]
         if self.job_uids:
             cmd += ["--job-uids", self.job_uids]
+        if self.gpu_sharing != "none":
+            cmd += ["--gpu-sharing", self.gpu_sharing]
         extra_env: dict[str, str] = {}
         if self.insecure:
             cmd.append("--insecure")

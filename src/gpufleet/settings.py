@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -139,6 +139,20 @@ class Settings(BaseSettings):
     max_gpus_per_node: int = Field(
         default=8, description="gpu_count bound while no node is registered."
     )
+    gpu_fraction_steps: int = Field(
+        default=8,
+        ge=1,
+        le=1000,
+        description="A job's gpu_fraction must be a multiple of 1/N of a GPU (8: eighths);"
+        " N must divide 1000 (shares are summed in thousandths of a GPU).",
+    )
+
+    @field_validator("gpu_fraction_steps")
+    @classmethod
+    def _steps_divide_milli(cls, v: int) -> int:
+        if 1000 % v:
+            raise ValueError(f"gpu_fraction_steps {v} does not divide 1000 (e.g. 2, 4, 8, 10)")
+        return v
 
     team_max_outstanding_jobs: int = Field(
         default=10_000,

@@ -52,7 +52,12 @@ def reference(spec: JobSpec) -> dict[str, Any]:
         if data.get(key) in (None, []):  # stored only when set
             data.pop(key, None)
     r = data["resources"]
-    for key, unset in (("nodes", None), ("gpus_per_node", None), ("allow_partial_nodes", False)):
+    for key, unset in (
+        ("nodes", None),
+        ("gpus_per_node", None),
+        ("allow_partial_nodes", False),
+        ("gpu_fraction", None),
+    ):
         if r.get(key) == unset:
             r.pop(key, None)
     return data

@@ -112,6 +112,8 @@ class RunRecord:
     # host paths mounted into a container: [{"source", "target", "read_only"}]
     mounts: list[dict[str, Any]] = field(default_factory=list)
     shm_size_mb: int = 0  # /dev/shm size, MiB; 0 = domain.mounts.default_shm_mb
+    gpu_milli: int = 0  # a share of its one GPU, thousandths; 0 = whole GPUs
+    gpu_sharing: str = "none"  # the node's sharing mode when it was assigned
     status: RunStatus = RunStatus.ASSIGNED
     assigned_at_s: float = 0.0
     pid: int = 0  # the user command
@@ -178,6 +180,8 @@ _ASSIGN_FIELDS = (
     "disk_mb",
     "mounts",
     "shm_size_mb",
+    "gpu_milli",
+    "gpu_sharing",
 )
 
 

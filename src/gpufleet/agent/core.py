@@ -258,7 +258,7 @@ class AgentCore:
                     port = str(free_tcp_port())
                     req.env["MASTER_PORT"] = port
                     req.env["PET_MASTER_PORT"] = port
-                problem = self._gpu_problem(req.gpu_ids)
+                problem = self._gpu_problem(req.gpu_ids, req.gpu_milli)
                 if problem is None and req.image and self.runner.runtimes.container is None:
                     problem = NO_CONTAINER_RUNTIME  # known before anything is prepared
                 try:
@@ -326,6 +326,8 @@ class AgentCore:
                 )
             ],
             shm_size_mb=req.shm_size_mb,
+            gpu_milli=req.gpu_milli,
+            gpu_sharing=self.inventory.gpu_sharing,
         )
 
     def _start(
@@ -387,16 +389,38 @@ class AgentCore:
             return _assign(AssignResult.ALREADY_RUNNING, "", rec.pid)
         return _assign(AssignResult.ALREADY_EXITED, f"exit code {rec.exit_code}", rec.pid)
 
-    def _gpu_problem(self, gpu_ids: Iterable[int]) -> str | None:
+    def _gpu_problem(self, gpu_ids: Iterable[int], gpu_milli: int = 0) -> str | None:
+        """Why this node cannot run an attempt on ``gpu_ids`` now (None: it can): a GPU it
+        lacks, or one a live attempt holds whole; a share (``gpu_milli``) may join live
+        shares of its GPU while they sum to at most one GPU, and never a GPU held whole, nor
+        on a node that does not share GPUs (the agent's own check of the database's rule)."""
         have = {g.index for g in self.inventory.gpus}
-        held = {
-            gpu: r.run_id for r in self.log.runs.values() if r.status in _LIVE for gpu in r.gpu_ids
-        }
+        held: dict[int, str] = {}
+        shares: dict[int, int] = {}
+        for r in self.log.runs.values():
+            if r.status not in _LIVE:
+                continue
+            for gpu in r.gpu_ids:
+                if r.gpu_milli:
+                    shares[gpu] = shares.get(gpu, 0) + r.gpu_milli
+                    held.setdefault(gpu, r.run_id)
+                else:
+                    held[gpu] = r.run_id
+                    shares.pop(gpu, None)
+        if gpu_milli and self.inventory.gpu_sharing == "none":
+            return "this node does not share GPUs (agent --gpu-sharing none)"
         for gpu in gpu_ids:
             if gpu not in have:
                 return f"GPU {gpu} is not on this node (it has {sorted(have)})"
-            if gpu in held:
+            if gpu not in held:
+                continue
+            if not gpu_milli or gpu not in shares:
                 return f"GPU {gpu} is held by live run {held[gpu]}"
+            if shares[gpu] + gpu_milli > 1000:
+                return (
+                    f"GPU {gpu}: live shares hold {shares[gpu]}/1000 of it, no room for"
+                    f" {gpu_milli}/1000"
+                )
         return None
 
     # ------------------------------------------------------------------ StopRun

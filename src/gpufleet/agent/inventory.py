@@ -44,12 +44,16 @@ class Inventory:
         source: ``"nvml"`` or ``"declared"``.
         cpu: usable CPU cores.
         memory_mb: host memory, MiB.
+        gpu_sharing: whether and how its GPUs may be shared by several jobs (``--gpu-sharing``,
+            ``domain.types.GpuSharing``): reported at registration; the node takes GPU shares
+            only when it is not ``none``.
     """
 
     gpus: tuple[GpuDevice, ...]
     source: str
     cpu: float
     memory_mb: int
+    gpu_sharing: str = "none"
 
 
 def parse_gpu_spec(spec: str, node_id: str) -> list[GpuDevice]:

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
@@ -73,6 +73,7 @@ from gpufleet.agent.runtime.process import ProcessRuntime
 from gpufleet.agent.scratch import ScratchDisks
 from gpufleet.agent.service import AgentServicer, ControllerLink
 from gpufleet.agent.uploader import LogStreamer
+from gpufleet.domain.types import GpuSharing
 from gpufleet.objectstore import PROBE_PREFIX, ObjectStore, new_probe_nonce, probe, public_url
 from gpufleet.rpc import tls
 from gpufleet.rpc.channel_options import CLIENT_OPTIONS, SERVER_OPTIONS
@@ -311,6 +312,7 @@ def run_agent(
     container_pids_limit: int = DEFAULT_PIDS_LIMIT,
     container_read_only: bool = True,
     hollow: HollowOptions | None = None,
+    gpu_sharing: str = "none",
 ) -> None:
     """Run the node agent until ``stop_event`` is set or SIGTERM/SIGINT arrives.
 
@@ -415,7 +417,7 @@ def run_agent(
     # an agent started under nohup or as a background job inherits ignored HUP/INT/QUIT:
     # its jobs must not (exec keeps SIG_IGN, and the shim's sh cannot reset it)
     shim.unignore_signals()
-    inventory = load_inventory(node_id, gpus)
+    inventory = replace(load_inventory(node_id, gpus), gpu_sharing=GpuSharing(gpu_sharing).value)
     store_url = public_url(cfg.object_store_url)
     probe_nonce = new_probe_nonce()  # RegisterNode carries it: the controller reads it back
     problem = probe(cfg.object_store_url, node_id, probe_nonce)  # before a join spends the token

@@ -188,6 +188,7 @@ class ControllerLink:
             memory_mb=self.inventory.memory_mb,
             labels=self.labels,
             inventory_source=self.inventory.source,
+            gpu_sharing=self.inventory.gpu_sharing,
             object_store_url=self.object_store_url,
             object_store_probe_nonce=self.probe_nonce,
         )

@@ -147,7 +147,10 @@ def build_env(
        ``GPUFLEET_ARTIFACTS_DIR``, ``GPUFLEET_RESUME_FROM`` (a directory holding the
        previous attempt's checkpoints, or empty when there are none) and
        ``GPUFLEET_CHECKPOINT_DONE`` (the file to create once a checkpoint after SIGTERM is
-       durable: the stop then ends without waiting out its grace).
+       durable: the stop then ends without waiting out its grace); for a share of a GPU
+       (``rec.gpu_milli``) also ``GPUFLEET_GPU_FRACTION`` (e.g. ``0.25``) and, on an MPS
+       node, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (its fraction of the GPU's SMs, percent:
+       :func:`share_env`; docs/design/runtime.md says what each mode isolates).
     """
     env = {"PATH": DEFAULT_PATH, "HOME": home}
     for k, v in agent_env.items():
@@ -166,8 +169,22 @@ def build_env(
             "GPUFLEET_ARTIFACTS_DIR": str(paths.artifacts),
             "GPUFLEET_RESUME_FROM": str(resume_dir) if resume_dir is not None else "",
             "GPUFLEET_CHECKPOINT_DONE": str(paths.checkpoint_done),
+            **share_env(rec.gpu_milli, rec.gpu_sharing),
         }
     )
+    return env
+
+
+def share_env(gpu_milli: int, gpu_sharing: str) -> dict[str, str]:
+    """The variables of a GPU share (none for whole GPUs): ``GPUFLEET_GPU_FRACTION`` (the
+    share, e.g. ``0.25``) and, where the node runs MPS, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
+    (the share of the GPU's SMs the MPS server gives this client, percent, at least 1).
+    Time-slicing sets no limit: CUDA has none to set without MPS or MIG."""
+    if not gpu_milli:
+        return {}
+    env = {"GPUFLEET_GPU_FRACTION": f"{gpu_milli / 1000:g}"}
+    if gpu_sharing == "mps":
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(gpu_milli / 10)))
     return env
 
 

@@ -72,7 +72,8 @@ class FenceOut(BaseModel):
     node_id: str
     status: str
     fenced: list[dict[str, Any]]
-    released_gpus: int
+    released_gpus: int | float
+    """Whole GPUs released, plus the fractions of the shares released."""
 
 
 def add_admin_node_routes(

@@ -78,6 +78,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 default_notify=limits.notify_urls if limits is not None else (),
                 class_rules=limits.classes if limits is not None else None,
                 allowed_mounts=state.settings.allowed_mount_list(),
+                gpu_fraction_steps=state.settings.gpu_fraction_steps,
                 control=jobs.SubmitControl(
                     array=body.array,
                     depends_on=[d.model_dump() for d in depends]
@@ -348,6 +349,7 @@ def job_out(
         nodes=spec["resources"].get("nodes"),
         gpus_per_node=spec["resources"].get("gpus_per_node"),
         allow_partial_nodes=bool(spec["resources"].get("allow_partial_nodes")),
+        gpu_fraction=spec["resources"].get("gpu_fraction"),
         gpu_types=list(spec["resources"].get("gpu_types") or []),
         command=list(spec["command"]),
         max_retries=int(spec.get("max_retries") or 0),

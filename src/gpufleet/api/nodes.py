@@ -10,7 +10,7 @@ from gpufleet.api.app import AppState, Who
 from gpufleet.api.schemas import NodeList, NodeOut
 from gpufleet.domain.labels import effective_labels
 from gpufleet.services import jobs
-from gpufleet.store.tables import NodeCapacityRow, NodeRow
+from gpufleet.store.tables import NodeCapacityRow, NodeGpuRow, NodeRow
 
 
 def router(state: AppState) -> APIRouter:
@@ -26,6 +26,13 @@ def router(state: AppState) -> APIRouter:
                 .join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
                 .order_by(NodeRow.id)
             ).all()
+            shared: dict[str, dict[str, float]] = {}
+            for node_id, index, milli in s.execute(
+                select(NodeGpuRow.node_id, NodeGpuRow.gpu_index, NodeGpuRow.shared_milli).where(
+                    NodeGpuRow.shared_milli > 0
+                )
+            ):
+                shared.setdefault(node_id, {})[str(index)] = milli / 1000
             return NodeList(
                 items=[
                     NodeOut(
@@ -48,6 +55,8 @@ def router(state: AppState) -> APIRouter:
                         if who.is_admin or not n.health
                         else {k: v for k, v in n.health.items() if k != "disk_free_mb"},
                         images=sorted(str(i.get("name", "")) for i in n.images or []),
+                        gpu_sharing=n.gpu_sharing,
+                        shared_gpus=shared.get(n.id, {}),
                     )
                     for n, c in rows
                 ]

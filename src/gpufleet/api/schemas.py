@@ -86,6 +86,9 @@ class JobCreate(BaseModel):
     alone, gpu_count defaults to that product)."""
     allow_partial_nodes: bool = False
     """A derived gang may split ``gpu_count`` unevenly over nodes (e.g. 12 as 8 + 4)."""
+    gpu_fraction: float | None = Field(default=None, gt=0, lt=1)
+    """A share of ONE GPU (0 < f < 1, in the fleet's steps, 1/8 by default); gpu_count must
+    then be 1. None: whole GPUs."""
     gpu_type: str | list[str] | None = None
     gpu_memory_mb: int = Field(default=0, ge=0, le=10_000_000)
     cpu: float = Field(default=0.0, ge=0, le=100_000)
@@ -310,6 +313,20 @@ class JobCreate(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _fraction_shape(self) -> JobCreate:
+        """A fraction is a share of one GPU: not with several GPUs, nor with a gang."""
+        if self.gpu_fraction is None:
+            return self
+        if self.gpu_count != 1 or self.nodes or self.gpus_per_node:
+            raise PydanticCustomError(
+                "gpu_fraction",
+                "gpu_fraction is a share of ONE GPU: it needs gpu_count 1 (got {count})"
+                " and no nodes/gpus_per_node; ask for whole GPUs instead",
+                {"field": "gpu_fraction", "count": self.gpu_count},
+            )
+        return self
+
+    @model_validator(mode="after")
     def _runtime_bounds(self) -> JobCreate:
         if (
             self.expected_duration_s
@@ -332,6 +349,7 @@ class JobCreate(BaseModel):
                 nodes=self.nodes,
                 gpus_per_node=self.gpus_per_node,
                 allow_partial_nodes=self.allow_partial_nodes,
+                gpu_fraction=self.gpu_fraction,
             ),
             priority=PriorityClass(self.priority),
             name=self.name,
@@ -500,6 +518,8 @@ class JobOut(BaseModel):
     gpu_count fits one)."""
     gpus_per_node: int | None = None
     allow_partial_nodes: bool = False
+    gpu_fraction: float | None = None
+    """The share of one GPU the job asked for (None: whole GPUs)."""
     gpu_types: list[str]
     command: list[str]
     max_retries: int
@@ -592,6 +612,12 @@ class NodeOut(BaseModel):
     """The agent's last health report: health, disk_free_mb, recent_start_failures."""
     images: list[str] = []
     """Container images the node holds (names), from its heartbeats."""
+    gpu_sharing: str = "none"
+    """Whether jobs asking for a GPU fraction may share its GPUs: none, timeslice or mps
+    (its agent's ``--gpu-sharing``)."""
+    shared_gpus: dict[str, float] = {}
+    """GPU index -> the fraction of it share reservations hold now (GPUs with shares
+    only; a shared GPU is not in ``available_gpus``)."""
 
 
 class NodeList(BaseModel):

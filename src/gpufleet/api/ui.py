@@ -48,6 +48,7 @@ from sqlalchemy.orm import Session
 from gpufleet.domain.errors import GpufleetError, NotFound, Unauthenticated, ValidationFailed
 from gpufleet.domain.manifest import Manifest
 from gpufleet.domain.states import JOB_TERMINAL, JobStatus, ReservationStatus, RunStatus
+from gpufleet.domain.types import SHARED_GPU_HOLDER
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.policy.start_estimate import describe_stored
 from gpufleet.services import auth, jobctl, jobs, teams
@@ -396,6 +397,18 @@ def fleet_context(s: Session, p: auth.Principal) -> dict[str, Any]:
                         "job_id": job_id if mine else None,
                         "label": f"{team_id}: {name or job_id}" if mine else "in use",
                         "stopping": run_status == RunStatus.PREEMPTING,
+                    }
+                )
+            elif holder == SHARED_GPU_HOLDER:  # held by share reservations (GPU shares)
+                cells.append(
+                    {
+                        "index": index,
+                        "state": "running",
+                        "team": None,
+                        "team_slot": None,
+                        "job_id": None,
+                        "label": "shared (GPU fractions)",
+                        "stopping": False,
                     }
                 )
             elif n.status != "HEALTHY":

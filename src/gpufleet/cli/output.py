@@ -274,9 +274,11 @@ def _widest(rows: list[dict[str, Any]], key: str) -> int:
 
 
 def gpus_text(job: dict[str, Any]) -> str:
-    """``2 H100`` or ``8 any``; several acceptable types are joined with ``|``."""
+    """``2 H100`` or ``8 any``; several acceptable types are joined with ``|``; a share of a
+    GPU shows its fraction (``0.25 any``)."""
     types = job.get("gpu_types") or []
-    return f"{fmt(job.get('gpu_count'))} {'|'.join(str(t) for t in types) if types else 'any'}"
+    count = job.get("gpu_fraction") or job.get("gpu_count")
+    return f"{fmt(count)} {'|'.join(str(t) for t in types) if types else 'any'}"
 
 
 def job_status(job: dict[str, Any]) -> str:
@@ -527,6 +529,7 @@ def nodes_table(nodes: list[dict[str, Any]], wide: bool = False) -> Table:
         "GPU TYPE",
         "GPU MEM MB",
         "GPUS FREE/TOTAL",
+        "GPU SHARING",
         "CONTAINMENT",
         "LABELS",
         "ADDRESS",
@@ -544,6 +547,7 @@ def nodes_table(nodes: list[dict[str, Any]], wide: bool = False) -> Table:
             cell(node.get("gpu_type")),
             cell(node.get("gpu_memory_mb")),
             Text(f"{fmt(node.get('available_gpus'))}/{fmt(node.get('total_gpus'))}"),
+            cell(sharing_text(node)),
             cell(containment_text(own)),
             cell(labels or None),
             cell(node.get("address")),
@@ -552,6 +556,19 @@ def nodes_table(nodes: list[dict[str, Any]], wide: bool = False) -> Table:
             Text(str(len(node.get("images") or []))),
         )
     return table
+
+
+def sharing_text(node: dict[str, Any]) -> str | None:
+    """A node's GPU sharing mode and its shared GPUs' fill, e.g. ``mps (gpu 0: 0.75)``;
+    None for a node that does not share (or an older server)."""
+    mode = node.get("gpu_sharing")
+    if not mode or mode == "none":
+        return None
+    fills = node.get("shared_gpus") or {}
+    if not fills:
+        return str(mode)
+    parts = ", ".join(f"gpu {i}: {f:g}" for i, f in sorted(fills.items(), key=lambda kv: kv[0]))
+    return f"{mode} ({parts})"
 
 
 def attempts_table(attempts: list[dict[str, Any]], wide: bool = False) -> Table:
@@ -744,7 +761,12 @@ def print_job(job: dict[str, Any], wide: bool = False) -> None:
         *([("owner", fmt(job.get("owner")))] if job.get("owner") else []),
         ("status", status_text(job.get("status"))),
         ("priority", fmt(job.get("priority"))),
-        ("gpus", f"{fmt(job.get('gpu_count'))} x {fmt(job.get('gpu_types') or 'any')}"),
+        (
+            "gpus",
+            f"{fmt(job.get('gpu_fraction'))} of 1 x {fmt(job.get('gpu_types') or 'any')}"
+            if job.get("gpu_fraction")
+            else f"{fmt(job.get('gpu_count'))} x {fmt(job.get('gpu_types') or 'any')}",
+        ),
         ("command", quoted(job.get("command"))),
         *([("nodes", gang_shape(job))] if job.get("nodes") or job.get("gpus_per_node") else []),
         ("created", fmt_time(job.get("created_at"))),

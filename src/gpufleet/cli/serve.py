@@ -26,6 +26,7 @@ from gpufleet.cli.common import (
 )
 from gpufleet.cli.config import client_config_path, default_config_path, write_client_config
 from gpufleet.domain.errors import GpufleetError
+from gpufleet.domain.types import GpuSharing
 
 if TYPE_CHECKING:
     from gpufleet.settings import Settings
@@ -63,6 +64,14 @@ def up(
     gpus: Annotated[
         str | None, typer.Option(help="Declared GPUs when NVML finds none, e.g. 8xH100-80GB.")
     ] = "8xH100-80GB",
+    gpu_sharing: Annotated[
+        GpuSharing,
+        typer.Option(
+            "--gpu-sharing",
+            help="The local agent's --gpu-sharing: none (default), timeslice or mps; jobs with"
+            " --gpu-fraction need timeslice or mps.",
+        ),
+    ] = GpuSharing.NONE,
     insecure: Annotated[
         bool, typer.Option(help="Plaintext, unauthenticated gRPC (default: mutual TLS).")
     ] = False,
@@ -120,7 +129,9 @@ def up(
         uids, note = default_job_uids()
         if note:
             err.print(f"[yellow]note:[/] {escape(note)}")
-    platform = LocalPlatform(settings, gpus=gpus, insecure=insecure, job_uids=uids)
+    platform = LocalPlatform(
+        settings, gpus=gpus, insecure=insecure, job_uids=uids, gpu_sharing=gpu_sharing.value
+    )
     cfg_path = client_config_path(settings.resolved_data_dir())
     token = reusable_token(platform.db, cfg_path) or ensure_admin_token(platform.db)
     agent_log = platform.agent_log_path()
@@ -492,6 +503,16 @@ def agent(
             " repeatable (default: none).",
         ),
     ] = None,
+    gpu_sharing: Annotated[
+        GpuSharing,
+        typer.Option(
+            "--gpu-sharing",
+            help="Whether jobs asking for a GPU fraction (--gpu-fraction) may share this"
+            " node's GPUs: none (whole GPUs only), timeslice (no isolation: compute and memory"
+            " shared), mps (SM share per job via CUDA MPS; run the MPS control daemon)."
+            " See docs/design/runtime.md.",
+        ),
+    ] = GpuSharing.NONE,
     job_pids_max: Annotated[
         int,
         typer.Option(
@@ -672,4 +693,5 @@ def agent(
         job_disk_mb=job_disk_mb,
         kept_runs_mb=kept_runs_mb,
         allow_mounts=tuple(allow_mount or ()),
+        gpu_sharing=gpu_sharing.value,
     )

@@ -262,6 +262,15 @@ def submit(
         int | None,
         typer.Option("--gpus", min=1, max=MAX_JOB_GPUS, help="GPU count (default 1)."),
     ] = None,
+    gpu_fraction: Annotated[
+        float | None,
+        typer.Option(
+            "--gpu-fraction",
+            help="A share of ONE GPU, 0 < F < 1 in the fleet's steps (1/8 by default, e.g."
+            " 0.25); lands on a node whose GPUs are shared (agent --gpu-sharing).",
+            callback=finite,
+        ),
+    ] = None,
     gpu_type: Annotated[
         list[str] | None, typer.Option("--gpu-type", help="GPU type; repeat in preference order.")
     ] = None,
@@ -422,6 +431,7 @@ def submit(
             "name": name,
             "image": image,
             "gpu_count": gpus,
+            "gpu_fraction": gpu_fraction,
             "gpu_type": gpu_type,
             "nodes": nodes,
             "gpus_per_node": gpus_per_node,

@@ -117,6 +117,7 @@ def submit_body(
     command: Sequence[str] | str,
     *,
     gpus: int = 1,
+    gpu_fraction: float | None = None,
     gpu_type: str | Sequence[str] | None = None,
     name: str | None = None,
     image: str | None = None,
@@ -146,12 +147,14 @@ def submit_body(
     syntax (``"afterok:ID:ID,afterany:ID"``) or a list of jobs (``afterok``) and
     ``{"type": ..., "job_id": ...}`` mappings. ``mounts``: ``"SRC:DST[:ro]"`` strings or
     ``{"source", "target", "read_only"}`` mappings (container jobs); ``shm_size_mb``:
-    ``/dev/shm`` size, MiB; ``notify``: webhook URLs told of the job's end."""
+    ``/dev/shm`` size, MiB; ``notify``: webhook URLs told of the job's end;
+    ``gpu_fraction``: a share of one GPU (0 < f < 1, the fleet's steps; ``gpus`` stays 1)."""
     body: dict[str, Any] = {
         "command": shlex.split(command) if isinstance(command, str) else list(command),
         "gpu_count": gpus,
     }
     optional = {
+        "gpu_fraction": gpu_fraction,
         "gpu_type": gpu_type if isinstance(gpu_type, str | None) else list(gpu_type),
         "name": name,
         "image": image,

@@ -136,7 +136,8 @@ class Client:
             idempotency_key: reuse to make a retried submit return the first job (default:
                 a new uuid4, kept in the answer).
             on_retry: called with (error, key) before each retry of a lost or 503 submit.
-            **fields: any other job field: ``gpu_type``, ``name``, ``image``, ``env``,
+            **fields: any other job field: ``gpu_fraction`` (a share of one GPU, e.g.
+                0.25), ``gpu_type``, ``name``, ``image``, ``env``,
                 ``priority``, ``max_retries``, ``max_runtime_s``, ``expected_duration_s``,
                 ``cpu``, ``memory_mb``, ``gpu_memory_mb``, ``pids_limit`` (processes and
                 threads at once), ``disk_mb`` (scratch size, MiB), ``mounts``

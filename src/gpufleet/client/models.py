@@ -148,6 +148,8 @@ class Job:
     None: never started)."""
     time_left_s: float | None = None
     """While RUNNING with a ``max_runtime_s``: seconds of it left (else None)."""
+    gpu_fraction: float | None = None
+    """The share of one GPU it asked for (None: whole GPUs, or an older server)."""
     processes_unverified: str | None = None
     """Set while the code of one of its attempts may still run although the job shows
     otherwise (CANCELLED at once after its node was fenced): which attempt, which node;
@@ -198,6 +200,7 @@ class Job:
             owner=_str(d.get("owner")),
             elapsed_s=d.get("elapsed_s"),
             time_left_s=d.get("time_left_s"),
+            gpu_fraction=d.get("gpu_fraction"),
             processes_unverified=_str(d.get("processes_unverified")),
         )
 

@@ -23,6 +23,7 @@ from gpufleet.controller.leadership import Leadership
 from gpufleet.controller.rpc_errors import loop_failed
 from gpufleet.controller.stops import record_never_started
 from gpufleet.domain.states import RunStatus
+from gpufleet.domain.types import milli_of
 from gpufleet.objectstore import ObjectStore
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.services import nodes, runs
@@ -201,6 +202,7 @@ class AssignmentDispatch:
             mount_targets=[str(m["target"]) for m in spec.get("mounts") or []],
             mount_read_only=[bool(m.get("read_only")) for m in spec.get("mounts") or []],
             shm_size_mb=int(spec.get("shm_size_mb") or 0),
+            gpu_milli=milli_of((spec.get("resources") or {}).get("gpu_fraction")),
         )
         return node.id, node.address, req
 

@@ -229,7 +229,7 @@ class FleetView:
     nodes: dict[tuple[str, str], int] = field(default_factory=dict)
     free_per_node: dict[str, list[int]] = field(default_factory=dict)
     largest_fit: dict[str, int] = field(default_factory=dict)
-    team_gpus: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    team_gpus: dict[tuple[str, str, str], float] = field(default_factory=dict)
     """(team, gpu_type, kind) -> GPUs; kind is allocated, guaranteed, borrowed."""
     team_share: dict[str, float] = field(default_factory=dict)
     team_usage: dict[str, float] = field(default_factory=dict)
@@ -629,8 +629,8 @@ def _state_metrics(view: FleetView | None) -> Iterator[Metric]:
             free.add_metric([t], buckets, total)
         for t, n in sorted(view.largest_fit.items()):
             fit.add_metric([t], n)
-        for k3, n in sorted(view.team_gpus.items()):
-            team_gpus.add_metric(list(k3), n)
+        for k3, team_held in sorted(view.team_gpus.items()):
+            team_gpus.add_metric(list(k3), team_held)
         for t, v in sorted(view.team_share.items()):
             share.add_metric([t], v)
         for t, v in sorted(view.team_usage.items()):

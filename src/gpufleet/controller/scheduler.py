@@ -710,6 +710,7 @@ class Scheduler(AssignmentDispatch):
             lease_s=self.settings.reservation_lease_s,
             holds=decision.job_id in self._holding,
             priority=self._run_priority(decision.job_id),
+            gpu_milli=decision.gpu_milli,
         )
 
     def _run_priority(self, job_id: str) -> str | None:

@@ -13,7 +13,7 @@ import grpc
 from gpufleet.controller import metrics
 from gpufleet.controller.identity import NodeAuthenticator
 from gpufleet.controller.rpc_errors import guard as _guard
-from gpufleet.domain.types import GpuDevice
+from gpufleet.domain.types import GpuDevice, sharing_of
 from gpufleet.objectstore import ObjectStore, ProbeReader, ProbeVerdict, mismatch, public_url
 from gpufleet.rpc.protos import fleet_pb2 as pb
 from gpufleet.rpc.protos import fleet_pb2_grpc as pb_grpc
@@ -112,6 +112,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             memory_mb=request.memory_mb,
             labels=dict(request.labels),
             inventory_source=request.inventory_source or "declared",
+            gpu_sharing=sharing_of(request.gpu_sharing),
         )
         _guard(
             context,

@@ -17,6 +17,7 @@ from gpufleet.domain.states import (
     RESERVATION_LIVE,
     RUN_ACTIVE,
 )
+from gpufleet.domain.types import GPU_MILLI, SHARED_GPU_HOLDER
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,10 @@ class NodeView:
     last_heartbeat_s: float | None = None
     listed_runs: frozenset[str] | None = None
     """Run ids the agent listed in its last heartbeat (None: unknown)."""
+    gpu_shares: Mapping[int, int] = field(default_factory=dict)
+    """GPU index -> thousandths of it the node's records say share reservations hold (the
+    per-GPU share sum; absent or 0: no shares). A GPU with shares has the holder
+    ``domain.types.SHARED_GPU_HOLDER``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +45,8 @@ class ReservationView:
     node_id: str
     gpu_ids: tuple[int, ...]
     status: str
+    gpu_milli: int = 0
+    """A share reservation's part of its one GPU (``gpu_ids[0]``), thousandths; 0: whole."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +124,11 @@ def check_invariants(view: InvariantView, stuck: StuckLimits | None = None) -> l
     with ``stuck`` the stuck states of invariant 6 (:func:`check_stuck`).
 
     1. Per node: GPUs of active reservations + available == total, and active reservations'
-       gpu_ids are disjoint and match the per-GPU holder records.
-    2. A GPU id is held by at most one active reservation (cluster-wide).
+       gpu_ids are disjoint and match the per-GPU holder records. A GPU held by shares
+       counts once, however many shares it holds.
+    2. A GPU id is held by at most one active reservation (cluster-wide), or by shares
+       only: never by a whole-GPU reservation and a share at once; its active shares sum
+       to at most one GPU (1000 thousandths) and to what its record says.
     3. A job has at most one authoritative attempt; a terminal job holds no active reservation.
        A gang attempt is one attempt of several members (one run per rank, one shared
        token): its live members all carry the job's current token, one per rank, at most
@@ -231,8 +241,14 @@ def _capacity_adds_up(
     nodes: Iterable[NodeView], active: list[ReservationView]
 ) -> Iterable[Violation]:
     reserved: dict[str, int] = defaultdict(int)
+    shared: set[tuple[str, int]] = set()
     for r in active:
-        reserved[r.node_id] += len(r.gpu_ids)
+        if r.gpu_milli:
+            shared.update((r.node_id, g) for g in r.gpu_ids)
+        else:
+            reserved[r.node_id] += len(r.gpu_ids)
+    for node_id, _ in shared:
+        reserved[node_id] += 1
     for n in nodes:
         if reserved[n.node_id] + n.available_gpus != n.total_gpus:
             yield Violation(
@@ -256,13 +272,50 @@ def _gpus_held_once(
     nodes: Iterable[NodeView], active: list[ReservationView]
 ) -> Iterable[Violation]:
     holders: dict[tuple[str, int], list[str]] = defaultdict(list)
+    shares: dict[tuple[str, int], list[tuple[str, int]]] = defaultdict(list)
     for r in active:
         for g in r.gpu_ids:
-            holders[(r.node_id, g)].append(r.run_id)
+            if r.gpu_milli:
+                shares[(r.node_id, g)].append((r.run_id, r.gpu_milli))
+            else:
+                holders[(r.node_id, g)].append(r.run_id)
     for (node_id, gpu), runs in sorted(holders.items()):
         if len(runs) > 1:
             yield Violation(2, f"{node_id}/gpu{gpu}", f"held by {len(runs)} runs: {sorted(runs)}")
+        if (node_id, gpu) in shares:
+            yield Violation(
+                2,
+                f"{node_id}/gpu{gpu}",
+                f"held whole by {sorted(runs)} and shared by"
+                f" {sorted(r for r, _ in shares[(node_id, gpu)])}",
+            )
     node_by_id = {n.node_id: n for n in nodes}
+    for (node_id, gpu), parts in sorted(shares.items()):
+        total = sum(m for _, m in parts)
+        where = f"{node_id}/gpu{gpu}"
+        if total > GPU_MILLI:
+            yield Violation(2, where, f"shares sum to {total / GPU_MILLI:g} of a GPU: {parts}")
+        node = node_by_id.get(node_id)
+        if node is None:
+            yield Violation(2, node_id, "active share reservation on an unknown node")
+            continue
+        if node.gpu_holders and node.gpu_holders.get(gpu) != SHARED_GPU_HOLDER:
+            yield Violation(
+                2, where, f"shared by {parts}; the GPU record says {node.gpu_holders.get(gpu)!r}"
+            )
+        if node.gpu_holders and node.gpu_shares.get(gpu, 0) != total:
+            yield Violation(
+                2,
+                where,
+                f"active shares sum to {total}/1000, the GPU record says"
+                f" {node.gpu_shares.get(gpu, 0)}/1000",
+            )
+    for n in nodes:  # a GPU whose record says shares that no active reservation holds
+        for gpu, milli in sorted(n.gpu_shares.items()):
+            if milli and (n.node_id, gpu) not in shares:
+                yield Violation(
+                    2, f"{n.node_id}/gpu{gpu}", f"record says {milli}/1000 shared, none active"
+                )
     for (node_id, gpu), runs in sorted(holders.items()):
         node = node_by_id.get(node_id)
         if node is None:

@@ -51,6 +51,10 @@ class Resources:
         gpus_per_node: GPUs on each member; None derives it (``gpu_count / nodes``).
         allow_partial_nodes: a derived gang may split unevenly (e.g. 12 GPUs as 8 + 4);
             False means whole nodes only.
+        gpu_fraction: a share of ONE GPU, 0 < f < 1 (then ``gpu_count`` is 1), in steps the
+            fleet allows (``Settings.gpu_fraction_steps``); None: whole GPUs. A share lands
+            only on a node whose GPUs are shareable (``GpuSharing``), beside other shares of
+            the same GPU, never beside a whole-GPU job (docs/design/allocation.md, "GPU shares").
     """
 
     gpu_count: int
@@ -61,6 +65,78 @@ class Resources:
     nodes: int | None = None
     gpus_per_node: int | None = None
     allow_partial_nodes: bool = False
+    gpu_fraction: float | None = None
+
+    @property
+    def gpu_milli(self) -> int:
+        """The share in thousandths of a GPU (``gpu_fraction`` x 1000, rounded); 0 for a
+        whole-GPU job."""
+        return milli_of(self.gpu_fraction)
+
+    @property
+    def gpus(self) -> float:
+        """GPUs this job charges (accounting, fair share, quota): ``gpu_fraction`` for a
+        share, else ``gpu_count`` (an int then: whole-GPU arithmetic stays integral)."""
+        return self.gpu_fraction if self.gpu_fraction is not None else self.gpu_count
+
+
+GPU_MILLI = 1000
+"""A whole GPU in share units: the database sums shares of one GPU as integers up to this
+(``node_gpus.shared_milli``), so that 1/8 + ... + 1/8 is exactly 1 and never 1.0000001."""
+
+
+SHARED_GPU_HOLDER = "*shared"
+"""``node_gpus.holder_run_id`` of a GPU held by share reservations (no run id starts with
+``*``): one holder column, so a whole-GPU claim (``holder_run_id IS NULL``) never takes a GPU
+holding shares, and a share never lands on a GPU a run holds whole."""
+
+
+def milli_of(fraction: float | None) -> int:
+    """``fraction`` of a GPU in thousandths (0 for None: a whole-GPU job)."""
+    return 0 if fraction is None else round(fraction * GPU_MILLI)
+
+
+DEFAULT_FRACTION_STEPS = 8
+"""Shares come in steps of 1/8 GPU unless the fleet says otherwise
+(``Settings.gpu_fraction_steps``)."""
+
+
+def fraction_problem(fraction: float | None, steps: int = DEFAULT_FRACTION_STEPS) -> str | None:
+    """Why ``fraction`` is not a share the fleet allows (None: it is, or no fraction):
+    0 < f < 1 and a whole number of ``1/steps`` steps. ``steps`` divides :data:`GPU_MILLI`
+    (the settings check it), so every allowed share is a whole number of thousandths."""
+    if fraction is None:
+        return None
+    if not 0 < fraction < 1:
+        return f"gpu_fraction {fraction:g} is not between 0 and 1 (exclusive)"
+    if abs(fraction * steps - round(fraction * steps)) > 1e-9:
+        return (
+            f"gpu_fraction {fraction:g} is not a multiple of 1/{steps}"
+            f" (this fleet shares a GPU in steps of 1/{steps}, e.g. {1 / steps:g})"
+        )
+    return None
+
+
+class GpuSharing(enum.StrEnum):
+    """How a node's GPUs may be shared (agent ``--gpu-sharing``, reported at registration).
+
+    NONE: whole GPUs only. TIMESLICE: several shares time-slice one GPU (no compute or memory
+    isolation). MPS: shares run as clients of the node's MPS control daemon, each limited to
+    its fraction of the SMs (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``)."""
+
+    NONE = "none"
+    TIMESLICE = "timeslice"
+    MPS = "mps"
+
+
+def sharing_of(reported: str) -> GpuSharing:
+    """An agent's reported sharing mode; empty (an agent older than the field) or unknown
+    (a newer agent's mode this controller does not know) is ``NONE``: whole GPUs only, the
+    safe reading."""
+    try:
+        return GpuSharing(reported) if reported else GpuSharing.NONE
+    except ValueError:
+        return GpuSharing.NONE
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,8 @@ from gpufleet.policy.fleet_index import node_accepts, selector_key
 from gpufleet.policy.gang import find_gang, member_resources, static_fit
 from gpufleet.policy.pass_state import PassState
 from gpufleet.policy.placement import Shadow
-from gpufleet.policy.snapshot import BackfillReservation, ClusterSnapshot, PendingJob
+from gpufleet.policy.shares import SharePick
+from gpufleet.policy.snapshot import BackfillReservation, ClusterSnapshot, NodeState, PendingJob
 from gpufleet.policy.waste import with_waste_reasons
 
 __all__ = ["schedule"]
@@ -321,6 +322,8 @@ class _Pass(PassState):
     def try_place(self, job: PendingJob) -> Cause | None:
         """Place ``job`` now if quota and placement allow; else the cause it waits."""
         res = job.resources
+        if res.gpu_fraction is not None:
+            return self.try_place_share(job)
         if res.gpu_count > 1 and self.is_gang(res):
             return self.try_place_gang(job)
         memo_key: tuple[object, ...] | None = None
@@ -382,12 +385,72 @@ class _Pass(PassState):
             )
         return refusal or ("no_node_fits_now",)
 
+    def share_nodes(
+        self, job: PendingJob, gpu_type: str, schedulable: bool = True
+    ) -> list[NodeState]:
+        """Nodes of ``gpu_type`` that could take ``job``'s share: shared GPUs, the job's
+        static filter (memory, CPU, labels) and, with ``schedulable``, HEALTHY and not
+        cordoned; in node-id order (the shareable nodes of a type are listed once a pass)."""
+        res, sel = job.resources, job.node_selector
+        key = (gpu_type, schedulable, res.gpu_memory_mb, res.cpu, res.memory_mb, selector_key(sel))
+        hit = self.share_node_memo.get(key)
+        if hit is None:
+            hit = self.share_node_memo[key] = [
+                n
+                for n in self.shareable(gpu_type)
+                if (n.schedulable or not schedulable) and node_accepts(n, res, sel)
+            ]
+        return hit
+
+    def try_place_share(self, job: PendingJob) -> Cause | None:
+        """Place a share of one GPU (``policy.shares``): quota counts its fraction; the
+        fullest shared GPU with room first, else a free GPU of the shareable node with the
+        fewest free GPUs. Shares take no preemption, hold or backfill reservation (a share
+        waits for room); their CPU and memory are checked against the node's totals only
+        when they join a GPU already shared. A share of a shape that found no room is not
+        searched again in the pass for one as large or larger (room only shrinks)."""
+        res = job.resources
+        types = res.gpu_types or self.index.gpu_types
+        refusal: Cause | None = None
+        for t in types:
+            code = self.admit(job, t, res.gpus, self.index.free_by_type.get(t, 0))
+            if code is not None:
+                refusal = refusal or (code, t)
+                continue
+            key = (t, res.gpu_memory_mb, res.cpu, res.memory_mb, selector_key(job.node_selector))
+            failed = self.share_fail_memo.get(key)
+            if failed is not None and res.gpu_milli >= failed:
+                continue
+            nodes = self.share_nodes(job, t)
+            pick = self.shares.best_shared(nodes, res.gpu_milli)
+            if pick is None:
+                fits = [
+                    (self.index.visible_free(n.node_id), n.node_id)
+                    for n in nodes
+                    if self.index.fits_on(n.node_id, res, job.job_id)
+                    and n.node_id not in self.index.shadows
+                ]
+                if fits:
+                    pick = SharePick(min(fits)[1], None)
+            if pick is not None:
+                self._place_share(job, pick, t)
+                return None
+            self.share_fail_memo[key] = min(failed or res.gpu_milli, res.gpu_milli)
+        if refusal is not None and len(types) == 1:
+            return refusal
+        return refusal or ("no_node_fits_now",)
+
     # -- phase 5 ------------------------------------------------------------------------
     def handle_head(self, job: PendingJob, cause: Cause, preempt: bool = True) -> Cause:
         """The first blocked job of its team: preempt for it (only with ``preempt``), or
         reserve for it. Also called with ``preempt=False`` for a later blocked job of a size
         no reservation covers yet (``wants_size_reservation``)."""
         res = job.resources
+        if res.gpu_fraction is not None:  # a share waits for room (try_place_share)
+            types = res.gpu_types or self.index.all_types()
+            if not any(self.share_nodes(job, t, schedulable=False) for t in types):
+                return ("never_fits",)
+            return cause
         if res.gpu_count > 1 and self.is_gang(res):
             return self.handle_gang_head(job, cause, preempt)
         if not self.index.fits_schedulable(res, job.node_selector):

@@ -11,12 +11,15 @@ from gpufleet.policy.snapshot import BackfillReservation
 
 @dataclass(frozen=True, slots=True)
 class Place:
-    """Reserve ``gpu_count`` GPUs of ``node_id`` for ``job_id`` (one atomic reservation)."""
+    """Reserve ``gpu_count`` GPUs of ``node_id`` for ``job_id`` (one atomic reservation);
+    with ``gpu_milli`` a share of one GPU of the node instead (``policy.shares``: the
+    fullest GPU with room, else a free one; ``gpu_count`` is 1)."""
 
     job_id: str
     node_id: str
     gpu_count: int
     backfilled: bool = False
+    gpu_milli: int = 0
 
 
 @dataclass(frozen=True, slots=True)

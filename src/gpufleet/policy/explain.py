@@ -84,6 +84,8 @@ _WHOSE = {
 def _shape(job: PendingJob) -> str:
     r = job.resources
     s = f"{r.gpu_count} GPU(s)"
+    if r.gpu_fraction is not None:
+        s = f"{r.gpu_fraction:g} of a GPU (a share, on a node that shares its GPUs)"
     if r.gpu_types:
         s += " of type " + "/".join(r.gpu_types)
     if r.gpu_memory_mb:
@@ -495,6 +497,12 @@ class WaitingReasons(Mapping[str, WaitReason]):
                     f"Waiting for {_shape(job)} {where}; the largest free block that "
                     f"matches is {largest}."
                 )
+                if res.gpu_fraction is not None:
+                    d["gpu_fraction"] = res.gpu_fraction
+                    msg = (
+                        f"Waiting for {_shape(job)}: no shared GPU has room for it and no"
+                        " whole GPU of such a node is free."
+                    )
                 if d["served_instead"]:
                     teams = ", ".join(d["served_instead"])
                     msg += f" GPUs freed this pass went to team(s) {teams}."

@@ -278,7 +278,7 @@ def demotion_target(allowed: frozenset[PriorityClass] | None) -> PriorityClass:
 
 
 def _running_gpu_s(r: RunningJob, start_s: float, now_s: float) -> float:
-    return r.gpu_count * max(0.0, now_s - max(r.started_at_s, start_s))
+    return r.gpus * max(0.0, now_s - max(r.started_at_s, start_s))  # a share: its fraction
 
 
 def _renewal(

@@ -24,6 +24,7 @@ from gpufleet.policy.preemption import VictimSearch
 from gpufleet.policy.priority import queue_key, sorted_queues
 from gpufleet.policy.quota import OVER_BORROW_LIMIT, TEAM_AT_GUARANTEE, TeamBook
 from gpufleet.policy.runtime import RunningIndex
+from gpufleet.policy.shares import ShareBook, SharePick
 from gpufleet.policy.snapshot import (
     BackfillReservation,
     ClusterSnapshot,
@@ -152,6 +153,13 @@ class PassState:
         gets one too when no job of its size holds one (the fleet's head job of a size)."""
         self._running: RunningIndex | None = None
         self._victims: VictimSearch | None = None
+        self._shares: ShareBook | None = None
+        self._shareable: dict[str, list[NodeState]] | None = None
+        self.share_fail_memo: dict[tuple[object, ...], int] = {}
+        self.share_node_memo: dict[tuple[object, ...], list[NodeState]] = {}
+        """Per share shape, the shareable nodes its static filter accepts (``share_nodes``)."""
+        """Per share shape (type, memory, CPU, memory, selector), the smallest share (in
+        thousandths) that found no room in this pass."""
         # Smallest GPU count known not to fit now, per job shape (free only shrinks).
         self.fail_memo: dict[tuple[object, ...], int] = {}
         self.shielded = Shielded({}, {})  # DD7 headroom for large jobs (policy.defrag)
@@ -161,6 +169,24 @@ class PassState:
         if self._running is None:
             self._running = RunningIndex(self.snap.running, self.now, self.cfg)
         return self._running
+
+    @property
+    def shares(self) -> ShareBook:
+        """The fills of the shared GPUs in this pass (``policy.shares``), on first use."""
+        if self._shares is None:
+            self._shares = ShareBook.of(self.snap.running)
+        return self._shares
+
+    def shareable(self, gpu_type: str) -> list[NodeState]:
+        """The nodes of ``gpu_type`` whose GPUs take shares (any status), in node-id order;
+        listed once per pass."""
+        if self._shareable is None:
+            by_type: dict[str, list[NodeState]] = {}
+            for _, n in sorted(self.index.nodes.items()):
+                if n.gpu_sharing != "none":
+                    by_type.setdefault(n.gpu_type, []).append(n)
+            self._shareable = by_type
+        return self._shareable.get(gpu_type, [])
 
     @property
     def victims(self) -> VictimSearch:
@@ -212,7 +238,7 @@ class PassState:
             if r.team_id == team_id and r.gpu_type == gpu_type
         )
 
-    def admit(self, job: PendingJob, gpu_type: str, gpus: int, free_of_type: int) -> str | None:
+    def admit(self, job: PendingJob, gpu_type: str, gpus: float, free_of_type: int) -> str | None:
         """``TeamBook.admit`` for ``job``, which must also leave its team's quota to the
         preemptors the queue serves before it (``quota_kept_for``); None or the refusal."""
         code = self.book.admit(job.team_id, gpu_type, gpus, free_of_type)
@@ -255,6 +281,21 @@ class PassState:
         if job.job_id in self.shielded.nodes:  # DD7 headroom (policy.defrag)
             self.shielded.release(self.index, job.job_id)
         self.served[job.team_id] = self.served.get(job.team_id, 0) + res.gpu_count
+        self.n_places += 1
+
+    def _place_share(self, job: PendingJob, pick: SharePick, gpu_type: str) -> None:
+        """``job`` (a share) placed at ``pick``: a GPU opened for shares leaves the free
+        index (it is no whole GPU any more); the team is charged its fraction."""
+        res = job.resources
+        if pick.gpu_key is None:
+            hard_end = self.now + job.max_runtime_s if job.max_runtime_s is not None else None
+            self.index.take(pick.node_id, res, job.job_id, hard_end)
+        self.shares.add(pick, res.gpu_milli)
+        self.book.charge(job.team_id, gpu_type, res.gpus, res.cpu, res.memory_mb)
+        self.decisions.append(
+            Place(job.job_id, pick.node_id, 1, self.n_reservations > 0, res.gpu_milli)
+        )
+        self.placed.add(job.job_id)
         self.n_places += 1
 
     def _place_gang(

@@ -163,7 +163,7 @@ class VictimSearch:
                         excess -= sum(m.gpu_count for m in unit)
                         continue
                     self.borrowed.add(r.run_id)
-                    if r.preemptible and not r.stopping:
+                    if r.preemptible and not r.stopping and not r.gpu_milli:
                         self._borrowed_nodes.setdefault(r.node_id, []).append(r)
                     excess -= r.gpu_count
         for runs in self._borrowed_nodes.values():
@@ -175,7 +175,7 @@ class VictimSearch:
         if by_node is None:
             by_node = self._team_nodes[team_id] = {}
             for r in self._by_team.get(team_id, ()):
-                if r.preemptible and not r.stopping:
+                if r.preemptible and not r.stopping and not r.gpu_milli:
                     on = by_node.get(r.node_id)
                     if on is None:
                         by_node[r.node_id] = [r]
@@ -418,7 +418,9 @@ class VictimSearch:
         return out if out else None
 
     def _eligible(self, r: RunningJob, job: PendingJob, reason: str) -> bool:
-        if r.stopping or not r.preemptible or r.run_id in self.taken:
+        # a GPU share is no victim: stopping it frees no whole GPU unless it is its GPU's
+        # last share (policy.shares; shares are not preempted in this version)
+        if r.stopping or not r.preemptible or r.gpu_milli or r.run_id in self.taken:
             return False
         if reason == "reclaim":
             return r.team_id != job.team_id and r.run_id in self.borrowed

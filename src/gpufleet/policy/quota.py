@@ -43,7 +43,9 @@ class TeamBook:
     ) -> None:
         self._teams = teams
         self._cfg = config
-        self.alloc: dict[str, dict[str, int]] = {}
+        self.alloc: dict[str, dict[str, float]] = {}
+        """Team -> GPU type -> GPUs held (a share counts its fraction: two 0.5-GPU jobs
+        hold one GPU)."""
         self.cpu: dict[str, float] = {}
         self.mem: dict[str, int] = {}
         if teams and all(ts.allocated_gpus is not None for ts in teams.values()):
@@ -54,10 +56,10 @@ class TeamBook:
                 self.mem[tid] = ts.allocated_memory_mb
         for r in running:
             a = self.alloc.setdefault(r.team_id, {})
-            a[r.gpu_type] = a.get(r.gpu_type, 0) + r.gpu_count
+            a[r.gpu_type] = a.get(r.gpu_type, 0) + r.gpus
             self.cpu[r.team_id] = self.cpu.get(r.team_id, 0.0) + r.cpu
             self.mem[r.team_id] = self.mem.get(r.team_id, 0) + r.memory_mb
-        self._initial = {t: dict(a) for t, a in self.alloc.items()}
+        self._initial: dict[str, dict[str, float]] = {t: dict(a) for t, a in self.alloc.items()}
         self._cap_gpus = capacity_gpus
         self._cap_cpu = capacity_cpu
         self._cap_mem = capacity_memory_mb
@@ -67,7 +69,7 @@ class TeamBook:
         share's numerator), computed on first use and raised by ``charge``: allocations
         only grow during a pass, so the largest share is the old one or a charged one."""
         # Unlent guarantee per type: sum over teams of min(unused guarantee, lending limit).
-        self._protected: dict[str, int] = {}
+        self._protected: dict[str, float] = {}
         for tid, ts in teams.items():
             for gpu_type in ts.lending_limit_gpus:
                 self._protected[gpu_type] = self._protected.get(gpu_type, 0) + self._keep(
@@ -83,20 +85,20 @@ class TeamBook:
     def guarantee(self, team_id: str, gpu_type: str) -> int:
         return self.team(team_id).guaranteed_gpus.get(gpu_type, 0)
 
-    def allocated(self, team_id: str, gpu_type: str) -> int:
+    def allocated(self, team_id: str, gpu_type: str) -> float:
         return self.alloc.get(team_id, {}).get(gpu_type, 0)
 
-    def initial_excess(self, team_id: str, gpu_type: str) -> int:
+    def initial_excess(self, team_id: str, gpu_type: str) -> float:
         """GPUs of ``gpu_type`` the team ran above its guarantee at the start of the pass."""
         return self._initial.get(team_id, {}).get(gpu_type, 0) - self.guarantee(team_id, gpu_type)
 
-    def _keep(self, team_id: str, gpu_type: str) -> int:
+    def _keep(self, team_id: str, gpu_type: str) -> float:
         ts = self.team(team_id)
         keep = ts.lending_limit_gpus.get(gpu_type, 0)
         unused = max(0, ts.guaranteed_gpus.get(gpu_type, 0) - self.allocated(team_id, gpu_type))
         return min(unused, keep)
 
-    def kept_back_by_others(self, team_id: str, gpu_type: str) -> list[tuple[str, int, int]]:
+    def kept_back_by_others(self, team_id: str, gpu_type: str) -> list[tuple[str, float, int]]:
         """(team, GPUs of ``gpu_type`` it keeps back now, its guarantee) for every other team
         that keeps unused guarantee back from lending (Kueue: nominalQuota - lendingLimit),
         most first: what ``guarantee_protected`` waits on."""
@@ -111,7 +113,7 @@ class TeamBook:
         """The fleet's GPUs of ``gpu_type`` in this pass's snapshot."""
         return int(self._cap_gpus.get(gpu_type, 0))
 
-    def borrowed_total(self, team_id: str) -> int:
+    def borrowed_total(self, team_id: str) -> float:
         return sum(
             max(0, n - self.guarantee(team_id, t)) for t, n in self.alloc.get(team_id, {}).items()
         )
@@ -126,10 +128,10 @@ class TeamBook:
                 return True
         return False
 
-    def fits_in_guarantee(self, team_id: str, gpu_type: str, gpus: int) -> bool:
+    def fits_in_guarantee(self, team_id: str, gpu_type: str, gpus: float) -> bool:
         return self.allocated(team_id, gpu_type) + gpus <= self.guarantee(team_id, gpu_type)
 
-    def admit(self, team_id: str, gpu_type: str, gpus: int, free_of_type: int) -> str | None:
+    def admit(self, team_id: str, gpu_type: str, gpus: float, free_of_type: float) -> str | None:
         """None when ``gpus`` more GPUs of ``gpu_type`` are within the team's quota, else the
         refusal code (``team_at_guarantee``, ``over_borrow_limit``, ``guarantee_protected``)."""
         alloc = self.allocated(team_id, gpu_type)
@@ -149,7 +151,7 @@ class TeamBook:
             return GUARANTEE_PROTECTED
         return None
 
-    def charge(self, team_id: str, gpu_type: str, gpus: int, cpu: float, memory_mb: int) -> None:
+    def charge(self, team_id: str, gpu_type: str, gpus: float, cpu: float, memory_mb: int) -> None:
         protected = gpu_type in self._protected
         before = self._keep(team_id, gpu_type) if protected else 0
         a = self.alloc.setdefault(team_id, {})

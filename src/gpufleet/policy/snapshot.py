@@ -80,6 +80,9 @@ class NodeState:
     images: frozenset[str] = frozenset()
     silent_since_s: float | None = None
     fence_at_s: float | None = None
+    gpu_sharing: str = "none"
+    """Whether and how its GPUs may be shared (``domain.types.GpuSharing``): ``none`` gives
+    shares (``Resources.gpu_fraction``) no place here (``policy.shares``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +143,21 @@ class RunningJob:
     gang_size: int = 1
     """Members of the attempt; > 1 means a gang whose members share ``job_id`` and are
     preempted, charged and reclaimed as one unit."""
+    gpu_milli: int = 0
+    """A share of one GPU (``gpu_count`` 1): its part, thousandths; 0: whole GPUs."""
+    gpu_index: int | None = None
+    """A share's GPU on its node (what ``policy.shares`` sums per GPU); None otherwise."""
     queued_at_s: float | None = None
     """The job's place in the queue, seconds (``PendingJob.queued_at_s``: its submit time,
     or when a failed attempt queued it again; a preempted job keeps its place): the priority
     ground displaces only attempts its preemptor precedes in the queue (``policy.preemption``).
     None: unknown, no such check."""
+
+    @property
+    def gpus(self) -> float:
+        """GPUs it holds for quota, fair share and accounting: a share's fraction, else
+        ``gpu_count`` (an int then: whole-GPU arithmetic and messages stay integral)."""
+        return self.gpu_milli / 1000 if self.gpu_milli else self.gpu_count
 
 
 @dataclass(frozen=True, slots=True)

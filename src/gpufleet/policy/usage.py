@@ -24,7 +24,7 @@ def decay_factor(elapsed_s: float, half_life_s: float) -> float:
 
 
 def interval_gpu_s(
-    gpu_count: int, start_s: float, end_s: float, as_of_s: float, half_life_s: float
+    gpu_count: float, start_s: float, end_s: float, as_of_s: float, half_life_s: float
 ) -> float:
     """GPU-seconds of ``gpu_count`` GPUs held over ``[start_s, end_s]``, decayed to ``as_of_s``.
 
@@ -58,12 +58,12 @@ class UsageLedger:
             self.value = self.at(now_s)
             self.as_of_s = now_s
 
-    def charge_attempt(self, gpu_count: int, start_s: float, end_s: float) -> None:
+    def charge_attempt(self, gpu_count: float, start_s: float, end_s: float) -> None:
         """Charge one finished attempt that held ``gpu_count`` GPUs over ``[start_s, end_s]``."""
         self.advance(end_s)
         self.value += interval_gpu_s(gpu_count, start_s, end_s, self.as_of_s, self.half_life_s)
 
-    def with_running(self, now_s: float, running: list[tuple[int, float]]) -> float:
+    def with_running(self, now_s: float, running: list[tuple[float, float]]) -> float:
         """Usage at ``now_s`` including the elapsed part of running attempts
         ``[(gpu_count, started_at_s), ...]`` (what ``TeamState.usage_gpu_s`` should hold)."""
         extra = sum(interval_gpu_s(g, s, now_s, now_s, self.half_life_s) for g, s in running)

@@ -50,6 +50,11 @@ def check_fits_fleet(session: Session, spec: JobSpec, fallback_max_gpus: int) ->
     # each filter narrows the candidates; the first that empties them names the field
     filters: list[tuple[str, str, Any]] = [
         (
+            "gpu_fraction",
+            "no node shares its GPUs (agents run with --gpu-sharing none)",
+            lambda n: res.gpu_fraction is None or n.gpu_sharing != "none",
+        ),
+        (
             "gpu_type",
             f"no node has GPUs of type {'/'.join(res.gpu_types)}",
             lambda n: not res.gpu_types or n.gpu_type in res.gpu_types,
@@ -184,6 +189,8 @@ class NodeShape:
     total_gpus: int
     count: int = 1
     """Registered nodes of this shape."""
+    gpu_sharing: str = "none"
+    """Whether its GPUs take shares (``domain.types.GpuSharing``)."""
 
     def label(self, key: str) -> str | None:
         return dict(self.labels).get(key)
@@ -215,6 +222,7 @@ def _fleet_shapes(session: Session) -> list[NodeShape]:
             NodeRow.labels,
             NodeRow.admin_labels,
             NodeCapacityRow.total_gpus,
+            NodeRow.gpu_sharing,
         ).join(NodeCapacityRow, NodeCapacityRow.node_id == NodeRow.id)
     ).all()
     counted: dict[NodeShape, int] = {}
@@ -226,13 +234,11 @@ def _fleet_shapes(session: Session) -> list[NodeShape]:
             r.memory_mb,
             tuple(sorted(effective_labels(r.labels, r.admin_labels).items())),
             r.total_gpus,
+            gpu_sharing=r.gpu_sharing,
         )
         counted[shape] = counted.get(shape, 0) + 1
     shapes = sorted(
-        (
-            NodeShape(s.gpu_type, s.gpu_memory_mb, s.cpu, s.memory_mb, s.labels, s.total_gpus, n)
-            for s, n in counted.items()
-        ),
+        (replace(s, count=n) for s, n in counted.items()),
         key=lambda n: (n.gpu_type, n.total_gpus, n.gpu_memory_mb, n.labels),
     )
     with _shapes_lock:

@@ -23,7 +23,7 @@ from gpufleet.domain.ids import new_id, new_job_id
 from gpufleet.domain.images import check_reference
 from gpufleet.domain.mounts import mount_problems, within_any
 from gpufleet.domain.states import JobStatus
-from gpufleet.domain.types import JobSpec, Resources
+from gpufleet.domain.types import DEFAULT_FRACTION_STEPS, JobSpec, Resources, fraction_problem
 from gpufleet.domain.webhooks import url_problem
 from gpufleet.policy.limits import TeamLimits
 from gpufleet.services import jobctl
@@ -66,10 +66,36 @@ def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
         if data.get(key) is None or data.get(key) == []:
             data.pop(key, None)
     r = data["resources"]
-    for key, unset in (("nodes", None), ("gpus_per_node", None), ("allow_partial_nodes", False)):
+    for key, unset in (
+        ("nodes", None),
+        ("gpus_per_node", None),
+        ("allow_partial_nodes", False),
+        ("gpu_fraction", None),
+    ):
         if r.get(key) == unset:
             r.pop(key, None)
     return data
+
+
+def check_gpu_fraction(spec: JobSpec, steps: int = DEFAULT_FRACTION_STEPS) -> None:
+    """A share of a GPU (``resources.gpu_fraction``) the fleet allows: 0 < f < 1, a multiple
+    of ``1/steps``, one GPU, not a gang (every path in checks it here; the REST schema also
+    checks the range and the GPU count).
+
+    Raises:
+        ValidationFailed: ``field="gpu_fraction"`` (422).
+    """
+    res = spec.resources
+    if res.gpu_fraction is None:
+        return
+    problem = fraction_problem(res.gpu_fraction, steps)
+    if problem is None and (res.gpu_count != 1 or res.nodes or res.gpus_per_node):
+        problem = (
+            f"gpu_fraction is a share of ONE GPU: it needs gpu_count 1 (got {res.gpu_count})"
+            " and no nodes/gpus_per_node; ask for whole GPUs instead"
+        )
+    if problem is not None:
+        raise ValidationFailed(problem, field="gpu_fraction")
 
 
 def check_data_fields(spec: JobSpec, allowed_mounts: tuple[str, ...] | list[str] | None) -> None:
@@ -153,6 +179,7 @@ def submit_job(
     default_notify: tuple[str, ...] | list[str] = (),
     class_rules: TeamLimits | None = None,
     allowed_mounts: tuple[str, ...] | list[str] | None = None,
+    gpu_fraction_steps: int = DEFAULT_FRACTION_STEPS,
 ) -> Submitted:
     """Persist a new PENDING job, or return the earlier one for a repeated key.
     ``submitted_by``: the submitting API token's id (accounting's "user"); ``owner``: the
@@ -164,6 +191,7 @@ def submit_job(
     them (the API's cached team limits); None = read here.
     ``allowed_mounts``: the fleet's allow list of host paths a job may mount (None: no
     fleet-level list; each node still decides with its own ``--allow-mount``).
+    ``gpu_fraction_steps``: a share of a GPU must be a multiple of ``1/gpu_fraction_steps``.
 
     A new job is one INSERT (plus the checks' reads when their caches are cold): the key is
     looked up only when the INSERT hits it (unique per team) or a check refuses the job.
@@ -184,6 +212,7 @@ def submit_job(
     if spec.image is not None:
         check_reference(spec.image)  # every path in (REST, job files, SDK) checked here too
     check_data_fields(spec, allowed_mounts)
+    check_gpu_fraction(spec, gpu_fraction_steps)
     notify_urls = list(spec.notify or default_notify) or None
     digest = payload_sha256(spec)
     array = None

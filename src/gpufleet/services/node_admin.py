@@ -83,7 +83,7 @@ def operator_fence(
     max_node_failures: int,
     live_within_s: float = 0.0,
     force: bool = False,
-) -> tuple[list[Fenced], int]:
+) -> tuple[list[Fenced], float]:
     """``gpufleet admin node fence NODE --confirm-dead``: the operator vouches that the node
     is dead (powered off, re-installed). Its remaining attempts are fenced, every QUARANTINED
     reservation of it is EXPIRED (its GPUs offered again) and the node is FENCED (no

@@ -25,6 +25,7 @@ from gpufleet.domain.states import (
     ReservationStatus,
     RunStatus,
 )
+from gpufleet.domain.types import GPU_MILLI
 from gpufleet.services import runs
 from gpufleet.services.node_health import back_to_healthy
 from gpufleet.store import allocate, leader
@@ -124,8 +125,9 @@ def fence_node(
                 node_id=node_id,
                 message=reason,
             )
+            held = res.gpu_milli / GPU_MILLI if res.gpu_milli else res.gpu_count  # a share
             runs.charge_usage(
-                session, job.team_id, res.gpu_count, reserved_at=run.created_at, released_at=now
+                session, job.team_id, held, reserved_at=run.created_at, released_at=now
             )
         current = runs.is_current(job, run)
         job_to = _job_after_fence(session, job, run, max_node_failures) if current else None
@@ -222,10 +224,11 @@ def release_gone_quarantined(
     *,
     message: str,
     released: list[tuple[str, str, int]] | None = None,
-) -> int:
+) -> float:
     """Release the QUARANTINED reservations of ``node_id`` whose runs the agent does not list
     (``still_known``; None = release all: an operator confirmed the node dead, -> EXPIRED).
-    A QUARANTINED node with none left becomes HEALTHY. Returns the GPUs returned; appends
+    A QUARANTINED node with none left becomes HEALTHY. Returns the GPUs returned (a share
+    counts its fraction); appends
     ``(run_id, job_id, token)`` of each released run to ``released`` when given."""
     now = db_now(session)
     held = session.execute(
@@ -234,7 +237,7 @@ def release_gone_quarantined(
             ReservationRow.status == ReservationStatus.QUARANTINED,
         )
     ).all()
-    back = 0
+    back: float = 0
     left = 0
     for run_id, job_id, token in held:
         if still_known is not None and run_id in still_known:

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import Conflict, ValidationFailed
 from gpufleet.domain.states import Machine, NodeStatus
-from gpufleet.domain.types import GpuDevice
+from gpufleet.domain.types import GpuDevice, GpuSharing
 from gpufleet.services.job_admission import forget_fleet_shapes
 from gpufleet.services.node_fence import fence_lost_agent_state
 from gpufleet.services.node_health import back_to_healthy, set_status_reason
@@ -38,6 +38,9 @@ class NodeInventory:
     memory_mb: int
     labels: dict[str, str]
     inventory_source: str
+    gpu_sharing: str = GpuSharing.NONE
+    """Whether and how the node's GPUs may be shared (``domain.types.GpuSharing``: agent
+    ``--gpu-sharing``); a change applies to new shares only (shares placed stay)."""
 
 
 def register_node(session: Session, inv: NodeInventory, *, max_node_failures: int = 3) -> None:
@@ -84,6 +87,7 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
             "labels": inv.labels,
             "agent_epoch": inv.agent_epoch,
             "inventory_source": inv.inventory_source,
+            "gpu_sharing": GpuSharing(inv.gpu_sharing).value,
             "registered_at": now,
             "last_heartbeat_at": now,
         },
@@ -130,6 +134,7 @@ def register_node(session: Session, inv: NodeInventory, *, max_node_failures: in
         inv.inventory_source,
         now,
     )
+    node.gpu_sharing = GpuSharing(inv.gpu_sharing).value
     if kept_inventory is not None:
         _drain_for_inventory(
             session, node, kept_inventory, reported=(len(inv.gpus), gpu_type), now=now

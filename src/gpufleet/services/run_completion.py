@@ -29,6 +29,7 @@ from gpufleet.domain.states import (
     NodeStatus,
     RunStatus,
 )
+from gpufleet.domain.types import milli_of
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.services.run_settle import (
     charge_usage,
@@ -304,6 +305,7 @@ def complete_run(
                 row.gpu_type,
                 row.name,
                 run.priority or job.priority,
+                milli_of(job.spec.get("resources", {}).get("gpu_fraction")),
             )
             if row.gpu_type is not None
             else None

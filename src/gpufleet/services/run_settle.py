@@ -67,7 +67,7 @@ _CHARGES = "gpufleet.team_charges"
 def charge_usage(
     session: Session,
     team_id: str,
-    gpus: int,
+    gpus: float,
     *,
     reserved_at: datetime,
     released_at: datetime,
@@ -98,7 +98,7 @@ def charge_usage(
 class _TeamCharges:
     known: tuple[float, datetime | None] | None
     half_life_s: float
-    attempts: list[tuple[int, datetime, datetime]] = field(default_factory=list)
+    attempts: list[tuple[float, datetime, datetime]] = field(default_factory=list)
 
     def applied(self, usage_gpu_s: float, usage_as_of: datetime | None) -> tuple[float, datetime]:
         value, as_of = usage_gpu_s, usage_as_of
@@ -169,7 +169,7 @@ def _drop_charges(session: Session) -> None:
 def _charged(
     usage_gpu_s: float,
     usage_as_of: datetime | None,
-    gpus: int,
+    gpus: float,
     reserved_at: datetime,
     released_at: datetime,
     half_life_s: float,

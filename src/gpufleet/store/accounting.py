@@ -25,8 +25,16 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from gpufleet.domain.types import GPU_MILLI
 from gpufleet.store.outbox import queue_insert
-from gpufleet.store.tables import ApiTokenRow, JobRow, JobRunRow, NodeRow, UsageRecordRow
+from gpufleet.store.tables import (
+    ApiTokenRow,
+    JobRow,
+    JobRunRow,
+    NodeRow,
+    ReservationRow,
+    UsageRecordRow,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +54,9 @@ class AttemptFacts:
     name: str | None
     priority: str | None = None
     """The class the attempt is charged to (the run's ``priority``, else its job's)."""
+    gpu_milli: int = 0
+    """A share's part of its one GPU, thousandths (0: whole GPUs): the record's GPU-seconds
+    are the fraction's (a 0.25-GPU attempt is charged 0.25 GPU-s per second)."""
 
 
 def record_attempt_end(
@@ -85,10 +96,12 @@ def record_attempt_end(
             NodeRow.gpu_type,
             ApiTokenRow.name,
             func.coalesce(JobRunRow.priority, JobRow.priority).label("priority"),
+            func.coalesce(ReservationRow.gpu_milli, 0).label("gpu_milli"),
         )
         .join(JobRow, JobRow.id == JobRunRow.job_id)
         .join(NodeRow, NodeRow.id == JobRunRow.node_id)
         .outerjoin(ApiTokenRow, ApiTokenRow.id == JobRow.submitted_by)
+        .outerjoin(ReservationRow, ReservationRow.run_id == JobRunRow.id)
         .where(JobRunRow.id == run_id)
     ).one_or_none()
     if row is None:
@@ -110,6 +123,8 @@ def _add_record(
 ) -> None:
     gpus = len(row.gpu_ids or [])
     seconds = max(0.0, (end_at - row.created_at).total_seconds())
+    milli = int(getattr(row, "gpu_milli", 0) or 0)
+    charged = gpus * milli / GPU_MILLI if milli else gpus  # a share: its fraction
     queue_insert(  # written at commit with the transaction's events (store.outbox)
         session,
         UsageRecordRow.__table__,
@@ -125,7 +140,7 @@ def _add_record(
             "gpus": gpus,
             "start_at": row.created_at,
             "end_at": max(end_at, row.created_at),
-            "gpu_seconds": seconds * gpus,
+            "gpu_seconds": seconds * charged,
             "outcome": outcome,
             # every row names them (one multi-row INSERT needs one set of columns)
             **{c: (resources or {}).get(c) for c in RESOURCE_COLUMNS},
@@ -179,10 +194,18 @@ class UsageLine:
 def clipped_gpu_seconds(
     rec: UsageRecordRow, since: datetime | None, until: datetime | None
 ) -> float:
-    """GPU-seconds of ``rec`` inside ``[since, until)`` (None: unbounded on that side)."""
+    """GPU-seconds of ``rec`` inside ``[since, until)`` (None: unbounded on that side), at
+    the record's rate: its GPUs, or a share's fraction (``gpu_seconds`` below ``gpus`` x its
+    length)."""
     start = rec.start_at if since is None else max(rec.start_at, since)
     end = rec.end_at if until is None else min(rec.end_at, until)
-    return max(0.0, (end - start).total_seconds()) * rec.gpus
+    length = (rec.end_at - rec.start_at).total_seconds()
+    rate: float = rec.gpus
+    # (a share charges at most 999/1000 of its GPU; a whole record's own rounding is far
+    # smaller than the margin)
+    if length > 0 and rec.gpu_seconds < length * rec.gpus * 0.9995:
+        rate = rec.gpu_seconds / length
+    return max(0.0, (end - start).total_seconds()) * rate
 
 
 def usage_records(

@@ -25,7 +25,18 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import Any, cast
 
-from sqlalchemy import Integer, String, Table, bindparam, delete, exists, func, select, update
+from sqlalchemy import (
+    Integer,
+    String,
+    Table,
+    bindparam,
+    case,
+    delete,
+    exists,
+    func,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import CapacityConflict, Conflict, NotLeader, StaleState
@@ -39,7 +50,7 @@ from gpufleet.domain.states import (
     RunStatus,
     check_transition,
 )
-from gpufleet.domain.types import GpuDevice
+from gpufleet.domain.types import GPU_MILLI, SHARED_GPU_HOLDER, GpuDevice
 from gpufleet.store import leader, reserve_once
 from gpufleet.store.db import Database
 from gpufleet.store.dialect import (
@@ -89,8 +100,12 @@ def reserve(
     now: datetime | None = None,
     holds: bool = True,
     priority: str | None = None,
+    gpu_milli: int = 0,
 ) -> Reserved:
-    """Reserve ``gpu_count`` GPUs of ``node_id`` for a new attempt of ``job_id``.
+    """Reserve ``gpu_count`` GPUs of ``node_id`` for a new attempt of ``job_id``; with
+    ``gpu_milli`` (> 0; ``gpu_count`` is then 1) a share of one GPU instead: ``gpu_milli``
+    thousandths of the fullest GPU of the node that has room (else of its lowest free GPU),
+    :func:`_take_share`.
 
     ``holds``: the job may have GPU holds (``gpu_holds`` rows), deleted here; False (the
     caller's snapshot showed none, and only the leader creates them) saves that statement.
@@ -114,6 +129,7 @@ def reserve(
         now=now,
         holds=holds,
         priority=priority,
+        gpu_milli=gpu_milli,
     ).members[0]
 
 
@@ -129,6 +145,7 @@ def place(
     lease_s: float,
     holds: bool = True,
     priority: str | None = None,
+    gpu_milli: int = 0,
 ) -> Reserved:
     """:func:`reserve` as the scheduler applies a placement: in a transaction of its own. Where
     the database runs INSERT/UPDATE inside WITH (PostgreSQL), ONE statement in autocommit,
@@ -151,9 +168,10 @@ def place(
         lease_s=lease_s,
         holds=holds,
         priority=priority,
+        gpu_milli=gpu_milli,
     )
-    if not dml_in_cte(db.engine.dialect.name):
-        return db.run_write(in_tx)
+    if gpu_milli or not dml_in_cte(db.engine.dialect.name):
+        return db.run_write(in_tx)  # (a share: the transaction of several statements)
     run_id, reservation_id, token = new_run_id(), new_reservation_id(), seen_fencing_epoch + 1
     row = db.run_statement(
         reserve_once.STATEMENTS[holds],
@@ -209,6 +227,7 @@ def _add_member(
     lease_s: float,
     now: datetime,
     priority: str | None = None,
+    gpu_milli: int = 0,
 ) -> Reserved:
     """The run row and the reservation row of one member of an attempt (a single-node attempt
     is rank 0 of 1), under the attempt's fencing ``token``; the GPUs are already claimed."""
@@ -241,7 +260,8 @@ def _add_member(
             "job_id": job_id,
             "node_id": node_id,
             "gpu_ids": gpu_ids,
-            "gpu_count": len(gpu_ids),
+            "gpu_count": 0 if gpu_milli else len(gpu_ids),
+            "gpu_milli": gpu_milli,
             "status": ReservationStatus.RESERVED,
             "token": token,
             "leader_epoch": leader_epoch,
@@ -382,6 +402,122 @@ def _take_gpus(
     return sorted(int(g) for g in claimed), (as_utc(took[0]) if lease is not None else None)
 
 
+_SHARE: dict[tuple[str, bool], tuple[Any, Any, Any]] = {}
+
+
+def _share_statements(dialect: str, with_lease: bool) -> tuple[Any, Any, Any]:
+    """The statements of :func:`_take_share`, built once per (dialect, lease check), bind
+    parameters ``p_node``, ``p_m`` (and ``p_holder``, ``p_epoch``):
+
+    * ``lock``: the node's capacity row (``version + 1``), only while the node is HEALTHY,
+      shares GPUs (``gpu_sharing`` not ``none``) and, with the lease, the caller leads;
+      returns the database clock. Every reserve and release of the node locks this row, so
+      on PostgreSQL the statements after it see every share committed before;
+    * ``claim``: ONE guarded UPDATE of one GPU row, the fullest with room (a free GPU, 0,
+      comes last: whole GPUs stay whole while a shared one has room): ``shared_milli +
+      :m <= 1000`` and a holder that is NULL or the share holder, re-checked by PostgreSQL
+      on the row's newest version if a concurrent writer changed it; the schema's CHECKs
+      bound it again (migration 0012_frac27). Returns the GPU index and its new sum;
+    * ``down``: the capacity's ``available_gpus - 1`` when that was the GPU's first share
+      (None where the capacity follows the GPU rows: the SQLite trigger sees the holder
+      go from NULL to the share holder)."""
+    key = (dialect, with_lease)
+    hit = _SHARE.get(key)
+    if hit is not None:
+        return hit
+    cap = NodeCapacityRow.__table__.c
+    gpu = NodeGpuRow.__table__.c
+    node, m = bindparam("p_node", type_=String), bindparam("p_m", type_=Integer)
+    conds = [
+        cap.node_id == node,
+        exists().where(
+            NodeRow.id == node, NodeRow.status == NodeStatus.HEALTHY, NodeRow.gpu_sharing != "none"
+        ),
+    ]
+    now = now_sql_for(dialect)
+    if with_lease:
+        lease_row = LeaderLeaseRow.__table__.c
+        conds.append(
+            exists(
+                select(lease_row.name)
+                .where(
+                    lease_row.name == leader.LEASE_NAME,
+                    lease_row.holder == bindparam("p_holder", type_=String),
+                    lease_row.epoch == bindparam("p_epoch", type_=Integer),
+                    lease_row.expires_at > now,
+                )
+                .with_for_update(read=True)
+            )
+        )
+    lock = (
+        update(cast(Table, NodeCapacityRow.__table__))
+        .where(*conds)
+        .values(version=cap.version + 1)
+        .returning(now)
+    )
+    room = [
+        gpu.node_id == node,
+        (gpu.holder_run_id.is_(None)) | (gpu.holder_run_id == SHARED_GPU_HOLDER),
+        gpu.shared_milli + m <= GPU_MILLI,
+    ]
+    fullest = (
+        select(gpu.gpu_index)
+        .where(*room)
+        .order_by(gpu.shared_milli.desc(), gpu.gpu_index)
+        .limit(1)
+        .scalar_subquery()
+    )
+    claim = (
+        update(cast(Table, NodeGpuRow.__table__))
+        .where(gpu.gpu_index == fullest, *room)
+        .values(shared_milli=gpu.shared_milli + m, holder_run_id=SHARED_GPU_HOLDER)
+        .returning(gpu.gpu_index, gpu.shared_milli)
+    )
+    down = None
+    if not capacity_follows_gpu_rows(dialect):
+        down = (
+            update(cast(Table, NodeCapacityRow.__table__))
+            .where(cap.node_id == node, cap.available_gpus >= 1)
+            .values(available_gpus=cap.available_gpus - 1)
+        )
+    _SHARE[key] = (lock, claim, down)
+    return lock, claim, down
+
+
+def _take_share(
+    session: Session, node_id: str, gpu_milli: int, lease: tuple[str, int] | None = None
+) -> tuple[list[int], datetime | None]:
+    """Steps 2 and 3 of reserve() for a share: ``gpu_milli`` thousandths of one GPU of
+    ``node_id`` (:func:`_share_statements`: the capacity row locked, one guarded UPDATE of
+    the fullest GPU row with room, the capacity moved when that GPU was free). Returns
+    ``[gpu_index]`` and with ``lease`` the database clock.
+
+    Raises:
+        NotLeader: with ``lease``, the lease is not held.
+        CapacityConflict: the node is not HEALTHY, does not share GPUs, or no GPU of it has
+            room for the share now.
+    """
+    lock, claim, down = _share_statements(session.get_bind().dialect.name, lease is not None)
+    params: dict[str, object] = {"p_node": node_id, "p_m": gpu_milli}
+    if lease is not None:
+        params["p_holder"], params["p_epoch"] = lease
+    locked = session.execute(lock, params).first()
+    if locked is None:
+        if lease is not None:
+            leader.assert_leader(session, lease[0], lease[1])
+        raise CapacityConflict(f"node {node_id}: not HEALTHY, or its GPUs are not shared")
+    got = session.execute(claim, params).first()
+    if got is None:
+        raise CapacityConflict(
+            f"node {node_id}: no GPU has room for {gpu_milli / GPU_MILLI:g} of a GPU"
+        )
+    index, total = int(got[0]), int(got[1])
+    first = down is not None and total == gpu_milli  # its first share: no longer a free GPU
+    if first and session.execute(down, params).rowcount != 1:  # type: ignore[attr-defined]
+        raise CapacityConflict(f"node {node_id}: capacity row and GPU rows disagree")
+    return [index], (as_utc(locked[0]) if lease is not None else None)
+
+
 @dataclass(frozen=True, slots=True)
 class ReservedGang:
     """The outcome of one successful reserve_gang(): one :class:`Reserved` per member, in
@@ -405,6 +541,7 @@ def reserve_gang(
     now: datetime | None = None,
     holds: bool = True,
     priority: str | None = None,
+    gpu_milli: int = 0,
 ) -> ReservedGang:
     """Reserve every member of a gang attempt of ``job_id``, or none: one transaction.
 
@@ -415,6 +552,7 @@ def reserve_gang(
     member that does not fit raises, and the caller's transaction rolls back every member.
     Every member gets its own JobRun (rank, gang_size) and Reservation under ONE new token;
     the job's ``current_run_id`` is rank 0's run. ``holds``: as for :func:`reserve`.
+    ``gpu_milli``: a share of one GPU (one member of one GPU only), :func:`_take_share`.
 
     Raises:
         NotLeader: the caller's (holder, epoch) no longer holds the lease.
@@ -427,12 +565,17 @@ def reserve_gang(
         raise ValueError(f"gang ranks must be 0..{size - 1}: {[m[0] for m in members]}")
     if len({m[1] for m in members}) != size:
         raise ValueError("two members of a gang on one node")
+    if gpu_milli and (size != 1 or members[0][2] != 1 or not 0 < gpu_milli < GPU_MILLI):
+        raise ValueError(f"a share ({gpu_milli}/1000) is of one GPU of one node")
     run_ids = {rank: new_run_id() for rank, _, _ in members}
     gpus: dict[int, list[int]] = {}
     lease: tuple[str, int] | None = (leader_holder, leader_epoch)
     for rank, node_id, count in sorted(members, key=lambda m: m[1]):  # lock order: node id
         # the first capacity update also checks the lease and reads the database clock
-        gpus[rank], clock = _take_gpus(session, node_id, count, run_ids[rank], lease)
+        if gpu_milli:
+            gpus[rank], clock = _take_share(session, node_id, gpu_milli, lease)
+        else:
+            gpus[rank], clock = _take_gpus(session, node_id, count, run_ids[rank], lease)
         if lease is not None:
             now, lease = (now if now is not None else clock), None
     assert now is not None
@@ -441,7 +584,12 @@ def reserve_gang(
     # guard pins fencing_epoch to what the caller saw: the new attempt's number is the token
     attempt = token
     by_rank = sorted(members)
-    if size == 1:
+    if gpu_milli:
+        message = (
+            f"reserved {gpu_milli / GPU_MILLI:g} of GPU {gpus[0]} on {by_rank[0][1]} (shared),"
+            f" token {token}"
+        )
+    elif size == 1:
         message = f"reserved {by_rank[0][2]} GPU(s) {gpus[0]} on {by_rank[0][1]}, token {token}"
     else:
         placed = ", ".join(f"rank {r}: {c} GPU(s) {gpus[r]} on {n}" for r, n, c in by_rank)
@@ -483,6 +631,7 @@ def reserve_gang(
             lease_s,
             now,
             priority,
+            gpu_milli,
         )
         for rank, node_id, _count in by_rank
     ]
@@ -561,13 +710,16 @@ def release(
     message: str,
     only_quarantined: bool = False,
     known: ActiveReservation | None = None,
-) -> int:
+) -> float:
     """Release the active reservation of ``run_id`` (RESERVED, CONFIRMED or QUARANTINED;
     ``only_quarantined``: only a QUARANTINED one): reservation -> RELEASED (or EXPIRED),
     GPU rows freed, capacity returned. Returns the number of GPUs returned (0 if the run held
     no active reservation: releasing twice is a no-op, not an error).
 
     Call only with the agent's word that the attempt's processes are gone, or on a fence.
+    A share reservation (``gpu_count`` 0) gives its part of its GPU back
+    (:func:`_release_share`) and returns that fraction (0.25 for a quarter): what the
+    caller charges the team for (GPU-seconds per second held).
 
     ``known``: the run's active reservation as the caller read it in this transaction (with
     ``now``): it is moved by one UPDATE guarded by that status, without a read first; if it
@@ -628,6 +780,8 @@ def release(
             run_id=run_id,
             node_id=node_id,
         )
+    if gpu_count == 0:  # a share reservation (a whole one holds >= 1 GPU)
+        return _release_share(session, res_id, node_id, run_id)
     # the run's GPU rows (locked by nobody else: its reservation row is) freed with the
     # capacity update, in one statement on PostgreSQL (dialect.statements_with)
     _, give_back = _release_statements(session.get_bind().dialect.name, only_quarantined)
@@ -643,6 +797,82 @@ def release(
     elif back.rowcount != 1:
         raise StaleState(f"node {node_id}: returning {gpu_count} GPUs would exceed total")
     return int(gpu_count)
+
+
+_UNSHARE: dict[str, tuple[Any, Any, Any, Any]] = {}
+
+
+def _unshare_statements(dialect: str) -> tuple[Any, Any, Any, Any]:
+    """:func:`_release_share`'s statements, built once per dialect (bind parameters
+    ``p_res``, ``p_node``, ``p_gpu``, ``p_m``): the reservation's share and GPU; the capacity
+    row locked (as every reserve and release of the node does); ONE guarded UPDATE taking
+    the share off its GPU row (the holder back to NULL with the last share); the capacity's
+    ``available_gpus + 1`` when that freed the GPU (None where the capacity follows the GPU
+    rows: SQLite's trigger)."""
+    hit = _UNSHARE.get(dialect)
+    if hit is not None:
+        return hit
+    res_c = ReservationRow.__table__.c
+    cap = NodeCapacityRow.__table__.c
+    gpu = NodeGpuRow.__table__.c
+    node = bindparam("p_node", type_=String)
+    m = bindparam("p_m", type_=Integer)
+    share = select(res_c.gpu_milli, res_c.gpu_ids).where(
+        res_c.id == bindparam("p_res", type_=String)
+    )
+    lock = (
+        update(cast(Table, NodeCapacityRow.__table__))
+        .where(cap.node_id == node)
+        .values(version=cap.version + 1)
+    )
+    last = gpu.shared_milli == m
+    take_off = (
+        update(cast(Table, NodeGpuRow.__table__))
+        .where(
+            gpu.node_id == node,
+            gpu.gpu_index == bindparam("p_gpu", type_=Integer),
+            gpu.holder_run_id == SHARED_GPU_HOLDER,
+            gpu.shared_milli >= m,
+        )
+        .values(
+            shared_milli=gpu.shared_milli - m,
+            holder_run_id=case((last, None), else_=gpu.holder_run_id),
+        )
+        .returning(gpu.shared_milli)
+    )
+    up = None
+    if not capacity_follows_gpu_rows(dialect):
+        up = (
+            update(cast(Table, NodeCapacityRow.__table__))
+            .where(cap.node_id == node, cap.available_gpus + 1 <= cap.total_gpus)
+            .values(available_gpus=cap.available_gpus + 1)
+        )
+    _UNSHARE[dialect] = (share, lock, take_off, up)
+    return share, lock, take_off, up
+
+
+def _release_share(session: Session, res_id: str, node_id: str, run_id: str) -> float:
+    """Give a share reservation's part of its GPU back (its row already moved out of the
+    active states by :func:`release`); with the last share of the GPU, the GPU is a whole
+    free GPU again (in ``available_gpus``). Returns the share as a fraction of a GPU.
+
+    Raises:
+        StaleState: the GPU row does not hold the share (an invariant is broken; never
+            patched: the transaction rolls back).
+    """
+    share, lock, take_off, up = _unshare_statements(session.get_bind().dialect.name)
+    milli, gpu_ids = session.execute(share, {"p_res": res_id}).one()
+    params = {"p_node": node_id, "p_gpu": int(gpu_ids[0]), "p_m": int(milli)}
+    session.execute(lock, params)
+    left = session.execute(take_off, params).first()
+    if left is None:
+        raise StaleState(
+            f"node {node_id}: GPU {gpu_ids[0]} does not hold run {run_id}'s share ({milli}/1000)"
+        )
+    freed = int(left[0]) == 0
+    if freed and up is not None and session.execute(up, params).rowcount != 1:  # type: ignore[attr-defined]
+        raise StaleState(f"node {node_id}: returning GPU {gpu_ids[0]} would exceed total")
+    return int(milli) / GPU_MILLI
 
 
 def set_inventory(

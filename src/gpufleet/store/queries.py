@@ -69,6 +69,7 @@ def resources_of(spec: dict[str, object]) -> Resources:
         nodes=int(r["nodes"]) if r.get("nodes") else None,
         gpus_per_node=int(r["gpus_per_node"]) if r.get("gpus_per_node") else None,
         allow_partial_nodes=bool(r.get("allow_partial_nodes") or False),
+        gpu_fraction=float(f) if (f := r.get("gpu_fraction")) is not None else None,
     )
 
 
@@ -126,6 +127,7 @@ def node_state(n: Any, fence_after_s: float | None = None) -> NodeState:
         images=frozenset(normalize_image(str(i.get("name", ""))) for i in n.images or ()),
         silent_since_s=silent_since_s,
         fence_at_s=fence_at_s,
+        gpu_sharing=getattr(n, "gpu_sharing", None) or "none",
     )
 
 
@@ -198,6 +200,8 @@ def running_job(
         priority=PriorityClass(run.priority),
         gpu_count=len(run.gpu_ids),
         gpu_type=gpu_type,
+        gpu_milli=facts.resources.gpu_milli,
+        gpu_index=int(run.gpu_ids[0]) if facts.resources.gpu_milli and run.gpu_ids else None,
         started_at_s=(run.started_at or run.created_at).timestamp(),
         last_checkpoint_s=(
             run.last_checkpoint_at.timestamp() if run.last_checkpoint_at is not None else None
@@ -331,6 +335,7 @@ def load_snapshot(
             NodeRow.admin_labels,
             NodeRow.status,
             NodeRow.images,
+            NodeRow.gpu_sharing,
             NodeRow.last_heartbeat_at,
             NodeCapacityRow.total_gpus,
             NodeCapacityRow.available_gpus,
@@ -416,11 +421,11 @@ def load_snapshot(
                 predicted_s=predicted(run),
             )
         )
-    running_by_team: dict[str, list[tuple[int, float]]] = {}
+    running_by_team: dict[str, list[tuple[float, float]]] = {}
     for r in running:
         since = reserved_at.get(r.run_id)
         start_s = since.timestamp() if since is not None else r.started_at_s
-        running_by_team.setdefault(r.team_id, []).append((r.gpu_count, start_s))
+        running_by_team.setdefault(r.team_id, []).append((r.gpus, start_s))
     teams = {}
     for t in session.scalars(select(TeamRow)):
         as_of = (t.usage_as_of or now).timestamp()
@@ -490,8 +495,11 @@ def recent_displacements(
 def load_invariant_view(session: Session) -> InvariantView:
     """The whole allocation state, read in one transaction, for ``check_invariants``."""
     holders: dict[str, dict[int, str | None]] = {}
+    shares: dict[str, dict[int, int]] = {}
     for g in session.scalars(select(NodeGpuRow)):
         holders.setdefault(g.node_id, {})[g.gpu_index] = g.holder_run_id
+        if g.shared_milli:
+            shares.setdefault(g.node_id, {})[g.gpu_index] = g.shared_milli
     beats = {
         n.id: (n.last_heartbeat_at, n.health)
         for n in session.execute(select(NodeRow.id, NodeRow.last_heartbeat_at, NodeRow.health))
@@ -514,11 +522,14 @@ def load_invariant_view(session: Session) -> InvariantView:
             holders.get(c.node_id, {}),
             last_heartbeat_s=beat(c.node_id),
             listed_runs=listed(c.node_id),
+            gpu_shares=shares.get(c.node_id, {}),
         )
         for c in session.scalars(select(NodeCapacityRow))
     )
     reservations = tuple(
-        ReservationView(r.id, r.run_id, r.job_id, r.node_id, tuple(r.gpu_ids), r.status)
+        ReservationView(
+            r.id, r.run_id, r.job_id, r.node_id, tuple(r.gpu_ids), r.status, r.gpu_milli
+        )
         for r in session.scalars(
             select(ReservationRow).where(ReservationRow.status.in_(sorted(RESERVATION_ACTIVE)))
         )

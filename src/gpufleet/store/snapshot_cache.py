@@ -153,6 +153,9 @@ _NODE_COLUMNS = (
     NodeRow.admin_labels,
     NodeRow.status,
     NodeRow.images,
+    # not WATCHED: an agent's new --gpu-sharing mode is seen by the next full read
+    # (``full_every_s``) or the node's next watched change; shares placed stay either way
+    NodeRow.gpu_sharing,
     # not WATCHED (a heartbeat must not make the node's row change each second): read only
     # for a SUSPECT node's silence, and a silent node's last heartbeat stays what it was
     # when it went SUSPECT (a status change, watched: the row is read again then)
@@ -616,11 +619,11 @@ class SnapshotCache:
         usage_half_life_s: float,
         displacements: tuple[Displacement, ...],
     ) -> ClusterSnapshot:
-        running_by_team: dict[str, list[tuple[int, float]]] = {}
+        running_by_team: dict[str, list[tuple[float, float]]] = {}
         for r in self._runs.values():
             since = self._reserved_at_s.get(r.run_id)
             start_s = since if since is not None else r.started_at_s
-            running_by_team.setdefault(r.team_id, []).append((r.gpu_count, start_s))
+            running_by_team.setdefault(r.team_id, []).append((r.gpus, start_s))
         teams = {}
         team_limits: dict[str, TeamLimits] = {}
         for t in session.execute(_TEAMS):

@@ -291,6 +291,10 @@ class ReservationRow(Base):
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
     gpu_ids: Mapped[list[int]]
     gpu_count: Mapped[int] = mapped_column(Integer)
+    """Whole GPUs held (0 for a share reservation)."""
+    gpu_milli: Mapped[int] = mapped_column(Integer, server_default="0", default=0)
+    """A share reservation's part of its one GPU (``gpu_ids[0]``), thousandths; 0: whole
+    GPUs (migration 0012_frac27)."""
     status: Mapped[str] = mapped_column(String(16))
     token: Mapped[int] = mapped_column(Integer)
     leader_epoch: Mapped[int] = mapped_column(Integer)
@@ -319,6 +323,9 @@ class NodeRow(Base):
     re-registrations and set over the agent's (``domain.labels.effective_labels``)."""
     agent_epoch: Mapped[int] = mapped_column(Integer, default=0)
     inventory_source: Mapped[str] = mapped_column(String(16), default="declared")
+    gpu_sharing: Mapped[str] = mapped_column(String(16), server_default="none", default="none")
+    """Whether and how its GPUs may be shared (``domain.types.GpuSharing``), as its agent
+    reported at registration (migration 0012_frac27)."""
     status_reason: Mapped[str | None] = mapped_column(Text)
     """Why the node is not HEALTHY (an operator's cordon reason, a failed health check...).
     For people: no code reads a state out of it."""
@@ -432,6 +439,12 @@ class NodeGpuRow(Base):
     """One GPU of a node and the run holding it (one column: two holders cannot exist)."""
 
     __tablename__ = "node_gpus"
+    __table_args__ = (
+        CheckConstraint("shared_milli >= 0 AND shared_milli <= 1000", name="share_range"),
+        CheckConstraint(
+            "(shared_milli > 0) = (COALESCE(holder_run_id, '') = '*shared')", name="share_holder"
+        ),
+    )
 
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), primary_key=True)
     gpu_index: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -439,6 +452,11 @@ class NodeGpuRow(Base):
     gpu_type: Mapped[str] = mapped_column(String(64))
     memory_mb: Mapped[int] = mapped_column(Integer)
     holder_run_id: Mapped[str | None] = mapped_column(String(40))
+    """The run holding the GPU whole, ``domain.types.SHARED_GPU_HOLDER`` while share
+    reservations hold it, NULL when free (migration 0012_frac27)."""
+    shared_milli: Mapped[int] = mapped_column(Integer, server_default="0", default=0)
+    """Thousandths of the GPU its share reservations hold together (0..1000; > 0 exactly
+    when the holder is the share holder): the database's per-GPU share sum."""
 
 
 class GpuHoldRow(Base):

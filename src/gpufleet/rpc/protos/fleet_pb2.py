@@ -4,112 +4,115 @@
 # source: gpufleet/rpc/protos/fleet.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "gpufleet/rpc/protos/fleet.proto"
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'gpufleet/rpc/protos/fleet.proto'
 )
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x1fgpufleet/rpc/protos/fleet.proto\x12\x0bgpufleet.v1"G\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x10\n\x08gpu_type\x18\x03 \x01(\t\x12\x11\n\tmemory_mb\x18\x04 \x01(\x03"q\n\x06RunRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x1c\n\x14last_checkpoint_unix\x18\n \x01(\x01"\xe5\x02\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0b\x61gent_epoch\x18\x03 \x01(\x03\x12\x1e\n\x04gpus\x18\x04 \x03(\x0b\x32\x10.gpufleet.v1.Gpu\x12\x0b\n\x03\x63pu\x18\x05 \x01(\x01\x12\x11\n\tmemory_mb\x18\x06 \x01(\x03\x12<\n\x06labels\x18\x07 \x03(\x0b\x32,.gpufleet.v1.RegisterNodeRequest.LabelsEntry\x12\x18\n\x10inventory_source\x18\x08 \x01(\t\x12\x18\n\x10object_store_url\x18< \x01(\t\x12 \n\x18object_store_probe_nonce\x18> \x01(\t\x12\x14\n\x0c\x63lock_unix_s\x18[ \x01(\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01"\x90\x01\n\x14RegisterNodeResponse\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x18\n\x10object_store_url\x18< \x01(\t\x12\x0f\n\x07refused\x18= \x01(\t\x12\x19\n\x11\x63ontact_timeout_s\x18Z \x01(\x01"\xb4\x01\n\x18\x43onfirmAssignmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x03\x12\x13\n\x0b\x61gent_epoch\x18\x05 \x01(\x03\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12.\n\x0cstart_phases\x18( \x01(\x0b\x32\x18.gpufleet.v1.StartPhases"`\n\x0bStartPhases\x12\x0f\n\x07runtime\x18\x01 \x01(\t\x12\r\n\x05image\x18\x02 \x01(\t\x12\x0e\n\x06pull_s\x18\x03 \x01(\x01\x12\x10\n\x08\x63reate_s\x18\x04 \x01(\x01\x12\x0f\n\x07start_s\x18\x05 \x01(\x01">\n\nLocalImage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03"\xaa\x01\n\x19\x43onfirmAssignmentResponse\x12=\n\x06result\x18\x01 \x01(\x0e\x32-.gpufleet.v1.ConfirmAssignmentResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t"=\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\r\n\tCONFIRMED\x10\x01\x12\x0c\n\x08REJECTED\x10\x02"\xda\x02\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_epoch\x18\x02 \x01(\x03\x12$\n\x07running\x18\x03 \x03(\x0b\x32\x13.gpufleet.v1.RunRef\x12\x11\n\tfree_gpus\x18\x04 \x01(\x05\x12\x0e\n\x06health\x18\x05 \x01(\t\x12\x43\n\x0c\x64isk_free_mb\x18\x1e \x03(\x0b\x32-.gpufleet.v1.HeartbeatRequest.DiskFreeMbEntry\x12\x1d\n\x15recent_start_failures\x18\x1f \x01(\x05\x12\'\n\x06images\x18( \x03(\x0b\x32\x17.gpufleet.v1.LocalImage\x12\x17\n\x0fimages_reported\x18) \x01(\x08\x1a\x31\n\x0f\x44iskFreeMbEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01"y\n\x11HeartbeatResponse\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x03\x12)\n\x04stop\x18\x02 \x03(\x0b\x32\x1b.gpufleet.v1.StopRunRequest\x12\x12\n\nreregister\x18\x03 \x01(\x08\x12\x0f\n\x07prepull\x18( \x03(\t"\xc9\x03\n\x17ReportCompletionRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x03\x12\x14\n\x0cmanifest_uri\x18\x04 \x01(\t\x12=\n\x07outcome\x18\x05 \x01(\x0e\x32,.gpufleet.v1.ReportCompletionRequest.Outcome\x12\x11\n\texit_code\x18\x06 \x01(\x05\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x12\n\nnode_fault\x18\x1e \x01(\x08\x12\x0e\n\x06reason\x18\x32 \x01(\t\x12\x15\n\rended_at_unix\x18\x61 \x01(\x01\x12\x14\n\x0csent_at_unix\x18\x62 \x01(\x01\x12\x30\n\tresources\x18o \x01(\x0b\x32\x1d.gpufleet.v1.AttemptResources\x12\x32\n\x0estop_handshake\x18x \x01(\x0b\x32\x1a.gpufleet.v1.StopHandshake"N\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\n\n\x06\x45XITED\x10\x01\x12\x0b\n\x07STOPPED\x10\x02\x12\x11\n\rNEVER_STARTED\x10\x03"\\\n\rStopHandshake\x12\x11\n\tsignalled\x18\x01 \x01(\x08\x12\x0f\n\x07grace_s\x18\x02 \x01(\x01\x12\x16\n\x0esignal_after_s\x18\x03 \x01(\x01\x12\x0f\n\x07saved_s\x18\x04 \x01(\x01"\xd0\x01\n\x10\x41ttemptResources\x12\x1b\n\x0epeak_rss_bytes\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0b\x63pu_seconds\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cgpu_util_pct\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1f\n\x12gpu_mem_peak_bytes\x18\x04 \x01(\x03H\x03\x88\x01\x01\x42\x11\n\x0f_peak_rss_bytesB\x0e\n\x0c_cpu_secondsB\x0f\n\r_gpu_util_pctB\x15\n\x13_gpu_mem_peak_bytes"\xb2\x01\n\x18ReportCompletionResponse\x12<\n\x06result\x18\x01 \x01(\x0e\x32,.gpufleet.v1.ReportCompletionResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t"G\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\t\n\x05STALE\x10\x02\x12\x0c\n\x08REJECTED\x10\x03"\x89\x01\n\tExecStart\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x03\x12\x0f\n\x07\x63ommand\x18\x03 \x03(\t\x12\x0b\n\x03tty\x18\x04 \x01(\x08\x12\x0c\n\x04rows\x18\x05 \x01(\x05\x12\x0c\n\x04\x63ols\x18\x06 \x01(\x05\x12\x14\n\x0c\x66orward_port\x18\x07 \x01(\x05\x12\r\n\x05\x61\x63tor\x18\x08 \x01(\t"(\n\nExecResize\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x0c\n\x04\x63ols\x18\x02 \x01(\x05"\'\n\x0b\x45xecStarted\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0b\n\x03uid\x18\x02 \x01(\x05".\n\x08\x45xecExit\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t"\x96\x02\n\tExecFrame\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.gpufleet.v1.ExecStartH\x00\x12\x0f\n\x05stdin\x18\x02 \x01(\x0cH\x00\x12\x13\n\tstdin_eof\x18\x03 \x01(\x08H\x00\x12)\n\x06resize\x18\x04 \x01(\x0b\x32\x17.gpufleet.v1.ExecResizeH\x00\x12+\n\x07started\x18\x05 \x01(\x0b\x32\x18.gpufleet.v1.ExecStartedH\x00\x12\x10\n\x06stdout\x18\x06 \x01(\x0cH\x00\x12\x10\n\x06stderr\x18\x07 \x01(\x0cH\x00\x12%\n\x04\x65xit\x18\x08 \x01(\x0b\x32\x15.gpufleet.v1.ExecExitH\x00\x12\x0f\n\x05\x65rror\x18\t \x01(\tH\x00\x42\x06\n\x04kind"\x99\x04\n\x10\x41ssignJobRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x03\x12\x14\n\x0cleader_epoch\x18\x05 \x01(\x03\x12\x0f\n\x07gpu_ids\x18\x06 \x03(\x05\x12\x0f\n\x07\x63ommand\x18\x07 \x03(\t\x12\x33\n\x03\x65nv\x18\x08 \x03(\x0b\x32&.gpufleet.v1.AssignJobRequest.EnvEntry\x12\r\n\x05image\x18\t \x01(\t\x12\x17\n\x0fresume_from_uri\x18\n \x01(\t\x12\x15\n\rmax_runtime_s\x18\x0b \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x0c \x01(\x05\x12\x13\n\x0bworking_dir\x18\r \x01(\t\x12\x11\n\tmemory_mb\x18\x32 \x01(\x03\x12\x0b\n\x03\x63pu\x18\x33 \x01(\x01\x12\x0c\n\x04rank\x18< \x01(\x05\x12\x11\n\tgang_size\x18= \x01(\x05\x12\x12\n\npids_limit\x18P \x01(\x03\x12\x0f\n\x07\x64isk_mb\x18Q \x01(\x03\x12\x15\n\rmount_sources\x18i \x03(\t\x12\x15\n\rmount_targets\x18j \x03(\t\x12\x17\n\x0fmount_read_only\x18k \x03(\x08\x12\x13\n\x0bshm_size_mb\x18l \x01(\x03\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01"\x93\x02\n\x11\x41ssignJobResponse\x12\x35\n\x06result\x18\x01 \x01(\x0e\x32%.gpufleet.v1.AssignJobResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x13\n\x0bmaster_port\x18< \x01(\x05"\x93\x01\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0b\n\x07STARTED\x10\x01\x12\x13\n\x0f\x41LREADY_RUNNING\x10\x02\x12\x12\n\x0e\x41LREADY_EXITED\x10\x03\x12\x12\n\x0eREJECTED_STALE\x10\x04\x12\x13\n\x0f\x46\x41ILED_TO_START\x10\x05\x12\x12\n\x0eNODE_UNHEALTHY\x10\x1e"f\n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x03\x12\x14\n\x0cleader_epoch\x18\x03 \x01(\x03\x12\x0f\n\x07grace_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t"\xbe\x01\n\x0fStopRunResponse\x12\x33\n\x06result\x18\x01 \x01(\x0e\x32#.gpufleet.v1.StopRunResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t"e\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0c\n\x08STOPPING\x10\x01\x12\r\n\tNOT_FOUND\x10\x02\x12\x12\n\x0e\x41LREADY_EXITED\x10\x03\x12\x12\n\x0eREJECTED_STALE\x10\x04"\x11\n\x0fListRunsRequest"J\n\x10ListRunsResponse\x12\x13\n\x0b\x61gent_epoch\x18\x01 \x01(\x03\x12!\n\x04runs\x18\x02 \x03(\x0b\x32\x13.gpufleet.v1.RunRef"{\n\x0bJoinRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x03 \x01(\x0c\x12\x13\n\x0b\x61gent_epoch\x18_ \x01(\x03\x12&\n\theld_runs\x18` \x03(\x0b\x32\x13.gpufleet.v1.RunRef"\x1f\n\x0cRenewRequest\x12\x0f\n\x07\x63sr_pem\x18\x01 \x01(\x0c"O\n\x13\x43\x65rtificateResponse\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63\x61_pem\x18\x02 \x01(\x0c\x12\x0f\n\x07node_id\x18\x03 \x01(\t2\xf2\x02\n\nController\x12S\n\x0cRegisterNode\x12 .gpufleet.v1.RegisterNodeRequest\x1a!.gpufleet.v1.RegisterNodeResponse\x12\x62\n\x11\x43onfirmAssignment\x12%.gpufleet.v1.ConfirmAssignmentRequest\x1a&.gpufleet.v1.ConfirmAssignmentResponse\x12J\n\tHeartbeat\x12\x1d.gpufleet.v1.HeartbeatRequest\x1a\x1e.gpufleet.v1.HeartbeatResponse\x12_\n\x10ReportCompletion\x12$.gpufleet.v1.ReportCompletionRequest\x1a%.gpufleet.v1.ReportCompletionResponse2\x9e\x02\n\x05\x41gent\x12J\n\tAssignJob\x12\x1d.gpufleet.v1.AssignJobRequest\x1a\x1e.gpufleet.v1.AssignJobResponse\x12\x44\n\x07StopRun\x12\x1b.gpufleet.v1.StopRunRequest\x1a\x1c.gpufleet.v1.StopRunResponse\x12G\n\x08ListRuns\x12\x1c.gpufleet.v1.ListRunsRequest\x1a\x1d.gpufleet.v1.ListRunsResponse\x12:\n\x04\x45xec\x12\x16.gpufleet.v1.ExecFrame\x1a\x16.gpufleet.v1.ExecFrame(\x01\x30\x01\x32\x95\x01\n\tBootstrap\x12\x42\n\x04Join\x12\x18.gpufleet.v1.JoinRequest\x1a .gpufleet.v1.CertificateResponse\x12\x44\n\x05Renew\x12\x19.gpufleet.v1.RenewRequest\x1a .gpufleet.v1.CertificateResponseb\x06proto3'
-)
+
+
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fgpufleet/rpc/protos/fleet.proto\x12\x0bgpufleet.v1\"G\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x10\n\x08gpu_type\x18\x03 \x01(\t\x12\x11\n\tmemory_mb\x18\x04 \x01(\x03\"q\n\x06RunRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x1c\n\x14last_checkpoint_unix\x18\n \x01(\x01\"\xfa\x02\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0b\x61gent_epoch\x18\x03 \x01(\x03\x12\x1e\n\x04gpus\x18\x04 \x03(\x0b\x32\x10.gpufleet.v1.Gpu\x12\x0b\n\x03\x63pu\x18\x05 \x01(\x01\x12\x11\n\tmemory_mb\x18\x06 \x01(\x03\x12<\n\x06labels\x18\x07 \x03(\x0b\x32,.gpufleet.v1.RegisterNodeRequest.LabelsEntry\x12\x18\n\x10inventory_source\x18\x08 \x01(\t\x12\x18\n\x10object_store_url\x18< \x01(\t\x12 \n\x18object_store_probe_nonce\x18> \x01(\t\x12\x14\n\x0c\x63lock_unix_s\x18[ \x01(\x01\x12\x13\n\x0bgpu_sharing\x18q \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x90\x01\n\x14RegisterNodeResponse\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x18\n\x10object_store_url\x18< \x01(\t\x12\x0f\n\x07refused\x18= \x01(\t\x12\x19\n\x11\x63ontact_timeout_s\x18Z \x01(\x01\"\xb4\x01\n\x18\x43onfirmAssignmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x03\x12\x13\n\x0b\x61gent_epoch\x18\x05 \x01(\x03\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12.\n\x0cstart_phases\x18( \x01(\x0b\x32\x18.gpufleet.v1.StartPhases\"`\n\x0bStartPhases\x12\x0f\n\x07runtime\x18\x01 \x01(\t\x12\r\n\x05image\x18\x02 \x01(\t\x12\x0e\n\x06pull_s\x18\x03 \x01(\x01\x12\x10\n\x08\x63reate_s\x18\x04 \x01(\x01\x12\x0f\n\x07start_s\x18\x05 \x01(\x01\">\n\nLocalImage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\"\xaa\x01\n\x19\x43onfirmAssignmentResponse\x12=\n\x06result\x18\x01 \x01(\x0e\x32-.gpufleet.v1.ConfirmAssignmentResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\"=\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\r\n\tCONFIRMED\x10\x01\x12\x0c\n\x08REJECTED\x10\x02\"\xda\x02\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_epoch\x18\x02 \x01(\x03\x12$\n\x07running\x18\x03 \x03(\x0b\x32\x13.gpufleet.v1.RunRef\x12\x11\n\tfree_gpus\x18\x04 \x01(\x05\x12\x0e\n\x06health\x18\x05 \x01(\t\x12\x43\n\x0c\x64isk_free_mb\x18\x1e \x03(\x0b\x32-.gpufleet.v1.HeartbeatRequest.DiskFreeMbEntry\x12\x1d\n\x15recent_start_failures\x18\x1f \x01(\x05\x12\'\n\x06images\x18( \x03(\x0b\x32\x17.gpufleet.v1.LocalImage\x12\x17\n\x0fimages_reported\x18) \x01(\x08\x1a\x31\n\x0f\x44iskFreeMbEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"y\n\x11HeartbeatResponse\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x03\x12)\n\x04stop\x18\x02 \x03(\x0b\x32\x1b.gpufleet.v1.StopRunRequest\x12\x12\n\nreregister\x18\x03 \x01(\x08\x12\x0f\n\x07prepull\x18( \x03(\t\"\xc9\x03\n\x17ReportCompletionRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x03\x12\x14\n\x0cmanifest_uri\x18\x04 \x01(\t\x12=\n\x07outcome\x18\x05 \x01(\x0e\x32,.gpufleet.v1.ReportCompletionRequest.Outcome\x12\x11\n\texit_code\x18\x06 \x01(\x05\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x12\n\nnode_fault\x18\x1e \x01(\x08\x12\x0e\n\x06reason\x18\x32 \x01(\t\x12\x15\n\rended_at_unix\x18\x61 \x01(\x01\x12\x14\n\x0csent_at_unix\x18\x62 \x01(\x01\x12\x30\n\tresources\x18o \x01(\x0b\x32\x1d.gpufleet.v1.AttemptResources\x12\x32\n\x0estop_handshake\x18x \x01(\x0b\x32\x1a.gpufleet.v1.StopHandshake\"N\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\n\n\x06\x45XITED\x10\x01\x12\x0b\n\x07STOPPED\x10\x02\x12\x11\n\rNEVER_STARTED\x10\x03\"\\\n\rStopHandshake\x12\x11\n\tsignalled\x18\x01 \x01(\x08\x12\x0f\n\x07grace_s\x18\x02 \x01(\x01\x12\x16\n\x0esignal_after_s\x18\x03 \x01(\x01\x12\x0f\n\x07saved_s\x18\x04 \x01(\x01\"\xd0\x01\n\x10\x41ttemptResources\x12\x1b\n\x0epeak_rss_bytes\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0b\x63pu_seconds\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cgpu_util_pct\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1f\n\x12gpu_mem_peak_bytes\x18\x04 \x01(\x03H\x03\x88\x01\x01\x42\x11\n\x0f_peak_rss_bytesB\x0e\n\x0c_cpu_secondsB\x0f\n\r_gpu_util_pctB\x15\n\x13_gpu_mem_peak_bytes\"\xb2\x01\n\x18ReportCompletionResponse\x12<\n\x06result\x18\x01 \x01(\x0e\x32,.gpufleet.v1.ReportCompletionResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\"G\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\t\n\x05STALE\x10\x02\x12\x0c\n\x08REJECTED\x10\x03\"\x89\x01\n\tExecStart\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x03\x12\x0f\n\x07\x63ommand\x18\x03 \x03(\t\x12\x0b\n\x03tty\x18\x04 \x01(\x08\x12\x0c\n\x04rows\x18\x05 \x01(\x05\x12\x0c\n\x04\x63ols\x18\x06 \x01(\x05\x12\x14\n\x0c\x66orward_port\x18\x07 \x01(\x05\x12\r\n\x05\x61\x63tor\x18\x08 \x01(\t\"(\n\nExecResize\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x0c\n\x04\x63ols\x18\x02 \x01(\x05\"\'\n\x0b\x45xecStarted\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0b\n\x03uid\x18\x02 \x01(\x05\".\n\x08\x45xecExit\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x96\x02\n\tExecFrame\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.gpufleet.v1.ExecStartH\x00\x12\x0f\n\x05stdin\x18\x02 \x01(\x0cH\x00\x12\x13\n\tstdin_eof\x18\x03 \x01(\x08H\x00\x12)\n\x06resize\x18\x04 \x01(\x0b\x32\x17.gpufleet.v1.ExecResizeH\x00\x12+\n\x07started\x18\x05 \x01(\x0b\x32\x18.gpufleet.v1.ExecStartedH\x00\x12\x10\n\x06stdout\x18\x06 \x01(\x0cH\x00\x12\x10\n\x06stderr\x18\x07 \x01(\x0cH\x00\x12%\n\x04\x65xit\x18\x08 \x01(\x0b\x32\x15.gpufleet.v1.ExecExitH\x00\x12\x0f\n\x05\x65rror\x18\t \x01(\tH\x00\x42\x06\n\x04kind\"\xac\x04\n\x10\x41ssignJobRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x03\x12\x14\n\x0cleader_epoch\x18\x05 \x01(\x03\x12\x0f\n\x07gpu_ids\x18\x06 \x03(\x05\x12\x0f\n\x07\x63ommand\x18\x07 \x03(\t\x12\x33\n\x03\x65nv\x18\x08 \x03(\x0b\x32&.gpufleet.v1.AssignJobRequest.EnvEntry\x12\r\n\x05image\x18\t \x01(\t\x12\x17\n\x0fresume_from_uri\x18\n \x01(\t\x12\x15\n\rmax_runtime_s\x18\x0b \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x0c \x01(\x05\x12\x13\n\x0bworking_dir\x18\r \x01(\t\x12\x11\n\tmemory_mb\x18\x32 \x01(\x03\x12\x0b\n\x03\x63pu\x18\x33 \x01(\x01\x12\x0c\n\x04rank\x18< \x01(\x05\x12\x11\n\tgang_size\x18= \x01(\x05\x12\x12\n\npids_limit\x18P \x01(\x03\x12\x0f\n\x07\x64isk_mb\x18Q \x01(\x03\x12\x15\n\rmount_sources\x18i \x03(\t\x12\x15\n\rmount_targets\x18j \x03(\t\x12\x17\n\x0fmount_read_only\x18k \x03(\x08\x12\x13\n\x0bshm_size_mb\x18l \x01(\x03\x12\x11\n\tgpu_milli\x18q \x01(\x05\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x93\x02\n\x11\x41ssignJobResponse\x12\x35\n\x06result\x18\x01 \x01(\x0e\x32%.gpufleet.v1.AssignJobResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x13\n\x0bmaster_port\x18< \x01(\x05\"\x93\x01\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0b\n\x07STARTED\x10\x01\x12\x13\n\x0f\x41LREADY_RUNNING\x10\x02\x12\x12\n\x0e\x41LREADY_EXITED\x10\x03\x12\x12\n\x0eREJECTED_STALE\x10\x04\x12\x13\n\x0f\x46\x41ILED_TO_START\x10\x05\x12\x12\n\x0eNODE_UNHEALTHY\x10\x1e\"f\n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x03\x12\x14\n\x0cleader_epoch\x18\x03 \x01(\x03\x12\x0f\n\x07grace_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xbe\x01\n\x0fStopRunResponse\x12\x33\n\x06result\x18\x01 \x01(\x0e\x32#.gpufleet.v1.StopRunResponse.Result\x12\x0f\n\x07message\x18\x02 \x01(\t\"e\n\x06Result\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x0c\n\x08STOPPING\x10\x01\x12\r\n\tNOT_FOUND\x10\x02\x12\x12\n\x0e\x41LREADY_EXITED\x10\x03\x12\x12\n\x0eREJECTED_STALE\x10\x04\"\x11\n\x0fListRunsRequest\"J\n\x10ListRunsResponse\x12\x13\n\x0b\x61gent_epoch\x18\x01 \x01(\x03\x12!\n\x04runs\x18\x02 \x03(\x0b\x32\x13.gpufleet.v1.RunRef\"{\n\x0bJoinRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x03 \x01(\x0c\x12\x13\n\x0b\x61gent_epoch\x18_ \x01(\x03\x12&\n\theld_runs\x18` \x03(\x0b\x32\x13.gpufleet.v1.RunRef\"\x1f\n\x0cRenewRequest\x12\x0f\n\x07\x63sr_pem\x18\x01 \x01(\x0c\"O\n\x13\x43\x65rtificateResponse\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63\x61_pem\x18\x02 \x01(\x0c\x12\x0f\n\x07node_id\x18\x03 \x01(\t2\xf2\x02\n\nController\x12S\n\x0cRegisterNode\x12 .gpufleet.v1.RegisterNodeRequest\x1a!.gpufleet.v1.RegisterNodeResponse\x12\x62\n\x11\x43onfirmAssignment\x12%.gpufleet.v1.ConfirmAssignmentRequest\x1a&.gpufleet.v1.ConfirmAssignmentResponse\x12J\n\tHeartbeat\x12\x1d.gpufleet.v1.HeartbeatRequest\x1a\x1e.gpufleet.v1.HeartbeatResponse\x12_\n\x10ReportCompletion\x12$.gpufleet.v1.ReportCompletionRequest\x1a%.gpufleet.v1.ReportCompletionResponse2\x9e\x02\n\x05\x41gent\x12J\n\tAssignJob\x12\x1d.gpufleet.v1.AssignJobRequest\x1a\x1e.gpufleet.v1.AssignJobResponse\x12\x44\n\x07StopRun\x12\x1b.gpufleet.v1.StopRunRequest\x1a\x1c.gpufleet.v1.StopRunResponse\x12G\n\x08ListRuns\x12\x1c.gpufleet.v1.ListRunsRequest\x1a\x1d.gpufleet.v1.ListRunsResponse\x12:\n\x04\x45xec\x12\x16.gpufleet.v1.ExecFrame\x1a\x16.gpufleet.v1.ExecFrame(\x01\x30\x01\x32\x95\x01\n\tBootstrap\x12\x42\n\x04Join\x12\x18.gpufleet.v1.JoinRequest\x1a .gpufleet.v1.CertificateResponse\x12\x44\n\x05Renew\x12\x19.gpufleet.v1.RenewRequest\x1a .gpufleet.v1.CertificateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "gpufleet.rpc.protos.fleet_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpufleet.rpc.protos.fleet_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_REGISTERNODEREQUEST_LABELSENTRY"]._loaded_options = None
-    _globals["_REGISTERNODEREQUEST_LABELSENTRY"]._serialized_options = b"8\001"
-    _globals["_HEARTBEATREQUEST_DISKFREEMBENTRY"]._loaded_options = None
-    _globals["_HEARTBEATREQUEST_DISKFREEMBENTRY"]._serialized_options = b"8\001"
-    _globals["_ASSIGNJOBREQUEST_ENVENTRY"]._loaded_options = None
-    _globals["_ASSIGNJOBREQUEST_ENVENTRY"]._serialized_options = b"8\001"
-    _globals["_GPU"]._serialized_start = 48
-    _globals["_GPU"]._serialized_end = 119
-    _globals["_RUNREF"]._serialized_start = 121
-    _globals["_RUNREF"]._serialized_end = 234
-    _globals["_REGISTERNODEREQUEST"]._serialized_start = 237
-    _globals["_REGISTERNODEREQUEST"]._serialized_end = 594
-    _globals["_REGISTERNODEREQUEST_LABELSENTRY"]._serialized_start = 549
-    _globals["_REGISTERNODEREQUEST_LABELSENTRY"]._serialized_end = 594
-    _globals["_REGISTERNODERESPONSE"]._serialized_start = 597
-    _globals["_REGISTERNODERESPONSE"]._serialized_end = 741
-    _globals["_CONFIRMASSIGNMENTREQUEST"]._serialized_start = 744
-    _globals["_CONFIRMASSIGNMENTREQUEST"]._serialized_end = 924
-    _globals["_STARTPHASES"]._serialized_start = 926
-    _globals["_STARTPHASES"]._serialized_end = 1022
-    _globals["_LOCALIMAGE"]._serialized_start = 1024
-    _globals["_LOCALIMAGE"]._serialized_end = 1086
-    _globals["_CONFIRMASSIGNMENTRESPONSE"]._serialized_start = 1089
-    _globals["_CONFIRMASSIGNMENTRESPONSE"]._serialized_end = 1259
-    _globals["_CONFIRMASSIGNMENTRESPONSE_RESULT"]._serialized_start = 1198
-    _globals["_CONFIRMASSIGNMENTRESPONSE_RESULT"]._serialized_end = 1259
-    _globals["_HEARTBEATREQUEST"]._serialized_start = 1262
-    _globals["_HEARTBEATREQUEST"]._serialized_end = 1608
-    _globals["_HEARTBEATREQUEST_DISKFREEMBENTRY"]._serialized_start = 1559
-    _globals["_HEARTBEATREQUEST_DISKFREEMBENTRY"]._serialized_end = 1608
-    _globals["_HEARTBEATRESPONSE"]._serialized_start = 1610
-    _globals["_HEARTBEATRESPONSE"]._serialized_end = 1731
-    _globals["_REPORTCOMPLETIONREQUEST"]._serialized_start = 1734
-    _globals["_REPORTCOMPLETIONREQUEST"]._serialized_end = 2191
-    _globals["_REPORTCOMPLETIONREQUEST_OUTCOME"]._serialized_start = 2113
-    _globals["_REPORTCOMPLETIONREQUEST_OUTCOME"]._serialized_end = 2191
-    _globals["_STOPHANDSHAKE"]._serialized_start = 2193
-    _globals["_STOPHANDSHAKE"]._serialized_end = 2285
-    _globals["_ATTEMPTRESOURCES"]._serialized_start = 2288
-    _globals["_ATTEMPTRESOURCES"]._serialized_end = 2496
-    _globals["_REPORTCOMPLETIONRESPONSE"]._serialized_start = 2499
-    _globals["_REPORTCOMPLETIONRESPONSE"]._serialized_end = 2677
-    _globals["_REPORTCOMPLETIONRESPONSE_RESULT"]._serialized_start = 2606
-    _globals["_REPORTCOMPLETIONRESPONSE_RESULT"]._serialized_end = 2677
-    _globals["_EXECSTART"]._serialized_start = 2680
-    _globals["_EXECSTART"]._serialized_end = 2817
-    _globals["_EXECRESIZE"]._serialized_start = 2819
-    _globals["_EXECRESIZE"]._serialized_end = 2859
-    _globals["_EXECSTARTED"]._serialized_start = 2861
-    _globals["_EXECSTARTED"]._serialized_end = 2900
-    _globals["_EXECEXIT"]._serialized_start = 2902
-    _globals["_EXECEXIT"]._serialized_end = 2948
-    _globals["_EXECFRAME"]._serialized_start = 2951
-    _globals["_EXECFRAME"]._serialized_end = 3229
-    _globals["_ASSIGNJOBREQUEST"]._serialized_start = 3232
-    _globals["_ASSIGNJOBREQUEST"]._serialized_end = 3769
-    _globals["_ASSIGNJOBREQUEST_ENVENTRY"]._serialized_start = 3727
-    _globals["_ASSIGNJOBREQUEST_ENVENTRY"]._serialized_end = 3769
-    _globals["_ASSIGNJOBRESPONSE"]._serialized_start = 3772
-    _globals["_ASSIGNJOBRESPONSE"]._serialized_end = 4047
-    _globals["_ASSIGNJOBRESPONSE_RESULT"]._serialized_start = 3900
-    _globals["_ASSIGNJOBRESPONSE_RESULT"]._serialized_end = 4047
-    _globals["_STOPRUNREQUEST"]._serialized_start = 4049
-    _globals["_STOPRUNREQUEST"]._serialized_end = 4151
-    _globals["_STOPRUNRESPONSE"]._serialized_start = 4154
-    _globals["_STOPRUNRESPONSE"]._serialized_end = 4344
-    _globals["_STOPRUNRESPONSE_RESULT"]._serialized_start = 4243
-    _globals["_STOPRUNRESPONSE_RESULT"]._serialized_end = 4344
-    _globals["_LISTRUNSREQUEST"]._serialized_start = 4346
-    _globals["_LISTRUNSREQUEST"]._serialized_end = 4363
-    _globals["_LISTRUNSRESPONSE"]._serialized_start = 4365
-    _globals["_LISTRUNSRESPONSE"]._serialized_end = 4439
-    _globals["_JOINREQUEST"]._serialized_start = 4441
-    _globals["_JOINREQUEST"]._serialized_end = 4564
-    _globals["_RENEWREQUEST"]._serialized_start = 4566
-    _globals["_RENEWREQUEST"]._serialized_end = 4597
-    _globals["_CERTIFICATERESPONSE"]._serialized_start = 4599
-    _globals["_CERTIFICATERESPONSE"]._serialized_end = 4678
-    _globals["_CONTROLLER"]._serialized_start = 4681
-    _globals["_CONTROLLER"]._serialized_end = 5051
-    _globals["_AGENT"]._serialized_start = 5054
-    _globals["_AGENT"]._serialized_end = 5340
-    _globals["_BOOTSTRAP"]._serialized_start = 5343
-    _globals["_BOOTSTRAP"]._serialized_end = 5492
+  DESCRIPTOR._loaded_options = None
+  _globals['_REGISTERNODEREQUEST_LABELSENTRY']._loaded_options = None
+  _globals['_REGISTERNODEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_HEARTBEATREQUEST_DISKFREEMBENTRY']._loaded_options = None
+  _globals['_HEARTBEATREQUEST_DISKFREEMBENTRY']._serialized_options = b'8\001'
+  _globals['_ASSIGNJOBREQUEST_ENVENTRY']._loaded_options = None
+  _globals['_ASSIGNJOBREQUEST_ENVENTRY']._serialized_options = b'8\001'
+  _globals['_GPU']._serialized_start=48
+  _globals['_GPU']._serialized_end=119
+  _globals['_RUNREF']._serialized_start=121
+  _globals['_RUNREF']._serialized_end=234
+  _globals['_REGISTERNODEREQUEST']._serialized_start=237
+  _globals['_REGISTERNODEREQUEST']._serialized_end=615
+  _globals['_REGISTERNODEREQUEST_LABELSENTRY']._serialized_start=570
+  _globals['_REGISTERNODEREQUEST_LABELSENTRY']._serialized_end=615
+  _globals['_REGISTERNODERESPONSE']._serialized_start=618
+  _globals['_REGISTERNODERESPONSE']._serialized_end=762
+  _globals['_CONFIRMASSIGNMENTREQUEST']._serialized_start=765
+  _globals['_CONFIRMASSIGNMENTREQUEST']._serialized_end=945
+  _globals['_STARTPHASES']._serialized_start=947
+  _globals['_STARTPHASES']._serialized_end=1043
+  _globals['_LOCALIMAGE']._serialized_start=1045
+  _globals['_LOCALIMAGE']._serialized_end=1107
+  _globals['_CONFIRMASSIGNMENTRESPONSE']._serialized_start=1110
+  _globals['_CONFIRMASSIGNMENTRESPONSE']._serialized_end=1280
+  _globals['_CONFIRMASSIGNMENTRESPONSE_RESULT']._serialized_start=1219
+  _globals['_CONFIRMASSIGNMENTRESPONSE_RESULT']._serialized_end=1280
+  _globals['_HEARTBEATREQUEST']._serialized_start=1283
+  _globals['_HEARTBEATREQUEST']._serialized_end=1629
+  _globals['_HEARTBEATREQUEST_DISKFREEMBENTRY']._serialized_start=1580
+  _globals['_HEARTBEATREQUEST_DISKFREEMBENTRY']._serialized_end=1629
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1631
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1752
+  _globals['_REPORTCOMPLETIONREQUEST']._serialized_start=1755
+  _globals['_REPORTCOMPLETIONREQUEST']._serialized_end=2212
+  _globals['_REPORTCOMPLETIONREQUEST_OUTCOME']._serialized_start=2134
+  _globals['_REPORTCOMPLETIONREQUEST_OUTCOME']._serialized_end=2212
+  _globals['_STOPHANDSHAKE']._serialized_start=2214
+  _globals['_STOPHANDSHAKE']._serialized_end=2306
+  _globals['_ATTEMPTRESOURCES']._serialized_start=2309
+  _globals['_ATTEMPTRESOURCES']._serialized_end=2517
+  _globals['_REPORTCOMPLETIONRESPONSE']._serialized_start=2520
+  _globals['_REPORTCOMPLETIONRESPONSE']._serialized_end=2698
+  _globals['_REPORTCOMPLETIONRESPONSE_RESULT']._serialized_start=2627
+  _globals['_REPORTCOMPLETIONRESPONSE_RESULT']._serialized_end=2698
+  _globals['_EXECSTART']._serialized_start=2701
+  _globals['_EXECSTART']._serialized_end=2838
+  _globals['_EXECRESIZE']._serialized_start=2840
+  _globals['_EXECRESIZE']._serialized_end=2880
+  _globals['_EXECSTARTED']._serialized_start=2882
+  _globals['_EXECSTARTED']._serialized_end=2921
+  _globals['_EXECEXIT']._serialized_start=2923
+  _globals['_EXECEXIT']._serialized_end=2969
+  _globals['_EXECFRAME']._serialized_start=2972
+  _globals['_EXECFRAME']._serialized_end=3250
+  _globals['_ASSIGNJOBREQUEST']._serialized_start=3253
+  _globals['_ASSIGNJOBREQUEST']._serialized_end=3809
+  _globals['_ASSIGNJOBREQUEST_ENVENTRY']._serialized_start=3767
+  _globals['_ASSIGNJOBREQUEST_ENVENTRY']._serialized_end=3809
+  _globals['_ASSIGNJOBRESPONSE']._serialized_start=3812
+  _globals['_ASSIGNJOBRESPONSE']._serialized_end=4087
+  _globals['_ASSIGNJOBRESPONSE_RESULT']._serialized_start=3940
+  _globals['_ASSIGNJOBRESPONSE_RESULT']._serialized_end=4087
+  _globals['_STOPRUNREQUEST']._serialized_start=4089
+  _globals['_STOPRUNREQUEST']._serialized_end=4191
+  _globals['_STOPRUNRESPONSE']._serialized_start=4194
+  _globals['_STOPRUNRESPONSE']._serialized_end=4384
+  _globals['_STOPRUNRESPONSE_RESULT']._serialized_start=4283
+  _globals['_STOPRUNRESPONSE_RESULT']._serialized_end=4384
+  _globals['_LISTRUNSREQUEST']._serialized_start=4386
+  _globals['_LISTRUNSREQUEST']._serialized_end=4403
+  _globals['_LISTRUNSRESPONSE']._serialized_start=4405
+  _globals['_LISTRUNSRESPONSE']._serialized_end=4479
+  _globals['_JOINREQUEST']._serialized_start=4481
+  _globals['_JOINREQUEST']._serialized_end=4604
+  _globals['_RENEWREQUEST']._serialized_start=4606
+  _globals['_RENEWREQUEST']._serialized_end=4637
+  _globals['_CERTIFICATERESPONSE']._serialized_start=4639
+  _globals['_CERTIFICATERESPONSE']._serialized_end=4718
+  _globals['_CONTROLLER']._serialized_start=4721
+  _globals['_CONTROLLER']._serialized_end=5091
+  _globals['_AGENT']._serialized_start=5094
+  _globals['_AGENT']._serialized_end=5380
+  _globals['_BOOTSTRAP']._serialized_start=5383
+  _globals['_BOOTSTRAP']._serialized_end=5532
 # @@protoc_insertion_point(module_scope)

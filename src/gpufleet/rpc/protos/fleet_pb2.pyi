@@ -137,6 +137,7 @@ class RegisterNodeRequest(_message.Message):
     OBJECT_STORE_URL_FIELD_NUMBER: _builtins.int
     OBJECT_STORE_PROBE_NONCE_FIELD_NUMBER: _builtins.int
     CLOCK_UNIX_S_FIELD_NUMBER: _builtins.int
+    GPU_SHARING_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     address: _builtins.str
     """host:port of the agent's gRPC server"""
@@ -165,6 +166,11 @@ class RegisterNodeRequest(_message.Message):
     the database's clock only, but TLS certificate validity is checked against each
     machine's own clock.
     """
+    gpu_sharing: _builtins.str
+    """Whether and how the node's GPUs may be shared by several jobs (agent --gpu-sharing):
+    "none" (whole GPUs only; also what an older agent's empty value means), "timeslice" or
+    "mps" (domain.types.GpuSharing).
+    """
     @_builtins.property
     def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___Gpu]: ...
     @_builtins.property
@@ -183,10 +189,11 @@ class RegisterNodeRequest(_message.Message):
         object_store_url: _builtins.str = ...,
         object_store_probe_nonce: _builtins.str = ...,
         clock_unix_s: _builtins.float = ...,
+        gpu_sharing: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_epoch", b"agent_epoch", "clock_unix_s", b"clock_unix_s", "cpu", b"cpu", "gpus", b"gpus", "inventory_source", b"inventory_source", "labels", b"labels", "memory_mb", b"memory_mb", "node_id", b"node_id", "object_store_probe_nonce", b"object_store_probe_nonce", "object_store_url", b"object_store_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_epoch", b"agent_epoch", "clock_unix_s", b"clock_unix_s", "cpu", b"cpu", "gpu_sharing", b"gpu_sharing", "gpus", b"gpus", "inventory_source", b"inventory_source", "labels", b"labels", "memory_mb", b"memory_mb", "node_id", b"node_id", "object_store_probe_nonce", b"object_store_probe_nonce", "object_store_url", b"object_store_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -936,6 +943,7 @@ class AssignJobRequest(_message.Message):
     MOUNT_TARGETS_FIELD_NUMBER: _builtins.int
     MOUNT_READ_ONLY_FIELD_NUMBER: _builtins.int
     SHM_SIZE_MB_FIELD_NUMBER: _builtins.int
+    GPU_MILLI_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     job_id: _builtins.str
     reservation_id: _builtins.str
@@ -971,6 +979,10 @@ class AssignJobRequest(_message.Message):
     shm_size_mb: _builtins.int
     """Size of the attempt's /dev/shm, MiB (podman --shm-size; the process job's private tmpfs
     size=); 0 = the default (domain.mounts.default_shm_mb of memory_mb).
+    """
+    gpu_milli: _builtins.int
+    """A share of its one GPU (gpu_ids), thousandths (0 = whole GPUs): the agent sets
+    GPUFLEET_GPU_FRACTION and, on an MPS node, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE from it.
     """
     @_builtins.property
     def gpu_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -1015,10 +1027,11 @@ class AssignJobRequest(_message.Message):
         mount_targets: _abc.Iterable[_builtins.str] | None = ...,
         mount_read_only: _abc.Iterable[_builtins.bool] | None = ...,
         shm_size_mb: _builtins.int = ...,
+        gpu_milli: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "disk_mb", b"disk_mb", "env", b"env", "gang_size", b"gang_size", "gpu_ids", b"gpu_ids", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "mount_read_only", b"mount_read_only", "mount_sources", b"mount_sources", "mount_targets", b"mount_targets", "pids_limit", b"pids_limit", "rank", b"rank", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "shm_size_mb", b"shm_size_mb", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "command", b"command", "cpu", b"cpu", "disk_mb", b"disk_mb", "env", b"env", "gang_size", b"gang_size", "gpu_ids", b"gpu_ids", "gpu_milli", b"gpu_milli", "image", b"image", "job_id", b"job_id", "leader_epoch", b"leader_epoch", "max_runtime_s", b"max_runtime_s", "memory_mb", b"memory_mb", "mount_read_only", b"mount_read_only", "mount_sources", b"mount_sources", "mount_targets", b"mount_targets", "pids_limit", b"pids_limit", "rank", b"rank", "reservation_id", b"reservation_id", "resume_from_uri", b"resume_from_uri", "run_id", b"run_id", "shm_size_mb", b"shm_size_mb", "token", b"token", "working_dir", b"working_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
