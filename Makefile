@@ -19,8 +19,10 @@ demo: install
 services:
 	scripts/ensure-services.sh
 
+# three workers on two cores: most e2e tests wait on real processes (heartbeats, grace
+# periods, fence timeouts) rather than compute; the 30 slowest are listed at the end
 test: install services
-	$(BIN)/pytest -q -n 2 --dist worksteal --timeout 300
+	$(BIN)/pytest -q -n 3 --dist worksteal --timeout 300 --durations=30
 
 lint: install
 	$(BIN)/ruff check src tests
