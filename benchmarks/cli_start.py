@@ -1,9 +1,12 @@
-"""CPU cost of one ``gpufleet`` CLI call: ``--help``, ``--version``, ``status``, ``list``,
-``submit``, ``nodes`` against a real ``gpufleet server`` (SQLite, no agent: jobs stay PENDING).
+"""CPU and wall time of one ``gpufleet`` CLI call: ``--help``, ``--version``, ``status``,
+``list``, ``submit``, ``nodes``, ``why`` and ``why --suggest`` against a real ``gpufleet
+server`` (SQLite, no agent: jobs stay PENDING).
 
 Each call runs as a fresh process; its CPU time (user + system, from ``RUSAGE_CHILDREN``)
-is what a user waits for on an idle machine. Rounds are interleaved (every command once per
-round, then the next round) so that load from other processes hits all commands alike.
+is what a user waits for on an idle machine; its wall time is what the user waits for on
+this one (the server's answer included, and any wait for a core). Rounds are interleaved
+(every command once per round, then the next round) so that load from other processes hits
+all commands alike.
 ``--compare BIN`` adds another ``gpufleet`` executable (e.g. an older checkout's venv),
 interleaved with this one, for before/after ratios. The target is < 150 ms of CPU.
 
@@ -41,16 +44,19 @@ from gpufleet.services import auth
 from gpufleet.settings import Settings
 
 
-def cpu_ms(argv: list[str], env: dict[str, str], check: bool = True) -> float:
-    """User + system CPU of one run of ``argv``, in ms (exit status must be 0 if ``check``:
-    an older ``--compare`` binary may lack ``--version``/``-q``, and its usage error is
-    timed as it is)."""
+def timed_ms(argv: list[str], env: dict[str, str], check: bool = True) -> tuple[float, float]:
+    """(user + system CPU, wall) of one run of ``argv``, in ms (exit status must be 0 if
+    ``check``: an older ``--compare`` binary may lack ``--version``/``-q``/``--suggest``, and
+    its usage error is timed as it is)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
     proc = subprocess.run(argv, env=env, capture_output=True, check=False)
+    wall = 1000 * (time.perf_counter() - t0)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if check and proc.returncode != 0:
         raise RuntimeError(f"{argv} exited {proc.returncode}: {proc.stderr.decode()[-500:]}")
-    return 1000 * (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    cpu = 1000 * (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return cpu, wall
 
 
 def main() -> None:
@@ -105,8 +111,10 @@ def main() -> None:
                 "list": ["list"],
                 "submit -q -- true": ["submit", "-q", "--", "true"],
                 "nodes": ["nodes"],
+                "why JOB": ["why", job],
+                "why JOB --suggest": ["why", job, "--suggest"],
             }
-            times: dict[tuple[str, str], list[float]] = {}
+            times: dict[tuple[str, str], list[tuple[float, float]]] = {}
             for r in range(args.rounds):
                 console.print(f"round {r + 1}/{args.rounds}")
                 for name, argv in commands.items():
@@ -116,23 +124,23 @@ def main() -> None:
                             continue
                         full = argv if floor else [str(exe), *argv]
                         times.setdefault((name, label), []).append(
-                            cpu_ms(full, client_env, check=label == "this")
+                            timed_ms(full, client_env, check=label == "this")
                         )
         finally:
             stop_processes([server])
 
     table = Table(title="CPU per CLI call, ms (user+sys); target < 150")
-    for col in ("command", "binary", "min", "median", "max", "runs"):
-        table.add_column(
-            col, justify="right" if col in ("min", "median", "max", "runs") else "left"
-        )
-    for (name, label), xs in times.items():
+    for col in ("command", "binary", "min", "median", "max", "median wall", "runs"):
+        table.add_column(col, justify="left" if col in ("command", "binary") else "right")
+    for (name, label), runs in times.items():
+        xs = [cpu for cpu, _ in runs]
         table.add_row(
             name,
             label,
             f"{min(xs):.0f}",
             f"{statistics.median(xs):.0f}",
             f"{max(xs):.0f}",
+            f"{statistics.median(w for _, w in runs):.0f}",
             str(len(xs)),
         )
     out = table_console(100)
