@@ -275,6 +275,23 @@ def _add_member(
 _TAKE: dict[tuple[str, bool], tuple[Any | None, Any]] = {}
 
 
+def _lease_still_held(dialect: str) -> Any:
+    """The condition that the leader lease is still ``p_holder``'s at ``p_epoch`` and
+    unexpired by the database clock, read-locked (FOR SHARE on PostgreSQL) so that a
+    takeover waits for the reservation's transaction."""
+    lease_row = LeaderLeaseRow.__table__.c
+    return exists(
+        select(lease_row.name)
+        .where(
+            lease_row.name == leader.LEASE_NAME,
+            lease_row.holder == bindparam("p_holder", type_=String),
+            lease_row.epoch == bindparam("p_epoch", type_=Integer),
+            lease_row.expires_at > now_sql_for(dialect),
+        )
+        .with_for_update(read=True)
+    )
+
+
 def _take_statements(dialect: str, with_lease: bool) -> tuple[Any | None, Any]:
     """The statements of :func:`_take_gpus` (the capacity update, None where the capacity
     follows the GPU rows by itself, and the GPU claim), built once per (dialect, lease check)
@@ -295,19 +312,7 @@ def _take_statements(dialect: str, with_lease: bool) -> tuple[Any | None, Any]:
     ]
     now = now_sql_for(dialect)
     if with_lease:
-        lease_row = LeaderLeaseRow.__table__.c
-        conds.append(
-            exists(
-                select(lease_row.name)
-                .where(
-                    lease_row.name == leader.LEASE_NAME,
-                    lease_row.holder == bindparam("p_holder", type_=String),
-                    lease_row.epoch == bindparam("p_epoch", type_=Integer),
-                    lease_row.expires_at > now,
-                )
-                .with_for_update(read=True)
-            )
-        )
+        conds.append(_lease_still_held(dialect))
     free = (
         select(gpu.gpu_index)
         .where(gpu.node_id == node, gpu.holder_run_id.is_(None))
@@ -436,19 +441,7 @@ def _share_statements(dialect: str, with_lease: bool) -> tuple[Any, Any, Any]:
     ]
     now = now_sql_for(dialect)
     if with_lease:
-        lease_row = LeaderLeaseRow.__table__.c
-        conds.append(
-            exists(
-                select(lease_row.name)
-                .where(
-                    lease_row.name == leader.LEASE_NAME,
-                    lease_row.holder == bindparam("p_holder", type_=String),
-                    lease_row.epoch == bindparam("p_epoch", type_=Integer),
-                    lease_row.expires_at > now,
-                )
-                .with_for_update(read=True)
-            )
-        )
+        conds.append(_lease_still_held(dialect))
     lock = (
         update(cast(Table, NodeCapacityRow.__table__))
         .where(*conds)
