@@ -6,8 +6,10 @@ and mount namespaces (this development machine: root, cgroup v1, job network nam
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
+import re
 import select
 import shlex
 import shutil
@@ -316,3 +318,50 @@ def test_exec_into_a_container_job(fleet_n1: Fleet) -> None:
     uid = r.stdout.splitlines()[0]
     assert int(uid) not in (0, os.geteuid())
     assert int(uid) == _status_uid(pid)  # the container's user (the attempt's uid)
+
+
+def test_interactive_job_holds_until_no_session_for_its_idle_timeout(fleet_n1: Fleet) -> None:
+    """``submit --interactive`` (like ``salloc``): it waits for RUNNING and opens a shell on a
+    terminal; an open session keeps the job past its idle timeout (3 s here), leaving the
+    shell does not end it, and once no session is open for 3 s it ends SUCCEEDED."""
+    fleet = fleet_n1
+    master, slave = pty.openpty()
+    args = ["submit", "--interactive", "--idle-timeout", "3s", "--workdir", "-", "--gpus", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpufleet.cli.main", *args],
+        env=_cli_env(fleet),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+    )
+    os.close(slave)
+    os.write(master, b"sleep 4; echo in-job-$GPUFLEET_JOB_ID; exit 0\n")  # typed ahead
+    seen = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if select.select([master], [], [], 0.2)[0]:
+            try:
+                seen += os.read(master, 4096)
+            except OSError:
+                break
+    rc = proc.wait(timeout=10)
+    with contextlib.suppress(OSError):
+        while select.select([master], [], [], 0.2)[0]:
+            seen += os.read(master, 4096)
+    os.close(master)
+    text = seen.decode(errors="replace")
+    assert rc == 0, text
+    job_id = re.findall(r"\bj-[0-9a-z]+", text)[0]
+    assert f"in-job-{job_id}" in text  # the shell ran in the job
+    assert f"gpufleet shell {job_id}" in text and f"gpufleet cancel {job_id}" in text
+    # 4 s in the shell, past the 3 s idle timeout: the job still holds its GPUs
+    assert fleet.job(job_id)["status"] == "RUNNING"
+
+    r = _gpufleet(fleet, "exec", job_id, "--", "sh", "-c", "sleep 4; echo still-here")
+    assert r.returncode == 0 and "still-here" in r.stdout, r.stderr
+    assert fleet.job(job_id)["status"] == "RUNNING"  # kept alive by the open session
+
+    done = fleet.wait_status(job_id, {"SUCCEEDED", "FAILED", "CANCELLED"}, 30)
+    assert done["status"] == "SUCCEEDED", done
+    assert done["attempts"][-1]["exit_code"] == 0

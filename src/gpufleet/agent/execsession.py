@@ -34,6 +34,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import termios
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.agent.runtime import jobns
+from gpufleet.domain.interactive import HEARTBEAT_S
 from gpufleet.rpc.protos import fleet_pb2 as pb
 
 logger = logging.getLogger("gpufleet.agent")
@@ -91,6 +93,43 @@ class Target:
     container: str = ""
     engine_argv: tuple[str, ...] = ()
     engine_env: dict[str, str] | None = None
+    activity: Path | None = None
+    """The attempt's activity file (``$GPUFLEET_EXEC_ACTIVITY``, host path); None = none."""
+
+
+def write_activity(path: Path, sessions: int) -> bool:
+    """Record ``sessions`` (the number open) in the attempt's activity file ``path``
+    (``{root}/work/NAME``; :mod:`gpufleet.domain.interactive`), which also sets its time.
+
+    The work directory is the job's own: neither it nor the file is followed when a symlink,
+    and a file with other links (a hard link to someone else's file) or that is not a regular
+    file is left alone. Returns whether it was written; never raises ``OSError``.
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    root = work = fd = -1
+    try:
+        root = os.open(path.parent.parent, flags)
+        work = os.open(path.parent.name, flags | os.O_NOFOLLOW, dir_fd=root)
+        fd = os.open(
+            path.name,
+            os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            0o644,
+            dir_fd=work,
+        )
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{max(0, sessions)}\n".encode())
+        os.utime(fd)
+        return True
+    except OSError as exc:
+        logger.debug("exec activity %s: %s", path, exc)
+        return False
+    finally:
+        for d in (fd, work, root):
+            if d >= 0:
+                os.close(d)
 
 
 def _which(name: str) -> str:
@@ -277,6 +316,13 @@ class ExecSessions:
         self._lock = threading.Lock()
         self._per_run: dict[str, int] = {}
 
+    def _record(self, t: Target) -> None:
+        """The attempt's activity file gets the number of its sessions open now."""
+        if t.activity is not None:
+            with self._lock:
+                n = self._per_run.get(t.run_id, 0)
+            write_activity(t.activity, n)
+
     def active(self) -> int:
         with self._lock:
             return sum(self._per_run.values())
@@ -322,6 +368,7 @@ class ExecSessions:
             raise ExecRefused("INVALID_ARGUMENT", "forward_port must be 1-65535")
         target: Target = self.find(start.run_id, start.token)
         with self._slot(target.run_id):
+            self._record(target)
             what = f"port-forward :{start.forward_port}" if start.forward_port else start.command
             logger.info("run %s: exec %s for %s", target.run_id, what, start.actor or "?")
             t0 = time.monotonic()
@@ -336,6 +383,7 @@ class ExecSessions:
                         code = out.exit.exit_code
                     yield out
             finally:
+                self._record_after(target)
                 logger.info(
                     "run %s: exec %s ended (exit %s, %.1f s)",
                     target.run_id,
@@ -343,6 +391,20 @@ class ExecSessions:
                     code,
                     time.monotonic() - t0,
                 )
+
+    def _record_after(self, t: Target) -> None:
+        """At a session's end: the count without it (the slot is released after this)."""
+        if t.activity is not None:
+            with self._lock:
+                n = self._per_run.get(t.run_id, 1) - 1
+            write_activity(t.activity, n)
+
+    def _beat(self, t: Target, due: list[float]) -> None:
+        """Rewrite the activity file every ``HEARTBEAT_S`` while the session is open."""
+        now = time.monotonic()
+        if now >= due[0]:
+            due[0] = now + HEARTBEAT_S
+            self._record(t)
 
     # ------------------------------------------------------------------ a command
 
@@ -417,8 +479,10 @@ class ExecSessions:
             outs[proc.stderr.fileno()] = "stderr"
         bucket = _Bucket(self.limits.output_bytes_per_s)
         why = ""
+        due = [time.monotonic() + HEARTBEAT_S]
         try:
             while outs:
+                self._beat(t, due)
                 why = _why_end(is_active, last[0], self.limits.idle_timeout_s)
                 if why:
                     break
@@ -486,8 +550,10 @@ class ExecSessions:
         threading.Thread(target=pump_in, name="exec-forward", daemon=True).start()
         bucket = _Bucket(self.limits.output_bytes_per_s)
         why = ""
+        due = [time.monotonic() + HEARTBEAT_S]
         try:
             while True:
+                self._beat(t, due)
                 why = _why_end(is_active, last[0], self.limits.idle_timeout_s)
                 if why:
                     break
@@ -562,6 +628,7 @@ def target_of(core: Any, run_id: str, token: int) -> Target:
         code = "FAILED_PRECONDITION" if "token" in str(exc) else "NOT_FOUND"
         raise ExecRefused(code, str(exc)) from exc
     runtimes = core.runner.runtimes
+    activity = core.runner.paths(run_id).exec_activity
     try:
         if isinstance(h, ContainerHandle):
             engine = runtimes.container.engine
@@ -572,6 +639,7 @@ def target_of(core: Any, run_id: str, token: int) -> Target:
                 container=h.name,
                 engine_argv=tuple(engine.argv0),
                 engine_env=dict(engine.env),
+                activity=activity,
             )
         if isinstance(h, ProcessHandle):
             uid, gid, groups = read_ids(h.pid)
@@ -586,6 +654,7 @@ def target_of(core: Any, run_id: str, token: int) -> Target:
                 env=read_environ(h.pid),
                 pidns=getattr(runtimes.process, "containment", None) is not None
                 and runtimes.process.containment.kind == "pidns",
+                activity=activity,
             )
     except OSError as exc:
         raise ExecRefused("NOT_FOUND", f"run {run_id}: its process is gone ({exc})") from exc

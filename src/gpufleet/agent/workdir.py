@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet.agent.assignment_log import RunRecord
+from gpufleet.domain.interactive import ACTIVITY_ENV, ACTIVITY_NAME
 from gpufleet.objectstore import ObjectStore
 
 
@@ -76,6 +77,12 @@ class RunPaths:
         """``$GPUFLEET_CHECKPOINT_DONE``: the job creates it once its checkpoint after a
         SIGTERM is durable (:mod:`gpufleet.agent.checkpoint_signal`)."""
         return self.work / CHECKPOINT_DONE_NAME
+
+    @property
+    def exec_activity(self) -> Path:
+        """``$GPUFLEET_EXEC_ACTIVITY``: the agent's record of exec sessions into the attempt
+        (:mod:`gpufleet.domain.interactive`)."""
+        return self.work / ACTIVITY_NAME
 
     @property
     def checkpoints(self) -> Path:
@@ -147,7 +154,9 @@ def build_env(
        ``GPUFLEET_ARTIFACTS_DIR``, ``GPUFLEET_RESUME_FROM`` (a directory holding the
        previous attempt's checkpoints, or empty when there are none) and
        ``GPUFLEET_CHECKPOINT_DONE`` (the file to create once a checkpoint after SIGTERM is
-       durable: the stop then ends without waiting out its grace); for a share of a GPU
+       durable: the stop then ends without waiting out its grace), ``GPUFLEET_EXEC_ACTIVITY``
+       (the agent's record of exec sessions, read by an interactive job's holder:
+       :mod:`gpufleet.domain.interactive`); for a share of a GPU
        (``rec.gpu_milli``) also ``GPUFLEET_GPU_FRACTION`` (e.g. ``0.25``) and, on an MPS
        node, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (its fraction of the GPU's SMs, percent:
        :func:`share_env`; docs/design/runtime.md says what each mode isolates).
@@ -169,6 +178,7 @@ def build_env(
             "GPUFLEET_ARTIFACTS_DIR": str(paths.artifacts),
             "GPUFLEET_RESUME_FROM": str(resume_dir) if resume_dir is not None else "",
             "GPUFLEET_CHECKPOINT_DONE": str(paths.checkpoint_done),
+            ACTIVITY_ENV: str(paths.exec_activity),
             **share_env(rec.gpu_milli, rec.gpu_sharing),
         }
     )

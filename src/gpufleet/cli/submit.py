@@ -15,6 +15,7 @@ import typer
 from typer.core import TyperCommand
 
 from gpufleet.cli import output
+from gpufleet.cli.interactive import attach, idle_timeout_of, interactive_command
 from gpufleet.cli.joblogs import _wait
 from gpufleet.cli.options import (
     ClientError,
@@ -412,6 +413,24 @@ def submit(
         bool, typer.Option("--wait", help="Wait; exit with the job's exit code (0 iff SUCCEEDED).")
     ] = False,
     follow: Annotated[bool, typer.Option("--follow", help="Stream logs, then wait.")] = False,
+    interactive: Annotated[
+        bool,
+        typer.Option(
+            "--interactive",
+            help="Hold the GPUs for a shell (no command): wait until it runs, then"
+            " `gpufleet shell` into it; it ends after --idle-timeout with no session.",
+        ),
+    ] = False,
+    idle_timeout: Annotated[
+        str | None,
+        typer.Option(
+            "--idle-timeout",
+            help="--interactive: release after this long with no exec/shell session (30m).",
+        ),
+    ] = None,
+    no_attach: Annotated[
+        bool, typer.Option("--no-attach", help="--interactive: submit only, no shell.")
+    ] = False,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Print only the job id (for scripts).")
     ] = False,
@@ -453,12 +472,21 @@ def submit(
             "hold": hold or None,
         }
         base = load_jobfile(jobfile) if jobfile else {}
+        command = list(ctx.meta.get(_COMMAND_KEY, []))
+        idle_s = idle_timeout_of(interactive, idle_timeout)
+        if idle_s is not None:
+            if wait or follow:
+                raise ClientError(
+                    "--interactive does not go with --wait/--follow (it waits for RUNNING"
+                    " and opens a shell; --no-attach for none)",
+                    field="--interactive",
+                )
+            command = interactive_command(idle_s, command, base, flags)
+            flags["name"] = flags["name"] or base.get("name") or "interactive"
+        elif no_attach:
+            raise ClientError("--no-attach needs --interactive", field="--no-attach")
         body = build_job_body(
-            base,
-            flags,
-            _pairs(env, "env"),
-            _pairs(selector, "node_selector"),
-            list(ctx.meta.get(_COMMAND_KEY, [])),
+            base, flags, _pairs(env, "env"), _pairs(selector, "node_selector"), command
         )
         _place_and_env(body, workdir, export)
         if (wait or follow) and body.get("array"):  # the flag's or the job file's
@@ -510,6 +538,18 @@ def submit(
             typer.echo(f"array of {n} tasks; first task {created.job_id}", err=True)
         else:
             typer.echo(output.clean(created.job_id))
+        if idle_s is not None:
+            raise typer.Exit(
+                attach(
+                    http,
+                    created.job_id,
+                    idle_s,
+                    no_attach=no_attach,
+                    quiet=quiet or structured(out),
+                    url=url,
+                    token=token,
+                )
+            )
         if wait or follow:
             job = _wait(http, created.job_id, follow=follow, quiet=quiet)
             raise typer.Exit(_finish(http, job, show_log=not follow))
