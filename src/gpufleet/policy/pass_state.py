@@ -19,6 +19,7 @@ from gpufleet.policy.decisions import Decision, GangMember, HoldForBackfill, Pla
 from gpufleet.policy.explain import Cause
 from gpufleet.policy.gang import Members, explicit_gang, gang_members, member_resources
 from gpufleet.policy.headroom import Shielded
+from gpufleet.policy.ordering import capped_jobs
 from gpufleet.policy.placement import FreeIndex, Shadow
 from gpufleet.policy.preemption import VictimSearch
 from gpufleet.policy.priority import queue_key, sorted_queues
@@ -166,6 +167,7 @@ class PassState:
         if self._victims is None:
             aged = self.cfg.head_start_s if self.cfg.ordering is Ordering.FAIR_SHARE else None
             self._victims = VictimSearch(self.running, self.book, self.now, aged)
+            self._victims.capped = capped_jobs(self.snap.recent_displacements, self.now, self.cfg)
         return self._victims
 
     def quota_kept_for(self, job: PendingJob, gpu_type: str) -> int:

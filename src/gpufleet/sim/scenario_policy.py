@@ -90,6 +90,11 @@ _POLICY_BOUNDS: Mapping[str, dict[str, Any]] = {
     "defrag_drain_horizon_s": {"ge": 0},
     "displacement_budget_share": {"ge": 0, "le": 1},
     "anti_thrash_s": {"ge": 0},
+    "srpt_weight": {"ge": 0},
+    "srpt_cap_s": {"ge": 0},
+    "large_reservations": {"integer": True, "ge": 0},
+    "max_preemptions_per_job": {"integer": True, "ge": 1},
+    "preemption_window_s": {"ge": 0},
 }
 """Bounds of the numeric ``policy`` knobs (``_number`` keywords)."""
 
@@ -116,8 +121,14 @@ def _policy_knobs(raw: Any, where: str) -> dict[str, Any]:
             }
         elif key in ("usage_half_life_s", "hold_timeout_s") and value in ("inf", None):
             out[key] = math.inf
-        elif key in ("default_runtime_estimate_s", "headroom_wait_s", "defrag_wait_s"):
-            out[key] = _opt(value, at, **_POLICY_BOUNDS[key])
+        elif key in (
+            "default_runtime_estimate_s",
+            "headroom_wait_s",
+            "defrag_wait_s",
+            "max_preemptions_per_job",
+        ):
+            x = _opt(value, at, **_POLICY_BOUNDS[key])
+            out[key] = int(x) if x is not None and _POLICY_BOUNDS[key].get("integer") else x
         else:
             bounds = _POLICY_BOUNDS.get(key, {})
             x = _number(value, at, **bounds)
