@@ -464,7 +464,7 @@ class _Pass(PassState):
         while i < len(q) and tried <= self.cfg.backfill_depth:
             j = q[i]
             if (
-                j.resources.gpu_count not in self.reserved_sizes
+                (j.resources.gpu_count not in self.reserved_sizes or self.large.could_take(j))
                 and j.job_id not in self.placed
                 and j.job_id not in self.causes
             ):
@@ -483,7 +483,7 @@ class _Pass(PassState):
         # DD7: headroom and defragmentation for large jobs that waited (policy.defrag)
         self.shielded = protect(self, self.snap.recent_displacements)
         order = TeamOrder(self.book, cfg, self.index.gpu_types)
-        large = LargeReservations(cfg, self)  # issue 29 (policy.ordering)
+        large = self.large = LargeReservations(cfg, self)  # issue 29 (policy.ordering)
         queues = self.queues
         ptr = dict.fromkeys(queues, 0)
         heap: list[tuple[TeamKey, str]] = []

@@ -122,7 +122,12 @@ class LargeReservations:
         self.tagged: dict[str, str] = {}
         """Job id -> ``LARGE_RESERVATION`` for the jobs that got one this pass."""
 
-    def wants(self, job: PendingJob, cause: tuple[Any, ...]) -> bool:
+    def could_take(self, job: PendingJob) -> bool:
+        """Whether ``job`` would get an extra reservation if it is blocked (the fleet-full
+        skip of ``cycle`` stops at it)."""
+        return self.wants(job, ("no_node_fits_now",), mark=False)
+
+    def wants(self, job: PendingJob, cause: tuple[Any, ...], mark: bool = True) -> bool:
         """Whether ``job`` (blocked behind its team's head, ``cause``) gets one of the
         extra reservations: a large job, fewer than ``large_reservations`` given, within the
         pass's reservations."""
@@ -137,7 +142,8 @@ class LargeReservations:
         size = max((p.index.node_gpus(t) for t in types), default=0)
         if not is_large(job.resources, size, self._cfg.large_job_node_share):
             return False
-        self._asking = job.job_id
+        if mark:
+            self._asking = job.job_id
         return True
 
     def given(self, job: PendingJob, cause: tuple[Any, ...]) -> tuple[Any, ...]:
