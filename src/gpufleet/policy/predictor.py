@@ -21,6 +21,12 @@ Workloads in Large-Scale GPU Datacenters", SC 2021) and of Slurm users' habit of
 from their own past jobs, kept deliberately simple: quantiles need no model fitting and are
 robust to the heavy tails of training-job durations.
 
+Measured (``benchmarks/predictor_error.py``, Philly Oct-Nov 2017 replayed in time order with
+only the runs finished before each submit known; median absolute log error, 0.69 = off by 2x):
+the median at the chosen level (``quantiles().p50_s``) 0.39, the 0.8 quantile ``predict``
+returns 0.54, the VC's ("user's") median 0.81, the global median 1.48. ``quantiles().p90_s``
+covers 83% of runs (the history seen at submit under-represents long runs still going).
+
 Pure: no I/O, no clock; the caller observes durations as runs finish (the simulator on each
 attempt end, the live store from finished attempts).
 """
