@@ -133,8 +133,8 @@ class PolicyConfig:
             get a backfill reservation (EASY only); 0 = off.
         max_preemptions_per_job: a job displaced this many times (any reason) within
             ``preemption_window_s`` is no longer a preemption victim; None = no cap.
-        preemption_window_s: the window of that cap, seconds (at most what
-            ``ClusterSnapshot.recent_displacements`` holds, ``max(1 h, anti_thrash_s)``).
+        preemption_window_s: the window of that cap, seconds (drivers keep the
+            displacements of ``ordering.displacement_window_s``, which covers it).
     """
 
     placement: Placement = Placement.BEST_FIT

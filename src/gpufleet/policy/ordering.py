@@ -46,6 +46,7 @@ __all__ = [
     "LARGE_RESERVATION",
     "LargeReservations",
     "capped_jobs",
+    "displacement_window_s",
     "predicted_remaining_s",
     "srpt_queue_key",
     "srpt_shift_s",
@@ -90,6 +91,13 @@ def srpt_queue_key(config: PolicyConfig) -> Callable[[PendingJob], tuple[float, 
         return (q - head.get(j.priority, 0.0) + w * r, float(-j.priority.rank), j.job_id)
 
     return key
+
+
+def displacement_window_s(config: PolicyConfig) -> float:
+    """How far back a driver keeps ``ClusterSnapshot.recent_displacements``, seconds: the
+    budget's hour, the anti-thrash window and, with the per-job cap on, its window."""
+    cap_w = config.preemption_window_s if config.max_preemptions_per_job is not None else 0.0
+    return max(3600.0, config.anti_thrash_s, cap_w)
 
 
 def capped_jobs(
