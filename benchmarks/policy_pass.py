@@ -10,11 +10,14 @@ CPU ms of the presorted pass with a ``FleetIndex`` of the nodes made before the 
 (``ClusterSnapshot.fleet_index``, what the simulator and the live leader's snapshot cache
 keep across passes: free lists and static facts not made again every pass).
 
-    .venv/bin/python benchmarks/policy_pass.py [--quick] [--gangs] [--target]
+    .venv/bin/python benchmarks/policy_pass.py [--quick] [--gangs] [--target] [--ordering]
 
 Each size runs twice, interleaved: without gangs and with 10% of pending jobs multi-node
 (16/32/64 GPUs on whole 8-GPU nodes; issue 9). ``--gangs`` runs only 10k pending x 1k nodes;
 ``--target`` only 10k pending x 1k and 5k nodes (the pass-cost target: < 100 ms at 5k nodes).
+``--ordering`` (issue 29) times, at the ``--target`` sizes, the indexed presorted pass with the
+defaults and with the ordering rules of ``policy.ordering`` on (``ORDERING``), interleaved in
+one process, both with 200 recent displacements, and prints the CPU-ms ratio new / old.
 """
 
 from __future__ import annotations
@@ -165,6 +168,9 @@ def main() -> None:
     if target:
         pendings, node_counts = (10_000,), (1_000, 5_000)
     runs = 3 if quick else 5
+    if "--ordering" in sys.argv:
+        ordering_rows(7)
+        return
     print(
         f"{'pending':>8} {'nodes':>6} {'state':>5} {'gangs':>5} {'flat ms':>9} "
         f"{'queues ms':>10} {'cpu ms':>7} {'index cpu':>9} {'decisions':>9} {'gang places':>11}"
@@ -174,6 +180,38 @@ def main() -> None:
             for n in node_counts:
                 for share in (0.0, 0.1):
                     row(p, n, busy, share, cfg, runs)
+
+
+ORDERING = {"srpt_weight": 1.0, "large_reservations": 4, "max_preemptions_per_job": 3}
+"""The knobs ``--ordering`` compares against the defaults."""
+
+
+def ordering_rows(runs: int) -> None:
+    from gpufleet.policy.snapshot import Displacement
+
+    old = PolicyConfig()
+    new = replace(old, **ORDERING)  # type: ignore[arg-type]
+    print(
+        f"{'pending':>8} {'nodes':>6} {'state':>5} "
+        f"{'old cpu ms':>10} {'new cpu ms':>10} {'ratio':>6}"
+    )
+    for busy in (0.95, 0.5):
+        for n in (1_000, 5_000):
+            snap = build(10_000, n, busy)
+            ds = tuple(
+                Displacement(f"rj{i}-0", snap.now_s - 60.0 * i, 1.0, "reclaim") for i in range(200)
+            )
+            fi = FleetIndex(snap.nodes)
+            base = replace(snap, pending=(), recent_displacements=ds, fleet_index=fi)
+            a = replace(base, queues=sorted_queues(snap.pending, old))
+            b = replace(base, queues=sorted_queues(snap.pending, new))
+            olds, news = [], []
+            for _ in range(runs):  # interleaved: load on the shared cores hits both alike
+                olds.append(time_pass(a, old, 1)[2])
+                news.append(time_pass(b, new, 1)[2])
+            o, w = statistics.median(olds), statistics.median(news)
+            state = "busy" if busy > 0.9 else "idle"
+            print(f"{10_000:>8} {n:>6} {state:>5} {o:>10.1f} {w:>10.1f} {w / o:>6.2f}")
 
 
 def row(p: int, n: int, busy: float, share: float, cfg: PolicyConfig, runs: int) -> None:

@@ -265,3 +265,16 @@ class TestPhillyGangWindow:
                     nodes = [eng.fleet.nodes[m.node_id] for m in run.members]
                     assert {n.labels[PARTITION_LABEL] for n in nodes} == {js.spec.team_id}
         assert rep["gangs"]["queue_delay_s"]["n"] == len(gangs)
+
+
+def test_estimate_noise_is_log_normal_and_deterministic() -> None:
+    """``estimate_noise`` (issue 29) scales each oracle estimate by exp(N(0, sigma)), the same
+    draw on every load; 0 leaves the exact durations."""
+    sample = HERE / "data" / "philly_sample.csv"
+    exact, _ = load_philly(sample)
+    noisy, _ = load_philly(sample, estimate_noise=0.5)
+    again, _ = load_philly(sample, estimate_noise=0.5)
+    assert [j.expected_duration_s for j in exact] == [j.duration_s for j in exact]
+    assert [j.expected_duration_s for j in noisy] == [j.expected_duration_s for j in again]
+    assert any(j.expected_duration_s != j.duration_s for j in noisy)
+    assert [j.duration_s for j in noisy] == [j.duration_s for j in exact]  # truth kept

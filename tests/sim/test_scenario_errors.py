@@ -40,6 +40,12 @@ GOOD_CLUSTER = (
             id="missing trace file",
         ),
         pytest.param("cluster: [\n", "YAML", id="invalid YAML"),
+        pytest.param(
+            GOOD_CLUSTER
+            + "workload:\n  philly: {path: x.csv, estimate: none, estimate_noise: 0.5}\n",
+            "estimate_noise needs estimate: exact",
+            id="noise without the oracle",
+        ),
     ],
 )
 def test_bad_scenarios_are_one_line_errors(tmp_path: Path, text: str, want: str) -> None:

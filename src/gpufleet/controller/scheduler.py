@@ -47,6 +47,7 @@ from gpufleet.policy.decisions import (
     Preempt,
     WaitReason,
 )
+from gpufleet.policy.ordering import displacement_window_s
 from gpufleet.policy.predictor import Spread
 from gpufleet.policy.snapshot import BackfillReservation, ClusterSnapshot
 from gpufleet.policy.start_estimate import StartEstimate, estimate_starts
@@ -308,7 +309,7 @@ class Scheduler(AssignmentDispatch):
                     reservations=self._backfill,
                     usage_half_life_s=self.policy.usage_half_life_s,
                     predictions=self.predictions,
-                    displacement_window_s=max(3600.0, self.policy.anti_thrash_s),
+                    displacement_window_s=displacement_window_s(self.policy),
                 )
                 # held jobs, unmet dependencies and arrays at their %N limit never reach
                 # the policy

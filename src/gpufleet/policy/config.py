@@ -126,6 +126,19 @@ class PolicyConfig:
             since the victims' last checkpoints) per ``preemption_waste_window_s``; None =
             unlimited (``policy.waste``; teams' own caps come with the snapshot).
         preemption_waste_window_s: the fleet cap's rolling window, seconds.
+        srpt_weight: shortest-predicted-remaining-first inside a team's queue
+            (``policy.ordering``): a job is ordered as if queued ``srpt_weight`` x its
+            predicted remaining time (capped at ``srpt_cap_s``) later; 0 = off (queue time
+            and priority aging only).
+        srpt_cap_s: the largest shift ``srpt_weight`` may give, seconds (the starvation
+            bound: a job is passed only by jobs queued within this long after it).
+        large_reservations: besides each team's head and the fleet's head of each size,
+            the first this many blocked *large* jobs of a pass (``large_job_node_share``)
+            get a backfill reservation (EASY only); 0 = off.
+        max_preemptions_per_job: a job displaced this many times (any reason) within
+            ``preemption_window_s`` is no longer a preemption victim; None = no cap.
+        preemption_window_s: the window of that cap, seconds (drivers keep the
+            displacements of ``ordering.displacement_window_s``, which covers it).
     """
 
     placement: Placement = Placement.BEST_FIT
@@ -154,3 +167,8 @@ class PolicyConfig:
     defrag_migrate: bool = True
     preemption_waste_gpu_h: float | None = None
     preemption_waste_window_s: float = 24 * 3600.0
+    srpt_weight: float = 0.0
+    srpt_cap_s: float = 4 * 3600.0
+    large_reservations: int = 0
+    max_preemptions_per_job: int | None = None
+    preemption_window_s: float = 6 * 3600.0

@@ -41,6 +41,7 @@ from gpufleet.policy.explain import Cause, WaitingReasons
 from gpufleet.policy.fairshare import TeamKey, TeamOrder
 from gpufleet.policy.fleet_index import node_accepts, selector_key
 from gpufleet.policy.gang import find_gang, member_resources, static_fit
+from gpufleet.policy.ordering import LargeReservations
 from gpufleet.policy.pass_state import PassState
 from gpufleet.policy.placement import Shadow
 from gpufleet.policy.shares import SharePick
@@ -527,7 +528,7 @@ class _Pass(PassState):
         while i < len(q) and tried <= self.cfg.backfill_depth:
             j = q[i]
             if (
-                j.resources.gpu_count not in self.reserved_sizes
+                (j.resources.gpu_count not in self.reserved_sizes or self.large.could_take(j))
                 and j.job_id not in self.placed
                 and j.job_id not in self.causes
             ):
@@ -546,6 +547,7 @@ class _Pass(PassState):
         # DD7: headroom and defragmentation for large jobs that waited (policy.defrag)
         self.shielded = protect(self, self.snap.recent_displacements)
         order = TeamOrder(self.book, cfg, self.index.gpu_types)
+        large = self.large = LargeReservations(cfg, self)  # issue 29 (policy.ordering)
         queues = self.queues
         ptr = dict.fromkeys(queues, 0)
         heap: list[tuple[TeamKey, str]] = []
@@ -573,8 +575,8 @@ class _Pass(PassState):
                 if cause is not None:
                     if tid not in self.head_done:
                         cause = self.handle_head(job, cause)
-                    elif self.wants_size_reservation(job, cause):
-                        cause = self.handle_head(job, cause, preempt=False)
+                    elif self.wants_size_reservation(job, cause) or large.wants(job, cause):
+                        cause = large.given(job, self.handle_head(job, cause, preempt=False))
                     if cause[0] == "no_node_fits_now" and job.job_id in self.shielded.causes:
                         cause = self.shielded.causes[job.job_id]  # DD7 (policy.defrag)
                     self.causes[job.job_id] = cause
@@ -606,6 +608,7 @@ class _Pass(PassState):
             self.now,
             self.running.by_node,
         )
+        large.annotate(waiting)
         shields = self.shielded.feed_back(self.index)
         reasons = with_waste_reasons(waiting, self._victims)  # (policy.waste)
         return CycleResult(tuple(self.decisions), reasons, tuple(self.released), shields)

@@ -23,7 +23,7 @@ on schedulable nodes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -239,6 +239,9 @@ class WaitingReasons(Mapping[str, WaitReason]):
         self._jobs: dict[str, PendingJob] | None = None
         self._positions: dict[str, dict[str, int]] = {}
         self._cache: dict[str, WaitReason] = {}
+        self.note: Callable[[PendingJob, WaitReason], WaitReason] | None = None
+        """Set by the pass when ordering rules apply (``policy.ordering``): adds them to
+        each reason as it is built."""
 
     def _all(self) -> dict[str, PendingJob]:
         if self._jobs is None:
@@ -266,6 +269,8 @@ class WaitingReasons(Mapping[str, WaitReason]):
         job = self._all()[job_id]
         cause = self._causes.get(job_id) or self._default.get(job.team_id) or ("no_node_fits_now",)
         reason = self._build(job, cause, self._position(job))
+        if self.note is not None:  # the ordering rules in force (policy.ordering)
+            reason = self.note(job, reason)
         self._cache[job_id] = reason
         return reason
 

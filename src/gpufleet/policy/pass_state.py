@@ -19,6 +19,7 @@ from gpufleet.policy.decisions import Decision, GangMember, HoldForBackfill, Pla
 from gpufleet.policy.explain import Cause
 from gpufleet.policy.gang import Members, explicit_gang, gang_members, member_resources
 from gpufleet.policy.headroom import Shielded
+from gpufleet.policy.ordering import capped_jobs
 from gpufleet.policy.placement import FreeIndex, Shadow
 from gpufleet.policy.preemption import VictimSearch
 from gpufleet.policy.priority import queue_key, sorted_queues
@@ -196,6 +197,7 @@ class PassState:
             self._victims = victim_search(
                 self.running, self.book, self.now, aged, self.snap.preemption_waste, self.cfg
             )
+            self._victims.capped = capped_jobs(self.snap.recent_displacements, self.now, self.cfg)
         return self._victims
 
     def quota_kept_for(self, job: PendingJob, gpu_type: str) -> int:

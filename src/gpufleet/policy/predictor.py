@@ -21,6 +21,12 @@ Workloads in Large-Scale GPU Datacenters", SC 2021) and of Slurm users' habit of
 from their own past jobs, kept deliberately simple: quantiles need no model fitting and are
 robust to the heavy tails of training-job durations.
 
+Measured (``benchmarks/predictor_error.py``, Philly Oct-Nov 2017 replayed in time order with
+only the runs finished before each submit known; median absolute log error, 0.69 = off by 2x):
+the median at the chosen level (``quantiles().p50_s``) 0.39, the 0.8 quantile ``predict``
+returns 0.54, the VC's ("user's") median 0.81, the global median 1.48. ``quantiles().p90_s``
+covers 83% of runs (the history seen at submit under-represents long runs still going).
+
 Pure: no I/O, no clock; the caller observes durations as runs finish (the simulator on each
 attempt end, the live store from finished attempts).
 """
@@ -31,7 +37,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["DurationPredictor", "JobKey", "Prediction", "Spread"]
+__all__ = ["DurationPredictor", "JobKey", "Prediction", "Quantiles", "Spread"]
 
 LEVELS: tuple[tuple[str, float], ...] = (
     ("team+user+name+gpus", 1.0),
@@ -92,6 +98,25 @@ class Spread:
     basis: str
 
 
+@dataclass(frozen=True, slots=True)
+class Quantiles:
+    """Quantile predictions of a run time (what ordering and start estimates build on).
+
+    Attributes:
+        p50_s: the median of the durations at the level used, seconds (the point estimate
+            with the smallest median absolute log error on Philly: 0.39 against 0.54 for the
+            ``quantile`` 0.8 that ``predict`` returns; ``benchmarks/predictor_error.py``).
+        p90_s: the 0.9 quantile there, seconds (>= ``p50_s``).
+        samples: finished runs behind them.
+        basis: the history level used (a name from ``LEVELS``).
+    """
+
+    p50_s: float
+    p90_s: float
+    samples: int
+    basis: str
+
+
 def _quantile(s: list[float], q: float) -> float:
     """The ``q`` quantile of sorted ``s`` (nearest rank, as ``predict``)."""
     return s[max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))]
@@ -141,6 +166,17 @@ class DurationPredictor:
                 q = self._cache[k] = s[min(len(s) - 1, math.ceil(self.quantile * len(s)) - 1)]
             confidence = factor * len(h) / self.window
             return Prediction(q, confidence, len(h), basis)
+        return None
+
+    def quantiles(self, key: JobKey) -> Quantiles | None:
+        """The p50 and p90 of past durations at the level ``predict`` uses, or None without
+        enough history (sorts the level's window, <= ``window`` values, per call)."""
+        for k, (basis, _) in zip(key.levels(), LEVELS, strict=True):
+            h = self._hist.get(k)
+            if h is None or len(h) < self.min_samples:
+                continue
+            s = sorted(h)
+            return Quantiles(_quantile(s, 0.5), _quantile(s, 0.9), len(h), basis)
         return None
 
     def spread(self, key: JobKey, low: float = 0.1, high: float = 0.9) -> Spread | None:

@@ -111,6 +111,9 @@ class VictimSearch:
         """The aging rules (``PolicyConfig.head_start_s``) when the queue ages priorities
         (fair-share ordering); None: the queue order is the priority order."""
         self.taken: set[str] = set()
+        self.capped: frozenset[str] = frozenset()
+        """Job ids at ``PolicyConfig.max_preemptions_per_job`` (``ordering.capped_jobs``):
+        never victims in this pass."""
         self.borrowed: set[str] = set()
         # Gangs: every member of a multi-node attempt, by job id (a gang is one unit).
         self._gangs: dict[str, list[RunningJob]] = {}
@@ -420,7 +423,13 @@ class VictimSearch:
     def _eligible(self, r: RunningJob, job: PendingJob, reason: str) -> bool:
         # a GPU share is no victim: stopping it frees no whole GPU unless it is its GPU's
         # last share (policy.shares; shares are not preempted in this version)
-        if r.stopping or not r.preemptible or r.gpu_milli or r.run_id in self.taken:
+        if (
+            r.stopping
+            or not r.preemptible
+            or r.gpu_milli
+            or r.run_id in self.taken
+            or r.job_id in self.capped
+        ):
             return False
         if reason == "reclaim":
             return r.team_id != job.team_id and r.run_id in self.borrowed

@@ -95,6 +95,10 @@ def queue_key(config: PolicyConfig) -> Callable[[PendingJob], QueueKey]:
         return lambda j: (remaining_s(j), queued_at(j), j.job_id)
     if config.ordering is Ordering.STRICT_PRIORITY:
         return lambda j: (float(-j.priority.rank), queued_at(j), j.job_id)
+    if config.srpt_weight > 0:  # shortest predicted remaining first (issue 29)
+        from gpufleet.policy.ordering import srpt_queue_key
+
+        return srpt_queue_key(config)
     head = config.head_start_s
     # (``virtual_queued_at`` inlined: the sort key of every pending job)
     return lambda j: (queued_at(j) - head.get(j.priority, 0.0), float(-j.priority.rank), j.job_id)

@@ -40,6 +40,7 @@ from gpufleet.policy.decisions import HoldForBackfill, Place, PlaceGang, Preempt
 from gpufleet.policy.gang import could_ever_fit, explicit_gang
 from gpufleet.policy.headroom import is_large
 from gpufleet.policy.limits import BudgetStatus, Demotion, TeamLimits, apply_limits
+from gpufleet.policy.ordering import displacement_window_s
 from gpufleet.policy.predictor import DurationPredictor, JobKey
 from gpufleet.policy.priority import queue_key, queued_at
 from gpufleet.policy.quota import TeamBook
@@ -726,7 +727,7 @@ class Engine:
         return WasteState(tuple(ws), self._waste_caps)
 
     def _recent_displacements(self) -> tuple[Displacement, ...]:
-        keep = max(3600.0, self.cfg.anti_thrash_s)
+        keep = displacement_window_s(self.cfg)  # (policy.ordering: the per-job cap's too)
         ds = self.displacements
         i = 0
         while i < len(ds) and self.now - ds[i].at_s >= keep:

@@ -318,6 +318,9 @@ class Recorder:
                 "count": self.preemptions,
                 "gpu_hours_lost": self.preempt_lost_gpu_s / 3600.0,
                 "by_reason": dict(sorted(self.preemptions_by_reason.items())),
+                # how often one job was displaced (issue 29: the per-job cap)
+                "max_per_job": max((r.preemptions for r in recs), default=0),
+                "jobs_preempted_10_or_more": sum(r.preemptions >= 10 for r in recs),
                 # displacement: work lost to preemptions / GPU-time allocated (both GPU-s)
                 "displacement_share": self.preempt_lost_gpu_s / self.alloc_gpu_s
                 if self.alloc_gpu_s

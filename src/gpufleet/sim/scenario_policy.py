@@ -92,6 +92,11 @@ _POLICY_BOUNDS: Mapping[str, dict[str, Any]] = {
     "anti_thrash_s": {"ge": 0},
     "preemption_waste_gpu_h": {"ge": 0},
     "preemption_waste_window_s": {"gt": 0},
+    "srpt_weight": {"ge": 0},
+    "srpt_cap_s": {"ge": 0},
+    "large_reservations": {"integer": True, "ge": 0},
+    "max_preemptions_per_job": {"integer": True, "ge": 1},
+    "preemption_window_s": {"ge": 0},
 }
 """Bounds of the numeric ``policy`` knobs (``_number`` keywords)."""
 
@@ -123,8 +128,10 @@ def _policy_knobs(raw: Any, where: str) -> dict[str, Any]:
             "headroom_wait_s",
             "defrag_wait_s",
             "preemption_waste_gpu_h",
+            "max_preemptions_per_job",
         ):
-            out[key] = _opt(value, at, **_POLICY_BOUNDS[key])
+            x = _opt(value, at, **_POLICY_BOUNDS[key])
+            out[key] = int(x) if x is not None and _POLICY_BOUNDS[key].get("integer") else x
         else:
             bounds = _POLICY_BOUNDS.get(key, {})
             x = _number(value, at, **bounds)

@@ -60,3 +60,18 @@ def test_running_end_uses_prediction_capped_by_hard_bound() -> None:
     assert estimated_end_s(run(predicted_duration_s=50, expected_duration_s=30), 110, cfg) == 130
     assert estimated_end_s(run(predicted_duration_s=500, max_runtime_s=60), 110, cfg) == 160
     assert estimated_end_s(run(), 110, cfg) == math.inf
+
+
+def test_quantiles_are_the_median_and_p90_at_predicts_level() -> None:
+    from gpufleet.policy.predictor import DurationPredictor, JobKey
+
+    p = DurationPredictor(min_samples=3)
+    key = JobKey("t", 1)
+    assert p.quantiles(key) is None
+    for d in (10.0, 20.0, 30.0, 40.0, 1000.0):
+        p.observe(key, d)
+    q = p.quantiles(key)
+    assert q is not None
+    assert (q.p50_s, q.p90_s, q.samples, q.basis) == (30.0, 1000.0, 5, "team+user+name+gpus")
+    pred = p.predict(key)
+    assert pred is not None and pred.basis == q.basis and pred.seconds == 40.0  # its 0.8
