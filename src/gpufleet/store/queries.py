@@ -185,7 +185,8 @@ def handshake_savings(session: Session, job_ids: Iterable[str]) -> dict[str, flo
     ``checkpoint_handshake`` event (an earlier attempt's stop, ``services.run_completion``)
     says it signalled: that stop's ``grace_s - signal_after_s``, never below 0. Jobs absent:
     never stopped with SIGTERM, or their latest stop did not signal. One query per
-    :data:`SpecCache.CHUNK` jobs (``ix_scheduling_events_job``)."""
+    :data:`SpecCache.CHUNK` jobs (``ix_scheduling_events_job``); callers pass only jobs on a
+    later attempt (``job_runs.attempt`` > 1: a first attempt has no earlier stop)."""
     ids = sorted(set(job_ids))
     latest: dict[str, Any] = {}
     for start in range(0, len(ids), SpecCache.CHUNK):
@@ -311,6 +312,7 @@ class SpecCache:
 RUNNING_COLUMNS = (
     JobRunRow.id,
     JobRunRow.job_id,
+    JobRunRow.attempt,
     JobRunRow.node_id,
     JobRunRow.status,
     JobRunRow.gpu_ids,
@@ -444,7 +446,7 @@ def load_snapshot(
         for row in pending_rows
     ]
     gpu_type_of = {n.node_id: n.gpu_type for n in nodes}
-    saves = handshake_savings(session, (r.job_id for r in running_rows))
+    saves = handshake_savings(session, (r.job_id for r in running_rows if r.attempt > 1))
     running = []
     for run in running_rows:
         running.append(

@@ -517,7 +517,8 @@ class SnapshotCache:
                 self._reserved_at_s.pop(run_id, None)
         self._lookup_facts(session, [r.job_id for r in rows if r.job_id not in self._facts])
         stopping_for = {r.job_id: r.preempted_for_job_id for r in rows if r.status == "PREEMPTING"}
-        saves = handshake_savings(session, (r.job_id for r in rows)) if rows else {}
+        later = [r.job_id for r in rows if r.attempt > 1]  # (a first attempt had no stop)
+        saves = handshake_savings(session, later) if later else {}
         for run in rows:
             self._runs[run.id] = running_job(
                 run,
