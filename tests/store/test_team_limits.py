@@ -153,3 +153,31 @@ class _NoAgent:
         from gpufleet.rpc.protos import fleet_pb2 as pb
 
         return pb.AssignJobResponse(result=pb.AssignJobResponse.STARTED)
+
+
+def test_suggest_a_lower_class_for_a_job_its_class_budget_holds(db: Database) -> None:
+    """``why --suggest`` (``services.suggest``, the store's snapshot and ledger): a CRITICAL
+    job held by its spent CRITICAL budget (``over: hold``) on a fleet with free GPUs is told
+    that HIGH starts it now; applied, it starts as it is."""
+    from gpufleet.services.jobctl import JobPatch, patch_job
+    from gpufleet.services.suggest import job_suggestions
+    from gpufleet.store.dialect import db_now
+
+    create_team(db)
+    create_node(db)
+    hold = {"gpu_hours": 10, "window_s": 86400, "over": "hold"}
+    _set(db, "team-a", {"class_budgets": {"CRITICAL": hold}})
+    with db.read() as s:
+        now = db_now(s)
+    _record(db, "r1", "CRITICAL", now - timedelta(hours=3), now - timedelta(hours=1), 8)
+    job = submit(db, priority="CRITICAL", gpus=2)
+    answer = job_suggestions(db, "team-a", job.job_id)
+    (one,) = answer["suggestions"]
+    assert (one["kind"], one["change"], one["node_ids"]) == (
+        "priority",
+        {"priority": "HIGH"},
+        ["n1"],
+    )
+    assert answer["none_reason"] is None
+    db.run_write(lambda s: patch_job(s, "team-a", job.job_id, JobPatch(priority="HIGH")))
+    assert job_suggestions(db, "team-a", job.job_id)["starts_as_is"] is True

@@ -167,6 +167,8 @@ def list_jobs(
 def _update_flags(change: dict[str, Any]) -> str:
     """The ``gpufleet update`` options that apply a suggestion's ``change``."""
     flags = []
+    if "priority" in change:
+        flags.append(f"--priority {shlex.quote(str(change['priority']))}")
     if "gpu_count" in change:
         flags.append(f"--gpus {change['gpu_count']}")
     for t in change.get("gpu_types") or ():

@@ -9,7 +9,7 @@ from __future__ import annotations
 from gpufleet.domain.types import Resources
 from gpufleet.policy.decisions import Preempt
 from gpufleet.policy.headroom import PassView, is_large
-from gpufleet.policy.preemption import SetCost, fewest_victims, set_cost
+from gpufleet.policy.preemption import SetCost, fewest_victims, set_cost, victim_cost_gpu_s
 from gpufleet.policy.snapshot import PendingJob, RunningJob
 
 __all__ = ["DEFRAGMENT"]
@@ -55,10 +55,7 @@ def _eligible(
 
 
 def _victim_cost(p: PassView, r: RunningJob) -> tuple[int, int, float, str]:
-    since = (
-        r.started_at_s if r.last_checkpoint_s is None else max(r.started_at_s, r.last_checkpoint_s)
-    )
-    lost = r.gpu_count * max(0.0, p.now - since)
+    lost = victim_cost_gpu_s(r, r.gpu_count, p.now)  # (gangs are never defrag victims)
     return (0 if r.run_id in p.victims.borrowed else 1, r.priority.rank, lost, r.run_id)
 
 

@@ -29,8 +29,11 @@ Which attempts are borrowed: for a team above its guarantee on a type, its young
 on that type (last started, first borrowed) covering the excess.
 
 Cost of a victim set, smallest first: attempts that are not borrowed, then the highest
-priority hit, then GPU-seconds of progress lost since each victim's last checkpoint, then the
-number of victims, then node id. Per node, victims are taken greedily by (borrowed first,
+priority hit, then GPU-seconds of progress lost since each victim's last checkpoint less the
+GPU-seconds of grace its stop is expected not to wait (:func:`victim_cost_gpu_s`: a job known
+to signal its checkpoint stops ``signal_after_s`` after SIGTERM, the others take the whole
+grace, so between equal victims the one that signals frees its GPUs first), then the number
+of victims, then node id. Per node, victims are taken greedily by (borrowed first,
 lower priority, less progress lost) and then pruned of any victim the set does not need.
 Exact minimum cost is a knapsack; the greedy+prune set is what a human operator would pick.
 """
@@ -56,6 +59,20 @@ from gpufleet.policy.snapshot import PendingJob, RunningJob
 
 VictimKey = tuple[int, int, float, str]
 SetCost = tuple[int, int, float, int, str]
+
+
+def victim_cost_gpu_s(r: RunningJob, gpus: int, now_s: float) -> float:
+    """The GPU-seconds stopping ``r`` (holding ``gpus`` GPUs: a gang's all) costs at
+    ``now_s``, relative to a stop that waits the whole grace: the work lost since the later of
+    its start and its last checkpoint (its checkpoint age x ``gpus``), less ``gpus`` x the
+    grace its stop is expected to save (``RunningJob.handshake_saves_s``: its job signals its
+    checkpoint, so its stop takes the observed ``signal_after_s``, not the grace). The same
+    for every stop that takes the whole grace as before; may be negative (a fresh checkpoint
+    and a quick signal): costs are only compared with each other."""
+    since = (
+        r.started_at_s if r.last_checkpoint_s is None else max(r.started_at_s, r.last_checkpoint_s)
+    )
+    return gpus * (max(0.0, now_s - since) - r.handshake_saves_s)
 
 
 def set_cost(keys: Sequence[VictimKey], node_id: str) -> SetCost:
@@ -220,15 +237,10 @@ class VictimSearch:
         return self._left
 
     def _cost(self, r: RunningJob) -> VictimKey:
-        since = (
-            r.started_at_s
-            if r.last_checkpoint_s is None
-            else max(r.started_at_s, r.last_checkpoint_s)
-        )
         gpus = r.gpu_count
         if r.gang_size > 1:  # stopping one member stops the gang: all of its GPUs are lost
             gpus = sum(m.gpu_count for m in self._gangs.get(r.job_id, [r]))
-        lost = gpus * max(0.0, self._now_s - since)
+        lost = victim_cost_gpu_s(r, gpus, self._now_s)
         return (0 if r.run_id in self.borrowed else 1, r.priority.rank, lost, r.run_id)
 
     def _admits(

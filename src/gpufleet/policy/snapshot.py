@@ -131,6 +131,13 @@ class RunningJob:
     max_runtime_s: float | None = None
     preemptible: bool = True
     last_checkpoint_s: float | None = None
+    handshake_saves_s: float = 0.0
+    """Seconds of the stop grace a stop of this attempt is expected *not* to wait, because its
+    job signals its checkpoint (the checkpoint handshake, ``$GPUFLEET_CHECKPOINT_DONE``): the
+    ``grace_s - signal_after_s`` of its job's latest ``checkpoint_handshake`` event, when that
+    stop was signalled; 0 when its job never stopped that way (a stop then waits the whole
+    grace). Its expected stop time is therefore ``signal_after_s`` instead of the grace; the
+    victim cost (``policy.preemption.victim_cost_gpu_s``) reads it."""
     predicted_duration_s: float | None = None
     """The platform's estimate (``policy.predictor``), seconds; used when the user gave no
     ``expected_duration_s``, capped by ``max_runtime_s``."""

@@ -12,7 +12,14 @@ of the snapshot in which only that job differs:
 * a shorter ``max_runtime_s``: a job whose hard bound ends before a backfill reservation of
   the pass starts may use the reserved GPUs until then (``policy.backfill``); the candidate
   bounds are the times to those reservations, rounded down to a whole minute, never below the
-  job's ``expected_duration_s`` (an update refuses those).
+  job's ``expected_duration_s`` (an update refuses those);
+* a lower priority class, only where one can start it sooner: a job *held* by its class's
+  GPU-hour budget (``policy.limits``, ``over=hold``) may start now at a class below it that
+  its team may use and that is within budget (:func:`suggest_held`). For a job in the queue
+  a lower class never starts it sooner, and no class is invented: a class orders work only
+  inside its team's share (quota, borrowing and lending are the same for every class,
+  ``policy.quota``; a lower class only queues it later and lets more jobs preempt it), so
+  the answer says so (one pass at LOW checks it).
 
 A change counts only if the pass *places* the changed job (a ``Place`` or ``PlaceGang`` of
 this pass; a preemption started for it is not a start). When no change does, ``none_reason``
@@ -31,14 +38,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpufleet.domain.types import PriorityClass
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
 from gpufleet.policy.decisions import CycleResult, HoldForBackfill, Place, PlaceGang, Preempt
 from gpufleet.policy.explain import span, when
 from gpufleet.policy.fleet_index import node_accepts
+from gpufleet.policy.limits import LedgerUse, TeamLimits, apply_limits
 from gpufleet.policy.snapshot import ClusterSnapshot, NodeState, PendingJob
 
-__all__ = ["MAX_PASSES", "Suggestion", "Suggestions", "suggest"]
+__all__ = ["MAX_PASSES", "NO_LOWER_CLASS", "Suggestion", "Suggestions", "suggest", "suggest_held"]
 
 MAX_PASSES = 12
 """What-if passes at most per answer (the baseline included)."""
@@ -46,15 +55,23 @@ MAX_PASSES = 12
 MAX_SIZES = 6
 """GPU counts tried at most for the fewer-GPUs suggestion."""
 
+NO_LOWER_CLASS = (
+    "a lower priority class would not start it sooner: classes order work only inside the"
+    " team's share (quota and borrowing are the same for every class)"
+)
+"""What the answer says of the lower-class change for a job in the queue (a pass at LOW
+checked it did not start)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Suggestion:
     """One change that makes the pass start the job now.
 
     Attributes:
-        kind: ``fewer_gpus``, ``gpu_type`` or ``max_runtime``.
+        kind: ``fewer_gpus``, ``gpu_type``, ``max_runtime`` or ``priority``.
         change: the fields to PATCH on the job (``{"gpu_count": 4}``,
-            ``{"gpu_types": ["A100"]}``, ``{"max_runtime_s": 3300.0}``).
+            ``{"gpu_types": ["A100"]}``, ``{"max_runtime_s": 3300.0}``,
+            ``{"priority": "NORMAL"}``).
         message: one sentence for people (``4 GPUs would start now on n7``).
         node_ids: where the pass placed the changed job (a gang: every member's node).
         backfilled: the placement uses GPUs reserved for a later start of another job.
@@ -318,11 +335,80 @@ def suggest(
     if windows and not any(s.kind == "max_runtime" for s in found):
         tried.append("max runtime " + "/".join(span(w) for w, _ in windows))
 
+    lower = _lower_class(job) if passes < MAX_PASSES else None
+    if lower is not None:
+        hit = attempt(replace(job, priority=lower))
+        if hit is not None:  # (no rule of the pass does this today; kept honest if one does)
+            nodes, backfilled = hit
+            found.append(
+                Suggestion(
+                    "priority",
+                    {"priority": lower.value},
+                    f"at {lower.value} it would start now {_on(nodes)}",
+                    nodes,
+                    backfilled,
+                )
+            )
     details: dict[str, Any] = {"preempting_for_it": preempting}
+    if lower is not None and not any(x.kind == "priority" for x in found):
+        details["lower_class"] = NO_LOWER_CLASS
     if found:
         return Suggestions(job_id, True, False, tuple(found), None, passes, details)
     if preempting:
         reason = "GPUs are being freed for it by preemption: it starts once the victims stop"
     else:
         reason = _none_reason(snapshot, job, base, tried)
+        if "lower_class" in details:
+            reason = f"{reason}; {NO_LOWER_CLASS}"
     return Suggestions(job_id, True, False, (), reason, passes, details)
+
+
+def _lower_class(job: PendingJob) -> PriorityClass | None:
+    """LOW for a job of a higher class (the class a lower-class pass tries), else None."""
+    return PriorityClass.LOW if job.priority.rank > PriorityClass.LOW.rank else None
+
+
+def suggest_held(
+    snapshot: ClusterSnapshot,
+    job_id: str,
+    limits: Mapping[str, TeamLimits],
+    ledger: Mapping[tuple[str, str], LedgerUse],
+    config: PolicyConfig | None = None,
+) -> Suggestions:
+    """What would start ``job_id``, held by its team's limits (``policy.limits``), now: a
+    lower priority class, where the job's class is held by its GPU-hour budget and a class
+    below it (one its team may use; the highest first) is not held and the pass then places
+    the job. ``snapshot`` is the pass's snapshot *before* the limits are applied; each class
+    tried is one ``apply_limits`` and one pass on a copy where only the job's class differs.
+
+    Returns:
+        :class:`Suggestions`: one ``priority`` suggestion (``change`` ``{"priority": ...}``),
+        or none with ``none_reason`` None (the caller says why the limit holds it);
+        ``waiting`` False when the job is not in ``snapshot``.
+    """
+    cfg = config or PolicyConfig()
+    job = _find(snapshot, job_id)
+    if job is None:
+        return Suggestions(job_id, waiting=False)
+    allowed = limits[job.team_id].allowed_classes if job.team_id in limits else None
+    passes = 0
+    for cls in sorted(PriorityClass, key=lambda c: -c.rank):
+        if cls.rank >= job.priority.rank or (allowed is not None and cls not in allowed):
+            continue  # (a class the team may not use: the update would be refused)
+        if passes >= MAX_PASSES:
+            break
+        limited = apply_limits(_with(snapshot, replace(job, priority=cls)), limits, ledger, cfg)
+        if job_id in limited.held:
+            continue
+        passes += 1
+        hit = _started(schedule(limited.snapshot, cfg), job_id)
+        if hit is None:
+            continue
+        nodes, backfilled = hit
+        note = (
+            f"at {cls.value} it would start now {_on(nodes)} ({job.priority.value} is held by"
+            " its team's budget)"
+        )
+        one = Suggestion("priority", {"priority": cls.value}, note, nodes, backfilled)
+        return Suggestions(job_id, True, False, (one,), None, passes)
+    return Suggestions(job_id, True, False, (), None, passes)

@@ -18,7 +18,7 @@ from typing import Any
 from gpufleet.domain.states import JobStatus
 from gpufleet.policy import limits
 from gpufleet.policy.config import PolicyConfig
-from gpufleet.policy.suggest import suggest
+from gpufleet.policy.suggest import Suggestions, suggest, suggest_held
 from gpufleet.services.job_queries import get_job
 from gpufleet.services.jobs import iso
 from gpufleet.store import gating
@@ -81,12 +81,20 @@ def job_suggestions(
         )
         snap = gating.gate_snapshot(s, snap, cache.queued).snapshot
         held_by_limits: dict[str, Any] = {}
+        unlimited = snap
+        use: dict[tuple[str, str], limits.LedgerUse] = {}
         if cache.team_limits:
             use = ledger_use(s, cache.team_limits, snap.now_s)
             limited = limits.apply_limits(snap, cache.team_limits, use, cfg)
             snap, held_by_limits = limited.snapshot, dict(limited.held)
     answer["as_of"] = iso(now)
     if job_id in held_by_limits:
+        # its class's budget may hold it: a lower class the team may use could start it
+        out = suggest_held(unlimited, job_id, cache.team_limits, use, cfg)
+        answer["passes"] = out.passes
+        if out.suggestions:
+            answer["suggestions"] = _listed(out)
+            return answer
         answer["none_reason"] = (
             f"a team limit holds it, whatever its size: {held_by_limits[job_id].message}"
         )
@@ -103,9 +111,14 @@ def job_suggestions(
         answer["none_reason"] = f"nothing was evaluated: {why}"
         return answer
     answer["starts_as_is"] = out.starts_as_is
-    answer["suggestions"] = [
+    answer["suggestions"] = _listed(out)
+    answer["none_reason"] = out.none_reason
+    return answer
+
+
+def _listed(out: Suggestions) -> list[dict[str, Any]]:
+    """The answer's ``suggestions``: each as JSON (``change`` the PATCH body)."""
+    return [
         {**asdict(x), "change": dict(x.change), "node_ids": list(x.node_ids)}
         for x in out.suggestions
     ]
-    answer["none_reason"] = out.none_reason
-    return answer

@@ -52,6 +52,7 @@ from gpufleet.store.tables import (
     NodeGpuRow,
     NodeRow,
     ReservationRow,
+    SchedulingEventRow,
     TeamRow,
 )
 
@@ -178,6 +179,39 @@ def failed_start_nodes(session: Session, rows: Iterable[Any]) -> dict[str, str]:
     return out
 
 
+def handshake_savings(session: Session, job_ids: Iterable[str]) -> dict[str, float]:
+    """Job id -> the seconds of grace a stop of its attempt is expected not to wait
+    (``RunningJob.handshake_saves_s``), for the jobs of ``job_ids`` whose latest
+    ``checkpoint_handshake`` event (an earlier attempt's stop, ``services.run_completion``)
+    says it signalled: that stop's ``grace_s - signal_after_s``, never below 0. Jobs absent:
+    never stopped with SIGTERM, or their latest stop did not signal. One query per
+    :data:`SpecCache.CHUNK` jobs (``ix_scheduling_events_job``); callers pass only jobs on a
+    later attempt (``job_runs.attempt`` > 1: a first attempt has no earlier stop)."""
+    ids = sorted(set(job_ids))
+    latest: dict[str, Any] = {}
+    for start in range(0, len(ids), SpecCache.CHUNK):
+        rows = session.execute(
+            select(SchedulingEventRow.job_id, SchedulingEventRow.details)
+            .where(
+                SchedulingEventRow.job_id.in_(ids[start : start + SpecCache.CHUNK]),
+                SchedulingEventRow.kind == "checkpoint_handshake",
+            )
+            .order_by(SchedulingEventRow.id)
+        ).all()
+        latest.update((job_id, details) for job_id, details in rows)
+    out: dict[str, float] = {}
+    for job_id, details in latest.items():
+        d = details if isinstance(details, dict) else {}
+        after, grace = d.get("signal_after_s"), d.get("grace_s")
+        if (
+            d.get("signalled")
+            and isinstance(after, int | float)
+            and isinstance(grace, int | float)
+        ):
+            out[job_id] = max(0.0, float(grace) - float(after))
+    return out
+
+
 def running_job(
     run: Any,
     facts: SpecFacts,
@@ -186,12 +220,13 @@ def running_job(
     live: bool,
     stopping_for: Mapping[str, str | None],
     predicted_s: float | None,
+    handshake_saves_s: float = 0.0,
 ) -> RunningJob:
     """The policy's view of an attempt member holding GPUs (a row of ``RUNNING_COLUMNS``).
     ``live``: the member itself still runs; an ended run that still holds a live
     reservation (none on the usual paths: each member's completion releases its own GPUs)
     counts as stopping when its job has a PREEMPTING member (``stopping_for``: job id -> the
-    preemptor it stops for)."""
+    preemptor it stops for). ``handshake_saves_s``: :func:`handshake_savings` of its job."""
     return RunningJob(
         run_id=run.id,
         job_id=run.job_id,
@@ -212,6 +247,7 @@ def running_job(
         max_runtime_s=run.max_runtime_s,
         preemptible=facts.preemptible,
         predicted_duration_s=predicted_s,
+        handshake_saves_s=handshake_saves_s,
         stopping=run.status == RunStatus.PREEMPTING or (not live and run.job_id in stopping_for),
         stopping_for_job_id=run.preempted_for_job_id if live else stopping_for.get(run.job_id),
         rank=run.rank,
@@ -276,6 +312,7 @@ class SpecCache:
 RUNNING_COLUMNS = (
     JobRunRow.id,
     JobRunRow.job_id,
+    JobRunRow.attempt,
     JobRunRow.node_id,
     JobRunRow.status,
     JobRunRow.gpu_ids,
@@ -409,6 +446,7 @@ def load_snapshot(
         for row in pending_rows
     ]
     gpu_type_of = {n.node_id: n.gpu_type for n in nodes}
+    saves = handshake_savings(session, (r.job_id for r in running_rows if r.attempt > 1))
     running = []
     for run in running_rows:
         running.append(
@@ -419,6 +457,7 @@ def load_snapshot(
                 live=run.id in live_ids,
                 stopping_for=stopping_for,
                 predicted_s=predicted(run),
+                handshake_saves_s=saves.get(run.job_id, 0.0),
             )
         )
     running_by_team: dict[str, list[tuple[float, float]]] = {}

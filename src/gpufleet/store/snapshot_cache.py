@@ -58,6 +58,7 @@ from gpufleet.store.queries import (
     SpecCache,
     SpecFacts,
     failed_start_nodes,
+    handshake_savings,
     kept_back,
     node_state,
     pending_job,
@@ -516,6 +517,8 @@ class SnapshotCache:
                 self._reserved_at_s.pop(run_id, None)
         self._lookup_facts(session, [r.job_id for r in rows if r.job_id not in self._facts])
         stopping_for = {r.job_id: r.preempted_for_job_id for r in rows if r.status == "PREEMPTING"}
+        later = [r.job_id for r in rows if r.attempt > 1]  # (a first attempt had no stop)
+        saves = handshake_savings(session, later) if later else {}
         for run in rows:
             self._runs[run.id] = running_job(
                 run,
@@ -526,6 +529,7 @@ class SnapshotCache:
                 predicted_s=self._predict(
                     run.job_id, (run.team_id, run.submitted_by, run.name, run.gpu_count)
                 ),
+                handshake_saves_s=saves.get(run.job_id, 0.0),
             )
             self._runs_of_job.setdefault(run.job_id, set()).add(run.id)
             if run.reservation_status in ACTIVE_RESERVATION:

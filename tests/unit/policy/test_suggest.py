@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tests.unit.policy.policy_builders import job, node, run, snap, team
 
-from gpufleet.policy.suggest import suggest
+from gpufleet.domain.types import PriorityClass as P
+from gpufleet.policy.config import PolicyConfig
+from gpufleet.policy.limits import (
+    ClassBudget,
+    GpuBudget,
+    LedgerUse,
+    OverBudget,
+    TeamLimits,
+    apply_limits,
+)
+from gpufleet.policy.suggest import NO_LOWER_CLASS, suggest, suggest_held
 
 
 def test_fewer_gpus_largest_count_that_starts_now() -> None:
@@ -78,3 +90,53 @@ def test_nothing_names_the_reservation_first() -> None:
     assert own.none_reason is not None and "it is reserved to start in 1h 00m on n1" in (
         own.none_reason
     )
+
+
+def test_a_lower_class_is_no_suggestion_for_a_queued_job() -> None:
+    """A class orders work only inside the team's share: at LOW the blocked HIGH job would
+    not start sooner, and the answer says so instead of inventing a class."""
+    s = snap(
+        [node("n1", free=0)],
+        pending=[job("hi", gpus=1, priority=P.HIGH)],
+        running=[run("r", "n1", gpus=8, priority=P.HIGH, max_runtime_s=3600)],
+        teams=[team("a")],
+    )
+    out = suggest(s, "hi")
+    assert out.suggestions == ()
+    assert out.none_reason is not None and out.none_reason.endswith(NO_LOWER_CLASS)
+    assert out.details["lower_class"] == NO_LOWER_CLASS
+    # a LOW job has no lower class: nothing tried, nothing said of it
+    s_low = replace(s, pending=(job("lo", gpus=1, priority=P.LOW),))
+    assert "lower_class" not in suggest(s_low, "lo").details
+
+
+def test_a_class_held_by_its_budget_starts_now_one_class_lower() -> None:
+    """CRITICAL over its 10 GPU-h budget with over=hold: the job waits, though n1 has free
+    GPUs; HIGH, a class the team may use and without a budget, starts it now on n1."""
+    s = snap(
+        [node("n1", free=4)],
+        pending=[job("c", gpus=2, priority=P.CRITICAL)],
+        teams=[team("a")],
+    )
+    lim = {
+        "a": TeamLimits(
+            allowed_classes=frozenset({P.CRITICAL, P.HIGH, P.NORMAL}),
+            class_budgets=(ClassBudget(P.CRITICAL, 10.0, 7 * 86400.0, OverBudget.HOLD),),
+        )
+    }
+    ledger = {("a", "class:CRITICAL"): LedgerUse(20 * 3600.0)}
+    assert "c" in apply_limits(s, lim, ledger, PolicyConfig()).held
+    out = suggest_held(s, "c", lim, ledger)
+    (one,) = out.suggestions
+    assert (one.kind, one.change, one.node_ids) == ("priority", {"priority": "HIGH"}, ("n1",))
+    assert (
+        one.message == "at HIGH it would start now on n1 (CRITICAL is held by its team's budget)"
+    )
+    # HIGH not allowed: the next class down that is (NORMAL)
+    only_normal = {"a": replace(lim["a"], allowed_classes=frozenset({P.CRITICAL, P.NORMAL}))}
+    (two,) = suggest_held(s, "c", only_normal, ledger).suggestions
+    assert two.change == {"priority": "NORMAL"}
+    # a hard GPU-hour budget holds every class: no class starts it
+    hard = {"a": TeamLimits(gpu_budgets=(GpuBudget(5.0, hard=True),))}
+    held = suggest_held(s, "c", hard, {("a", "gpu:*:month"): LedgerUse(9 * 3600.0)})
+    assert held.suggestions == () and held.waiting
