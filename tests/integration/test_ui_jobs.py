@@ -50,11 +50,12 @@ def test_job_list_filters_by_status_name_owner_and_team(ui: Ui, db: Database) ->
     b = named(db, "vision", "ResNet-final", owner="alice")
     c = named(db, "nlp", "resnet-nlp", owner="bob")
     login(client, alice)
+    ab = sorted([a, b], reverse=True)  # newest first (ids sort by time)
     page = client.get("/ui/jobs").text
     mine = listed(page)
     assert {a, b, ids["vision"], ids["waiting"]} <= set(mine) and c not in mine
     assert mine == sorted(mine, reverse=True)  # newest first
-    assert listed(client.get("/ui/jobs", params={"q": "resnet"}).text) == [b, a]
+    assert listed(client.get("/ui/jobs", params={"q": "resnet"}).text) == ab
     assert listed(client.get("/ui/jobs", params={"q": "SWEEP"}).text) == [a]
     assert listed(client.get("/ui/jobs", params={"q": "%"}).text) == []  # no wildcard
     pending = listed(client.get("/ui/jobs", params={"status": "PENDING"}).text)
@@ -63,8 +64,8 @@ def test_job_list_filters_by_status_name_owner_and_team(ui: Ui, db: Database) ->
     # a team token's team filter is ignored: still its own team only
     assert c not in listed(client.get("/ui/jobs", params={"team": "nlp"}).text)
     # mine: the token's user (alice); user: anyone's
-    assert listed(client.get("/ui/jobs", params={"mine": "1"}).text) == [b, a]
-    assert listed(client.get("/ui/jobs", params={"user": "alice"}).text) == [b, a]
+    assert listed(client.get("/ui/jobs", params={"mine": "1"}).text) == ab
+    assert listed(client.get("/ui/jobs", params={"user": "alice"}).text) == ab
     assert listed(client.get("/ui/jobs", params={"user": "nobody"}).text) == []
     assert "<td>alice</td>" in client.get("/ui/jobs").text  # the owner column
     # bad input: 400 with the field named, never a 500
@@ -93,11 +94,12 @@ def test_job_list_pages_and_time_columns(ui: Ui, db: Database) -> None:
     login(client, tokens["nlp"])
     first = client.get("/ui/jobs", params={"q": "page-"}).text
     rows = listed(first)
-    assert len(rows) == ui_module.JOBS_PAGE and rows[0] == made[-1]
+    newest_first = sorted(made, reverse=True)  # (ids sort by time, not within a millisecond)
+    assert rows == newest_first[: ui_module.JOBS_PAGE]
     nxt = re.search(r'id="next-page" href="|href="(/ui/jobs\?[^"]+)" id="next-page"', first)
     assert nxt and nxt.group(1)
     second = client.get(html.unescape(nxt.group(1))).text
-    assert listed(second) == list(reversed(made[:5]))
+    assert listed(second) == newest_first[ui_module.JOBS_PAGE :]
     assert 'id="next-page"' not in second and 'id="first-page"' in second
     # TIME and LEFT as the CLI's list: a running attempt with a max runtime
     spec = JobSpec(command=("true",), resources=Resources(1), max_runtime_s=3600)
@@ -279,3 +281,46 @@ def test_a_pending_job_shows_why_budget_warnings_and_what_would_start_it(
     # a job that is not waiting has neither
     other = client.get(f"/ui/jobs/{ids['vision']}").text
     assert 'id="suggestions"' not in other and 'id="why"' not in other
+
+
+def test_step_series_sums_the_intervals_holding_at_each_instant() -> None:
+    from gpufleet.api.ui import step_series
+
+    spans = [(0.0, 10.0, 2.0), (5.0, 15.0, 1.0), (7.0, 7.0, 9.0)]  # the last one is empty
+    assert step_series(spans, [-1, 0, 4.9, 5, 9.99, 10, 14, 15, 20]) == [0, 2, 2, 3, 3, 1, 1, 0, 0]
+    assert step_series([], [0, 1]) == [0, 0]
+
+
+def test_usage_page_charts_allocation_queue_and_wait_by_size(
+    ui: Ui, db: Database, tmp_path: Path
+) -> None:
+    from datetime import timedelta
+
+    from gpufleet.api import ui as ui_module
+
+    client, tokens, _ = ui
+    store = ObjectStore(str(tmp_path / "o"))
+    # vision: a 1-GPU attempt reserved 3 h ago that ended just now, beside the fixture's
+    # running 2-GPU attempt (reserved just now) and its waiting 4-GPU job
+    finish_backdated(db, store, "vision", "n1", timedelta(hours=3), 0)
+    login(client, tokens["vision"])
+    page = client.get("/ui/usage").text
+    alloc = re.search(r'id="chart-allocated" data-now="([0-9.]+)" data-peak="([0-9.]+)"', page)
+    wait = re.search(r'id="chart-waiting" data-now="([0-9.]+)"', page)
+    assert alloc and wait, page
+    assert float(alloc[1]) == 2.0 and float(alloc[2]) == 2.0  # the running attempt now
+    assert float(wait[1]) == 1.0  # the 4-GPU job
+    assert re.search(r'<polyline points="[0-9., ]+" class="series allocated"/>', page)
+    sizes = dict(re.findall(r'data-size="([^"]+)" data-count="(\d+)"', page))
+    assert sizes == {"1": "1", "2-4": "1", "5-8": "0", "9+": "0"}
+    with db.read() as s:
+        p = auth.authenticate(s, tokens["vision"])
+        charts = ui_module.charts_context(s, p)
+    values = charts["series"][0]["values"]
+    per_h = (ui_module.CHART_POINTS - 1) / ui_module.CHART_HOURS
+    assert values[0] == 0.0 and values[-1] == 2.0
+    assert values[-1 - round(per_h)] == 1.0  # an hour ago: the ended 1-GPU attempt
+    assert values[-1 - round(4 * per_h)] == 0.0  # four hours ago: nothing yet
+    # the 2 s live refresh does not redraw the charts (they are drawn at page load)
+    live = client.get("/ui/usage", headers={"HX-Request": "true"}).text
+    assert 'id="charts"' not in live

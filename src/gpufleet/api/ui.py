@@ -42,7 +42,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpufleet.domain.errors import (
@@ -53,7 +53,13 @@ from gpufleet.domain.errors import (
     ValidationFailed,
 )
 from gpufleet.domain.manifest import Manifest
-from gpufleet.domain.states import JOB_TERMINAL, JobStatus, ReservationStatus, RunStatus
+from gpufleet.domain.states import (
+    JOB_TERMINAL,
+    RUN_ACTIVE,
+    JobStatus,
+    ReservationStatus,
+    RunStatus,
+)
 from gpufleet.domain.types import SHARED_GPU_HOLDER
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.policy.start_estimate import describe_stored
@@ -225,7 +231,13 @@ def router(state: Any) -> APIRouter:
         p = who(token)
         if p is None:
             return login_redirect()
-        return page(request, "usage", p, lambda s: usage_context(s, p))
+        charts = request.headers.get("HX-Request") != "true"  # on a full load only
+        return page(
+            request,
+            "usage",
+            p,
+            lambda s: usage_context(s, p) | (charts_context(s, p) if charts else {}),
+        )
 
     @r.get("/jobs")
     def job_list(request: Request, token: Token = None) -> Response:
@@ -870,6 +882,148 @@ def usage_context(s: Session, p: auth.Principal) -> dict[str, Any]:
         "peak": peak or 1.0,
         "charged": charged,
     }
+
+
+CHART_HOURS = 24
+CHART_POINTS = 96
+"""The usage page's time series: the last ``CHART_HOURS`` hours, sampled at ``CHART_POINTS``
+instants (every 15 min)."""
+WAIT_SIZES = ((1, 1), (2, 4), (5, 8), (9, 10**9))
+"""GPU-count classes of the wait-by-size chart (inclusive bounds)."""
+
+
+def step_series(intervals: list[tuple[float, float, float]], samples: list[float]) -> list[float]:
+    """The sum of weights of the intervals ``(start_s, end_s, weight)`` that hold at each
+    sample instant (``start <= t < end``; epoch seconds): a sweep over the sorted ends, so
+    O((n + m) log n) for n intervals and m samples."""
+    edges = sorted(
+        [(a, w) for a, b, w in intervals if b > a] + [(b, -w) for a, b, w in intervals if b > a]
+    )
+    out: list[float] = []
+    level, i = 0.0, 0
+    for t in samples:
+        while i < len(edges) and edges[i][0] <= t:
+            level += edges[i][1]
+            i += 1
+        out.append(round(level, 6))
+    return out
+
+
+def _polyline(values: list[float], width: float, height: float, top: float) -> str:
+    """SVG ``points`` of a step line through ``values`` scaled to ``width x height`` (``top``:
+    the value at the chart's top edge)."""
+    if not values:
+        return ""
+    dx = width / max(1, len(values) - 1)
+    pts: list[str] = []
+    for k, v in enumerate(values):
+        y = height - (height * v / top if top else 0.0)
+        if k:
+            pts.append(f"{k * dx:.1f},{pts[-1].split(',')[1]}")
+        pts.append(f"{k * dx:.1f},{y:.1f}")
+    return " ".join(pts)
+
+
+def charts_context(s: Session, p: auth.Principal) -> dict[str, Any]:
+    """The usage page's charts over the last ``CHART_HOURS`` hours (the caller's team, or
+    every team for an admin), from what the database already holds:
+
+    * ``allocated``: GPUs held by attempts at each sample, from the accounting records of
+      ended attempts (reservation to end) and the attempts still active (reservation to now);
+    * ``waiting``: jobs waiting at each sample, each from its submission to its first
+      attempt's reservation (or its end, or now; a requeued job's later waits are not
+      counted);
+    * ``waits``: per GPU-count class, the median and the largest wait (submission to first
+      reservation, minutes) of the jobs that first started in the window.
+    """
+    now = db_now(s)
+    since = now - timedelta(hours=CHART_HOURS)
+    t0, t1 = since.timestamp(), now.timestamp()
+    samples = [t0 + (t1 - t0) * k / (CHART_POINTS - 1) for k in range(CHART_POINTS)]
+    scope = None if p.is_admin else p.team_id
+    alloc: list[tuple[float, float, float]] = [
+        (_ts(r.start_at), _ts(r.end_at), float(r.gpus))
+        for r in accounting.usage_records(s, team=scope, since=since, until=now)
+    ]
+    active = (
+        select(JobRunRow.created_at, JobRunRow.gpu_ids)
+        .join(JobRow, JobRow.id == JobRunRow.job_id)
+        .where(JobRunRow.status.in_(list(RUN_ACTIVE)))
+    )
+    if scope is not None:
+        active = active.where(JobRow.team_id == scope)
+    for created, gpu_ids in s.execute(active):  # (a GPU share counts as its GPU)
+        alloc.append((_ts(created), t1 + 1, float(len(gpu_ids or ()))))
+    first_run = (
+        select(JobRunRow.job_id, func.min(JobRunRow.created_at).label("first"))
+        .group_by(JobRunRow.job_id)
+        .subquery()
+    )
+    jq = (
+        select(JobRow.created_at, JobRow.finished_at, JobRow.gpu_count, first_run.c.first)
+        .outerjoin(first_run, first_run.c.job_id == JobRow.id)
+        .where(JobRow.created_at < now)
+        .where(
+            (JobRow.status == JobStatus.PENDING)
+            | (first_run.c.first >= since)
+            | ((first_run.c.first.is_(None)) & (JobRow.finished_at >= since))
+        )
+        .limit(50_000)
+    )
+    if scope is not None:
+        jq = jq.where(JobRow.team_id == scope)
+    waiting: list[tuple[float, float, float]] = []
+    waits: dict[int, list[float]] = {}
+    for created, finished, gpus, first in s.execute(jq):
+        end = first or finished
+        waiting.append((_ts(created), _ts(end) if end is not None else t1 + 1, 1.0))
+        if first is not None and _ts(first) >= t0:
+            size = next(k for k, (lo, hi) in enumerate(WAIT_SIZES) if lo <= gpus <= hi)
+            waits.setdefault(size, []).append(max(0.0, _ts(first) - _ts(created)) / 60.0)
+    width, height = 600.0, 120.0
+    series = []
+    for key, title, points in (
+        ("allocated", "GPUs allocated", step_series(alloc, samples)),
+        ("waiting", "jobs waiting", step_series(waiting, samples)),
+    ):
+        top = max(points, default=0.0) or 1.0
+        series.append(
+            {
+                "key": key,
+                "title": title,
+                "now": points[-1] if points else 0.0,
+                "peak": max(points, default=0.0),
+                "top": top,
+                "points": _polyline(points, width, height, top),
+                "values": points,
+            }
+        )
+    by_size = []
+    longest = max((max(v) for v in waits.values()), default=0.0) or 1.0
+    for k, (lo, hi) in enumerate(WAIT_SIZES):
+        got = sorted(waits.get(k, []))
+        label = f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f"{lo}+")
+        by_size.append(
+            {
+                "label": label,
+                "count": len(got),
+                "median": got[len(got) // 2] if got else None,
+                "max": got[-1] if got else None,
+                "pct": 100.0 * (got[len(got) // 2] if got else 0.0) / longest,
+            }
+        )
+    return {
+        "chart_hours": CHART_HOURS,
+        "series": series,
+        "chart_w": width,
+        "chart_h": height,
+        "waits": by_size,
+    }
+
+
+def _ts(at: datetime) -> float:
+    """Epoch seconds of a database time (SQLite's are naive UTC)."""
+    return (at if at.tzinfo is not None else at.replace(tzinfo=UTC)).timestamp()
 
 
 def _log_tail(store: ObjectStore, job_id: str, run_id: str) -> str:
