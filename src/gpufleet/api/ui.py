@@ -19,6 +19,9 @@ Design:
   random value also set as a cookie before (the login form). A refused post changes nothing
   (403). Every page is sent with a Content-Security-Policy (scripts from /ui/static only, no
   inline script, no eval; no framing) (``api.middleware.SecurityHeaders``).
+* **Cancel asks first.** The job page's Cancel is a link to a confirmation page; only its
+  form (``confirm=yes``, with the session's form token) cancels; a post without it is sent to
+  that page.
 * **Escaping.** Jinja2 autoescape is on for every template: job names, commands, messages,
   log lines are user text.
 * **Live.** Each page has one ``#live`` region that htmx re-fetches every 2 s (the log tail
