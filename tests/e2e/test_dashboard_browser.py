@@ -142,7 +142,12 @@ def test_admin_sees_grid_change_log_grow_and_cancels_from_the_page(
     assert page.locator("#job-status").inner_text() == "RUNNING"
     shot(page, "job-running")
 
-    page.click("#cancel")
+    page.click("#cancel")  # a link to the confirmation: nothing is cancelled yet
+    page.wait_for_url(f"**/ui/jobs/{job_id}/cancel")
+    assert fleet.job(job_id)["cancel_requested"] is False
+    shot(page, "job-cancel-confirm")
+    page.click("#confirm-cancel")
+    page.wait_for_url(f"**/ui/jobs/{job_id}")
     expect(page.locator("#job-status")).to_have_text("CANCELLED", timeout=30_000)
     assert fleet.job(job_id)["status"] == "CANCELLED"
     assert page.locator("#cancel").count() == 0
@@ -267,8 +272,36 @@ def test_a_page_on_another_port_cannot_cancel_or_switch_the_session(
         # the dashboard's own form still works
         page.goto(f"{fleet.api.url}/ui/jobs/{victim}")
         page.click("#cancel")
+        page.click("#confirm-cancel")
         expect(page.locator("#job-status")).to_have_text("CANCELLED", timeout=30_000)
     finally:
         cancel.close()
         switch.close()
         page.close()
+
+
+def test_pages_fit_a_phone(browser: Any, live: tuple[Fleet, str]) -> None:
+    """At 375 px wide (a phone) no page scrolls sideways: wide tables scroll in their box."""
+    fleet, admin = live
+    marker = f"gpufleet-test-marker-{fleet.tmp.name}"
+    job_id = fleet.submit(
+        {"command": py("print('x' * 300)", marker), "gpu_count": 1, "name": "phone-" + "w" * 60}
+    )
+    fleet.wait_status(job_id, {"SUCCEEDED"}, 60)
+    page = login(browser, fleet, admin)
+    page.wait_for_url("**/ui/fleet")
+    page.set_viewport_size({"width": 375, "height": 740})
+    for path in ("fleet", "queue", "jobs", f"jobs/{job_id}", "usage", f"jobs/{job_id}/cancel"):
+        page.goto(f"{fleet.api.url}/ui/{path}")
+        page.locator("main").wait_for()
+        width = page.evaluate("document.documentElement.scrollWidth")
+        wide = page.evaluate(  # what overflows, should one
+            "Array.from(document.querySelectorAll('main *'))"
+            ".filter(e => e.scrollWidth > 380 && getComputedStyle(e).overflowX === 'visible')"
+            ".map(e => e.tagName + '#' + e.id + ' ' + e.scrollWidth)"
+        )
+        assert width <= 375, (path, width, wide)
+        shot(page, "phone-" + path.replace("/", "-").replace(job_id, "job"))
+    page.goto(f"{fleet.api.url}/ui/jobs?q=phone-")
+    assert page.locator(f'#jobs tr[data-job="{job_id}"]').count() == 1
+    page.close()

@@ -238,8 +238,11 @@ def test_cancel_from_the_page(ui: tuple[TestClient, dict[str, str], dict[str, st
     login(client, tokens["vision"])
     page = client.get(f"/ui/jobs/{ids['waiting']}").text
     assert 'id="cancel"' in page and "PENDING" in page
+    confirm = client.get(f"/ui/jobs/{ids['waiting']}/cancel").text  # the link's page
     r = client.post(
-        f"/ui/jobs/{ids['waiting']}/cancel", data={"csrf": form_csrf(page)}, follow_redirects=False
+        f"/ui/jobs/{ids['waiting']}/cancel",
+        data={"csrf": form_csrf(confirm), "confirm": "yes"},
+        follow_redirects=False,
     )
     assert r.status_code == 303
     page = client.get(f"/ui/jobs/{ids['waiting']}").text

@@ -19,6 +19,9 @@ Design:
   random value also set as a cookie before (the login form). A refused post changes nothing
   (403). Every page is sent with a Content-Security-Policy (scripts from /ui/static only, no
   inline script, no eval; no framing) (``api.middleware.SecurityHeaders``).
+* **Cancel asks first.** The job page's Cancel is a link to a confirmation page; only its
+  form (``confirm=yes``, with the session's form token) cancels; a post without it is sent to
+  that page.
 * **Escaping.** Jinja2 autoescape is on for every template: job names, commands, messages,
   log lines are user text.
 * **Live.** Each page has one ``#live`` region that htmx re-fetches every 2 s (the log tail
@@ -35,23 +38,36 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlencode
 
 from fastapi import APIRouter, Cookie, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from gpufleet.domain.errors import GpufleetError, NotFound, Unauthenticated, ValidationFailed
+from gpufleet.domain.errors import (
+    Conflict,
+    GpufleetError,
+    NotFound,
+    Unauthenticated,
+    ValidationFailed,
+)
 from gpufleet.domain.manifest import Manifest
-from gpufleet.domain.states import JOB_TERMINAL, JobStatus, ReservationStatus, RunStatus
+from gpufleet.domain.states import (
+    JOB_TERMINAL,
+    RUN_ACTIVE,
+    JobStatus,
+    ReservationStatus,
+    RunStatus,
+)
 from gpufleet.domain.types import SHARED_GPU_HOLDER
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.policy.start_estimate import describe_stored
-from gpufleet.services import auth, jobctl, jobs, teams
+from gpufleet.services import artifacts, auth, jobctl, jobs, teams
+from gpufleet.services import suggest as suggest_service
 from gpufleet.store import accounting
 from gpufleet.store.dialect import db_now
 from gpufleet.store.tables import (
@@ -125,7 +141,11 @@ def router(state: Any) -> APIRouter:
             return None
 
     def page(
-        request: Request, name: str, p: auth.Principal, build: Callable[[Session], dict[str, Any]]
+        request: Request,
+        name: str,
+        p: auth.Principal,
+        build: Callable[[Session], dict[str, Any]],
+        status_code: int = 200,
     ) -> Response:
         with state.db.read() as s:
             ctx = build(s)
@@ -135,10 +155,12 @@ def router(state: Any) -> APIRouter:
             principal=p,
             page=name,
             fragment=live,
-            path=request.url.path,
+            path=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
             csrf=csrf_for_session(request.cookies.get(COOKIE) or ""),
         )
-        return HTMLResponse(template.render(**ctx))
+        return HTMLResponse(
+            template.render(**ctx), status_code=ctx.pop("status_code", status_code)
+        )
 
     def login_redirect() -> Response:
         return RedirectResponse("/ui/login", status_code=303)
@@ -212,10 +234,24 @@ def router(state: Any) -> APIRouter:
         p = who(token)
         if p is None:
             return login_redirect()
-        return page(request, "usage", p, lambda s: usage_context(s, p))
+        charts = request.headers.get("HX-Request") != "true"  # on a full load only
+        return page(
+            request,
+            "usage",
+            p,
+            lambda s: usage_context(s, p) | (charts_context(s, p) if charts else {}),
+        )
+
+    @r.get("/jobs")
+    def job_list(request: Request, token: Token = None) -> Response:
+        p = who(token)
+        if p is None:
+            return login_redirect()
+        q = request.query_params
+        return page(request, "jobs", p, lambda s: jobs_context(s, p, q))
 
     @r.get("/jobs/{job_id}")
-    def job(request: Request, job_id: str, token: Token = None) -> Response:
+    def job(request: Request, job_id: str, rank: str = "0", token: Token = None) -> Response:
         p = who(token)
         if p is None:
             return login_redirect()
@@ -223,17 +259,78 @@ def router(state: Any) -> APIRouter:
             full = jobctl.resolve(state.db, None if p.is_admin else p.team_id, job_id)
             if full != job_id:  # a name or an id prefix: the page lives at the full id
                 return RedirectResponse(f"/ui/jobs/{full}", status_code=303)
-            return page(request, "job", p, lambda s: job_context(s, p, job_id, state.store))
-        except (NotFound, ValidationFailed):  # unknown, or an ambiguous prefix/name
-            return HTMLResponse(
-                _env.get_template("notfound.html").render(
-                    principal=p, job_id=job_id, csrf=csrf_for_session(token or "")
+            live = request.headers.get("HX-Request") == "true"
+            # what would start it now: the policy's what-if passes over the whole fleet,
+            # run on a full page load only (not on each 2 s refresh of the live region)
+            suggestions = None if live else job_suggestions(p, job_id)
+            return page(
+                request,
+                "job",
+                p,
+                lambda s: job_context(
+                    s, p, job_id, state.store, rank=_rank(rank), suggestions=suggestions
                 ),
-                status_code=404,
             )
+        except (NotFound, ValidationFailed):  # unknown, or an ambiguous prefix/name
+            return not_found(p, job_id, token)
+
+    def not_found(p: auth.Principal, job_id: str, token: str | None) -> Response:
+        return HTMLResponse(
+            _env.get_template("notfound.html").render(
+                principal=p, job_id=job_id, csrf=csrf_for_session(token or "")
+            ),
+            status_code=404,
+        )
+
+    def job_suggestions(p: auth.Principal, job_id: str) -> dict[str, Any] | None:
+        """``GET /v1/jobs/{id}/suggestions``'s answer for a PENDING job, else None."""
+        with state.db.read() as s:
+            status = s.scalar(select(JobRow.status).where(JobRow.id == job_id))
+        if status != JobStatus.PENDING:
+            return None
+        settings = state.settings
+        return suggest_service.job_suggestions(
+            state.db,
+            None if p.is_admin else p.team_id,
+            job_id,
+            fence_after_s=max(
+                settings.fence_timeout_s,
+                settings.heartbeat_interval_s * settings.suspect_after_missed,
+            ),
+        )
+
+    @r.get("/jobs/{job_id}/artifacts/{path:path}")
+    async def artifact(job_id: str, path: str, token: Token = None) -> Response:
+        """One artifact of the accepted manifest, as ``GET /v1/jobs/{id}/artifacts/{path}``
+        streams it (the same service calls; the session cookie instead of a bearer token)."""
+        p = await run_in_threadpool(who, token)
+        if p is None:
+            return login_redirect()
+        team = None if p.is_admin else p.team_id
+
+        def find() -> Any:
+            with state.db.read() as s:
+                where = artifacts.accepted_manifest(s, state.store, team, job_id)
+            manifest = artifacts.read_manifest(state.store, where)
+            return artifacts.find_artifact(manifest, where, path)
+
+        try:
+            f = await run_in_threadpool(find)
+        except (NotFound, ValidationFailed, Conflict):
+            return Response("no such artifact", status_code=404, media_type="text/plain")
+        name = f.path.rsplit("/", 1)[-1].replace('"', "")
+        return StreamingResponse(
+            artifacts.stream_verified(state.store, f),
+            media_type="application/octet-stream",
+            headers={
+                "Content-Length": str(f.size),
+                "X-Gpufleet-Sha256": f.sha256,
+                "Content-Disposition": f'attachment; filename="{name}"',
+            },
+        )
 
     @r.get("/jobs/{job_id}/log")
-    def job_log(job_id: str, token: Token = None) -> Response:
+    def job_log(job_id: str, rank: str = "0", token: Token = None) -> Response:
         p = who(token)
         if p is None:
             return Response(status_code=401)
@@ -243,8 +340,33 @@ def router(state: Any) -> APIRouter:
                 _, runs = jobs.get_job(s, None if p.is_admin else p.team_id, job_id)
         except (NotFound, ValidationFailed):
             return Response(status_code=404)
-        text = _log_tail(state.store, job_id, runs[-1].id) if runs else ""
+        run = _rank_run(runs, _rank(rank))
+        text = _log_tail(state.store, job_id, run.id) if run else ""
         return HTMLResponse(_env.get_template("log.html").render(log=text))
+
+    @r.get("/jobs/{job_id}/cancel")
+    def cancel_confirm(job_id: str, token: Token = None) -> Response:
+        """The confirmation step before a cancel: the job page's Cancel is a link here; only
+        this page's form (``confirm=yes``) cancels."""
+        p = who(token)
+        if p is None:
+            return login_redirect()
+        try:
+            job_id = jobctl.resolve(state.db, None if p.is_admin else p.team_id, job_id)
+            with state.db.read() as s:
+                job, _ = jobs.get_job(s, None if p.is_admin else p.team_id, job_id)
+                finished = job.status in JOB_TERMINAL
+        except (NotFound, ValidationFailed):
+            return not_found(p, job_id, token)
+        return HTMLResponse(
+            _env.get_template("cancel.html").render(
+                principal=p,
+                page="cancel",
+                job=job,
+                finished=finished,
+                csrf=csrf_for_session(token or ""),
+            )
+        )
 
     @r.post("/jobs/{job_id}/cancel")
     async def cancel(request: Request, job_id: str, token: Token = None) -> Response:
@@ -252,14 +374,19 @@ def router(state: Any) -> APIRouter:
         refused = cross_origin(request) or _token_mismatch(form, csrf_for_session(token or ""))
         if refused:
             return _refused(refused)
-        return await run_in_threadpool(do_cancel, job_id, token)
+        confirmed = (form.get("confirm") or [""])[0] == "yes"
+        return await run_in_threadpool(do_cancel, job_id, token, confirmed)
 
-    def do_cancel(job_id: str, token: str | None) -> Response:
+    def do_cancel(job_id: str, token: str | None, confirmed: bool) -> Response:
         p = who(token)
         if p is None:
             return login_redirect()
         try:
             job_id = jobctl.resolve(state.db, None if p.is_admin else p.team_id, job_id)
+            if not confirmed:  # a post without the confirmation page's field: ask first
+                with state.db.read() as s:
+                    jobs.get_job(s, None if p.is_admin else p.team_id, job_id)
+                return RedirectResponse(f"/ui/jobs/{job_id}/cancel", status_code=303)
             jobs.cancel_job(state.db, None if p.is_admin else p.team_id, job_id)
             state.waker.wake()
         except (NotFound, ValidationFailed):
@@ -516,6 +643,100 @@ def queue_context(s: Session, p: auth.Principal) -> dict[str, Any]:
     }
 
 
+JOBS_PAGE = 50
+"""Rows per page of the job list (``/ui/jobs``)."""
+
+
+def jobs_context(s: Session, p: auth.Principal, q: Any) -> dict[str, Any]:
+    """The job list (``/ui/jobs``), newest first, ``JOBS_PAGE`` a page, filtered like
+    ``gpufleet list``: ``status`` (one state), ``q`` (name contains, case-insensitive),
+    ``mine`` (the caller's own jobs) or ``user`` (a user's), ``team`` (admins; a team token
+    sees its own team only), ``cursor`` (the next page). A bad filter shows its message naming
+    the field (status 400) and no rows. Each row: TIME (how long its latest attempt has run)
+    and LEFT (of its max runtime, while RUNNING), as the CLI's ``list``."""
+
+    def arg(name: str) -> str:
+        return str(q.get(name) or "").strip()
+
+    filters = {k: arg(k) for k in ("status", "q", "user", "team", "cursor")}
+    filters["mine"] = "1" if arg("mine") in ("1", "on", "true", "yes") else ""
+    if not p.is_admin:
+        filters["team"] = ""
+    error = None
+    rows: list[JobRow] = []
+    nxt = None
+    runs: dict[str, list[JobRunRow]] = {}
+    try:
+        if filters["mine"] and filters["user"]:
+            raise ValidationFailed("give either mine or user, not both", field="mine")
+        owner = (
+            auth.check_user_name(filters["user"])
+            if filters["user"]
+            else (p.user if filters["mine"] else None)
+        )
+        if len(filters["q"]) > 256:
+            raise ValidationFailed("q: at most 256 characters", field="q")
+        team = None if p.is_admin else p.team_id
+        if filters["team"]:
+            team = filters["team"]
+        rows, nxt = jobs.list_jobs(
+            s,
+            team,
+            status=filters["status"] or None,
+            limit=JOBS_PAGE,
+            cursor=filters["cursor"] or None,
+            name_contains=filters["q"] or None,
+            owner=owner,
+        )
+        if rows:
+            for r in s.scalars(
+                select(JobRunRow)
+                .where(JobRunRow.job_id.in_([j.id for j in rows]))
+                .order_by(JobRunRow.attempt, JobRunRow.rank)
+            ):
+                runs.setdefault(r.job_id, []).append(r)
+    except ValidationFailed as e:
+        error = f"{e.field}: {e}" if getattr(e, "field", None) else str(e)
+    now = db_now(s)
+    items = []
+    for j in rows:
+        elapsed, left = jobs.run_times(j, runs.get(j.id, []), now)
+        items.append(
+            {
+                "job": j,
+                "elapsed": _fmt_span(elapsed) or "",
+                "left": _fmt_span(left) or "",
+            }
+        )
+    keep = {k: v for k, v in filters.items() if v and k != "cursor"}
+    teams_known = sorted(t["team"] for t in teams.describe_teams(s)) if p.is_admin else [p.team_id]
+    return {
+        "items": items,
+        "filters": filters,
+        "statuses": [st.value for st in JobStatus],
+        "teams_known": teams_known,
+        "error": error,
+        "status_code": 400 if error else 200,
+        "next_query": urlencode({**keep, "cursor": nxt}) if nxt else None,
+        "first_query": urlencode(keep) if filters["cursor"] else None,
+    }
+
+
+def _rank(raw: str) -> int:
+    """The ``rank`` query parameter (a gang member's rank; 0 otherwise or when malformed)."""
+    return int(raw) if raw.isdigit() and len(raw) < 6 else 0
+
+
+def _rank_run(runs: list[JobRunRow], rank: int) -> JobRunRow | None:
+    """The latest attempt's member of ``rank`` (its only run for a single-node job), or, when
+    that attempt has no such rank, its rank 0; None before any attempt."""
+    if not runs:
+        return None
+    last = max(r.attempt for r in runs)
+    members = [r for r in runs if r.attempt == last]
+    return next((r for r in members if r.rank == rank), None) or min(members, key=lambda r: r.rank)
+
+
 def _cookie_attrs(request: Request) -> dict[str, Any]:
     """The login cookie's attributes, the same for setting and deleting it: HttpOnly,
     SameSite=Strict, path ``/ui``, and ``Secure`` when the request came over https (its
@@ -537,8 +758,19 @@ def public_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) -> dict[str, Any]:
-    """One job: spec, attempts as a timeline, artifacts from each accepted manifest, events.
+def job_context(
+    s: Session,
+    p: auth.Principal,
+    job_id: str,
+    store: ObjectStore,
+    *,
+    rank: int = 0,
+    suggestions: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One job: spec, attempts as a timeline, artifacts from each accepted manifest (those of
+    the accepted one linked for download), events, the log tail of the latest attempt's
+    member ``rank`` (a gang's ranks as a selector), the wait reason with the team's budget
+    warnings and, for a PENDING job, ``suggestions`` (``GET /v1/jobs/{id}/suggestions``).
 
     Raises:
         NotFound: no such job, or another team's (for a team token).
@@ -571,6 +803,13 @@ def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) 
     if job.status == JobStatus.PENDING:
         position = jobs.queue_position(s, job)
     elapsed_s, left_s = jobs.run_times(job, runs, db_now(s))
+    shown = _rank_run(runs, rank)
+    ranks = sorted({r.rank for r in runs if shown is not None and r.attempt == shown.attempt})
+    accepted_run = None
+    if job.result_uri:
+        key = store.key_of(job.result_uri)
+        accepted_run = key.split("/")[3] if key.count("/") >= 4 else None
+    reason = job.pending_reason if job.status == JobStatus.PENDING else None
     return {
         "job": job,
         "elapsed": _fmt_span(elapsed_s),
@@ -579,7 +818,7 @@ def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) 
         "attempts": attempts,
         "events": events,
         "position": position,
-        "reason": job.pending_reason if job.status == JobStatus.PENDING else None,
+        "reason": reason,
         "start_estimate": describe_stored(
             (job.pending_reason or {}).get("start_estimate"), db_now(s).timestamp()
         )
@@ -589,7 +828,14 @@ def job_context(s: Session, p: auth.Principal, job_id: str, store: ObjectStore) 
         "unverified": next(
             (f"attempt {r.id}: {unverified[r.id]}" for r in runs if r.id in unverified), None
         ),
-        "log": _log_tail(store, job.id, runs[-1].id) if runs else "",
+        "log": _log_tail(store, job.id, shown.id) if shown else "",
+        "rank": shown.rank if shown else 0,
+        "ranks": ranks,
+        "accepted_run": accepted_run,
+        "budget_warnings": [
+            str(w) for w in ((reason or {}).get("details") or {}).get("budget_warnings") or ()
+        ],
+        "suggestions": suggestions,
     }
 
 
@@ -639,6 +885,148 @@ def usage_context(s: Session, p: auth.Principal) -> dict[str, Any]:
         "peak": peak or 1.0,
         "charged": charged,
     }
+
+
+CHART_HOURS = 24
+CHART_POINTS = 96
+"""The usage page's time series: the last ``CHART_HOURS`` hours, sampled at ``CHART_POINTS``
+instants (every 15 min)."""
+WAIT_SIZES = ((1, 1), (2, 4), (5, 8), (9, 10**9))
+"""GPU-count classes of the wait-by-size chart (inclusive bounds)."""
+
+
+def step_series(intervals: list[tuple[float, float, float]], samples: list[float]) -> list[float]:
+    """The sum of weights of the intervals ``(start_s, end_s, weight)`` that hold at each
+    sample instant (``start <= t < end``; epoch seconds): a sweep over the sorted ends, so
+    O((n + m) log n) for n intervals and m samples."""
+    edges = sorted(
+        [(a, w) for a, b, w in intervals if b > a] + [(b, -w) for a, b, w in intervals if b > a]
+    )
+    out: list[float] = []
+    level, i = 0.0, 0
+    for t in samples:
+        while i < len(edges) and edges[i][0] <= t:
+            level += edges[i][1]
+            i += 1
+        out.append(round(level, 6))
+    return out
+
+
+def _polyline(values: list[float], width: float, height: float, top: float) -> str:
+    """SVG ``points`` of a step line through ``values`` scaled to ``width x height`` (``top``:
+    the value at the chart's top edge)."""
+    if not values:
+        return ""
+    dx = width / max(1, len(values) - 1)
+    pts: list[str] = []
+    for k, v in enumerate(values):
+        y = height - (height * v / top if top else 0.0)
+        if k:
+            pts.append(f"{k * dx:.1f},{pts[-1].split(',')[1]}")
+        pts.append(f"{k * dx:.1f},{y:.1f}")
+    return " ".join(pts)
+
+
+def charts_context(s: Session, p: auth.Principal) -> dict[str, Any]:
+    """The usage page's charts over the last ``CHART_HOURS`` hours (the caller's team, or
+    every team for an admin), from what the database already holds:
+
+    * ``allocated``: GPUs held by attempts at each sample, from the accounting records of
+      ended attempts (reservation to end) and the attempts still active (reservation to now);
+    * ``waiting``: jobs waiting at each sample, each from its submission to its first
+      attempt's reservation (or its end, or now; a requeued job's later waits are not
+      counted);
+    * ``waits``: per GPU-count class, the median and the largest wait (submission to first
+      reservation, minutes) of the jobs that first started in the window.
+    """
+    now = db_now(s)
+    since = now - timedelta(hours=CHART_HOURS)
+    t0, t1 = since.timestamp(), now.timestamp()
+    samples = [t0 + (t1 - t0) * k / (CHART_POINTS - 1) for k in range(CHART_POINTS)]
+    scope = None if p.is_admin else p.team_id
+    alloc: list[tuple[float, float, float]] = [
+        (_ts(r.start_at), _ts(r.end_at), float(r.gpus))
+        for r in accounting.usage_records(s, team=scope, since=since, until=now)
+    ]
+    active = (
+        select(JobRunRow.created_at, JobRunRow.gpu_ids)
+        .join(JobRow, JobRow.id == JobRunRow.job_id)
+        .where(JobRunRow.status.in_(list(RUN_ACTIVE)))
+    )
+    if scope is not None:
+        active = active.where(JobRow.team_id == scope)
+    for created, gpu_ids in s.execute(active):  # (a GPU share counts as its GPU)
+        alloc.append((_ts(created), t1 + 1, float(len(gpu_ids or ()))))
+    first_run = (
+        select(JobRunRow.job_id, func.min(JobRunRow.created_at).label("first"))
+        .group_by(JobRunRow.job_id)
+        .subquery()
+    )
+    jq = (
+        select(JobRow.created_at, JobRow.finished_at, JobRow.gpu_count, first_run.c.first)
+        .outerjoin(first_run, first_run.c.job_id == JobRow.id)
+        .where(JobRow.created_at < now)
+        .where(
+            (JobRow.status == JobStatus.PENDING)
+            | (first_run.c.first >= since)
+            | ((first_run.c.first.is_(None)) & (JobRow.finished_at >= since))
+        )
+        .limit(50_000)
+    )
+    if scope is not None:
+        jq = jq.where(JobRow.team_id == scope)
+    waiting: list[tuple[float, float, float]] = []
+    waits: dict[int, list[float]] = {}
+    for created, finished, gpus, first in s.execute(jq):
+        end = first or finished
+        waiting.append((_ts(created), _ts(end) if end is not None else t1 + 1, 1.0))
+        if first is not None and _ts(first) >= t0:
+            size = next(k for k, (lo, hi) in enumerate(WAIT_SIZES) if lo <= gpus <= hi)
+            waits.setdefault(size, []).append(max(0.0, _ts(first) - _ts(created)) / 60.0)
+    width, height = 600.0, 120.0
+    series = []
+    for key, title, points in (
+        ("allocated", "GPUs allocated", step_series(alloc, samples)),
+        ("waiting", "jobs waiting", step_series(waiting, samples)),
+    ):
+        top = max(points, default=0.0) or 1.0
+        series.append(
+            {
+                "key": key,
+                "title": title,
+                "now": points[-1] if points else 0.0,
+                "peak": max(points, default=0.0),
+                "top": top,
+                "points": _polyline(points, width, height, top),
+                "values": points,
+            }
+        )
+    by_size = []
+    longest = max((max(v) for v in waits.values()), default=0.0) or 1.0
+    for k, (lo, hi) in enumerate(WAIT_SIZES):
+        got = sorted(waits.get(k, []))
+        label = f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f"{lo}+")
+        by_size.append(
+            {
+                "label": label,
+                "count": len(got),
+                "median": got[len(got) // 2] if got else None,
+                "max": got[-1] if got else None,
+                "pct": 100.0 * (got[len(got) // 2] if got else 0.0) / longest,
+            }
+        )
+    return {
+        "chart_hours": CHART_HOURS,
+        "series": series,
+        "chart_w": width,
+        "chart_h": height,
+        "waits": by_size,
+    }
+
+
+def _ts(at: datetime) -> float:
+    """Epoch seconds of a database time (SQLite's are naive UTC)."""
+    return (at if at.tzinfo is not None else at.replace(tzinfo=UTC)).timestamp()
 
 
 def _log_tail(store: ObjectStore, job_id: str, run_id: str) -> str:

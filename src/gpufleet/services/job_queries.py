@@ -74,11 +74,13 @@ def list_jobs(
     array_id: str | None = None,
     name: str | None = None,
     owner: str | None = None,
+    name_contains: str | None = None,
 ) -> tuple[list[JobRow], str | None]:
     """Newest first; ``cursor`` is the last job id of the previous page (ids sort by time).
     ``status``: one status or a comma list (``PENDING,RUNNING``: any of them);
     ``array_id``/``name``/``owner``: only that array's tasks / jobs of that name / jobs
-    that user submitted.
+    that user submitted; ``name_contains``: jobs whose name contains this text
+    (case-insensitive; ``%`` and ``_`` match themselves).
 
     Raises:
         ValidationFailed: an unknown status (field ``status``) or a bad cursor.
@@ -92,6 +94,9 @@ def list_jobs(
         q = q.where(JobRow.name == name)
     if owner is not None:
         q = q.where(JobRow.owner == owner)
+    if name_contains:
+        pattern = name_contains.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        q = q.where(JobRow.name.ilike(f"%{pattern}%", escape="\\"))
     if status is not None:
         wanted = [part.strip() for part in status.split(",")]
         for one in wanted:
