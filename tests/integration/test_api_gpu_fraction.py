@@ -65,10 +65,10 @@ class TestFractionValidation:
     @pytest.mark.parametrize(
         ("body", "want_in_message"),
         [
-            pytest.param({"gpu_fraction": 0}, "greater than 0", id="zero"),
-            pytest.param({"gpu_fraction": 1}, "less than 1", id="one whole GPU"),
-            pytest.param({"gpu_fraction": 1.5}, "less than 1", id="more than one"),
-            pytest.param({"gpu_fraction": -0.25}, "greater than 0", id="negative"),
+            pytest.param({"gpu_fraction": 0}, "it must be above 0", id="zero"),
+            pytest.param({"gpu_fraction": 1}, "it must be below 1", id="one whole GPU"),
+            pytest.param({"gpu_fraction": 1.5}, "it must be below 1", id="more than one"),
+            pytest.param({"gpu_fraction": -0.25}, "it must be above 0", id="negative"),
             pytest.param({"gpu_fraction": 0.3}, "multiple of 1/8", id="not an eighth"),
             pytest.param({"gpu_fraction": "0.5"}, "", id="a string"),
             pytest.param({"gpu_fraction": 0.5, "gpu_count": 2}, "ONE GPU", id="with several GPUs"),
