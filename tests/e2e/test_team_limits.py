@@ -63,13 +63,15 @@ def events(fleet: Fleet, job_id: str, kind: str) -> list[dict[str, Any]]:
     return [e for e in items if e["kind"] == kind]
 
 
-def reason(fleet: Fleet, job_id: str, code: str | None = None, text: str = "") -> dict[str, Any]:
+def reason(
+    fleet: Fleet, job_id: str, code: str | None = None, text: str = "", team: str = "vision"
+) -> dict[str, Any]:
     """The job's pending_reason once the scheduler wrote one with ``code`` (any code when
     None) and ``text`` in its message."""
     found: dict[str, Any] = {}
 
     def ok() -> bool:
-        r = fleet.job(job_id).get("pending_reason") or {}
+        r = fleet.job(job_id, team).get("pending_reason") or {}
         found.clear()
         found.update(r)
         return bool(r) and (code is None or r.get("code") == code) and text in r["message"]
@@ -297,3 +299,39 @@ def test_a_soft_budget_warns_in_submit_why_usage_and_metrics(fleet: Fleet) -> No
     fleet.start_agent("a1", gpus="1xH100-80GB")
     for j in (job, again.stdout.strip()):
         assert fleet.wait_status(j, TERMINAL, 30)["status"] == "SUCCEEDED"
+
+
+def test_a_preemption_over_the_victim_teams_waste_cap_is_not_made(fleet: Fleet) -> None:
+    """Issue 28 item 3 with real processes: vision's two LOW 4-GPU jobs (no checkpoint: all
+    their work since the start is what a preemption loses) fill the node; vision's
+    preemption waste cap is 0.001 GPU-h (3.6 GPU-seconds) per hour. vision's own CRITICAL
+    8-GPU job would preempt them (priority preemption inside the team's share); it is not
+    made, the victims keep running and the preemptor's ``why`` says so. Once the cap is
+    lifted the preemption is made and the preemptor starts."""
+    set_limits(fleet, {"preemption_waste": {"gpu_hours": 0.001, "window_s": 3600}})
+    fleet.start_agent("a1", gpus="8xH100-80GB")
+    victims = [fleet.submit(sleeper(300, "LOW", gpus=4)) for _ in range(2)]
+    for job_id in victims:
+        fleet.wait_status(job_id, {"RUNNING"})
+    time.sleep(1.5)  # 2 x 4 GPUs x 1.5 s = 12 GPU-seconds of work at stake, over the cap
+    preemptor = fleet.submit(sleeper(0, "CRITICAL", gpus=8))
+    got = reason(fleet, preemptor, "preemption_waste_cap")
+    assert "vision" in got["message"], got
+    time.sleep(2.0)  # passes go on: still not made
+    for job_id in victims:
+        job = fleet.job(job_id)
+        assert job["status"] == "RUNNING", job
+        assert [a["status"] for a in job["attempts"]] == ["RUNNING"], job
+    assert fleet.job(preemptor)["status"] == "PENDING"
+
+    set_limits(fleet, {})
+    done = fleet.wait_status(preemptor, TERMINAL, timeout_s=60)
+    assert done["status"] == "SUCCEEDED", done
+    for job_id in victims:
+        first = fleet.job(job_id)["attempts"][0]
+        assert first["status"] == "PREEMPTED", first
+    for job_id in victims:
+        with fleet.http() as c:
+            c.delete(f"/v1/jobs/{job_id}")
+        fleet.wait_status(job_id, TERMINAL, timeout_s=60)
+    assert fleet.check() == []
