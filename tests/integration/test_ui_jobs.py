@@ -8,9 +8,12 @@ import dataclasses
 import html
 import re
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import update
 
@@ -167,6 +170,35 @@ def test_artifacts_download_through_the_artifact_routes(
     client.cookies.clear()
     r = client.get(f"/ui/jobs/{job_id}/artifacts/model.bin", follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/ui/login"
+
+
+@pytest.mark.parametrize(
+    ("path", "fallback", "encoded"),
+    [
+        ("日本.txt", "__.txt", "%E6%97%A5%E6%9C%AC.txt"),
+        ("sub/ü.txt", "_.txt", "%C3%BC.txt"),
+        ('q"u%o.txt', "q_u_o.txt", "q%22u%25o.txt"),
+    ],
+)
+def test_a_non_ascii_artifact_name_downloads_with_an_rfc_6266_header(
+    ui: Ui, db: Database, tmp_path: Path, path: str, fallback: str, encoded: str
+) -> None:
+    """Both routes answer 200 with an ASCII Content-Disposition: an ASCII fallback name and
+    the UTF-8 name percent-encoded (once a 500: the header could not be encoded)."""
+    client, tokens, _ = ui
+    store = ObjectStore(str(tmp_path / "o"))
+    job_id = finish_backdated(db, store, "vision", "n1", timedelta(0), 0, more=(path,))
+    login(client, tokens["vision"])
+    want = f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{encoded}"
+    url = f"/jobs/{job_id}/artifacts/{quote(path)}"
+    for got in (
+        client.get(f"/ui{url}"),
+        client.get(f"/v1{url}", headers={"Authorization": f"Bearer {tokens['vision']}"}),
+    ):
+        assert got.status_code == 200, got.text
+        assert got.content == path.encode()
+        assert got.headers["content-disposition"] == want
+        assert got.headers.get_list("content-disposition")[0].isascii()
 
 
 def test_a_gangs_log_by_rank(ui: Ui, db: Database, tmp_path: Path) -> None:

@@ -171,7 +171,13 @@ def test_login_refuses_a_bad_token_and_pages_need_one(
 
 
 def finish_backdated(
-    db: Database, store: ObjectStore, team: str, node_id: str, ago: timedelta, code: int
+    db: Database,
+    store: ObjectStore,
+    team: str,
+    node_id: str,
+    ago: timedelta,
+    code: int,
+    more: tuple[str, ...] = (),
 ) -> str:
     """A 1-GPU attempt on ``node_id`` reserved ``ago`` before now and ended now (exit
     ``code``), through ``complete_run``: its usage record spans ``ago``."""
@@ -187,7 +193,7 @@ def finish_backdated(
         assert runs.confirm_assignment(s, r.run_id, r.token) == runs.Confirm.CONFIRMED
 
     db.run_write(backdate)
-    uri = write_manifest(store, job_id, r.run_id, r.token, exit_code=code)
+    uri = write_manifest(store, job_id, r.run_id, r.token, exit_code=code, more=more)
     rep = runs.Report(node_id, r.run_id, r.token, runs.Outcome.EXITED, code, uri)
     assert runs.complete_run(db, store, rep)[0] == runs.CompletionResult.ACCEPTED
     return job_id

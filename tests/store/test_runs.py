@@ -33,12 +33,22 @@ def write_manifest(
     token: int,
     exit_code: int = 0,
     tamper: bool = False,
+    more: tuple[str, ...] = (),
 ) -> str:
+    """The attempt's manifest: artifact ``model.bin`` (b"weights") and one artifact per path
+    of ``more`` (its bytes: the path in UTF-8)."""
     prefix = attempt_prefix(job_id, run_id)
     data = b"weights"
     key = f"{prefix}/artifacts/model.bin"
     store.put_bytes(key, data)
     digest = hashlib.sha256(data + (b"x" if tamper else b"")).hexdigest()
+    extra = []
+    for path in more:
+        body = path.encode()
+        k = f"{prefix}/artifacts/{path}"
+        store.put_bytes(k, body)
+        sha = hashlib.sha256(body).hexdigest()
+        extra.append(ManifestFile("artifact", path, k, store.uri(k), sha, len(body)))
     m = Manifest(
         job_id=job_id,
         run_id=run_id,
@@ -47,7 +57,10 @@ def write_manifest(
         exit_code=exit_code,
         started_at_s=time.time(),
         finished_at_s=time.time(),
-        files=(ManifestFile("artifact", "model.bin", key, store.uri(key), digest, len(data)),),
+        files=(
+            ManifestFile("artifact", "model.bin", key, store.uri(key), digest, len(data)),
+            *extra,
+        ),
     )
     return store.put_bytes(f"{prefix}/MANIFEST.json", m.to_json())
 

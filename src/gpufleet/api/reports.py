@@ -325,15 +325,10 @@ def add_report_routes(
             return artifacts.find_artifact(manifest, where, path)
 
         f = await run_in_threadpool(find)
-        name = f.path.rsplit("/", 1)[-1].replace('"', "")
         return StreamingResponse(
             artifacts.stream_verified(store, f),
             media_type="application/octet-stream",
-            headers={
-                "Content-Length": str(f.size),
-                "X-Gpufleet-Sha256": f.sha256,
-                "Content-Disposition": f'attachment; filename="{name}"',
-            },
+            headers=artifacts.download_headers(f),
         )
 
 

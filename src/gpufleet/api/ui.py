@@ -318,15 +318,10 @@ def router(state: Any) -> APIRouter:
             f = await run_in_threadpool(find)
         except (NotFound, ValidationFailed, Conflict):
             return Response("no such artifact", status_code=404, media_type="text/plain")
-        name = f.path.rsplit("/", 1)[-1].replace('"', "")
         return StreamingResponse(
             artifacts.stream_verified(state.store, f),
             media_type="application/octet-stream",
-            headers={
-                "Content-Length": str(f.size),
-                "X-Gpufleet-Sha256": f.sha256,
-                "Content-Disposition": f'attachment; filename="{name}"',
-            },
+            headers=artifacts.download_headers(f),
         )
 
     @r.get("/jobs/{job_id}/log")

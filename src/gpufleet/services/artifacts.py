@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from urllib.parse import quote
 
 from sqlalchemy.orm import Session
 
@@ -92,6 +94,38 @@ def find_artifact(manifest: Manifest, where: AcceptedManifest, path: str) -> Man
         ):
             return f
     raise NotFound(f"job {where.job_id} has no artifact {path!r}", field="path")
+
+
+_NOT_PLAIN = re.compile(r'[^\x20-\x7e]|["\\%]')
+
+
+def download_headers(f: ManifestFile) -> dict[str, str]:
+    """The answer headers of artifact ``f``'s download: ``Content-Length`` (bytes),
+    ``X-Gpufleet-Sha256`` and ``Content-Disposition`` (:func:`content_disposition`). One
+    helper for the REST and the dashboard routes."""
+    return {
+        "Content-Length": str(f.size),
+        "X-Gpufleet-Sha256": f.sha256,
+        "Content-Disposition": content_disposition(f.path),
+    }
+
+
+def content_disposition(path: str) -> str:
+    """``attachment`` with the last segment of ``path`` as its file name (RFC 6266): a plain
+    printable-ASCII name as ``filename="name"``; any other (non-ASCII, a quote, a backslash,
+    a percent sign) as an ASCII fallback ``filename="..."`` (each such character ``_``)
+    plus ``filename*=UTF-8''<percent-encoded UTF-8>`` (RFC 5987). The value is always
+    ASCII, so any name a manifest may hold can be sent as a header."""
+    name = path.rsplit("/", 1)[-1]
+    fallback = _NOT_PLAIN.sub("_", name)
+    if fallback == name:
+        return f'attachment; filename="{name}"'
+    try:  # a name from a non-UTF-8 file system holds surrogate escapes of its bytes
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = name.encode("utf-8", "replace")
+    encoded = quote(raw, safe="")
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{encoded}"
 
 
 def stream_verified(store: ObjectStore, f: ManifestFile) -> Iterator[bytes]:
