@@ -31,6 +31,16 @@ def usable(url: str) -> bool:
     return url.lower().startswith("http://") and not any(os.environ.get(v) for v in _PROXY_VARS)
 
 
+def _raw_headers(resp: http.client.HTTPResponse) -> list[tuple[bytes, bytes]]:
+    """The answer's headers as the bytes that came (``http.client`` decodes them as
+    Latin-1): httpx would encode ``str`` values as ASCII and raise on any other byte, such as
+    the raw ``0xFC`` of an older server's ``Content-Disposition: filename="ü.txt"``."""
+    return [
+        (k.encode("latin-1", "replace"), v.encode("latin-1", "replace"))
+        for k, v in resp.getheaders()
+    ]
+
+
 class _Body(httpx.SyncByteStream):
     def __init__(self, resp: http.client.HTTPResponse, owner: StdlibTransport) -> None:
         self._resp, self._owner = resp, owner
@@ -109,7 +119,7 @@ class StdlibTransport(httpx.BaseTransport):
                 raise httpx.RemoteProtocolError(str(exc) or type(exc).__name__) from exc
             return httpx.Response(
                 status_code=resp.status,
-                headers=resp.getheaders(),
+                headers=_raw_headers(resp),
                 stream=_Body(resp, self),
                 extensions={
                     "http_version": b"HTTP/1.1" if resp.version == 11 else b"HTTP/1.0",
