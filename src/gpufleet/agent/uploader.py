@@ -32,7 +32,13 @@ from typing import BinaryIO
 from gpufleet.agent import telemetry
 from gpufleet.agent.assignment_log import RunRecord
 from gpufleet.agent.workdir import RunPaths
-from gpufleet.domain.manifest import KIND_FOLDERS, MANIFEST_NAME, Manifest, ManifestFile
+from gpufleet.domain.manifest import (
+    KIND_FOLDERS,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestFile,
+    path_problem,
+)
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 
 logger = logging.getLogger("gpufleet.agent")
@@ -86,7 +92,10 @@ def upload_fd(store: ObjectStore, fd: int, key: str) -> tuple[str, int, str]:
 def regular_files(root: Path, what: str = "") -> Iterator[tuple[str, int]]:
     """``(relpath, open descriptor)`` of every regular file under ``root``, sorted within
     each directory; the caller closes each descriptor. Symbolic links (to files or
-    directories, or ``root`` itself), FIFOs, sockets and devices are skipped and logged."""
+    directories, or ``root`` itself), FIFOs, sockets and devices are skipped and logged, and
+    so are files and directories whose path no manifest may list (a control character such
+    as a newline, a backslash, over 1024 characters: :func:`path_problem`; logged escaped),
+    so that one odd name cannot fail the whole attempt's manifest."""
     label = what or str(root)
     try:
         if stat.S_ISLNK(os.lstat(root).st_mode):
@@ -99,13 +108,18 @@ def regular_files(root: Path, what: str = "") -> Iterator[tuple[str, int]]:
     walk = os.fwalk(root, follow_symlinks=False, onerror=_vanished(label))
     for dirpath, dirnames, filenames, dirfd in walk:
         rel_dir = Path(dirpath).relative_to(root).as_posix()
-        for name in dirnames:  # links to directories are listed here and never entered
+        for name in list(dirnames):  # links to directories are listed here and never entered
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            if _unlistable(label, rel, "directory"):
+                dirnames.remove(name)  # top-down walk: not entered
+                continue
             with contextlib.suppress(FileNotFoundError):  # removed meanwhile
                 if stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
-                    rel = name if rel_dir == "." else f"{rel_dir}/{name}"
                     logger.warning("%s/%s: skipped, a symbolic link (not followed)", label, rel)
         for name in sorted(filenames):
             rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            if _unlistable(label, rel, "file"):
+                continue
             try:
                 fd = open_regular(name, dir_fd=dirfd)
             except OSError as exc:
@@ -120,6 +134,18 @@ def regular_files(root: Path, what: str = "") -> Iterator[tuple[str, int]]:
                 logger.warning("%s/%s: skipped, %s", label, rel, why)
                 continue
             yield rel, fd
+
+
+def _unlistable(label: str, rel: str, what: str) -> bool:
+    """Whether ``rel`` is a path no manifest may list (the controller would refuse the whole
+    manifest); if so it is logged, escaped (``%r``: a newline shows as ``\\n``)."""
+    problem = path_problem(rel)
+    if problem is None:
+        return False
+    logger.warning(
+        "%s: %s %.300r skipped, no manifest may list it: %.400s", label, what, rel, problem
+    )
+    return True
 
 
 def _vanished(label: str) -> Callable[[OSError], None]:
