@@ -134,7 +134,20 @@ class GpuBudget:
 
     @property
     def key(self) -> str:
-        return f"gpu:{self.gpu_type or '*'}:{self.period.value}"
+        """``gpu:H100:month``, ``gpu:*:rolling:30d``: a team's GPU budgets are keyed by GPU
+        type and window (two rolling windows of one type are two budgets)."""
+        base = f"gpu:{self.gpu_type or '*'}:{self.period.value}"
+        if self.period is Period.ROLLING and self.window_s is not None:
+            return f"{base}:{span(self.window_s)}"
+        return base
+
+
+def span(seconds: float) -> str:
+    """A window as budget keys name it: ``30d``, ``2h``, ``90m``, ``45s``."""
+    for unit, n in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
+        if seconds >= n and seconds % n == 0:
+            return f"{seconds / n:g}{unit}"
+    return f"{seconds:g}s"
 
 
 @dataclass(frozen=True, slots=True)

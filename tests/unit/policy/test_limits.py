@@ -152,15 +152,15 @@ class TestGpuBudget:
         )
         ledger = {
             ("a", "gpu:*:month"): LedgerUse(2 * H),
-            ("a", "gpu:*:rolling"): LedgerUse(2 * H, releases=((now - H, 2 * H),)),
+            ("a", "gpu:*:rolling:30d"): LedgerUse(2 * H, releases=((now - H, 2 * H),)),
         }
         s = snap([node("n1", 8)], [job("j1")], teams=[team("a")], now=now)
         why = apply_limits(s, {"a": lim}, ledger, CFG).held["j1"]
         later = now - H + 30 * 86400.0
         assert later > next_month_s(now)
         assert why.estimated_start_s == later == why.details["renews_at_s"]
-        assert why.details["budget"] == "gpu:*:rolling"
-        assert why.details["blocking"] == ["gpu:*:month", "gpu:*:rolling"]
+        assert why.details["budget"] == "gpu:*:rolling:30d"
+        assert why.details["blocking"] == ["gpu:*:month", "gpu:*:rolling:30d"]
 
     def test_small_figures_keep_three_significant_digits(self) -> None:
         now = 1_764_000_000.0
@@ -181,8 +181,8 @@ class TestGpuBudget:
     def test_a_soft_budget_only_reports(self) -> None:
         lim = TeamLimits(gpu_budgets=(GpuBudget(10.0, Period.ROLLING, window_s=86400.0),))
         s = snap([node("n1", 8)], [job("j1")], teams=[team("a")], now=86400.0)
-        r = apply_limits(s, {"a": lim}, {("a", "gpu:*:rolling"): LedgerUse(9 * H)}, CFG)
-        st = r.statuses[("a", "gpu:*:rolling")]
+        r = apply_limits(s, {"a": lim}, {("a", "gpu:*:rolling:1d"): LedgerUse(9 * H)}, CFG)
+        st = r.statuses[("a", "gpu:*:rolling:1d")]
         assert not r.held and st.warning == 0.8 and not st.exhausted
 
     def test_a_typed_budget_narrows_the_job_to_other_types(self) -> None:
