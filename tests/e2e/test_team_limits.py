@@ -322,7 +322,10 @@ def test_a_preemption_over_the_victim_teams_waste_cap_is_not_made(fleet: Fleet) 
         job = fleet.job(job_id)
         assert job["status"] == "RUNNING", job
         assert [a["status"] for a in job["attempts"]] == ["RUNNING"], job
-    assert fleet.job(preemptor)["status"] == "PENDING"
+    still = fleet.job(preemptor)
+    assert still["status"] == "PENDING"
+    assert still["pending_reason"]["code"] == "preemption_waste_cap", still  # it stays
+    assert "expected to start" not in still["pending_reason"]["message"], still
 
     set_limits(fleet, {})
     done = fleet.wait_status(preemptor, TERMINAL, timeout_s=60)
