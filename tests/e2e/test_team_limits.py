@@ -206,7 +206,7 @@ def test_a_hard_budget_holds_new_jobs_while_the_running_one_finishes(fleet: Flee
     )
     held = fleet.submit(sleeper(0))
     got = reason(fleet, held, "budget_exhausted")
-    assert got["details"]["budget"] == "gpu:*:rolling"
+    assert got["details"]["budget"] == "gpu:*:rolling:1h"
     assert got["details"]["renews_at_s"] > datetime.now(UTC).timestamp()
     assert "running jobs are not stopped" in got["message"]
     why = cli(fleet, "why", held)
@@ -269,7 +269,7 @@ def test_a_soft_budget_warns_in_submit_why_usage_and_metrics(fleet: Fleet) -> No
     assert got["code"] != "budget_exhausted"
     why = cli(fleet, "why", job)
     assert "over 80% of its soft" in why.stdout, why.stdout
-    labels = {"team": "vision", "budget": "gpu:*:rolling", "mode": "soft"}
+    labels = {"team": "vision", "budget": "gpu:*:rolling:2h", "mode": "soft"}
     fleet.wait_for(
         lambda: REGISTRY.get_sample_value("gpufleet_team_budget_used_ratio", labels) is not None,
         10,
@@ -322,7 +322,10 @@ def test_a_preemption_over_the_victim_teams_waste_cap_is_not_made(fleet: Fleet) 
         job = fleet.job(job_id)
         assert job["status"] == "RUNNING", job
         assert [a["status"] for a in job["attempts"]] == ["RUNNING"], job
-    assert fleet.job(preemptor)["status"] == "PENDING"
+    still = fleet.job(preemptor)
+    assert still["status"] == "PENDING"
+    assert still["pending_reason"]["code"] == "preemption_waste_cap", still  # it stays
+    assert "expected to start" not in still["pending_reason"]["message"], still
 
     set_limits(fleet, {})
     done = fleet.wait_status(preemptor, TERMINAL, timeout_s=60)

@@ -335,5 +335,10 @@ class TestPriorityClasses:
             assert put_team(client, tokens["admin"], "nlp", {"limits": rules}).status_code == 200
             r = post("demoted")
             assert r.status_code == 201, r.text
+            assert r.json()["warnings"] == [
+                "CRITICAL is not allowed for team nlp: the job runs at NORMAL"
+            ], r.text
             job = client.get(f"/v1/jobs/{r.json()['job_id']}", headers=headers).json()
             assert job["priority"] == "NORMAL"
+            replay = post("demoted")  # a replay is not warned again
+            assert replay.status_code == 200 and replay.json()["warnings"] is None

@@ -78,6 +78,32 @@ def test_bad_limits_are_refused_naming_the_field(db: Database) -> None:
     assert err.value.field == "limits.gpu_budgets[0].window_s"
 
 
+def test_a_budget_of_a_gpu_type_no_node_has_is_refused(db: Database) -> None:
+    """As guarantees are: the field and the fleet's types named; a known type is taken."""
+    create_team(db)
+    create_node(db)  # H100
+    with pytest.raises(ValidationFailed) as err:
+        _set(db, "team-a", {"gpu_budgets": [{"gpu_hours": 10, "gpu_type": "NOPE"}]})
+    assert err.value.field == "limits.gpu_budgets[0].gpu_type"
+    assert "'NOPE'" in str(err.value) and "H100" in str(err.value)
+    _set(db, "team-a", {"gpu_budgets": [{"gpu_hours": 10, "gpu_type": "H100"}]})
+
+
+def test_two_rolling_windows_are_two_budgets(db: Database) -> None:
+    create_team(db)
+    two = [
+        {"gpu_hours": 1, "period": "rolling", "window_s": 7200},
+        {"gpu_hours": 2, "period": "rolling", "window_s": 2592000, "hard": True},
+    ]
+    _set(db, "team-a", {"gpu_budgets": two})
+    with db.read() as s:
+        lim = read_class_rules(s, "team-a")
+    assert sorted(b.key for b in lim.gpu_budgets) == ["gpu:*:rolling:2h", "gpu:*:rolling:30d"]
+    with pytest.raises(ValidationFailed) as err:
+        _set(db, "team-a", {"gpu_budgets": [*two, two[0]]})
+    assert err.value.field == "limits.gpu_budgets[2]"
+
+
 def test_a_disallowed_class_is_refused_or_demoted_at_submit(db: Database) -> None:
     create_team(db)
     create_node(db)

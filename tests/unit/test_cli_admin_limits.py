@@ -95,6 +95,9 @@ def test_flags_change_only_their_part_of_the_current_limits() -> None:
         (LimitFlags(class_budget=["CRITICAL=5/soon"]), "--class-budget"),
         (LimitFlags(class_over="hold"), "--class-over"),
         (LimitFlags(no_limits=True, budget="5"), "--no-limits"),
+        (LimitFlags(budget="10", budget_window="1000000d"), "--budget-window"),
+        (LimitFlags(budget="1e12"), "--budget"),
+        (LimitFlags(class_budget=["CRITICAL=5/1000d"]), "--class-budget"),
     ],
 )
 def test_a_bad_flag_is_refused_naming_it(flags: LimitFlags, field: str) -> None:
@@ -102,3 +105,24 @@ def test_a_bad_flag_is_refused_naming_it(flags: LimitFlags, field: str) -> None:
         merge_limits({}, flags)
     assert err.value.field == field
     assert field in err.value.message
+
+
+def test_budgets_are_keyed_by_window_and_gpu_type() -> None:
+    """A new window adds a budget, the same window replaces it (keeping its mode unless
+    --budget-mode is given), ``none`` with a window removes that one only."""
+    soft = merge_limits({}, LimitFlags(budget="0.01", budget_window="2h", budget_mode="soft"))
+    both = merge_limits(soft, LimitFlags(budget="0.02", budget_window="30d"))
+    assert [(b["window_s"], b["gpu_hours"], b["hard"]) for b in both["gpu_budgets"]] == [
+        (7200.0, 0.01, False),
+        (2592000.0, 0.02, True),
+    ]
+    assert normalize_limits(both) is not None  # two rolling windows: two budgets
+    again = merge_limits(both, LimitFlags(budget="0.05", budget_window="2h"))
+    assert [(b["window_s"], b["gpu_hours"], b["hard"]) for b in again["gpu_budgets"]] == [
+        (2592000.0, 0.02, True),
+        (7200.0, 0.05, False),  # replaced; still soft
+    ]
+    gone = merge_limits(again, LimitFlags(budget="none", budget_window="30d"))
+    assert [b["window_s"] for b in gone["gpu_budgets"]] == [7200.0]
+    monthly = merge_limits(gone, LimitFlags(budget="5"))
+    assert [b["period"] for b in monthly["gpu_budgets"]] == ["rolling", "month"]

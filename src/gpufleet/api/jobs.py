@@ -97,11 +97,15 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 status=out.status,
                 array_id=out.array_id,
                 job_ids=list(out.job_ids) if out.array_id is not None else None,
-                warnings=(
-                    state.admission.budget_warnings(who.team_id, spec.priority) or None
-                    if out.created and state.admission is not None
-                    else None
-                ),
+                warnings=[
+                    *out.warnings,
+                    *(
+                        state.admission.budget_warnings(who.team_id, spec.priority)
+                        if out.created and state.admission is not None
+                        else ()
+                    ),
+                ]
+                or None,
             )
             # the body serialized here, once: a returned model would be validated again
             # against response_model and encoded by FastAPI (~10% of a submit's server CPU)

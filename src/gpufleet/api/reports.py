@@ -58,7 +58,7 @@ class BudgetOut(BaseModel):
 
     team: str
     budget: str
-    """``gpu:*:month``, ``gpu:H100:rolling``, ``class:CRITICAL``."""
+    """``gpu:*:month``, ``gpu:H100:rolling:30d``, ``class:CRITICAL``."""
     priority: str | None
     """A class budget's class (None: a GPU-hour budget)."""
     gpu_type: str | None

@@ -9,10 +9,14 @@ Flags::
     --disallowed refuse|demote        what a submit of another class gets
     --budget 500|none                 GPU-hours per period (none: remove that budget)
     --budget-window month|30d         the period: the UTC calendar month, or a rolling window
+                                      (budgets are keyed by window and GPU type: the same
+                                      window replaces its budget, another adds one)
     --budget-gpu-type H100            the budget of one GPU type (default: all types together)
     --budget-mode hard|soft           hard: new jobs wait once used up; soft: warns (80%, 100%)
+                                      (default: a replaced budget's mode; a new one: hard)
     --class-budget CRITICAL=50/7d     GPU-hours per rolling window of a class above NORMAL
-                                      (repeatable; CRITICAL=none removes it)
+                                      (repeatable; CRITICAL=none removes it; without
+                                      /WINDOW, CRITICAL=50 means 7 days)
     --class-over demote|hold          what a job of a class over its budget gets
     --no-limits                       remove every limit
 """
@@ -24,6 +28,7 @@ import math
 from typing import Any
 
 from gpufleet.cli.options import ClientError, duration_s
+from gpufleet.services.team_limits import MAX_BUDGET_GPU_H, MAX_WINDOW_S
 
 __all__ = ["LimitFlags", "merge_limits"]
 
@@ -83,9 +88,24 @@ def _gpu_hours(text: str, flag: str) -> float | None:
         raise ClientError(
             f"{flag} {text!r}: give GPU-hours as a number (e.g. 500), or none", field=flag
         ) from None
-    if not math.isfinite(v) or v < 0:
-        raise ClientError(f"{flag} {text!r}: GPU-hours must be a number >= 0", field=flag)
+    if not math.isfinite(v) or v < 0 or v > MAX_BUDGET_GPU_H:
+        raise ClientError(
+            f"{flag} {text!r}: GPU-hours must be a number from 0 to {MAX_BUDGET_GPU_H:g}",
+            field=flag,
+        )
     return v
+
+
+def _window_s(text: str, flag: str) -> float:
+    """A rolling window flag's seconds, checked against the server's bounds here so the
+    error names the flag (not the JSON field)."""
+    w = duration_s(text, flag)
+    if not 0 < w <= MAX_WINDOW_S:
+        raise ClientError(
+            f"{flag} {text!r}: a window must be above 0 and at most {MAX_WINDOW_S / 86400:g}d",
+            field=flag,
+        )
+    return w
 
 
 def _choice(text: str | None, flag: str, choices: tuple[str, ...]) -> str | None:
@@ -129,7 +149,7 @@ def _class_budget(text: str) -> tuple[str, dict[str, float] | None]:
         return cls, None
     return cls, {
         "gpu_hours": gpu_h,
-        "window_s": duration_s(window, flag) if window.strip() else 7 * 86400.0,
+        "window_s": _window_s(window, flag) if window.strip() else 7 * 86400.0,
     }
 
 
@@ -181,9 +201,18 @@ def merge_limits(current: dict[str, Any] | None, f: LimitFlags) -> dict[str, Any
     return out
 
 
+def _budget_id(b: dict[str, Any]) -> tuple[Any, str, float | None]:
+    """What keys a GPU budget: its GPU type (None: all) and window (None: the month)."""
+    period = b.get("period", "month")
+    w = b.get("window_s")
+    return b.get("gpu_type"), period, None if period == "month" or w is None else float(w)
+
+
 def _merge_gpu_budget(out: dict[str, Any], f: LimitFlags) -> None:
-    """``--budget`` and its companions into ``out["gpu_budgets"]``: the budget of the same
-    GPU type and period is replaced (or removed with ``none``), the others kept."""
+    """``--budget`` and its companions into ``out["gpu_budgets"]``: budgets are keyed by
+    GPU type and window, so the budget of the same type and window is replaced (keeping its
+    mode unless ``--budget-mode`` is given) or removed with ``none``; another window adds a
+    budget; the others are kept."""
     companions = {
         "--budget-window": f.budget_window,
         "--budget-gpu-type": f.budget_gpu_type,
@@ -201,19 +230,19 @@ def _merge_gpu_budget(out: dict[str, Any], f: LimitFlags) -> None:
         if window == "month"
         else (
             "rolling",
-            duration_s(window, "--budget-window"),
+            _window_s(window, "--budget-window"),
         )
     )
-    mode = _choice(f.budget_mode, "--budget-mode", ("hard", "soft")) or "hard"
+    mode = _choice(f.budget_mode, "--budget-mode", ("hard", "soft"))
     gpu_type = f.budget_gpu_type.strip() if f.budget_gpu_type else None
     if f.budget_gpu_type is not None and not gpu_type:
         raise ClientError("--budget-gpu-type: give a GPU type name", field="--budget-gpu-type")
-    kept = [
-        b
-        for b in out.get("gpu_budgets") or []
-        if (b.get("gpu_type"), b.get("period", "month")) != (gpu_type, period)
-    ]
+    same = (gpu_type, period, window_s)
+    old = [b for b in out.get("gpu_budgets") or [] if _budget_id(b) == same]
+    kept = [b for b in out.get("gpu_budgets") or [] if _budget_id(b) != same]
     if gpu_h is not None:
+        if mode is None:  # a replaced budget keeps its mode; a new one is hard
+            mode = "hard" if not old or old[0].get("hard", False) else "soft"
         kept.append(
             {
                 "gpu_hours": gpu_h,

@@ -525,7 +525,7 @@ def submit(
             typer.echo(
                 f"(replay: a job was already submitted with idempotency key {key})", err=True
             )
-        for w in created.raw.get("warnings") or ():  # team budgets near or over (stderr)
+        for w in created.raw.get("warnings") or ():  # a demoted class, budgets near or over
             typer.echo(output.clean(f"warning: {w}"), err=True)
         array_id = created.raw.get("array_id")
         if quiet:

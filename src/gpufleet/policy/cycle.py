@@ -46,7 +46,7 @@ from gpufleet.policy.pass_state import PassState
 from gpufleet.policy.placement import Shadow
 from gpufleet.policy.shares import SharePick
 from gpufleet.policy.snapshot import BackfillReservation, ClusterSnapshot, NodeState, PendingJob
-from gpufleet.policy.waste import with_waste_reasons
+from gpufleet.policy.waste import CappedVictimSearch, with_waste_reasons
 
 __all__ = ["schedule"]
 
@@ -96,11 +96,17 @@ class _Pass(PassState):
         # must not take a node a larger job held (its drain would restart)
         kept = sorted(self.prev_reservations, key=lambda e: -e[1].resources.gpu_count)
         outranked = self.outranked_reservations()
+        # under a preemption waste cap a reservation may stand only because the cap refused
+        # the job's preemption: the job is tried again in its turn (the cap checked again,
+        # its reason kept, the preemption made once the cap has room)
+        retry = self.cfg.preemption and isinstance(self.victims, CappedVictimSearch)
         for r, job in kept:
             if job.job_id in self.placed or job.job_id in self.causes:
                 continue
             if job.job_id in outranked:
                 continue  # a higher tier of its team came first: the loop decides again
+            if retry and job.job_id not in gang_rs:
+                continue
             if self.n_reservations >= self.max_reservations:
                 break
             if job.job_id in gang_rs:

@@ -48,6 +48,7 @@ from datetime import UTC, datetime
 from gpufleet.domain.types import PriorityClass
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.decisions import WaitReason
+from gpufleet.policy.figures import gpu_h
 from gpufleet.policy.priority import queue_key
 from gpufleet.policy.snapshot import ClusterSnapshot, PendingJob, RunningJob
 from gpufleet.policy.waste import WasteLimit
@@ -133,7 +134,20 @@ class GpuBudget:
 
     @property
     def key(self) -> str:
-        return f"gpu:{self.gpu_type or '*'}:{self.period.value}"
+        """``gpu:H100:month``, ``gpu:*:rolling:30d``: a team's GPU budgets are keyed by GPU
+        type and window (two rolling windows of one type are two budgets)."""
+        base = f"gpu:{self.gpu_type or '*'}:{self.period.value}"
+        if self.period is Period.ROLLING and self.window_s is not None:
+            return f"{base}:{span(self.window_s)}"
+        return base
+
+
+def span(seconds: float) -> str:
+    """A window as budget keys name it: ``30d``, ``2h``, ``90m``, ``45s``."""
+    for unit, n in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
+        if seconds >= n and seconds % n == 0:
+            return f"{seconds / n:g}{unit}"
+    return f"{seconds:g}s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,7 +410,7 @@ def soft_warning(b: BudgetStatus, *, exact: bool = True) -> str | None:
     if b.hard or b.priority is not None or b.warning is None:
         return None
     used = (
-        f"{b.fraction * 100:.0f}% ({b.used_gpu_h:.3g} of {b.limit_gpu_h:g} GPU-h)"
+        f"{b.fraction * 100:.0f}% ({gpu_h(b.used_gpu_h)} of {gpu_h(b.limit_gpu_h)} GPU-h)"
         if exact
         else ("all" if b.warning >= 1.0 else f"over {b.warning * 100:.0f}%")
     )
@@ -435,14 +449,14 @@ def submit_warnings(
         elif b.exhausted and b.priority is None and b.hard:
             out.append(
                 f"team {b.team_id} has used its {budget_label(b)} budget"
-                f" ({b.used_gpu_h:.3g} of {b.limit_gpu_h:g} GPU-h): the job waits"
+                f" ({gpu_h(b.used_gpu_h)} of {gpu_h(b.limit_gpu_h)} GPU-h): the job waits"
                 f" {_when(b.renews_at_s, now_s)}"
             )
         elif b.exhausted and b.priority is priority:
             what = "waits" if b.hard else "runs at NORMAL"
             out.append(
                 f"team {b.team_id} has used its {priority.value} budget"
-                f" ({b.used_gpu_h:.3g} of {b.limit_gpu_h:g} GPU-h): the job {what}"
+                f" ({gpu_h(b.used_gpu_h)} of {gpu_h(b.limit_gpu_h)} GPU-h): the job {what}"
                 f" {_when(b.renews_at_s, now_s)}"
             )
     return out
@@ -460,17 +474,23 @@ def _when(at_s: float | None, now_s: float) -> str:
 
 
 def _budget_hold(job: PendingJob, blocking: list[BudgetStatus], now_s: float) -> WaitReason:
-    b = min(blocking, key=lambda s: (s.renews_at_s or float("inf"), s.key))
+    # the job starts only once every blocking budget renewed: the LATEST renewal (one that
+    # never renews by itself, None, comes last)
+    b = max(
+        blocking,
+        key=lambda s: (float("inf") if s.renews_at_s is None else s.renews_at_s, s.key),
+    )
     scope = f"{b.gpu_type} GPU-hour" if b.gpu_type else "GPU-hour"
     return WaitReason(
         "budget_exhausted",
-        f"team {job.team_id} used its {scope} budget ({b.used_gpu_h:.1f} of"
-        f" {b.limit_gpu_h:g} GPU-h in its period); new jobs wait"
+        f"team {job.team_id} used its {scope} budget ({gpu_h(b.used_gpu_h)} of"
+        f" {gpu_h(b.limit_gpu_h)} GPU-h in its period); new jobs wait"
         f" {_when(b.renews_at_s, now_s)}"
         " (running jobs are not stopped)",
         {
             "budget": b.key,
-            "used_gpu_h": round(b.used_gpu_h, 3),
+            "blocking": sorted(s.key for s in blocking),
+            "used_gpu_h": round(b.used_gpu_h, 6),
             "limit_gpu_h": b.limit_gpu_h,
             "renews_at_s": b.renews_at_s,
         },
@@ -481,13 +501,13 @@ def _budget_hold(job: PendingJob, blocking: list[BudgetStatus], now_s: float) ->
 def _class_hold(job: PendingJob, b: BudgetStatus, now_s: float) -> WaitReason:
     return WaitReason(
         "class_budget_exhausted",
-        f"team {job.team_id} used its {job.priority.value} budget ({b.used_gpu_h:.1f} of"
-        f" {b.limit_gpu_h:g} GPU-h in the window); {job.priority.value} jobs wait"
+        f"team {job.team_id} used its {job.priority.value} budget ({gpu_h(b.used_gpu_h)} of"
+        f" {gpu_h(b.limit_gpu_h)} GPU-h in the window); {job.priority.value} jobs wait"
         f" {_when(b.renews_at_s, now_s)}",
         {
             "budget": b.key,
             "priority": job.priority.value,
-            "used_gpu_h": round(b.used_gpu_h, 3),
+            "used_gpu_h": round(b.used_gpu_h, 6),
             "limit_gpu_h": b.limit_gpu_h,
             "renews_at_s": b.renews_at_s,
         },

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from gpufleet.domain.types import PriorityClass
 from gpufleet.policy.decisions import Preempt, WaitReason
+from gpufleet.policy.figures import gpu_h
 from gpufleet.policy.placement import FreeIndex
 from gpufleet.policy.preemption import SetCost, VictimSearch
 from gpufleet.policy.quota import TeamBook
@@ -177,18 +178,18 @@ class Refusal:
             "team_id": self.team_id,
             "cap_gpu_h": self.cap.gpu_hours,
             "window_s": self.cap.window_s,
-            "used_gpu_h": round(self.used_gpu_h, 3),
-            "loss_gpu_h": round(self.loss_gpu_h, 3),
+            "used_gpu_h": round(self.used_gpu_h, 6),
+            "loss_gpu_h": round(self.loss_gpu_h, 6),
         }
 
     def note(self) -> str:
         """One sentence: which cap refused the preemption, and by how much."""
         whose = "the fleet's" if self.team_id is None else f"team {self.team_id}'s"
         return (
-            f"a preemption for it would lose {self.loss_gpu_h:.2f} GPU-h of work, over {whose}"
-            f" preemption waste cap ({self.cap.gpu_hours:g} GPU-h per"
-            f" {_hours(self.cap.window_s)}, {self.used_gpu_h:.2f} used): it waits for GPUs to"
-            " free up instead"
+            f"a preemption for it would lose {gpu_h(self.loss_gpu_h)} GPU-h of work, over"
+            f" {whose} preemption waste cap ({gpu_h(self.cap.gpu_hours)} GPU-h per"
+            f" {_hours(self.cap.window_s)}, {gpu_h(self.used_gpu_h)} used): it waits for GPUs"
+            " to free up instead"
         )
 
 
@@ -290,6 +291,18 @@ class _WithWaste(Mapping[str, WaitReason]):
         why = self._refused.get(job_id)
         if why is None or reason.code in ("waiting_for_preemption", "gang_preemption"):
             return reason
+        if reason.code == "waiting_with_reservation":
+            # the reservation's start is when the work there ends by itself, which the cap
+            # does not promise (the victims may run on for long): no start is said
+            where = reason.details.get("node") or ", ".join(reason.details.get("nodes", ()))
+            otherwise = f"GPUs on {where} are held for it until the work running there ends"
+            return replace(
+                reason,
+                code=WASTE_CAP,
+                message=f"{why.note()}; {otherwise}",
+                details={**reason.details, "waste_cap": why.details(), "otherwise": reason.code},
+                estimated_start_s=None,
+            )
         return replace(
             reason,
             code=WASTE_CAP,

@@ -144,6 +144,9 @@ class Submitted:
     array_id: str | None = None
     job_ids: tuple[str, ...] = ()
     """An array's task job ids, by index (``job_id`` is the first)."""
+    warnings: tuple[str, ...] = ()
+    """What the submitter should know (a class the team may not use, demoted), one sentence
+    each; empty for a replay."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +346,15 @@ def submit_job(
                             "ground": "class_not_allowed",
                         },
                     )
-        return Submitted(ids[0], JobStatus.PENDING, True, array_id, tuple(ids) if array_id else ())
+        notes: tuple[str, ...] = ()
+        if asked is not None:
+            notes = (
+                f"{asked.value} is not allowed for team {team_id}: the job runs at"
+                f" {spec.priority.value}",
+            )
+        return Submitted(
+            ids[0], JobStatus.PENDING, True, array_id, tuple(ids) if array_id else (), notes
+        )
     except IntegrityError as err:
         # A concurrent retry with the same key committed first: answer with its job.
         with db.read() as session:

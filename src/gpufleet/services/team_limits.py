@@ -10,6 +10,9 @@ Input (stored normalized in ``teams.limits``; ``store.team_limits`` reads it)::
                       "window_s": null, "gpu_type": "H100" | null, "hard": false}],
      "preemption_waste": {"gpu_hours": 20, "window_s": 86400}}  # work its jobs may lose
 
+A team's GPU budgets are keyed by GPU type and window: one monthly budget per type, and one
+rolling budget per type and ``window_s`` (a 2 h and a 30 d window are two budgets).
+
 ``{}`` removes every limit. Errors are ``ValidationFailed`` (422) naming the field, e.g.
 ``limits.class_budgets.CRITICAL.gpu_hours``.
 """
@@ -99,7 +102,7 @@ def normalize_limits(raw: Any) -> dict[str, Any] | None:
     raw_gbs = t.get("gpu_budgets") or []
     if not isinstance(raw_gbs, list):
         raise _bad("limits.gpu_budgets", "must be a list")
-    seen: set[tuple[Any, str]] = set()
+    seen: set[tuple[Any, str, float | None]] = set()
     for i, body in enumerate(raw_gbs):
         f = f"limits.gpu_budgets[{i}]"
         b = _keys(body, f, {"gpu_hours", "period", "window_s", "gpu_type", "hard"})
@@ -117,9 +120,10 @@ def normalize_limits(raw: Any) -> dict[str, Any] | None:
         hard = b.get("hard", False)
         if not isinstance(hard, bool):
             raise _bad(f"{f}.hard", "must be true or false")
-        if (gpu_type, period) in seen:
-            raise _bad(f, f"a second {period} budget for {gpu_type or 'all GPU types'}")
-        seen.add((gpu_type, period))
+        if (gpu_type, period, window) in seen:
+            what = "monthly" if window is None else f"{window:g} s rolling"
+            raise _bad(f, f"a second {what} budget for {gpu_type or 'all GPU types'}")
+        seen.add((gpu_type, period, window))
         gbs.append(
             {
                 "gpu_hours": _num(b.get("gpu_hours"), f"{f}.gpu_hours", 0, MAX_BUDGET_GPU_H),

@@ -124,6 +124,39 @@ def fleet_capacity(session: Session) -> dict[str, int]:
     }
 
 
+def _check_budget_types(
+    session: Session, old: dict[str, Any] | None, new: dict[str, Any] | None
+) -> list[str]:
+    """Refuse a GPU budget of a type no node has, as guarantees are (ValidationFailed naming
+    ``limits.gpu_budgets[i].gpu_type`` and the fleet's types); a type the team's budgets
+    already named is kept (a node type gone does not block other edits). With no nodes yet:
+    a warning."""
+    before = {b.get("gpu_type") for b in (old or {}).get("gpu_budgets") or ()}
+    added = [
+        (i, b["gpu_type"])
+        for i, b in enumerate((new or {}).get("gpu_budgets") or ())
+        if b.get("gpu_type") is not None and b["gpu_type"] not in before
+    ]
+    if not added:
+        return []
+    cap = fleet_capacity(session)
+    if not cap:
+        return [
+            "the fleet has no nodes yet: the budget GPU type(s)"
+            f" {', '.join(sorted({t for _, t in added}))} cannot be checked"
+        ]
+    for i, gpu_type in added:
+        if gpu_type not in cap:
+            known = ", ".join(sorted(cap))
+            field = f"limits.gpu_budgets[{i}].gpu_type"
+            raise ValidationFailed(
+                f"{field}: no node has GPU type {gpu_type!r}, so this budget would never"
+                f" count anything; the fleet's GPU types are: {known}",
+                field=field,
+            )
+    return []
+
+
 def _check_feasible(
     session: Session, team_id: str, guaranteed: dict[str, int], field: str
 ) -> list[str]:
@@ -268,7 +301,9 @@ def update_quota(session: Session, team_id: str, upd: QuotaUpdate) -> QuotaChang
             field="default_max_runtime_s",
         )
     if upd.limits is not None:
-        team.limits = normalize_limits(upd.limits)
+        new_limits = normalize_limits(upd.limits)
+        warnings += _check_budget_types(session, team.limits, new_limits)
+        team.limits = new_limits
     session.flush()
     return QuotaChange(team, warnings)
 

@@ -140,11 +140,49 @@ class TestGpuBudget:
         assert r.snapshot.pending == ()
         assert r.snapshot.running == s.running  # running work is never stopped for it
 
+    def test_held_by_two_budgets_the_job_waits_for_the_latest_renewal(self) -> None:
+        """A month budget renewing first and a 30 d window renewing later: the job starts
+        only once both renewed, so ``why`` says the later one."""
+        now = 1_764_000_000.0  # 2025-11-24; the month renews 2025-12-01
+        lim = TeamLimits(
+            gpu_budgets=(
+                GpuBudget(1.0, Period.MONTH, hard=True),
+                GpuBudget(1.0, Period.ROLLING, window_s=30 * 86400.0, hard=True),
+            )
+        )
+        ledger = {
+            ("a", "gpu:*:month"): LedgerUse(2 * H),
+            ("a", "gpu:*:rolling:30d"): LedgerUse(2 * H, releases=((now - H, 2 * H),)),
+        }
+        s = snap([node("n1", 8)], [job("j1")], teams=[team("a")], now=now)
+        why = apply_limits(s, {"a": lim}, ledger, CFG).held["j1"]
+        later = now - H + 30 * 86400.0
+        assert later > next_month_s(now)
+        assert why.estimated_start_s == later == why.details["renews_at_s"]
+        assert why.details["budget"] == "gpu:*:rolling:30d"
+        assert why.details["blocking"] == ["gpu:*:month", "gpu:*:rolling:30d"]
+
+    def test_small_figures_keep_three_significant_digits(self) -> None:
+        now = 1_764_000_000.0
+        lim = TeamLimits(gpu_budgets=(GpuBudget(0.05, Period.MONTH, hard=True),))
+        s = snap([node("n1", 8)], [job("j1")], teams=[team("a")], now=now)
+        r = apply_limits(s, {"a": lim}, {("a", "gpu:*:month"): LedgerUse(0.0599 * H)}, CFG)
+        why = r.held["j1"]
+        assert "(0.0599 of 0.05 GPU-h" in why.message, why.message
+        assert why.details["used_gpu_h"] == 0.0599
+
+    def test_class_budget_figures_keep_three_significant_digits(self) -> None:
+        s = snap([node("n1", 8)], [job("j1", priority=P.CRITICAL)], teams=[team("a")], now=WEEK)
+        lim = TeamLimits(class_budgets=(ClassBudget(P.CRITICAL, 0.001, WEEK, OverBudget.HOLD),))
+        ledger = {("a", "class:CRITICAL"): LedgerUse(0.008 * H)}
+        why = apply_limits(s, {"a": lim}, ledger, CFG).held["j1"]
+        assert "(0.008 of 0.001 GPU-h in the window)" in why.message, why.message
+
     def test_a_soft_budget_only_reports(self) -> None:
         lim = TeamLimits(gpu_budgets=(GpuBudget(10.0, Period.ROLLING, window_s=86400.0),))
         s = snap([node("n1", 8)], [job("j1")], teams=[team("a")], now=86400.0)
-        r = apply_limits(s, {"a": lim}, {("a", "gpu:*:rolling"): LedgerUse(9 * H)}, CFG)
-        st = r.statuses[("a", "gpu:*:rolling")]
+        r = apply_limits(s, {"a": lim}, {("a", "gpu:*:rolling:1d"): LedgerUse(9 * H)}, CFG)
+        st = r.statuses[("a", "gpu:*:rolling:1d")]
         assert not r.held and st.warning == 0.8 and not st.exhausted
 
     def test_a_typed_budget_narrows_the_job_to_other_types(self) -> None:

@@ -11,8 +11,8 @@ from tests.unit.policy.policy_builders import job, node, run, snap, team
 from gpufleet.domain.types import PriorityClass as P
 from gpufleet.policy.config import PolicyConfig
 from gpufleet.policy.cycle import schedule
-from gpufleet.policy.decisions import Preempt
-from gpufleet.policy.snapshot import ClusterSnapshot
+from gpufleet.policy.decisions import HoldForBackfill, Preempt
+from gpufleet.policy.snapshot import BackfillReservation, ClusterSnapshot
 from gpufleet.policy.waste import (
     WASTE_CAP,
     Waste,
@@ -66,7 +66,7 @@ def test_a_team_cap_below_the_loss_refuses_the_preemption_and_why_says_so() -> N
     why = result.waiting["crit"]
     assert why.code == WASTE_CAP
     assert "team a's preemption waste cap (5 GPU-h per 1 d" in why.message
-    assert "lose 8.00 GPU-h" in why.message
+    assert "lose 8 GPU-h" in why.message
     cap = why.details["waste_cap"]
     assert cap["scope"] == "team" and cap["loss_gpu_h"] == 8.0 and cap["used_gpu_h"] == 0.0
     assert why.details["otherwise"] == "no_node_fits_now"
@@ -154,3 +154,36 @@ def test_loss_and_window_sums() -> None:
     assert lost_gpu_h(run("s", "n1", gpus=2, started=0.0), 3600.0) == 2.0
     recent = (Waste("a", 100.0, 1.0), Waste("a", 200.0, 2.0), Waste("b", 200.0, 5.0))
     assert waste_by_team(recent, 250.0, 100.0) == {"a": 2.0, "b": 5.0}
+
+
+def test_the_caps_reason_stays_while_it_holds_and_promises_no_start() -> None:
+    """The victim has a known end (so the refused job gets a reservation): pass after pass,
+    with the reservation of the pass before, the reason stays ``preemption_waste_cap`` with no
+    start promised; once the cap has room the preemption is made."""
+    state = WasteState(team_caps={"a": WasteLimit(5.0, 24 * HOUR)})
+    s = priority_case(preemption_waste=state)
+    s = replace(s, running=(replace(s.running[0], max_runtime_s=2 * HOUR),))
+    result = schedule(s)
+    for _ in range(3):
+        assert preempts(result) == []
+        why = result.waiting["crit"]
+        assert why.code == WASTE_CAP, why
+        assert why.estimated_start_s is None
+        assert "expected to start" not in why.message and "held for it" in why.message
+        holds = [d for d in result.decisions if isinstance(d, HoldForBackfill)]
+        res = tuple(
+            BackfillReservation(h.job_id, h.node_id, h.gpu_count, h.start_at_s) for h in holds
+        )
+        assert res, result.decisions
+        s = replace(s, reservations=res)
+        result = schedule(s)
+    roomy = WasteState(team_caps={"a": WasteLimit(10.0, 24 * HOUR)})
+    (pre,) = preempts(schedule(replace(s, preemption_waste=roomy)))
+    assert pre.victim_run_ids == ("low",)
+
+
+def test_small_waste_figures_keep_three_significant_digits() -> None:
+    state = WasteState((Waste("a", NOW - 60, 0.006),), team_caps={"a": WasteLimit(0.01, HOUR)})
+    why = schedule(priority_case(preemption_waste=state)).waiting["crit"]
+    assert "(0.01 GPU-h per 1 h, 0.006 used)" in why.message, why.message
+    assert why.details["waste_cap"]["used_gpu_h"] == 0.006
