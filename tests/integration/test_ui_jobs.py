@@ -324,3 +324,24 @@ def test_usage_page_charts_allocation_queue_and_wait_by_size(
     # the 2 s live refresh does not redraw the charts (they are drawn at page load)
     live = client.get("/ui/usage", headers={"HX-Request": "true"}).text
     assert 'id="charts"' not in live
+
+
+def test_a_team_token_is_not_shown_other_teams_job_ids(ui: Ui, db: Database) -> None:
+    client, tokens, ids = ui
+    theirs, mine = ids["fenced"], ids["waiting"]  # nlp's job; vision's waiting one
+
+    def as_leader(s) -> None:
+        s.get(JobRow, mine).pending_reason = {
+            "code": "no_node_fits_now",
+            "message": f"The free GPUs on n1 are held for job {theirs}.",
+            "details": {"held_for_job": theirs},
+        }
+
+    db.run_write(as_leader)
+    login(client, tokens["vision"])
+    for path in (f"/ui/jobs/{mine}", "/ui/queue"):
+        page = client.get(path)
+        assert page.status_code == 200, page.text
+        assert theirs not in page.text and "a job of another team" in page.text, path
+    login(client, tokens["admin"])
+    assert theirs in client.get(f"/ui/jobs/{mine}").text

@@ -37,6 +37,7 @@ import secrets
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any
 from urllib.parse import parse_qs, urlencode
 
@@ -66,7 +67,7 @@ from gpufleet.domain.states import (
 from gpufleet.domain.types import SHARED_GPU_HOLDER
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.policy.start_estimate import describe_stored
-from gpufleet.services import artifacts, auth, jobctl, jobs, teams
+from gpufleet.services import artifacts, auth, jobctl, jobs, redact, teams
 from gpufleet.services import suggest as suggest_service
 from gpufleet.store import accounting
 from gpufleet.store.dialect import db_now
@@ -602,6 +603,9 @@ def queue_context(s: Session, p: auth.Principal) -> dict[str, Any]:
                 "held": bool(j.held),
             }
         )
+    if team_filter is not None:  # other teams' job ids out of the texts (services.redact)
+        foreign = redact.foreign_job_ids(s, team_filter, redact.job_ids_in(queues))
+        queues = redact.redact(queues, foreign)
     described = teams.describe_teams(s)
     shares = []
     for t in described:
@@ -810,20 +814,39 @@ def job_context(
         key = store.key_of(job.result_uri)
         accepted_run = key.split("/")[3] if key.count("/") >= 4 else None
     reason = job.pending_reason if job.status == JobStatus.PENDING else None
+    start_estimate = (
+        describe_stored((job.pending_reason or {}).get("start_estimate"), db_now(s).timestamp())
+        if job.status == JobStatus.PENDING
+        else None
+    )
+    shown_events: list[Any] = list(events)
+    if not p.is_admin:  # other teams' job ids out of the texts (services.redact)
+        said = [reason, start_estimate, suggestions, [(e.message, e.details) for e in events]]
+        foreign = redact.foreign_job_ids(s, p.team_id, redact.job_ids_in(said))
+        if foreign:
+            reason, start_estimate, suggestions = redact.redact(said[:3], foreign)
+            shown_events = [
+                SimpleNamespace(
+                    at=e.at,
+                    kind=e.kind,
+                    machine=e.machine,
+                    from_status=e.from_status,
+                    to_status=e.to_status,
+                    message=redact.redact_text(e.message or "", foreign),
+                    details=redact.redact(e.details, foreign),
+                )
+                for e in events
+            ]
     return {
         "job": job,
         "elapsed": _fmt_span(elapsed_s),
         "time_left": _fmt_span(left_s),
         "spec_json": json.dumps(public_spec(job.spec), indent=2, sort_keys=True),
         "attempts": attempts,
-        "events": events,
+        "events": shown_events,
         "position": position,
         "reason": reason,
-        "start_estimate": describe_stored(
-            (job.pending_reason or {}).get("start_estimate"), db_now(s).timestamp()
-        )
-        if job.status == JobStatus.PENDING
-        else None,
+        "start_estimate": start_estimate,
         "finished": job.status in JOB_TERMINAL,
         "unverified": next(
             (f"attempt {r.id}: {unverified[r.id]}" for r in runs if r.id in unverified), None
