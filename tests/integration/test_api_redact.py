@@ -99,3 +99,32 @@ def test_redact_text_phrases() -> None:
         f"held by a job of another team, {b} on a silent node"
     )
     assert redact_text(f"held by running job {b}", foreign) == f"held by running job {b}"
+
+
+def test_suggestions_name_no_job_of_another_team(api, db: Database, monkeypatch) -> None:
+    """The what-if passes read the whole fleet; their sentence (``policy.suggest``'s own
+    wording for a reservation ahead) reaches vision's token without the other team's id."""
+    from gpufleet.services import suggest as suggest_service
+
+    client, tokens = api
+    theirs = _submit(client, tokens["default2"], "theirs")
+    mine = _submit(client, tokens["vision"], "mine")
+    real = suggest_service.job_suggestions
+
+    def ahead(db_, team, job_id, **kw):
+        answer = real(db_, team, job_id, **kw)  # the job's own answer, then the sentence
+        answer["none_reason"] = (
+            f"nothing starts it before the reserved 8-GPU job {theirs} (in 1h on n1; "
+            f"tried 4-1 GPUs)"
+        )
+        return answer
+
+    monkeypatch.setattr(suggest_service, "job_suggestions", ahead)
+    seen = client.get(f"/v1/jobs/{mine}/suggestions", headers=_h(tokens["vision"]))
+    assert seen.status_code == 200, seen.text
+    assert theirs not in seen.text
+    assert seen.json()["none_reason"].startswith(
+        "nothing starts it before a reserved 8-GPU job of another team (in 1h"
+    )
+    admin = client.get(f"/v1/jobs/{mine}/suggestions", headers=_h(tokens["admin"])).json()
+    assert theirs in admin["none_reason"]
