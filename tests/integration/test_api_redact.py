@@ -81,6 +81,9 @@ def test_other_teams_job_ids_are_replaced_for_a_team_token(api, db: Database) ->
     assert theirs not in repr([j["pending_reason"] for j in listed["items"]])
     events = client.get(f"/v1/jobs/{mine}/events", headers=_h(tokens["vision"])).json()
     assert theirs not in repr(events) and "a job of another team" in repr(events)
+    patched = client.patch(f"/v1/jobs/{mine}", json={"name": "n2"}, headers=_h(tokens["vision"]))
+    assert patched.status_code == 200, patched.text
+    assert theirs not in patched.text and "of another team" in patched.text
     # the other team's token cannot see the job at all; an admin sees every id
     assert client.get(f"/v1/jobs/{theirs}", headers=_h(tokens["vision"])).status_code == 404
     admin = client.get(f"/v1/jobs/{mine}", headers=_h(tokens["admin"])).json()
