@@ -134,3 +134,20 @@ def test_cli_and_sdk_send_the_fraction() -> None:
     assert from_file["gpu_fraction"] == 0.5
     assert _core.submit_body(CMD, gpu_fraction=0.125)["gpu_fraction"] == 0.125
     assert "gpu_fraction" not in _core.submit_body(CMD)
+
+
+def test_a_share_job_keeps_its_one_gpu_on_update(api, db: Database) -> None:
+    client, auth_hdr = api
+    r = post(api, {"command": CMD, "gpu_fraction": 0.125, "hold": True}, "held-share")
+    assert r.status_code == 201, r.text
+    job_id = r.json()["job_id"]
+    r = client.patch(f"/v1/jobs/{job_id}", json={"gpu_count": 3}, headers=auth_hdr)
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == "gpu_count"
+    assert "a GPU share's job has one GPU" in r.json()["message"]
+    assert "submit a new job for whole GPUs" in r.json()["message"]
+    res = _spec(db, job_id)["resources"]
+    assert (res["gpu_count"], res["gpu_fraction"]) == (1, 0.125)  # unchanged
+    # its one GPU (a no-op) and a type change stay allowed
+    r = client.patch(f"/v1/jobs/{job_id}", json={"gpu_count": 1}, headers=auth_hdr)
+    assert r.status_code == 200, r.text

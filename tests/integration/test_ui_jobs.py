@@ -233,9 +233,11 @@ def test_a_gangs_log_by_rank(ui: Ui, db: Database, tmp_path: Path) -> None:
     one = client.get(f"/ui/jobs/{job_id}", params={"rank": "1"}).text
     assert "hello from rank 1" in one and f'hx-get="/ui/jobs/{job_id}/log?rank=1"' in one
     assert "hello from rank 1" in client.get(f"/ui/jobs/{job_id}/log", params={"rank": "1"}).text
-    # a rank the attempt does not have, or garbage: rank 0
-    assert "hello from rank 0" in client.get(f"/ui/jobs/{job_id}?rank=7").text
-    assert "hello from rank 0" in client.get(f"/ui/jobs/{job_id}?rank=x").text
+    # a rank the attempt does not have: rank 0, with a note; garbage: a 400 naming rank
+    seven = client.get(f"/ui/jobs/{job_id}?rank=7").text
+    assert "hello from rank 0" in seven and "no rank 7 (ranks: 0, 1)" in seven
+    bad = client.get(f"/ui/jobs/{job_id}?rank=x")
+    assert bad.status_code == 400 and "rank" in bad.text
     # a single-node job has no selector
     with db.read() as s:
         single = s.scalar(
@@ -356,3 +358,56 @@ def test_usage_page_charts_allocation_queue_and_wait_by_size(
     # the 2 s live refresh does not redraw the charts (they are drawn at page load)
     live = client.get("/ui/usage", headers={"HX-Request": "true"}).text
     assert 'id="charts"' not in live
+
+
+def test_a_team_token_is_not_shown_other_teams_job_ids(ui: Ui, db: Database) -> None:
+    client, tokens, ids = ui
+    theirs, mine = ids["fenced"], ids["waiting"]  # nlp's job; vision's waiting one
+
+    def as_leader(s) -> None:
+        s.get(JobRow, mine).pending_reason = {
+            "code": "no_node_fits_now",
+            "message": f"The free GPUs on n1 are held for job {theirs}.",
+            "details": {"held_for_job": theirs},
+        }
+
+    db.run_write(as_leader)
+    login(client, tokens["vision"])
+    for path in (f"/ui/jobs/{mine}", "/ui/queue"):
+        page = client.get(path)
+        assert page.status_code == 200, page.text
+        assert theirs not in page.text and "a job of another team" in page.text, path
+    login(client, tokens["admin"])
+    assert theirs in client.get(f"/ui/jobs/{mine}").text
+
+
+def test_job_list_status_filters_and_echoed_values(ui: Ui, db: Database) -> None:
+    client, tokens, ids = ui
+    login(client, tokens["vision"])
+    both = client.get("/ui/jobs?status=PENDING&status=RUNNING")
+    assert both.status_code == 200, both.text
+    assert {ids["waiting"], ids["vision"]} <= set(listed(both.text))  # any of them, not the last
+    lower = listed(client.get("/ui/jobs", params={"status": "pending"}).text)
+    assert ids["waiting"] in lower and ids["vision"] not in lower  # any case, as the CLI
+    comma = listed(client.get("/ui/jobs", params={"status": "pending,running"}).text)
+    assert set(comma) == set(listed(both.text))
+    bad = client.get("/ui/jobs?status=PENDING&status=DONE")
+    assert bad.status_code == 400 and "status" in bad.text and "DONE" in bad.text
+    nul = client.get("/ui/jobs?user=%00")
+    assert nul.status_code == 400 and "user" in nul.text
+    assert "\x00" not in nul.text and "\\x00" in nul.text
+
+
+def test_job_page_rank_is_checked(ui: Ui) -> None:
+    client, tokens, ids = ui
+    login(client, tokens["vision"])
+    job = ids["vision"]  # single-node: rank 0 only
+    for raw in ("abc", "-1", "1.5", "%00"):
+        r = client.get(f"/ui/jobs/{job}?rank={raw}")
+        assert r.status_code == 400 and "rank" in r.text, (raw, r.text)
+        assert "\x00" not in r.text
+        assert client.get(f"/ui/jobs/{job}/log?rank={raw}").status_code == 400
+    far = client.get(f"/ui/jobs/{job}?rank=99")
+    assert far.status_code == 200
+    assert 'id="rank-note"' in far.text and "no rank 99" in far.text
+    assert 'id="rank-note"' not in client.get(f"/ui/jobs/{job}?rank=0").text

@@ -501,3 +501,35 @@ class TestNodeFaults:
         assert self._node_status(db) == "HEALTHY"
         self._never_started(db, store, "podman pull failed: no space left on device")
         assert self._node_status(db) == "CORDONED"
+
+
+def test_a_cancel_records_its_outcome_sentence_once(db: Database, store: ObjectStore) -> None:
+    """The stopped attempt's event says "cancelled by user; processes verified gone"; the
+    job's own event says "cancelled by user" (it used to repeat the attempt's sentence)."""
+    from sqlalchemy import select, update
+
+    from gpufleet.store.tables import SchedulingEventRow as EventRow
+
+    job_id, epoch = setup(db)
+    r = reserve(db, job_id, "n1", 2, epoch=epoch)
+    db.run_write(lambda s: runs.confirm_assignment(s, r.run_id, r.token))
+
+    def stopping(s) -> None:  # what the controller's cancel path does before the stop
+        s.execute(update(JobRow).where(JobRow.id == job_id).values(cancel_requested=True))
+        s.execute(
+            update(JobRunRow)
+            .where(JobRunRow.id == r.run_id)
+            .values(status="PREEMPTING", stop_reason="cancel")
+        )
+
+    db.run_write(stopping)
+    rep = dataclasses.replace(
+        report(store, job_id, r, exit_code=-15), outcome=runs.Outcome.STOPPED
+    )
+    assert runs.complete_run(db, store, rep)[0] == runs.CompletionResult.ACCEPTED
+    job, (run,), free = state(db, job_id)
+    assert (job.status, run.status, free) == ("CANCELLED", "CANCELLED", 8)
+    with db.read() as s:
+        said = [e.message for e in s.scalars(select(EventRow).where(EventRow.job_id == job_id))]
+    assert said.count("cancelled by user; processes verified gone") == 1, said
+    assert "cancelled by user" in said

@@ -305,3 +305,25 @@ def test_token_id_owners_show_as_unique_id_prefixes_not_cut() -> None:
         "tok-01m9176kjak3rm019180nwx3w8": "tok-01m9176kjak3",
         "tok-01m9176kjqzzrm019180nwx3w8": "tok-01m9176kjqzz",
     }
+
+
+def test_epoch_details_show_as_dates_nested_too() -> None:
+    """`why` printed ``until_s=1796418117.659289`` and ``renews_at_s`` raw; times on the
+    scheduler's clock show as UTC dates, durations and counts stay numbers."""
+    from gpufleet.cli.output import pending_lines
+
+    reason = {
+        "code": "class_budget",
+        "message": "over budget",
+        "details": {
+            "renews_at_s": 1796418117.659289,
+            "used_gpu_h": 12.5,
+            "grace_s": 30.0,
+            "demoted": {"until_s": 1796418117.659289, "effective": "LOW"},
+        },
+    }
+    text = "\n".join(pending_lines(reason))
+    assert "1796418117" not in text, text
+    assert "renews_at:" in text and "2026-12-04 " in text
+    assert "until=2026-12-04 " in text and "effective=LOW" in text
+    assert "used_gpu_h:" in text and "12.5" in text and "30.0" in text

@@ -131,3 +131,40 @@ def test_the_agent_log_shown_is_only_what_this_run_wrote(tmp_path: Path) -> None
     assert log_tail_since(log, start) == ["starting", "error: the controller refused"]
     assert log_tail_since(log, log.stat().st_size) == []
     assert log_tail_since(tmp_path / "none.log", 0) == []
+
+
+def test_down_stops_the_up_holding_the_data_dir(tmp_path: Path) -> None:
+    """A real process holds up.lock and waits for a signal as `up` does; `gpufleet down`
+    finds it by the lock, signals it and returns once it ended; a second `down` finds none."""
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from gpufleet.cli import uplock
+    from gpufleet.cli.main import app
+
+    code = (
+        "import sys; from pathlib import Path; from gpufleet.cli import uplock;"
+        "from gpufleet.cli.common import wait_for_signal;"
+        "lock = uplock.claim(Path(sys.argv[1])); print('held', flush=True); wait_for_signal();"
+        "lock.release()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        assert (uplock.holder(tmp_path) or {}).get("pid") == proc.pid
+        env = {"GPUFLEET_DATA_DIR": str(tmp_path)}
+        r = CliRunner().invoke(app, ["down", "--data-dir", str(tmp_path)], env=env)
+        assert r.exit_code == 0, r.output
+        assert f"stopped gpufleet up (pid {proc.pid})" in r.output
+        assert proc.wait(timeout=30) == 0
+        assert uplock.holder(tmp_path) is None  # the file stays, stale: nobody holds it
+        again = CliRunner().invoke(app, ["down", "--data-dir", str(tmp_path)], env=env)
+        assert again.exit_code == 0 and "no gpufleet up runs" in again.output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

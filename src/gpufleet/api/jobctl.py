@@ -16,8 +16,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpufleet.api.app import AppState, Who, errors
-from gpufleet.api.schemas import BulkCancel, JobOut, JobPatch
-from gpufleet.services import auth, jobctl, jobs
+from gpufleet.api.schemas import BulkCancel, JobOut, JobPatch, PendingReasonOut
+from gpufleet.services import auth, jobctl, jobs, redact
 from gpufleet.store.tables import JobRow, JobRunRow
 
 
@@ -45,7 +45,14 @@ def register_jobctl_routes(
             s.flush()
             s.expire_all()  # rows changed by UPDATE statements are read again
             job, runs = jobs.get_job(s, None, job_id)
-            return job_out(job, runs, jobs.unverified_processes(s, runs))
+            out = job_out(job, runs, jobs.unverified_processes(s, runs))
+            if not who.is_admin and out.pending_reason is not None:
+                # other teams' job ids out of the wait reason, as GET shows it
+                said = out.pending_reason.model_dump()
+                out.pending_reason = PendingReasonOut.model_validate(
+                    redact.for_team(s, who.team_id, said)
+                )
+            return out
 
         out = state.db.run_write(tx)
         state.waker.wake()

@@ -25,7 +25,7 @@ from gpufleet.api.schemas import (
 )
 from gpufleet.domain.errors import ValidationFailed
 from gpufleet.policy.start_estimate import NOT_YET, describe_stored
-from gpufleet.services import auth, jobctl, jobs, limits
+from gpufleet.services import auth, jobctl, jobs, limits, redact
 from gpufleet.services import nodes as node_service
 from gpufleet.services import suggest as suggest_service
 from gpufleet.store.accounting import RESOURCE_COLUMNS
@@ -130,6 +130,8 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 _count_down_backoff(out.pending_reason, now)
                 _drop_past_estimate(out.pending_reason, now)
                 _start_estimate_text(out.pending_reason, now)
+            if not who.is_admin:
+                _redact_reasons(s, who.team_id, [out])
             return out
 
     @r.get("/v1/jobs/{job_id}/suggestions", responses=errors(404))
@@ -144,7 +146,7 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
         team = None if who.is_admin else who.team_id
         job_id = jobctl.resolve(state.db, team, job_id)
         settings = state.settings
-        return suggest_service.job_suggestions(
+        answer = suggest_service.job_suggestions(
             state.db,
             team,
             job_id,
@@ -153,6 +155,10 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
                 settings.heartbeat_interval_s * settings.suspect_after_missed,
             ),
         )
+        if team is None:
+            return answer
+        with state.db.read() as s:
+            return dict(redact.for_team(s, team, answer))
 
     @r.get("/v1/jobs/{job_id}/events", responses=errors(404))
     def events(job_id: str, who: Who) -> dict[str, Any]:
@@ -160,24 +166,25 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
         job_id = jobctl.resolve(state.db, None if who.is_admin else who.team_id, job_id)
         with state.db.read() as s:
             jobs.get_job(s, None if who.is_admin else who.team_id, job_id)
-            return {
-                "items": [
-                    {
-                        "at": jobs.iso(e.at),
-                        "kind": e.kind,
-                        "machine": e.machine,
-                        "entity_id": e.entity_id,
-                        "from": e.from_status,
-                        "to": e.to_status,
-                        "trigger": e.trigger,
-                        "run_id": e.run_id,
-                        "node_id": e.node_id,
-                        "message": e.message,
-                        "details": e.details,
-                    }
-                    for e in jobs.job_events(s, job_id)
-                ]
-            }
+            items = [
+                {
+                    "at": jobs.iso(e.at),
+                    "kind": e.kind,
+                    "machine": e.machine,
+                    "entity_id": e.entity_id,
+                    "from": e.from_status,
+                    "to": e.to_status,
+                    "trigger": e.trigger,
+                    "run_id": e.run_id,
+                    "node_id": e.node_id,
+                    "message": e.message,
+                    "details": e.details,
+                }
+                for e in jobs.job_events(s, job_id)
+            ]
+            if not who.is_admin:
+                items = redact.for_team(s, who.team_id, items)
+            return {"items": items}
 
     @r.get("/v1/jobs", response_model=JobList, responses=errors(404))
     def list_(
@@ -243,6 +250,8 @@ def router(state: AppState, *, defaults: limits.TeamLimits) -> APIRouter:
             for o in items:
                 if o.pending_reason is not None:
                     _start_estimate_text(o.pending_reason, now)
+            if not who.is_admin:
+                _redact_reasons(s, who.team_id, items)
             return JobList(items=items, next_cursor=nxt)
 
     @r.delete("/v1/jobs/{job_id}", status_code=202, responses=errors(404, 409))
@@ -314,6 +323,18 @@ def attempt_resources(s: Session, job: JobRow, out: JobOut) -> None:
     }
     for a in out.attempts:
         a.resources = figures.get(a.run_id) or None
+
+
+def _redact_reasons(s: Session, team_id: str, outs: list[JobOut]) -> None:
+    """Replace other teams' job ids in the wait reasons of ``outs`` (``services.redact``):
+    a team token is not shown which job of another team holds the GPUs it waits for."""
+    reasons = [o.pending_reason.model_dump() if o.pending_reason else None for o in outs]
+    foreign = redact.foreign_job_ids(s, team_id, redact.job_ids_in(reasons))
+    if not foreign:
+        return
+    for o, r in zip(outs, reasons, strict=True):
+        if r is not None:
+            o.pending_reason = PendingReasonOut.model_validate(redact.redact(r, foreign))
 
 
 def _start_estimate_text(reason: PendingReasonOut, now: datetime) -> None:

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import html
 import json
 import secrets
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any
 from urllib.parse import parse_qs, urlencode
 
@@ -66,7 +68,7 @@ from gpufleet.domain.states import (
 from gpufleet.domain.types import SHARED_GPU_HOLDER
 from gpufleet.objectstore import ObjectStore, attempt_prefix
 from gpufleet.policy.start_estimate import describe_stored
-from gpufleet.services import artifacts, auth, jobctl, jobs, teams
+from gpufleet.services import artifacts, auth, jobctl, jobs, redact, teams
 from gpufleet.services import suggest as suggest_service
 from gpufleet.store import accounting
 from gpufleet.store.dialect import db_now
@@ -256,6 +258,10 @@ def router(state: Any) -> APIRouter:
         if p is None:
             return login_redirect()
         try:
+            wanted_rank = _rank(rank)
+        except ValidationFailed as e:
+            return _bad_request(f"{e.field}: {e}")
+        try:
             full = jobctl.resolve(state.db, None if p.is_admin else p.team_id, job_id)
             if full != job_id:  # a name or an id prefix: the page lives at the full id
                 return RedirectResponse(f"/ui/jobs/{full}", status_code=303)
@@ -268,7 +274,7 @@ def router(state: Any) -> APIRouter:
                 "job",
                 p,
                 lambda s: job_context(
-                    s, p, job_id, state.store, rank=_rank(rank), suggestions=suggestions
+                    s, p, job_id, state.store, rank=wanted_rank, suggestions=suggestions
                 ),
             )
         except (NotFound, ValidationFailed):  # unknown, or an ambiguous prefix/name
@@ -335,7 +341,10 @@ def router(state: Any) -> APIRouter:
                 _, runs = jobs.get_job(s, None if p.is_admin else p.team_id, job_id)
         except (NotFound, ValidationFailed):
             return Response(status_code=404)
-        run = _rank_run(runs, _rank(rank))
+        try:
+            run = _rank_run(runs, _rank(rank))
+        except ValidationFailed as e:
+            return Response(f"{e.field}: {e}", status_code=400, media_type="text/plain")
         text = _log_tail(state.store, job_id, run.id) if run else ""
         return HTMLResponse(_env.get_template("log.html").render(log=text))
 
@@ -597,6 +606,9 @@ def queue_context(s: Session, p: auth.Principal) -> dict[str, Any]:
                 "held": bool(j.held),
             }
         )
+    if team_filter is not None:  # other teams' job ids out of the texts (services.redact)
+        foreign = redact.foreign_job_ids(s, team_filter, redact.job_ids_in(queues))
+        queues = redact.redact(queues, foreign)
     described = teams.describe_teams(s)
     shares = []
     for t in described:
@@ -644,7 +656,8 @@ JOBS_PAGE = 50
 
 def jobs_context(s: Session, p: auth.Principal, q: Any) -> dict[str, Any]:
     """The job list (``/ui/jobs``), newest first, ``JOBS_PAGE`` a page, filtered like
-    ``gpufleet list``: ``status`` (one state), ``q`` (name contains, case-insensitive),
+    ``gpufleet list``: ``status`` (a state in any case; several ``status`` or a comma list:
+    any of them), ``q`` (name contains, case-insensitive),
     ``mine`` (the caller's own jobs) or ``user`` (a user's), ``team`` (admins; a team token
     sees its own team only), ``cursor`` (the next page). A bad filter shows its message naming
     the field (status 400) and no rows. Each row: TIME (how long its latest attempt has run)
@@ -654,6 +667,11 @@ def jobs_context(s: Session, p: auth.Principal, q: Any) -> dict[str, Any]:
         return str(q.get(name) or "").strip()
 
     filters = {k: arg(k) for k in ("status", "q", "user", "team", "cursor")}
+    # several ?status= are any of them (as a comma list), any case (as the CLI's --state)
+    given = q.getlist("status") if hasattr(q, "getlist") else [filters["status"]]
+    filters["status"] = ",".join(
+        part.strip().upper() for v in given for part in str(v).split(",") if part.strip()
+    )
     filters["mine"] = "1" if arg("mine") in ("1", "on", "true", "yes") else ""
     if not p.is_admin:
         filters["team"] = ""
@@ -703,11 +721,14 @@ def jobs_context(s: Session, p: auth.Principal, q: Any) -> dict[str, Any]:
                 "left": _fmt_span(left) or "",
             }
         )
+    if error is not None:
+        error = _printable(error)
     keep = {k: v for k, v in filters.items() if v and k != "cursor"}
+    shown = {k: _printable(v) for k, v in filters.items()}  # echoed in the form
     teams_known = sorted(t["team"] for t in teams.describe_teams(s)) if p.is_admin else [p.team_id]
     return {
         "items": items,
-        "filters": filters,
+        "filters": shown,
         "statuses": [st.value for st in JobStatus],
         "teams_known": teams_known,
         "error": error,
@@ -718,8 +739,31 @@ def jobs_context(s: Session, p: auth.Principal, q: Any) -> dict[str, Any]:
 
 
 def _rank(raw: str) -> int:
-    """The ``rank`` query parameter (a gang member's rank; 0 otherwise or when malformed)."""
-    return int(raw) if raw.isdigit() and len(raw) < 6 else 0
+    """The ``rank`` query parameter: a gang member's rank (0 for a single-node job).
+
+    Raises:
+        ValidationFailed: not a whole number >= 0 (field ``rank``; a 400 page).
+    """
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > 5:
+        raise ValidationFailed(
+            f"rank must be a whole number 0 or more (got {_printable(raw)!r})", field="rank"
+        )
+    return int(text)
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters (NUL, newlines, ESC...) shown as ``\\xNN``: what a
+    page echoes back of a query parameter."""
+    return "".join(f"\\x{ord(c):02x}" if ord(c) < 32 or 127 <= ord(c) < 160 else c for c in text)
+
+
+def _bad_request(message: str) -> HTMLResponse:
+    return HTMLResponse(
+        f'<!doctype html><title>bad request</title><p class="error">{html.escape(message)}</p>'
+        '<p><a href="/ui/jobs">jobs</a></p>',
+        status_code=400,
+    )
 
 
 def _rank_run(runs: list[JobRunRow], rank: int) -> JobRunRow | None:
@@ -800,25 +844,52 @@ def job_context(
     elapsed_s, left_s = jobs.run_times(job, runs, db_now(s))
     shown = _rank_run(runs, rank)
     ranks = sorted({r.rank for r in runs if shown is not None and r.attempt == shown.attempt})
+    rank_note = None
+    if rank != 0 and rank not in ranks:
+        rank_note = (
+            f"this job has no rank {rank} (ranks: {', '.join(map(str, ranks))}); showing rank "
+            f"{shown.rank}"
+            if shown is not None
+            else f"this job has no rank {rank}: it has no attempt yet"
+        )
     accepted_run = None
     if job.result_uri:
         key = store.key_of(job.result_uri)
         accepted_run = key.split("/")[3] if key.count("/") >= 4 else None
     reason = job.pending_reason if job.status == JobStatus.PENDING else None
+    start_estimate = (
+        describe_stored((job.pending_reason or {}).get("start_estimate"), db_now(s).timestamp())
+        if job.status == JobStatus.PENDING
+        else None
+    )
+    shown_events: list[Any] = list(events)
+    if not p.is_admin:  # other teams' job ids out of the texts (services.redact)
+        said = [reason, start_estimate, suggestions, [(e.message, e.details) for e in events]]
+        foreign = redact.foreign_job_ids(s, p.team_id, redact.job_ids_in(said))
+        if foreign:
+            reason, start_estimate, suggestions = redact.redact(said[:3], foreign)
+            shown_events = [
+                SimpleNamespace(
+                    at=e.at,
+                    kind=e.kind,
+                    machine=e.machine,
+                    from_status=e.from_status,
+                    to_status=e.to_status,
+                    message=redact.redact_text(e.message or "", foreign),
+                    details=redact.redact(e.details, foreign),
+                )
+                for e in events
+            ]
     return {
         "job": job,
         "elapsed": _fmt_span(elapsed_s),
         "time_left": _fmt_span(left_s),
         "spec_json": json.dumps(public_spec(job.spec), indent=2, sort_keys=True),
         "attempts": attempts,
-        "events": events,
+        "events": shown_events,
         "position": position,
         "reason": reason,
-        "start_estimate": describe_stored(
-            (job.pending_reason or {}).get("start_estimate"), db_now(s).timestamp()
-        )
-        if job.status == JobStatus.PENDING
-        else None,
+        "start_estimate": start_estimate,
         "finished": job.status in JOB_TERMINAL,
         "unverified": next(
             (f"attempt {r.id}: {unverified[r.id]}" for r in runs if r.id in unverified), None
@@ -826,6 +897,7 @@ def job_context(
         "log": _log_tail(store, job.id, shown.id) if shown else "",
         "rank": shown.rank if shown else 0,
         "ranks": ranks,
+        "rank_note": rank_note,
         "accepted_run": accepted_run,
         "budget_warnings": [
             str(w) for w in ((reason or {}).get("details") or {}).get("budget_warnings") or ()

@@ -656,6 +656,31 @@ def phases_text(p: dict[str, Any] | None) -> str:
 EPOCH_DETAILS = frozenset({"reserved_from_s", "held_until_s"})
 
 
+def _is_epoch(key: str, value: Any) -> bool:
+    """A detail that is a time on the scheduler's clock: a ``*_s`` number past 2001 (epoch
+    seconds; no duration is that long), or one of :data:`EPOCH_DETAILS`."""
+    return (
+        (key in EPOCH_DETAILS or key.endswith(("_at_s", "until_s", "_from_s", "since_s")))
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and value > 1e9
+    )
+
+
+def _dated(key: str, value: Any) -> tuple[str, Any]:
+    """``(key, value)`` of a pending reason's details with epoch seconds shown as UTC times
+    (``renews_at_s=1796418117.6`` -> ``renews_at=2026-12-04 ... (in 3d)``), nested mappings
+    and lists included."""
+    if _is_epoch(key, value):
+        when = fmt_time(datetime.fromtimestamp(value, UTC).isoformat(), relative=True)
+        return key.removesuffix("_s"), when
+    if isinstance(value, dict):
+        return key, dict(_dated(str(k), v) for k, v in value.items())
+    if isinstance(value, list):
+        return key, [_dated("", v)[1] for v in value]
+    return key, value
+
+
 def pending_lines(reason: dict[str, Any]) -> list[str]:
     """The pending reason as lines: sentence, code, details, queue position, estimated start."""
     lines = [clean(str(reason.get("message") or reason.get("code") or "pending"))]
@@ -664,10 +689,7 @@ def pending_lines(reason: dict[str, Any]) -> list[str]:
         if key == "unreachable" and isinstance(value, list):
             lines += [f"  {'unreachable:':<16} {_unreachable_line(u)}" for u in value]
             continue
-        if key in EPOCH_DETAILS and isinstance(value, int | float) and value > 1e9:
-            # the live store's snapshot clock is epoch seconds: show it as a UTC time
-            key = key.removesuffix("_s")
-            value = fmt_time(datetime.fromtimestamp(value, UTC).isoformat(), relative=True)
+        key, value = _dated(str(key), value)
         lines.append(f"  {clean(str(key)) + ':':<16} {fmt(value)}")
     lines.append(f"  queue position:  {fmt(reason.get('position'))}")
     start = reason.get("estimated_start_at")

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
 
 def register(app: typer.Typer) -> None:
-    """Mount up, demo, server, controller and agent on the root ``app``, in that order."""
-    for command in (up, demo, server, controller, agent):
+    """Mount up, down, demo, server, controller and agent on the root ``app``, in that order."""
+    for command in (up, down, demo, server, controller, agent):
         app.command()(command)
 
 
@@ -175,6 +175,51 @@ def up(
     finally:
         platform.stop()
         lock.release()
+
+
+def down(
+    data_dir: DataDir = None,
+    wait: Annotated[
+        float, typer.Option(min=0, help="Seconds to wait for it to stop (0: do not wait).")
+    ] = 60.0,
+) -> None:
+    """Stop the `gpufleet up` running on the data dir (in the background or another
+    terminal): sends it SIGTERM, as Ctrl-C would stop it, found by its lock file
+    ``{data_dir}/up.lock``, and waits for it to end (running jobs keep running, as after Ctrl-C;
+    the next `gpufleet up` adopts them). Exits 0
+    when it stopped or none runs; 1 when it still runs after ``--wait`` seconds or cannot be
+    signalled."""
+    import os
+    import signal
+    import time
+
+    from gpufleet.cli import uplock
+
+    settings = load_settings(data_dir)
+    where = settings.resolved_data_dir()
+    held = uplock.holder(where)
+    if held is None:
+        out.print(f"no gpufleet up runs on {where}")
+        return
+    pid = held.get("pid")
+    if not isinstance(pid, int) or pid <= 1:
+        err.print(f"[red]error:[/] {where / uplock.LOCK_NAME} names no pid; stop it with Ctrl-C")
+        raise typer.Exit(1)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError as exc:
+        err.print(f"[red]error:[/] cannot signal pid {pid}: {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    deadline = time.monotonic() + wait
+    while uplock.holder(where) is not None:
+        if time.monotonic() >= deadline:
+            if wait:
+                err.print(f"[red]error:[/] gpufleet up (pid {pid}) still runs after {wait:g} s")
+                raise typer.Exit(1)
+            out.print(f"signalled gpufleet up (pid {pid})")
+            return
+        time.sleep(0.2)
+    out.print(f"stopped gpufleet up (pid {pid}) on {where}")
 
 
 def log_tail_since(path: Path, start: int, lines: int = 15) -> list[str]:

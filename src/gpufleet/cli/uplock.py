@@ -93,3 +93,23 @@ def _read(fd: int) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def holder(data_dir: Path) -> dict[str, Any] | None:
+    """The live ``gpufleet up`` (or demo) holding ``data_dir``: its lock file's JSON
+    (``pid``, ``url``, ``by``); None when no process holds the lock (no file, or a stale one
+    left by an ``up`` that ended)."""
+    path = data_dir / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # we got it: nobody holds it
+        return None
+    finally:
+        os.close(fd)

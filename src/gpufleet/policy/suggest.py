@@ -150,6 +150,8 @@ def _sizes(snapshot: ClusterSnapshot, job: PendingJob) -> list[int]:
     n = res.gpu_count
     if n <= 1 or (res.nodes or 1) > 1 or res.gpus_per_node is not None:
         return []  # an explicit gang keeps its shape (a change of nodes is a resubmit)
+    if res.gpu_fraction is not None:
+        return []  # a share's job has one GPU: whole GPUs are a new submit
     sizes: set[int] = set()
     for node in snapshot.nodes:
         k = node.free_gpus

@@ -428,7 +428,8 @@ def patch_job(
         ValidationFailed: max_runtime_s below the job's expected_duration_s (422), a
             priority class the team may not use (422, field ``priority``), a GPU count or
             type no node can hold (422, field ``gpu_count`` or ``gpu_type``), a GPU count of
-            an explicit gang (422, field ``gpu_count``).
+            an explicit gang (422, field ``gpu_count``), a GPU count other than 1 for a
+            GPU share's job (``gpu_fraction``; 422, field ``gpu_count``).
     """
     job = _job_for_update(session, team_id, job_id)
     changes: dict[str, list[Any]] = {}
@@ -517,6 +518,12 @@ def _patched_resources(
             raise ValidationFailed(
                 "the job gives nodes/gpus_per_node (an explicit gang): its size changes by a "
                 "new submit",
+                field="gpu_count",
+            )
+        if res.get("gpu_fraction") is not None and patch.gpu_count != 1:
+            raise ValidationFailed(
+                f"the job asks for a GPU share (gpu_fraction {res['gpu_fraction']:g}): a GPU "
+                "share's job has one GPU; submit a new job for whole GPUs",
                 field="gpu_count",
             )
         res["gpu_count"] = patch.gpu_count

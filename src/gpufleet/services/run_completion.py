@@ -448,7 +448,11 @@ def complete_run(
                 values=job_values,
                 job_id=job.id,
                 run_id=run.id,
-                message=why,
+                # a cancel's words are the attempt's event (just above): the job's says
+                # what happened to the job, not the same sentence a second time
+                message="cancelled by user"
+                if run_to == RunStatus.CANCELLED and job_to == JobStatus.CANCELLED
+                else why,
             )
         if blame == "node":
             _cordon_if_failing(session, run.node_id, now)

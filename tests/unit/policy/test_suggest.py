@@ -140,3 +140,19 @@ def test_a_class_held_by_its_budget_starts_now_one_class_lower() -> None:
     hard = {"a": TeamLimits(gpu_budgets=(GpuBudget(5.0, hard=True),))}
     held = suggest_held(s, "c", hard, {("a", "gpu:*:month"): LedgerUse(9 * 3600.0)})
     assert held.suggestions == () and held.waiting
+
+
+def test_a_share_job_is_never_offered_another_gpu_count() -> None:
+    # a stored spec from before the PATCH check (gpu_count 3 with a share): no fewer_gpus
+    pending = job("frac", gpus=3)
+    pending = replace(pending, resources=replace(pending.resources, gpu_fraction=0.125))
+    s = snap(
+        [node("n7", free=2)],
+        pending=[pending],
+        running=[run("r1", "n7", gpus=6, started=0.0, max_runtime_s=7200)],
+        teams=[team("a")],
+        now=100.0,
+    )
+    out = suggest(s, "frac")
+    assert all(x.kind != "fewer_gpus" for x in out.suggestions), out
+    assert all("gpu_count" not in x.change for x in out.suggestions), out
