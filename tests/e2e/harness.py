@@ -130,7 +130,7 @@ class Fleet:
                     n["node_id"] == node_id and n["status"] == "HEALTHY"
                     for n in self.get("/v1/nodes")["items"]
                 ),
-                30,
+                60,  # an upper bound: a loaded machine (three test workers) starts slowly
                 f"agent {node_id}",
             )
 

@@ -41,7 +41,7 @@ class ServerProcess:
         }
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 30.0) -> ServerProcess:
+    def start(self, timeout_s: float = 90.0) -> ServerProcess:
         gpufleet = Path(sys.executable).parent / "gpufleet"
         cmd = [str(gpufleet)] if gpufleet.exists() else [sys.executable, "-m", "gpufleet.cli.main"]
         self.proc = subprocess.Popen(
