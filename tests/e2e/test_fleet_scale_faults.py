@@ -105,6 +105,8 @@ def test_leader_kill_and_silenced_nodes_at_scale_run_every_job_once(plane: Plane
         # the second half asks for more GPU-seconds than the fleet has free (~1,250 GPUs for
         # 6 s on 800), so a backlog is waiting at the kill however fast the first half ran
         jobs += [submit_hollow(p, i, run_s=6) for i in range(JOBS // 2, JOBS)]
+        # a loaded machine can let the 4 s lease lapse between renewals: wait for a holder
+        p.wait_for(lambda: p.leader() is not None, 30, "a leader to kill")
         leader = p.leader()
         assert leader is not None
         epoch = p.lease_epoch()
