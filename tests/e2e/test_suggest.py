@@ -29,7 +29,9 @@ def test_suggest_fewer_gpus_then_update_starts_it(
         return result
 
     fleet.start_agent("n7", gpus="8xH100-80GB")
-    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    # the marker lets Fleet.stop kill the blocker's process (it would outlive the test)
+    marker = f"gpufleet-test-marker-{fleet.tmp.name}"
+    sleep = [sys.executable, "-c", "import time; time.sleep(600)", marker]
     blocker = fleet.submit({"command": sleep, "gpu_count": 4, "name": "blocker"})
     fleet.wait_status(blocker, {"RUNNING"}, 60)
     big = fleet.submit({"command": [sys.executable, "-c", "pass"], "gpu_count": 8, "name": "big"})
