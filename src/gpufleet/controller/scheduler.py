@@ -821,7 +821,23 @@ class Scheduler(AssignmentDispatch):
                 _store_reason(),
                 [{"p_id": job_id, "p_reason": new} for job_id, new in changed.items()],
             )
+            # on the background writer a later pass may have placed a job since: a
+            # "waiting" event goes only to jobs still PENDING (the UPDATE above filters so)
+            still = (
+                set(
+                    s.scalars(
+                        select(JobRow.id).where(
+                            JobRow.id.in_([j for j, _ in new_codes]),
+                            JobRow.status == JobStatus.PENDING,
+                        )
+                    )
+                )
+                if new_codes and self._writer is not None
+                else None
+            )
             for job_id, reason in new_codes:
+                if still is not None and job_id not in still:
+                    continue
                 record_event(
                     s,
                     "waiting",
