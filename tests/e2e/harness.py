@@ -161,6 +161,26 @@ class Fleet:
             proc.kill()
             proc.wait(timeout=10)
 
+    def cli(
+        self, *args: str, team: str = "vision", token: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``gpufleet ARGS`` against this fleet's API as ``team`` (or with ``token``), in
+        a fresh process; never raises on a non-zero exit."""
+        env = dict(
+            os.environ,
+            GPUFLEET_URL=self.api.url,
+            GPUFLEET_TOKEN=token or self.tokens[team],
+            GPUFLEET_CONFIG=str(self.tmp / "none.yaml"),
+        )
+        return subprocess.run(
+            [sys.executable, "-m", "gpufleet.cli.main", *args],
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+        )
+
     def http(self, team: str = "vision") -> httpx.Client:
         return httpx.Client(
             base_url=self.api.url,

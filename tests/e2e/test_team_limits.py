@@ -8,7 +8,6 @@ through the store."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -42,20 +41,7 @@ def set_limits(fleet: Fleet, limits: dict[str, Any], team: str = "vision") -> No
 
 
 def cli(fleet: Fleet, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(
-        os.environ,
-        GPUFLEET_URL=fleet.api.url,
-        GPUFLEET_TOKEN=token or fleet.tokens["vision"],
-        GPUFLEET_CONFIG=str(fleet.tmp / "none.yaml"),
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "gpufleet.cli.main", *args],
-        env=env,
-        text=True,
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
+    return fleet.cli(*args, token=token, timeout=60)
 
 
 def events(fleet: Fleet, job_id: str, kind: str) -> list[dict[str, Any]]:
